@@ -1,0 +1,3 @@
+from ckptfix.cli import run
+
+run()

@@ -1,0 +1,92 @@
+"""The ``ckptfix`` command line: a thin Click shell over the library.
+
+Each command parses options, calls one library function, renders the result
+and lets :func:`main` map :class:`ckptfix.errors.CkptfixError` to
+``Error: ...`` on stderr plus the error's exit code.  Importing this package
+must never import torch (``--help``, ``gpus`` and ``pick-gpu`` stay fast); the
+command modules import the library lazily inside each command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from ckptfix.errors import CkptfixError
+
+_DEBUG = {"on": False}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
+@click.version_option(package_name="ckptfix", prog_name="ckptfix")
+def cli(debug: bool) -> None:
+    """Make PyTorch checkpoints and GPUs stop getting in your way.
+
+    \b
+    Checkpoints:  inspect, scan, strip-prefix, add-prefix, align, convert
+    GPUs:         gpus, pick-gpu, doctor
+    Training:     train, demo
+    """
+    if debug:
+        _DEBUG["on"] = True
+
+
+def _register() -> None:
+    # Each module defines its commands with @cli.command; none imports torch at import time.
+    from ckptfix.cli import ckpt as _ckpt  # noqa: F401
+    try:
+        from ckptfix.cli import gpu as _gpu  # noqa: F401
+    except ImportError:  # pragma: no cover - module not written yet
+        pass
+    try:
+        from ckptfix.cli import train as _train  # noqa: F401
+    except ImportError:  # pragma: no cover - module not written yet
+        pass
+
+
+def _debug_wanted() -> bool:
+    return _DEBUG["on"] or os.environ.get("CKPTFIX_DEBUG", "") not in ("", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the CLI, turn errors into one line and an exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args[: args.index("--") if "--" in args else len(args)]:
+        _DEBUG["on"] = True
+    try:
+        rv = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
+        return int(rv) if isinstance(rv, int) else 0
+    except CkptfixError as e:
+        if _debug_wanted():
+            traceback.print_exc()
+        click.echo(f"Error: {e}", err=True)
+        return e.exit_code
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        return 130
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # an internal bug: still one line unless --debug
+        if _debug_wanted():
+            traceback.print_exc()
+        click.echo(f"Error: internal error: {type(e).__name__}: {e} (re-run with --debug and report it)", err=True)
+        return 1
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+_register()

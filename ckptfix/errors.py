@@ -1,0 +1,133 @@
+"""One error hierarchy for ckptfix.
+
+Every error carries an ``exit_code`` (what the CLI exits with) and a message
+that says what went wrong *and how to fix it*.  Each class also subclasses the
+matching built-in exception so callers can catch ``FileNotFoundError`` or
+``ValueError`` without knowing about ckptfix.
+
+The exit codes are part of the public interface and documented in README.md.
+"""
+
+from __future__ import annotations
+
+
+class CkptfixError(Exception):
+    """Base class: anything ckptfix raises on purpose."""
+
+    exit_code = 1
+
+
+class CheckpointNotFoundError(CkptfixError, FileNotFoundError):
+    """The path does not exist, or a directory holds no checkpoint."""
+
+    exit_code = 3
+
+
+class CorruptCheckpointError(CkptfixError, ValueError):
+    """The file exists but cannot be read as any checkpoint format."""
+
+    exit_code = 4
+
+
+class UnsafePickleError(CkptfixError, PermissionError):
+    """The pickle references globals we refuse to execute."""
+
+    exit_code = 5
+
+
+class KeyConflictError(CkptfixError, KeyError):
+    """A rename would make two keys collide, or a key/prefix is ambiguous."""
+
+    exit_code = 6
+
+    def __str__(self) -> str:  # KeyError quotes its message; we do not want that
+        return str(self.args[0]) if self.args else ""
+
+
+class VerificationError(CkptfixError, ValueError):
+    """A written file does not read back identical to its source."""
+
+    exit_code = 7
+
+
+class UnsupportedError(CkptfixError, NotImplementedError):
+    """A format, dtype or tensor kind ckptfix cannot handle for this operation."""
+
+    exit_code = 8
+
+
+class OutputError(CkptfixError, OSError):
+    """The output cannot be written (exists, permission denied, disk full...)."""
+
+    exit_code = 9
+
+
+class AlignmentError(CkptfixError, ValueError):
+    """After alignment the checkpoint still does not match the target exactly."""
+
+    exit_code = 10
+
+
+class ScanFindingsError(CkptfixError):
+    """``scan`` found dangerous or unknown globals."""
+
+    exit_code = 11
+
+
+class GpuToolingError(CkptfixError, FileNotFoundError):
+    """``nvidia-smi`` is missing or cannot be run."""
+
+    exit_code = 20
+
+
+class NoGpuError(CkptfixError, RuntimeError):
+    """No usable NVIDIA GPU: driver not loaded, no devices, version mismatch..."""
+
+    exit_code = 21
+
+
+class NoGpuFitsError(CkptfixError, RuntimeError):
+    """GPUs exist but none satisfies the request."""
+
+    exit_code = 22
+
+
+class GpuWaitTimeoutError(CkptfixError, TimeoutError):
+    """``--wait`` ran out before enough GPUs qualified."""
+
+    exit_code = 23
+
+
+class CudaAlreadyInitializedError(CkptfixError, RuntimeError):
+    """CUDA is initialised in this process, so CUDA_VISIBLE_DEVICES can no longer change."""
+
+    exit_code = 24
+
+
+class GpuQueryError(CkptfixError, RuntimeError):
+    """``nvidia-smi`` ran but failed or printed something unusable."""
+
+    exit_code = 25
+
+
+class TrainingError(CkptfixError, RuntimeError):
+    """The bundled trainer failed."""
+
+    exit_code = 30
+
+
+class DemoFailedError(CkptfixError, RuntimeError):
+    """At least one step of ``ckptfix demo`` did not verify."""
+
+    exit_code = 31
+
+
+def all_error_classes() -> list[type[CkptfixError]]:
+    """Every error class, base first (used by the README test and the docs)."""
+    out: list[type[CkptfixError]] = [CkptfixError]
+    todo = [CkptfixError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
