@@ -1,0 +1,100 @@
+"""The two models the trainer knows.
+
+* :class:`LeNet` -- the default: two 5x5 convolutions each followed by ReLU and
+  2x2 average pooling, then two linear layers (the LeNet of the classic
+  multi-GPU / DataParallel tutorials, sized for 28x28 grey images).
+* :class:`SmallResNet` -- a tiny ResNet with BatchNorm (stem + two basic
+  blocks), so the trainer exercises BatchNorm buffers, ``SyncBatchNorm`` and
+  ``num_batches_tracked`` keys in checkpoints.
+
+Both take ``[N, 1, 28, 28]`` float input and return ``[N, 10]`` logits.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+MODEL_NAMES = ("lenet", "resnet")
+
+
+class LeNet(nn.Module):
+    """conv(1->6, 5x5, pad 2) - relu - avgpool - conv(6->16, 5x5) - relu - avgpool - fc(400->120) - relu - fc(120->10)."""
+
+    def __init__(self, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 6, kernel_size=5, padding=2)
+        self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
+        self.pool = nn.AvgPool2d(2)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, num_classes)
+        # When set (by --show-split), forward prints the size of the batch this
+        # replica received, like the DataParallel tutorial's "In Model" line.
+        self.show_split = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.show_split:
+            print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        return self.fc2(x)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """stem conv(1->16, stride 2)+BN, block(16->16), block(16->32, stride 2), avg-pool to 3x3, fc(288->10)."""
+
+    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, width, 3, stride=2, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.layer1 = BasicBlock(width, width, 1)
+        self.layer2 = BasicBlock(width, 2 * width, 2)
+        self.fc = nn.Linear(2 * width * 3 * 3, num_classes)
+        self.show_split = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.show_split:
+            print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        x = F.adaptive_avg_pool2d(x, 3).flatten(1)
+        return self.fc(x)
+
+
+def build_model(name: str, seed: int) -> nn.Module:
+    """Build ``name`` with weights initialised from ``seed`` (identical on every rank/replica)."""
+    from ckptfix.errors import TrainingError
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if name == "lenet":
+            return LeNet()
+        if name == "resnet":
+            return SmallResNet()
+    raise TrainingError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
