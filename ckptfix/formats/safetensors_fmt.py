@@ -1,0 +1,86 @@
+"""The safetensors container without torch: 8-byte header length, JSON header, raw data."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+from ckptfix.errors import CorruptCheckpointError
+from ckptfix.formats import CheckpointFile
+from ckptfix.pickles import StorageRecord, TensorRecord
+
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+
+#: safetensors dtype code -> torch dtype name
+ST_TO_DTYPE: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "C64": "complex64",
+}
+DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
+
+
+def read_header(path: str) -> tuple[dict[str, Any], int]:
+    """(header dict, data start offset). Validates sizes and offsets."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptCheckpointError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER:
+            raise CorruptCheckpointError(f"{path}: safetensors header claims {n} bytes (limit {MAX_HEADER}); "
+                                         "the file is corrupt or hostile")
+        if n + 8 > size:
+            raise CorruptCheckpointError(f"{path}: safetensors header ({n} bytes) runs past the end of the file "
+                                         f"({size} bytes); the file is truncated")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") \
+            from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header, 8 + n
+
+
+def read_safetensors(path: str) -> CheckpointFile:
+    header, start = read_header(path)
+    size = os.path.getsize(path)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CorruptCheckpointError(f"{path}: __metadata__ must be a str->str object")
+    obj: dict[str, TensorRecord] = {}
+    storages: dict[str, StorageRecord] = {}
+    for name, info in header.items():
+        try:
+            dt = ST_TO_DTYPE.get(info["dtype"])
+            shape = tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}") from None
+        if dt is None:
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
+        if begin < 0 or end < begin or start + end > size:
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated "
+                                         "or corrupt")
+        rec = StorageRecord(key=name, dtype=dt, location="cpu", numel=None, file_offset=start + begin,
+                            nbytes=end - begin, source=path)
+        stride: list[int] = []
+        acc = 1
+        for s in reversed(shape):
+            stride.insert(0, acc)
+            acc *= s
+        t = TensorRecord(rec, 0, shape, tuple(stride), dt)
+        if t.nbytes != rec.nbytes:
+            raise CorruptCheckpointError(f"{path}: tensor {name!r}: shape {list(shape)} of {dt} needs {t.nbytes} "
+                                         f"bytes but the header gives {rec.nbytes}")
+        storages[name] = rec
+        obj[name] = t
+    return CheckpointFile(path=path, format="safetensors", obj=obj, storages=storages, file_size=size,
+                          extra={"metadata": meta, "data_start": start})
