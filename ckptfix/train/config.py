@@ -1,0 +1,152 @@
+"""Configuration and result types for the trainer (no torch import here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("single", "dp", "ddp", "manual")
+SAVE_STYLES = ("wrapped", "clean")
+SAVE_FORMATS = ("pt", "dcp")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs.  Every field maps to a ``ckptfix train`` option."""
+
+    mode: str = "single"  # single | dp | ddp | manual
+    model: str = "lenet"  # lenet | resnet
+    out: str = "ckptfix-train"  # output directory (created)
+    epochs: int = 2  # total epochs (a resumed run continues up to this number)
+    batch_size: int = 64  # single/dp/manual: the whole batch; ddp: per process
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    nproc: int | None = None  # ddp: processes to launch (default: GPU count, or 2 on CPU)
+    replicas: int | None = None  # manual: replicas (default: GPU count, or 2 on CPU)
+    allreduce: str = "ring"  # manual: ring | naive (hand-written all-reduce)
+    amp: bool = False  # CUDA: fp16 autocast + GradScaler; CPU: bf16 autocast (+ GradScaler, saved)
+    compile: bool = False  # torch.compile the model (keys gain _orig_mod.)
+    compile_backend: str = "eager"  # light backend so CPU runs take seconds; "inductor" for the real thing
+    save_style: str = "wrapped"  # wrapped: wrapper's state dict (prefixes); clean: unwrapped module's
+    save_format: str = "pt"  # pt: torch.save file; dcp: torch.distributed.checkpoint directory
+    legacy_format: bool = False  # torch.save(..., _use_new_zipfile_serialization=False)
+    namespace_args: bool = False  # store "args" as argparse.Namespace (breaks weights_only loading)
+    resume: str | None = None  # checkpoint to resume from (any mode/format ckptfix can load)
+    data: str | None = None  # .pt/.npz data file instead of the synthetic set
+    train_samples: int = 2048  # synthetic set sizes
+    test_samples: int = 512
+    show_split: bool = False  # dp: print per-replica batch sizes (first batch of each epoch)
+    name: str | None = None  # file name stem; default derived from the options
+    threads: int | None = None  # torch.set_num_threads for in-process modes (None: leave as is)
+    quiet: bool = False  # no progress on stderr
+
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        parts = [self.mode]
+        if self.model != "lenet":
+            parts.append(self.model)
+        if self.amp:
+            parts.append("amp")
+        if self.compile:
+            parts.append("compile")
+        if self.save_style != "wrapped":
+            parts.append(self.save_style)
+        if self.save_format != "pt":
+            parts.append(self.save_format)
+        if self.legacy_format:
+            parts.append("legacy")
+        if self.namespace_args:
+            parts.append("nsargs")
+        return "-".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def validate(self) -> None:
+        from ckptfix.errors import TrainingError
+
+        def bad(msg: str) -> None:
+            raise TrainingError(msg)
+
+        if self.mode not in MODES:
+            bad(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        if self.model not in ("lenet", "resnet"):
+            bad(f"unknown model {self.model!r}; choose lenet or resnet")
+        if self.device not in DEVICES:
+            bad(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
+        if self.save_style not in SAVE_STYLES:
+            bad(f"unknown save style {self.save_style!r}; choose wrapped or clean")
+        if self.save_format not in SAVE_FORMATS:
+            bad(f"unknown save format {self.save_format!r}; choose pt or dcp")
+        if self.epochs < 1:
+            bad("--epochs must be at least 1")
+        if self.batch_size < 1:
+            bad("--batch-size must be at least 1")
+        if not self.lr > 0:
+            bad("--lr must be positive")
+        if self.train_samples < 1 or self.test_samples < 1:
+            bad("--train-samples and --test-samples must be at least 1")
+        if self.nproc is not None and self.nproc < 1:
+            bad("--nproc must be at least 1")
+        if self.replicas is not None and self.replicas < 1:
+            bad("--replicas must be at least 1")
+        if self.nproc is not None and self.mode != "ddp":
+            bad("--nproc only applies to --mode ddp (use --replicas for manual)")
+        if self.replicas is not None and self.mode != "manual":
+            bad("--replicas only applies to --mode manual")
+        if self.mode == "manual" and (self.amp or self.compile):
+            bad("manual mode is the plain teaching algorithm; use --amp/--compile with single, dp or ddp")
+        if self.allreduce not in ("ring", "naive"):
+            bad(f"unknown all-reduce {self.allreduce!r}; choose ring or naive")
+        if self.save_format == "dcp" and self.legacy_format:
+            bad("--legacy-format applies to torch.save files; it cannot be combined with --save-format dcp")
+        if self.show_split and self.mode != "dp":
+            bad("--show-split only applies to --mode dp")
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: its checkpoints (as listed in checkpoints.json) and metrics."""
+
+    name: str
+    mode: str
+    model: str
+    out_dir: str
+    manifest: str  # path of checkpoints.json
+    device: str
+    devices: list[str]
+    world_size: int
+    checkpoints: list[dict[str, Any]]  # the checkpoints.json entries of this run, plus "abs_path"
+    epochs: list[dict[str, Any]]  # per epoch: epoch, train_loss, accuracy, seconds, samples
+    start_epoch: int  # first epoch trained (1 unless resumed)
+    sec_per_epoch: float
+    samples_per_sec: float
+    final_accuracy: float
+    train_samples: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def final_checkpoint(self) -> str:
+        return self.checkpoints[-1]["abs_path"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,173 @@
+"""``ddp`` mode: DistributedDataParallel under ``torchrun``.
+
+:func:`launch` starts ``python -m torch.distributed.run --standalone
+--nproc-per-node N -m ckptfix.train.ddp_worker ...`` (``--standalone`` runs a
+local c10d rendezvous on a free port, so parallel runs never collide), streams
+the workers' output to stderr and returns rank 0's :class:`TrainResult`.
+
+:func:`run_worker` is what every rank runs: ``init_process_group`` (gloo on
+CPU, nccl on CUDA with ``cuda:LOCAL_RANK``), the common :class:`Run` with a
+``DistributedSampler`` (``set_epoch`` every epoch), ``SyncBatchNorm`` for
+BatchNorm models on CUDA, saving on global rank 0 only (atomically, then a
+barrier), DCP shards on every rank.
+
+For multi-node, start the workers with your own torchrun (every node runs the
+same command; only ``--node-rank``-free c10d rendezvous is needed)::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint node0.example:29400 --rdzv-id job42 \\
+        -m ckptfix train --mode ddp --out /shared/run
+
+``ckptfix train --mode ddp`` notices it is a torchrun worker (``LOCAL_RANK``,
+``RANK``, ``WORLD_SIZE`` in the environment) and trains as that rank instead
+of launching.  ``--out`` must be on storage every node can see.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+
+from ckptfix.errors import TrainingError
+from ckptfix.train.config import TrainConfig, TrainResult
+
+
+def under_torchrun() -> bool:
+    """True when this process is a worker started by torchrun (or any launcher setting the env:// variables)."""
+    return all(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
+
+
+def _package_root() -> str:
+    import ckptfix
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(ckptfix.__file__)))
+
+
+def default_nproc(device_type: str) -> int:
+    import torch
+
+    if device_type == "cuda":
+        return max(1, torch.cuda.device_count())
+    return 2
+
+
+def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
+    """Run ``cfg`` (mode ddp) through torchrun with ``cfg.nproc`` local workers; return rank 0's result."""
+    import torch
+
+    from ckptfix.train.trainer import resolve_device
+
+    device_type = resolve_device(cfg.device)
+    nproc = cfg.nproc or default_nproc(device_type)
+    if device_type == "cuda" and nproc > torch.cuda.device_count():
+        raise TrainingError(
+            f"--nproc {nproc} with --device cuda needs {nproc} GPUs, but {torch.cuda.device_count()} are visible "
+            "(each rank uses its own GPU); lower --nproc or use --device cpu"
+        )
+    os.makedirs(cfg.out, exist_ok=True)
+    wcfg = TrainConfig.from_dict(cfg.to_dict())
+    wcfg.out = os.path.abspath(cfg.out)
+    wcfg.device = device_type
+    if wcfg.resume:
+        wcfg.resume = os.path.abspath(wcfg.resume)
+    if wcfg.data:
+        wcfg.data = os.path.abspath(wcfg.data)
+    with tempfile.TemporaryDirectory(prefix="ckptfix-ddp-") as tmp:
+        cfg_path = os.path.join(tmp, "config.json")
+        res_path = os.path.join(tmp, "result.json")
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            f.write(wcfg.to_json())
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "ckptfix.train.ddp_worker",
+            "--config",
+            cfg_path,
+            "--result",
+            res_path,
+        ]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
+        root = _package_root()
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            env.pop(k, None)
+        if not cfg.quiet:
+            print(f"[ddp] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
+                  file=sys.stderr, flush=True)
+        tail: collections.deque[str] = collections.deque(maxlen=40)
+        try:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
+            )
+        except OSError as e:
+            raise TrainingError(f"cannot start torchrun ({sys.executable} -m torch.distributed.run): {e}") from e
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            if not cfg.quiet:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TrainingError(f"torchrun did not finish within {timeout}s") from None
+        errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
+        if errors:
+            with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
+                err = json.load(f)
+            raise TrainingError(err["message"])
+        if rc != 0 or not os.path.exists(res_path):
+            last = "\n".join(tail)
+            raise TrainingError(f"torchrun exited with status {rc}; last output:\n{last}")
+        with open(res_path, encoding="utf-8") as f:
+            return TrainResult.from_dict(json.load(f))
+
+
+def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
+    """Train as one rank of a torchrun job (the process group is created and destroyed here)."""
+    import torch
+    import torch.distributed as dist
+
+    from ckptfix.train.trainer import Dist, Run, resolve_device
+
+    device_type = resolve_device(cfg.device)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    kwargs = {}
+    if device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise TrainingError(
+                f"rank {rank}: LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPU(s) visible on this node"
+            )
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10), **kwargs)
+    try:
+        cfg = TrainConfig.from_dict(cfg.to_dict())
+        cfg.device = device_type
+        res = Run(cfg, Dist(rank=rank, local_rank=local_rank, world_size=world)).run()
+        if rank == 0 and result_path:
+            tmp = result_path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(res.to_dict(), f)
+            os.replace(tmp, result_path)
+        return res
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,39 @@
+"""torchrun entry point for ``ddp`` mode: ``python -m ckptfix.train.ddp_worker --config CFG.json --result OUT.json``.
+
+:func:`ckptfix.train.ddp.launch` starts it; users running their own torchrun
+can use ``-m ckptfix train --mode ddp ...`` instead (same code path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ckptfix.train.ddp_worker")
+    p.add_argument("--config", required=True, help="TrainConfig as JSON")
+    p.add_argument("--result", default=None, help="rank 0 writes the TrainResult JSON here")
+    a = p.parse_args(argv)
+    from ckptfix.errors import CkptfixError
+    from ckptfix.train.config import TrainConfig
+    from ckptfix.train.ddp import run_worker
+
+    with open(a.config, encoding="utf-8") as f:
+        cfg = TrainConfig.from_dict(json.load(f))
+    rank = os.environ.get("RANK", "0")
+    try:
+        run_worker(cfg, a.result)
+    except CkptfixError as e:
+        if a.result:
+            with open(f"{a.result}.err{rank}", "w", encoding="utf-8") as f:
+                json.dump({"message": str(e), "type": type(e).__name__, "exit_code": e.exit_code}, f)
+        print(f"[rank {rank}] Error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

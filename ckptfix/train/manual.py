@@ -1,0 +1,196 @@
+"""Data parallelism written by hand, for teaching.
+
+What ``DataParallel``/``DistributedDataParallel`` do, in plain code:
+
+1. every replica starts as an exact copy of the model (``copy.deepcopy``);
+2. each batch is split along dim 0 (``torch.tensor_split``), one slice per replica;
+3. each replica computes the loss on its slice, scaled by the slice's share of
+   the batch (``n_i / n``), and back-propagates -- so the *sum* of the replica
+   gradients is exactly the full-batch mean-loss gradient;
+4. the gradients are all-reduced (summed) and the sum is written back into
+   every replica -- :func:`ring_all_reduce` does it the way NCCL/gloo do
+   (reduce-scatter then all-gather around a ring), :func:`naive_all_reduce`
+   sums on the first replica and copies the result out;
+5. every replica's optimizer steps with the same gradient, so the replicas
+   stay bit-identical (checked at every epoch end);
+6. BatchNorm running statistics are computed per replica from its own slice;
+   like DDP's ``broadcast_buffers`` the buffers of replica 0 are copied to the
+   others after each step.  Because batch statistics come from slices, a
+   BatchNorm model does *not* match ``single`` exactly -- compare with LeNet.
+
+On a CPU-only machine the replicas are N copies on the CPU, so the algorithm
+still runs for real; with CUDA replica ``i`` lives on ``cuda:i``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ckptfix.errors import TrainingError
+
+
+def naive_all_reduce(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum ``tensors`` (one per replica, any devices) in replica order; write the sum into each."""
+    total = tensors[0].detach().clone()
+    for t in tensors[1:]:
+        total.add_(t.detach().to(total.device))
+    for t in tensors:
+        t.copy_(total.to(t.device))
+
+
+def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> None:
+    """In-place sum all-reduce over a logical ring of ``len(tensors)`` replicas.
+
+    The flat tensor is cut into N chunks.  Reduce-scatter: in N-1 steps, replica
+    ``r`` sends chunk ``(r - step) % N`` to replica ``r + 1``, which adds it to its
+    own copy; afterwards replica ``r`` owns the full sum of chunk ``(r + 1) % N``.
+    All-gather: in N-1 more steps the finished chunks travel round the ring and
+    overwrite the partial ones.  Each chunk's sum is computed once, so every
+    replica ends with bit-identical values.
+    """
+    n = len(tensors)
+    if n == 1:
+        return
+    flats = [t.detach().view(-1) for t in tensors]
+    bounds = torch.tensor_split(torch.arange(flats[0].numel()), n)
+    spans = [(int(b[0]), int(b[-1]) + 1) if b.numel() else (0, 0) for b in bounds]
+    for step in range(n - 1):  # reduce-scatter
+        sends = []
+        for r in range(n):
+            lo, hi = spans[(r - step) % n]
+            sends.append(flats[r][lo:hi].clone())  # "send buffer": snapshot before anyone adds
+        for r in range(n):
+            dst = (r + 1) % n
+            lo, hi = spans[(r - step) % n]
+            flats[dst][lo:hi].add_(sends[r].to(flats[dst].device))
+    for step in range(n - 1):  # all-gather
+        sends = []
+        for r in range(n):
+            lo, hi = spans[(r + 1 - step) % n]
+            sends.append(flats[r][lo:hi].clone())
+        for r in range(n):
+            dst = (r + 1) % n
+            lo, hi = spans[(r + 1 - step) % n]
+            flats[dst][lo:hi].copy_(sends[r].to(flats[dst].device))
+
+
+ALL_REDUCE = {"ring": ring_all_reduce, "naive": naive_all_reduce}
+
+
+class ManualDataParallel:
+    """N replicas of ``module`` on ``devices`` trained in lock-step by hand-written data parallelism."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        devices: Sequence[torch.device],
+        *,
+        lr: float,
+        momentum: float,
+        all_reduce: str = "ring",
+    ) -> None:
+        if not devices:
+            raise TrainingError("manual mode needs at least one replica")
+        if all_reduce not in ALL_REDUCE:
+            raise TrainingError(f"unknown all-reduce {all_reduce!r}; choose ring or naive")
+        self.devices = list(devices)
+        self.replicas = [copy.deepcopy(module).to(d) for d in self.devices]
+        self.optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum) for r in self.replicas]
+        self.all_reduce = ALL_REDUCE[all_reduce]
+        self.last_split: list[int] = []
+
+    def train(self) -> None:
+        for r in self.replicas:
+            r.train()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimisation step on the batch ``(x, y)``; returns the full-batch mean loss."""
+        n = x.shape[0]
+        xs, ys = torch.tensor_split(x, len(self.replicas)), torch.tensor_split(y, len(self.replicas))
+        self.last_split = [int(c.shape[0]) for c in xs]
+        total = 0.0
+        for rep, opt, dev, xi, yi in zip(self.replicas, self.optimizers, self.devices, xs, ys):
+            opt.zero_grad(set_to_none=False)
+            if xi.shape[0] == 0:
+                continue
+            out = rep(xi.to(dev, non_blocking=True))
+            # mean over the slice times the slice's share = this slice's part of the full-batch mean
+            loss = F.cross_entropy(out, yi.to(dev, non_blocking=True)) * (xi.shape[0] / n)
+            loss.backward()
+            total += float(loss.detach())
+        for params in zip(*(list(r.parameters()) for r in self.replicas)):
+            grads = []
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            self.all_reduce(grads)
+        for opt in self.optimizers:
+            opt.step()
+        with torch.no_grad():  # DDP's broadcast_buffers: replica 0's BatchNorm statistics win
+            for bufs in zip(*(list(r.buffers()) for r in self.replicas)):
+                for b in bufs[1:]:
+                    b.copy_(bufs[0].to(b.device))
+        return total
+
+    def check_in_sync(self) -> None:
+        """Raise TrainingError unless every replica holds exactly replica 0's weights and buffers."""
+        ref = self.replicas[0].state_dict()
+        for i, rep in enumerate(self.replicas[1:], 1):
+            for k, v in rep.state_dict().items():
+                if not torch.equal(v.cpu(), ref[k].cpu()):
+                    diff = (v.cpu().double() - ref[k].cpu().double()).abs().max().item()
+                    raise TrainingError(f"manual data parallel: replica {i} drifted from replica 0 at {k} (max diff {diff:g})")
+
+
+def compare_manual_to_single(
+    replicas: int = 2,
+    *,
+    out: str | None = None,
+    **config: Any,
+) -> dict[str, Any]:
+    """Train ``single`` and ``manual`` (``replicas`` replicas) on the same batches and seed; compare weights.
+
+    Returns ``{"max_abs_diff": float, "worst_key": str, "per_key": {...}, "single": TrainResult,
+    "manual": TrainResult}``.  Extra keyword arguments go to :class:`TrainConfig` (e.g. ``epochs=1``).
+    """
+    from ckptfix.train.config import TrainConfig
+    from ckptfix.train.trainer import train
+
+    tmp = None
+    if out is None:
+        tmp = tempfile.TemporaryDirectory(prefix="ckptfix-manual-")
+        out = tmp.name
+    try:
+        base = dict(config)
+        base.setdefault("quiet", True)
+        single = train(TrainConfig(mode="single", out=out, save_style="clean", name="cmp-single", **base))
+        manual = train(
+            TrainConfig(mode="manual", out=out, replicas=replicas, save_style="clean", name="cmp-manual", **base)
+        )
+        a = torch.load(single.final_checkpoint, map_location="cpu", weights_only=True)["model_state_dict"]
+        b = torch.load(manual.final_checkpoint, map_location="cpu", weights_only=True)["model_state_dict"]
+        per = {}
+        for k in a:
+            if a[k].is_floating_point():
+                per[k] = float((a[k].double() - b[k].double()).abs().max())
+        worst = max(per, key=per.get)
+        return {
+            "max_abs_diff": per[worst],
+            "worst_key": worst,
+            "per_key": per,
+            "replicas": replicas,
+            "single": single,
+            "manual": manual,
+            "out": None if tmp else os.path.abspath(out),
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()

@@ -1,0 +1,665 @@
+"""The common training loop, checkpoint saving, ``checkpoints.json`` and the probe batch.
+
+:func:`train` runs ``single``, ``dp`` and ``manual`` in this process and hands
+``ddp`` to :mod:`ckptfix.train.ddp` (which launches ``torchrun``, or runs as a
+worker when already under ``torchrun``).  Every mode goes through
+:class:`Run`: build the model from the seed, optionally resume through
+:func:`ckptfix.loading.load_checkpoint`, wrap it the way the mode does, train,
+evaluate, and save a realistic wrapper dict after every epoch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+import ckptfix
+from ckptfix.errors import TrainingError
+from ckptfix.train import data as _data
+from ckptfix.train.config import TrainConfig, TrainResult
+from ckptfix.train.models import build_model, has_batchnorm
+
+MANIFEST = "checkpoints.json"
+MANIFEST_VERSION = 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(
+            "--device cuda requested but CUDA is not available to this torch build "
+            f"(torch {torch.__version__}); use --device cpu, or run `ckptfix doctor`"
+        )
+    return device
+
+
+def amp_dtype(device: str) -> torch.dtype:
+    return torch.float16 if device == "cuda" else torch.bfloat16
+
+
+def _log_to_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def atomic_torch_save(obj: Any, path: str, *, legacy: bool = False) -> None:
+    """``torch.save`` to a temp file in the same directory, fsync, then ``os.replace``."""
+    d = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(d, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            if legacy:
+                torch.save(obj, f, _use_new_zipfile_serialization=False)
+            else:
+                torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of the tensor's float32 bytes (C order, native little-endian)."""
+    return hashlib.sha256(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def probe_output(model: nn.Module, probe: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits on the probe batch: a CPU float32 copy, eval mode, one intra-op thread.
+
+    One thread makes the summation order fixed, so the same weights give the
+    same bits on the same machine (the basis of the bit-exact restoration check).
+    """
+    if probe is None:
+        probe = _data.probe_batch()
+    m = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    if hasattr(m, "show_split"):
+        m.show_split = False
+    with _one_thread(), torch.no_grad():
+        return m(probe).detach().clone()
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """Peel DataParallel/DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            module = module.module
+        elif hasattr(module, "_orig_mod") and isinstance(getattr(module, "_orig_mod"), nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def expected_prefix(mode: str, save_style: str, compiled: bool) -> str:
+    """The key prefix a checkpoint of this configuration has.
+
+    Wrapped DP/DDP saves gain ``module.``; ``torch.compile`` adds ``_orig_mod.``
+    inside it (the model is compiled first and then wrapped, as nanoGPT does),
+    giving ``module._orig_mod.``.  ``clean`` saves have no prefix.
+    """
+    if save_style == "clean":
+        return ""
+    p = "module." if mode in ("dp", "ddp") else ""
+    if compiled:
+        p += "_orig_mod."
+    return p
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def read_manifest(out_dir: str) -> dict[str, Any]:
+    """Read ``out_dir/checkpoints.json`` (or the file itself); an empty manifest when absent."""
+    path = out_dir if out_dir.endswith(".json") else os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return {"version": MANIFEST_VERSION, "checkpoints": []}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _update_manifest(out_dir: str, entries: list[dict[str, Any]]) -> str:
+    """Add ``entries`` to checkpoints.json (replacing entries with the same path); atomic."""
+    path = os.path.join(out_dir, MANIFEST)
+    man = read_manifest(out_dir)
+    new_paths = {e["path"] for e in entries}
+    kept = [e for e in man.get("checkpoints", []) if e.get("path") not in new_paths]
+    man = {
+        "version": MANIFEST_VERSION,
+        "generator": f"ckptfix {ckptfix.__version__} train",
+        "torch": torch.__version__,
+        "checkpoints": kept + entries,
+    }
+    atomic_write_text(path, json.dumps(man, indent=2) + "\n")
+    return path
+
+
+def verify_probe(
+    entry: dict[str, Any],
+    out_dir: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Prove that weights restore the model exactly: rebuild it, run the probe, compare.
+
+    ``entry`` is one ``checkpoints.json`` entry, ``out_dir`` the directory holding
+    the manifest.  Without ``state_dict`` the checkpoint is loaded through
+    :func:`ckptfix.loading.load_checkpoint` (``model=`` aligns the keys).
+    Returns ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
+    """
+    probe = entry["probe"]
+    side = torch.load(os.path.join(out_dir, probe["file"]), map_location="cpu", weights_only=True)
+    model = build_model(entry["model"], 0)
+    if state_dict is None:
+        from ckptfix.loading import load_checkpoint
+
+        lc = load_checkpoint(
+            os.path.join(out_dir, entry["path"]), map_location="cpu", model=model, allow_globals=_ALLOW_GLOBALS
+        )
+        state_dict = lc.state_dict
+    model.load_state_dict(state_dict)
+    got = probe_output(model, side["input"])
+    want = side["output"]
+    return {
+        "exact": bool(torch.equal(got, want)),
+        "max_abs_diff": float((got.double() - want.double()).abs().max()),
+        "sha256_ok": tensor_sha256(got) == probe["output_sha256"],
+    }
+
+
+# argparse.Namespace is what `args` becomes with --namespace-args: harmless, so resume allows it.
+_ALLOW_GLOBALS = (argparse.Namespace,)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class Dist:
+    """Process-group facts (world_size 1 and rank 0 outside DDP)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            torch.distributed.barrier()
+
+
+class Run:
+    """One training run of ``cfg`` (a DDP rank, or the whole run for in-process modes)."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist | None = None, log: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.dist = dist or Dist()
+        self._log = log or _log_to_stderr
+        self.device_type = resolve_device(cfg.device)
+        self.out = os.path.abspath(cfg.out)
+        self.name = cfg.run_name()
+        self.manual = None
+        self.scaler = None
+        self.sync_bn = False
+        self.resumed_from: str | None = None
+        self.start_epoch = 1
+        self._resume_ckpt: Any = None
+
+    def log(self, msg: str) -> None:
+        if not self.cfg.quiet and self.dist.is_main:
+            self._log(msg)
+
+    # -- setup ---------------------------------------------------------------
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        self.dataset = _data.load_dataset(cfg.data) if cfg.data else _data.synthetic_dataset(
+            cfg.seed, cfg.train_samples, cfg.test_samples
+        )
+        base = build_model(cfg.model, cfg.seed)
+        if cfg.resume:
+            self._resume_into(base)
+
+        if cfg.mode == "manual":
+            n = cfg.replicas or (torch.cuda.device_count() if self.device_type == "cuda" else 2)
+            if self.device_type == "cuda":
+                if n > torch.cuda.device_count():
+                    raise TrainingError(f"--replicas {n} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+                devs = [torch.device("cuda", i) for i in range(n)]
+            else:
+                devs = [torch.device("cpu")] * n
+            from ckptfix.train.manual import ManualDataParallel
+
+            self.manual = ManualDataParallel(base, devs, lr=cfg.lr, momentum=cfg.momentum, all_reduce=cfg.allreduce)
+            self.base = self.manual.replicas[0]
+            self.wrapped = self.base
+            self.optimizer = self.manual.optimizers[0]
+            self.devices = [str(d) for d in devs]
+            self.input_device = devs[0]
+        else:
+            if cfg.mode == "ddp":
+                if self.device_type == "cuda":
+                    dev = torch.device("cuda", self.dist.local_rank)
+                else:
+                    dev = torch.device("cpu")
+                if has_batchnorm(base):
+                    if self.device_type == "cuda":
+                        base = nn.SyncBatchNorm.convert_sync_batchnorm(base)
+                        self.sync_bn = True
+                    else:
+                        self.log(
+                            "note: SyncBatchNorm needs CUDA tensors; on CPU (gloo) each rank normalises with its own "
+                            "batch statistics and DDP broadcasts rank 0's running statistics"
+                        )
+                self.devices = [str(dev)]
+            elif cfg.mode == "dp":
+                if self.device_type == "cuda":
+                    dev = torch.device("cuda", 0)
+                    self.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+                else:
+                    dev = torch.device("cpu")
+                    self.devices = ["cpu"]
+            else:
+                dev = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
+                self.devices = [str(dev)]
+            self.input_device = dev
+            base = base.to(dev)
+            self.base = base
+            model: nn.Module = base
+            if cfg.compile:
+                model = torch.compile(model, backend=cfg.compile_backend)
+            if cfg.mode == "dp":
+                model = nn.DataParallel(model)
+            elif cfg.mode == "ddp":
+                model = nn.parallel.DistributedDataParallel(
+                    model, device_ids=[self.dist.local_rank] if self.device_type == "cuda" else None
+                )
+            self.wrapped = model
+            self.optimizer = torch.optim.SGD(self.wrapped.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+            if cfg.amp:
+                self.scaler = torch.amp.GradScaler(self.device_type)
+        if self._resume_ckpt is not None:
+            self._resume_optimizer()
+
+    def _resume_into(self, base: nn.Module) -> None:
+        cfg = self.cfg
+        try:
+            from ckptfix.loading import load_checkpoint
+        except ImportError as e:  # pragma: no cover - the loader ships with ckptfix
+            raise TrainingError(f"--resume needs ckptfix.loading, which failed to import: {e}") from e
+        lc = load_checkpoint(cfg.resume, map_location="auto", model=base, allow_globals=_ALLOW_GLOBALS)
+        try:
+            base.load_state_dict(lc.state_dict)
+        except RuntimeError as e:
+            raise TrainingError(f"--resume {cfg.resume}: weights do not fit the {cfg.model} model: {e}") from e
+        ckpt = lc.checkpoint if isinstance(lc.checkpoint, dict) else {}
+        done = int(ckpt.get("epoch", 0) or 0)
+        if done >= cfg.epochs:
+            raise TrainingError(
+                f"--resume {cfg.resume}: the checkpoint already has {done} epoch(s) and --epochs is {cfg.epochs}; "
+                f"pass --epochs {done + 1} or more to train further"
+            )
+        self.start_epoch = done + 1
+        self._resume_ckpt = ckpt
+        self.resumed_from = os.path.abspath(cfg.resume)
+        self.log(f"resumed {cfg.resume} (format {getattr(lc, 'format', '?')}, epoch {done})")
+
+    def _resume_optimizer(self) -> None:
+        ckpt = self._resume_ckpt
+        opt_sd = ckpt.get("optimizer_state_dict")
+        if isinstance(opt_sd, dict) and opt_sd.get("state") is not None:
+            opts = self.manual.optimizers if self.manual else [self.optimizer]
+            for opt in opts:
+                try:
+                    opt.load_state_dict(copy.deepcopy(opt_sd))
+                except (ValueError, KeyError, RuntimeError) as e:
+                    raise TrainingError(f"--resume: optimizer state does not fit: {e}") from e
+        sc = ckpt.get("scaler_state_dict")
+        if self.scaler is not None and isinstance(sc, dict) and sc:
+            self.scaler.load_state_dict(sc)
+
+    # -- data ----------------------------------------------------------------
+
+    def train_loader(self, epoch: int) -> Any:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        if not hasattr(self, "_train_ds"):
+            x, y = self.dataset.train_tensors()
+            self._train_ds = TensorDataset(x, y)
+            if self.cfg.mode == "ddp":
+                from torch.utils.data.distributed import DistributedSampler
+
+                self._sampler = DistributedSampler(
+                    self._train_ds,
+                    num_replicas=self.dist.world_size,
+                    rank=self.dist.rank,
+                    shuffle=True,
+                    seed=self.cfg.seed,
+                )
+        if self.cfg.mode == "ddp":
+            self._sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
+            sampler = self._sampler
+        else:
+            from torch.utils.data import RandomSampler
+
+            g = torch.Generator().manual_seed(self.cfg.seed * 100003 + epoch)
+            sampler = RandomSampler(self._train_ds, generator=g)
+        return DataLoader(
+            self._train_ds,
+            batch_size=self.cfg.batch_size,
+            sampler=sampler,
+            pin_memory=self.device_type == "cuda",
+        )
+
+    # -- one step ------------------------------------------------------------
+
+    def autocast(self) -> Any:
+        if not self.cfg.amp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=amp_dtype(self.device_type))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, show_split: bool) -> float:
+        if self.manual is not None:
+            return self.manual.step(x, y)
+        x = x.to(self.input_device, non_blocking=True)
+        y = y.to(self.input_device, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        if show_split:
+            self.base.show_split = True
+        try:
+            with self.autocast():
+                out = self.wrapped(x)
+                loss = F.cross_entropy(out, y)
+        finally:
+            self.base.show_split = False
+        if show_split:
+            print(f"Outside: input size {tuple(x.shape)}, output size {tuple(out.shape)}", file=sys.stderr, flush=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return float(loss.detach())
+
+    # -- evaluation ----------------------------------------------------------
+
+    def evaluate(self) -> float:
+        x, y = self.dataset.test_tensors()
+        if self.cfg.mode == "ddp":  # each rank scores a strided share, then the counts are summed
+            x, y = x[self.dist.rank :: self.dist.world_size], y[self.dist.rank :: self.dist.world_size]
+        m = self.base
+        was = m.training
+        m.eval()
+        correct = 0
+        with torch.no_grad():
+            for i in range(0, x.shape[0], 256):
+                xb = x[i : i + 256].to(self.input_device)
+                correct += int((m(xb).argmax(1).cpu() == y[i : i + 256]).sum())
+        m.train(was)
+        counts = torch.tensor([correct, x.shape[0]], dtype=torch.float64)
+        if self.dist.enabled:
+            counts = counts.to(self.input_device)
+            torch.distributed.all_reduce(counts)
+            counts = counts.cpu()
+        return float(counts[0] / max(counts[1], 1))
+
+    # -- saving --------------------------------------------------------------
+
+    def _args_object(self) -> Any:
+        d = self.cfg.to_dict()
+        d["device_type"] = self.device_type
+        d["world_size"] = self.dist.world_size
+        return argparse.Namespace(**d) if self.cfg.namespace_args else d
+
+    def save(self, epoch: int, accuracy: float) -> dict[str, Any] | None:
+        """Save this epoch's checkpoint (rank 0 writes .pt; every rank writes its DCP shard); return its entry."""
+        cfg = self.cfg
+        compiled = cfg.compile
+        prefix = expected_prefix(cfg.mode, cfg.save_style, compiled)
+        sd = (self.wrapped if cfg.save_style == "wrapped" else self.base).state_dict()
+        bad = [k for k in sd if not k.startswith(prefix)]
+        if bad:  # a bug in the trainer, not a user error
+            raise TrainingError(f"internal: expected every key to start with {prefix!r}, got {bad[0]!r}")
+        payload: dict[str, Any] = {
+            "epoch": epoch,
+            "model_state_dict": sd,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+        }
+        if self.scaler is not None:
+            payload["scaler_state_dict"] = self.scaler.state_dict()
+        payload["args"] = self._args_object()
+
+        stem = f"{self.name}_epoch{epoch}"
+        if cfg.save_format == "dcp":
+            rel = stem + ".dcp"
+            self._save_dcp(payload, os.path.join(self.out, rel))
+        else:
+            rel = stem + ".pt"
+            if self.dist.is_main:
+                atomic_torch_save(payload, os.path.join(self.out, rel), legacy=cfg.legacy_format)
+            self.dist.barrier()  # nobody goes on (or exits) before the file is complete
+        if not self.dist.is_main:
+            return None
+
+        out = probe_output(self.base)
+        probe_in = _data.probe_batch()
+        probe_rel = stem + ".probe.pt"
+        atomic_torch_save(
+            {"input": probe_in, "output": out, "seed": _data.PROBE_SEED, "threads": 1}, os.path.join(self.out, probe_rel)
+        )
+        return {
+            "path": rel,
+            "run": self.name,
+            "mode": cfg.mode,
+            "model": cfg.model,
+            "device": self.device_type,
+            "devices": self.devices if cfg.mode != "ddp" else self._all_devices,
+            "world_size": self.dist.world_size,
+            "replicas": len(self.manual.replicas) if self.manual else (len(self.devices) if cfg.mode == "dp" else 1),
+            "save_style": cfg.save_style,
+            "save_format": cfg.save_format,
+            "expected_prefix": prefix,
+            "amp": cfg.amp,
+            "amp_dtype": str(amp_dtype(self.device_type)).replace("torch.", "") if cfg.amp else None,
+            "compile": cfg.compile,
+            "compile_backend": cfg.compile_backend if cfg.compile else None,
+            "legacy_format": cfg.legacy_format,
+            "args_type": "namespace" if cfg.namespace_args else "dict",
+            "sync_batchnorm": self.sync_bn,
+            "epoch": epoch,
+            "accuracy": accuracy,
+            "num_keys": len(sd),
+            "keys": {"first": next(iter(sd)), "count": len(sd)},
+            "top_level_keys": list(payload),
+            "resumed_from": self.resumed_from,
+            "probe": {
+                "file": probe_rel,
+                "seed": _data.PROBE_SEED,
+                "shape": list(probe_in.shape),
+                "output_shape": list(out.shape),
+                "output_sha256": tensor_sha256(out),
+                "output": out.tolist(),
+                "eval_mode": True,
+                "dtype": "float32",
+                "device": "cpu",
+                "threads": 1,
+            },
+        }
+
+    def _save_dcp(self, payload: dict[str, Any], final: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        tmp = final + ".tmp"
+        if self.dist.is_main and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        self.dist.barrier()
+        # args as a plain dict: DCP pickles non-tensor leaves; keep it readable without extra globals
+        payload = dict(payload)
+        payload["args"] = self.cfg.to_dict()
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": yes it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(payload, checkpoint_id=tmp, no_dist=not self.dist.enabled)
+        self.dist.barrier()
+        if self.dist.is_main:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        self.dist.barrier()
+
+    # -- the loop ------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        os.makedirs(self.out, exist_ok=True)
+        self.setup()
+        if self.dist.enabled and cfg.mode == "ddp":
+            gathered: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, self.devices[0])
+            self._all_devices = gathered
+        else:
+            self._all_devices = self.devices
+        n_train = len(self.dataset.train_labels)
+        where = (
+            f"{self.dist.world_size} processes ({cfg.mode}, {'nccl' if self.device_type == 'cuda' else 'gloo'})"
+            if cfg.mode == "ddp"
+            else f"{len(self.manual.replicas)} replicas" if self.manual else ", ".join(self.devices)
+        )
+        self.log(
+            f"[{self.name}] {cfg.model} on {where}: {self.dataset.source}, batch {cfg.batch_size}, "
+            f"epochs {self.start_epoch}..{cfg.epochs}"
+        )
+        entries: list[dict[str, Any]] = []
+        epochs: list[dict[str, Any]] = []
+        self.wrapped.train()
+        if self.manual:
+            self.manual.train()
+        for epoch in range(self.start_epoch, cfg.epochs + 1):
+            loader = self.train_loader(epoch)
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            loss_sum, seen = 0.0, 0
+            for i, (x, y) in enumerate(loader):
+                loss = self.step(x, y, show_split=cfg.show_split and i == 0)
+                loss_sum += loss * x.shape[0]
+                seen += x.shape[0]
+            if self.device_type == "cuda":
+                torch.cuda.synchronize()
+            self.dist.barrier()
+            seconds = time.perf_counter() - t0
+            if self.manual:
+                self.manual.check_in_sync()
+            stats = torch.tensor([loss_sum, float(seen)], dtype=torch.float64)
+            if self.dist.enabled:
+                stats = stats.to(self.input_device)
+                torch.distributed.all_reduce(stats)
+                stats = stats.cpu()
+            train_loss = float(stats[0] / max(stats[1], 1))
+            samples = int(stats[1])
+            acc = self.evaluate()
+            entry = self.save(epoch, acc)
+            if entry is not None:
+                entries.append(entry)
+            epochs.append(
+                {"epoch": epoch, "train_loss": train_loss, "accuracy": acc, "seconds": seconds, "samples": samples}
+            )
+            self.log(
+                f"[{self.name}] epoch {epoch}/{cfg.epochs}: loss {train_loss:.4f}  test acc {acc:.1%}  "
+                f"{seconds:.2f}s  {samples / seconds:,.0f} samples/s"
+                + (f"  -> {entry['path']}" if entry else "")
+            )
+        manifest = os.path.join(self.out, MANIFEST)
+        if self.dist.is_main:
+            manifest = _update_manifest(self.out, entries)
+        self.dist.barrier()
+        result_entries = [dict(e, abs_path=os.path.join(self.out, e["path"])) for e in entries]
+        timed = epochs[1:] if len(epochs) > 1 else epochs
+        spe = sum(e["seconds"] for e in timed) / len(timed)
+        return TrainResult(
+            name=self.name,
+            mode=cfg.mode,
+            model=cfg.model,
+            out_dir=self.out,
+            manifest=manifest,
+            device=self.device_type,
+            devices=self._all_devices,
+            world_size=self.dist.world_size,
+            checkpoints=result_entries,
+            epochs=epochs,
+            start_epoch=self.start_epoch,
+            sec_per_epoch=spe,
+            samples_per_sec=(sum(e["samples"] for e in timed) / len(timed)) / spe if spe > 0 else 0.0,
+            final_accuracy=epochs[-1]["accuracy"],
+            train_samples=n_train,
+            extra={"resumed_from": self.resumed_from, "sync_batchnorm": self.sync_bn},
+        )
+
+
+def train(config: TrainConfig, **overrides: Any) -> TrainResult:
+    """Run one training configuration and return its checkpoints and metrics.
+
+    ``single``, ``dp`` and ``manual`` run in this process; ``ddp`` launches
+    ``torchrun`` (``config.nproc`` workers, gloo on CPU / nccl on CUDA) unless
+    this process already is a torchrun worker, in which case it trains as
+    that rank.  Raises :class:`ckptfix.errors.TrainingError` on failure.
+    """
+    cfg = dataclasses.replace(config, **overrides) if overrides else config
+    cfg.validate()
+    if cfg.mode == "ddp":
+        from ckptfix.train import ddp
+
+        if ddp.under_torchrun():
+            return ddp.run_worker(cfg)
+        return ddp.launch(cfg)
+    threads = torch.get_num_threads()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    try:
+        return Run(cfg).run()
+    finally:
+        torch.set_num_threads(threads)
