@@ -258,9 +258,7 @@ def _load_dcp(path: str, allow_globals: Iterable[Any], stubbed: set[str]) -> dic
     class _MetaUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
             full = f"{module}.{name}"
-            if (module.startswith("torch.distributed.checkpoint.") or classify_global(full) == "safe"
-                    or full in ("pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
-                                "pathlib.PureWindowsPath", "pathlib.Path")):
+            if classify_global(full, "dcp") == "safe":
                 return _real_global(module, name)
             raise UnsafePickleError(f"{path}/.metadata references {full}, which a DCP metadata file never needs; "
                                     "refusing to run it (pass --trust if you wrote this checkpoint)")

@@ -408,12 +408,14 @@ _REAL: dict[tuple[str, str], Any] = {
 _DANGEROUS_MODULES = {
     "os", "posix", "nt", "subprocess", "sys", "runpy", "importlib", "pickle", "_pickle", "cPickle",
     "marshal", "shutil", "socket", "ctypes", "pty", "code", "codeop", "commands", "webbrowser",
-    "multiprocessing", "asyncio", "platform", "signal", "tempfile", "pathlib", "io", "_io",
+    "multiprocessing", "asyncio", "platform", "signal", "tempfile", "io", "_io",
     "urllib", "http", "requests", "ftplib", "smtplib", "telnetlib", "types", "inspect", "pdb",
     "timeit", "cProfile", "profile", "trace", "dill", "cloudpickle", "joblib", "bdb", "_posixsubprocess",
     "torch.hub", "torch._C", "torch.jit", "torch.package", "torch._dynamo", "torch.utils.cpp_extension",
     "numpy.testing", "numpy.f2py", "numpy.distutils", "_ctypes", "operator", "functools", "builtins.getattr",
 }
+_PATHS = {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
+          "pathlib.Path"}
 _DANGEROUS_BUILTINS = {
     "eval", "exec", "compile", "open", "getattr", "setattr", "delattr", "__import__", "globals", "locals",
     "vars", "input", "breakpoint", "apply", "execfile", "file", "reload", "memoryview", "help", "exit", "quit",
@@ -428,9 +430,18 @@ _SAFE_EXTRA = {
 }
 
 
-def classify_global(name: str) -> str:
-    """``"safe"`` (torch's weights-only loader allows it), ``"dangerous"`` or ``"unknown"``."""
+def classify_global(name: str, context: str | None = None) -> str:
+    """``"safe"`` (torch's weights-only loader allows it), ``"dangerous"`` or ``"unknown"``.
+
+    ``context`` widens "safe" for pickles that are not ``torch.load`` files: ``"dcp"`` (a DCP
+    ``.metadata`` file: torch.distributed.checkpoint's dataclasses and paths) and ``"torchscript"``
+    (``__torch__.*`` classes are TorchScript types, resolved by the TorchScript runtime, not Python).
+    """
     if name in _SAFE_EXTRA:
+        return "safe"
+    if context == "dcp" and (name.startswith("torch.distributed.checkpoint.") or name in _PATHS):
+        return "safe"
+    if context == "torchscript" and name.startswith("__torch__."):
         return "safe"
     module, _, attr = name.rpartition(".")
     if module == "torch._utils" and attr in TENSOR_REBUILDERS:

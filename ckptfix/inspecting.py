@@ -1,0 +1,273 @@
+"""``inspect`` and ``scan``: report on a checkpoint without torch and without running pickle code."""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import zipfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
+from ckptfix.pickles import Stub, TensorRecord, classify_global, scan_globals
+
+INSPECT_SCHEMA = "ckptfix.inspect/1"
+SCAN_SCHEMA = "ckptfix.scan/1"
+
+
+@dataclass
+class InspectReport:
+    path: str
+    format: str
+    file_size: int
+    state_dict_key: list[str]
+    tensor_count: int
+    parameter_count: int
+    total_bytes: int
+    dtypes: dict[str, int]
+    locations: dict[str, int]
+    prefixes: dict[str, int]
+    shared: list[list[str]]
+    non_tensor_entries: dict[str, str]
+    globals: dict[str, str]
+    stubbed_globals: list[str]
+    weights_only_ok: bool
+    weights_only_reason: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"schema": INSPECT_SCHEMA}
+        d.update(asdict(self))
+        return d
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, TensorRecord):
+        return f"tensor {v.dtype} {list(v.shape)}"
+    if isinstance(v, Stub):
+        return f"object {type(v)._ckpt_module}.{type(v)._ckpt_name} (placeholder)"
+    if isinstance(v, dict):
+        n = sum(1 for _ in v)
+        return f"dict ({n} keys)"
+    if isinstance(v, (list, tuple)):
+        return f"{type(v).__name__} ({len(v)} items)"
+    if isinstance(v, (int, float, bool, str)) or v is None:
+        s = repr(v)
+        return s if len(s) <= 60 else s[:57] + "..."
+    return type(v).__name__
+
+
+def _prefix_counts(keys: list[str]) -> dict[str, int]:
+    try:
+        from ckptfix.prefixes import detect_prefixes
+    except ImportError:  # pragma: no cover
+        return {}
+    rep = detect_prefixes(keys)
+    d = rep.to_dict() if hasattr(rep, "to_dict") else dict(rep)
+    counts = d.get("counts") or d.get("prefixes") or d
+    return {k: int(v) for k, v in counts.items() if isinstance(v, int)} if isinstance(counts, dict) else {}
+
+
+def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> InspectReport:
+    """Summarise a checkpoint without loading tensor data and without running any pickle code."""
+    cf = read_checkpoint(path)
+    obj = cf.obj
+    if cf.format == "torchscript":
+        obj = cf.extra.get("torchscript_state_dict") or {}
+    key_path, sd = find_state_dict(obj, key)
+    tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
+    dtypes: collections.Counter[str] = collections.Counter(t.dtype for t in tensors.values())
+    by_storage: dict[int, list[str]] = collections.defaultdict(list)
+    for name, t in tensors.items():
+        if t.storage is not None:
+            by_storage[id(t.storage)].append(name)
+    shared = [names for names in by_storage.values() if len(names) > 1]
+    locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
+    total = sum(st.nbytes or 0 for st in cf.storages.values())
+    non_tensor: dict[str, str] = {}
+    if key_path and hasattr(cf.obj, "items"):
+        for k, v in cf.obj.items():
+            if k != key_path[0]:
+                non_tensor[str(k)] = _describe(v)
+    for k, v in sd.items():
+        if not is_tensor_like(v):
+            non_tensor[f"{'/'.join(key_path) + '/' if key_path else ''}{k}"] = _describe(v)
+    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(cf.format)
+    gl = {g: classify_global(g, ctx) for g in sorted(cf.globals_seen)}
+    bad = [g for g, c in gl.items() if c != "safe"]
+    if cf.format in ("safetensors",):
+        wo_ok, why = True, "safetensors holds no pickle"
+    elif cf.format == "torchscript":
+        wo_ok, why = True, "torch.load hands TorchScript archives to torch.jit.load"
+    elif cf.format == "dcp":
+        wo_ok, why = False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
+    elif bad:
+        wo_ok, why = False, f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5
+                                                                                              else "")
+    else:
+        wo_ok, why = True, "only globals torch's weights-only unpickler allows"
+    notes = list(cf.notes)
+    cuda = [loc for loc in locations if loc.startswith("cuda")]
+    if cuda:
+        notes.append(f"storages are tagged {', '.join(sorted(cuda))}: plain torch.load fails without those GPUs; "
+                     "load_anywhere / --map-location remaps them")
+    if cf.format == "torch-legacy":
+        notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
+    return InspectReport(
+        path=cf.path, format=cf.format, file_size=cf.file_size, state_dict_key=list(key_path),
+        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()), total_bytes=total,
+        dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
+        prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,
+        globals=gl, stubbed_globals=sorted(cf.stubbed), weights_only_ok=wo_ok, weights_only_reason=why,
+        notes=notes)
+
+
+# --------------------------------------------------------------------------- scan
+
+@dataclass
+class ScanReport:
+    path: str
+    format: str
+    pickles: list[str]
+    globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
+    errors: list[str]
+
+    @property
+    def dangerous(self) -> list[str]:
+        return [g for g, d in self.globals.items() if d["class"] == "dangerous"]
+
+    @property
+    def unknown(self) -> list[str]:
+        return [g for g, d in self.globals.items() if d["class"] == "unknown"]
+
+    @property
+    def verdict(self) -> str:
+        if self.dangerous:
+            return "dangerous"
+        if self.unknown:
+            return "unknown"
+        if self.errors:
+            return "malformed"
+        return "safe"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCAN_SCHEMA, "path": self.path, "format": self.format, "verdict": self.verdict,
+                "pickles": self.pickles, "globals": self.globals, "dangerous": self.dangerous,
+                "unknown": self.unknown, "errors": self.errors}
+
+
+class _Slice(io.RawIOBase):
+    """A read-only window of a file, for zip archives embedded in DCP shard files."""
+
+    def __init__(self, f: Any, start: int, length: int):
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(n)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _scan_zip(fileobj: Any, label: str, counts: collections.Counter, pickles: list[str], errors: list[str]) -> None:
+    try:
+        zf = zipfile.ZipFile(fileobj)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        errors.append(f"{label}: damaged zip ({e})")
+        return
+    with zf:
+        for name in zf.namelist():
+            if name.endswith(".pkl") and not name.endswith(".debug_pkl"):
+                try:
+                    data = zf.read(name)
+                except Exception as e:  # noqa: BLE001 - report, never crash
+                    errors.append(f"{label}:{name}: unreadable ({e})")
+                    continue
+                r = scan_globals(data)
+                pickles.append(f"{label}:{name}")
+                counts.update(r.globals)
+                if r.error:
+                    errors.append(f"{label}:{name}: {r.error}")
+
+
+def scan_checkpoint(path: str | os.PathLike) -> ScanReport:
+    """List every global the checkpoint's pickles reference and classify each. Never unpickles anything."""
+    path = os.fspath(path)
+    kind = sniff(path)
+    counts: collections.Counter[str] = collections.Counter()
+    pickles: list[str] = []
+    errors: list[str] = []
+    fmt = kind
+    if kind in ("torch-zip", "torchscript"):
+        with open(path, "rb") as f:
+            _scan_zip(f, os.path.basename(path), counts, pickles, errors)
+    elif kind == "pickle-stream":
+        from ckptfix.formats.legacy import scan_stream
+
+        r = scan_stream(path)
+        counts.update(r.globals)
+        pickles.append(os.path.basename(path))
+        if r.error:
+            errors.append(r.error)
+        fmt = "torch-legacy/pickle"
+    elif kind == "safetensors":
+        read_checkpoint(path)  # validates the header
+    elif kind in ("sharded", "sharded-dir"):
+        cf = read_checkpoint(path)
+        for shard, scf in cf.extra["shards"].items():
+            sub = scan_checkpoint(scf.path)
+            for g, d in sub.globals.items():
+                counts[g] += d["count"]
+            pickles += [f"{shard}:{p}" for p in sub.pickles]
+            errors += sub.errors
+    elif kind == "dcp":
+        meta = os.path.join(path, ".metadata")
+        with open(meta, "rb") as f:
+            r = scan_globals(f)
+        counts.update(r.globals)
+        pickles.append(".metadata")
+        if r.error:
+            errors.append(f".metadata: {r.error}")
+        for item, (rel, off, length) in _dcp_items(path).items():
+            with open(os.path.join(path, rel), "rb") as f:
+                _scan_zip(_Slice(f, off, length), f"{rel}@{off}", counts, pickles, errors)
+    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(kind)
+    gl = {g: {"class": classify_global(g, ctx), "count": n} for g, n in sorted(counts.items())}
+    return ScanReport(path=path, format=fmt, pickles=pickles, globals=gl, errors=errors)
+
+
+def _dcp_items(path: str) -> dict[str, tuple[str, int, int]]:
+    """fqn -> (shard file, offset, length) from DCP metadata, read with the restricted reader."""
+    from ckptfix.pickles import RecordingUnpickler
+
+    out: dict[str, tuple[str, int, int]] = {}
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            meta = RecordingUnpickler(f).load()
+        sd = meta._state.get("storage_data", {}) if isinstance(meta, Stub) and isinstance(meta._state, dict) else {}
+        for idx, info in sd.items():
+            ist = idx._state if isinstance(idx, Stub) and isinstance(idx._state, dict) else {}
+            st = info._state if isinstance(info, Stub) and isinstance(info._state, dict) else {}
+            rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
+            if isinstance(rel, str) and "/" not in rel and isinstance(off, int) and isinstance(length, int):
+                out[f"{ist.get('fqn')}#{ist.get('index')}"] = (rel, off, length)
+    except Exception:  # noqa: BLE001 - metadata problems are reported by the .metadata scan
+        pass
+    return out
+
