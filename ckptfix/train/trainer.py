@@ -514,7 +514,6 @@ class Run:
             "sync_batchnorm": self.sync_bn,
             "epoch": epoch,
             "accuracy": accuracy,
-            "num_keys": len(sd),
             "keys": {"first": next(iter(sd)), "count": len(sd)},
             "top_level_keys": list(payload),
             "resumed_from": self.resumed_from,
