@@ -64,9 +64,9 @@ def _prefix_counts(keys: list[str]) -> dict[str, int]:
     except ImportError:  # pragma: no cover
         return {}
     rep = detect_prefixes(keys)
-    d = rep.to_dict() if hasattr(rep, "to_dict") else dict(rep)
-    counts = d.get("counts") or d.get("prefixes") or d
-    return {k: int(v) for k, v in counts.items() if isinstance(v, int)} if isinstance(counts, dict) else {}
+    out = dict(rep.leading)
+    out.update({f"(inner) {k}": v for k, v in rep.inner.items()})
+    return out
 
 
 def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> InspectReport:

@@ -46,6 +46,10 @@ def _register() -> None:
         from ckptfix.cli import train as _train  # noqa: F401
     except ImportError:  # pragma: no cover - module not written yet
         pass
+    try:
+        from ckptfix.cli import convert as _convert  # noqa: F401
+    except ImportError:  # pragma: no cover - module not written yet
+        pass
 
 
 def _debug_wanted() -> bool:

@@ -75,3 +75,144 @@ def scan_cmd(checkpoint: str, as_json: bool) -> None:
                                 "to rebuild one you trust")
     if r.errors:
         raise CorruptCheckpointError(f"{checkpoint}: the pickle is malformed ({r.errors[0]})")
+
+
+# --------------------------------------------------------------------------- prefix surgery
+
+def _write_options(f):
+    f = click.option("-o", "--output", type=click.Path(), default=None,
+                     help="Where to write (default: next to the input, e.g. model.stripped.pth).")(f)
+    f = click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")(f)
+    f = click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")(f)
+    f = click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
+    f = click.option("--key", default=None, help="Where the state dict sits, e.g. 'model/state_dict'.")(f)
+    f = click.option("--map-location", default=None,
+                     help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'.")(f)
+    return json_option(f)
+
+
+def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
+    from ckptfix.cli._common import info
+
+    if as_json:
+        emit_json(rep.to_dict())
+        return
+    if extra_line:
+        info(extra_line)
+    for n in rep.notes:
+        info(f"note: {n}")
+    if rep.relocated:
+        info("device tags: " + ", ".join(f"{a} -> {b}" for a, b in rep.relocated.items()))
+    if rep.backup:
+        info(f"backup: {rep.backup}")
+    if rep.output:
+        click.echo(rep.output)
+
+
+@cli.command("strip-prefix")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--prefix", default=None, help="Strip exactly this prefix (default: every wrapper layer all keys carry).")
+@click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
+@_write_options
+def strip_prefix_cmd(checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location,
+                     as_json) -> None:
+    """Strip DataParallel/DDP 'module.', torch.compile '_orig_mod.', Lightning 'model.' ... from the keys.
+
+    Writes CHECKPOINT's stem + '.stripped' next to it (printed on stdout) and never modifies the input
+    unless --in-place is given.
+    """
+    from ckptfix.prefixes import strip_prefix_report
+    from ckptfix.rewrite import rewrite_checkpoint
+
+    rep = rewrite_checkpoint(checkpoint, lambda sd: strip_prefix_report(sd, prefix, partial=partial), output=output,
+                             in_place=in_place, backup=not no_backup, force=force, key=key,
+                             map_location=map_location, suffix="stripped")
+    _render_rewrite(rep, as_json, rep.detail.get("summary"))
+
+
+@cli.command("add-prefix")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
+@_write_options
+def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+    """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
+    from ckptfix.prefixes import add_prefix
+    from ckptfix.rewrite import rewrite_checkpoint
+
+    def tf(sd):
+        new = add_prefix(sd, prefix)
+        return new, {"summary": f"added {prefix!r} to {len(new)} keys", "prefix": prefix, "keys": len(new)}
+
+    rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
+                             key=key, map_location=map_location, suffix="prefixed")
+    _render_rewrite(rep, as_json, rep.detail.get("summary"))
+
+
+def _load_target(spec: str):
+    import importlib
+    import os
+
+    if os.path.exists(spec):
+        from ckptfix.formats import read_checkpoint
+
+        cf = read_checkpoint(spec)
+        obj = cf.extra.get("torchscript_state_dict") if cf.format == "torchscript" else cf.obj
+        from ckptfix.formats import find_state_dict
+
+        return find_state_dict(obj)[1]
+    if ":" in spec:
+        mod, _, attr = spec.partition(":")
+        from ckptfix.errors import CheckpointNotFoundError
+
+        try:
+            m = importlib.import_module(mod)
+            factory = getattr(m, attr)
+        except (ImportError, AttributeError) as e:
+            raise CheckpointNotFoundError(f"--to {spec}: cannot import it ({e}); check the module path and "
+                                          "that it is importable (PYTHONPATH)") from None
+        target = factory() if callable(factory) and not hasattr(factory, "state_dict") else factory
+        return target
+    from ckptfix.errors import CheckpointNotFoundError
+
+    raise CheckpointNotFoundError(f"--to {spec}: no such file, and not a 'package.module:factory' spec")
+
+
+@cli.command("align")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--to", "target", required=True,
+              help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.")
+@_write_options
+def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+    """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
+    from ckptfix.errors import AlignmentError, KeyConflictError
+    from ckptfix.prefixes import align_state_dict
+    from ckptfix.rewrite import rewrite_checkpoint
+
+    tgt = _load_target(target)
+    holder = {}
+
+    def tf(sd):
+        new, report = align_state_dict(sd, tgt)
+        holder["r"] = report
+        if report.ambiguous:
+            raise KeyConflictError(f"ambiguous: {report.summary()}; rename explicitly with strip-prefix --prefix "
+                                   "or add-prefix")
+        return new, report
+
+    rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
+                             key=key, map_location=map_location, suffix="aligned")
+    r = holder["r"]
+    if as_json:
+        emit_json(rep.to_dict())
+    else:
+        _render_rewrite(rep, False, r.summary())
+        for k in r.missing[:20]:
+            click.echo(f"  missing     {k}", err=True)
+        for k in r.unexpected[:20]:
+            click.echo(f"  unexpected  {k}", err=True)
+        for m in r.shape_mismatches[:20]:
+            click.echo(f"  shape       {m.to_dict()}", err=True)
+    if not r.exact:
+        raise AlignmentError(f"{len(r.missing)} missing, {len(r.unexpected)} unexpected, "
+                             f"{len(r.shape_mismatches)} shape mismatches remain after '{r.rename}'; "
+                             "load with strict=False or fix the model definition")
