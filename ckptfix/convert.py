@@ -1,0 +1,991 @@
+"""Convert checkpoints to safetensors (and back) without loading them.
+
+The fast path never imports torch: :func:`ckptfix.formats.read_checkpoint`
+gives every tensor as a :class:`~ckptfix.pickles.TensorRecord` whose bytes are
+a byte range of the source file (zip member, legacy stream, safetensors or
+``.bin`` shard), so a contiguous tensor is copied straight from the source
+into the output with ``copy_file_range``; a strided view (transposed, sliced
+with a step, expanded) is gathered from just its span of bytes.  The header
+is written exactly as ``safetensors.torch.save_file`` writes it (tensors
+ordered by dtype alignment, then name; header padded with spaces to a
+multiple of 8), so the output is byte-identical to ``save_file``'s for the
+same tensors and metadata (``save_file`` orders ``__metadata__`` entries
+randomly per process; ckptfix writes ``format`` first, then its keys in a
+fixed order).
+
+Inputs torch-free records cannot express (DCP directories) go through
+:func:`ckptfix.loading.load_checkpoint` and are written from real tensors.
+
+Metadata written (all values are strings; JSON where noted):
+
+``format``                 ``"pt"``
+``ckptfix.source_format``  the input's format (``torch-zip``, ``torch-legacy`` ...)
+``ckptfix.key_path``       JSON list: where the state dict was in the checkpoint
+``ckptfix.order``          JSON list: every state-dict name in its original order
+``ckptfix.aliases``        JSON object ``{alias: stored_name}`` (exact duplicates stored once)
+``ckptfix.views``          JSON object ``{name: {"base", "offset", "shape", "stride"}}``
+``ckptfix.extra``          JSON object: the representable non-tensor entries (epoch, step, hparams ...)
+
+:func:`restore_aliases` turns the aliases and views back into shared tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ckptfix.errors import (CkptfixError, CorruptCheckpointError, KeyConflictError, OutputError, UnsupportedError,
+                            VerificationError)
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
+from ckptfix.formats.zipfmt import copy_range
+from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
+
+__all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "parse_size",
+           "ConvertReport", "safetensors_header"]
+
+Progress = Callable[[int, int], None]
+
+#: safetensors' Rust ``Dtype`` enum order; ``save_file`` sorts tensors by it, descending, then by name
+_ST_ENUM_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
+                  "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+_ST_RANK = {code: i for i, code in enumerate(_ST_ENUM_ORDER)}
+
+_CHUNK = 8 << 20
+_OPTIMIZER_KEYS = ("opt", "opt_state", "opt_state_dict")
+_PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl")
+_MAX_EXTRA_JSON = 16 << 20
+
+
+# --------------------------------------------------------------------------- sizes
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal, the Hugging Face convention); ``KiB/MiB/GiB`` are binary."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; write it like 5GB, 500MB, 2GiB or a number of bytes")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return n
+
+
+# --------------------------------------------------------------------------- report
+
+@dataclass
+class ConvertReport:
+    """What a conversion did.  ``to_dict()`` is the ``--json`` document."""
+
+    source: str
+    outputs: list[str]
+    source_format: str = ""
+    direction: str = "to-safetensors"
+    index: str | None = None
+    key_path: tuple[str, ...] = ()
+    tensors: int = 0
+    aliases: dict[str, str] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)
+    copied_views: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    placeholders: dict[str, str] = field(default_factory=dict)
+    stubbed_globals: list[str] = field(default_factory=list)
+    renamed: int = 0
+    optimizer_tensors: int = 0
+    bytes: int = 0
+    verified: bool = False
+    used_torch: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["key_path"] = list(self.key_path)
+        d["seconds"] = round(self.seconds, 3)
+        return d
+
+
+# --------------------------------------------------------------------------- items
+
+@dataclass
+class _Item:
+    """One tensor to write: where its bytes come from and what it is."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    path: str | None = None  # contiguous byte range of this file ...
+    offset: int = 0
+    rec: TensorRecord | None = None  # ... or a strided view to gather ...
+    tensor: Any = None  # ... or a torch tensor
+    begin: int = 0  # data offset in the output, filled by the planner
+
+    @property
+    def st_dtype(self) -> str:
+        return DTYPE_TO_ST[self.dtype]
+
+    def chunks(self, fds: "_Fds") -> Iterator[bytes | memoryview]:
+        """The tensor's bytes, C-contiguous, in bounded chunks."""
+        if self.path is not None:
+            fd = fds.get(self.path)
+            pos, left = self.offset, self.nbytes
+            while left > 0:
+                b = os.pread(fd, min(left, _CHUNK), pos)
+                if not b:
+                    raise CorruptCheckpointError(f"{self.path}: file ended inside tensor {self.name!r} (truncated?)")
+                yield b
+                pos += len(b)
+                left -= len(b)
+        elif self.rec is not None:
+            yield from _gather(self.rec, fds)
+        elif self.tensor is not None:
+            yield from _tensor_chunks(self.tensor)
+
+
+class _Fds:
+    """Read-only file descriptors, opened once per path."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _gather(rec: TensorRecord, fds: _Fds) -> Iterator[bytes | memoryview]:
+    """C-order bytes of a strided view, reading only its span of the storage."""
+    if rec.numel == 0:
+        return
+    es = rec.element_size
+    first, end = rec.span()
+    st = rec.storage
+    assert st is not None and st.source is not None and st.file_offset is not None
+    buf = os.pread(fds.get(st.source), (end - first) * es, st.file_offset + first * es)
+    if len(buf) != (end - first) * es:
+        raise CorruptCheckpointError(f"{st.source}: file ended inside storage {st.key!r} (truncated?)")
+    shape = tuple(rec.shape)
+    strides = tuple(s * es for s in rec.stride)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch in practice
+        yield _gather_pure(buf, shape, strides, es)
+        return
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    view = np.lib.stride_tricks.as_strided(arr, shape + (es,), strides + (1,), writeable=False)
+    if not shape:
+        yield bytes(view)
+        return
+    row = max(1, rec.nbytes // max(1, shape[0]))
+    step = max(1, _CHUNK // row)
+    for i in range(0, shape[0], step):
+        yield np.ascontiguousarray(view[i:i + step]).tobytes()
+
+
+def _gather_pure(buf: bytes, shape: tuple[int, ...], strides: tuple[int, ...], es: int) -> bytes:
+    out = bytearray()
+    mv = memoryview(buf)
+    for idx in itertools.product(*(range(s) for s in shape)):
+        o = sum(i * s for i, s in zip(idx, strides))
+        out += mv[o:o + es]
+    return bytes(out)
+
+
+def _tensor_chunks(t: Any) -> Iterator[memoryview]:
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    for i in range(0, n, _CHUNK):
+        yield memoryview(flat[i:i + _CHUNK].numpy())
+
+
+def _check_dtype(name: str, dtype: str, kind: str = "dense") -> None:
+    if kind != "dense":
+        raise UnsupportedError(f"tensor {name!r} is a {kind} tensor; safetensors stores dense tensors only — "
+                               "convert it to dense in torch first, or drop it")
+    if dtype not in DTYPE_TO_ST:
+        raise UnsupportedError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+                               "cast it (e.g. complex128 -> complex64 or a real view) or drop it")
+
+
+class _NeedsTorch(Exception):
+    pass
+
+
+def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport) -> list[_Item]:
+    """Items to store (exact duplicates once), with aliases and views recorded in the report."""
+    groups: dict[tuple, list[str]] = {}
+    recs: dict[str, TensorRecord] = {}
+    for name, rec in named:
+        _check_dtype(name, rec.dtype, rec.kind)
+        st = rec.storage
+        if st is None or st.file_offset is None or st.source is None or st.nbytes is None:
+            raise _NeedsTorch(name)
+        if rec.numel and rec.span()[1] * rec.element_size > st.nbytes:
+            raise CorruptCheckpointError(f"tensor {name!r} reaches past the end of its storage {st.key!r}; "
+                                         "the checkpoint is corrupt")
+        recs[name] = rec
+        groups.setdefault((id(st), rec.offset, rec.shape, rec.stride if rec.numel else (), rec.dtype),
+                          []).append(name)
+    keep: dict[tuple, str] = {}
+    for gkey, names in groups.items():
+        stored = min(names)  # as Hugging Face's _remove_duplicate_names: the name that sorts first
+        keep[gkey] = stored
+        for n in names:
+            if n != stored:
+                report.aliases[n] = stored
+    # views of one storage that are not the same tensor: restorable as views when a stored tensor covers it
+    by_storage: dict[int, list[str]] = {}
+    for gkey, stored in keep.items():
+        by_storage.setdefault(gkey[0], []).append(stored)
+    views: dict[str, dict[str, Any]] = {}
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        bases = sorted(n for n in names if recs[n].covers_storage())
+        for n in sorted(names):
+            if bases and n != bases[0] and recs[n].dtype == recs[bases[0]].dtype:
+                r = recs[n]
+                views[n] = {"base": bases[0], "offset": r.offset, "shape": list(r.shape), "stride": list(r.stride)}
+            elif not (bases and n == bases[0]):
+                report.copied_views.append(n)
+    report.views = {n: v["base"] for n, v in views.items()}
+    report._views_meta = views  # type: ignore[attr-defined]
+    items = []
+    for name, rec in named:
+        if name in report.aliases:
+            continue
+        st = rec.storage
+        assert st is not None and st.file_offset is not None
+        if rec.is_contiguous() or rec.numel <= 1:
+            items.append(_Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, path=st.source,
+                               offset=st.file_offset + rec.offset * rec.element_size))
+        else:
+            items.append(_Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, rec=rec))
+    return items
+
+
+def _torch_dtype_name(t: Any) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport) -> list[_Item]:
+    import torch
+
+    groups: dict[tuple, list[str]] = {}
+    for name, t in named:
+        kind = "dense"
+        if t.layout != torch.strided:
+            kind = "sparse"
+        elif t.is_quantized:
+            kind = "quantized"
+        elif t.device.type == "meta":
+            kind = "meta"
+        _check_dtype(name, _torch_dtype_name(t), kind)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
+        groups.setdefault((ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), []).append(name)
+    for names in groups.values():
+        stored = min(names)
+        for n in names:
+            if n != stored:
+                report.aliases[n] = stored
+    report._views_meta = {}  # type: ignore[attr-defined]
+    items = []
+    for name, t in named:
+        if name in report.aliases:
+            continue
+        items.append(_Item(name, _torch_dtype_name(t), tuple(t.shape), t.numel() * t.element_size(), tensor=t))
+    return items
+
+
+# --------------------------------------------------------------------------- header
+
+def _sorted_items(items: Sequence[_Item]) -> list[_Item]:
+    return sorted(items, key=lambda it: (-_ST_RANK[it.st_dtype], it.name))
+
+
+def safetensors_header(items: Sequence[Any], metadata: Mapping[str, str] | None) -> bytes:
+    """The 8-byte length + JSON header ``save_file`` writes, for items in file order with ``begin`` set."""
+    parts = []
+    if metadata:
+        meta = ",".join(f"{_js(k)}:{_js(v)}" for k, v in metadata.items())
+        parts.append(f'"__metadata__":{{{meta}}}')
+    for it in items:
+        shape = ",".join(str(int(s)) for s in it.shape)
+        parts.append(f'{_js(it.name)}:{{"dtype":"{it.st_dtype}","shape":[{shape}],'
+                     f'"data_offsets":[{it.begin},{it.begin + it.nbytes}]}}')
+    text = ("{" + ",".join(parts) + "}").encode("utf-8")
+    text += b" " * ((-len(text)) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _js(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _layout(items: Sequence[_Item]) -> list[_Item]:
+    ordered = _sorted_items(items)
+    pos = 0
+    for it in ordered:
+        it.begin = pos
+        pos += it.nbytes
+    return ordered
+
+
+# --------------------------------------------------------------------------- extras
+
+def _is_optimizer_key(k: Any) -> bool:
+    return isinstance(k, str) and ("optim" in k.lower() or k.lower() in _OPTIMIZER_KEYS)
+
+
+_OMIT = object()
+
+
+class _Extras:
+    """Turns the non-tensor part of a checkpoint into JSON, noting what it cannot represent."""
+
+    def __init__(self, sd_node: Any, report: ConvertReport) -> None:
+        self.sd_node = sd_node
+        self.report = report
+        self.opt_tensors: list[tuple[str, Any]] = []
+        self._seen: set[int] = set()
+
+    def value(self, v: Any, path: str, opt: bool = False, depth: int = 0) -> Any:
+        if v is self.sd_node:
+            return _OMIT
+        if v is None or isinstance(v, (bool, int, str)):
+            return v
+        if isinstance(v, float):
+            if math.isfinite(v):
+                return v
+            return {"__float__": repr(v)}
+        if is_tensor_like(v):
+            if opt:
+                name = "optimizer." + path
+                self.opt_tensors.append((name, v))
+                return {"__tensor__": name}
+            self._skip(path, "a tensor outside the state dict")
+            return _OMIT
+        if depth > 32 or id(v) in self._seen:
+            self._skip(path, "nested too deep or recursive")
+            return _OMIT
+        self._seen.add(id(v))
+        try:
+            if isinstance(v, Stub):
+                self.report.placeholders[path] = global_name(type(v))
+                return self.value(v.to_dict(), path, opt, depth + 1)
+            if isinstance(v, Mapping) or (hasattr(v, "items") and hasattr(v, "keys")):
+                out = {}
+                for k, x in list(v.items()):
+                    if not isinstance(k, (str, int, float, bool)) and k is not None:
+                        self._skip(f"{path}.{k!r}" if path else repr(k), f"a {type(k).__name__} key")
+                        continue
+                    sub = f"{path}.{k}" if path else str(k)
+                    r = self.value(x, sub, opt, depth + 1)
+                    if r is not _OMIT:
+                        out[str(k)] = r
+                return out
+            if isinstance(v, (list, tuple, set, frozenset)):
+                seq = list(v)
+                if isinstance(v, (set, frozenset)):
+                    try:
+                        seq = sorted(seq)
+                    except TypeError:
+                        pass
+                res = []
+                for i, x in enumerate(seq):
+                    r = self.value(x, f"{path}.{i}" if path else str(i), opt, depth + 1)
+                    res.append(None if r is _OMIT else r)
+                return res
+        finally:
+            self._seen.discard(id(v))
+        self._skip(path, f"a {type(v).__name__} (not representable as JSON)")
+        return _OMIT
+
+    def _skip(self, path: str, why: str) -> None:
+        if len(self.report.skipped) < 200:
+            self.report.skipped[path] = why
+
+
+def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any], include_optimizer: bool,
+                      report: ConvertReport) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(extra JSON object, optimizer tensors) for everything outside the state dict."""
+    ex = _Extras(sd, report)
+    extra: dict[str, Any] = {}
+    if not key_path:
+        for k, v in sd.items():  # a state dict with some non-tensor values mixed in
+            if not is_tensor_like(v):
+                r = ex.value(v, str(k))
+                if r is not _OMIT:
+                    extra[str(k)] = r
+        return extra, []
+    if not (isinstance(obj, Mapping) or hasattr(obj, "items")):
+        return extra, []
+    for k, v in list(obj.items()):
+        if _is_optimizer_key(k) and k != key_path[0]:
+            if not include_optimizer:
+                report.excluded.append(str(k))
+                continue
+            r = ex.value(v, str(k), opt=True)
+        else:
+            r = ex.value(v, str(k))
+        if r is not _OMIT:
+            extra[str(k)] = r
+    return extra, ex.opt_tensors
+
+
+# --------------------------------------------------------------------------- paths and atomic files
+
+def _default_output(src: str, suffix: str) -> str:
+    s = os.path.abspath(src).rstrip(os.sep)
+    base = os.path.basename(s)
+    if base.endswith(".index.json"):
+        base = base[: -len(".index.json")]
+    stem, ext = os.path.splitext(base)
+    if ext.lower() in _PTH_SUFFIXES + (".safetensors",):
+        base = stem
+    return os.path.join(os.path.dirname(s), base + suffix)
+
+
+def _shard_names(dst: str, n: int) -> list[str]:
+    d, base = os.path.split(dst)
+    stem = base[: -len(".safetensors")] if base.endswith(".safetensors") else os.path.splitext(base)[0]
+    return [os.path.join(d, f"{stem}-{i:05d}-of-{n:05d}.safetensors") for i in range(1, n + 1)]
+
+
+def _check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
+    srcs = {os.path.realpath(src)}
+    for p in paths:
+        if os.path.realpath(p) in srcs:
+            raise OutputError(f"{p}: that is the input; choose another output with -o")
+        if os.path.isdir(p):
+            raise OutputError(f"{p}: is a directory; pass a file name with -o")
+        if os.path.lexists(p) and not force:
+            raise OutputError(f"{p} already exists; pass --force to overwrite it, or choose another name with -o")
+        d = os.path.dirname(os.path.abspath(p))
+        if not os.path.isdir(d):
+            raise OutputError(f"{d}: the output directory does not exist; create it first")
+        if not os.access(d, os.W_OK):
+            raise OutputError(f"{d}: no permission to write there; choose another output with -o")
+
+
+def _new_temp(final: str) -> str:
+    d, base = os.path.split(os.path.abspath(final))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-", dir=d)
+    except PermissionError:
+        raise OutputError(f"{d}: no permission to write there; choose another output with -o") from None
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> int:
+    mv = memoryview(data).cast("B")
+    done = 0
+    while done < len(mv):
+        try:
+            done += os.pwrite(fd, mv[done:], off + done)
+        except OSError as e:
+            if e.errno == 28:
+                raise OutputError("no space left on the output device; free some space or write elsewhere "
+                                  "with -o") from None
+            raise OutputError(f"cannot write the output: {e}") from None
+    return done
+
+
+# --------------------------------------------------------------------------- write + verify
+
+class _Writer:
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.total = total
+        self.done = 0
+        self.progress = progress
+        self.fds = _Fds()
+
+    def tick(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def write(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None, fsync: bool) -> None:
+        header = safetensors_header(items, metadata)
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        try:
+            _pwrite_all(fd, header, 0)
+            base = len(header)
+            for it in items:
+                if it.path is not None:
+                    copy_range(self.fds.get(it.path), it.offset, fd, base + it.begin, it.nbytes)
+                else:
+                    pos = base + it.begin
+                    for chunk in it.chunks(self.fds):
+                        pos += _pwrite_all(fd, chunk, pos)
+                    if pos != base + it.begin + it.nbytes:
+                        raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, "
+                                                     f"expected {it.nbytes}")
+                self.tick(it.nbytes)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def verify(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
+        """Re-read the written file: header, dtype, shape, offsets and every byte against the source."""
+        try:
+            header, start = read_header(path)
+        except CkptfixError as e:
+            raise VerificationError(f"{path}: the written file does not read back: {e}") from None
+        meta = header.pop("__metadata__", None)
+        if (meta or None) != (dict(metadata) if metadata else None):
+            raise VerificationError(f"{path}: metadata read back differs from what was written")
+        if set(header) != {it.name for it in items}:
+            raise VerificationError(f"{path}: the written file holds other tensors than the source")
+        end = start + sum(it.nbytes for it in items)
+        if os.path.getsize(path) != end:
+            raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {end}")
+        out_fd = os.open(path, os.O_RDONLY)
+        try:
+            for it in items:
+                h = header[it.name]
+                if (h.get("dtype") != it.st_dtype or list(h.get("shape", ())) != list(it.shape)
+                        or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes]):
+                    raise VerificationError(f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
+                                            f"{it.st_dtype} shape {list(it.shape)}")
+                pos = start + it.begin
+                for chunk in it.chunks(self.fds):
+                    n = len(chunk)
+                    if os.pread(out_fd, n, pos) != chunk:
+                        raise VerificationError(f"{path}: tensor {it.name!r} differs from the source near byte "
+                                                f"{pos - start - it.begin} of the tensor; the output was removed")
+                    pos += n
+                self.tick(it.nbytes)
+        finally:
+            os.close(out_fd)
+
+
+def _shard(items: list[_Item], max_size: int | None) -> list[list[_Item]]:
+    """Split in state-dict order, as huggingface_hub does: a tensor larger than the limit gets its own shard."""
+    if not max_size:
+        return [items]
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it.nbytes > max_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    return shards
+
+
+def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, max_shard_size: int | None,
+                   verify: bool, fsync: bool, force: bool, src: str, progress: Progress | None,
+                   report: ConvertReport) -> None:
+    shards = _shard(items, max_shard_size)
+    if len(shards) == 1:
+        finals = [dst]
+        index_path = None
+    else:
+        finals = _shard_names(dst, len(shards))
+        index_path = dst + ".index.json" if dst.endswith(".safetensors") else dst + ".safetensors.index.json"
+    _check_outputs(finals + ([index_path] if index_path else []), src, force)
+    total = sum(it.nbytes for it in items)
+    w = _Writer(total * (2 if verify else 1), progress)
+    temps: list[str] = []
+    try:
+        laid = []
+        for final, shard in zip(finals, shards):
+            tmp = _new_temp(final)
+            temps.append(tmp)
+            ordered = _layout(shard)
+            laid.append(ordered)
+            w.write(tmp, ordered, metadata, fsync)
+        if verify:
+            for tmp, ordered in zip(temps, laid):
+                w.verify(tmp, ordered, metadata)
+            report.verified = True
+        idx_tmp = None
+        if index_path:
+            weight_map = {}
+            for final, shard in zip(finals, shards):
+                for it in shard:
+                    weight_map[it.name] = os.path.basename(final)
+            doc = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
+            idx_tmp = _new_temp(index_path)
+            temps.append(idx_tmp)
+            with open(idx_tmp, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        for tmp, final in zip(temps, finals + ([index_path] if index_path else [])):
+            os.replace(tmp, final)
+        temps.clear()
+        if fsync:
+            _fsync_dir(dst)
+    finally:
+        w.fds.close()
+        for tmp in temps:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    report.outputs = finals
+    report.index = index_path
+    report.bytes = total
+    report.tensors = len(items)
+
+
+# --------------------------------------------------------------------------- state dict acquisition
+
+def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], trust: bool) -> tuple[Any, tuple, Any]:
+    """(state dict of torch tensors, key path, whole checkpoint object) through the lead's loader."""
+    try:
+        from ckptfix.loading import load_checkpoint
+    except ImportError:  # pragma: no cover - until ckptfix.loading lands
+        load_checkpoint = None
+    if load_checkpoint is not None:
+        lc = load_checkpoint(src, "cpu", key=key, allow_globals=tuple(allow_globals), trust=trust)
+        return lc.state_dict, tuple(getattr(lc, "key_path", ()) or ()), getattr(lc, "checkpoint", None)
+    if os.path.isdir(src) and os.path.isfile(os.path.join(src, ".metadata")):  # pragma: no cover
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        sd: dict = {}
+        _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+        from ckptfix.formats import find_state_dict
+        kp, node = find_state_dict(sd, key)
+        return node, kp, sd
+    raise UnsupportedError(f"{src}: this input needs torch-level loading (ckptfix.loading is not available)")
+
+
+def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if is_tensor_like(v):
+            out.append((name, v))
+        elif isinstance(v, Mapping) and prefix == "" and any(is_tensor_like(x) for x in v.values()):
+            out.extend(_flatten_state_dict(v, name + "."))  # DCP nested state dicts
+    return out
+
+
+# --------------------------------------------------------------------------- public API
+
+def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, *,
+                           key: str | None = None, strip_prefix: bool | str | None = False,
+                           max_shard_size: int | str | None = None, include_optimizer: bool = False,
+                           verify: bool = True, force: bool = False, fsync: bool = False,
+                           allow_globals: Sequence[str] = (), trust: bool = False,
+                           progress: Progress | None = None, ckptfix_metadata: bool = True) -> ConvertReport:
+    """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
+
+    Args:
+        key: where the state dict is (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+        strip_prefix: ``True`` strips wrapper prefixes (``module.``, ``_orig_mod.`` ...); a string strips that one.
+        max_shard_size: ``"5GB"`` (decimal) or bytes: write ``stem-0000k-of-0000N.safetensors`` + an index.
+        include_optimizer: also write optimizer tensors as ``optimizer.<dotted path>`` (excluded by default).
+        verify: re-read every written tensor and compare dtype, shape and bytes with the source.
+        force: overwrite existing outputs.  fsync: fsync files and directory before returning.
+        allow_globals, trust: the loading policy, for inputs that need torch (DCP).
+        progress: ``progress(done_bytes, total_bytes)`` while writing and verifying.
+        ckptfix_metadata: ``False`` writes only ``{"format": "pt"}`` (aliases are then not restorable).
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        OutputError: the output exists (without ``force``), is the input, or cannot be written.
+        UnsupportedError: a tensor whose dtype/kind safetensors cannot hold (named in the message).
+        VerificationError: the written file does not read back identical; nothing is left behind.
+    """
+    t0 = time.perf_counter()
+    src = os.fspath(src)
+    dst = os.fspath(dst) if dst is not None else _default_output(src, ".safetensors")
+    shard_limit = parse_size(max_shard_size) if max_shard_size else None
+    report = ConvertReport(source=src, outputs=[dst])
+    if not max_shard_size:
+        _check_outputs([dst], src, force)  # fail before any reading
+
+    from ckptfix.formats import read_checkpoint
+
+    cf = read_checkpoint(src)
+    report.source_format = cf.format
+    report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
+    obj = cf.obj
+    if cf.format == "torchscript" and cf.extra.get("torchscript_state_dict") and key is None:
+        key_path: tuple[str, ...] = ()
+        sd: Mapping[str, Any] = cf.extra["torchscript_state_dict"]
+        obj = sd
+    else:
+        key_path, sd = cf.state_dict(key)
+    report.key_path = tuple(key_path)
+    named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
+    use_torch = cf.format == "dcp" or any(
+        isinstance(v, TensorRecord) and v.kind == "dense" and v.dtype in DTYPE_TO_ST
+        and (v.storage is None or v.storage.file_offset is None) for _, v in named)
+    if use_torch:
+        tsd, kp, tobj = _load_with_torch(src, key, allow_globals, trust)
+        report.used_torch = True
+        report.key_path = key_path = tuple(kp)
+        sd = tsd
+        obj = tobj if tobj is not None else tsd
+        named = _flatten_state_dict(tsd)
+    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report)
+
+    if strip_prefix:
+        from ckptfix.prefixes import strip_prefix as _strip
+
+        mapping = dict(named)
+        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
+        report.renamed = sum(1 for a, b in zip(mapping, new) if a != b)
+        named = list(new.items())
+    order = [n for n, _ in named]
+    taken = set(order)
+    for n, _ in opt_named:
+        if n in taken:
+            raise KeyConflictError(f"optimizer tensor {n!r} collides with a state-dict key; convert without "
+                                   "--include-optimizer")
+    named = named + list(opt_named)
+    report.optimizer_tensors = len(opt_named)
+    if not named:
+        raise CorruptCheckpointError(f"{src}: no tensors to convert")
+
+    if use_torch:
+        items = _plan_tensors(named, report)
+    else:
+        items = _plan_records(named, report)
+    metadata: dict[str, str] = {"format": "pt"}
+    if ckptfix_metadata:
+        metadata["ckptfix.source_format"] = cf.format
+        metadata["ckptfix.key_path"] = json.dumps(list(key_path))
+        metadata["ckptfix.order"] = json.dumps([n for n, _ in named], ensure_ascii=False)
+        if report.aliases:
+            metadata["ckptfix.aliases"] = json.dumps(report.aliases, ensure_ascii=False)
+        views = getattr(report, "_views_meta", {})
+        if views:
+            metadata["ckptfix.views"] = json.dumps(views, ensure_ascii=False)
+        if extra:
+            text = json.dumps(extra, ensure_ascii=False)
+            if len(text) <= _MAX_EXTRA_JSON:
+                metadata["ckptfix.extra"] = text
+            else:
+                report.skipped["<extra>"] = f"non-tensor entries are {len(text)} bytes of JSON; too large to keep"
+    _write_outputs(dst, items, metadata, max_shard_size=shard_limit, verify=verify, fsync=fsync, force=force,
+                   src=src, progress=progress, report=report)
+    report.__dict__.pop("_views_meta", None)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def restore_aliases(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None) -> dict[str, Any]:
+    """Re-create the tensors a ckptfix-written safetensors file stored once.
+
+    ``ckptfix.aliases`` entries become the same tensor object as their stored
+    name; ``ckptfix.views`` entries become ``as_strided`` views of their base;
+    keys follow ``ckptfix.order`` when recorded.  Files written by Hugging
+    Face's ``convert.py`` (``{"removed_name": "kept_name"}`` in the metadata)
+    are understood too.  Returns a new dict; the input is not modified.
+    """
+    meta = dict(metadata or {})
+    out: dict[str, Any] = dict(state_dict)
+    if "ckptfix.aliases" in meta:
+        aliases = _json_obj(meta["ckptfix.aliases"])
+    else:  # Hugging Face convert.py style
+        aliases = {k: v for k, v in meta.items()
+                   if k != "format" and not k.startswith("ckptfix.") and k not in out and v in out}
+    views = _json_obj(meta.get("ckptfix.views", "{}"))
+    for name, spec in views.items():
+        base = out.get(spec.get("base")) if isinstance(spec, dict) else None
+        if base is None or not hasattr(base, "as_strided"):
+            continue
+        try:
+            out[name] = base.as_strided(tuple(spec["shape"]), tuple(spec["stride"]),
+                                        base.storage_offset() + int(spec["offset"]))
+        except (RuntimeError, KeyError, TypeError, ValueError):
+            continue
+    for alias, stored in aliases.items():
+        if stored in out:
+            out[alias] = out[stored]
+    order = meta.get("ckptfix.order")
+    if order:
+        names = _json_obj(order, list)
+        if names:
+            ordered = {n: out[n] for n in names if n in out}
+            ordered.update((k, v) for k, v in out.items() if k not in ordered)
+            out = ordered
+    return out
+
+
+def _json_obj(text: str, kind: type = dict) -> Any:
+    try:
+        v = json.loads(text)
+    except (ValueError, TypeError):
+        return kind()
+    return v if isinstance(v, kind) else kind()
+
+
+def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]:
+    """(state dict, metadata, format) of a .safetensors file or a sharded safetensors index, via safetensors."""
+    from safetensors import safe_open
+
+    from ckptfix.formats import sniff
+
+    kind = sniff(src)
+    if kind == "safetensors":
+        files = [src]
+    elif kind in ("sharded", "sharded-dir"):
+        from ckptfix.formats.sharded import index_path
+
+        ipath = index_path(src)
+        with open(ipath, encoding="utf-8") as f:
+            doc = json.load(f)
+        base = os.path.dirname(os.path.abspath(ipath))
+        files = [os.path.join(base, s) for s in dict.fromkeys(doc["weight_map"].values())]
+        if not all(s.endswith(".safetensors") for s in files):
+            raise UnsupportedError(f"{src}: the shards are not safetensors; convert the index to safetensors instead")
+    else:
+        raise UnsupportedError(f"{src}: not a safetensors file or index (it is {kind})")
+    sd: dict[str, Any] = {}
+    meta: dict[str, str] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            meta.update(f.metadata() or {})
+            for k in f.keys():
+                sd[k] = f.get_tensor(k)
+    return sd, meta, kind
+
+
+def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, *,
+                             verify: bool = True, force: bool = False, fsync: bool = False,
+                             progress: Progress | None = None) -> ConvertReport:
+    """Write a ``.safetensors`` file (or sharded index) as one torch zip checkpoint, aliases restored."""
+    import torch
+
+    t0 = time.perf_counter()
+    src = os.fspath(src)
+    dst = os.fspath(dst) if dst is not None else _default_output(src, ".pth")
+    report = ConvertReport(source=src, outputs=[dst], direction="to-torch")
+    _check_outputs([dst], src, force)
+    sd, meta, kind = _read_safetensors_sd(src)
+    report.source_format = kind
+    out = restore_aliases(sd, meta)
+    report.aliases = {k: v for k, v in _json_obj(meta.get("ckptfix.aliases", "{}")).items() if k in out}
+    report.views = {k: v.get("base") for k, v in _json_obj(meta.get("ckptfix.views", "{}")).items()
+                    if isinstance(v, dict)}
+    report.tensors = len(out)
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    report.bytes = total
+    tmp = _new_temp(dst)
+    try:
+        try:
+            torch.save(out, tmp)
+        except OSError as e:
+            raise OutputError(f"cannot write {dst}: {e}") from None
+        if progress:
+            progress(total, total * (2 if verify else 1))
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if verify:
+            back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+            if list(back) != list(out):
+                raise VerificationError(f"{dst}: the written checkpoint holds other keys than the source")
+            for k, t in out.items():
+                b = back[k]
+                if b.dtype != t.dtype or b.shape != t.shape or not torch.equal(
+                        b.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
+                    raise VerificationError(f"{dst}: tensor {k!r} differs from the source; the output was removed")
+            for alias, stored in report.aliases.items():
+                if back[alias].data_ptr() != back[stored].data_ptr():
+                    raise VerificationError(f"{dst}: alias {alias!r} is not shared with {stored!r}")
+            del back
+            report.verified = True
+            if progress:
+                progress(total * 2, total * 2)
+        os.replace(tmp, dst)
+        tmp = ""
+        if fsync:
+            _fsync_dir(dst)
+    finally:
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def is_safetensors_input(src: str | os.PathLike) -> bool:
+    """True for a ``.safetensors`` file or an index whose shards are safetensors."""
+    from ckptfix.formats import sniff
+
+    src = os.fspath(src)
+    try:
+        kind = sniff(src)
+    except CkptfixError:
+        return False
+    if kind == "safetensors":
+        return True
+    if kind in ("sharded", "sharded-dir"):
+        from ckptfix.formats.sharded import index_path
+
+        try:
+            with open(index_path(src), encoding="utf-8") as f:
+                doc = json.load(f)
+            return all(str(s).endswith(".safetensors") for s in doc["weight_map"].values())
+        except (OSError, ValueError, KeyError, CkptfixError):
+            return False
+    return False
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike | None = None, **kw: Any) -> ConvertReport:
+    """Pick the direction: safetensors in and a non-safetensors ``dst`` (or none) -> torch; else -> safetensors."""
+    d = os.fspath(dst) if dst is not None else None
+    if is_safetensors_input(src) and (d is None or not d.endswith(".safetensors")):
+        extra = set(kw) - {"verify", "force", "fsync", "progress"}
+        used = [k for k in extra if kw.get(k) not in (None, False, (), "")]
+        if used:
+            raise UnsupportedError(f"options {sorted(used)} apply to conversion to safetensors, not back to torch")
+        return convert_from_safetensors(src, d, **{k: v for k, v in kw.items() if k not in extra})
+    return convert_to_safetensors(src, d, **kw)
