@@ -1,0 +1,484 @@
+"""Choose the freest GPU(s), take leases so concurrent jobs do not collide, wait for GPUs.
+
+Nothing here imports torch.
+
+Ranking (pure, :func:`rank_gpus`): among the devices visible to the caller, drop
+MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
+those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
+free memory (to the GiB, so 0 MiB and 292 MiB of residue tie), then utilization,
+then process count, then nvidia-smi index.  Used memory with no visible process
+(a process in another container) counts as one process.
+
+Leases: one file per GPU UUID in the lease directory (``$CKPTFIX_LEASE_DIR``,
+else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``/tmp/ckptfix-leases-<uid>``).
+A picker takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on the file; a GPU whose file is
+locked by someone else is leased.  A lease either *holds* the lock (for the life
+of a command run under ``pick-gpu --``, or of the Python process that called
+:func:`pick_gpu`), or writes an expiry time into the file and lets go of the
+lock (``--lease SECONDS``: a lock cannot outlive the CLI process); a later
+picker treats a file with an unexpired time as leased.  Leases coordinate the
+jobs of one user on one machine; other users' jobs show up as used memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
+
+from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
+from ckptfix.gpu.visible import GpuView, VisibleGpu
+
+__all__ = [
+    "Criteria",
+    "Ranked",
+    "Rejected",
+    "Lease",
+    "PickResult",
+    "parse_size_mib",
+    "rank_gpus",
+    "lease_dir",
+    "try_lease",
+    "choose_and_lease",
+    "selection_env",
+    "DEFAULT_LEASE_SECONDS",
+]
+
+DEFAULT_LEASE_SECONDS = 120.0
+_HELD: list["Lease"] = []  # leases held for the life of this Python process (pick_gpu in-process)
+
+
+# ----------------------------------------------------------------------------- criteria and ranking
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+_SIZE_UNITS = {
+    "": 1024.0,  # a bare number is GiB
+    "b": 1 / 1024**2,
+    "k": 1 / 1024, "kb": 1 / 1024, "kib": 1 / 1024,
+    "m": 1.0, "mb": 1.0, "mib": 1.0,
+    "g": 1024.0, "gb": 1024.0, "gib": 1024.0,
+    "t": 1024.0**2, "tb": 1024.0**2, "tib": 1024.0**2,
+}
+
+
+def parse_size_mib(text: str | int | float) -> int:
+    """``"10GiB" -> 10240``, ``"512MiB" -> 512``, ``"1.5G" -> 1536``; a bare number means GiB.
+
+    Raises ValueError on anything else.
+    """
+    if isinstance(text, (int, float)):
+        return int(text * 1024)
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a memory size: {text!r} (use e.g. 10GiB, 512MiB, 24G)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Criteria:
+    n: int = 1
+    min_free_mib: int | None = None
+    max_util: int | None = None
+    max_procs: int | None = None
+
+
+@dataclass(frozen=True)
+class Ranked:
+    gpu: VisibleGpu
+    rank: int  # 1 = best
+    effective_procs: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        g = self.gpu
+        return {
+            "rank": self.rank,
+            "id": g.id,
+            "uuid": g.uuid,
+            "smi_index": g.smi_index,
+            "cuda_index": g.cuda_index,
+            "pci_bus_id": g.pci_bus_id,
+            "name": g.name,
+            "memory_free_mib": g.memory_free_mib,
+            "memory_total_mib": g.memory_total_mib,
+            "utilization_pct": g.utilization_pct,
+            "process_count": g.process_count,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class Rejected:
+    gpu: VisibleGpu
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uuid": self.gpu.uuid, "smi_index": self.gpu.smi_index, "name": self.gpu.name, "reason": self.reason}
+
+    def __str__(self) -> str:
+        return f"GPU {self.gpu.smi_index} ({self.gpu.name or '?'}): {self.reason}"
+
+
+def _gib(mib: int | None) -> str:
+    return "?" if mib is None else f"{mib / 1024:.1f} GiB"
+
+
+def _effective_procs(g: VisibleGpu) -> int:
+    procs = g.process_count or 0
+    if procs == 0 and (g.hidden_used_mib or 0) > 0:
+        return 1  # memory in use by a process we cannot see (another container / PID namespace)
+    return procs
+
+
+def _sort_key(g: VisibleGpu) -> tuple[int, int, int, int]:
+    free_gib = (g.memory_free_mib or 0) // 1024
+    util = g.utilization_pct if g.utilization_pct is not None else 101
+    return (-free_gib, util, _effective_procs(g), g.smi_index)
+
+
+def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
+    if b is None:
+        return "the only candidate left"
+    ka, kb = _sort_key(a), _sort_key(b)
+    if ka[0] != kb[0]:
+        return f"more free memory than the next candidate GPU {b.smi_index} ({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+    if ka[1] != kb[1]:
+        return f"same free GiB as GPU {b.smi_index}, lower utilization ({a.utilization_pct}% vs {b.utilization_pct}%)"
+    if ka[2] != kb[2]:
+        return f"same free GiB and utilization as GPU {b.smi_index}, fewer processes ({ka[2]} vs {kb[2]})"
+    return f"ties with GPU {b.smi_index} on free GiB, utilization and processes; lower nvidia-smi index"
+
+
+def rank_gpus(
+    devices: Sequence[VisibleGpu], criteria: Criteria, *, leased: Mapping[str, str] | None = None
+) -> tuple[list[Ranked], list[Rejected]]:
+    """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it."""
+    leased = leased or {}
+    ok: list[VisibleGpu] = []
+    rejected: list[Rejected] = []
+    for g in devices:
+        procs = _effective_procs(g)
+        if g.mig_device is not None:
+            rejected.append(Rejected(g, "a MIG device: its memory and utilization are not reported, cannot rank it"))
+        elif g.mig_enabled:
+            rejected.append(Rejected(g, "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)"))
+        elif g.memory_free_mib is None or g.memory_total_mib is None:
+            why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or "missing"
+            rejected.append(Rejected(g, f"memory is unavailable ([{why}])"))
+        elif g.id in leased:
+            rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
+        elif criteria.min_free_mib is not None and g.memory_free_mib < criteria.min_free_mib:
+            rejected.append(Rejected(g, f"{_gib(g.memory_free_mib)} free < --min-free {_gib(criteria.min_free_mib)}"))
+        elif criteria.max_util is not None and g.utilization_pct is None:
+            rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
+        elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
+            rejected.append(Rejected(g, f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}"))
+        elif criteria.max_procs is not None and procs > criteria.max_procs:
+            hidden = (
+                f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
+                if (g.process_count or 0) == 0
+                else ""
+            )
+            rejected.append(Rejected(g, f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}"))
+        else:
+            ok.append(g)
+    ok.sort(key=_sort_key)
+    ranked = []
+    for i, g in enumerate(ok):
+        nxt = ok[i + 1] if i + 1 < len(ok) else None
+        util = "?" if g.utilization_pct is None else f"{g.utilization_pct}%"
+        hidden = (
+            f", {_gib(g.hidden_used_mib)} used by processes not visible here"
+            if (g.process_count or 0) == 0 and (g.hidden_used_mib or 0) > 0
+            else ""
+        )
+        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {g.process_count if g.process_count is not None else '?'} process(es){hidden}"
+        ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt)}"))
+    return ranked, rejected
+
+
+# ----------------------------------------------------------------------------- leases
+
+
+def lease_dir(env: Mapping[str, str] | None = None) -> Path:
+    env = os.environ if env is None else env
+    if env.get("CKPTFIX_LEASE_DIR"):
+        return Path(env["CKPTFIX_LEASE_DIR"])
+    if env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
+        return Path(env["XDG_RUNTIME_DIR"]) / "ckptfix-leases"
+    return Path(f"/tmp/ckptfix-leases-{os.getuid()}")
+
+
+def _lease_file(directory: Path, key: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)
+    return directory / f"{safe}.lease"
+
+
+@dataclass
+class Lease:
+    """A lease on one GPU.  ``fd`` is open (and flock'ed) while the lease is *held*."""
+
+    key: str
+    path: Path
+    fd: int | None
+    expires: float | None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "path": str(self.path), "held": self.fd is not None, "expires": self.expires}
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = os.read(fd, 4096)
+        info = json.loads(data.decode() or "{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+
+
+def _describe(info: dict[str, Any]) -> str:
+    who = f"pid {info.get('pid', '?')}"
+    if info.get("host"):
+        who += f" on {info['host']}"
+    exp = info.get("expires")
+    if isinstance(exp, (int, float)):
+        who += f", until {time.strftime('%H:%M:%S', time.localtime(exp))}"
+    return who
+
+
+def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | None = None) -> tuple[Lease | None, str]:
+    """Try to lease GPU ``key``.  ``seconds=None``: hold the lock (returned fd open);
+    ``seconds>0``: write an expiry and let go of the lock; ``seconds==0``: only check.
+
+    Returns ``(lease, "")`` or ``(None, who_holds_it)``.
+    """
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = _lease_file(directory, key)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        info = _read_info(fd)
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            return None, _describe(info) + " (running)"
+        raise
+    now = time.time() if now is None else now
+    info = _read_info(fd)
+    exp = info.get("expires")
+    if isinstance(exp, (int, float)) and exp > now and info.get("pid") != os.getpid():
+        os.close(fd)
+        return None, _describe(info)
+    if seconds == 0:
+        os.close(fd)
+        return Lease(key, path, None, None), ""
+    expires = None if seconds is None else now + seconds
+    record = {"key": key, "pid": os.getpid(), "host": socket.gethostname(), "created": now, "expires": expires}
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(record).encode())
+    if seconds is None:
+        return Lease(key, path, fd, None), ""
+    os.close(fd)  # the expiry in the file is the lease now
+    return Lease(key, path, None, expires), ""
+
+
+# ----------------------------------------------------------------------------- choosing
+
+
+@dataclass
+class PickResult:
+    """What :func:`choose_and_lease` / :func:`ckptfix.gpu.pick_gpu` chose."""
+
+    chosen: list[Ranked]
+    rejected: list[Rejected]
+    env: dict[str, str]
+    leases: list[Lease] = field(default_factory=list)
+    view: GpuView | None = None
+    waited_s: float = 0.0
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.gpu.id for r in self.chosen]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckptfix.pick-gpu/1",
+            "CUDA_VISIBLE_DEVICES": self.env.get("CUDA_VISIBLE_DEVICES"),
+            "CUDA_DEVICE_ORDER": self.env.get("CUDA_DEVICE_ORDER"),
+            "chosen": [r.to_dict() for r in self.chosen],
+            "rejected": [r.to_dict() for r in self.rejected],
+            "leases": [lease.to_dict() for lease in self.leases],
+            "waited_s": round(self.waited_s, 3),
+            "warnings": list(self.view.warnings) if self.view else [],
+        }
+
+
+def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str, str]:
+    """The environment that makes CUDA see exactly ``chosen``, in that order.
+
+    ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: nvidia-smi
+    indices, correct only together with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (always set).
+    """
+    if by == "index" or any(not g.uuid for g in chosen):
+        ids = [g.mig_device.uuid if g.mig_device else str(g.smi_index) for g in chosen]
+    else:
+        ids = [g.id for g in chosen]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def choose_and_lease(
+    view: GpuView,
+    criteria: Criteria,
+    *,
+    lease_seconds: float | None,
+    directory: Path | None,
+    by: str = "uuid",
+) -> PickResult:
+    """Rank, then lease the best ``criteria.n`` GPUs not leased by others.
+
+    If fewer than ``n`` qualify, nothing stays leased and the result has fewer
+    than ``n`` chosen (``rejected`` says why the others failed).  ``directory=None``
+    disables leases.
+    """
+    ranked, rejected = rank_gpus(view.devices, criteria)
+    got: list[tuple[Ranked, Lease | None]] = []
+    for r in ranked:
+        if len(got) == criteria.n:
+            break
+        if directory is None:
+            got.append((r, None))
+            continue
+        lease, holder = try_lease(directory, r.gpu.id, lease_seconds)
+        if lease is None:
+            rejected.append(Rejected(r.gpu, f"leased by another job ({holder})"))
+            continue
+        got.append((r, lease))
+    if len(got) < criteria.n:
+        for _, lease in got:
+            if lease is not None:
+                _undo(lease)
+        chosen = [r for r, _ in got]
+        return PickResult(chosen, rejected, {}, [], view)
+    chosen = [Ranked(r.gpu, i + 1, r.effective_procs, r.reason) for i, (r, _) in enumerate(got)]
+    leases = [lease for _, lease in got if lease is not None]
+    return PickResult(chosen, rejected, selection_env([r.gpu for r in chosen], by=by), leases, view)
+
+
+def _undo(lease: Lease) -> None:
+    """Give back a lease taken during a pick that then fell short."""
+    if lease.fd is not None:
+        lease.release()
+        return
+    try:
+        fd = os.open(lease.path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _read_info(fd).get("pid") == os.getpid():
+            os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def explain_shortfall(result: PickResult, criteria: Criteria) -> str:
+    """One line: how many qualify and why each other GPU does not."""
+    n_ok = len(result.chosen)
+    head = f"need {criteria.n} GPU(s), {n_ok} qualif{'ies' if n_ok == 1 else 'y'}"
+    lines = [str(r) for r in result.rejected]
+    return head + (": " + "; ".join(lines) if lines else "")
+
+
+def pick(
+    get_view: Callable[[], GpuView],
+    criteria: Criteria,
+    *,
+    lease_seconds: float | None,
+    directory: Path | None,
+    wait: float = 0.0,
+    interval: float = 10.0,
+    by: str = "uuid",
+    on_wait: Callable[[str], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> PickResult:
+    """Query, choose, and (with ``wait``) retry every ``interval`` seconds until enough GPUs qualify.
+
+    Raises:
+        NoGpuError: CUDA would see no GPU at all (e.g. ``CUDA_VISIBLE_DEVICES=""``).
+        NoGpuFitsError: not enough GPUs qualify and ``wait`` is 0.
+        GpuWaitTimeoutError: still not enough after ``wait`` seconds.
+    """
+    if criteria.n < 1:
+        raise ValueError("n must be at least 1")
+    start = clock()
+    while True:
+        view = get_view()
+        if not view.devices:
+            cvd = view.cuda_visible_devices
+            detail = (
+                f"nvidia-smi sees {len(view.physical)} GPU(s) but CUDA_VISIBLE_DEVICES={cvd!r} hides all of them"
+                if view.physical
+                else "nvidia-smi lists no GPU"
+            )
+            raise NoGpuError(f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU")
+        if len(view.devices) < criteria.n:
+            raise NoGpuFitsError(
+                f"asked for {criteria.n} GPU(s) but only {len(view.devices)} are visible to this process: "
+                "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
+            )
+        result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by)
+        if len(result.chosen) >= criteria.n:
+            result.waited_s = clock() - start
+            return result
+        why = explain_shortfall(result, criteria)
+        elapsed = clock() - start
+        if wait <= 0:
+            raise NoGpuFitsError(f"no GPU fits the request ({why}); relax the filters or use --wait SECONDS")
+        if elapsed >= wait:
+            raise GpuWaitTimeoutError(
+                f"waited {elapsed:.0f}s and GPUs still do not qualify ({why}); raise --wait or relax the filters"
+            )
+        if on_wait is not None:
+            on_wait(f"waiting for GPUs ({why}); next check in {interval:g}s")
+        sleep(max(0.0, min(interval, wait - elapsed)))
+
+
+def apply_env(result: PickResult, environ: MutableMapping[str, str]) -> None:
+    environ.update(result.env)
+
+
+def hold_for_process(leases: Sequence[Lease]) -> None:
+    """Keep held leases open until this Python process exits."""
+    _HELD.extend(le for le in leases if le.fd is not None)
+
+
+def check_cuda_not_initialized() -> None:
+    from ckptfix.gpu.visible import cuda_initialized
+
+    if cuda_initialized():
+        raise CudaAlreadyInitializedError(
+            "CUDA is already initialised in this process, so setting CUDA_VISIBLE_DEVICES now has no effect: "
+            "call pick_gpu() before any torch.cuda call, or run `ckptfix pick-gpu -- python ...` instead"
+        )

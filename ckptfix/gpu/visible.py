@@ -1,0 +1,493 @@
+"""``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` -> the physical GPUs CUDA will use, in order.  Pure.
+
+The CUDA driver's rules (mirrored by ``torch.cuda._parse_visible_devices``):
+
+* unset: every GPU; set but empty: none;
+* entries are parsed like ``strtoul`` (``"1gpu2"`` is ``1``); a negative entry
+  (``-1``) or one that is not a number stops the list there;
+* a repeated entry empties the *whole* list;
+* an index past the last GPU truncates the list there;
+* ``GPU-<uuid>`` entries may be abbreviated to any unambiguous prefix; an
+  unknown or ambiguous one truncates the list;
+* ``MIG-<uuid>`` (R470+) and legacy ``MIG-GPU-<uuid>/<gi>/<ci>`` name MIG devices;
+* the first entry decides the kind: mixing integers and UUIDs stops parsing at
+  the first entry of the other kind.
+
+Indices count in ``CUDA_DEVICE_ORDER``: ``PCI_BUS_ID`` is nvidia-smi's order;
+the default ``FASTEST_FIRST`` puts the fastest model first, which only
+coincides with nvidia-smi's order when every GPU is the same model.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+from ckptfix.gpu.smi import MigDevice, SmiGpu, SmiSnapshot
+
+__all__ = [
+    "VisibleSpec",
+    "Problem",
+    "VisibleGpu",
+    "GpuView",
+    "parse_visible_devices",
+    "strtoul_prefix",
+    "cuda_initialized",
+    "enumeration_order",
+    "build_view",
+    "pci_sort_key",
+]
+
+Kind = Literal["all", "none", "index", "uuid", "mig"]
+
+
+@dataclass(frozen=True)
+class VisibleSpec:
+    """What ``CUDA_VISIBLE_DEVICES`` asks for, before looking at the machine."""
+
+    raw: str | None
+    kind: Kind
+    entries: tuple[Any, ...] = ()  # ints for "index", str for "uuid"/"mig"
+    notes: tuple[str, ...] = ()  # what the parser dropped and why
+    emptied_by_duplicate: bool = False
+    stopped_at: str | None = None  # the entry that stopped the list, if any
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A detected problem and how to fix it (shown by ``gpus`` as a warning and by ``doctor``)."""
+
+    code: str
+    message: str
+    fix: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message, "fix": self.fix}
+
+    def __str__(self) -> str:
+        return f"{self.message}; fix: {self.fix}" if self.fix else self.message
+
+
+def strtoul_prefix(s: str) -> int | None:
+    """Like C ``strtoul`` on one entry: leading blanks, optional sign, digits; junk after is ignored.
+
+    Returns ``None`` when there is no digit, and a negative number for ``-N``
+    (the driver stops at such an entry).  Never raises.
+
+    >>> strtoul_prefix("1gpu2"), strtoul_prefix(" 3"), strtoul_prefix("-1"), strtoul_prefix("gpu")
+    (1, 3, -1, None)
+    """
+    s = s.lstrip(" \t\n\r\f\v")
+    sign = 1
+    if s[:1] in ("+", "-"):
+        sign = -1 if s[0] == "-" else 1
+        s = s[1:]
+    n = 0
+    while n < len(s) and s[n] in "0123456789":
+        n += 1
+    if n == 0:
+        return None
+    return sign * int(s[:n])
+
+
+def parse_visible_devices(value: str | None) -> VisibleSpec:
+    """Parse a ``CUDA_VISIBLE_DEVICES`` value the way the CUDA driver does (see module doc).  Never raises.
+
+    >>> parse_visible_devices("0,2,-1,3").entries
+    (0, 2)
+    >>> parse_visible_devices("1,1").entries
+    ()
+    """
+    if value is None:
+        return VisibleSpec(None, "all")
+    if value.startswith("GPU-") or value.startswith("MIG-"):
+        kind: Kind = "uuid" if value.startswith("GPU-") else "mig"
+        prefix = "GPU-" if kind == "uuid" else "MIG-"
+        seen: list[str] = []
+        for elem in value.split(","):
+            if elem in seen:
+                return VisibleSpec(
+                    value,
+                    kind,
+                    (),
+                    (f"entry {elem!r} appears twice: CUDA then hides every GPU",),
+                    emptied_by_duplicate=True,
+                )
+            if not elem.startswith(prefix):
+                other = "an index" if strtoul_prefix(elem) is not None else "not a " + prefix + " id"
+                note = f"entry {elem!r} is {other} after {prefix} ids: CUDA ignores it and everything after it"
+                return VisibleSpec(value, kind, tuple(seen), (note,), stopped_at=elem)
+            seen.append(elem)
+        return VisibleSpec(value, kind, tuple(seen))
+    if value.strip() == "":
+        return VisibleSpec(value, "none", (), ("CUDA_VISIBLE_DEVICES is set but empty: CUDA sees no GPU",))
+    ints: list[int] = []
+    notes: list[str] = []
+    for elem in value.split(","):
+        x = strtoul_prefix(elem.strip())
+        if x is not None and x >= 0 and x in ints:
+            return VisibleSpec(
+                value,
+                "index",
+                (),
+                (f"index {x} appears twice: CUDA then hides every GPU",),
+                emptied_by_duplicate=True,
+            )
+        if x is None or x < 0:
+            why = "negative" if x is not None else "not a number"
+            if elem.strip().startswith(("GPU-", "MIG-")):
+                why = "a UUID after indices (CUDA does not mix the two)"
+            notes.append(f"entry {elem!r} is {why}: CUDA ignores it and everything after it")
+            return VisibleSpec(value, "index", tuple(ints), tuple(notes), stopped_at=elem)
+        if not elem.strip().lstrip("+").isdigit():
+            notes.append(f"entry {elem!r} is read as {x} (CUDA parses entries like strtoul)")
+        ints.append(x)
+    return VisibleSpec(value, "index", tuple(ints), tuple(notes))
+
+
+# ----------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class VisibleGpu:
+    """One device as CUDA in a process with this environment will number it (``cuda:<cuda_index>``)."""
+
+    cuda_index: int
+    smi_index: int
+    uuid: str | None
+    pci_bus_id: str | None
+    name: str | None
+    memory_total_mib: int | None
+    memory_used_mib: int | None
+    memory_free_mib: int | None
+    utilization_pct: int | None
+    temperature_c: float | None
+    power_w: float | None
+    process_count: int | None
+    mig_enabled: bool | None = None
+    mig_device: MigDevice | None = None  # set when CUDA_VISIBLE_DEVICES names a MIG device
+    unavailable: tuple[tuple[str, str], ...] = ()
+    hidden_used_mib: int | None = None  # used memory not explained by visible processes
+
+    @property
+    def id(self) -> str:
+        """The id to put in CUDA_VISIBLE_DEVICES: MIG uuid, GPU uuid, or the nvidia-smi index."""
+        if self.mig_device is not None:
+            return self.mig_device.uuid
+        return self.uuid if self.uuid else str(self.smi_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "cuda_index": self.cuda_index,
+            "device": f"cuda:{self.cuda_index}",
+            "smi_index": self.smi_index,
+            "uuid": self.uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "name": self.name,
+            "memory_total_mib": self.memory_total_mib,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_free_mib": self.memory_free_mib,
+            "utilization_pct": self.utilization_pct,
+            "temperature_c": self.temperature_c,
+            "power_w": self.power_w,
+            "process_count": self.process_count,
+            "mig_enabled": self.mig_enabled,
+            "mig_device": None if self.mig_device is None else self.mig_device.to_dict(),
+            "unavailable": dict(self.unavailable),
+        }
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """The machine as a CUDA process with this environment sees it (what ``ckptfix gpus`` prints)."""
+
+    devices: tuple[VisibleGpu, ...]
+    physical: tuple[SmiGpu, ...]
+    cuda_visible_devices: str | None
+    cuda_device_order: str | None
+    order_certain: bool
+    driver_version: str | None
+    cuda_initialized: bool
+    warnings: tuple[str, ...] = ()
+    problems: tuple[Problem, ...] = field(default=())
+    spec: VisibleSpec | None = None
+
+    @property
+    def effective_order(self) -> str:
+        return "PCI_BUS_ID" if self.cuda_device_order == "PCI_BUS_ID" else "FASTEST_FIRST"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": "ckptfix.gpus/1",
+            "driver_version": self.driver_version,
+            "environment": {
+                "CUDA_VISIBLE_DEVICES": self.cuda_visible_devices,
+                "CUDA_DEVICE_ORDER": self.cuda_device_order,
+                "effective_order": self.effective_order,
+            },
+            "order_certain": self.order_certain,
+            "cuda_initialized": self.cuda_initialized,
+            "physical_gpu_count": len(self.physical),
+            "devices": [d.to_dict() for d in self.devices],
+            "warnings": list(self.warnings),
+            "problems": [p.to_dict() for p in self.problems],
+        }
+
+
+# ----------------------------------------------------------------------------- mapping
+
+
+def cuda_initialized() -> bool:
+    """True if *this* process has already initialised CUDA through torch.  Never imports torch."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:  # a half-imported or stubbed torch
+        return False
+
+
+def pci_sort_key(g: SmiGpu) -> tuple[int, str, int]:
+    """PCI bus order (``00000000:5E:00.0`` and ``0000:5e:00.0`` compare alike), then nvidia-smi index."""
+    if not g.pci_bus_id:
+        return (1, "", g.index)
+    bus = g.pci_bus_id.strip().lower()
+    dom, _, rest = bus.partition(":")
+    if rest:
+        try:
+            bus = f"{int(dom, 16):08x}:{rest}"
+        except ValueError:
+            pass
+    return (0, bus, g.index)
+
+
+def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple[list[SmiGpu], bool]:
+    """CUDA's numbering of every physical GPU: ``(gpus_in_cuda_order, certain)``.
+
+    With ``PCI_BUS_ID`` (or all GPUs the same model) this is PCI order and certain.
+    Otherwise CUDA puts the fastest first by a heuristic we cannot see; we return
+    PCI order and ``certain=False``.
+    """
+    ordered = sorted(gpus, key=pci_sort_key)
+    if device_order == "PCI_BUS_ID":
+        return ordered, True
+    names = {(g.name or "").strip() for g in gpus}
+    same_model = len(names) <= 1 and "" not in names
+    return ordered, same_model or len(gpus) <= 1
+
+
+def _uuid_match(candidate: str, uuids: Sequence[str | None]) -> tuple[int, str]:
+    """Index of the unique uuid starting with candidate, or (-1, why)."""
+    hits = [i for i, u in enumerate(uuids) if u and u.lower().startswith(candidate.lower())]
+    if len(hits) == 1:
+        return hits[0], ""
+    return -1, ("matches no GPU" if not hits else f"is ambiguous ({len(hits)} GPUs start with it)")
+
+
+def _mig_matches(candidate: str, mig: MigDevice) -> bool:
+    return mig.uuid.lower().startswith(candidate.lower())
+
+
+def _to_visible(cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_mib: int) -> VisibleGpu:
+    hidden: int | None = None
+    if g.memory_used_mib is not None and g.processes is not None:
+        explained = sum(p.used_memory_mib or 0 for p in g.processes)
+        hidden = max(g.memory_used_mib - explained, 0) if not g.processes else None
+        if hidden is not None and hidden < hidden_busy_mib:
+            hidden = 0
+    if mig is not None:
+        return VisibleGpu(
+            cuda_index=cuda_index,
+            smi_index=g.index,
+            uuid=g.uuid,
+            pci_bus_id=g.pci_bus_id,
+            name=f"{g.name or 'GPU'} MIG {mig.profile}",
+            memory_total_mib=None,
+            memory_used_mib=None,
+            memory_free_mib=None,
+            utilization_pct=None,
+            temperature_c=g.temperature_c,
+            power_w=g.power_w,
+            process_count=None,
+            mig_enabled=True,
+            mig_device=mig,
+            unavailable=(("memory", "MIG device: per-instance memory is not in --query-gpu"),),
+        )
+    return VisibleGpu(
+        cuda_index=cuda_index,
+        smi_index=g.index,
+        uuid=g.uuid,
+        pci_bus_id=g.pci_bus_id,
+        name=g.name,
+        memory_total_mib=g.memory_total_mib,
+        memory_used_mib=g.memory_used_mib,
+        memory_free_mib=g.memory_free_mib,
+        utilization_pct=g.utilization_pct,
+        temperature_c=g.temperature_c,
+        power_w=g.power_w,
+        process_count=g.process_count,
+        mig_enabled=g.mig_enabled,
+        unavailable=g.unavailable,
+        hidden_used_mib=hidden,
+    )
+
+
+HIDDEN_BUSY_MIB = 1024
+
+
+def build_view(
+    snapshot: SmiSnapshot,
+    env: Mapping[str, str],
+    *,
+    cuda_is_initialized: bool = False,
+    hidden_busy_mib: int = HIDDEN_BUSY_MIB,
+) -> GpuView:
+    """Map nvidia-smi's physical GPUs to CUDA's logical devices under ``env``.  Pure."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    order = env.get("CUDA_DEVICE_ORDER")
+    spec = parse_visible_devices(cvd)
+    gpus = list(snapshot.gpus)
+    ordered, certain = enumeration_order(gpus, order)
+    warnings: list[str] = list(snapshot.warnings)
+    problems: list[Problem] = []
+    chosen: list[tuple[SmiGpu, MigDevice | None]] = []
+
+    if spec.kind == "all":
+        chosen = [(g, None) for g in ordered]
+    elif spec.kind == "index":
+        for i in spec.entries:
+            if i >= len(ordered):
+                problems.append(
+                    Problem(
+                        "cvd_truncated",
+                        f"CUDA_VISIBLE_DEVICES={cvd!r}: index {i} is out of range (this machine has {len(ordered)} "
+                        f"GPU(s)), so CUDA ignores it and every entry after it",
+                        f"use indices 0..{len(ordered) - 1}, or UUIDs from `ckptfix gpus`",
+                    )
+                )
+                break
+            chosen.append((ordered[i], None))
+    elif spec.kind == "uuid":
+        uuids = [g.uuid for g in gpus]
+        for cand in spec.entries:
+            hit, why = _uuid_match(cand, uuids)
+            if hit < 0:
+                problems.append(
+                    Problem(
+                        "cvd_truncated",
+                        f"CUDA_VISIBLE_DEVICES entry {cand!r} {why}, so CUDA ignores it and every entry after it",
+                        "use full UUIDs from `ckptfix gpus` (or `nvidia-smi -L`)",
+                    )
+                )
+                break
+            if any(g is gpus[hit] for g, _ in chosen):
+                problems.append(
+                    Problem(
+                        "cvd_empty",
+                        f"CUDA_VISIBLE_DEVICES={cvd!r} names GPU {gpus[hit].index} twice: CUDA then hides every GPU",
+                        "list each GPU once",
+                    )
+                )
+                chosen = []
+                break
+            chosen.append((gpus[hit], None))
+        certain = True
+    elif spec.kind == "mig":
+        migs = [m for g in gpus for m in g.mig_devices]
+        if not migs and spec.entries:
+            warnings.append(
+                "CUDA_VISIBLE_DEVICES names MIG devices but nvidia-smi -L listed none: cannot map them"
+            )
+        for cand in spec.entries:
+            hits = [m for m in migs if _mig_matches(cand, m)]
+            if len(hits) != 1:
+                if migs:
+                    why = "matches no MIG device" if not hits else "is ambiguous"
+                    problems.append(
+                        Problem(
+                            "cvd_truncated",
+                            f"CUDA_VISIBLE_DEVICES entry {cand!r} {why}, so CUDA ignores it and every entry after it",
+                            "use MIG UUIDs exactly as `nvidia-smi -L` prints them",
+                        )
+                    )
+                break
+            parent = next(g for g in gpus if g.uuid == hits[0].parent_uuid)
+            if any(m is hits[0] for _, m in chosen):
+                chosen = []
+                break
+            chosen.append((parent, hits[0]))
+        certain = True
+
+    for note in spec.notes:
+        code = "cvd_empty" if spec.emptied_by_duplicate or spec.kind == "none" else "cvd_truncated"
+        problems.append(Problem(code, f"CUDA_VISIBLE_DEVICES={cvd!r}: {note}", _cvd_fix(spec)))
+
+    devices = [_to_visible(i, g, m, hidden_busy_mib) for i, (g, m) in enumerate(chosen)]
+
+    if spec.kind in ("uuid", "mig", "none"):
+        certain = True  # physical ids, listed order: nothing depends on CUDA_DEVICE_ORDER
+    elif not certain:
+        models = sorted({(g.name or "?") for g in gpus})
+        problems.append(
+            Problem(
+                "order_uncertain",
+                "GPUs are different models ("
+                + ", ".join(models)
+                + ") and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA numbers the fastest first, so cuda:N may not "
+                "be nvidia-smi GPU N (the cuda column is a guess in PCI order)",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID (or select GPUs by UUID)",
+            )
+        )
+
+    for d in devices:
+        if d.mig_enabled and d.mig_device is None:
+            problems.append(
+                Problem(
+                    "mig_parent",
+                    f"GPU {d.smi_index} has MIG enabled: CUDA uses its MIG devices, not the whole GPU",
+                    "set CUDA_VISIBLE_DEVICES to a MIG UUID from `nvidia-smi -L`",
+                )
+            )
+        if d.memory_free_mib is None and d.mig_device is None:
+            why = d.unavailable and dict(d.unavailable).get("memory.free") or dict(d.unavailable).get("memory.total")
+            if why:
+                problems.append(
+                    Problem(
+                        "memory_unavailable",
+                        f"GPU {d.smi_index}: nvidia-smi reports memory as [{why}]",
+                        "run with access to the GPU's memory counters; pick-gpu skips this GPU"
+                        if "Permission" in why
+                        else "this GPU reports no framebuffer memory (e.g. unified memory); pick-gpu skips it",
+                    )
+                )
+    if cuda_is_initialized:
+        problems.append(
+            Problem(
+                "cuda_initialized",
+                "CUDA is already initialised in this process: changing CUDA_VISIBLE_DEVICES now has no effect",
+                "set CUDA_VISIBLE_DEVICES before the first CUDA call (or in the shell that starts Python)",
+            )
+        )
+    warnings.extend(str(p) for p in problems)
+    return GpuView(
+        devices=tuple(devices),
+        physical=tuple(gpus),
+        cuda_visible_devices=cvd,
+        cuda_device_order=order,
+        order_certain=certain,
+        driver_version=snapshot.driver_version,
+        cuda_initialized=cuda_is_initialized,
+        warnings=tuple(warnings),
+        problems=tuple(problems),
+        spec=spec,
+    )
+
+
+def _cvd_fix(spec: VisibleSpec) -> str:
+    if spec.kind == "none":
+        return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
+    if spec.emptied_by_duplicate:
+        return "list each GPU once"
+    return "remove the invalid entry (use indices or UUIDs from `ckptfix gpus`, not both)"

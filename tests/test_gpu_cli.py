@@ -1,0 +1,479 @@
+"""The GPU commands end to end: a real subprocess, a fake ``nvidia-smi`` on PATH, real exit codes.
+
+The fake (tests/fixtures/nvidia-smi/fake-nvidia-smi.sh) replays a named scenario
+from tests/fixtures/nvidia-smi/scenarios/, chosen by $FAKE_SMI_SCENARIO.
+Every run also reports whether torch ended up in sys.modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FIX = Path(__file__).parent / "fixtures" / "nvidia-smi"
+SCENARIOS = FIX / "scenarios"
+ROOT = Path(__file__).resolve().parent.parent
+
+H200_FREE = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"  # GPU 2 after release: 0 MiB used
+
+# Runs the CLI like the console script does, then writes "torch imported: True/False" to fd 2.
+# If the checkpoint command module (another engineer's) is not there yet, stand in an empty one.
+WRAPPER = r"""
+import os, sys, types, pathlib
+import ckptfix
+if not (pathlib.Path(ckptfix.__file__).parent / "cli" / "ckpt.py").exists():
+    sys.modules["ckptfix.cli.ckpt"] = types.ModuleType("ckptfix.cli.ckpt")
+from ckptfix.cli import main
+rc = main(sys.argv[1:])
+sys.stdout.flush()
+report = os.environ.get("TORCH_REPORT")
+if report:
+    pathlib.Path(report).write_text(str("torch" in sys.modules))
+sys.exit(rc)
+"""
+
+
+class Run:
+    def __init__(self, p: subprocess.CompletedProcess[str], torch_imported: bool | None):
+        self.rc = p.returncode
+        self.out = p.stdout
+        self.err = p.stderr
+        self.torch_imported = torch_imported
+
+    def __repr__(self) -> str:
+        return f"Run(rc={self.rc}, out={self.out!r}, err={self.err!r})"
+
+
+@pytest.fixture
+def fake_env(tmp_path: Path):
+    """An environment with the fake nvidia-smi first on PATH and private lease dir."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shutil.copy(FIX / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CUDA_", "CKPTFIX_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NCCL_"))
+    }
+    env.update(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        FAKE_SMI_DIR=str(SCENARIOS),
+        FAKE_SMI_LOG=str(tmp_path / "smi.log"),
+        CKPTFIX_LEASE_DIR=str(tmp_path / "leases"),
+        PYTHONPATH=str(ROOT),
+        TORCH_REPORT=str(tmp_path / "torch-report"),
+    )
+    return env
+
+
+def ckptfix(env: dict[str, str], *args: str, scenario: str | None = None, timeout: float = 60, **extra: str) -> Run:
+    e = dict(env)
+    if scenario is not None:
+        e["FAKE_SMI_SCENARIO"] = scenario
+    e.update(extra)
+    report = Path(e["TORCH_REPORT"])
+    if report.exists():
+        report.unlink()
+    p = subprocess.run(
+        [sys.executable, "-c", WRAPPER, *args], env=e, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    torch_imported = None if not report.exists() else report.read_text() == "True"
+    return Run(p, torch_imported)
+
+
+def smi_calls(env: dict[str, str]) -> list[str]:
+    log = Path(env["FAKE_SMI_LOG"])
+    return log.read_text().splitlines() if log.exists() else []
+
+
+# ----------------------------------------------------------------------------- torch stays out
+
+
+def test_importing_gpu_modules_does_not_import_torch():
+    code = "import sys, ckptfix.gpu, ckptfix.gpu.smi, ckptfix.gpu.visible, ckptfix.gpu.pick; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_importing_cli_gpu_does_not_import_torch():
+    code = (
+        "import sys, types, pathlib, ckptfix\n"
+        "if not (pathlib.Path(ckptfix.__file__).parent / 'cli' / 'ckpt.py').exists():\n"
+        "    sys.modules['ckptfix.cli.ckpt'] = types.ModuleType('ckptfix.cli.ckpt')\n"
+        "import ckptfix.cli.gpu, ckptfix.gpu\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_gpus_and_pick_gpu_never_import_torch(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="h200_busy")
+    assert r.rc == 0, r
+    assert r.torch_imported is False
+    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release")
+    assert r.rc == 0, r
+    assert r.torch_imported is False
+
+
+def test_doctor_may_import_torch(fake_env):
+    r = ckptfix(fake_env, "doctor", "--json", scenario="h200_busy")
+    assert r.rc == 0, r
+    assert r.torch_imported is True
+
+
+# ----------------------------------------------------------------------------- gpus
+
+
+def test_gpus_table_8xh200(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="h200_busy")
+    assert r.rc == 0, r
+    lines = r.out.splitlines()
+    assert lines[0].split() == ["cuda", "smi", "uuid", "pci", "name", "used/total", "GiB", "free", "GiB", "util", "procs"]
+    assert lines[1].split()[:4] == ["cuda:0", "0", "GPU-a44622e3", "18:00.0"]
+    assert "NVIDIA H200" in lines[1] and "127.0/140.4" in lines[1]
+    assert lines[8].split()[:3] == ["cuda:7", "7", "GPU-28780eb0"]
+    assert lines[8].split()[-1] == "1"  # the [Not Found] process still counts
+    assert lines[9].startswith("env: CUDA_VISIBLE_DEVICES=<unset>  CUDA_DEVICE_ORDER=<unset> (CUDA uses FASTEST_FIRST)")
+    assert "driver=570.124.06" in lines[9] and "(8 of 8 GPUs visible to CUDA)" in lines[9]
+    assert r.err == ""
+    # one or two nvidia-smi calls, never -L when no GPU has MIG enabled
+    calls = smi_calls(fake_env)
+    assert sorted(c.split()[0] for c in calls) == ["apps", "query-gpu"]
+
+
+def test_gpus_json_schema(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES="7,GPU-x,2")
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert doc["schema"] == "ckptfix.gpus/1"
+    assert doc["environment"] == {
+        "CUDA_VISIBLE_DEVICES": "7,GPU-x,2",
+        "CUDA_DEVICE_ORDER": None,
+        "effective_order": "FASTEST_FIRST",
+    }
+    assert doc["physical_gpu_count"] == 8 and doc["order_certain"] is True
+    (d,) = doc["devices"]
+    for key in (
+        "cuda_index", "smi_index", "uuid", "pci_bus_id", "name", "memory_total_mib", "memory_free_mib",
+        "utilization_pct", "process_count",
+    ):
+        assert key in d
+    assert (d["cuda_index"], d["smi_index"], d["uuid"]) == (0, 7, "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72")
+    assert (d["memory_total_mib"], d["memory_free_mib"], d["utilization_pct"], d["process_count"]) == (143771, 85198, 0, 1)
+    assert any("'GPU-x' is a UUID after indices" in w for w in doc["warnings"])
+    assert [p["code"] for p in doc["problems"]] == ["cvd_truncated"]
+
+
+def test_gpus_mixed_models_warns_order_uncertain(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="mixed")
+    assert r.rc == 0, r
+    assert "cuda:0?" in r.out and "T1000" in r.out
+    assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in r.err
+    assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID" in r.err
+    r = ckptfix(fake_env, "gpus", scenario="mixed", CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    assert r.rc == 0 and "cuda:0 " in r.out and "?" not in r.out and r.err == ""
+
+
+def test_gpus_mig_host_lists_mig_parents_and_maps_mig_uuid(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host")
+    doc = json.loads(r.out)
+    assert [d["mig_enabled"] for d in doc["devices"]] == [False] * 4 + [True] * 4
+    assert any("GPU 4 has MIG enabled" in w for w in doc["warnings"])
+    assert any(c.startswith("L ") for c in smi_calls(fake_env))
+    r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host", CUDA_VISIBLE_DEVICES="MIG-4c7db5d8")
+    (d,) = json.loads(r.out)["devices"]
+    assert d["smi_index"] == 6 and d["mig_device"]["uuid"] == "MIG-4c7db5d8-f005-5927-803e-9ee984a56e15"
+
+
+def test_gpus_insufficient_permissions_and_gb10(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="k8s_insufficient_permissions")
+    assert r.rc == 0, r
+    assert "NVIDIA A100-SXM4-80GB" in r.out and "-/-" in r.out
+    assert "[Insufficient Permissions]" in r.err
+    r = ckptfix(fake_env, "gpus", scenario="gb10_unified_memory")
+    assert r.rc == 0 and "NVIDIA GB10" in r.out and "[N/A]" in r.err
+
+
+def test_gpus_warning_line_before_output(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="warning_line")
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert [d["smi_index"] for d in doc["devices"]] == [0, 2, 3]
+    assert any("Unable to determine the device handle for GPU1" in w for w in doc["warnings"])
+    assert any("exited with code 15 but printed usable output" in w for w in doc["warnings"])
+
+
+@pytest.mark.parametrize(
+    "scenario, code, text",
+    [
+        ("driver_not_loaded", 26, "cannot talk to the NVIDIA driver"),
+        ("lib_mismatch", 27, "driver/library version mismatch (NVML library 535.161)"),
+        ("no_devices", 21, "No devices were found"),
+        ("no_supported_gpus", 21, "No supported GPUs were found"),
+    ],
+)
+@pytest.mark.parametrize("command", ["gpus", "pick-gpu"])
+def test_failures_one_line_and_exit_code(fake_env, scenario, code, text, command):
+    r = ckptfix(fake_env, command, scenario=scenario)
+    assert r.rc == code, r
+    assert r.out == ""
+    assert r.err.startswith("Error: ") and text in r.err and "Traceback" not in r.err
+    assert len(r.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", ["gpus", "pick-gpu", "doctor"])
+def test_nvidia_smi_missing(fake_env, command):
+    env = dict(fake_env, PATH="/usr/bin:/bin")
+    if shutil.which("nvidia-smi", path=env["PATH"]):
+        pytest.skip("a real nvidia-smi is installed")
+    r = ckptfix(env, command, scenario="h200_busy")
+    if command == "doctor":
+        assert r.rc == 0 and "nvidia-smi not found on PATH" in r.out
+        return
+    assert r.rc == 20, r
+    assert r.err.strip() == (
+        "Error: nvidia-smi not found on PATH: no NVIDIA driver is installed here; run on CPU or install the driver"
+    )
+
+
+def test_gpus_cvd_empty_is_no_gpu(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES="")
+    assert r.rc == 21
+    assert "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
+
+
+# ----------------------------------------------------------------------------- pick-gpu
+
+
+def test_pick_gpu_prints_uuid(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release")
+    assert r.rc == 0, r
+    assert r.out == H200_FREE + "\n"
+    assert "picked GPU 2" in r.err and "leased until" in r.err
+    assert len(smi_calls(fake_env)) == 2
+
+
+def test_pick_gpu_export_and_index_ids(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--export", "-n", "2", "--lease", "0", scenario="h200_after_release")
+    assert r.rc == 0, r
+    assert r.out == (
+        f"export CUDA_VISIBLE_DEVICES={H200_FREE},GPU-cb449822-5571-be90-8303-e7558da3ea66; "
+        "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n"
+    )
+    r = ckptfix(fake_env, "pick-gpu", "--ids", "index", "-n", "4", "--lease", "0", scenario="h200_after_release")
+    assert r.out == "2,4,5,6\n"  # all tie on free GiB, util and processes
+
+
+def test_pick_gpu_json(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--json", "-n", "2", scenario="h200_after_release")
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert doc["schema"] == "ckptfix.pick-gpu/1"
+    assert [c["smi_index"] for c in doc["chosen"]] == [2, 4]
+    assert doc["chosen"][0]["uuid"] == H200_FREE
+    assert doc["chosen"][0]["reason"] == (
+        "139.9 GiB free, 0% util, 0 process(es); "
+        "ties with GPU 4 on free GiB, utilization and processes; lower nvidia-smi index"
+    )
+    assert doc["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert len(doc["leases"]) == 2
+
+
+def test_pick_gpu_respects_existing_cvd_and_filters(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7")
+    assert r.rc == 0, r
+    assert r.out.strip() == "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72"
+    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7")
+    assert r.rc == 22, r
+    assert r.err.startswith("Error: no GPU fits the request (need 1 GPU(s), 0 qualify:")
+    assert "GPU 7 (NVIDIA H200): 1 process(es) > --max-procs 0" in r.err
+
+
+def test_pick_gpu_hidden_processes_count_as_busy(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", "-n", "8", "--lease", "0", scenario="h200_hidden_procs")
+    assert r.rc == 22
+    assert "used with no visible process" in r.err
+    r = ckptfix(fake_env, "gpus", scenario="h200_hidden_procs")
+    assert "0*" in r.out
+
+
+def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "-n", "4", "--ids", "index", "--lease", "0", scenario="mig_host")
+    assert r.rc == 0, r
+    assert r.out == "0,1,3,2\n"
+    r = ckptfix(fake_env, "pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host")
+    assert r.rc == 22 and "MIG is enabled" in r.err
+    r = ckptfix(fake_env, "pick-gpu", scenario="k8s_insufficient_permissions")
+    assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
+    r = ckptfix(fake_env, "pick-gpu", scenario="gb10_unified_memory")
+    assert r.rc == 22 and "memory is unavailable ([N/A])" in r.err
+
+
+def test_pick_gpu_min_free_and_max_util(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--min-free", "100GiB", scenario="h200_busy")
+    assert r.rc == 22 and "83.2 GiB free < --min-free 100.0 GiB" in r.err
+    r = ckptfix(fake_env, "pick-gpu", "--min-free", "lots", scenario="h200_busy")
+    assert r.rc == 2 and "not a memory size" in r.err
+
+
+def test_pick_gpu_runs_command_with_env_and_lease(fake_env, tmp_path):
+    script = (
+        "import os, json, pathlib, sys; "
+        "d = pathlib.Path(os.environ['CKPTFIX_LEASE_DIR']); "
+        "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER']); "
+        "print(sorted(p.name for p in d.iterdir())); sys.exit(3)"
+    )
+    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", script, scenario="h200_after_release")
+    assert r.rc == 3, r  # the command's exit code
+    first, second = r.out.splitlines()
+    assert first == f"{H200_FREE} PCI_BUS_ID"
+    assert H200_FREE in second
+    # after the command the lease is free again: the next pick gets the same GPU
+    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="h200_after_release")
+    assert r.out.strip() == H200_FREE
+
+
+def test_pick_gpu_command_not_found(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--", "no-such-command-xyz", scenario="h200_after_release")
+    assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
+
+
+def test_pick_gpu_lease_makes_next_picker_choose_another(fake_env):
+    a = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
+    b = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
+    c = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
+    assert a.rc == b.rc == 0
+    assert a.out != b.out
+    assert c.rc == 22 and "leased by another job" in c.err
+
+
+def test_two_concurrent_pickers_get_different_gpus(fake_env):
+    """Start two `ckptfix pick-gpu` at the same moment (a start barrier), several rounds."""
+    barrier = r"""
+import os, sys, time
+t = float(os.environ["START_AT"])
+while time.time() < t:
+    time.sleep(0.0005)
+"""
+    for round_ in range(3):
+        lease_dir = Path(fake_env["CKPTFIX_LEASE_DIR"]) / f"r{round_}"
+        env = dict(fake_env, FAKE_SMI_SCENARIO="two_free", CKPTFIX_LEASE_DIR=str(lease_dir))
+        env["START_AT"] = str(time.time() + 1.5)
+        code = barrier + WRAPPER
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", code, "pick-gpu", "--lease", "30"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
+            for _ in range(2)
+        ]
+        outs = [p.communicate(timeout=60) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        picked = {o.strip() for o, _ in outs}
+        assert len(picked) == 2, outs
+
+
+def test_pick_gpu_concurrent_commands_hold_leases(fake_env, tmp_path):
+    """While one `pick-gpu -- cmd` runs, a second picker must take the other GPU."""
+    flag = tmp_path / "started"
+    hold = f"import pathlib, time; pathlib.Path({str(flag)!r}).write_text('x'); time.sleep(3)"
+    env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
+    first = subprocess.Popen(
+        [sys.executable, "-c", WRAPPER, "pick-gpu", "--", sys.executable, "-c", hold],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    deadline = time.time() + 30
+    while not flag.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    second = ckptfix(env, "pick-gpu", "--json")
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, err
+    assert second.rc == 0, second
+    chosen_second = json.loads(second.out)["chosen"][0]["smi_index"]
+    assert "picked GPU 0" in err and chosen_second == 1
+
+
+def test_pick_gpu_wait_times_out_with_own_exit_code(fake_env):
+    t0 = time.monotonic()
+    r = ckptfix(fake_env, "pick-gpu", "--min-free", "200GiB", "--wait", "0.6", "--interval", "0.2", scenario="h200_busy")
+    assert r.rc == 23, r
+    assert r.err.splitlines()[-1].startswith("Error: waited ")
+    assert "waiting for GPUs" in r.err
+    assert time.monotonic() - t0 < 30
+    assert len(smi_calls(fake_env)) >= 4  # re-queried on every check
+
+
+def test_pick_gpu_wait_succeeds_when_gpu_frees(fake_env, tmp_path):
+    # a scenario directory whose content flips from busy to released while we wait
+    scen = tmp_path / "scen"
+    shutil.copytree(SCENARIOS / "h200_busy", scen / "flip")
+    env = dict(fake_env, FAKE_SMI_DIR=str(scen), FAKE_SMI_SCENARIO="flip")
+    p = subprocess.Popen(
+        [sys.executable, "-c", WRAPPER, "pick-gpu", "--min-free", "100GiB", "--wait", "30", "--interval", "0.2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    time.sleep(1.0)
+    for f in ("query-gpu.txt", "apps.txt"):
+        shutil.copy(SCENARIOS / "h200_after_release" / f, scen / "flip" / f)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert out.strip() == H200_FREE
+
+
+def test_pick_gpu_cvd_hides_everything(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", scenario="h200_busy", CUDA_VISIBLE_DEVICES="-1")
+    assert r.rc == 21
+    assert "hides all of them" in r.err
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+def test_doctor_json_report(fake_env):
+    r = ckptfix(
+        fake_env, "doctor", "--json", scenario="mixed", LOCAL_RANK="5", WORLD_SIZE="8", NCCL_DEBUG="INFO",
+        CUDA_VISIBLE_DEVICES="0,1,1",
+    )
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert doc["schema"] == "ckptfix.doctor/1"
+    assert doc["python"]["version"].count(".") == 2
+    assert doc["torch"]["installed"] is True and doc["torch"]["build"] in ("cpu", "cuda", "rocm")
+    assert doc["driver_version"] == "580.95.05"
+    assert doc["environment"]["CUDA_VISIBLE_DEVICES"] == "0,1,1"
+    assert doc["distributed"] == {"LOCAL_RANK": "5", "WORLD_SIZE": "8", "NCCL_DEBUG": "INFO"}
+    codes = [p["code"] for p in doc["problems"]]
+    if doc["torch"]["cuda"] is None:
+        assert "cpu_only_torch" in codes
+    assert "cvd_empty" in codes and "master_addr_missing" in codes
+    assert all(p["fix"] for p in doc["problems"])
+
+
+def test_doctor_text(fake_env):
+    r = ckptfix(fake_env, "doctor", scenario="mixed")
+    assert r.rc == 0, r
+    assert r.out.startswith("python:  ")
+    assert "driver:  580.95.05" in r.out and "cuda:0?" in r.out
+    assert "[order_uncertain]" in r.out and "fix: export CUDA_DEVICE_ORDER=PCI_BUS_ID" in r.out
+    r = ckptfix(fake_env, "doctor", scenario="driver_not_loaded")
+    assert r.rc == 0 and "[no_gpu]" in r.out and "exit code 26" in r.out
+
+
+def test_python_m_ckptfix_entry_point(fake_env):
+    if not (ROOT / "ckptfix" / "cli" / "ckpt.py").exists():
+        pytest.skip("ckptfix.cli.ckpt not written yet")
+    env = dict(fake_env, FAKE_SMI_SCENARIO="h200_busy")
+    p = subprocess.run([sys.executable, "-m", "ckptfix", "gpus"], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("cuda")
