@@ -1,0 +1,125 @@
+"""``ckptfix convert``: checkpoint -> safetensors (and safetensors -> .pth). No torch at import time."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from ckptfix.cli import cli
+from ckptfix.cli._common import emit_json, human_bytes, info, json_option, warn
+
+_BAR_MIN_BYTES = 64 << 20
+
+
+@cli.command("convert")
+@click.argument("src", type=click.Path(exists=False, dir_okay=True, file_okay=True))
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False),
+              help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input).")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--strip-prefix", "strip", is_flag=True, help="Strip wrapper prefixes (module., _orig_mod., ...).")
+@click.option("--key", default=None, help="Where the state dict is in the checkpoint, e.g. model or model/state_dict.")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.")
+@click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
+@click.option("--no-verify", is_flag=True, help="Skip re-reading the output and comparing it with the source.")
+@click.option("--fsync", is_flag=True, help="fsync the output and its directory before returning.")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
+              help="Allow this pickle global when torch loading is needed (repeatable).")
+@click.option("--trust", is_flag=True, help="Trust the file completely when torch loading is needed.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@json_option
+def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
+                include_optimizer: bool, no_verify: bool, fsync: bool, allow_globals: tuple[str, ...], trust: bool,
+                quiet: bool, as_json: bool) -> None:
+    """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
+
+    \b
+    ckptfix convert model.pth                      # -> model.safetensors
+    ckptfix convert model.ckpt --strip-prefix -o out/model.safetensors
+    ckptfix convert big.pth --max-shard-size 5GB   # -> big-00001-of-0000N.safetensors + index
+    ckptfix convert model.safetensors -o model.pth
+
+    The input is never modified.  Tied/shared tensors are stored once and
+    recorded in the metadata; ckptfix's loader restores them.
+    """
+    from ckptfix.convert import convert, parse_size
+
+    if max_shard_size is not None:
+        try:
+            parse_size(max_shard_size)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
+
+    bar = _Bar(enabled=not quiet and not as_json and sys.stderr.isatty())
+    kw: dict[str, Any] = dict(verify=not no_verify, force=force, fsync=fsync, progress=bar.update)
+    if strip:
+        kw["strip_prefix"] = True
+    if key is not None:
+        kw["key"] = key
+    if max_shard_size:
+        kw["max_shard_size"] = max_shard_size
+    if include_optimizer:
+        kw["include_optimizer"] = True
+    if allow_globals:
+        kw["allow_globals"] = allow_globals
+    if trust:
+        kw["trust"] = True
+    try:
+        report = convert(src, output, **kw)
+    finally:
+        bar.close()
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    if not quiet:
+        for p in report.outputs:
+            click.echo(p)
+        if report.index:
+            click.echo(report.index)
+        _summary(report)
+
+
+def _summary(r: Any) -> None:
+    parts = [f"{r.tensors} tensors", human_bytes(r.bytes), "verified" if r.verified else "not verified",
+             f"{r.seconds:.2f} s"]
+    info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
+    if r.key_path:
+        info(f"state dict taken from {'/'.join(r.key_path)}")
+    if r.aliases:
+        info(f"{len(r.aliases)} shared tensor(s) stored once: "
+             + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5]) + (" ..." if len(r.aliases) > 5 else ""))
+    if r.renamed:
+        info(f"stripped prefixes from {r.renamed} key(s)")
+    if r.excluded:
+        info(f"excluded: {', '.join(r.excluded)} (pass --include-optimizer to keep optimizer tensors)")
+    if r.copied_views:
+        info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
+    if r.skipped:
+        warn(f"{len(r.skipped)} non-tensor entr(y/ies) not representable in metadata: "
+             + ", ".join(list(r.skipped)[:5]) + (" ..." if len(r.skipped) > 5 else ""))
+
+
+class _Bar:
+    """A click progress bar on stderr, created on the first sizeable update."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.pos = 0
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < _BAR_MIN_BYTES:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label="converting", file=sys.stderr,
+                                         show_eta=True, show_percent=True)
+            self.bar.__enter__()
+        self.bar.update(done - self.pos)
+        self.pos = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
