@@ -1,0 +1,338 @@
+"""Pure nvidia-smi parser tests over the real samples, plus query() with an injected runner."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  # a checkout, not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckptfix.errors import GpuQueryError, GpuToolingError, NoGpuError
+from ckptfix.gpu import smi
+from ckptfix.gpu.smi import DriverMismatchError, DriverNotLoadedError, RunResult
+
+SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
+SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
+
+
+def sample(name: str) -> str:
+    text = (SAMPLES / name).read_text()
+    assert text.startswith("# SOURCE")
+    return text.split("\n", 1)[1]
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize(
+    "raw, value, placeholder",
+    [
+        ("130013 MiB", "130013 MiB", None),
+        (" [N/A]", None, "N/A"),
+        ("N/A", None, "N/A"),
+        ("[Not Supported]", None, "Not Supported"),
+        ("[Insufficient Permissions]", None, "Insufficient Permissions"),
+        ("[Unknown Error]", None, "Unknown Error"),
+        ("[Not Found]", None, "Not Found"),
+        ("", None, "empty"),
+    ],
+)
+def test_parse_value(raw, value, placeholder):
+    assert smi.parse_value(raw) == (value, placeholder)
+
+
+@pytest.mark.parametrize(
+    "text, mib, expected",
+    [("130013 MiB", True, 130013), ("130013", True, 130013), ("2 GiB", True, 2048), ("100 %", False, 100),
+     ("11.17 W", False, 11.17), ("junk", False, None), (None, False, None), ("5 parsecs", True, None)],
+)
+def test_parse_number(text, mib, expected):
+    assert smi.parse_number(text, mib=mib) == expected
+
+
+# ----------------------------------------------------------------------------- --query-gpu samples
+
+
+def test_h200_with_header_and_units():
+    gpus, warnings = smi.parse_gpu_csv(sample("csv_8xH200_busy_units.txt"))
+    assert warnings == []
+    assert [g.index for g in gpus] == list(range(8))
+    g7 = gpus[7]
+    assert (g7.uuid, g7.memory_used_mib, g7.memory_total_mib, g7.utilization_pct) == (
+        "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72", 58071, 143771, 0,
+    )
+    assert g7.memory_free_mib == 143771 - 58071  # derived: the sample has no memory.free column
+
+
+def test_noheader_nounits_titanx_with_explicit_fields():
+    fields = ["index", "uuid", "name", "temperature.gpu", "utilization.gpu", "memory.used", "memory.total"]
+    gpus, warnings = smi.parse_gpu_csv(sample("csv_noheader_nounits_8xTITANX_busy.txt"), fields)
+    assert warnings == [] and len(gpus) == 8
+    assert (gpus[0].name, gpus[0].memory_used_mib, gpus[0].memory_free_mib, gpus[0].temperature_c) == (
+        "GeForce GTX TITAN X", 802, 12206 - 802, 25.0,
+    )
+
+
+def test_noheader_units_kept():
+    gpus, _ = smi.parse_gpu_csv(sample("csv_noheader_units_mixed_models_order_mismatch.txt"), ["name", "memory.total", "index"])
+    assert [(g.index, g.name, g.memory_total_mib) for g in gpus] == [
+        (0, "NVIDIA GeForce GTX 1660 SUPER", 6144), (1, "NVIDIA GeForce RTX 3090", 24576),
+    ]
+
+
+def test_name_with_spaces_and_bare_na():
+    fields = ["power.limit", "power.min_limit", "power.max_limit", "memory.total", "vbios_version", "driver_version",
+              "name", "uuid", "power.draw", "temperature.gpu", "temperature.memory", "clocks.current.graphics",
+              "clocks.sm", "clocks.mem", "utilization.gpu", "utilization.memory", "fan.speed",
+              "pcie.link.width.current", "pstate"]
+    (g,), warnings = smi.parse_gpu_csv(sample("csv_noheader_nounits_bare_NA_no_brackets_driver440.txt"), fields)
+    assert warnings == []
+    assert (g.name, g.uuid, g.power_w, g.utilization_pct, g.driver_version) == (
+        "GeForce RTX 2080", "GPU-22b2c6ac-2d49-4863-197c-9c469071178a", 176.98, 86, "440.64",
+    )
+    assert g.unavailable_reason("temperature.memory") == "N/A"
+
+
+def test_name_with_comma_is_merged():
+    text = "index, uuid, name, memory.total [MiB]\n0, GPU-1, NVIDIA Foo, Bar Edition, 100 MiB\n"
+    (g,), warnings = smi.parse_gpu_csv(text)
+    assert (g.name, g.memory_total_mib, warnings) == ("NVIDIA Foo, Bar Edition", 100, [])
+
+
+@pytest.mark.parametrize(
+    "name, placeholder",
+    [("csv_noheader_nounits_fan_NA_newdriver.txt", "N/A"), ("csv_noheader_nounits_fan_NotSupported_olddriver.txt", "Not Supported")],
+)
+def test_fan_placeholder_changes_across_drivers(name, placeholder):
+    fields = ["memory.total", "memory.free", "memory.used", "temperature.gpu", "fan.speed", "utilization.gpu", "utilization.memory"]
+    (g,), _ = smi.parse_gpu_csv(sample(name), fields)
+    assert (g.memory_total_mib, g.memory_free_mib, g.unavailable_reason("fan.speed")) == (2004, 2004, placeholder)
+
+
+def test_insufficient_permissions_and_mig_parent_na():
+    (g,), _ = smi.parse_gpu_csv(sample("csv_k8s_MIG_A100_insufficient_permissions.txt"))
+    assert (g.index, g.uuid, g.name, g.memory_free_mib, g.utilization_pct) == (0, None, "NVIDIA A100-SXM4-80GB", None, None)
+    assert g.unavailable_reason("memory.free") == "Insufficient Permissions"
+    assert g.unavailable_reason("utilization.gpu") == "N/A"
+
+
+@pytest.mark.parametrize("name", ["csv_GB10_unified_memory_NA_a.txt", "csv_GB10_unified_memory_NA_b.txt"])
+def test_gb10_memory_na(name):
+    (g,), _ = smi.parse_gpu_csv(sample(name))
+    assert g.memory_total_mib is None and g.memory_free_mib is None
+    assert g.unavailable_reason("memory.total") == "N/A"
+
+
+def test_gb10_loop_mode_rows():
+    gpus, _ = smi.parse_gpu_csv(sample("csv_GB10_loop_l1.txt"))
+    assert [g.utilization_pct for g in gpus] == [0, 2, 0, 0, 0]
+
+
+def test_unknown_error_rows_are_kept_as_unavailable():
+    gpus, warnings = smi.parse_gpu_csv(
+        sample("csv_loop_mode_Unknown_Error_rows.txt"), ["utilization.gpu", "utilization.encoder", "utilization.decoder"]
+    )
+    assert warnings == []
+    assert [g.utilization_pct for g in gpus] == [0, None, None]
+    assert gpus[1].unavailable_reason("utilization.gpu") == "Unknown Error"
+
+
+def test_mig_mode_and_vgpu_samples():
+    fields = ["index", "name", "uuid", "driver_version", "memory.total", "mig.mode.current"]
+    gpus, _ = smi.parse_gpu_csv(sample("csv_noheader_2xRTXPRO6000_Server_mig_mode.txt"), fields)
+    assert [(g.index, g.mig_enabled, g.memory_total_mib) for g in gpus] == [(4, False, 97887), (5, False, 97887)]
+    (g,), _ = smi.parse_gpu_csv(sample("csv_noheader_nounits_vGPU_MIG_H100L.txt"), ["clocks.max.sm", "memory.total", "gpu_name"])
+    assert (g.name, g.memory_total_mib) == ("NVIDIA H100L-2-24C", 24576)
+
+
+def test_pci_bus_ids_kept_verbatim():
+    gpus, _ = smi.parse_gpu_csv(sample("csv_mixed_T1000_2xRTXPRO6000_pci_order.txt"))
+    assert [g.pci_bus_id for g in gpus] == ["00000000:47:00.0", "00000000:5E:00.0", "00000000:75:00.0"]
+    gpus, _ = smi.parse_gpu_csv(sample("csv_mixed_5060Ti_5060_driver580.txt"))
+    assert [g.driver_version for g in gpus] == ["580.173.02"] * 2
+
+
+def test_warning_line_before_output():
+    text = sample("err_device_handle_unknown_error_prefix_line.txt") + sample("csv_8xH200_after_release.txt")
+    gpus, warnings = smi.parse_gpu_csv(text)
+    assert len(gpus) == 8
+    assert warnings == ["Unable to determine the device handle for GPU1: 0000:34:00.0: Unknown Error"]
+
+
+# ----------------------------------------------------------------------------- apps and -L
+
+
+def test_apps_not_found_process():
+    procs, warnings = smi.parse_apps_csv(sample("apps_8xH200_with_NotFound_process.txt"))
+    assert warnings == [] and len(procs) == 8
+    assert procs[-1] == smi.GpuProcess("GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72", 1758887, None, 58060)
+
+
+def test_apps_header_only_and_empty():
+    assert smi.parse_apps_csv(sample("apps_header_only_no_processes.txt")) == ([], [])
+    assert smi.parse_apps_csv("") == ([], [])
+
+
+def test_apps_same_pid_on_two_gpus():
+    apps_part, gpu_part = sample("apps_and_csv_4gpu_same_pid_two_gpus.txt").split("index, uuid", 1)
+    procs, _ = smi.parse_apps_csv(apps_part, ["gpu_uuid", "pid", "used_memory"])
+    assert [p.pid for p in procs] == [1912379, 3891903, 1912379]
+    gpus, _ = smi.parse_gpu_csv("index, uuid" + gpu_part)
+    assert [g.memory_used_mib for g in gpus] == [529, 5, 74709, 567]
+
+
+def test_list_modern_mig():
+    gpus, migs, junk = smi.parse_list(sample("L_dgxa100_8xA100-40GB_mixed_MIG.txt"))
+    assert len(gpus) == 8 and len(migs) == 7 + 3 + 2 + 4 and junk == []
+    assert migs[-1].profile == "1g.5gb" and migs[-1].parent_index == 7 and migs[-1].device_index == 3
+
+
+def test_list_docs_rendered_without_indent():
+    gpus, migs, junk = smi.parse_list(sample("L_docs_R470_8xA100_every_MIG_layout_DOCS_RENDERED.txt"))
+    assert len(gpus) == 8 and len(migs) == 26 and junk == []
+    assert {m.profile for m in migs if m.parent_index == 6} == {"1c.7g.40gb", "2c.7g.40gb", "3c.7g.40gb"}
+
+
+@pytest.mark.parametrize("name, n", [("L_legacy_R460_MIG-GPU_uuid_format_6xA100.txt", 4), ("L_legacy_gpu_operator_docs_7x1g5gb.txt", 7)])
+def test_list_legacy_mig_ids(name, n):
+    _, migs, _ = smi.parse_list(sample(name))
+    assert len(migs) == n
+    assert all(m.uuid == f"MIG-{m.parent_uuid}/{m.uuid.split('/')[1]}/0" for m in migs)
+
+
+def test_list_container_renumbered():
+    gpus, migs, _ = smi.parse_list(sample("L_container_2xMIG7g_renumbered.txt"))
+    assert [g[0] for g in gpus] == [0, 1] and gpus[0][2] == "GPU-9e13f17f-a213-eb38-9a9c-0b2a540e4908"
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize(
+    "name, rc, cls, code",
+    [
+        ("err_driver_not_loaded_rc9.txt", 9, DriverNotLoadedError, 26),
+        ("err_driver_lib_version_mismatch_rc18.txt", 18, DriverMismatchError, 27),
+        ("err_no_devices_found.txt", 6, NoGpuError, 21),
+        ("err_no_supported_gpus_rc255.txt", 255, NoGpuError, 21),
+    ],
+)
+def test_classify_failure(name, rc, cls, code):
+    err = smi.classify_failure(rc, sample(name))
+    assert type(err) is cls and err.exit_code == code
+    assert isinstance(err, NoGpuError)  # scripts catching NoGpuError fall back to CPU for all of these
+    assert "run on CPU" in str(err)
+
+
+def test_classify_by_text_even_with_other_rc():
+    assert isinstance(smi.classify_failure(0, sample("err_no_devices_found.txt")), NoGpuError)
+    assert isinstance(smi.classify_failure(1, "", sample("err_driver_not_loaded_rc9.txt")), DriverNotLoadedError)
+    assert smi.classify_failure(3, "something else") is None
+
+
+# ----------------------------------------------------------------------------- query() with an injected runner
+
+
+def scenario_runner(name: str, calls: list[list[str]] | None = None):
+    d = SCENARIOS / name
+
+    def run(argv, timeout):
+        if calls is not None:
+            calls.append(list(argv))
+        kind = "default"
+        for a in argv:
+            if a.startswith("--query-gpu="):
+                kind = "query-gpu"
+            elif a.startswith("--query-compute-apps="):
+                kind = "apps"
+            elif a == "-L":
+                kind = "L"
+        f = d / f"{kind}.txt"
+        if not f.exists():
+            f = d / "default.txt"
+        out = f.read_text().split("\n", 1)[1] if f.exists() else ""
+        rc_file = d / f"{kind}.rc" if (d / f"{kind}.rc").exists() else d / "rc"
+        rc = int(rc_file.read_text()) if rc_file.exists() else 0
+        return RunResult(rc, out, "")
+
+    return run
+
+
+def test_query_h200_two_calls_processes_attached():
+    calls: list[list[str]] = []
+    snap = smi.query(runner=scenario_runner("h200_busy", calls))
+    assert snap.calls == 2 and len(calls) == 2
+    assert calls[0][1].startswith("--query-gpu=index,uuid,pci.bus_id,name,memory.total")
+    assert calls[0][2] == "--format=csv,nounits"
+    assert snap.driver_version == "570.124.06" and snap.processes_known
+    assert [g.process_count for g in snap.gpus] == [1] * 8
+    assert snap.gpus[7].processes[0].name is None
+
+
+def test_query_mig_host_lists_mig_devices_with_third_call():
+    snap = smi.query(runner=scenario_runner("mig_host"))
+    assert snap.calls == 3 and snap.mig_listed
+    assert [len(g.mig_devices) for g in snap.gpus] == [0, 0, 0, 0, 7, 3, 2, 4]
+
+
+def test_query_retries_without_unknown_field():
+    seen: list[str] = []
+
+    def runner(argv, timeout):
+        seen.append(argv[1])
+        if argv[1].startswith("--query-gpu=") and "mig.mode.current" in argv[1]:
+            return RunResult(2, 'Field "mig.mode.current" is not a valid field to query.\n')
+        if argv[1].startswith("--query-gpu="):
+            return RunResult(0, "0, GPU-1, 00000000:01:00.0, Tesla K80, 11441, 0, 11441, 0, 418.67\n")
+        return RunResult(0, "")
+
+    snap = smi.query(runner=runner)
+    assert snap.gpus[0].name == "Tesla K80" and snap.gpus[0].memory_free_mib == 11441
+    assert snap.calls == 3
+
+
+def test_query_failures_map_to_errors():
+    with pytest.raises(DriverNotLoadedError):
+        smi.query(runner=scenario_runner("driver_not_loaded"))
+    with pytest.raises(DriverMismatchError, match="535.161"):
+        smi.query(runner=scenario_runner("lib_mismatch"))
+    with pytest.raises(NoGpuError, match="No devices were found"):
+        smi.query(runner=scenario_runner("no_devices"))
+    with pytest.raises(GpuQueryError, match="exited with code 3"):
+        smi.query(runner=lambda argv, t: RunResult(3, "garbage\n"))
+    with pytest.raises(NoGpuError):
+        smi.query(runner=lambda argv, t: RunResult(0, ""))
+
+
+def test_query_apps_failure_is_a_warning():
+    def runner(argv, timeout):
+        if argv[1].startswith("--query-compute-apps"):
+            return RunResult(4, "Insufficient Permissions\n")
+        return scenario_runner("h200_busy")(argv, timeout)
+
+    snap = smi.query(runner=runner)
+    assert not snap.processes_known and snap.gpus[0].process_count is None
+    assert any("process counts unknown" in w for w in snap.warnings)
+
+
+def test_find_nvidia_smi_missing_and_override(tmp_path):
+    with pytest.raises(GpuToolingError, match="nvidia-smi not found on PATH"):
+        smi.find_nvidia_smi({"PATH": str(tmp_path)})
+    assert smi.find_nvidia_smi({"CKPTFIX_NVIDIA_SMI": "/opt/x/nvidia-smi"}) == "/opt/x/nvidia-smi"
+
+
+def test_subprocess_runner_timeout_and_missing(tmp_path):
+    slow = tmp_path / "slow"
+    slow.write_text("#!/bin/sh\nsleep 5\n")
+    slow.chmod(0o755)
+    with pytest.raises(GpuQueryError, match="did not answer within 0.2s"):
+        smi.subprocess_runner([str(slow)], 0.2)
+    with pytest.raises(GpuQueryError, match="did not answer"):
+        smi._run_parallel([[str(slow)], [str(slow)]], 0.2)
+    with pytest.raises(GpuToolingError):
+        smi.subprocess_runner([str(tmp_path / "nope")], 1)
+    with pytest.raises(GpuToolingError):
+        smi._run_parallel([[str(tmp_path / "nope")]], 1)
