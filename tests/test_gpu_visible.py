@@ -1,0 +1,188 @@
+"""CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER rules (pure), including a hypothesis property test."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  # a checkout, not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ckptfix.gpu.smi import MigDevice, SmiGpu, SmiSnapshot
+from ckptfix.gpu.visible import (
+    build_view,
+    cuda_initialized,
+    enumeration_order,
+    parse_visible_devices,
+    strtoul_prefix,
+)
+
+U = [
+    "GPU-4dd97325-7fe6-abf1-d6a9-ba746fe0fdab",
+    "GPU-9e13f17f-a213-eb38-9a9c-0b2a540e4908",
+    "GPU-9e1aaaaa-a213-eb38-9a9c-0b2a540e4908",
+    "GPU-eeb0f073-2f03-6035-72a3-7b1ac76c5a72",
+]
+
+
+def gpus(names=("A100",) * 4, pcis=None):
+    pcis = pcis or [f"00000000:{0x10 * (i + 1):02X}:00.0" for i in range(len(names))]
+    return tuple(
+        SmiGpu(index=i, uuid=U[i], pci_bus_id=pcis[i], name=n, memory_total_mib=1000, memory_used_mib=0,
+               memory_free_mib=1000, utilization_pct=0, processes=())
+        for i, n in enumerate(names)
+    )
+
+
+def view(env, g=None, **kw):
+    return build_view(SmiSnapshot(gpus=g or gpus(), driver_version="550.1"), env, **kw)
+
+
+def smi_indices(v):
+    return [d.smi_index for d in v.devices]
+
+
+# ----------------------------------------------------------------------------- the parser
+
+
+@pytest.mark.parametrize(
+    "value, kind, entries",
+    [
+        (None, "all", ()),
+        ("", "none", ()),
+        ("0,1", "index", (0, 1)),
+        ("2,0", "index", (2, 0)),  # listed order is CUDA's order
+        (" 1, 3", "index", (1, 3)),
+        ("1gpu2", "index", (1,)),  # strtoul
+        ("0,2,-1,3", "index", (0, 2)),  # a negative stops the list
+        ("-1", "index", ()),
+        ("0,abc,1", "index", (0,)),  # first invalid entry truncates
+        ("0,1,0", "index", ()),  # a duplicate empties everything
+        ("+1", "index", (1,)),
+        ("0,GPU-4dd9", "index", (0,)),  # mixing stops parsing
+        ("GPU-4dd9,GPU-9e13", "uuid", ("GPU-4dd9", "GPU-9e13")),
+        ("GPU-4dd9,1", "uuid", ("GPU-4dd9",)),
+        ("GPU-4dd9,GPU-4dd9", "uuid", ()),
+        ("MIG-1c5876e6,MIG-934f", "mig", ("MIG-1c5876e6", "MIG-934f")),
+        ("MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0", "mig", ("MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0",)),
+        ("MIG-x,GPU-y", "mig", ("MIG-x",)),
+    ],
+)
+def test_parse_visible_devices(value, kind, entries):
+    spec = parse_visible_devices(value)
+    assert (spec.kind, spec.entries) == (kind, entries)
+
+
+def test_parser_notes_say_what_was_dropped():
+    assert parse_visible_devices("0,1,0").emptied_by_duplicate
+    assert "read as 1 (CUDA parses entries like strtoul)" in parse_visible_devices("1gpu2").notes[0]
+    assert "'-1' is negative" in parse_visible_devices("0,-1,2").notes[0]
+    assert "UUID after indices" in parse_visible_devices("0,GPU-x").notes[0]
+
+
+@pytest.mark.parametrize("s, n", [("1gpu2", 1), ("  7", 7), ("-3", -3), ("+", None), ("-", None), ("", None), ("x1", None), ("²", None)])
+def test_strtoul_prefix(s, n):
+    assert strtoul_prefix(s) == n
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.text(), st.text(alphabet="0123456789,-+ GPUMI-abcdef/"), st.lists(st.integers(-3, 12)).map(lambda xs: ",".join(map(str, xs)))))
+def test_parser_never_raises_and_never_duplicates(value):
+    spec = parse_visible_devices(value)
+    assert len(set(spec.entries)) == len(spec.entries)
+    v = view({"CUDA_VISIBLE_DEVICES": value})
+    assert len({d.smi_index for d in v.devices}) == len(v.devices)
+    assert [d.cuda_index for d in v.devices] == list(range(len(v.devices)))
+
+
+# ----------------------------------------------------------------------------- mapping to physical GPUs
+
+
+def test_unset_is_all_in_pci_order():
+    g = gpus(pcis=["00000000:80:00.0", "00000000:10:00.0", "00000000:5e:00.0", "00000000:5F:00.0"])
+    v = view({}, g)
+    assert smi_indices(v) == [1, 2, 3, 0] and v.order_certain
+
+
+def test_empty_hides_all():
+    v = view({"CUDA_VISIBLE_DEVICES": ""})
+    assert v.devices == () and [p.code for p in v.problems] == ["cvd_empty"]
+
+
+def test_index_list_order_and_out_of_range_truncates():
+    assert smi_indices(view({"CUDA_VISIBLE_DEVICES": "3,1"})) == [3, 1]
+    v = view({"CUDA_VISIBLE_DEVICES": "1,7,2"})
+    assert smi_indices(v) == [1]
+    assert "index 7 is out of range (this machine has 4 GPU(s))" in v.problems[0].message
+
+
+def test_uuid_abbreviation_unique_ambiguous_unknown():
+    assert smi_indices(view({"CUDA_VISIBLE_DEVICES": "GPU-eeb0,GPU-4dd97325-7fe6-abf1-d6a9-ba746fe0fdab"})) == [3, 0]
+    v = view({"CUDA_VISIBLE_DEVICES": "GPU-4dd9,GPU-9e1,GPU-eeb0"})  # GPU-9e1 matches two GPUs
+    assert smi_indices(v) == [0] and "ambiguous" in v.problems[0].message
+    v = view({"CUDA_VISIBLE_DEVICES": "GPU-ffff,GPU-eeb0"})
+    assert smi_indices(v) == [] and "matches no GPU" in v.problems[0].message
+    v = view({"CUDA_VISIBLE_DEVICES": "GPU-eeb0,GPU-eeb0f073"})  # same GPU twice via different prefixes
+    assert smi_indices(v) == [] and v.problems[0].code == "cvd_empty"
+
+
+def test_mixed_models_without_pci_order_is_uncertain():
+    g = gpus(names=("T1000", "RTX PRO 6000", "RTX PRO 6000", "RTX PRO 6000"))
+    v = view({}, g)
+    assert not v.order_certain and "order_uncertain" in [p.code for p in v.problems]
+    assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID" in v.problems[-1].fix
+    assert view({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, g).order_certain
+    assert not view({"CUDA_VISIBLE_DEVICES": "0"}, g).order_certain  # index 0 may be the fastest card
+    assert view({"CUDA_VISIBLE_DEVICES": U[0]}, g).order_certain  # UUIDs do not depend on the order
+    assert enumeration_order(g, None)[1] is False and enumeration_order(g[1:], None)[1] is True
+
+
+def _mig_gpus():
+    base = gpus()
+    legacy = MigDevice("MIG-GPU-" + U[1][4:] + "/1/0", U[1], 1, 0, "3g.20gb")
+    modern = (
+        MigDevice("MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2", U[2], 2, 0, "1g.5gb"),
+        MigDevice("MIG-1c58aaaa-d3b9-524a-9eb4-664fcfbd4de2", U[2], 2, 1, "1g.5gb"),
+    )
+    from dataclasses import replace
+
+    return (base[0], replace(base[1], mig_enabled=True, mig_devices=(legacy,)),
+            replace(base[2], mig_enabled=True, mig_devices=modern), base[3])
+
+
+def test_mig_ids_current_and_legacy():
+    g = _mig_gpus()
+    v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c5876e6,MIG-GPU-" + U[1][4:] + "/1/0"}, g)
+    assert smi_indices(v) == [2, 1]
+    assert v.devices[0].name == "A100 MIG 1g.5gb" and v.devices[0].id.startswith("MIG-1c5876e6")
+    v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c58"}, g)  # ambiguous prefix
+    assert smi_indices(v) == [] and "ambiguous" in v.problems[0].message
+    v = view({}, g)
+    assert [p.code for p in v.problems].count("mig_parent") == 2
+
+
+def test_cuda_initialized_detection_without_importing_torch(monkeypatch):
+    fake = types.ModuleType("torch")
+    fake.cuda = types.SimpleNamespace(is_initialized=lambda: True)
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert cuda_initialized() is True
+    fake.cuda = types.SimpleNamespace(is_initialized=lambda: False)
+    assert cuda_initialized() is False
+    monkeypatch.delitem(sys.modules, "torch")
+    assert cuda_initialized() is False
+    v = view({}, cuda_is_initialized=True)
+    assert v.cuda_initialized and v.problems[-1].code == "cuda_initialized"
+    assert "has no effect" in v.problems[-1].message
+
+
+def test_view_to_dict_round_trips_to_json():
+    import json
+
+    doc = json.loads(json.dumps(view({"CUDA_VISIBLE_DEVICES": "1,0"}).to_dict()))
+    assert [d["device"] for d in doc["devices"]] == ["cuda:0", "cuda:1"]
+    assert [d["smi_index"] for d in doc["devices"]] == [1, 0]
