@@ -1,0 +1,457 @@
+"""ckptfix.convert: checkpoint -> safetensors and back, on real artefacts made in tmp_path."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import ckptfix.convert as conv
+from ckptfix.convert import convert, convert_from_safetensors, convert_to_safetensors, parse_size, restore_aliases
+from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sha(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def meta_of(path) -> dict:
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def files_in(d) -> list[str]:
+    return sorted(os.listdir(d))
+
+
+@pytest.fixture()
+def tied(tmp_path):
+    torch.manual_seed(0)
+    m = TiedLM()
+    p = tmp_path / "model.pth"
+    torch.save(m.state_dict(), p)
+    return p, m.state_dict()
+
+
+# --------------------------------------------------------------------------- basics
+
+def test_tied_weights_stored_once_and_restored(tied, tmp_path):
+    src, sd = tied
+    before = sha(src)
+    r = convert_to_safetensors(src)
+    out = tmp_path / "model.safetensors"
+    assert r.outputs == [str(out)] and r.verified and not r.used_torch
+    assert r.aliases == {"lm_head.weight": "embed.weight"}
+    raw = load_file(out)
+    assert "lm_head.weight" not in raw and "embed.weight" in raw
+    meta = meta_of(out)
+    assert meta["format"] == "pt"
+    assert json.loads(meta["ckptfix.aliases"]) == {"lm_head.weight": "embed.weight"}
+    back = restore_aliases(raw, meta)
+    assert list(back) == list(sd)
+    assert back["lm_head.weight"] is back["embed.weight"]
+    for k, v in sd.items():
+        assert_same(back[k], v)
+    assert sha(src) == before
+
+
+def test_load_anywhere_restores_shared(tied, tmp_path):
+    from ckptfix.loading import load_anywhere
+
+    src, sd = tied
+    convert_to_safetensors(src)
+    back = load_anywhere(tmp_path / "model.safetensors")
+    assert back["lm_head.weight"].data_ptr() == back["embed.weight"].data_ptr()
+    for k, v in sd.items():
+        assert_same(back[k], v)
+
+
+def test_fast_path_never_imports_torch(tied, tmp_path):
+    src, _ = tied
+    code = ("import sys; from ckptfix.convert import convert_to_safetensors as c; r = c(sys.argv[1]); "
+            "assert r.verified; print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_byte_identical_to_save_file(tmp_path):
+    torch.manual_seed(1)
+    sd = {"z.w": torch.randn(3, 5), "a.b": torch.randn(7).half(), "i": torch.arange(9), "m": torch.tensor(True),
+          "e": torch.zeros(0, 3), "bf": torch.randn(2, 2).bfloat16(), "u": torch.arange(4, dtype=torch.uint8),
+          "ünï": torch.ones(2), "s": torch.tensor(3.5)}
+    src = tmp_path / "m.pth"
+    torch.save(sd, src)
+    ours = tmp_path / "ours.safetensors"
+    convert_to_safetensors(src, ours, ckptfix_metadata=False)
+    ref = tmp_path / "ref.safetensors"
+    save_file(sd, ref, metadata={"format": "pt"})
+    assert ours.read_bytes() == ref.read_bytes()
+
+
+def _normalised(path) -> tuple[bytes, str, bytes]:
+    data = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", data[:8])
+    h = json.loads(data[8:8 + n])
+    h["__metadata__"] = dict(sorted(h["__metadata__"].items()))
+    return data[:8], json.dumps(h), data[8 + n:]
+
+
+def test_identical_to_save_file_with_full_metadata(tied, tmp_path):
+    """save_file orders __metadata__ randomly (a Rust HashMap); all else must match byte for byte."""
+    src, sd = tied
+    ours = tmp_path / "model.safetensors"
+    convert_to_safetensors(src, ours)
+    meta = meta_of(ours)
+    ref = tmp_path / "ref.safetensors"
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, ref, metadata=meta)
+    assert os.path.getsize(ours) == os.path.getsize(ref)
+    a, b = _normalised(ours), _normalised(ref)
+    assert a == b
+    # tensor order in the header is save_file's too
+    ka = list(json.loads(open(ours, "rb").read()[8:8 + struct.unpack("<Q", a[0])[0]]))
+    kb = list(json.loads(open(ref, "rb").read()[8:8 + struct.unpack("<Q", b[0])[0]]))
+    assert ka[1:] == kb[1:]
+
+
+# --------------------------------------------------------------------------- views and dtypes
+
+def test_lstm_and_views(tmp_path):
+    torch.manual_seed(2)
+    lstm = torch.nn.LSTM(4, 6, num_layers=2)
+    sd = dict(lstm.state_dict())
+    flat = torch.randn(60)
+    sd["packed.a"] = flat[:24].view(4, 6)  # views of one storage, no tensor covers it: copies
+    sd["packed.b"] = flat[24:60].view(6, 6)
+    base = torch.randn(6, 8)
+    sd["base"] = base  # covers its storage: the others are restorable views of it
+    sd["base_t"] = base.t()
+    sd["base_rows"] = base[1:3]
+    sd["base_step"] = base[:, ::2]
+    sd["transposed"] = torch.randn(5, 3).t()
+    sd["expanded"] = torch.randn(3, 1).expand(3, 4)
+    sd["scalar"] = torch.tensor(2.0)
+    src = tmp_path / "lstm.pt"
+    torch.save(sd, src)
+    r = convert_to_safetensors(src)
+    assert set(r.copied_views) == {"packed.a", "packed.b"}
+    assert set(r.views) == {"base_t", "base_rows", "base_step"}
+    out = tmp_path / "lstm.safetensors"
+    raw = load_file(out)
+    for k, v in sd.items():
+        assert_same(raw[k], v)
+    back = restore_aliases(raw, meta_of(out))
+    for k, v in sd.items():
+        assert_same(back[k], v)
+        assert back[k].stride() == v.stride() or k not in r.views
+    assert back["base_t"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
+
+
+ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+for _name in ("uint16", "uint32", "uint64", "float8_e8m0fnu"):
+    if hasattr(torch, _name):
+        ALL_DTYPES.append(getattr(torch, _name))
+
+
+def _sample(dt: torch.dtype) -> torch.Tensor:
+    if dt == torch.bool:
+        return torch.tensor([[True, False, True], [False, False, True]])
+    if dt.is_complex:
+        return torch.randn(2, 3, dtype=dt)
+    if dt.is_floating_point:
+        return torch.randn(2, 3).to(dt)
+    return torch.arange(6, dtype=torch.int64).reshape(2, 3).to(dt)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_all_shared_dtypes(tmp_path, legacy):
+    torch.manual_seed(3)
+    sd = {}
+    for dt in ALL_DTYPES:
+        name = str(dt).replace("torch.", "")
+        sd[name] = _sample(dt)
+        sd[name + ".t"] = _sample(dt).t()
+    src = tmp_path / "all.pth"
+    torch.save(sd, src, _use_new_zipfile_serialization=not legacy)
+    r = convert_to_safetensors(src)
+    assert r.source_format == ("torch-legacy" if legacy else "torch-zip")
+    raw = load_file(tmp_path / "all.safetensors")
+    for k, v in sd.items():
+        assert_same(raw[k], v)
+    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "ref.safetensors", metadata=meta_of(
+        tmp_path / "all.safetensors"))
+    assert _normalised(tmp_path / "all.safetensors") == _normalised(tmp_path / "ref.safetensors")
+
+
+def test_cuda_tagged_checkpoint(tmp_path, monkeypatch):
+    import torch.serialization as ser
+
+    torch.manual_seed(4)
+    sd = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    monkeypatch.setattr(ser, "location_tag", lambda storage: "cuda:0")
+    src = tmp_path / "gpu.pth"
+    torch.save(sd, src)
+    monkeypatch.undo()
+    assert b"cuda:0" in src.read_bytes()
+    r = convert_to_safetensors(src)
+    assert r.verified
+    raw = load_file(tmp_path / "gpu.safetensors")
+    for k, v in sd.items():
+        assert_same(raw[k], v)
+
+
+@pytest.mark.parametrize("make,what", [
+    (lambda: torch.zeros(2, dtype=torch.complex128), "complex128"),
+    (lambda: torch.eye(3).to_sparse(), "sparse"),
+    (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+])
+def test_unsupported_names_the_tensor(tmp_path, make, what):
+    src = tmp_path / "bad.pth"
+    torch.save({"fine": torch.ones(2), "layer.bad": make()}, src)
+    with pytest.raises(UnsupportedError) as ei:
+        convert_to_safetensors(src)
+    assert "layer.bad" in str(ei.value) and what in str(ei.value)
+    assert files_in(tmp_path) == ["bad.pth"]
+
+
+# --------------------------------------------------------------------------- output safety
+
+def test_refuses_to_overwrite_without_force(tied, tmp_path):
+    src, _ = tied
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(OutputError, match="--force"):
+        convert_to_safetensors(src)
+    assert out.read_bytes() == b"keep me"
+    convert_to_safetensors(src, force=True)
+    assert "embed.weight" in load_file(out)
+    with pytest.raises(OutputError, match="input"):
+        convert_to_safetensors(src, src, force=True)
+
+
+def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
+    src, _ = tied
+    real = conv.copy_range
+
+    def flip(src_fd, src_off, dst_fd, dst_off, size):
+        real(src_fd, src_off, dst_fd, dst_off, size)
+        with open(f"/proc/self/fd/{dst_fd}", "r+b") as f:
+            f.seek(dst_off + size - 1)
+            c = f.read(1)
+            f.seek(dst_off + size - 1)
+            f.write(bytes([c[0] ^ 0x40]))
+
+    monkeypatch.setattr(conv, "copy_range", flip)
+    with pytest.raises(VerificationError, match="differs"):
+        convert_to_safetensors(src)
+    assert files_in(tmp_path) == ["model.pth"]
+    # --no-verify would have kept it
+    convert_to_safetensors(src, verify=False)
+    assert files_in(tmp_path) == ["model.pth", "model.safetensors"]
+
+
+def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch):
+    src, _ = tied
+    calls = []
+
+    def boom(*a, **k):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "copy_range", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_safetensors(src)
+    assert calls and files_in(tmp_path) == ["model.pth"]
+
+
+def test_output_file_mode_follows_umask(tied, tmp_path):
+    src, _ = tied
+    old = os.umask(0o022)
+    try:
+        convert_to_safetensors(src)
+    finally:
+        os.umask(old)
+    assert (os.stat(tmp_path / "model.safetensors").st_mode & 0o777) == 0o644
+
+
+# --------------------------------------------------------------------------- sharding
+
+def test_sharding_and_index(tmp_path):
+    torch.manual_seed(5)
+    sd = {f"layer{i}.weight": torch.randn(64, 64) for i in range(5)}  # 16 KiB each
+    sd["head.weight"] = sd["layer0.weight"]
+    src = tmp_path / "model.pth"
+    torch.save(sd, src)
+    r = convert_to_safetensors(src, tmp_path / "model.safetensors", max_shard_size="40KB")
+    names = [os.path.basename(p) for p in r.outputs]
+    assert names == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert idx["metadata"]["total_size"] == 5 * 64 * 64 * 4
+    # stored once under the name that sorts first, as Hugging Face's convert does
+    assert set(idx["weight_map"]) == {"head.weight"} | {f"layer{i}.weight" for i in range(1, 5)}
+    assert r.aliases == {"layer0.weight": "head.weight"}
+    merged = {}
+    for p in r.outputs:
+        merged.update(load_file(p))
+    for k in idx["weight_map"]:
+        assert_same(merged[k], sd[k])
+    from ckptfix.loading import load_anywhere
+
+    back = load_anywhere(tmp_path / "model.safetensors.index.json")
+    assert back["head.weight"].data_ptr() == back["layer0.weight"].data_ptr()
+    # existing shard blocks a rerun without --force
+    with pytest.raises(OutputError):
+        convert_to_safetensors(src, tmp_path / "model.safetensors", max_shard_size="40KB")
+    # reverse: index -> one .pth, aliases restored
+    rr = convert(tmp_path / "model.safetensors.index.json", tmp_path / "back.pth")
+    assert rr.direction == "to-torch" and rr.verified
+    pt = torch.load(tmp_path / "back.pth", weights_only=True)
+    assert list(pt) == list(sd)
+    assert pt["head.weight"].data_ptr() == pt["layer0.weight"].data_ptr()
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5_000_000_000
+    assert parse_size("500MB") == 500_000_000
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("1.5KB") == 1500
+    assert parse_size("123") == 123
+    with pytest.raises(ValueError):
+        parse_size("5 parsecs")
+
+
+# --------------------------------------------------------------------------- inputs
+
+def test_lightning_ckpt_extras_and_optimizer(tmp_path):
+    torch.manual_seed(6)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = {"epoch": 7, "global_step": 700, "pytorch-lightning_version": "2.4.0",
+            "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+            "optimizer_states": [opt.state_dict()], "lr_schedulers": [],
+            "hyper_parameters": {"lr": 0.01, "layers": [3, 2], "name": "net", "nan": float("nan")},
+            "callbacks": {"EMA": {"shadow": torch.zeros(2)}}}
+    src = tmp_path / "last.ckpt"
+    torch.save(ckpt, src)
+    r = convert_to_safetensors(src, strip_prefix=True)
+    assert r.key_path == ("state_dict",) and r.excluded == ["optimizer_states"]
+    assert r.renamed == 2 and "callbacks.EMA.shadow" in r.skipped
+    out = tmp_path / "last.safetensors"
+    assert set(load_file(out)) == {"weight", "bias"}
+    meta = meta_of(out)
+    extra = json.loads(meta["ckptfix.extra"])
+    assert extra["epoch"] == 7 and extra["global_step"] == 700 and extra["hyper_parameters"]["layers"] == [3, 2]
+    assert "optimizer_states" not in extra and json.loads(meta["ckptfix.key_path"]) == ["state_dict"]
+    r2 = convert_to_safetensors(src, tmp_path / "with_opt.safetensors", include_optimizer=True)
+    assert r2.excluded == [] and r2.optimizer_tensors == 6  # step, exp_avg, exp_avg_sq x 2 params
+    got = load_file(tmp_path / "with_opt.safetensors")
+    assert_same(got["optimizer.optimizer_states.0.state.0.exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    extra2 = json.loads(meta_of(tmp_path / "with_opt.safetensors")["ckptfix.extra"])
+    assert extra2["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
+    assert extra2["optimizer_states"][0]["state"]["0"]["exp_avg"] == {
+        "__tensor__": "optimizer.optimizer_states.0.state.0.exp_avg"}
+
+
+def test_key_option_and_conflict(tmp_path):
+    src = tmp_path / "two.pth"
+    torch.save({"model": {"w": torch.ones(2)}, "ema": {"w": torch.zeros(2)}}, src)
+    convert_to_safetensors(src, key="ema")
+    assert_same(load_file(tmp_path / "two.safetensors")["w"], torch.zeros(2))
+    with pytest.raises(KeyConflictError):
+        convert_to_safetensors(src, tmp_path / "x.safetensors", key="nope")
+
+
+def test_torchscript_input(tmp_path):
+    torch.manual_seed(7)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    src = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(m), src)
+    r = convert_to_safetensors(src)
+    assert r.source_format == "torchscript"
+    raw = load_file(tmp_path / "scripted.safetensors")
+    for k, v in m.state_dict().items():
+        assert_same(raw[k], v)
+
+
+def test_sharded_bin_index_input(tmp_path):
+    torch.manual_seed(8)
+    a = {"a.weight": torch.randn(3, 3)}
+    b = {"b.weight": torch.randn(2), "b.bias": torch.randn(2)}
+    torch.save(a, tmp_path / "pytorch_model-00001-of-00002.bin")
+    torch.save(b, tmp_path / "pytorch_model-00002-of-00002.bin")
+    wm = {"a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin",
+          "b.bias": "pytorch_model-00002-of-00002.bin"}
+    (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    r = convert_to_safetensors(tmp_path / "pytorch_model.bin.index.json")
+    assert r.outputs == [str(tmp_path / "pytorch_model.safetensors")]
+    raw = load_file(r.outputs[0])
+    for k, v in {**a, **b}.items():
+        assert_same(raw[k], v)
+
+
+def test_dcp_directory_input(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    torch.manual_seed(9)
+    sd = {"w": torch.randn(4, 3), "b": torch.arange(3)}
+    d = tmp_path / "ckpt_dcp"
+    dcp.save(sd, checkpoint_id=str(d), no_dist=True) if "no_dist" in dcp.save.__code__.co_varnames else dcp.save(
+        sd, storage_writer=dcp.FileSystemWriter(str(d)))
+    r = convert_to_safetensors(d, tmp_path / "dcp.safetensors")
+    assert r.used_torch and r.verified
+    raw = load_file(tmp_path / "dcp.safetensors")
+    for k, v in sd.items():
+        assert_same(raw[k], v)
+
+
+def test_reverse_default_and_explicit(tied, tmp_path):
+    src, sd = tied
+    convert_to_safetensors(src)
+    st = tmp_path / "model.safetensors"
+    before = sha(st)
+    with pytest.raises(OutputError):
+        convert(st)  # model.pth is the original: never overwritten without --force
+    r = convert(st, tmp_path / "again.pth")
+    assert r.verified and r.aliases == {"lm_head.weight": "embed.weight"}
+    pt = torch.load(tmp_path / "again.pth", weights_only=True)
+    assert list(pt) == list(sd)
+    assert pt["lm_head.weight"].data_ptr() == pt["embed.weight"].data_ptr()
+    for k, v in sd.items():
+        assert_same(pt[k], v)
+    assert sha(st) == before
+    # and the round trip converts back to the same safetensors bytes
+    convert_to_safetensors(tmp_path / "again.pth", tmp_path / "again.safetensors")
+    assert _normalised(tmp_path / "again.safetensors")[2] == _normalised(st)[2]
+
+
+def test_hf_style_alias_metadata_is_understood():
+    w = torch.ones(2)
+    out = restore_aliases({"a": w}, {"format": "pt", "b": "a"})
+    assert out["b"] is out["a"]
