@@ -283,20 +283,56 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int) 
 
 
 def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
-    """Write ``cf``'s archive to ``fp`` with a new data.pkl, every other record copied unchanged and aligned."""
+    """Write ``cf``'s archive to ``fp`` with a new data.pkl, every other record copied unchanged and aligned.
+
+    When data.pkl is the archive's first entry (torch always writes it first), the new data.pkl is
+    padded so that the rest of the archive keeps its offsets modulo 64 and is copied in one
+    ``copy_file_range`` call; the central directory is rewritten with the shifted offsets.
+    """
     mem: dict[str, Member] = cf.extra["members"]
     root = cf.extra["root"]
+    pkl_name = root + "data.pkl"
+    order = sorted(mem.values(), key=lambda m: m.data_offset)
+    rest = [m for m in order if m.name != pkl_name]
     w = AlignedZipWriter(fp)
     fd = os.open(cf.path, os.O_RDONLY)
     try:
-        for name, m in mem.items():
-            if name == root + "data.pkl":
-                w.add_bytes(name, data_pkl)
-            elif m.compressed:
-                with zipfile.ZipFile(cf.path) as zf:
-                    w.add_bytes(name, zf.read(name))
-            else:
-                w.add_copy(name, fd, m.data_offset, m.size, m.crc)
+        if order and order[0].name == pkl_name and rest and not any(m.compressed for m in rest):
+            headers = _header_offsets(cf.path)
+            region_start = min(headers[m.name] for m in rest)
+            region_end = max(m.data_offset + m.size for m in rest)
+            bname = pkl_name.encode("utf-8")
+            base = 30 + len(bname) + 4
+            pad = (region_start - (w.pos + base + len(data_pkl))) % ALIGN
+            extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+            t, d = _dos_time()
+            crc = zlib.crc32(data_pkl) & 0xFFFFFFFF
+            hdr = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, t, d, crc, len(data_pkl), len(data_pkl),
+                              len(bname), len(extra)) + bname + extra
+            w.entries.append((bname, crc, len(data_pkl), w.pos))
+            fp.write(hdr + data_pkl)
+            w.pos += len(hdr) + len(data_pkl)
+            shift = w.pos - region_start
+            fp.flush()
+            copy_range(fd, region_start, fp.fileno(), w.pos, region_end - region_start)
+            w.pos += region_end - region_start
+            fp.seek(w.pos)
+            for m in rest:
+                w.entries.append((m.name.encode("utf-8"), m.crc, m.size, headers[m.name] + shift))
+        else:
+            for name, m in mem.items():
+                if name == pkl_name:
+                    w.add_bytes(name, data_pkl)
+                elif m.compressed:
+                    with zipfile.ZipFile(cf.path) as zf:
+                        w.add_bytes(name, zf.read(name))
+                else:
+                    w.add_copy(name, fd, m.data_offset, m.size, m.crc)
         w.close()
     finally:
         os.close(fd)
+
+
+def _header_offsets(path: str) -> dict[str, int]:
+    with zipfile.ZipFile(path) as zf:
+        return {i.filename: i.header_offset for i in zf.infolist()}
