@@ -230,7 +230,10 @@ class CkptFactory:
         m(sample_input()).sum().backward()
         opt.step()
         m.eval()
-        sd = OrderedDict((prefix + k, v) for k, v in m.state_dict().items())
+        base = m.state_dict()
+        sd = OrderedDict((prefix + k, v) for k, v in base.items())
+        sd._metadata = OrderedDict([("", {"version": 1})] + [  # type: ignore[attr-defined]
+            ((prefix + k) if k else prefix.rstrip("."), v) for k, v in base._metadata.items()])
         obj = {"model": sd, "optimizer": opt.state_dict(), "epoch": 5, "best": 0.25, "note": "hi"}
         path = self.p(name)
         self._save(obj, path, legacy, location)
@@ -239,7 +242,10 @@ class CkptFactory:
 
     def lightning(self, name: str = "lit.ckpt", *, legacy: bool = False) -> Built:
         m = tiny_model()
-        sd = OrderedDict(("model." + k, v) for k, v in m.state_dict().items())
+        base = m.state_dict()
+        sd = OrderedDict(("model." + k, v) for k, v in base.items())
+        sd._metadata = OrderedDict([("", {"version": 1})] + [  # type: ignore[attr-defined]
+            (("model." + k) if k else "model", v) for k, v in base._metadata.items()])
         obj = {"epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.1.0",
                "state_dict": sd,
                "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.01, "params": [0, 1]}]}],
