@@ -542,7 +542,8 @@ class _Writer:
 
     def write(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None, fsync: bool) -> None:
         header = safetensors_header(items, metadata)
-        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        # no O_TRUNC: the temp file is new and empty, and truncating makes ext4 flush it on close (auto_da_alloc)
+        fd = os.open(path, os.O_WRONLY)
         try:
             _pwrite_all(fd, header, 0)
             base = len(header)
@@ -585,6 +586,12 @@ class _Writer:
                     raise VerificationError(f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
                                             f"{it.st_dtype} shape {list(it.shape)}")
                 pos = start + it.begin
+                if it.path is not None:
+                    if not _ranges_equal(self.fds.get(it.path), it.offset, out_fd, pos, it.nbytes):
+                        raise VerificationError(f"{path}: tensor {it.name!r} differs from the source; "
+                                                "the output was removed")
+                    self.tick(it.nbytes)
+                    continue
                 for chunk in it.chunks(self.fds):
                     n = len(chunk)
                     if os.pread(out_fd, n, pos) != chunk:
@@ -594,6 +601,43 @@ class _Writer:
                 self.tick(it.nbytes)
         finally:
             os.close(out_fd)
+
+
+_WINDOW = 8 << 20
+
+
+def _ranges_equal(fd_a: int, off_a: int, fd_b: int, off_b: int, size: int) -> bool:
+    """Compare two byte ranges: ``a`` read into one reused buffer, ``b`` through a small mmap window.
+
+    ``bytearray == memoryview`` is a memcmp against the mapped pages, so only one side is copied and
+    memory stays bounded by two windows whatever the size.
+    """
+    import mmap
+
+    gran = mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    buf = bytearray(min(_WINDOW, size))
+    pos = 0
+    while pos < size:
+        n = min(_WINDOW, size - pos)
+        if n != len(buf):
+            buf = bytearray(n)
+        if os.preadv(fd_a, [buf], off_a + pos) != n:
+            return False
+        off = off_b + pos
+        base = off - off % gran
+        try:
+            m = mmap.mmap(fd_b, n + (off - base), flags=flags, prot=mmap.PROT_READ, offset=base)
+        except (ValueError, OSError):
+            return False
+        try:
+            with memoryview(m) as v:
+                if buf != v[off - base:off - base + n]:
+                    return False
+        finally:
+            m.close()
+        pos += n
+    return True
 
 
 def _shard(items: list[_Item], max_size: int | None) -> list[list[_Item]]:
