@@ -13,22 +13,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
-from ckptfix.gpu.pick import (
-    DEFAULT_LEASE_SECONDS,
-    Criteria,
-    Lease,
-    PickResult,
-    Ranked,
-    Rejected,
-    check_cuda_not_initialized,
-    hold_for_process,
-    lease_dir,
-    parse_size_mib,
-    pick,
-    rank_gpus,
-)
 from ckptfix.gpu.smi import (
     DriverMismatchError,
     DriverNotLoadedError,
@@ -40,6 +26,20 @@ from ckptfix.gpu.smi import (
     query,
 )
 from ckptfix.gpu.visible import GpuView, Problem, VisibleGpu, build_view, cuda_initialized, parse_visible_devices
+
+if TYPE_CHECKING:
+    from ckptfix.gpu.pick import PickResult
+
+# ckptfix.gpu.pick is imported on first use: `ckptfix gpus` does not need it
+_FROM_PICK = {"DEFAULT_LEASE_SECONDS", "Criteria", "Lease", "PickResult", "Ranked", "Rejected", "parse_size_mib", "rank_gpus"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_PICK:
+        from ckptfix.gpu import pick as _pick
+
+        return getattr(_pick, name)
+    raise AttributeError(f"module 'ckptfix.gpu' has no attribute {name!r}")
 
 __all__ = [
     "visible_gpus",
@@ -103,7 +103,7 @@ def pick_gpu(
     max_procs: int | None = None,
     wait: float = 0.0,
     interval: float = 10.0,
-    lease: float | None | bool = True,
+    lease: float | bool = True,
     by: str = "uuid",
     set_env: bool = True,
     environ: MutableMapping[str, str] | None = None,
@@ -136,6 +136,8 @@ def pick_gpu(
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27): fall back to CPU.
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
     """
+    from ckptfix.gpu.pick import Criteria, check_cuda_not_initialized, hold_for_process, lease_dir, parse_size_mib, pick
+
     environ = os.environ if environ is None else environ
     if set_env:
         check_cuda_not_initialized()
@@ -145,13 +147,14 @@ def pick_gpu(
         max_util=max_util,
         max_procs=max_procs,
     )
+    lease_seconds: float | None
     if lease is True:
-        lease_seconds: float | None = None
-        directory: Path | None = lease_dir(environ)
-    elif lease is False or lease == 0:
-        lease_seconds, directory = 0.0, lease_dir(environ)
+        lease_seconds = None  # held until this process exits
+    elif lease is False:
+        lease_seconds = 0.0
     else:
-        lease_seconds, directory = float(lease), lease_dir(environ)  # type: ignore[arg-type]
+        lease_seconds = float(lease)
+    directory: Path = lease_dir(environ)
     result = pick(
         lambda: visible_gpus(env=environ, runner=runner),
         crit,

@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import re
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,7 +290,7 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
         os.close(fd)
         return Lease(key, path, None, None), ""
     expires = None if seconds is None else now + seconds
-    record = {"key": key, "pid": os.getpid(), "host": socket.gethostname(), "created": now, "expires": expires}
+    record = {"key": key, "pid": os.getpid(), "host": os.uname().nodename, "created": now, "expires": expires}
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(record).encode())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from dataclasses import dataclass, replace
@@ -513,12 +512,21 @@ def find_nvidia_smi(env: dict[str, str] | None = None) -> str:
     explicit = env.get("CKPTFIX_NVIDIA_SMI")
     if explicit:
         return explicit
-    found = shutil.which("nvidia-smi", path=env.get("PATH"))
+    found = _which("nvidia-smi", env.get("PATH", os.defpath))
     if not found:
         raise GpuToolingError(
             "nvidia-smi not found on PATH: no NVIDIA driver is installed here; run on CPU or install the driver"
         )
     return found
+
+
+def _which(name: str, path: str) -> str | None:
+    """``shutil.which`` without importing shutil (and its compression modules) on the fast path."""
+    for d in path.split(os.pathsep):
+        cand = os.path.join(d or ".", name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
 
 
 def subprocess_runner(argv: Sequence[str], timeout: float) -> RunResult:
