@@ -82,13 +82,17 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
 
 
 def _summary(r: Any) -> None:
-    parts = [f"{r.tensors} tensors", human_bytes(r.bytes), "verified" if r.verified else "not verified",
+    n = f"{r.tensors} tensor{'s' if r.tensors != 1 else ''}"
+    if r.aliases and r.direction == "to-safetensors":
+        n += f" (+{len(r.aliases)} alias{'es' if len(r.aliases) != 1 else ''})"
+    parts = [n, human_bytes(r.bytes), "verified" if r.verified else "not verified",
              f"{r.seconds:.2f} s"]
     info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
     if r.key_path:
         info(f"state dict taken from {'/'.join(r.key_path)}")
     if r.aliases:
-        info(f"{len(r.aliases)} shared tensor(s) stored once: "
+        what = "stored once" if r.direction == "to-safetensors" else "restored as shared"
+        info(f"{len(r.aliases)} shared tensor(s) {what}: "
              + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5]) + (" ..." if len(r.aliases) > 5 else ""))
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
