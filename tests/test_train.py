@@ -305,8 +305,8 @@ def test_dp_checkpoint_resumes_in_ddp_with_dcp_shards(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_error_is_reported(tmp_path):
-    res = train(TrainConfig(out=str(tmp_path), epochs=1, **SMALL))
+def test_ddp_error_is_reported(ddp_run, tmp_path):
+    _, res = ddp_run
     with pytest.raises(TrainingError, match="already has 1 epoch"):
         train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=1, resume=res.final_checkpoint, **SMALL))
 

@@ -79,6 +79,7 @@ def train_cmd(as_json: bool, bench: bool, compile_: bool, **kw: object) -> int:
             out=None, device=cfg.device, epochs=cfg.epochs, nproc=cfg.nproc, quiet=cfg.quiet,
             model=cfg.model, batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed,
             train_samples=cfg.train_samples, test_samples=cfg.test_samples, data=cfg.data,
+            **({"threads": cfg.threads} if cfg.threads else {}),
         )
         if as_json:
             emit_json({"bench": [r.to_dict() for r in rows]})

@@ -7,7 +7,9 @@ two or more), ``samples/s`` the training samples per second over all
 devices/ranks, ``wall s`` the whole run including torchrun start-up.
 
 On a CPU-only machine: single, dp (one CPU "device"), manual (2 replicas on
-the CPU) and ddp (2 gloo processes, one thread each).  With CUDA: single GPU,
+the CPU) and ddp (2 gloo processes).  Every CPU process uses one intra-op
+thread, so "one device" is one core and DDP with 2 ranks uses 2 cores -- the
+CPU analogue of 1 GPU vs 2 GPUs (and no OpenMP oversubscription).  With CUDA: single GPU,
 DataParallel over every GPU, manual over every GPU, DDP with one process per
 GPU, and DDP+AMP (fp16 autocast + GradScaler).
 """
@@ -76,6 +78,10 @@ def bench(
     from ckptfix.train.trainer import resolve_device, train
 
     device_type = resolve_device(device)
+    if device_type == "cpu":
+        # one intra-op thread per process: "1 device" = 1 core, DDP with 2 ranks = 2 cores (like 1 vs 2 GPUs),
+        # and no OpenMP spin-wait oversubscription when the machine is busy
+        config.setdefault("threads", 1)
     tmp = None
     if out is None:
         tmp = tempfile.TemporaryDirectory(prefix="ckptfix-bench-")
