@@ -50,6 +50,7 @@ def _register() -> None:
         from ckptfix.cli import convert as _convert  # noqa: F401
     except ImportError:  # pragma: no cover - module not written yet
         pass
+    from ckptfix.cli import demo as _demo  # noqa: F401
 
 
 def _debug_wanted() -> bool:
