@@ -460,7 +460,8 @@ def pick(
                 f"waited {elapsed:.0f}s and GPUs still do not qualify ({why}); raise --wait or relax the filters"
             )
         if on_wait is not None:
-            on_wait(f"waiting for GPUs ({why}); next check in {interval:g}s")
+            short = why.split(":", 1)[0]  # the per-GPU reasons come with the final error
+            on_wait(f"waiting for GPUs ({short}, {elapsed:.0f}s of {wait:g}s); next check in {interval:g}s")
         sleep(max(0.0, min(interval, wait - elapsed)))
 
 
