@@ -86,6 +86,18 @@ class NoGpuError(CkptfixError, RuntimeError):
     exit_code = 21
 
 
+class DriverNotLoadedError(NoGpuError):
+    """nvidia-smi exists but cannot talk to the driver (kernel module not loaded)."""
+
+    exit_code = 26
+
+
+class DriverMismatchError(NoGpuError):
+    """The NVML library and the loaded kernel driver have different versions."""
+
+    exit_code = 27
+
+
 class NoGpuFitsError(CkptfixError, RuntimeError):
     """GPUs exist but none satisfies the request."""
 

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from ckptfix.errors import CkptfixError, GpuQueryError, GpuToolingError, NoGpuError
+from ckptfix.errors import (CkptfixError, DriverMismatchError, DriverNotLoadedError, GpuQueryError, GpuToolingError,
+                            NoGpuError)
 
 __all__ = [
     "GPU_FIELDS",
@@ -48,18 +49,6 @@ __all__ = [
     "subprocess_runner",
     "query",
 ]
-
-
-class DriverNotLoadedError(NoGpuError):
-    """nvidia-smi exists but cannot talk to the driver (kernel module not loaded)."""
-
-    exit_code = 26
-
-
-class DriverMismatchError(NoGpuError):
-    """The NVML library and the loaded kernel driver have different versions."""
-
-    exit_code = 27
 
 
 # What we ask for.  Every field is one nvidia-smi has had since the R450 drivers
