@@ -25,6 +25,7 @@ class InspectReport:
     tensor_count: int
     parameter_count: int
     total_bytes: int
+    storage_bytes: int
     dtypes: dict[str, int]
     locations: dict[str, int]
     prefixes: dict[str, int]
@@ -84,7 +85,10 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
             by_storage[id(t.storage)].append(name)
     shared = [names for names in by_storage.values() if len(names) > 1]
     locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
-    total = sum(st.nbytes or 0 for st in cf.storages.values())
+    storage_bytes = sum(st.nbytes or 0 for st in cf.storages.values())
+    sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
+    total = sum(st.nbytes or 0 for st in sd_storages.values()) if sd_storages else sum(
+        t.nbytes for t in tensors.values())
     non_tensor: dict[str, str] = {}
     if key_path and hasattr(cf.obj, "items"):
         for k, v in cf.obj.items():
@@ -117,6 +121,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     return InspectReport(
         path=cf.path, format=cf.format, file_size=cf.file_size, state_dict_key=list(key_path),
         tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()), total_bytes=total,
+        storage_bytes=storage_bytes,
         dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,
         globals=gl, stubbed_globals=sorted(cf.stubbed), weights_only_ok=wo_ok, weights_only_reason=why,

@@ -31,7 +31,8 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
         f"  state dict    {where}: {r.tensor_count} tensors, {r.parameter_count:,} values, "
         f"{human_bytes(r.total_bytes)}",
         f"  dtypes        {_fmt_counts(r.dtypes)}",
-        f"  locations     {_fmt_counts(r.locations)}",
+        f"  storage tags  {_fmt_counts(r.locations)}" + (f" (all storages in the file, {human_bytes(r.storage_bytes)})"
+                                                         if r.storage_bytes != r.total_bytes else ""),
         f"  prefixes      {_fmt_counts(r.prefixes)}",
         f"  shared        {'; '.join(' = '.join(g) for g in r.shared) or '-'}",
     ]
@@ -170,8 +171,8 @@ def _load_target(spec: str):
         except (ImportError, AttributeError) as e:
             raise CheckpointNotFoundError(f"--to {spec}: cannot import it ({e}); check the module path and "
                                           "that it is importable (PYTHONPATH)") from None
-        target = factory() if callable(factory) and not hasattr(factory, "state_dict") else factory
-        return target
+        is_instance = hasattr(factory, "state_dict") and not isinstance(factory, type)
+        return factory if is_instance else factory()
     from ckptfix.errors import CheckpointNotFoundError
 
     raise CheckpointNotFoundError(f"--to {spec}: no such file, and not a 'package.module:factory' spec")
@@ -194,9 +195,13 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
     def tf(sd):
         new, report = align_state_dict(sd, tgt)
         holder["r"] = report
+        best = max((c.matched for c in report.candidates), default=len(report.matched))
+        if best * 2 < max(len(sd), 1):
+            raise AlignmentError(f"the checkpoint does not fit this target: the best renaming matches only {best} "
+                                 f"of {len(sd)} keys ({len(report.missing)} target keys missing); "
+                                 "check that --to names the right model")
         if report.ambiguous:
-            raise KeyConflictError(f"ambiguous: {report.summary()}; rename explicitly with strip-prefix --prefix "
-                                   "or add-prefix")
+            raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
         return new, report
 
     rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
