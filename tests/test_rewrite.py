@@ -353,7 +353,7 @@ def big_dp_ckpt(tmp_path_factory):
     return p, sha256(p), {k[len("module."):]: v for k, v in sd.items()}
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.2, 0.35, 0.6])
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.6])
 def test_in_place_survives_sigkill(big_dp_ckpt, tmp_path, delay):
     src, h0, stripped = big_dp_ckpt
     p = tmp_path / "big.pt"
