@@ -193,7 +193,7 @@ class _Slice(io.RawIOBase):
 def _scan_zip(fileobj: Any, label: str, counts: collections.Counter, pickles: list[str], errors: list[str]) -> None:
     try:
         zf = zipfile.ZipFile(fileobj)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, KeyError, IndexError) as e:
         errors.append(f"{label}: damaged zip ({e})")
         return
     with zf:
@@ -231,6 +231,13 @@ def scan_checkpoint(path: str | os.PathLike) -> ScanReport:
         if r.error:
             errors.append(r.error)
         fmt = "torch-legacy/pickle"
+        from ckptfix.errors import CorruptCheckpointError
+        from ckptfix.formats.legacy import read_pickle_stream
+
+        try:  # the storage table too (restricted reader: nothing runs)
+            fmt = read_pickle_stream(path).format
+        except CorruptCheckpointError as e:
+            errors.append(str(e))
     elif kind == "safetensors":
         read_checkpoint(path)  # validates the header
     elif kind in ("sharded", "sharded-dir"):

@@ -126,7 +126,7 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         return rep
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    _replace_at(cf.obj, tuple(key_path), new_sd)
+    cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
     if in_place:
         dst = src
         fsync = True if fsync is None else fsync

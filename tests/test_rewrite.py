@@ -28,12 +28,7 @@ from ckptfix.rewrite import rewrite_checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-TOP_LEVEL_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG: ckptfix/rewrite.py rewrite_checkpoint ignores the return value of _replace_at(cf.obj, key_path, new_sd); "
-    "when the state dict IS the top-level object (key_path == (), e.g. torch.save(ddp.state_dict())) cf.obj is "
-    "never replaced, so the torch-zip/legacy output is written with the ORIGINAL keys while the report says "
-    "renamed=N and the output path is printed (exit 0)"))
-LAYOUTS = [pytest.param("top", marks=TOP_LEVEL_BUG), "nested"]
+LAYOUTS = ["top", "nested"]
 
 
 def _save_layout(sd, path, layout, legacy=False):
@@ -349,7 +344,7 @@ def big_dp_ckpt(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     sd = {f"module.layer{i}.weight": torch.randn(4 << 20, generator=g) for i in range(6)}  # ~96 MiB
     p = d / "big.pt"
-    torch.save({"model": sd, "epoch": 1}, p)  # nested: see TOP_LEVEL_BUG for the top-level layout
+    torch.save({"model": sd, "epoch": 1}, p)
     return p, sha256(p), {k[len("module."):]: v for k, v in sd.items()}
 
 

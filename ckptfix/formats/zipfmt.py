@@ -37,19 +37,28 @@ class Member:
     compressed: bool
 
 
+#: what zipfile raises on damaged archives (beyond BadZipFile)
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, NotImplementedError, zlib.error,
+              KeyError, IndexError, OverflowError)
+
+
 def _open_zip(path: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
         raise CorruptCheckpointError(f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — "
                                      "re-copy or re-save it") from None
-    except (OSError, ValueError, struct.error, EOFError) as e:
-        raise CorruptCheckpointError(f"{path}: unreadable zip archive ({e})") from None
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{path}: unreadable zip archive ({type(e).__name__}: {e}); the file is "
+                                     "corrupt") from None
 
 
 def zip_kind(path: str) -> str:
     with _open_zip(path) as zf:
-        names = zf.namelist()
+        try:
+            names = zf.namelist()
+        except ZIP_ERRORS as e:
+            raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
@@ -90,6 +99,16 @@ def root_of(names: list[str], leaf: str = "data.pkl") -> str:
 
 
 def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
+    try:
+        return _read_zip(path, kind)
+    except CorruptCheckpointError:
+        raise
+    except ZIP_ERRORS as e:
+        raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
+                                     "— re-copy or re-save it") from None
+
+
+def _read_zip(path: str, kind: str) -> CheckpointFile:
     with _open_zip(path) as zf:
         mem = members(path, zf)
         names = list(mem)
@@ -99,7 +118,7 @@ def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
             raise CorruptCheckpointError(f"{path}: no data.pkl in the archive; not a torch checkpoint")
         try:
             data_pkl = zf.read(pkl_name)
-        except (zipfile.BadZipFile, OSError, zlib.error, EOFError) as e:
+        except ZIP_ERRORS + (UnicodeDecodeError,) as e:
             raise CorruptCheckpointError(f"{path}: data.pkl is damaged ({e})") from None
         byteorder = zf.read(root + "byteorder").decode().strip() if root + "byteorder" in mem else "little"
         code_files = {n: zf.read(n).decode("utf-8", "replace") for n in names
