@@ -20,30 +20,11 @@ from ckptfix.gpu import pick_gpu, visible_gpus
 from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env, try_lease
 from ckptfix.gpu.smi import RunResult
 from ckptfix.gpu.visible import VisibleGpu
+from tests.fakesmi import scenario_runner  # noqa: E402
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 
 
-def scenario_runner(name: str):
-    d = SCENARIOS / name
-
-    def run(argv, timeout):
-        kind = "default"
-        for a in argv:
-            if a.startswith("--query-gpu="):
-                kind = "query-gpu"
-            elif a.startswith("--query-compute-apps="):
-                kind = "apps"
-            elif a == "-L":
-                kind = "L"
-        f = d / f"{kind}.txt"
-        if not f.exists():
-            f = d / "default.txt"
-        out = f.read_text().split("\n", 1)[1] if f.exists() else ""
-        rc_file = d / "rc"
-        return RunResult(int(rc_file.read_text()) if rc_file.exists() else 0, out, "")
-
-    return run
 
 
 def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **kw):

@@ -13,6 +13,7 @@ if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  
 from ckptfix.errors import GpuQueryError, GpuToolingError, NoGpuError
 from ckptfix.gpu import smi
 from ckptfix.gpu.smi import DriverMismatchError, DriverNotLoadedError, RunResult
+from tests.fakesmi import scenario_runner  # noqa: E402
 
 SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
@@ -236,29 +237,6 @@ def test_classify_by_text_even_with_other_rc():
 # ----------------------------------------------------------------------------- query() with an injected runner
 
 
-def scenario_runner(name: str, calls: list[list[str]] | None = None):
-    d = SCENARIOS / name
-
-    def run(argv, timeout):
-        if calls is not None:
-            calls.append(list(argv))
-        kind = "default"
-        for a in argv:
-            if a.startswith("--query-gpu="):
-                kind = "query-gpu"
-            elif a.startswith("--query-compute-apps="):
-                kind = "apps"
-            elif a == "-L":
-                kind = "L"
-        f = d / f"{kind}.txt"
-        if not f.exists():
-            f = d / "default.txt"
-        out = f.read_text().split("\n", 1)[1] if f.exists() else ""
-        rc_file = d / f"{kind}.rc" if (d / f"{kind}.rc").exists() else d / "rc"
-        rc = int(rc_file.read_text()) if rc_file.exists() else 0
-        return RunResult(rc, out, "")
-
-    return run
 
 
 def test_query_h200_two_calls_processes_attached():
