@@ -20,7 +20,7 @@ from ckptfix.gpu import pick_gpu, visible_gpus
 from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env, try_lease
 from ckptfix.gpu.smi import RunResult
 from ckptfix.gpu.visible import VisibleGpu
-from tests.fakesmi import scenario_runner  # noqa: E402
+from fakesmi import scenario_runner  # noqa: E402
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 

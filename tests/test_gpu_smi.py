@@ -13,7 +13,7 @@ if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  
 from ckptfix.errors import GpuQueryError, GpuToolingError, NoGpuError
 from ckptfix.gpu import smi
 from ckptfix.gpu.smi import DriverMismatchError, DriverNotLoadedError, RunResult
-from tests.fakesmi import scenario_runner  # noqa: E402
+from fakesmi import scenario_runner  # noqa: E402
 
 SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
