@@ -41,15 +41,33 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def new_temp(path: str) -> tuple[int, str]:
+    """(fd, name) of a temp file next to ``path``, with the mode the final file should have.
+
+    mkstemp creates files 0600; the result gets the mode of the file it replaces, or the
+    usual ``0666 & ~umask`` for a new file.
+    """
+    path = os.path.abspath(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                                   dir=os.path.dirname(path))
+    except OSError as e:
+        raise _os_error(e, path) from None
+    try:
+        mode = os.stat(path).st_mode & 0o7777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.fchmod(fd, mode)
+    return fd, tmp
+
+
 @contextlib.contextmanager
 def atomic_output(path: str, *, fsync: bool = False) -> Iterator[BinaryIO]:
     """``with atomic_output("out.pth") as f: f.write(...)`` -- renamed into place only on success."""
     path = os.path.abspath(path)
-    d = os.path.dirname(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=d)
-    except OSError as e:
-        raise _os_error(e, path) from None
+    fd, tmp = new_temp(path)
     f = os.fdopen(fd, "w+b")
     try:
         try:

@@ -36,11 +36,11 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ckptfix.atomic import fsync_dir, new_temp
 from ckptfix.errors import (CkptfixError, CorruptCheckpointError, KeyConflictError, OutputError, UnsupportedError,
                             VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
@@ -492,24 +492,9 @@ def _check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
 
 
 def _new_temp(final: str) -> str:
-    d, base = os.path.split(os.path.abspath(final))
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{base}.tmp-", dir=d)
-    except PermissionError:
-        raise OutputError(f"{d}: no permission to write there; choose another output with -o") from None
+    fd, tmp = new_temp(final)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
     return tmp
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> int:
@@ -700,7 +685,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
             os.replace(tmp, final)
         temps.clear()
         if fsync:
-            _fsync_dir(dst)
+            fsync_dir(dst)
     finally:
         w.fds.close()
         for tmp in temps:
@@ -989,7 +974,7 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
         os.replace(tmp, dst)
         tmp = ""
         if fsync:
-            _fsync_dir(dst)
+            fsync_dir(dst)
     finally:
         if tmp:
             try:

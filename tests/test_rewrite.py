@@ -540,3 +540,21 @@ def test_json_output(ckpt, capsys):
     assert rc == 0
     doc = json.loads(out)
     assert doc["output"].endswith("dp.stripped.pt") and doc["renamed"] == 9 and doc["format_out"] == "torch-zip"
+
+
+def test_outputs_get_normal_modes_and_in_place_keeps_the_mode(tmp_path):
+    """mkstemp makes 0600 files; written outputs must look like any other file, in-place ones keep their mode."""
+    import stat
+
+    sd = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
+    src = tmp_path / "m.pt"
+    torch.save({"model": sd}, src)
+    os.chmod(src, 0o640)
+    old = os.umask(0o022)
+    try:
+        rep = rewrite_checkpoint(str(src), lambda d: strip_prefix_report(d))
+        assert stat.S_IMODE(os.stat(rep.output).st_mode) == 0o644
+        rewrite_checkpoint(str(src), lambda d: strip_prefix_report(d), in_place=True, backup=False)
+        assert stat.S_IMODE(os.stat(src).st_mode) == 0o640
+    finally:
+        os.umask(old)

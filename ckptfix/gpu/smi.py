@@ -53,20 +53,6 @@ __all__ = [
 
 # What we ask for.  Every field is one nvidia-smi has had since the R450 drivers
 # except ``mig.mode.current``; if a driver rejects a field we retry with BASIC.
-GPU_FIELDS: tuple[str, ...] = (
-    "index",
-    "uuid",
-    "pci.bus_id",
-    "name",
-    "memory.total",
-    "memory.used",
-    "memory.free",
-    "utilization.gpu",
-    "temperature.gpu",
-    "power.draw",
-    "mig.mode.current",
-    "driver_version",
-)
 BASIC_GPU_FIELDS: tuple[str, ...] = (
     "index",
     "uuid",
@@ -76,6 +62,12 @@ BASIC_GPU_FIELDS: tuple[str, ...] = (
     "memory.used",
     "memory.free",
     "utilization.gpu",
+    "driver_version",
+)
+GPU_FIELDS: tuple[str, ...] = BASIC_GPU_FIELDS[:-1] + (
+    "temperature.gpu",
+    "power.draw",
+    "mig.mode.current",
     "driver_version",
 )
 APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "process_name", "used_memory")
