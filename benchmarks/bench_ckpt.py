@@ -17,7 +17,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _measure import ckptfix, py, run  # noqa: E402
+from _measure import ckptfix, compare, py, remover, run  # noqa: E402
 
 
 def make_checkpoint(path: str, size_mb: int, n_tensors: int = 300, legacy: bool = False) -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mb", type=int, default=1400)
     ap.add_argument("--sizes", default="", help="comma list of sizes (MB) for the RSS curve")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="where to generate files (default: a temp dir)")
     a = ap.parse_args()
     work = a.dir or tempfile.mkdtemp(prefix="ckptfix-bench-")
@@ -68,35 +68,39 @@ def main() -> None:
         size = os.path.getsize(zp)
         print(f"checkpoint: {size / 1e9:.2f} GB, 301 entries (300 tensors + 1 tied)")
         r = a.repeat
-        click_t, click_rss = run(py("import click"), r)
-        print("\nbaseline")
-        row("python -c 'import click'", click_t, click_rss)
-        print("\ninspect / scan (target: wall <= 3x import click, RSS < 100 MiB)")
+        print(f"(best of {r} interleaved runs each; ratios are what matter on a noisy machine)")
+        cases = {"click": (py("import click"), None)}
         for label, p in (("zip", zp), ("legacy", lp), ("safetensors", sp)):
-            t, rss = run(ckptfix("inspect", p), r)
-            row(f"ckptfix inspect ({label})", t, rss, click_t, "import click")
-            t, rss = run(ckptfix("scan", p), r) if label != "legacy" else run(ckptfix("scan", p), r)
-            row(f"ckptfix scan ({label})", t, rss, click_t, "import click")
+            cases[f"inspect {label}"] = (ckptfix("inspect", p), None)
+            cases[f"scan {label}"] = (ckptfix("scan", p), None)
+        res = compare(cases, r)
+        click_t = res["click"][0]
+        print("\nbaseline")
+        row("python -c 'import click'", click_t, res["click"][2])
+        print("\ninspect / scan (target: wall <= 3x import click, RSS < 100 MiB)")
+        for name, (t, _, rss) in res.items():
+            if name != "click":
+                row(f"ckptfix {name}", t, rss, click_t, "import click")
         print("\nload (target: load_anywhere within 1.1x of torch.load mmap weights_only, wall and RSS)")
-        t_ref, rss_ref = run(py(f"import torch; sd = torch.load({zp!r}, mmap=True, weights_only=True, "
-                                f"map_location='cpu')"), r)
+        res = compare({
+            "ref": (py(f"import torch; sd = torch.load({zp!r}, mmap=True, weights_only=True, map_location='cpu')"),
+                    None),
+            "ours": (py(f"from ckptfix import load_anywhere; sd = load_anywhere({zp!r})"), None)}, r)
+        (t_ref, _, rss_ref), (t, _, rss) = res["ref"], res["ours"]
         row("torch.load(mmap=True, weights_only=True)", t_ref, rss_ref)
-        t, rss = run(py(f"from ckptfix import load_anywhere; sd = load_anywhere({zp!r})"), r)
         row("load_anywhere(path)", t, rss, t_ref, "torch.load")
         print(f"  {'RSS ratio':<48} {rss / rss_ref:7.2f}x")
         print("\nstrip-prefix (target: zip wall <= 1.5x cp, RSS < 100 MiB; legacy RSS <= 1.3x file size)")
         out = os.path.join(work, "out.pt")
-        def rm_out() -> None:  # each writer creates a new file, like cp to a fresh name
-            if os.path.exists(out):
-                os.unlink(out)
-
-        t_cp, rss_cp = run(["cp", zp, out], r, before=rm_out)
-        row("cp", t_cp, rss_cp)
-        t, rss = run(ckptfix("strip-prefix", zp, "-o", out), r, before=rm_out)
-        row("ckptfix strip-prefix (zip)", t, rss, t_cp, "cp")
-        t, rss = run(ckptfix("strip-prefix", lp, "-o", out), r, before=rm_out)
-        row("ckptfix strip-prefix (legacy)", t, rss, t_cp, "cp")
-        print(f"  {'legacy RSS / file size':<48} {rss * 2**20 / os.path.getsize(lp):7.3f}x")
+        rm_out = remover(out)  # each writer creates a new file, like cp to a fresh name
+        res = compare({"cp": (["cp", zp, out], rm_out),
+                       "zip": (ckptfix("strip-prefix", zp, "-o", out), rm_out),
+                       "legacy": (ckptfix("strip-prefix", lp, "-o", out), rm_out)}, r)
+        t_cp = res["cp"][0]
+        row("cp", t_cp, res["cp"][2])
+        row("ckptfix strip-prefix (zip)", res["zip"][0], res["zip"][2], t_cp, "cp")
+        row("ckptfix strip-prefix (legacy)", res["legacy"][0], res["legacy"][2], t_cp, "cp")
+        print(f"  {'legacy RSS / file size':<48} {res['legacy'][2] * 2**20 / os.path.getsize(lp):7.3f}x")
         if a.sizes:
             print("\nRSS curve (strip-prefix and inspect, zip)")
             for mb in [int(x) for x in a.sizes.split(",")]:

@@ -17,7 +17,8 @@ measures, in this one run, whole-process wall time and peak RSS of:
 * ``python -m ckptfix convert`` (verification on);
 * ``ckptfix convert`` of the same weights saved in the legacy (non-zip) format.
 
-Peak RSS is the child's ``ru_maxrss`` (``wait4``), so each process is measured alone.
+Peak RSS is the child's ``ru_maxrss`` (``wait4``), so each process is measured alone.  The runs are
+interleaved (see ``_measure.compare``), so background load hits every tool alike.
 The page cache is warm for every tool (each file is read once before timing).
 """
 
@@ -30,9 +31,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import child_env, compare, remover  # noqa: E402
 
 REFERENCE = r"""
 import sys, torch
@@ -97,19 +98,6 @@ def parse(s: str) -> int:
     return int(s)
 
 
-def measure(cmd: list[str], env: dict | None = None) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS MiB, exit status) of one child process."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, ru = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    p.returncode = os.waitstatus_to_exitcode(status)
-    err = p.stderr.read().decode() if p.stderr else ""
-    if p.returncode != 0:
-        print(f"  ! {' '.join(cmd[:3])} ... failed ({p.returncode}): {err.strip()[-400:]}", file=sys.stderr)
-    return wall, ru.ru_maxrss / 1024, p.returncode
-
-
 def warm(path: str) -> None:
     buf = bytearray(1 << 20)  # small: a forked child's peak RSS starts from the parent's
     with open(path, "rb", buffering=0) as f:
@@ -117,21 +105,8 @@ def warm(path: str) -> None:
             pass
 
 
-def best(cmd_factory, repeat: int, cleanup) -> tuple[float, float]:
-    walls, rss = [], []
-    for _ in range(repeat):
-        cleanup()
-        w, r, rc = measure(cmd_factory())
-        if rc != 0:
-            return float("nan"), float("nan")
-        walls.append(w)
-        rss.append(r)
-    return min(walls), max(rss)
-
-
 def run_size(size: int, tmp: str, repeat: int, reference: bool) -> dict:
     py = sys.executable
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     src = os.path.join(tmp, "model.pth")
     legacy = os.path.join(tmp, "legacy.pth")
     subprocess.run([py, "-c", MAKE, str(size), src, "0"], check=True)
@@ -142,25 +117,23 @@ def run_size(size: int, tmp: str, repeat: int, reference: bool) -> dict:
     cp_out = os.path.join(tmp, "copy.pth")
     for p in (src, legacy):
         warm(p)
-
-    def rm(*paths):
-        def f():
-            for p in paths:
-                if os.path.exists(p):
-                    os.unlink(p)
-        return f
-
     ck = [py, "-m", "ckptfix", "convert"]
-    res: dict = {"size_bytes": fsize}
-    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
-    res["cp"] = best(lambda: ["cp", src, cp_out], repeat, rm(cp_out))
-    res["ckptfix"] = best(lambda: ck + [src, "-o", out, "--quiet"], repeat, rm(out))
-    res["ckptfix_no_verify"] = best(lambda: ck + [src, "-o", out, "--quiet", "--no-verify"], repeat, rm(out))
-    res["ckptfix_legacy"] = best(lambda: ck + [legacy, "-o", out, "--quiet"], repeat, rm(out))
+    clean = remover(cp_out, out, ref_out)  # every tool writes a new file, like cp to a fresh name
+    cases = {
+        "cp": (["cp", src, cp_out], clean),
+        "ckptfix": (ck + [src, "-o", out, "--quiet"], clean),
+        "ckptfix_no_verify": (ck + [src, "-o", out, "--quiet", "--no-verify"], clean),
+        "ckptfix_legacy": (ck + [legacy, "-o", out, "--quiet"], clean),
+    }
     if reference:
-        res["reference"] = best(lambda: [py, "-c", REFERENCE, src, ref_out], repeat, rm(ref_out))
+        cases["reference"] = ([py, "-c", REFERENCE, src, ref_out], clean)
+    res: dict = {"size_bytes": fsize}
+    for name, (best, median, rss) in compare(cases, repeat).items():
+        res[name] = (best, rss)
+        res[name + "_median"] = median
+    if reference:
         # same tensors, same metadata?  (save_file orders metadata randomly, so compare data and tensor entries)
-        subprocess.run(ck + [src, "-o", out, "--quiet", "--force"], check=True)
+        subprocess.run(ck + [src, "-o", out, "--quiet", "--force"], check=True, env=child_env())
         res["same_data_as_reference"] = _data_equal(out, ref_out)
     for p in (out, ref_out, cp_out, src, legacy):
         if os.path.exists(p):
@@ -196,7 +169,7 @@ def _data_equal(a: str, b: str) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="100MB,400MB", help="comma-separated checkpoint sizes (decimal units)")
-    ap.add_argument("--repeat", type=int, default=2, help="runs per tool; best wall, worst RSS reported")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved runs per tool; best wall, worst RSS reported")
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow, memory-hungry) HF recipe")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -219,13 +192,14 @@ def main() -> None:
 def _print_one(r: dict) -> None:
     gb = r["size_bytes"] / 1e9
     print(f"\ncheckpoint {gb:.3f} GB (zip, tied embedding/lm_head)")
-    print(f"  {'tool':<28}{'wall s':>9}{'peak RSS MiB':>14}")
+    print(f"  {'tool':<28}{'best s':>9}{'median s':>10}{'peak RSS MiB':>14}")
     for k in ("cp", "reference", "ckptfix", "ckptfix_no_verify", "ckptfix_legacy"):
         if k in r:
             w, m = r[k]
-            print(f"  {k:<28}{w:>9.3f}{m:>14.1f}")
+            print(f"  {k:<28}{w:>9.3f}{r[k + '_median']:>10.3f}{m:>14.1f}")
     ck = r["ckptfix"][0]
-    print(f"  ckptfix / cp        = {ck / r['cp'][0]:.2f}x   (target <= 2.5x)")
+    print(f"  ckptfix / cp        = {ck / r['cp'][0]:.2f}x   (target <= 2.5x; medians "
+          f"{r['ckptfix_median'] / r['cp_median']:.2f}x)")
     if "reference" in r:
         print(f"  ckptfix / reference = {ck / r['reference'][0]:.2f}x   (target <= 0.4x)")
         print(f"  same tensor data and header entries as the reference: {r['same_data_as_reference']}")

@@ -15,33 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import child_env, compare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "nvidia-smi"
-
-
-def time_once(argv: list[str], env: dict[str, str]) -> float:
-    t0 = time.perf_counter()
-    p = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-    dt = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"{argv} failed ({p.returncode}): {p.stderr.decode()[-500:]}")
-    return dt
-
-
-def interleaved(cases: dict[str, list[str]], env: dict[str, str], n: int) -> dict[str, tuple[float, float]]:
-    """Round-robin over the commands so that background load hits them all alike; (best, median)."""
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(n):
-        for name, argv in cases.items():
-            times[name].append(time_once(argv, env))
-    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
 
 
 def main() -> None:
@@ -55,26 +38,14 @@ def main() -> None:
         bin_dir.mkdir()
         shutil.copy(FIX / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
         (bin_dir / "nvidia-smi").chmod(0o755)
-        env = dict(os.environ)
+        env = child_env({"PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                         "FAKE_SMI_DIR": str(FIX / "scenarios"), "FAKE_SMI_SCENARIO": args.scenario,
+                         "CKPTFIX_LEASE_DIR": str(Path(tmp) / "leases")})
         for k in list(env):
             if k.startswith("CUDA_"):
                 del env[k]
-        # An installed package has .pyc files, and click's are there already: let ckptfix's be
-        # written too (they go to __pycache__/, ignored by git), or every run recompiles it.
-        env.pop("PYTHONDONTWRITEBYTECODE", None)
-        env.update(
-            PATH=f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}",
-            FAKE_SMI_DIR=str(FIX / "scenarios"),
-            FAKE_SMI_SCENARIO=args.scenario,
-            CKPTFIX_LEASE_DIR=str(Path(tmp) / "leases"),
-            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        )
         py = sys.executable
-        if (ROOT / "ckptfix" / "cli" / "ckpt.py").exists():
-            entry = [py, "-m", "ckptfix"]
-        else:  # the checkpoint commands are not written yet: stand in an empty module
-            entry = [py, "-c", "import sys, types; sys.modules['ckptfix.cli.ckpt'] = types.ModuleType('x'); "
-                     "from ckptfix.cli import main; sys.exit(main(sys.argv[1:]))"]
+        entry = [py, "-m", "ckptfix"]
         cases = {
             'python -c "import click"': [py, "-c", "import click"],
             "ckptfix gpus": entry + ["gpus"],
@@ -84,7 +55,8 @@ def main() -> None:
         }
         for argv in cases.values():  # warm the page cache and .pyc files
             subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        results = interleaved(cases, env, args.n)
+        results = {k: v[:2] for k, v in compare({k: (v, None) for k, v in cases.items()}, args.n, env,
+                                                 sync=False).items()}
 
     base = results['python -c "import click"'][0]
     print(f"best of {args.n} whole-process runs (interleaved), scenario {args.scenario}, python {sys.version.split()[0]}")
