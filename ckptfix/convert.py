@@ -44,7 +44,7 @@ from ckptfix.atomic import fsync_dir, new_temp
 from ckptfix.errors import (CkptfixError, CorruptCheckpointError, KeyConflictError, OutputError, UnsupportedError,
                             VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
-from ckptfix.formats.zipfmt import copy_range
+from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
 
 __all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "parse_size",
@@ -137,18 +137,11 @@ class _Item:
         return DTYPE_TO_ST[self.dtype]
 
     def chunks(self, fds: "_Fds") -> Iterator[bytes | memoryview]:
-        """The tensor's bytes, C-contiguous, in bounded chunks."""
-        if self.path is not None:
-            fd = fds.get(self.path)
-            pos, left = self.offset, self.nbytes
-            while left > 0:
-                b = os.pread(fd, min(left, _CHUNK), pos)
-                if not b:
-                    raise CorruptCheckpointError(f"{self.path}: file ended inside tensor {self.name!r} (truncated?)")
-                yield b
-                pos += len(b)
-                left -= len(b)
-        elif self.rec is not None:
+        """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.
+
+        (Contiguous byte ranges of a file are copied by ``_Writer._copy`` instead.)
+        """
+        if self.rec is not None:
             yield from _gather(self.rec, fds)
         elif self.tensor is not None:
             yield from _tensor_chunks(self.tensor)
@@ -497,28 +490,25 @@ def _new_temp(final: str) -> str:
     return tmp
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> int:
-    mv = memoryview(data).cast("B")
-    done = 0
-    while done < len(mv):
-        try:
-            done += os.pwrite(fd, mv[done:], off + done)
-        except OSError as e:
-            if e.errno == 28:
-                raise OutputError("no space left on the output device; free some space or write elsewhere "
-                                  "with -o") from None
-            raise OutputError(f"cannot write the output: {e}") from None
-    return done
-
-
 # --------------------------------------------------------------------------- write + verify
 
 class _Writer:
-    def __init__(self, total: int, progress: Progress | None) -> None:
+    """Writes safetensors files; with ``verify`` every chunk is read back from the file and compared.
+
+    Verification happens right after each chunk is written, while its source bytes are still in
+    our buffer: the written pages are mapped (no copy) and ``memcmp``-ed against it.  Together with
+    the structural check in :meth:`check` (header read back, offsets tiling the data section
+    exactly, file size), that proves every byte of the file equals the source, at the cost of one
+    extra pass over memory instead of re-reading both files.
+    """
+
+    def __init__(self, total: int, progress: Progress | None, verify: bool) -> None:
         self.total = total
         self.done = 0
         self.progress = progress
+        self.verify = verify
         self.fds = _Fds()
+        self._buf: bytearray | None = None
 
     def tick(self, n: int) -> None:
         self.done += n
@@ -528,17 +518,20 @@ class _Writer:
     def write(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None, fsync: bool) -> None:
         header = safetensors_header(items, metadata)
         # no O_TRUNC: the temp file is new and empty, and truncating makes ext4 flush it on close (auto_da_alloc)
-        fd = os.open(path, os.O_WRONLY)
+        fd = os.open(path, os.O_RDWR)
         try:
-            _pwrite_all(fd, header, 0)
+            pwrite_all(fd, header, 0)
             base = len(header)
             for it in items:
+                pos = base + it.begin
                 if it.path is not None:
-                    copy_range(self.fds.get(it.path), it.offset, fd, base + it.begin, it.nbytes)
+                    self._copy(it, fd, pos)
                 else:
-                    pos = base + it.begin
                     for chunk in it.chunks(self.fds):
-                        pos += _pwrite_all(fd, chunk, pos)
+                        n = pwrite_all(fd, chunk, pos)
+                        if self.verify and not _written_equal(fd, pos, chunk, n):
+                            raise _differs(path, it, pos - base - it.begin)
+                        pos += n
                     if pos != base + it.begin + it.nbytes:
                         raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, "
                                                      f"expected {it.nbytes}")
@@ -548,8 +541,30 @@ class _Writer:
         finally:
             os.close(fd)
 
-    def verify(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
-        """Re-read the written file: header, dtype, shape, offsets and every byte against the source."""
+    def _copy(self, it: _Item, fd: int, pos: int) -> None:
+        """A contiguous byte range of a source file -> the output at ``pos``."""
+        src = self.fds.get(it.path)  # type: ignore[arg-type]
+        if not self.verify:
+            copy_range(src, it.offset, fd, pos, it.nbytes)
+            return
+        if self._buf is None:
+            self._buf = bytearray(_CHUNK)
+        buf = self._buf
+        view = memoryview(buf)
+        off, left, start = it.offset, it.nbytes, pos
+        while left > 0:
+            n = min(left, len(buf))
+            if os.preadv(src, [view[:n]], off) != n:
+                raise CorruptCheckpointError(f"{it.path}: file ended inside tensor {it.name!r} (truncated?)")
+            pwrite_all(fd, view[:n], pos)
+            if not _written_equal(fd, pos, buf, n):
+                raise _differs(it.path, it, pos - start)  # type: ignore[arg-type]
+            off += n
+            pos += n
+            left -= n
+
+    def check(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
+        """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size."""
         try:
             header, start = read_header(path)
         except CkptfixError as e:
@@ -559,70 +574,46 @@ class _Writer:
             raise VerificationError(f"{path}: metadata read back differs from what was written")
         if set(header) != {it.name for it in items}:
             raise VerificationError(f"{path}: the written file holds other tensors than the source")
-        end = start + sum(it.nbytes for it in items)
-        if os.path.getsize(path) != end:
-            raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {end}")
-        out_fd = os.open(path, os.O_RDONLY)
-        try:
-            for it in items:
-                h = header[it.name]
-                if (h.get("dtype") != it.st_dtype or list(h.get("shape", ())) != list(it.shape)
-                        or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes]):
-                    raise VerificationError(f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
-                                            f"{it.st_dtype} shape {list(it.shape)}")
-                pos = start + it.begin
-                if it.path is not None:
-                    if not _ranges_equal(self.fds.get(it.path), it.offset, out_fd, pos, it.nbytes):
-                        raise VerificationError(f"{path}: tensor {it.name!r} differs from the source; "
-                                                "the output was removed")
-                    self.tick(it.nbytes)
-                    continue
-                for chunk in it.chunks(self.fds):
-                    n = len(chunk)
-                    if os.pread(out_fd, n, pos) != chunk:
-                        raise VerificationError(f"{path}: tensor {it.name!r} differs from the source near byte "
-                                                f"{pos - start - it.begin} of the tensor; the output was removed")
-                    pos += n
-                self.tick(it.nbytes)
-        finally:
-            os.close(out_fd)
+        end = 0
+        for it in sorted(items, key=lambda i: i.begin):  # the byte ranges tile the data section exactly
+            h = header[it.name]
+            if (h.get("dtype") != it.st_dtype or list(h.get("shape", ())) != list(it.shape)
+                    or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes] or it.begin != end):
+                raise VerificationError(f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
+                                        f"{it.st_dtype} shape {list(it.shape)} at [{end}, {end + it.nbytes}]")
+            end += it.nbytes
+        if os.path.getsize(path) != start + end:
+            raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
 
 
-_WINDOW = 8 << 20
+def _differs(path: str, it: _Item, at: int) -> VerificationError:
+    return VerificationError(f"{path}: tensor {it.name!r} differs from the source near byte {at} of the tensor "
+                             "when read back; the output was removed")
 
 
-def _ranges_equal(fd_a: int, off_a: int, fd_b: int, off_b: int, size: int) -> bool:
-    """Compare two byte ranges: ``a`` read into one reused buffer, ``b`` through a small mmap window.
+def _written_equal(fd: int, pos: int, data: bytes | bytearray | memoryview, n: int) -> bool:
+    """Do the ``n`` bytes of the file ``fd`` at ``pos`` equal the first ``n`` bytes of ``data``?
 
-    ``bytearray == memoryview`` is a memcmp against the mapped pages, so only one side is copied and
-    memory stays bounded by two windows whatever the size.
+    The file's pages are mapped, not copied, and compared with ``memcmp`` (``bytes.startswith``).
     """
     import mmap
 
+    if not isinstance(data, (bytes, bytearray)):
+        data = bytes(data)
+    if n == 0:
+        return True
     gran = mmap.ALLOCATIONGRANULARITY
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    buf = bytearray(min(_WINDOW, size))
-    pos = 0
-    while pos < size:
-        n = min(_WINDOW, size - pos)
-        if n != len(buf):
-            buf = bytearray(n)
-        if os.preadv(fd_a, [buf], off_a + pos) != n:
-            return False
-        off = off_b + pos
-        base = off - off % gran
-        try:
-            m = mmap.mmap(fd_b, n + (off - base), flags=flags, prot=mmap.PROT_READ, offset=base)
-        except (ValueError, OSError):
-            return False
-        try:
-            with memoryview(m) as v:
-                if buf != v[off - base:off - base + n]:
-                    return False
-        finally:
-            m.close()
-        pos += n
-    return True
+    base = pos - pos % gran
+    try:
+        m = mmap.mmap(fd, n + (pos - base), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                      prot=mmap.PROT_READ, offset=base)
+    except (ValueError, OSError):
+        return False
+    try:
+        with memoryview(m) as v, v[pos - base:pos - base + n] as w:
+            return len(w) == n and data.startswith(w)
+    finally:
+        m.close()
 
 
 def _shard(items: list[_Item], max_size: int | None) -> list[list[_Item]]:
@@ -652,7 +643,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
         index_path = dst + ".index.json" if dst.endswith(".safetensors") else dst + ".safetensors.index.json"
     _check_outputs(finals + ([index_path] if index_path else []), src, force)
     total = sum(it.nbytes for it in items)
-    w = _Writer(total * (2 if verify else 1), progress)
+    w = _Writer(total, progress, verify)
     temps: list[str] = []
     try:
         laid = []
@@ -664,7 +655,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
             w.write(tmp, ordered, metadata, fsync)
         if verify:
             for tmp, ordered in zip(temps, laid):
-                w.verify(tmp, ordered, metadata)
+                w.check(tmp, ordered, metadata)
             report.verified = True
         idx_tmp = None
         if index_path:

@@ -257,26 +257,40 @@ def test_refuses_to_overwrite_without_force(tied, tmp_path):
 
 def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
     src, _ = tied
-    real = conv.copy_range
+    real = conv.pwrite_all
 
-    def flip(src_fd, src_off, dst_fd, dst_off, size):
-        real(src_fd, src_off, dst_fd, dst_off, size)
-        with open(f"/proc/self/fd/{dst_fd}", "r+b") as f:
-            f.seek(dst_off + size - 1)
-            c = f.read(1)
-            f.seek(dst_off + size - 1)
-            f.write(bytes([c[0] ^ 0x40]))
+    def flip(fd, data, off):  # the disk "loses" a bit of every tensor chunk
+        n = real(fd, data, off)
+        if off > 0:
+            c = os.pread(fd, 1, off + n - 1)
+            os.pwrite(fd, bytes([c[0] ^ 0x40]), off + n - 1)
+        return n
 
-    monkeypatch.setattr(conv, "copy_range", flip)
+    monkeypatch.setattr(conv, "pwrite_all", flip)
     with pytest.raises(VerificationError, match="differs"):
         convert_to_safetensors(src)
     assert files_in(tmp_path) == ["model.pth"]
-    # --no-verify would have kept it
+    # --no-verify would have kept it (and copies in the kernel, not through pwrite_all)
     convert_to_safetensors(src, verify=False)
     assert files_in(tmp_path) == ["model.pth", "model.safetensors"]
 
 
-def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch):
+def test_verify_checks_the_header_read_back(tied, tmp_path, monkeypatch):
+    src, _ = tied
+    real = conv.safetensors_header
+
+    def lying(items, metadata):  # a header whose offsets disagree with where the bytes went
+        raw = real(items, metadata)
+        return raw.replace(b'"data_offsets":[0,', b'"data_offsets":[1,', 1)
+
+    monkeypatch.setattr(conv, "safetensors_header", lying)
+    with pytest.raises(VerificationError, match="reads back"):
+        convert_to_safetensors(src)
+    assert files_in(tmp_path) == ["model.pth"]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, verify):
     src, _ = tied
     calls = []
 
@@ -284,9 +298,9 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch):
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(conv, "copy_range", boom)
+    monkeypatch.setattr(conv, "pwrite_all" if verify else "copy_range", boom)
     with pytest.raises(KeyboardInterrupt):
-        convert_to_safetensors(src)
+        convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]
 
 

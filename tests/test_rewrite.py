@@ -127,6 +127,39 @@ def test_strip_safetensors(ckpt, capsys):
         assert f.metadata() == {"format": "pt", "who": "me"}
 
 
+def test_rewrites_keep_data_at_its_place_in_the_page(ckpt, capsys, tmp_path):
+    """The copied region keeps its offsets modulo 64 KiB (kernel copies whole folios) and 64-byte alignment."""
+    import zipfile
+
+    from ckptfix.formats.safetensors_fmt import read_header
+
+    b = ckpt.dataparallel()
+    rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "s.pt")
+    assert rc == 0, err
+
+    def data_offsets(path):
+        with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+            offs = {}
+            for i in zf.infolist():
+                f.seek(i.header_offset + 26)
+                n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+                offs[i.filename.split("/", 1)[1]] = i.header_offset + 30 + n + m
+            return offs
+
+    old, new = data_offsets(b.path), data_offsets(tmp_path / "s.pt")
+    records = [k for k in old if k.startswith("data/")]
+    assert records
+    for k in records:
+        assert new[k] % 64 == 0 and (new[k] - old[k]) % 65536 == 0, k
+    torch.load(tmp_path / "s.pt", mmap=True, weights_only=True)
+
+    s = ckpt.safetensors("m.safetensors", prefix="module.")
+    rc, out, err = _cli(capsys, "strip-prefix", s.path, "-o", tmp_path / "s.safetensors")
+    assert rc == 0, err
+    (_, a), (_, c) = read_header(str(s.path)), read_header(str(tmp_path / "s.safetensors"))
+    assert (c - a) % 65536 == 0 and c % 8 == 0
+
+
 def test_strip_safetensors_map_location_is_refused(ckpt, capsys):
     b = ckpt.safetensors("m.safetensors", prefix="module.")
     rc, out, err = _cli(capsys, "strip-prefix", b.path, "--map-location", "cpu")
