@@ -47,8 +47,8 @@ from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
 
-__all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "parse_size",
-           "ConvertReport", "safetensors_header"]
+__all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "rebuild_checkpoint",
+           "parse_size", "ConvertReport", "safetensors_header"]
 
 Progress = Callable[[int, int], None]
 
@@ -873,6 +873,53 @@ def restore_aliases(state_dict: Mapping[str, Any], metadata: Mapping[str, str] |
     return out
 
 
+def rebuild_checkpoint(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None) -> tuple[Any, tuple[str, ...]]:
+    """The checkpoint a ckptfix-written safetensors file came from, as far as its metadata holds it.
+
+    The ``ckptfix.extra`` entries (epoch, step, hyper-parameters, ...) are put back around the state
+    dict, which goes where ``ckptfix.key_path`` says it was; optimizer tensors written with
+    ``include_optimizer`` go back into the optimizer state (with its integer parameter ids).  What
+    could not be represented as JSON when converting (placeholders of classes become plain dicts,
+    excluded optimizer state) is not there.  Returns ``(checkpoint, key_path)``.
+    """
+    meta = dict(metadata or {})
+    sd = dict(state_dict)
+    key_path = tuple(str(k) for k in _json_obj(meta.get("ckptfix.key_path", "[]"), list))
+    extra = _json_obj(meta.get("ckptfix.extra", "{}"))
+
+    def decode(v: Any, int_keys: bool = False) -> Any:
+        if isinstance(v, dict):
+            if len(v) == 1 and "__float__" in v:
+                return float(v["__float__"])
+            if len(v) == 1 and "__tensor__" in v:
+                return sd.pop(str(v["__tensor__"]), None)
+            return {(int(k) if int_keys and k.lstrip("-").isdigit() else k): decode(x, k == "state")
+                    for k, x in v.items()}
+        if isinstance(v, list):
+            return [decode(x) for x in v]
+        return v
+
+    opt = {k: decode(extra.pop(k)) for k in [k for k in extra if _is_optimizer_key(k)]}
+    rest = {k: decode(v) for k, v in extra.items()}
+    if not key_path:
+        return {**sd, **rest, **opt}, ()
+    obj: dict[str, Any] = dict(rest)
+    node = obj
+    for part in key_path[:-1]:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[key_path[-1]] = sd
+    obj.update(opt)
+    return obj, key_path
+
+
+def _at(obj: Any, path: Sequence[str]) -> Any:
+    for part in path:
+        obj = obj[part]
+    return obj
+
+
 def _json_obj(text: str, kind: type = dict) -> Any:
     try:
         v = json.loads(text)
@@ -914,8 +961,12 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
 
 def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, *,
                              verify: bool = True, force: bool = False, fsync: bool = False,
-                             progress: Progress | None = None) -> ConvertReport:
-    """Write a ``.safetensors`` file (or sharded index) as one torch zip checkpoint, aliases restored."""
+                             restore_wrapper: bool = False, progress: Progress | None = None) -> ConvertReport:
+    """Write a ``.safetensors`` file (or sharded index) as one torch zip checkpoint, aliases restored.
+
+    The output is the state dict; with ``restore_wrapper`` it is the checkpoint dict the file was
+    converted from (see :func:`rebuild_checkpoint`), the state dict at its original key.
+    """
     import torch
 
     t0 = time.perf_counter()
@@ -932,10 +983,19 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
     report.tensors = len(out)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     report.bytes = total
+    to_save: Any = out
+    if restore_wrapper:
+        if "ckptfix.key_path" not in meta:
+            raise UnsupportedError(f"{src}: no ckptfix.key_path metadata (not written by ckptfix convert), so "
+                                   "there is no wrapper to restore; convert without --restore-wrapper")
+        to_save, kp = rebuild_checkpoint(out, meta)
+        report.key_path = kp
+        out = _at(to_save, kp)
+        report.tensors = len(out)
     tmp = _new_temp(dst)
     try:
         try:
-            torch.save(out, tmp)
+            torch.save(to_save, tmp)
         except OSError as e:
             raise OutputError(f"cannot write {dst}: {e}") from None
         if progress:
@@ -947,7 +1007,8 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
             finally:
                 os.close(fd)
         if verify:
-            back = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+            back = _at(torch.load(tmp, map_location="cpu", weights_only=True, mmap=True),
+                       report.key_path if restore_wrapper else ())
             if list(back) != list(out):
                 raise VerificationError(f"{dst}: the written checkpoint holds other keys than the source")
             for k, t in out.items():
@@ -1003,9 +1064,11 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None = None, **kw: 
     """Pick the direction: safetensors in and a non-safetensors ``dst`` (or none) -> torch; else -> safetensors."""
     d = os.fspath(dst) if dst is not None else None
     if is_safetensors_input(src) and (d is None or not d.endswith(".safetensors")):
-        extra = set(kw) - {"verify", "force", "fsync", "progress"}
+        extra = set(kw) - {"verify", "force", "fsync", "progress", "restore_wrapper"}
         used = [k for k in extra if kw.get(k) not in (None, False, (), "")]
         if used:
             raise UnsupportedError(f"options {sorted(used)} apply to conversion to safetensors, not back to torch")
         return convert_from_safetensors(src, d, **{k: v for k, v in kw.items() if k not in extra})
+    if kw.pop("restore_wrapper", False):
+        raise UnsupportedError("--restore-wrapper applies to conversion back to torch (a .safetensors input)")
     return convert_to_safetensors(src, d, **kw)

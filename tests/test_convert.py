@@ -465,6 +465,62 @@ def test_reverse_default_and_explicit(tied, tmp_path):
     assert _normalised(tmp_path / "again.safetensors")[2] == _normalised(st)[2]
 
 
+def _training_checkpoint(path):
+    torch.manual_seed(0)
+    m = TiedLM()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    m.lm_head(m.body(m.embed(torch.arange(4)))).sum().backward()
+    opt.step()
+    obj = {"epoch": 3, "step": 17, "model_state_dict": m.state_dict(), "optimizer_state_dict": opt.state_dict(),
+           "hparams": {"lr": 1e-3, "warmup": float("inf"), "sizes": [16, 8]}}
+    torch.save(obj, path)
+    return obj
+
+
+@pytest.mark.parametrize("with_optimizer", [False, True], ids=["model-only", "with-optimizer"])
+def test_reverse_restore_wrapper_rebuilds_the_training_checkpoint(tmp_path, with_optimizer):
+    obj = _training_checkpoint(tmp_path / "ck.pth")
+    convert_to_safetensors(tmp_path / "ck.pth", include_optimizer=with_optimizer)
+    r = convert(tmp_path / "ck.safetensors", tmp_path / "back.pth", restore_wrapper=True)
+    assert r.verified and r.key_path == ("model_state_dict",)
+    back = torch.load(tmp_path / "back.pth", weights_only=True)
+    assert back["epoch"] == 3 and back["step"] == 17
+    assert back["hparams"] == {"lr": 1e-3, "warmup": float("inf"), "sizes": [16, 8]}
+    sd = back["model_state_dict"]
+    assert list(sd) == list(obj["model_state_dict"])
+    assert sd["lm_head.weight"].data_ptr() == sd["embed.weight"].data_ptr()
+    for k, v in obj["model_state_dict"].items():
+        assert_same(sd[k], v)
+    if not with_optimizer:
+        assert "optimizer_state_dict" not in back
+        return
+    # the optimizer state is usable again: integer parameter ids, every moment tensor bit-identical
+    m = TiedLM()
+    m.load_state_dict(sd)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    opt.load_state_dict(back["optimizer_state_dict"])
+    want = obj["optimizer_state_dict"]
+    got = back["optimizer_state_dict"]
+    # JSON has no tuples: betas=(0.9, 0.999) comes back as a list, which Adam takes alike
+    assert got["param_groups"] == [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
+                                   for g in want["param_groups"]]
+    assert set(got["state"]) == set(want["state"])
+    for pid, st in want["state"].items():
+        for name, t in st.items():
+            assert_same(got["state"][pid][name], t)
+    assert not any(k.startswith("optimizer.") for k in sd)
+
+
+def test_restore_wrapper_needs_ckptfix_metadata_and_the_reverse_direction(tmp_path, tied):
+    save_file({"w": torch.ones(2)}, tmp_path / "plain.safetensors")
+    with pytest.raises(UnsupportedError, match="key_path"):
+        convert(tmp_path / "plain.safetensors", tmp_path / "p.pth", restore_wrapper=True)
+    src, _ = tied
+    with pytest.raises(UnsupportedError, match="back to torch"):
+        convert(src, restore_wrapper=True)
+    assert not (tmp_path / "p.pth").exists()
+
+
 def test_hf_style_alias_metadata_is_understood():
     w = torch.ones(2)
     out = restore_aliases({"a": w}, {"format": "pt", "b": "a"})

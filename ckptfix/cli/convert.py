@@ -23,6 +23,8 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
+@click.option("--restore-wrapper", is_flag=True,
+              help="Back to torch: rebuild the checkpoint dict (epoch, hyper-parameters, ...) around the state dict.")
 @click.option("--no-verify", is_flag=True, help="Skip re-reading the output and comparing it with the source.")
 @click.option("--fsync", is_flag=True, help="fsync the output and its directory before returning.")
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
@@ -31,7 +33,7 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
-                include_optimizer: bool, no_verify: bool, fsync: bool, allow_globals: tuple[str, ...], trust: bool,
+                include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool, allow_globals: tuple[str, ...], trust: bool,
                 quiet: bool, as_json: bool) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
@@ -40,6 +42,7 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
     ckptfix convert model.ckpt --strip-prefix -o out/model.safetensors
     ckptfix convert big.pth --max-shard-size 5GB   # -> big-00001-of-0000N.safetensors + index
     ckptfix convert model.safetensors -o model.pth
+    ckptfix convert model.safetensors -o ckpt.pth --restore-wrapper   # epoch, ... too
 
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
@@ -62,6 +65,8 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
         kw["max_shard_size"] = max_shard_size
     if include_optimizer:
         kw["include_optimizer"] = True
+    if restore_wrapper:
+        kw["restore_wrapper"] = True
     if allow_globals:
         kw["allow_globals"] = allow_globals
     if trust:
@@ -89,7 +94,8 @@ def _summary(r: Any) -> None:
              f"{r.seconds:.2f} s"]
     info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
     if r.key_path:
-        info(f"state dict taken from {'/'.join(r.key_path)}")
+        where = "taken from" if r.direction == "to-safetensors" else "put back under"
+        info(f"state dict {where} {'/'.join(r.key_path)}")
     if r.aliases:
         what = "stored once" if r.direction == "to-safetensors" else "restored as shared"
         info(f"{len(r.aliases)} shared tensor(s) {what}: "
