@@ -149,14 +149,12 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
 
 
 def _write_zip(cf: CheckpointFile, f: Any) -> None:
-    from ckptfix.formats.zipfmt import AlignedZipWriter, copy_range, rewrite_zip
+    from ckptfix.formats.zipfmt import AlignedZipWriter, rewrite_zip
 
     if cf.format == "torch-zip":
         rewrite_zip(cf, dumps(cf.obj), f)
         return
     # legacy -> zip: storage records named by their keys, bytes copied from the stream
-    import zlib
-
     for st in cf.storages.values():
         if st.view_metadata is not None:
             raise UnsupportedError(f"{cf.path}: legacy storage views cannot be rewritten; load the file with "
@@ -170,15 +168,7 @@ def _write_zip(cf: CheckpointFile, f: Any) -> None:
     try:
         for key in cf.extra["storage_keys"]:
             st = cf.storages[str(key)]
-            crc = 0
-            pos, end = st.file_offset, st.file_offset + st.nbytes
-            while pos < end:  # CRC of the bytes, streamed (legacy input only)
-                chunk = os.pread(fd, min(end - pos, 8 << 20), pos)
-                if not chunk:
-                    break
-                crc = zlib.crc32(chunk, crc)
-                pos += len(chunk)
-            w.add_copy(f"archive/data/{key}", fd, st.file_offset, st.nbytes, crc & 0xFFFFFFFF)
+            w.add_copy(f"archive/data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
         w.add_bytes("archive/version", b"3\n")
         w.close()
     finally:

@@ -235,11 +235,18 @@ class AlignedZipWriter:
         self.fp.write(data)
         self.pos += len(data)
 
-    def add_copy(self, name: str, src_fd: int, offset: int, size: int, crc: int) -> None:
-        """Copy ``size`` bytes at ``offset`` of ``src_fd`` into the archive without reading them into Python."""
-        self._start(name, crc, size)
+    def add_copy(self, name: str, src_fd: int, offset: int, size: int, crc: int | None = None) -> None:
+        """Copy ``size`` bytes at ``offset`` of ``src_fd`` into the archive without holding them in Python.
+
+        With ``crc=None`` the CRC-32 is computed while copying and patched into the local header.
+        """
+        start = self.pos
+        self._start(name, crc or 0, size)
         self.fp.flush()
-        copy_range(src_fd, offset, self.fp.fileno(), self.pos, size)
+        got = copy_range(src_fd, offset, self.fp.fileno(), self.pos, size, crc=crc is None)
+        if crc is None:
+            os.pwrite(self.fp.fileno(), struct.pack("<I", got), start + 14)  # the local header's CRC field
+            self.entries[-1] = self.entries[-1][:1] + (got,) + self.entries[-1][2:]
         self.pos += size
         self.fp.seek(self.pos)
 
@@ -282,17 +289,19 @@ class AlignedZipWriter:
 FOLIO = 64 << 10
 
 
-def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int) -> None:
+def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, crc: bool = False) -> int:
     """Copy bytes between files, as fast as ``cp``, without holding them in Python objects.
 
     In the kernel (``copy_file_range``, what ``cp`` uses) when both offsets are congruent modulo
     :data:`FOLIO` (the first call then brings them to a folio boundary); otherwise through one
-    reused 8 MiB buffer.
+    reused 8 MiB buffer.  With ``crc`` the bytes always pass through the buffer and their CRC-32
+    is returned (one read of the source for both); otherwise 0 is returned.
     """
     remaining = size
     so, do = src_off, dst_off
-    fast = hasattr(os, "copy_file_range") and (src_off - dst_off) % FOLIO == 0
+    fast = hasattr(os, "copy_file_range") and (src_off - dst_off) % FOLIO == 0 and not crc
     buf: memoryview | None = None
+    checksum = 0
     while remaining > 0:
         if fast:
             step = min(remaining, (FOLIO - so % FOLIO) if so % FOLIO else 1 << 30)
@@ -313,10 +322,13 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int) 
             n = os.preadv(src_fd, [buf[:want]], so)
             if n == 0:
                 raise CorruptCheckpointError("the source file ended early while copying a tensor (truncated?)")
+            if crc:
+                checksum = zlib.crc32(buf[:n], checksum)
             pwrite_all(dst_fd, buf[:n], do)
         so += n
         do += n
         remaining -= n
+    return checksum & 0xFFFFFFFF
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> int:
