@@ -210,6 +210,21 @@ def test_gpus_warning_line_before_output(fake_env):
     assert any("exited with code 15 but printed usable output" in w for w in doc["warnings"])
 
 
+def test_gpus_lost_gpu_makes_cuda_column_a_guess(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="warning_line")
+    doc = json.loads(r.out)
+    assert doc["order_certain"] is False
+    assert [p["code"] for p in doc["problems"]] == ["gpu_unreadable"]
+    r = ckptfix(fake_env, "gpus", scenario="warning_line")
+    assert r.out.startswith("cuda ") and "cuda:1?  2" in r.out and "could not read GPU(s) 1" in r.err
+
+
+def test_timeout_must_be_positive(fake_env):
+    for command in ("gpus", "pick-gpu", "doctor"):
+        r = ckptfix(fake_env, command, "--timeout", "0", scenario="h200_busy")
+        assert r.rc == 2 and "--timeout" in r.err, r
+
+
 @pytest.mark.parametrize(
     "scenario, code, text",
     [
@@ -296,6 +311,15 @@ def test_pick_gpu_respects_existing_cvd_and_filters(fake_env):
     assert "GPU 7 (NVIDIA H200): 1 process(es) > --max-procs 0" in r.err
 
 
+def test_pick_gpu_keeps_order_warning_when_index_cvd_chose_candidates(fake_env):
+    # CUDA_VISIBLE_DEVICES=0 under FASTEST_FIRST on mixed models may mean an RTX PRO 6000, not the T1000
+    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="mixed", CUDA_VISIBLE_DEVICES="0")
+    assert r.rc == 0, r
+    assert "GPUs are different models" in r.err
+    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="mixed")  # unset: UUID output is order-proof
+    assert r.rc == 0 and "GPUs are different models" not in r.err
+
+
 def test_pick_gpu_hidden_processes_count_as_busy(fake_env):
     r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", "-n", "8", "--lease", "0", scenario="h200_hidden_procs")
     assert r.rc == 22
@@ -343,6 +367,60 @@ def test_pick_gpu_runs_command_with_env_and_lease(fake_env, tmp_path):
 def test_pick_gpu_command_not_found(fake_env):
     r = ckptfix(fake_env, "pick-gpu", "--", "no-such-command-xyz", scenario="h200_after_release")
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
+
+
+@pytest.mark.parametrize("from_terminal", [True, False])
+def test_pick_gpu_forwards_sigint_only_when_the_terminal_did_not_send_it(fake_env, tmp_path, from_terminal):
+    """In the terminal's foreground group a Ctrl-C already reaches the command (same process group), so
+    pick-gpu must not send a second SIGINT (it could abort the command's own interrupt handling, e.g. a
+    final checkpoint save); outside one (a `kill -INT` from elsewhere) it forwards the signal.
+
+    Only pick-gpu is signalled here, so the command's count is what pick-gpu added: 0 or 1.
+    """
+    import fcntl
+    import pty
+    import signal
+    import termios
+
+    ready, out = tmp_path / "ready", tmp_path / "count"
+    child = (
+        "import pathlib, signal, time\n"
+        "n = 0\n"
+        "def h(s, f):\n"
+        "    global n\n"
+        "    n += 1\n"
+        "signal.signal(signal.SIGINT, h)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
+        "t = time.time() + 1.5\n"
+        "while n == 0 and time.time() < t:\n"
+        "    time.sleep(0.01)\n"
+        "time.sleep(0.3)\n"
+        f"pathlib.Path({str(out)!r}).write_text(str(n))\n"
+    )
+    env = dict(fake_env, FAKE_SMI_SCENARIO="h200_after_release")
+    master, slave = pty.openpty()
+
+    def controlling_tty() -> None:  # runs after setsid(): the pty becomes the session's terminal
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-c", WRAPPER, "pick-gpu", "--", sys.executable, "-c", child],
+            env=env, stdin=slave if from_terminal else subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
+            preexec_fn=controlling_tty if from_terminal else None,
+        )
+        deadline = time.time() + 30
+        while not ready.exists() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.02)
+        assert ready.exists(), p.communicate(timeout=30)
+        os.kill(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert p.returncode == 0, err
+    assert out.read_text() == ("0" if from_terminal else "1")
 
 
 def test_pick_gpu_lease_makes_next_picker_choose_another(fake_env):

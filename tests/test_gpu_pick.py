@@ -82,6 +82,16 @@ def test_filters_and_skips():
     assert "used with no visible process" in why[5]
 
 
+def test_max_procs_rejects_unknown_process_counts():
+    # --query-compute-apps failed: process_count is None, which must not pass as "0 processes"
+    devs = [gpu(0, 90_000, procs=None), gpu(1, 50_000)]
+    ranked, rejected = rank_gpus(devs, Criteria(max_procs=0))
+    assert [r.gpu.smi_index for r in ranked] == [1]
+    assert rejected[0].reason.startswith("process count unavailable")
+    ranked, _ = rank_gpus(devs, Criteria())  # without --max-procs it still ranks
+    assert [r.gpu.smi_index for r in ranked] == [0, 1]
+
+
 def test_hidden_usage_ranks_below_an_idle_twin():
     ranked, _ = rank_gpus([gpu(0, 90_000, hidden=5_000), gpu(1, 90_000)], Criteria())
     assert [r.gpu.smi_index for r in ranked] == [1, 0]

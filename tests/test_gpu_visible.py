@@ -186,3 +186,58 @@ def test_view_to_dict_round_trips_to_json():
     doc = json.loads(json.dumps(view({"CUDA_VISIBLE_DEVICES": "1,0"}).to_dict()))
     assert [d["device"] for d in doc["devices"]] == ["cuda:0", "cuda:1"]
     assert [d["smi_index"] for d in doc["devices"]] == [1, 0]
+
+
+def test_mig_duplicate_by_prefix_and_unlisted_mig_are_explained():
+    g = _mig_gpus()
+    v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c5876e6,MIG-1c5876e6-d3b9"}, g)  # one MIG device, two spellings
+    assert smi_indices(v) == [] and [p.code for p in v.problems] == ["cvd_empty"]
+    assert "twice" in v.problems[0].message
+    v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c5876e6"})  # no MIG device on this machine
+    assert smi_indices(v) == [] and v.problems[0].code == "cvd_truncated"
+    assert "nvidia-smi -L lists none" in v.problems[0].message
+
+
+def test_mig_parent_missing_from_query_gpu_does_not_crash():
+    from dataclasses import replace
+
+    g = _mig_gpus()
+    orphan = MigDevice("MIG-77777777-d3b9-524a-9eb4-664fcfbd4de2", "GPU-00000000-lost", 4, 0, "1g.5gb")
+    g = g[:3] + (replace(g[3], mig_devices=(orphan,)),)
+    v = view({"CUDA_VISIBLE_DEVICES": "MIG-7777"}, g)
+    assert smi_indices(v) == [4] and v.devices[0].mig_device == orphan
+
+
+def test_memory_placeholder_decides_the_fix():
+    from dataclasses import replace
+
+    base = gpus()
+    g = (
+        replace(base[0], memory_total_mib=None, memory_free_mib=None, unavailable=(("memory.free", "N/A"),)),
+        replace(base[1], memory_free_mib=None, unavailable=(("memory.free", "Insufficient Permissions"),)),
+        replace(base[2], memory_free_mib=None, unavailable=(("memory.free", "Unknown Error"),)),
+        base[3],
+    )
+    fixes = [p.fix for p in view({}, g).problems if p.code == "memory_unavailable"]
+    assert "unified memory" in fixes[0]
+    assert "access to the GPU's memory counters" in fixes[1]
+    assert "unified memory" not in fixes[2] and "dmesg" in fixes[2]
+
+
+def test_gpu_nvidia_smi_could_not_read_makes_indices_uncertain():
+    g = gpus()
+    lost = (g[0], g[2], g[3])  # "Unable to determine the device handle for GPU1", rows 0, 2, 3
+    v = view({}, lost)
+    assert smi_indices(v) == [0, 2, 3] and not v.order_certain
+    assert [p.code for p in v.problems] == ["gpu_unreadable"] and "GPU(s) 1" in v.problems[0].message
+    assert not view({"CUDA_VISIBLE_DEVICES": "1"}, lost).order_certain
+    assert view({"CUDA_VISIBLE_DEVICES": U[2]}, lost).order_certain  # a UUID does not depend on numbering
+    assert view({}, g).order_certain and view({}, g).problems == ()
+
+
+def test_row_without_pci_keeps_its_listing_position():
+    from dataclasses import replace
+
+    g = gpus()
+    broken = replace(g[1], uuid=None, pci_bus_id=None, name=None, unavailable=(("pci.bus_id", "Unknown Error"),))
+    assert smi_indices(view({}, (g[0], broken, g[2], g[3]))) == [0, 1, 2, 3]

@@ -87,7 +87,7 @@ def render_gpus(view: Any) -> str:
 
 @cli.command("gpus")
 @json_option
-@click.option("--timeout", type=float, default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
 def gpus_cmd(as_json: bool, timeout: float) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
@@ -149,7 +149,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     help="Reserve the picked GPUs against other pickers for this long (default 120; 0: none). "
     "With `-- COMMAND` the lease lasts as long as the command.",
 )
-@click.option("--timeout", type=float, default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def pick_gpu_cmd(
     n: int,
@@ -217,8 +217,11 @@ def pick_gpu_cmd(
         g = r.gpu
         info(f"picked GPU {g.smi_index} ({_short_uuid(g.uuid)}, {g.name or '?'}): {r.reason}")
     if result.view is not None:
+        # pick-gpu's ids are order-proof, so the mixed-models warning is moot -- unless an index-based
+        # CUDA_VISIBLE_DEVICES chose the candidates: then which GPUs those are is itself a guess
+        by_index = result.view.spec is not None and result.view.spec.kind == "index"
         for w in result.view.warnings:
-            if not w.startswith("GPUs are different models"):  # pick-gpu ids are order-proof
+            if by_index or not w.startswith("GPUs are different models"):
                 warn(w)
     if command:
         return _run_with(command, env, [le.fd for le in result.leases if le.fd is not None])
@@ -240,6 +243,16 @@ def pick_gpu_cmd(
     return 0
 
 
+def _in_terminal_foreground() -> bool:
+    """True when this process's group is its terminal's foreground group (so a Ctrl-C reached the child too)."""
+    for fd in (0, 1, 2):
+        try:
+            return os.tcgetpgrp(fd) == os.getpgrp()
+        except OSError:
+            continue
+    return False
+
+
 def _run_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[int]) -> int:
     """Run COMMAND with the chosen GPUs; the lease fds go to the child so the lease lives as long as it does."""
     env = dict(os.environ)
@@ -255,6 +268,10 @@ def _run_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[in
         return 126
 
     def forward(signum: int, _frame: Any) -> None:
+        # Ctrl-C goes to the terminal's whole foreground process group, the child included: passing it on
+        # would deliver a second SIGINT, which can abort the child's own interrupt handling (a final save)
+        if signum == signal.SIGINT and _in_terminal_foreground():
+            return
         if proc.poll() is None:
             proc.send_signal(signum)
 
@@ -275,7 +292,7 @@ def _run_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[in
 
 @cli.command("doctor")
 @json_option
-@click.option("--timeout", type=float, default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
 def doctor_cmd(as_json: bool, timeout: float) -> None:
     """One report for bug threads: Python, torch build, driver, GPUs, CUDA env, distributed env, problems.
 

@@ -180,6 +180,8 @@ def rank_gpus(
             rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
         elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
             rejected.append(Rejected(g, f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}"))
+        elif criteria.max_procs is not None and g.process_count is None:
+            rejected.append(Rejected(g, "process count unavailable (--query-compute-apps failed) and --max-procs was given"))
         elif criteria.max_procs is not None and procs > criteria.max_procs:
             hidden = (
                 f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"

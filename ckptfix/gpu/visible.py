@@ -270,7 +270,10 @@ def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple
     Otherwise CUDA puts the fastest first by a heuristic we cannot see; we return
     PCI order and ``certain=False``.
     """
-    ordered = sorted(gpus, key=pci_sort_key)
+    if all(g.pci_bus_id for g in gpus):
+        ordered = sorted(gpus, key=pci_sort_key)
+    else:  # a row nvidia-smi could not read: its listing order (PCI order too) is the best guess
+        ordered = sorted(gpus, key=lambda g: g.index)
     if device_order == "PCI_BUS_ID":
         return ordered, True
     names = {(g.name or "").strip() for g in gpus}
@@ -350,6 +353,7 @@ def build_view(
     spec = parse_visible_devices(cvd)
     gpus = list(snapshot.gpus)
     ordered, certain = enumeration_order(gpus, order)
+    models_certain = certain
     warnings: list[str] = list(snapshot.warnings)
     problems: list[Problem] = []
     chosen: list[tuple[SmiGpu, MigDevice | None]] = []
@@ -397,8 +401,13 @@ def build_view(
     elif spec.kind == "mig":
         migs = [m for g in gpus for m in g.mig_devices]
         if not migs and spec.entries:
-            warnings.append(
-                "CUDA_VISIBLE_DEVICES names MIG devices but nvidia-smi -L listed none: cannot map them"
+            problems.append(
+                Problem(
+                    "cvd_truncated",
+                    f"CUDA_VISIBLE_DEVICES={cvd!r} names MIG devices but nvidia-smi -L lists none here, "
+                    "so CUDA sees none of them",
+                    "use MIG UUIDs exactly as `nvidia-smi -L` prints them on this machine, or GPU UUIDs",
+                )
             )
         for cand in spec.entries:
             hits = [m for m in migs if _mig_matches(cand, m)]
@@ -413,8 +422,18 @@ def build_view(
                         )
                     )
                 break
-            parent = next(g for g in gpus if g.uuid == hits[0].parent_uuid)
+            parent = next((g for g in gpus if g.uuid == hits[0].parent_uuid), None)
+            if parent is None:  # -L lists a GPU that --query-gpu could not read
+                parent = SmiGpu(index=hits[0].parent_index, uuid=hits[0].parent_uuid, mig_enabled=True)
             if any(m is hits[0] for _, m in chosen):
+                problems.append(
+                    Problem(
+                        "cvd_empty",
+                        f"CUDA_VISIBLE_DEVICES={cvd!r} names MIG device {hits[0].uuid} twice: CUDA then hides "
+                        "every GPU",
+                        "list each MIG device once",
+                    )
+                )
                 chosen = []
                 break
             chosen.append((parent, hits[0]))
@@ -426,9 +445,25 @@ def build_view(
 
     devices = [_to_visible(i, g, m, hidden_busy_mib) for i, (g, m) in enumerate(chosen)]
 
+    present = {g.index for g in gpus}
+    unreadable = [i for i in range(max(present, default=-1) + 1) if i not in present]
     if spec.kind in ("uuid", "mig", "none"):
         certain = True  # physical ids, listed order: nothing depends on CUDA_DEVICE_ORDER
-    elif not certain:
+    elif unreadable:
+        # nvidia-smi skipped a GPU it could not read (e.g. "Unable to determine the device handle for GPU1");
+        # whether CUDA still counts it decides every cuda:N after it
+        certain = False
+        problems.append(
+            Problem(
+                "gpu_unreadable",
+                f"nvidia-smi could not read GPU(s) {', '.join(map(str, unreadable))}: if CUDA still counts "
+                "them, cuda:N and index-based CUDA_VISIBLE_DEVICES entries after them are shifted (the cuda "
+                "column is a guess)",
+                "select GPUs by UUID (pick-gpu does by default), and check `nvidia-smi` and `dmesg` (Xid "
+                "errors) for the missing GPU",
+            )
+        )
+    if spec.kind not in ("uuid", "mig", "none") and not models_certain:
         models = sorted({(g.name or "?") for g in gpus})
         problems.append(
             Problem(
@@ -453,14 +488,17 @@ def build_view(
         if d.memory_free_mib is None and d.mig_device is None:
             why = d.unavailable and dict(d.unavailable).get("memory.free") or dict(d.unavailable).get("memory.total")
             if why:
-                problems.append(
-                    Problem(
-                        "memory_unavailable",
-                        f"GPU {d.smi_index}: nvidia-smi reports memory as [{why}]",
-                        "run with access to the GPU's memory counters; pick-gpu skips this GPU"
-                        if "Permission" in why
-                        else "this GPU reports no framebuffer memory (e.g. unified memory); pick-gpu skips it",
+                if "permission" in why.lower():
+                    fix = "run with access to the GPU's memory counters; pick-gpu skips this GPU"
+                elif why.upper() in ("N/A", "NOT SUPPORTED"):
+                    fix = "this GPU reports no framebuffer memory (e.g. unified memory); pick-gpu skips it"
+                else:  # [Unknown Error], [GPU is lost]...: the GPU itself is in trouble
+                    fix = (
+                        f"check `nvidia-smi -q -i {d.smi_index}` and `dmesg` (Xid errors); a reset or reboot may be "
+                        "needed; pick-gpu skips this GPU"
                     )
+                problems.append(
+                    Problem("memory_unavailable", f"GPU {d.smi_index}: nvidia-smi reports memory as [{why}]", fix)
                 )
     if cuda_is_initialized:
         problems.append(
