@@ -423,6 +423,15 @@ def test_pick_gpu_forwards_sigint_only_when_the_terminal_did_not_send_it(fake_en
     assert out.read_text() == ("0" if from_terminal else "1")
 
 
+def test_pick_gpu_unusable_lease_dir_is_a_clear_error(fake_env, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    r = ckptfix(fake_env, "pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(not_a_dir))
+    assert r.rc == 9, r
+    assert r.err.startswith("Error: cannot take a GPU lease in ") and "CKPTFIX_LEASE_DIR" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and r.out == ""
+
+
 def test_pick_gpu_lease_makes_next_picker_choose_another(fake_env):
     a = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
     b = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")

@@ -183,8 +183,9 @@ def pick_gpu_cmd(
     \b
     Exit codes: 0 ok (with COMMAND: the command's exit code); 20 nvidia-smi
     missing; 21 no GPU; 22 no GPU fits; 23 --wait timed out; 25 nvidia-smi
-    failed; 26 driver not loaded; 27 driver/library mismatch.  20, 21, 26 and 27
-    mean "no usable NVIDIA GPU": fall back to CPU.
+    failed; 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
+    unusable (set CKPTFIX_LEASE_DIR).  20, 21, 26 and 27 mean "no usable NVIDIA
+    GPU": fall back to CPU.
     """
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.pick import DEFAULT_LEASE_SECONDS, Criteria, lease_dir, parse_size_mib, pick

@@ -135,6 +135,7 @@ def pick_gpu(
         CudaAlreadyInitializedError: CUDA is already initialised here (24).
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27): fall back to CPU.
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
+        OutputError: the lease directory (``$CKPTFIX_LEASE_DIR``...) is unusable (9).
     """
     from ckptfix.gpu.pick import Criteria, check_cuda_not_initialized, hold_for_process, lease_dir, parse_size_mib, pick
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
-from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
+from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError, OutputError
 from ckptfix.gpu.visible import GpuView, VisibleGpu
 
 __all__ = [
@@ -271,9 +271,12 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
 
     Returns ``(lease, "")`` or ``(None, who_holds_it)``.
     """
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = _lease_file(directory, key)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        raise _lease_dir_error(directory, e) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -281,7 +284,7 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
         os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
             return None, _describe(info) + " (running)"
-        raise
+        raise _lease_dir_error(directory, e) from None
     now = time.time() if now is None else now
     info = _read_info(fd)
     exp = info.get("expires")
@@ -300,6 +303,13 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
         return Lease(key, path, fd, None), ""
     os.close(fd)  # the expiry in the file is the lease now
     return Lease(key, path, None, expires), ""
+
+
+def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
+    return OutputError(
+        f"cannot take a GPU lease in {directory} ({e.strerror or e}): set CKPTFIX_LEASE_DIR to a writable local "
+        "directory (file locks need a local filesystem)"
+    )
 
 
 # ----------------------------------------------------------------------------- choosing
