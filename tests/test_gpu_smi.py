@@ -256,6 +256,14 @@ def test_query_mig_host_lists_mig_devices_with_third_call():
     assert [len(g.mig_devices) for g in snap.gpus] == [0, 0, 0, 0, 7, 3, 2, 4]
 
 
+def test_query_mig_requested_lists_in_the_first_round_once():
+    calls: list[list[str]] = []
+    snap = smi.query(runner=scenario_runner("mig_host", calls), mig=True)
+    assert snap.calls == 3 and snap.mig_listed and sum(len(g.mig_devices) for g in snap.gpus) == 16
+    assert [c[1] for c in calls] == [calls[0][1], calls[1][1], "-L"]  # one round: gpu, apps, -L
+    assert sum(c[1:] == ["-L"] for c in calls) == 1
+
+
 def test_query_retries_without_unknown_field():
     seen: list[str] = []
 

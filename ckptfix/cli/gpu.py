@@ -87,7 +87,7 @@ def render_gpus(view: Any) -> str:
 
 @cli.command("gpus")
 @json_option
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
 def gpus_cmd(as_json: bool, timeout: float) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
@@ -149,7 +149,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     help="Reserve the picked GPUs against other pickers for this long (default 120; 0: none). "
     "With `-- COMMAND` the lease lasts as long as the command.",
 )
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def pick_gpu_cmd(
     n: int,
@@ -293,7 +293,7 @@ def _run_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[in
 
 @cli.command("doctor")
 @json_option
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, help=_TIMEOUT_HELP)
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
 def doctor_cmd(as_json: bool, timeout: float) -> None:
     """One report for bug threads: Python, torch build, driver, GPUs, CUDA env, distributed env, problems.
 

@@ -599,6 +599,8 @@ def query(
 
     fields: tuple[str, ...] = GPU_FIELDS
     cmds = [_gpu_argv(smi, fields)] + ([_apps_argv(smi)] if processes else [])
+    if mig:  # known up front (CUDA_VISIBLE_DEVICES names MIG devices): list them in the same round
+        cmds.append([smi, "-L"])
     results = run_many(cmds)
     gres = results[0]
     if gres.returncode != 0 and "not a valid field" in (gres.stdout + gres.stderr).lower():
@@ -639,7 +641,7 @@ def query(
     mig_devices: dict[str, list[MigDevice]] = {}
     mig_listed = False
     if mig or (mig is None and any(g.mig_enabled for g in gpus)):
-        lres = run_many([[smi, "-L"]])[0]
+        lres = results[-1] if mig else run_many([[smi, "-L"]])[0]
         _, migs, _ = parse_list(lres.stdout)
         mig_listed = lres.returncode == 0 or bool(migs)
         for m in migs:
