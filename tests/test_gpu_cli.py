@@ -219,6 +219,13 @@ def test_gpus_lost_gpu_makes_cuda_column_a_guess(fake_env):
     assert r.out.startswith("cuda ") and "cuda:1?  2" in r.out and "could not read GPU(s) 1" in r.err
 
 
+def test_gpus_json_marks_memory_used_by_invisible_processes(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_hidden_procs")
+    devs = json.loads(r.out)["devices"]
+    assert devs[0]["process_count"] == 0 and devs[0]["hidden_used_mib"] == 130013  # the `0*` row
+    assert devs[2]["hidden_used_mib"] == 0  # 0 MiB used: idle
+
+
 def test_timeout_must_be_positive(fake_env):
     for command in ("gpus", "pick-gpu", "doctor"):
         r = ckptfix(fake_env, command, "--timeout", "0", scenario="h200_busy")

@@ -192,6 +192,7 @@ class VisibleGpu:
             "temperature_c": self.temperature_c,
             "power_w": self.power_w,
             "process_count": self.process_count,
+            "hidden_used_mib": self.hidden_used_mib,
             "mig_enabled": self.mig_enabled,
             "mig_device": None if self.mig_device is None else self.mig_device.to_dict(),
             "unavailable": dict(self.unavailable),
