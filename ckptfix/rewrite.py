@@ -27,6 +27,7 @@ from ckptfix.atomic import atomic_output, make_backup
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
 from ckptfix.pickles import dumps
+from ckptfix.prefixes import _rekey_metadata
 
 #: a transform: state dict -> (new state dict, report object with to_dict()/summary())
 Transform = Callable[[Mapping[str, Any]], "tuple[Mapping[str, Any], Any]"]
@@ -86,11 +87,14 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
     Args:
-        src: checkpoint file (torch zip, legacy, Lightning ``.ckpt`` or safetensors).
+        src: checkpoint file (torch zip, legacy, Lightning ``.ckpt`` or safetensors), or a sharded
+            ``*.index.json`` (or its directory) whose shards are any of those.
         transform: state dict -> (renamed state dict, report); must raise to refuse (collisions).
-        output: where to write; default ``<stem>.<suffix><ext>`` next to ``src``.
+        output: where to write; default ``<stem>.<suffix><ext>`` next to ``src``.  For a sharded
+            input, a directory (default ``<dir>.<suffix>`` beside the shards' directory) that gets
+            the rewritten shards and index under their own names.
         in_place: replace ``src`` itself (temp file + fsync + rename), keeping ``src.bak`` unless
-            ``backup=False``.
+            ``backup=False``.  Not for sharded inputs (several files cannot be replaced atomically).
         force: overwrite an existing ``output``.
         key: where the state dict sits (found automatically otherwise).
         map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
@@ -100,33 +104,23 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         RewriteReport (``output`` is None when nothing needed to change).
     """
     cf = read_checkpoint(src)
-    if cf.format not in WRITABLE:
-        raise UnsupportedError(f"{src}: {cf.format} checkpoints cannot be rewritten here; convert it first "
-                               "(ckptfix convert) or load it with load_anywhere and save a new file")
+    if cf.format == "sharded":
+        return _rewrite_sharded(cf, transform, output=output, in_place=in_place, force=force, key=key,
+                                map_location=map_location, fsync=bool(fsync), suffix=suffix)
+    _check_writable(cf)
     key_path, sd = find_state_dict(cf.obj, key)
     new_sd, detail = transform(sd)
     renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys()) if a != b)
-    relocate = parse_map_location(map_location)
-    relocated: dict[str, str] = {}
-    if relocate is not None:
-        if cf.format == "safetensors":
-            raise UnsupportedError("safetensors files carry no device tags; --map-location does not apply")
-        for st in cf.storages.values():
-            new = relocate(st.location)
-            if new != st.location:
-                relocated[st.location] = new
-                st.location = new
-    fmt_out = "torch-zip" if cf.format in ("torch-zip", "torch-legacy") else "safetensors"
+    relocated = _relocate(cf, map_location)
+    fmt_out = _format_out(cf)
     rep = RewriteReport(source=src, output=None, format_in=cf.format, format_out=fmt_out, key_path=list(key_path),
-                        changed=bool(renamed or relocated), renamed=renamed,
-                        detail=detail.to_dict() if hasattr(detail, "to_dict") else dict(detail or {}),
+                        changed=bool(renamed or relocated), renamed=renamed, detail=_detail(detail),
                         relocated=relocated)
     if not rep.changed:
         rep.notes.append("nothing to change; no file written")
         return rep
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
     if in_place:
         dst = src
         fsync = True if fsync is None else fsync
@@ -136,15 +130,149 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
             raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
         if os.path.exists(dst) and not force:
             raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
-    with atomic_output(dst, fsync=bool(fsync)) as f:
+    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=src if in_place and backup else None)
+    rep.output = dst
+    return rep
+
+
+def _rename_module_probe(probe: str, modules: Mapping[str, str]) -> str:
+    path, _, leaf = probe.rpartition(".")
+    new = modules.get(path, path)
+    return f"{new}.{leaf}" if new else leaf
+
+
+def _check_writable(cf: CheckpointFile, what: str = "") -> None:
+    if cf.format not in WRITABLE:
+        raise UnsupportedError(f"{what or cf.path}: {cf.format} checkpoints cannot be rewritten here; convert it "
+                               "first (ckptfix convert) or load it with load_anywhere and save a new file")
+
+
+def _format_out(cf: CheckpointFile) -> str:
+    return "torch-zip" if cf.format in ("torch-zip", "torch-legacy") else "safetensors"
+
+
+def _detail(detail: Any) -> dict[str, Any]:
+    return detail.to_dict() if hasattr(detail, "to_dict") else dict(detail or {})
+
+
+def _relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
+    """Re-tag ``cf``'s storages (in memory) as ``map_location`` says; returns {old tag: new tag}."""
+    relocate = parse_map_location(map_location)
+    relocated: dict[str, str] = {}
+    if relocate is None:
+        return relocated
+    if cf.format == "safetensors":
+        raise UnsupportedError("safetensors files carry no device tags; --map-location does not apply")
+    for st in cf.storages.values():
+        new = relocate(st.location)
+        if new != st.location:
+            relocated[st.location] = new
+            st.location = new
+    return relocated
+
+
+def _write_file(cf: CheckpointFile, key_path: Any, new_sd: Mapping[str, Any], dst: str, *, fsync: bool,
+                backup_of: str | None = None) -> str | None:
+    """Write ``cf`` with ``new_sd`` in place of its state dict to ``dst`` atomically; returns the backup path."""
+    cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
+    backup = None
+    with atomic_output(dst, fsync=fsync) as f:
         if cf.format == "safetensors":
             _write_safetensors(cf, new_sd, f)
         else:
             _write_zip(cf, f)
-        if in_place and backup:
+        if backup_of is not None:
             f.flush()
-            rep.backup = make_backup(src)
+            backup = make_backup(backup_of)
+    return backup
+
+
+def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | None, in_place: bool, force: bool,
+                     key: str | None, map_location: str | None, fsync: bool, suffix: str) -> RewriteReport:
+    """Rename across every shard of an index: new shards and index, same file names, in a new directory."""
+    ipath = cf.path
+    if in_place:
+        raise UnsupportedError(f"{ipath}: a sharded checkpoint is several files and cannot be replaced atomically "
+                               "in place; write it to a new directory with -o DIR, check it, then swap the directories")
+    if key is not None:
+        raise UnsupportedError(f"{ipath}: --key does not apply to a sharded index (its weight map is the state dict)")
+    shards: dict[str, CheckpointFile] = cf.extra["shards"]
+    for name, scf in shards.items():
+        _check_writable(scf, f"{ipath}: shard {name}")
+    sd = cf.obj
+    new_sd, detail = transform(sd)
+    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
+        raise UnsupportedError(f"{ipath}: this rename does not map the sharded keys one to one; "
+                               "convert the index to a single file first (ckptfix convert)")
+    rename = dict(zip(sd, new_sd))
+    renamed = sum(1 for a, b in rename.items() if a != b)
+    modules: dict[str, str] = {}  # module path -> new module path, ancestors too ("module" -> "")
+    for a, b in rename.items():
+        pa, pb = a.split("."), b.split(".")
+        while len(pa) > 1 and len(pb) >= 1 and pa[-1] == pb[-1]:
+            pa, pb = pa[:-1], pb[:-1]
+            modules.setdefault(".".join(pa), ".".join(pb))
+    relocated: dict[str, str] = {}
+    for scf in shards.values():
+        relocated.update(_relocate(scf, map_location))
+    formats = {_format_out(scf) for scf in shards.values()}
+    rep = RewriteReport(source=ipath, output=None, format_in="sharded", format_out="sharded " + "/".join(sorted(formats)),
+                        key_path=[], changed=bool(renamed or relocated), renamed=renamed, detail=_detail(detail),
+                        relocated=relocated)
+    if not rep.changed:
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    src_dir = os.path.dirname(os.path.abspath(ipath))
+    out_dir = os.path.abspath(output) if output else f"{src_dir}.{suffix}"
+    if out_dir == src_dir:
+        raise OutputError(f"{out_dir}: the output directory is the input's; choose a new one with -o DIR")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise OutputError(f"{out_dir} exists and is not a directory; for a sharded index -o names a directory")
+    names = [os.path.basename(ipath), *shards]
+    clash = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
+    if clash and not force:
+        raise OutputError(f"{os.path.join(out_dir, clash[0])} already exists; pass --force to overwrite or -o to "
+                          "choose another directory")
+    created = not os.path.isdir(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"cannot create {out_dir}: {e.strerror}; choose another directory with -o") from None
+    written: list[str] = []
+    try:
+        for name, scf in shards.items():
+            key_path, ssd = find_state_dict(scf.obj)
+            new_ssd = type(ssd)() if isinstance(ssd, dict) else {}
+            for k, v in ssd.items():
+                new_ssd[rename.get(k, k)] = v
+            meta = getattr(ssd, "_metadata", None)
+            if isinstance(meta, dict):  # module paths follow their tensors' renames
+                new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))  # type: ignore
+            dst = os.path.join(out_dir, name)
+            _write_file(scf, key_path, new_ssd, dst, fsync=fsync)
+            written.append(dst)
+            if scf.format == "torch-legacy":
+                rep.notes.append(f"legacy shard {name} was written in the zip format")
+        doc = dict(cf.extra["index"])
+        doc["weight_map"] = {rename.get(k, k): v for k, v in doc["weight_map"].items()}
+        dst = os.path.join(out_dir, os.path.basename(ipath))
+        with atomic_output(dst, fsync=fsync) as f:  # the index last: the directory is complete once it exists
+            f.write(json.dumps(doc, indent=2).encode("utf-8") + b"\n")
+        written.append(dst)
+    except BaseException:
+        for p in written:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+        if created:
+            try:
+                os.rmdir(out_dir)
+            except OSError:
+                pass
+        raise
     rep.output = dst
+    rep.notes.append(f"wrote {len(shards)} shard(s) and the index to {out_dir}")
     return rep
 
 

@@ -265,9 +265,9 @@ class CkptFactory:
         save_file(sd, str(path), metadata=metadata)
         return Built(path, {k: v.clone() for k, v in sd.items()}, m)
 
-    def sharded_bin(self, dirname: str = "hf_bin") -> Built:
+    def sharded_bin(self, dirname: str = "hf_bin", prefix: str = "") -> Built:
         m = tiny_model()
-        sd = m.state_dict()
+        sd = {prefix + k: v for k, v in m.state_dict().items()}
         keys = list(sd)
         half = len(keys) // 2
         d = self.p(dirname)
@@ -281,11 +281,11 @@ class CkptFactory:
         idx.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": wm}))
         return Built(idx, {k: v.clone() for k, v in sd.items()}, m, {"dir": d, "shards": list(shards)})
 
-    def sharded_safetensors(self, dirname: str = "hf_st") -> Built:
+    def sharded_safetensors(self, dirname: str = "hf_st", prefix: str = "") -> Built:
         from safetensors.torch import save_file
 
         m = tiny_model()
-        sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+        sd = {prefix + k: v.contiguous() for k, v in m.state_dict().items()}
         keys = list(sd)
         half = len(keys) // 2
         d = self.p(dirname)

@@ -434,9 +434,91 @@ def test_explicit_prefix_no_key_has(ckpt):
 
 
 def test_non_writable_formats_refused(ckpt, capsys):
-    for b in (ckpt.dcp(), ckpt.torchscript(), ckpt.sharded_bin()):
+    for b in (ckpt.dcp(), ckpt.torchscript()):
         rc, out, err = _cli(capsys, "strip-prefix", b.path)
         assert rc == 8, (b.path, err)
+
+
+# --------------------------------------------------------------------------- sharded indexes
+
+@pytest.mark.parametrize("kind", ["sharded_bin", "sharded_safetensors"])
+def test_strip_sharded_index_writes_a_new_directory(ckpt, capsys, kind):
+    b = getattr(ckpt, kind)(prefix="module.")
+    d = b.extra["dir"]
+    before = {n: sha256(d / n) for n in os.listdir(d)}
+    rc, out, err = _cli(capsys, "strip-prefix", b.path)
+    assert rc == 0, err
+    new_idx = Path(out.strip())
+    out_dir = Path(f"{d}.stripped")
+    assert new_idx == out_dir / b.path.name
+    assert sorted(os.listdir(out_dir)) == sorted([b.path.name, *b.extra["shards"]])  # same file names
+    assert {n: sha256(d / n) for n in os.listdir(d)} == before  # input untouched
+    doc = json.loads(new_idx.read_text())
+    assert doc["metadata"] == {"total_size": 0}
+    assert all(not k.startswith("module.") for k in doc["weight_map"])
+    from ckptfix import load_anywhere
+
+    sd = load_anywhere(str(new_idx))
+    assert_same_tensors(sd, _stripped(b.expected, "module."))
+    m = TinyNet().eval()
+    m.load_state_dict(sd, strict=True)
+    assert torch.equal(m(sample_input()), b.model.eval()(sample_input()))
+    for shard in b.extra["shards"]:  # every shard still readable on its own by the usual loaders
+        if shard.endswith(".bin"):
+            part = torch.load(out_dir / shard, weights_only=True, mmap=True)
+        else:
+            from safetensors.torch import load_file
+
+            part = load_file(str(out_dir / shard))
+        assert part and all(doc["weight_map"][k] == shard for k in part)
+
+
+def test_sharded_output_options(ckpt, capsys, tmp_path):
+    b = ckpt.sharded_bin(prefix="module.")
+    rc, out, err = _cli(capsys, "add-prefix", b.path, "--prefix", "encoder.", "-o", tmp_path / "enc")
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "enc" / b.path.name).read_text())
+    assert all(k.startswith("encoder.module.") for k in doc["weight_map"])
+    rc, out, err = _cli(capsys, "add-prefix", b.path, "--prefix", "encoder.", "-o", tmp_path / "enc")
+    assert rc == 9 and "--force" in err  # the directory's files exist
+    rc, out, err = _cli(capsys, "add-prefix", b.path, "--prefix", "encoder.", "-o", tmp_path / "enc", "--force")
+    assert rc == 0, err
+    rc, out, err = _cli(capsys, "strip-prefix", b.path, "--in-place")
+    assert rc == 8 and "-o DIR" in err
+    rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", b.extra["dir"])
+    assert rc == 9 and "input" in err
+    rc, out, err = _cli(capsys, "strip-prefix", b.path, "--map-location", "cpu", "-o", tmp_path / "cpu", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["format_in"] == "sharded" and rep["renamed"] == len(b.expected)
+
+
+def test_sharded_failure_leaves_no_directory(ckpt, monkeypatch, tmp_path):
+    import ckptfix.rewrite as rw
+
+    b = ckpt.sharded_safetensors(prefix="module.")
+    calls = []
+    real = rw._write_file
+
+    def second_fails(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OutputError("disk full (simulated)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(rw, "_write_file", second_fails)
+    with pytest.raises(OutputError):
+        rewrite_checkpoint(str(b.path), lambda sd: strip_prefix_report(sd), output=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_align_sharded_to_model(ckpt, tmp_path):
+    b = ckpt.sharded_safetensors(prefix="model.")
+    p = run_cli("align", b.path, "--to", ckpt.plain().path, "-o", tmp_path / "al")
+    assert p.returncode == 0, p.stderr
+    from ckptfix import load_anywhere
+
+    TinyNet().load_state_dict(load_anywhere(str(tmp_path / "al" / b.path.name)), strict=True)
 
 
 # --------------------------------------------------------------------------- add-prefix / align

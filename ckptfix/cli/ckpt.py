@@ -82,7 +82,8 @@ def scan_cmd(checkpoint: str, as_json: bool) -> None:
 
 def _write_options(f):
     f = click.option("-o", "--output", type=click.Path(), default=None,
-                     help="Where to write (default: next to the input, e.g. model.stripped.pth).")(f)
+                     help="Where to write (default: next to the input, e.g. model.stripped.pth; "
+                          "for a sharded index, a directory).")(f)
     f = click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")(f)
     f = click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")(f)
     f = click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
