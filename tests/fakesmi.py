@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ckptfix.errors import GpuQueryError
 from ckptfix.gpu.smi import RunResult
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
@@ -24,6 +25,8 @@ def scenario_runner(name: str, calls: list[list[str]] | None = None):
                 kind = "apps"
             elif a == "-L":
                 kind = "L"
+        if (d / f"{kind}.hang").exists():  # what subprocess_runner raises when the call times out
+            raise GpuQueryError(f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?)")
         f = d / f"{kind}.txt"
         if not f.exists():
             f = d / "default.txt"

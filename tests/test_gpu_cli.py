@@ -181,6 +181,21 @@ def test_gpus_mixed_models_warns_order_uncertain(fake_env):
     assert r.rc == 0 and "cuda:0 " in r.out and "?" not in r.out and r.err == ""
 
 
+def test_gpus_invalid_device_order_warns(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="mixed", CUDA_DEVICE_ORDER="pci_bus_id")
+    assert r.rc == 0, r
+    assert "cuda:0?" in r.out  # CUDA reads it as FASTEST_FIRST: still a guess on mixed models
+    assert "CUDA_DEVICE_ORDER='pci_bus_id' (invalid: CUDA uses FASTEST_FIRST)" in r.out
+    assert "warning: CUDA_DEVICE_ORDER='pci_bus_id' is not a value CUDA knows" in r.err
+    assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID exactly" in r.err
+    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="PCI_BUS_IDX")
+    doc = json.loads(r.out)
+    assert doc["environment"]["effective_order"] == "FASTEST_FIRST"
+    assert [p["code"] for p in doc["problems"]] == ["device_order_invalid"]
+    r = ckptfix(fake_env, "doctor", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="pci_bus_id")
+    assert r.rc == 0 and "device_order_invalid" in [p["code"] for p in json.loads(r.out)["problems"]]
+
+
 def test_gpus_mig_host_lists_mig_parents_and_maps_mig_uuid(fake_env):
     r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host")
     doc = json.loads(r.out)
@@ -224,6 +239,42 @@ def test_gpus_json_marks_memory_used_by_invisible_processes(fake_env):
     devs = json.loads(r.out)["devices"]
     assert devs[0]["process_count"] == 0 and devs[0]["hidden_used_mib"] == 130013  # the `0*` row
     assert devs[2]["hidden_used_mib"] == 0  # 0 MiB used: idle
+
+
+def test_process_list_hang_degrades_to_unknown_counts(fake_env):
+    """--query-gpu answers, --query-compute-apps hangs (scenario apps_hang): GPUs are listed, process counts unknown."""
+    t0 = time.monotonic()
+    r = ckptfix(fake_env, "gpus", "--json", "--timeout", "1", scenario="apps_hang")
+    assert r.rc == 0, r
+    assert time.monotonic() - t0 < 20
+    doc = json.loads(r.out)
+    assert len(doc["devices"]) == 8
+    assert all(d["process_count"] is None and d["hidden_used_mib"] is None for d in doc["devices"])
+    (w,) = [w for w in doc["warnings"] if "--query-compute-apps" in w]
+    assert "did not answer within 1s: process counts unknown" in w
+    r = ckptfix(fake_env, "gpus", "--timeout", "1", scenario="apps_hang")
+    assert r.rc == 0, r
+    assert [ln.split()[-1] for ln in r.out.splitlines()[1:9]] == ["?"] * 8
+    assert "0*" not in r.out  # unknown is not "0 processes": used memory is not blamed on hidden ones
+    assert "process counts unknown" in r.err
+    # pick-gpu: --max-procs cannot be checked, so it rejects; without it, ranks on memory alone
+    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", "--timeout", "1", scenario="apps_hang")
+    assert r.rc == 22, r
+    assert "process count unavailable (--query-compute-apps failed or timed out)" in r.err
+    r = ckptfix(fake_env, "pick-gpu", "--json", "--lease", "0", "-n", "8", "--timeout", "1", scenario="apps_hang")
+    assert r.rc == 0, r
+    chosen = json.loads(r.out)["chosen"]
+    assert chosen[0]["smi_index"] == 2 and chosen[0]["process_count"] is None
+    assert all("not visible here" not in c["reason"] and "? process(es)" in c["reason"] for c in chosen)
+
+
+def test_main_query_hang_is_still_an_error(fake_env, tmp_path):
+    scen = tmp_path / "scen" / "gpu_hang"
+    shutil.copytree(SCENARIOS / "two_free", scen)
+    (scen / "query-gpu.hang").write_text("30\n")
+    r = ckptfix(fake_env, "gpus", "--timeout", "0.5", FAKE_SMI_DIR=str(scen.parent), FAKE_SMI_SCENARIO="gpu_hang")
+    assert r.rc == 25, r
+    assert r.err.startswith("Error: nvidia-smi did not answer within 0.5s") and len(r.err.splitlines()) == 1
 
 
 def test_timeout_must_be_positive(fake_env):

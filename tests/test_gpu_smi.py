@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,49 @@ def test_query_apps_failure_is_a_warning():
     snap = smi.query(runner=runner)
     assert not snap.processes_known and snap.gpus[0].process_count is None
     assert any("process counts unknown" in w for w in snap.warnings)
+
+
+def test_query_apps_timeout_degrades_to_unknown_process_counts():
+    snap = smi.query(runner=scenario_runner("apps_hang"), timeout=1)
+    assert len(snap.gpus) == 8 and not snap.processes_known
+    assert all(g.process_count is None for g in snap.gpus)
+    (w,) = [w for w in snap.warnings if "--query-compute-apps" in w]
+    assert "did not answer within 1s: process counts unknown" in w
+
+    def main_hangs(argv, timeout):
+        if argv[1].startswith("--query-gpu"):
+            raise GpuQueryError("nvidia-smi did not answer within 1s")
+        return scenario_runner("h200_busy")(argv, timeout)
+
+    with pytest.raises(GpuQueryError, match="did not answer"):  # the main query keeps its error
+        smi.query(runner=main_hangs)
+
+
+def test_query_apps_failure_says_why():
+    def runner(argv, timeout):
+        if argv[1].startswith("--query-compute-apps"):
+            return RunResult(15, "", "Unable to determine the device handle for GPU1: Unknown Error\n")
+        return scenario_runner("h200_busy")(argv, timeout)
+
+    snap = smi.query(runner=runner)
+    (w,) = [w for w in snap.warnings if "--query-compute-apps" in w]
+    assert "failed (code 15: Unable to determine the device handle for GPU1: Unknown Error)" in w
+
+
+def test_run_parallel_optional_call_times_out_alone(tmp_path):
+    slow = tmp_path / "slow"
+    slow.write_text("#!/bin/sh\nexec sleep 5\n")
+    slow.chmod(0o755)
+    fast = tmp_path / "fast"
+    fast.write_text("#!/bin/sh\necho ok\n")
+    fast.chmod(0o755)
+    t0 = time.monotonic()
+    a, b = smi._run_parallel([[str(fast)], [str(slow)]], 0.3, frozenset({1}))
+    assert time.monotonic() - t0 < 3
+    assert (a.returncode, a.stdout, a.timed_out) == (0, "ok\n", False)
+    assert b.timed_out and b.stdout == ""
+    with pytest.raises(GpuQueryError, match="did not answer"):  # not optional: still an error
+        smi._run_parallel([[str(slow)], [str(fast)]], 0.3, frozenset({1}))
 
 
 def test_find_nvidia_smi_missing_and_override(tmp_path):

@@ -142,6 +142,23 @@ def test_mixed_models_without_pci_order_is_uncertain():
     assert enumeration_order(g, None)[1] is False and enumeration_order(g[1:], None)[1] is True
 
 
+def test_invalid_device_order_is_reported_and_read_as_cuda_reads_it():
+    mixed = gpus(names=("T1000", "RTX PRO 6000", "RTX PRO 6000", "RTX PRO 6000"))
+    for bad in ("pci_bus_id", "PCI_BUS_ID ", "PCI-BUS-ID", ""):
+        v = view({"CUDA_DEVICE_ORDER": bad}, mixed)
+        # CUDA honours only the exact string PCI_BUS_ID: anything else is FASTEST_FIRST, so still a guess
+        assert v.effective_order == "FASTEST_FIRST" and not v.order_certain
+        (p,) = [p for p in v.problems if p.code == "device_order_invalid"]
+        assert f"CUDA_DEVICE_ORDER={bad!r}" in p.message and "uses FASTEST_FIRST" in p.message
+        assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID exactly" in p.fix
+        assert any(repr(bad) in w for w in v.warnings)
+    v = view({"CUDA_DEVICE_ORDER": "pci_bus_id"})  # same models: the mapping is certain, the value still wrong
+    assert v.order_certain and [p.code for p in v.problems] == ["device_order_invalid"]
+    for ok in (None, "PCI_BUS_ID", "FASTEST_FIRST"):
+        env = {} if ok is None else {"CUDA_DEVICE_ORDER": ok}
+        assert "device_order_invalid" not in [p.code for p in view(env, mixed).problems]
+
+
 def _mig_gpus():
     base = gpus()
     legacy = MigDevice("MIG-GPU-" + U[1][4:] + "/1/0", U[1], 1, 0, "3g.20gb")

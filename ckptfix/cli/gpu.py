@@ -50,6 +50,8 @@ def _env_line(view: Any) -> str:
     order = view.cuda_device_order
     cvd_s = "<unset>" if cvd is None else (repr(cvd) if cvd == "" or " " in cvd else cvd)
     order_s = "<unset> (CUDA uses FASTEST_FIRST)" if order is None else order
+    if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
+        order_s = f"{order!r} (invalid: CUDA uses FASTEST_FIRST)"
     driver = f"  driver={view.driver_version}" if view.driver_version else ""
     return (
         f"env: CUDA_VISIBLE_DEVICES={cvd_s}  CUDA_DEVICE_ORDER={order_s}{driver}  "
@@ -62,7 +64,10 @@ def render_gpus(view: Any) -> str:
     mark = "" if view.order_certain else "?"
     rows = []
     for d in view.devices:
-        procs = "-" if d.process_count is None else str(d.process_count)
+        if d.process_count is not None:
+            procs = str(d.process_count)
+        else:  # a MIG device: not reported per instance; else the process list failed
+            procs = "-" if d.mig_device is not None else "?"
         if d.process_count == 0 and (d.hidden_used_mib or 0) > 0:
             procs = "0*"
         rows.append(

@@ -200,6 +200,7 @@ class RunResult:
     returncode: int
     stdout: str
     stderr: str = ""
+    timed_out: bool = False  # only for an optional call (see :func:`_run_parallel`): it did not answer in time
 
 
 Runner = Callable[[Sequence[str], float], RunResult]
@@ -527,8 +528,12 @@ def subprocess_runner(argv: Sequence[str], timeout: float) -> RunResult:
     return RunResult(p.returncode, p.stdout or "", p.stderr or "")
 
 
-def _run_parallel(cmds: list[list[str]], timeout: float) -> list[RunResult]:
-    """Start several commands at once and wait for all (saves a whole nvidia-smi start-up)."""
+def _run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int] = frozenset()) -> list[RunResult]:
+    """Start several commands at once and wait for all (saves a whole nvidia-smi start-up).
+
+    A command whose position is in ``optional`` that does not answer in time is killed and
+    reported as ``RunResult(-1, "", "", timed_out=True)``; any other timeout raises.
+    """
     procs: list[subprocess.Popen[str]] = []
     try:
         for argv in cmds:
@@ -548,6 +553,13 @@ def _run_parallel(cmds: list[list[str]], timeout: float) -> list[RunResult]:
             try:
                 so, se = p.communicate(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
+                if len(out) in optional:
+                    p.kill()  # reaped below
+                    for f in (p.stdout, p.stderr):
+                        if f is not None:
+                            f.close()
+                    out.append(RunResult(-1, "", "", timed_out=True))
+                    continue
                 raise GpuQueryError(
                     f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?): check `dmesg`, or retry"
                 ) from None
@@ -583,25 +595,36 @@ def query(
     Raises:
         GpuToolingError: nvidia-smi is missing or cannot be run (exit 20).
         NoGpuError: no devices (21); DriverNotLoadedError (26); DriverMismatchError (27).
-        GpuQueryError: nvidia-smi failed otherwise or timed out (25).
+        GpuQueryError: nvidia-smi failed otherwise or timed out (25).  Only the ``--query-gpu``
+            call raises: a failed or hung ``--query-compute-apps`` leaves every process count
+            unknown (``None``, ``processes_known=False``) with a warning saying why.
     """
     env = os.environ if env is None else env
     smi = find_nvidia_smi(env) if runner is None else "nvidia-smi"
     warnings: list[str] = []
     calls = 0
 
-    def run_many(cmds: list[list[str]]) -> list[RunResult]:
+    def run_many(cmds: list[list[str]], optional: frozenset[int] = frozenset()) -> list[RunResult]:
         nonlocal calls
         calls += len(cmds)
         if runner is None:
-            return _run_parallel(cmds, timeout)
-        return [runner(c, timeout) for c in cmds]
+            return _run_parallel(cmds, timeout, optional)
+        out: list[RunResult] = []
+        for i, c in enumerate(cmds):
+            try:
+                out.append(runner(c, timeout))
+            except GpuQueryError:  # a runner's timeout
+                if i not in optional:
+                    raise
+                out.append(RunResult(-1, "", "", timed_out=True))
+        return out
 
     fields: tuple[str, ...] = GPU_FIELDS
     cmds = [_gpu_argv(smi, fields)] + ([_apps_argv(smi)] if processes else [])
     if mig:  # known up front (CUDA_VISIBLE_DEVICES names MIG devices): list them in the same round
         cmds.append([smi, "-L"])
-    results = run_many(cmds)
+    # the process list is optional: if it hangs or fails, process counts become unknown (a warning)
+    results = run_many(cmds, frozenset({1}) if processes else frozenset())
     gres = results[0]
     if gres.returncode != 0 and "not a valid field" in (gres.stdout + gres.stderr).lower():
         fields = BASIC_GPU_FIELDS  # an old driver that does not know mig.mode.current
@@ -629,13 +652,19 @@ def query(
     if processes:
         ares = results[1]
         procs, ajunk = parse_apps_csv(ares.stdout)
-        if ares.returncode == 0 or procs:
+        if not ares.timed_out and (ares.returncode == 0 or procs):
             processes_known = True
             for p in procs:
                 by_uuid.setdefault(p.gpu_uuid or "", []).append(p)
         else:
+            if ares.timed_out:
+                why = f"did not answer within {timeout:g}s"
+            else:
+                said = _first_lines(ares.stdout + "\n" + ares.stderr, 1)
+                why = f"failed (code {ares.returncode}{': ' + said if said else ''})"
             warnings.append(
-                f"nvidia-smi --query-compute-apps failed (code {ares.returncode}): process counts unknown"
+                f"nvidia-smi --query-compute-apps {why}: process counts unknown (? in the table, null in --json); "
+                "pick-gpu --max-procs rejects every GPU until it answers; check `nvidia-smi` and `dmesg`, or retry"
             )
 
     mig_devices: dict[str, list[MigDevice]] = {}

@@ -15,7 +15,9 @@ The CUDA driver's rules (mirrored by ``torch.cuda._parse_visible_devices``):
 
 Indices count in ``CUDA_DEVICE_ORDER``: ``PCI_BUS_ID`` is nvidia-smi's order;
 the default ``FASTEST_FIRST`` puts the fastest model first, which only
-coincides with nvidia-smi's order when every GPU is the same model.
+coincides with nvidia-smi's order when every GPU is the same model.  CUDA
+compares the exact string: any other value (``pci_bus_id``, a typo) means
+``FASTEST_FIRST`` and is reported as ``device_order_invalid``.
 """
 
 from __future__ import annotations
@@ -462,6 +464,16 @@ def build_view(
                 "column is a guess)",
                 "select GPUs by UUID (pick-gpu does by default), and check `nvidia-smi` and `dmesg` (Xid "
                 "errors) for the missing GPU",
+            )
+        )
+    if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
+        # CUDA compares the exact string: "pci_bus_id", " PCI_BUS_ID" or a typo silently means FASTEST_FIRST
+        problems.append(
+            Problem(
+                "device_order_invalid",
+                f"CUDA_DEVICE_ORDER={order!r} is not a value CUDA knows (only exactly PCI_BUS_ID or "
+                "FASTEST_FIRST), so CUDA ignores it and uses FASTEST_FIRST",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID exactly (upper case, no spaces), or unset it",
             )
         )
     if spec.kind not in ("uuid", "mig", "none") and not models_certain:
