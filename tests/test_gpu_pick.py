@@ -132,6 +132,26 @@ def test_held_lease_blocks_while_open(tmp_path):
     assert try_lease(tmp_path, "MIG-GPU-x/1/0", 0)[0] is not None
 
 
+def test_undo_waits_for_a_briefly_locked_lease_file(tmp_path):
+    """Another picker reading the file holds its lock for a moment: giving back must wait, not skip."""
+    import fcntl
+    import threading
+
+    from ckptfix.gpu.pick import _undo
+
+    lease, _ = try_lease(tmp_path, "GPU-1", 60)
+    assert lease is not None and lease.fd is None
+    other = os.open(lease.path, os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a separate open file: conflicts like another process
+    timer = threading.Timer(0.2, os.close, (other,))
+    timer.start()
+    try:
+        _undo(lease)
+    finally:
+        timer.join()
+    assert lease.path.read_text() == ""  # given back, not reserved until the expiry
+
+
 def test_check_only_lease_writes_nothing(tmp_path):
     lease, _ = try_lease(tmp_path, "GPU-2", 0)
     assert lease is not None and (tmp_path / "GPU-2.lease").read_text() == ""
@@ -214,6 +234,50 @@ def test_pick_gpu_sets_environ_and_holds_lease(tmp_path):
     other, holder = try_lease(tmp_path, res.chosen[0].gpu.id, 60)
     assert other is None
     res.leases[0].release()
+
+
+def test_second_pick_gpu_in_the_same_process_reuses_its_own_lease(tmp_path):
+    from ckptfix.gpu import pick as pick_mod
+
+    environ = {"CKPTFIX_LEASE_DIR": str(tmp_path)}
+    first = pick_gpu(environ=environ, runner=scenario_runner("two_free"))
+    try:
+        # environ now names only that GPU: picking again (a re-run notebook cell) gets it back, same lease
+        again = pick_gpu(environ=environ, runner=scenario_runner("two_free"))
+        assert again.ids == first.ids and again.leases[0] is first.leases[0]
+        # asking for two without narrowing: the held one plus the other, no "leased by another job"
+        both = pick_gpu(2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"),
+                        set_env=False)
+        assert set(first.ids) < set(both.ids) and not both.rejected
+        assert sum(1 for h in pick_mod._HELD if h is first.leases[0]) == 1
+        # a pick that falls short must not give back the lease the first pick holds
+        (other,) = [le for le in both.leases if le is not first.leases[0]]
+        other.release()
+        blocker, _ = try_lease(tmp_path, other.key, None)
+        try:
+            with pytest.raises(NoGpuFitsError, match="already leased by this process"):
+                pick_gpu(2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"),
+                         set_env=False)
+        finally:
+            blocker.release()
+        assert first.leases[0].fd is not None
+        assert try_lease(tmp_path, first.ids[0], 60)[0] is None
+    finally:
+        for res in (first, locals().get("both")):
+            for le in res.leases if res else ():
+                le.release()
+
+
+def test_a_lease_this_process_took_itself_is_named_as_such(tmp_path):
+    held, _ = try_lease(tmp_path, "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90", None)  # not via pick_gpu
+    try:
+        with pytest.raises(NoGpuFitsError) as ei:
+            pick_gpu(environ={"CKPTFIX_LEASE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "2"},
+                     runner=scenario_runner("h200_after_release"), set_env=False)
+        assert f"already leased by this process (pid {os.getpid()}" in str(ei.value)
+        assert "another job" not in str(ei.value)
+    finally:
+        held.release()
 
 
 def test_pick_gpu_refuses_after_cuda_init(monkeypatch, tmp_path):

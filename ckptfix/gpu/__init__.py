@@ -115,6 +115,12 @@ def pick_gpu(
     Call it before anything touches CUDA: it sets ``CUDA_VISIBLE_DEVICES`` (UUIDs)
     and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` in ``os.environ``.
 
+    Calling it again in the same process may choose GPUs this process already holds
+    (``lease=True``): they are this process's, not "leased by another job", so they are
+    ranked like any other candidate and the held lease is reused (e.g. re-running a notebook cell,
+    where the first call already narrowed ``CUDA_VISIBLE_DEVICES`` to them, returns
+    the same GPUs).  To get several *different* GPUs, ask for ``n`` of them in one call.
+
     Args:
         n: how many GPUs.
         min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).

@@ -16,7 +16,9 @@ locked by someone else is leased.  A lease either *holds* the lock (for the life
 of a command run under ``pick-gpu --``, or of the Python process that called
 :func:`pick_gpu`), or writes an expiry time into the file and lets go of the
 lock (``--lease SECONDS``: a lock cannot outlive the CLI process); a later
-picker treats a file with an unexpired time as leased.  Leases coordinate the
+picker treats a file with an unexpired time as leased.  A lease the calling
+process already holds (an earlier :func:`pick_gpu`) is its own: picking that GPU
+again reuses it.  Leases coordinate the
 jobs of one user on one machine; other users' jobs show up as used memory.
 """
 
@@ -181,7 +183,11 @@ def rank_gpus(
         elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
             rejected.append(Rejected(g, f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}"))
         elif criteria.max_procs is not None and g.process_count is None:
-            rejected.append(Rejected(g, "process count unavailable (--query-compute-apps failed) and --max-procs was given"))
+            rejected.append(
+                Rejected(
+                    g, "process count unavailable (--query-compute-apps failed or timed out) and --max-procs was given"
+                )
+            )
         elif criteria.max_procs is not None and procs > criteria.max_procs:
             hidden = (
                 f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
@@ -257,6 +263,8 @@ def _read_info(fd: int) -> dict[str, Any]:
 
 def _describe(info: dict[str, Any]) -> str:
     who = f"pid {info.get('pid', '?')}"
+    if info.get("pid") == os.getpid():
+        who = f"this process, {who}"
     if info.get("host"):
         who += f" on {info['host']}"
     exp = info.get("expires")
@@ -303,6 +311,14 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
         return Lease(key, path, fd, None), ""
     os.close(fd)  # the expiry in the file is the lease now
     return Lease(key, path, None, expires), ""
+
+
+def _held_lease(path: Path) -> Lease | None:
+    """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any."""
+    for le in _HELD:
+        if le.fd is not None and le.path == path:
+            return le
+    return None
 
 
 def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
@@ -378,14 +394,21 @@ def choose_and_lease(
         if directory is None:
             got.append((r, None))
             continue
+        mine = _held_lease(_lease_file(directory, r.gpu.id))
+        if mine is not None:  # an earlier pick_gpu() in this process holds it: ours to use again
+            got.append((r, mine))
+            continue
         lease, holder = try_lease(directory, r.gpu.id, lease_seconds)
         if lease is None:
-            rejected.append(Rejected(r.gpu, f"leased by another job ({holder})"))
+            if holder.startswith("this process, "):  # e.g. a Lease the caller took with try_lease()
+                rejected.append(Rejected(r.gpu, f"already leased by this process ({holder[14:]})"))
+            else:
+                rejected.append(Rejected(r.gpu, f"leased by another job ({holder})"))
             continue
         got.append((r, lease))
     if len(got) < criteria.n:
         for _, lease in got:
-            if lease is not None:
+            if lease is not None and not any(lease is h for h in _HELD):  # not one an earlier pick holds
                 _undo(lease)
         chosen = [r for r, _ in got]
         return PickResult(chosen, rejected, {}, [], view)
@@ -394,8 +417,13 @@ def choose_and_lease(
     return PickResult(chosen, rejected, selection_env([r.gpu for r in chosen], by=by), leases, view)
 
 
-def _undo(lease: Lease) -> None:
-    """Give back a lease taken during a pick that then fell short."""
+def _undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
+    """Give back a lease taken during a pick that then fell short.
+
+    An expiry lease's file may be locked at this instant by another picker reading it (for
+    microseconds: it sees our expiry and lets go), so wait up to ``lock_timeout`` for the lock
+    rather than leave the GPU reserved until the expiry.
+    """
     if lease.fd is not None:
         lease.release()
         return
@@ -404,7 +432,15 @@ def _undo(lease: Lease) -> None:
     except OSError:
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        deadline = time.monotonic() + lock_timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) or time.monotonic() >= deadline:
+                    return  # it expires on its own
+                time.sleep(0.005)
         if _read_info(fd).get("pid") == os.getpid():
             os.ftruncate(fd, 0)
     except OSError:
@@ -483,7 +519,7 @@ def apply_env(result: PickResult, environ: MutableMapping[str, str]) -> None:
 
 def hold_for_process(leases: Sequence[Lease]) -> None:
     """Keep held leases open until this Python process exits."""
-    _HELD.extend(le for le in leases if le.fd is not None)
+    _HELD.extend(le for le in leases if le.fd is not None and not any(le is h for h in _HELD))
 
 
 def check_cuda_not_initialized() -> None:
