@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptfix.atomic import fsync_dir, new_temp
-from ckptfix.errors import (CkptfixError, CorruptCheckpointError, KeyConflictError, OutputError, UnsupportedError,
-                            VerificationError)
+from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
+                            OutputError, UnsupportedError, VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
@@ -798,6 +798,9 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         named = list(new.items())
     order = [n for n, _ in named]
     taken = set(order)
+    if "__metadata__" in taken:
+        raise KeyConflictError("the state dict has a tensor named '__metadata__', which safetensors reserves for "
+                               "its metadata; rename it before converting")
     for n, _ in opt_named:
         if n in taken:
             raise KeyConflictError(f"optimizer tensor {n!r} collides with a state-dict key; convert without "
@@ -952,10 +955,19 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
     sd: dict[str, Any] = {}
     meta: dict[str, str] = {}
     for path in files:
-        with safe_open(path, framework="pt") as f:
-            meta.update(f.metadata() or {})
-            for k in f.keys():
-                sd[k] = f.get_tensor(k)
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta.update(f.metadata() or {})
+                for k in f.keys():
+                    sd[k] = f.get_tensor(k)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{src}: shard {os.path.basename(path)} is missing; download or copy "
+                                         "every shard next to the index") from None
+        except Exception as e:  # safetensors_rust.SafetensorError: a header the library refuses
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise CorruptCheckpointError(f"{path}: not a valid safetensors file ({e}); the file is corrupt "
+                                         "or truncated — re-download or re-save it") from None
     return sd, meta, kind
 
 

@@ -67,6 +67,7 @@ ELEMENT_SIZE: dict[str, int] = {
     "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
     "bool": 1, "complex128": 16, "complex64": 8, "complex32": 4,
     "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
 }
 
 #: names of ``torch.<name>`` globals that are dtypes (as pickled: ``GLOBAL torch float32``)
@@ -427,6 +428,8 @@ _SAFE_EXTRA = {
     "builtins.complex", "torch._tensor._rebuild_from_type_v2", "torch.per_tensor_affine",
     "torch.per_tensor_symmetric", "torch.per_channel_affine", "torch.per_channel_symmetric",
     "torch.per_channel_affine_float_qparams",
+    # what torch.save writes for dtypes without a legacy typed storage class (uint16, float8 ...)
+    "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
 }
 
 
@@ -449,6 +452,8 @@ def classify_global(name: str, context: str | None = None) -> str:
     if module == "torch" and (attr in DTYPE_GLOBALS or attr.endswith("Storage") or attr.endswith("Tensor")):
         return "safe"
     if module in ("torch.cuda",) and (attr.endswith("Storage") or attr.endswith("Tensor")):
+        return "safe"
+    if module in ("torch.sparse", "torch.cuda.sparse") and attr.endswith("Tensor"):
         return "safe"
     if module in ("builtins", "__builtin__"):
         return "dangerous" if attr in _DANGEROUS_BUILTINS else "unknown"
@@ -578,7 +583,14 @@ class RecordPickler(pickle._Pickler):  # type: ignore[name-defined]
 def dumps(obj: Any, protocol: int = 2) -> bytes:
     """Pickle an object graph that may contain records and placeholders."""
     buf = io.BytesIO()
-    RecordPickler(buf, protocol=protocol).dump(obj)
+    try:
+        RecordPickler(buf, protocol=protocol).dump(obj)
+    except RecursionError:
+        from ckptfix.errors import UnsupportedError
+
+        raise UnsupportedError("the checkpoint object is nested too deeply to be written back (thousands of "
+                               "levels of lists/dicts); load it with load_anywhere, flatten the nesting and "
+                               "torch.save it again") from None
     return buf.getvalue()
 
 

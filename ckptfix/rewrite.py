@@ -109,6 +109,7 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
                                 map_location=map_location, fsync=bool(fsync), suffix=suffix)
     _check_writable(cf)
     key_path, sd = find_state_dict(cf.obj, key)
+    _check_str_keys(src, sd)
     new_sd, detail = transform(sd)
     renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys()) if a != b)
     relocated = _relocate(cf, map_location)
@@ -122,17 +123,39 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
     if in_place:
-        dst = src
+        # through a symlink, the file it points to is replaced (the link stays a link to the fixed file)
+        dst = os.path.realpath(src)
         fsync = True if fsync is None else fsync
+        links = os.stat(dst).st_nlink
+        if links > 1:
+            rep.notes.append(f"{src} had {links} hard links; the other names still hold the old contents "
+                             "(an atomic replace gives this name a new file)")
     else:
         dst = output or default_output(src, suffix, fmt_out)
-        if os.path.abspath(dst) == os.path.abspath(src):
+        if os.path.abspath(dst) == os.path.abspath(src) or _same_file(dst, src):
             raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
+        if os.path.isdir(dst):
+            raise OutputError(f"{dst} is a directory; pass a file name with -o (e.g. {os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
         if os.path.exists(dst) and not force:
             raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
-    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=src if in_place and backup else None)
-    rep.output = dst
+    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=dst if in_place and backup else None)
+    rep.output = src if in_place else dst
     return rep
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _check_str_keys(src: str, sd: Mapping[Any, Any]) -> None:
+    bad = next((k for k in sd.keys() if not isinstance(k, str)), None)
+    if bad is not None:
+        raise UnsupportedError(f"{src}: the state dict has a key that is not a string ({bad!r}, a "
+                               f"{type(bad).__name__}), so its keys cannot be renamed; pass --key to pick "
+                               "another mapping, or rename it in Python")
 
 
 def _rename_module_probe(probe: str, modules: Mapping[str, str]) -> str:
@@ -199,7 +222,12 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
     shards: dict[str, CheckpointFile] = cf.extra["shards"]
     for name, scf in shards.items():
         _check_writable(scf, f"{ipath}: shard {name}")
+    for name in shards:
+        if os.path.isabs(name) or os.path.normpath(name) != os.path.basename(name) or name in (".", ".."):
+            raise UnsupportedError(f"{ipath}: shard {name!r} is not a plain file name next to the index; "
+                                   "ckptfix writes sharded outputs only as files beside their index")
     sd = cf.obj
+    _check_str_keys(ipath, sd)
     new_sd, detail = transform(sd)
     if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
         raise UnsupportedError(f"{ipath}: this rename does not map the sharded keys one to one; "
@@ -307,6 +335,11 @@ def _write_safetensors(cf: CheckpointFile, new_sd: Mapping[str, Any], f: Any) ->
     from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
     from ckptfix.formats.zipfmt import FOLIO, copy_range
 
+    if "__metadata__" in new_sd:
+        from ckptfix.errors import KeyConflictError
+
+        raise KeyConflictError(f"{cf.path}: the rename gives a tensor the name '__metadata__', which safetensors "
+                               "reserves for its metadata; rename it differently")
     start = cf.extra["data_start"]
     header: dict[str, Any] = {}
     meta = dict(cf.extra.get("metadata") or {})

@@ -61,6 +61,11 @@ def read_pickle_stream(path: str) -> CheckpointFile:
             f.seek(pos)
             (numel,) = struct.unpack("<q", f.read(8))
             nbytes = numel * rec.element_size
+            if numel < 0:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} has a negative size ({numel}); the file is "
+                                             "corrupt")
+            if rec.file_offset is not None:
+                raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
             rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
             pos += 8 + nbytes
             if pos > size:

@@ -49,23 +49,36 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     return header, 8 + n
 
 
+def _uint(x: Any) -> int:
+    """A JSON non-negative integer (not a bool or a float), as the safetensors header requires."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(x)
+    return x
+
+
 def read_safetensors(path: str) -> CheckpointFile:
     header, start = read_header(path)
     size = os.path.getsize(path)
     meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CorruptCheckpointError(f"{path}: __metadata__ must be a str->str object")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(f"{path}: __metadata__ must be a str->str object; the file is corrupt")
     obj: dict[str, TensorRecord] = {}
     storages: dict[str, StorageRecord] = {}
     for name, info in header.items():
         try:
             dt = ST_TO_DTYPE.get(info["dtype"])
-            shape = tuple(int(s) for s in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_uint(s) for s in info["shape"])
+            begin, end = (_uint(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}") from None
         if dt is None:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
+        n = 1
+        for d in shape:  # multiplied in order, as safetensors checks it: an overflow is a corrupt header
+            n *= d
+            if n >= 1 << 64:
+                raise CorruptCheckpointError(f"{path}: tensor {name!r} has an impossible shape {list(shape)}; the "
+                                             "file is corrupt")
         if begin < 0 or end < begin or start + end > size:
             raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated "
                                          "or corrupt")
@@ -82,5 +95,17 @@ def read_safetensors(path: str) -> CheckpointFile:
                                          f"bytes but the header gives {rec.nbytes}")
         storages[name] = rec
         obj[name] = t
+    # as the safetensors library requires: the byte ranges tile the data section exactly, in some order
+    # (a file with overlaps, gaps or trailing bytes does not load there, nor would a rewrite of it)
+    pos = 0
+    for rec in sorted(storages.values(), key=lambda r: (r.file_offset, r.nbytes)):
+        if rec.file_offset - start != pos:
+            raise CorruptCheckpointError(f"{path}: tensor {rec.key!r} starts at byte {rec.file_offset - start} of "
+                                         f"the data, expected {pos} (overlapping or gapped offsets); the file is "
+                                         "corrupt")
+        pos += rec.nbytes
+    if start + pos != size:
+        raise CorruptCheckpointError(f"{path}: the tensors cover {pos} bytes of data but the file holds "
+                                     f"{size - start}; the file is truncated or corrupt")
     return CheckpointFile(path=path, format="safetensors", obj=obj, storages=storages, file_size=size,
                           extra={"metadata": meta, "data_start": start})

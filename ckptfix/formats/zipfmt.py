@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptfix.errors import CorruptCheckpointError, OutputError
+from ckptfix.errors import CorruptCheckpointError, OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
 
@@ -102,7 +102,7 @@ def root_of(names: list[str], leaf: str = "data.pkl") -> str:
 def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
     try:
         return _read_zip(path, kind)
-    except CorruptCheckpointError:
+    except (CorruptCheckpointError, UnsupportedError):
         raise
     except ZIP_ERRORS as e:
         raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
@@ -136,7 +136,10 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
         if m is None:
             raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
         if m.compressed:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} is compressed; torch writes stored records only")
+            raise UnsupportedError(f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
+                                   "with compression; torch.save stores records uncompressed, which ckptfix needs "
+                                   "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
+                                   "torch.load and torch.save it again")
         rec.file_offset, rec.nbytes, rec.source = m.data_offset, m.size, path
     cf = CheckpointFile(path=path, format=kind, obj=obj, storages=up.storages, globals_seen=dict(up.globals_seen),
                         stubbed=set(up.stubbed), file_size=size,
@@ -362,7 +365,10 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
     w = AlignedZipWriter(fp)
     fd = os.open(cf.path, os.O_RDONLY)
     try:
-        if order and order[0].name == pkl_name and rest and not any(m.compressed for m in rest):
+        # the fast path copies the records' region verbatim, so their data must already be 64-byte aligned
+        # (an archive re-zipped by another tool is not): otherwise each record is re-laid-out aligned
+        if (order and order[0].name == pkl_name and rest and not any(m.compressed for m in rest)
+                and all(m.data_offset % ALIGN == 0 for m in rest)):
             headers = _header_offsets(cf.path)
             region_start = min(headers[m.name] for m in rest)
             region_end = max(m.data_offset + m.size for m in rest)
@@ -393,8 +399,7 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
                 if name == pkl_name:
                     w.add_bytes(name, data_pkl)
                 elif m.compressed:
-                    with zipfile.ZipFile(cf.path) as zf:
-                        w.add_bytes(name, zf.read(name))
+                    w.add_bytes(name, _read_member(cf.path, name))
                 else:
                     w.add_copy(name, fd, m.data_offset, m.size, m.crc)
         w.close()
@@ -403,5 +408,18 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
 
 
 def _header_offsets(path: str) -> dict[str, int]:
-    with zipfile.ZipFile(path) as zf:
-        return {i.filename: i.header_offset for i in zf.infolist()}
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return {i.filename: i.header_offset for i in zf.infolist()}
+    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
+        raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
+                                     "— re-copy or re-save it") from None
+
+
+def _read_member(path: str, name: str) -> bytes:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.read(name)
+    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
+        raise CorruptCheckpointError(f"{path}: record {name!r} cannot be read ({type(e).__name__}: {e}); the file "
+                                     "is corrupt — re-copy or re-save it") from None
