@@ -65,12 +65,32 @@ def parse_map_location(spec: str | None) -> Callable[[str], str] | None:
     if not spec:
         return None
     if "=" not in spec:
-        return lambda loc: spec
+        target = _check_device(spec.strip(), spec)
+        return lambda loc: target
     table = {}
     for part in spec.split(","):
-        a, _, b = part.partition("=")
-        table[a.strip()] = b.strip()
+        if not part.strip():
+            continue
+        a, eq, b = part.partition("=")
+        if not eq or not a.strip():
+            raise UnsupportedError(f"--map-location {spec!r}: {part.strip()!r} is not FROM=TO; write it like "
+                                   "'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'")
+        table[a.strip()] = _check_device(b.strip(), spec)
     return lambda loc: table.get(loc, loc)
+
+
+#: device types torch.load can restore a storage to (its location tags)
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "meta", "xpu", "hpu", "mtia", "xla", "maia", "ipu", "privateuseone",
+                 "npu", "mlu", "musa")  # the last: common out-of-tree (privateuse1) backends
+
+
+def _check_device(dev: str, spec: str) -> str:
+    """``dev`` if torch.load can restore a storage tagged with it, else an error (an unloadable file otherwise)."""
+    kind, _, index = dev.partition(":")
+    if kind not in _DEVICE_TYPES or (index and not index.isdigit()) or dev.endswith(":"):
+        raise UnsupportedError(f"--map-location {spec!r}: {dev!r} is not a device torch.load knows (cpu, cuda, "
+                               "cuda:N, mps, xpu:N ...); write it like 'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'")
+    return dev
 
 
 def _replace_at(obj: Any, path: tuple[str, ...], new: Any) -> Any:
@@ -110,7 +130,10 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
     _check_writable(cf)
     key_path, sd = find_state_dict(cf.obj, key)
     _check_str_keys(src, sd)
+    if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
+        sd = _logical_state_dict(sd, cf.extra.get("metadata"))
     new_sd, detail = transform(sd)
+    rename = dict(zip(sd.keys(), new_sd.keys()))
     renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys()) if a != b)
     relocated = _relocate(cf, map_location)
     fmt_out = _format_out(cf)
@@ -138,9 +161,80 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
             raise OutputError(f"{dst} is a directory; pass a file name with -o (e.g. {os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
         if os.path.exists(dst) and not force:
             raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
-    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=dst if in_place and backup else None)
+    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=dst if in_place and backup else None,
+                             rename=rename)
     rep.output = src if in_place else dst
     return rep
+
+
+def _aliases_of(meta: Mapping[str, Any] | None, stored: Mapping[str, Any]) -> dict[str, str]:
+    """{alias: stored name} that a safetensors file's metadata records (ckptfix's or Hugging Face's style)."""
+    meta = meta or {}
+    if "ckptfix.aliases" in meta:
+        try:
+            amap = json.loads(meta["ckptfix.aliases"])
+        except (TypeError, ValueError):
+            return {}
+    else:
+        amap = {k: v for k, v in meta.items() if k != "format" and not k.startswith("ckptfix.")}
+    if not isinstance(amap, dict):
+        return {}
+    return {a: b for a, b in amap.items() if isinstance(a, str) and isinstance(b, str) and a not in stored
+            and b in stored}
+
+
+def _logical_state_dict(stored: Mapping[str, Any], meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The stored tensors plus the aliases the metadata records (the alias's value is its target), in the
+    original order when ``ckptfix.order`` gives it; ``stored`` itself when there are no aliases."""
+    aliases = _aliases_of(meta, stored)
+    if not aliases:
+        return stored
+    try:
+        order = json.loads((meta or {}).get("ckptfix.order") or "[]")
+    except (TypeError, ValueError):
+        order = []
+    out: dict[str, Any] = {}
+    for n in [*(order if isinstance(order, list) else []), *stored, *aliases]:
+        if isinstance(n, str) and n not in out:
+            if n in stored:
+                out[n] = stored[n]
+            elif n in aliases:
+                out[n] = stored[aliases[n]]
+    return out
+
+
+def _rename_metadata(meta: dict[str, Any], rename: Mapping[str, str], stored: Mapping[str, Any]) -> dict[str, Any]:
+    """``meta`` with the tensor names it holds (ckptfix aliases, order, views; Hugging Face aliases) renamed."""
+    if not rename or all(a == b for a, b in rename.items()):
+        return meta
+
+    def r(n: Any) -> Any:
+        return rename.get(n, n) if isinstance(n, str) else n
+
+    def load(k: str) -> Any:
+        try:
+            return json.loads(meta[k])
+        except (TypeError, ValueError):
+            return None
+
+    if "ckptfix.aliases" in meta:
+        amap = load("ckptfix.aliases")
+        if isinstance(amap, dict):
+            meta["ckptfix.aliases"] = json.dumps({r(a): r(b) for a, b in amap.items()}, ensure_ascii=False)
+    else:
+        hf = _aliases_of(meta, stored)
+        meta = {(r(k) if k in hf else k): (r(v) if k in hf else v) for k, v in meta.items()}
+    if "ckptfix.order" in meta:
+        order = load("ckptfix.order")
+        if isinstance(order, list):
+            meta["ckptfix.order"] = json.dumps([r(n) for n in order], ensure_ascii=False)
+    if "ckptfix.views" in meta:
+        views = load("ckptfix.views")
+        if isinstance(views, dict):
+            meta["ckptfix.views"] = json.dumps(
+                {r(n): ({**v, "base": r(v.get("base"))} if isinstance(v, dict) else v) for n, v in views.items()},
+                ensure_ascii=False)
+    return meta
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -195,13 +289,18 @@ def _relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
 
 
 def _write_file(cf: CheckpointFile, key_path: Any, new_sd: Mapping[str, Any], dst: str, *, fsync: bool,
-                backup_of: str | None = None) -> str | None:
-    """Write ``cf`` with ``new_sd`` in place of its state dict to ``dst`` atomically; returns the backup path."""
+                backup_of: str | None = None, rename: Mapping[str, str] | None = None) -> str | None:
+    """Write ``cf`` with ``new_sd`` in place of its state dict to ``dst`` atomically; returns the backup path.
+
+    ``rename`` (old name -> new name) also covers names a safetensors file does not store as tensors
+    (ckptfix aliases): its metadata follows it.
+    """
+    old_sd = cf.obj
     cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
     backup = None
     with atomic_output(dst, fsync=fsync) as f:
         if cf.format == "safetensors":
-            _write_safetensors(cf, new_sd, f)
+            _write_safetensors(cf, old_sd, new_sd, f, rename or {})
         else:
             _write_zip(cf, f)
         if backup_of is not None:
@@ -228,6 +327,8 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
                                    "ckptfix writes sharded outputs only as files beside their index")
     sd = cf.obj
     _check_str_keys(ipath, sd)
+    st_meta = next((scf.extra.get("metadata") for scf in shards.values() if scf.format == "safetensors"), None)
+    sd = _logical_state_dict(sd, st_meta)  # with the names ckptfix convert stored once (aliases)
     new_sd, detail = transform(sd)
     if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
         raise UnsupportedError(f"{ipath}: this rename does not map the sharded keys one to one; "
@@ -277,12 +378,14 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
             if isinstance(meta, dict):  # module paths follow their tensors' renames
                 new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))  # type: ignore
             dst = os.path.join(out_dir, name)
-            _write_file(scf, key_path, new_ssd, dst, fsync=fsync)
+            _write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename)
             written.append(dst)
             if scf.format == "torch-legacy":
                 rep.notes.append(f"legacy shard {name} was written in the zip format")
         doc = dict(cf.extra["index"])
         doc["weight_map"] = {rename.get(k, k): v for k, v in doc["weight_map"].items()}
+        if isinstance(doc.get("metadata"), dict):  # ckptfix convert copies its metadata here too
+            doc["metadata"] = _rename_metadata(dict(doc["metadata"]), rename, cf.obj)
         dst = os.path.join(out_dir, os.path.basename(ipath))
         with atomic_output(dst, fsync=fsync) as f:  # the index last: the directory is complete once it exists
             f.write(json.dumps(doc, indent=2).encode("utf-8") + b"\n")
@@ -331,7 +434,9 @@ def _write_zip(cf: CheckpointFile, f: Any) -> None:
         os.close(fd)
 
 
-def _write_safetensors(cf: CheckpointFile, new_sd: Mapping[str, Any], f: Any) -> None:
+def _write_safetensors(cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Mapping[str, Any], f: Any,
+                       rename: Mapping[str, str]) -> None:
+    """The stored tensors of ``old_sd`` under their new names (``new_sd`` order), data copied, metadata renamed."""
     from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
     from ckptfix.formats.zipfmt import FOLIO, copy_range
 
@@ -342,19 +447,15 @@ def _write_safetensors(cf: CheckpointFile, new_sd: Mapping[str, Any], f: Any) ->
                                "reserves for its metadata; rename it differently")
     start = cf.extra["data_start"]
     header: dict[str, Any] = {}
-    meta = dict(cf.extra.get("metadata") or {})
-    old_names = {id(v): k for k, v in cf.obj.items()}
-    rename = {old_names[id(v)]: k for k, v in new_sd.items() if id(v) in old_names}
-    aliases = meta.get("ckptfix.aliases")
-    if aliases:
-        try:
-            amap = json.loads(aliases)
-            meta["ckptfix.aliases"] = json.dumps({rename.get(a, a): rename.get(b, b) for a, b in amap.items()})
-        except ValueError:
-            pass
+    meta = _rename_metadata(dict(cf.extra.get("metadata") or {}), rename, old_sd)
     if meta:
         header["__metadata__"] = meta
-    for name, t in new_sd.items():
+    old_of = {b: a for a, b in rename.items()}
+    for name in new_sd:
+        old = old_of.get(name, name)
+        if old not in old_sd:  # an alias: stored once under its target's name
+            continue
+        t = old_sd[old]
         st = t.storage
         header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape),
                         "data_offsets": [st.file_offset - start, st.file_offset - start + st.nbytes]}

@@ -291,3 +291,90 @@ def test_sharded_index_cannot_write_outside_the_output_directory(tmp_path):
     assert_one_line_error(p, 8)
     assert not (tmp_path / "a").exists()
     assert sorted(os.listdir(tmp_path)) == ["hf", "outside.safetensors"]
+
+
+# --------------------------------------------------------------------------- --map-location
+
+@pytest.mark.parametrize("spec", ["bogus", "cpu=", "cpu=cuda:0, cuda:1", "cuda:x", "cuda:"])
+def test_map_location_that_torch_cannot_load_is_refused(tmp_path, spec):
+    """A tag torch.load cannot restore would make an unloadable file: refuse it, write nothing."""
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": _dp_sd()}, src)
+    p = run_cli("strip-prefix", src, "--map-location", spec)
+    assert_one_line_error(p, 8)
+    assert "--map-location" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cuda:1", "cpu=cuda:0", "cuda:7=cuda:0,cpu=cpu"])
+def test_map_location_valid_specs_still_work(tmp_path, spec):
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": _dp_sd()}, src)
+    rep = rewrite_checkpoint(str(src), lambda sd: strip_prefix_report(sd), map_location=spec)
+    assert rep.output and os.path.exists(rep.output)
+
+
+# --------------------------------------------------------------------------- ckptfix-written safetensors
+
+def _tied_ckpt(path):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3)
+    sd = {"module.z_last": torch.ones(2), "module.w": w, "module.tied": w, "module.row": w[1],
+          "module.a_first": torch.zeros(3)}
+    torch.save(sd, path)
+    return {k[len("module."):]: v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_strip_prefix_on_converted_safetensors_keeps_aliases_views_and_order(tmp_path, sharded):
+    """convert stores tied tensors once (aliases in the metadata): a rename must rename those names too,
+    or converting back loses the tied key."""
+    expected = _tied_ckpt(tmp_path / "m.pt")
+    if sharded:
+        (tmp_path / "hf").mkdir()
+        p = run_cli("convert", tmp_path / "m.pt", "-o", tmp_path / "hf" / "model.safetensors", "--max-shard-size", "20B")
+        assert p.returncode == 0, p.stderr
+        p = run_cli("strip-prefix", tmp_path / "hf", "-o", tmp_path / "out")
+        assert p.returncode == 0, p.stderr
+        stripped = tmp_path / "out"
+    else:
+        assert run_cli("convert", tmp_path / "m.pt").returncode == 0
+        p = run_cli("strip-prefix", tmp_path / "m.safetensors")
+        assert p.returncode == 0, p.stderr
+        stripped = tmp_path / "m.stripped.safetensors"
+    p = run_cli("convert", stripped, "-o", tmp_path / "back.pt")
+    assert p.returncode == 0, p.stderr
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert list(back) == list(expected)
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+    assert back["w"].data_ptr() == back["tied"].data_ptr()
+    assert back["row"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+
+
+def test_strip_prefix_renames_hugging_face_style_aliases(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckptfix.convert import restore_aliases
+
+    p = tmp_path / "m.safetensors"
+    save_file({"module.emb.weight": torch.ones(2, 2)}, str(p),
+              metadata={"format": "pt", "module.head.weight": "module.emb.weight"})
+    rep = rewrite_checkpoint(str(p), lambda sd: strip_prefix_report(sd))
+    with safe_open(rep.output, "pt") as f:
+        meta = f.metadata()
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    assert meta == {"format": "pt", "head.weight": "emb.weight"}
+    assert sorted(restore_aliases(sd, meta)) == ["emb.weight", "head.weight"]
+
+
+def test_rename_onto_an_alias_name_is_a_collision(tmp_path):
+    """An alias is a key of the original state dict: renaming another key onto it must collide."""
+    from safetensors.torch import save_file
+
+    p = tmp_path / "m.safetensors"
+    save_file({"module.a": torch.ones(2), "b": torch.zeros(2)}, str(p),
+              metadata={"format": "pt", "ckptfix.aliases": json.dumps({"a": "b"})})
+    r = run_cli("strip-prefix", p, "--prefix", "module.")
+    assert_one_line_error(r, 6)
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
