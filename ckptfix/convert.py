@@ -475,6 +475,8 @@ def _check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
             raise OutputError(f"{p}: that is the input; choose another output with -o")
         if os.path.isdir(p):
             raise OutputError(f"{p}: is a directory; pass a file name with -o")
+        if p.endswith(("/", os.sep)):
+            raise OutputError(f"{p}: names a directory (it ends with a slash); pass a file name with -o")
         if os.path.lexists(p) and not force:
             raise OutputError(f"{p} already exists; pass --force to overwrite it, or choose another name with -o")
         d = os.path.dirname(os.path.abspath(p))
@@ -673,7 +675,12 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
                     f.flush()
                     os.fsync(f.fileno())
         for tmp, final in zip(temps, finals + ([index_path] if index_path else [])):
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                from ckptfix.atomic import _os_error
+
+                raise _os_error(e, final) from None
         temps.clear()
         if fsync:
             fsync_dir(dst)

@@ -157,8 +157,10 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         dst = output or default_output(src, suffix, fmt_out)
         if os.path.abspath(dst) == os.path.abspath(src) or _same_file(dst, src):
             raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
-        if os.path.isdir(dst):
-            raise OutputError(f"{dst} is a directory; pass a file name with -o (e.g. {os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
+        if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
+            what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
+            raise OutputError(f"{dst} {what}; pass a file name with -o (e.g. "
+                              f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
         if os.path.exists(dst) and not force:
             raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
     rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=dst if in_place and backup else None,

@@ -378,3 +378,13 @@ def test_rename_onto_an_alias_name_is_a_collision(tmp_path):
     r = run_cli("strip-prefix", p, "--prefix", "module.")
     assert_one_line_error(r, 6)
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("cmd", ["strip-prefix", "convert"])
+def test_output_with_a_trailing_slash_is_not_written_as_a_file(tmp_path, cmd):
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": _dp_sd()}, src)
+    p = run_cli(cmd, src, "-o", str(tmp_path / "newdir") + "/")
+    assert_one_line_error(p, 9)
+    assert "directory" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]
