@@ -31,6 +31,7 @@ Metadata written (all values are strings; JSON where noted):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -527,27 +528,28 @@ class _Writer:
             for it in items:
                 pos = base + it.begin
                 if it.path is not None:
-                    self._copy(it, fd, pos)
-                else:
-                    for chunk in it.chunks(self.fds):
-                        n = pwrite_all(fd, chunk, pos)
-                        if self.verify and not _written_equal(fd, pos, chunk, n):
-                            raise _differs(path, it, pos - base - it.begin)
-                        pos += n
-                    if pos != base + it.begin + it.nbytes:
-                        raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, "
-                                                     f"expected {it.nbytes}")
-                self.tick(it.nbytes)
+                    self._copy(it, fd, pos, path)
+                    continue
+                for chunk in it.chunks(self.fds):
+                    n = pwrite_all(fd, chunk, pos)
+                    if self.verify and not _written_equal(fd, pos, chunk, n):
+                        raise _differs(path, it, pos - base - it.begin)
+                    pos += n
+                    self.tick(n)
+                if pos != base + it.begin + it.nbytes:
+                    raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, "
+                                                 f"expected {it.nbytes}")
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _copy(self, it: _Item, fd: int, pos: int) -> None:
-        """A contiguous byte range of a source file -> the output at ``pos``."""
+    def _copy(self, it: _Item, fd: int, pos: int, path: str) -> None:
+        """A contiguous byte range of a source file -> the output ``path`` (open as ``fd``) at ``pos``."""
         src = self.fds.get(it.path)  # type: ignore[arg-type]
         if not self.verify:
             copy_range(src, it.offset, fd, pos, it.nbytes)
+            self.tick(it.nbytes)
             return
         if self._buf is None:
             self._buf = bytearray(_CHUNK)
@@ -560,10 +562,11 @@ class _Writer:
                 raise CorruptCheckpointError(f"{it.path}: file ended inside tensor {it.name!r} (truncated?)")
             pwrite_all(fd, view[:n], pos)
             if not _written_equal(fd, pos, buf, n):
-                raise _differs(it.path, it, pos - start)  # type: ignore[arg-type]
+                raise _differs(path, it, pos - start)
             off += n
             pos += n
             left -= n
+            self.tick(n)
 
     def check(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size."""
@@ -618,6 +621,15 @@ def _written_equal(fd: int, pos: int, data: bytes | bytearray | memoryview, n: i
         m.close()
 
 
+@contextlib.contextmanager
+def _named_as(tmp: str, final: str) -> Iterator[None]:
+    """Verification errors name the output the user asked for, not the temp file (which is removed)."""
+    try:
+        yield
+    except VerificationError as e:
+        raise VerificationError(str(e).replace(tmp, final)) from None
+
+
 def _shard(items: list[_Item], max_size: int | None) -> list[list[_Item]]:
     """Split in state-dict order, as huggingface_hub does: a tensor larger than the limit gets its own shard."""
     if not max_size:
@@ -654,10 +666,12 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
             temps.append(tmp)
             ordered = _layout(shard)
             laid.append(ordered)
-            w.write(tmp, ordered, metadata, fsync)
+            with _named_as(tmp, final):
+                w.write(tmp, ordered, metadata, fsync)
         if verify:
-            for tmp, ordered in zip(temps, laid):
-                w.check(tmp, ordered, metadata)
+            for tmp, final, ordered in zip(temps, finals, laid):
+                with _named_as(tmp, final):
+                    w.check(tmp, ordered, metadata)
             report.verified = True
         idx_tmp = None
         if index_path:

@@ -267,8 +267,9 @@ def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatc
         return n
 
     monkeypatch.setattr(conv, "pwrite_all", flip)
-    with pytest.raises(VerificationError, match="differs"):
+    with pytest.raises(VerificationError, match="differs") as e:
         convert_to_safetensors(src)
+    assert str(e.value).startswith(str(tmp_path / "model.safetensors") + ":")  # the output asked for, not a temp
     assert files_in(tmp_path) == ["model.pth"]
     # --no-verify would have kept it (and copies in the kernel, not through pwrite_all)
     convert_to_safetensors(src, verify=False)
@@ -519,6 +520,18 @@ def test_restore_wrapper_needs_ckptfix_metadata_and_the_reverse_direction(tmp_pa
     with pytest.raises(UnsupportedError, match="back to torch"):
         convert(src, restore_wrapper=True)
     assert not (tmp_path / "p.pth").exists()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_progress_moves_within_a_big_tensor(tmp_path, verify):
+    torch.save({"big": torch.zeros(5 * (conv._CHUNK // 4) // 2), "t": torch.ones(3, 4).t()}, tmp_path / "m.pth")
+    seen = []
+    convert_to_safetensors(tmp_path / "m.pth", verify=verify, progress=lambda done, total: seen.append((done, total)))
+    total = seen[-1][1]
+    assert seen[-1][0] == total == 2.5 * conv._CHUNK + 48
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    if verify:  # chunk by chunk, not one jump per tensor
+        assert len(seen) >= 4
 
 
 def test_hf_style_alias_metadata_is_understood():
