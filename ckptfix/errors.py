@@ -74,6 +74,33 @@ class ScanFindingsError(CkptfixError):
     exit_code = 11
 
 
+class ResourceLimitError(CkptfixError, ValueError):
+    """The input would exceed a safety limit (memory, size, expansion, nesting).
+
+    Raised before the limit is reached, so a small hostile file can never take
+    GiB of memory or minutes of CPU.  The message names the option (or
+    environment variable) that lifts the limit for a file the user trusts.
+    """
+
+    exit_code = 12
+
+
+class NoTensorsError(CkptfixError, LookupError):
+    """A valid checkpoint that holds no tensors (``training_args.bin``, a scheduler state).
+
+    Not corruption: ``inspect`` summarises such files; commands that need
+    tensors (convert, strip-prefix ...) raise this.
+    """
+
+    exit_code = 13
+
+
+class TorchMissingError(CkptfixError, ImportError):
+    """The operation needs torch, which is not installed (``pip install "ckptfix[torch]"``)."""
+
+    exit_code = 14
+
+
 class GpuToolingError(CkptfixError, FileNotFoundError):
     """``nvidia-smi`` is missing or cannot be run."""
 
