@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Regenerate every console block in README.md and docs/ from real runs.
+
+A block is regenerated when the line before its opening fence is a marker::
+
+    <!-- run: setup=runs mask="python: .*" -->
+    ```console
+    $ ckptfix inspect runs/dp_epoch1.pt
+    (output, rewritten by this script)
+    ```
+
+Every ``$ `` line is run with ``bash`` in a scratch directory (the same one for all
+blocks of a file, so a block can use files an earlier one made), with ``ckptfix`` on
+PATH; what it prints (stdout, then stderr, as a terminal shows them) replaces the
+lines up to the next ``$ ``.  Marker fields:
+
+- ``setup=runs``: the scratch directory holds ``runs/`` from
+  ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
+- ``gpu=SCENARIO``: a recorded nvidia-smi (``tests/fixtures/nvidia-smi/scenarios/SCENARIO``)
+  is first on PATH; without it no nvidia-smi is;
+- ``mask=REGEX`` (repeatable): text that differs from machine to machine or run to run
+  (timings, the Python build); ``--check`` compares with every match replaced by ``…``.
+
+``python docs/gen_docs.py`` rewrites the files; ``--check`` rewrites nothing and exits 1
+with a diff when a block no longer matches what the commands print (tests/test_docs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMI = ROOT / "tests" / "fixtures" / "nvidia-smi"
+MARKER = re.compile(r"^<!-- run:(?P<fields>.*?)-->\s*$")
+#: always masked: wall-clock figures
+TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d s\b"]
+
+
+@dataclass
+class Block:
+    start: int  # index of the opening fence
+    end: int  # index of the closing fence
+    setup: str = ""
+    gpu: str = ""
+    masks: list[str] = field(default_factory=list)
+
+
+def parse_marker(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in shlex.split(text):
+        k, _, v = item.partition("=")
+        out.setdefault(k, []).append(v)
+    return out
+
+
+def find_blocks(lines: list[str]) -> list[Block]:
+    blocks = []
+    for i, line in enumerate(lines):
+        m = MARKER.match(line)
+        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
+            continue
+        end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+        f = parse_marker(m["fields"])
+        blocks.append(Block(i + 1, end, (f.get("setup") or [""])[0], (f.get("gpu") or [""])[0], f.get("mask", [])))
+    return blocks
+
+
+class Sandbox:
+    """A scratch directory with ``ckptfix`` (this checkout) on PATH."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ckptfix-docs-"))
+        self.bin = self.dir / ".bin"
+        self.bin.mkdir()
+        exe = self.bin / "ckptfix"
+        exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptfix "$@"\n')
+        exe.chmod(0o755)
+        self.trained = False
+
+    def env(self, gpu: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI"))}
+        path = [str(self.bin), str(Path(sys.executable).parent), "/usr/bin", "/bin"]
+        if gpu:
+            smi = self.bin / "smi"
+            smi.mkdir(exist_ok=True)
+            link = smi / "nvidia-smi"
+            if not link.exists():
+                shutil.copy(SMI / "fake-nvidia-smi.sh", link)
+                link.chmod(0o755)
+            path.insert(0, str(smi))
+            env.update(FAKE_SMI_DIR=str(SMI / "scenarios"), FAKE_SMI_SCENARIO=gpu)
+        env.update(PATH=os.pathsep.join(path), PYTHONPATH=str(ROOT), COLUMNS="100", NO_COLOR="1",
+                   CKPTFIX_LEASE_DIR=str(self.dir / ".leases"), PYTHONHASHSEED="0")
+        return env
+
+    def run(self, cmd: str, gpu: str = "") -> str:
+        p = subprocess.run(["bash", "-c", cmd + " 2>&1"], cwd=self.dir, env=self.env(gpu), capture_output=True,
+                           text=True, timeout=600)
+        out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
+        return out.replace(sys.executable, "python3")
+
+    def setup(self, name: str) -> None:
+        if name == "runs" and not self.trained:
+            self.run("ckptfix train --mode dp --out runs --epochs 1 -q")
+            self.trained = True
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:
+    box.setup(block.setup)
+    out: list[str] = []
+    for line in block_lines:
+        if line.startswith("$ "):
+            out.append(line)
+            text = box.run(line[2:], block.gpu).rstrip("\n")
+            out.extend(text.split("\n") if text else [])
+    return out
+
+
+def masked(lines: list[str], masks: list[str]) -> list[str]:
+    pats = [re.compile(p) for p in TIMINGS + masks]
+    res = []
+    for line in lines:
+        for p in pats:
+            line = p.sub("…", line)
+        res.append(line)
+    return res
+
+
+def process(path: Path, check: bool) -> list[str]:
+    lines = path.read_text().split("\n")
+    blocks = find_blocks(lines)
+    if not blocks:
+        return []
+    box = Sandbox()
+    problems: list[str] = []
+    try:
+        new = list(lines)
+        shift = 0
+        for b in blocks:  # top-down: a later block may use files an earlier one made
+            s, e = b.start + shift, b.end + shift
+            body = new[s + 1:e]
+            fresh = render(body, b, box)
+            if masked(body, b.masks) == masked(fresh, b.masks):
+                continue  # only timings or masked text differ: keep the shown run
+            diff = difflib.unified_diff(body, fresh, f"{path.name} (shown)", f"{path.name} (real)", lineterm="")
+            problems.append("\n".join(diff))
+            new[s + 1:e] = fresh
+            shift += len(fresh) - len(body)
+        if not check and new != lines:
+            path.write_text("\n".join(new))
+    finally:
+        box.close()
+    return problems
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a block is stale")
+    ap.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/)")
+    args = ap.parse_args(argv)
+    stale = []
+    for f in args.files or doc_files():
+        for p in process(f, args.check):
+            stale.append(p)
+            print(p, file=sys.stderr)
+    if stale and args.check:
+        print(f"{len(stale)} block(s) no longer match: run python docs/gen_docs.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
