@@ -427,58 +427,69 @@ def test_pick_gpu_command_not_found(fake_env):
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
 
 
-@pytest.mark.parametrize("from_terminal", [True, False])
-def test_pick_gpu_forwards_sigint_only_when_the_terminal_did_not_send_it(fake_env, tmp_path, from_terminal):
-    """In the terminal's foreground group a Ctrl-C already reaches the command (same process group), so
-    pick-gpu must not send a second SIGINT (it could abort the command's own interrupt handling, e.g. a
-    final checkpoint save); outside one (a `kill -INT` from elsewhere) it forwards the signal.
+SIGNAL_COUNTER = (
+    "import os, pathlib, signal, sys, time\n"
+    "n = 0\n"
+    "def h(s, f):\n"
+    "    global n\n"
+    "    n += 1\n"
+    "signal.signal(signal.SIGINT, h)\n"
+    "signal.signal(signal.SIGTERM, h)\n"
+    "out = pathlib.Path(sys.argv[1])\n"
+    "pathlib.Path(str(out) + '.ready').write_text(str(os.getpid()))\n"
+    "t = time.time() + 20\n"
+    "while n == 0 and time.time() < t:\n"
+    "    time.sleep(0.01)\n"
+    "time.sleep(0.5)\n"  # any second delivery arrives in this window
+    "out.write_text(str(n))\n"
+)
 
-    Only pick-gpu is signalled here, so the command's count is what pick-gpu added: 0 or 1.
-    """
-    import fcntl
-    import pty
+
+@pytest.mark.parametrize("how", ["timeout", "kill_pid", "kill_group", "sigint_group"])
+def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how):
+    """`pick-gpu -- CMD` execs CMD: one process, so timeout(1), `kill PID`, `kill -- -PGID` and a Ctrl-C
+    (SIGINT to the foreground group) each reach the command exactly once; the lease ends with it."""
     import signal
-    import termios
 
-    ready, out = tmp_path / "ready", tmp_path / "count"
-    child = (
-        "import pathlib, signal, time\n"
-        "n = 0\n"
-        "def h(s, f):\n"
-        "    global n\n"
-        "    n += 1\n"
-        "signal.signal(signal.SIGINT, h)\n"
-        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
-        "t = time.time() + 1.5\n"
-        "while n == 0 and time.time() < t:\n"
-        "    time.sleep(0.01)\n"
-        "time.sleep(0.3)\n"
-        f"pathlib.Path({str(out)!r}).write_text(str(n))\n"
-    )
-    env = dict(fake_env, FAKE_SMI_SCENARIO="h200_after_release")
-    master, slave = pty.openpty()
-
-    def controlling_tty() -> None:  # runs after setsid(): the pty becomes the session's terminal
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
+    count = tmp_path / "count"
+    ready = Path(str(count) + ".ready")
+    env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
+    argv = [sys.executable, "-c", WRAPPER, "pick-gpu", "-n", "2", "--", sys.executable, "-c", SIGNAL_COUNTER, str(count)]
+    if how == "timeout":
+        argv = ["timeout", "-s", "TERM", "4"] + argv
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         start_new_session=True)
     try:
-        p = subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, "pick-gpu", "--", sys.executable, "-c", child],
-            env=env, stdin=slave if from_terminal else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-            preexec_fn=controlling_tty if from_terminal else None,
-        )
         deadline = time.time() + 30
         while not ready.exists() and time.time() < deadline and p.poll() is None:
             time.sleep(0.02)
         assert ready.exists(), p.communicate(timeout=30)
-        os.kill(p.pid, signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        if how != "timeout":
+            assert int(ready.read_text()) == p.pid  # exec: the command is the pick-gpu process
+            # while it runs, its lease holds both GPUs
+            busy = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "1")
+            assert busy.rc == 22 and "leased by another job" in busy.err, busy
+        if how == "kill_pid":
+            os.kill(p.pid, signal.SIGTERM)
+        elif how == "kill_group":
+            os.killpg(p.pid, signal.SIGTERM)
+        elif how == "sigint_group":
+            os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
     finally:
-        os.close(master)
-        os.close(slave)
-    assert p.returncode == 0, err
-    assert out.read_text() == ("0" if from_terminal else "1")
+        if p.poll() is None:
+            p.kill()
+    assert count.read_text() == "1", err
+    assert p.returncode == (124 if how == "timeout" else 0), err  # timeout(1) reports 124 when it fired
+    # the lease ended with the command: both GPUs can be picked again
+    again = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "2")
+    assert again.rc == 0, again
+
+
+def test_pick_gpu_command_exit_status_and_signal_death_are_native(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+                scenario="two_free")
+    assert r.rc == -15, r  # killed by SIGTERM, as without pick-gpu (a shell shows 143)
 
 
 def test_pick_gpu_unusable_lease_dir_is_a_clear_error(fake_env, tmp_path):
