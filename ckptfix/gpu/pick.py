@@ -756,10 +756,17 @@ def hold_for_process(leases: Sequence[Lease]) -> None:
 
 
 def check_cuda_not_initialized() -> None:
-    from ckptfix.gpu.visible import cuda_initialized
+    """Raise if CUDA is already initialised here (then ``CUDA_VISIBLE_DEVICES`` can no longer take effect).
 
-    if cuda_initialized():
+    Raises:
+        CudaAlreadyInitializedError: with the route that initialised it and the fix (exit code 24).
+    """
+    from ckptfix.gpu.visible import cuda_init_route
+
+    route = cuda_init_route()
+    if route is not None:
         raise CudaAlreadyInitializedError(
-            "CUDA is already initialised in this process, so setting CUDA_VISIBLE_DEVICES now has no effect: "
-            "call pick_gpu() before any torch.cuda call, or run `ckptfix pick-gpu -- python ...` instead"
+            f"CUDA is already initialised in this process ({route}), so setting CUDA_VISIBLE_DEVICES now has no "
+            "effect: call pick_gpu() before any torch.cuda call (torch.cuda.is_available() included), or run "
+            "`ckptfix pick-gpu -- python ...` instead"
         )
