@@ -196,11 +196,20 @@ def test_gpus_invalid_device_order_warns(fake_env):
     assert r.rc == 0 and "device_order_invalid" in [p["code"] for p in json.loads(r.out)["problems"]]
 
 
-def test_gpus_mig_host_lists_mig_parents_and_maps_mig_uuid(fake_env):
+def test_gpus_mig_host_lists_mig_devices_as_cuda_rows_and_maps_mig_uuid(fake_env):
     r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host")
     doc = json.loads(r.out)
-    assert [d["mig_enabled"] for d in doc["devices"]] == [False] * 4 + [True] * 4
-    assert any("GPU 4 has MIG enabled" in w for w in doc["warnings"])
+    devs = doc["devices"]
+    # CVD unset: the 4 whole GPUs, then the 16 MIG devices of GPUs 4-7 (7 + 3 + 2 + 4), never their parents
+    assert [d["mig_enabled"] for d in devs] == [False] * 4 + [True] * 16
+    assert all(d["mig_device"]["uuid"].startswith("MIG-") for d in devs[4:])
+    assert devs[4]["mig_device"]["uuid"] == "MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2"
+    assert devs[4]["memory_total_mib"] == 5120 and devs[11]["memory_total_mib"] == 10240
+    assert not doc["order_certain"]
+    (p,) = [p for p in doc["problems"] if p["code"] == "mig_enumeration"]
+    assert "MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2" in p["fix"] and "nvidia-smi -L" not in p["fix"]
+    table = ckptfix(fake_env, "gpus", scenario="mig_host")
+    assert "cuda:4?" in table.out and "MIG-1c5876e6" in table.out and "1g.5gb" in table.out
     assert any(c.startswith("L ") for c in smi_calls(fake_env))
     r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host", CUDA_VISIBLE_DEVICES="MIG-4c7db5d8")
     (d,) = json.loads(r.out)["devices"]
@@ -391,7 +400,7 @@ def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
     assert r.rc == 0, r
     assert r.out == "0,1,3,2\n"
     r = ckptfix(fake_env, "pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host")
-    assert r.rc == 22 and "MIG is enabled" in r.err
+    assert r.rc == 22 and "a MIG device: its memory and utilization are not reported" in r.err
     r = ckptfix(fake_env, "pick-gpu", scenario="k8s_insufficient_permissions")
     assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
     r = ckptfix(fake_env, "pick-gpu", scenario="gb10_unified_memory")

@@ -592,11 +592,15 @@ class PickResult:
 def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str, str]:
     """The environment that makes CUDA see exactly ``chosen``, in that order.
 
-    ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: nvidia-smi
-    indices, correct only together with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (always set).
+    ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
+    numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
+    index where nvidia-smi lists GPUs in another order.
     """
     if by == "index" or any(not g.uuid for g in chosen):
-        ids = [g.mig_device.uuid if g.mig_device else str(g.smi_index) for g in chosen]
+        ids = [
+            g.mig_device.uuid if g.mig_device else str(g.smi_index if g.pci_index is None else g.pci_index)
+            for g in chosen
+        ]
     else:
         ids = [g.id for g in chosen]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
