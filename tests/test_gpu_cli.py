@@ -325,10 +325,51 @@ def test_nvidia_smi_missing(fake_env, command):
     )
 
 
-def test_gpus_cvd_empty_is_no_gpu(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES="")
-    assert r.rc == 21
-    assert "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
+@pytest.mark.parametrize("cvd", ["", "-1", "1,1", "NoDevFiles"])
+def test_gpus_cvd_hiding_everything_still_prints_the_document(fake_env, cvd):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    assert r.rc == 21, r
+    doc = json.loads(r.out)
+    assert doc["devices"] == [] and len(doc["physical"]) == 8
+    assert {p["cuda_index"] for p in doc["physical"]} == {None}
+    (p,) = [p for p in doc["problems"] if p["code"] == "cvd_empty"]
+    assert p["fix"]
+    assert r.err.count("Error: ") == 1 and "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
+    t = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    assert t.rc == 21 and t.out.count("\n-  ") == 8 and "(0 of 8 GPUs visible to CUDA)" in t.out, t
+    assert "fix:" in t.err
+
+
+def test_gpus_table_keeps_the_pci_domain_on_a_two_domain_box(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="two_domains")
+    assert r.rc == 0, r
+    assert "0000:10:00.0" in r.out and "0001:10:00.0" in r.out
+    assert "0000:3a:00.0" not in ckptfix(fake_env, "gpus", scenario="two_free").out  # one domain: short form
+
+
+def test_pick_gpu_ids_index_is_the_pci_order_index(fake_env):
+    # nvidia-smi GPU 0 (the freest) sits on bus C1: third in PCI order
+    r = ckptfix(fake_env, "pick-gpu", "--ids", "index", "--export", "--lease", "0", scenario="pci_order_mismatch")
+    assert r.rc == 0, r
+    assert r.out.startswith("export CUDA_VISIBLE_DEVICES=2; export CUDA_DEVICE_ORDER=PCI_BUS_ID"), r
+    doc = json.loads(ckptfix(fake_env, "gpus", "--json", scenario="pci_order_mismatch",
+                             CUDA_DEVICE_ORDER="PCI_BUS_ID").out)
+    assert [(d["cuda_index"], d["smi_index"]) for d in doc["devices"]] == [(0, 1), (1, 2), (2, 0)]
+
+
+def test_gpus_mixed_t4_a100_guesses_the_a100s_first(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="mixed_t4_a100")
+    doc = json.loads(r.out)
+    assert [d["smi_index"] for d in doc["devices"]] == [1, 2, 0] and not doc["order_certain"]
+    assert [g["compute_cap"] for g in doc["physical"]] == ["7.5", "8.0", "8.0"]
+    t = ckptfix(fake_env, "gpus", scenario="mixed_t4_a100")
+    first = t.out.splitlines()[1]
+    assert first.startswith("cuda:0?") and "A100" in first
+    assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in t.err
+    # pick-gpu --ids index with an index CVD: "0" is the guessed cuda:0, an A100
+    p = ckptfix(fake_env, "pick-gpu", "--lease", "0", "--json", scenario="mixed_t4_a100", CUDA_VISIBLE_DEVICES="0")
+    assert json.loads(p.out)["chosen"][0]["smi_index"] == 1
+    assert "different models" in p.err
 
 
 # ----------------------------------------------------------------------------- pick-gpu

@@ -345,3 +345,18 @@ def test_model_table():
     assert model_info("NVIDIA H100 PCIe") == ((9, 0), 114)
     assert model_info("NVIDIA A10") == ((8, 6), 72) and model_info("NVIDIA A100 80GB PCIe")[0] == (8, 0)
     assert model_info("Some Future GPU") == (None, None)
+
+
+FIX = Path(__file__).parent / "fixtures" / "nvidia-smi"
+
+
+def test_fastest_first_guess_matches_the_real_sample():
+    """samples/csv_noheader_units_mixed_models_order_mismatch.txt: CUDA (llama.cpp's log) listed the RTX 3090
+    as device 0 and the GTX 1660 SUPER (nvidia-smi 0) as device 1."""
+    text = (FIX / "samples" / "csv_noheader_units_mixed_models_order_mismatch.txt").read_text().split("\n", 1)[1]
+    from ckptfix.gpu.smi import parse_gpu_csv
+
+    parsed, _ = parse_gpu_csv(text, ("name", "memory.total", "index"))
+    v = build_view(SmiSnapshot(gpus=tuple(parsed)), {})
+    assert [d.name for d in v.devices] == ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce GTX 1660 SUPER"]
+    assert not v.order_certain

@@ -34,13 +34,30 @@ def _short_uuid(uuid: str | None) -> str:
     return f"{head}-{rest[:8]}" if rest else uuid
 
 
-def _short_pci(pci: str | None) -> str:
+def _pci_domain(pci: str | None) -> int | None:
+    parts = (pci or "").split(":")
+    try:
+        return int(parts[0], 16) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def _short_pci(pci: str | None, with_domain: bool = False) -> str:
+    """``00000000:3A:00.0`` -> ``3a:00.0``; with ``with_domain`` (a multi-domain box) -> ``0000:3a:00.0``."""
     if not pci:
         return "-"
     parts = pci.split(":")
     if len(parts) == 3:
-        return f"{parts[1]}:{parts[2]}".lower()
+        short = f"{parts[1]}:{parts[2]}".lower()
+        dom = _pci_domain(pci)
+        return f"{dom:04x}:{short}" if with_domain and dom is not None else short
     return pci.lower()
+
+
+def _needs_domain(view: Any) -> bool:
+    return len({_pci_domain(g.pci_bus_id) for g in view.physical}) > 1 or any(
+        _pci_domain(g.pci_bus_id) for g in view.physical
+    )
 
 
 def _env_line(view: Any) -> str:
@@ -60,6 +77,24 @@ def _env_line(view: Any) -> str:
 def render_gpus(view: Any) -> str:
     """The human table of ``ckptfix gpus`` (stdout part)."""
     mark = "" if view.order_certain else "?"
+    dom = _needs_domain(view)
+    header = ["cuda", "smi", "uuid", "pci", "name", "used/total GiB", "free GiB", "util", "procs"]
+    if not view.devices:  # CUDA sees nothing: show what is there, none of it as cuda:N
+        phys = [
+            [
+                "-",
+                str(g.index),
+                _short_uuid(g.uuid),
+                _short_pci(g.pci_bus_id, dom),
+                g.name or "-",
+                f"{_gib(g.memory_used_mib)}/{_gib(g.memory_total_mib)}",
+                _gib(g.memory_free_mib),
+                "-" if g.utilization_pct is None else f"{g.utilization_pct}%",
+                "?" if g.process_count is None else str(g.process_count),
+            ]
+            for g in view.physical
+        ]
+        return "\n".join([table(phys, header), _env_line(view), "-: not visible to CUDA in this environment"])
     rows = []
     for d in view.devices:
         if d.process_count is not None:
@@ -73,7 +108,7 @@ def render_gpus(view: Any) -> str:
                 f"cuda:{d.cuda_index}{mark}",
                 str(d.smi_index),
                 _short_uuid(d.mig_device.uuid if d.mig_device else d.uuid),
-                _short_pci(d.pci_bus_id),
+                _short_pci(d.pci_bus_id, dom),
                 d.name or "-",
                 f"{_gib(d.memory_used_mib)}/{_gib(d.memory_total_mib)}",
                 _gib(d.memory_free_mib),
@@ -81,7 +116,6 @@ def render_gpus(view: Any) -> str:
                 procs,
             ]
         )
-    header = ["cuda", "smi", "uuid", "pci", "name", "used/total GiB", "free GiB", "util", "procs"]
     out = [table(rows, header), _env_line(view)]
     if any(d.process_count == 0 and (d.hidden_used_mib or 0) > 0 for d in view.devices):
         out.append("0*: memory in use but no process visible here (a process in another container): treated as busy")
@@ -104,25 +138,28 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     also learn whether CUDA is already initialised there.
 
     \b
-    Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU (or CUDA_VISIBLE_DEVICES
-    hides all); 25 nvidia-smi failed; 26 driver not loaded; 27 driver/library
-    version mismatch.
+    Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
+    hides all (the table / --json document is still printed: every physical GPU
+    with cuda_index null, and the problem cvd_empty with its fix); 25 nvidia-smi
+    failed; 26 driver not loaded; 27 driver/library version mismatch.
     """
     from ckptfix.gpu import visible_gpus
 
     view = visible_gpus(timeout=timeout)
-    if not view.devices:
-        why = "; ".join(p.message for p in view.problems if p.code.startswith("cvd")) or "CUDA sees no GPU"
-        raise NoGpuError(
-            f"nvidia-smi sees {len(view.physical)} GPU(s) but none is visible to CUDA ({why}): "
-            "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
-        )
     if as_json:
         emit_json(view.to_dict())
-        return
-    click.echo(render_gpus(view))
-    for w in view.warnings:
-        warn(w)
+    else:
+        click.echo(render_gpus(view))
+        for w in view.warnings:
+            warn(w)
+    if not view.devices:
+        p = next((p for p in view.problems if p.code == "cvd_empty"), None)
+        fix = p.fix if p else "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
+        raise NoGpuError(
+            f"nvidia-smi sees {len(view.physical)} GPU(s) but none is visible to CUDA "
+            f"(CUDA_VISIBLE_DEVICES={view.cuda_visible_devices!r}): {fix}"
+        )
+    return None
 
 
 @cli.command(
