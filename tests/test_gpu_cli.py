@@ -683,3 +683,28 @@ def test_python_m_ckptfix_entry_point(fake_env):
     p = subprocess.run([sys.executable, "-m", "ckptfix", "gpus"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("cuda")
+
+
+def test_pick_gpu_release_gives_back_timed_leases(fake_env):
+    a = ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "600", scenario="two_free")
+    assert a.rc == 0, a
+    assert ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="two_free").rc == 22
+    r = ckptfix(fake_env, "pick-gpu", "--release", "--json", scenario="two_free")
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert sorted(x["key"] for x in doc["leases"] if x["released"]) == sorted(a.out.strip().split(","))
+    assert ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "0", scenario="two_free").rc == 0
+    again = ckptfix(fake_env, "pick-gpu", "--release", scenario="two_free")
+    assert again.rc == 0 and again.out == "" and "nothing to release" in again.err
+    bad = ckptfix(fake_env, "pick-gpu", "--release", "-n", "2", scenario="two_free")
+    assert bad.rc == 2 and "--release takes no COMMAND" in bad.err
+
+
+def test_pick_gpu_refuses_a_world_writable_lease_dir(fake_env, tmp_path):
+    d = tmp_path / "shared-leases"
+    d.mkdir()
+    d.chmod(0o777)
+    r = ckptfix(fake_env, "pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(d))
+    assert r.rc == 9 and r.out == "", r
+    assert r.err.startswith("Error: refusing the GPU lease directory") and f"chmod 700 {d}" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and list(d.iterdir()) == []
