@@ -68,10 +68,10 @@ def _env_line(view: Any) -> str:
     if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
         order_s = f"{order!r} (invalid: CUDA uses FASTEST_FIRST)"
     driver = f"  driver={view.driver_version}" if view.driver_version else ""
-    return (
-        f"env: CUDA_VISIBLE_DEVICES={cvd_s}  CUDA_DEVICE_ORDER={order_s}{driver}  "
-        f"({len(view.devices)} of {len(view.physical)} GPUs visible to CUDA)"
-    )
+    migs = sum(1 for d in view.devices if d.mig_device is not None)
+    whole = len(view.devices) - migs
+    seen = f"{whole} of {len(view.physical)} GPUs" + (f" + {migs} MIG device(s)" if migs else "")
+    return f"env: CUDA_VISIBLE_DEVICES={cvd_s}  CUDA_DEVICE_ORDER={order_s}{driver}  ({seen} visible to CUDA)"
 
 
 def render_gpus(view: Any) -> str:

@@ -694,8 +694,9 @@ def build_view(
                 "order_uncertain",
                 "GPUs are different models ("
                 + ", ".join(models)
-                + ") and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA numbers the fastest first, so cuda:N may not "
-                "be nvidia-smi GPU N (the cuda column is a guess in PCI order)",
+                + ") and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA numbers the fastest first by a rule it does not "
+                "publish, so cuda:N may not be nvidia-smi GPU N (the cuda column is a guess: compute "
+                "capability, then multiprocessors x clock, as CUDA ranks devices)",
                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID (or select GPUs by UUID)",
             )
         )
