@@ -283,8 +283,6 @@ def _pick(
     timeout: float,
     command: tuple[str, ...],
 ) -> int:
-    import secrets
-
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.pick import DEFAULT_LEASE_SECONDS, LEASE_TOKEN_ENV, Criteria, lease_dir, parse_size_mib, pick
 
@@ -299,7 +297,7 @@ def _pick(
         lease_seconds = DEFAULT_LEASE_SECONDS if lease is None else lease
     token = os.environ.get(LEASE_TOKEN_ENV) or None
     if export and token is None and lease_seconds:
-        token = secrets.token_hex(8)  # marks this shell's leases as its own (take-over, --release)
+        token = os.urandom(8).hex()  # marks this shell's leases as its own (take-over, --release)
     result = pick(
         lambda: visible_gpus(timeout=timeout),
         criteria,
