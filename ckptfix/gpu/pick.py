@@ -428,7 +428,7 @@ def try_lease(
     path = _lease_file(directory, key)
     dfd = open_lease_dir(directory)
     try:
-        fd, created = _open_lease_file(dfd, directory, key)
+        fd, _created = _open_lease_file(dfd, directory, key)
     finally:
         os.close(dfd)
     try:
@@ -440,7 +440,7 @@ def try_lease(
             return None, _describe(info) + " (running)"
         raise _lease_dir_error(directory, e) from None
     now = time.time() if now is None else now
-    info = {} if created else _read_info(fd)
+    info = _read_info(fd)  # also when we created it: another picker may have locked, written and let go first
     if info is None:
         os.close(fd)
         raise _not_a_lease(path)
