@@ -608,7 +608,9 @@ def build_view(
                         Problem(
                             "cvd_truncated",
                             f"CUDA_VISIBLE_DEVICES entry {cand!r} {why}, so CUDA ignores it and every entry after it",
-                            "use MIG UUIDs exactly as `nvidia-smi -L` prints them",
+                            "use one of this machine's MIG devices: " + ", ".join(m.uuid for m in migs[:4])
+                            + (", ..." if len(migs) > 4 else "") + " (all listed by `ckptfix gpus` with "
+                            "CUDA_VISIBLE_DEVICES unset)",
                         )
                     )
                 break
