@@ -9,6 +9,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -346,7 +347,7 @@ def _pick(
     return 0
 
 
-def _release(directory: Any, token: str | None, as_json: bool) -> int:
+def _release(directory: Path, token: str | None, as_json: bool) -> int:
     from ckptfix.gpu.pick import release_leases
 
     done = release_leases(directory, token=token)

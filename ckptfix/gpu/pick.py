@@ -10,7 +10,10 @@ then process count, then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
 Leases: one file per GPU UUID in the lease directory (``$CKPTFIX_LEASE_DIR``,
-else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``/tmp/ckptfix-leases-<uid>``).
+else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``$TMPDIR/ckptfix-leases-<uid>``, else
+``/tmp/ckptfix-leases-<uid>``), created 0700 and refused when another user owns it or can
+write to it; lease files are opened ``O_NOFOLLOW | O_CLOEXEC`` relative to the checked
+directory and only rewritten once locked and known to hold a lease record.
 A picker takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on the file; a GPU whose file is
 locked by someone else is leased.  A lease either *holds* the lock (for the life
 of a command run under ``pick-gpu --``, or of the Python process that called
@@ -619,7 +622,7 @@ def choose_and_lease(
 
     If fewer than ``n`` qualify, nothing stays leased and the result has fewer
     than ``n`` chosen (``rejected`` says why the others failed).  ``directory=None``
-    disables leases.
+    disables leases; ``token`` makes timed leases carrying it the caller's own (see :func:`try_lease`).
     """
     ranked, rejected = rank_gpus(view.devices, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
