@@ -51,6 +51,7 @@ def main() -> None:
             "ckptfix gpus": entry + ["gpus"],
             "ckptfix gpus --json": entry + ["gpus", "--json"],
             "ckptfix pick-gpu --lease 0": entry + ["pick-gpu", "--lease", "0"],
+            "ckptfix pick-gpu -- true (exec)": entry + ["pick-gpu", "--", "true"],
             "fake nvidia-smi --query-gpu (alone)": [str(bin_dir / "nvidia-smi"), "--query-gpu=index"],
         }
         for argv in cases.values():  # warm the page cache and .pyc files

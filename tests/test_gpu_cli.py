@@ -196,11 +196,20 @@ def test_gpus_invalid_device_order_warns(fake_env):
     assert r.rc == 0 and "device_order_invalid" in [p["code"] for p in json.loads(r.out)["problems"]]
 
 
-def test_gpus_mig_host_lists_mig_parents_and_maps_mig_uuid(fake_env):
+def test_gpus_mig_host_lists_mig_devices_as_cuda_rows_and_maps_mig_uuid(fake_env):
     r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host")
     doc = json.loads(r.out)
-    assert [d["mig_enabled"] for d in doc["devices"]] == [False] * 4 + [True] * 4
-    assert any("GPU 4 has MIG enabled" in w for w in doc["warnings"])
+    devs = doc["devices"]
+    # CVD unset: the 4 whole GPUs, then the 16 MIG devices of GPUs 4-7 (7 + 3 + 2 + 4), never their parents
+    assert [d["mig_enabled"] for d in devs] == [False] * 4 + [True] * 16
+    assert all(d["mig_device"]["uuid"].startswith("MIG-") for d in devs[4:])
+    assert devs[4]["mig_device"]["uuid"] == "MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2"
+    assert devs[4]["memory_total_mib"] == 5120 and devs[11]["memory_total_mib"] == 10240
+    assert not doc["order_certain"]
+    (p,) = [p for p in doc["problems"] if p["code"] == "mig_enumeration"]
+    assert "MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2" in p["fix"] and "nvidia-smi -L" not in p["fix"]
+    table = ckptfix(fake_env, "gpus", scenario="mig_host")
+    assert "cuda:4?" in table.out and "MIG-1c5876e6" in table.out and "1g.5gb" in table.out
     assert any(c.startswith("L ") for c in smi_calls(fake_env))
     r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host", CUDA_VISIBLE_DEVICES="MIG-4c7db5d8")
     (d,) = json.loads(r.out)["devices"]
@@ -316,10 +325,51 @@ def test_nvidia_smi_missing(fake_env, command):
     )
 
 
-def test_gpus_cvd_empty_is_no_gpu(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES="")
-    assert r.rc == 21
-    assert "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
+@pytest.mark.parametrize("cvd", ["", "-1", "1,1", "NoDevFiles"])
+def test_gpus_cvd_hiding_everything_still_prints_the_document(fake_env, cvd):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    assert r.rc == 21, r
+    doc = json.loads(r.out)
+    assert doc["devices"] == [] and len(doc["physical"]) == 8
+    assert {p["cuda_index"] for p in doc["physical"]} == {None}
+    (p,) = [p for p in doc["problems"] if p["code"] == "cvd_empty"]
+    assert p["fix"]
+    assert r.err.count("Error: ") == 1 and "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
+    t = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    assert t.rc == 21 and t.out.count("\n-  ") == 8 and "(0 of 8 GPUs visible to CUDA)" in t.out, t
+    assert "fix:" in t.err
+
+
+def test_gpus_table_keeps_the_pci_domain_on_a_two_domain_box(fake_env):
+    r = ckptfix(fake_env, "gpus", scenario="two_domains")
+    assert r.rc == 0, r
+    assert "0000:10:00.0" in r.out and "0001:10:00.0" in r.out
+    assert "0000:3a:00.0" not in ckptfix(fake_env, "gpus", scenario="two_free").out  # one domain: short form
+
+
+def test_pick_gpu_ids_index_is_the_pci_order_index(fake_env):
+    # nvidia-smi GPU 0 (the freest) sits on bus C1: third in PCI order
+    r = ckptfix(fake_env, "pick-gpu", "--ids", "index", "--export", "--lease", "0", scenario="pci_order_mismatch")
+    assert r.rc == 0, r
+    assert r.out.startswith("export CUDA_VISIBLE_DEVICES=2; export CUDA_DEVICE_ORDER=PCI_BUS_ID"), r
+    doc = json.loads(ckptfix(fake_env, "gpus", "--json", scenario="pci_order_mismatch",
+                             CUDA_DEVICE_ORDER="PCI_BUS_ID").out)
+    assert [(d["cuda_index"], d["smi_index"]) for d in doc["devices"]] == [(0, 1), (1, 2), (2, 0)]
+
+
+def test_gpus_mixed_t4_a100_guesses_the_a100s_first(fake_env):
+    r = ckptfix(fake_env, "gpus", "--json", scenario="mixed_t4_a100")
+    doc = json.loads(r.out)
+    assert [d["smi_index"] for d in doc["devices"]] == [1, 2, 0] and not doc["order_certain"]
+    assert [g["compute_cap"] for g in doc["physical"]] == ["7.5", "8.0", "8.0"]
+    t = ckptfix(fake_env, "gpus", scenario="mixed_t4_a100")
+    first = t.out.splitlines()[1]
+    assert first.startswith("cuda:0?") and "A100" in first
+    assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in t.err
+    # pick-gpu --ids index with an index CVD: "0" is the guessed cuda:0, an A100
+    p = ckptfix(fake_env, "pick-gpu", "--lease", "0", "--json", scenario="mixed_t4_a100", CUDA_VISIBLE_DEVICES="0")
+    assert json.loads(p.out)["chosen"][0]["smi_index"] == 1
+    assert "different models" in p.err
 
 
 # ----------------------------------------------------------------------------- pick-gpu
@@ -391,7 +441,7 @@ def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
     assert r.rc == 0, r
     assert r.out == "0,1,3,2\n"
     r = ckptfix(fake_env, "pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host")
-    assert r.rc == 22 and "MIG is enabled" in r.err
+    assert r.rc == 22 and "a MIG device: its memory and utilization are not reported" in r.err
     r = ckptfix(fake_env, "pick-gpu", scenario="k8s_insufficient_permissions")
     assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
     r = ckptfix(fake_env, "pick-gpu", scenario="gb10_unified_memory")
@@ -427,58 +477,69 @@ def test_pick_gpu_command_not_found(fake_env):
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
 
 
-@pytest.mark.parametrize("from_terminal", [True, False])
-def test_pick_gpu_forwards_sigint_only_when_the_terminal_did_not_send_it(fake_env, tmp_path, from_terminal):
-    """In the terminal's foreground group a Ctrl-C already reaches the command (same process group), so
-    pick-gpu must not send a second SIGINT (it could abort the command's own interrupt handling, e.g. a
-    final checkpoint save); outside one (a `kill -INT` from elsewhere) it forwards the signal.
+SIGNAL_COUNTER = (
+    "import os, pathlib, signal, sys, time\n"
+    "n = 0\n"
+    "def h(s, f):\n"
+    "    global n\n"
+    "    n += 1\n"
+    "signal.signal(signal.SIGINT, h)\n"
+    "signal.signal(signal.SIGTERM, h)\n"
+    "out = pathlib.Path(sys.argv[1])\n"
+    "pathlib.Path(str(out) + '.ready').write_text(str(os.getpid()))\n"
+    "t = time.time() + 20\n"
+    "while n == 0 and time.time() < t:\n"
+    "    time.sleep(0.01)\n"
+    "time.sleep(0.5)\n"  # any second delivery arrives in this window
+    "out.write_text(str(n))\n"
+)
 
-    Only pick-gpu is signalled here, so the command's count is what pick-gpu added: 0 or 1.
-    """
-    import fcntl
-    import pty
+
+@pytest.mark.parametrize("how", ["timeout", "kill_pid", "kill_group", "sigint_group"])
+def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how):
+    """`pick-gpu -- CMD` execs CMD: one process, so timeout(1), `kill PID`, `kill -- -PGID` and a Ctrl-C
+    (SIGINT to the foreground group) each reach the command exactly once; the lease ends with it."""
     import signal
-    import termios
 
-    ready, out = tmp_path / "ready", tmp_path / "count"
-    child = (
-        "import pathlib, signal, time\n"
-        "n = 0\n"
-        "def h(s, f):\n"
-        "    global n\n"
-        "    n += 1\n"
-        "signal.signal(signal.SIGINT, h)\n"
-        f"pathlib.Path({str(ready)!r}).write_text('x')\n"
-        "t = time.time() + 1.5\n"
-        "while n == 0 and time.time() < t:\n"
-        "    time.sleep(0.01)\n"
-        "time.sleep(0.3)\n"
-        f"pathlib.Path({str(out)!r}).write_text(str(n))\n"
-    )
-    env = dict(fake_env, FAKE_SMI_SCENARIO="h200_after_release")
-    master, slave = pty.openpty()
-
-    def controlling_tty() -> None:  # runs after setsid(): the pty becomes the session's terminal
-        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
-
+    count = tmp_path / "count"
+    ready = Path(str(count) + ".ready")
+    env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
+    argv = [sys.executable, "-c", WRAPPER, "pick-gpu", "-n", "2", "--", sys.executable, "-c", SIGNAL_COUNTER, str(count)]
+    if how == "timeout":
+        argv = ["timeout", "-s", "TERM", "4"] + argv
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         start_new_session=True)
     try:
-        p = subprocess.Popen(
-            [sys.executable, "-c", WRAPPER, "pick-gpu", "--", sys.executable, "-c", child],
-            env=env, stdin=slave if from_terminal else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True,
-            preexec_fn=controlling_tty if from_terminal else None,
-        )
         deadline = time.time() + 30
         while not ready.exists() and time.time() < deadline and p.poll() is None:
             time.sleep(0.02)
         assert ready.exists(), p.communicate(timeout=30)
-        os.kill(p.pid, signal.SIGINT)
-        _, err = p.communicate(timeout=30)
+        if how != "timeout":
+            assert int(ready.read_text()) == p.pid  # exec: the command is the pick-gpu process
+            # while it runs, its lease holds both GPUs
+            busy = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "1")
+            assert busy.rc == 22 and "leased by another job" in busy.err, busy
+        if how == "kill_pid":
+            os.kill(p.pid, signal.SIGTERM)
+        elif how == "kill_group":
+            os.killpg(p.pid, signal.SIGTERM)
+        elif how == "sigint_group":
+            os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
     finally:
-        os.close(master)
-        os.close(slave)
-    assert p.returncode == 0, err
-    assert out.read_text() == ("0" if from_terminal else "1")
+        if p.poll() is None:
+            p.kill()
+    assert count.read_text() == "1", err
+    assert p.returncode == (124 if how == "timeout" else 0), err  # timeout(1) reports 124 when it fired
+    # the lease ended with the command: both GPUs can be picked again
+    again = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "2")
+    assert again.rc == 0, again
+
+
+def test_pick_gpu_command_exit_status_and_signal_death_are_native(fake_env):
+    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+                scenario="two_free")
+    assert r.rc == -15, r  # killed by SIGTERM, as without pick-gpu (a shell shows 143)
 
 
 def test_pick_gpu_unusable_lease_dir_is_a_clear_error(fake_env, tmp_path):
@@ -622,3 +683,28 @@ def test_python_m_ckptfix_entry_point(fake_env):
     p = subprocess.run([sys.executable, "-m", "ckptfix", "gpus"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("cuda")
+
+
+def test_pick_gpu_release_gives_back_timed_leases(fake_env):
+    a = ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "600", scenario="two_free")
+    assert a.rc == 0, a
+    assert ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="two_free").rc == 22
+    r = ckptfix(fake_env, "pick-gpu", "--release", "--json", scenario="two_free")
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert sorted(x["key"] for x in doc["leases"] if x["released"]) == sorted(a.out.strip().split(","))
+    assert ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "0", scenario="two_free").rc == 0
+    again = ckptfix(fake_env, "pick-gpu", "--release", scenario="two_free")
+    assert again.rc == 0 and again.out == "" and "nothing to release" in again.err
+    bad = ckptfix(fake_env, "pick-gpu", "--release", "-n", "2", scenario="two_free")
+    assert bad.rc == 2 and "--release takes no COMMAND" in bad.err
+
+
+def test_pick_gpu_refuses_a_world_writable_lease_dir(fake_env, tmp_path):
+    d = tmp_path / "shared-leases"
+    d.mkdir()
+    d.chmod(0o777)
+    r = ckptfix(fake_env, "pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(d))
+    assert r.rc == 9 and r.out == "", r
+    assert r.err.startswith("Error: refusing the GPU lease directory") and f"chmod 700 {d}" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and list(d.iterdir()) == []

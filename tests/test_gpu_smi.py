@@ -366,3 +366,35 @@ def test_subprocess_runner_timeout_and_missing(tmp_path):
         smi.subprocess_runner([str(tmp_path / "nope")], 1)
     with pytest.raises(GpuToolingError):
         smi._run_parallel([[str(tmp_path / "nope")]], 1)
+
+
+def test_processes_on_a_gpu_query_gpu_did_not_list_are_warned_about():
+    def runner(argv, timeout):
+        if argv[1].startswith("--query-gpu="):
+            return RunResult(0, "0, GPU-1, 00000000:01:00.0, Tesla T4, 15360, 900, 14460, 0, 30, 27.0, [N/A], 7.5, 1590, 550.54.15\n")
+        if argv[1].startswith("--query-compute-apps="):
+            return RunResult(0, "GPU-1, 11, python, 300\nGPU-2, 42, python, 600\nGPU-2, 43, python, 10\n")
+        return RunResult(0, "")
+
+    snap = smi.query(runner=runner)
+    assert snap.gpus[0].process_count == 1
+    (w,) = [w for w in snap.warnings if "did not list" in w]
+    assert "2 compute process(es) (pid 42, 43) on GPU-2" in w
+    assert snap.gpus[0].compute_cap == (7, 5) and snap.gpus[0].max_sm_clock_mhz == 1590
+
+
+def test_compute_cap_rejected_by_an_old_driver_falls_back_keeping_mig_mode():
+    seen: list[str] = []
+
+    def runner(argv, timeout):
+        seen.append(argv[1])
+        if argv[1].startswith("--query-gpu=") and "compute_cap" in argv[1]:
+            return RunResult(2, 'Field "compute_cap" is not a valid field to query.\n')
+        if argv[1].startswith("--query-gpu="):
+            return RunResult(0, "0, GPU-1, 00000000:01:00.0, A100, 40960, 0, 40536, 0, 30, 50.0, Disabled, 470.82.01\n")
+        return RunResult(0, "")
+
+    snap = smi.query(runner=runner)
+    g = snap.gpus[0]
+    assert g.mig_enabled is False and g.compute_cap is None and snap.calls == 3
+    assert "mig.mode.current" in seen[-1] and "compute_cap" not in seen[-1]

@@ -80,7 +80,7 @@ def test_parse_visible_devices(value, kind, entries):
 
 def test_parser_notes_say_what_was_dropped():
     assert parse_visible_devices("0,1,0").emptied_by_duplicate
-    assert "read as 1 (CUDA parses entries like strtoul)" in parse_visible_devices("1gpu2").notes[0]
+    assert "read as 1 (CUDA parses entries like strtoul)" in parse_visible_devices("1gpu2").read_as[0]
     assert "'-1' is negative" in parse_visible_devices("0,-1,2").notes[0]
     assert "UUID after indices" in parse_visible_devices("0,GPU-x").notes[0]
 
@@ -180,7 +180,25 @@ def test_mig_ids_current_and_legacy():
     v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c58"}, g)  # ambiguous prefix
     assert smi_indices(v) == [] and "ambiguous" in v.problems[0].message
     v = view({}, g)
-    assert [p.code for p in v.problems].count("mig_parent") == 2
+    # CVD unset: CUDA enumerates the MIG devices, never their parents; the fix names them (no `nvidia-smi -L`)
+    assert [(d.smi_index, d.mig_device.uuid if d.mig_device else None) for d in v.devices] == [
+        (0, None), (1, g[1].mig_devices[0].uuid), (2, g[2].mig_devices[0].uuid), (2, g[2].mig_devices[1].uuid), (3, None)
+    ]
+    assert [d.memory_total_mib for d in v.devices][1:4] == [20480, 5120, 5120]
+    codes = [p.code for p in v.problems]
+    assert "mig_parent" not in codes and codes.count("mig_enumeration") == 1 and not v.order_certain
+    p = next(p for p in v.problems if p.code == "mig_enumeration")
+    assert g[1].mig_devices[0].uuid in p.fix and "nvidia-smi -L" not in p.fix
+
+
+def test_mig_parent_without_instances_says_how_to_make_one():
+    from dataclasses import replace
+
+    base = gpus()
+    g = (base[0], replace(base[1], mig_enabled=True), base[2], base[3])
+    v = build_view(SmiSnapshot(gpus=g, mig_listed=True), {})
+    p = next(p for p in v.problems if p.code == "mig_parent")
+    assert "nvidia-smi -L" not in p.fix and "-cgi" in p.fix and "-mig 0" in p.fix
 
 
 def test_cuda_initialized_detection_without_importing_torch(monkeypatch):
@@ -236,7 +254,9 @@ def test_memory_placeholder_decides_the_fix():
         base[3],
     )
     fixes = [p.fix for p in view({}, g).problems if p.code == "memory_unavailable"]
-    assert "unified memory" in fixes[0]
+    assert "unified memory" not in fixes[0] and "does not report memory" in fixes[0]  # a consumer card
+    gb10 = (replace(g[0], name="NVIDIA GB10"),)
+    assert "unified memory" in next(p.fix for p in view({}, gb10).problems if p.code == "memory_unavailable")
     assert "access to the GPU's memory counters" in fixes[1]
     assert "unified memory" not in fixes[2] and "dmesg" in fixes[2]
 
@@ -258,3 +278,85 @@ def test_row_without_pci_keeps_its_listing_position():
     g = gpus()
     broken = replace(g[1], uuid=None, pci_bus_id=None, name=None, unavailable=(("pci.bus_id", "Unknown Error"),))
     assert smi_indices(view({}, (g[0], broken, g[2], g[3]))) == [0, 1, 2, 3]
+
+
+# ----------------------------------------------------------------------------- issue 12
+
+
+@pytest.mark.parametrize("cvd", ["", "-1", "1,1", "NoDevFiles", "GPU-nope", "7"])
+def test_hiding_every_gpu_is_cvd_empty_with_physical_gpus_listed(cvd):
+    v = view({"CUDA_VISIBLE_DEVICES": cvd})
+    assert v.devices == ()
+    assert "cvd_empty" in [p.code for p in v.problems], v.problems
+    doc = v.to_dict()
+    assert [p["cuda_index"] for p in doc["physical"]] == [None] * 4
+    assert [p["uuid"] for p in doc["physical"]] == list(U[:4])
+
+
+@pytest.mark.parametrize("cvd, seen", [("1gpu2,2ampere", [1, 2]), ("+1,-0", [1, 0]), ("0, 2", [0, 2])])
+def test_entries_cuda_accepts_are_not_reported_as_truncated(cvd, seen):
+    v = view({"CUDA_VISIBLE_DEVICES": cvd})
+    assert smi_indices(v) == seen
+    codes = [p.code for p in v.problems]
+    assert "cvd_truncated" not in codes and "cvd_empty" not in codes
+    assert all("remove the invalid entry" not in p.fix for p in v.problems)
+
+
+def test_physical_list_maps_cuda_indices():
+    doc = view({"CUDA_VISIBLE_DEVICES": "2,0"}).to_dict()
+    assert [p["cuda_index"] for p in doc["physical"]] == [1, None, 0, None]
+
+
+def test_pci_index_follows_pci_order_not_smi_index():
+    # nvidia-smi index order differs from PCI order (as on samples/csv_noheader_units_mixed_models_order_mismatch)
+    g = gpus(pcis=["00000000:81:00.0", "00000000:01:00.0", "00000000:41:00.0", "00000000:C1:00.0"])
+    v = view({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, g)
+    assert smi_indices(v) == [1, 2, 0, 3]
+    assert [(d.smi_index, d.pci_index) for d in v.devices] == [(1, 0), (2, 1), (0, 2), (3, 3)]
+
+
+def test_fastest_first_guess_ranks_like_cuda():
+    """A T4 and two A100s, CUDA_DEVICE_ORDER unset: the A100s (cc 8.0) come first, the T4 (7.5) last."""
+    g = gpus(names=("Tesla T4", "NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB"))
+    v = view({}, g)
+    assert smi_indices(v) == [1, 2, 0] and not v.order_certain
+    assert "order_uncertain" in [p.code for p in v.problems]
+    assert smi_indices(view({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, g)) == [0, 1, 2]
+    assert smi_indices(view({"CUDA_VISIBLE_DEVICES": "0"}, g)) == [1]  # cuda:0 is (probably) an A100
+
+
+def test_fastest_first_uses_reported_compute_cap_and_clock():
+    from dataclasses import replace
+
+    g = gpus(names=("Unknown Board X", "Unknown Board Y"))
+    g = (replace(g[0], compute_cap=(8, 6), max_sm_clock_mhz=1800), replace(g[1], compute_cap=(9, 0), max_sm_clock_mhz=1980))
+    assert smi_indices(view({}, g)) == [1, 0]
+    # same compute capability: multiprocessors x clock decides (table gives the SM counts)
+    h = gpus(names=("NVIDIA GeForce RTX 5060", "NVIDIA GeForce RTX 5060 Ti"))
+    h = (replace(h[0], compute_cap=(12, 0), max_sm_clock_mhz=3090), replace(h[1], compute_cap=(12, 0), max_sm_clock_mhz=3090))
+    assert smi_indices(view({}, h)) == [1, 0]
+
+
+def test_model_table():
+    from ckptfix.gpu.visible import model_info
+
+    assert model_info("Tesla T4") == ((7, 5), 40)
+    assert model_info("NVIDIA T1000 8GB") == ((7, 5), 14)
+    assert model_info("NVIDIA H100 PCIe") == ((9, 0), 114)
+    assert model_info("NVIDIA A10") == ((8, 6), 72) and model_info("NVIDIA A100 80GB PCIe")[0] == (8, 0)
+    assert model_info("Some Future GPU") == (None, None)
+
+
+FIX = Path(__file__).parent / "fixtures" / "nvidia-smi"
+
+
+def test_fastest_first_guess_matches_the_real_sample():
+    """samples/csv_noheader_units_mixed_models_order_mismatch.txt: CUDA (llama.cpp's log) listed the RTX 3090
+    as device 0 and the GTX 1660 SUPER (nvidia-smi 0) as device 1."""
+    text = (FIX / "samples" / "csv_noheader_units_mixed_models_order_mismatch.txt").read_text().split("\n", 1)[1]
+    from ckptfix.gpu.smi import parse_gpu_csv
+
+    parsed, _ = parse_gpu_csv(text, ("name", "memory.total", "index"))
+    v = build_view(SmiSnapshot(gpus=tuple(parsed)), {})
+    assert [d.name for d in v.devices] == ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce GTX 1660 SUPER"]
+    assert not v.order_certain

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option, table, warn
-from ckptfix.errors import NoGpuError
+from ckptfix.errors import CkptfixError, NoGpuError
 
 _TIMEOUT_HELP = "Seconds to wait for each nvidia-smi call."
 
@@ -36,13 +35,30 @@ def _short_uuid(uuid: str | None) -> str:
     return f"{head}-{rest[:8]}" if rest else uuid
 
 
-def _short_pci(pci: str | None) -> str:
+def _pci_domain(pci: str | None) -> int | None:
+    parts = (pci or "").split(":")
+    try:
+        return int(parts[0], 16) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def _short_pci(pci: str | None, with_domain: bool = False) -> str:
+    """``00000000:3A:00.0`` -> ``3a:00.0``; with ``with_domain`` (a multi-domain box) -> ``0000:3a:00.0``."""
     if not pci:
         return "-"
     parts = pci.split(":")
     if len(parts) == 3:
-        return f"{parts[1]}:{parts[2]}".lower()
+        short = f"{parts[1]}:{parts[2]}".lower()
+        dom = _pci_domain(pci)
+        return f"{dom:04x}:{short}" if with_domain and dom is not None else short
     return pci.lower()
+
+
+def _needs_domain(view: Any) -> bool:
+    return len({_pci_domain(g.pci_bus_id) for g in view.physical}) > 1 or any(
+        _pci_domain(g.pci_bus_id) for g in view.physical
+    )
 
 
 def _env_line(view: Any) -> str:
@@ -53,15 +69,33 @@ def _env_line(view: Any) -> str:
     if order is not None and order not in ("PCI_BUS_ID", "FASTEST_FIRST"):
         order_s = f"{order!r} (invalid: CUDA uses FASTEST_FIRST)"
     driver = f"  driver={view.driver_version}" if view.driver_version else ""
-    return (
-        f"env: CUDA_VISIBLE_DEVICES={cvd_s}  CUDA_DEVICE_ORDER={order_s}{driver}  "
-        f"({len(view.devices)} of {len(view.physical)} GPUs visible to CUDA)"
-    )
+    migs = sum(1 for d in view.devices if d.mig_device is not None)
+    whole = len(view.devices) - migs
+    seen = f"{whole} of {len(view.physical)} GPUs" + (f" + {migs} MIG device(s)" if migs else "")
+    return f"env: CUDA_VISIBLE_DEVICES={cvd_s}  CUDA_DEVICE_ORDER={order_s}{driver}  ({seen} visible to CUDA)"
 
 
 def render_gpus(view: Any) -> str:
     """The human table of ``ckptfix gpus`` (stdout part)."""
     mark = "" if view.order_certain else "?"
+    dom = _needs_domain(view)
+    header = ["cuda", "smi", "uuid", "pci", "name", "used/total GiB", "free GiB", "util", "procs"]
+    if not view.devices:  # CUDA sees nothing: show what is there, none of it as cuda:N
+        phys = [
+            [
+                "-",
+                str(g.index),
+                _short_uuid(g.uuid),
+                _short_pci(g.pci_bus_id, dom),
+                g.name or "-",
+                f"{_gib(g.memory_used_mib)}/{_gib(g.memory_total_mib)}",
+                _gib(g.memory_free_mib),
+                "-" if g.utilization_pct is None else f"{g.utilization_pct}%",
+                "?" if g.process_count is None else str(g.process_count),
+            ]
+            for g in view.physical
+        ]
+        return "\n".join([table(phys, header), _env_line(view), "-: not visible to CUDA in this environment"])
     rows = []
     for d in view.devices:
         if d.process_count is not None:
@@ -75,7 +109,7 @@ def render_gpus(view: Any) -> str:
                 f"cuda:{d.cuda_index}{mark}",
                 str(d.smi_index),
                 _short_uuid(d.mig_device.uuid if d.mig_device else d.uuid),
-                _short_pci(d.pci_bus_id),
+                _short_pci(d.pci_bus_id, dom),
                 d.name or "-",
                 f"{_gib(d.memory_used_mib)}/{_gib(d.memory_total_mib)}",
                 _gib(d.memory_free_mib),
@@ -83,7 +117,6 @@ def render_gpus(view: Any) -> str:
                 procs,
             ]
         )
-    header = ["cuda", "smi", "uuid", "pci", "name", "used/total GiB", "free GiB", "util", "procs"]
     out = [table(rows, header), _env_line(view)]
     if any(d.process_count == 0 and (d.hidden_used_mib or 0) > 0 for d in view.devices):
         out.append("0*: memory in use but no process visible here (a process in another container): treated as busy")
@@ -106,25 +139,28 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     also learn whether CUDA is already initialised there.
 
     \b
-    Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU (or CUDA_VISIBLE_DEVICES
-    hides all); 25 nvidia-smi failed; 26 driver not loaded; 27 driver/library
-    version mismatch.
+    Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
+    hides all (the table / --json document is still printed: every physical GPU
+    with cuda_index null, and the problem cvd_empty with its fix); 25 nvidia-smi
+    failed; 26 driver not loaded; 27 driver/library version mismatch.
     """
     from ckptfix.gpu import visible_gpus
 
     view = visible_gpus(timeout=timeout)
-    if not view.devices:
-        why = "; ".join(p.message for p in view.problems if p.code.startswith("cvd")) or "CUDA sees no GPU"
-        raise NoGpuError(
-            f"nvidia-smi sees {len(view.physical)} GPU(s) but none is visible to CUDA ({why}): "
-            "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
-        )
     if as_json:
         emit_json(view.to_dict())
-        return
-    click.echo(render_gpus(view))
-    for w in view.warnings:
-        warn(w)
+    else:
+        click.echo(render_gpus(view))
+        for w in view.warnings:
+            warn(w)
+    if not view.devices:
+        p = next((p for p in view.problems if p.code == "cvd_empty"), None)
+        fix = p.fix if p else "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
+        raise NoGpuError(
+            f"nvidia-smi sees {len(view.physical)} GPU(s) but none is visible to CUDA "
+            f"(CUDA_VISIBLE_DEVICES={view.cuda_visible_devices!r}): {fix}"
+        )
+    return None
 
 
 @cli.command(
@@ -135,14 +171,20 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
 @click.option("--min-free", metavar="SIZE", help="Minimum free memory, e.g. 10GiB, 512MiB (bare number: GiB).")
 @click.option("--max-util", type=click.IntRange(0, 100), metavar="PCT", help="Maximum GPU utilization in percent.")
 @click.option("--max-procs", type=click.IntRange(min=0), metavar="N", help="Maximum compute processes on the GPU.")
-@click.option("--export", "export", is_flag=True, help="Print `export CUDA_VISIBLE_DEVICES=...; export CUDA_DEVICE_ORDER=PCI_BUS_ID`.")
+@click.option(
+    "--export",
+    "export",
+    is_flag=True,
+    help="Print shell code for eval: exports CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER=PCI_BUS_ID and "
+    "CKPTFIX_LEASE_TOKEN; when nothing is picked it prints a failing command instead.",
+)
 @json_option
 @click.option(
     "--ids",
     type=click.Choice(["uuid", "index"]),
     default="uuid",
     show_default=True,
-    help="Identify GPUs by UUID or by nvidia-smi index (always with CUDA_DEVICE_ORDER=PCI_BUS_ID).",
+    help="Identify GPUs by UUID or by PCI-order index (always with CUDA_DEVICE_ORDER=PCI_BUS_ID).",
 )
 @click.option("--wait", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS", help="Wait up to this long for GPUs to qualify.")
 @click.option("--interval", type=click.FloatRange(min=0.01), default=10.0, show_default=True, metavar="SECONDS", help="Seconds between checks while waiting.")
@@ -151,8 +193,14 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     type=click.FloatRange(min=0),
     default=None,
     metavar="SECONDS",
-    help="Reserve the picked GPUs against other pickers for this long (default 120; 0: none). "
+    help="Reserve the picked GPUs against other pickers for this long (default 120; 0: only look). "
     "With `-- COMMAND` the lease lasts as long as the command.",
+)
+@click.option(
+    "--release",
+    is_flag=True,
+    help="Give back timed leases instead of picking: those of this shell's `eval $(pick-gpu --export)` "
+    "(CKPTFIX_LEASE_TOKEN), else all of yours.",
 )
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -167,6 +215,7 @@ def pick_gpu_cmd(
     wait: float,
     interval: float,
     lease: float | None,
+    release: bool,
     timeout: float,
     command: tuple[str, ...],
 ) -> int:
@@ -180,34 +229,76 @@ def pick_gpu_cmd(
     with no visible process (another container) counts as a process.
 
     \b
-      ckptfix pick-gpu                          # prints e.g. GPU-4e9e74b7-...
-      eval "$(ckptfix pick-gpu --export)"       # sets CUDA_VISIBLE_DEVICES + order
+      ckptfix pick-gpu --lease 0                # only look: prints e.g. GPU-4e9e74b7-...
+      eval "$(ckptfix pick-gpu --export)"       # sets CUDA_VISIBLE_DEVICES + order (lease 120 s)
+      ckptfix pick-gpu --release                # give that lease back
       ckptfix pick-gpu -n 2 --min-free 40GiB -- torchrun --nproc-per-node 2 train.py
       ckptfix pick-gpu --wait 600 --interval 10 -- python train.py
+
+    \b
+    With `-- COMMAND`, pick-gpu becomes COMMAND (exec): same PID, signals and
+    exit status are the command's own; the lease is a lock on a descriptor the
+    command inherits, so it ends when the command (and any child that kept
+    the descriptor) ends.
 
     \b
     Exit codes: 0 ok (with COMMAND: the command's exit code); 20 nvidia-smi
     missing; 21 no GPU; 22 no GPU fits; 23 --wait timed out; 25 nvidia-smi
     failed; 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
-    unusable (set CKPTFIX_LEASE_DIR).  20, 21, 26 and 27 mean "no usable NVIDIA
-    GPU": fall back to CPU.
+    unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
+    20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
-    from ckptfix.gpu import visible_gpus
-    from ckptfix.gpu.pick import DEFAULT_LEASE_SECONDS, Criteria, lease_dir, parse_size_mib, pick
+    from ckptfix.gpu.pick import LEASE_TOKEN_ENV, lease_dir
 
+    if release:
+        if command or export or n != 1 or lease is not None or min_free or max_util is not None or max_procs is not None:
+            raise click.UsageError("--release takes no COMMAND and no pick options (only --json)")
+        return _release(lease_dir(), os.environ.get(LEASE_TOKEN_ENV) or None, as_json)
     if command and (export or as_json):
         raise click.UsageError("--export/--json print the choice; they cannot be combined with a COMMAND")
     if export and as_json:
         raise click.UsageError("choose one of --export and --json")
+    if not export:
+        return _pick(n, min_free, max_util, max_procs, False, as_json, ids, wait, interval, lease, timeout, command)
+    try:
+        return _pick(n, min_free, max_util, max_procs, True, False, ids, wait, interval, lease, timeout, command)
+    except (CkptfixError, click.ClickException) as e:
+        # `eval "$(ckptfix pick-gpu --export)"` must not quietly set nothing: the eval'd code fails too
+        code = e.exit_code if isinstance(e, CkptfixError) else 2
+        msg = shlex.quote(f"ckptfix pick-gpu: nothing picked, CUDA_VISIBLE_DEVICES unchanged (exit {code})")
+        click.echo(f"echo {msg} >&2; (exit {code})")
+        raise
+
+
+def _pick(
+    n: int,
+    min_free: str | None,
+    max_util: int | None,
+    max_procs: int | None,
+    export: bool,
+    as_json: bool,
+    ids: str,
+    wait: float,
+    interval: float,
+    lease: float | None,
+    timeout: float,
+    command: tuple[str, ...],
+) -> int:
+    from ckptfix.gpu import visible_gpus
+    from ckptfix.gpu.pick import DEFAULT_LEASE_SECONDS, LEASE_TOKEN_ENV, Criteria, lease_dir, parse_size_mib, pick
+
     try:
         min_free_mib = None if min_free is None else parse_size_mib(min_free)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--min-free") from None
     criteria = Criteria(n=n, min_free_mib=min_free_mib, max_util=max_util, max_procs=max_procs)
     if command:
-        lease_seconds: float | None = None  # held by this process and the child for the child's life
+        lease_seconds: float | None = None  # held by the command for its life (the lock fd survives exec)
     else:
         lease_seconds = DEFAULT_LEASE_SECONDS if lease is None else lease
+    token = os.environ.get(LEASE_TOKEN_ENV) or None
+    if export and token is None and lease_seconds:
+        token = os.urandom(8).hex()  # marks this shell's leases as its own (take-over, --release)
     result = pick(
         lambda: visible_gpus(timeout=timeout),
         criteria,
@@ -217,6 +308,7 @@ def pick_gpu_cmd(
         interval=interval,
         by=ids,
         on_wait=info,
+        token=token,
     )
     env = result.env
     for r in result.chosen:
@@ -230,17 +322,23 @@ def pick_gpu_cmd(
             if by_index or not w.startswith("GPUs are different models"):
                 warn(w)
     if command:
-        return _run_with(command, env, [le.fd for le in result.leases if le.fd is not None])
+        return _exec_with(command, env, [le.fd for le in result.leases if le.fd is not None])
     if result.leases and lease_seconds:
         until = time.strftime("%H:%M:%S", time.localtime(result.leases[0].expires or time.time()))
-        info(f"leased until {until} (--lease {lease_seconds:g}); other pick-gpu runs skip these GPUs until then")
+        info(
+            f"leased until {until} (--lease {lease_seconds:g}); other pick-gpu runs skip these GPUs until then "
+            "(give them back with `ckptfix pick-gpu --release`)"
+        )
     if as_json:
         emit_json(result.to_dict())
     elif export:
-        click.echo(
+        line = (
             f"export CUDA_VISIBLE_DEVICES={shlex.quote(env['CUDA_VISIBLE_DEVICES'])}; "
             f"export CUDA_DEVICE_ORDER={env['CUDA_DEVICE_ORDER']}"
         )
+        if token and result.leases:
+            line += f"; export {LEASE_TOKEN_ENV}={shlex.quote(token)}"
+        click.echo(line)
     else:
         click.echo(env["CUDA_VISIBLE_DEVICES"])
         info(
@@ -249,51 +347,47 @@ def pick_gpu_cmd(
     return 0
 
 
-def _in_terminal_foreground() -> bool:
-    """True when this process's group is its terminal's foreground group (so a Ctrl-C reached the child too)."""
-    for fd in (0, 1, 2):
-        try:
-            return os.tcgetpgrp(fd) == os.getpgrp()
-        except OSError:
-            continue
-    return False
+def _release(directory: Path, token: str | None, as_json: bool) -> int:
+    from ckptfix.gpu.pick import release_leases
+
+    done = release_leases(directory, token=token)
+    if as_json:
+        emit_json({"schema": "ckptfix.pick-gpu-release/1", "token": token is not None, "leases": [r.to_dict() for r in done]})
+        return 0
+    for r in done:
+        if r.released:
+            click.echo(r.key)
+            info(f"released {r.key} ({r.why})")
+        else:
+            warn(f"{r.key} not released: {r.why}")
+    if not done:
+        scope = "taken by this shell (CKPTFIX_LEASE_TOKEN)" if token else "of yours"
+        info(f"no live timed lease {scope} in {directory}: nothing to release")
+    return 0
 
 
-def _run_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[int]) -> int:
-    """Run COMMAND with the chosen GPUs; the lease fds go to the child so the lease lives as long as it does."""
-    env = dict(os.environ)
-    env.update(env_update)
+def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[int]) -> int:
+    """Become COMMAND (``execvp``) with the chosen GPUs; the flock'ed lease fds are inherited across exec.
+
+    One process: signals reach the command exactly as they would without pick-gpu, its exit status is
+    the exit status, and the lease ends when the last holder of the descriptor (the command) exits.
+    Returns only when the exec failed (127 not found, 126 not executable).
+    """
     info(f"running: {shlex.join(command)}  (CUDA_VISIBLE_DEVICES={env_update['CUDA_VISIBLE_DEVICES']})")
-    try:
-        proc = subprocess.Popen(list(command), env=env, pass_fds=fds)
-    except FileNotFoundError:
-        click.echo(f"Error: command not found: {command[0]}", err=True)
-        return 127
-    except PermissionError:
-        click.echo(f"Error: command cannot be executed: {command[0]}", err=True)
-        return 126
-
-    def forward(signum: int, _frame: Any) -> None:
-        # Ctrl-C goes to the terminal's whole foreground process group, the child included: passing it on
-        # would deliver a second SIGINT, which can abort the child's own interrupt handling (a final save)
-        if signum == signal.SIGINT and _in_terminal_foreground():
-            return
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        while True:
-            try:
-                rc = proc.wait()
-                break
-            except KeyboardInterrupt:  # pragma: no cover - SIGINT is forwarded above
-                continue
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    os.environ.update(env_update)
+    for fd in fds:
+        os.set_inheritable(fd, True)
     sys.stdout.flush()
-    return rc if rc >= 0 else 128 - rc
+    sys.stderr.flush()
+    try:
+        os.execvp(command[0], list(command))
+    except FileNotFoundError:
+        click.echo(f"Error: command not found: {command[0]} (check the name and PATH)", err=True)
+        return 127
+    except OSError as e:
+        click.echo(f"Error: command cannot be executed: {command[0]} ({e.strerror or e})", err=True)
+        return 126
+    return 126  # pragma: no cover - execvp does not return
 
 
 @cli.command("doctor")

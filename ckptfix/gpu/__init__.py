@@ -25,7 +25,8 @@ from ckptfix.gpu.smi import (
     SmiSnapshot,
     query,
 )
-from ckptfix.gpu.visible import GpuView, Problem, VisibleGpu, build_view, cuda_initialized, parse_visible_devices
+from ckptfix.gpu.visible import (GpuView, Problem, VisibleGpu, build_view, cuda_init_route, cuda_initialized,
+                                 parse_visible_devices)
 
 if TYPE_CHECKING:
     from ckptfix.gpu.pick import PickResult
@@ -62,6 +63,7 @@ __all__ = [
     "parse_size_mib",
     "rank_gpus",
     "cuda_initialized",
+    "cuda_init_route",
     "DEFAULT_LEASE_SECONDS",
 ]
 
@@ -113,7 +115,10 @@ def pick_gpu(
     """Choose the ``n`` freest GPUs visible to this process and (by default) make them CUDA's devices.
 
     Call it before anything touches CUDA: it sets ``CUDA_VISIBLE_DEVICES`` (UUIDs)
-    and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` in ``os.environ``.
+    and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` in ``os.environ``.  "Touches CUDA" includes
+    ``torch.cuda.is_available()`` and ``device_count()`` on CUDA builds (they run ``cuInit``) and any
+    other CUDA library; every such route is detected (:func:`ckptfix.gpu.visible.cuda_init_route`)
+    and refused rather than silently ignored.
 
     Calling it again in the same process may choose GPUs this process already holds
     (``lease=True``): they are this process's, not "leased by another job", so they are
@@ -138,10 +143,10 @@ def pick_gpu(
         :class:`PickResult` with ``chosen`` (ranked, each with the reason), ``env``, ``leases``.
 
     Raises:
-        CudaAlreadyInitializedError: CUDA is already initialised here (24).
+        CudaAlreadyInitializedError: CUDA is already initialised here, by any route (24).
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27): fall back to CPU.
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
-        OutputError: the lease directory (``$CKPTFIX_LEASE_DIR``...) is unusable (9).
+        OutputError: the lease directory (``$CKPTFIX_LEASE_DIR``...) is unusable or unsafe (9).
     """
     from ckptfix.gpu.pick import Criteria, check_cuda_not_initialized, hold_for_process, lease_dir, parse_size_mib, pick
 

@@ -13,14 +13,59 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ckptfix.errors import CkptfixError
+from ckptfix.errors import CkptfixError, GpuQueryError
 from ckptfix.gpu.smi import Runner
 from ckptfix.gpu.visible import GpuView, Problem, cuda_initialized
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
-# minimum Linux driver for each CUDA major (CUDA release notes, "minor version compatibility")
-_MIN_DRIVER = {11: (450, 80), 12: (525, 60), 13: (580, 0)}
+# Minimum driver that *runs* a CUDA major release at all, through minor version compatibility (CUDA Toolkit
+# release notes, Table 2 "CUDA Toolkit and Minimum Required Driver Version for CUDA Minor Version
+# Compatibility"): below it torch's CUDA build cannot start (driver_too_old).
+_MIN_DRIVER: dict[int, tuple[int, ...]] = {11: (450, 80, 2), 12: (525, 60, 13), 13: (580, 65, 6)}
+
+# CUDA toolkit -> minimum (Linux, Windows) driver of its GA release, the driver that runs *everything* that
+# toolkit builds.  Source: NVIDIA CUDA Toolkit Release Notes, Table 3 "CUDA Toolkit and Corresponding Driver
+# Versions", https://docs.nvidia.com/cuda/cuda-toolkit-release-notes/index.html
+CUDA_DRIVER_TABLE: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "13.0": ((580, 65, 6), (580, 88)),
+    "12.9": ((575, 51, 3), (576, 2)),
+    "12.8": ((570, 26), (570, 65)),
+    "12.6": ((560, 28, 3), (560, 76)),
+    "12.5": ((555, 42, 2), (555, 85)),
+    "12.4": ((550, 54, 14), (551, 61)),
+    "12.3": ((545, 23, 6), (545, 84)),
+    "12.2": ((535, 54, 3), (536, 25)),
+    "12.1": ((530, 30, 2), (531, 14)),
+    "12.0": ((525, 60, 13), (527, 41)),
+    "11.8": ((520, 61, 5), (520, 6)),
+    "11.7": ((515, 43, 4), (516, 1)),
+    "11.6": ((510, 39, 1), (511, 23)),
+    "11.5": ((495, 29, 5), (496, 4)),
+    "11.4": ((470, 42, 1), (471, 11)),
+    "11.3": ((465, 19, 1), (465, 89)),
+    "11.2": ((460, 27, 3), (460, 82)),
+    "11.1": ((455, 23), (456, 38)),
+    "11.0": ((450, 36, 6), (451, 22)),
+    "10.2": ((440, 33), (441, 22)),
+    "10.1": ((418, 39), (418, 96)),
+}
+
+# The CUDA builds published for each torch minor release (https://pytorch.org/get-started/previous-versions,
+# checked for 2.4-2.9).  A newer release than the table knows is assumed to ship the newest row's builds: an
+# assumption, so the recommendation says so.
+TORCH_CUDA_BUILDS: dict[tuple[int, int], tuple[str, ...]] = {
+    (2, 0): ("cu117", "cu118"),
+    (2, 1): ("cu118", "cu121"),
+    (2, 2): ("cu118", "cu121"),
+    (2, 3): ("cu118", "cu121"),
+    (2, 4): ("cu118", "cu121", "cu124"),
+    (2, 5): ("cu118", "cu121", "cu124"),
+    (2, 6): ("cu118", "cu124", "cu126"),
+    (2, 7): ("cu118", "cu126", "cu128"),
+    (2, 8): ("cu126", "cu128", "cu129"),
+    (2, 9): ("cu126", "cu128", "cu130"),
+}
 
 
 @dataclass
@@ -74,48 +119,166 @@ def _safe(fn: Any) -> Any:
         return None
 
 
-def _driver_tuple(v: str | None) -> tuple[int, int] | None:
+def _version(v: str | None) -> tuple[int, ...] | None:
     if not v:
         return None
-    parts = v.split(".")
     try:
-        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+        return tuple(int(x) for x in v.strip().split("+")[0].split(".") if x != "")
     except ValueError:
         return None
 
 
+def _fmt(v: tuple[int, ...]) -> str:
+    return ".".join([str(v[0])] + [f"{x:02d}" for x in v[1:]])
+
+
+def recommend_cuda_build(torch_version: str | None, driver: str | None, *, windows: bool = False) -> dict[str, Any]:
+    """The newest CUDA build of the installed torch release that this driver runs, or the upgrade it needs.
+
+    Args:
+        torch_version: e.g. ``"2.6.0+cpu"``.
+        driver: nvidia-smi's ``driver_version``, e.g. ``"470.82.01"``.
+        windows: compare with the Windows column of the driver table.
+
+    Returns:
+        ``{"torch": "2.6", "builds": [...], "assumed": bool, "build": "cu124" | None,
+        "command": "pip install ...", "upgrade_to": "560.28.03" | None}``.
+    """
+    tv = _version(torch_version) or (0, 0)
+    key = (tv[0], tv[1] if len(tv) > 1 else 0)
+    assumed = key not in TORCH_CUDA_BUILDS
+    if assumed:
+        known = sorted(TORCH_CUDA_BUILDS)
+        key_used = known[-1] if key > known[-1] else next((k for k in reversed(known) if k <= key), known[0])
+    else:
+        key_used = key
+    builds = TORCH_CUDA_BUILDS[key_used]
+    drv = _version(driver)
+    col = 1 if windows else 0
+
+    def need(b: str) -> tuple[int, ...]:
+        cuda = f"{b[2:-1]}.{b[-1]}"
+        return CUDA_DRIVER_TABLE[cuda][col]
+
+    def compat(b: str) -> tuple[int, ...]:  # minor version compatibility (Table 2): runs, without PTX JIT
+        major = int(b[2:-1])
+        return _MIN_DRIVER.get(major, need(b)) if not windows else need(b)
+
+    ok = [b for b in builds if drv is not None and drv >= need(b)]
+    ok_compat = [b for b in builds if drv is not None and drv >= compat(b)]
+    pin = f"torch=={tv[0]}.{tv[1]}.{tv[2]}" if len(tv) >= 3 else "torch"
+    out: dict[str, Any] = {
+        "torch": f"{key[0]}.{key[1]}",
+        "builds": list(builds),
+        "assumed": assumed,
+        "build": None,
+        "command": None,
+        "minor_version_compatibility": False,
+        "upgrade_to": None,
+        "upgrade_to_at_least": None,
+    }
+    best = ok[-1] if ok else (ok_compat[0] if ok_compat else None)
+    if best is not None:
+        out["build"] = best
+        out["command"] = f"pip install {pin} --index-url https://download.pytorch.org/whl/{best}"
+        out["minor_version_compatibility"] = not ok
+        if not ok:
+            out["upgrade_to"] = _fmt(need(best))
+    else:
+        out["upgrade_to"] = _fmt(need(builds[0]))
+        out["upgrade_to_at_least"] = _fmt(compat(builds[0]))
+    return out
+
+
+def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
+    note = (
+        f" (torch {rec['torch']} is newer than ckptfix's table: assumed to ship {', '.join(rec['builds'])})"
+        if rec["assumed"]
+        else ""
+    )
+    if rec["command"] and rec["minor_version_compatibility"]:
+        return (
+            f"{rec['command']} (driver {driver} is below that CUDA's own {rec['upgrade_to']} but runs it through "
+            f"CUDA minor version compatibility, without PTX JIT; upgrading the driver to >= {rec['upgrade_to']} "
+            f"is better){note}"
+        )
+    if rec["command"]:
+        return f"{rec['command']} (the newest CUDA build of torch {rec['torch']} that driver {driver} runs){note}"
+    return (
+        f"upgrade the NVIDIA driver first, to >= {rec['upgrade_to']} (at the very least {rec['upgrade_to_at_least']}): "
+        f"driver {driver} runs none of torch {rec['torch']}'s CUDA builds ({', '.join(rec['builds'])}); then "
+        f"install one, e.g. pip install torch --index-url https://download.pytorch.org/whl/{rec['builds'][0]}{note}"
+    )
+
+
 def diagnose(
-    torch: Mapping[str, Any], view: GpuView | None, gpu_error: str | None, env: Mapping[str, str]
+    torch: Mapping[str, Any],
+    view: GpuView | None,
+    gpu_error: str | None,
+    env: Mapping[str, str],
+    *,
+    gpu_error_kind: str = "no_gpu",
+    windows: bool = False,
 ) -> list[Problem]:
-    """Problems with fixes, from facts gathered elsewhere (pure)."""
+    """Problems with fixes, from facts gathered elsewhere (pure).
+
+    Args:
+        torch: :func:`torch_info`'s answer.
+        view: the GPU view, ``None`` when nvidia-smi failed.
+        gpu_error: why it failed (the error text).
+        env: the environment.
+        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
+            or hung: the GPUs are there but in trouble).
+        windows: use the Windows driver minimums.
+
+    Returns:
+        The problems, each with its fix.
+    """
     problems: list[Problem] = []
     has_gpu = view is not None and len(view.physical) > 0
     if not torch.get("installed"):
         problems.append(Problem("torch_missing", f"torch cannot be imported ({torch.get('error')})", "pip install torch"))
-    elif has_gpu and not torch.get("cuda"):
+    elif has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
+        assert view is not None
+        rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
         problems.append(
             Problem(
                 "cpu_only_torch",
                 f"this machine has NVIDIA GPUs but torch {torch.get('version')} is a CPU-only build "
                 "(torch.version.cuda is None)",
-                "install a CUDA build, e.g. pip install torch --index-url https://download.pytorch.org/whl/cu126",
+                _recommendation_text(rec, view.driver_version),
             )
         )
     if view is not None and torch.get("cuda") and view.driver_version:
-        major = _driver_tuple(torch["cuda"])
-        drv = _driver_tuple(view.driver_version)
+        major = _version(torch["cuda"])
+        drv = _version(view.driver_version)
         need = _MIN_DRIVER.get(major[0]) if major else None
         if need and drv and drv < need:
+            rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
             problems.append(
                 Problem(
                     "driver_too_old",
-                    f"torch is built for CUDA {torch['cuda']} which needs driver >= {need[0]}.{need[1]:02d}, "
+                    f"torch is built for CUDA {torch['cuda']} which needs driver >= {_fmt(need)}, "
                     f"this machine has {view.driver_version}",
-                    "upgrade the NVIDIA driver, or install a torch built for an older CUDA",
+                    _recommendation_text(rec, view.driver_version),
                 )
             )
     if gpu_error:
-        problems.append(Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU"))
+        if gpu_error_kind == "query":
+            hung = "did not answer" in gpu_error
+            problems.append(
+                Problem(
+                    "nvidia_smi_hung" if hung else "nvidia_smi_failed",
+                    gpu_error,
+                    "a hung nvidia-smi usually means a GPU or the driver is stuck: look for Xid errors in "
+                    "`dmesg`; stop the processes using the GPU, then reset it (`nvidia-smi -r -i N`) or reboot; "
+                    "CUDA programs will likely hang too until then"
+                    if hung
+                    else "run `nvidia-smi` to see the full error; check `dmesg` for Xid errors",
+                )
+            )
+        else:
+            problems.append(Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU"))
     if view is not None:
         problems.extend(view.problems)
     local_rank = env.get("LOCAL_RANK")
@@ -130,6 +293,18 @@ def diagnose(
                     "CUDA_VISIBLE_DEVICES",
                 )
             )
+    ws, lr, rk = env.get("WORLD_SIZE"), env.get("LOCAL_RANK"), env.get("RANK")
+    if ws is not None and ws.isdigit():
+        for name, val in (("LOCAL_RANK", lr), ("RANK", rk)):
+            if val is not None and val.isdigit() and int(val) >= int(ws):
+                problems.append(
+                    Problem(
+                        f"{name.lower()}_out_of_range",
+                        f"{name}={val} but WORLD_SIZE={ws}: ranks run from 0 to {int(ws) - 1}",
+                        "launch with torchrun (it sets RANK, LOCAL_RANK and WORLD_SIZE consistently), or fix the "
+                        "exported values",
+                    )
+                )
     if env.get("WORLD_SIZE") and not env.get("MASTER_ADDR") and env.get("WORLD_SIZE") != "1":
         problems.append(
             Problem(
@@ -161,6 +336,7 @@ def doctor_report(
     except Exception:  # pragma: no cover
         pass
     in_process_cuda = cuda_initialized()
+    gpu_error_kind = "no_gpu"
     tinfo = torch_info()
     view: GpuView | None = None
     gpu_error: str | None = None
@@ -168,12 +344,15 @@ def doctor_report(
         wants_mig = (env.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
         snap = query(runner=runner, timeout=timeout, mig=wants_mig, env=dict(env))
         view = build_view(snap, env, cuda_is_initialized=in_process_cuda)
+    except GpuQueryError as e:
+        gpu_error = f"{e} (exit code {e.exit_code})"
+        gpu_error_kind = "query"
     except CkptfixError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
     environment = {k: env.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")}
     dist = {k: env[k] for k in DIST_VARS if k in env}
     dist.update({k: v for k, v in sorted(env.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
-    problems = diagnose(tinfo, view, gpu_error, env)
+    problems = diagnose(tinfo, view, gpu_error, env, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
     return DoctorReport(
         python=python,
         torch=tinfo,

@@ -10,7 +10,10 @@ then process count, then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
 Leases: one file per GPU UUID in the lease directory (``$CKPTFIX_LEASE_DIR``,
-else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``/tmp/ckptfix-leases-<uid>``).
+else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``$TMPDIR/ckptfix-leases-<uid>``, else
+``/tmp/ckptfix-leases-<uid>``), created 0700 and refused when another user owns it or can
+write to it; lease files are opened ``O_NOFOLLOW | O_CLOEXEC`` relative to the checked
+directory and only rewritten once locked and known to hold a lease record.
 A picker takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on the file; a GPU whose file is
 locked by someone else is leased.  A lease either *holds* the lock (for the life
 of a command run under ``pick-gpu --``, or of the Python process that called
@@ -29,6 +32,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,19 +218,124 @@ def rank_gpus(
 
 # ----------------------------------------------------------------------------- leases
 
+LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
+_LEASE_SCHEMA = "ckptfix.lease/1"
+
 
 def lease_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where GPU leases live: ``$CKPTFIX_LEASE_DIR``, else ``$XDG_RUNTIME_DIR/ckptfix-leases`` (when that
+    directory exists), else ``$TMPDIR/ckptfix-leases-<uid>``, else ``/tmp/ckptfix-leases-<uid>``.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The directory (not created or checked here: :func:`try_lease` does both).
+    """
     env = os.environ if env is None else env
     if env.get("CKPTFIX_LEASE_DIR"):
         return Path(env["CKPTFIX_LEASE_DIR"])
     if env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
         return Path(env["XDG_RUNTIME_DIR"]) / "ckptfix-leases"
-    return Path(f"/tmp/ckptfix-leases-{os.getuid()}")
+    tmp = env.get("TMPDIR")
+    base = tmp if tmp and os.path.isabs(tmp) and os.path.isdir(tmp) else "/tmp"
+    return Path(base) / f"ckptfix-leases-{os.getuid()}"
+
+
+def _lease_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", key) + ".lease"
 
 
 def _lease_file(directory: Path, key: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", key)
-    return directory / f"{safe}.lease"
+    return directory / _lease_name(key)
+
+
+def _unsafe_dir(directory: Path, why: str) -> OutputError:
+    return OutputError(
+        f"refusing the GPU lease directory {directory}: {why}; another user could plant files in it. Fix: "
+        f"`chmod 700 {directory}` if it is yours, else remove it (or set CKPTFIX_LEASE_DIR to a directory only "
+        "you can write)"
+    )
+
+
+def open_lease_dir(directory: Path) -> int:
+    """Create ``directory`` (mode 0700) if missing, check it like ssh checks ``~/.ssh``, and open it.
+
+    Refused: a directory (or a symlink to one) not owned by the current user, and one that is group- or
+    world-writable.  Lease files are then opened relative to the returned descriptor, so a directory
+    swapped after the check is never used.
+
+    Args:
+        directory: the lease directory (see :func:`lease_dir`).
+
+    Returns:
+        An ``O_DIRECTORY | O_CLOEXEC`` descriptor; the caller closes it.
+
+    Raises:
+        OutputError: the directory cannot be created or opened, or is unsafe (exit code 9).
+    """
+    uid = os.getuid()
+    try:
+        if not os.path.lexists(directory):
+            if not directory.parent.is_dir():
+                os.makedirs(directory.parent, mode=0o700, exist_ok=True)
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                pass  # a concurrent picker made it: checked below like any other
+        lst = os.lstat(directory)
+        if os.path.islink(directory) and lst.st_uid != uid:
+            raise _unsafe_dir(directory, f"it is a symlink owned by uid {lst.st_uid}, not you (uid {uid})")
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OutputError:
+        raise
+    except OSError as e:
+        raise _lease_dir_error(directory, e) from None
+    st = os.fstat(fd)
+    problem = None
+    if st.st_uid != uid:
+        problem = f"it is owned by uid {st.st_uid}, not you (uid {uid})"
+    elif st.st_mode & 0o022:
+        problem = f"it is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem:
+        os.close(fd)
+        raise _unsafe_dir(directory, problem)
+    return fd
+
+
+def _open_lease_file(dfd: int, directory: Path, key: str) -> tuple[int, bool]:
+    """Open (or create) the lease file of ``key`` without following links; ``(fd, created)``."""
+    name = _lease_name(key)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    created = False
+    try:
+        try:
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
+            created = True
+        except FileExistsError:
+            fd = os.open(name, flags, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OutputError(
+                f"GPU lease file {directory / name} is a symlink, which ckptfix never follows (someone planted "
+                f"it): remove it (`rm {directory / name}`) and check who can write to {directory}"
+            ) from None
+        raise _lease_dir_error(directory, e) from None
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "is not a regular file"
+    elif st.st_uid != os.getuid():
+        why = f"is owned by uid {st.st_uid}, not you"
+    elif st.st_nlink != 1:
+        why = f"has {st.st_nlink} hard links (a link to another file?)"
+    if why:
+        os.close(fd)
+        raise OutputError(
+            f"GPU lease file {directory / name} {why}: ckptfix will not write to it; remove it and check who "
+            f"can write to {directory}"
+        )
+    return fd, created
 
 
 @dataclass
@@ -237,8 +346,10 @@ class Lease:
     path: Path
     fd: int | None
     expires: float | None
+    token: str | None = None
 
     def release(self) -> None:
+        """Give the lease back now (a held lease: empty the file and drop the lock)."""
         if self.fd is not None:
             try:
                 os.ftruncate(self.fd, 0)
@@ -251,17 +362,25 @@ class Lease:
         return {"key": self.key, "path": str(self.path), "held": self.fd is not None, "expires": self.expires}
 
 
-def _read_info(fd: int) -> dict[str, Any]:
+def _read_info(fd: int) -> dict[str, Any] | None:
+    """The lease record in ``fd``: ``{}`` for an empty file, ``None`` for something that is not a lease."""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        data = os.read(fd, 4096)
-        info = json.loads(data.decode() or "{}")
-        return info if isinstance(info, dict) else {}
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = os.read(fd, 4097)
+    except OSError:
+        return None
+    if not data.strip():
         return {}
+    try:
+        info = json.loads(data.decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) and "key" in info and "pid" in info else None
 
 
-def _describe(info: dict[str, Any]) -> str:
+def _describe(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return "a file that is not a ckptfix lease"
     who = f"pid {info.get('pid', '?')}"
     if info.get("pid") == os.getpid():
         who = f"this process, {who}"
@@ -273,18 +392,48 @@ def _describe(info: dict[str, Any]) -> str:
     return who
 
 
-def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | None = None) -> tuple[Lease | None, str]:
-    """Try to lease GPU ``key``.  ``seconds=None``: hold the lock (returned fd open);
+def _not_a_lease(path: Path) -> OutputError:
+    return OutputError(
+        f"{path} is not a ckptfix lease file (it holds something else), so ckptfix will not overwrite it: move it "
+        "away if it is yours, or set CKPTFIX_LEASE_DIR to a directory of your own"
+    )
+
+
+def try_lease(
+    directory: Path,
+    key: str,
+    seconds: float | None,
+    *,
+    now: float | None = None,
+    token: str | None = None,
+) -> tuple[Lease | None, str]:
+    """Try to lease GPU ``key``.  ``seconds=None``: hold the lock (returned fd open, close-on-exec);
     ``seconds>0``: write an expiry and let go of the lock; ``seconds==0``: only check.
 
-    Returns ``(lease, "")`` or ``(None, who_holds_it)``.
+    A timed lease whose record carries the same non-empty ``token`` (``$CKPTFIX_LEASE_TOKEN``, exported by
+    ``pick-gpu --export``) is the caller's own and is taken over.  Lease files are opened with
+    ``O_NOFOLLOW | O_CLOEXEC``, created with ``O_EXCL``, and an existing file is only rewritten once it is
+    locked and holds a ckptfix lease record.
+
+    Args:
+        directory: lease directory (created 0700; refused if another user owns it or can write to it).
+        key: the GPU id (UUID or MIG UUID).
+        seconds: lease length, see above.
+        now: the time to compare expiries with (tests).
+        token: the caller's lease token, if any.
+
+    Returns:
+        ``(lease, "")`` or ``(None, who_holds_it)``.
+
+    Raises:
+        OutputError: the directory or the lease file is unusable or unsafe (exit code 9).
     """
     path = _lease_file(directory, key)
+    dfd = open_lease_dir(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as e:
-        raise _lease_dir_error(directory, e) from None
+        fd, _created = _open_lease_file(dfd, directory, key)
+    finally:
+        os.close(dfd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -294,23 +443,107 @@ def try_lease(directory: Path, key: str, seconds: float | None, *, now: float | 
             return None, _describe(info) + " (running)"
         raise _lease_dir_error(directory, e) from None
     now = time.time() if now is None else now
-    info = _read_info(fd)
+    info = _read_info(fd)  # also when we created it: another picker may have locked, written and let go first
+    if info is None:
+        os.close(fd)
+        raise _not_a_lease(path)
     exp = info.get("expires")
-    if isinstance(exp, (int, float)) and exp > now and info.get("pid") != os.getpid():
+    own = info.get("pid") == os.getpid() or (token is not None and token != "" and info.get("token") == token)
+    if isinstance(exp, (int, float)) and exp > now and not own:
         os.close(fd)
         return None, _describe(info)
     if seconds == 0:
         os.close(fd)
-        return Lease(key, path, None, None), ""
+        return Lease(key, path, None, None, token), ""
     expires = None if seconds is None else now + seconds
-    record = {"key": key, "pid": os.getpid(), "host": os.uname().nodename, "created": now, "expires": expires}
-    os.ftruncate(fd, 0)
+    record = {
+        "schema": _LEASE_SCHEMA,
+        "key": key,
+        "pid": os.getpid(),
+        "host": os.uname().nodename,
+        "created": now,
+        "expires": expires,
+        "token": token,
+    }
+    os.ftruncate(fd, 0)  # locked, and ours: a new file or a ckptfix lease record
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(record).encode())
     if seconds is None:
-        return Lease(key, path, fd, None), ""
+        return Lease(key, path, fd, None, token), ""
     os.close(fd)  # the expiry in the file is the lease now
-    return Lease(key, path, None, expires), ""
+    return Lease(key, path, None, expires, token), ""
+
+
+@dataclass(frozen=True)
+class Released:
+    """One lease :func:`release_leases` looked at."""
+
+    key: str
+    released: bool
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "released": self.released, "why": self.why}
+
+
+def release_leases(directory: Path, *, token: str | None = None, now: float | None = None) -> list[Released]:
+    """Give back timed leases (``pick-gpu --release``).
+
+    With ``token`` only the leases taken with that token (this shell's ``pick-gpu --export``); without,
+    every unexpired timed lease in ``directory`` (all of them are the current user's).  A lease held by a
+    running command (locked) is never touched: it ends when the command does.
+
+    Args:
+        directory: the lease directory.
+        token: only release leases carrying this token.
+        now: the time (tests).
+
+    Returns:
+        One :class:`Released` per live lease found, released or not (and why).
+
+    Raises:
+        OutputError: the directory is unsafe or unusable (exit code 9).
+    """
+    now = time.time() if now is None else now
+    if not os.path.lexists(directory):
+        return []
+    dfd = open_lease_dir(directory)
+    out: list[Released] = []
+    try:
+        for name in sorted(os.listdir(dfd)):
+            if not name.endswith(".lease"):
+                continue
+            try:
+                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    info = _read_info(fd) or {}
+                    if not token or info.get("token") == token:
+                        key = str(info.get("key", name[:-6]))
+                        out.append(Released(key, False, f"held by a running command ({_describe(info)}): stop it"))
+                    continue
+                info = _read_info(fd)
+                if not info:
+                    continue
+                exp = info.get("expires")
+                if not isinstance(exp, (int, float)) or exp <= now:
+                    continue
+                if token and info.get("token") != token:
+                    continue
+                os.ftruncate(fd, 0)
+                out.append(Released(str(info.get("key")), True, f"was leased until {_describe(info)}"))
+            finally:
+                os.close(fd)
+    finally:
+        os.close(dfd)
+    return out
 
 
 def _held_lease(path: Path) -> Lease | None:
@@ -362,11 +595,15 @@ class PickResult:
 def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str, str]:
     """The environment that makes CUDA see exactly ``chosen``, in that order.
 
-    ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: nvidia-smi
-    indices, correct only together with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (always set).
+    ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
+    numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
+    index where nvidia-smi lists GPUs in another order.
     """
     if by == "index" or any(not g.uuid for g in chosen):
-        ids = [g.mig_device.uuid if g.mig_device else str(g.smi_index) for g in chosen]
+        ids = [
+            g.mig_device.uuid if g.mig_device else str(g.smi_index if g.pci_index is None else g.pci_index)
+            for g in chosen
+        ]
     else:
         ids = [g.id for g in chosen]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -379,12 +616,13 @@ def choose_and_lease(
     lease_seconds: float | None,
     directory: Path | None,
     by: str = "uuid",
+    token: str | None = None,
 ) -> PickResult:
     """Rank, then lease the best ``criteria.n`` GPUs not leased by others.
 
     If fewer than ``n`` qualify, nothing stays leased and the result has fewer
     than ``n`` chosen (``rejected`` says why the others failed).  ``directory=None``
-    disables leases.
+    disables leases; ``token`` makes timed leases carrying it the caller's own (see :func:`try_lease`).
     """
     ranked, rejected = rank_gpus(view.devices, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
@@ -398,7 +636,7 @@ def choose_and_lease(
         if mine is not None:  # an earlier pick_gpu() in this process holds it: ours to use again
             got.append((r, mine))
             continue
-        lease, holder = try_lease(directory, r.gpu.id, lease_seconds)
+        lease, holder = try_lease(directory, r.gpu.id, lease_seconds, token=token)
         if lease is None:
             if holder.startswith("this process, "):  # e.g. a Lease the caller took with try_lease()
                 rejected.append(Rejected(r.gpu, f"already leased by this process ({holder[14:]})"))
@@ -428,7 +666,7 @@ def _undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
         lease.release()
         return
     try:
-        fd = os.open(lease.path, os.O_RDWR)
+        fd = os.open(lease.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return
     try:
@@ -441,7 +679,8 @@ def _undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
                 if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) or time.monotonic() >= deadline:
                     return  # it expires on its own
                 time.sleep(0.005)
-        if _read_info(fd).get("pid") == os.getpid():
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and (_read_info(fd) or {}).get("pid") == os.getpid():
             os.ftruncate(fd, 0)
     except OSError:
         pass
@@ -467,6 +706,7 @@ def pick(
     interval: float = 10.0,
     by: str = "uuid",
     on_wait: Callable[[str], None] | None = None,
+    token: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> PickResult:
@@ -495,7 +735,7 @@ def pick(
                 f"asked for {criteria.n} GPU(s) but only {len(view.devices)} are visible to this process: "
                 "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
             )
-        result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by)
+        result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by, token=token)
         if len(result.chosen) >= criteria.n:
             result.waited_s = clock() - start
             return result
@@ -523,10 +763,17 @@ def hold_for_process(leases: Sequence[Lease]) -> None:
 
 
 def check_cuda_not_initialized() -> None:
-    from ckptfix.gpu.visible import cuda_initialized
+    """Raise if CUDA is already initialised here (then ``CUDA_VISIBLE_DEVICES`` can no longer take effect).
 
-    if cuda_initialized():
+    Raises:
+        CudaAlreadyInitializedError: with the route that initialised it and the fix (exit code 24).
+    """
+    from ckptfix.gpu.visible import cuda_init_route
+
+    route = cuda_init_route()
+    if route is not None:
         raise CudaAlreadyInitializedError(
-            "CUDA is already initialised in this process, so setting CUDA_VISIBLE_DEVICES now has no effect: "
-            "call pick_gpu() before any torch.cuda call, or run `ckptfix pick-gpu -- python ...` instead"
+            f"CUDA is already initialised in this process ({route}), so setting CUDA_VISIBLE_DEVICES now has no "
+            "effect: call pick_gpu() before any torch.cuda call (torch.cuda.is_available() included), or run "
+            "`ckptfix pick-gpu -- python ...` instead"
         )

@@ -30,6 +30,8 @@ from ckptfix.errors import (CkptfixError, DriverMismatchError, DriverNotLoadedEr
 
 __all__ = [
     "GPU_FIELDS",
+    "MID_GPU_FIELDS",
+    "BASIC_GPU_FIELDS",
     "APP_FIELDS",
     "DriverNotLoadedError",
     "DriverMismatchError",
@@ -64,12 +66,15 @@ BASIC_GPU_FIELDS: tuple[str, ...] = (
     "utilization.gpu",
     "driver_version",
 )
-GPU_FIELDS: tuple[str, ...] = BASIC_GPU_FIELDS[:-1] + (
+MID_GPU_FIELDS: tuple[str, ...] = BASIC_GPU_FIELDS[:-1] + (
     "temperature.gpu",
     "power.draw",
     "mig.mode.current",
     "driver_version",
 )
+# compute_cap (R510+) and clocks.max.sm rank devices the way CUDA's FASTEST_FIRST does; a driver that rejects
+# a field ("... is not a valid field to query") is asked again with MID_GPU_FIELDS, then BASIC_GPU_FIELDS
+GPU_FIELDS: tuple[str, ...] = MID_GPU_FIELDS[:-1] + ("compute_cap", "clocks.max.sm", "driver_version")
 APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "process_name", "used_memory")
 
 # header spellings -> canonical field names
@@ -89,6 +94,7 @@ _KNOWN_HEADER_WORDS = set(GPU_FIELDS) | set(APP_FIELDS) | set(_ALIASES) | {
     "temperature.memory",
     "power.limit",
     "clocks.max.sm",
+    "compute_cap",
     "fan.speed",
     "pid",
     "process_name",
@@ -149,6 +155,8 @@ class SmiGpu:
     power_w: float | None = None
     mig_enabled: bool | None = None
     driver_version: str | None = None
+    compute_cap: tuple[int, int] | None = None  # e.g. (9, 0); None: not reported (driver < R510) or N/A
+    max_sm_clock_mhz: int | None = None
     unavailable: tuple[tuple[str, str], ...] = ()  # (field, placeholder text) pairs
     processes: tuple[GpuProcess, ...] | None = None  # None: not queried
     mig_devices: tuple[MigDevice, ...] = ()
@@ -177,6 +185,8 @@ class SmiGpu:
             "power_w": self.power_w,
             "mig_enabled": self.mig_enabled,
             "driver_version": self.driver_version,
+            "compute_cap": None if self.compute_cap is None else f"{self.compute_cap[0]}.{self.compute_cap[1]}",
+            "max_sm_clock_mhz": self.max_sm_clock_mhz,
             "unavailable": dict(self.unavailable),
             "processes": None if self.processes is None else [p.to_dict() for p in self.processes],
             "mig_devices": [m.to_dict() for m in self.mig_devices],
@@ -369,10 +379,17 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
                 power_w=parse_number(values.get("power.draw")),
                 mig_enabled=None if mig is None else mig.strip().lower() == "enabled",
                 driver_version=values.get("driver_version"),
+                compute_cap=_compute_cap(values.get("compute_cap")),
+                max_sm_clock_mhz=_as_int(values.get("clocks.max.sm")),
                 unavailable=tuple(unavailable),
             )
         )
     return gpus, warnings
+
+
+def _compute_cap(text: str | None) -> tuple[int, int] | None:
+    m = re.match(r"^\s*(\d+)\.(\d+)\s*$", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[GpuProcess], list[str]]:
@@ -626,8 +643,12 @@ def query(
     # the process list is optional: if it hangs or fails, process counts become unknown (a warning)
     results = run_many(cmds, frozenset({1}) if processes else frozenset())
     gres = results[0]
-    if gres.returncode != 0 and "not a valid field" in (gres.stdout + gres.stderr).lower():
-        fields = BASIC_GPU_FIELDS  # an old driver that does not know mig.mode.current
+    while fields != BASIC_GPU_FIELDS and gres.returncode != 0:
+        said = (gres.stdout + gres.stderr).lower()
+        if "not a valid field" not in said:
+            break
+        # an older driver: without compute_cap (< R510) and maybe without mig.mode.current (named first if so)
+        fields = MID_GPU_FIELDS if fields == GPU_FIELDS and "mig.mode.current" not in said else BASIC_GPU_FIELDS
         gres = run_many([_gpu_argv(smi, fields)])[0]
     gpus, junk = parse_gpu_csv(gres.stdout, fields)
     if not gpus:
@@ -676,6 +697,15 @@ def query(
         for m in migs:
             mig_devices.setdefault(m.parent_uuid or "", []).append(m)
 
+    listed = {g.uuid for g in gpus if g.uuid}
+    for u, plist in sorted(by_uuid.items()):
+        if u not in listed:
+            pids = ", ".join(str(p.pid) for p in plist[:5]) + (", ..." if len(plist) > 5 else "")
+            warnings.append(
+                f"nvidia-smi lists {len(plist)} compute process(es) (pid {pids}) on {u or 'a GPU without UUID'}, "
+                "which --query-gpu did not list (a GPU it could not read?): they are not counted; check "
+                "`nvidia-smi` and `dmesg`"
+            )
     out: list[SmiGpu] = []
     for g in gpus:
         procs_here: tuple[GpuProcess, ...] | None = None

@@ -22,6 +22,8 @@ compares the exact string: any other value (``pci_bus_id``, a typo) means
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
@@ -36,9 +38,15 @@ __all__ = [
     "parse_visible_devices",
     "strtoul_prefix",
     "cuda_initialized",
+    "cuda_init_route",
     "enumeration_order",
     "build_view",
     "pci_sort_key",
+    "pci_order",
+    "speed_key",
+    "model_info",
+    "mig_size_mib",
+    "is_unified_memory",
 ]
 
 Kind = Literal["all", "none", "index", "uuid", "mig"]
@@ -54,6 +62,7 @@ class VisibleSpec:
     notes: tuple[str, ...] = ()  # what the parser dropped and why
     emptied_by_duplicate: bool = False
     stopped_at: str | None = None  # the entry that stopped the list, if any
+    read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
 
 
 @dataclass(frozen=True)
@@ -126,6 +135,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
         return VisibleSpec(value, "none", (), ("CUDA_VISIBLE_DEVICES is set but empty: CUDA sees no GPU",))
     ints: list[int] = []
     notes: list[str] = []
+    read_as: list[str] = []
     for elem in value.split(","):
         x = strtoul_prefix(elem.strip())
         if x is not None and x >= 0 and x in ints:
@@ -141,11 +151,11 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
             if elem.strip().startswith(("GPU-", "MIG-")):
                 why = "a UUID after indices (CUDA does not mix the two)"
             notes.append(f"entry {elem!r} is {why}: CUDA ignores it and everything after it")
-            return VisibleSpec(value, "index", tuple(ints), tuple(notes), stopped_at=elem)
-        if not elem.strip().lstrip("+").isdigit():
-            notes.append(f"entry {elem!r} is read as {x} (CUDA parses entries like strtoul)")
+            return VisibleSpec(value, "index", tuple(ints), tuple(notes), stopped_at=elem, read_as=tuple(read_as))
+        if not elem.strip().isdigit():
+            read_as.append(f"entry {elem!r} is read as {x} (CUDA parses entries like strtoul)")
         ints.append(x)
-    return VisibleSpec(value, "index", tuple(ints), tuple(notes))
+    return VisibleSpec(value, "index", tuple(ints), tuple(notes), read_as=tuple(read_as))
 
 
 # ----------------------------------------------------------------------------- records
@@ -171,6 +181,7 @@ class VisibleGpu:
     mig_device: MigDevice | None = None  # set when CUDA_VISIBLE_DEVICES names a MIG device
     unavailable: tuple[tuple[str, str], ...] = ()
     hidden_used_mib: int | None = None  # used memory not explained by visible processes
+    pci_index: int | None = None  # position in PCI bus order: the index meant with CUDA_DEVICE_ORDER=PCI_BUS_ID
 
     @property
     def id(self) -> str:
@@ -184,6 +195,7 @@ class VisibleGpu:
             "cuda_index": self.cuda_index,
             "device": f"cuda:{self.cuda_index}",
             "smi_index": self.smi_index,
+            "pci_index": self.pci_index,
             "uuid": self.uuid,
             "pci_bus_id": self.pci_bus_id,
             "name": self.name,
@@ -216,6 +228,25 @@ class GpuView:
     problems: tuple[Problem, ...] = field(default=())
     spec: VisibleSpec | None = None
 
+    def cuda_index_of(self, g: SmiGpu) -> int | None:
+        """``cuda:N`` of the whole physical GPU ``g`` in this environment, ``None`` if CUDA does not see it."""
+        for d in self.devices:
+            if d.mig_device is None and d.smi_index == g.index and d.uuid == g.uuid:
+                return d.cuda_index
+        return None
+
+    def _physical_dict(self, g: SmiGpu) -> dict[str, Any]:
+        d = g.to_dict()
+        d.pop("processes", None)
+        pci = pci_order(self.physical)
+        return {
+            "cuda_index": self.cuda_index_of(g),
+            "smi_index": g.index,
+            "pci_index": next((i for i, x in enumerate(pci) if x is g), None),
+            **{k: v for k, v in d.items() if k != "index"},
+            "process_count": g.process_count,
+        }
+
     @property
     def effective_order(self) -> str:
         return "PCI_BUS_ID" if self.cuda_device_order == "PCI_BUS_ID" else "FASTEST_FIRST"
@@ -233,6 +264,7 @@ class GpuView:
             "cuda_initialized": self.cuda_initialized,
             "physical_gpu_count": len(self.physical),
             "devices": [d.to_dict() for d in self.devices],
+            "physical": [self._physical_dict(g) for g in self.physical],
             "warnings": list(self.warnings),
             "problems": [p.to_dict() for p in self.problems],
         }
@@ -241,15 +273,95 @@ class GpuView:
 # ----------------------------------------------------------------------------- mapping
 
 
-def cuda_initialized() -> bool:
-    """True if *this* process has already initialised CUDA through torch.  Never imports torch."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return False
+CUDA_NOT_INITIALIZED = 3  # CUresult CUDA_ERROR_NOT_INITIALIZED: cuInit() has not run in this process
+
+
+def _read_maps() -> str:
+    """This process's memory map (``/proc/self/maps``); empty where there is none."""
     try:
-        return bool(torch.cuda.is_initialized())
-    except Exception:  # a half-imported or stubbed torch
-        return False
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _loaded_libcuda(maps: str) -> str | None:
+    """Path of the CUDA driver library (``libcuda.so*``) mapped into this process, if any."""
+    for line in maps.splitlines():
+        parts = line.split(None, 5)  # address perms offset dev inode [path]
+        if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith("libcuda.so"):
+            return parts[5].strip()
+    return None
+
+
+def _probe_cuinit(path: str) -> int | None:
+    """``cuDeviceGetCount`` through the *already loaded* driver library: ``0`` once ``cuInit`` has run,
+    ``CUDA_NOT_INITIALIZED`` (3) before; ``None`` if it cannot be asked.  Never loads or initialises it."""
+    import ctypes  # only reached when libcuda is already mapped
+
+    try:
+        lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 4) | getattr(os, "RTLD_LOCAL", 0))
+        fn = lib.cuDeviceGetCount
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    n = ctypes.c_int(0)
+    try:
+        return int(fn(ctypes.byref(n)))
+    except Exception:  # a foreign library of that name
+        return None
+
+
+def cuda_init_route() -> str | None:
+    """How CUDA was already initialised in *this* process, or ``None`` if it was not.  Never imports torch.
+
+    Detected routes:
+
+    * torch (only if already imported: ``sys.modules``): ``torch.cuda.is_initialized()`` (a CUDA tensor,
+      ``torch.cuda.init()``, ``set_device``...), a forked child of a CUDA process
+      (``torch.cuda._is_in_bad_fork()``), a cached device count;
+    * any route through the CUDA driver, whoever took it: ``torch.cuda.is_available()`` /
+      ``device_count()`` on CUDA builds (``cudaGetDeviceCount`` runs ``cuInit``), cupy, jax, numba,
+      pycuda, a C extension: the driver library ``libcuda.so`` is mapped into the process
+      (``/proc/self/maps``) and answers ``cuDeviceGetCount`` with success (it answers
+      ``CUDA_ERROR_NOT_INITIALIZED`` before ``cuInit``, so merely importing a library that links
+      libcuda does not count).  If libcuda is loaded but cannot be asked, it counts as initialised.
+
+    Returns:
+        A short description of the route, or ``None``.
+    """
+    tcuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if tcuda is not None:
+        try:
+            if tcuda.is_initialized():
+                return "torch.cuda is initialised (a CUDA tensor, torch.cuda.init(), set_device(), ...)"
+        except Exception:  # a half-imported or stubbed torch
+            pass
+        try:
+            if tcuda._is_in_bad_fork():
+                return "this process was forked from one that had initialised CUDA"
+        except Exception:
+            pass
+        if getattr(tcuda, "_cached_device_count", None) is not None:
+            return "torch.cuda has cached its device count (CUDA was initialised)"
+    lib = _loaded_libcuda(_read_maps())
+    if lib is None:
+        return None
+    rc = _probe_cuinit(lib)
+    if rc == CUDA_NOT_INITIALIZED:
+        return None
+    if rc is None:
+        return f"the CUDA driver library is loaded ({lib}) and could not be asked whether cuInit ran"
+    return (
+        f"the CUDA driver was initialised (cuInit) by some call in this process, e.g. torch.cuda.is_available() "
+        f"or device_count(), or another CUDA library ({lib})"
+    )
+
+
+def cuda_initialized() -> bool:
+    """True if CUDA is already initialised in *this* process, by any route (see :func:`cuda_init_route`)."""
+    return cuda_init_route() is not None
 
 
 def pci_sort_key(g: SmiGpu) -> tuple[int, str, int]:
@@ -266,12 +378,57 @@ def pci_sort_key(g: SmiGpu) -> tuple[int, str, int]:
     return (0, bus, g.index)
 
 
+# Fallback when nvidia-smi does not report compute_cap: (name fragment, (major, minor), multiprocessors).
+# Fragments are matched in order against the upper-cased product name, most specific first.  Sources: NVIDIA's
+# CUDA GPUs compute capability list and the product data sheets (SM counts).
+_MODELS: tuple[tuple[str, tuple[int, int], int | None], ...] = (
+    ("GB200", (10, 0), 148), ("B200", (10, 0), 148), ("B100", (10, 0), 132), ("GB10", (12, 1), 48),
+    ("RTX PRO 6000", (12, 0), 188), ("RTX 5090", (12, 0), 170), ("RTX 5080", (12, 0), 84),
+    ("RTX 5070 TI", (12, 0), 70), ("RTX 5070", (12, 0), 48), ("RTX 5060 TI", (12, 0), 36), ("RTX 5060", (12, 0), 30),
+    ("GH200", (9, 0), 132), ("H200", (9, 0), 132), ("H100 PCIE", (9, 0), 114), ("H100 NVL", (9, 0), 132),
+    ("H100", (9, 0), 132), ("H800", (9, 0), 132), ("H20", (9, 0), 78),
+    ("L40S", (8, 9), 142), ("L40", (8, 9), 142), ("L4", (8, 9), 58), ("RTX 6000 ADA", (8, 9), 142),
+    ("RTX 4090", (8, 9), 128), ("RTX 4080", (8, 9), 76), ("RTX 4070", (8, 9), 46), ("RTX 4060", (8, 9), 24),
+    ("A100", (8, 0), 108), ("A800", (8, 0), 108), ("A30", (8, 0), 56), ("A40", (8, 6), 84), ("A10G", (8, 6), 80),
+    ("A10", (8, 6), 72), ("A16", (8, 6), 10), ("A2", (8, 6), 10), ("RTX A6000", (8, 6), 84), ("RTX A5000", (8, 6), 64),
+    ("RTX 3090", (8, 6), 82), ("RTX 3080", (8, 6), 68), ("RTX 3070", (8, 6), 46), ("RTX 3060", (8, 6), 28),
+    ("RTX 2080 TI", (7, 5), 68), ("RTX 2080 SUPER", (7, 5), 48), ("RTX 2080", (7, 5), 46), ("RTX 2070", (7, 5), 36), ("RTX 2060", (7, 5), 30),
+    ("GTX 1660 TI", (7, 5), 24), ("GTX 1660 SUPER", (7, 5), 22), ("GTX 1660", (7, 5), 22), ("GTX 1650", (7, 5), 14),
+    ("TITAN RTX", (7, 5), 72), ("QUADRO RTX 8000", (7, 5), 72), ("T1000", (7, 5), 14),
+    ("T600", (7, 5), 10), ("T400", (7, 5), 6), ("T4", (7, 5), 40), ("V100", (7, 0), 80), ("TITAN V", (7, 0), 80),
+    ("P100", (6, 0), 56), ("P40", (6, 1), 30), ("P4", (6, 1), 20), ("TITAN XP", (6, 1), 30),
+    ("GTX 1080 TI", (6, 1), 28), ("TITAN X", (6, 1), 28), ("K80", (3, 7), 13),
+)
+
+
+def model_info(name: str | None) -> tuple[tuple[int, int] | None, int | None]:
+    """``(compute capability, multiprocessor count)`` of a product name from the small built-in table.
+
+    >>> model_info("NVIDIA A100-SXM4-40GB")
+    ((8, 0), 108)
+    """
+    up = (name or "").upper()
+    for frag, cc, sms in _MODELS:
+        if re.search(r"(?<![A-Z0-9])" + re.escape(frag) + r"(?![0-9])", up):
+            return cc, sms
+    return None, None
+
+
+def speed_key(g: SmiGpu) -> tuple[int, int, float]:
+    """How CUDA's FASTEST_FIRST ranks devices (higher first): compute capability, then multiprocessors x
+    max SM clock.  From nvidia-smi's ``compute_cap`` / ``clocks.max.sm`` where reported, else the model table."""
+    cc_table, sms = model_info(g.name)
+    cc = g.compute_cap or cc_table or (0, 0)
+    clock = g.max_sm_clock_mhz or 1
+    return (cc[0], cc[1], float((sms or 0) * clock))
+
+
 def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple[list[SmiGpu], bool]:
     """CUDA's numbering of every physical GPU: ``(gpus_in_cuda_order, certain)``.
 
     With ``PCI_BUS_ID`` (or all GPUs the same model) this is PCI order and certain.
-    Otherwise CUDA puts the fastest first by a heuristic we cannot see; we return
-    PCI order and ``certain=False``.
+    Otherwise CUDA puts the fastest first by an undocumented heuristic: we guess it like CUDA ranks
+    devices (:func:`speed_key`, ties in PCI order) and return ``certain=False``.
     """
     if all(g.pci_bus_id for g in gpus):
         ordered = sorted(gpus, key=pci_sort_key)
@@ -281,7 +438,18 @@ def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple
         return ordered, True
     names = {(g.name or "").strip() for g in gpus}
     same_model = len(names) <= 1 and "" not in names
-    return ordered, same_model or len(gpus) <= 1
+    if same_model or len(gpus) <= 1:
+        return ordered, True
+    keys = [speed_key(g) for g in ordered]
+    if any(k[:2] == (0, 0) for k in keys):  # a model we know nothing about: no better guess than PCI order
+        return ordered, False
+    order = sorted(range(len(ordered)), key=lambda i: tuple(-k for k in keys[i]))  # stable: PCI order on ties
+    return [ordered[i] for i in order], False
+
+
+def pci_order(gpus: Sequence[SmiGpu]) -> list[SmiGpu]:
+    """The physical GPUs in PCI bus order (what ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` numbers)."""
+    return enumeration_order(gpus, "PCI_BUS_ID")[0]
 
 
 def _uuid_match(candidate: str, uuids: Sequence[str | None]) -> tuple[int, str]:
@@ -296,7 +464,18 @@ def _mig_matches(candidate: str, mig: MigDevice) -> bool:
     return mig.uuid.lower().startswith(candidate.lower())
 
 
-def _to_visible(cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_mib: int) -> VisibleGpu:
+def mig_size_mib(profile: str) -> int | None:
+    """Memory of a MIG device from its profile name (``1g.5gb`` -> 5120, ``1c.3g.20gb`` -> 20480); None if unknown.
+
+    The profile names the instance's nominal memory in GB; nvidia-smi reports slightly less usable memory.
+    """
+    m = re.search(r"(\d+)gb$", profile.strip().lower())
+    return int(m.group(1)) * 1024 if m else None
+
+
+def _to_visible(
+    cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_mib: int, pci_index: int | None = None
+) -> VisibleGpu:
     hidden: int | None = None
     if g.memory_used_mib is not None and g.processes is not None:
         explained = sum(p.used_memory_mib or 0 for p in g.processes)
@@ -310,7 +489,7 @@ def _to_visible(cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_m
             uuid=g.uuid,
             pci_bus_id=g.pci_bus_id,
             name=f"{g.name or 'GPU'} MIG {mig.profile}",
-            memory_total_mib=None,
+            memory_total_mib=mig_size_mib(mig.profile),
             memory_used_mib=None,
             memory_free_mib=None,
             utilization_pct=None,
@@ -320,6 +499,7 @@ def _to_visible(cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_m
             mig_enabled=True,
             mig_device=mig,
             unavailable=(("memory", "MIG device: per-instance memory is not in --query-gpu"),),
+            pci_index=pci_index,
         )
     return VisibleGpu(
         cuda_index=cuda_index,
@@ -337,6 +517,7 @@ def _to_visible(cuda_index: int, g: SmiGpu, mig: MigDevice | None, hidden_busy_m
         mig_enabled=g.mig_enabled,
         unavailable=g.unavailable,
         hidden_used_mib=hidden,
+        pci_index=pci_index,
     )
 
 
@@ -361,8 +542,14 @@ def build_view(
     problems: list[Problem] = []
     chosen: list[tuple[SmiGpu, MigDevice | None]] = []
 
+    mig_rows: list[tuple[SmiGpu, MigDevice]] = []
     if spec.kind == "all":
-        chosen = [(g, None) for g in ordered]
+        for g in ordered:
+            if g.mig_enabled and g.mig_devices:  # CUDA enumerates its MIG devices, never the parent
+                mig_rows.extend((g, m) for m in g.mig_devices)
+                chosen.extend((g, m) for m in g.mig_devices)
+            else:
+                chosen.append((g, None))
     elif spec.kind == "index":
         for i in spec.entries:
             if i >= len(ordered):
@@ -421,7 +608,9 @@ def build_view(
                         Problem(
                             "cvd_truncated",
                             f"CUDA_VISIBLE_DEVICES entry {cand!r} {why}, so CUDA ignores it and every entry after it",
-                            "use MIG UUIDs exactly as `nvidia-smi -L` prints them",
+                            "use one of this machine's MIG devices: " + ", ".join(m.uuid for m in migs[:4])
+                            + (", ..." if len(migs) > 4 else "") + " (all listed by `ckptfix gpus` with "
+                            "CUDA_VISIBLE_DEVICES unset)",
                         )
                     )
                 break
@@ -443,10 +632,34 @@ def build_view(
         certain = True
 
     for note in spec.notes:
-        code = "cvd_empty" if spec.emptied_by_duplicate or spec.kind == "none" else "cvd_truncated"
-        problems.append(Problem(code, f"CUDA_VISIBLE_DEVICES={cvd!r}: {note}", _cvd_fix(spec)))
+        if spec.emptied_by_duplicate or spec.kind == "none" or not chosen:
+            code = "cvd_empty"
+            note += " (CUDA sees no GPU at all)" if not spec.emptied_by_duplicate and spec.kind != "none" else ""
+        else:
+            code = "cvd_truncated"
+        problems.append(Problem(code, f"CUDA_VISIBLE_DEVICES={cvd!r}: {note}", _cvd_fix(spec, gpus)))
+    for note in spec.read_as:
+        problems.append(
+            Problem(
+                "cvd_lenient",
+                f"CUDA_VISIBLE_DEVICES={cvd!r}: {note}",
+                "nothing is lost; write plain indices (e.g. 0,1) or UUIDs so that other tools read it alike",
+            )
+        )
+    if not chosen and gpus and not any(p.code == "cvd_empty" for p in problems):
+        problems.append(
+            Problem(
+                "cvd_empty",
+                f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU: CUDA sees none of the {len(gpus)} GPU(s) here",
+                _cvd_fix(spec, gpus),
+            )
+        )
 
-    devices = [_to_visible(i, g, m, hidden_busy_mib) for i, (g, m) in enumerate(chosen)]
+    pci = pci_order(gpus)
+    pci_pos = {id(g): i for i, g in enumerate(pci)}
+    devices = [
+        _to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(chosen)
+    ]
 
     present = {g.index for g in gpus}
     unreadable = [i for i in range(max(present, default=-1) + 1) if i not in present]
@@ -483,19 +696,46 @@ def build_view(
                 "order_uncertain",
                 "GPUs are different models ("
                 + ", ".join(models)
-                + ") and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA numbers the fastest first, so cuda:N may not "
-                "be nvidia-smi GPU N (the cuda column is a guess in PCI order)",
+                + ") and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA numbers the fastest first by a rule it does not "
+                "publish, so cuda:N may not be nvidia-smi GPU N (the cuda column is a guess: compute "
+                "capability, then multiprocessors x clock, as CUDA ranks devices)",
                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID (or select GPUs by UUID)",
             )
         )
 
+    if mig_rows:
+        parents = sorted({g.index for g, _ in mig_rows})
+        certain = False
+        problems.append(
+            Problem(
+                "mig_enumeration",
+                f"GPU(s) {', '.join(map(str, parents))} have MIG enabled: CUDA enumerates their "
+                f"{len(mig_rows)} MIG device(s) (listed as cuda rows), never the whole GPU, and CUDA 11/12 give a "
+                "process at most one MIG device, so which cuda:N exist here is a guess",
+                "pick one MIG device: export CUDA_VISIBLE_DEVICES=" + mig_rows[0][1].uuid
+                + (f" (or one of {', '.join(m.uuid for _, m in mig_rows[1:4])}{', ...' if len(mig_rows) > 4 else ''})"
+                   if len(mig_rows) > 1 else ""),
+            )
+        )
     for d in devices:
         if d.mig_enabled and d.mig_device is None:
+            g = next((x for x in gpus if x.index == d.smi_index), None)
+            listed = [m.uuid for m in g.mig_devices] if g is not None else []
+            if listed:
+                fix = f"set CUDA_VISIBLE_DEVICES to one of its MIG devices: {', '.join(listed[:4])}"
+            elif snapshot.mig_listed:
+                fix = (
+                    f"it has no MIG device yet: create one (`sudo nvidia-smi mig -i {d.smi_index} -cgi 1g.5gb -C`, "
+                    f"profiles: `nvidia-smi mig -i {d.smi_index} -lgip`) or disable MIG "
+                    f"(`sudo nvidia-smi -i {d.smi_index} -mig 0`)"
+                )
+            else:
+                fix = "set CUDA_VISIBLE_DEVICES to one of its MIG UUIDs (the MIG device list could not be read here)"
             problems.append(
                 Problem(
                     "mig_parent",
                     f"GPU {d.smi_index} has MIG enabled: CUDA uses its MIG devices, not the whole GPU",
-                    "set CUDA_VISIBLE_DEVICES to a MIG UUID from `nvidia-smi -L`",
+                    fix,
                 )
             )
         if d.memory_free_mib is None and d.mig_device is None:
@@ -503,8 +743,13 @@ def build_view(
             if why:
                 if "permission" in why.lower():
                     fix = "run with access to the GPU's memory counters; pick-gpu skips this GPU"
+                elif why.upper() in ("N/A", "NOT SUPPORTED") and is_unified_memory(d.name):
+                    fix = "this GPU has no framebuffer memory of its own (unified memory); pick-gpu skips it"
                 elif why.upper() in ("N/A", "NOT SUPPORTED"):
-                    fix = "this GPU reports no framebuffer memory (e.g. unified memory); pick-gpu skips it"
+                    fix = (
+                        "this driver does not report memory for this GPU (seen on consumer cards and old drivers): "
+                        "pick-gpu cannot rank it and skips it; select it by UUID yourself, or update the driver"
+                    )
                 else:  # [Unknown Error], [GPU is lost]...: the GPU itself is in trouble
                     fix = (
                         f"check `nvidia-smi -q -i {d.smi_index}` and `dmesg` (Xid errors); a reset or reboot may be "
@@ -536,9 +781,24 @@ def build_view(
     )
 
 
-def _cvd_fix(spec: VisibleSpec) -> str:
+_UNIFIED = ("GB10", "JETSON", "ORIN", "THOR", "XAVIER", "TEGRA")
+
+
+def is_unified_memory(name: str | None) -> bool:
+    """True for SoC GPUs that share system memory (no framebuffer of their own): GB10, Jetson..."""
+    up = (name or "").upper()
+    return any(f in up for f in _UNIFIED)
+
+
+def _cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
     if spec.kind == "none":
         return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
     if spec.emptied_by_duplicate:
         return "list each GPU once"
+    if spec.kind == "index" and not spec.entries:
+        n = len(gpus)
+        return (
+            "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist "
+            + (f"(indices 0..{n - 1}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)")
+        )
     return "remove the invalid entry (use indices or UUIDs from `ckptfix gpus`, not both)"
