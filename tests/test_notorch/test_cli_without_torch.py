@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CKPT, FIXTURES, REPO, clean_env, read_safetensors
+from notorch_helpers import CKPT, FIXTURES, REPO, clean_env, read_safetensors
 
 INSTALL = 'pip install "ckptfix[torch]"'
 EXPECTED = read_safetensors(CKPT / "model.safetensors")
