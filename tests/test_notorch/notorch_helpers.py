@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
 CKPT = FIXTURES / "ckpt"
 
-# Block torch (and report at exit whether anything imported it), then run the CLI.
+# Block torch (`import torch` raises ModuleNotFoundError), then run the CLI.
 RUNNER = (
     "import sys, os\n"
     "sys.modules['torch'] = None\n"
