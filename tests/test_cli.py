@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import pty
 import subprocess
 import sys
@@ -126,3 +127,23 @@ def test_a_missing_module_that_is_not_torch_is_an_internal_error(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 1 and p.stderr.startswith("Error: internal error: ModuleNotFoundError")
+
+
+def test_the_pre_commit_hook_scans_checkpoints_with_several_filenames():
+    text = (REPO / ".pre-commit-hooks.yaml").read_text(encoding="utf-8")
+    fields = dict(re.findall(r"^\s*-?\s*(id|entry|language|files|pass_filenames):\s*(.+?)\s*$", text, re.M))
+    assert fields["id"] == "ckptfix-scan" and fields["entry"] == "ckptfix scan"
+    assert fields["language"] == "python" and fields["pass_filenames"] == "true"
+    files = re.compile(fields["files"].strip("'\""))
+    for name in ("a.pt", "b/c.pth", "pytorch_model.bin", "last.ckpt", "model.safetensors", "X.PT"):
+        assert files.search(name), name
+    for name in ("train.py", "model.pt.txt", "README.md", "config.json"):
+        assert not files.search(name), name
+
+
+def test_docs_ci_shows_completion_for_every_shell_and_a_ci_step():
+    text = (REPO / "docs" / "ci.md").read_text(encoding="utf-8")
+    for shell in ("bash", "zsh", "fish"):
+        assert f"_CKPTFIX_COMPLETE={shell}_source ckptfix" in text
+    assert "pip install ckptfix && ckptfix scan $(git ls-files" in text
+    assert "id: ckptfix-scan" in text
