@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from notorch_helpers import CKPT, FIXTURES, REPO, clean_env, read_safetensors
+from notorch_helpers import CKPT, FIXTURES, REPO, ckpts, clean_env, cli, read_safetensors  # noqa: F401 (fixtures)
 
 INSTALL = 'pip install "ckptfix[torch]"'
 EXPECTED = read_safetensors(CKPT / "model.safetensors")
