@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Checkpoint benchmarks: load_anywhere, inspect, scan, strip-prefix -- ratios from one run.
 
     python benchmarks/bench_ckpt.py                 # ~1.4 GB checkpoint, ~300 tensors

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Benchmark ``ckptfix convert`` against ``cp`` and Hugging Face's safetensors ``convert.py`` recipe.
 
 Usage::

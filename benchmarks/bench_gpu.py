@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Wall time of `ckptfix gpus` / `ckptfix pick-gpu` against `python -c "import click"`.
 
 A fake nvidia-smi (tests/fixtures/nvidia-smi/fake-nvidia-smi.sh, shell builtins

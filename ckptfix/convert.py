@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ckptfix._torch import require_torch
 from ckptfix.atomic import fsync_dir, new_temp
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
                             OutputError, UnsupportedError, VerificationError)
@@ -1000,7 +1001,7 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
     The output is the state dict; with ``restore_wrapper`` it is the checkpoint dict the file was
     converted from (see :func:`rebuild_checkpoint`), the state dict at its original key.
     """
-    import torch
+    torch = require_torch("converting safetensors back to .pth")
 
     t0 = time.perf_counter()
     src = os.fspath(src)

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.formats import find_state_dict, read_checkpoint, sniff
 from ckptfix.pickles import Stub, classify_global, stub_class
@@ -358,7 +359,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
     """
-    import torch
+    torch = require_torch("load_anywhere (loading tensors)")
 
     path = os.fspath(path)
     kind = sniff(path)

@@ -15,6 +15,8 @@ import traceback
 
 import click
 
+from ckptfix._torch import is_torch_missing, missing_error
+from ckptfix.cli._common import error_line
 from ckptfix.errors import CkptfixError
 
 _DEBUG = {"on": False}
@@ -37,20 +39,7 @@ def cli(debug: bool) -> None:
 
 def _register() -> None:
     # Each module defines its commands with @cli.command; none imports torch at import time.
-    from ckptfix.cli import ckpt as _ckpt  # noqa: F401
-    try:
-        from ckptfix.cli import gpu as _gpu  # noqa: F401
-    except ImportError:  # pragma: no cover - module not written yet
-        pass
-    try:
-        from ckptfix.cli import train as _train  # noqa: F401
-    except ImportError:  # pragma: no cover - module not written yet
-        pass
-    try:
-        from ckptfix.cli import convert as _convert  # noqa: F401
-    except ImportError:  # pragma: no cover - module not written yet
-        pass
-    from ckptfix.cli import demo as _demo  # noqa: F401
+    from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401
 
 
 def _debug_wanted() -> bool:
@@ -68,8 +57,16 @@ def main(argv: list[str] | None = None) -> int:
     except CkptfixError as e:
         if _debug_wanted():
             traceback.print_exc()
-        click.echo(f"Error: {e}", err=True)
+        error_line(str(e))
         return e.exit_code
+    except ModuleNotFoundError as e:  # a command that needs torch, run without it
+        if not is_torch_missing(e):
+            return _internal_error(e)
+        if _debug_wanted():
+            traceback.print_exc()
+        err = missing_error(_feature(args))
+        error_line(str(err))
+        return err.exit_code
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         return 130
@@ -84,10 +81,20 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # an internal bug: still one line unless --debug
-        if _debug_wanted():
-            traceback.print_exc()
-        click.echo(f"Error: internal error: {type(e).__name__}: {e} (re-run with --debug and report it)", err=True)
-        return 1
+        return _internal_error(e)
+
+
+def _internal_error(e: BaseException) -> int:
+    if _debug_wanted():
+        traceback.print_exc()
+    error_line(f"internal error: {type(e).__name__}: {e} (re-run with --debug and report it)")
+    return 1
+
+
+def _feature(args: list[str]) -> str:
+    """'ckptfix <command>' for the command in ``args`` (what a torch-missing error names)."""
+    cmd = next((a for a in args if not a.startswith("-")), None)
+    return f"ckptfix {cmd}" if cmd in cli.commands else "this command"
 
 
 def run() -> None:

@@ -6,8 +6,9 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import os
 import sys
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import click
 
@@ -34,8 +35,43 @@ def info(msg: str) -> None:
     click.echo(msg, err=True)
 
 
+def use_color(stream: IO[str] | None = None) -> bool:
+    """Whether to colour what goes to ``stream`` (default stderr).
+
+    Colour only on a terminal, never when ``NO_COLOR`` is set to anything non-empty
+    (https://no-color.org) or ``TERM=dumb``; ``FORCE_COLOR`` (non-empty) turns it on
+    even when not on a terminal.
+
+    Args:
+        stream: the stream the text goes to.
+
+    Returns:
+        True to emit ANSI colour codes.
+    """
+    if os.environ.get("NO_COLOR", ""):
+        return False
+    if os.environ.get("FORCE_COLOR", ""):
+        return True
+    if os.environ.get("TERM") == "dumb":
+        return False
+    s = sys.stderr if stream is None else stream
+    isatty = getattr(s, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (ValueError, OSError):  # a closed stream
+        return False
+
+
 def warn(msg: str) -> None:
-    click.echo(click.style("warning: ", fg="yellow") + msg, err=True, color=sys.stderr.isatty())
+    """A warning on stderr, ``warning:`` in yellow on a colour terminal."""
+    color = use_color(sys.stderr)
+    click.echo(click.style("warning:", fg="yellow", bold=True) + " " + msg, err=True, color=color)
+
+
+def error_line(msg: str) -> None:
+    """The one ``Error: ...`` line on stderr, ``Error:`` in red on a colour terminal."""
+    color = use_color(sys.stderr)
+    click.echo(click.style("Error:", fg="red", bold=True) + " " + msg, err=True, color=color)
 
 
 def human_bytes(n: int | float | None) -> str:

@@ -47,35 +47,78 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
 
 
 @cli.command("scan")
-@click.argument("checkpoint", type=click.Path())
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="CHECKPOINT...")
 @json_option
-def scan_cmd(checkpoint: str, as_json: bool) -> None:
-    """List every global CHECKPOINT's pickles reference; exit 11 if any is dangerous or unknown.
+def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
+    """List every global each CHECKPOINT's pickles reference; exit 11 if any is dangerous or unknown.
 
-    Reads pickle opcodes only: nothing is unpickled or executed.
+    Reads pickle opcodes only: nothing is unpickled or executed.  With several files (as a
+    pre-commit hook passes them) every file is scanned, the exit code is the highest of the
+    files' codes and --json prints a list.
     """
-    from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
+    from ckptfix.cli._common import error_line
+    from ckptfix.errors import CkptfixError
     from ckptfix.inspecting import scan_checkpoint
 
-    r = scan_checkpoint(checkpoint)
+    if len(checkpoints) == 1:
+        r = scan_checkpoint(checkpoints[0])
+        if as_json:
+            emit_json(r.to_dict())
+        else:
+            _render_scan(r)
+        err = _scan_error(checkpoints[0], r)
+        if err is not None:
+            raise err
+        return
+    docs: list[dict] = []
+    failed: list[CkptfixError] = []
+    for path in checkpoints:
+        try:
+            r = scan_checkpoint(path)
+        except CkptfixError as e:
+            docs.append({"path": path, "verdict": "error", "error": str(e), "exit_code": e.exit_code})
+            err: CkptfixError | None = e
+        else:
+            docs.append(r.to_dict())
+            if not as_json:
+                _render_scan(r)
+            err = _scan_error(path, r)
+        if err is not None:
+            failed.append(err)
+            msg = str(err)
+            error_line(msg if msg.startswith(path) else f"{path}: {msg}")
     if as_json:
-        emit_json(r.to_dict())
-    else:
-        click.echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
-        for g, d in r.globals.items():
-            click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
-        for e in r.errors:
-            click.echo(f"  malformed {e}")
+        emit_json(docs)
+    if failed:
+        worst = max(failed, key=lambda e: e.exit_code)
+        summary = CkptfixError(f"{len(failed)} of {len(checkpoints)} files failed the scan (see the errors above)")
+        summary.exit_code = worst.exit_code
+        raise summary
+
+
+def _render_scan(r) -> None:
+    click.echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
+    for g, d in r.globals.items():
+        click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+    for e in r.errors:
+        click.echo(f"  malformed {e}")
+
+
+def _scan_error(checkpoint: str, r):
+    """The error ``scan`` exits with for report ``r`` (None when the file is safe)."""
+    from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
+
     if r.dangerous:
-        raise ScanFindingsError(f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
-                                "load this file with torch.load(weights_only=False); ckptfix loads it with them "
-                                "stubbed")
+        return ScanFindingsError(f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
+                                 "load this file with torch.load(weights_only=False); ckptfix loads it with them "
+                                 "stubbed")
     if r.unknown:
-        raise ScanFindingsError(f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
-                                f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
-                                "to rebuild one you trust")
+        return ScanFindingsError(f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
+                                 f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
+                                 "to rebuild one you trust")
     if r.errors:
-        raise CorruptCheckpointError(f"{checkpoint}: the pickle is malformed ({r.errors[0]})")
+        return CorruptCheckpointError(f"{checkpoint}: the pickle is malformed ({r.errors[0]})")
+    return None
 
 
 # --------------------------------------------------------------------------- prefix surgery
@@ -170,6 +213,10 @@ def _load_target(spec: str):
             m = importlib.import_module(mod)
             factory = getattr(m, attr)
         except (ImportError, AttributeError) as e:
+            from ckptfix._torch import is_torch_missing, missing_error
+
+            if is_torch_missing(e):
+                raise missing_error("align --to module:factory") from None
             raise CheckpointNotFoundError(f"--to {spec}: cannot import it ({e}); check the module path and "
                                           "that it is importable (PYTHONPATH)") from None
         is_instance = hasattr(factory, "state_dict") and not isinstance(factory, type)

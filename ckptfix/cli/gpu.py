@@ -421,7 +421,8 @@ def render_doctor(r: Any) -> str:
         build = f"CUDA {t['cuda']} build" if t.get("cuda") else f"{t.get('build', 'cpu').upper()}-only build"
         lines.append(f"torch:   {t['version']} ({build})")
     else:
-        lines.append(f"torch:   not importable ({t.get('error')})")
+        err = t.get("error")
+        lines.append("torch:   not installed" if err == "not installed" else f"torch:   not importable ({err})")
     lines.append(f"driver:  {r.driver_version or '-'}")
     if r.gpus is not None and r.gpus.devices:
         lines.append("gpus:")

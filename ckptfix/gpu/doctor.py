@@ -98,7 +98,9 @@ def torch_info() -> dict[str, Any]:
     try:
         import torch  # noqa: PLC0415 - the one lazy torch import in ckptfix.gpu
     except ImportError as e:
-        return {"installed": False, "error": str(e)}
+        from ckptfix._torch import is_torch_missing
+
+        return {"installed": False, "error": "not installed" if is_torch_missing(e) else str(e)}
     except Exception as e:  # a broken install (missing .so, ABI mismatch...)
         return {"installed": False, "error": f"{type(e).__name__}: {e}"}
     cuda = getattr(torch.version, "cuda", None)
@@ -237,7 +239,9 @@ def diagnose(
     problems: list[Problem] = []
     has_gpu = view is not None and len(view.physical) > 0
     if not torch.get("installed"):
-        problems.append(Problem("torch_missing", f"torch cannot be imported ({torch.get('error')})", "pip install torch"))
+        err = torch.get("error")
+        what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
+        problems.append(Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)'))
     elif has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
         assert view is not None
         rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)

@@ -1,0 +1,93 @@
+"""torch on demand: the one place that decides what a missing torch means.
+
+torch is an optional dependency (``pip install "ckptfix[torch]"``).  The
+checkpoint reader, scan, prefix surgery, conversion of files to safetensors and
+the GPU half never need it; loading tensors (``load_anywhere``, ``--trust``),
+``align --to module:factory``, ``train`` and ``demo`` do.  Those call
+:func:`require_torch`, which turns a missing torch into a
+:class:`~ckptfix.errors.TorchMissingError` (exit code 14) whose message carries
+the install command.
+
+>>> INSTALL_COMMAND
+'pip install "ckptfix[torch]"'
+>>> is_torch_missing(ModuleNotFoundError("No module named 'torch'", name="torch"))
+True
+>>> is_torch_missing(ModuleNotFoundError("No module named 'numpy'", name="numpy"))
+False
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from types import ModuleType
+
+from ckptfix.errors import TorchMissingError
+
+INSTALL_COMMAND = 'pip install "ckptfix[torch]"'
+
+
+def torch_installed() -> bool:
+    """Whether torch can be found, without importing it.
+
+    Returns:
+        True if ``import torch`` would find a module (it may still fail to load).
+    """
+    if "torch" in sys.modules:
+        return sys.modules["torch"] is not None
+    return importlib.util.find_spec("torch") is not None
+
+
+def is_torch_missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says that torch (or one of its submodules) is not installed.
+
+    Args:
+        exc: an exception, typically caught around an import.
+
+    Returns:
+        True for a ``ModuleNotFoundError`` naming ``torch`` or ``torch.*``.
+    """
+    if not isinstance(exc, ModuleNotFoundError):
+        return False
+    name = exc.name or ""
+    return name == "torch" or name.startswith("torch.")
+
+
+def missing_error(feature: str) -> TorchMissingError:
+    """The error to raise when ``feature`` needs torch and it is not installed.
+
+    Args:
+        feature: what the user asked for, e.g. ``"load_anywhere"`` or ``"ckptfix train"``.
+
+    Returns:
+        A :class:`TorchMissingError` whose one-line message names the install command.
+    """
+    return TorchMissingError(f"{feature} needs torch, which is not installed here; install it with: "
+                             f"{INSTALL_COMMAND}")
+
+
+def require_torch(feature: str) -> ModuleType:
+    """Import torch for ``feature``, or raise a one-line error with the install command.
+
+    Args:
+        feature: what needs torch, named as the user wrote it (``"load_anywhere"``,
+            ``"--trust"``, ``"ckptfix train"``...).
+
+    Returns:
+        The ``torch`` module.
+
+    Raises:
+        TorchMissingError: torch is not installed, or is installed but cannot be imported
+            (a broken build: missing shared library, ABI mismatch).
+    """
+    try:
+        return importlib.import_module("torch")
+    except ModuleNotFoundError as e:
+        if is_torch_missing(e):
+            raise missing_error(feature) from None
+        raise TorchMissingError(f"{feature} needs torch, but importing it failed ({e}); reinstall it with: "
+                                f"{INSTALL_COMMAND}") from None
+    except (ImportError, OSError) as e:
+        raise TorchMissingError(f"{feature} needs torch, but importing it failed ({type(e).__name__}: {e}); "
+                                f"reinstall it with: {INSTALL_COMMAND}") from None

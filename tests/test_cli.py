@@ -1,0 +1,149 @@
+"""The CLI shell around every command: shell completion, colour on a terminal only, one error line."""
+
+from __future__ import annotations
+
+import os
+import re
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckptfix.cli import _common
+
+REPO = Path(__file__).resolve().parents[1]
+ESC = "\x1b["
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "TERM")}
+    env.update({"PYTHONPATH": str(REPO), "TERM": "xterm-256color", **extra})
+    return env
+
+
+def _ckptfix(*args: str, stderr_tty: bool = False, **env: str) -> tuple[int, str, str]:
+    """Run ``python -m ckptfix ARGS``; with ``stderr_tty`` stderr is a pseudo-terminal."""
+    cmd = [sys.executable, "-m", "ckptfix", *args]
+    if not stderr_tty:
+        p = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+    leader, follower = pty.openpty()
+    try:
+        p = subprocess.run(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=follower, timeout=60)
+        os.close(follower)
+        follower = -1
+        chunks = []
+        while True:
+            try:
+                b = os.read(leader, 4096)
+            except OSError:  # EIO: the other side is closed and drained
+                break
+            if not b:
+                break
+            chunks.append(b)
+        return p.returncode, p.stdout.decode(), b"".join(chunks).decode().replace("\r\n", "\n")
+    finally:
+        os.close(leader)
+        if follower >= 0:
+            os.close(follower)
+
+
+@pytest.mark.parametrize("shell,marker", [("bash", "complete -o nosort -F _ckptfix_completion ckptfix"),
+                                          ("zsh", "#compdef ckptfix"),
+                                          ("fish", "complete --no-files --command ckptfix")])
+def test_completion_script_for_each_shell(shell, marker):
+    rc, out, err = _ckptfix(_CKPTFIX_COMPLETE=f"{shell}_source")
+    assert rc == 0, err
+    assert marker in out and "_CKPTFIX_COMPLETE" in out
+
+
+def test_completion_completes_commands_and_options():
+    rc, out, _ = _ckptfix(_CKPTFIX_COMPLETE="bash_complete", COMP_WORDS="ckptfix pick", COMP_CWORD="1")
+    assert rc == 0 and out.split() == ["plain,pick-gpu"]
+    rc, out, _ = _ckptfix(_CKPTFIX_COMPLETE="bash_complete", COMP_WORDS="ckptfix scan --j", COMP_CWORD="2")
+    assert rc == 0 and out.split() == ["plain,--json"]
+
+
+def test_error_is_red_on_a_terminal(tmp_path):
+    rc, out, err = _ckptfix("inspect", str(tmp_path / "nope.pt"), stderr_tty=True)
+    assert rc == 3 and out == ""
+    assert err.startswith(f"{ESC}31m{ESC}1mError:{ESC}0m ") or err.startswith(f"{ESC}1m{ESC}31mError:")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("env", [{"NO_COLOR": "1"}, {"TERM": "dumb"}])
+def test_no_colour_when_asked_on_a_terminal(tmp_path, env):
+    rc, _, err = _ckptfix("inspect", str(tmp_path / "nope.pt"), stderr_tty=True, **env)
+    assert rc == 3 and err.startswith("Error: ") and ESC not in err
+
+
+def test_no_colour_when_piped_unless_forced(tmp_path):
+    rc, _, err = _ckptfix("inspect", str(tmp_path / "nope.pt"))
+    assert rc == 3 and err.startswith("Error: ") and ESC not in err
+    rc, _, err = _ckptfix("inspect", str(tmp_path / "nope.pt"), FORCE_COLOR="1")
+    assert rc == 3 and ESC in err and "Error:" in err
+
+
+def test_warn_and_error_line_follow_use_color(monkeypatch, capsys):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    _common.warn("careful")
+    _common.error_line("broken")
+    err = capsys.readouterr().err
+    assert f"warning:{ESC}0m careful" in err and f"Error:{ESC}0m broken" in err
+    monkeypatch.setenv("NO_COLOR", "1")
+    _common.warn("careful")
+    _common.error_line("broken")
+    assert capsys.readouterr().err == "warning: careful\nError: broken\n"
+
+
+def test_use_color_on_a_closed_or_plain_stream(monkeypatch):
+    import io
+
+    for k in ("NO_COLOR", "FORCE_COLOR"):
+        monkeypatch.delenv(k, raising=False)
+    assert _common.use_color(io.StringIO()) is False
+    s = io.StringIO()
+    s.close()
+    assert _common.use_color(s) is False
+
+
+def test_debug_shows_the_traceback_of_a_torch_missing_error(tmp_path):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from ckptfix.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    p = subprocess.run([sys.executable, "-c", code, "--debug", "demo", "--out", str(tmp_path / "d")], env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 14
+    assert "Traceback" in p.stderr and p.stderr.rstrip().splitlines()[-1].startswith("Error: ckptfix demo needs torch")
+
+
+def test_a_missing_module_that_is_not_torch_is_an_internal_error(tmp_path):
+    code = ("import sys; sys.modules['ckptfix.inspecting'] = None\n"
+            "from ckptfix.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    p = subprocess.run([sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.startswith("Error: internal error: ModuleNotFoundError")
+
+
+def test_the_pre_commit_hook_scans_checkpoints_with_several_filenames():
+    text = (REPO / ".pre-commit-hooks.yaml").read_text(encoding="utf-8")
+    fields = dict(re.findall(r"^\s*-?\s*(id|entry|language|files|pass_filenames):\s*(.+?)\s*$", text, re.M))
+    assert fields["id"] == "ckptfix-scan" and fields["entry"] == "ckptfix scan"
+    assert fields["language"] == "python" and fields["pass_filenames"] == "true"
+    files = re.compile(fields["files"].strip("'\""))
+    for name in ("a.pt", "b/c.pth", "pytorch_model.bin", "last.ckpt", "model.safetensors", "X.PT"):
+        assert files.search(name), name
+    for name in ("train.py", "model.pt.txt", "README.md", "config.json"):
+        assert not files.search(name), name
+
+
+def test_docs_ci_shows_completion_for_every_shell_and_a_ci_step():
+    text = (REPO / "docs" / "ci.md").read_text(encoding="utf-8")
+    for shell in ("bash", "zsh", "fish"):
+        assert f"_CKPTFIX_COMPLETE={shell}_source ckptfix" in text
+    assert "pip install ckptfix && ckptfix scan $(git ls-files" in text
+    assert "id: ckptfix-scan" in text

@@ -1,0 +1,95 @@
+"""Docs that cannot drift: every command has help and a reference section, the exit-code tables equal
+``ckptfix/errors.py``, and the doctests of the pure modules run."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from ckptfix.cli import cli, main
+from ckptfix.errors import all_error_classes
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+ERRORS = {(int(c.exit_code), c.__name__) for c in all_error_classes()}
+
+
+def _commands(group: click.Group = cli, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        out.append(prefix + (name,))
+        if isinstance(cmd, click.Group):
+            out += _commands(cmd, prefix + (name,))
+    return out
+
+
+def _gen_exit_codes():
+    spec = importlib.util.spec_from_file_location("gen_exit_codes", REPO / "docs" / "gen_exit_codes.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _table_rows(text: str) -> set[tuple[int, str]]:
+    """(code, class name) of every ``| code | `ClassName` | ... |`` row in ``text``."""
+    return {(int(m.group(1)), m.group(2)) for m in re.finditer(r"^\|\s*(\d+)\s*\|\s*`(\w+)`\s*\|", text, re.M)}
+
+
+def test_the_cli_has_the_commands_the_readme_promises():
+    names = {c[0] for c in _commands()}
+    assert {"inspect", "scan", "strip-prefix", "add-prefix", "align", "convert", "gpus", "pick-gpu", "doctor",
+            "train", "demo"} <= names
+
+
+@pytest.mark.parametrize("path", _commands(), ids=" ".join)
+def test_every_command_has_help(path, capsys):
+    assert main([*path, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Usage: ckptfix {' '.join(path)}")
+    cmd = cli
+    for name in path:
+        cmd = cmd.commands[name]  # type: ignore[attr-defined]
+    assert (cmd.help or "").strip(), f"ckptfix {' '.join(path)} has no help text"
+
+
+@pytest.mark.parametrize("path", _commands(), ids=" ".join)
+def test_every_command_has_a_docs_section(path):
+    """A Markdown heading naming ``ckptfix <command>`` in README.md or docs/."""
+    name = re.escape("ckptfix " + " ".join(path))
+    heading = re.compile(rf"^#+ .*{name}(?![\w-])", re.M)
+    where = [p.relative_to(REPO) for p in DOCS if heading.search(p.read_text(encoding="utf-8"))]
+    assert where, f"no heading for `ckptfix {' '.join(path)}` in README.md or docs/*.md"
+
+
+def test_docs_exit_codes_is_generated_from_errors_py():
+    gen = _gen_exit_codes()
+    text = (REPO / "docs" / "exit-codes.md").read_text(encoding="utf-8")
+    assert text == gen.render(), "docs/exit-codes.md is out of date: run python docs/gen_exit_codes.py"
+    assert _table_rows(text) == ERRORS
+
+
+def test_every_exit_code_is_distinct():
+    codes = [code for code, _ in ERRORS]
+    assert len(codes) == len(set(codes))
+
+
+def test_readme_exit_codes_match_errors_py_or_link_to_the_generated_page():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = _table_rows(readme)
+    if rows:
+        assert rows == ERRORS, "the README's exit-code table differs from ckptfix/errors.py"
+    else:
+        assert "docs/exit-codes.md" in readme
+
+
+@pytest.mark.parametrize("module", ["ckptfix.prefixes", "ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix._torch"])
+def test_doctests_of_the_pure_modules(module):
+    res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0
