@@ -99,9 +99,11 @@ class ConvertReport:
     aliases: dict[str, str] = field(default_factory=dict)
     views: dict[str, str] = field(default_factory=dict)
     copied_views: list[str] = field(default_factory=list)
+    tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, str] = field(default_factory=dict)
+    converted: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)
     renamed: int = 0
     optimizer_tensors: int = 0
@@ -226,7 +228,76 @@ class _NeedsTorch(Exception):
     pass
 
 
-def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport) -> list[_Item]:
+class TiedNames:
+    """Which name of a group of tied (identical) tensors is stored; the others become aliases.
+
+    In order: a name passed with ``keep`` (``--keep``); else, when ``drop`` patterns are known (the
+    ``_tied_weights_keys`` of the transformers class ``config.json`` names), the first name that
+    matches none of them; else the first name in the state dict's own order (embeddings come
+    before heads, ``cls.predictions.bias`` before ``cls.predictions.decoder.bias``) -- the name
+    ``transformers``' own ``save_pretrained`` keeps.
+    """
+
+    def __init__(self, keep: Sequence[str] = (), drop: Sequence[str] = (), source: str = "state-dict order") -> None:
+        self.keep = set(keep)
+        self.drop = [re.compile(p) for p in drop]
+        self.source = source
+        self.used_keep: set[str] = set()
+
+    def _dropped(self, name: str) -> bool:
+        return any(p.fullmatch(name) or p.pattern == name for p in self.drop)
+
+    def choose(self, names: Sequence[str]) -> str:
+        """The name to store for one group, ``names`` in state-dict order."""
+        kept = [n for n in names if n in self.keep]
+        if kept:
+            self.used_keep.add(kept[0])
+            return kept[0]
+        ok = [n for n in names if not self._dropped(n)]
+        return (ok or list(names))[0]
+
+
+def hf_tied_weights(src: str) -> tuple[list[str], str] | None:
+    """(``_tied_weights_keys`` patterns, source) from the transformers class a ``config.json`` beside ``src`` names.
+
+    None when there is no ``config.json`` with ``architectures`` next to the input, or transformers
+    is not importable (then the state-dict order decides).  Only the installed transformers package
+    is imported; nothing from the checkpoint runs.
+    """
+    d = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    cfg = os.path.join(d, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(archs, list) or not archs:
+        return None
+    try:
+        import transformers
+    except Exception:  # noqa: BLE001 - not installed, or broken: fall back to the state-dict order
+        return None
+    pats: list[str] = []
+    found = []
+    for arch in archs:
+        if not isinstance(arch, str):
+            continue
+        try:
+            cls = getattr(transformers, arch)
+        except Exception:  # noqa: BLE001 - unknown architecture or missing optional dependency
+            continue
+        tied = getattr(cls, "_tied_weights_keys", None) or {}
+        pats += [str(k) for k in (tied.keys() if isinstance(tied, dict) else tied)]
+        found.append(arch)
+    if not found:
+        return None
+    return pats, f"transformers {', '.join(found)}._tied_weights_keys"
+
+
+def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport,
+                  tied: TiedNames | None = None) -> list[_Item]:
     """Items to store (exact duplicates once), with aliases and views recorded in the report."""
     groups: dict[tuple, list[str]] = {}
     recs: dict[str, TensorRecord] = {}
@@ -243,7 +314,7 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
                           []).append(name)
     keep: dict[tuple, str] = {}
     for gkey, names in groups.items():
-        stored = min(names)  # as Hugging Face's _remove_duplicate_names: the name that sorts first
+        stored = (tied or TiedNames()).choose(names)
         keep[gkey] = stored
         for n in names:
             if n != stored:
@@ -279,11 +350,26 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
     return items
 
 
+def _has_tied_groups(named: Sequence[tuple[str, Any]]) -> bool:
+    seen: set[tuple] = set()
+    for _, v in named:
+        if isinstance(v, TensorRecord):
+            k: tuple = (id(v.storage), v.offset, tuple(v.shape), tuple(v.stride), v.dtype)
+        else:
+            k = (v.untyped_storage().data_ptr() if v.numel() else id(v), v.storage_offset(), tuple(v.shape),
+                 tuple(v.stride()), v.dtype)
+        if k in seen:
+            return True
+        seen.add(k)
+    return False
+
+
 def _torch_dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport) -> list[_Item]:
+def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport,
+                  tied: TiedNames | None = None) -> list[_Item]:
     import torch
 
     groups: dict[tuple, list[str]] = {}
@@ -301,7 +387,7 @@ def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport) -> li
         ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
         groups.setdefault((ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), []).append(name)
     for names in groups.values():
-        stored = min(names)
+        stored = (tied or TiedNames()).choose(names)
         for n in names:
             if n != stored:
                 report.aliases[n] = stored
@@ -385,12 +471,12 @@ class _Extras:
         if depth > 32 or id(v) in self._seen:
             self._skip(path, "nested too deep or recursive")
             return _OMIT
+        if isinstance(v, (Stub, type, slice, range, frozenset)) or callable(v):
+            # placeholders of instances *and* of classes (numpy arrays, {"dtype": int}, omegaconf, Namespace ...)
+            return self._plain(v, path, opt, depth)
         self._seen.add(id(v))
         try:
-            if isinstance(v, Stub):
-                self.report.placeholders[path] = global_name(type(v))
-                return self.value(v.to_dict(), path, opt, depth + 1)
-            if isinstance(v, Mapping) or (hasattr(v, "items") and hasattr(v, "keys")):
+            if isinstance(v, Mapping) or (hasattr(v, "items") and hasattr(v, "keys") and not isinstance(v, type)):
                 out = {}
                 for k, x in list(v.items()):
                     if not isinstance(k, (str, int, float, bool)) and k is not None:
@@ -418,9 +504,38 @@ class _Extras:
         self._skip(path, f"a {type(v).__name__} (not representable as JSON)")
         return _OMIT
 
+    def _plain(self, v: Any, path: str, opt: bool, depth: int) -> Any:
+        """A placeholder (or class, function, frozenset ...) as the plain data ``sanitize`` would write, as JSON."""
+        from ckptfix.sanitize import _LOSSY, Plainer, normalise_global
+
+        pl = Plainer(arrays="list", sep=".")
+        plain = pl.convert(v, path)
+        if isinstance(v, type) and issubclass(v, Stub):
+            self.report.placeholders[path] = "class " + normalise_global(global_name(v))
+        elif isinstance(v, Stub):
+            self.report.placeholders[path] = normalise_global(global_name(type(v)))
+        for c in pl.changes:
+            self.report.converted[c.path] = f"{c.was} -> {c.now}"
+        for p, why in pl.lossy.items():
+            self._skip(p, why)
+        if plain is _LOSSY:
+            return _OMIT
+        return self.value(_strip_lossy(plain), path, opt, depth + 1)
+
     def _skip(self, path: str, why: str) -> None:
         if len(self.report.skipped) < 200:
             self.report.skipped[path] = why
+
+
+def _strip_lossy(v: Any) -> Any:
+    """``v`` without the markers of values too large for JSON (already listed in ``skipped``)."""
+    from ckptfix.sanitize import _LOSSY
+
+    if isinstance(v, dict):
+        return {k: _strip_lossy(x) for k, x in v.items() if x is not _LOSSY}
+    if isinstance(v, list):
+        return [None if x is _LOSSY else _strip_lossy(x) for x in v]
+    return v
 
 
 def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any], include_optimizer: bool,
@@ -435,7 +550,7 @@ def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any]
                 if r is not _OMIT:
                     extra[str(k)] = r
         return extra, []
-    if not (isinstance(obj, Mapping) or hasattr(obj, "items")):
+    if not (isinstance(obj, Mapping) or hasattr(obj, "items")) or isinstance(obj, type):
         return extra, []
     for k, v in list(obj.items()):
         if _is_optimizer_key(k) and k != key_path[0]:
@@ -461,6 +576,19 @@ def _default_output(src: str, suffix: str) -> str:
     if ext.lower() in _PTH_SUFFIXES + (".safetensors",):
         base = stem
     return os.path.join(os.path.dirname(s), base + suffix)
+
+
+def _default_st_output(src: str) -> str:
+    """``model.safetensors`` for a Hugging Face ``pytorch_model*.bin`` (or its index / folder), else ``<stem>.safetensors``."""
+    s = os.path.abspath(src).rstrip(os.sep)
+    if os.path.isdir(s):
+        if os.path.isfile(os.path.join(s, "pytorch_model.bin.index.json")):
+            return os.path.join(s, "model.safetensors")
+        return _default_output(src, ".safetensors")
+    base = os.path.basename(s)
+    if re.fullmatch(r"pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?", base):
+        return os.path.join(os.path.dirname(s), "model.safetensors")
+    return _default_output(src, ".safetensors")
 
 
 def _shard_names(dst: str, n: int) -> list[str]:
@@ -754,7 +882,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
                            max_shard_size: int | str | None = None, include_optimizer: bool = False,
                            verify: bool = True, force: bool = False, fsync: bool = False,
                            allow_globals: Sequence[str] = (), trust: bool = False,
-                           progress: Progress | None = None, ckptfix_metadata: bool = True) -> ConvertReport:
+                           progress: Progress | None = None, ckptfix_metadata: bool = True,
+                           keep: Sequence[str] = ()) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
     Args:
@@ -767,6 +896,14 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         allow_globals, trust: the loading policy, for inputs that need torch (DCP).
         progress: ``progress(done_bytes, total_bytes)`` while writing and verifying.
         ckptfix_metadata: ``False`` writes only ``{"format": "pt"}`` (aliases are then not restorable).
+        keep: of tied tensors (one tensor under several names), store these names; the others become
+            aliases.  By default the transformers class named by a ``config.json`` beside ``src`` decides
+            (its ``_tied_weights_keys`` are the names it drops), else the state dict's own order: the
+            first name is kept, as ``save_pretrained`` does.
+
+    The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
+    ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` when sharded), where ``from_pretrained`` looks.
 
     Returns:
         A :class:`ConvertReport`.
@@ -778,7 +915,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
-    dst = os.fspath(dst) if dst is not None else _default_output(src, ".safetensors")
+    dst = os.fspath(dst) if dst is not None else _default_st_output(src)
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     report = ConvertReport(source=src, outputs=[dst])
     if not max_shard_size:
@@ -831,10 +968,22 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     if not named:
         raise CorruptCheckpointError(f"{src}: no tensors to convert")
 
+    missing = [k for k in keep if k not in taken]
+    if missing:
+        raise KeyConflictError(f"--keep {missing[0]!r}: no tensor of that name in the state dict"
+                               + (" (after --strip-prefix)" if strip_prefix else "") + "; pass a name that "
+                               "`ckptfix inspect` lists")
+    tied = TiedNames(keep)
+    if _has_tied_groups(named):
+        hf = hf_tied_weights(src)
+        if hf is not None:
+            tied = TiedNames(keep, hf[0], hf[1])
     if use_torch:
-        items = _plan_tensors(named, report)
+        items = _plan_tensors(named, report, tied)
     else:
-        items = _plan_records(named, report)
+        items = _plan_records(named, report, tied)
+    if report.aliases:
+        report.tied_rule = "--keep" if tied.used_keep else tied.source
     metadata: dict[str, str] = {"format": "pt"}
     if ckptfix_metadata:
         metadata["ckptfix.source_format"] = cf.format

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
-from ckptfix.pickles import Stub, TensorRecord, classify_global, scan_globals
+from ckptfix.pickles import Stub, TensorRecord, classify_global, global_name, scan_globals
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 SCAN_SCHEMA = "ckptfix.scan/1"
@@ -46,8 +46,15 @@ class InspectReport:
 def _describe(v: Any) -> str:
     if isinstance(v, TensorRecord):
         return f"tensor {v.dtype} {list(v.shape)}"
+    if isinstance(v, type):
+        from ckptfix.sanitize import normalise_global
+
+        name = normalise_global(global_name(v)) if issubclass(v, Stub) else f"{v.__module__}.{v.__qualname__}"
+        return f"class {name} (a reference, not an instance)"
     if isinstance(v, Stub):
-        return f"object {type(v)._ckpt_module}.{type(v)._ckpt_name} (placeholder)"
+        from ckptfix.sanitize import normalise_global
+
+        return f"object {normalise_global(global_name(type(v)))} (placeholder)"
     if isinstance(v, dict):
         n = sum(1 for _ in v)
         return f"dict ({n} keys)"
@@ -90,7 +97,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     total = sum(st.nbytes or 0 for st in sd_storages.values()) if sd_storages else sum(
         t.nbytes for t in tensors.values())
     non_tensor: dict[str, str] = {}
-    if key_path and hasattr(cf.obj, "items"):
+    if key_path and hasattr(cf.obj, "items") and not isinstance(cf.obj, type):
         for k, v in cf.obj.items():
             if k != key_path[0]:
                 non_tensor[str(k)] = _describe(v)
