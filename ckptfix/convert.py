@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptfix.atomic import fsync_dir, new_temp
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
-                            OutputError, UnsupportedError, VerificationError)
+                            NoTensorsError, OutputError, UnsupportedError, VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
@@ -864,6 +864,16 @@ def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], tr
     raise UnsupportedError(f"{src}: this input needs torch-level loading (ckptfix.loading is not available)")
 
 
+def _require_tensors(cf: Any, src: str, what: str) -> None:
+    """NoTensorsError when a valid checkpoint holds no tensor anywhere (training_args.bin, scheduler.pt)."""
+    from ckptfix.formats import iter_tensors
+
+    if next(iter_tensors(cf.obj, depth=64), None) is None and not cf.extra.get("torchscript_state_dict"):
+        raise NoTensorsError(f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
+                             f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
+                             "`ckptfix sanitize` makes it load with weights_only=True")
+
+
 def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for k, v in sd.items():
@@ -932,6 +942,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         sd: Mapping[str, Any] = cf.extra["torchscript_state_dict"]
         obj = sd
     else:
+        if key is None and cf.format != "dcp":
+            _require_tensors(cf, src, "convert")
         key_path, sd = cf.state_dict(key)
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
@@ -966,7 +978,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     named = named + list(opt_named)
     report.optimizer_tensors = len(opt_named)
     if not named:
-        raise CorruptCheckpointError(f"{src}: no tensors to convert")
+        raise NoTensorsError(f"{src}: the state dict holds no tensors, so there is nothing to convert; "
+                             "`ckptfix inspect` shows what the file holds")
 
     missing = [k for k in keep if k not in taken]
     if missing:

@@ -18,13 +18,34 @@ SCAN_SCHEMA = "ckptfix.scan/1"
 
 @dataclass
 class InspectReport:
+    """What :func:`inspect_checkpoint` found; ``to_dict()`` is the ``--json`` document.
+
+    Counting (tied = one tensor under several names, as GPT-2's ``lm_head.weight`` and
+    ``transformer.wte.weight``):
+
+    ``tensor_count``            names in the state dict that hold a tensor
+    ``parameter_count``         values summed over every name (tied counted once per name, as
+                                ``sum(t.numel() for t in model.state_dict().values())``)
+    ``unique_parameter_count``  values summed over distinct tensors (tied counted once, as
+                                ``sum(p.numel() for p in model.parameters())`` for parameters)
+    ``total_bytes``             bytes summed over every name (``numel * element_size``)
+    ``unique_bytes``            bytes of the distinct storages the state dict uses (tied tensors and views
+                                of one storage counted once): what loading it costs
+    ``storage_bytes``           bytes of every storage in the file, inside the state dict or not
+
+    A valid file without tensors (``training_args.bin``, a scheduler state) has ``tensor_count`` 0,
+    ``state_dict_key`` None and its entries in ``non_tensor_entries``.
+    """
+
     path: str
     format: str
     file_size: int
-    state_dict_key: list[str]
+    state_dict_key: list[str] | None
     tensor_count: int
     parameter_count: int
+    unique_parameter_count: int
     total_bytes: int
+    unique_bytes: int
     storage_bytes: int
     dtypes: dict[str, int]
     locations: dict[str, int]
@@ -78,12 +99,32 @@ def _prefix_counts(keys: list[str]) -> dict[str, int]:
 
 
 def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> InspectReport:
-    """Summarise a checkpoint without loading tensor data and without running any pickle code."""
+    """Summarise a checkpoint without loading tensor data and without running any pickle code.
+
+    Args:
+        path: any checkpoint ckptfix reads (torch zip/legacy, safetensors, sharded index, DCP, TorchScript).
+        key: where the state dict sits (found automatically otherwise).
+
+    Returns:
+        InspectReport (see its docstring for what each count means).  A valid torch file without
+        tensors is summarised too (``tensor_count`` 0).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError: unreadable input.
+        KeyConflictError: ``key`` does not exist.
+    """
     cf = read_checkpoint(path)
     obj = cf.obj
     if cf.format == "torchscript":
         obj = cf.extra.get("torchscript_state_dict") or {}
-    key_path, sd = find_state_dict(obj, key)
+    from ckptfix.formats import iter_tensors
+
+    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and next(
+            iter_tensors(obj, depth=64), None) is None:
+        key_path: tuple[str, ...] | None = None
+        sd: Any = {}
+    else:
+        key_path, sd = find_state_dict(obj, key)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     dtypes: collections.Counter[str] = collections.Counter(t.dtype for t in tensors.values())
     by_storage: dict[int, list[str]] = collections.defaultdict(list)
@@ -93,11 +134,27 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     shared = [names for names in by_storage.values() if len(names) > 1]
     locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
     storage_bytes = sum(st.nbytes or 0 for st in cf.storages.values())
+    distinct: dict[tuple, Any] = {}
+    for t in tensors.values():
+        st = t.storage
+        distinct.setdefault((id(st), t.offset, tuple(t.shape), tuple(t.stride), t.dtype) if st is not None
+                            else (id(t),), t)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
-    total = sum(st.nbytes or 0 for st in sd_storages.values()) if sd_storages else sum(
-        t.nbytes for t in tensors.values())
+    unique_bytes = (sum(st.nbytes or 0 for st in sd_storages.values())
+                    + sum(t.nbytes for t in distinct.values() if t.storage is None))
     non_tensor: dict[str, str] = {}
-    if key_path and hasattr(cf.obj, "items") and not isinstance(cf.obj, type):
+    if key_path is None:  # no tensors at all: the entries themselves
+        top = obj._state if isinstance(obj, Stub) and isinstance(obj._state, dict) else obj
+        if isinstance(top, Stub) and top._dictitems:
+            top = top._dictitems
+        if isinstance(top, dict):
+            for k, v in top.items():
+                non_tensor[str(k)] = _describe(v)
+        else:
+            non_tensor["(top level)"] = _describe(obj)
+        if isinstance(obj, Stub):
+            non_tensor = {"(top level)": _describe(obj), **non_tensor}
+    elif key_path and hasattr(cf.obj, "items") and not isinstance(cf.obj, type):
         for k, v in cf.obj.items():
             if k != key_path[0]:
                 non_tensor[str(k)] = _describe(v)
@@ -125,9 +182,15 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
                      "load_anywhere / --map-location remaps them")
     if cf.format == "torch-legacy":
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
+    if key_path is None:
+        notes.append("no tensors in this file (e.g. training arguments or a scheduler state); load it with "
+                     "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize")
     return InspectReport(
-        path=cf.path, format=cf.format, file_size=cf.file_size, state_dict_key=list(key_path),
-        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()), total_bytes=total,
+        path=cf.path, format=cf.format, file_size=cf.file_size,
+        state_dict_key=None if key_path is None else list(key_path),
+        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()),
+        unique_parameter_count=sum(t.numel for t in distinct.values()),
+        total_bytes=sum(t.nbytes for t in tensors.values()), unique_bytes=unique_bytes,
         storage_bytes=storage_bytes,
         dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,

@@ -128,6 +128,10 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         return _rewrite_sharded(cf, transform, output=output, in_place=in_place, force=force, key=key,
                                 map_location=map_location, fsync=bool(fsync), suffix=suffix)
     _check_writable(cf)
+    if key is None and cf.format != "safetensors":
+        from ckptfix.convert import _require_tensors
+
+        _require_tensors(cf, src, "rename")
     key_path, sd = find_state_dict(cf.obj, key)
     _check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too

@@ -24,15 +24,21 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
     if as_json:
         emit_json(r.to_dict())
         return
-    where = "/".join(r.state_dict_key) or "(top level)"
+    if r.state_dict_key is None:
+        state = "no tensors (a valid torch file: arguments, scheduler or other state)"
+    else:
+        where = "/".join(r.state_dict_key) or "(top level)"
+        state = f"{where}: {r.tensor_count} tensors, {r.parameter_count:,} values, {human_bytes(r.total_bytes)}"
+        if r.unique_parameter_count != r.parameter_count or r.unique_bytes != r.total_bytes:
+            state += (f" ({r.unique_parameter_count:,} values, {human_bytes(r.unique_bytes)} counting tied/shared "
+                      "tensors once)")
     lines = [
         f"{r.path}",
         f"  format        {r.format}, {human_bytes(r.file_size)}",
-        f"  state dict    {where}: {r.tensor_count} tensors, {r.parameter_count:,} values, "
-        f"{human_bytes(r.total_bytes)}",
+        f"  state dict    {state}",
         f"  dtypes        {_fmt_counts(r.dtypes)}",
         f"  storage tags  {_fmt_counts(r.locations)}" + (f" (all storages in the file, {human_bytes(r.storage_bytes)})"
-                                                         if r.storage_bytes != r.total_bytes else ""),
+                                                         if r.storage_bytes != r.unique_bytes else ""),
         f"  prefixes      {_fmt_counts(r.prefixes)}",
         f"  shared        {'; '.join(' = '.join(g) for g in r.shared) or '-'}",
     ]
