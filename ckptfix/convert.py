@@ -539,10 +539,12 @@ def _strip_lossy(v: Any) -> Any:
 
 
 def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any], include_optimizer: bool,
-                      report: ConvertReport) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-    """(extra JSON object, optimizer tensors) for everything outside the state dict."""
-    ex = _Extras(sd, report)
+                      report: ConvertReport, node: Any = None) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(extra JSON object, optimizer tensors) for everything outside the state dict (``node``: what holds it)."""
+    ex = _Extras(sd if node is None else node, report)
     extra: dict[str, Any] = {}
+    if not key_path and _module_state(obj) is not None and not isinstance(obj, dict):
+        return extra, []  # a whole pickled module: its state dict is all there is to keep
     if not key_path:
         for k, v in sd.items():  # a state dict with some non-tensor values mixed in
             if not is_tensor_like(v):
@@ -864,11 +866,120 @@ def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], tr
     raise UnsupportedError(f"{src}: this input needs torch-level loading (ckptfix.loading is not available)")
 
 
-def _require_tensors(cf: Any, src: str, what: str) -> None:
-    """NoTensorsError when a valid checkpoint holds no tensor anywhere (training_args.bin, scheduler.pt)."""
-    from ckptfix.formats import iter_tensors
+def contains_tensors(obj: Any, depth: int = 200) -> bool:
+    """Is there a tensor (record or torch tensor) anywhere in ``obj``, placeholder state included?"""
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(obj, 0)]
+    while todo:
+        v, d = todo.pop()
+        if is_tensor_like(v):
+            return True
+        if d > depth or id(v) in seen or isinstance(v, (str, bytes, int, float, type)) or v is None:
+            continue
+        seen.add(id(v))
+        if isinstance(v, Stub):
+            todo += [(v._state, d + 1), (list(v._args), d + 1), (list(v._listitems), d + 1),
+                     (list(v._dictitems.values()), d + 1)]
+        elif isinstance(v, Mapping):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            todo += [(x, d + 1) for x in v]
+        elif hasattr(v, "__dict__"):
+            todo.append((vars(v), d + 1))
+    return False
 
-    if next(iter_tensors(cf.obj, depth=64), None) is None and not cf.extra.get("torchscript_state_dict"):
+
+def _module_state(obj: Any) -> dict | None:
+    """The ``__dict__`` of a pickled ``nn.Module`` (a placeholder, a plain dict after sanitize, or a real module)."""
+    if isinstance(obj, Stub):
+        st = obj._state
+    elif isinstance(obj, dict):
+        st = obj
+    elif hasattr(obj, "_parameters") and hasattr(obj, "_modules"):
+        st = vars(obj)
+    else:
+        return None
+    return st if isinstance(st, dict) and "_parameters" in st and "_modules" in st else None
+
+
+def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict | None:
+    """What ``module.state_dict()`` returns, for a whole pickled ``nn.Module`` (``torch.save(model)``), without torch.
+
+    Parameters, then persistent buffers, then each submodule's, recursively, as torch orders them.
+    None when ``obj`` is not a module.
+    """
+    import collections
+
+    st = _module_state(obj)
+    if st is None or depth > 100:
+        return None
+    out = collections.OrderedDict() if out is None else out
+    for name, p in (st.get("_parameters") or {}).items():
+        if p is not None and is_tensor_like(p):
+            out[prefix + str(name)] = p
+    skip = st.get("_non_persistent_buffers_set") or set()
+    for name, b in (st.get("_buffers") or {}).items():
+        if b is not None and is_tensor_like(b) and name not in skip:
+            out[prefix + str(name)] = b
+    for name, m in (st.get("_modules") or {}).items():
+        if m is not None:
+            module_state_dict(m, f"{prefix}{name}.", out, depth + 1)
+    return out
+
+
+def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any], str]:
+    """(key path, state dict, kind) for any checkpoint object; ``kind`` says what held the tensors.
+
+    ``"mapping"``: a state dict (found as :func:`ckptfix.formats.find_state_dict` finds it);
+    ``"module"``: a whole pickled ``nn.Module`` (at the top or under a top-level key), its
+    ``state_dict()`` computed from the placeholders; ``"sequence"``: a top-level list/tuple holding
+    tensors (nested lists, tuples and dicts too), each named by its path: ``"0"``, ``"1.2"`` ...
+    """
+    from ckptfix.formats import find_state_dict
+
+    if key is None:
+        if _module_state(obj) is not None and not isinstance(obj, dict):
+            sd = module_state_dict(obj)
+            if sd:
+                return (), sd, "module"
+        if isinstance(obj, Mapping) and not is_tensor_like(obj):
+            for k, v in obj.items():
+                if isinstance(k, str) and not isinstance(v, dict) and _module_state(v) is not None:
+                    sd = module_state_dict(v)
+                    if sd:
+                        return (k,), sd, "module"
+    try:
+        kp, sd = find_state_dict(obj, key)
+    except CorruptCheckpointError:
+        if key is not None or not isinstance(obj, (list, tuple)):
+            raise
+        flat = _flatten_containers(obj)
+        if not flat:
+            raise
+        return (), flat, "sequence"
+    return tuple(kp), sd, "mapping"
+
+
+def _flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict[str, Any]:
+    """{"0.1": tensor, ...}: every tensor in nested lists, tuples and dicts, named by its path."""
+    out = {} if out is None else out
+    if depth > 32:
+        return out
+    if is_tensor_like(obj):
+        out[prefix.rstrip(".")] = obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flatten_containers(v, f"{prefix}{i}.", out, depth + 1)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if isinstance(k, (str, int)):
+                _flatten_containers(v, f"{prefix}{k}.", out, depth + 1)
+    return out
+
+
+def _require_tensors(cf: Any, src: str, what: str) -> None:
+    """NoTensorsError when a valid checkpoint holds no tensors anywhere (training_args.bin, scheduler.pt)."""
+    if not contains_tensors(cf.obj) and not cf.extra.get("torchscript_state_dict"):
         raise NoTensorsError(f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
                              f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
                              "`ckptfix sanitize` makes it load with weights_only=True")
@@ -944,7 +1055,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     else:
         if key is None and cf.format != "dcp":
             _require_tensors(cf, src, "convert")
-        key_path, sd = cf.state_dict(key)
+        key_path, sd, _ = locate_state_dict(cf.obj, key)
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = cf.format == "dcp" or any(
@@ -957,7 +1068,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         sd = tsd
         obj = tobj if tobj is not None else tsd
         named = _flatten_state_dict(tsd)
-    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report)
+    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report,
+                                         node=_at(obj, key_path) if key_path and not use_torch else None)
 
     if strip_prefix:
         from ckptfix.prefixes import strip_prefix as _strip

@@ -9,7 +9,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
+from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import Stub, TensorRecord, classify_global, global_name, scan_globals
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
@@ -117,14 +117,14 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     obj = cf.obj
     if cf.format == "torchscript":
         obj = cf.extra.get("torchscript_state_dict") or {}
-    from ckptfix.formats import iter_tensors
+    from ckptfix.convert import contains_tensors, locate_state_dict
 
-    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and next(
-            iter_tensors(obj, depth=64), None) is None:
+    holder = "mapping"
+    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and not contains_tensors(obj):
         key_path: tuple[str, ...] | None = None
         sd: Any = {}
     else:
-        key_path, sd = find_state_dict(obj, key)
+        key_path, sd, holder = locate_state_dict(obj, key)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     dtypes: collections.Counter[str] = collections.Counter(t.dtype for t in tensors.values())
     by_storage: dict[int, list[str]] = collections.defaultdict(list)
@@ -182,6 +182,11 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
                      "load_anywhere / --map-location remaps them")
     if cf.format == "torch-legacy":
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
+    if holder == "module":
+        notes.append("a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
+                     "the module itself runs its class's code (load_anywhere gives the state dict)")
+    elif holder == "sequence":
+        notes.append("a list/tuple holding tensors, not a state dict: each named by its position (\"0\", \"1.2\" ...)")
     if key_path is None:
         notes.append("no tensors in this file (e.g. training arguments or a scheduler state); load it with "
                      "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import find_state_dict, read_checkpoint, sniff
+from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.pickles import Stub, classify_global, stub_class
 
 MapLocation = Any  # str | torch.device | dict | callable | None | "auto"
@@ -446,14 +446,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
     else:  # pragma: no cover - sniff raises for everything else
         raise CorruptCheckpointError(f"{path}: unsupported format {kind}")
 
-    from ckptfix.formats import iter_tensors
+    from ckptfix.convert import contains_tensors, locate_state_dict
 
-    if key is None and next(iter_tensors(obj, depth=64), None) is None:
+    if key is None and not contains_tensors(obj):
         # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict
         return LoadedCheckpoint(path=path, state_dict=collections.OrderedDict(), checkpoint=obj, format=fmt,
                                 key_path=(), stubbed_globals=sorted(stubbed), locations=dict(tags),
                                 remapped=remapped, metadata=metadata)
-    key_path, sd = find_state_dict(obj, key)
+    key_path, sd, _ = locate_state_dict(obj, key)
     if not isinstance(sd, dict):
         sd = collections.OrderedDict(sd.items())
     alignment = None

@@ -132,7 +132,14 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         from ckptfix.convert import _require_tensors
 
         _require_tensors(cf, src, "rename")
-    key_path, sd = find_state_dict(cf.obj, key)
+    from ckptfix.convert import locate_state_dict
+
+    key_path, sd, holder = locate_state_dict(cf.obj, key)
+    if holder != "mapping":
+        what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
+        raise UnsupportedError(f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
+                               "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
+                               "load_anywhere it and save the state dict")
     _check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
         sd = _logical_state_dict(sd, cf.extra.get("metadata"))
