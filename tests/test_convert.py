@@ -591,3 +591,46 @@ def test_placeholder_class_as_the_whole_object(tmp_path):
         assert "internal error" not in p.stderr, p.stderr
         if cmd != ["inspect"]:
             assert_one_line_error(p, 13)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 3, 3)
+        self.rnn = torch.nn.LSTM(3, 4)
+        self.bn = torch.nn.BatchNorm1d(3)
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+@pytest.mark.parametrize("layout", ["module", "nested_module", "tuple_of_lists"])
+def test_whole_module_and_tensor_lists(tmp_path, layout):
+    """torch.save(model) and tuples of tensors: named as state_dict() / by position, equal to torch's."""
+    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.loading import load_anywhere
+
+    torch.manual_seed(0)
+    net = _Net()
+    src = tmp_path / "m.pt"
+    if layout == "module":
+        torch.save(net, src)
+        want = net.state_dict()
+    elif layout == "nested_module":
+        torch.save({"model": net, "epoch": 4}, src)
+        want = net.state_dict()
+    else:
+        a, b = [torch.randn(2), torch.randn(3)], [torch.arange(4)]
+        torch.save((a, b), src)
+        want = {"0.0": a[0], "0.1": a[1], "1.0": b[0]}
+    assert inspect_checkpoint(src).tensor_count == len(want)
+    got = load_anywhere(src)
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert_same(got[k], v)
+    r = convert_to_safetensors(src, tmp_path / "m.safetensors")
+    assert r.verified and r.tensors == len(want)
+    raw = load_file(tmp_path / "m.safetensors")
+    for k, v in want.items():
+        assert_same(raw[k], v)
+    from conftest import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("strip-prefix", src), 8)  # no keys to rename in the file: said clearly
