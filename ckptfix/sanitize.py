@@ -563,7 +563,7 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
     from ckptfix.formats import iter_tensors
 
     rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
-    if not before and cf.format == "torch-zip":
+    if not before:  # torch.load(weights_only=True) reads legacy files too
         rep.notes.append("nothing to change; no file written")
         return rep
     used = set(cf.storages)

@@ -254,3 +254,25 @@ def test_sanitize_never_imports_torch(tmp_path):
                                        ("collections.OrderedDict", "collections.OrderedDict")])
 def test_normalise_global(name, want):
     assert normalise_global(name) == want
+
+
+def test_whole_pickled_module(tmp_path):
+    """torch.save(model): every module becomes a dict of its state; the parameters stay tensors."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    torch.save(net, tmp_path / "m.pt")
+    rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
+    assert {c.was for c in rep.changes} >= {"torch.nn.modules.container.Sequential",
+                                            "torch.nn.modules.linear.Linear"}
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert out["__class__"] == "torch.nn.modules.container.Sequential"
+    lin = out["_modules"]["0"]
+    assert torch.equal(lin["_parameters"]["weight"], net[0].weight.detach())
+    assert torch.equal(out["_modules"]["1"]["_buffers"]["running_mean"], net[1].running_mean)
+
+
+def test_legacy_file_already_safe_is_left_alone(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt", _use_new_zipfile_serialization=False)
+    rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
+    assert not rep.changed and not (tmp_path / "o.pt").exists()
+    torch.load(tmp_path / "m.pt", weights_only=True)
