@@ -258,11 +258,19 @@ class TiedNames:
 
 
 def hf_tied_weights(src: str) -> tuple[list[str], str] | None:
-    """(``_tied_weights_keys`` patterns, source) from the transformers class a ``config.json`` beside ``src`` names.
+    """The tied-weight names transformers drops, for the class a ``config.json`` beside ``src`` names.
 
-    None when there is no ``config.json`` with ``architectures`` next to the input, or transformers
-    is not importable (then the state-dict order decides).  Only the installed transformers package
-    is imported; nothing from the checkpoint runs.
+    Only the installed transformers package is imported (and only when such a ``config.json``
+    exists); nothing from the checkpoint runs.
+
+    Args:
+        src: the checkpoint file (or its folder).
+
+    Returns:
+        ``(patterns, source)``: the class's ``_tied_weights_keys`` (dict keys in transformers 5, list
+        entries in 4.x) and a description for the report; None when there is no ``config.json`` with
+        ``architectures`` next to the input or transformers is not importable (then the state-dict
+        order decides).
     """
     d = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
     cfg = os.path.join(d, "config.json")
@@ -867,7 +875,15 @@ def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], tr
 
 
 def contains_tensors(obj: Any, depth: int = 200) -> bool:
-    """Is there a tensor (record or torch tensor) anywhere in ``obj``, placeholder state included?"""
+    """Is there a tensor (record or torch tensor) anywhere in ``obj``, placeholder state included?
+
+    Args:
+        obj: any object graph from the restricted reader or torch.
+        depth: how deep to look.
+
+    Returns:
+        True at the first tensor found.
+    """
     seen: set[int] = set()
     todo: list[tuple[Any, int]] = [(obj, 0)]
     while todo:
@@ -905,8 +921,13 @@ def _module_state(obj: Any) -> dict | None:
 def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict | None:
     """What ``module.state_dict()`` returns, for a whole pickled ``nn.Module`` (``torch.save(model)``), without torch.
 
-    Parameters, then persistent buffers, then each submodule's, recursively, as torch orders them.
-    None when ``obj`` is not a module.
+    Args:
+        obj: the module: a placeholder, a plain dict (after ``sanitize``) or a real ``nn.Module``.
+        prefix, out, depth: used by the recursion.
+
+    Returns:
+        name -> tensor: parameters, then persistent buffers, then each submodule's, recursively, as
+        torch orders them; None when ``obj`` is not a module.
     """
     import collections
 
@@ -928,12 +949,21 @@ def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth
 
 
 def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any], str]:
-    """(key path, state dict, kind) for any checkpoint object; ``kind`` says what held the tensors.
+    """Find the tensors of any checkpoint object and name them.
 
-    ``"mapping"``: a state dict (found as :func:`ckptfix.formats.find_state_dict` finds it);
-    ``"module"``: a whole pickled ``nn.Module`` (at the top or under a top-level key), its
-    ``state_dict()`` computed from the placeholders; ``"sequence"``: a top-level list/tuple holding
-    tensors (nested lists, tuples and dicts too), each named by its path: ``"0"``, ``"1.2"`` ...
+    Args:
+        obj: the unpickled checkpoint (records and placeholders, or torch objects).
+        key: where the state dict sits (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+
+    Returns:
+        ``(key path, state dict, kind)``.  ``kind`` ``"mapping"``: a state dict (as
+        :func:`ckptfix.formats.find_state_dict` finds it); ``"module"``: a whole pickled ``nn.Module``
+        (at the top or under a top-level key), its ``state_dict()`` computed from the placeholders;
+        ``"sequence"``: a top-level list/tuple holding tensors (nested lists, tuples and dicts too),
+        each named by its path: ``"0"``, ``"1.2"`` ...
+
+    Raises:
+        KeyConflictError: ``key`` does not exist.  CorruptCheckpointError: no tensors found.
     """
     from ckptfix.formats import find_state_dict
 

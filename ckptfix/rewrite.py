@@ -172,6 +172,15 @@ def prepare_output(src: str, output: str | None, *, in_place: bool, force: bool,
     With ``in_place`` the file a symlink points to is the target (the link stays a link) and fsync is
     on by default; a hard-linked input gets a note (its other names keep the old contents).
 
+    Args:
+        src, output, in_place, force: as the rewrite commands take them.
+        suffix, fmt_out: for the default name ``<stem>.<suffix><ext>``.
+        notes: the report's notes, appended to.
+        fsync: explicit choice (default: on for ``in_place``).
+
+    Returns:
+        ``(path, fsync)``.
+
     Raises:
         OutputError: the output is the input (without ``in_place``), a directory, or exists without ``force``.
     """
@@ -198,7 +207,18 @@ def write_atomic(dst: str, write: Callable[[Any], None], check: Callable[[str], 
                  backup_of: str | None = None) -> str | None:
     """Write ``dst`` through a temp file: ``write(f)``, then ``check(temp_path)``, then the backup, then the rename.
 
-    Nothing is renamed (and no backup made) when ``write`` or ``check`` raises.  Returns the backup path.
+    Args:
+        dst: the final path.
+        write: writes the content to the open temp file.
+        check: verifies the written temp file (raises to stop the rename), or None.
+        fsync: flush file and directory around the rename.
+        backup_of: keep this file as ``<path>.bak`` just before it is replaced (``--in-place``).
+
+    Returns:
+        The backup path, or None.
+
+    Raises:
+        Whatever ``write`` or ``check`` raise (nothing is renamed and no backup made); OutputError.
     """
     made: list[str] = []
 
@@ -460,8 +480,17 @@ def write_checkpoint_zip(cf: CheckpointFile, obj: Any, f: Any, *, new_storages: 
                          ) -> None:
     """Write ``cf`` as a torch zip archive whose data.pkl pickles ``obj``, every storage record copied by range.
 
-    ``new_storages`` (storage key -> bytes) are added as new records (``sanitize`` turns numpy arrays into
-    tensors this way).  A legacy input becomes a zip archive.  torch is never imported.
+    A legacy input becomes a zip archive.  torch is never imported.
+
+    Args:
+        cf: the checkpoint read from disk (its storages give the byte ranges).
+        obj: the object graph to pickle as data.pkl (records and placeholders).
+        f: the open output file.
+        new_storages: storage key -> bytes, added as new records (``sanitize`` turns numpy arrays into
+            tensors this way).
+
+    Raises:
+        UnsupportedError: legacy storage views; OutputError: the disk is full.
     """
     from ckptfix.formats.zipfmt import AlignedZipWriter, rewrite_zip
 
@@ -513,6 +542,15 @@ def pickle_globals(data: bytes) -> list[str]:
 
     A protocol < 3 pickle's ``__builtin__ long`` is ``builtins.int`` (``_compat_pickle``); a
     ``builtins long`` stays ``builtins.long`` -- which does not exist.  Reads opcodes only.
+
+    Args:
+        data: one pickle.
+
+    Returns:
+        ``module.name`` of every global, in order, repeats included.
+
+    Raises:
+        ValueError (from pickletools) on a malformed stream.
     """
     import _compat_pickle
     import pickletools

@@ -73,6 +73,12 @@ def normalise_global(name: str) -> str:
     Protocol-2 pickles (torch.save's default) name Python 2 spellings; the pickle module maps them
     through ``_compat_pickle``.  The restricted reader turns ``__builtin__`` into ``builtins`` and
     keeps the attribute, so both spellings are accepted here.
+
+    Args:
+        name: ``module.Name`` as a pickle (or the restricted reader) spells it.
+
+    Returns:
+        The Python 3 name; ``name`` itself when no mapping applies.
     """
     module, _, attr = name.rpartition(".")
     for mod in (module, "__builtin__" if module == "builtins" else None):
@@ -138,7 +144,18 @@ class Plainer:
     # ---------------------------------------------------------------- entry point
 
     def convert(self, v: Any, path: str = "", depth: int = 0) -> Any:
-        """The plain-data form of ``v`` (``v`` itself when it is already plain)."""
+        """The plain-data form of ``v`` (``v`` itself when it is already plain).
+
+        Args:
+            v: any object from the restricted reader.
+            path: where ``v`` sits, for the change list.  depth: nesting so far.
+
+        Returns:
+            Weights-only-safe data; every replacement is recorded in :attr:`changes`.
+
+        Raises:
+            ResourceLimitError: nesting deeper than 400 levels.
+        """
         if v is None or isinstance(v, (bool, int, float, str, bytes, bytearray, complex)):
             return v
         if isinstance(v, (TensorRecord, StorageRecord)):
@@ -376,7 +393,17 @@ _LOSSY = object()
 
 def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False,
                        nbytes: int) -> TensorRecord:
-    """A new CPU tensor over a whole new storage ``key``, written as torch.save writes one."""
+    """A new CPU tensor over a whole new storage ``key``, written as torch.save writes one.
+
+    Args:
+        key: the storage key (its bytes go to ``data/<key>``).
+        dtype: torch dtype name.  shape: the tensor's shape.  fortran: column-major strides.
+        nbytes: the storage's size in bytes.
+
+    Returns:
+        A TensorRecord that pickles as ``torch._utils._rebuild_tensor_v2`` (v3 for dtypes without a
+        typed storage class, e.g. uint16).
+    """
     es = int(nbytes // max(1, _prod(shape))) if _prod(shape) else 1
     if dtype in _TYPED_STORAGE:
         st_cls = stub_class("torch", _TYPED_STORAGE[dtype])
