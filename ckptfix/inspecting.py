@@ -73,9 +73,18 @@ def _describe(v: Any) -> str:
         name = normalise_global(global_name(v)) if issubclass(v, Stub) else f"{v.__module__}.{v.__qualname__}"
         return f"class {name} (a reference, not an instance)"
     if isinstance(v, Stub):
-        from ckptfix.sanitize import normalise_global
+        from ckptfix.sanitize import NUMPY_TO_TORCH, _dtype_code, normalise_global
 
-        return f"object {normalise_global(global_name(type(v)))} (placeholder)"
+        name = normalise_global(global_name(type(v)))
+        st = v._state
+        if name.endswith("multiarray._reconstruct") and isinstance(st, tuple) and len(st) == 5:
+            code = _dtype_code(st[2]) or "?"
+            shape = list(st[1]) if isinstance(st[1], tuple) else "?"
+            return f"numpy.ndarray {NUMPY_TO_TORCH.get(code, code)} {shape} (placeholder)"
+        if name.endswith("multiarray.scalar") and v._args:
+            code = _dtype_code(v._args[0]) or "?"
+            return f"numpy scalar {NUMPY_TO_TORCH.get(code, code)} (placeholder)"
+        return f"object {name} (placeholder)"
     if isinstance(v, dict):
         n = sum(1 for _ in v)
         return f"dict ({n} keys)"

@@ -89,3 +89,12 @@ def test_placeholder_class_values_are_described(tmp_path):
     torch.save(int, tmp_path / "c.pt")
     assert inspect_checkpoint(tmp_path / "c.pt").non_tensor_entries == {
         "(top level)": "class builtins.int (a reference, not an instance)"}
+
+
+def test_numpy_values_are_described(tmp_path):
+    np = pytest.importorskip("numpy")
+    torch.save({"state_dict": {"w": torch.ones(1)}, "shift": np.arange(6.0).reshape(2, 3),
+                "n": np.float32(1.0)}, tmp_path / "m.pt")
+    r = inspect_checkpoint(tmp_path / "m.pt")
+    assert r.non_tensor_entries["shift"] == "numpy.ndarray float64 [2, 3] (placeholder)"
+    assert r.non_tensor_entries["n"] == "numpy scalar float32 (placeholder)"
