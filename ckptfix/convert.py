@@ -46,7 +46,7 @@ from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckp
                             NoTensorsError, OutputError, UnsupportedError, VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
-from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
+from ckptfix.pickles import Stub, TensorRecord, global_name, is_tensor_like
 
 __all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "rebuild_checkpoint",
            "parse_size", "ConvertReport", "safetensors_header"]
@@ -589,7 +589,10 @@ def _default_output(src: str, suffix: str) -> str:
 
 
 def _default_st_output(src: str) -> str:
-    """``model.safetensors`` for a Hugging Face ``pytorch_model*.bin`` (or its index / folder), else ``<stem>.safetensors``."""
+    """``model.safetensors`` for a Hugging Face ``pytorch_model*.bin`` (or its index / folder).
+
+    Anything else: ``<stem>.safetensors`` next to the input.
+    """
     s = os.path.abspath(src).rstrip(os.sep)
     if os.path.isdir(s):
         if os.path.isfile(os.path.join(s, "pytorch_model.bin.index.json")):

@@ -372,8 +372,8 @@ class Plainer:
                     "fortran_order": bool(fortran), "data": raw}
         if self.arrays == "list":
             if numel > self.max_list:
-                self.lossy[path or "(top level)"] = (f"numpy.ndarray {dtype} {list(shape)}: {numel} values, too many for "
-                                           "JSON metadata")
+                self.lossy[path or "(top level)"] = (f"numpy.ndarray {dtype} {list(shape)}: {numel} values, "
+                                                     "too many for JSON metadata")
                 return _LOSSY
             vals = _unpack(code, order, raw)
             if vals is None:

@@ -120,7 +120,8 @@ def test_each_kind_loads_with_weights_only(tmp_path, kind, legacy, omegaconf_ava
     ref = torch.load(src, weights_only=False)
     assert torch.equal(out["state_dict"]["w"], w)
     # storage sharing kept: the view is still a view of w
-    assert out["state_dict"]["w_view"].untyped_storage().data_ptr() == out["state_dict"]["w"].untyped_storage().data_ptr()
+    sd = out["state_dict"]
+    assert sd["w_view"].untyped_storage().data_ptr() == sd["w"].untyped_storage().data_ptr()
     assert out["epoch"] == 3
     _check_plain(kind, ref["extra"], out["extra"])
 

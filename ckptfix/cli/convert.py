@@ -35,7 +35,8 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
-                keep: tuple[str, ...], include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool, allow_globals: tuple[str, ...], trust: bool,
+                keep: tuple[str, ...], include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool,
+                allow_globals: tuple[str, ...], trust: bool,
                 quiet: bool, as_json: bool) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
