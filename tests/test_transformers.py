@@ -133,3 +133,18 @@ def test_cli_converts_inside_the_folder(built, tmp_path):
     assert doc["outputs"] == [str(tmp_path / "f" / "model.safetensors")]
     assert doc["aliases"][head] == embed
     assert json.loads((tmp_path / "f" / "config.json").read_text())["architectures"] == [type(model).__name__]
+
+
+def test_the_name_alphabetical_order_keeps_breaks_automodel(tmp_path):
+    """Negative control: storing lm_head.weight (the name that sorts first, Hugging Face convert.py's choice)
+    leaves AutoModel without its embedding -- the check above would catch a regression."""
+    torch.manual_seed(0)
+    model, embed, head = _gpt2()
+    model.eval()
+    ids = torch.randint(0, 97, (2, 7))
+    folder = tmp_path / "neg"
+    src = _save_hf_bin(model, folder)
+    convert_to_safetensors(src, keep=[head])
+    os.remove(src)
+    base = transformers.AutoModel.from_pretrained(folder, use_safetensors=True)
+    assert not torch.equal(_outputs(base, ids), _outputs(_base_of(model), ids))
