@@ -535,6 +535,14 @@ class _Extras:
             self.report.skipped[path] = why
 
 
+def _kind_of(v: Any) -> str:
+    from ckptfix.sanitize import normalise_global
+
+    if isinstance(v, type):
+        return "class " + (normalise_global(global_name(v)) if issubclass(v, Stub) else v.__qualname__)
+    return normalise_global(global_name(type(v))) if isinstance(v, Stub) else type(v).__name__
+
+
 def _strip_lossy(v: Any) -> Any:
     """``v`` without the markers of values too large for JSON (already listed in ``skipped``)."""
     from ckptfix.sanitize import _LOSSY
@@ -562,6 +570,9 @@ def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any]
         return extra, []
     if not (isinstance(obj, Mapping) or hasattr(obj, "items")) or isinstance(obj, type):
         return extra, []
+    for k, v in sd.items():  # non-tensor values inside a nested state dict: no place in the file
+        if not is_tensor_like(v):
+            ex._skip(".".join((*key_path, str(k))), f"a non-tensor value inside the state dict ({_kind_of(v)})")
     for k, v in list(obj.items()):
         if _is_optimizer_key(k) and k != key_path[0]:
             if not include_optimizer:
@@ -984,13 +995,39 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
     try:
         kp, sd = find_state_dict(obj, key)
     except CorruptCheckpointError:
-        if key is not None or not isinstance(obj, (list, tuple)):
+        if key is not None:
             raise
-        flat = _flatten_containers(obj)
+        mixed = _mixed_state_dict(obj)
+        if mixed is not None:
+            return mixed[0], mixed[1], "mapping"
+        flat = _flatten_containers(obj) if isinstance(obj, (list, tuple)) else {}
         if not flat:
             raise
         return (), flat, "sequence"
     return tuple(kp), sd, "mapping"
+
+
+def _mixed_state_dict(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:
+    """A nested state dict that also holds non-tensor values (``{"w": tensor, "kind": int}``, ``_extra_state``).
+
+    Preferred names (``state_dict``, ``model`` ...) first, else the mapping with the most tensors, three levels
+    down at most.  None when no mapping holds a tensor directly.
+    """
+    from ckptfix.formats import STATE_DICT_KEYS
+
+    best: tuple[int, int, tuple[str, ...], Any] | None = None
+    todo: list[tuple[tuple[str, ...], Any]] = [((), obj)]
+    while todo:
+        path, node = todo.pop(0)
+        if not isinstance(node, Mapping) or len(path) > 3:
+            continue
+        n = sum(1 for v in node.values() if is_tensor_like(v))
+        if n and path:
+            rank = (1 if path[-1] in STATE_DICT_KEYS else 0, n)
+            if best is None or rank > best[:2]:
+                best = (rank[0], rank[1], path, node)
+        todo += [(path + (k,), v) for k, v in node.items() if isinstance(k, str) and isinstance(v, Mapping)]
+    return (best[2], best[3]) if best else None
 
 
 def _flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict[str, Any]:

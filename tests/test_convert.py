@@ -634,3 +634,20 @@ def test_whole_module_and_tensor_lists(tmp_path, layout):
     from conftest import assert_one_line_error, run_cli
 
     assert_one_line_error(run_cli("strip-prefix", src), 8)  # no keys to rename in the file: said clearly
+
+
+def test_nested_state_dict_with_non_tensor_values(tmp_path):
+    """{"state_dict": {"w": tensor, "kind": int}}: found, converted, the non-tensor value listed as skipped."""
+    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.loading import load_anywhere
+
+    w = torch.randn(2, 2)
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": {"w": w, "kind": int, "_extra_state": b"x"}, "epoch": 1}, src)
+    assert inspect_checkpoint(src).state_dict_key == ["state_dict"]
+    sd = load_anywhere(src)
+    assert_same(sd["w"], w)
+    r = convert_to_safetensors(src, tmp_path / "m.safetensors")
+    assert r.tensors == 1 and r.skipped["state_dict.kind"] == ("a non-tensor value inside the state dict "
+                                                               "(class builtins.int)")
+    assert_same(load_file(tmp_path / "m.safetensors")["w"], w)
