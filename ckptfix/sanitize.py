@@ -15,8 +15,8 @@ numpy array (numeric, bool, complex)        tensor (a new storage record, same b
 numpy array (strings, objects, other)       ``list`` / ``{"__class__": "numpy.ndarray", ...}``
 numpy scalar / ``numpy.dtype``              Python number / dtype name (``"float32"``)
 omegaconf ``DictConfig`` / ``ListConfig``   ``dict`` / ``list`` (interpolations kept as strings)
-Lightning ``AttributeDict`` (dict subclass) ``dict``
-``frozenset``                               ``set``
+Lightning ``AttributeDict``, ``defaultdict``  ``dict`` (a ``deque``: ``list``)
+``frozenset`` / ``range``, ``slice``        ``set`` / ``{"__class__": "builtins.range", ...}``
 any other instance                          ``dict`` of its state plus ``"__class__": "module.Name"``
 a class or function reference               its name as a string (``"builtins.int"``)
 ==========================================  ===============================================
@@ -264,7 +264,12 @@ class Plainer:
             return {str(k): self.convert(x, self._at(path, k), depth + 1) for k, x in state.items()}
         if module.startswith("omegaconf"):
             return self._omegaconf(v, path, depth)
-        if attr == "AttributeDict" or (v._dictitems and not v._args and not v._listitems and v._state is None):
+        if name == "collections.deque":
+            self._note(path, name, "list")
+            items = v._args[0] if v._args and isinstance(v._args[0], list) else v._listitems
+            return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
+        if attr == "AttributeDict" or name == "collections.defaultdict" or (
+                v._dictitems and not v._args and not v._listitems and v._state is None):
             self._note(path, name, "dict")
             return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v._dictitems.items()}
         return self._generic(v, name, path, depth)

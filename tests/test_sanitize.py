@@ -7,6 +7,7 @@ returns must equal what ``torch.load(weights_only=False)`` returns for the input
 from __future__ import annotations
 
 import argparse
+import collections
 import enum
 import json
 import os
@@ -91,12 +92,13 @@ def _kinds():
         "class_refs": {"dtype": int, "kind": str, "fn": os.path.join},
         "enum_and_object": {"color": Color.RED, "obj": Plain()},
         "frozenset_range_slice": {"fs": frozenset([1, 2]), "r": range(3), "s": slice(1, 5, 2)},
+        "collections": {"dd": collections.defaultdict(list, a=[1]), "dq": collections.deque([1, 2])},
     }
 
 
 KINDS = ["namespace", "numpy_array", "numpy_fortran_bigendian", "numpy_uint16", "numpy_scalars", "numpy_strings",
          "numpy_objects", "numpy_dtype", "omegaconf", "attributedict", "class_refs", "enum_and_object",
-         "frozenset_range_slice"]
+         "frozenset_range_slice", "collections"]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +153,8 @@ def _check_plain(kind, ref, got):
     elif kind == "enum_and_object":
         assert got["color"] == {"__class__": f"{__name__}.Color", "__args__": [1]}
         assert got["obj"] == {"__class__": f"{__name__}.Plain", "a": 1, "b": [1.5, "x"]}
+    elif kind == "collections":
+        assert got == {"dd": {"a": [1]}, "dq": [1, 2]} and type(got["dd"]) is dict
     elif kind == "frozenset_range_slice":
         assert got["fs"] == {1, 2}
         assert got["r"] == {"__class__": "builtins.range", "__args__": [0, 3, 1]}
