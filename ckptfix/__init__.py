@@ -32,6 +32,7 @@ _LAZY = {
     "align_state_dict": "ckptfix.prefixes",
     "convert_to_safetensors": "ckptfix.convert",
     "convert_from_safetensors": "ckptfix.convert",
+    "sanitize_checkpoint": "ckptfix.sanitize",
     "visible_gpus": "ckptfix.gpu",
     "pick_gpu": "ckptfix.gpu",
 }

@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import tempfile
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from ckptfix.errors import OutputError
 
@@ -64,8 +64,14 @@ def new_temp(path: str) -> tuple[int, str]:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str, *, fsync: bool = False) -> Iterator[BinaryIO]:
-    """``with atomic_output("out.pth") as f: f.write(...)`` -- renamed into place only on success."""
+def atomic_output(path: str, *, fsync: bool = False,
+                  before_replace: Callable[[str], None] | None = None) -> Iterator[BinaryIO]:
+    """``with atomic_output("out.pth") as f: f.write(...)`` -- renamed into place only on success.
+
+    ``before_replace(temp_path)`` runs once the data is written (and fsynced), before the rename:
+    it verifies the written file and may raise, in which case the temp file is removed and
+    ``path`` is left as it was.
+    """
     path = os.path.abspath(path)
     fd, tmp = new_temp(path)
     f = os.fdopen(fd, "w+b")
@@ -77,6 +83,8 @@ def atomic_output(path: str, *, fsync: bool = False) -> Iterator[BinaryIO]:
                 os.fsync(f.fileno())
         finally:
             f.close()
+        if before_replace is not None:
+            before_replace(tmp)
         os.replace(tmp, path)
         if fsync:
             fsync_dir(path)

@@ -44,10 +44,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ckptfix._torch import require_torch
 from ckptfix.atomic import fsync_dir, new_temp
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
-                            OutputError, UnsupportedError, VerificationError)
+                            NoTensorsError, OutputError, UnsupportedError, VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
-from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
+from ckptfix.pickles import Stub, TensorRecord, global_name, is_tensor_like
 
 __all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "rebuild_checkpoint",
            "parse_size", "ConvertReport", "safetensors_header"]
@@ -100,9 +100,11 @@ class ConvertReport:
     aliases: dict[str, str] = field(default_factory=dict)
     views: dict[str, str] = field(default_factory=dict)
     copied_views: list[str] = field(default_factory=list)
+    tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, str] = field(default_factory=dict)
+    converted: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)
     renamed: int = 0
     optimizer_tensors: int = 0
@@ -227,7 +229,84 @@ class _NeedsTorch(Exception):
     pass
 
 
-def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport) -> list[_Item]:
+class TiedNames:
+    """Which name of a group of tied (identical) tensors is stored; the others become aliases.
+
+    In order: a name passed with ``keep`` (``--keep``); else, when ``drop`` patterns are known (the
+    ``_tied_weights_keys`` of the transformers class ``config.json`` names), the first name that
+    matches none of them; else the first name in the state dict's own order (embeddings come
+    before heads, ``cls.predictions.bias`` before ``cls.predictions.decoder.bias``) -- the name
+    ``transformers``' own ``save_pretrained`` keeps.
+    """
+
+    def __init__(self, keep: Sequence[str] = (), drop: Sequence[str] = (), source: str = "state-dict order") -> None:
+        self.keep = set(keep)
+        self.drop = [re.compile(p) for p in drop]
+        self.source = source
+        self.used_keep: set[str] = set()
+
+    def _dropped(self, name: str) -> bool:
+        return any(p.fullmatch(name) or p.pattern == name for p in self.drop)
+
+    def choose(self, names: Sequence[str]) -> str:
+        """The name to store for one group, ``names`` in state-dict order."""
+        kept = [n for n in names if n in self.keep]
+        if kept:
+            self.used_keep.add(kept[0])
+            return kept[0]
+        ok = [n for n in names if not self._dropped(n)]
+        return (ok or list(names))[0]
+
+
+def hf_tied_weights(src: str) -> tuple[list[str], str] | None:
+    """The tied-weight names transformers drops, for the class a ``config.json`` beside ``src`` names.
+
+    Only the installed transformers package is imported (and only when such a ``config.json``
+    exists); nothing from the checkpoint runs.
+
+    Args:
+        src: the checkpoint file (or its folder).
+
+    Returns:
+        ``(patterns, source)``: the class's ``_tied_weights_keys`` (dict keys in transformers 5, list
+        entries in 4.x) and a description for the report; None when there is no ``config.json`` with
+        ``architectures`` next to the input or transformers is not importable (then the state-dict
+        order decides).
+    """
+    d = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    cfg = os.path.join(d, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    try:
+        with open(cfg, encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(archs, list) or not archs:
+        return None
+    try:
+        import transformers
+    except Exception:  # noqa: BLE001 - not installed, or broken: fall back to the state-dict order
+        return None
+    pats: list[str] = []
+    found = []
+    for arch in archs:
+        if not isinstance(arch, str):
+            continue
+        try:
+            cls = getattr(transformers, arch)
+        except Exception:  # noqa: BLE001 - unknown architecture or missing optional dependency
+            continue
+        tied = getattr(cls, "_tied_weights_keys", None) or {}
+        pats += [str(k) for k in (tied.keys() if isinstance(tied, dict) else tied)]
+        found.append(arch)
+    if not found:
+        return None
+    return pats, f"transformers {', '.join(found)}._tied_weights_keys"
+
+
+def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport,
+                  tied: TiedNames | None = None) -> list[_Item]:
     """Items to store (exact duplicates once), with aliases and views recorded in the report."""
     groups: dict[tuple, list[str]] = {}
     recs: dict[str, TensorRecord] = {}
@@ -244,7 +323,7 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
                           []).append(name)
     keep: dict[tuple, str] = {}
     for gkey, names in groups.items():
-        stored = min(names)  # as Hugging Face's _remove_duplicate_names: the name that sorts first
+        stored = (tied or TiedNames()).choose(names)
         keep[gkey] = stored
         for n in names:
             if n != stored:
@@ -280,11 +359,26 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
     return items
 
 
+def _has_tied_groups(named: Sequence[tuple[str, Any]]) -> bool:
+    seen: set[tuple] = set()
+    for _, v in named:
+        if isinstance(v, TensorRecord):
+            k: tuple = (id(v.storage), v.offset, tuple(v.shape), tuple(v.stride), v.dtype)
+        else:
+            k = (v.untyped_storage().data_ptr() if v.numel() else id(v), v.storage_offset(), tuple(v.shape),
+                 tuple(v.stride()), v.dtype)
+        if k in seen:
+            return True
+        seen.add(k)
+    return False
+
+
 def _torch_dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport) -> list[_Item]:
+def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport,
+                  tied: TiedNames | None = None) -> list[_Item]:
     import torch
 
     groups: dict[tuple, list[str]] = {}
@@ -302,7 +396,7 @@ def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport) -> li
         ptr = t.untyped_storage().data_ptr() if t.numel() else id(t)
         groups.setdefault((ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype), []).append(name)
     for names in groups.values():
-        stored = min(names)
+        stored = (tied or TiedNames()).choose(names)
         for n in names:
             if n != stored:
                 report.aliases[n] = stored
@@ -386,12 +480,12 @@ class _Extras:
         if depth > 32 or id(v) in self._seen:
             self._skip(path, "nested too deep or recursive")
             return _OMIT
+        if isinstance(v, (Stub, type, slice, range, frozenset)) or callable(v):
+            # placeholders of instances *and* of classes (numpy arrays, {"dtype": int}, omegaconf, Namespace ...)
+            return self._plain(v, path, opt, depth)
         self._seen.add(id(v))
         try:
-            if isinstance(v, Stub):
-                self.report.placeholders[path] = global_name(type(v))
-                return self.value(v.to_dict(), path, opt, depth + 1)
-            if isinstance(v, Mapping) or (hasattr(v, "items") and hasattr(v, "keys")):
+            if isinstance(v, Mapping) or (hasattr(v, "items") and hasattr(v, "keys") and not isinstance(v, type)):
                 out = {}
                 for k, x in list(v.items()):
                     if not isinstance(k, (str, int, float, bool)) and k is not None:
@@ -419,16 +513,55 @@ class _Extras:
         self._skip(path, f"a {type(v).__name__} (not representable as JSON)")
         return _OMIT
 
+    def _plain(self, v: Any, path: str, opt: bool, depth: int) -> Any:
+        """A placeholder (or class, function, frozenset ...) as the plain data ``sanitize`` would write, as JSON."""
+        from ckptfix.sanitize import _LOSSY, Plainer, normalise_global
+
+        pl = Plainer(arrays="list", sep=".")
+        plain = pl.convert(v, path)
+        if isinstance(v, type) and issubclass(v, Stub):
+            self.report.placeholders[path] = "class " + normalise_global(global_name(v))
+        elif isinstance(v, Stub):
+            self.report.placeholders[path] = normalise_global(global_name(type(v)))
+        for c in pl.changes:
+            self.report.converted[c.path] = f"{c.was} -> {c.now}"
+        for p, why in pl.lossy.items():
+            self._skip(p, why)
+        if plain is _LOSSY:
+            return _OMIT
+        return self.value(_strip_lossy(plain), path, opt, depth + 1)
+
     def _skip(self, path: str, why: str) -> None:
         if len(self.report.skipped) < 200:
             self.report.skipped[path] = why
 
 
+def _kind_of(v: Any) -> str:
+    from ckptfix.sanitize import normalise_global
+
+    if isinstance(v, type):
+        return "class " + (normalise_global(global_name(v)) if issubclass(v, Stub) else v.__qualname__)
+    return normalise_global(global_name(type(v))) if isinstance(v, Stub) else type(v).__name__
+
+
+def _strip_lossy(v: Any) -> Any:
+    """``v`` without the markers of values too large for JSON (already listed in ``skipped``)."""
+    from ckptfix.sanitize import _LOSSY
+
+    if isinstance(v, dict):
+        return {k: _strip_lossy(x) for k, x in v.items() if x is not _LOSSY}
+    if isinstance(v, list):
+        return [None if x is _LOSSY else _strip_lossy(x) for x in v]
+    return v
+
+
 def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any], include_optimizer: bool,
-                      report: ConvertReport) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-    """(extra JSON object, optimizer tensors) for everything outside the state dict."""
-    ex = _Extras(sd, report)
+                      report: ConvertReport, node: Any = None) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """(extra JSON object, optimizer tensors) for everything outside the state dict (``node``: what holds it)."""
+    ex = _Extras(sd if node is None else node, report)
     extra: dict[str, Any] = {}
+    if not key_path and _module_state(obj) is not None and not isinstance(obj, dict):
+        return extra, []  # a whole pickled module: its state dict is all there is to keep
     if not key_path:
         for k, v in sd.items():  # a state dict with some non-tensor values mixed in
             if not is_tensor_like(v):
@@ -436,8 +569,11 @@ def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any]
                 if r is not _OMIT:
                     extra[str(k)] = r
         return extra, []
-    if not (isinstance(obj, Mapping) or hasattr(obj, "items")):
+    if not (isinstance(obj, Mapping) or hasattr(obj, "items")) or isinstance(obj, type):
         return extra, []
+    for k, v in sd.items():  # non-tensor values inside a nested state dict: no place in the file
+        if not is_tensor_like(v):
+            ex._skip(".".join((*key_path, str(k))), f"a non-tensor value inside the state dict ({_kind_of(v)})")
     for k, v in list(obj.items()):
         if _is_optimizer_key(k) and k != key_path[0]:
             if not include_optimizer:
@@ -462,6 +598,22 @@ def _default_output(src: str, suffix: str) -> str:
     if ext.lower() in _PTH_SUFFIXES + (".safetensors",):
         base = stem
     return os.path.join(os.path.dirname(s), base + suffix)
+
+
+def _default_st_output(src: str) -> str:
+    """``model.safetensors`` for a Hugging Face ``pytorch_model*.bin`` (or its index / folder).
+
+    Anything else: ``<stem>.safetensors`` next to the input.
+    """
+    s = os.path.abspath(src).rstrip(os.sep)
+    if os.path.isdir(s):
+        if os.path.isfile(os.path.join(s, "pytorch_model.bin.index.json")):
+            return os.path.join(s, "model.safetensors")
+        return _default_output(src, ".safetensors")
+    base = os.path.basename(s)
+    if re.fullmatch(r"pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?", base):
+        return os.path.join(os.path.dirname(s), "model.safetensors")
+    return _default_output(src, ".safetensors")
 
 
 def _shard_names(dst: str, n: int) -> list[str]:
@@ -737,6 +889,173 @@ def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], tr
     raise UnsupportedError(f"{src}: this input needs torch-level loading (ckptfix.loading is not available)")
 
 
+def contains_tensors(obj: Any, depth: int = 200) -> bool:
+    """Is there a tensor (record or torch tensor) anywhere in ``obj``, placeholder state included?
+
+    Args:
+        obj: any object graph from the restricted reader or torch.
+        depth: how deep to look.
+
+    Returns:
+        True at the first tensor found.
+    """
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(obj, 0)]
+    while todo:
+        v, d = todo.pop()
+        if is_tensor_like(v):
+            return True
+        if d > depth or id(v) in seen or isinstance(v, (str, bytes, int, float, type)) or v is None:
+            continue
+        seen.add(id(v))
+        if isinstance(v, Stub):
+            todo += [(v._state, d + 1), (list(v._args), d + 1), (list(v._listitems), d + 1),
+                     (list(v._dictitems.values()), d + 1)]
+        elif isinstance(v, Mapping):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            todo += [(x, d + 1) for x in v]
+        elif hasattr(v, "__dict__"):
+            todo.append((vars(v), d + 1))
+    return False
+
+
+def _module_state(obj: Any) -> dict | None:
+    """The ``__dict__`` of a pickled ``nn.Module`` (a placeholder, a plain dict after sanitize, or a real module)."""
+    if isinstance(obj, Stub):
+        st = obj._state
+    elif isinstance(obj, dict):
+        st = obj
+    elif hasattr(obj, "_parameters") and hasattr(obj, "_modules"):
+        st = vars(obj)
+    else:
+        return None
+    return st if isinstance(st, dict) and "_parameters" in st and "_modules" in st else None
+
+
+def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict | None:
+    """What ``module.state_dict()`` returns, for a whole pickled ``nn.Module`` (``torch.save(model)``), without torch.
+
+    Args:
+        obj: the module: a placeholder, a plain dict (after ``sanitize``) or a real ``nn.Module``.
+        prefix, out, depth: used by the recursion.
+
+    Returns:
+        name -> tensor: parameters, then persistent buffers, then each submodule's, recursively, as
+        torch orders them; None when ``obj`` is not a module.
+    """
+    import collections
+
+    st = _module_state(obj)
+    if st is None or depth > 100:
+        return None
+    out = collections.OrderedDict() if out is None else out
+    for name, p in (st.get("_parameters") or {}).items():
+        if p is not None and is_tensor_like(p):
+            out[prefix + str(name)] = p
+    skip = st.get("_non_persistent_buffers_set") or set()
+    for name, b in (st.get("_buffers") or {}).items():
+        if b is not None and is_tensor_like(b) and name not in skip:
+            out[prefix + str(name)] = b
+    for name, m in (st.get("_modules") or {}).items():
+        if m is not None:
+            module_state_dict(m, f"{prefix}{name}.", out, depth + 1)
+    return out
+
+
+def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any], str]:
+    """Find the tensors of any checkpoint object and name them.
+
+    Args:
+        obj: the unpickled checkpoint (records and placeholders, or torch objects).
+        key: where the state dict sits (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+
+    Returns:
+        ``(key path, state dict, kind)``.  ``kind`` ``"mapping"``: a state dict (as
+        :func:`ckptfix.formats.find_state_dict` finds it); ``"module"``: a whole pickled ``nn.Module``
+        (at the top or under a top-level key), its ``state_dict()`` computed from the placeholders;
+        ``"sequence"``: a top-level list/tuple holding tensors (nested lists, tuples and dicts too),
+        each named by its path: ``"0"``, ``"1.2"`` ...
+
+    Raises:
+        KeyConflictError: ``key`` does not exist.  CorruptCheckpointError: no tensors found.
+    """
+    from ckptfix.formats import find_state_dict
+
+    if key is None:
+        if _module_state(obj) is not None and not isinstance(obj, dict):
+            sd = module_state_dict(obj)
+            if sd:
+                return (), sd, "module"
+        if isinstance(obj, Mapping) and not is_tensor_like(obj):
+            for k, v in obj.items():
+                if isinstance(k, str) and not isinstance(v, dict) and _module_state(v) is not None:
+                    sd = module_state_dict(v)
+                    if sd:
+                        return (k,), sd, "module"
+    try:
+        kp, sd = find_state_dict(obj, key)
+    except CorruptCheckpointError:
+        if key is not None:
+            raise
+        mixed = _mixed_state_dict(obj)
+        if mixed is not None:
+            return mixed[0], mixed[1], "mapping"
+        flat = _flatten_containers(obj) if isinstance(obj, (list, tuple)) else {}
+        if not flat:
+            raise
+        return (), flat, "sequence"
+    return tuple(kp), sd, "mapping"
+
+
+def _mixed_state_dict(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:
+    """A nested state dict that also holds non-tensor values (``{"w": tensor, "kind": int}``, ``_extra_state``).
+
+    Preferred names (``state_dict``, ``model`` ...) first, else the mapping with the most tensors, three levels
+    down at most.  None when no mapping holds a tensor directly.
+    """
+    from ckptfix.formats import STATE_DICT_KEYS
+
+    best: tuple[int, int, tuple[str, ...], Any] | None = None
+    todo: list[tuple[tuple[str, ...], Any]] = [((), obj)]
+    while todo:
+        path, node = todo.pop(0)
+        if not isinstance(node, Mapping) or len(path) > 3:
+            continue
+        n = sum(1 for v in node.values() if is_tensor_like(v))
+        if n and path:
+            rank = (1 if path[-1] in STATE_DICT_KEYS else 0, n)
+            if best is None or rank > best[:2]:
+                best = (rank[0], rank[1], path, node)
+        todo += [(path + (k,), v) for k, v in node.items() if isinstance(k, str) and isinstance(v, Mapping)]
+    return (best[2], best[3]) if best else None
+
+
+def _flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict[str, Any]:
+    """{"0.1": tensor, ...}: every tensor in nested lists, tuples and dicts, named by its path."""
+    out = {} if out is None else out
+    if depth > 32:
+        return out
+    if is_tensor_like(obj):
+        out[prefix.rstrip(".")] = obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _flatten_containers(v, f"{prefix}{i}.", out, depth + 1)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if isinstance(k, (str, int)):
+                _flatten_containers(v, f"{prefix}{k}.", out, depth + 1)
+    return out
+
+
+def _require_tensors(cf: Any, src: str, what: str) -> None:
+    """NoTensorsError when a valid checkpoint holds no tensors anywhere (training_args.bin, scheduler.pt)."""
+    if not contains_tensors(cf.obj) and not cf.extra.get("torchscript_state_dict"):
+        raise NoTensorsError(f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
+                             f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
+                             "`ckptfix sanitize` makes it load with weights_only=True")
+
+
 def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for k, v in sd.items():
@@ -755,7 +1074,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
                            max_shard_size: int | str | None = None, include_optimizer: bool = False,
                            verify: bool = True, force: bool = False, fsync: bool = False,
                            allow_globals: Sequence[str] = (), trust: bool = False,
-                           progress: Progress | None = None, ckptfix_metadata: bool = True) -> ConvertReport:
+                           progress: Progress | None = None, ckptfix_metadata: bool = True,
+                           keep: Sequence[str] = ()) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
     Args:
@@ -768,6 +1088,14 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         allow_globals, trust: the loading policy, for inputs that need torch (DCP).
         progress: ``progress(done_bytes, total_bytes)`` while writing and verifying.
         ckptfix_metadata: ``False`` writes only ``{"format": "pt"}`` (aliases are then not restorable).
+        keep: of tied tensors (one tensor under several names), store these names; the others become
+            aliases.  By default the transformers class named by a ``config.json`` beside ``src`` decides
+            (its ``_tied_weights_keys`` are the names it drops), else the state dict's own order: the
+            first name is kept, as ``save_pretrained`` does.
+
+    The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
+    ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` when sharded), where ``from_pretrained`` looks.
 
     Returns:
         A :class:`ConvertReport`.
@@ -779,7 +1107,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
-    dst = os.fspath(dst) if dst is not None else _default_output(src, ".safetensors")
+    dst = os.fspath(dst) if dst is not None else _default_st_output(src)
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     report = ConvertReport(source=src, outputs=[dst])
     if not max_shard_size:
@@ -796,7 +1124,9 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         sd: Mapping[str, Any] = cf.extra["torchscript_state_dict"]
         obj = sd
     else:
-        key_path, sd = cf.state_dict(key)
+        if key is None and cf.format != "dcp":
+            _require_tensors(cf, src, "convert")
+        key_path, sd, _ = locate_state_dict(cf.obj, key)
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = cf.format == "dcp" or any(
@@ -809,7 +1139,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         sd = tsd
         obj = tobj if tobj is not None else tsd
         named = _flatten_state_dict(tsd)
-    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report)
+    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report,
+                                         node=_at(obj, key_path) if key_path and not use_torch else None)
 
     if strip_prefix:
         from ckptfix.prefixes import strip_prefix as _strip
@@ -830,12 +1161,25 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     named = named + list(opt_named)
     report.optimizer_tensors = len(opt_named)
     if not named:
-        raise CorruptCheckpointError(f"{src}: no tensors to convert")
+        raise NoTensorsError(f"{src}: the state dict holds no tensors, so there is nothing to convert; "
+                             "`ckptfix inspect` shows what the file holds")
 
+    missing = [k for k in keep if k not in taken]
+    if missing:
+        raise KeyConflictError(f"--keep {missing[0]!r}: no tensor of that name in the state dict"
+                               + (" (after --strip-prefix)" if strip_prefix else "") + "; pass a name that "
+                               "`ckptfix inspect` lists")
+    tied = TiedNames(keep)
+    if _has_tied_groups(named):
+        hf = hf_tied_weights(src)
+        if hf is not None:
+            tied = TiedNames(keep, hf[0], hf[1])
     if use_torch:
-        items = _plan_tensors(named, report)
+        items = _plan_tensors(named, report, tied)
     else:
-        items = _plan_records(named, report)
+        items = _plan_records(named, report, tied)
+    if report.aliases:
+        report.tied_rule = "--keep" if tied.used_keep else tied.source
     metadata: dict[str, str] = {"format": "pt"}
     if ckptfix_metadata:
         metadata["ckptfix.source_format"] = cf.format

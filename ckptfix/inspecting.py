@@ -9,8 +9,8 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
-from ckptfix.pickles import Stub, TensorRecord, classify_global, scan_globals
+from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
+from ckptfix.pickles import Stub, TensorRecord, classify_global, global_name, scan_globals
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 SCAN_SCHEMA = "ckptfix.scan/1"
@@ -18,13 +18,34 @@ SCAN_SCHEMA = "ckptfix.scan/1"
 
 @dataclass
 class InspectReport:
+    """What :func:`inspect_checkpoint` found; ``to_dict()`` is the ``--json`` document.
+
+    Counting (tied = one tensor under several names, as GPT-2's ``lm_head.weight`` and
+    ``transformer.wte.weight``):
+
+    ``tensor_count``            names in the state dict that hold a tensor
+    ``parameter_count``         values summed over every name (tied counted once per name, as
+                                ``sum(t.numel() for t in model.state_dict().values())``)
+    ``unique_parameter_count``  values summed over distinct tensors (tied counted once, as
+                                ``sum(p.numel() for p in model.parameters())`` for parameters)
+    ``total_bytes``             bytes summed over every name (``numel * element_size``)
+    ``unique_bytes``            bytes of the distinct storages the state dict uses (tied tensors and views
+                                of one storage counted once): what loading it costs
+    ``storage_bytes``           bytes of every storage in the file, inside the state dict or not
+
+    A valid file without tensors (``training_args.bin``, a scheduler state) has ``tensor_count`` 0,
+    ``state_dict_key`` None and its entries in ``non_tensor_entries``.
+    """
+
     path: str
     format: str
     file_size: int
-    state_dict_key: list[str]
+    state_dict_key: list[str] | None
     tensor_count: int
     parameter_count: int
+    unique_parameter_count: int
     total_bytes: int
+    unique_bytes: int
     storage_bytes: int
     dtypes: dict[str, int]
     locations: dict[str, int]
@@ -46,8 +67,24 @@ class InspectReport:
 def _describe(v: Any) -> str:
     if isinstance(v, TensorRecord):
         return f"tensor {v.dtype} {list(v.shape)}"
+    if isinstance(v, type):
+        from ckptfix.sanitize import normalise_global
+
+        name = normalise_global(global_name(v)) if issubclass(v, Stub) else f"{v.__module__}.{v.__qualname__}"
+        return f"class {name} (a reference, not an instance)"
     if isinstance(v, Stub):
-        return f"object {type(v)._ckpt_module}.{type(v)._ckpt_name} (placeholder)"
+        from ckptfix.sanitize import NUMPY_TO_TORCH, _dtype_code, normalise_global
+
+        name = normalise_global(global_name(type(v)))
+        st = v._state
+        if name.endswith("multiarray._reconstruct") and isinstance(st, tuple) and len(st) == 5:
+            code = _dtype_code(st[2]) or "?"
+            shape = list(st[1]) if isinstance(st[1], tuple) else "?"
+            return f"numpy.ndarray {NUMPY_TO_TORCH.get(code, code)} {shape} (placeholder)"
+        if name.endswith("multiarray.scalar") and v._args:
+            code = _dtype_code(v._args[0]) or "?"
+            return f"numpy scalar {NUMPY_TO_TORCH.get(code, code)} (placeholder)"
+        return f"object {name} (placeholder)"
     if isinstance(v, dict):
         n = sum(1 for _ in v)
         return f"dict ({n} keys)"
@@ -71,12 +108,32 @@ def _prefix_counts(keys: list[str]) -> dict[str, int]:
 
 
 def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> InspectReport:
-    """Summarise a checkpoint without loading tensor data and without running any pickle code."""
+    """Summarise a checkpoint without loading tensor data and without running any pickle code.
+
+    Args:
+        path: any checkpoint ckptfix reads (torch zip/legacy, safetensors, sharded index, DCP, TorchScript).
+        key: where the state dict sits (found automatically otherwise).
+
+    Returns:
+        InspectReport (see its docstring for what each count means).  A valid torch file without
+        tensors is summarised too (``tensor_count`` 0).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError: unreadable input.
+        KeyConflictError: ``key`` does not exist.
+    """
     cf = read_checkpoint(path)
     obj = cf.obj
     if cf.format == "torchscript":
         obj = cf.extra.get("torchscript_state_dict") or {}
-    key_path, sd = find_state_dict(obj, key)
+    from ckptfix.convert import contains_tensors, locate_state_dict
+
+    holder = "mapping"
+    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and not contains_tensors(obj):
+        key_path: tuple[str, ...] | None = None
+        sd: Any = {}
+    else:
+        key_path, sd, holder = locate_state_dict(obj, key)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     dtypes: collections.Counter[str] = collections.Counter(t.dtype for t in tensors.values())
     by_storage: dict[int, list[str]] = collections.defaultdict(list)
@@ -86,11 +143,27 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     shared = [names for names in by_storage.values() if len(names) > 1]
     locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
     storage_bytes = sum(st.nbytes or 0 for st in cf.storages.values())
+    distinct: dict[tuple, Any] = {}
+    for t in tensors.values():
+        st = t.storage
+        distinct.setdefault((id(st), t.offset, tuple(t.shape), tuple(t.stride), t.dtype) if st is not None
+                            else (id(t),), t)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
-    total = sum(st.nbytes or 0 for st in sd_storages.values()) if sd_storages else sum(
-        t.nbytes for t in tensors.values())
+    unique_bytes = (sum(st.nbytes or 0 for st in sd_storages.values())
+                    + sum(t.nbytes for t in distinct.values() if t.storage is None))
     non_tensor: dict[str, str] = {}
-    if key_path and hasattr(cf.obj, "items"):
+    if key_path is None:  # no tensors at all: the entries themselves
+        top = obj._state if isinstance(obj, Stub) and isinstance(obj._state, dict) else obj
+        if isinstance(top, Stub) and top._dictitems:
+            top = top._dictitems
+        if isinstance(top, dict):
+            for k, v in top.items():
+                non_tensor[str(k)] = _describe(v)
+        else:
+            non_tensor["(top level)"] = _describe(obj)
+        if isinstance(obj, Stub):
+            non_tensor = {"(top level)": _describe(obj), **non_tensor}
+    elif key_path and hasattr(cf.obj, "items") and not isinstance(cf.obj, type):
         for k, v in cf.obj.items():
             if k != key_path[0]:
                 non_tensor[str(k)] = _describe(v)
@@ -118,9 +191,20 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
                      "load_anywhere / --map-location remaps them")
     if cf.format == "torch-legacy":
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
+    if holder == "module":
+        notes.append("a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
+                     "the module itself runs its class's code (load_anywhere gives the state dict)")
+    elif holder == "sequence":
+        notes.append("a list/tuple holding tensors, not a state dict: each named by its position (\"0\", \"1.2\" ...)")
+    if key_path is None:
+        notes.append("no tensors in this file (e.g. training arguments or a scheduler state); load it with "
+                     "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize")
     return InspectReport(
-        path=cf.path, format=cf.format, file_size=cf.file_size, state_dict_key=list(key_path),
-        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()), total_bytes=total,
+        path=cf.path, format=cf.format, file_size=cf.file_size,
+        state_dict_key=None if key_path is None else list(key_path),
+        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()),
+        unique_parameter_count=sum(t.numel for t in distinct.values()),
+        total_bytes=sum(t.nbytes for t in tensors.values()), unique_bytes=unique_bytes,
         storage_bytes=storage_bytes,
         dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,

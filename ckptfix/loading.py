@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import find_state_dict, read_checkpoint, sniff
+from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.pickles import Stub, classify_global, stub_class
 
 MapLocation = Any  # str | torch.device | dict | callable | None | "auto"
@@ -354,7 +354,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         mmap: memory-map zip-format files (default True for them).
 
     Returns:
-        LoadedCheckpoint
+        LoadedCheckpoint.  For a valid file that holds no tensors at all (``training_args.bin``, an LR
+        scheduler's state) ``state_dict`` is empty and ``checkpoint`` is the object (non-allowlisted
+        classes such as ``TrainingArguments`` as placeholders unless ``allow_globals``/``trust``).
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
@@ -445,7 +447,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
     else:  # pragma: no cover - sniff raises for everything else
         raise CorruptCheckpointError(f"{path}: unsupported format {kind}")
 
-    key_path, sd = find_state_dict(obj, key)
+    from ckptfix.convert import contains_tensors, locate_state_dict
+
+    if key is None and not contains_tensors(obj):
+        # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict
+        return LoadedCheckpoint(path=path, state_dict=collections.OrderedDict(), checkpoint=obj, format=fmt,
+                                key_path=(), stubbed_globals=sorted(stubbed), locations=dict(tags),
+                                remapped=remapped, metadata=metadata)
+    key_path, sd, _ = locate_state_dict(obj, key)
     if not isinstance(sd, dict):
         sd = collections.OrderedDict(sd.items())
     alignment = None
@@ -470,9 +479,22 @@ def load_anywhere(path: str | os.PathLike, map_location: MapLocation = "cpu", *,
     Example:
         >>> sd = load_anywhere("ddp_cuda7.pth", model=model)   # doctest: +SKIP
         >>> model.load_state_dict(sd)                          # doctest: +SKIP
+
+    Raises:
+        NoTensorsError: the file is valid but holds no tensors (``training_args.bin``, a scheduler state);
+            :func:`load_checkpoint` returns such a file's object (``.checkpoint``) with an empty state dict.
+        CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError: as
+            :func:`load_checkpoint`.
     """
-    return load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust,
-                           mmap=mmap).state_dict
+    lc = load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust,
+                         mmap=mmap)
+    if not lc.state_dict and key is None:
+        from ckptfix.errors import NoTensorsError
+
+        raise NoTensorsError(f"{os.fspath(path)}: a valid {lc.format} file with no tensors in it (arguments, "
+                             "scheduler or other state), so there is no state dict to load; use "
+                             "load_checkpoint(path).checkpoint for the object itself")
+    return lc.state_dict
 
 
 def is_stub(obj: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 from ckptfix.atomic import atomic_output, make_backup
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
-from ckptfix.pickles import dumps
+from ckptfix.pickles import TensorRecord, dumps
 from ckptfix.prefixes import _rekey_metadata
 
 #: a transform: state dict -> (new state dict, report object with to_dict()/summary())
@@ -128,7 +128,18 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         return _rewrite_sharded(cf, transform, output=output, in_place=in_place, force=force, key=key,
                                 map_location=map_location, fsync=bool(fsync), suffix=suffix)
     _check_writable(cf)
-    key_path, sd = find_state_dict(cf.obj, key)
+    if key is None and cf.format != "safetensors":
+        from ckptfix.convert import _require_tensors
+
+        _require_tensors(cf, src, "rename")
+    from ckptfix.convert import locate_state_dict
+
+    key_path, sd, holder = locate_state_dict(cf.obj, key)
+    if holder != "mapping":
+        what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
+        raise UnsupportedError(f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
+                               "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
+                               "load_anywhere it and save the state dict")
     _check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
         sd = _logical_state_dict(sd, cf.extra.get("metadata"))
@@ -145,28 +156,81 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         return rep
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    if in_place:
-        # through a symlink, the file it points to is replaced (the link stays a link to the fixed file)
-        dst = os.path.realpath(src)
-        fsync = True if fsync is None else fsync
-        links = os.stat(dst).st_nlink
-        if links > 1:
-            rep.notes.append(f"{src} had {links} hard links; the other names still hold the old contents "
-                             "(an atomic replace gives this name a new file)")
-    else:
-        dst = output or default_output(src, suffix, fmt_out)
-        if os.path.abspath(dst) == os.path.abspath(src) or _same_file(dst, src):
-            raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
-        if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
-            what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
-            raise OutputError(f"{dst} {what}; pass a file name with -o (e.g. "
-                              f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
-        if os.path.exists(dst) and not force:
-            raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
-    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=bool(fsync), backup_of=dst if in_place and backup else None,
-                             rename=rename)
+    dst, fsync_out = prepare_output(src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out,
+                                    notes=rep.notes, fsync=fsync)
+    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=fsync_out,
+                             backup_of=dst if in_place and backup else None, rename=rename,
+                             what=src if in_place else dst)
     rep.output = src if in_place else dst
     return rep
+
+
+def prepare_output(src: str, output: str | None, *, in_place: bool, force: bool, suffix: str, fmt_out: str,
+                   notes: list[str], fsync: bool | None = None) -> tuple[str, bool]:
+    """(the path to write, whether to fsync) for a rewrite of ``src``; refuses outputs that would lose data.
+
+    With ``in_place`` the file a symlink points to is the target (the link stays a link) and fsync is
+    on by default; a hard-linked input gets a note (its other names keep the old contents).
+
+    Args:
+        src, output, in_place, force: as the rewrite commands take them.
+        suffix, fmt_out: for the default name ``<stem>.<suffix><ext>``.
+        notes: the report's notes, appended to.
+        fsync: explicit choice (default: on for ``in_place``).
+
+    Returns:
+        ``(path, fsync)``.
+
+    Raises:
+        OutputError: the output is the input (without ``in_place``), a directory, or exists without ``force``.
+    """
+    if in_place:
+        dst = os.path.realpath(src)
+        links = os.stat(dst).st_nlink
+        if links > 1:
+            notes.append(f"{src} had {links} hard links; the other names still hold the old contents "
+                         "(an atomic replace gives this name a new file)")
+        return dst, True if fsync is None else bool(fsync)
+    dst = output or default_output(src, suffix, fmt_out)
+    if os.path.abspath(dst) == os.path.abspath(src) or _same_file(dst, src):
+        raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
+    if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
+        what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
+        raise OutputError(f"{dst} {what}; pass a file name with -o (e.g. "
+                          f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
+    if os.path.exists(dst) and not force:
+        raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
+    return dst, bool(fsync)
+
+
+def write_atomic(dst: str, write: Callable[[Any], None], check: Callable[[str], None] | None, *, fsync: bool,
+                 backup_of: str | None = None) -> str | None:
+    """Write ``dst`` through a temp file: ``write(f)``, then ``check(temp_path)``, then the backup, then the rename.
+
+    Args:
+        dst: the final path.
+        write: writes the content to the open temp file.
+        check: verifies the written temp file (raises to stop the rename), or None.
+        fsync: flush file and directory around the rename.
+        backup_of: keep this file as ``<path>.bak`` just before it is replaced (``--in-place``).
+
+    Returns:
+        The backup path, or None.
+
+    Raises:
+        Whatever ``write`` or ``check`` raise (nothing is renamed and no backup made); OutputError.
+    """
+    made: list[str] = []
+
+    def before_replace(tmp: str) -> None:
+        if check is not None:
+            check(tmp)
+        if backup_of is not None:
+            made.append(make_backup(backup_of))
+
+    with atomic_output(dst, fsync=fsync, before_replace=before_replace) as f:
+        write(f)
+    return made[0] if made else None
 
 
 def _aliases_of(meta: Mapping[str, Any] | None, stored: Mapping[str, Any]) -> dict[str, str]:
@@ -291,24 +355,27 @@ def _relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
 
 
 def _write_file(cf: CheckpointFile, key_path: Any, new_sd: Mapping[str, Any], dst: str, *, fsync: bool,
-                backup_of: str | None = None, rename: Mapping[str, str] | None = None) -> str | None:
+                backup_of: str | None = None, rename: Mapping[str, str] | None = None,
+                what: str | None = None) -> str | None:
     """Write ``cf`` with ``new_sd`` in place of its state dict to ``dst`` atomically; returns the backup path.
 
     ``rename`` (old name -> new name) also covers names a safetensors file does not store as tensors
-    (ckptfix aliases): its metadata follows it.
+    (ckptfix aliases): its metadata follows it.  The written file is read back
+    (:func:`check_written`) before it is renamed into place.
     """
     old_sd = cf.obj
     cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
-    backup = None
-    with atomic_output(dst, fsync=fsync) as f:
+
+    def write(f: Any) -> None:
         if cf.format == "safetensors":
             _write_safetensors(cf, old_sd, new_sd, f, rename or {})
         else:
-            _write_zip(cf, f)
-        if backup_of is not None:
-            f.flush()
-            backup = make_backup(backup_of)
-    return backup
+            write_checkpoint_zip(cf, cf.obj, f)
+
+    def check(tmp: str) -> None:
+        check_written(tmp, cf, expect_obj=cf.obj, what=what or dst)
+
+    return write_atomic(dst, write, check, fsync=fsync, backup_of=backup_of)
 
 
 def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | None, in_place: bool, force: bool,
@@ -380,7 +447,7 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
             if isinstance(meta, dict):  # module paths follow their tensors' renames
                 new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))  # type: ignore
             dst = os.path.join(out_dir, name)
-            _write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename)
+            _write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename, what=os.path.join(out_dir, name))
             written.append(dst)
             if scf.format == "torch-legacy":
                 rep.notes.append(f"legacy shard {name} was written in the zip format")
@@ -409,31 +476,211 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
     return rep
 
 
-def _write_zip(cf: CheckpointFile, f: Any) -> None:
+def write_checkpoint_zip(cf: CheckpointFile, obj: Any, f: Any, *, new_storages: Mapping[str, bytes] | None = None,
+                         ) -> None:
+    """Write ``cf`` as a torch zip archive whose data.pkl pickles ``obj``, every storage record copied by range.
+
+    A legacy input becomes a zip archive.  torch is never imported.
+
+    Args:
+        cf: the checkpoint read from disk (its storages give the byte ranges).
+        obj: the object graph to pickle as data.pkl (records and placeholders).
+        f: the open output file.
+        new_storages: storage key -> bytes, added as new records (``sanitize`` turns numpy arrays into
+            tensors this way).
+
+    Raises:
+        UnsupportedError: legacy storage views; OutputError: the disk is full.
+    """
     from ckptfix.formats.zipfmt import AlignedZipWriter, rewrite_zip
 
-    if cf.format == "torch-zip":
-        rewrite_zip(cf, dumps(cf.obj), f)
+    new_storages = dict(new_storages or {})
+    if cf.format == "torch-zip" and not new_storages:
+        rewrite_zip(cf, dumps(obj), f)
         return
-    # legacy -> zip: storage records named by their keys, bytes copied from the stream
-    for st in cf.storages.values():
-        if st.view_metadata is not None:
-            raise UnsupportedError(f"{cf.path}: legacy storage views cannot be rewritten; load the file with "
-                                   "load_anywhere and torch.save it again")
-        st._legacy = False
-    data_pkl = dumps(cf.obj)
     w = AlignedZipWriter(f)
-    w.add_bytes("archive/data.pkl", data_pkl)
-    w.add_bytes("archive/byteorder", b"little")
     fd = os.open(cf.path, os.O_RDONLY)
     try:
-        for key in cf.extra["storage_keys"]:
-            st = cf.storages[str(key)]
-            w.add_copy(f"archive/data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
-        w.add_bytes("archive/version", b"3\n")
+        if cf.format == "torch-zip":
+            from ckptfix.formats.zipfmt import _read_member
+
+            data_pkl = dumps(obj)
+            root = cf.extra["root"]
+            for name, m in cf.extra["members"].items():
+                if name == root + "data.pkl":
+                    w.add_bytes(name, data_pkl)
+                elif m.compressed:
+                    w.add_bytes(name, _read_member(cf.path, name))
+                else:
+                    w.add_copy(name, fd, m.data_offset, m.size, m.crc)
+        else:  # legacy -> zip: storage records named by their keys, bytes copied from the stream
+            root = "archive/"
+            for st in cf.storages.values():
+                if st.view_metadata is not None:
+                    raise UnsupportedError(f"{cf.path}: legacy storage views cannot be rewritten; load the file "
+                                           "with load_anywhere and torch.save it again")
+                st._legacy = False
+            data_pkl = dumps(obj)
+            w.add_bytes(root + "data.pkl", data_pkl)
+            w.add_bytes(root + "byteorder", b"little")
+            for key in cf.extra["storage_keys"]:
+                st = cf.storages[str(key)]
+                w.add_copy(f"{root}data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
+        for key, data in new_storages.items():
+            w.add_bytes(f"{root}data/{key}", data)
+        if cf.format != "torch-zip":
+            w.add_bytes(root + "version", b"3\n")
         w.close()
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- verification before the rename
+
+def pickle_globals(data: bytes) -> list[str]:
+    """The globals a pickle names, resolved as Python's unpickler resolves them for the pickle's protocol.
+
+    A protocol < 3 pickle's ``__builtin__ long`` is ``builtins.int`` (``_compat_pickle``); a
+    ``builtins long`` stays ``builtins.long`` -- which does not exist.  Reads opcodes only.
+
+    Args:
+        data: one pickle.
+
+    Returns:
+        ``module.name`` of every global, in order, repeats included.
+
+    Raises:
+        ValueError (from pickletools) on a malformed stream.
+    """
+    import _compat_pickle
+    import pickletools
+
+    proto = 0
+    strings: list[str] = []
+    memo: dict[int, Any] = {}
+    n_memo = 0
+    last: Any = None
+    out: list[str] = []
+
+    def resolve(mod: str, name: str) -> str:
+        if proto < 3:
+            if (mod, name) in _compat_pickle.NAME_MAPPING:
+                mod, name = _compat_pickle.NAME_MAPPING[(mod, name)]
+            elif mod in _compat_pickle.IMPORT_MAPPING:
+                mod = _compat_pickle.IMPORT_MAPPING[mod]
+        return f"{mod}.{name}"
+
+    for op, arg, _ in pickletools.genops(data):
+        name = op.name
+        prev, last = last, None
+        if name == "PROTO":
+            proto = int(arg)
+        elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
+                      "STRING"):
+            last = arg.decode("latin-1") if isinstance(arg, bytes) else str(arg)
+            strings.append(last)
+        elif name in ("GLOBAL", "INST"):
+            mod, _, nm = str(arg).partition(" ")
+            out.append(resolve(mod, nm))
+        elif name == "STACK_GLOBAL":
+            out.append(f"{strings[-2]}.{strings[-1]}" if len(strings) >= 2 else "<unresolved STACK_GLOBAL>")
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = prev
+            last = prev
+        elif name == "MEMOIZE":
+            memo[n_memo] = prev
+            n_memo += 1
+            last = prev
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            v = memo.get(int(arg))
+            if isinstance(v, str):
+                strings.append(v)
+                last = v
+        elif name in ("EXT1", "EXT2", "EXT4"):
+            out.append(f"<extension {arg}>")
+    return out
+
+
+def _resolves(name: str) -> bool:
+    """False for a ``builtins`` name that does not exist (``builtins.long``); other modules are not imported."""
+    import builtins
+
+    module, _, attr = name.rpartition(".")
+    return module != "builtins" or hasattr(builtins, attr)
+
+
+def check_written(path: str, source: CheckpointFile, *, expect_obj: Any, what: str, weights_only: bool = False,
+                  new_storages: Mapping[str, bytes] | None = None) -> set[str]:
+    """Read a rewritten file back (torch-free) before it replaces anything; raise if torch could not load it.
+
+    Checks: the file reads back with ckptfix's restricted reader; every global its pickle names
+    resolves (as Python resolves it for the pickle's protocol) and is a global the input named
+    (after the same normalisation) or one torch's weights-only loader allows -- with
+    ``weights_only``, only the latter; every tensor of ``expect_obj`` reads back with the same dtype,
+    shape, stride, offset and storage, and every storage record has the size of the one it was
+    copied from (or of its ``new_storages`` bytes) and lies inside the file.  Returns the globals
+    outside the weights-only allowlist that the output names.
+
+    Raises:
+        VerificationError: naming what is wrong (``what`` is the path the user asked for).
+    """
+    import zipfile
+
+    from ckptfix.errors import CkptfixError, VerificationError
+    from ckptfix.formats import iter_tensors, read_checkpoint
+    from ckptfix.pickles import classify_global
+    from ckptfix.sanitize import normalise_global
+
+    def fail(why: str) -> VerificationError:
+        return VerificationError(f"{what}: the rewritten file {why}; nothing was replaced")
+
+    try:
+        out = read_checkpoint(path)
+    except CkptfixError as e:
+        raise fail(f"does not read back ({e})") from None
+    if out.format == "safetensors":
+        if len(out.obj) != sum(1 for _ in source.obj):
+            pass  # aliases stored once may differ in count; the header was written from the source's records
+        return set()
+    with zipfile.ZipFile(path) as zf:
+        pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+        if pkl is None:
+            raise fail("has no data.pkl")
+        names = pickle_globals(zf.read(pkl))
+    inputs = {normalise_global(g) for g in source.globals_seen}
+    unsafe: set[str] = set()
+    for g in dict.fromkeys(names):
+        if not _resolves(g):
+            raise fail(f"would name the global {g}, which does not exist in Python 3 (torch.load would raise "
+                       "AttributeError)")
+        safe = classify_global(g) == "safe"
+        if not safe:
+            unsafe.add(g)
+        if weights_only and not safe:
+            raise fail(f"still names {g}, outside torch's weights-only allowlist")
+        if not safe and g not in inputs:
+            raise fail(f"names the global {g}, which the input did not name")
+    new_storages = new_storages or {}
+    size = os.path.getsize(path)
+    for key, st in out.storages.items():
+        want = len(new_storages[key]) if key in new_storages else (
+            source.storages[key].nbytes if key in source.storages else None)
+        if want is None:
+            raise fail(f"holds a storage {key!r} that the input does not")
+        if st.nbytes != want or st.file_offset is None or st.file_offset + (st.nbytes or 0) > size:
+            raise fail(f"storage {key!r} reads back as {st.nbytes} bytes, expected {want}")
+    exp = list(iter_tensors(expect_obj, depth=64))
+    got = list(iter_tensors(out.obj, depth=64))
+    if len(exp) != len(got):
+        raise fail(f"holds {len(got)} tensors, expected {len(exp)}")
+    for (pa, a), (pb, b) in zip(exp, got):
+        if not isinstance(a, TensorRecord) or not isinstance(b, TensorRecord):
+            continue
+        if (pa != pb or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape) or a.offset != b.offset
+                or (a.numel and tuple(a.stride) != tuple(b.stride))
+                or (a.storage.key if a.storage else None) != (b.storage.key if b.storage else None)):
+            raise fail(f"tensor {pa or '/'} reads back as {pb}: {b!r}, expected {a!r}")
+    return unsafe
 
 
 def _write_safetensors(cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Mapping[str, Any], f: Any,

@@ -328,9 +328,9 @@ def test_sharding_and_index(tmp_path):
     assert names == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
     idx = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert idx["metadata"]["total_size"] == 5 * 64 * 64 * 4
-    # stored once under the name that sorts first, as Hugging Face's convert does
-    assert set(idx["weight_map"]) == {"head.weight"} | {f"layer{i}.weight" for i in range(1, 5)}
-    assert r.aliases == {"layer0.weight": "head.weight"}
+    # stored once under the name that comes first in the state dict (what transformers keeps)
+    assert set(idx["weight_map"]) == {f"layer{i}.weight" for i in range(5)}
+    assert r.aliases == {"head.weight": "layer0.weight"}
     merged = {}
     for p in r.outputs:
         merged.update(load_file(p))
@@ -426,7 +426,7 @@ def test_sharded_bin_index_input(tmp_path):
           "b.bias": "pytorch_model-00002-of-00002.bin"}
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     r = convert_to_safetensors(tmp_path / "pytorch_model.bin.index.json")
-    assert r.outputs == [str(tmp_path / "pytorch_model.safetensors")]
+    assert r.outputs == [str(tmp_path / "model.safetensors")]  # where transformers' from_pretrained looks
     raw = load_file(r.outputs[0])
     for k, v in {**a, **b}.items():
         assert_same(raw[k], v)
@@ -538,3 +538,116 @@ def test_hf_style_alias_metadata_is_understood():
     w = torch.ones(2)
     out = restore_aliases({"a": w}, {"format": "pt", "b": "a"})
     assert out["b"] is out["a"]
+
+
+# --------------------------------------------------------------------------- real-world shapes (issue 11)
+
+def _np():
+    return pytest.importorskip("numpy")
+
+
+@pytest.mark.parametrize("case", ["numpy_array", "class_ref", "namespace", "big_array", "omegaconf_like"])
+@pytest.mark.parametrize("opts", [[], ["--key", "state_dict"], ["--trust"], ["--allow-global", "numpy.dtype"]])
+def test_placeholder_classes_beside_the_state_dict(tmp_path, case, opts):
+    """A placeholder *class* (numpy.ndarray via _reconstruct, {"dtype": int}) next to the weights never crashes."""
+    import argparse
+
+    from conftest import run_cli
+
+    np = _np()
+    extra = {"numpy_array": np.arange(3.0), "class_ref": {"dtype": int, "kind": str},
+             "namespace": argparse.Namespace(lr=0.1, arr=np.ones(2, dtype=np.float32), dt=np.dtype("int8")),
+             "big_array": np.zeros(10_000), "omegaconf_like": {"types": [int, float], "n": np.int64(4)}}[case]
+    w = torch.randn(3, 2)
+    src = tmp_path / "a.pt"
+    torch.save({"state_dict": {"w": w}, "cfg": extra, "epoch": 2}, src)
+    p = run_cli("convert", src, "--json", *opts)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["tensors"] == 1 and doc["verified"]
+    assert_same(load_file(tmp_path / "a.safetensors")["w"], w)
+    extra_json = json.loads(meta_of(tmp_path / "a.safetensors")["ckptfix.extra"])
+    assert extra_json["epoch"] == 2
+    if case == "numpy_array":
+        assert extra_json["cfg"] == [0.0, 1.0, 2.0] and doc["converted"]["cfg"] == "numpy.ndarray float64 [3] -> list"
+    elif case == "class_ref":
+        assert extra_json["cfg"] == {"dtype": "builtins.int", "kind": "builtins.str"}
+        assert doc["placeholders"]["cfg.dtype"] == "class builtins.int"
+    elif case == "namespace":
+        assert extra_json["cfg"] == {"lr": 0.1, "arr": [1.0, 1.0], "dt": "int8"}
+    elif case == "big_array":  # too large for JSON metadata: listed, not written
+        assert "cfg" not in extra_json and "10000 values" in doc["skipped"]["cfg"]
+    elif case == "omegaconf_like":
+        assert extra_json["cfg"] == {"types": ["builtins.int", "builtins.float"], "n": 4}
+
+
+def test_placeholder_class_as_the_whole_object(tmp_path):
+    from conftest import assert_one_line_error, run_cli
+
+    src = tmp_path / "a.pt"
+    torch.save(int, src)
+    for cmd in (["convert"], ["strip-prefix"], ["inspect"]):
+        p = run_cli(*cmd, src)
+        assert "internal error" not in p.stderr, p.stderr
+        if cmd != ["inspect"]:
+            assert_one_line_error(p, 13)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(2, 3, 3)
+        self.rnn = torch.nn.LSTM(3, 4)
+        self.bn = torch.nn.BatchNorm1d(3)
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+@pytest.mark.parametrize("layout", ["module", "nested_module", "tuple_of_lists"])
+def test_whole_module_and_tensor_lists(tmp_path, layout):
+    """torch.save(model) and tuples of tensors: named as state_dict() / by position, equal to torch's."""
+    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.loading import load_anywhere
+
+    torch.manual_seed(0)
+    net = _Net()
+    src = tmp_path / "m.pt"
+    if layout == "module":
+        torch.save(net, src)
+        want = net.state_dict()
+    elif layout == "nested_module":
+        torch.save({"model": net, "epoch": 4}, src)
+        want = net.state_dict()
+    else:
+        a, b = [torch.randn(2), torch.randn(3)], [torch.arange(4)]
+        torch.save((a, b), src)
+        want = {"0.0": a[0], "0.1": a[1], "1.0": b[0]}
+    assert inspect_checkpoint(src).tensor_count == len(want)
+    got = load_anywhere(src)
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert_same(got[k], v)
+    r = convert_to_safetensors(src, tmp_path / "m.safetensors")
+    assert r.verified and r.tensors == len(want)
+    raw = load_file(tmp_path / "m.safetensors")
+    for k, v in want.items():
+        assert_same(raw[k], v)
+    from conftest import assert_one_line_error, run_cli
+
+    assert_one_line_error(run_cli("strip-prefix", src), 8)  # no keys to rename in the file: said clearly
+
+
+def test_nested_state_dict_with_non_tensor_values(tmp_path):
+    """{"state_dict": {"w": tensor, "kind": int}}: found, converted, the non-tensor value listed as skipped."""
+    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.loading import load_anywhere
+
+    w = torch.randn(2, 2)
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": {"w": w, "kind": int, "_extra_state": b"x"}, "epoch": 1}, src)
+    assert inspect_checkpoint(src).state_dict_key == ["state_dict"]
+    sd = load_anywhere(src)
+    assert_same(sd["w"], w)
+    r = convert_to_safetensors(src, tmp_path / "m.safetensors")
+    assert r.tensors == 1 and r.skipped["state_dict.kind"] == ("a non-tensor value inside the state dict "
+                                                               "(class builtins.int)")
+    assert_same(load_file(tmp_path / "m.safetensors")["w"], w)

@@ -16,6 +16,7 @@ from ckptfix.inspecting import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 INSPECT_KEYS = {"schema", "path", "format", "file_size", "state_dict_key", "tensor_count", "parameter_count",
+                "unique_parameter_count", "unique_bytes",
                 "total_bytes", "dtypes", "locations", "prefixes", "shared", "non_tensor_entries", "globals",
                 "stubbed_globals", "weights_only_ok", "weights_only_reason", "notes"}
 SCAN_KEYS = {"schema", "path", "format", "verdict", "pickles", "globals", "dangerous", "unknown", "errors"}

@@ -298,9 +298,8 @@ def test_os_system_payload_never_runs(ckpt, mode):
         assert not marker.exists()
         lc_obj = loading.restricted_pickle_module().load(open(b.path, "rb"))
         assert is_stub(lc_obj["payload"])
-    if mode == "pickle":
-        with pytest.raises(CkptfixError):  # no state dict in it: a clean error, not the payload
-            inspect_checkpoint(b.path)
+    if mode == "pickle":  # no tensors in it: summarised, the payload a placeholder
+        assert inspect_checkpoint(b.path).tensor_count == 0
     else:
         inspect_checkpoint(b.path)
     assert not marker.exists()
@@ -335,3 +334,20 @@ def test_restricted_pickle_module_rebuilds_torch_safe_globals():
     data = pickle.dumps(OrderedDict(a=1))
     out = loading.restricted_pickle_module().load(io.BytesIO(data))
     assert type(out) is OrderedDict and out == OrderedDict(a=1)
+
+
+def test_file_without_tensors(tmp_path):
+    """load_checkpoint returns the object with an empty state dict; load_anywhere says there is nothing to load."""
+    import argparse
+
+    from ckptfix.errors import CorruptCheckpointError, NoTensorsError
+    from ckptfix.loading import load_anywhere, load_checkpoint
+
+    torch.save(argparse.Namespace(lr=0.1), tmp_path / "training_args.bin")
+    lc = load_checkpoint(tmp_path / "training_args.bin")
+    assert lc.state_dict == {} and lc.checkpoint._state == {"lr": 0.1}
+    lc = load_checkpoint(tmp_path / "training_args.bin", allow_globals=["argparse.Namespace"])
+    assert lc.checkpoint == argparse.Namespace(lr=0.1)
+    with pytest.raises(NoTensorsError) as ei:
+        load_anywhere(tmp_path / "training_args.bin")
+    assert not isinstance(ei.value, CorruptCheckpointError) and ei.value.exit_code == 13

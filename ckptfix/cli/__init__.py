@@ -29,7 +29,7 @@ def cli(debug: bool) -> None:
     """Make PyTorch checkpoints and GPUs stop getting in your way.
 
     \b
-    Checkpoints:  inspect, scan, strip-prefix, add-prefix, align, convert
+    Checkpoints:  inspect, scan, strip-prefix, add-prefix, align, convert, sanitize
     GPUs:         gpus, pick-gpu, doctor
     Training:     train, demo
     """

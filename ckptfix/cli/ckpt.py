@@ -1,4 +1,4 @@
-"""Checkpoint commands: inspect, scan (torch-free)."""
+"""Checkpoint commands: inspect, scan, strip-prefix, add-prefix, align, sanitize (torch-free)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,21 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
     if as_json:
         emit_json(r.to_dict())
         return
-    where = "/".join(r.state_dict_key) or "(top level)"
+    if r.state_dict_key is None:
+        state = "no tensors (a valid torch file: arguments, scheduler or other state)"
+    else:
+        where = "/".join(r.state_dict_key) or "(top level)"
+        state = f"{where}: {r.tensor_count} tensors, {r.parameter_count:,} values, {human_bytes(r.total_bytes)}"
+        if r.unique_parameter_count != r.parameter_count or r.unique_bytes != r.total_bytes:
+            state += (f" ({r.unique_parameter_count:,} values, {human_bytes(r.unique_bytes)} counting tied/shared "
+                      "tensors once)")
     lines = [
         f"{r.path}",
         f"  format        {r.format}, {human_bytes(r.file_size)}",
-        f"  state dict    {where}: {r.tensor_count} tensors, {r.parameter_count:,} values, "
-        f"{human_bytes(r.total_bytes)}",
+        f"  state dict    {state}",
         f"  dtypes        {_fmt_counts(r.dtypes)}",
         f"  storage tags  {_fmt_counts(r.locations)}" + (f" (all storages in the file, {human_bytes(r.storage_bytes)})"
-                                                         if r.storage_bytes != r.total_bytes else ""),
+                                                         if r.storage_bytes != r.unique_bytes else ""),
         f"  prefixes      {_fmt_counts(r.prefixes)}",
         f"  shared        {'; '.join(' = '.join(g) for g in r.shared) or '-'}",
     ]
@@ -269,3 +275,39 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         raise AlignmentError(f"{len(r.missing)} missing, {len(r.unexpected)} unexpected, "
                              f"{len(r.shape_mismatches)} shape mismatches remain after '{r.rename}'; "
                              "load with strict=False or fix the model definition")
+
+
+@cli.command("sanitize")
+@click.argument("checkpoint", type=click.Path())
+@click.option("-o", "--output", type=click.Path(), default=None,
+              help="Where to write (default: next to the input, e.g. model.sanitized.pth).")
+@click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")
+@click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")
+@click.option("--force", is_flag=True, help="Overwrite an existing output file.")
+@json_option
+def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> None:
+    """Make CHECKPOINT load with torch.load(weights_only=True): everything beside the tensors becomes plain data.
+
+    argparse.Namespace -> dict, numpy arrays -> tensors, numpy scalars -> numbers, omegaconf -> dict/list,
+    other objects -> dict of their state plus "__class__", classes/functions -> their names.  Tensors and
+    storage sharing are copied unchanged; torch is not imported.  The report (stderr, or --json) lists
+    what became what.
+    """
+    from ckptfix.cli._common import info
+    from ckptfix.sanitize import sanitize_checkpoint
+
+    rep = sanitize_checkpoint(checkpoint, output, in_place=in_place, force=force, backup=not no_backup)
+    if as_json:
+        emit_json(rep.to_dict())
+        return
+    info(rep.summary())
+    for c in rep.changes[:50]:
+        info(f"  {c.path}: {c.was} -> {c.now}")
+    if len(rep.changes) > 50:
+        info(f"  ... and {len(rep.changes) - 50} more (--json lists all)")
+    for n in rep.notes:
+        info(f"note: {n}")
+    if rep.backup:
+        info(f"backup: {rep.backup}")
+    if rep.output:
+        click.echo(rep.output)

@@ -22,6 +22,8 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--key", default=None, help="Where the state dict is in the checkpoint, e.g. model or model/state_dict.")
 @click.option("--max-shard-size", default=None, metavar="SIZE",
               help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.")
+@click.option("--keep", "keep", multiple=True, metavar="NAME",
+              help="Of tied tensors, store this name (repeatable); default: what transformers keeps.")
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
 @click.option("--restore-wrapper", is_flag=True,
               help="Back to torch: rebuild the checkpoint dict (epoch, hyper-parameters, ...) around the state dict.")
@@ -33,7 +35,8 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
-                include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool, allow_globals: tuple[str, ...], trust: bool,
+                keep: tuple[str, ...], include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool,
+                allow_globals: tuple[str, ...], trust: bool,
                 quiet: bool, as_json: bool) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
@@ -65,6 +68,8 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
         kw["max_shard_size"] = max_shard_size
     if include_optimizer:
         kw["include_optimizer"] = True
+    if keep:
+        kw["keep"] = keep
     if restore_wrapper:
         kw["restore_wrapper"] = True
     if allow_globals:
@@ -98,7 +103,8 @@ def _summary(r: Any) -> None:
         info(f"state dict {where} {'/'.join(r.key_path)}")
     if r.aliases:
         what = "stored once" if r.direction == "to-safetensors" else "restored as shared"
-        info(f"{len(r.aliases)} shared tensor(s) {what}: "
+        rule = f" (kept by {r.tied_rule})" if getattr(r, "tied_rule", None) else ""
+        info(f"{len(r.aliases)} shared tensor(s) {what}{rule}: "
              + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5]) + (" ..." if len(r.aliases) > 5 else ""))
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
@@ -106,6 +112,10 @@ def _summary(r: Any) -> None:
         info(f"excluded: {', '.join(r.excluded)} (pass --include-optimizer to keep optimizer tensors)")
     if r.copied_views:
         info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
+    if r.converted:
+        info(f"{len(r.converted)} non-tensor entr(y/ies) kept in the metadata as plain data: "
+             + ", ".join(f"{p} ({c})" for p, c in list(r.converted.items())[:3])
+             + (" ..." if len(r.converted) > 3 else ""))
     if r.skipped:
         warn(f"{len(r.skipped)} non-tensor entr(y/ies) not representable in metadata: "
              + ", ".join(list(r.skipped)[:5]) + (" ..." if len(r.skipped) > 5 else ""))

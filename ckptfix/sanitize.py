@@ -1,0 +1,636 @@
+"""Make a checkpoint loadable with ``torch.load(weights_only=True)``, without torch.
+
+Since torch 2.6 ``torch.load`` defaults to ``weights_only=True``, and many real
+checkpoints fail it because of what sits *beside* the weights: an
+``argparse.Namespace`` of hyper-parameters, numpy arrays and scalars, omegaconf
+containers, a Lightning ``AttributeDict``, a class reference such as
+``{"dtype": int}``.  :func:`sanitize_checkpoint` rewrites such a file so that
+every object outside torch's weights-only allowlist becomes plain data:
+
+==========================================  ===============================================
+found                                       written as
+==========================================  ===============================================
+``argparse.Namespace``                      ``dict`` of its fields
+numpy array (numeric, bool, complex)        tensor (a new storage record, same bytes)
+numpy array (strings, objects, other)       ``list`` / ``{"__class__": "numpy.ndarray", ...}``
+numpy scalar / ``numpy.dtype``              Python number / dtype name (``"float32"``)
+omegaconf ``DictConfig`` / ``ListConfig``   ``dict`` / ``list`` (interpolations kept as strings)
+Lightning ``AttributeDict``, ``defaultdict``  ``dict`` (a ``deque``: ``list``)
+``frozenset`` / ``range``, ``slice``        ``set`` / ``{"__class__": "builtins.range", ...}``
+any other instance                          ``dict`` of its state plus ``"__class__": "module.Name"``
+a class or function reference               its name as a string (``"builtins.int"``)
+==========================================  ===============================================
+
+Tensors and storage sharing are unchanged: the pickle (``data.pkl``) is
+rewritten and every storage record is copied by byte range into a new zip
+archive (a legacy input becomes a zip).  The reading side is the same
+restricted reader as everywhere in ckptfix: nothing from the file runs, and
+torch is not imported.  Before the output is renamed into place it is read
+back and must name only globals in torch's weights-only allowlist
+(:func:`ckptfix.rewrite.check_written`).
+
+:class:`Plainer` is the converter itself; ``convert`` uses it (with arrays as
+lists) for the non-tensor entries it keeps as JSON metadata.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import collections
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from ckptfix.errors import ResourceLimitError, UnsupportedError
+from ckptfix.pickles import (STORAGE_DTYPES, StorageRecord, Stub, TensorRecord, classify_global, rebuilder_class,
+                             stub_class)
+
+__all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
+
+Progress = Callable[[int, int], None]
+
+#: numpy dtype code (kind + item size, as numpy pickles it) -> torch dtype name
+NUMPY_TO_TORCH: dict[str, str] = {
+    "f8": "float64", "f4": "float32", "f2": "float16",
+    "i8": "int64", "i4": "int32", "i2": "int16", "i1": "int8",
+    "u8": "uint64", "u4": "uint32", "u2": "uint16", "u1": "uint8",
+    "b1": "bool", "c8": "complex64", "c16": "complex128",
+}
+#: torch dtype name -> the typed storage class torch.save names for it (others use UntypedStorage + v3)
+_TYPED_STORAGE = {dt: name for name, dt in STORAGE_DTYPES.items()
+                  if name not in ("UntypedStorage", "TypedStorage") and not name.startswith("Q")}
+_STRUCT = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "I",
+           "u2": "H", "u1": "B", "b1": "?", "c8": "f", "c16": "d"}
+
+_NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+_MAX_DEPTH = 400
+
+
+def normalise_global(name: str) -> str:
+    """``module.Name`` as Python 3 resolves it: ``builtins.long`` -> ``builtins.int``, ``copy_reg`` -> ``copyreg``.
+
+    Protocol-2 pickles (torch.save's default) name Python 2 spellings; the pickle module maps them
+    through ``_compat_pickle``.  The restricted reader turns ``__builtin__`` into ``builtins`` and
+    keeps the attribute, so both spellings are accepted here.
+
+    Args:
+        name: ``module.Name`` as a pickle (or the restricted reader) spells it.
+
+    Returns:
+        The Python 3 name; ``name`` itself when no mapping applies.
+    """
+    module, _, attr = name.rpartition(".")
+    for mod in (module, "__builtin__" if module == "builtins" else None):
+        if mod is None:
+            continue
+        if (mod, attr) in _compat_pickle.NAME_MAPPING:
+            m, a = _compat_pickle.NAME_MAPPING[(mod, attr)]
+            return f"{m}.{a}"
+    if module in _compat_pickle.IMPORT_MAPPING:
+        return f"{_compat_pickle.IMPORT_MAPPING[module]}.{attr}"
+    return name
+
+
+def _stub_name(cls: type) -> str:
+    return normalise_global(f"{cls._ckpt_module}.{cls._ckpt_name}")
+
+
+@dataclass
+class Change:
+    """One object that became plain data: where (a ``/`` path from the top), what it was, what it is now."""
+
+    path: str
+    was: str
+    now: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": self.path, "was": self.was, "now": self.now}
+
+
+class Plainer:
+    """Turns a record graph (from :func:`ckptfix.formats.read_checkpoint`) into weights-only-safe plain data.
+
+    Args:
+        arrays: ``"tensor"`` turns numeric numpy arrays into tensors backed by new storage records (their
+            bytes in :attr:`new_storages`); ``"list"`` turns them into nested lists of Python numbers
+            (for JSON), arrays above ``max_list`` elements becoming a short description instead.
+        storage_key: a function returning an unused storage key, for ``arrays="tensor"``.
+        max_list: the largest array written as a list in ``"list"`` mode.
+
+    The converted graph keeps shared references shared (one converted object per source object) and
+    returns unchanged objects themselves, so a state dict that needs nothing stays the same object.
+    """
+
+    def __init__(self, *, arrays: str = "tensor", storage_key: Callable[[], str] | None = None,
+                 max_list: int = 4096, sep: str = "/") -> None:
+        self.arrays = arrays
+        self.sep = sep
+        self.storage_key = storage_key
+        self.max_list = max_list
+        self.changes: list[Change] = []
+        self.new_storages: dict[str, bytes] = {}
+        self.lossy: dict[str, str] = {}
+        self._memo: dict[int, Any] = {}
+        self._keep: list[Any] = []  # keeps converted sources alive so their ids stay unique
+
+    def _note(self, path: str, was: str, now: str) -> None:
+        if len(self.changes) < 10_000:
+            self.changes.append(Change(path or "(top level)", was, now))
+
+    def _at(self, path: str, k: Any) -> str:
+        return f"{path}{self.sep}{k}" if path else str(k)
+
+    # ---------------------------------------------------------------- entry point
+
+    def convert(self, v: Any, path: str = "", depth: int = 0) -> Any:
+        """The plain-data form of ``v`` (``v`` itself when it is already plain).
+
+        Args:
+            v: any object from the restricted reader.
+            path: where ``v`` sits, for the change list.  depth: nesting so far.
+
+        Returns:
+            Weights-only-safe data; every replacement is recorded in :attr:`changes`.
+
+        Raises:
+            ResourceLimitError: nesting deeper than 400 levels.
+        """
+        if v is None or isinstance(v, (bool, int, float, str, bytes, bytearray, complex)):
+            return v
+        if isinstance(v, (TensorRecord, StorageRecord)):
+            return v
+        if depth > _MAX_DEPTH:
+            raise ResourceLimitError(f"the checkpoint nests objects more than {_MAX_DEPTH} levels deep at {path}; "
+                                     "flatten it in Python and save it again")
+        key = id(v)
+        if key in self._memo:
+            return self._memo[key]
+        out = self._convert(v, path, depth)
+        self._memo[key] = out
+        self._keep.append(v)
+        return out
+
+    def _convert(self, v: Any, path: str, depth: int) -> Any:
+        if isinstance(v, type):
+            if issubclass(v, Stub):
+                name = f"{v._ckpt_module}.{v._ckpt_name}"
+                if classify_global(name) == "safe":  # torch.float32, torch.FloatStorage ...
+                    return v
+                now = _stub_name(v)
+                self._note(path, f"class {now}", "str")
+                return now
+            now = f"{v.__module__}.{v.__qualname__}"
+            self._note(path, f"class {now}", "str")
+            return now
+        if isinstance(v, Stub):
+            return self._stub(v, path, depth)
+        if isinstance(v, dict):
+            return self._dict(v, path, depth)
+        if isinstance(v, list):
+            new = [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v)]
+            return v if all(a is b for a, b in zip(new, v)) else new
+        if isinstance(v, tuple):
+            new_t = tuple(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
+            return v if all(a is b for a, b in zip(new_t, v)) else new_t
+        if isinstance(v, (set, frozenset)):
+            items = [self.convert(x, path, depth + 1) for x in v]
+            if isinstance(v, frozenset):
+                self._note(path, "builtins.frozenset", "set")
+            try:
+                return set(items) if isinstance(v, frozenset) or any(a is not b for a, b in zip(items, v)) else v
+            except TypeError:  # unhashable after conversion
+                return items
+        if isinstance(v, slice):
+            self._note(path, "builtins.slice", "dict")
+            return {"__class__": "builtins.slice", "start": v.start, "stop": v.stop, "step": v.step}
+        if isinstance(v, range):
+            self._note(path, "builtins.range", "dict")
+            return {"__class__": "builtins.range", "start": v.start, "stop": v.stop, "step": v.step}
+        if callable(v):
+            name = f"{getattr(v, '__module__', '?')}.{getattr(v, '__qualname__', type(v).__name__)}"
+            self._note(path, f"function {name}", "str")
+            return name
+        name = f"{type(v).__module__}.{type(v).__qualname__}"
+        self._note(path, name, "str")
+        return repr(v)
+
+    def _dict(self, v: dict, path: str, depth: int) -> Any:
+        changed = False
+        items = []
+        for k, x in v.items():
+            nk = self.convert(k, self._at(path, "<key>"), depth + 1)
+            try:
+                hash(nk)
+            except TypeError:
+                nk = repr(nk)
+            nx = self.convert(x, self._at(path, k), depth + 1)
+            changed = changed or nk is not k or nx is not x
+            items.append((nk, nx))
+        attrs = getattr(v, "__dict__", None) or {}
+        new_attrs = {a: self.convert(x, self._at(path, "." + a), depth + 1) for a, x in attrs.items()}
+        changed = changed or any(new_attrs[a] is not attrs[a] for a in attrs)
+        if not changed and type(v) in (dict, collections.OrderedDict):
+            return v
+        out: dict = collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else dict(items)
+        for a, x in new_attrs.items():  # the state dict's _metadata
+            try:
+                setattr(out, a, x)
+            except AttributeError:
+                pass
+        return out
+
+    # ---------------------------------------------------------------- placeholders of instances
+
+    def _stub(self, v: Stub, path: str, depth: int) -> Any:
+        cls = type(v)
+        raw = f"{cls._ckpt_module}.{cls._ckpt_name}"
+        name = _stub_name(cls)
+        module, _, attr = name.rpartition(".")
+        if classify_global(raw) == "safe":  # torch.Size(...), torch.device(...)
+            return v
+        if module in _NUMPY_MODULES and attr == "_reconstruct":
+            return self._ndarray(v, path, depth)
+        if module in _NUMPY_MODULES and attr == "scalar":
+            return self._np_scalar(v, path, depth)
+        if name == "numpy.dtype":
+            code = _dtype_code(v)
+            now = NUMPY_TO_TORCH.get(code or "", code or "?")
+            self._note(path, "numpy.dtype", f"str {now!r}")
+            return now
+        if name == "argparse.Namespace":
+            state = v._state if isinstance(v._state, dict) else {}
+            self._note(path, name, "dict")
+            return {str(k): self.convert(x, self._at(path, k), depth + 1) for k, x in state.items()}
+        if module.startswith("omegaconf"):
+            return self._omegaconf(v, path, depth)
+        if name == "collections.deque":
+            self._note(path, name, "list")
+            items = v._args[0] if v._args and isinstance(v._args[0], list) else v._listitems
+            return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
+        if attr == "AttributeDict" or name == "collections.defaultdict" or (
+                v._dictitems and not v._args and not v._listitems and v._state is None):
+            self._note(path, name, "dict")
+            return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v._dictitems.items()}
+        return self._generic(v, name, path, depth)
+
+    def _generic(self, v: Stub, name: str, path: str, depth: int) -> dict:
+        out: dict[str, Any] = {"__class__": name}
+        if v._args:
+            out["__args__"] = self.convert(list(v._args), self._at(path, "__args__"), depth + 1)
+        if v._kwargs:
+            out["__kwargs__"] = self.convert(dict(v._kwargs), self._at(path, "__kwargs__"), depth + 1)
+        state = v._state
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) \
+                and isinstance(state[1], dict):  # (__dict__, slots)
+            merged = dict(state[0] or {})
+            merged.update(state[1])
+            state = merged
+        if isinstance(state, dict) and all(isinstance(k, str) and k not in out for k in state):
+            for k, x in state.items():
+                out[k] = self.convert(x, self._at(path, k), depth + 1)
+        elif state is not None:
+            out["__state__"] = self.convert(state, self._at(path, "__state__"), depth + 1)
+        if v._dictitems:
+            out["__items__"] = self.convert(dict(v._dictitems), self._at(path, "__items__"), depth + 1)
+        elif v._listitems:
+            out["__items__"] = self.convert(list(v._listitems), self._at(path, "__items__"), depth + 1)
+        self._note(path, name, "dict")
+        return out
+
+    def _omegaconf(self, v: Stub, path: str, depth: int) -> Any:
+        name = _stub_name(type(v))
+        state = v._state if isinstance(v._state, dict) else {}
+        if "_content" in state:  # DictConfig / ListConfig
+            content = state["_content"]
+            kind = "list" if isinstance(content, list) else "dict" if isinstance(content, dict) else "str"
+            self._note(path, name, kind)
+            if isinstance(content, dict):
+                return {self._omega_key(k): self._omega_value(x, self._at(path, k), depth)
+                        for k, x in content.items()}
+            if isinstance(content, list):
+                return [self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content)]
+            return self.convert(content, path, depth + 1)  # None, "???" (missing) or "${interpolation}"
+        if "_val" in state:  # a value node on its own
+            self._note(path, name, "value")
+            return self.convert(state["_val"], path, depth + 1)
+        return self._generic(v, name, path, depth)
+
+    def _omega_key(self, k: Any) -> Any:
+        if isinstance(k, Stub) or isinstance(k, type):
+            return str(self.convert(k, "", 0))
+        return k
+
+    def _omega_value(self, x: Any, path: str, depth: int) -> Any:
+        if isinstance(x, Stub) and isinstance(x._state, dict):
+            if "_val" in x._state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
+                return self.convert(x._state["_val"], path, depth + 1)
+            if "_content" in x._state:
+                return self._omegaconf(x, path, depth + 1)
+        return self.convert(x, path, depth + 1)
+
+    # ---------------------------------------------------------------- numpy
+
+    def _np_scalar(self, v: Stub, path: str, depth: int) -> Any:
+        args = v._args
+        code = _dtype_code(args[0]) if args else None
+        data = args[1] if len(args) > 1 else None
+        if code in _STRUCT and isinstance(data, (bytes, bytearray)):
+            vals = _unpack(code, _byteorder(args[0]), bytes(data))
+            if vals is not None and len(vals) == 1:
+                val = vals[0]
+                self._note(path, f"numpy scalar {NUMPY_TO_TORCH[code]}", type(val).__name__)
+                return val
+        if isinstance(data, (bytes, bytearray)) and code and code[0] in "US":
+            s = _decode_strings(code, _byteorder(args[0]), bytes(data), 1)
+            if s is not None:
+                self._note(path, f"numpy scalar {code}", "str")
+                return s[0]
+        return self._generic(v, "numpy.generic", path, depth)
+
+    def _ndarray(self, v: Stub, path: str, depth: int) -> Any:
+        st = v._state
+        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)):
+            return self._generic(v, "numpy.ndarray", path, depth)
+        _, shape, dt, fortran, raw = st
+        shape = tuple(int(s) for s in shape)
+        code = _dtype_code(dt)
+        order = _byteorder(dt)
+        numel = 1
+        for s in shape:
+            numel *= s
+        if isinstance(raw, list):  # object array: the elements themselves, C order
+            self._note(path, f"numpy.ndarray object {list(shape)}", "list")
+            return _nest([self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(raw)], shape)
+        if not isinstance(raw, (bytes, bytearray)) or code is None:
+            return self._generic(v, "numpy.ndarray", path, depth)
+        raw = bytes(raw)
+        if code[0] in "US":
+            strs = _decode_strings(code, order, raw, numel)
+            if strs is not None:
+                self._note(path, f"numpy.ndarray {code} {list(shape)}", "list of str")
+                return _nest(_c_order(strs, shape, fortran), shape)
+        dtype = NUMPY_TO_TORCH.get(code)
+        if dtype is None or len(raw) != numel * int(code[1:]):
+            self._note(path, f"numpy.ndarray {code} {list(shape)}", "dict (raw bytes)")
+            return {"__class__": "numpy.ndarray", "dtype": code, "byteorder": order, "shape": list(shape),
+                    "fortran_order": bool(fortran), "data": raw}
+        if self.arrays == "list":
+            if numel > self.max_list:
+                self.lossy[path or "(top level)"] = (f"numpy.ndarray {dtype} {list(shape)}: {numel} values, "
+                                                     "too many for JSON metadata")
+                return _LOSSY
+            vals = _unpack(code, order, raw)
+            if vals is None:
+                return _LOSSY
+            self._note(path, f"numpy.ndarray {dtype} {list(shape)}", "list")
+            return _nest(_c_order(vals, shape, fortran), shape)
+        if order == ">" and int(code[1:]) > 1:
+            raw = _swap(raw, int(code[1:]) // (2 if code[0] == "c" else 1))
+        key = self.storage_key() if self.storage_key else f"np{len(self.new_storages)}"
+        self.new_storages[key] = raw
+        self._note(path, f"numpy.ndarray {dtype} {list(shape)}", f"tensor (storage {key})")
+        return make_tensor_record(key, dtype, shape, fortran=bool(fortran), nbytes=len(raw))
+
+
+_LOSSY = object()
+
+
+def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False,
+                       nbytes: int) -> TensorRecord:
+    """A new CPU tensor over a whole new storage ``key``, written as torch.save writes one.
+
+    Args:
+        key: the storage key (its bytes go to ``data/<key>``).
+        dtype: torch dtype name.  shape: the tensor's shape.  fortran: column-major strides.
+        nbytes: the storage's size in bytes.
+
+    Returns:
+        A TensorRecord that pickles as ``torch._utils._rebuild_tensor_v2`` (v3 for dtypes without a
+        typed storage class, e.g. uint16).
+    """
+    es = int(nbytes // max(1, _prod(shape))) if _prod(shape) else 1
+    if dtype in _TYPED_STORAGE:
+        st_cls = stub_class("torch", _TYPED_STORAGE[dtype])
+        numel = nbytes // max(1, es) if _prod(shape) else 0
+    else:
+        st_cls = stub_class("torch.storage", "UntypedStorage")
+        numel = nbytes
+    storage = StorageRecord(key=key, dtype=dtype if dtype in _TYPED_STORAGE else "uint8", location="cpu",
+                            numel=numel, storage_type=st_cls, nbytes=nbytes)
+    stride = [0] * len(shape)
+    acc = 1
+    for i in (range(len(shape)) if fortran else range(len(shape) - 1, -1, -1)):
+        stride[i] = acc
+        acc *= max(1, shape[i])
+    hooks = collections.OrderedDict()
+    if dtype in _TYPED_STORAGE:
+        fn = rebuilder_class("torch._utils", "_rebuild_tensor_v2")
+        args: tuple = (storage, 0, tuple(shape), tuple(stride), False, hooks)
+    else:
+        fn = rebuilder_class("torch._utils", "_rebuild_tensor_v3")
+        args = (storage, 0, tuple(shape), tuple(stride), False, hooks, stub_class("torch", dtype))
+    return TensorRecord(storage, 0, tuple(shape), tuple(stride), dtype, reduce_func=fn, reduce_args=args)
+
+
+def _prod(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _dtype_code(dt: Any) -> str | None:
+    """``"f8"``, ``"<U2"`` -> ``"U8"`` ... from a ``numpy.dtype`` placeholder (args: ('f8', False, True))."""
+    if not isinstance(dt, Stub) or not dt._args or not isinstance(dt._args[0], str):
+        return None
+    code = dt._args[0]
+    if code[:1] in "US" and isinstance(dt._state, tuple) and len(dt._state) > 5 and isinstance(dt._state[5], int) \
+            and dt._state[5] > 0:
+        return f"{code[0]}{dt._state[5]}"  # element size in bytes (U: 4 per character)
+    if code[:1] in "US" and len(code) == 1:
+        return None
+    return code
+
+
+def _byteorder(dt: Any) -> str:
+    st = dt._state if isinstance(dt, Stub) else None
+    if isinstance(st, tuple) and len(st) > 1 and st[1] in ("<", ">", "|", "="):
+        return ">" if st[1] == ">" else "<"
+    return "<"
+
+
+def _unpack(code: str, order: str, raw: bytes) -> list | None:
+    fmt = _STRUCT.get(code)
+    if fmt is None:
+        return None
+    size = struct.calcsize(fmt)
+    n = len(raw) // size
+    vals = list(struct.unpack(f"{'>' if order == '>' else '<'}{n}{fmt}", raw[: n * size]))
+    if code[0] == "c":
+        return [complex(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+    return vals
+
+
+def _decode_strings(code: str, order: str, raw: bytes, n: int) -> list[str] | None:
+    size = int(code[1:]) if code[1:].isdigit() else 0
+    if size <= 0 or len(raw) != n * size:
+        return None
+    out = []
+    for i in range(n):
+        chunk = raw[i * size:(i + 1) * size]
+        if code[0] == "U":
+            s = chunk.decode("utf-32-be" if order == ">" else "utf-32-le", errors="replace")
+        else:
+            s = chunk.decode("latin-1")
+        out.append(s.rstrip("\x00"))
+    return out
+
+
+def _swap(raw: bytes, size: int) -> bytes:
+    b = bytearray(raw)
+    for i in range(0, len(b), size):
+        b[i:i + size] = b[i:i + size][::-1]
+    return bytes(b)
+
+
+def _c_order(vals: list, shape: tuple[int, ...], fortran: Any) -> list:
+    if not fortran or len(shape) < 2:
+        return vals
+    import itertools
+
+    n = len(shape)
+    fstride = [1] * n
+    for i in range(1, n):
+        fstride[i] = fstride[i - 1] * shape[i - 1]
+    return [vals[sum(i * s for i, s in zip(idx, fstride))] for idx in itertools.product(*(range(s) for s in shape))]
+
+
+def _nest(vals: list, shape: tuple[int, ...]) -> Any:
+    if not shape:
+        return vals[0] if vals else None
+    if len(shape) == 1:
+        return list(vals)
+    step = _prod(shape[1:])
+    return [_nest(vals[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+# --------------------------------------------------------------------------- the file
+
+@dataclass
+class SanitizeReport:
+    """What :func:`sanitize_checkpoint` did.  ``to_dict()`` is the ``--json`` document."""
+
+    source: str
+    output: str | None
+    format_in: str
+    format_out: str = "torch-zip"
+    changed: bool = False
+    changes: list[Change] = field(default_factory=list)
+    new_tensors: int = 0
+    tensors: int = 0
+    globals_before: list[str] = field(default_factory=list)
+    globals_after: list[str] = field(default_factory=list)
+    backup: str | None = None
+    verified: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if not self.changed:
+            return f"{self.source}: already loadable with weights_only=True; nothing to change"
+        return (f"{len(self.changes)} object(s) made plain data ({self.new_tensors} numpy array(s) became "
+                f"tensors); {len(self.globals_after)} global(s) left, all in torch's weights-only allowlist")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["changes"] = [c.to_dict() for c in self.changes]
+        d["summary"] = self.summary()
+        return d
+
+
+def _unsafe_globals(names: Iterable[str]) -> list[str]:
+    return sorted(g for g in names if classify_global(g) != "safe")
+
+
+def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, in_place: bool = False,
+                        force: bool = False, backup: bool = True,
+                        progress: Progress | None = None) -> SanitizeReport:
+    """Rewrite ``src`` so that plain ``torch.load(path, weights_only=True)`` loads it.
+
+    Args:
+        src: a torch checkpoint (zip or legacy format; Lightning ``.ckpt``, ``training_args.bin`` ...).
+        dst: where to write (default ``<stem>.sanitized<ext>`` next to ``src``).
+        in_place: replace ``src`` itself (temp file, fsync, rename), keeping ``src.bak`` unless ``backup=False``.
+        force: overwrite an existing ``dst``.
+        backup: with ``in_place``, keep the original as ``src.bak``.
+        progress: ``progress(done_bytes, total_bytes)``; called once the storages are copied.
+
+    Returns:
+        SanitizeReport: every object that became plain data (path, what it was, what it is now);
+        ``output`` is None when the file needed no change.
+
+    Raises:
+        UnsupportedError: not a torch pickle checkpoint (safetensors needs no sanitizing; a sharded
+            index, DCP or TorchScript cannot be handled here).
+        OutputError: ``dst`` exists without ``force``, is the input, or cannot be written.
+        VerificationError: the written file names a global outside the allowlist or does not read
+            back; nothing is replaced.
+    """
+    from ckptfix.formats import read_checkpoint
+    from ckptfix.rewrite import check_written, prepare_output, write_checkpoint_zip
+
+    src = os.fspath(src)
+    cf = read_checkpoint(src)
+    if cf.format == "safetensors":
+        raise UnsupportedError(f"{src}: a safetensors file holds no pickle; it already loads without weights_only "
+                               "concerns")
+    if cf.format not in ("torch-zip", "torch-legacy", "pickle"):
+        raise UnsupportedError(f"{src}: {cf.format} checkpoints cannot be sanitized; sanitize a single torch.save "
+                               "file (convert sharded/DCP inputs with ckptfix convert instead)")
+    if cf.format == "pickle":
+        raise UnsupportedError(f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and "
+                               "torch.save what you need")
+    before = _unsafe_globals(cf.globals_seen)
+    rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
+    from ckptfix.formats import iter_tensors
+
+    rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
+    if not before:  # torch.load(weights_only=True) reads legacy files too
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    used = set(cf.storages)
+    counter = [len(used)]
+
+    def new_key() -> str:  # the next free integer, as torch numbers its storages
+        while str(counter[0]) in used:
+            counter[0] += 1
+        used.add(str(counter[0]))
+        return str(counter[0])
+
+    pl = Plainer(arrays="tensor", storage_key=new_key)
+    obj = pl.convert(cf.obj)
+    rep.changes = pl.changes
+    rep.new_tensors = len(pl.new_storages)
+    rep.changed = True
+    if cf.format == "torch-legacy":
+        rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
+    dst_path, fsync = prepare_output(src, os.fspath(dst) if dst is not None else None, in_place=in_place,
+                                     force=force, suffix="sanitized", fmt_out="torch-zip", notes=rep.notes)
+    from ckptfix.rewrite import write_atomic
+
+    def write(f: Any) -> None:
+        write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)
+
+    def check(tmp: str) -> None:
+        after = check_written(tmp, cf, expect_obj=obj, weights_only=True, new_storages=pl.new_storages,
+                              what=src if in_place else dst_path)
+        rep.globals_after = sorted(after)
+
+    rep.backup = write_atomic(dst_path, write, check, fsync=fsync, backup_of=dst_path if in_place and backup else None)
+    rep.verified = True
+    rep.output = src if in_place else dst_path
+    if progress is not None:
+        total = sum(st.nbytes or 0 for st in cf.storages.values()) + sum(map(len, pl.new_storages.values()))
+        progress(total, total)
+    return rep
+

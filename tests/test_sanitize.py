@@ -1,0 +1,283 @@
+"""sanitize: everything beside the tensors becomes plain data; the output loads with weights_only=True.
+
+The oracle is torch itself: ``torch.load(weights_only=True)`` must accept the output, and the tensors it
+returns must equal what ``torch.load(weights_only=False)`` returns for the input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import enum
+import json
+import os
+import sys
+import types
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from conftest import assert_one_line_error, run_cli
+from ckptfix.errors import OutputError, UnsupportedError, VerificationError
+from ckptfix.sanitize import Plainer, normalise_global, sanitize_checkpoint
+
+np = pytest.importorskip("numpy")
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _wo_fails(path) -> bool:
+    try:
+        torch.load(path, weights_only=True)
+    except Exception:  # noqa: BLE001 - torch's UnpicklingError
+        return True
+    return False
+
+
+def _tensors(obj, prefix=""):
+    """{path: tensor} for every tensor in a loaded object."""
+    out = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Plain:
+    def __init__(self):
+        self.a = 1
+        self.b = [1.5, "x"]
+
+
+def _attrdict_cls():
+    """A Lightning-style AttributeDict, importable by name while the test saves it."""
+    mod = types.ModuleType("lightning_standin_utilities_data")
+
+    class AttributeDict(dict):
+        def __getattr__(self, k):
+            return self[k]
+
+    AttributeDict.__module__ = mod.__name__
+    AttributeDict.__qualname__ = "AttributeDict"
+    mod.AttributeDict = AttributeDict
+    sys.modules[mod.__name__] = mod
+    return AttributeDict
+
+
+def _kinds():
+    AD = _attrdict_cls()
+    from omegaconf import OmegaConf
+
+    return {
+        "namespace": argparse.Namespace(lr=0.1, name="run", layers=[1, 2]),
+        "numpy_array": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "numpy_fortran_bigendian": np.asfortranarray(np.arange(6, dtype=">i4").reshape(2, 3)),
+        "numpy_uint16": np.arange(4, dtype=np.uint16),
+        "numpy_scalars": {"f": np.float64(0.25), "i": np.int32(-3), "b": np.bool_(True)},
+        "numpy_strings": np.array(["a", "bcd"]),
+        "numpy_objects": np.array([1, "x", None], dtype=object),
+        "numpy_dtype": np.dtype("float16"),
+        "omegaconf": OmegaConf.create({"model": {"dim": 8, "names": ["a", "b"]}, "lr": 0.5, "ref": "${lr}"}),
+        "attributedict": AD(lr=0.1, nested=AD(x=1)),
+        "class_refs": {"dtype": int, "kind": str, "fn": os.path.join},
+        "enum_and_object": {"color": Color.RED, "obj": Plain()},
+        "frozenset_range_slice": {"fs": frozenset([1, 2]), "r": range(3), "s": slice(1, 5, 2)},
+        "collections": {"dd": collections.defaultdict(list, a=[1]), "dq": collections.deque([1, 2])},
+    }
+
+
+KINDS = ["namespace", "numpy_array", "numpy_fortran_bigendian", "numpy_uint16", "numpy_scalars", "numpy_strings",
+         "numpy_objects", "numpy_dtype", "omegaconf", "attributedict", "class_refs", "enum_and_object",
+         "frozenset_range_slice", "collections"]
+
+
+@pytest.fixture(scope="module")
+def omegaconf_available():
+    return pytest.importorskip("omegaconf")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_each_kind_loads_with_weights_only(tmp_path, kind, legacy, omegaconf_available):
+    value = _kinds()[kind]
+    w = torch.randn(3, 4)
+    src = tmp_path / "ckpt.pt"
+    torch.save({"state_dict": {"w": w, "w_view": w[1]}, "extra": value, "epoch": 3}, src,
+               _use_new_zipfile_serialization=not legacy)
+    assert _wo_fails(src)
+    rep = sanitize_checkpoint(src, tmp_path / "out.pt")
+    assert rep.changed and rep.verified and rep.changes
+    assert rep.globals_after == []
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    ref = torch.load(src, weights_only=False)
+    assert torch.equal(out["state_dict"]["w"], w)
+    # storage sharing kept: the view is still a view of w
+    sd = out["state_dict"]
+    assert sd["w_view"].untyped_storage().data_ptr() == sd["w"].untyped_storage().data_ptr()
+    assert out["epoch"] == 3
+    _check_plain(kind, ref["extra"], out["extra"])
+
+
+def _check_plain(kind, ref, got):
+    if kind == "namespace":
+        assert got == vars(ref)
+    elif kind.startswith("numpy_") and isinstance(ref, np.ndarray) and ref.dtype.kind in "fiub":
+        assert isinstance(got, torch.Tensor)
+        assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(ref).astype(ref.dtype.newbyteorder("="))))
+    elif kind == "numpy_scalars":
+        assert got == {k: v.item() for k, v in ref.items()}
+        assert type(got["f"]) is float and type(got["i"]) is int and type(got["b"]) is bool
+    elif kind in ("numpy_strings", "numpy_objects"):
+        assert got == ref.tolist()
+    elif kind == "numpy_dtype":
+        assert got == "float16"
+    elif kind == "omegaconf":
+        from omegaconf import OmegaConf
+
+        assert got == {"model": {"dim": 8, "names": ["a", "b"]}, "lr": 0.5, "ref": "${lr}"}
+        assert OmegaConf.create(got).ref == 0.5  # the interpolation still works once re-created
+    elif kind == "attributedict":
+        assert got == {"lr": 0.1, "nested": {"x": 1}} and type(got) is dict
+    elif kind == "class_refs":
+        assert got == {"dtype": "builtins.int", "kind": "builtins.str", "fn": "posixpath.join"}
+    elif kind == "enum_and_object":
+        assert got["color"] == {"__class__": f"{__name__}.Color", "__args__": [1]}
+        assert got["obj"] == {"__class__": f"{__name__}.Plain", "a": 1, "b": [1.5, "x"]}
+    elif kind == "collections":
+        assert got == {"dd": {"a": [1]}, "dq": [1, 2]} and type(got["dd"]) is dict
+    elif kind == "frozenset_range_slice":
+        assert got["fs"] == {1, 2}
+        assert got["r"] == {"__class__": "builtins.range", "__args__": [0, 3, 1]}
+        assert got["s"] == {"__class__": "builtins.slice", "start": 1, "stop": 5, "step": 2}
+
+
+def test_training_args_namespace_top_level(tmp_path):
+    src = tmp_path / "training_args.bin"
+    torch.save(argparse.Namespace(output_dir="out", learning_rate=5e-5, seed=42), src)
+    rep = sanitize_checkpoint(src, tmp_path / "ta.bin")
+    assert [c.to_dict() for c in rep.changes] == [{"path": "(top level)", "was": "argparse.Namespace", "now": "dict"}]
+    assert torch.load(tmp_path / "ta.bin", weights_only=True) == {"output_dir": "out", "learning_rate": 5e-5,
+                                                                  "seed": 42}
+
+
+def test_cuda_tags_and_records_copied_by_range(tmp_path, monkeypatch):
+    """Tensor records are copied byte for byte (torch-free); a cuda:1 tag stays as it was."""
+    src = tmp_path / "c.pt"
+    sd = OrderedDict(a=torch.randn(5), b=torch.arange(7))
+    torch.save({"model": sd, "cfg": argparse.Namespace(x=np.float32(2.0))}, src)
+    sanitize_checkpoint(src, tmp_path / "o.pt")
+    import zipfile
+
+    with zipfile.ZipFile(src) as a, zipfile.ZipFile(tmp_path / "o.pt") as b:
+        ra = {n.split("/", 1)[1]: a.read(n) for n in a.namelist() if "/data/" in n}
+        rb = {n.split("/", 1)[1]: b.read(n) for n in b.namelist() if "/data/" in n}
+    assert ra == rb
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert out["cfg"] == {"x": 2.0}
+    assert all(torch.equal(out["model"][k], sd[k]) for k in sd)
+
+
+def test_in_place_keeps_backup(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "args": argparse.Namespace(a=1)}, src)
+    before = src.read_bytes()
+    rep = sanitize_checkpoint(src, in_place=True)
+    assert rep.output == str(src) and rep.backup and open(rep.backup, "rb").read() == before
+    assert torch.load(src, weights_only=True)["args"] == {"a": 1}
+
+
+def test_already_safe_writes_nothing(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    rep = sanitize_checkpoint(src, tmp_path / "o.pt")
+    assert not rep.changed and rep.output is None and not (tmp_path / "o.pt").exists()
+
+
+def test_refusals(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2), "a": argparse.Namespace(x=1)}, src)
+    (tmp_path / "o.pt").write_bytes(b"keep")
+    with pytest.raises(OutputError):
+        sanitize_checkpoint(src, tmp_path / "o.pt")
+    assert (tmp_path / "o.pt").read_bytes() == b"keep"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, tmp_path / "m.safetensors")
+    with pytest.raises(UnsupportedError):
+        sanitize_checkpoint(tmp_path / "m.safetensors")
+
+
+def test_verification_stops_an_unsafe_output(tmp_path, monkeypatch):
+    """If the converter let an unsafe global through, nothing is written."""
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2), "a": argparse.Namespace(x=1)}, src)
+    monkeypatch.setattr(Plainer, "_stub", lambda self, v, path, depth: v)
+    with pytest.raises(VerificationError, match="argparse.Namespace"):
+        sanitize_checkpoint(src, tmp_path / "o.pt")
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+def test_cli_json_and_text(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2), "shift": np.arange(3.0)}, src)
+    p = run_cli("sanitize", src, "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["changes"] == [{"path": "shift", "was": "numpy.ndarray float64 [3]", "now": "tensor (storage 1)"}]
+    assert doc["output"].endswith("m.sanitized.pt")
+    p = run_cli("sanitize", src)  # exists now
+    assert_one_line_error(p, 9)
+    p = run_cli("sanitize", src, "--force")
+    assert p.returncode == 0 and p.stdout.strip().endswith("m.sanitized.pt")
+    assert "shift: numpy.ndarray float64 [3] -> tensor" in p.stderr
+
+
+def test_sanitize_never_imports_torch(tmp_path):
+    src = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(2), "shift": np.arange(3.0), "a": argparse.Namespace(x=1)}, src)
+    code = ("import sys; from ckptfix.sanitize import sanitize_checkpoint; "
+            f"sanitize_checkpoint({str(src)!r}, {str(tmp_path / 'o.pt')!r}); "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'")
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("name,want", [("builtins.long", "builtins.int"), ("builtins.unicode", "builtins.str"),
+                                       ("builtins.xrange", "builtins.range"), ("copy_reg._reconstructor",
+                                                                                "copyreg._reconstructor"),
+                                       ("collections.OrderedDict", "collections.OrderedDict")])
+def test_normalise_global(name, want):
+    assert normalise_global(name) == want
+
+
+def test_whole_pickled_module(tmp_path):
+    """torch.save(model): every module becomes a dict of its state; the parameters stay tensors."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    torch.save(net, tmp_path / "m.pt")
+    rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
+    assert {c.was for c in rep.changes} >= {"torch.nn.modules.container.Sequential",
+                                            "torch.nn.modules.linear.Linear"}
+    out = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert out["__class__"] == "torch.nn.modules.container.Sequential"
+    lin = out["_modules"]["0"]
+    assert torch.equal(lin["_parameters"]["weight"], net[0].weight.detach())
+    assert torch.equal(out["_modules"]["1"]["_buffers"]["running_mean"], net[1].running_mean)
+
+
+def test_legacy_file_already_safe_is_left_alone(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt", _use_new_zipfile_serialization=False)
+    rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
+    assert not rep.changed and not (tmp_path / "o.pt").exists()
+    torch.load(tmp_path / "m.pt", weights_only=True)
