@@ -83,7 +83,7 @@ class TrainConfig:
             parts.append("compile")
         if self.save_style != "wrapped":
             parts.append(self.save_style)
-        if self.save_format != "pt":
+        if self.save_format != ("dcp" if self.mode == "fsdp" else "pt"):
             parts.append(self.save_format)
         if self.legacy_format:
             parts.append("legacy")
@@ -150,10 +150,8 @@ class TrainConfig:
             bad("--legacy-format applies to torch.save files; it cannot be combined with --save-format dcp")
         if self.show_split and self.mode not in ("dp", "manual"):
             bad("--show-split only applies to --mode dp or manual (the modes that split a batch in one process)")
-        if self.mode == "fsdp" and self.save_style == "clean":
-            bad("--save-style clean does not apply to fsdp: FSDP state dicts have no wrapper prefix already")
-        if self.mode == "fsdp" and self.compile:
-            bad("--compile is not supported with --mode fsdp here; use single, dp or ddp")
+        if self.mode == "fsdp" and (self.compile or self.amp):
+            bad("--compile and --amp are not supported with --mode fsdp; use single, dp or ddp for them")
 
 
 @dataclass

@@ -57,6 +57,7 @@ def default_nproc(device_type: str) -> int:
 
 
 PROGRESS_MARK = "\x1eckptfix\x1e "  # rank 0's progress lines carry this; the launcher shows only them
+STARTED_MARK = "\x1eckptfix-started\x1e"  # rank 0 prints it once the process group is up
 
 # Lines that name the cause of a failed torchrun job, most specific first.
 _CAUSE_PATTERNS = (
@@ -93,6 +94,42 @@ def preflight(cfg: TrainConfig) -> None:
         from ckptfix.train.trainer import load_resume
 
         load_resume(cfg, build_model(cfg.model, cfg.seed))
+
+
+def _run_torchrun(
+    cmd: list[str], env: dict[str, str], log_path: str, *, quiet: bool, timeout: float | None
+) -> tuple[int, list[str], bool]:
+    """Run torchrun, all output to ``log_path``; returns (exit status, last lines, whether rank 0 reported progress)."""
+    lines: list[str] = []
+    started = False
+    with open(log_path, "w", encoding="utf-8", errors="replace") as log:
+        try:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1, errors="replace"
+            )
+        except OSError as e:
+            raise TrainingError(f"cannot start torchrun ({sys.executable} -m torch.distributed.run): {e}") from e
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(STARTED_MARK):
+                started = True
+                continue
+            if line.startswith(PROGRESS_MARK):
+                started = True
+                line = line[len(PROGRESS_MARK):]
+                if not quiet:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+            if len(lines) > 2000:
+                del lines[:1000]
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TrainingError(f"torchrun did not finish within {timeout}s (full log: {log_path})") from None
+    return rc, lines, started
 
 
 def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
@@ -132,6 +169,8 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             "-m",
             "torch.distributed.run",
             "--standalone",
+            "--local-addr",
+            "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
             "--nnodes",
             "1",
             "--nproc-per-node",
@@ -154,31 +193,17 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             print(f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
                   file=sys.stderr, flush=True)
         fd, log_path = tempfile.mkstemp(prefix=f"ckptfix-{cfg.mode}-", suffix=".log")
-        lines: list[str] = []
-        with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as log:
-            try:
-                proc = subprocess.Popen(
-                    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1,
-                    errors="replace",
-                )
-            except OSError as e:
-                raise TrainingError(f"cannot start torchrun ({sys.executable} -m torch.distributed.run): {e}") from e
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith(PROGRESS_MARK):
-                    line = line[len(PROGRESS_MARK):]
-                    if not cfg.quiet:
-                        sys.stderr.write(line)
-                        sys.stderr.flush()
-                log.write(line)
-                lines.append(line.rstrip("\n"))
-                if len(lines) > 2000:
-                    del lines[:1000]
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise TrainingError(f"torchrun did not finish within {timeout}s (full log: {log_path})") from None
+        os.close(fd)
+        for attempt in (1, 2):
+            rc, lines, started = _run_torchrun(cmd, env, log_path, quiet=cfg.quiet, timeout=timeout)
+            failed_early = rc != 0 and not started and not any(p.startswith("result.json") for p in os.listdir(tmp))
+            if not (failed_early and attempt == 1):
+                break
+            # The job died before any rank trained (rendezvous / process-group start-up on a loaded
+            # machine): nothing was written, so one more try is safe.  The first log is kept.
+            os.replace(log_path, log_path + ".attempt1")
+            print(f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
+                  f"(log: {log_path}.attempt1)", file=sys.stderr, flush=True)
         errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
         if errors:
             with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
@@ -218,6 +243,8 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10), **kwargs)
+    if rank == 0 and os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
+        print(STARTED_MARK, file=sys.stderr, flush=True)
     try:
         cfg = TrainConfig.from_dict(cfg.to_dict())
         cfg.device = device_type

@@ -521,8 +521,6 @@ class Run:
                 sizes = self.manual.last_split
                 print(f"batch of {x.shape[0]} -> replicas: {', '.join(map(str, sizes))}", file=sys.stderr, flush=True)
             return loss
-        if self.fsdp is not None:
-            return self.fsdp.step(x, y)
         x = x.to(self.input_device, non_blocking=True)
         y = y.to(self.input_device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
@@ -618,6 +616,10 @@ class Run:
                     atomic_torch_save(payload, os.path.join(self.out, rel), legacy=cfg.legacy_format)
                 self.dist.barrier()  # nobody goes on (or exits) before the file is complete
             probe_model = self.base
+        top_keys = ["epoch", "model_state_dict", "optimizer_state_dict"]
+        if self.scaler is not None:
+            top_keys.append("scaler_state_dict")
+        top_keys.append("args")
         if not self.dist.is_main:
             return None
 
@@ -648,7 +650,7 @@ class Run:
             "epoch": epoch,
             "accuracy": accuracy,
             "keys": {"first": next(iter(sd)), "count": len(sd)},
-            "top_level_keys": list(payload),
+            "top_level_keys": top_keys,
             "resumed_from": self.resumed_from,
             "resume": self.resume_info,
             "hyperparameters": {h: self._args_dict()[h] for h in ("lr", "momentum", "weight_decay", "batch_size")},
