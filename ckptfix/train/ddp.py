@@ -221,6 +221,42 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             return TrainResult.from_dict(json.load(f))
 
 
+def numpy_free_object_collectives() -> bool:
+    """Make torch's object collectives work without numpy; returns True when it had to.
+
+    ``all_gather_object`` / ``broadcast_object_list`` / ``gather_object`` (used by the trainer and
+    by DCP's distributed save and load planners) turn the received bytes back into objects with
+    ``tensor.numpy().tobytes()`` in torch 2.x, so without numpy every distributed DCP save fails
+    with "Numpy is not available".  When numpy cannot be imported, the private helper that does
+    this (``distributed_c10d._tensor_to_object``) is replaced with the same code reading the
+    tensor's bytes through :func:`ckptfix.train.trainer.tensor_bytes`.  With numpy nothing changes.
+    """
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return False
+    import io
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from ckptfix.train.trainer import tensor_bytes
+
+    if not hasattr(c10d, "_tensor_to_object") or not hasattr(c10d, "_unpickler"):
+        raise TrainingError(
+            "this torch's object collectives need numpy and ckptfix cannot work around it here; "
+            "pip install numpy"
+        )
+
+    def _tensor_to_object(tensor, tensor_size, group):  # type: ignore[no-untyped-def]
+        buf = tensor_bytes(tensor.cpu())[: int(tensor_size)]
+        return c10d._unpickler(io.BytesIO(buf)).load()
+
+    c10d._tensor_to_object = _tensor_to_object
+    return True
+
+
 def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
     """Train as one rank of a torchrun job (the process group is created and destroyed here)."""
     import torch
@@ -242,6 +278,7 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
             )
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
+    numpy_free_object_collectives()
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10), **kwargs)
     if rank == 0 and os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
         print(STARTED_MARK, file=sys.stderr, flush=True)
