@@ -66,6 +66,18 @@ def test_distributed_without_numpy(tmp_path, no_numpy_env, mode, fmt):
              "--save-format", fmt)
     (e,) = json.load(open(os.path.join(out, "checkpoints.json")))["checkpoints"]
     assert e["path"].endswith("." + fmt) and os.path.exists(os.path.join(out, e["path"]))
+    if mode == "fsdp" and fmt == "dcp":  # the sharded checkpoint resumes in single mode without numpy too
+        _ckptfix(no_numpy_env, "train", "--mode", "single", "--out", out, "--epochs", "2", *TINY, "-q",
+                 "--resume", os.path.join(out, e["path"]))
+
+
+def test_dcp_save_and_resume_without_numpy(tmp_path, no_numpy_env):
+    out = str(tmp_path / "runs")
+    _ckptfix(no_numpy_env, "train", "--out", out, "--epochs", "1", *TINY, "-q", "--save-format", "dcp")
+    _ckptfix(no_numpy_env, "train", "--out", out, "--epochs", "2", *TINY, "-q",
+             "--resume", os.path.join(out, "single-dcp_epoch1.dcp"))
+    man = json.load(open(os.path.join(out, "checkpoints.json")))
+    assert man["checkpoints"][-1]["resume"]["restored"] == ["model", "optimizer"]
 
 
 def test_probe_hash_matches_hashlib_of_numpy_bytes():
