@@ -37,7 +37,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (keys gain _orig_mod.)
     compile_backend: str = "eager"  # light backend so CPU runs take seconds; "inductor" for the real thing
     save_style: str = "wrapped"  # wrapped: wrapper's state dict (prefixes); clean: unwrapped module's
-    save_format: str = "pt"  # pt: torch.save file; dcp: torch.distributed.checkpoint directory
+    # pt: torch.save file; dcp: torch.distributed.checkpoint directory.  None: dcp for fsdp (sharded), else pt
+    save_format: str | None = None
     legacy_format: bool = False  # torch.save(..., _use_new_zipfile_serialization=False)
     namespace_args: bool = False  # store "args" as argparse.Namespace (breaks weights_only loading)
     resume: str | None = None  # checkpoint to resume from (any mode/format ckptfix can load)
@@ -52,6 +53,10 @@ class TrainConfig:
     # checkpoint's param_groups after loading; the others keep the checkpoint's values.
     explicit: tuple[str, ...] = ()
     force: bool = False  # overwrite files another run (other history) wrote in --out
+
+    def __post_init__(self) -> None:
+        if self.save_format is None:
+            self.save_format = "dcp" if self.mode == "fsdp" else "pt"
 
     def run_name(self) -> str:
         """The file-name stem: ``--name``, or derived from the options (``ddp-amp-clean``).
