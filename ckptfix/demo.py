@@ -1,12 +1,22 @@
 """``ckptfix demo``: the end-to-end run on the bundled trainer's checkpoints.
 
 Trains briefly in every mode (single, DataParallel, DDP through torchrun,
-hand-written all-reduce, torch.compile, DCP, plus a legacy-format file with
-``argparse.Namespace`` args and a copy re-tagged as saved on ``cuda:1``), then
-for each checkpoint does what a user would: show the failure plain torch hits,
-``inspect``, ``strip-prefix``, ``convert`` to safetensors, ``load_anywhere`` into
-a plain model, and prove the probe-batch outputs match exactly.  Finally it runs
-``gpus`` / ``pick-gpu`` / ``doctor`` as subprocesses.
+hand-written all-reduce, torch.compile, DCP, FSDP2 with a sharded DCP, plus a
+legacy-format file with ``argparse.Namespace`` args and a copy re-tagged as
+saved on ``cuda:1``), then for each checkpoint does what a user would:
+
+* the problem column is what plain torch says: the first line of the real
+  error of ``torch.load(path, weights_only=True)`` (a DCP directory too), or of
+  ``model.load_state_dict(sd, strict=True)`` on what it returned;
+* every fix is proven with plain tools only: the fixed file is read back with
+  ``torch.load(weights_only=True)`` (``sanitize``, ``strip-prefix``) or
+  ``safetensors.torch.load_file`` (``convert``), loaded into a fresh model with
+  ``load_state_dict(strict=True)``, and the model's outputs on the probe batch
+  must be bit-identical to the ones recorded at training time.
+  ``load_anywhere`` (the in-memory fix) is proven the same way on the state
+  dict it returns.
+
+Finally it runs ``gpus`` / ``pick-gpu`` / ``doctor`` as subprocesses.
 """
 
 from __future__ import annotations
@@ -48,7 +58,14 @@ class DemoResult:
                 "rows": [asdict(r) for r in self.rows], "gpu_commands": self.gpu_commands}
 
 
-def _configs(device: str) -> list[dict[str, Any]]:
+def _configs(device: str, quick: bool = False) -> list[dict[str, Any]]:
+    if quick:  # in-process modes only: no torchrun, no torch.compile
+        return [
+            {"mode": "single"},
+            {"mode": "dp"},
+            {"mode": "single", "save_format": "dcp"},
+            {"mode": "dp", "legacy_format": True, "namespace_args": True},
+        ]
     return [
         {"mode": "single"},
         {"mode": "dp"},
@@ -57,39 +74,8 @@ def _configs(device: str) -> list[dict[str, Any]]:
         {"mode": "single", "compile": True},
         {"mode": "single", "save_format": "dcp"},
         {"mode": "dp", "legacy_format": True, "namespace_args": True},
+        {"mode": "fsdp", "nproc": 2},
     ]
-
-
-def _plain_failure(path: str, model: Any) -> str:
-    """What plain torch does with the file, in one line ('none' when it just works)."""
-    import re
-    import warnings
-
-    import torch
-
-    if os.path.isdir(path):
-        return "a DCP directory: torch.load cannot open it"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            obj = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - we show the user's failure
-        msg = str(e)
-        if "CUDA device" in msg:
-            return "torch.load: saved on CUDA, no CUDA here"
-        m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", msg)
-        if m:
-            return f"weights_only refuses {m.group(1)}"
-        return f"torch.load: {_first(msg, 60)}"
-    sd = obj.get("model_state_dict", obj) if isinstance(obj, dict) else obj
-    try:
-        res = model.load_state_dict(sd, strict=False)
-    except Exception as e:  # noqa: BLE001
-        return f"load_state_dict: {_first(str(e), 60)}"
-    if res.missing_keys or res.unexpected_keys:
-        ex = (res.unexpected_keys or res.missing_keys)[0]
-        return f"{len(res.missing_keys)} missing / {len(res.unexpected_keys)} unexpected keys ({ex!r})"
-    return "none (plain torch works)"
 
 
 def _first(s: str, n: int = 90) -> str:
@@ -97,9 +83,81 @@ def _first(s: str, n: int = 90) -> str:
     return line if len(line) <= n else line[: n - 3] + "..."
 
 
+def _error_line(e: BaseException, n: int = 200) -> str:
+    """The first informative line of a real error (``load_state_dict``'s first line is only a heading)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":") and lines[0].startswith("Error(s) in loading state_dict"):
+        lines = lines[1:]
+    # torch's weights_only refusal opens with advice; the line naming the refused global is the news
+    named = [ln for ln in lines if "Unsupported global" in ln]
+    if named:
+        lines = named
+    line = lines[0] if lines else type(e).__name__
+    line = f"{type(e).__name__}: {line}"
+    return line if len(line) <= n else line[: n - 3] + "..."
+
+
+def _plain_torch_load(path: str) -> Any:
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=None, weights_only=True)
+
+
+def plain_problem(path: str, model: Any) -> str:
+    """What plain torch does with ``path``: the first line of its real error, or that it just works.
+
+    ``torch.load(path, weights_only=True)`` (a directory too), then on the state dict it returns
+    ``model.load_state_dict(sd, strict=True)``.
+    """
+    try:
+        obj = _plain_torch_load(path)
+    except Exception as e:  # noqa: BLE001 - the user's failure is what we show
+        return f"torch.load: {_error_line(e)}"
+    sd = obj.get("model_state_dict", obj) if isinstance(obj, dict) else obj
+    try:
+        model.load_state_dict(sd, strict=True)
+    except Exception as e:  # noqa: BLE001
+        return f"load_state_dict: {_error_line(e)}"
+    return "none (plain torch loads it)"
+
+
+def prove_plain(entry: dict[str, Any], out_dir: str, state_dict: Any) -> dict[str, Any]:
+    """Plain-torch proof: a fresh model, ``load_state_dict(strict=True)``, probe outputs bit-identical.
+
+    ``state_dict`` comes from ``torch.load(weights_only=True)`` / ``safetensors.torch.load_file``
+    (or :func:`ckptfix.load_anywhere`, the in-memory fix).  Returns ``{"exact", "max_abs_diff", "error"}``.
+    """
+    import torch
+
+    from ckptfix.train.models import build_model
+    from ckptfix.train.trainer import probe_output
+
+    side = torch.load(os.path.join(out_dir, entry["probe"]["file"]), map_location="cpu", weights_only=True)
+    model = build_model(entry["model"], 0)
+    try:
+        model.load_state_dict(state_dict, strict=True)
+    except Exception as e:  # noqa: BLE001
+        return {"exact": False, "max_abs_diff": None, "error": f"load_state_dict: {_error_line(e)}"}
+    got = probe_output(model, side["input"])
+    return {"exact": bool(torch.equal(got, side["output"])),
+            "max_abs_diff": float((got.double() - side["output"].double()).abs().max()), "error": None}
+
+
+def _model_sd(obj: Any) -> Any:
+    return obj.get("model_state_dict", obj) if isinstance(obj, dict) else obj
+
+
 def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int = 1,
-             progress: Callable[[str], None] | None = None) -> DemoResult:
-    """Train, break, fix and verify every kind of checkpoint; see the module docstring."""
+             progress: Callable[[str], None] | None = None, quick: bool = False) -> DemoResult:
+    """Train, break, fix and verify every kind of checkpoint; see the module docstring.
+
+    ``quick``: only the in-process modes (single, dp, DCP, legacy + Namespace args) and the
+    cuda:1-tagged copy: no torchrun, no torch.compile.
+    """
     import torch
 
     from ckptfix.convert import convert_to_safetensors
@@ -107,7 +165,7 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
     from ckptfix.loading import load_checkpoint
     from ckptfix.prefixes import strip_prefix_report
     from ckptfix.rewrite import rewrite_checkpoint
-    from ckptfix.train import TrainConfig, train, verify_probe
+    from ckptfix.train import TrainConfig, train
     from ckptfix.train.models import build_model
 
     say = progress or (lambda m: None)
@@ -115,12 +173,14 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
     os.makedirs(out_dir, exist_ok=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfgs = _configs(device)
+    cfgs = _configs(device, quick)
     entries: list[tuple[dict[str, Any], str]] = []
     total = len(cfgs)
     for i, c in enumerate(cfgs, 1):
         cfg = TrainConfig(out=out_dir, epochs=epochs, device=device, quiet=True, train_samples=1024,
-                          test_samples=256, **c)
+                          test_samples=256, force=True, **c)
+        if cfg.mode == "fsdp":
+            cfg.save_format = "dcp"
         say(f"[{i}/{total}] training {cfg.run_name()} on {device} ...")
         res = train(cfg)
         for e in res.checkpoints[-1:]:
@@ -134,57 +194,95 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
     rewrite_checkpoint(src, lambda sd: (sd, {}), output=tagged, map_location="cpu=cuda:1")
     entries.append(({**first, "path": os.path.basename(tagged), "mode": first["mode"] + " (cuda:1 tags)"}, out_dir))
 
+    fixed_dir = os.path.join(out_dir, "fixed")
+    os.makedirs(fixed_dir, exist_ok=True)
     rows: list[DemoRow] = []
     for i, (e, d) in enumerate(entries, 1):
         path = os.path.join(d, e["path"])
         name = e["path"]
+        stem = os.path.splitext(os.path.basename(name))[0]
         say(f"[{i}/{len(entries)}] fixing {name} ...")
         steps: dict[str, Any] = {}
         fixes: list[str] = []
-        ok = True
+        failed: list[str] = []
+        problem = "?"
         detail = ""
+
+        def record(fix: str, result: dict[str, Any], **extra: Any) -> None:
+            steps[fix] = {**extra, **result}
+            (fixes if result.get("exact") else failed).append(fix)
+
         try:
-            model = build_model(e["model"], 0)
-            problem = _plain_failure(path, model)
+            problem = plain_problem(path, build_model(e["model"], 0))
             rep = inspect_checkpoint(path)
             steps["inspect"] = {"format": rep.format, "prefixes": rep.prefixes, "locations": rep.locations,
                                 "weights_only_ok": rep.weights_only_ok}
-            # 1. load_anywhere straight from the original
-            lc = load_checkpoint(path, model=build_model(e["model"], 0))
-            r1 = verify_probe(e, d, lc.state_dict)
-            steps["load_anywhere"] = r1
-            fixes.append("load_anywhere")
-            ok &= bool(r1["exact"])
-            # 2. strip-prefix on disk (files only), then plain torch loads it
+            on_cuda = any(str(k).startswith("cuda") for k in (rep.locations or {}))
+            # 1. load_anywhere (in memory), proven by a strict load_state_dict + the probe
+            sd = load_checkpoint(path, model=build_model(e["model"], 0)).state_dict
+            record("load_anywhere", prove_plain(e, d, sd))
+            # 2. files only: make plain torch.load(weights_only=True) work, then strip the prefixes
             if not os.path.isdir(path):
-                stripped = os.path.join(d, "fixed", os.path.splitext(name)[0] + ".stripped.pt")
-                os.makedirs(os.path.dirname(stripped), exist_ok=True)
-                if os.path.exists(stripped):
-                    os.unlink(stripped)
-                srep = rewrite_checkpoint(path, lambda sd: strip_prefix_report(sd), output=stripped,
-                                          map_location="cpu" if any(k.startswith("cuda") for k in rep.locations)
-                                          else None)
-                target = srep.output or path
-                lc2 = load_checkpoint(target, model=build_model(e["model"], 0))
-                r2 = verify_probe(e, d, lc2.state_dict)
-                steps["strip-prefix"] = {"output": srep.output, "renamed": srep.renamed, **r2}
-                if srep.output:
-                    fixes.append("strip-prefix")
-                ok &= bool(r2["exact"])
-            # 3. convert to safetensors (prefixes stripped on the way), load it back
-            st = os.path.join(d, "fixed", os.path.splitext(os.path.basename(name))[0] + ".safetensors")
-            os.makedirs(os.path.dirname(st), exist_ok=True)
+                src_file = path
+                if "Unsupported global" in problem:
+                    safe = os.path.join(fixed_dir, stem + ".safe.pt")
+                    try:
+                        from ckptfix.sanitize import sanitize_checkpoint
+                    except ImportError as exc:
+                        steps["sanitize"] = {"exact": False, "error": f"ckptfix.sanitize is not available ({exc})"}
+                        failed.append("sanitize (not verified)")
+                        src_file = ""
+                    else:
+                        if os.path.exists(safe):
+                            os.unlink(safe)
+                        sanitize_checkpoint(path, safe)
+                        try:
+                            obj = _plain_torch_load(safe)
+                        except Exception as exc:  # noqa: BLE001
+                            record("sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
+                                   output=safe)
+                            src_file = ""
+                        else:
+                            sd = _model_sd(obj)
+                            r = prove_plain(e, d, sd) if set(sd) == set(build_model(e["model"], 0).state_dict()) \
+                                else {"exact": True, "note": "weights_only load works; prefixes remain"}
+                            record("sanitize", r, output=safe)
+                            src_file = safe
+                if src_file:
+                    stripped = os.path.join(fixed_dir, stem + ".stripped.pt")
+                    if os.path.exists(stripped):
+                        os.unlink(stripped)
+                    srep = rewrite_checkpoint(src_file, lambda sd: strip_prefix_report(sd), output=stripped,
+                                              map_location="cpu" if on_cuda else None)
+                    target = srep.output or src_file
+                    try:
+                        sd = _model_sd(_plain_torch_load(target))
+                    except Exception as exc:  # noqa: BLE001
+                        record("strip-prefix", {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
+                               output=srep.output)
+                    else:
+                        if srep.output:
+                            record("strip-prefix", prove_plain(e, d, sd), output=srep.output, renamed=srep.renamed)
+                        else:
+                            steps["strip-prefix"] = {"output": None, "note": "no prefix to strip",
+                                                     **prove_plain(e, d, sd)}
+            # 3. convert to safetensors (prefixes stripped on the way), read back by safetensors itself
+            from safetensors.torch import load_file
+
+            st = os.path.join(fixed_dir, stem + ".safetensors")
             crep = convert_to_safetensors(path, st, strip_prefix=True, force=True)
-            lc3 = load_checkpoint(st, model=build_model(e["model"], 0))
-            r3 = verify_probe(e, d, lc3.state_dict)
-            steps["convert"] = {"output": st, "verified": getattr(crep, "verified", None), **r3}
-            fixes.append("convert")
-            ok &= bool(r3["exact"])
+            record("convert", prove_plain(e, d, load_file(st)), output=st,
+                   verified=getattr(crep, "verified", None))
         except Exception as exc:  # noqa: BLE001 - the demo reports every failure in its table
-            ok = False
-            problem = locals().get("problem", "?")
+            failed.append("(error)")
             detail = f"{type(exc).__name__}: {_first(str(exc), 200)}"
-        rows.append(DemoRow(checkpoint=name, problem=problem, fix=", ".join(fixes), verified=ok, detail=detail,
+        if failed and not detail:
+            bad = [f for f in failed]
+            why = [steps.get(f.split(" ")[0], {}).get("error") for f in failed]
+            detail = "; ".join(f"{f}: {w}" for f, w in zip(bad, why) if w) or "probe outputs differ"
+        fix_txt = ", ".join(fixes + [f"{f} NOT verified" if "not verified" not in f else f for f in failed
+                                     if f != "(error)"])
+        rows.append(DemoRow(checkpoint=name, problem=problem, fix=fix_txt, verified=not failed, detail=detail,
                             steps=steps))
 
     gpu_cmds = []
@@ -202,7 +300,8 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
 def format_summary(res: DemoResult) -> str:
     from ckptfix.cli._common import table
 
-    rows = [[r.checkpoint, r.problem[:70], r.fix, "yes" if r.verified else "NO"] for r in res.rows]
+    rows = [[r.checkpoint, r.problem if len(r.problem) <= 110 else r.problem[:107] + "...", r.fix,
+             "yes" if r.verified else "NO"] for r in res.rows]
     out = [table(rows, ["checkpoint", "problem found", "fix applied", "verified"])]
     out.append("")
     out.append(table([[g["command"], str(g["exit_code"]), g["message"][:80], "yes" if g["ok"] else "NO"]

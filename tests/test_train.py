@@ -350,7 +350,7 @@ def test_cli_train_json_and_errors(tmp_path, capsys):
     rc = main(["train", "--out", str(tmp_path), "--epochs", "2", "--resume", ck, "--train-samples", "256",
                "--test-samples", "64"])
     cap = capsys.readouterr()
-    assert rc == 0 and "single_epoch2.pt" in cap.out and "resumed" in cap.err
+    assert rc == 0 and "single-resumed-from-dp_epoch1_epoch2.pt" in cap.out and "resumed" in cap.err
 
 
 @pytest.mark.slow
@@ -361,8 +361,9 @@ def test_cli_bench_json(capsys):
     rc = main(["train", "--bench", "--epochs", "1", "--train-samples", "256", "--test-samples", "64", "--json"])
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["bench"]
-    assert [r["mode"] for r in rows][:4] == ["single", "dp", "manual", "ddp"]
-    assert rows[3]["world_size"] == 2 and all(r["samples_per_sec"] > 0 for r in rows)
+    assert [r["mode"] for r in rows][:5] == ["single", "dp", "manual", "ddp", "fsdp"]
+    assert rows[3]["world_size"] == 2 and rows[4]["world_size"] == 2 and all(r["samples_per_sec"] > 0 for r in rows)
+    assert all("checkpoint" not in r for r in rows)  # the files were in a removed temp dir: not named
 
 
 # --------------------------------------------------------------------------- GPU paths

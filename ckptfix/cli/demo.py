@@ -13,13 +13,15 @@ from ckptfix.cli._common import emit_json, info, json_option
 @click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
               help="Train on this device ('auto': CUDA when present).")
 @click.option("--epochs", default=1, show_default=True, help="Epochs per training run.")
+@click.option("--quick", is_flag=True, help="In-process modes only (single, dp, DCP, legacy): no torchrun, no compile.")
 @json_option
-def demo_cmd(out: str, device: str, epochs: int, as_json: bool) -> None:
-    """End-to-end: train single/dp/ddp/manual/compile/DCP/legacy checkpoints, then inspect, strip-prefix,
-    convert and load_anywhere each one and prove the model's outputs match exactly."""
+def demo_cmd(out: str, device: str, epochs: int, quick: bool, as_json: bool) -> None:
+    """End-to-end: train single/dp/ddp/manual/compile/DCP/legacy/fsdp checkpoints, show what plain torch
+    says about each, fix them (load_anywhere, sanitize, strip-prefix, convert) and prove every fix with
+    plain torch / safetensors loads and bit-identical probe outputs."""
     from ckptfix.demo import check, format_summary, run_demo
 
-    res = run_demo(out, device=device, epochs=epochs, progress=None if as_json else info)
+    res = run_demo(out, device=device, epochs=epochs, progress=None if as_json else info, quick=quick)
     if as_json:
         emit_json(res.to_dict())
     else:

@@ -1,17 +1,25 @@
-"""``ckptfix train --bench``: the "1 GPU vs DataParallel vs DDP vs DDP+AMP" table.
+"""``ckptfix train --bench``: the "1 GPU vs DataParallel vs DDP vs FSDP (+AMP)" table.
 
 Each row is a real training run (:func:`ckptfix.train.train`) of the same
 model, data and seed.  ``s/epoch`` is the training-loop time per epoch (no
 evaluation or saving; the first epoch is left out as warm-up when there are
 two or more), ``samples/s`` the training samples per second over all
-devices/ranks, ``wall s`` the whole run including torchrun start-up.
+devices/ranks, ``wall s`` the whole run including torchrun start-up.  Before
+the first row an untimed one-epoch warm-up run pays this process's one-off
+costs (first kernels, allocator, imports), so they do not land on the first row.
 
 On a CPU-only machine: single, dp (one CPU "device"), manual (2 replicas on
-the CPU) and ddp (2 gloo processes).  Every CPU process uses one intra-op
-thread, so "one device" is one core and DDP with 2 ranks uses 2 cores -- the
-CPU analogue of 1 GPU vs 2 GPUs (and no OpenMP oversubscription).  With CUDA: single GPU,
-DataParallel over every GPU, manual over every GPU, DDP with one process per
-GPU, and DDP+AMP (fp16 autocast + GradScaler).
+the CPU), ddp and fsdp (2 gloo processes).  Every CPU process uses one
+intra-op thread, so "one device" is one core and DDP with 2 ranks uses 2 cores
+-- the CPU analogue of 1 GPU vs 2 GPUs.  With CUDA: single GPU, DataParallel
+over every GPU, manual over every GPU, DDP and FSDP with one process per GPU,
+and DDP+AMP (fp16 autocast + GradScaler).
+
+The options of a training run apply to every row that supports them: ``amp``
+adds ``+amp`` rows for single, dp and ddp (bf16 autocast on CPU, fp16 on
+CUDA); ``compile``, ``save_style``, ``save_format`` go to every row (rows of
+modes that do not support an option are left out and listed in
+:attr:`BenchResult.skipped`); ``modes`` limits the table to those modes.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from typing import Any
 
 from ckptfix.train.config import TrainConfig
 
+BENCH_MODES = ("single", "dp", "manual", "ddp", "fsdp")
+
 
 @dataclasses.dataclass
 class BenchRow:
@@ -34,70 +44,110 @@ class BenchRow:
     samples_per_sec: float
     final_accuracy: float
     wall_seconds: float
-    checkpoint: str
+    checkpoint: str | None  # absolute path when the bench kept its files (``out``), else None
+    amp_dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["checkpoint"] is None:
+            del d["checkpoint"]
+        return d
 
 
-def bench_configs(device_type: str, nproc: int | None = None, base: dict[str, Any] | None = None) -> list[tuple[str, dict]]:
-    """The (label, TrainConfig overrides) rows the benchmark runs on ``device_type``."""
+def bench_configs(
+    device_type: str,
+    nproc: int | None = None,
+    base: dict[str, Any] | None = None,
+    *,
+    modes: tuple[str, ...] | None = None,
+    amp: bool = False,
+) -> tuple[list[tuple[str, dict]], list[str]]:
+    """The (label, TrainConfig overrides) rows the benchmark runs on ``device_type``, and the rows left out (why)."""
     import torch
 
     base = dict(base or {})
-    if device_type == "cuda":
-        n = nproc or max(1, torch.cuda.device_count())
-        rows = [
-            ("single", dict(mode="single")),
-            ("dp", dict(mode="dp")),
-            ("manual", dict(mode="manual", replicas=n)),
-            ("ddp", dict(mode="ddp", nproc=n)),
-            ("ddp+amp", dict(mode="ddp", nproc=n, amp=True)),
-        ]
-    else:
-        n = nproc or 2
-        rows = [
-            ("single", dict(mode="single")),
-            ("dp", dict(mode="dp")),
-            ("manual", dict(mode="manual", replicas=n)),
-            ("ddp", dict(mode="ddp", nproc=n)),
-        ]
-    return [(label, {**base, **kw}) for label, kw in rows]
+    n = (nproc or max(1, torch.cuda.device_count())) if device_type == "cuda" else (nproc or 2)
+    plain: list[tuple[str, dict]] = [
+        ("single", dict(mode="single")),
+        ("dp", dict(mode="dp")),
+        ("manual", dict(mode="manual", replicas=n)),
+        ("ddp", dict(mode="ddp", nproc=n)),
+        ("fsdp", dict(mode="fsdp", nproc=n)),
+    ]
+    rows: list[tuple[str, dict]] = []
+    skipped: list[str] = []
+    for label, kw in plain:
+        if modes and kw["mode"] not in modes:
+            continue
+        cfg = {**base, **kw}
+        if base.get("compile") and kw["mode"] in ("manual", "fsdp"):
+            skipped.append(f"{label} (no --compile in {kw['mode']} mode)")
+            continue
+        rows.append((label, cfg))
+        want_amp = amp or (device_type == "cuda" and kw["mode"] == "ddp" and not modes)
+        if want_amp and kw["mode"] in ("single", "dp", "ddp"):
+            rows.append((f"{label}+amp", {**cfg, "amp": True}))
+        elif amp:
+            skipped.append(f"{label}+amp (no --amp in {kw['mode']} mode)")
+    return rows, skipped
 
 
-def bench(
+@dataclasses.dataclass
+class BenchResult:
+    rows: list[BenchRow]
+    skipped: list[str]
+    out_dir: str | None  # where the checkpoints are (None: a removed temp dir)
+    notes: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bench": [r.to_dict() for r in self.rows], "skipped": self.skipped, "out_dir": self.out_dir,
+                "notes": self.notes}
+
+
+def run_bench(
     *,
     out: str | None = None,
     device: str = "auto",
     epochs: int = 2,
     nproc: int | None = None,
     quiet: bool = True,
+    modes: tuple[str, ...] | None = None,
+    amp: bool = False,
     **config: Any,
-) -> list[BenchRow]:
-    """Run every benchmark row and return the table.  Extra keywords go to :class:`TrainConfig`."""
-    from ckptfix.train.trainer import resolve_device, train
+) -> BenchResult:
+    """Run every benchmark row (see the module docstring); extra keywords go to :class:`TrainConfig`.
+
+    Raises :class:`ckptfix.errors.TrainingError` when a row's configuration is invalid or a run fails.
+    """
+    from ckptfix.train.trainer import amp_dtype, resolve_device, train
 
     device_type = resolve_device(device)
     if device_type == "cpu":
         # one intra-op thread per process: "1 device" = 1 core, DDP with 2 ranks = 2 cores (like 1 vs 2 GPUs),
         # and no OpenMP spin-wait oversubscription when the machine is busy
         config.setdefault("threads", 1)
-    tmp = None
-    if out is None:
-        tmp = tempfile.TemporaryDirectory(prefix="ckptfix-bench-")
-        out = tmp.name
+    rows_cfg, skipped = bench_configs(device_type, nproc, config, modes=modes, amp=amp)
+    for label, kw in rows_cfg:  # every row's options are checked before anything runs
+        TrainConfig(out=out or ".", device=device_type, epochs=epochs, **kw).validate()
+    notes = []
+    if amp and device_type == "cpu":
+        notes.append("+amp rows on CPU: bfloat16 autocast (with a GradScaler, as on CUDA fp16)")
+    tmp = tempfile.TemporaryDirectory(prefix="ckptfix-bench-")
     rows: list[BenchRow] = []
     try:
-        for label, kw in bench_configs(device_type, nproc, config):
-            cfg = TrainConfig(out=out, device=device_type, epochs=epochs, quiet=quiet,
+        # untimed warm-up: this process's one-off costs must not land on the first row
+        train(TrainConfig(out=tmp.name, device=device_type, epochs=1, quiet=True, name="warmup",
+                          train_samples=128, test_samples=32, threads=config.get("threads")))
+        where = out or tmp.name
+        for label, kw in rows_cfg:
+            cfg = TrainConfig(out=where, device=device_type, epochs=epochs, quiet=quiet,
                               name=f"bench-{label.replace('+', '-')}", **kw)
             t0 = time.perf_counter()
             res = train(cfg)
             wall = time.perf_counter() - t0
-            if res.mode == "ddp":
-                devs = f"{res.world_size} x {res.devices[0]}" if len(set(res.devices)) == 1 else ", ".join(res.devices)
-            elif res.mode == "manual":
-                devs = f"{len(res.devices)} x {res.devices[0]}" if len(set(res.devices)) == 1 else ", ".join(res.devices)
+            if res.mode in ("ddp", "fsdp", "manual"):
+                devs = (f"{len(res.devices)} x {res.devices[0]}" if len(set(res.devices)) == 1
+                        else ", ".join(res.devices))
             else:
                 devs = ", ".join(res.devices)
             rows.append(
@@ -109,28 +159,15 @@ def bench(
                     samples_per_sec=res.samples_per_sec,
                     final_accuracy=res.final_accuracy,
                     wall_seconds=wall,
-                    checkpoint=res.final_checkpoint if tmp is None else os.path.basename(res.final_checkpoint),
+                    checkpoint=res.final_checkpoint if out else None,
+                    amp_dtype=str(amp_dtype(device_type)).replace("torch.", "") if cfg.amp else None,
                 )
             )
     finally:
-        if tmp is not None:
-            tmp.cleanup()
-    return rows
+        tmp.cleanup()
+    return BenchResult(rows=rows, skipped=skipped, out_dir=os.path.abspath(out) if out else None, notes=notes)
 
 
-def format_table(rows: list[BenchRow]) -> str:
-    from ckptfix.cli._common import table
-
-    body = [
-        [
-            r.mode,
-            r.devices,
-            str(r.world_size),
-            f"{r.sec_per_epoch:.3f}",
-            f"{r.samples_per_sec:,.0f}",
-            f"{r.final_accuracy:.1%}",
-            f"{r.wall_seconds:.1f}",
-        ]
-        for r in rows
-    ]
-    return table(body, ["mode", "devices", "world size", "s/epoch", "samples/s", "final acc", "wall s"])
+def bench(**kwargs: Any) -> list[BenchRow]:
+    """The rows of :func:`run_bench` (same arguments)."""
+    return run_bench(**kwargs).rows

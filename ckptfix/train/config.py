@@ -7,7 +7,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-MODES = ("single", "dp", "ddp", "manual")
+MODES = ("single", "dp", "ddp", "manual", "fsdp")
+DISTRIBUTED_MODES = ("ddp", "fsdp")  # launched through torchrun
+MODELS = ("lenet", "resnet", "tutorial")
+HPARAMS = ("lr", "momentum", "weight_decay")  # optimizer settings a resume can override
 SAVE_STYLES = ("wrapped", "clean")
 SAVE_FORMATS = ("pt", "dcp")
 DEVICES = ("auto", "cpu", "cuda")
@@ -17,23 +20,25 @@ DEVICES = ("auto", "cpu", "cuda")
 class TrainConfig:
     """Everything a training run needs.  Every field maps to a ``ckptfix train`` option."""
 
-    mode: str = "single"  # single | dp | ddp | manual
-    model: str = "lenet"  # lenet | resnet
+    mode: str = "single"  # single | dp | ddp | manual | fsdp
+    model: str = "lenet"  # lenet | resnet | tutorial
     out: str = "ckptfix-train"  # output directory (created)
     epochs: int = 2  # total epochs (a resumed run continues up to this number)
     batch_size: int = 64  # single/dp/manual: the whole batch; ddp: per process
     lr: float = 0.05
     momentum: float = 0.9
+    weight_decay: float = 0.0
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    nproc: int | None = None  # ddp: processes to launch (default: GPU count, or 2 on CPU)
+    nproc: int | None = None  # ddp/fsdp: processes to launch (default: GPU count, or 2 on CPU)
     replicas: int | None = None  # manual: replicas (default: GPU count, or 2 on CPU)
     allreduce: str = "ring"  # manual: ring | naive (hand-written all-reduce)
     amp: bool = False  # CUDA: fp16 autocast + GradScaler; CPU: bf16 autocast (+ GradScaler, saved)
     compile: bool = False  # torch.compile the model (keys gain _orig_mod.)
     compile_backend: str = "eager"  # light backend so CPU runs take seconds; "inductor" for the real thing
     save_style: str = "wrapped"  # wrapped: wrapper's state dict (prefixes); clean: unwrapped module's
-    save_format: str = "pt"  # pt: torch.save file; dcp: torch.distributed.checkpoint directory
+    # pt: torch.save file; dcp: torch.distributed.checkpoint directory.  None: dcp for fsdp (sharded), else pt
+    save_format: str | None = None
     legacy_format: bool = False  # torch.save(..., _use_new_zipfile_serialization=False)
     namespace_args: bool = False  # store "args" as argparse.Namespace (breaks weights_only loading)
     resume: str | None = None  # checkpoint to resume from (any mode/format ckptfix can load)
@@ -44,10 +49,36 @@ class TrainConfig:
     name: str | None = None  # file name stem; default derived from the options
     threads: int | None = None  # torch.set_num_threads for in-process modes (None: leave as is)
     quiet: bool = False  # no progress on stderr
+    # On --resume: the optimizer settings (of HPARAMS) the user gave explicitly.  They override the
+    # checkpoint's param_groups after loading; the others keep the checkpoint's values.
+    explicit: tuple[str, ...] = ()
+    force: bool = False  # overwrite files another run (other history) wrote in --out
+
+    def __post_init__(self) -> None:
+        if self.save_format is None:
+            self.save_format = "dcp" if self.mode == "fsdp" else "pt"
 
     def run_name(self) -> str:
+        """The file-name stem: ``--name``, or derived from the options (``ddp-amp-clean``).
+
+        A resumed run without ``--name`` is ``<derived>-resumed-from-<checkpoint stem>``, so it never
+        writes over the files of the run it continues, nor mixes two histories under one name.
+        """
         if self.name:
             return self.name
+        base = self._derived_name()
+        if self.resume:
+            import os
+
+            stem = os.path.basename(os.path.normpath(self.resume))
+            for ext in (".pt", ".pth", ".bin", ".dcp", ".safetensors", ".ckpt"):
+                if stem.endswith(ext):
+                    stem = stem[: -len(ext)]
+                    break
+            base += f"-resumed-from-{stem}"
+        return base
+
+    def _derived_name(self) -> str:
         parts = [self.mode]
         if self.model != "lenet":
             parts.append(self.model)
@@ -57,7 +88,7 @@ class TrainConfig:
             parts.append("compile")
         if self.save_style != "wrapped":
             parts.append(self.save_style)
-        if self.save_format != "pt":
+        if self.save_format != ("dcp" if self.mode == "fsdp" else "pt"):
             parts.append(self.save_format)
         if self.legacy_format:
             parts.append("legacy")
@@ -74,7 +105,10 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        kw = {k: v for k, v in d.items() if k in names}
+        if "explicit" in kw:
+            kw["explicit"] = tuple(kw["explicit"] or ())
+        return cls(**kw)
 
     def validate(self) -> None:
         from ckptfix.errors import TrainingError
@@ -84,8 +118,8 @@ class TrainConfig:
 
         if self.mode not in MODES:
             bad(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
-        if self.model not in ("lenet", "resnet"):
-            bad(f"unknown model {self.model!r}; choose lenet or resnet")
+        if self.model not in MODELS:
+            bad(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
         if self.device not in DEVICES:
             bad(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
         if self.save_style not in SAVE_STYLES:
@@ -98,14 +132,19 @@ class TrainConfig:
             bad("--batch-size must be at least 1")
         if not self.lr > 0:
             bad("--lr must be positive")
+        if self.momentum < 0 or self.weight_decay < 0:
+            bad("--momentum and --weight-decay must be >= 0")
+        unknown = [h for h in self.explicit if h not in HPARAMS]
+        if unknown:
+            bad(f"explicit hyper-parameters must be among {', '.join(HPARAMS)}, got {unknown[0]!r}")
         if self.train_samples < 1 or self.test_samples < 1:
             bad("--train-samples and --test-samples must be at least 1")
         if self.nproc is not None and self.nproc < 1:
             bad("--nproc must be at least 1")
         if self.replicas is not None and self.replicas < 1:
             bad("--replicas must be at least 1")
-        if self.nproc is not None and self.mode != "ddp":
-            bad("--nproc only applies to --mode ddp (use --replicas for manual)")
+        if self.nproc is not None and self.mode not in DISTRIBUTED_MODES:
+            bad("--nproc only applies to --mode ddp or fsdp (use --replicas for manual)")
         if self.replicas is not None and self.mode != "manual":
             bad("--replicas only applies to --mode manual")
         if self.mode == "manual" and (self.amp or self.compile):
@@ -114,8 +153,10 @@ class TrainConfig:
             bad(f"unknown all-reduce {self.allreduce!r}; choose ring or naive")
         if self.save_format == "dcp" and self.legacy_format:
             bad("--legacy-format applies to torch.save files; it cannot be combined with --save-format dcp")
-        if self.show_split and self.mode != "dp":
-            bad("--show-split only applies to --mode dp")
+        if self.show_split and self.mode not in ("dp", "manual"):
+            bad("--show-split only applies to --mode dp or manual (the modes that split a batch in one process)")
+        if self.mode == "fsdp" and (self.compile or self.amp):
+            bad("--compile and --amp are not supported with --mode fsdp; use single, dp or ddp for them")
 
 
 @dataclass

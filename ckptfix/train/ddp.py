@@ -1,4 +1,4 @@
-"""``ddp`` mode: DistributedDataParallel under ``torchrun``.
+"""``ddp`` and ``fsdp`` modes: DistributedDataParallel / FSDP2 under ``torchrun``.
 
 :func:`launch` starts ``python -m torch.distributed.run --standalone
 --nproc-per-node N -m ckptfix.train.ddp_worker ...`` (``--standalone`` runs a
@@ -25,9 +25,9 @@ of launching.  ``--out`` must be on storage every node can see.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -56,8 +56,89 @@ def default_nproc(device_type: str) -> int:
     return 2
 
 
+PROGRESS_MARK = "\x1eckptfix\x1e "  # rank 0's progress lines carry this; the launcher shows only them
+STARTED_MARK = "\x1eckptfix-started\x1e"  # rank 0 prints it once the process group is up
+
+# Lines that name the cause of a failed torchrun job, most specific first.
+_CAUSE_PATTERNS = (
+    re.compile(r"\[rank \d+\] Error: .*"),
+    re.compile(r"^\s*(?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b: .+"),
+    re.compile(r"(?:Address already in use|Connection refused|timed out|Killed|Signal \d+).*", re.I),
+)
+
+
+def failure_cause(lines: list[str]) -> str:
+    """The line of a torchrun log that best says why it failed (the last match of the most specific pattern)."""
+    for pat in _CAUSE_PATTERNS:
+        hits = [ln.strip() for ln in lines if pat.search(ln) and "ChildFailedError" not in ln]
+        if hits:
+            return hits[-1]
+    tail = [ln.strip() for ln in lines if ln.strip()]
+    return tail[-1] if tail else "no output"
+
+
+def preflight(cfg: TrainConfig) -> None:
+    """Check in this process what the workers would otherwise find out only inside torchrun.
+
+    The options (:meth:`TrainConfig.validate`), the ``--data`` file, and a ``--resume``
+    checkpoint: readable, fits the model, has fewer epochs than ``--epochs``.  Raises the
+    error the workers would raise, as one line, before anything is launched.
+    """
+    cfg.validate()
+    if cfg.data:
+        from ckptfix.train.data import load_dataset
+
+        load_dataset(cfg.data)
+    if cfg.resume:
+        from ckptfix.train.models import build_model
+        from ckptfix.train.trainer import load_resume
+
+        load_resume(cfg, build_model(cfg.model, cfg.seed))
+
+
+def _run_torchrun(
+    cmd: list[str], env: dict[str, str], log_path: str, *, quiet: bool, timeout: float | None
+) -> tuple[int, list[str], bool]:
+    """Run torchrun, all output to ``log_path``; returns (exit status, last lines, whether rank 0 reported progress)."""
+    lines: list[str] = []
+    started = False
+    with open(log_path, "w", encoding="utf-8", errors="replace") as log:
+        try:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1, errors="replace"
+            )
+        except OSError as e:
+            raise TrainingError(f"cannot start torchrun ({sys.executable} -m torch.distributed.run): {e}") from e
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(STARTED_MARK):
+                started = True
+                continue
+            if line.startswith(PROGRESS_MARK):
+                started = True
+                line = line[len(PROGRESS_MARK):]
+                if not quiet:
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+            log.write(line)
+            lines.append(line.rstrip("\n"))
+            if len(lines) > 2000:
+                del lines[:1000]
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise TrainingError(f"torchrun did not finish within {timeout}s (full log: {log_path})") from None
+    return rc, lines, started
+
+
 def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
-    """Run ``cfg`` (mode ddp) through torchrun with ``cfg.nproc`` local workers; return rank 0's result."""
+    """Run ``cfg`` (mode ddp or fsdp) through torchrun with ``cfg.nproc`` local workers; return rank 0's result.
+
+    The configuration is checked first (:func:`preflight`).  The workers' output goes to a log
+    file; only rank 0's progress lines are shown.  On failure the error is one line: the
+    worker's own ckptfix error, or the log line naming the cause, plus the log's path (kept).
+    """
     import torch
 
     from ckptfix.train.trainer import resolve_device
@@ -69,6 +150,7 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             f"--nproc {nproc} with --device cuda needs {nproc} GPUs, but {torch.cuda.device_count()} are visible "
             "(each rank uses its own GPU); lower --nproc or use --device cpu"
         )
+    preflight(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     wcfg = TrainConfig.from_dict(cfg.to_dict())
     wcfg.out = os.path.abspath(cfg.out)
@@ -77,7 +159,7 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
         wcfg.resume = os.path.abspath(wcfg.resume)
     if wcfg.data:
         wcfg.data = os.path.abspath(wcfg.data)
-    with tempfile.TemporaryDirectory(prefix="ckptfix-ddp-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"ckptfix-{cfg.mode}-") as tmp:
         cfg_path = os.path.join(tmp, "config.json")
         res_path = os.path.join(tmp, "result.json")
         with open(cfg_path, "w", encoding="utf-8") as f:
@@ -87,6 +169,8 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             "-m",
             "torch.distributed.run",
             "--standalone",
+            "--local-addr",
+            "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
             "--nnodes",
             "1",
             "--nproc-per-node",
@@ -100,41 +184,77 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
         ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
+        env["CKPTFIX_PROGRESS_MARK"] = "1"
         root = _package_root()
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             env.pop(k, None)
         if not cfg.quiet:
-            print(f"[ddp] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
+            print(f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
                   file=sys.stderr, flush=True)
-        tail: collections.deque[str] = collections.deque(maxlen=40)
-        try:
-            proc = subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, bufsize=1
-            )
-        except OSError as e:
-            raise TrainingError(f"cannot start torchrun ({sys.executable} -m torch.distributed.run): {e}") from e
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
-            if not cfg.quiet:
-                sys.stderr.write(line)
-                sys.stderr.flush()
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise TrainingError(f"torchrun did not finish within {timeout}s") from None
+        fd, log_path = tempfile.mkstemp(prefix=f"ckptfix-{cfg.mode}-", suffix=".log")
+        os.close(fd)
+        for attempt in (1, 2):
+            rc, lines, started = _run_torchrun(cmd, env, log_path, quiet=cfg.quiet, timeout=timeout)
+            failed_early = rc != 0 and not started and not any(p.startswith("result.json") for p in os.listdir(tmp))
+            if not (failed_early and attempt == 1):
+                break
+            # The job died before any rank trained (rendezvous / process-group start-up on a loaded
+            # machine): nothing was written, so one more try is safe.  The first log is kept.
+            os.replace(log_path, log_path + ".attempt1")
+            print(f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
+                  f"(log: {log_path}.attempt1)", file=sys.stderr, flush=True)
         errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
         if errors:
             with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
                 err = json.load(f)
+            if err.get("type") == "internal":
+                raise TrainingError(f"{err['message']} (full log: {log_path})")
+            os.remove(log_path)
             raise TrainingError(err["message"])
         if rc != 0 or not os.path.exists(res_path):
-            last = "\n".join(tail)
-            raise TrainingError(f"torchrun exited with status {rc}; last output:\n{last}")
+            raise TrainingError(
+                f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})"
+            )
+        os.remove(log_path)
         with open(res_path, encoding="utf-8") as f:
             return TrainResult.from_dict(json.load(f))
+
+
+def numpy_free_object_collectives() -> bool:
+    """Make torch's object collectives work without numpy; returns True when it had to.
+
+    ``all_gather_object`` / ``broadcast_object_list`` / ``gather_object`` (used by the trainer and
+    by DCP's distributed save and load planners) turn the received bytes back into objects with
+    ``tensor.numpy().tobytes()`` in torch 2.x, so without numpy every distributed DCP save fails
+    with "Numpy is not available".  When numpy cannot be imported, the private helper that does
+    this (``distributed_c10d._tensor_to_object``) is replaced with the same code reading the
+    tensor's bytes through :func:`ckptfix.train.trainer.tensor_bytes`.  With numpy nothing changes.
+    """
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        return False
+    import io
+
+    import torch.distributed.distributed_c10d as c10d
+
+    from ckptfix.train.trainer import tensor_bytes
+
+    if not hasattr(c10d, "_tensor_to_object") or not hasattr(c10d, "_unpickler"):
+        raise TrainingError(
+            "this torch's object collectives need numpy and ckptfix cannot work around it here; "
+            "pip install numpy"
+        )
+
+    def _tensor_to_object(tensor, tensor_size, group):  # type: ignore[no-untyped-def]
+        buf = tensor_bytes(tensor.cpu())[: int(tensor_size)]
+        return c10d._unpickler(io.BytesIO(buf)).load()
+
+    c10d._tensor_to_object = _tensor_to_object
+    return True
 
 
 def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
@@ -158,11 +278,18 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
             )
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
+    numpy_free_object_collectives()
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10), **kwargs)
+    if rank == 0 and os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
+        print(STARTED_MARK, file=sys.stderr, flush=True)
     try:
         cfg = TrainConfig.from_dict(cfg.to_dict())
         cfg.device = device_type
-        res = Run(cfg, Dist(rank=rank, local_rank=local_rank, world_size=world)).run()
+        log = None
+        if os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
+            def log(msg: str) -> None:
+                print(PROGRESS_MARK + msg, file=sys.stderr, flush=True)
+        res = Run(cfg, Dist(rank=rank, local_rank=local_rank, world_size=world), log=log).run()
         if rank == 0 and result_path:
             tmp = result_path + ".tmp"
             with open(tmp, "w", encoding="utf-8") as f:

@@ -32,6 +32,16 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"message": str(e), "type": type(e).__name__, "exit_code": e.exit_code}, f)
         print(f"[rank {rank}] Error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except Exception as e:  # a bug or an environment failure: one line for the launcher, traceback in the log
+        import traceback
+
+        traceback.print_exc()
+        if a.result:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            with open(f"{a.result}.err{rank}", "w", encoding="utf-8") as f:
+                json.dump({"message": f"rank {rank}: {type(e).__name__}: {first}", "type": "internal",
+                           "exit_code": 1}, f)
+        return 1
     return 0
 
 

@@ -3,7 +3,9 @@
 What ``DataParallel``/``DistributedDataParallel`` do, in plain code:
 
 1. every replica starts as an exact copy of the model (``copy.deepcopy``);
-2. each batch is split along dim 0 (``torch.tensor_split``), one slice per replica;
+2. each batch is split along dim 0 the way ``nn.parallel.scatter`` (DataParallel)
+   splits it: ``torch.chunk`` semantics, chunk size ``ceil(n / k)`` -- 30 samples
+   on 4 replicas are 8, 8, 8, 6 (see :func:`scatter_sizes`);
 3. each replica computes the loss on its slice, scaled by the slice's share of
    the batch (``n_i / n``), and back-propagates -- so the *sum* of the replica
    gradients is exactly the full-batch mean-loss gradient;
@@ -84,6 +86,28 @@ def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> None:
 ALL_REDUCE = {"ring": ring_all_reduce, "naive": naive_all_reduce}
 
 
+def scatter_sizes(n: int, k: int) -> list[int]:
+    """Per-replica slice sizes of an ``n``-sample batch on ``k`` replicas, as ``nn.parallel.scatter`` cuts it.
+
+    DataParallel's scatter calls ``tensor.chunk(k)``: chunks of ``ceil(n / k)`` samples, the last one
+    smaller (30 on 4 -> 8, 8, 8, 6; 10 on 3 -> 4, 4, 2).  ``chunk`` can return fewer than ``k`` chunks
+    (5 on 4 -> 2, 2, 1); the replicas left over get 0 samples and sit the step out, as DataParallel
+    then uses fewer replicas.  Always returns ``k`` sizes summing to ``n``.
+    """
+    if k < 1:
+        raise TrainingError("at least one replica is needed")
+    if n <= 0:
+        return [0] * k
+    size = -(-n // k)
+    out = []
+    left = n
+    for _ in range(k):
+        take = min(size, left)
+        out.append(take)
+        left -= take
+    return out
+
+
 class ManualDataParallel:
     """N replicas of ``module`` on ``devices`` trained in lock-step by hand-written data parallelism."""
 
@@ -94,6 +118,7 @@ class ManualDataParallel:
         *,
         lr: float,
         momentum: float,
+        weight_decay: float = 0.0,
         all_reduce: str = "ring",
     ) -> None:
         if not devices:
@@ -102,7 +127,8 @@ class ManualDataParallel:
             raise TrainingError(f"unknown all-reduce {all_reduce!r}; choose ring or naive")
         self.devices = list(devices)
         self.replicas = [copy.deepcopy(module).to(d) for d in self.devices]
-        self.optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum) for r in self.replicas]
+        self.optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+                           for r in self.replicas]
         self.all_reduce = ALL_REDUCE[all_reduce]
         self.last_split: list[int] = []
 
@@ -113,8 +139,9 @@ class ManualDataParallel:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimisation step on the batch ``(x, y)``; returns the full-batch mean loss."""
         n = x.shape[0]
-        xs, ys = torch.tensor_split(x, len(self.replicas)), torch.tensor_split(y, len(self.replicas))
-        self.last_split = [int(c.shape[0]) for c in xs]
+        sizes = scatter_sizes(n, len(self.replicas))
+        xs, ys = torch.split(x, sizes), torch.split(y, sizes)
+        self.last_split = sizes
         total = 0.0
         for rep, opt, dev, xi, yi in zip(self.replicas, self.optimizers, self.devices, xs, ys):
             opt.zero_grad(set_to_none=False)

@@ -1,8 +1,14 @@
 """The two models the trainer knows.
 
-* :class:`LeNet` -- the default: two 5x5 convolutions each followed by ReLU and
-  2x2 average pooling, then two linear layers (the LeNet of the classic
-  multi-GPU / DataParallel tutorials, sized for 28x28 grey images).
+* :class:`LeNet` -- the default: LeNet-5 for 28x28 grey images (conv 1->6 5x5
+  padding 2, conv 6->16 5x5, each ReLU + 2x2 average pooling, then 400->120
+  ReLU and 120->10; LeNet-5's 84-unit layer is left out): 51,902 parameters.
+* :class:`TutorialLeNet` (``tutorial``) -- exactly the network of the
+  hand-written "data parallelism from scratch" tutorial (Dive into Deep
+  Learning, "Training on Multiple GPUs"): conv 1->20 3x3, ReLU, 2x2 average
+  pooling; conv 20->50 5x5, ReLU, 2x2 average pooling; 800->128 ReLU; 128->10;
+  129,068 parameters, weights N(0, 0.01) and zero biases, held as a plain
+  parameter list and run by the functional :func:`tutorial_forward`.
 * :class:`SmallResNet` -- a tiny ResNet with BatchNorm (stem + two basic
   blocks), so the trainer exercises BatchNorm buffers, ``SyncBatchNorm`` and
   ``num_batches_tracked`` keys in checkpoints.
@@ -18,7 +24,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-MODEL_NAMES = ("lenet", "resnet")
+MODEL_NAMES = ("lenet", "resnet", "tutorial")
 
 
 class LeNet(nn.Module):
@@ -43,6 +49,50 @@ class LeNet(nn.Module):
         x = torch.flatten(x, 1)
         x = F.relu(self.fc1(x))
         return self.fc2(x)
+
+
+def tutorial_params(scale: float = 0.01) -> list[torch.Tensor]:
+    """The tutorial's parameter list ``[W1, b1, W2, b2, W3, b3, W4, b4]``: weights N(0, scale), zero biases."""
+    return [
+        torch.randn(20, 1, 3, 3) * scale, torch.zeros(20),
+        torch.randn(50, 20, 5, 5) * scale, torch.zeros(50),
+        torch.randn(800, 128) * scale, torch.zeros(128),
+        torch.randn(128, 10) * scale, torch.zeros(10),
+    ]
+
+
+def tutorial_forward(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    """The tutorial's functional LeNet on ``[N, 1, 28, 28]`` input with ``params`` from :func:`tutorial_params`."""
+    w1, b1, w2, b2, w3, b3, w4, b4 = params
+    h1 = F.avg_pool2d(F.relu(F.conv2d(x, w1, b1)), kernel_size=2, stride=2)
+    h2 = F.avg_pool2d(F.relu(F.conv2d(h1, w2, b2)), kernel_size=2, stride=2)
+    h3 = F.relu(h2.reshape(h2.shape[0], -1) @ w3 + b3)
+    return h3 @ w4 + b4
+
+
+class TutorialLeNet(nn.Module):
+    """The tutorial network as a module: its plain parameter list (``w1, b1 ... w4, b4``) + :func:`tutorial_forward`.
+
+    The module only gives the list names (so checkpoints have ``w1``, ``b1``... keys); the
+    forward pass is the tutorial's function of ``(x, params)``.
+    """
+
+    NAMES = ("w1", "b1", "w2", "b2", "w3", "b3", "w4", "b4")
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, t in zip(self.NAMES, tutorial_params()):
+            self.register_parameter(name, nn.Parameter(t))
+        self.show_split = False
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [getattr(self, n) for n in self.NAMES]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.show_split:
+            print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
+        return tutorial_forward(x, self.params)
 
 
 class BasicBlock(nn.Module):
@@ -93,6 +143,8 @@ def build_model(name: str, seed: int) -> nn.Module:
             return LeNet()
         if name == "resnet":
             return SmallResNet()
+        if name == "tutorial":
+            return TutorialLeNet()
     raise TrainingError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
 
 

@@ -1,0 +1,189 @@
+"""``fsdp`` mode: FSDP2 (``torch.distributed.fsdp.fully_shard``) under ``torchrun``.
+
+Launched like ``ddp`` (:func:`ckptfix.train.ddp.launch`; gloo on CPU, nccl on
+CUDA).  Every layer that holds parameters is ``fully_shard``-ed, then the root:
+each rank keeps a 1/N slice (dim 0) of every parameter, of its gradient and of
+the SGD momentum buffer; a forward all-gathers a layer's parameters, a backward
+reduce-scatters (averages) its gradients.
+
+Saving (collective: every rank takes part):
+
+* ``--save-format dcp`` (the default for fsdp): a truly sharded
+  ``torch.distributed.checkpoint`` directory.  ``get_state_dict`` gives the
+  model and optimizer state as DTensor shards keyed by parameter name; every
+  rank writes its own ``.distcp`` file with only its shards.
+* ``--save-format pt``: ``get_state_dict(full_state_dict=True,
+  cpu_offload=True)`` gathers the full state on rank 0, which writes the same
+  wrapper dict as every other mode (optimizer state keyed by parameter index,
+  so it resumes anywhere).
+
+Resuming: the weights come through :func:`ckptfix.loading.load_checkpoint`
+(any mode, format or prefix) into the unsharded model before it is sharded;
+the optimizer state (keyed by index, or by name as in an fsdp DCP checkpoint)
+is set with ``set_optimizer_state_dict(full_state_dict=True)``, which keeps
+each rank's slice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ckptfix.errors import TrainingError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ckptfix.train.trainer import Run
+
+
+def _shard_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules that own parameters directly (each becomes one FSDP unit), innermost first."""
+    units = []
+    for _, m in model.named_modules():
+        if m is model:
+            continue
+        if any(True for _ in m.parameters(recurse=False)):
+            units.append(m)
+    return units
+
+
+def names_to_ids(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (``get_state_dict``) re-keyed by index into ``names``.
+
+    Keys that are already ints (or not among ``names``) are kept.
+    """
+    index = {n: i for i, n in enumerate(names)}
+
+    def as_id(k: Any) -> Any:
+        return index.get(k, k) if isinstance(k, str) else k
+
+    out = dict(opt_sd)
+    out["state"] = {as_id(k): v for k, v in (opt_sd.get("state") or {}).items()}
+    out["param_groups"] = [
+        {**g, "params": [as_id(p) for p in g.get("params", [])]} for g in (opt_sd.get("param_groups") or [])
+    ]
+    return out
+
+
+def ids_to_names(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`names_to_ids`: index keys become parameter names (what ``set_state_dict`` wants)."""
+
+    def as_name(k: Any) -> Any:
+        return names[k] if isinstance(k, int) and 0 <= k < len(names) else k
+
+    out = dict(opt_sd)
+    out["state"] = {as_name(k): v for k, v in (opt_sd.get("state") or {}).items()}
+    out["param_groups"] = [
+        {**g, "params": [as_name(p) for p in g.get("params", [])]} for g in (opt_sd.get("param_groups") or [])
+    ]
+    return out
+
+
+class FSDPState:
+    """The sharded model and optimizer of one fsdp rank, and how they are saved and restored."""
+
+    def __init__(self, run: "Run", base: nn.Module) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        cfg = run.cfg
+        if not run.dist.enabled:
+            raise TrainingError("--mode fsdp needs a process group: run it through `ckptfix train --mode fsdp` "
+                                "(which launches torchrun) or under your own torchrun")
+        self.run = run
+        self.names = [n for n, _ in base.named_parameters()]
+        if run.device_type == "cuda":
+            dev = torch.device("cuda", run.dist.local_rank)
+        else:
+            dev = torch.device("cpu")
+        self.device = dev
+        base = base.to(dev)
+        mesh = init_device_mesh(dev.type, (run.dist.world_size,))
+        for unit in _shard_units(base):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(base, mesh=mesh)
+        self.model = base
+        self.optimizer = torch.optim.SGD(
+            base.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+        run.base = base
+        run.wrapped = base
+        run.optimizer = self.optimizer
+        run.devices = [str(dev)]
+        run.input_device = dev
+
+    def load_optimizer(self, opt_sd: dict[str, Any]) -> None:
+        """Restore a full (unsharded) optimizer state dict keyed by index or name; each rank keeps its slice."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = ids_to_names(opt_sd, self.names)
+        full["state"] = {
+            k: {sk: (sv.to(self.device) if isinstance(sv, torch.Tensor) and sv.dim() else sv) for sk, sv in v.items()}
+            for k, v in full["state"].items()
+        }
+        set_optimizer_state_dict(
+            self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True)
+        )
+
+    def save(self, epoch: int, path: str) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
+        """Save this epoch to ``path`` (DCP shards from every rank, or a full .pt from rank 0).
+
+        Collective.  Returns (the full model state dict, a plain model holding it for the probe);
+        both only on rank 0 (``({}, None)`` elsewhere).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        from ckptfix.train.models import build_model
+        from ckptfix.train.trainer import atomic_torch_save
+
+        run = self.run
+        cfg = run.cfg
+        full_model, full_optim = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if cfg.save_format == "dcp":
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            payload = {
+                "epoch": epoch,
+                "model_state_dict": model_sd,
+                "optimizer_state_dict": optim_sd,
+                "args": run._args_dict(),
+            }
+            self._save_dcp(payload, path)
+        else:
+            if run.dist.is_main:
+                payload = {
+                    "epoch": epoch,
+                    "model_state_dict": full_model,
+                    "optimizer_state_dict": names_to_ids(full_optim, self.names),
+                    "args": run._args_object(),
+                }
+                atomic_torch_save(payload, path, legacy=cfg.legacy_format)
+            run.dist.barrier()
+        if not run.dist.is_main:
+            return {}, None
+        plain = build_model(cfg.model, 0)
+        plain.load_state_dict(full_model)
+        return full_model, plain
+
+    def _save_dcp(self, payload: dict[str, Any], final: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        run = self.run
+        tmp = final + ".tmp"
+        if run.dist.is_main and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        run.dist.barrier()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(payload, checkpoint_id=tmp)
+        run.dist.barrier()
+        if run.dist.is_main:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+        run.dist.barrier()
