@@ -962,13 +962,9 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
     if kind == "safetensors":
         files = [src]
     elif kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
+        from ckptfix.formats.sharded import load_index
 
-        ipath = index_path(src)
-        with open(ipath, encoding="utf-8") as f:
-            doc = json.load(f)
-        base = os.path.dirname(os.path.abspath(ipath))
-        files = [os.path.join(base, s) for s in dict.fromkeys(doc["weight_map"].values())]
+        files = list(load_index(src).shards.values())
         if not all(s.endswith(".safetensors") for s in files):
             raise UnsupportedError(f"{src}: the shards are not safetensors; convert the index to safetensors instead")
     else:
@@ -1082,13 +1078,11 @@ def is_safetensors_input(src: str | os.PathLike) -> bool:
     if kind == "safetensors":
         return True
     if kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
+        from ckptfix.formats.sharded import load_index
 
         try:
-            with open(index_path(src), encoding="utf-8") as f:
-                doc = json.load(f)
-            return all(str(s).endswith(".safetensors") for s in doc["weight_map"].values())
-        except (OSError, ValueError, KeyError, CkptfixError):
+            return all(s.endswith(".safetensors") for s in load_index(src).shards)
+        except (OSError, CkptfixError):
             return False
     return False
 

@@ -405,17 +405,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         tags["cpu"] = len(obj)
         fmt = "safetensors"
     elif kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
-        import json
+        from ckptfix.formats.sharded import load_index
 
-        ipath = index_path(path)
-        read_checkpoint(ipath)  # validates the index and that every shard exists
-        with open(ipath, encoding="utf-8") as f:
-            wm = json.load(f)["weight_map"]
-        base = os.path.dirname(os.path.abspath(ipath))
+        read_checkpoint(path)  # validates the index, every shard's name and contents
+        idx = load_index(path)
+        wm = idx.weight_map
         merged: dict = collections.OrderedDict()
-        for shard in dict.fromkeys(wm.values()):
-            sub = load_checkpoint(os.path.join(base, shard), map_location, allow_globals=allow_globals, trust=trust,
+        for shard, shard_path in idx.shards.items():
+            sub = load_checkpoint(shard_path, map_location, allow_globals=allow_globals, trust=trust,
                                   mmap=mmap)
             tags.update(sub.locations)
             remapped.update(sub.remapped)

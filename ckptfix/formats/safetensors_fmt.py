@@ -44,6 +44,9 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") \
             from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{path}: safetensors header JSON is nested too deep; the file is corrupt or "
+                                     "hostile") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
