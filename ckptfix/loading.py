@@ -218,7 +218,7 @@ def _torch_load(path: str, restore: Callable, *, mmap: bool, allow_globals: Iter
 
 
 def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
-    """Turn TensorRecords (byte ranges of ``path``) into torch tensors, memory-mapped where aligned."""
+    """Turn TensorRecords (byte ranges of ``path``) into torch tensors, one copied buffer per storage."""
     import mmap as _mmap
 
     import torch
@@ -235,12 +235,14 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
         dtype = getattr(torch, rec.dtype)
         base = bases.get(id(st))
         if base is None:
-            raw = whole[st.file_offset: st.file_offset + st.nbytes]
-            if st.file_offset % rec.element_size:
-                raw = raw.clone()
-            base = raw.view(dtype)
+            # each storage gets its own memory (saving one tensor must not write the whole archive)
+            base = whole[st.file_offset: st.file_offset + st.nbytes].clone().view(dtype)
             bases[id(st)] = base
-        t = base.as_strided(rec.shape, rec.stride, base.storage_offset() + rec.offset)
+        try:
+            t = base.as_strided(rec.shape, rec.stride, rec.offset)
+        except RuntimeError as e:
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} does not fit its storage ({e}); the file is "
+                                         "corrupt") from None
         if device != "cpu":
             t = t.to(device)
         out[name] = t
@@ -369,8 +371,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
     fmt = kind
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
-    if kind in ("torch-zip", "pickle-stream"):
+    if kind == "torch-tar":
+        if not trust:
+            from ckptfix.formats import tar_message
+
+            raise UnsupportedError(tar_message(path))
+        obj = _torch_load(path, make_restore(map_location, tags, remapped), mmap=False, allow_globals=(), trust=True,
+                          stubbed=stubbed)
+    elif kind in ("torch-zip", "pickle-stream"):
         restore = make_restore(map_location, tags, remapped)
+        if kind == "torch-zip":
+            read_checkpoint(path)  # names, record sizes and limits checked before torch maps anything
         if kind == "pickle-stream":
             cf_kind = read_checkpoint(path).format  # torch-legacy or a bare pickle
             fmt = cf_kind
