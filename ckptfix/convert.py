@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ckptfix.atomic import fsync_dir, new_temp
+from ckptfix.atomic import fsync_dir, new_temp, same_file
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
                             OutputError, UnsupportedError, VerificationError)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
@@ -586,9 +586,8 @@ def _shard_names(dst: str, n: int) -> list[str]:
 
 
 def _check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
-    srcs = {os.path.realpath(src)}
     for p in paths:
-        if os.path.realpath(p) in srcs:
+        if same_file(p, src):
             raise OutputError(f"{p}: that is the input; choose another output with -o")
         if os.path.isdir(p):
             raise OutputError(f"{p}: is a directory; pass a file name with -o")
