@@ -197,10 +197,12 @@ def _scan_zip(fileobj: Any, label: str, counts: collections.Counter, pickles: li
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, KeyError, IndexError) as e:
         errors.append(f"{label}: damaged zip ({e})")
         return
-    from ckptfix.formats.zipfmt import check_names, max_pickle_bytes, read_member
+    from ckptfix.formats.zipfmt import check_inflation, check_names, max_pickle_bytes, read_member, torch_root
 
     with zf:
         check_names(label, zf.namelist())  # names torch and zipfile would resolve differently: refused
+        torch_root(label, zf.namelist())
+        check_inflation(label, zf)
         budget = [max_pickle_bytes()]
         for name in zf.namelist():
             if name.endswith(".pkl") and not name.endswith(".debug_pkl"):

@@ -131,6 +131,7 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     size = os.path.getsize(path)
     infos = zf.infolist()
     check_names(path, [i.filename for i in infos])
+    check_inflation(path, zf)
     with open(path, "rb") as f:
         for info in infos:
             f.seek(info.header_offset)
@@ -179,6 +180,21 @@ def torch_root(path: str, names: list[str]) -> str:
                                          f"{root or './'!r}; torch would read another record than ckptfix — the "
                                          "file is corrupt or crafted")
     return root
+
+
+def check_inflation(path: str, zf: zipfile.ZipFile) -> None:
+    """Refuse an archive whose compressed members declare more than ``CKPTFIX_MAX_PICKLE_MB`` in all.
+
+    torch.save stores every record uncompressed; compressed members are small text or pickles at
+    most, so a large declared size is a zip bomb, refused before anything is inflated.
+
+    Raises:
+        ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
+    """
+    packed = [i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    if packed and sum(i.file_size for i in packed) > max_pickle_bytes():
+        big = max(packed, key=lambda i: i.file_size)
+        raise _too_big(path, big.filename, big.file_size)
 
 
 def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) -> bytes:
