@@ -173,7 +173,9 @@ def torch_root(path: str, names: list[str]) -> str:
         CorruptCheckpointError: torch would read another data.pkl than the one ckptfix finds.
     """
     root = root_of(names)
-    if names and "/" in names[0]:
+    if root + "data.pkl" not in names:
+        return root  # no data.pkl at all: the caller says so
+    if "/" in names[0]:
         first = names[0].split("/", 1)[0] + "/"
         if first != root:
             raise CorruptCheckpointError(f"{path}: the archive's first entry is in {first!r} but data.pkl is in "
