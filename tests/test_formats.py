@@ -148,10 +148,11 @@ def test_default_limit_bounds_memory_on_a_1_5_gb_bomb(tmp_path):
     p = _bomb_zip(tmp_path / "bomb.pth", "archive/byteorder", 1536 << 20)
     assert p.stat().st_size < 2_000_000
     code = textwrap.dedent(f"""
-        import resource, sys
+        import re, sys
         from ckptfix.cli import main
         rcs = [main([c, {str(p)!r}]) for c in ("inspect", "scan")]
-        print(rcs, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        # VmHWM: this process's own peak (ru_maxrss would include the parent's, inherited over fork+exec)
+        print(rcs, int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) // 1024)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     rcs, rss = r.stdout.rsplit("]", 1)

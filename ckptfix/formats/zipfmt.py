@@ -184,16 +184,26 @@ def torch_root(path: str, names: list[str]) -> str:
     return root
 
 
-def check_inflation(path: str, zf: zipfile.ZipFile) -> None:
+def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> None:
     """Refuse an archive whose compressed members declare more than ``CKPTFIX_MAX_PICKLE_MB`` in all.
 
     torch.save stores every record uncompressed; compressed members are small text or pickles at
-    most, so a large declared size is a zip bomb, refused before anything is inflated.
+    most, so a large declared size is a zip bomb, refused before anything is inflated.  With
+    ``records`` a compressed tensor record (``<root>/data/<key>``) is refused as unsupported;
+    without, such records are left out (a scan never reads them).
 
     Raises:
         ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
+        UnsupportedError: a compressed tensor record (with ``records``).
     """
     packed = [i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    rec = [i for i in packed if "/data/" in f"/{i.filename}"]
+    if rec and records:
+        raise UnsupportedError(f"{path}: tensor record {rec[0].filename!r} is compressed (the archive was re-zipped "
+                               "with compression; torch.save stores records uncompressed, which ckptfix needs to read "
+                               "tensors in place); re-zip it uncompressed (zip -0) or load it with torch.load and "
+                               "torch.save it again")
+    packed = [i for i in packed if i not in rec]
     if packed and sum(i.file_size for i in packed) > max_pickle_bytes():
         big = max(packed, key=lambda i: i.file_size)
         raise _too_big(path, big.filename, big.file_size)
