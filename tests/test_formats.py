@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import zipfile
 import zlib
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import hostile
 from ckptfix import load_anywhere
 from ckptfix.cli import main
-from ckptfix.errors import (CkptfixError, CorruptCheckpointError, ResourceLimitError, ScanFindingsError, UnsupportedError)
+from ckptfix.errors import CkptfixError, CorruptCheckpointError, ScanFindingsError, UnsupportedError
 from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 

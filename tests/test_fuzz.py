@@ -14,7 +14,6 @@ RSS.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -26,7 +25,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import hostile
 
 BUDGET_S = float(os.environ.get("CKPTFIX_FUZZ_SECONDS", "40"))
 SEED = int(os.environ.get("CKPTFIX_FUZZ_SEED", "20261123"))
@@ -71,16 +69,17 @@ def _seeds(d: Path, canary: str) -> dict[str, list[str]]:
 
 
 DRIVER = textwrap.dedent(r'''
-    import io, json, os, random, resource, shutil, signal, sys, time, traceback, zipfile, zlib
+    import io, json, os, random, resource, shutil, signal, sys, time, traceback, zipfile
     sys.path.insert(0, sys.argv[1])
-    import torch
+    import torch  # noqa: F401 - imported before the memory limit is set
     from ckptfix import load_anywhere
     from ckptfix.cli import main
     from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import CkptfixError
     from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 
-    seeds, canary, work, budget, seed = json.loads(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5]), int(sys.argv[6])
+    seeds, canary, work = json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
+    budget, seed = float(sys.argv[5]), int(sys.argv[6])
     rng = random.Random(seed)
     spawned = []
     armed = [False]
