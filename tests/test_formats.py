@@ -494,3 +494,12 @@ def test_expanded_tensor_refused_quickly_unless_allowed(tmp_path, capsys):
     rc, _, err = _cli(capsys, "convert", src, "-o", tmp_path / "big.safetensors", "--allow-expand")
     assert rc == 0, err
     assert torch.equal(load_file(str(tmp_path / "big.safetensors"))["w"], big.contiguous())
+
+
+def test_oversized_index_refused_without_parsing(tmp_path, capsys):
+    d = _shards(tmp_path)
+    p = d / "model.safetensors.index.json"
+    filler = ",".join(f'"k{i}": "model-00001-of-00002.safetensors"' for i in range(900_000))
+    p.write_text('{"weight_map": {' + filler + "}}")
+    assert p.stat().st_size > 32 << 20
+    every_command(capsys, p, tmp_path, 12)

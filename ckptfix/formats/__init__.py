@@ -30,6 +30,9 @@ from typing import Any, Iterator, Mapping
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, KeyConflictError
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 
+#: the largest sharded index parsed (a real one with 100k tensors is ~10 MB; JSON objects take ~10x in memory)
+MAX_INDEX_BYTES = 32 << 20
+
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_EMPTY = b"PK\x05\x06"
 
@@ -85,7 +88,9 @@ def sniff(path: str) -> str:
         return "safetensors"  # header length is wrong: the reader reports it
     if head.lstrip()[:1] == b"{":
         with open(path, "rb") as f:
-            text = f.read(min(size, 64 << 20))
+            text = f.read(min(size, MAX_INDEX_BYTES))
+        if size > MAX_INDEX_BYTES and b'"weight_map"' in text:
+            return "sharded"  # too large to parse: the index reader refuses it with the limit
         try:
             doc = json.loads(text)
         except (ValueError, RecursionError):

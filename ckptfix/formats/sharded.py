@@ -14,10 +14,7 @@ from dataclasses import dataclass
 
 from ckptfix.errors import (CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError,
                             UnsupportedError)
-from ckptfix.formats import CheckpointFile
-
-#: the largest index read (a real one with 100k tensors is ~10 MB)
-MAX_INDEX_BYTES = 64 << 20
+from ckptfix.formats import MAX_INDEX_BYTES, CheckpointFile
 
 
 @dataclass
@@ -105,7 +102,7 @@ def load_index(path: str) -> ShardIndex:
         CorruptCheckpointError: not JSON, nested too deep, no ``weight_map`` object of names to shard
             names, or an empty weight map.
         UnsupportedError: a shard name leaving the index's directory.
-        ResourceLimitError: the index is larger than 64 MiB.
+        ResourceLimitError: the index is larger than 32 MiB.
         CheckpointNotFoundError: a shard is missing.
     """
     ipath = index_path(path)
