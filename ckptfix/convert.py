@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ckptfix.atomic import fsync_dir, new_temp, same_file
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
                             OutputError, UnsupportedError, VerificationError)
-from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, MAX_HEADER, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord, global_name, is_tensor_like
 
@@ -686,7 +686,7 @@ class _Writer:
     def check(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size."""
         try:
-            header, start = read_header(path)
+            header, start = read_header(path, max_bytes=MAX_HEADER)
         except CkptfixError as e:
             raise VerificationError(f"{path}: the written file does not read back: {e}") from None
         meta = header.pop("__metadata__", None)

@@ -406,6 +406,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         from safetensors import safe_open
 
         dev = _simple_target(map_location)
+        read_checkpoint(path)  # the header's limits and checks, as in every other command
         try:
             with safe_open(path, framework="pt") as f:
                 metadata = dict(f.metadata() or {})

@@ -502,4 +502,15 @@ def test_oversized_index_refused_without_parsing(tmp_path, capsys):
     filler = ",".join(f'"k{i}": "model-00001-of-00002.safetensors"' for i in range(900_000))
     p.write_text('{"weight_map": {' + filler + "}}")
     assert p.stat().st_size > 32 << 20
-    every_command(capsys, p, tmp_path, 12)
+    every_command(capsys, p, tmp_path, 12, contains="CKPTFIX_MAX_JSON_MB")
+
+
+def test_oversized_safetensors_header_refused_with_the_env_var_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CKPTFIX_MAX_JSON_MB", "1")
+    hdr = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(30_000)}
+    p = tmp_path / "wide.safetensors"
+    p.write_bytes(hostile.safetensors_bytes(hdr))
+    assert p.stat().st_size > 1 << 20
+    every_command(capsys, p, tmp_path, 12, scan_codes=(0, 12), contains="CKPTFIX_MAX_JSON_MB")
+    monkeypatch.setenv("CKPTFIX_MAX_JSON_MB", "8")
+    assert inspect_checkpoint(p).tensor_count == 30_000

@@ -30,8 +30,31 @@ from typing import Any, Iterator, Mapping
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, KeyConflictError
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 
-#: the largest sharded index parsed (a real one with 100k tensors is ~10 MB; JSON objects take ~10x in memory)
-MAX_INDEX_BYTES = 32 << 20
+#: environment variable (MiB) that lifts the cap on JSON metadata: safetensors headers, sharded indexes
+MAX_JSON_ENV = "CKPTFIX_MAX_JSON_MB"
+#: default cap, in MiB: a real index or header for 100k tensors is ~10-15 MB (parsed JSON takes ~10x that)
+DEFAULT_MAX_JSON_MB = 32
+
+
+def max_json_bytes() -> int:
+    """The largest safetensors header or sharded index ckptfix parses (``CKPTFIX_MAX_JSON_MB``, default 32 MiB).
+
+    Raises:
+        ResourceLimitError: the environment variable is not a positive number.
+    """
+    from ckptfix.errors import ResourceLimitError
+
+    raw = os.environ.get(MAX_JSON_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_JSON_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ResourceLimitError(f"{MAX_JSON_ENV}={raw!r} is not a positive number of MiB; set it like "
+                                 f"{MAX_JSON_ENV}=128 or unset it")
+    return int(mb * (1 << 20))
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_EMPTY = b"PK\x05\x06"
@@ -88,8 +111,8 @@ def sniff(path: str) -> str:
         return "safetensors"  # header length is wrong: the reader reports it
     if head.lstrip()[:1] == b"{":
         with open(path, "rb") as f:
-            text = f.read(min(size, MAX_INDEX_BYTES))
-        if size > MAX_INDEX_BYTES and b'"weight_map"' in text:
+            text = f.read(min(size, max_json_bytes()))
+        if size > len(text) and b'"weight_map"' in text:
             return "sharded"  # too large to parse: the index reader refuses it with the limit
         try:
             doc = json.loads(text)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ckptfix.errors import (CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError,
                             UnsupportedError)
-from ckptfix.formats import MAX_INDEX_BYTES, CheckpointFile
+from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
 
 
 @dataclass
@@ -102,7 +102,7 @@ def load_index(path: str) -> ShardIndex:
         CorruptCheckpointError: not JSON, nested too deep, no ``weight_map`` object of names to shard
             names, or an empty weight map.
         UnsupportedError: a shard name leaving the index's directory.
-        ResourceLimitError: the index is larger than 32 MiB.
+        ResourceLimitError: the index is larger than ``CKPTFIX_MAX_JSON_MB`` (32 MiB).
         CheckpointNotFoundError: a shard is missing.
     """
     ipath = index_path(path)
@@ -110,9 +110,10 @@ def load_index(path: str) -> ShardIndex:
         size = os.path.getsize(ipath)
     except OSError as e:
         raise CheckpointNotFoundError(f"{ipath}: cannot read the index ({e.strerror})") from None
-    if size > MAX_INDEX_BYTES:
-        raise ResourceLimitError(f"{ipath}: the index is {size} bytes, over the {MAX_INDEX_BYTES >> 20} MiB an "
-                                 "index can reasonably be; it is not a real index")
+    limit = max_json_bytes()
+    if size > limit:
+        raise ResourceLimitError(f"{ipath}: the index is {size} bytes, over the {limit >> 20} MiB limit for JSON "
+                                 f"metadata (a real index is a few MB); if you trust it, raise {MAX_JSON_ENV}=<MiB>")
     try:
         with open(ipath, "rb") as f:
             doc = json.loads(f.read().decode("utf-8"))
