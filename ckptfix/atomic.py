@@ -4,14 +4,24 @@ A reader never sees a half-written file under the final name; an interrupted
 write leaves the old file (or nothing) there.  With ``fsync=True`` the data and
 the directory entry are flushed to disk before and after the rename, which is
 what a rewrite that replaces the user's own file needs.
+
+Temp files are named ``.<name>.ckptfix-XXXXXXXX.tmp`` and held under an exclusive ``flock``
+while written; one left by a process that was killed is removed by the next ckptfix run that
+writes in the same directory (:func:`clean_stale_temps`).  In-place rewrites keep at most two
+backups (:func:`make_backup`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
+import stat
 import tempfile
+import threading
+import time
 from typing import BinaryIO, Callable, Iterator
 
 from ckptfix.errors import OutputError
@@ -41,18 +51,107 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+#: temp files are ``.<final name>.ckptfix-<8 random chars>.tmp`` next to the output
+TEMP_MARK = ".ckptfix-"
+_TEMP_RE = re.compile(r"\.(?P<final>.+)\.ckptfix-[a-z0-9_]{8}\.tmp")
+#: a temp file younger than this is never removed (its writer may be between creating and locking it)
+STALE_AFTER_S = 10.0
+
+#: temp path -> a descriptor holding ``flock(LOCK_EX)`` on it while this process may write it
+_locks: dict[str, int] = {}
+_locks_mutex = threading.Lock()
+
+
+def _lock_temp(tmp: str) -> None:
+    """Hold an exclusive flock on ``tmp`` (on its own descriptor) until it is renamed or removed."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return
+    with _locks_mutex:
+        _locks[tmp] = fd
+
+
+def release_temp(tmp: str | None = None) -> None:
+    """Drop the lock on ``tmp`` (after it was renamed or removed); with ``None``, on every temp that is gone.
+
+    Locks are also released when the process exits, which is what makes a left-over temp file
+    recognisable as stale (see :func:`clean_stale_temps`).
+    """
+    with _locks_mutex:
+        names = [tmp] if tmp is not None else [t for t in _locks if not os.path.lexists(t)]
+        fds = [_locks.pop(t) for t in names if t in _locks]
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
+    """Remove ckptfix temp files in ``directory`` left by a process that died while writing.
+
+    A file is removed only when all of these hold: its name is exactly ckptfix's temp naming
+    (``.<name>.ckptfix-XXXXXXXX.tmp``), it is a regular file owned by this user, it is older than
+    :data:`STALE_AFTER_S`, and an exclusive ``flock`` on it succeeds at once -- every ckptfix writer
+    holds that lock until it renames or removes its temp, so a lock that can be taken means its
+    writer is gone.
+
+    Returns:
+        The paths removed.
+    """
+    release_temp()
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _TEMP_RE.fullmatch(name):
+            continue
+        path = os.path.join(directory, name)
+        with _locks_mutex:
+            if path in _locks:
+                continue  # ours, still being written
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or now - st.st_mtime < STALE_AFTER_S:
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            cur = os.lstat(path)
+            if (cur.st_dev, cur.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
 def new_temp(path: str) -> tuple[int, str]:
     """(fd, name) of a temp file next to ``path``, with the mode the final file should have.
 
     mkstemp creates files 0600; the result gets the mode of the file it replaces, or the
-    usual ``0666 & ~umask`` for a new file.
+    usual ``0666 & ~umask`` for a new file.  The temp file is locked (``flock``) until it is
+    renamed or removed, and stale temps of dead writers in the same directory are removed first.
     """
     path = os.path.abspath(path)
+    clean_stale_temps(os.path.dirname(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{TEMP_MARK}", suffix=".tmp",
                                    dir=os.path.dirname(path))
     except OSError as e:
         raise _os_error(e, path) from None
+    _lock_temp(tmp)
     try:
         mode = os.stat(path).st_mode & 0o7777
     except OSError:
@@ -61,6 +160,14 @@ def new_temp(path: str) -> tuple[int, str]:
         mode = 0o666 & ~umask
     os.fchmod(fd, mode)
     return fd, tmp
+
+
+def same_file(a: str, b: str) -> bool:
+    """True when ``a`` and ``b`` are the same file: one path, a symlink to it, or a hard link (same inode)."""
+    try:
+        return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -98,27 +205,48 @@ def atomic_output(path: str, *, fsync: bool = False,
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    finally:
+        release_temp(tmp)
 
 
-def free_backup_name(path: str) -> str:
-    cand = path + ".bak"
-    i = 1
-    while os.path.exists(cand):
-        cand = f"{path}.bak{i}"
-        i += 1
-    return cand
+def backup_name(path: str) -> str:
+    """Where :func:`make_backup` keeps ``path``: ``path.bak`` if free, else ``path.bak1`` (replaced).
+
+    So ``.bak`` holds the file as it was before the first in-place rewrite and ``.bak1`` as it was
+    before the latest one; backups never pile up beyond those two.
+    """
+    first = path + ".bak"
+    return first if not os.path.lexists(first) else path + ".bak1"
 
 
 def make_backup(path: str) -> str:
-    """Keep the current ``path`` as ``path.bak`` (a hard link when possible: instant, no copy)."""
-    dst = free_backup_name(path)
-    try:
-        os.link(path, dst)
-    except OSError:
-        import shutil
+    """Keep the current ``path`` as a backup (a hard link when possible: instant, no copy).
 
+    The first backup is ``path.bak`` and is never replaced; later ones go to ``path.bak1``,
+    replacing the previous ``.bak1`` atomically.
+
+    Returns:
+        The backup's path.
+
+    Raises:
+        OutputError: the backup cannot be written.
+    """
+    dst = backup_name(path)
+    fd, tmp = new_temp(dst)
+    os.close(fd)
+    try:
+        os.unlink(tmp)
         try:
-            shutil.copy2(path, dst)
-        except OSError as e:
-            raise _os_error(e, dst) from None
+            os.link(path, tmp)
+        except OSError:
+            import shutil
+
+            shutil.copy2(path, tmp)
+        os.replace(tmp, dst)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise _os_error(e, dst) from None
+    finally:
+        release_temp(tmp)
     return dst

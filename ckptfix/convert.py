@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptfix._torch import require_torch
-from ckptfix.atomic import fsync_dir, new_temp
+from ckptfix.atomic import fsync_dir, new_temp, same_file
 from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
                             NoTensorsError, OutputError, UnsupportedError, VerificationError)
-from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, read_header
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, MAX_HEADER, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import Stub, TensorRecord, global_name, is_tensor_like
 
@@ -169,42 +169,157 @@ class _Fds:
         self.fds.clear()
 
 
-def _gather(rec: TensorRecord, fds: _Fds) -> Iterator[bytes | memoryview]:
-    """C-order bytes of a strided view, reading only its span of the storage."""
+#: memoryview formats by element size: a strided run of elements is one C-level slice copy
+_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+
+def check_view(name: str, rec: TensorRecord) -> None:
+    """Refuse a tensor record no torch tensor can have: negative offset, size or stride.
+
+    Raises:
+        CorruptCheckpointError: naming the tensor.
+    """
+    bad = [int(x) for x in (rec.offset, *rec.shape, *rec.stride) if not isinstance(x, int) or x < 0]
+    if bad or len(rec.shape) != len(rec.stride):
+        raise CorruptCheckpointError(f"tensor {name!r} has offset {rec.offset}, shape {list(rec.shape)} and stride "
+                                     f"{list(rec.stride)}: negative or mismatched values no torch tensor has; the "
+                                     "checkpoint is corrupt")
+
+
+#: output bytes allowed per input byte, plus a constant, before ``allow_expand`` is needed
+EXPAND_FACTOR = 4
+EXPAND_SLACK = 64 << 20
+
+
+def check_expansion(items: Sequence[_Item], input_bytes: int, allow_expand: bool) -> None:
+    """Refuse an output much larger than its input (stride-0 / expanded views), unless ``allow_expand``.
+
+    A legitimate 2 KB ``torch.zeros(1).expand(N, N)`` holds N*N elements once written densely;
+    the limit is ``4 x input + 64 MiB``.
+
+    Raises:
+        ResourceLimitError: naming the largest expanded tensor and the output size.
+    """
+    total = sum(it.nbytes for it in items)
+    limit = EXPAND_FACTOR * input_bytes + EXPAND_SLACK
+    if allow_expand or total <= limit:
+        return
+    from ckptfix.errors import ResourceLimitError
+
+    views = [it for it in items if it.rec is not None] or list(items)
+    big = max(views, key=lambda it: it.nbytes)
+    raise ResourceLimitError(f"tensor {big.name!r} {list(big.shape)} expands to {big.nbytes} bytes (the whole output "
+                             f"{total} bytes, from {input_bytes} bytes of input; the limit is {EXPAND_FACTOR}x the "
+                             "input + 64 MiB); pass --allow-expand (allow_expand=True) to write it anyway")
+
+
+def _simplify(shape: Sequence[int], stride: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Drop size-1 dims and merge dims that step through memory as one (stride-0 runs included)."""
+    dims = [(int(n), int(s)) for n, s in zip(shape, stride) if n != 1]
+    out: list[list[int]] = []
+    for n, s in dims:
+        if out and out[-1][1] == n * s:
+            out[-1] = [out[-1][0] * n, s]
+        else:
+            out.append([n, s])
+    if not out:
+        out = [[1, 1]]
+    return [n for n, _ in out], [s for _, s in out]
+
+
+def _run(src: memoryview, o: int, n: int, s: int) -> bytes:
+    """``n`` elements from element ``o`` of ``src``, ``s`` apart, as bytes (one C-level copy)."""
+    if s == 0:
+        return src[o:o + 1].tobytes() * n
+    if s == 1:
+        return src[o:o + n].tobytes()
+    return src[o:o + (n - 1) * s + 1:s].tobytes()
+
+
+def _block(src: memoryview, off: int, a: int, sa: int, b: int, sb: int, es: int) -> Iterator[bytes | bytearray]:
+    """The C-order bytes of an ``a x b`` view (element strides ``sa``, ``sb``) from element ``off``, in chunks.
+
+    Per chunk the Python loop runs over the smaller of its two dimensions; each step is one strided
+    slice copy of the other (``bytes * n`` for stride 0), so no per-element Python work.
+    """
+    row = b * es
+    if row >= _CHUNK:
+        per = max(1, _CHUNK // es)
+        for i in range(a):
+            o = off + i * sa
+            for j0 in range(0, b, per):
+                yield _run(src, o + j0 * sb, min(per, b - j0), sb)
+        return
+    rows = max(1, _CHUNK // row)
+    same: bytes | None = None
+    for i0 in range(0, a, rows):
+        n = min(rows, a - i0)
+        if sa == 0:
+            if same is None:
+                same = _run(src, off, b, sb)
+            yield same * n
+        elif n <= b:
+            yield b"".join(_run(src, off + i * sa, b, sb) for i in range(i0, i0 + n))
+        else:
+            out = bytearray(n * row)
+            ov = memoryview(out).cast(src.format)
+            for j in range(b):
+                o = off + i0 * sa + j * sb
+                ov[j::b] = src[o:o + (n - 1) * sa + 1:sa]
+            ov.release()
+            yield out
+
+
+def _gather(rec: TensorRecord, fds: _Fds) -> Iterator[bytes | bytearray]:
+    """C-order bytes of a strided view in bounded chunks, reading only its span of the storage.
+
+    The span is memory-mapped (pages come and go through the page cache, however large the storage)
+    and copied with strided slices of a typed ``memoryview``: no numpy, no per-element Python loop,
+    and stride-0 (expanded) dimensions repeat bytes instead of re-reading them.
+    """
+    import mmap
+
     if rec.numel == 0:
         return
     es = rec.element_size
+    fmt = _FMT.get(es)
+    if fmt is None:
+        raise UnsupportedError(f"tensor of dtype {rec.dtype} ({es}-byte elements) cannot be gathered")
     first, end = rec.span()
     st = rec.storage
     assert st is not None and st.source is not None and st.file_offset is not None
-    buf = os.pread(fds.get(st.source), (end - first) * es, st.file_offset + first * es)
-    if len(buf) != (end - first) * es:
+    fd = fds.get(st.source)
+    start = st.file_offset + first * es
+    length = (end - first) * es
+    if os.fstat(fd).st_size < start + length:
         raise CorruptCheckpointError(f"{st.source}: file ended inside storage {st.key!r} (truncated?)")
-    shape = tuple(rec.shape)
-    strides = tuple(s * es for s in rec.stride)
+    shape, stride = _simplify(rec.shape, rec.stride)
+    if len(shape) == 1:
+        shape, stride = [1] + shape, [0] + stride
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, start + length - base, offset=base, prot=mmap.PROT_READ)
+    raw = memoryview(mm)
+    src = raw[start - base:start - base + length].cast(fmt)
+    pending: list[bytes | bytearray] = []
+    size = 0
     try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with torch in practice
-        yield _gather_pure(buf, shape, strides, es)
-        return
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    view = np.lib.stride_tricks.as_strided(arr, shape + (es,), strides + (1,), writeable=False)
-    if not shape:
-        yield bytes(view)
-        return
-    row = max(1, rec.nbytes // max(1, shape[0]))
-    step = max(1, _CHUNK // row)
-    for i in range(0, shape[0], step):
-        yield np.ascontiguousarray(view[i:i + step]).tobytes()
-
-
-def _gather_pure(buf: bytes, shape: tuple[int, ...], strides: tuple[int, ...], es: int) -> bytes:
-    out = bytearray()
-    mv = memoryview(buf)
-    for idx in itertools.product(*(range(s) for s in shape)):
-        o = sum(i * s for i, s in zip(idx, strides))
-        out += mv[o:o + es]
-    return bytes(out)
+        outer = shape[:-2]
+        a, b = shape[-2:]
+        sa, sb = stride[-2:]
+        for idx in itertools.product(*(range(n) for n in outer)):
+            off = sum(i * s for i, s in zip(idx, stride))
+            for chunk in _block(src, off, a, sa, b, sb, es):
+                pending.append(chunk)
+                size += len(chunk)
+                if size >= _CHUNK:  # small blocks are written together, not one syscall each
+                    yield pending[0] if len(pending) == 1 else b"".join(pending)
+                    pending, size = [], 0
+        if pending:
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
+    finally:
+        src.release()
+        raw.release()
+        mm.close()
 
 
 def _tensor_chunks(t: Any) -> Iterator[memoryview]:
@@ -312,6 +427,7 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
     recs: dict[str, TensorRecord] = {}
     for name, rec in named:
         _check_dtype(name, rec.dtype, rec.kind)
+        check_view(name, rec)
         st = rec.storage
         if st is None or st.file_offset is None or st.source is None or st.nbytes is None:
             raise _NeedsTorch(name)
@@ -623,9 +739,8 @@ def _shard_names(dst: str, n: int) -> list[str]:
 
 
 def _check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
-    srcs = {os.path.realpath(src)}
     for p in paths:
-        if os.path.realpath(p) in srcs:
+        if same_file(p, src):
             raise OutputError(f"{p}: that is the input; choose another output with -o")
         if os.path.isdir(p):
             raise OutputError(f"{p}: is a directory; pass a file name with -o")
@@ -724,7 +839,7 @@ class _Writer:
     def check(self, path: str, items: list[_Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size."""
         try:
-            header, start = read_header(path)
+            header, start = read_header(path, max_bytes=MAX_HEADER)
         except CkptfixError as e:
             raise VerificationError(f"{path}: the written file does not read back: {e}") from None
         meta = header.pop("__metadata__", None)
@@ -1075,7 +1190,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
                            verify: bool = True, force: bool = False, fsync: bool = False,
                            allow_globals: Sequence[str] = (), trust: bool = False,
                            progress: Progress | None = None, ckptfix_metadata: bool = True,
-                           keep: Sequence[str] = ()) -> ConvertReport:
+                           keep: Sequence[str] = (), allow_expand: bool = False) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
     Args:
@@ -1092,6 +1207,8 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
             aliases.  By default the transformers class named by a ``config.json`` beside ``src`` decides
             (its ``_tied_weights_keys`` are the names it drops), else the state dict's own order: the
             first name is kept, as ``save_pretrained`` does.
+        allow_expand: write outputs larger than 4x the input + 64 MiB (expanded, stride-0 views written
+            densely); refused otherwise.
 
     The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
     ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
@@ -1104,6 +1221,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         OutputError: the output exists (without ``force``), is the input, or cannot be written.
         UnsupportedError: a tensor whose dtype/kind safetensors cannot hold (named in the message).
         VerificationError: the written file does not read back identical; nothing is left behind.
+        ResourceLimitError: the output would be over 4x the input + 64 MiB (without ``allow_expand``).
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
@@ -1178,6 +1296,7 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         items = _plan_tensors(named, report, tied)
     else:
         items = _plan_records(named, report, tied)
+        check_expansion(items, cf.file_size, allow_expand)
     if report.aliases:
         report.tied_rule = "--keep" if tied.used_keep else tied.source
     metadata: dict[str, str] = {"format": "pt"}
@@ -1307,13 +1426,9 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
     if kind == "safetensors":
         files = [src]
     elif kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
+        from ckptfix.formats.sharded import load_index
 
-        ipath = index_path(src)
-        with open(ipath, encoding="utf-8") as f:
-            doc = json.load(f)
-        base = os.path.dirname(os.path.abspath(ipath))
-        files = [os.path.join(base, s) for s in dict.fromkeys(doc["weight_map"].values())]
+        files = list(load_index(src).shards.values())
         if not all(s.endswith(".safetensors") for s in files):
             raise UnsupportedError(f"{src}: the shards are not safetensors; convert the index to safetensors instead")
     else:
@@ -1427,13 +1542,11 @@ def is_safetensors_input(src: str | os.PathLike) -> bool:
     if kind == "safetensors":
         return True
     if kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
+        from ckptfix.formats.sharded import load_index
 
         try:
-            with open(index_path(src), encoding="utf-8") as f:
-                doc = json.load(f)
-            return all(str(s).endswith(".safetensors") for s in doc["weight_map"].values())
-        except (OSError, ValueError, KeyError, CkptfixError):
+            return all(s.endswith(".safetensors") for s in load_index(src).shards)
+        except (OSError, CkptfixError):
             return False
     return False
 

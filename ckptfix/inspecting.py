@@ -9,7 +9,8 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
+from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
+from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff, tar_message
 from ckptfix.pickles import Stub, TensorRecord, classify_global, global_name, scan_globals
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
@@ -280,12 +281,18 @@ def _scan_zip(fileobj: Any, label: str, counts: collections.Counter, pickles: li
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, KeyError, IndexError) as e:
         errors.append(f"{label}: damaged zip ({e})")
         return
+    from ckptfix.formats.zipfmt import check_inflation, check_names, max_pickle_bytes, read_member, torch_root
+
     with zf:
+        check_names(label, zf.namelist())  # names torch and zipfile would resolve differently: refused
+        torch_root(label, zf.namelist())
+        check_inflation(label, zf, records=False)
+        budget = [max_pickle_bytes()]
         for name in zf.namelist():
             if name.endswith(".pkl") and not name.endswith(".debug_pkl"):
                 try:
-                    data = zf.read(name)
-                except Exception as e:  # noqa: BLE001 - report, never crash
+                    data = read_member(label, zf, name, budget)
+                except CorruptCheckpointError as e:
                     errors.append(f"{label}:{name}: unreadable ({e})")
                     continue
                 r = scan_globals(data)
@@ -303,6 +310,8 @@ def scan_checkpoint(path: str | os.PathLike) -> ScanReport:
     pickles: list[str] = []
     errors: list[str] = []
     fmt = kind
+    if kind == "torch-tar":
+        raise ScanFindingsError(tar_message(path))
     if kind in ("torch-zip", "torchscript"):
         with open(path, "rb") as f:
             _scan_zip(f, os.path.basename(path), counts, pickles, errors)

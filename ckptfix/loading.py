@@ -219,7 +219,7 @@ def _torch_load(path: str, restore: Callable, *, mmap: bool, allow_globals: Iter
 
 
 def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
-    """Turn TensorRecords (byte ranges of ``path``) into torch tensors, memory-mapped where aligned."""
+    """Turn TensorRecords (byte ranges of ``path``) into torch tensors, one copied buffer per storage."""
     import mmap as _mmap
 
     import torch
@@ -236,12 +236,14 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
         dtype = getattr(torch, rec.dtype)
         base = bases.get(id(st))
         if base is None:
-            raw = whole[st.file_offset: st.file_offset + st.nbytes]
-            if st.file_offset % rec.element_size:
-                raw = raw.clone()
-            base = raw.view(dtype)
+            # each storage gets its own memory (saving one tensor must not write the whole archive)
+            base = whole[st.file_offset: st.file_offset + st.nbytes].clone().view(dtype)
             bases[id(st)] = base
-        t = base.as_strided(rec.shape, rec.stride, base.storage_offset() + rec.offset)
+        try:
+            t = base.as_strided(rec.shape, rec.stride, rec.offset)
+        except RuntimeError as e:
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} does not fit its storage ({e}); the file is "
+                                         "corrupt") from None
         if device != "cpu":
             t = t.to(device)
         out[name] = t
@@ -372,8 +374,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
     fmt = kind
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
-    if kind in ("torch-zip", "pickle-stream"):
+    if kind == "torch-tar":
+        if not trust:
+            from ckptfix.formats import tar_message
+
+            raise UnsupportedError(tar_message(path))
+        obj = _torch_load(path, make_restore(map_location, tags, remapped), mmap=False, allow_globals=(), trust=True,
+                          stubbed=stubbed)
+    elif kind in ("torch-zip", "pickle-stream"):
         restore = make_restore(map_location, tags, remapped)
+        if kind == "torch-zip":
+            read_checkpoint(path)  # names, record sizes and limits checked before torch maps anything
         if kind == "pickle-stream":
             cf_kind = read_checkpoint(path).format  # torch-legacy or a bare pickle
             fmt = cf_kind
@@ -398,6 +409,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         from safetensors import safe_open
 
         dev = _simple_target(map_location)
+        read_checkpoint(path)  # the header's limits and checks, as in every other command
         try:
             with safe_open(path, framework="pt") as f:
                 metadata = dict(f.metadata() or {})
@@ -408,17 +420,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         tags["cpu"] = len(obj)
         fmt = "safetensors"
     elif kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import index_path
-        import json
+        from ckptfix.formats.sharded import load_index
 
-        ipath = index_path(path)
-        read_checkpoint(ipath)  # validates the index and that every shard exists
-        with open(ipath, encoding="utf-8") as f:
-            wm = json.load(f)["weight_map"]
-        base = os.path.dirname(os.path.abspath(ipath))
+        read_checkpoint(path)  # validates the index, every shard's name and contents
+        idx = load_index(path)
+        wm = idx.weight_map
         merged: dict = collections.OrderedDict()
-        for shard in dict.fromkeys(wm.values()):
-            sub = load_checkpoint(os.path.join(base, shard), map_location, allow_globals=allow_globals, trust=trust,
+        for shard, shard_path in idx.shards.items():
+            sub = load_checkpoint(shard_path, map_location, allow_globals=allow_globals, trust=trust,
                                   mmap=mmap)
             tags.update(sub.locations)
             remapped.update(sub.remapped)

@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptfix.atomic import atomic_output, make_backup
+from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
 from ckptfix.pickles import TensorRecord, dumps
@@ -192,7 +192,7 @@ def prepare_output(src: str, output: str | None, *, in_place: bool, force: bool,
                          "(an atomic replace gives this name a new file)")
         return dst, True if fsync is None else bool(fsync)
     dst = output or default_output(src, suffix, fmt_out)
-    if os.path.abspath(dst) == os.path.abspath(src) or _same_file(dst, src):
+    if same_file(dst, src):
         raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
     if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
         what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
@@ -301,13 +301,6 @@ def _rename_metadata(meta: dict[str, Any], rename: Mapping[str, str], stored: Ma
                 {r(n): ({**v, "base": r(v.get("base"))} if isinstance(v, dict) else v) for n, v in views.items()},
                 ensure_ascii=False)
     return meta
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _check_str_keys(src: str, sd: Mapping[Any, Any]) -> None:

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SMI = ROOT / "tests" / "fixtures" / "nvidia-smi"
 MARKER = re.compile(r"^<!-- run:(?P<fields>.*?)-->\s*$")
 #: always masked: wall-clock figures
+_TRAINED: dict[str, Path | None] = {}
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d s\b"]
 
 
@@ -85,7 +86,6 @@ class Sandbox:
         exe = self.bin / "ckptfix"
         exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptfix "$@"\n')
         exe.chmod(0o755)
-        self.trained = False
 
     def env(self, gpu: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI"))}
@@ -110,9 +110,15 @@ class Sandbox:
         return out.replace(sys.executable, "python3")
 
     def setup(self, name: str) -> None:
-        if name == "runs" and not self.trained and not (self.dir / "runs").exists():
+        if name != "runs" or (self.dir / "runs").exists():
+            return
+        if _TRAINED.get("runs") is None:  # trained once per run of this script, copied into each file's box
             self.run("ckptfix train --mode dp --out runs --epochs 1 -q")
-            self.trained = True
+            keep = Path(tempfile.mkdtemp(prefix="ckptfix-docs-runs-"))
+            shutil.copytree(self.dir / "runs", keep / "runs")
+            _TRAINED["runs"] = keep
+        else:
+            shutil.copytree(_TRAINED["runs"] / "runs", self.dir / "runs")
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -180,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         for p in process(f, args.check):
             stale.append(p)
             print(p, file=sys.stderr)
+    for keep in _TRAINED.values():
+        if keep is not None:
+            shutil.rmtree(keep, ignore_errors=True)
     if stale and args.check:
         print(f"{len(stale)} block(s) no longer match: run python docs/gen_docs.py", file=sys.stderr)
         return 1

@@ -7,6 +7,8 @@ import doctest
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -93,3 +95,18 @@ def test_readme_exit_codes_match_errors_py_or_link_to_the_generated_page():
 def test_doctests_of_the_pure_modules(module):
     res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert res.failed == 0
+
+
+def test_console_blocks_match_real_runs():
+    """Every marked console block in README.md and docs/ is what the commands print today."""
+    gen = REPO / "docs" / "gen_docs.py"
+    p = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+
+
+def test_readme_console_blocks_are_all_regenerated():
+    """No hand-written console block in the README: each has a ``<!-- run: -->`` marker."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("```console"):
+            assert lines[i - 1].startswith("<!-- run:"), f"README.md:{i + 1}: console block without a run marker"

@@ -32,12 +32,14 @@ _BAR_MIN_BYTES = 64 << 20
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
               help="Allow this pickle global when torch loading is needed (repeatable).")
 @click.option("--trust", is_flag=True, help="Trust the file completely when torch loading is needed.")
+@click.option("--allow-expand", is_flag=True,
+              help="Write outputs over 4x the input + 64 MiB (expanded / stride-0 tensors written densely).")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
                 keep: tuple[str, ...], include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool,
                 allow_globals: tuple[str, ...], trust: bool,
-                quiet: bool, as_json: bool) -> None:
+                allow_expand: bool, quiet: bool, as_json: bool) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
     \b
@@ -76,6 +78,8 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
         kw["allow_globals"] = allow_globals
     if trust:
         kw["trust"] = True
+    if allow_expand:
+        kw["allow_expand"] = True
     try:
         report = convert(src, output, **kw)
     finally:

@@ -15,6 +15,8 @@ Formats (``CheckpointFile.format``):
 ``sharded``       a ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards)
 ``dcp``           a ``torch.distributed.checkpoint`` directory
 ``pickle``        a bare pickle with no torch storages
+``torch-tar``     the pre-0.4 ``torch.save`` tar archive (``sys_info``, ``pickle``, ``storages``,
+                  ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
 """
 
 from __future__ import annotations
@@ -27,6 +29,32 @@ from typing import Any, Iterator, Mapping
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, KeyConflictError
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
+
+#: environment variable (MiB) that lifts the cap on JSON metadata: safetensors headers, sharded indexes
+MAX_JSON_ENV = "CKPTFIX_MAX_JSON_MB"
+#: default cap, in MiB: a real index or header for 100k tensors is ~10-15 MB (parsed JSON takes ~10x that)
+DEFAULT_MAX_JSON_MB = 32
+
+
+def max_json_bytes() -> int:
+    """The largest safetensors header or sharded index ckptfix parses (``CKPTFIX_MAX_JSON_MB``, default 32 MiB).
+
+    Raises:
+        ResourceLimitError: the environment variable is not a positive number.
+    """
+    from ckptfix.errors import ResourceLimitError
+
+    raw = os.environ.get(MAX_JSON_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_JSON_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ResourceLimitError(f"{MAX_JSON_ENV}={raw!r} is not a positive number of MiB; set it like "
+                                 f"{MAX_JSON_ENV}=128 or unset it")
+    return int(mb * (1 << 20))
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_EMPTY = b"PK\x05\x06"
@@ -83,25 +111,48 @@ def sniff(path: str) -> str:
         return "safetensors"  # header length is wrong: the reader reports it
     if head.lstrip()[:1] == b"{":
         with open(path, "rb") as f:
-            text = f.read(min(size, 64 << 20))
+            text = f.read(min(size, max_json_bytes()))
+        if size > len(text) and b'"weight_map"' in text:
+            return "sharded"  # too large to parse: the index reader refuses it with the limit
         try:
             doc = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = None
         if isinstance(doc, dict) and "weight_map" in doc:
             return "sharded"
         raise CorruptCheckpointError(f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
                                      "pass the checkpoint file or a sharded *.index.json")
-    if len(head) >= 262:
-        pass
     with open(path, "rb") as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
-        return "torch-tar"
+        return _tar_kind(path)
     if _looks_like_text(block):
         raise CorruptCheckpointError(f"{path}: a text file, not a checkpoint; pass the file torch.save wrote")
     raise CorruptCheckpointError(f"{path}: not a checkpoint ckptfix recognises (not a torch zip, legacy pickle, "
                                  "safetensors, DCP directory or sharded index); is it complete?")
+
+
+#: the members of a pre-0.4 torch.save tar archive
+TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
+
+
+def _tar_kind(path: str) -> str:
+    """``"torch-tar"`` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
+    import tarfile
+
+    names: set[str] = set()
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for _ in range(16):
+                info = tar.next()
+                if info is None:
+                    break
+                names.add(info.name)
+    except (tarfile.TarError, OSError, ValueError, EOFError, UnicodeDecodeError, OverflowError):
+        pass
+    if "pickle" in names and names & {"storages", "tensors", "sys_info"}:
+        return "torch-tar"
+    raise CorruptCheckpointError(f"{path}: a tar archive, not a checkpoint; extract it and pass the checkpoint inside")
 
 
 def _looks_like_text(block: bytes) -> bool:
@@ -141,9 +192,15 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         return dcp.read_dcp(path)
     if kind == "torch-tar":
         from ckptfix.errors import UnsupportedError
-        raise UnsupportedError(f"{path}: the pre-0.4 tar checkpoint format is not supported; "
-                               "load it once with torch.load(..., weights_only=False) and torch.save it again")
+        raise UnsupportedError(tar_message(path))
     raise CorruptCheckpointError(f"{path}: unrecognised checkpoint format")
+
+
+def tar_message(path: str) -> str:
+    """Why a pre-0.4 tar checkpoint is refused, and what to do (used by every command)."""
+    return (f"{path}: a pre-0.4 torch.save tar checkpoint; ckptfix cannot read its pickles without running them, "
+            "so it is neither scanned nor loaded. Only if you made the file yourself: load it with "
+            "load_anywhere(path, trust=True) (runs any code in it) and save it again")
 
 
 # --------------------------------------------------------------------------- state dict discovery

@@ -7,8 +7,8 @@ import os
 import struct
 from typing import Any
 
-from ckptfix.errors import CorruptCheckpointError
-from ckptfix.formats import CheckpointFile
+from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
+from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
 from ckptfix.pickles import StorageRecord, TensorRecord
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -24,8 +24,16 @@ ST_TO_DTYPE: dict[str, str] = {
 DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
 
 
-def read_header(path: str) -> tuple[dict[str, Any], int]:
-    """(header dict, data start offset). Validates sizes and offsets."""
+def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any], int]:
+    """(header dict, data start offset). Validates sizes and offsets.
+
+    ``max_bytes`` caps the header (default ``CKPTFIX_MAX_JSON_MB``; a file ckptfix just wrote is
+    re-read with safetensors' own limit).
+
+    Raises:
+        CorruptCheckpointError: a header that is truncated, not JSON, nested too deep or not an object.
+        ResourceLimitError: a header over ``CKPTFIX_MAX_JSON_MB`` (default 32 MiB).
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -38,12 +46,20 @@ def read_header(path: str) -> tuple[dict[str, Any], int]:
         if n + 8 > size:
             raise CorruptCheckpointError(f"{path}: safetensors header ({n} bytes) runs past the end of the file "
                                          f"({size} bytes); the file is truncated")
+        limit = max_json_bytes() if max_bytes is None else max_bytes
+        if n > limit:
+            raise ResourceLimitError(f"{path}: safetensors header is {n} bytes, over the {limit >> 20} MiB "
+                                     "limit for JSON metadata (a real header is a few MB); if you trust the file, "
+                                     f"raise {MAX_JSON_ENV}=<MiB>")
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") \
             from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{path}: safetensors header JSON is nested too deep; the file is corrupt or "
+                                     "hostile") from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n

@@ -1,49 +1,165 @@
-"""Sharded checkpoints: ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards)."""
+"""Sharded checkpoints: ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards).
+
+:func:`load_index` is the one place an index is parsed: every command goes through it, so every
+command refuses the same things -- a malformed or oversized index, an empty weight map, and shard
+names that leave the index's directory (absolute paths, ``..``, symlinks pointing elsewhere; the
+Hugging Face hub cache layout, ``snapshots/<rev>/x -> ../../blobs/<hash>``, is allowed).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckptfix.formats import CheckpointFile
+from ckptfix.errors import (CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError,
+                            UnsupportedError)
+from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
+
+
+@dataclass
+class ShardIndex:
+    """A parsed, validated ``*.index.json``.
+
+    Attributes:
+        path: the index file.
+        doc: the whole JSON document.
+        weight_map: tensor name -> shard name, as written in the index.
+        shards: shard name -> absolute path of the shard file (index order, each once).
+    """
+
+    path: str
+    doc: dict
+    weight_map: dict[str, str]
+    shards: dict[str, str]
 
 
 def index_path(path: str) -> str:
+    """The ``*.index.json`` a sharded checkpoint path names (the file, or the only index in a directory).
+
+    Raises:
+        CorruptCheckpointError: the directory holds several indexes.
+        CheckpointNotFoundError: the directory holds none.
+    """
     if os.path.isdir(path):
         idx = sorted(n for n in os.listdir(path) if n.endswith(".index.json"))
         if len(idx) > 1:
             raise CorruptCheckpointError(f"{path}: several *.index.json files ({', '.join(idx)}); pass one")
+        if not idx:
+            raise CheckpointNotFoundError(f"{path}: no *.index.json in this directory; pass the checkpoint file")
         return os.path.join(path, idx[0])
     return path
 
 
-def read_index(path: str) -> CheckpointFile:
-    """Read every shard (without torch) and merge the tensors named in the weight map."""
-    from ckptfix.formats import read_checkpoint
+def _allowed_roots(base: str) -> list[str]:
+    roots = [os.path.realpath(base)]
+    parent = os.path.dirname(base)
+    if os.path.basename(parent) == "snapshots":  # Hugging Face hub cache: shards link to ../../blobs/<hash>
+        roots.append(os.path.realpath(os.path.join(os.path.dirname(parent), "blobs")))
+    return roots
 
+
+def _inside(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def shard_file(ipath: str, shard: object) -> str:
+    """The absolute path of ``shard`` as named in the index ``ipath``; refused if it leaves the index's directory.
+
+    Raises:
+        CorruptCheckpointError: not a string, or the index itself.
+        UnsupportedError: absolute, with ``..``/NUL, or a symlink resolving outside the index's directory.
+        CheckpointNotFoundError: the shard file does not exist.
+    """
+    base = os.path.dirname(os.path.abspath(ipath))
+    if not isinstance(shard, str) or not shard:
+        raise CorruptCheckpointError(f"{ipath}: a shard name in the weight map is {shard!r}, not a file name; the "
+                                     "index is corrupt")
+    parts = shard.replace("\\", "/").split("/")
+    if "\x00" in shard or os.path.isabs(shard) or shard.startswith(("/", "\\")) or ".." in parts:
+        raise UnsupportedError(f"{ipath}: shard {shard!r} points outside the index's directory; refused "
+                                     "(shard names must be files next to the index)")
+    sp = os.path.join(base, shard)
+    if not os.path.isfile(sp):
+        raise CheckpointNotFoundError(f"{ipath}: shard {shard!r} is listed in the index but missing from {base}; "
+                                      "download or copy every shard next to the index")
+    real = os.path.realpath(sp)
+    if not _inside(real, _allowed_roots(base)):
+        raise UnsupportedError(f"{ipath}: shard {shard!r} is a link to {real}, outside the index's "
+                                     "directory; refused (copy the shard next to the index)")
+    if real == os.path.realpath(ipath) or shard.endswith(".index.json"):
+        raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is an index itself; the index is corrupt")
+    return sp
+
+
+def load_index(path: str) -> ShardIndex:
+    """Parse and validate a sharded index (a ``*.index.json`` or a directory holding one).
+
+    Returns:
+        A :class:`ShardIndex` whose shard paths all exist inside the index's directory.
+
+    Raises:
+        CorruptCheckpointError: not JSON, nested too deep, no ``weight_map`` object of names to shard
+            names, or an empty weight map.
+        UnsupportedError: a shard name leaving the index's directory.
+        ResourceLimitError: the index is larger than ``CKPTFIX_MAX_JSON_MB`` (32 MiB).
+        CheckpointNotFoundError: a shard is missing.
+    """
     ipath = index_path(path)
     try:
-        with open(ipath, encoding="utf-8") as f:
-            doc = json.load(f)
-        weight_map = doc["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (ValueError, KeyError, AssertionError, UnicodeDecodeError):
-        raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (needs a 'weight_map' object)") from None
-    base = os.path.dirname(os.path.abspath(ipath))
+        size = os.path.getsize(ipath)
+    except OSError as e:
+        raise CheckpointNotFoundError(f"{ipath}: cannot read the index ({e.strerror})") from None
+    limit = max_json_bytes()
+    if size > limit:
+        raise ResourceLimitError(f"{ipath}: the index is {size} bytes, over the {limit >> 20} MiB limit for JSON "
+                                 f"metadata (a real index is a few MB); if you trust it, raise {MAX_JSON_ENV}=<MiB>")
+    try:
+        with open(ipath, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (not JSON); the file is corrupt") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"{ipath}: the index JSON is nested too deep; the file is corrupt or "
+                                     "hostile") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (needs a 'weight_map' object of tensor "
+                                     "names to shard files)")
+    if not weight_map:
+        raise CorruptCheckpointError(f"{ipath}: the index's weight_map is empty (no tensors); the index is corrupt "
+                                     "or incomplete")
+    shards: dict[str, str] = {}
+    for name, shard in weight_map.items():
+        if shard not in shards:
+            shards[shard] = shard_file(ipath, shard)
+    return ShardIndex(path=ipath, doc=doc, weight_map=dict(weight_map), shards=shards)
+
+
+def read_index(path: str) -> CheckpointFile:
+    """Read every shard (without torch) and merge the tensors named in the weight map.
+
+    Raises:
+        CorruptCheckpointError, CheckpointNotFoundError, ResourceLimitError: see :func:`load_index`;
+            also a shard that is not a checkpoint file, or a tensor missing from its shard.
+    """
+    from ckptfix.formats import read_checkpoint, sniff
+
+    idx = load_index(path)
+    ipath = idx.path
     shards: dict[str, CheckpointFile] = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        sp = os.path.join(base, str(shard))
-        if not os.path.isfile(sp):
-            raise CheckpointNotFoundError(f"{ipath}: shard {shard!r} is listed in the index but missing from {base}; "
-                                          "download or copy every shard next to the index")
-        shards[str(shard)] = read_checkpoint(sp)
+    for shard, sp in idx.shards.items():
+        kind = sniff(sp)
+        if kind in ("sharded", "sharded-dir", "dcp"):
+            raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is a {kind} checkpoint, not a checkpoint file; "
+                                         "the index is corrupt")
+        shards[shard] = read_checkpoint(sp)
     obj: dict = {}
     storages: dict = {}
     globals_seen: dict[str, int] = {}
     stubbed: set[str] = set()
-    for name, shard in weight_map.items():
-        cf = shards[str(shard)]
+    for name, shard in idx.weight_map.items():
+        cf = shards[shard]
         _, sd = cf.state_dict()
         if name not in sd:
             raise CorruptCheckpointError(f"{ipath}: tensor {name!r} is mapped to {shard!r} but not in it")
@@ -57,5 +173,5 @@ def read_index(path: str) -> CheckpointFile:
     total = sum(cf.file_size for cf in shards.values())
     return CheckpointFile(path=ipath, format="sharded", obj=obj, storages=storages, globals_seen=globals_seen,
                           stubbed=stubbed, file_size=total,
-                          extra={"shards": shards, "index": doc, "shard_format": next(iter(shards.values())).format
+                          extra={"shards": shards, "index": idx.doc, "shard_format": next(iter(shards.values())).format
                                  if shards else None})

@@ -22,11 +22,38 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptfix.errors import CorruptCheckpointError, OutputError, UnsupportedError
+from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats import CheckpointFile
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
 
 ALIGN = 64
+
+#: environment variable (MiB) that lifts the cap on the pickle and other small records of an archive
+MAX_PICKLE_ENV = "CKPTFIX_MAX_PICKLE_MB"
+#: default cap, in MiB: data.pkl of a real checkpoint with ~100k tensors is a few MiB
+DEFAULT_MAX_PICKLE_MB = 192
+
+
+def max_pickle_bytes() -> int:
+    """The most bytes ckptfix inflates from one archive's pickles and text records (``CKPTFIX_MAX_PICKLE_MB``).
+
+    Returns:
+        The limit in bytes (the environment variable, in MiB, or 192 MiB).
+
+    Raises:
+        ResourceLimitError: the environment variable is not a positive number.
+    """
+    raw = os.environ.get(MAX_PICKLE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_PICKLE_MB << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ResourceLimitError(f"{MAX_PICKLE_ENV}={raw!r} is not a positive number of MiB; set it like "
+                                 f"{MAX_PICKLE_ENV}=1024 or unset it")
+    return int(mb * (1 << 20))
 
 
 @dataclass
@@ -60,6 +87,7 @@ def zip_kind(path: str) -> str:
             names = zf.namelist()
         except ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
+    check_names(path, names)
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return "torchscript"
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
@@ -67,17 +95,56 @@ def zip_kind(path: str) -> str:
     raise CorruptCheckpointError(f"{path}: a zip archive without data.pkl — not a torch checkpoint")
 
 
+def check_names(path: str, names: list[str]) -> None:
+    """Refuse member names that two zip readers could resolve to different records.
+
+    torch's reader (miniz) looks names up case-insensitively and, for a name listed twice, may
+    return either entry, while :mod:`zipfile` returns the last one: the scanner and the loader would
+    then read different pickles.  Names that differ only in case, repeated names, absolute names and
+    names with ``..`` or backslashes are all refused.
+
+    Raises:
+        CorruptCheckpointError: a name is repeated or ambiguous.
+    """
+    seen: dict[str, str] = {}
+    for n in names:
+        folded = n.casefold()
+        if folded in seen:
+            what = "twice" if seen[folded] == n else f"twice, as {seen[folded]!r} and {n!r} (torch ignores case)"
+            raise CorruptCheckpointError(f"{path}: the archive lists member {n!r} {what}; torch and other readers "
+                                         "would read different data, so the file is refused as corrupt or "
+                                         "crafted — re-save it with torch.save")
+        seen[folded] = n
+        if n.startswith("/") or "\\" in n or "\x00" in n or ".." in n.split("/"):
+            raise CorruptCheckpointError(f"{path}: the archive has a member named {n!r} (absolute, '..', "
+                                         "backslash or NUL); not a torch checkpoint — refused")
+
+
 def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
-    """name -> Member with the absolute offset of the member's data."""
+    """name -> Member with the absolute offset of the member's data.
+
+    Raises:
+        CorruptCheckpointError: repeated or ambiguous names (see :func:`check_names`), a local header
+            that does not match the central directory, or an entry past the end of the file.
+    """
     out: dict[str, Member] = {}
     size = os.path.getsize(path)
+    infos = zf.infolist()
+    check_names(path, [i.filename for i in infos])
+    check_inflation(path, zf)
     with open(path, "rb") as f:
-        for info in zf.infolist():
+        for info in infos:
             f.seek(info.header_offset)
             hdr = f.read(30)
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename!r}; the file is corrupt")
             nlen, elen = struct.unpack("<HH", hdr[26:30])
+            raw_name = f.read(nlen)
+            want = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+            if raw_name != want:
+                raise CorruptCheckpointError(f"{path}: zip entry {info.filename!r} is named {raw_name!r} in its "
+                                             "local header; the names disagree, so readers would differ — the file "
+                                             "is corrupt or crafted")
             off = info.header_offset + 30 + nlen + elen
             if off + info.compress_size > size:
                 raise CorruptCheckpointError(f"{path}: entry {info.filename!r} runs past the end of the file "
@@ -99,10 +166,94 @@ def root_of(names: list[str], leaf: str = "data.pkl") -> str:
     return ""
 
 
+def torch_root(path: str, names: list[str]) -> str:
+    """The archive folder torch's reader uses (the first entry's folder), checked to hold data.pkl.
+
+    Raises:
+        CorruptCheckpointError: torch would read another data.pkl than the one ckptfix finds.
+    """
+    root = root_of(names)
+    if root + "data.pkl" not in names:
+        return root  # no data.pkl at all: the caller says so
+    if "/" in names[0]:
+        first = names[0].split("/", 1)[0] + "/"
+        if first != root:
+            raise CorruptCheckpointError(f"{path}: the archive's first entry is in {first!r} but data.pkl is in "
+                                         f"{root or './'!r}; torch would read another record than ckptfix — the "
+                                         "file is corrupt or crafted")
+    return root
+
+
+def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> None:
+    """Refuse an archive whose compressed members declare more than ``CKPTFIX_MAX_PICKLE_MB`` in all.
+
+    torch.save stores every record uncompressed; compressed members are small text or pickles at
+    most, so a large declared size is a zip bomb, refused before anything is inflated.  With
+    ``records`` a compressed tensor record (``<root>/data/<key>``) is refused as unsupported;
+    without, such records are left out (a scan never reads them).
+
+    Raises:
+        ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
+        UnsupportedError: a compressed tensor record (with ``records``).
+    """
+    packed = [i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    rec = [i for i in packed if "/data/" in f"/{i.filename}"]
+    if rec and records:
+        raise UnsupportedError(f"{path}: tensor record {rec[0].filename!r} is compressed (the archive was re-zipped "
+                               "with compression; torch.save stores records uncompressed, which ckptfix needs to read "
+                               "tensors in place); re-zip it uncompressed (zip -0) or load it with torch.load and "
+                               "torch.save it again")
+    packed = [i for i in packed if i not in rec]
+    if packed and sum(i.file_size for i in packed) > max_pickle_bytes():
+        big = max(packed, key=lambda i: i.file_size)
+        raise _too_big(path, big.filename, big.file_size)
+
+
+def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) -> bytes:
+    """One (small) member's bytes, inflated at most ``budget[0]`` bytes, which is decreased.
+
+    The declared size is checked before anything is inflated, and inflation goes in bounded steps
+    (``ZipFile.read`` can inflate GiB in one call before truncating to the declared size).
+
+    Raises:
+        ResourceLimitError: the member (with what was read before) exceeds ``CKPTFIX_MAX_PICKLE_MB``.
+        CorruptCheckpointError: the member is damaged.
+    """
+    info = zf.getinfo(name)
+    if info.file_size > budget[0]:
+        raise _too_big(path, name, info.file_size)
+    parts: list[bytes] = []
+    got = 0
+    try:
+        with zf.open(info) as fp:
+            while True:
+                chunk = fp.read(1 << 20)
+                if not chunk:
+                    break
+                got += len(chunk)
+                if got > budget[0]:
+                    raise _too_big(path, name, got)
+                parts.append(chunk)
+    except ResourceLimitError:
+        raise
+    except ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"{path}: record {name!r} is damaged ({type(e).__name__}: {e}); the file is "
+                                     "corrupt — re-copy or re-save it") from None
+    budget[0] -= got
+    return b"".join(parts)
+
+
+def _too_big(path: str, name: str, n: int) -> ResourceLimitError:
+    limit = max_pickle_bytes() >> 20
+    return ResourceLimitError(f"{path}: record {name!r} inflates to {n} bytes or more, over the {limit} MiB limit for "
+                              f"pickles and small records (a zip bomb?); if you trust the file, raise it with "
+                              f"{MAX_PICKLE_ENV}=<MiB>")
+
+
 def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
     try:
         return _read_zip(path, kind)
-    except (CorruptCheckpointError, UnsupportedError):
+    except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
     except ZIP_ERRORS as e:
         raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
@@ -113,16 +264,16 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
     with _open_zip(path) as zf:
         mem = members(path, zf)
         names = list(mem)
-        root = root_of(names)
+        root = torch_root(path, names)
         pkl_name = root + "data.pkl"
         if pkl_name not in mem:
             raise CorruptCheckpointError(f"{path}: no data.pkl in the archive; not a torch checkpoint")
-        try:
-            data_pkl = zf.read(pkl_name)
-        except ZIP_ERRORS + (UnicodeDecodeError,) as e:
-            raise CorruptCheckpointError(f"{path}: data.pkl is damaged ({e})") from None
-        byteorder = zf.read(root + "byteorder").decode().strip() if root + "byteorder" in mem else "little"
-        code_files = {n: zf.read(n).decode("utf-8", "replace") for n in names
+        budget = [max_pickle_bytes()]
+        data_pkl = read_member(path, zf, pkl_name, budget)
+        byteorder = "little"
+        if root + "byteorder" in mem:
+            byteorder = read_member(path, zf, root + "byteorder", budget).decode("ascii", "replace").strip()
+        code_files = {n: read_member(path, zf, n, budget).decode("utf-8", "replace") for n in names
                       if kind == "torchscript" and n.startswith(root + "code/") and n.endswith(".py")}
     up = RecordingUnpickler(__import__("io").BytesIO(data_pkl))
     try:
@@ -140,7 +291,20 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
                                    "with compression; torch.save stores records uncompressed, which ckptfix needs "
                                    "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
                                    "torch.load and torch.save it again")
-        rec.file_offset, rec.nbytes, rec.source = m.data_offset, m.size, path
+        es = rec.element_size
+        numel = rec.numel
+        if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+            raise CorruptCheckpointError(f"{path}: storage {key!r} declares a size of {numel!r} elements; the "
+                                         "checkpoint is corrupt")
+        need = numel * es if numel is not None else m.size
+        if m.size < need:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
+                                         f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
+                                         "corrupt (torch.load refuses it too)")
+        if need % es:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
+                                         f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt")
+        rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
     cf = CheckpointFile(path=path, format=kind, obj=obj, storages=up.storages, globals_seen=dict(up.globals_seen),
                         stubbed=set(up.stubbed), file_size=size,
                         extra={"root": root, "members": mem, "data_pkl": data_pkl, "byteorder": byteorder})
@@ -156,24 +320,42 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
 
 # --------------------------------------------------------------------------- TorchScript
 
-_CLASS_RE = re.compile(r"^class\s+(\w+)\s*\(", re.M)
-_LIST_RE = re.compile(r"^\s+(__parameters__|__buffers__)\s*=\s*\[(.*?)\]", re.M | re.S)
+_CLASS_RE = re.compile(r"class[ \t]+(\w+)[ \t]*\(")
+_LIST_START_RE = re.compile(r"[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*\[")
+_QUOTED_RE = re.compile(r'"([^"\n]*)"')
 
 
 def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[list[str], list[str]]]:
-    """qualified class name -> (parameter names, buffer names), from the archive's code/ files."""
+    """qualified class name -> (parameter names, buffer names), from the archive's code/ files.
+
+    One pass over the lines of each file (linear time whatever the input: an unclosed
+    ``__parameters__ = [`` list runs to the end of its class once, it is never re-scanned).
+    """
     out: dict[str, tuple[list[str], list[str]]] = {}
     for name, text in code_files.items():
         mod = name[len(root) + len("code/"):-3].replace("/", ".")
-        classes = list(_CLASS_RE.finditer(text))
-        for i, c in enumerate(classes):
-            body = text[c.end(): classes[i + 1].start() if i + 1 < len(classes) else len(text)]
-            params: list[str] = []
-            bufs: list[str] = []
-            for m in _LIST_RE.finditer(body):
-                items = re.findall(r'"([^"]*)"', m.group(2))
-                (params if m.group(1) == "__parameters__" else bufs).extend(items)
-            out[f"{mod}.{c.group(1)}"] = (params, bufs)
+        current: tuple[list[str], list[str]] | None = None
+        collecting: list[str] | None = None
+        for line in text.split("\n"):
+            if line and not line[:1].isspace():
+                collecting = None  # a list never runs past its class
+                m = _CLASS_RE.match(line)
+                if m:
+                    current = out[f"{mod}.{m.group(1)}"] = ([], [])
+                continue
+            if current is None:
+                continue
+            rest = line
+            if collecting is None:
+                m = _LIST_START_RE.match(line)
+                if not m:
+                    continue
+                collecting = current[0] if m.group(1) == "__parameters__" else current[1]
+                rest = line[m.end():]
+            end = rest.find("]")
+            collecting.extend(_QUOTED_RE.findall(rest if end < 0 else rest[:end]))
+            if end >= 0:
+                collecting = None
     return out
 
 

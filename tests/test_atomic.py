@@ -1,0 +1,103 @@
+"""ckptfix.atomic: temp files locked while written, stale ones cleaned, backups bounded, same-file checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ckptfix import atomic
+from ckptfix.cli import main
+
+
+def _age(p: Path, seconds: float = 3600) -> None:
+    t = time.time() - seconds
+    os.utime(p, (t, t))
+
+
+def test_temp_files_follow_the_naming_and_are_locked(tmp_path):
+    fd, tmp = atomic.new_temp(str(tmp_path / "out.pth"))
+    os.close(fd)
+    name = os.path.basename(tmp)
+    assert atomic._TEMP_RE.fullmatch(name) and name.startswith(".out.pth.ckptfix-")
+    _age(Path(tmp))
+    # another process cannot take the lock: the temp is not stale while we hold it
+    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+            "except OSError:\n    print('held')")
+    r = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "held"
+    assert atomic.clean_stale_temps(str(tmp_path)) == []
+    os.unlink(tmp)
+    atomic.release_temp(tmp)
+
+
+def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
+    code = ("import os, sys, signal; sys.path.insert(0, sys.argv[2]); from ckptfix import atomic\n"
+            "fd, tmp = atomic.new_temp(sys.argv[1]); os.write(fd, b'x' * 1000); print(tmp, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pth"), str(Path(__file__).parents[1])],
+                       capture_output=True, text=True, timeout=60)
+    tmp = Path(r.stdout.strip())
+    assert tmp.exists()
+    assert atomic.clean_stale_temps(str(tmp_path)) == []  # too young: its writer might just be starting
+    _age(tmp)
+    src = tmp_path / "src.pth"
+    torch.save({"module.w": torch.ones(2)}, src)
+    assert main(["strip-prefix", str(src), "-o", str(tmp_path / "fixed.pth")]) == 0
+    assert not tmp.exists()
+
+
+def test_only_ckptfix_named_regular_files_are_touched(tmp_path):
+    keep = [tmp_path / ".model.pth.abcdefgh.tmp", tmp_path / "model.pth.ckptfix-abcdefgh.tmp",
+            tmp_path / ".model.pth.ckptfix-abc.tmp", tmp_path / ".x.ckptfix-abcdefgh.tmp.bak"]
+    for p in keep:
+        p.write_bytes(b"user data")
+        _age(p)
+    link = tmp_path / ".y.ckptfix-abcdefgh.tmp"
+    os.symlink(keep[0], link)
+    stale = tmp_path / ".z.ckptfix-abcdefgh.tmp"
+    stale.write_bytes(b"left over")
+    _age(stale)
+    assert atomic.clean_stale_temps(str(tmp_path)) == [str(stale)]
+    assert all(p.exists() for p in keep) and os.path.islink(link)
+
+
+def test_backups_are_bounded_to_two(tmp_path):
+    p = tmp_path / "m.pth"
+    for i in range(4):
+        if i:
+            atomic.make_backup(str(p))
+        new = tmp_path / "new"
+        new.write_bytes(f"v{i}".encode())
+        os.replace(new, p)  # as an in-place rewrite does: a new file under the old name
+    # .bak is the file before the first rewrite, .bak1 the one before the latest
+    assert (tmp_path / "m.pth.bak").read_bytes() == b"v0"
+    assert (tmp_path / "m.pth.bak1").read_bytes() == b"v2"
+    assert sorted(os.listdir(tmp_path)) == ["m.pth", "m.pth.bak", "m.pth.bak1"]
+
+
+def test_same_file_sees_hard_links_and_symlinks(tmp_path):
+    a = tmp_path / "a"
+    a.write_bytes(b"x")
+    os.link(a, tmp_path / "h")
+    os.symlink(a, tmp_path / "s")
+    assert atomic.same_file(str(a), str(tmp_path / "h")) and atomic.same_file(str(a), str(tmp_path / "s"))
+    assert not atomic.same_file(str(a), str(tmp_path / "missing"))
+
+
+def test_convert_to_a_hard_link_of_the_input_is_refused(tmp_path, capsys):
+    src = tmp_path / "m.pth"
+    torch.save({"module.w": torch.ones(2)}, src)
+    os.link(src, tmp_path / "link.safetensors")
+    before = src.read_bytes()
+    rc = main(["convert", str(src), "-o", str(tmp_path / "link.safetensors"), "--force"])
+    err = capsys.readouterr().err
+    assert rc == 9 and "input" in err
+    assert src.read_bytes() == before
+    assert main(["strip-prefix", str(src), "-o", str(tmp_path / "link.safetensors"), "--force"]) == 9
+    assert src.read_bytes() == before
