@@ -34,6 +34,9 @@ import pickletools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterable, Iterator
 
+#: the first pickle of a legacy (pre-1.6) ``torch.save`` stream
+LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+
 # --------------------------------------------------------------------------- dtypes
 
 #: legacy storage class name -> dtype name
@@ -596,69 +599,6 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 
 # --------------------------------------------------------------------------- scanning
 
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
-               "STRING", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"}
-
-
-@dataclass
-class ScanResult:
-    """Every global a pickle references, found by reading opcodes only."""
-
-    globals: collections.Counter = field(default_factory=collections.Counter)
-    error: str | None = None  # set when the opcode stream is malformed (the scan covers what came before)
-    end: int = 0  # offset just past the STOP opcode
-
-    def merge(self, other: "ScanResult") -> None:
-        self.globals.update(other.globals)
-        if other.error and not self.error:
-            self.error = other.error
-
-
-def scan_globals(data: bytes | BinaryIO) -> ScanResult:
-    """List the globals one pickle references (GLOBAL, STACK_GLOBAL, INST, OBJ-by-name), never building anything.
-
-    Never raises on arbitrary bytes: a malformed stream is reported in ``error``.
-    """
-    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    res = ScanResult()
-    strings: list[str] = []
-    memo: dict[int, Any] = {}
-    memo_count = 0
-    prev_str: str | None = None
-    try:
-        for op, arg, pos in pickletools.genops(f):
-            name = op.name
-            last, prev_str = prev_str, None
-            if name in _STRING_OPS:
-                prev_str = arg.decode("latin-1") if isinstance(arg, bytes) else str(arg)
-                strings.append(arg.decode("latin-1") if isinstance(arg, bytes) else str(arg))
-            elif name in ("GLOBAL", "INST"):
-                mod, _, nm = str(arg).partition(" ")
-                res.globals[f"{'builtins' if mod == '__builtin__' else mod}.{nm}"] += 1
-            elif name == "STACK_GLOBAL":
-                if len(strings) >= 2:
-                    res.globals[f"{strings[-2]}.{strings[-1]}"] += 1
-                else:
-                    res.globals["<unresolved STACK_GLOBAL>"] += 1
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[int(arg)] = last
-                prev_str = last
-            elif name == "MEMOIZE":
-                memo[memo_count] = last
-                memo_count += 1
-                prev_str = last
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                v = memo.get(int(arg))
-                if isinstance(v, str):
-                    strings.append(v)
-                    prev_str = v
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                res.globals[f"<extension {arg}>"] += 1
-            if name == "STOP":
-                res.end = f.tell() if hasattr(f, "tell") else 0
-                break
-            if len(strings) > 64:
-                del strings[:-8]
-    except Exception as e:  # malformed stream: report, never crash
-        res.error = f"{type(e).__name__}: {e}"
-    return res
+from ckptfix.scanner import (  # noqa: E402 - re-exported: the opcode scan lives in its own module
+    PickleLimits, ScanResult, resolve_global, scan_globals, scan_pickle_sequence,
+)
