@@ -436,18 +436,37 @@ _SAFE_EXTRA = {
 }
 
 
+#: the record classes a DCP ``.metadata`` pickle names (torch.distributed.checkpoint), exactly
+DCP_METADATA_GLOBALS = frozenset({
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+})
+
+
 def classify_global(name: str, context: str | None = None) -> str:
     """``"safe"`` (torch's weights-only loader allows it), ``"dangerous"`` or ``"unknown"``.
 
     ``context`` widens "safe" for pickles that are not ``torch.load`` files: ``"dcp"`` (a DCP
-    ``.metadata`` file: torch.distributed.checkpoint's dataclasses and paths) and ``"torchscript"``
-    (``__torch__.*`` classes are TorchScript types, resolved by the TorchScript runtime, not Python).
+    ``.metadata`` file: exactly the metadata record classes of torch.distributed.checkpoint, and
+    paths) and ``"torchscript"`` (``__torch__.*`` classes are TorchScript types, resolved by the
+    TorchScript runtime, not Python).  No module prefix is trusted wholesale outside TorchScript.
+    Names the scan could not resolve (``<...>``) are unknown.
     """
+    if name.startswith("<"):
+        return "unknown"
     if name in _SAFE_EXTRA:
         return "safe"
-    if context == "dcp" and (name.startswith("torch.distributed.checkpoint.") or name in _PATHS):
+    if context == "dcp" and (name in DCP_METADATA_GLOBALS or name in _PATHS):
         return "safe"
-    if context == "torchscript" and name.startswith("__torch__."):
+    if context == "torchscript" and name.startswith("__torch__.") and "__" not in name[len("__torch__."):].replace(
+            "___torch_mangle_", ""):
         return "safe"
     module, _, attr = name.rpartition(".")
     if module == "torch._utils" and attr in TENSOR_REBUILDERS:
@@ -463,9 +482,41 @@ def classify_global(name: str, context: str | None = None) -> str:
     root = module.split(".")[0]
     if module in _DANGEROUS_MODULES or root in _DANGEROUS_MODULES:
         return "dangerous"
+    if any(part.startswith("__") and part.endswith("__") for part in name.split(".")[1:]):
+        return "dangerous"  # __globals__, __builtins__, __subclasses__ ...
     if module.startswith("numpy") and attr in ("load", "loads", "fromfile", "memmap", "save"):
         return "dangerous"
     return "unknown"
+
+
+_ORDER = {"safe": 0, "unknown": 1, "dangerous": 2}
+
+
+def classify_pair(module: str, name: str, context: str | None = None) -> str:
+    """Classify a global the way the unpickler resolves it: ``name`` may be dotted (``path.join``).
+
+    A dotted attribute path is never safe: the unpickler walks it with ``getattr``
+    from ``module`` (protocol 4+), which reaches far beyond the name it spells.
+
+    Args:
+        module: the resolved module name.
+        name: the resolved attribute name (dots walk attributes).
+        context: as for :func:`classify_global`.
+
+    Returns:
+        ``"safe"``, ``"unknown"`` or ``"dangerous"``.
+    """
+    joined = classify_global(f"{module}.{name}", context)
+    if "." not in name:
+        return joined
+    own = "dangerous" if (classify_global(f"{module}.{name.split('.')[0]}", context) == "dangerous"
+                          or any(p.startswith("__") for p in name.split("."))) else "unknown"
+    return own if _ORDER[own] >= _ORDER[joined] else joined
+
+
+def worst(*classes: str) -> str:
+    """The most severe of some classifications."""
+    return max(classes, key=_ORDER.__getitem__) if classes else "safe"
 
 
 # --------------------------------------------------------------------------- unpickler

@@ -708,7 +708,7 @@ def _parse_int(line: bytes, limits: PickleLimits, res: ScanResult) -> Any:
 
 
 def scan_pickle_sequence(data: bytes | bytearray | memoryview | BinaryIO, *, max_pickles: int = 5,
-                         limits: PickleLimits | None = None) -> tuple[ScanResult, int]:
+                         limits: PickleLimits | None = None) -> tuple[ScanResult, list[ScanResult]]:
     """Scan the pickles a legacy ``torch.save`` stream holds (or the one a bare pickle file holds).
 
     ``torch.load`` of a non-zip file unpickles a magic number, then (only if it
@@ -722,19 +722,21 @@ def scan_pickle_sequence(data: bytes | bytearray | memoryview | BinaryIO, *, max
         limits: resource limits (default from the environment).
 
     Returns:
-        (merged result, number of pickles scanned).
+        (merged result, the result of each pickle scanned, in order).
     """
     from ckptfix.pickles import LEGACY_MAGIC_NUMBER
 
     limits = limits or PickleLimits.from_env()
     buf, start, f, closer = _as_buffer(data)
     total = ScanResult()
+    parts: list[ScanResult] = []
     count = 0
     pos = start
     try:
         while count < max_pickles and pos < len(buf):
             r = _scan(buf, pos, limits)
             count += 1
+            parts.append(r)
             total.merge(r)
             pos += r.end
             if r.error:
@@ -750,4 +752,4 @@ def scan_pickle_sequence(data: bytes | bytearray | memoryview | BinaryIO, *, max
             f.seek(pos)
         except (OSError, ValueError):
             pass
-    return total, count
+    return total, parts

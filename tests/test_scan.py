@@ -293,8 +293,8 @@ def test_differential_random_bytes(data):
 
 def test_scan_pickle_sequence_stops_after_bare_pickle():
     data = pickle.dumps({"a": 1}, protocol=2) + b"cos\nsystem\n."  # trailing bytes: never unpickled
-    r, n = scan_pickle_sequence(data)
-    assert n == 1 and "os.system" not in r.globals
+    r, parts = scan_pickle_sequence(data)
+    assert len(parts) == 1 and "os.system" not in r.globals
 
 
 def test_scan_pickle_sequence_reads_all_five_legacy_pickles():
@@ -303,8 +303,8 @@ def test_scan_pickle_sequence_reads_all_five_legacy_pickles():
     parts = [pickle.dumps(LEGACY_MAGIC_NUMBER, protocol=2), pickle.dumps(1001, protocol=2),
              pickle.dumps({"little_endian": True}, protocol=2), pickle.dumps({"a": 1}, protocol=2),
              b"\x80\x02cos\nsystem\n."]
-    r, n = scan_pickle_sequence(b"".join(parts) + b"\x00" * 16)
-    assert n == 5 and r.globals["os.system"] == 1
+    r, got = scan_pickle_sequence(b"".join(parts) + b"\x00" * 16)
+    assert len(got) == 5 and r.globals["os.system"] == 1
 
 
 def test_scan_file_object_leaves_position_after_stop(tmp_path):
