@@ -34,8 +34,9 @@ import pickletools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterable, Iterator
 
-#: the first pickle of a legacy (pre-1.6) ``torch.save`` stream
-LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+from ckptfix.scanner import (  # re-exported: the opcode scan lives in its own module
+    LEGACY_MAGIC_NUMBER, PickleLimits, ScanResult, resolve_global, scan_globals, scan_pickle_sequence,
+)
 
 # --------------------------------------------------------------------------- dtypes
 
@@ -330,10 +331,65 @@ def rebuilder_class(module: str, name: str) -> type:
     return cls
 
 
+def _as_int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise pickle.UnpicklingError(f"a tensor {what} is {type(v).__name__}, not an integer")
+    return v
+
+
 def _as_shape(x: Any) -> tuple[int, ...]:
     if isinstance(x, Stub):  # torch.Size(...) placeholder
         x = x._args[0] if x._args else ()
-    return tuple(int(v) for v in x)
+    if not isinstance(x, (tuple, list)) or len(x) > 64:
+        raise pickle.UnpicklingError("a tensor shape/stride is not a short tuple of integers")
+    return tuple(_as_int(v, "dimension") for v in x)
+
+
+#: the largest byte size a tensor may have (torch sizes are int64)
+MAX_TENSOR_BYTES = (1 << 63) - 1
+
+
+def validate_tensor_record(t: TensorRecord) -> None:
+    """Check one tensor record the way torch would before building it.
+
+    Shape and stride have the same length, no negative size, stride or offset, the
+    byte size fits in int64, and (when the storage's size is known) every element
+    the view touches lies inside the storage.
+
+    Args:
+        t: the record (its storage's ``numel`` or ``nbytes`` is used when set).
+
+    Raises:
+        CorruptCheckpointError: the record is impossible; the message says which field.
+    """
+    from ckptfix.errors import CorruptCheckpointError
+
+    def bad(why: str) -> CorruptCheckpointError:
+        key = t.storage.key if t.storage is not None else "?"
+        return CorruptCheckpointError(f"tensor record on storage {key!r} is invalid: {why}; the checkpoint is "
+                                      "corrupt (torch.load refuses it too)")
+
+    if len(t.shape) != len(t.stride):
+        raise bad(f"shape {list(t.shape)} and stride {list(t.stride)} differ in length")
+    if any(s < 0 for s in t.shape):
+        raise bad(f"negative size in shape {list(t.shape)}")
+    if any(s < 0 for s in t.stride):
+        raise bad(f"negative stride {list(t.stride)}")
+    if t.offset < 0:
+        raise bad(f"negative storage offset {t.offset}")
+    es = t.element_size
+    if t.numel * es > MAX_TENSOR_BYTES:
+        raise bad(f"shape {list(t.shape)} is {t.numel:,} elements, more than a tensor can hold")
+    first, end = t.span()
+    if end * es > MAX_TENSOR_BYTES:
+        raise bad(f"offset and strides reach element {end:,}, beyond any storage")
+    st = t.storage
+    if st is None or t.numel == 0:
+        return
+    cap = st.nbytes if st.nbytes is not None else (st.numel * st.element_size if st.numel is not None else None)
+    if cap is not None and end * es > cap:
+        raise bad(f"the view (offset {t.offset}, shape {list(t.shape)}, stride {list(t.stride)}) needs "
+                  f"{end * es:,} bytes of a {cap:,}-byte storage")
 
 
 def _rebuild(name: str, args: tuple) -> TensorRecord:
@@ -345,7 +401,10 @@ def _rebuild(name: str, args: tuple) -> TensorRecord:
             dtype = stub_dtype(args[6]) or dtype
         if not isinstance(storage, StorageRecord):
             raise pickle.UnpicklingError(f"{name} called without a storage")
-        return TensorRecord(storage, int(offset), _as_shape(size), _as_shape(stride), dtype, requires_grad)
+        rec = TensorRecord(storage, _as_int(offset, "storage offset"), _as_shape(size), _as_shape(stride), dtype,
+                           requires_grad)
+        validate_tensor_record(rec)
+        return rec
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         inner = args[0]
         if isinstance(inner, TensorRecord):
@@ -385,25 +444,94 @@ class _RebuildFromType(Stub):
         return Stub.__new__(cls, *args)
 
 
-# plain-data constructors that run no user code: rebuilt for real
+# plain-data constructors that run no user code: rebuilt for real, within limits
+_SAFE_CODECS = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1", "utf-8", "utf8",
+                          "utf_8", "ascii", "us-ascii"})
+
+
 def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-    if isinstance(obj, str):
-        return codecs.encode(obj, encoding, errors)
-    raise pickle.UnpicklingError("_codecs.encode on a non-string")
+    if isinstance(obj, str) and isinstance(encoding, str) and encoding.lower() in _SAFE_CODECS:
+        return codecs.encode(obj, encoding, errors if isinstance(errors, str) else "strict")
+    raise pickle.UnpicklingError("_codecs.encode with something other than a string and a plain text codec")
 
 
-_REAL: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
+def _range_len(r: range) -> int:
+    """len(r) without OverflowError for ranges longer than sys.maxsize."""
+    lo, hi, step = r.start, r.stop, r.step
+    if step > 0:
+        return max(0, (hi - lo + step - 1) // step)
+    return max(0, (lo - hi - step - 1) // -step)
+
+
+def _size_of(x: Any) -> int | None:
+    if isinstance(x, range):
+        return _range_len(x)
+    if isinstance(x, Stub):
+        return None  # iterating a placeholder yields only what the pickle itself held
+    try:
+        return len(x)
+    except (TypeError, OverflowError):
+        return None
+
+
+class _BoundedCtor(Stub):
+    """``set`` / ``frozenset`` / ``bytearray`` / ``range`` / ``bytes`` / ``_codecs.encode``: built for real when small.
+
+    Over the unpickler's limit the call is kept as a placeholder recording its arguments, so a
+    rewrite writes the same call back (``frozenset(range(10**12))`` stays that, costing nothing).
+    """
+
+    _real: Any = None
+    _limits: PickleLimits = PickleLimits()
+    _owner: Any = None  # the RecordingUnpickler, for notes
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        size = cls._materialised_size(args)
+        if size is not None and size <= cls._budget() and not kwargs:
+            try:
+                return cls._real(*args)
+            except (TypeError, ValueError, OverflowError, LookupError, pickle.UnpicklingError):
+                pass
+        if cls._owner is not None:
+            cls._owner._note_placeholder(cls, size)
+        return Stub.__new__(cls, *args, **kwargs)
+
+    @classmethod
+    def _budget(cls) -> int:
+        return cls._limits.max_items * (16 if cls._ckpt_name in ("bytearray", "bytes", "encode") else 1)
+
+    @classmethod
+    def _materialised_size(cls, args: tuple) -> int | None:
+        name = cls._ckpt_name
+        if name == "range":
+            try:
+                return _range_len(range(*args))
+            except (TypeError, ValueError):
+                return None
+        if not args:
+            return 0
+        a = args[0]
+        if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
+            return a if a >= 0 else None
+        if name == "encode":
+            return 4 * len(a) if isinstance(a, str) else None
+        n = _size_of(a)
+        return 0 if n is None and isinstance(a, Stub) else n
+
+
+_BOUNDED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "bytearray"): bytearray,
-    ("builtins", "complex"): complex,
-    ("builtins", "slice"): slice,
+    ("builtins", "bytes"): bytes,
     ("builtins", "range"): range,
     ("_codecs", "encode"): _codecs_encode,
-    ("__builtin__", "set"): set,
-    ("__builtin__", "frozenset"): frozenset,
-    ("copy_reg", "_reconstructor"): None,  # stubbed like everything else
+}
+
+_REAL: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
 }
 
 
@@ -522,39 +650,99 @@ def worst(*classes: str) -> str:
 # --------------------------------------------------------------------------- unpickler
 
 class RecordingUnpickler(pickle.Unpickler):
-    """Unpickle into records and placeholders; calls nothing from the pickle.
+    """Unpickle into records and placeholders; calls nothing from the pickle, and stays within limits.
 
     ``storages`` maps storage key -> :class:`StorageRecord` (one object per key,
     so shared storages stay shared).  ``globals_seen`` counts each global the
-    pickle asked for; ``stubbed`` holds the ones turned into placeholders.
+    pickle asked for (resolved as CPython resolves it for the pickle's protocol:
+    ``__builtin__ long`` is ``builtins.int``); ``stubbed`` holds the ones turned
+    into placeholders; ``notes`` says what was kept as a placeholder because it
+    was too big to build.
+
+    Before the C unpickler runs, :func:`~ckptfix.scanner.scan_globals` walks the
+    opcodes and refuses (``ResourceLimitError``) a pickle whose memo indices,
+    object count, nesting or integers would exceed :class:`PickleLimits`.  After
+    it, the object graph's depth is checked, so no later recursive walk can fail.
     """
 
-    def __init__(self, file: BinaryIO, *, legacy: bool = False, storages: dict[str, StorageRecord] | None = None):
+    def __init__(self, file: BinaryIO, *, legacy: bool = False, storages: dict[str, StorageRecord] | None = None,
+                 limits: PickleLimits | None = None):
         super().__init__(file, encoding="utf-8")
+        self._file = file
         self.storages: dict[str, StorageRecord] = {} if storages is None else storages
         self.globals_seen: collections.Counter[str] = collections.Counter()
         self.stubbed: set[str] = set()
+        self.notes: list[str] = []
         self.legacy = legacy
+        self.limits = limits or PickleLimits.from_env()
+        self._py2_names: set[tuple[str, str]] = set()
+        self._bounded: dict[tuple[str, str], type] = {}
+
+    def load(self) -> Any:
+        """Pre-flight the opcodes, unpickle, then check the object graph's depth.
+
+        Raises:
+            ResourceLimitError: the pickle would exceed a limit (the message names the variable that lifts it).
+            pickle.UnpicklingError: the pickle is malformed (callers turn it into CorruptCheckpointError).
+        """
+        f = self._file
+        try:
+            start = f.tell()
+        except (AttributeError, OSError, ValueError):
+            start = None
+        if start is not None:
+            r = scan_globals(f, limits=self.limits)
+            f.seek(start)
+            if r.limit_error:
+                from ckptfix.errors import ResourceLimitError
+
+                raise ResourceLimitError(r.limit_error)
+            if r.error:
+                raise pickle.UnpicklingError(r.error)
+            self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}
+        obj = super().load()
+        check_depth(obj, self.limits.max_depth)
+        return obj
+
+    def _note_placeholder(self, cls: type, size: int | None) -> None:
+        full = global_name(cls)
+        self.stubbed.add(full)
+        what = f"{size:,} elements" if size is not None else "unknown size"
+        note = (f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
+                "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged")
+        if note not in self.notes and len(self.notes) < 100:
+            self.notes.append(note)
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
-        if module == "__builtin__":
-            module = "builtins"
+        if (module, name) in self._py2_names:
+            module, name = resolve_global(module, name, 2)
         full = f"{module}.{name}"
         self.globals_seen[full] += 1
         real = _REAL.get((module, name))
         if real is not None:
             return real
+        if (module, name) in _BOUNDED:
+            cls = self._bounded.get((module, name))
+            if cls is None:
+                cls = type(name, (_BoundedCtor,), {"_ckpt_module": module, "_ckpt_name": name,
+                                                   "_real": staticmethod(_BOUNDED[(module, name)]),
+                                                   "_limits": self.limits, "_owner": self,
+                                                   "__module__": "ckptfix.pickles.stubs"})
+                self._bounded[(module, name)] = cls
+            return cls
         if module == "torch._utils" and name in TENSOR_REBUILDERS:
             return rebuilder_class(module, name)
         if full == "torch._tensor._rebuild_from_type_v2":
             return _rebuild_from_type_class()
-        if classify_global(full) != "safe":
+        if classify_pair(module, name) != "safe":
             self.stubbed.add(full)
         return stub_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
+            if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {str(numel)[:40]}")
             rec = self.storages.get(key)
             if rec is None:
                 type_name = getattr(storage_type, "_ckpt_name", "") or ""
@@ -569,6 +757,74 @@ class RecordingUnpickler(pickle.Unpickler):
                 return _LegacyView(rec, str(view_key), int(off), int(size))
             return rec
         raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:80]}")
+
+
+def _children(x: Any) -> Iterable[Any]:
+    t = type(x)
+    if t is dict or t is collections.OrderedDict or isinstance(x, dict):
+        for k, v in x.items():
+            yield k
+            yield v
+    elif t in (list, tuple, set, frozenset) or isinstance(x, (list, tuple, set, frozenset)):
+        yield from x
+    elif isinstance(x, Stub):
+        yield from x._args
+        yield from x._kwargs.values()
+        yield x._state
+        yield from x._listitems
+        for k, v in x._dictitems.items():
+            yield k
+            yield v
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice, TensorRecord, StorageRecord)
+
+
+def check_depth(obj: Any, limit: int) -> None:
+    """Refuse an object graph nested deeper than ``limit`` (iterative: never a RecursionError).
+
+    Args:
+        obj: what the unpickler returned.
+        limit: the deepest nesting allowed (containers inside containers).
+
+    Raises:
+        ResourceLimitError: the graph is deeper than ``limit``.
+    """
+    if isinstance(obj, _LEAVES) or isinstance(obj, type):
+        return
+    height: dict[int, int] = {}
+    on_path: set[int] = set()
+    frames: list[list] = [[obj, iter(_children(obj)), 1]]
+    on_path.add(id(obj))
+    while frames:
+        frame = frames[-1]
+        node, it, best = frame
+        for child in it:
+            if isinstance(child, _LEAVES) or isinstance(child, type):
+                continue
+            cid = id(child)
+            if cid in height:
+                if height[cid] + 1 > best:
+                    frame[2] = best = height[cid] + 1
+                continue
+            if cid in on_path:
+                continue  # a cycle (the pickle memo allows them): no deeper than what is on the path
+            if len(frames) >= limit:
+                from ckptfix.errors import ResourceLimitError
+
+                raise ResourceLimitError(f"the checkpoint's objects are nested more than {limit} levels deep; set "
+                                         "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust")
+            on_path.add(cid)
+            frames.append([child, iter(_children(child)), 1])
+            break
+        else:
+            frames.pop()
+            on_path.discard(id(node))
+            height[id(node)] = best
+            if frames:
+                parent = frames[-1]
+                if best + 1 > parent[2]:
+                    parent[2] = best + 1
 
 
 @dataclass(eq=False)
@@ -649,7 +905,4 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 
 
 # --------------------------------------------------------------------------- scanning
-
-from ckptfix.scanner import (  # noqa: E402 - re-exported: the opcode scan lives in its own module
-    PickleLimits, ScanResult, resolve_global, scan_globals, scan_pickle_sequence,
-)
+# (the opcode scan lives in ckptfix.scanner; its public names are re-exported above)

@@ -36,6 +36,9 @@ from ckptfix.errors import ResourceLimitError
 
 HIGHEST_PROTOCOL = 5
 
+#: the first pickle of a legacy (pre-1.6) ``torch.save`` stream
+LEGACY_MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+
 #: longest string kept as a possible module / attribute name (longer ones stay abstract)
 MAX_NAME_CHARS = 1024
 
@@ -724,8 +727,6 @@ def scan_pickle_sequence(data: bytes | bytearray | memoryview | BinaryIO, *, max
     Returns:
         (merged result, the result of each pickle scanned, in order).
     """
-    from ckptfix.pickles import LEGACY_MAGIC_NUMBER
-
     limits = limits or PickleLimits.from_env()
     buf, start, f, closer = _as_buffer(data)
     total = ScanResult()

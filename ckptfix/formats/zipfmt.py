@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from ckptfix.errors import CorruptCheckpointError, OutputError, UnsupportedError
+from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats import CheckpointFile
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
 
@@ -102,7 +102,7 @@ def root_of(names: list[str], leaf: str = "data.pkl") -> str:
 def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
     try:
         return _read_zip(path, kind)
-    except (CorruptCheckpointError, UnsupportedError):
+    except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
     except ZIP_ERRORS as e:
         raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
@@ -127,6 +127,8 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
     up = RecordingUnpickler(__import__("io").BytesIO(data_pkl))
     try:
         obj = up.load()
+    except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
+        raise
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); "
                                      "the checkpoint is corrupt") from None
