@@ -511,12 +511,13 @@ class _BoundedCtor(Stub):
         if not args:
             return 0
         a = args[0]
+        if isinstance(a, Stub) or isinstance(a, type):
+            return None  # a placeholder stands for something not built: never iterate it as if it were
         if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
             return a if a >= 0 else None
         if name == "encode":
             return 4 * len(a) if isinstance(a, str) else None
-        n = _size_of(a)
-        return 0 if n is None and isinstance(a, Stub) else n
+        return _size_of(a)
 
 
 _BOUNDED: dict[tuple[str, str], Any] = {
@@ -700,7 +701,11 @@ class RecordingUnpickler(pickle.Unpickler):
             if r.error:
                 raise pickle.UnpicklingError(r.error)
             self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}
-        obj = super().load()
+        try:
+            obj = super().load()
+        finally:
+            for cls in self._bounded.values():
+                cls._owner = None  # placeholders outlive the unpickler; notes were taken
         check_depth(obj, self.limits.max_depth)
         return obj
 
@@ -792,6 +797,12 @@ def check_depth(obj: Any, limit: int) -> None:
     """
     if isinstance(obj, _LEAVES) or isinstance(obj, type):
         return
+    from ckptfix.errors import ResourceLimitError
+
+    def too_deep() -> ResourceLimitError:
+        return ResourceLimitError(f"the checkpoint's objects are nested more than {limit} levels deep; set "
+                                  "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust")
+
     height: dict[int, int] = {}
     on_path: set[int] = set()
     frames: list[list] = [[obj, iter(_children(obj)), 1]]
@@ -806,14 +817,13 @@ def check_depth(obj: Any, limit: int) -> None:
             if cid in height:
                 if height[cid] + 1 > best:
                     frame[2] = best = height[cid] + 1
+                    if best + len(frames) - 1 > limit:
+                        raise too_deep()
                 continue
             if cid in on_path:
                 continue  # a cycle (the pickle memo allows them): no deeper than what is on the path
             if len(frames) >= limit:
-                from ckptfix.errors import ResourceLimitError
-
-                raise ResourceLimitError(f"the checkpoint's objects are nested more than {limit} levels deep; set "
-                                         "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust")
+                raise too_deep()
             on_path.add(cid)
             frames.append([child, iter(_children(child)), 1])
             break
@@ -906,3 +916,61 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 
 # --------------------------------------------------------------------------- scanning
 # (the opcode scan lives in ckptfix.scanner; its public names are re-exported above)
+
+
+# --------------------------------------------------------------------------- write-back check
+
+#: modules whose attributes :func:`globals_resolvable` may look up, and only when already imported
+RESOLVE_CHECK_MODULES = frozenset({
+    "builtins", "collections", "copyreg", "_codecs", "torch", "torch._utils", "torch._tensor",
+    "torch.nn.parameter", "torch.serialization", "torch.storage",
+})
+
+
+def globals_resolvable(data: bytes | bytearray | memoryview,
+                       reference: bytes | bytearray | memoryview | Iterable[tuple[str, str]] | None = None
+                       ) -> list[str]:
+    """Check that every global a pickle names resolves, before a rewritten file replaces anything.
+
+    Each global is resolved as CPython's unpickler resolves it at the protocol in force
+    (``_compat_pickle`` below protocol 3).  A name in an already-imported module of
+    :data:`RESOLVE_CHECK_MODULES` is looked up with ``getattr`` (``builtins.long`` does not
+    exist: a problem); nothing is ever imported.  Any other name must be one the
+    ``reference`` (the input pickle, or its resolved ``(module, name)`` pairs) also names,
+    so a rewrite can never introduce a global the input did not resolve to.  Without a
+    reference, names that cannot be checked are accepted when torch's weights-only
+    allowlist holds them.
+
+    Args:
+        data: the pickle about to be written (e.g. the new ``data.pkl``).
+        reference: the input's pickle bytes or resolved pairs, when there is an input.
+
+    Returns:
+        A list of problems, one sentence each; empty when every global resolves.
+    """
+    import sys
+
+    r = scan_globals(data)
+    problems: list[str] = []
+    if r.error:
+        problems.append(f"the written pickle is malformed ({r.error})")
+    problems += [f"the written pickle holds {u} (cannot be checked)" for u in r.unresolved]
+    ref: set[tuple[str, str]] | None = None
+    if isinstance(reference, (bytes, bytearray, memoryview)):
+        ref = set(scan_globals(reference).pairs)
+    elif reference is not None:
+        ref = set(reference)
+    for module, name in r.pairs:
+        full = f"{module}.{name}"
+        mod = sys.modules.get(module) if module in RESOLVE_CHECK_MODULES else None
+        if mod is not None and "." not in name:
+            if not hasattr(mod, name):
+                problems.append(f"{full} does not exist: torch.load would fail with AttributeError "
+                                f"(the unpickler resolves {module}.{name} at protocol {r.protocol})")
+            continue
+        if ref is not None:
+            if (module, name) not in ref:
+                problems.append(f"{full} is named by the written pickle but not by the input, so it may not resolve")
+        elif classify_pair(module, name) != "safe":
+            problems.append(f"{full} cannot be checked without importing {module}")
+    return problems
