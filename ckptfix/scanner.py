@@ -68,7 +68,7 @@ class PickleLimits:
     (``CKPTFIX_MAX_PICKLE_DEPTH``).  ``max_int_digits``: decimal digits of one integer.
     """
 
-    max_bytes: int = 192 << 20
+    max_bytes: int = 256 << 20
     max_items: int = 1 << 20
     max_globals: int = 10_000
     max_depth: int = 100
@@ -210,19 +210,13 @@ class _Stop(Exception):
 
 # --------------------------------------------------------------------------- opcode table
 
-_NO_ARG_CONSTS = {
-    ord("N"): OBJ, 0x88: OBJ, 0x89: OBJ,  # NONE NEWTRUE NEWFALSE
-    ord("]"): OBJ, ord("}"): OBJ, 0x8F: OBJ,  # EMPTY_LIST EMPTY_DICT EMPTY_SET
-}
-_EST = {ord("N"): 0, 0x88: 0, 0x89: 0, ord("]"): 56, ord("}"): 64, 0x8F: 216}
-
 
 def _as_buffer(data: Any) -> tuple[Any, int, BinaryIO | None, Any]:
     """(buffer, start offset, file to reposition, resource to close) for bytes or a binary file."""
     if isinstance(data, (bytes, bytearray)):
         return data, 0, None, None
     if isinstance(data, memoryview):
-        return data.cast("B") if data.format != "B" else data, 0, None, None
+        return data.tobytes(), 0, None, None
     f = data
     start = f.tell()
     try:
@@ -276,50 +270,50 @@ def scan_globals(data: bytes | bytearray | memoryview | BinaryIO, *, limits: Pic
     return res
 
 
+_U16 = struct.Struct("<H").unpack_from
+_U32 = struct.Struct("<I").unpack_from
+_I32 = struct.Struct("<i").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+
+_UNDERFLOW = "unpickling stack underflow"
+
+
 def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C901 - one opcode switch
     res = ScanResult()
     n = len(buf)
     pos = start
     stack: list[Any] = []
+    push = stack.append
     marks: list[int] = []
+    fence = 0  # stack length at the innermost MARK: nothing below it can be popped
     memo: list[Any] = []
     memo_len = 0
-    puts = 0
     proto = 0
     est = 0
     max_idepth = 0
     max_bytes = limits.max_bytes
+    next_check = max_bytes  # est is compared with this once per opcode
     max_digits_bytes = limits.max_int_digits * 415 // 1000  # bytes of a LONG4 whose value has that many digits
-    unpack_from = struct.unpack_from
     globals_ = res.globals
     pairs = res.pairs
     raw = res.raw
-
-    def fence() -> int:
-        return marks[-1] if marks else 0
-
-    def need(k: int) -> None:
-        if pos + k > n:
-            raise _Malformed("pickle data was truncated")
+    EMPTY = _EMPTY
 
     def readline() -> bytes:
         nonlocal pos
         i = buf.find(b"\n", pos)
         if i < 0:
             raise _Malformed("pickle data was truncated (no newline)")
-        line = bytes(buf[pos:i])
+        line = buf[pos:i]
         pos = i + 1
         return line
 
-    def pop() -> Any:
-        if len(stack) <= fence():
-            raise _Malformed("unpickling stack underflow")
-        return stack.pop()
-
     def pop_mark() -> list:
+        nonlocal fence
         if not marks:
             raise _Malformed("could not find MARK")
         k = marks.pop()
+        fence = marks[-1] if marks else 0
         items = stack[k:]
         del stack[k:]
         return items
@@ -337,141 +331,206 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
         res.unresolved.append(what)
         globals_[what] += 1
 
-    def memo_put(idx: int, value: Any) -> None:
-        nonlocal memo_len, puts, est
-        puts += 1
-        if idx > 2 * puts + 1024:
-            raise _Stop(f"the pickle stores a memo entry at index {idx} after only {puts} entries (no pickler "
-                        "writes that; the C unpickler would allocate memory for every index below it)")
+    def memo_put(idx: int) -> None:
+        nonlocal memo_len, est
+        if len(stack) <= fence:
+            raise _Malformed(_UNDERFLOW)
         if idx >= len(memo):
+            if idx > 2 * memo_len + 1024:
+                raise _Stop(f"the pickle stores a memo entry at index {idx} after only {memo_len} entries (no "
+                            "pickler writes that; the C unpickler would allocate memory for every index below it)")
             est += 16 * (idx + 1 - len(memo))
-            memo.extend([_EMPTY] * (idx + 1 - len(memo)))
-        if memo[idx] is _EMPTY:
+            memo.extend([EMPTY] * (idx + 1 - len(memo)))
+        if memo[idx] is EMPTY:
             memo_len += 1
-            est += 24
-        memo[idx] = value
+        memo[idx] = stack[-1]
 
     def memo_get(idx: int) -> Any:
-        if 0 <= idx < len(memo) and memo[idx] is not _EMPTY:
-            return memo[idx]
+        if 0 <= idx < len(memo):
+            v = memo[idx]
+            if v is not EMPTY:
+                return v
         unresolved(UNRESOLVED_MEMO)
         raise _Malformed(f"memo value not found at index {idx}")
 
     def push_str(s: str) -> None:
-        stack.append(s if len(s) <= MAX_NAME_CHARS else LONGSTR)
+        push(s if len(s) <= MAX_NAME_CHARS else LONGSTR)
+
+    def truncated() -> _Malformed:
+        return _Malformed("pickle data was truncated")
 
     try:
         while True:
+            if est > next_check:
+                if next_check == max_bytes:
+                    res.limit_error = res.limit_error or (
+                        f"the pickle would build more than {max_bytes >> 20} MiB of objects; set "
+                        "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
+                    next_check = 4 * max_bytes
+                else:
+                    raise _Stop(f"the pickle holds more than {4 * max_bytes >> 20} MiB of values; set "
+                                "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it")
             if pos >= n:
                 raise _Malformed("pickle data was truncated (no STOP)")
             op = buf[pos]
             pos += 1
-            if est > max_bytes and not res.limit_error:
-                res.limit_error = (f"the pickle would build more than {max_bytes >> 20} MiB of objects; set "
-                                   "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
-            if (len(stack) + len(memo)) * 8 > max_bytes:
-                raise _Stop(f"the pickle keeps more than {max_bytes >> 23}M values on the unpickler's stack and "
-                            "memo; set CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it")
-            # ---- most frequent in torch pickles first
-            if op == 0x71:  # BINPUT
-                need(1)
+            # ---- in order of frequency in torch pickles
+            if op == 0x72:  # LONG_BINPUT
+                if pos + 4 > n:
+                    raise truncated()
+                memo_put(_U32(buf, pos)[0])
+                pos += 4
+            elif op == 0x68:  # BINGET
+                if pos >= n:
+                    raise truncated()
                 idx = buf[pos]
                 pos += 1
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
-                memo_put(idx, stack[-1])
-            elif op == 0x68:  # BINGET
-                need(1)
-                stack.append(memo_get(buf[pos]))
+                v = memo[idx] if idx < len(memo) else EMPTY
+                push(v if v is not EMPTY else memo_get(idx))
+                est += 8
+            elif op == 0x4B:  # BININT1
+                if pos >= n:
+                    raise truncated()
+                push(buf[pos])
                 pos += 1
-            elif op == 0x58 or op == 0x8C or op == 0x8D:  # BINUNICODE SHORT_BINUNICODE BINUNICODE8
-                w = 4 if op == 0x58 else 1 if op == 0x8C else 8
-                need(w)
-                size = int.from_bytes(buf[pos:pos + w], "little")
-                pos += w
-                need(size)
-                if size <= MAX_NAME_CHARS * 4:
-                    try:
-                        s = bytes(buf[pos:pos + size]).decode("utf-8", "surrogatepass")
-                    except UnicodeDecodeError:
-                        raise _Malformed("invalid UTF-8 in a string") from None
-                    push_str(s)
-                else:
-                    stack.append(LONGSTR)
-                pos += size
-                est += 49 + size
+                est += 8
             elif op == 0x28:  # MARK
-                marks.append(len(stack))
-            elif op == 0x74 or op == 0x85 or op == 0x86 or op == 0x87 or op == 0x29:  # TUPLE TUPLE1-3 EMPTY_TUPLE
-                if op == 0x74:
-                    items = pop_mark()
-                elif op == 0x29:
-                    items = []
-                else:
-                    k = op - 0x84
-                    if len(stack) - k < fence():
-                        raise _Malformed("unpickling stack underflow")
-                    items = stack[len(stack) - k:]
-                    del stack[len(stack) - k:]
-                d = 1 + max((_depth(v) for v in items), default=0)
+                fence = len(stack)
+                marks.append(fence)
+                est += 8
+            elif op == 0x74:  # TUPLE
+                items = pop_mark()
+                d = 0
+                for v in items:
+                    if type(v) is _Abs and v.depth > d:
+                        d = v.depth
+                d += 1
                 if d > max_idepth:
                     max_idepth = d
                     if d > limits.max_depth and not res.limit_error:
                         res.limit_error = (f"the pickle nests tuples more than {limits.max_depth} deep; set "
                                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
-                stack.append(_nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
-                est += 40 + 8 * len(items)
+                push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
+                est += 48 + 8 * len(items)
             elif op == 0x52:  # REDUCE
-                pop()
-                pop()
-                stack.append(ANY)
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-1]
+                stack[-1] = ANY
                 est += 200
-            elif op == 0x4B or op == 0x4D or op == 0x4A:  # BININT1 BININT2 BININT
-                w = 1 if op == 0x4B else 2 if op == 0x4D else 4
-                need(w)
-                stack.append(int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x4A)))
-                pos += w
-                est += 32
+            elif op == 0x29:  # EMPTY_TUPLE
+                push(_TUPLES[0])
+                est += 8
+            elif op == 0x58 or op == 0x8C or op == 0x8D:  # BINUNICODE SHORT_BINUNICODE BINUNICODE8
+                if op == 0x58:
+                    if pos + 4 > n:
+                        raise truncated()
+                    size = _U32(buf, pos)[0]
+                    pos += 4
+                elif op == 0x8C:
+                    if pos >= n:
+                        raise truncated()
+                    size = buf[pos]
+                    pos += 1
+                else:
+                    if pos + 8 > n:
+                        raise truncated()
+                    size = _U64(buf, pos)[0]
+                    pos += 8
+                if pos + size > n:
+                    raise truncated()
+                if size <= MAX_NAME_CHARS * 4:
+                    try:
+                        s = str(buf[pos:pos + size], "utf-8", "surrogatepass")
+                    except UnicodeDecodeError:
+                        raise _Malformed("invalid UTF-8 in a string") from None
+                    push(s if len(s) <= MAX_NAME_CHARS else LONGSTR)
+                else:
+                    push(LONGSTR)
+                pos += size
+                est += 57 + size
+            elif op == 0x85 or op == 0x86 or op == 0x87:  # TUPLE1 TUPLE2 TUPLE3
+                k = op - 0x84
+                if len(stack) - k < fence:
+                    raise _Malformed(_UNDERFLOW)
+                items = stack[-k:]
+                del stack[-k:]
+                d = 0
+                for v in items:
+                    if type(v) is _Abs and v.depth > d:
+                        d = v.depth
+                d += 1
+                if d > max_idepth:
+                    max_idepth = d
+                    if d > limits.max_depth and not res.limit_error:
+                        res.limit_error = (f"the pickle nests tuples more than {limits.max_depth} deep; set "
+                                           "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
+                push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
+                est += 48 + 8 * k
+            elif op == 0x51:  # BINPERSID
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
+                stack[-1] = ANY
+                est += 100
+            elif op == 0x4E or op == 0x88 or op == 0x89:  # NONE NEWTRUE NEWFALSE
+                push(OBJ)
+                est += 8
+            elif op == 0x6A:  # LONG_BINGET
+                if pos + 4 > n:
+                    raise truncated()
+                idx = _U32(buf, pos)[0]
+                pos += 4
+                v = memo[idx] if idx < len(memo) else EMPTY
+                push(v if v is not EMPTY else memo_get(idx))
+                est += 8
+            elif op == 0x4D:  # BININT2
+                if pos + 2 > n:
+                    raise truncated()
+                push(_U16(buf, pos)[0])
+                pos += 2
+                est += 8
+            elif op == 0x71:  # BINPUT
+                if pos >= n:
+                    raise truncated()
+                memo_put(buf[pos])
+                pos += 1
             elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS APPENDS ADDITEMS
                 items = pop_mark()
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
-                if op == 0x75 and len(items) % 2:
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
+                if op == 0x75 and len(items) & 1:
                     raise _Malformed("odd number of items for SETITEMS")
                 est += (50 if op != 0x65 else 8) * len(items)
+            elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
+                push(OBJ)
+                est += 64 if op == 0x7D else 56 if op == 0x5D else 216
+            elif op == 0x4A:  # BININT
+                if pos + 4 > n:
+                    raise truncated()
+                push(_I32(buf, pos)[0])
+                pos += 4
+                est += 40
             elif op == 0x73:  # SETITEM
-                if len(stack) - 3 < fence():
-                    raise _Malformed("unpickling stack underflow")
+                if len(stack) - 3 < fence:
+                    raise _Malformed(_UNDERFLOW)
                 del stack[-2:]
                 est += 100
             elif op == 0x61:  # APPEND
-                if len(stack) - 2 < fence():
-                    raise _Malformed("unpickling stack underflow")
-                stack.pop()
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-1]
                 est += 8
             elif op == 0x62:  # BUILD
-                if len(stack) - 2 < fence():
-                    raise _Malformed("unpickling stack underflow")
-                stack.pop()
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-1]
             elif op == 0x94:  # MEMOIZE
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
-                memo_put(memo_len, stack[-1])
-            elif op == 0x72:  # LONG_BINPUT
-                need(4)
-                (idx,) = unpack_from("<I", buf, pos)
-                pos += 4
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
-                memo_put(idx, stack[-1])
-            elif op == 0x6A:  # LONG_BINGET
-                need(4)
-                (idx,) = unpack_from("<I", buf, pos)
-                pos += 4
-                stack.append(memo_get(idx))
+                memo_put(memo_len)
             elif op == 0x93:  # STACK_GLOBAL
-                name = pop()
-                module = pop()
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                name = stack.pop()
+                module = stack[-1]
                 if type(name) is str and type(module) is str:
                     add_global(module, name)
                 elif not _maybe_str(name) or not _maybe_str(module):
@@ -480,7 +539,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                     unresolved(UNRESOLVED_LONG_NAME)
                 else:
                     unresolved(UNRESOLVED_STACK_GLOBAL)
-                stack.append(ANY)
+                stack[-1] = ANY
             elif op == 0x63 or op == 0x69:  # GLOBAL INST
                 # pickle.py reads both lines leniently (a line cut by EOF loses its last character) and
                 # imports the module even when the attribute is empty; _pickle.c needs both lines whole.
@@ -490,14 +549,14 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 for _ in range(2):
                     i = buf.find(b"\n", pos) if complete else -1
                     if complete and i >= 0:
-                        lines.append(bytes(buf[pos:i]))
+                        lines.append(buf[pos:i])
                         pos = i + 1
                     else:
-                        lines.append(bytes(buf[pos:n])[:-1] if complete else b"")
+                        lines.append(buf[pos:n][:-1] if complete else b"")
                         pos = n
                         complete = False
                 try:
-                    module, name = lines[0].decode(enc), lines[1].decode(enc)
+                    module, name = str(lines[0], enc), str(lines[1], enc)
                 except UnicodeDecodeError:
                     raise _Malformed(f"{'GLOBAL' if op == 0x63 else 'INST'} names must be {enc}") from None
                 if module:
@@ -507,77 +566,93 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 if op == 0x69:
                     pop_mark()
                     est += 200
-                stack.append(ANY)
+                push(ANY)
+                est += 8
             elif op == 0x81:  # NEWOBJ
-                pop()
-                pop()
-                stack.append(ANY)
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-1]
+                stack[-1] = ANY
                 est += 200
             elif op == 0x92:  # NEWOBJ_EX
-                pop()
-                pop()
-                pop()
-                stack.append(ANY)
+                if len(stack) - 3 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-2:]
+                stack[-1] = ANY
                 est += 200
             elif op == 0x6F:  # OBJ
                 items = pop_mark()
                 if not items:
-                    raise _Malformed("unpickling stack underflow")
-                stack.append(ANY)
+                    raise _Malformed(_UNDERFLOW)
+                push(ANY)
                 est += 200
-            elif op in _NO_ARG_CONSTS:
-                stack.append(_NO_ARG_CONSTS[op])
-                est += _EST[op]
             elif op == 0x8A or op == 0x8B:  # LONG1 LONG4
-                w = 1 if op == 0x8A else 4
-                need(w)
-                size = int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x8B))
-                pos += w
-                if size < 0:
-                    raise _Malformed("LONG pickle has negative byte count")
-                need(size)
+                if op == 0x8A:
+                    if pos >= n:
+                        raise truncated()
+                    size = buf[pos]
+                    pos += 1
+                else:
+                    if pos + 4 > n:
+                        raise truncated()
+                    size = _I32(buf, pos)[0]
+                    pos += 4
+                    if size < 0:
+                        raise _Malformed("LONG pickle has negative byte count")
+                if pos + size > n:
+                    raise truncated()
                 if size > max_digits_bytes:
                     if not res.limit_error:
                         res.limit_error = (f"the pickle holds an integer of about {size * 2408 // 1000} decimal "
                                            f"digits (over Python's {limits.max_int_digits}-digit limit); not a "
                                            "value a checkpoint holds")
-                    stack.append(OBJ)
+                    push(OBJ)
                 else:
-                    stack.append(int.from_bytes(buf[pos:pos + size], "little", signed=True) if size else 0)
+                    push(int.from_bytes(buf[pos:pos + size], "little", signed=True) if size else 0)
                 pos += size
-                est += 32 + size
+                est += 40 + size
             elif op == 0x80:  # PROTO
-                need(1)
+                if pos >= n:
+                    raise truncated()
                 p = buf[pos]
                 pos += 1
                 if p > HIGHEST_PROTOCOL:
                     raise _Malformed(f"unsupported pickle protocol: {p}")
                 proto = p
-                res.protocol = max(res.protocol, p)
+                if p > res.protocol:
+                    res.protocol = p
             elif op == 0x95:  # FRAME
-                need(8)
-                (size,) = unpack_from("<Q", buf, pos)
+                if pos + 8 > n:
+                    raise truncated()
+                size = _U64(buf, pos)[0]
                 pos += 8
-                need(size)  # the C unpickler only checks that the frame is there
+                if pos + size > n:  # the C unpickler only checks that the whole frame is there
+                    raise truncated()
             elif op == 0x2E:  # STOP
-                v = pop()
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
+                v = stack.pop()
                 res.value = v if type(v) in (int, str) else None
                 res.value_unknown = v is ANY
                 break
-            elif op == 0x30:  # POP
+            elif op == 0x30:  # POP: of an empty frame, pops the MARK itself
                 if marks and marks[-1] == len(stack):
                     marks.pop()
+                    fence = marks[-1] if marks else 0
+                elif len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
                 else:
-                    pop()
+                    del stack[-1]
             elif op == 0x31:  # POP_MARK
                 pop_mark()
             elif op == 0x32:  # DUP
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
-                stack.append(stack[-1])
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
+                push(stack[-1])
+                est += 8
             elif op == 0x6C or op == 0x64 or op == 0x91:  # LIST DICT FROZENSET
                 items = pop_mark()
-                if op == 0x64 and len(items) % 2:
+                if op == 0x64 and len(items) & 1:
                     raise _Malformed("odd number of items for DICT")
                 if op == 0x91:
                     d = 1 + max((_depth(v) for v in items), default=0)
@@ -585,41 +660,44 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                     if d > limits.max_depth and not res.limit_error:
                         res.limit_error = (f"the pickle nests frozensets more than {limits.max_depth} deep; set "
                                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
-                    stack.append(_nested(_FROZENSETS, "frozenset", min(d, limits.max_depth + 1)))
+                    push(_nested(_FROZENSETS, "frozenset", min(d, limits.max_depth + 1)))
                     est += 216 + 32 * len(items)
                 else:
-                    stack.append(OBJ)
+                    push(OBJ)
                     est += 64 + 50 * len(items)
             elif op == 0x47:  # BINFLOAT
-                need(8)
+                if pos + 8 > n:
+                    raise truncated()
                 pos += 8
-                stack.append(OBJ)
-                est += 24
+                push(OBJ)
+                est += 32
             elif op in (0x43, 0x42, 0x8E, 0x96, 0x55, 0x54):  # (SHORT_)BINBYTES BINBYTES8 BYTEARRAY8 (SHORT_)BINSTRING
                 w = 1 if op in (0x43, 0x55) else 4 if op in (0x42, 0x54) else 8
-                need(w)
+                if pos + w > n:
+                    raise truncated()
                 size = int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x54))
                 pos += w
                 if size < 0:
                     raise _Malformed("BINSTRING pickle has negative byte count")
-                need(size)
+                if pos + size > n:
+                    raise truncated()
                 if op in (0x55, 0x54):  # str under the default encodings, bytes with encoding="bytes"
-                    raw_s = bytes(buf[pos:pos + size]) if size <= MAX_NAME_CHARS else None
+                    raw_s = buf[pos:pos + size] if size <= MAX_NAME_CHARS else None
                     if raw_s is not None and raw_s.isascii():
                         push_str(raw_s.decode("ascii"))
                     else:
-                        stack.append(LONGSTR)
+                        push(LONGSTR)
                 else:
-                    stack.append(OBJ)
+                    push(OBJ)
                 pos += size
-                est += 40 + size
+                est += 48 + size
             elif op == 0x56:  # UNICODE (protocol 0)
                 line = readline()
                 try:
                     push_str(line.decode("raw-unicode-escape"))
                 except UnicodeDecodeError:
                     raise _Malformed("invalid raw-unicode-escape string") from None
-                est += 49 + len(line)
+                est += 57 + len(line)
             elif op == 0x53:  # STRING (protocol 0, quoted)
                 line = readline()
                 if len(line) < 2 or line[:1] != line[-1:] or line[:1] not in (b"'", b'"'):
@@ -629,22 +707,22 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 except (ValueError, UnicodeDecodeError):
                     raise _Malformed("invalid escape in STRING") from None
                 if body.isascii() and len(body) <= MAX_NAME_CHARS:
-                    stack.append(body.decode("ascii"))
+                    push(body.decode("ascii"))
                 else:
-                    stack.append(LONGSTR)
-                est += 49 + len(body)
+                    push(LONGSTR)
+                est += 57 + len(body)
             elif op == 0x49:  # INT
                 line = readline()
-                stack.append(_parse_int(line, limits, res) if line not in (b"00", b"01") else OBJ)
-                est += 32 + len(line)
+                push(_parse_int(line, limits, res) if line not in (b"00", b"01") else OBJ)
+                est += 40 + len(line)
             elif op == 0x4C:  # LONG
                 line = readline()
-                stack.append(_parse_int(line[:-1] if line.endswith(b"L") else line, limits, res))
-                est += 32 + len(line)
+                push(_parse_int(line[:-1] if line.endswith(b"L") else line, limits, res))
+                est += 40 + len(line)
             elif op == 0x46:  # FLOAT
                 readline()  # a bad literal fails in CPython; going on only reports more
-                stack.append(OBJ)
-                est += 24
+                push(OBJ)
+                est += 32
             elif op == 0x67 or op == 0x70:  # GET PUT (text)
                 line = readline()
                 try:
@@ -652,35 +730,33 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 except ValueError:
                     raise _Malformed("invalid memo index") from None
                 if op == 0x67:
-                    stack.append(memo_get(idx))
+                    push(memo_get(idx))
+                    est += 8
                 else:
                     if idx < 0:
                         raise _Malformed("negative PUT argument")
-                    if len(stack) <= fence():
-                        raise _Malformed("unpickling stack underflow")
-                    memo_put(idx, stack[-1])
+                    memo_put(idx)
             elif op == 0x50:  # PERSID
                 line = readline()
                 if not line.isascii():
                     raise _Malformed("persistent id is not ASCII")
-                stack.append(ANY)
-            elif op == 0x51:  # BINPERSID
-                pop()
-                stack.append(ANY)
-            elif op in (0x82, 0x83, 0x84):  # EXT1 EXT2 EXT4
-                w = {0x82: 1, 0x83: 2, 0x84: 4}[op]
-                need(w)
+                push(ANY)
+                est += 100
+            elif op == 0x82 or op == 0x83 or op == 0x84:  # EXT1 EXT2 EXT4
+                w = 1 if op == 0x82 else 2 if op == 0x83 else 4
+                if pos + w > n:
+                    raise truncated()
                 code = int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x84))
                 pos += w
                 if code <= 0:
                     raise _Malformed("EXT specifies code <= 0")
                 unresolved(f"<extension code {code} (copyreg registry)>")
-                stack.append(ANY)
+                push(ANY)
             elif op == 0x97:  # NEXT_BUFFER
-                stack.append(ANY)
+                push(ANY)
             elif op == 0x98:  # READONLY_BUFFER
-                if len(stack) <= fence():
-                    raise _Malformed("unpickling stack underflow")
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
             else:
                 raise _Malformed(f"invalid load key, {chr(op)!r}" if 32 <= op < 127 else
                                  f"invalid load key, '\\x{op:02x}'")

@@ -150,7 +150,7 @@ def test_many_distinct_globals_refused(tmp_path):
 
 
 def test_object_budget_refuses_many_small_objects(tmp_path):
-    body = b"\x80\x02](" + b"}" * 3_000_000 + b"e."  # 3 MB of bytes, ~200 MB of dicts
+    body = b"\x80\x02](" + b"}" * 5_000_000 + b"e."  # 5 MB of bytes, ~350 MB of dicts
     with pytest.raises(ResourceLimitError) as ei:
         loads_records(body)
     assert "CKPTFIX_MAX_PICKLE_MB" in str(ei.value)
