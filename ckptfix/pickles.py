@@ -342,7 +342,10 @@ def _as_shape(x: Any) -> tuple[int, ...]:
         x = x._args[0] if x._args else ()
     if not isinstance(x, (tuple, list)) or len(x) > 64:
         raise pickle.UnpicklingError("a tensor shape/stride is not a short tuple of integers")
-    return tuple(_as_int(v, "dimension") for v in x)
+    for v in x:
+        if type(v) is not int:
+            _as_int(v, "dimension")
+    return tuple(x)
 
 
 #: the largest byte size a tensor may have (torch sizes are int64)
@@ -369,22 +372,28 @@ def validate_tensor_record(t: TensorRecord) -> None:
         return CorruptCheckpointError(f"tensor record on storage {key!r} is invalid: {why}; the checkpoint is "
                                       "corrupt (torch.load refuses it too)")
 
-    if len(t.shape) != len(t.stride):
-        raise bad(f"shape {list(t.shape)} and stride {list(t.stride)} differ in length")
-    if any(s < 0 for s in t.shape):
-        raise bad(f"negative size in shape {list(t.shape)}")
-    if any(s < 0 for s in t.stride):
-        raise bad(f"negative stride {list(t.stride)}")
+    shape, stride = t.shape, t.stride
+    if len(shape) != len(stride):
+        raise bad(f"shape {list(shape)} and stride {list(stride)} differ in length")
+    numel, last = 1, t.offset
+    for size, step in zip(shape, stride):
+        if size < 0:
+            raise bad(f"negative size in shape {list(shape)}")
+        if step < 0:
+            raise bad(f"negative stride {list(stride)}")
+        numel *= size
+        if size:
+            last += (size - 1) * step
     if t.offset < 0:
         raise bad(f"negative storage offset {t.offset}")
     es = t.element_size
-    if t.numel * es > MAX_TENSOR_BYTES:
-        raise bad(f"shape {list(t.shape)} is {t.numel:,} elements, more than a tensor can hold")
-    first, end = t.span()
+    if numel * es > MAX_TENSOR_BYTES:
+        raise bad(f"shape {list(shape)} is {numel:,} elements, more than a tensor can hold")
+    end = last + 1
     if end * es > MAX_TENSOR_BYTES:
         raise bad(f"offset and strides reach element {end:,}, beyond any storage")
     st = t.storage
-    if st is None or t.numel == 0:
+    if st is None or numel == 0:
         return
     cap = st.nbytes if st.nbytes is not None else (st.numel * st.element_size if st.numel is not None else None)
     if cap is not None and end * es > cap:
