@@ -556,6 +556,10 @@ _DANGEROUS_MODULES = {
     "torch.hub", "torch._C", "torch.jit", "torch.package", "torch._dynamo", "torch.utils.cpp_extension",
     "numpy.testing", "numpy.f2py", "numpy.distutils", "_ctypes", "operator", "functools", "builtins.getattr",
 }
+#: attribute names that, reached through a dotted path, mean running something
+_DANGEROUS_ATTRS = {"system", "popen", "spawnl", "spawnv", "execl", "execv", "execve", "fork", "load", "loads",
+                    "run", "call", "check_call", "check_output", "Popen", "torch_save_to_dcp", "remove", "unlink",
+                    "rmtree", "rename", "write", "write_text", "write_bytes"}
 _PATHS = {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
           "pathlib.Path"}
 _DANGEROUS_BUILTINS = {
@@ -647,8 +651,10 @@ def classify_pair(module: str, name: str, context: str | None = None) -> str:
     joined = classify_global(f"{module}.{name}", context)
     if "." not in name:
         return joined
-    own = "dangerous" if (classify_global(f"{module}.{name.split('.')[0]}", context) == "dangerous"
-                          or any(p.startswith("__") for p in name.split("."))) else "unknown"
+    parts = name.split(".")
+    own = "dangerous" if (classify_global(f"{module}.{parts[0]}", context) == "dangerous"
+                          or any(p.startswith("__") or p in _DANGEROUS_MODULES or p in _DANGEROUS_BUILTINS
+                                 or p in _DANGEROUS_ATTRS for p in parts)) else "unknown"
     return own if _ORDER[own] >= _ORDER[joined] else joined
 
 

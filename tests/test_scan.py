@@ -314,3 +314,115 @@ def test_scan_file_object_leaves_position_after_stop(tmp_path):
         r = scan_globals(f)
         assert r.value == 1 and f.tell() == r.end
         assert scan_globals(f).value == 2
+
+
+# --------------------------------------------------------------------------- every container, opcodes only
+
+def test_scan_never_unpickles_any_container(ckpt, monkeypatch):
+    import ckptfix.pickles as pk
+
+    def refuse(*a, **k):
+        raise AssertionError("scan unpickled something")
+
+    built = (ckpt.plain(), ckpt.legacy(), ckpt.lightning(), ckpt.sharded_bin(), ckpt.sharded_safetensors(),
+             ckpt.dcp(), ckpt.torchscript(), ckpt.evil("e1.pt"), ckpt.evil("e2.pt", mode="legacy"),
+             ckpt.evil("e3.pt", mode="pickle"))
+    monkeypatch.setattr(pk.RecordingUnpickler, "load", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    for b in built:
+        r = scan_checkpoint(b.path)
+        assert r.pickles or b.path.parent.name == "hf_st", b.path
+        assert r.verdict in ("safe", "unknown", "dangerous"), (b.path, r.errors)
+
+
+def test_scan_legacy_reports_every_pickle(ckpt):
+    r = scan_checkpoint(ckpt.evil("ev.pt", mode="legacy").path)
+    assert r.format == "torch-legacy" and len(r.pickles) == 5
+    assert r.verdict == "dangerous"
+    r = scan_checkpoint(ckpt.evil("ev2.pt", mode="pickle").path)
+    assert r.format == "pickle" and len(r.pickles) == 1 and r.verdict == "dangerous"
+
+
+def test_scan_dcp_byte_item_with_payload(tmp_path):
+    """A DCP BYTE_IO item is torch.load-ed by dcp.load: a payload in it must show up."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import Evil
+
+    d = tmp_path / "evil_dcp"
+    marker = tmp_path / "pwned"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(2), "extra": {"payload": Evil(str(marker))}}, checkpoint_id=str(d), no_dist=True)
+    r = scan_checkpoint(d)
+    assert r.verdict == "dangerous", r.globals
+    assert any(p.startswith("__0_0.distcp@") for p in r.pickles)
+    assert not marker.exists()
+    assert run_cli("scan", d).returncode == 11
+
+
+def test_scan_dcp_metadata_payload_is_dangerous(ckpt):
+    b = ckpt.dcp("dcp_evil")
+    meta = b.path / ".metadata"
+    body = meta.read_bytes()
+    assert body[:2] == b"\x80\x02" or body[:1] == b"\x80"
+    evil = body[:2] + b"ctorch.distributed.checkpoint.filesystem\nos.system\n(X\x02\x00\x00\x00idtR0" + body[2:]
+    meta.write_bytes(evil)
+    r = scan_checkpoint(b.path)
+    assert r.verdict == "dangerous"
+    assert r.globals["torch.distributed.checkpoint.filesystem.os.system"]["class"] == "dangerous"
+    assert classify_global("torch.distributed.checkpoint.format_utils.torch_save_to_dcp", "dcp") != "safe"
+
+
+def test_scan_dcp_raw_bytes_are_unknown_not_safe(ckpt):
+    b = ckpt.dcp("dcp_raw")
+    shard = next(b.path.glob("*.distcp"))
+    with open(shard, "ab") as f:
+        f.write(b"\x80\x02cos\nsystem\n.")  # bytes no torch archive holds
+    r = scan_checkpoint(b.path)
+    assert r.verdict == "unknown" and any("belong to no torch archive" in g for g in r.unknown)
+
+
+def test_scan_zip_with_two_data_pkl_members(tmp_path):
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "ok.pt"
+    torch.save({"w": torch.zeros(2)}, src)
+    out = tmp_path / "dup.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            if info.filename.endswith("data.pkl"):
+                zout.writestr(info.filename, payload_popped_strings())
+            zout.writestr(info, zin.read(info.filename))
+    import warnings
+
+    warnings.simplefilter("ignore")
+    r = scan_checkpoint(out)
+    assert r.verdict == "dangerous" and any("members named" in e for e in r.errors)
+
+
+def test_scan_sharded_index_reads_shards_by_opcodes_and_refuses_escapes(ckpt, tmp_path):
+    b = ckpt.sharded_bin()
+    idx = json.loads(b.path.read_text())
+    first = next(iter(idx["weight_map"]))
+    idx["weight_map"][first] = "../../etc/passwd"
+    b.path.write_text(json.dumps(idx))
+    r = scan_checkpoint(b.path)
+    assert any("outside the index's directory" in e for e in r.errors)
+    assert run_cli("scan", b.path).returncode != 0
+
+
+def test_scan_tar_checkpoint_is_not_safe(tmp_path):
+    import tarfile
+
+    p = tmp_path / "old.tar"
+    inner = tmp_path / "pickle"
+    inner.write_bytes(b"\x80\x02cos\nsystem\n.")
+    with tarfile.open(p, "w") as t:
+        t.add(inner, arcname="pickle")
+    r = scan_checkpoint(p)
+    assert r.verdict != "safe"
+    assert run_cli("scan", p).returncode == 11
