@@ -707,12 +707,10 @@ class RecordingUnpickler(pickle.Unpickler):
         except (AttributeError, OSError, ValueError):
             start = None
         if start is not None:
-            r = scan_globals(f, limits=self.limits)
-            f.seek(start)
-            if r.limit_error:
-                from ckptfix.errors import ResourceLimitError
-
-                raise ResourceLimitError(r.limit_error)
+            try:
+                r = scan_globals(f, limits=self.limits, strict_limits=True)
+            finally:
+                f.seek(start)
             if r.error:
                 raise pickle.UnpicklingError(r.error)
             self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}

@@ -243,9 +243,9 @@ def scan_globals(data: bytes | bytearray | memoryview | BinaryIO, *, limits: Pic
     Args:
         data: the pickle bytes, or a binary file positioned at a pickle.
         limits: resource limits to check (default: :meth:`PickleLimits.from_env`).
-        strict_limits: raise :class:`~ckptfix.errors.ResourceLimitError` when the pickle
-            would exceed a limit when loaded (the restricted reader's pre-flight);
-            otherwise the finding is only recorded in ``limit_error``.
+        strict_limits: stop at the first limit the pickle would exceed when loaded and raise
+            :class:`~ckptfix.errors.ResourceLimitError` (the restricted reader's pre-flight);
+            otherwise the finding is only recorded in ``limit_error`` and the scan goes on.
 
     Returns:
         A :class:`ScanResult`.
@@ -256,7 +256,7 @@ def scan_globals(data: bytes | bytearray | memoryview | BinaryIO, *, limits: Pic
     limits = limits or PickleLimits.from_env()
     buf, start, f, closer = _as_buffer(data)
     try:
-        res = _scan(buf, start, limits)
+        res = _scan(buf, start, limits, strict_limits)
     finally:
         if closer is not None:
             closer.close()
@@ -276,9 +276,11 @@ _I32 = struct.Struct("<i").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
 
 _UNDERFLOW = "unpickling stack underflow"
+CHECK_STEP = 16 << 20  # the stack/memo sizes are checked each time the estimate grows by this much
 
 
-def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C901 - one opcode switch
+def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:  # noqa: C901
+    """The opcode walk. ``strict``: stop at the first limit crossed (the reader's pre-flight)."""
     res = ScanResult()
     n = len(buf)
     pos = start
@@ -292,7 +294,9 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
     est = 0
     max_idepth = 0
     max_bytes = limits.max_bytes
-    next_check = max_bytes  # est is compared with this once per opcode
+    next_check = min(CHECK_STEP, max_bytes)  # est is compared with this once per opcode
+    max_entries = max(max_bytes // 64, 1 << 16)  # stack and memo slots (8 bytes each in the C unpickler too)
+    budget_hit = False
     max_digits_bytes = limits.max_int_digits * 415 // 1000  # bytes of a LONG4 whose value has that many digits
     globals_ = res.globals
     pairs = res.pairs
@@ -317,6 +321,17 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
         items = stack[k:]
         del stack[k:]
         return items
+
+    def drop_mark() -> int:
+        """POP_MARK-like: drop the frame, return how many values it held (no copy)."""
+        nonlocal fence
+        if not marks:
+            raise _Malformed("could not find MARK")
+        k = marks.pop()
+        fence = marks[-1] if marks else 0
+        count = len(stack) - k
+        del stack[k:]
+        return count
 
     def add_global(module: str, name: str) -> None:
         rm, rn = resolve_global(module, name, proto)
@@ -362,14 +377,23 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
     try:
         while True:
             if est > next_check:
-                if next_check == max_bytes:
-                    res.limit_error = res.limit_error or (
-                        f"the pickle would build more than {max_bytes >> 20} MiB of objects; set "
-                        "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
-                    next_check = 4 * max_bytes
-                else:
-                    raise _Stop(f"the pickle holds more than {4 * max_bytes >> 20} MiB of values; set "
-                                "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it")
+                next_check = est + CHECK_STEP
+                if len(stack) > max_entries or len(memo) > max_entries:
+                    raise _Stop(f"the pickle keeps more than {max_entries:,} values on the unpickler's stack or "
+                                "memo; set CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
+                if est > max_bytes:
+                    if not budget_hit:
+                        budget_hit = True
+                        res.limit_error = res.limit_error or (
+                            f"the pickle would build more than {max_bytes >> 20} MiB of objects; set "
+                            "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
+                        if strict:
+                            break
+                    elif est > 2 * max_bytes:
+                        raise _Stop(f"the pickle holds more than {2 * max_bytes >> 20} MiB of values; set "
+                                    "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it")
+            if strict and res.limit_error:
+                break
             if pos >= n:
                 raise _Malformed("pickle data was truncated (no STOP)")
             op = buf[pos]
@@ -495,12 +519,12 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 memo_put(buf[pos])
                 pos += 1
             elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS APPENDS ADDITEMS
-                items = pop_mark()
+                count = drop_mark()
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
-                if op == 0x75 and len(items) & 1:
+                if op == 0x75 and count & 1:
                     raise _Malformed("odd number of items for SETITEMS")
-                est += (50 if op != 0x65 else 8) * len(items)
+                est += (50 if op != 0x65 else 8) * count
             elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
                 push(OBJ)
                 est += 64 if op == 0x7D else 56 if op == 0x5D else 216
@@ -564,7 +588,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 if not complete or not module or not name:
                     raise _Malformed("pickle data was truncated (GLOBAL/INST needs two whole lines)")
                 if op == 0x69:
-                    pop_mark()
+                    drop_mark()
                     est += 200
                 push(ANY)
                 est += 8
@@ -581,8 +605,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 stack[-1] = ANY
                 est += 200
             elif op == 0x6F:  # OBJ
-                items = pop_mark()
-                if not items:
+                if not drop_mark():
                     raise _Malformed(_UNDERFLOW)
                 push(ANY)
                 est += 200
@@ -644,27 +667,27 @@ def _scan(buf: Any, start: int, limits: PickleLimits) -> ScanResult:  # noqa: C9
                 else:
                     del stack[-1]
             elif op == 0x31:  # POP_MARK
-                pop_mark()
+                drop_mark()
             elif op == 0x32:  # DUP
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
                 push(stack[-1])
                 est += 8
-            elif op == 0x6C or op == 0x64 or op == 0x91:  # LIST DICT FROZENSET
-                items = pop_mark()
-                if op == 0x64 and len(items) & 1:
+            elif op == 0x6C or op == 0x64:  # LIST DICT
+                count = drop_mark()
+                if op == 0x64 and count & 1:
                     raise _Malformed("odd number of items for DICT")
-                if op == 0x91:
-                    d = 1 + max((_depth(v) for v in items), default=0)
-                    max_idepth = max(max_idepth, d)
-                    if d > limits.max_depth and not res.limit_error:
-                        res.limit_error = (f"the pickle nests frozensets more than {limits.max_depth} deep; set "
-                                           "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
-                    push(_nested(_FROZENSETS, "frozenset", min(d, limits.max_depth + 1)))
-                    est += 216 + 32 * len(items)
-                else:
-                    push(OBJ)
-                    est += 64 + 50 * len(items)
+                push(OBJ)
+                est += 64 + 50 * count
+            elif op == 0x91:  # FROZENSET
+                items = pop_mark()
+                d = 1 + max((_depth(v) for v in items), default=0)
+                max_idepth = max(max_idepth, d)
+                if d > limits.max_depth and not res.limit_error:
+                    res.limit_error = (f"the pickle nests frozensets more than {limits.max_depth} deep; set "
+                                       "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
+                push(_nested(_FROZENSETS, "frozenset", min(d, limits.max_depth + 1)))
+                est += 216 + 32 * len(items)
             elif op == 0x47:  # BINFLOAT
                 if pos + 8 > n:
                     raise truncated()

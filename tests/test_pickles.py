@@ -149,15 +149,21 @@ def test_many_distinct_globals_refused(tmp_path):
     assert rc != 12, err
 
 
-def test_object_budget_refuses_many_small_objects(tmp_path):
-    body = b"\x80\x02](" + b"}" * 5_000_000 + b"e."  # 5 MB of bytes, ~350 MB of dicts
+@pytest.mark.parametrize("body", [
+    b"\x80\x02](" + b"}" * 5_000_000 + b"e.",  # 5 MB of bytes, ~350 MB of dicts
+    b"\x80\x02](" + b"N" * 40_000_000 + b"e.",  # 40M values on the stack
+    b"\x80\x04N" + b"\x94" * 40_000_000 + b".",  # 40M memo entries
+], ids=["dicts", "stack", "memo"])
+def test_object_budget_refuses_many_small_objects(tmp_path, body):
     with pytest.raises(ResourceLimitError) as ei:
         loads_records(body)
     assert "CKPTFIX_MAX_PICKLE_MB" in str(ei.value)
-    p = tmp_path / "dicts.pkl"
+    p = tmp_path / "many.pkl"
     p.write_bytes(body)
     rc, rss, err = _rss_cli("inspect", p)
     assert rc == 12 and rss < RSS_BUDGET_MIB, (rc, rss, err)
+    rc, rss, err = _rss_cli("scan", p)
+    assert rc == 11 and rss < RSS_BUDGET_MIB, (rc, rss, err)
 
 
 @pytest.mark.parametrize("payload", [b"]" * 5000 + b"a" * 4999, b")" + b"\x85" * 5000,
