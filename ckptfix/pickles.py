@@ -522,6 +522,9 @@ class _BoundedCtor(Stub):
         a = args[0]
         if isinstance(a, Stub) or isinstance(a, type):
             return None  # a placeholder stands for something not built: never iterate it as if it were
+        if name in ("bytearray", "bytes") and len(args) > 1 and not (
+                isinstance(args[1], str) and args[1].lower() in _SAFE_CODECS):
+            return None  # only plain text codecs: a codec lookup may import modules
         if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
             return a if a >= 0 else None
         if name == "encode":
