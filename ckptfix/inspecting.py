@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import os
+import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
-from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff, tar_message
-from ckptfix.pickles import Stub, TensorRecord, classify_global, global_name, scan_globals
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
+from ckptfix.pickles import (
+    LEGACY_MAGIC_NUMBER, PickleLimits, ScanResult, Stub, TensorRecord, classify_global, classify_pair,
+    global_name, scan_globals, scan_pickle_sequence, worst,
+)
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 SCAN_SCHEMA = "ckptfix.scan/1"
@@ -217,11 +222,14 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
 
 @dataclass
 class ScanReport:
+    """What ``scan`` found: every global each pickle of the checkpoint references, classified."""
+
     path: str
     format: str
     pickles: list[str]
     globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
     errors: list[str]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def dangerous(self) -> list[str]:
@@ -244,13 +252,129 @@ class ScanReport:
     def to_dict(self) -> dict[str, Any]:
         return {"schema": SCAN_SCHEMA, "path": self.path, "format": self.format, "verdict": self.verdict,
                 "pickles": self.pickles, "globals": self.globals, "dangerous": self.dangerous,
-                "unknown": self.unknown, "errors": self.errors}
+                "unknown": self.unknown, "errors": self.errors, "notes": self.notes}
+
+
+class _Acc:
+    """Accumulates scan results over the pickles of one checkpoint."""
+
+    def __init__(self, context: str | None) -> None:
+        self.context = context
+        self.globals: dict[str, dict[str, Any]] = {}
+        self.pickles: list[str] = []
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+
+    def add_result(self, label: str, r: ScanResult) -> None:
+        self.pickles.append(label)
+        for (m, n), count in r.pairs.items():
+            self._add(f"{m}.{n}", classify_pair(m, n, self.context), count)
+        for what in r.unresolved:
+            self._add(what, "unknown", 1)
+        if r.error:
+            self.errors.append(f"{label}: {r.error}")
+
+    def unknown(self, label: str, why: str) -> None:
+        """Something the scan cannot read: it counts as an unknown global (never safe)."""
+        self._add(f"<{label}: {why}>", "unknown", 1)
+
+    def _add(self, key: str, cls: str, count: int) -> None:
+        d = self.globals.setdefault(key, {"class": cls, "count": 0})
+        d["class"] = worst(d["class"], cls)
+        d["count"] += count
+
+    def merge(self, prefix: str, other: "ScanReport") -> None:
+        for g, d in other.globals.items():
+            self._add(g, d["class"], d["count"])
+        self.pickles += [f"{prefix}:{p}" for p in other.pickles]
+        self.errors += [f"{prefix}:{e}" for e in other.errors]
+        self.notes += other.notes
+
+
+def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, acc: _Acc,
+                       limits: PickleLimits) -> None:
+    if info.file_size > limits.max_bytes:
+        acc.unknown(label, f"a {info.file_size >> 20} MiB pickle, over the {limits.max_bytes >> 20} MiB limit "
+                           "(set CKPTFIX_MAX_PICKLE_MB=N to scan it)")
+        return
+    try:
+        with zf.open(info) as fh:
+            data = fh.read(limits.max_bytes + 1)
+    except Exception as e:  # noqa: BLE001 - a damaged member is reported, never a crash
+        acc.errors.append(f"{label}: unreadable ({type(e).__name__}: {e})")
+        return
+    acc.add_result(label, scan_globals(data, limits=limits))
+
+
+def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    try:
+        zf = zipfile.ZipFile(fileobj)
+    except Exception as e:  # noqa: BLE001 - zipfile raises many types on damaged archives
+        acc.errors.append(f"{label}: damaged zip ({type(e).__name__}: {e})")
+        return
+    from ckptfix.formats.zipfmt import check_inflation, check_names, torch_root
+
+    with zf:
+        try:
+            infos = zf.infolist()
+        except Exception as e:  # noqa: BLE001
+            acc.errors.append(f"{label}: damaged zip directory ({e})")
+            return
+        # names torch and zipfile could resolve differently, and members that inflate past the budget:
+        # refused as by every other command
+        try:
+            check_names(label, zf.namelist())
+            torch_root(label, zf.namelist())
+        except CorruptCheckpointError as e:  # refused by every loader; scan still reports every member's globals
+            acc.errors.append(str(e))
+        check_inflation(label, zf, records=False)
+        names = collections.Counter(i.filename for i in infos)
+        for dup in sorted(n for n, c in names.items() if c > 1):
+            acc.errors.append(f"{label}: the archive holds {names[dup]} members named {dup!r} (readers disagree on "
+                              "which one counts); refused")
+        for info in infos:
+            if info.filename.endswith(".pkl") and not info.filename.endswith(".debug_pkl"):
+                _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
+
+
+def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> str:
+    """Every pickle torch.load would unpickle from a non-zip file; returns the format name."""
+    with open(path, "rb") as f:
+        r, parts = scan_pickle_sequence(f, limits=limits)
+    legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
+    names = ["magic number", "protocol version", "system info", "checkpoint object", "storage keys"]
+    for i, part in enumerate(parts):
+        label = os.path.basename(path) + (f"[{names[i]}]" if legacy else "" if i == 0 else f"[{i}]")
+        acc.add_result(label, part)
+    return "torch-legacy" if legacy else "pickle"
+
+
+def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> str:
+    from ckptfix.formats.sharded import load_index
+
+    idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
+    for shard, sp in idx.shards.items():
+        kind = sniff(sp)
+        if kind in ("sharded", "sharded-dir", "dcp"):
+            raise CorruptCheckpointError(f"{idx.path}: shard {shard!r} is itself a {kind} checkpoint; the index is "
+                                         "corrupt or hostile")
+        acc.merge(shard, scan_checkpoint(sp, limits=limits))
+    return "sharded"
+
+
+def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    meta = os.path.join(path, ".metadata")
+    with open(meta, "rb") as f:
+        acc.add_result(".metadata", scan_globals(f, limits=limits))
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".distcp") and os.path.isfile(os.path.join(path, name)):
+            _scan_distcp(os.path.join(path, name), name, acc, limits)
 
 
 class _Slice(io.RawIOBase):
-    """A read-only window of a file, for zip archives embedded in DCP shard files."""
+    """A read-only window of a file: one archive inside a .distcp file."""
 
-    def __init__(self, f: Any, start: int, length: int):
+    def __init__(self, f: Any, start: int, length: int) -> None:
         self.f, self.start, self.length, self.pos = f, start, length, 0
 
     def readable(self) -> bool:
@@ -267,112 +391,127 @@ class _Slice(io.RawIOBase):
         return self.pos
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self.length - self.pos))
+        k = max(0, min(len(b), self.length - self.pos))
         self.f.seek(self.start + self.pos)
-        data = self.f.read(n)
+        data = self.f.read(k)
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
 
-def _scan_zip(fileobj: Any, label: str, counts: collections.Counter, pickles: list[str], errors: list[str]) -> None:
-    try:
-        zf = zipfile.ZipFile(fileobj)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, KeyError, IndexError) as e:
-        errors.append(f"{label}: damaged zip ({e})")
-        return
-    from ckptfix.formats.zipfmt import check_inflation, check_names, max_pickle_bytes, read_member, torch_root
-
-    with zf:
-        check_names(label, zf.namelist())  # names torch and zipfile would resolve differently: refused
-        torch_root(label, zf.namelist())
-        check_inflation(label, zf, records=False)
-        budget = [max_pickle_bytes()]
-        for name in zf.namelist():
-            if name.endswith(".pkl") and not name.endswith(".debug_pkl"):
-                try:
-                    data = read_member(label, zf, name, budget)
-                except CorruptCheckpointError as e:
-                    errors.append(f"{label}:{name}: unreadable ({e})")
-                    continue
-                r = scan_globals(data)
-                pickles.append(f"{label}:{name}")
-                counts.update(r.globals)
-                if r.error:
-                    errors.append(f"{label}:{name}: {r.error}")
+def _find_all(f: Any, size: int, needle: bytes, start: int, chunk: int = 1 << 20):
+    """Offsets of ``needle`` in the file from ``start`` on, read in chunks (bounded memory)."""
+    pos = start
+    keep = len(needle) - 1
+    tail = b""
+    while pos < size:
+        f.seek(pos)
+        block = f.read(min(chunk, size - pos))
+        if not block:
+            return
+        data = tail + block
+        base = pos - len(tail)
+        i = data.find(needle)
+        while i >= 0:
+            yield base + i
+            i = data.find(needle, i + 1)
+        tail = data[-keep:] if keep else b""
+        pos += len(block)
 
 
-def scan_checkpoint(path: str | os.PathLike) -> ScanReport:
-    """List every global the checkpoint's pickles reference and classify each. Never unpickles anything."""
+def _archive_bounds(f: Any, e: int, size: int) -> tuple[int, int] | None:
+    """(start, end) of the zip archive whose end-of-central-directory record is at ``e``, or None."""
+    f.seek(e)
+    rec = f.read(22)
+    if len(rec) < 22:
+        return None
+    cd_size, cd_off, clen = struct.unpack_from("<IIH", rec, 12)
+    end = e + 22 + clen
+    if end > size:
+        return None
+    if e >= 76:
+        f.seek(e - 20)
+        loc = f.read(20)
+        if loc[:4] == b"PK\x06\x07":
+            (z64_rel,) = struct.unpack_from("<Q", loc, 8)
+            f.seek(e - 76)
+            if f.read(4) == b"PK\x06\x06":
+                start = e - 76 - z64_rel
+                return (start, end) if start >= 0 else None
+    start = e - cd_size - cd_off
+    return (start, end) if start >= 0 else None
+
+
+def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the torch archives written back to back in a .distcp file (one per DCP item).
+
+    Archives are found from their end records (the start follows from the central
+    directory's offset), so nothing is unpickled; bytes that belong to no archive
+    (tensors written raw, or anything else) cannot be told apart from a pickle that
+    ``dcp.load`` would hand to ``torch.load``, and make the verdict unknown.
+    """
+    size = os.path.getsize(fpath)
+    with open(fpath, "rb") as f:
+        pos = 0
+        for e in _find_all(f, size, b"PK\x05\x06", 0):
+            if e < pos:
+                continue
+            bounds = _archive_bounds(f, e, size)
+            if bounds is None or bounds[0] < pos:
+                continue
+            start, end = bounds
+            f.seek(start)
+            if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
+                continue
+            if start > pos:
+                acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
+            _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
+            pos = end
+        if pos < size:
+            acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
+
+
+def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = None) -> ScanReport:
+    """List every global the checkpoint's pickles reference and classify each, reading opcodes only.
+
+    Every pickle ``torch.load`` (or ``dcp.load``) would unpickle is scanned: ``data.pkl`` (and
+    every other ``.pkl`` member) of a zip, the five pickles of a legacy stream, a bare pickle,
+    each shard of a sharded index, a DCP directory's ``.metadata`` and the pickles inside its
+    ``.distcp`` files.  Nothing is unpickled.  What the scan cannot follow is listed as an
+    unknown global (``<...>``), so the verdict is never "safe" for it.
+
+    Args:
+        path: a checkpoint file, sharded index (or its directory) or DCP directory.
+        limits: resource limits (default: from ``CKPTFIX_MAX_PICKLE_*``).
+
+    Returns:
+        A :class:`ScanReport`.
+
+    Raises:
+        CheckpointNotFoundError: missing path or shard.
+        CorruptCheckpointError: a file that is no checkpoint at all.
+        UnsupportedError: a pre-0.4 tar checkpoint (it runs pickles ckptfix cannot scan as one archive).
+    """
     path = os.fspath(path)
+    limits = limits or PickleLimits.from_env()
     kind = sniff(path)
-    counts: collections.Counter[str] = collections.Counter()
-    pickles: list[str] = []
-    errors: list[str] = []
+    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(kind)
+    acc = _Acc(ctx)
     fmt = kind
-    if kind == "torch-tar":
-        raise ScanFindingsError(tar_message(path))
     if kind in ("torch-zip", "torchscript"):
         with open(path, "rb") as f:
-            _scan_zip(f, os.path.basename(path), counts, pickles, errors)
+            _scan_zip(f, os.path.basename(path), acc, limits)
     elif kind == "pickle-stream":
-        from ckptfix.formats.legacy import scan_stream
-
-        r = scan_stream(path)
-        counts.update(r.globals)
-        pickles.append(os.path.basename(path))
-        if r.error:
-            errors.append(r.error)
-        fmt = "torch-legacy/pickle"
-        from ckptfix.errors import CorruptCheckpointError
-        from ckptfix.formats.legacy import read_pickle_stream
-
-        try:  # the storage table too (restricted reader: nothing runs)
-            fmt = read_pickle_stream(path).format
-        except CorruptCheckpointError as e:
-            errors.append(str(e))
+        fmt = _scan_legacy(path, acc, limits)
     elif kind == "safetensors":
-        read_checkpoint(path)  # validates the header
+        read_checkpoint(path)  # validates the JSON header; no pickle inside
     elif kind in ("sharded", "sharded-dir"):
-        cf = read_checkpoint(path)
-        for shard, scf in cf.extra["shards"].items():
-            sub = scan_checkpoint(scf.path)
-            for g, d in sub.globals.items():
-                counts[g] += d["count"]
-            pickles += [f"{shard}:{p}" for p in sub.pickles]
-            errors += sub.errors
+        fmt = _scan_sharded(path, acc, limits)
     elif kind == "dcp":
-        meta = os.path.join(path, ".metadata")
-        with open(meta, "rb") as f:
-            r = scan_globals(f)
-        counts.update(r.globals)
-        pickles.append(".metadata")
-        if r.error:
-            errors.append(f".metadata: {r.error}")
-        for item, (rel, off, length) in _dcp_items(path).items():
-            with open(os.path.join(path, rel), "rb") as f:
-                _scan_zip(_Slice(f, off, length), f"{rel}@{off}", counts, pickles, errors)
-    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(kind)
-    gl = {g: {"class": classify_global(g, ctx), "count": n} for g, n in sorted(counts.items())}
-    return ScanReport(path=path, format=fmt, pickles=pickles, globals=gl, errors=errors)
-
-
-def _dcp_items(path: str) -> dict[str, tuple[str, int, int]]:
-    """fqn -> (shard file, offset, length) from DCP metadata, read with the restricted reader."""
-    from ckptfix.pickles import RecordingUnpickler
-
-    out: dict[str, tuple[str, int, int]] = {}
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            meta = RecordingUnpickler(f).load()
-        sd = meta._state.get("storage_data", {}) if isinstance(meta, Stub) and isinstance(meta._state, dict) else {}
-        for idx, info in sd.items():
-            ist = idx._state if isinstance(idx, Stub) and isinstance(idx._state, dict) else {}
-            st = info._state if isinstance(info, Stub) and isinstance(info._state, dict) else {}
-            rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
-            if isinstance(rel, str) and "/" not in rel and isinstance(off, int) and isinstance(length, int):
-                out[f"{ist.get('fqn')}#{ist.get('index')}"] = (rel, off, length)
-    except Exception:  # noqa: BLE001 - metadata problems are reported by the .metadata scan
-        pass
-    return out
-
+        _scan_dcp(path, acc, limits)
+    elif kind == "torch-tar":
+        acc.unknown(os.path.basename(path), "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix "
+                                            "does not scan them")
+    globals_ = dict(sorted(acc.globals.items()))
+    return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors,
+                      notes=acc.notes)

@@ -34,6 +34,10 @@ import pickletools
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterable, Iterator
 
+from ckptfix.scanner import (  # re-exported: the opcode scan lives in its own module
+    LEGACY_MAGIC_NUMBER, PickleLimits, ScanResult, resolve_global, scan_globals, scan_pickle_sequence,
+)
+
 # --------------------------------------------------------------------------- dtypes
 
 #: legacy storage class name -> dtype name
@@ -327,10 +331,74 @@ def rebuilder_class(module: str, name: str) -> type:
     return cls
 
 
+def _as_int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise pickle.UnpicklingError(f"a tensor {what} is {type(v).__name__}, not an integer")
+    return v
+
+
 def _as_shape(x: Any) -> tuple[int, ...]:
     if isinstance(x, Stub):  # torch.Size(...) placeholder
         x = x._args[0] if x._args else ()
-    return tuple(int(v) for v in x)
+    if not isinstance(x, (tuple, list)) or len(x) > 64:
+        raise pickle.UnpicklingError("a tensor shape/stride is not a short tuple of integers")
+    for v in x:
+        if type(v) is not int:
+            _as_int(v, "dimension")
+    return tuple(x)
+
+
+#: the largest byte size a tensor may have (torch sizes are int64)
+MAX_TENSOR_BYTES = (1 << 63) - 1
+
+
+def validate_tensor_record(t: TensorRecord) -> None:
+    """Check one tensor record the way torch would before building it.
+
+    Shape and stride have the same length, no negative size, stride or offset, the
+    byte size fits in int64, and (when the storage's size is known) every element
+    the view touches lies inside the storage.
+
+    Args:
+        t: the record (its storage's ``numel`` or ``nbytes`` is used when set).
+
+    Raises:
+        CorruptCheckpointError: the record is impossible; the message says which field.
+    """
+    from ckptfix.errors import CorruptCheckpointError
+
+    def bad(why: str) -> CorruptCheckpointError:
+        key = t.storage.key if t.storage is not None else "?"
+        return CorruptCheckpointError(f"tensor record on storage {key!r} is invalid: {why}; the checkpoint is "
+                                      "corrupt (torch.load refuses it too)")
+
+    shape, stride = t.shape, t.stride
+    if len(shape) != len(stride):
+        raise bad(f"shape {list(shape)} and stride {list(stride)} differ in length")
+    numel, last = 1, t.offset
+    for size, step in zip(shape, stride):
+        if size < 0:
+            raise bad(f"negative size in shape {list(shape)}")
+        if step < 0:
+            raise bad(f"negative stride {list(stride)}")
+        numel *= size
+        if size:
+            last += (size - 1) * step
+    if t.offset < 0:
+        raise bad(f"negative storage offset {t.offset}")
+    es = t.element_size
+    if numel * es > MAX_TENSOR_BYTES:
+        raise bad(f"shape {list(shape)} is {numel:,} elements, more than a tensor can hold")
+    end = last + 1
+    if end * es > MAX_TENSOR_BYTES:
+        raise bad(f"offset and strides reach element {end:,}, beyond any storage")
+    st = t.storage
+    if st is None or numel == 0:
+        return
+    cap = st.nbytes if st.nbytes is not None else (st.numel * st.element_size if st.numel is not None else None)
+    if cap is not None and end * es > cap:
+        raise bad(f"the view (offset {t.offset}, shape {list(t.shape)}, stride {list(t.stride)}) needs "
+                  f"{end * es:,} bytes of a {cap:,}-byte storage")
 
 
 def _rebuild(name: str, args: tuple) -> TensorRecord:
@@ -342,7 +410,10 @@ def _rebuild(name: str, args: tuple) -> TensorRecord:
             dtype = stub_dtype(args[6]) or dtype
         if not isinstance(storage, StorageRecord):
             raise pickle.UnpicklingError(f"{name} called without a storage")
-        return TensorRecord(storage, int(offset), _as_shape(size), _as_shape(stride), dtype, requires_grad)
+        rec = TensorRecord(storage, _as_int(offset, "storage offset"), _as_shape(size), _as_shape(stride), dtype,
+                           requires_grad)
+        validate_tensor_record(rec)
+        return rec
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         inner = args[0]
         if isinstance(inner, TensorRecord):
@@ -382,25 +453,98 @@ class _RebuildFromType(Stub):
         return Stub.__new__(cls, *args)
 
 
-# plain-data constructors that run no user code: rebuilt for real
+# plain-data constructors that run no user code: rebuilt for real, within limits
+_SAFE_CODECS = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1", "utf-8", "utf8",
+                          "utf_8", "ascii", "us-ascii"})
+
+
 def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-    if isinstance(obj, str):
-        return codecs.encode(obj, encoding, errors)
-    raise pickle.UnpicklingError("_codecs.encode on a non-string")
+    if isinstance(obj, str) and isinstance(encoding, str) and encoding.lower() in _SAFE_CODECS:
+        return codecs.encode(obj, encoding, errors if isinstance(errors, str) else "strict")
+    raise pickle.UnpicklingError("_codecs.encode with something other than a string and a plain text codec")
 
 
-_REAL: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
+def _range_len(r: range) -> int:
+    """len(r) without OverflowError for ranges longer than sys.maxsize."""
+    lo, hi, step = r.start, r.stop, r.step
+    if step > 0:
+        return max(0, (hi - lo + step - 1) // step)
+    return max(0, (lo - hi - step - 1) // -step)
+
+
+def _size_of(x: Any) -> int | None:
+    if isinstance(x, range):
+        return _range_len(x)
+    if isinstance(x, Stub):
+        return None  # iterating a placeholder yields only what the pickle itself held
+    try:
+        return len(x)
+    except (TypeError, OverflowError):
+        return None
+
+
+class _BoundedCtor(Stub):
+    """``set`` / ``frozenset`` / ``bytearray`` / ``range`` / ``bytes`` / ``_codecs.encode``: built for real when small.
+
+    Over the unpickler's limit the call is kept as a placeholder recording its arguments, so a
+    rewrite writes the same call back (``frozenset(range(10**12))`` stays that, costing nothing).
+    """
+
+    _real: Any = None
+    _limits: PickleLimits = PickleLimits()
+    _owner: Any = None  # the RecordingUnpickler, for notes
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        size = cls._materialised_size(args)
+        if size is not None and size <= cls._budget() and not kwargs:
+            try:
+                return cls._real(*args)
+            except (TypeError, ValueError, OverflowError, LookupError, pickle.UnpicklingError):
+                pass
+        if cls._owner is not None:
+            cls._owner._note_placeholder(cls, size)
+        return Stub.__new__(cls, *args, **kwargs)
+
+    @classmethod
+    def _budget(cls) -> int:
+        return cls._limits.max_items * (16 if cls._ckpt_name in ("bytearray", "bytes", "encode") else 1)
+
+    @classmethod
+    def _materialised_size(cls, args: tuple) -> int | None:
+        name = cls._ckpt_name
+        if name == "range":
+            try:
+                return _range_len(range(*args))
+            except (TypeError, ValueError):
+                return None
+        if not args:
+            return 0
+        a = args[0]
+        if isinstance(a, Stub) or isinstance(a, type):
+            return None  # a placeholder stands for something not built: never iterate it as if it were
+        if name in ("bytearray", "bytes") and len(args) > 1 and not (
+                isinstance(args[1], str) and args[1].lower() in _SAFE_CODECS):
+            return None  # only plain text codecs: a codec lookup may import modules
+        if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
+            return a if a >= 0 else None
+        if name == "encode":
+            return 4 * len(a) if isinstance(a, str) else None
+        return _size_of(a)
+
+
+_BOUNDED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
     ("builtins", "bytearray"): bytearray,
-    ("builtins", "complex"): complex,
-    ("builtins", "slice"): slice,
+    ("builtins", "bytes"): bytes,
     ("builtins", "range"): range,
     ("_codecs", "encode"): _codecs_encode,
-    ("__builtin__", "set"): set,
-    ("__builtin__", "frozenset"): frozenset,
-    ("copy_reg", "_reconstructor"): None,  # stubbed like everything else
+}
+
+_REAL: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
 }
 
 
@@ -415,6 +559,10 @@ _DANGEROUS_MODULES = {
     "torch.hub", "torch._C", "torch.jit", "torch.package", "torch._dynamo", "torch.utils.cpp_extension",
     "numpy.testing", "numpy.f2py", "numpy.distutils", "_ctypes", "operator", "functools", "builtins.getattr",
 }
+#: attribute names that, reached through a dotted path, mean running something
+_DANGEROUS_ATTRS = {"system", "popen", "spawnl", "spawnv", "execl", "execv", "execve", "fork", "load", "loads",
+                    "run", "call", "check_call", "check_output", "Popen", "torch_save_to_dcp", "remove", "unlink",
+                    "rmtree", "rename", "write", "write_text", "write_bytes"}
 _PATHS = {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
           "pathlib.Path"}
 _DANGEROUS_BUILTINS = {
@@ -433,18 +581,37 @@ _SAFE_EXTRA = {
 }
 
 
+#: the record classes a DCP ``.metadata`` pickle names (torch.distributed.checkpoint), exactly
+DCP_METADATA_GLOBALS = frozenset({
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+})
+
+
 def classify_global(name: str, context: str | None = None) -> str:
     """``"safe"`` (torch's weights-only loader allows it), ``"dangerous"`` or ``"unknown"``.
 
     ``context`` widens "safe" for pickles that are not ``torch.load`` files: ``"dcp"`` (a DCP
-    ``.metadata`` file: torch.distributed.checkpoint's dataclasses and paths) and ``"torchscript"``
-    (``__torch__.*`` classes are TorchScript types, resolved by the TorchScript runtime, not Python).
+    ``.metadata`` file: exactly the metadata record classes of torch.distributed.checkpoint, and
+    paths) and ``"torchscript"`` (``__torch__.*`` classes are TorchScript types, resolved by the
+    TorchScript runtime, not Python).  No module prefix is trusted wholesale outside TorchScript.
+    Names the scan could not resolve (``<...>``) are unknown.
     """
+    if name.startswith("<"):
+        return "unknown"
     if name in _SAFE_EXTRA:
         return "safe"
-    if context == "dcp" and (name.startswith("torch.distributed.checkpoint.") or name in _PATHS):
+    if context == "dcp" and (name in DCP_METADATA_GLOBALS or name in _PATHS):
         return "safe"
-    if context == "torchscript" and name.startswith("__torch__."):
+    if context == "torchscript" and name.startswith("__torch__.") and "__" not in name[len("__torch__."):].replace(
+            "___torch_mangle_", ""):
         return "safe"
     module, _, attr = name.rpartition(".")
     if module == "torch._utils" and attr in TENSOR_REBUILDERS:
@@ -460,47 +627,143 @@ def classify_global(name: str, context: str | None = None) -> str:
     root = module.split(".")[0]
     if module in _DANGEROUS_MODULES or root in _DANGEROUS_MODULES:
         return "dangerous"
+    if any(part.startswith("__") and part.endswith("__") for part in name.split(".")[1:]):
+        return "dangerous"  # __globals__, __builtins__, __subclasses__ ...
     if module.startswith("numpy") and attr in ("load", "loads", "fromfile", "memmap", "save"):
         return "dangerous"
     return "unknown"
 
 
+_ORDER = {"safe": 0, "unknown": 1, "dangerous": 2}
+
+
+def classify_pair(module: str, name: str, context: str | None = None) -> str:
+    """Classify a global the way the unpickler resolves it: ``name`` may be dotted (``path.join``).
+
+    A dotted attribute path is never safe: the unpickler walks it with ``getattr``
+    from ``module`` (protocol 4+), which reaches far beyond the name it spells.
+
+    Args:
+        module: the resolved module name.
+        name: the resolved attribute name (dots walk attributes).
+        context: as for :func:`classify_global`.
+
+    Returns:
+        ``"safe"``, ``"unknown"`` or ``"dangerous"``.
+    """
+    joined = classify_global(f"{module}.{name}", context)
+    if "." not in name:
+        return joined
+    parts = name.split(".")
+    own = "dangerous" if (classify_global(f"{module}.{parts[0]}", context) == "dangerous"
+                          or any(p.startswith("__") or p in _DANGEROUS_MODULES or p in _DANGEROUS_BUILTINS
+                                 or p in _DANGEROUS_ATTRS for p in parts)) else "unknown"
+    return own if _ORDER[own] >= _ORDER[joined] else joined
+
+
+def worst(*classes: str) -> str:
+    """The most severe of some classifications."""
+    return max(classes, key=_ORDER.__getitem__) if classes else "safe"
+
+
 # --------------------------------------------------------------------------- unpickler
 
 class RecordingUnpickler(pickle.Unpickler):
-    """Unpickle into records and placeholders; calls nothing from the pickle.
+    """Unpickle into records and placeholders; calls nothing from the pickle, and stays within limits.
 
     ``storages`` maps storage key -> :class:`StorageRecord` (one object per key,
     so shared storages stay shared).  ``globals_seen`` counts each global the
-    pickle asked for; ``stubbed`` holds the ones turned into placeholders.
+    pickle asked for (resolved as CPython resolves it for the pickle's protocol:
+    ``__builtin__ long`` is ``builtins.int``); ``stubbed`` holds the ones turned
+    into placeholders; ``notes`` says what was kept as a placeholder because it
+    was too big to build.
+
+    Before the C unpickler runs, :func:`~ckptfix.scanner.scan_globals` walks the
+    opcodes and refuses (``ResourceLimitError``) a pickle whose memo indices,
+    object count, nesting or integers would exceed :class:`PickleLimits`.  After
+    it, the object graph's depth is checked, so no later recursive walk can fail.
     """
 
-    def __init__(self, file: BinaryIO, *, legacy: bool = False, storages: dict[str, StorageRecord] | None = None):
+    def __init__(self, file: BinaryIO, *, legacy: bool = False, storages: dict[str, StorageRecord] | None = None,
+                 limits: PickleLimits | None = None):
         super().__init__(file, encoding="utf-8")
+        self._file = file
         self.storages: dict[str, StorageRecord] = {} if storages is None else storages
         self.globals_seen: collections.Counter[str] = collections.Counter()
         self.stubbed: set[str] = set()
+        self.notes: list[str] = []
         self.legacy = legacy
+        self.limits = limits or PickleLimits.from_env()
+        self._py2_names: set[tuple[str, str]] = set()
+        self._bounded: dict[tuple[str, str], type] = {}
+
+    def load(self) -> Any:
+        """Pre-flight the opcodes, unpickle, then check the object graph's depth.
+
+        Raises:
+            ResourceLimitError: the pickle would exceed a limit (the message names the variable that lifts it).
+            pickle.UnpicklingError: the pickle is malformed (callers turn it into CorruptCheckpointError).
+        """
+        f = self._file
+        try:
+            start = f.tell()
+        except (AttributeError, OSError, ValueError):
+            start = None
+        if start is not None:
+            try:
+                r = scan_globals(f, limits=self.limits, strict_limits=True)
+            finally:
+                f.seek(start)
+            if r.error:
+                raise pickle.UnpicklingError(r.error)
+            self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}
+        try:
+            obj = super().load()
+        finally:
+            for cls in self._bounded.values():
+                cls._owner = None  # placeholders outlive the unpickler; notes were taken
+        check_depth(obj, self.limits.max_depth)
+        return obj
+
+    def _note_placeholder(self, cls: type, size: int | None) -> None:
+        full = global_name(cls)
+        self.stubbed.add(full)
+        what = f"{size:,} elements" if size is not None else "unknown size"
+        note = (f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
+                "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged")
+        if note not in self.notes and len(self.notes) < 100:
+            self.notes.append(note)
 
     def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
-        if module == "__builtin__":
-            module = "builtins"
+        if (module, name) in self._py2_names:
+            module, name = resolve_global(module, name, 2)
         full = f"{module}.{name}"
         self.globals_seen[full] += 1
         real = _REAL.get((module, name))
         if real is not None:
             return real
+        if (module, name) in _BOUNDED:
+            cls = self._bounded.get((module, name))
+            if cls is None:
+                cls = type(name, (_BoundedCtor,), {"_ckpt_module": module, "_ckpt_name": name,
+                                                   "_real": staticmethod(_BOUNDED[(module, name)]),
+                                                   "_limits": self.limits, "_owner": self,
+                                                   "__module__": "ckptfix.pickles.stubs"})
+                self._bounded[(module, name)] = cls
+            return cls
         if module == "torch._utils" and name in TENSOR_REBUILDERS:
             return rebuilder_class(module, name)
         if full == "torch._tensor._rebuild_from_type_v2":
             return _rebuild_from_type_class()
-        if classify_global(full) != "safe":
+        if classify_pair(module, name) != "safe":
             self.stubbed.add(full)
         return stub_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
+            if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+                raise pickle.UnpicklingError(f"storage {key!r} has an invalid size {str(numel)[:40]}")
             rec = self.storages.get(key)
             if rec is None:
                 type_name = getattr(storage_type, "_ckpt_name", "") or ""
@@ -515,6 +778,79 @@ class RecordingUnpickler(pickle.Unpickler):
                 return _LegacyView(rec, str(view_key), int(off), int(size))
             return rec
         raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:80]}")
+
+
+def _children(x: Any) -> Iterable[Any]:
+    t = type(x)
+    if t is dict or t is collections.OrderedDict or isinstance(x, dict):
+        for k, v in x.items():
+            yield k
+            yield v
+    elif t in (list, tuple, set, frozenset) or isinstance(x, (list, tuple, set, frozenset)):
+        yield from x
+    elif isinstance(x, Stub):
+        yield from x._args
+        yield from x._kwargs.values()
+        yield x._state
+        yield from x._listitems
+        for k, v in x._dictitems.items():
+            yield k
+            yield v
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice, TensorRecord, StorageRecord)
+
+
+def check_depth(obj: Any, limit: int) -> None:
+    """Refuse an object graph nested deeper than ``limit`` (iterative: never a RecursionError).
+
+    Args:
+        obj: what the unpickler returned.
+        limit: the deepest nesting allowed (containers inside containers).
+
+    Raises:
+        ResourceLimitError: the graph is deeper than ``limit``.
+    """
+    if isinstance(obj, _LEAVES) or isinstance(obj, type):
+        return
+    from ckptfix.errors import ResourceLimitError
+
+    def too_deep() -> ResourceLimitError:
+        return ResourceLimitError(f"the checkpoint's objects are nested more than {limit} levels deep; set "
+                                  "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust")
+
+    height: dict[int, int] = {}
+    on_path: set[int] = set()
+    frames: list[list] = [[obj, iter(_children(obj)), 1]]
+    on_path.add(id(obj))
+    while frames:
+        frame = frames[-1]
+        node, it, best = frame
+        for child in it:
+            if isinstance(child, _LEAVES) or isinstance(child, type):
+                continue
+            cid = id(child)
+            if cid in height:
+                if height[cid] + 1 > best:
+                    frame[2] = best = height[cid] + 1
+                    if best + len(frames) - 1 > limit:
+                        raise too_deep()
+                continue
+            if cid in on_path:
+                continue  # a cycle (the pickle memo allows them): no deeper than what is on the path
+            if len(frames) >= limit:
+                raise too_deep()
+            on_path.add(cid)
+            frames.append([child, iter(_children(child)), 1])
+            break
+        else:
+            frames.pop()
+            on_path.discard(id(node))
+            height[id(node)] = best
+            if frames:
+                parent = frames[-1]
+                if best + 1 > parent[2]:
+                    parent[2] = best + 1
 
 
 @dataclass(eq=False)
@@ -595,70 +931,62 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 
 
 # --------------------------------------------------------------------------- scanning
-
-_STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
-               "STRING", "SHORT_BINBYTES", "BINBYTES", "BINBYTES8"}
+# (the opcode scan lives in ckptfix.scanner; its public names are re-exported above)
 
 
-@dataclass
-class ScanResult:
-    """Every global a pickle references, found by reading opcodes only."""
+# --------------------------------------------------------------------------- write-back check
 
-    globals: collections.Counter = field(default_factory=collections.Counter)
-    error: str | None = None  # set when the opcode stream is malformed (the scan covers what came before)
-    end: int = 0  # offset just past the STOP opcode
-
-    def merge(self, other: "ScanResult") -> None:
-        self.globals.update(other.globals)
-        if other.error and not self.error:
-            self.error = other.error
+#: modules whose attributes :func:`globals_resolvable` may look up, and only when already imported
+RESOLVE_CHECK_MODULES = frozenset({
+    "builtins", "collections", "copyreg", "_codecs", "torch", "torch._utils", "torch._tensor",
+    "torch.nn.parameter", "torch.serialization", "torch.storage",
+})
 
 
-def scan_globals(data: bytes | BinaryIO) -> ScanResult:
-    """List the globals one pickle references (GLOBAL, STACK_GLOBAL, INST, OBJ-by-name), never building anything.
+def globals_resolvable(data: bytes | bytearray | memoryview,
+                       reference: bytes | bytearray | memoryview | Iterable[tuple[str, str]] | None = None
+                       ) -> list[str]:
+    """Check that every global a pickle names resolves, before a rewritten file replaces anything.
 
-    Never raises on arbitrary bytes: a malformed stream is reported in ``error``.
+    Each global is resolved as CPython's unpickler resolves it at the protocol in force
+    (``_compat_pickle`` below protocol 3).  A name in an already-imported module of
+    :data:`RESOLVE_CHECK_MODULES` is looked up with ``getattr`` (``builtins.long`` does not
+    exist: a problem); nothing is ever imported.  Any other name must be one the
+    ``reference`` (the input pickle, or its resolved ``(module, name)`` pairs) also names,
+    so a rewrite can never introduce a global the input did not resolve to.  Without a
+    reference, names that cannot be checked are accepted when torch's weights-only
+    allowlist holds them.
+
+    Args:
+        data: the pickle about to be written (e.g. the new ``data.pkl``).
+        reference: the input's pickle bytes or resolved pairs, when there is an input.
+
+    Returns:
+        A list of problems, one sentence each; empty when every global resolves.
     """
-    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    res = ScanResult()
-    strings: list[str] = []
-    memo: dict[int, Any] = {}
-    memo_count = 0
-    prev_str: str | None = None
-    try:
-        for op, arg, pos in pickletools.genops(f):
-            name = op.name
-            last, prev_str = prev_str, None
-            if name in _STRING_OPS:
-                prev_str = arg.decode("latin-1") if isinstance(arg, bytes) else str(arg)
-                strings.append(arg.decode("latin-1") if isinstance(arg, bytes) else str(arg))
-            elif name in ("GLOBAL", "INST"):
-                mod, _, nm = str(arg).partition(" ")
-                res.globals[f"{'builtins' if mod == '__builtin__' else mod}.{nm}"] += 1
-            elif name == "STACK_GLOBAL":
-                if len(strings) >= 2:
-                    res.globals[f"{strings[-2]}.{strings[-1]}"] += 1
-                else:
-                    res.globals["<unresolved STACK_GLOBAL>"] += 1
-            elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-                memo[int(arg)] = last
-                prev_str = last
-            elif name == "MEMOIZE":
-                memo[memo_count] = last
-                memo_count += 1
-                prev_str = last
-            elif name in ("GET", "BINGET", "LONG_BINGET"):
-                v = memo.get(int(arg))
-                if isinstance(v, str):
-                    strings.append(v)
-                    prev_str = v
-            elif name in ("EXT1", "EXT2", "EXT4"):
-                res.globals[f"<extension {arg}>"] += 1
-            if name == "STOP":
-                res.end = f.tell() if hasattr(f, "tell") else 0
-                break
-            if len(strings) > 64:
-                del strings[:-8]
-    except Exception as e:  # malformed stream: report, never crash
-        res.error = f"{type(e).__name__}: {e}"
-    return res
+    import sys
+
+    r = scan_globals(data)
+    problems: list[str] = []
+    if r.error:
+        problems.append(f"the written pickle is malformed ({r.error})")
+    problems += [f"the written pickle holds {u} (cannot be checked)" for u in r.unresolved]
+    ref: set[tuple[str, str]] | None = None
+    if isinstance(reference, (bytes, bytearray, memoryview)):
+        ref = set(scan_globals(reference).pairs)
+    elif reference is not None:
+        ref = set(reference)
+    for module, name in r.pairs:
+        full = f"{module}.{name}"
+        mod = sys.modules.get(module) if module in RESOLVE_CHECK_MODULES else None
+        if mod is not None and "." not in name:
+            if not hasattr(mod, name):
+                problems.append(f"{full} does not exist: torch.load would fail with AttributeError "
+                                f"(the unpickler resolves {module}.{name} at protocol {r.protocol})")
+            continue
+        if ref is not None:
+            if (module, name) not in ref:
+                problems.append(f"{full} is named by the written pickle but not by the input, so it may not resolve")
+        elif classify_pair(module, name) != "safe":
+            problems.append(f"{full} cannot be checked without importing {module}")
+    return problems

@@ -140,6 +140,9 @@ def test_bad_input_one_line_error_in_process(tmp_path, ckpt, capsys, name, make,
     before = sorted(os.listdir(tmp_path))
     rc = main([cmd, str(path)])
     cap = capsys.readouterr()
+    if cmd == "scan" and name == "legacy_truncated":  # scan reads the pickles only: they are whole and safe
+        assert rc == 0 and cap.err == "", (rc, cap.err)
+        return
     assert rc == code, (rc, cap.err)
     lines = [ln for ln in cap.err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error: "), cap.err

@@ -217,7 +217,8 @@ def test_huge_stride0_dimension_is_a_resource_error(tmp_path, capsys):
     rec = hostile.RecTensor("0", 1, 0, (1 << 62,), (0,))
     p = hostile.torch_zip(tmp_path / "huge.pth", hostile.torch_pickle({"w": rec}), {"0": b"\0" * 4})
     rc, _, err = _cli(capsys, "convert", p, "-o", tmp_path / "o.safetensors")
-    assert rc == 12 and "--allow-expand" in err, err
+    # 2**62 float32 elements are more bytes than int64 counts: the reader's validation refuses the record
+    assert rc == 4 and err.count("\n") == 1 and "more than a tensor can hold" in err, err
 
 
 # --------------------------------------------------------------------------- pre-0.4 tar
@@ -227,14 +228,14 @@ def test_tar_checkpoint_is_its_own_format(tmp_path, capsys):
     canary = tmp_path / "canary"
     p = hostile.tar_checkpoint(tmp_path / "old.pt", hostile.payloads(str(canary))["os.system"])
     assert sniff(str(p)) == "torch-tar"
-    with pytest.raises(ScanFindingsError, match="tar"):
-        scan_checkpoint(p)
+    r = scan_checkpoint(p)  # reported, never "safe": torch.load would unpickle its members
+    assert r.verdict == "unknown" and any("tar" in n for n in r.unknown + r.errors + r.notes)
     with pytest.raises(UnsupportedError):
         inspect_checkpoint(p)
     for cmd in COMMANDS:
         rc, out, err = _cli(capsys, *_argv(cmd, p, tmp_path))
         assert rc == (11 if cmd == "scan" else 8), (cmd, rc, err)
-        assert "weights_only=False" not in err and "tar" in err
+        assert "weights_only=False" not in err and "tar" in out + err
     with pytest.raises(UnsupportedError):
         load_anywhere(p)
     assert not canary.exists()

@@ -67,7 +67,7 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes.")
 @click.option("--bench", is_flag=True,
               help="Benchmark single / dp / manual / ddp / fsdp (ddp+amp on CUDA; +amp rows with --amp) instead.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress on stderr.")
+@click.option("-q", "--quiet", is_flag=True, help="No per-epoch progress on stderr; the results table (stdout) and warnings still print.")
 @json_option
 @click.pass_context
 def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: object) -> int:

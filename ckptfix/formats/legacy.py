@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import struct
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile
-from ckptfix.pickles import RecordingUnpickler, StorageRecord, scan_globals
+from ckptfix.pickles import RecordingUnpickler, StorageRecord
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 
@@ -25,6 +25,8 @@ def _load_one(f, path: str, what: str, storages: dict[str, StorageRecord] | None
         return up.load(), up
     except EOFError:
         raise CorruptCheckpointError(f"{path}: the file ends inside the {what}; it is truncated") from None
+    except CkptfixError:
+        raise
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: cannot read the {what} ({type(e).__name__}: {e}); "
                                      "the file is corrupt or not a checkpoint") from None
@@ -78,23 +80,7 @@ def read_pickle_stream(path: str) -> CheckpointFile:
 
 def scan_stream(path: str):
     """Scan every pickle in a legacy/bare stream for globals, opcodes only."""
-    res = None
+    from ckptfix.pickles import scan_pickle_sequence
+
     with open(path, "rb") as f:
-        for _ in range(5):
-            start = f.tell()
-            r = scan_globals(f)
-            if res is None:
-                res = r
-            else:
-                res.merge(r)
-            if r.error or f.tell() == start:
-                break
-            if _ == 0:
-                f.seek(start)
-                try:
-                    first = RecordingUnpickler(f).load()
-                except Exception:
-                    break
-                if first != MAGIC_NUMBER:
-                    break
-    return res
+        return scan_pickle_sequence(f)[0]

@@ -25,20 +25,20 @@ from typing import Any, BinaryIO
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats import CheckpointFile
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
+from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
 ALIGN = 64
 
 #: environment variable (MiB) that lifts the cap on the pickle and other small records of an archive
 MAX_PICKLE_ENV = "CKPTFIX_MAX_PICKLE_MB"
 #: default cap, in MiB: data.pkl of a real checkpoint with ~100k tensors is a few MiB
-DEFAULT_MAX_PICKLE_MB = 192
 
 
 def max_pickle_bytes() -> int:
     """The most bytes ckptfix inflates from one archive's pickles and text records (``CKPTFIX_MAX_PICKLE_MB``).
 
     Returns:
-        The limit in bytes (the environment variable, in MiB, or 192 MiB).
+        The limit in bytes (the environment variable, in MiB, or 256 MiB).
 
     Raises:
         ResourceLimitError: the environment variable is not a positive number.
@@ -278,6 +278,8 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
     up = RecordingUnpickler(__import__("io").BytesIO(data_pkl))
     try:
         obj = up.load()
+    except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
+        raise
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); "
                                      "the checkpoint is corrupt") from None
