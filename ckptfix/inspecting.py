@@ -36,6 +36,7 @@ class InspectReport:
     weights_only_ok: bool
     weights_only_reason: str
     notes: list[str] = field(default_factory=list)
+    dcp: dict[str, Any] | None = None  # DCP directories: files, ranks, chunks, tensors, objects, version
 
     def to_dict(self) -> dict[str, Any]:
         d = {"schema": INSPECT_SCHEMA}
@@ -125,7 +126,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,
         globals=gl, stubbed_globals=sorted(cf.stubbed), weights_only_ok=wo_ok, weights_only_reason=why,
-        notes=notes)
+        notes=notes, dcp=cf.extra.get("dcp") if cf.format == "dcp" else None)
 
 
 # --------------------------------------------------------------------------- scan
@@ -265,21 +266,21 @@ def scan_checkpoint(path: str | os.PathLike) -> ScanReport:
 
 
 def _dcp_items(path: str) -> dict[str, tuple[str, int, int]]:
-    """fqn -> (shard file, offset, length) from DCP metadata, read with the restricted reader."""
-    from ckptfix.pickles import RecordingUnpickler
+    """``fqn#chunk`` -> (data file, offset, length) of every DCP item, from ``.metadata`` read by the restricted reader.
+
+    Empty when the metadata cannot be read (the ``.metadata`` scan reports why).
+    """
+    from ckptfix.dcp.meta import BytesEntry, read_metadata
+    from ckptfix.errors import CkptfixError
 
     out: dict[str, tuple[str, int, int]] = {}
     try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            meta = RecordingUnpickler(f).load()
-        sd = meta._state.get("storage_data", {}) if isinstance(meta, Stub) and isinstance(meta._state, dict) else {}
-        for idx, info in sd.items():
-            ist = idx._state if isinstance(idx, Stub) and isinstance(idx._state, dict) else {}
-            st = info._state if isinstance(info, Stub) and isinstance(info._state, dict) else {}
-            rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
-            if isinstance(rel, str) and "/" not in rel and isinstance(off, int) and isinstance(length, int):
-                out[f"{ist.get('fqn')}#{ist.get('index')}"] = (rel, off, length)
-    except Exception:  # noqa: BLE001 - metadata problems are reported by the .metadata scan
-        pass
+        meta = read_metadata(path)
+    except (CkptfixError, OSError):
+        return out
+    for fqn, e in meta.entries.items():
+        locs = [e.location] if isinstance(e, BytesEntry) else e.locations
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                out[f"{fqn}#{i}"] = (loc.relative_path, loc.offset, loc.length)
     return out
-

@@ -442,8 +442,11 @@ def classify_global(name: str, context: str | None = None) -> str:
     """
     if name in _SAFE_EXTRA:
         return "safe"
-    if context == "dcp" and (name.startswith("torch.distributed.checkpoint.") or name in _PATHS):
-        return "safe"
+    if context == "dcp":
+        from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS  # exact names: no module prefix is trusted
+
+        if name in DCP_METADATA_GLOBALS:
+            return "safe"
     if context == "torchscript" and name.startswith("__torch__."):
         return "safe"
     module, _, attr = name.rpartition(".")
