@@ -288,6 +288,12 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         raise CheckpointNotFoundError(f"{path}: no .metadata file; not a DCP checkpoint directory") from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{mpath}: is a directory, not DCP metadata") from None
+    return metadata_from_bytes(data, path)
+
+
+def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
+    """:func:`read_metadata` on the bytes of a ``.metadata`` file (``path``: the directory, for messages)."""
+    mpath = os.path.join(path, METADATA_NAME)
     up = MetadataUnpickler(io.BytesIO(data))
     try:
         root = up.load()
