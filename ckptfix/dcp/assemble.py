@@ -84,7 +84,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
             _read_into(files.fd(cd.rel), mv[fr[0] * es: fr[1] * es], cd.data_offset, what)
             continue
         row = c.numel // c.sizes[0] * es
-        step = max(1, STAGE_BYTES // max(1, row))
+        step = max(1, STAGE_BYTES // max(1, row))  # rows per staging block
         for lo in range(0, c.sizes[0], step):
             hi = min(c.sizes[0], lo + step)
             data = bytearray(read_block(files, cd, (), lo, hi, what))

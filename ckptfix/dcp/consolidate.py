@@ -40,8 +40,8 @@ def _contains(c: Chunk, prefix: tuple[int, ...]) -> bool:
 class TensorStream:
     """The C-order bytes of one global tensor, produced from its chunks in bounded blocks."""
 
-    def __init__(self, files: Files, e: TensorEntry, block: int = BLOCK_BYTES) -> None:
-        self.files, self.e, self.block = files, e, block
+    def __init__(self, files: Files, e: TensorEntry, block: int | None = None) -> None:
+        self.files, self.e, self.block = files, e, block or BLOCK_BYTES
         self.es = e.element_size
 
     def __iter__(self) -> Iterator[bytes]:
