@@ -33,10 +33,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import child_env, ckptfix, compare, py  # noqa: E402
+from _measure import child_env, ckptfix, compare, py
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ckptfix.convert import parse_size  # noqa: E402
+from ckptfix.convert import parse_size
 
 MAKE = r"""
 import os, sys, warnings, torch, torch.distributed as dist, torch.multiprocessing as mp

@@ -9,6 +9,7 @@ classes) for any chunk layout; torch's ``dcp.load`` is the oracle that it reads 
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
 import struct
@@ -20,14 +21,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Evil, assert_one_line_error, run_cli
 
 from ckptfix import load_anywhere
 from ckptfix.cli import main
 from ckptfix.convert import convert
-from ckptfix.errors import (CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError)
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
 from ckptfix.loading import load_checkpoint
-
-from conftest import Evil, assert_one_line_error, run_cli
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -39,7 +39,7 @@ def grid(shape: tuple[int, ...], cuts: dict[int, list[int]]) -> list[tuple[tuple
     bounds = []
     for d, n in enumerate(shape):
         pts = [0] + sorted(cuts.get(d, [])) + [n]
-        bounds.append([(a, b - a) for a, b in zip(pts, pts[1:])])
+        bounds.append([(a, b - a) for a, b in itertools.pairwise(pts)])
     out: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((), ())]
     for dim in bounds:
         out = [(o + (a,), s + (n,)) for o, s in out for a, n in dim]
@@ -50,8 +50,14 @@ def write_dcp(d: Path, entries: list[tuple[tuple, torch.Tensor, list]], objects:
               nranks: int = 3) -> Path:
     """A DCP directory as torch's FileSystemWriter lays it out, with the given chunks (round-robin over ranks)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     d.mkdir(parents=True, exist_ok=True)
     streams = [io.BytesIO() for _ in range(nranks)]
@@ -169,7 +175,7 @@ def test_load_without_numpy(tmp_path):
             "import torch\nfrom ckptfix import load_anywhere\n"
             f"sd = load_anywhere({str(d)!r})\n"
             "print(sorted(sd), sd['w'].float().sum().item())")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("]")[0] + "]" == str(sorted(ref))
     assert abs(float(p.stdout.split()[-1]) - ref["w"].float().sum().item()) < 1e-3
@@ -208,7 +214,7 @@ def test_convert_needs_no_torch(tmp_path):
             f"i = inspect_checkpoint({str(d)!r})\n"
             "print(r.tensors, r.renamed, i.tensor_count, i.dcp['chunks'], i.dcp['ranks'])\n"
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["2", "2", "2", "8", "3"]
     from safetensors.torch import load_file
@@ -239,9 +245,9 @@ def test_convert_sharded_output_and_optimizer(tmp_path):
 
 def _gloo_worker(rank: int, world: int, out: str, port: int) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.device_mesh import init_device_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -306,6 +312,7 @@ def test_fsdp_strip_prefix_readable_by_torch(fsdp_dcp, tmp_path):
     out = tmp_path / "renamed.dcp"
     rc = main(["add-prefix", str(d), "--prefix", "module.", "-o", str(out)])
     assert rc == 0
+    assert (os.stat(out).st_mode & 0o777) == (os.stat(d).st_mode & 0o777)
     for f in d.glob("*.distcp"):  # data files are hard links of the source's
         assert os.stat(f).st_ino == os.stat(out / f.name).st_ino
     template = {"model": {"module." + k: torch.zeros_like(v) for k, v in full.items()}}
@@ -313,8 +320,8 @@ def test_fsdp_strip_prefix_readable_by_torch(fsdp_dcp, tmp_path):
     assert all(torch.equal(got["module." + k], v) for k, v in full.items())
     back = tmp_path / "back.dcp"
     assert main(["strip-prefix", str(out), "-o", str(back)]) == 0
-    assert pickle.load(open(back / ".metadata", "rb")).state_dict_metadata == \
-        pickle.load(open(d / ".metadata", "rb")).state_dict_metadata
+    with open(back / ".metadata", "rb") as f1, open(d / ".metadata", "rb") as f2:
+        assert pickle.load(f1).state_dict_metadata == pickle.load(f2).state_dict_metadata
 
 
 # --------------------------------------------------------------------------- rewrite
@@ -409,7 +416,8 @@ def _fresh(tmp_path: Path) -> Path:
 
 
 def _rewrite_meta(d: Path, fn: Any) -> None:
-    m = pickle.load(open(d / ".metadata", "rb"))
+    with open(d / ".metadata", "rb") as f:
+        m = pickle.load(f)
     fn(m)
     with open(d / ".metadata", "wb") as f:
         pickle.dump(m, f)
@@ -510,5 +518,5 @@ def test_hostile_payloads_are_live_for_plain_pickle(tmp_path, variant):
         dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)
     _poison(d, _hostile_payloads(canary, tmp_path)[variant])
     code = f"import pickle, warnings; warnings.simplefilter('ignore'); pickle.load(open({str(d / '.metadata')!r}, 'rb'))"
-    subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, check=False)
     assert canary.exists()

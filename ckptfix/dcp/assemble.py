@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import os
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, raw_object_bytes, read_block
 from ckptfix.dcp.meta import BytesEntry, DcpMetadata, TensorEntry, read_metadata, validate
@@ -99,7 +101,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
 def set_element(root: dict, path: tuple, value: Any) -> None:
     """Put ``value`` at ``path`` of a nested dict/list tree, creating dicts and lists as torch's planner does."""
     node: Any = root
-    for k, nxt in zip(path[:-1], path[1:]):
+    for k, nxt in itertools.pairwise(path):
         child = node[k] if (isinstance(node, list) and k < len(node)) or (isinstance(node, dict) and k in node) \
             else None
         if child is None:
@@ -172,7 +174,7 @@ def _load_object(files: Files, e: BytesEntry, pmod: Any) -> Any:
             return torch.load(io.BytesIO(data), weights_only=False, pickle_module=pmod, map_location="cpu")
     except CkptfixError:
         raise
-    except Exception as ex:
+    except Exception as ex:  # noqa: BLE001 - any failure of torch.load on stored bytes is corruption
         raise CorruptCheckpointError(f"object {e.fqn!r} cannot be read ({type(ex).__name__}: "
                                      f"{str(ex).splitlines()[0][:200] if str(ex) else ''}); the chunk is corrupt") from None
     except BaseException as ex:  # torch's CheckpointException and friends are BaseExceptions

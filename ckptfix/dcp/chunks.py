@@ -14,8 +14,9 @@ import io
 import os
 import struct
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ckptfix.dcp.meta import BytesEntry, Chunk, DcpMetadata, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
@@ -82,10 +83,10 @@ class Files:
             os.close(fd)
         self.fds.clear()
 
-    def __enter__(self) -> "Files":
+    def __enter__(self) -> Files:  # noqa: PYI034
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -141,7 +142,7 @@ def _unpickle(data: bytes, what: str) -> tuple[Any, RecordingUnpickler]:
         obj = up.load()
     except (CorruptCheckpointError, UnsafePickleError, ResourceLimitError):
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any unpickling failure of a chunk is corruption
         raise CorruptCheckpointError(f"{what}: its pickle cannot be read ({type(e).__name__}: {str(e)[:200]}); "
                                      "the chunk is corrupt") from None
     return obj, up
@@ -157,7 +158,7 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
     c: Chunk = e.chunks[i]
     loc = e.locations[i]
     what = f"{where}tensor {e.fqn!r} chunk {list(c.offsets)}"
-    zf, win, data, root = _archive(files, loc, what, MAX_TENSOR_PKL)
+    zf, _, data, root = _archive(files, loc, what, MAX_TENSOR_PKL)
     obj, up = _unpickle(data, what)
     if up.stubbed:
         raise UnsafePickleError(f"{what}: its pickle references {', '.join(sorted(up.stubbed)[:3])}, which a "

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate

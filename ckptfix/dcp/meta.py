@@ -21,12 +21,13 @@ import collections
 import io
 import os
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.pickles import ELEMENT_SIZE, DTYPE_GLOBALS, RecordingUnpickler, Stub, dumps, stub_class
+from ckptfix.pickles import DTYPE_GLOBALS, ELEMENT_SIZE, RecordingUnpickler, Stub, dumps, stub_class
 
 METADATA_NAME = ".metadata"
 #: a ``.metadata`` larger than this is refused (millions of chunks); ``CKPTFIX_DCP_MAX_METADATA`` lifts it
@@ -146,7 +147,7 @@ class MetadataUnpickler(RecordingUnpickler):
         super().__init__(file)
         self.foreign: collections.Counter[str] = collections.Counter()
 
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
+    def find_class(self, module: str, name: str) -> Any:
         if module == "__builtin__":
             module = "builtins"
         full = f"{module}.{name}"
@@ -299,7 +300,7 @@ def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
         root = up.load()
     except (CorruptCheckpointError, UnsafePickleError, UnsupportedError):
         raise
-    except Exception as e:  # any malformed pickle: a typed error, never a traceback
+    except Exception as e:  # noqa: BLE001 - any malformed pickle: a typed error, never a traceback
         raise CorruptCheckpointError(f"{mpath}: cannot read DCP metadata ({type(e).__name__}: "
                                      f"{str(e)[:200]}); the file is truncated or not DCP metadata") from None
     meta = _records(root, path, mpath)

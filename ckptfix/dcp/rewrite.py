@@ -15,12 +15,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ckptfix.atomic import fsync_dir
-from ckptfix.dcp.meta import (METADATA_NAME, BytesEntry, DcpMetadata, dumps_metadata, metadata_from_bytes,
-                              read_metadata, rename_metadata)
+from ckptfix.dcp.meta import (
+    METADATA_NAME,
+    BytesEntry,
+    DcpMetadata,
+    dumps_metadata,
+    metadata_from_bytes,
+    read_metadata,
+    rename_metadata,
+)
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
 
@@ -142,6 +151,7 @@ def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, outp
     linked = copied = 0
     old_away = None
     try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
         for name in sorted(os.listdir(src)):
             p = os.path.join(src, name)
             if name == METADATA_NAME or name.endswith((".bak", ".tmp")) or not os.path.isfile(p):
