@@ -520,3 +520,19 @@ def test_hostile_payloads_are_live_for_plain_pickle(tmp_path, variant):
     code = f"import pickle, warnings; warnings.simplefilter('ignore'); pickle.load(open({str(d / '.metadata')!r}, 'rb'))"
     subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, check=False)
     assert canary.exists()
+
+
+def test_inspect_json_describes_sharding(tmp_path, capsys):
+    import json
+
+    w = _rand((5, 4), torch.float32, 3)
+    d = write_dcp(tmp_path / "run", [(("model", "module.fc.weight"), w, grid((5, 4), {0: [2], 1: [3]})),
+                                      (("optim", "state", 0, "exp_avg"), w, grid((5, 4), {1: [1]}))],
+                  {("optim", "param_groups", 0, "lr"): 0.5, ("epoch",): 7}, nranks=2)
+    assert main(["inspect", str(d), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["format"] == "dcp" and doc["state_dict_key"] == ["model"] and doc["tensor_count"] == 1
+    assert doc["dcp"]["ranks"] == 2 and doc["dcp"]["chunks"] == 6 and doc["dcp"]["objects"] == 2
+    assert doc["dcp"]["tensors_by_top_level_key"] == {"model": 1, "optim": 1}
+    assert doc["non_tensor_entries"]["epoch"] == "7" and "module." in doc["prefixes"]
+    assert doc["dtypes"] == {"float32": 1} and doc["total_bytes"] == 80
