@@ -250,10 +250,12 @@ def _strided_row(buf: bytes, n: int, step: int, es: int) -> bytes:
     return bytes(out)
 
 
-def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi: int, what: str) -> bytes:
+def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi: int, what: str,
+               into: Any = None) -> bytes | bytearray:
     """C-order bytes of ``chunk[prefix..., lo:hi, ...]`` (``prefix`` fixes the leading dims).
 
-    One ``pread`` for a C-contiguous chunk; a permuted (e.g. transposed) chunk is gathered row by row.
+    One ``pread`` for a C-contiguous chunk (into the bytearray ``into(nbytes)`` returns, when given,
+    so that a caller can reuse buffers); a permuted (e.g. transposed) chunk is gathered row by row.
     """
     fd = files.fd(cd.rel)
     es = cd.element_size
@@ -266,7 +268,17 @@ def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi
     for s in shape[d + 1:]:
         inner *= s
     if cd.contiguous():
-        return _pread_exact(fd, (hi - lo) * inner * es, cd.data_offset + base * es, what)
+        n = (hi - lo) * inner * es
+        if into is None:
+            return _pread_exact(fd, n, cd.data_offset + base * es, what)
+        buf = into(n)
+        view, done = memoryview(buf), 0
+        while done < n:
+            k = os.preadv(fd, [view[done:]], cd.data_offset + base * es + done)
+            if k <= 0:
+                raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
+            done += k
+        return buf
     sub_shape = (hi - lo,) + tuple(shape[d + 1:])
     sub_stride = tuple(stride[d:])
     if not all(sub_shape):

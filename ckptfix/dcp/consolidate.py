@@ -44,6 +44,16 @@ class TensorStream:
     def __init__(self, files: Files, e: TensorEntry, block: int | None = None) -> None:
         self.files, self.e, self.block = files, e, block or BLOCK_BYTES
         self.es = e.element_size
+        self._pool: dict[tuple[str, int], bytearray] = {}
+
+    def _buf(self, role: str, n: int) -> bytearray:
+        """A reused buffer of exactly ``n`` bytes (each is consumed before the next is asked for)."""
+        b = self._pool.get((role, n))
+        if b is None:
+            if len(self._pool) > 6:
+                self._pool.clear()
+            b = self._pool[(role, n)] = bytearray(n)
+        return b
 
     def __iter__(self) -> Iterator[bytes]:
         e = self.e
@@ -76,11 +86,12 @@ class TensorStream:
             for c, cd in sorted(parts, key=lambda p: p[0].offsets[d]):
                 local = tuple(i - o for i, o in zip(prefix, c.offsets))
                 for lo in range(0, c.sizes[d], per):
-                    yield read_block(self.files, cd, local, lo, min(c.sizes[d], lo + per), self._what(c))
+                    yield read_block(self.files, cd, local, lo, min(c.sizes[d], lo + per), self._what(c),
+                                     lambda n: self._buf("out", n))
             return
         for r0 in range(0, shape[d], per):  # assemble groups of rows from the chunks' runs
             r1 = min(shape[d], r0 + per)
-            buf = bytearray((r1 - r0) * row)
+            buf = self._buf("out", (r1 - r0) * row)  # every byte is overwritten: the chunks tile the rows
             dst = memoryview(buf)
             dshape = (r1 - r0,) + tuple(shape[d + 1:])
             dstride = [0] * len(dshape)
@@ -94,7 +105,7 @@ class TensorStream:
                     continue
                 local = tuple(i - o for i, o in zip(prefix, c.offsets))
                 src = memoryview(read_block(self.files, cd, local, lo - c.offsets[d], hi - c.offsets[d],
-                                            self._what(c)))
+                                            self._what(c), lambda n: self._buf("in", n)))
                 pshape = (hi - lo,) + tuple(c.sizes[d + 1:])
                 # dims m.. of the piece are full in the tensor: a run covers dim m-1 and everything after it
                 m = len(pshape)
@@ -107,12 +118,19 @@ class TensorStream:
                     pstride[j] = acc
                     acc *= pshape[j]
                 pos = (lo - r0,) + tuple(c.offsets[d + 1:])
-                for idx in _ndindex(pshape[: m - 1]):
-                    s_off = sum(i * st for i, st in zip(idx, pstride)) * es
-                    d_off = sum((i + p) * st for i, p, st in zip(idx, pos, dstride))
-                    d_off += sum(p * st for p, st in zip(pos[m - 1:], dstride[m - 1:]))
-                    d_off *= es
-                    dst[d_off: d_off + run] = src[s_off: s_off + run]
+                base = sum(p * st for p, st in zip(pos, dstride)) * es  # where the piece's first element goes
+                if m == 1:  # the whole piece is one run
+                    dst[base: base + run] = src[:run]
+                    continue
+                k = m - 2  # the innermost iterated dim: a tight loop; the dims before it, generic
+                s_step, d_step, count = pstride[k] * es, dstride[k] * es, pshape[k]
+                for idx in _ndindex(pshape[:k]):
+                    s0 = sum(i * st for i, st in zip(idx, pstride)) * es
+                    d0 = base + sum(i * st for i, st in zip(idx, dstride)) * es
+                    for _ in range(count):
+                        dst[d0: d0 + run] = src[s0: s0 + run]
+                        s0 += s_step
+                        d0 += d_step
             yield buf
 
 
