@@ -536,3 +536,39 @@ def test_inspect_json_describes_sharding(tmp_path, capsys):
     assert doc["dcp"]["tensors_by_top_level_key"] == {"model": 1, "optim": 1}
     assert doc["non_tensor_entries"]["epoch"] == "7" and "module." in doc["prefixes"]
     assert doc["dtypes"] == {"float32": 1} and doc["total_bytes"] == 80
+
+
+def test_mutation_fuzz_only_typed_errors(tmp_path):
+    """Byte flips and truncations of .metadata and the data files: a ckptfix error or a correct result, never
+    another exception, never anything run, never a partial output."""
+    import random
+
+    from ckptfix.errors import CkptfixError
+
+    src, ref = layout_dir(tmp_path, "grid")
+    files = sorted(p.name for p in src.iterdir())
+    rng = random.Random(15)
+    outcomes = {"ok": 0, "error": 0}
+    for n in range(120):
+        d = tmp_path / f"m{n}"
+        d.mkdir()
+        for name in files:
+            (d / name).write_bytes((src / name).read_bytes())
+        victim = d / rng.choice(files)
+        data = bytearray(victim.read_bytes())
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]
+        else:
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        victim.write_bytes(bytes(data))
+        out = tmp_path / f"o{n}.safetensors"
+        for call in (lambda: load_anywhere(d), lambda: convert(d, out, ckptfix_metadata=False),
+                     lambda: __import__("ckptfix.inspecting").inspecting.inspect_checkpoint(d)):
+            try:
+                call()
+                outcomes["ok"] += 1
+            except CkptfixError:
+                outcomes["error"] += 1
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".o{n}.")]  # no temp file left
+    assert outcomes["error"] > 50

@@ -158,7 +158,11 @@ def load_dcp(path: str, *, device: str = "cpu", allow_globals: Iterable[Any] = (
                     value = value.to(device)
             else:
                 value = _load_object(files, e, pmod)
-            set_element(out, meta.key_path(fqn), value)
+            try:
+                set_element(out, meta.key_path(fqn), value)
+            except (TypeError, IndexError, KeyError, AttributeError):
+                raise CorruptCheckpointError(f"{path}: entry {fqn!r} has a nesting path that clashes with another "
+                                             "entry's; the metadata is corrupt") from None
     return out
 
 

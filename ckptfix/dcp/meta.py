@@ -32,6 +32,8 @@ from ckptfix.pickles import DTYPE_GLOBALS, ELEMENT_SIZE, RecordingUnpickler, Stu
 METADATA_NAME = ".metadata"
 #: a ``.metadata`` larger than this is refused (millions of chunks); ``CKPTFIX_DCP_MAX_METADATA`` lifts it
 MAX_METADATA_BYTES = int(os.environ.get("CKPTFIX_DCP_MAX_METADATA", str(1 << 30)))
+#: list positions in a saved state dict's nesting (``param_groups.0``) above this are refused
+MAX_LIST_INDEX = 1 << 20
 
 
 # --------------------------------------------------------------------------- records
@@ -337,8 +339,11 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
     if isinstance(planner, dict):
         for k, v in planner.items():
             if isinstance(k, str) and isinstance(v, (tuple, list)) and v and all(
-                    isinstance(p, (str, int)) and not isinstance(p, bool) for p in v):
+                    isinstance(p, str) or (type(p) is int and 0 <= p <= MAX_LIST_INDEX) for p in v):
                 planner_data[k] = tuple(v)
+            else:
+                raise CorruptCheckpointError(f"{mpath}: malformed planner_data entry {str(k)[:80]!r}; not DCP "
+                                             "metadata")
     elif planner is not None:
         raise CorruptCheckpointError(f"{mpath}: malformed planner_data; not DCP metadata")
     storage = st.get("storage_data")
@@ -450,6 +455,13 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
         raise CorruptCheckpointError(f"{meta.path}: {', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not "
                                      "referenced by .metadata (a leftover of another save, or .metadata of a "
                                      "different run); remove stray files or re-save the checkpoint")
+    for e in meta.tensors():
+        for c, loc in zip(e.chunks, e.locations):
+            if loc.length < c.numel * e.element_size:
+                raise CorruptCheckpointError(
+                    f"{meta.path}: {e.fqn!r} chunk {list(c.offsets)} needs {c.numel * e.element_size} bytes but is "
+                    f"recorded as {loc.length} bytes of {loc.relative_path} (.metadata from a different run, or "
+                    "corrupt)")
     for e in meta.entries.values():
         locs = [e.location] if isinstance(e, BytesEntry) else e.locations
         for loc in locs:
