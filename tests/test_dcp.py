@@ -572,3 +572,25 @@ def test_mutation_fuzz_only_typed_errors(tmp_path):
                 outcomes["error"] += 1
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".o{n}.")]  # no temp file left
     assert outcomes["error"] > 50
+
+
+def test_align_to_a_target_and_trust_for_objects(tmp_path, capsys):
+    import fractions
+
+    from safetensors.torch import save_file
+
+    w, b = _rand((3, 4), torch.float32, 5), _rand((3,), torch.float32, 6)
+    d = write_dcp(tmp_path / "run", [(("model", "module.fc.weight"), w, grid((3, 4), {1: [1]})),
+                                      (("model", "module.fc.bias"), b, grid((3,), {0: [2]}))],
+                  {("meta",): fractions.Fraction(1, 3)})
+    target = tmp_path / "target.safetensors"
+    save_file({"fc.weight": torch.zeros(3, 4), "fc.bias": torch.zeros(3)}, str(target))
+    out = tmp_path / "aligned.dcp"
+    assert main(["align", str(d), "--to", str(target), "-o", str(out)]) == 0
+    got = torch_load_dcp(out, {"model": {"fc.weight": torch.zeros(3, 4), "fc.bias": torch.zeros(3)}})["model"]
+    assert torch.equal(got["fc.weight"], w) and torch.equal(got["fc.bias"], b)
+    lc = load_checkpoint(d)
+    assert "fractions.Fraction" in lc.stubbed_globals and not isinstance(lc.checkpoint["meta"], fractions.Fraction)
+    with pytest.warns(UserWarning):
+        trusted = load_checkpoint(d, trust=True).checkpoint["meta"]
+    assert trusted == fractions.Fraction(1, 3)
