@@ -44,15 +44,23 @@ class TensorStream:
     def __init__(self, files: Files, e: TensorEntry, block: int | None = None) -> None:
         self.files, self.e, self.block = files, e, block or BLOCK_BYTES
         self.es = e.element_size
-        self._pool: dict[tuple[str, int], bytearray] = {}
+        self._pool: dict[str, list[bytearray]] = {}
 
     def _buf(self, role: str, n: int) -> bytearray:
-        """A reused buffer of exactly ``n`` bytes (each is consumed before the next is asked for)."""
-        b = self._pool.get((role, n))
-        if b is None:
-            if len(self._pool) > 6:
-                self._pool.clear()
-            b = self._pool[(role, n)] = bytearray(n)
+        """A reused buffer of exactly ``n`` bytes (each is consumed before the next is asked for).
+
+        The two most recent sizes are kept per role (full blocks and the last, shorter one), so memory
+        stays at a few blocks however many chunk widths there are.
+        """
+        pool = self._pool.setdefault(role, [])
+        for i, b in enumerate(pool):
+            if len(b) == n:
+                if i:
+                    pool.insert(0, pool.pop(i))
+                return b
+        b = bytearray(n)
+        pool.insert(0, b)
+        del pool[2:]
         return b
 
     def __iter__(self) -> Iterator[bytes]:
