@@ -212,11 +212,14 @@ def test_convert_needs_no_torch(tmp_path):
             "from ckptfix.convert import convert\nfrom ckptfix.inspecting import inspect_checkpoint\n"
             f"r = convert({str(d)!r}, {str(out)!r}, strip_prefix=True)\n"
             f"i = inspect_checkpoint({str(d)!r})\n"
+            "from ckptfix.cli import main\n"
+            f"assert main(['strip-prefix', {str(d)!r}, '-o', {str(d) + '.stripped'!r}]) == 0\n"
+            f"assert main(['scan', {str(d)!r}]) == 0\n"
             "print(r.tensors, r.renamed, i.tensor_count, i.dcp['chunks'], i.dcp['ranks'])\n"
             "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.split() == ["2", "2", "2", "8", "3"]
+    assert p.stdout.splitlines()[-1].split() == ["2", "2", "2", "8", "3"]
     from safetensors.torch import load_file
 
     got = load_file(str(out))
