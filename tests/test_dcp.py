@@ -597,3 +597,15 @@ def test_align_to_a_target_and_trust_for_objects(tmp_path, capsys):
     with pytest.warns(UserWarning):
         trusted = load_checkpoint(d, trust=True).checkpoint["meta"]
     assert trusted == fractions.Fraction(1, 3)
+
+
+def test_safetensors_serialization_format_is_named(tmp_path, capsys):
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    d = tmp_path / "stf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(3, 4)}, no_dist=True, storage_writer=dcp.FileSystemWriter(
+            str(d), serialization_format=SerializationFormat.SAFETENSORS))
+    assert main(["convert", str(d), "-o", str(tmp_path / "o.safetensors")]) == 8
+    assert "safetensors serialization format" in capsys.readouterr().err

@@ -130,6 +130,12 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
     except (CorruptCheckpointError, ResourceLimitError):
         raise
     except _ZIP_ERRORS as e:
+        head = os.pread(fd, 9, 0)
+        if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
+            raise UnsupportedError(f"{what}: {loc.relative_path} is a safetensors file (DCP's safetensors "
+                                   "serialization format / Hugging Face storage writer); ckptfix reads DCP's default "
+                                   "torch_save format — load it with torch's dcp.load or consolidate it with "
+                                   "torch's consolidate_safetensors_files") from None
         raise CorruptCheckpointError(f"{what}: damaged chunk at bytes {loc.offset}+{loc.length} of "
                                      f"{loc.relative_path} ({type(e).__name__}: {e}); the file is truncated or "
                                      "the .metadata belongs to a different run") from None
