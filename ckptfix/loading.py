@@ -267,23 +267,6 @@ def _restore_aliases(sd: dict, metadata: dict) -> dict:
     return restore_aliases(sd, metadata)
 
 
-def _to_device(obj: Any, restore_dev: str) -> Any:
-    import torch
-
-    if restore_dev == "cpu":
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(restore_dev)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = _to_device(v, restore_dev)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    return obj
-
-
 def _simple_target(map_location: MapLocation) -> str:
     """The one device a whole-file loader (safetensors, DCP, TorchScript) should use."""
     import torch

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.dcp.meta import BytesEntry, Chunk, DcpMetadata, Location, TensorEntry
+from ckptfix.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
 from ckptfix.pickles import RecordingUnpickler, TensorRecord
 
@@ -326,8 +326,3 @@ def _ndindex(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
 def ndindex(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Every index tuple of ``shape`` in C order (``()`` once for a 0-d shape)."""
     return _ndindex(shape)
-
-
-def check_objects_safe(meta: DcpMetadata) -> None:
-    """Shared entry point: refuse foreign globals in ``.metadata`` (see :meth:`DcpMetadata.check_safe`)."""
-    meta.check_safe()

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, read_block
+from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
 from ckptfix.errors import CorruptCheckpointError, KeyConflictError, NoTensorsError
 from ckptfix.pickles import TensorRecord
@@ -132,7 +132,7 @@ class TensorStream:
                     continue
                 k = m - 2  # the innermost iterated dim: a tight loop; the dims before it, generic
                 s_step, d_step, count = pstride[k] * es, dstride[k] * es, pshape[k]
-                for idx in _ndindex(pshape[:k]):
+                for idx in ndindex(pshape[:k]):
                     s0 = sum(i * st for i, st in zip(idx, pstride)) * es
                     d0 = base + sum(i * st for i, st in zip(idx, dstride)) * es
                     for _ in range(count):
@@ -140,12 +140,6 @@ class TensorStream:
                         s0 += s_step
                         d0 += d_step
             yield buf
-
-
-def _ndindex(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    from ckptfix.dcp.chunks import ndindex
-
-    return ndindex(shape)
 
 
 def _item_class() -> type:
