@@ -1231,8 +1231,14 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     if not max_shard_size:
         _check_outputs([dst], src, force)  # fail before any reading
 
-    from ckptfix.formats import read_checkpoint
+    from ckptfix.formats import read_checkpoint, sniff
 
+    if sniff(src) == "dcp":  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
+        from ckptfix.dcp.consolidate import convert_dcp
+
+        return convert_dcp(src, dst, key=key, strip_prefix=strip_prefix, max_shard_size=shard_limit,
+                           include_optimizer=include_optimizer, verify=verify, force=force, fsync=fsync,
+                           progress=progress, ckptfix_metadata=ckptfix_metadata)
     cf = read_checkpoint(src)
     report.source_format = cf.format
     report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))

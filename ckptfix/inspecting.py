@@ -63,6 +63,7 @@ class InspectReport:
     weights_only_ok: bool
     weights_only_reason: str
     notes: list[str] = field(default_factory=list)
+    dcp: dict[str, Any] | None = None  # DCP directories: files, ranks, chunks, tensors, objects, version
 
     def to_dict(self) -> dict[str, Any]:
         d = {"schema": INSPECT_SCHEMA}
@@ -215,7 +216,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,
         globals=gl, stubbed_globals=sorted(cf.stubbed), weights_only_ok=wo_ok, weights_only_reason=why,
-        notes=notes)
+        notes=notes, dcp=cf.extra.get("dcp") if cf.format == "dcp" else None)
 
 
 # --------------------------------------------------------------------------- scan

@@ -250,48 +250,16 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
     return out
 
 
-def _load_dcp(path: str, allow_globals: Iterable[Any], stubbed: set[str]) -> dict:
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import default_planner as dp
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+def _load_dcp(path: str, allow_globals: Iterable[Any], stubbed: set[str], trust: bool, device: str) -> dict:
+    """A DCP directory through ckptfix's own reader (:mod:`ckptfix.dcp`), never torch's unrestricted one."""
+    from ckptfix.dcp.assemble import load_dcp
 
-    pmod = restricted_pickle_module(allow_globals, stubbed)
-
-    class _MetaUnpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            full = f"{module}.{name}"
-            if classify_global(full, "dcp") == "safe":
-                return _real_global(module, name)
-            raise UnsafePickleError(f"{path}/.metadata references {full}, which a DCP metadata file never needs; "
-                                    "refusing to run it (pass --trust if you wrote this checkpoint)")
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            mpath = os.path.join(os.fspath(self.path), ".metadata")
-            with open(mpath, "rb") as f:
-                md = _MetaUnpickler(f).load()
-            if getattr(md, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
-                md.storage_meta = StorageMeta()
-            md.storage_meta.load_id = self.load_id
-            return md
-
-    class SafePlanner(dp._EmptyStateDictLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                obj = torch.load(value, weights_only=False, pickle_module=pmod, map_location="cpu")
-            if self.flatten_state_dict:
-                dp.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    sd: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _load_state_dict(sd, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
-    return sd
+    try:
+        return load_dcp(path, device=device, allow_globals=allow_globals, stubbed=stubbed, trust=trust)
+    except CkptfixError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read the DCP directory ({e})") from None
 
 
 def _restore_aliases(sd: dict, metadata: dict) -> dict:
@@ -300,23 +268,6 @@ def _restore_aliases(sd: dict, metadata: dict) -> dict:
     except ImportError:  # pragma: no cover - conversion module absent
         return sd
     return restore_aliases(sd, metadata)
-
-
-def _to_device(obj: Any, restore_dev: str) -> Any:
-    import torch
-
-    if restore_dev == "cpu":
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return obj.to(restore_dev)
-    if isinstance(obj, dict):
-        out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
-        for k, v in obj.items():
-            out[k] = _to_device(v, restore_dev)
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata  # type: ignore[attr-defined]
-        return out
-    return obj
 
 
 def _simple_target(map_location: MapLocation) -> str:
@@ -449,8 +400,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
             tags[st.location] += 1
         fmt = "torchscript"
     elif kind == "dcp":
-        obj = _load_dcp(path, allow_globals, stubbed)
-        obj = _to_device(obj, _simple_target(map_location))
+        obj = _load_dcp(path, allow_globals, stubbed, trust, _simple_target(map_location))
         tags["cpu"] += 1
         fmt = "dcp"
     else:  # pragma: no cover - sniff raises for everything else

@@ -582,17 +582,6 @@ _SAFE_EXTRA = {
 
 
 #: the record classes a DCP ``.metadata`` pickle names (torch.distributed.checkpoint), exactly
-DCP_METADATA_GLOBALS = frozenset({
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-})
 
 
 def classify_global(name: str, context: str | None = None) -> str:
@@ -608,8 +597,11 @@ def classify_global(name: str, context: str | None = None) -> str:
         return "unknown"
     if name in _SAFE_EXTRA:
         return "safe"
-    if context == "dcp" and (name in DCP_METADATA_GLOBALS or name in _PATHS):
-        return "safe"
+    if context == "dcp":
+        from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS  # exact names: no module prefix is trusted
+
+        if name in DCP_METADATA_GLOBALS:
+            return "safe"
     if context == "torchscript" and name.startswith("__torch__.") and "__" not in name[len("__torch__."):].replace(
             "___torch_mangle_", ""):
         return "safe"

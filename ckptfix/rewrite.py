@@ -123,6 +123,13 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
     """
+    from ckptfix.formats import sniff
+
+    if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+        from ckptfix.dcp.rewrite import rewrite_dcp
+
+        return rewrite_dcp(src, transform, output=output, in_place=in_place, backup=backup, force=force, key=key,
+                           map_location=map_location, fsync=fsync, suffix=suffix)
     cf = read_checkpoint(src)
     if cf.format == "sharded":
         return _rewrite_sharded(cf, transform, output=output, in_place=in_place, force=force, key=key,

@@ -1,88 +1,98 @@
-"""``torch.distributed.checkpoint`` directories, read without torch (metadata only).
+"""``torch.distributed.checkpoint`` directories as a :class:`CheckpointFile`, read without torch.
 
-``.metadata`` is a pickle of dataclasses from ``torch.distributed.checkpoint``;
-the restricted reader turns them into placeholders whose recorded state gives
-every entry's fully-qualified name, dtype, shape and the shard files.  Tensor
-bytes live in ``__<rank>_<n>.distcp`` files (each item a small torch archive);
-loading them is :mod:`ckptfix.loading`'s job.
+``.metadata`` is read by :mod:`ckptfix.dcp.meta` (restricted reader, exact
+allowlist of DCP record classes); tensors become :class:`TensorRecord` objects
+with their global dtype and shape (their bytes are spread over chunks: see
+:mod:`ckptfix.dcp.chunks`), small non-tensor objects (epoch, optimizer
+``param_groups``) are unpickled by the restricted reader, larger ones stay a
+``"<object: N bytes>"`` marker.  The nesting is the one that was saved
+(``planner_data``), so the state dict is found as for any other checkpoint.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError
 from ckptfix.formats import CheckpointFile
-from ckptfix.pickles import RecordingUnpickler, Stub, StorageRecord, TensorRecord, stub_dtype
+from ckptfix.pickles import StorageRecord, TensorRecord
+
+#: non-tensor objects up to this size are decoded for ``inspect`` (restricted reader)
+DECODE_OBJECTS_UP_TO = 1 << 20
+
+_RANK_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
-def _state(x: Any) -> dict:
-    st = x._state if isinstance(x, Stub) else None
-    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):  # (dict, slots)
-        merged = dict(st[0] or {})
-        merged.update(st[1])
-        return merged
-    return st if isinstance(st, dict) else {}
+def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
+    """Read a DCP directory's structure (no tensor bytes); ``meta``: its :class:`~ckptfix.dcp.meta.DcpMetadata`.
 
+    Raises:
+        CorruptCheckpointError, CheckpointNotFoundError, UnsafePickleError, UnsupportedError: as
+        :func:`ckptfix.dcp.meta.read_metadata`.
+    """
+    from ckptfix.dcp.assemble import set_element
+    from ckptfix.dcp.chunks import Files, read_object
+    from ckptfix.dcp.meta import TensorEntry, read_metadata, validate
 
-def _tuple(x: Any) -> tuple:
-    if isinstance(x, Stub):
-        return tuple(x._args[0]) if x._args else ()
-    return tuple(x)
-
-
-def read_dcp(path: str) -> CheckpointFile:
-    meta_path = os.path.join(path, ".metadata")
-    with open(meta_path, "rb") as f:
-        up = RecordingUnpickler(f)
-        try:
-            meta = up.load()
-        except Exception as e:
-            raise CorruptCheckpointError(f"{meta_path}: cannot read DCP metadata ({type(e).__name__}: {e})") from None
-    st = _state(meta)
-    sdm = st.get("state_dict_metadata")
-    if not isinstance(sdm, dict):
-        raise CorruptCheckpointError(f"{meta_path}: not DCP metadata (no state_dict_metadata)")
-    planner = st.get("planner_data") or {}
-    storage_data = st.get("storage_data") or {}
-    files: dict[str, list[str]] = {}
-    for idx, info in storage_data.items():
-        fqn = _state(idx).get("fqn")
-        rel = _state(info).get("relative_path")
-        files.setdefault(str(fqn), []).append(str(rel))
-    obj: dict[str, Any] = {}
+    meta = meta or read_metadata(path)
+    notes: list[str] = []
+    try:
+        validate(meta)
+    except CkptfixError as e:
+        notes.append(f"not loadable as is: {e}")
+    obj: dict = {}
     storages: dict[str, StorageRecord] = {}
-    for fqn, md in sdm.items():
-        mst = _state(md)
-        if "size" in mst:
-            props = mst.get("properties")
-            pst = props._state if isinstance(props, Stub) else None
-            dtype_cls = pst[0] if isinstance(pst, tuple) and pst else _state(props).get("dtype")
-            dtype = stub_dtype(dtype_cls) or "unknown"
-            shape = _tuple(mst["size"])
-            stride, acc = [], 1
-            for s in reversed(shape):
-                stride.insert(0, acc)
-                acc *= s
-            rec = StorageRecord(key=fqn, dtype=dtype, location="cpu", source=os.path.join(path, (files.get(fqn) or
-                                                                                                  ["?"])[0]))
-            t = TensorRecord(rec, 0, shape, tuple(stride), dtype)
-            rec.nbytes = t.nbytes
-            storages[fqn] = rec
-            value: Any = t
-        else:
-            value = "<bytes entry>"
-        keys = planner.get(fqn) or (fqn,)
-        node = obj
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                break
-        else:
-            node[keys[-1]] = value
-    size = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if os.path.isfile(os.path.join(path, n)))
-    shard_files = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    return CheckpointFile(path=path, format="dcp", obj=obj, storages=storages, globals_seen=dict(up.globals_seen),
-                          stubbed=set(up.stubbed), file_size=size, extra={"shards": shard_files})
+    stubbed = set(meta.foreign)
+    globals_seen = dict(meta.globals_seen)
+    chunks = 0
+    with Files(path) as files:
+        for fqn, e in meta.entries.items():
+            value: Any
+            if isinstance(e, TensorEntry):
+                chunks += len(e.chunks)
+                stride, acc = [], 1
+                for s in reversed(e.shape):
+                    stride.insert(0, acc)
+                    acc *= s
+                src = os.path.join(path, e.locations[0].relative_path) if e.locations else path
+                rec = StorageRecord(key=fqn, dtype=e.dtype, location="cpu", numel=e.numel, source=src)
+                rec.nbytes = e.nbytes
+                storages[fqn] = rec
+                value = TensorRecord(rec, 0, e.shape, tuple(stride), e.dtype)
+            else:
+                value = f"<object: {e.location.length if e.location else 0} bytes>"
+                if not meta.foreign and e.location is not None and e.location.length <= DECODE_OBJECTS_UP_TO:
+                    try:
+                        value, st = read_object(files, e)
+                        stubbed |= st
+                    except (CkptfixError, OSError) as ex:
+                        notes.append(f"object {fqn!r} unreadable: {ex}")
+            try:
+                set_element(obj, meta.key_path(fqn), value)
+            except (TypeError, IndexError, KeyError, AttributeError):
+                obj[fqn] = value
+    ranks = {m.group(1) for m in map(_RANK_RE.match, meta.files) if m}
+    size = 0
+    for n in os.listdir(path):
+        p = os.path.join(path, n)
+        if os.path.isfile(p):
+            size += os.path.getsize(p)
+    by_top: dict[str, int] = {}
+    for e in meta.tensors():
+        top = str(meta.key_path(e.fqn)[0])
+        by_top[top] = by_top.get(top, 0) + 1
+    summary = {"tensors_by_top_level_key": by_top, "files": len(meta.files), "ranks": len(ranks) or len(meta.files), "chunks": chunks,
+               "tensors": sum(1 for _ in meta.tensors()), "objects": len(meta.entries) - sum(1 for _ in meta.tensors()),
+               "version": meta.version}
+    notes.insert(0, f"DCP: {summary['tensors']} tensors in {chunks} chunks over {len(meta.files)} data file(s) "
+                    f"from {summary['ranks']} rank(s), {summary['objects']} non-tensor object(s)"
+                    + (f"; tensors per top-level key: {', '.join(f'{k} {v}' for k, v in by_top.items())}"
+                       if len(by_top) > 1 else ""))
+    if meta.foreign:
+        notes.append(f".metadata references foreign globals ({', '.join(sorted(meta.foreign)[:3])}); loaders refuse "
+                     "this directory")
+    return CheckpointFile(path=path, format="dcp", obj=obj, storages=storages, globals_seen=globals_seen,
+                          stubbed=stubbed, file_size=size, notes=notes,
+                          extra={"shards": meta.files, "dcp": summary, "metadata": meta})

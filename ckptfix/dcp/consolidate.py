@@ -1,0 +1,242 @@
+"""Consolidate a DCP directory into safetensors, streaming, without torch.
+
+Each output tensor is produced in output order from its chunks, through a
+bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
+dimensions (row sharding, replication) is a contiguous range of the tensor
+and is copied in row groups; otherwise (column sharding, any chunk offsets)
+a group of rows is assembled from the chunks' runs and written at once.  No
+tensor is ever held whole.  The safetensors writer of :mod:`ckptfix.convert`
+writes and verifies every block against the bytes just read from the
+sources, and lays the file out exactly as ``safetensors.torch.save_file``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
+from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
+from ckptfix.errors import CorruptCheckpointError, KeyConflictError, NoTensorsError
+from ckptfix.pickles import TensorRecord
+
+#: bytes assembled at a time
+BLOCK_BYTES = 8 << 20
+
+
+def _prod(xs: Sequence[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _contains(c: Chunk, prefix: tuple[int, ...]) -> bool:
+    return all(o <= i < o + s for i, o, s in zip(prefix, c.offsets, c.sizes))
+
+
+class TensorStream:
+    """The C-order bytes of one global tensor, produced from its chunks in bounded blocks."""
+
+    def __init__(self, files: Files, e: TensorEntry, block: int | None = None) -> None:
+        self.files, self.e, self.block = files, e, block or BLOCK_BYTES
+        self.es = e.element_size
+        self._pool: dict[str, list[bytearray]] = {}
+
+    def _buf(self, role: str, n: int) -> bytearray:
+        """A reused buffer of exactly ``n`` bytes (each is consumed before the next is asked for).
+
+        The two most recent sizes are kept per role (full blocks and the last, shorter one), so memory
+        stays at a few blocks however many chunk widths there are.
+        """
+        pool = self._pool.setdefault(role, [])
+        for i, b in enumerate(pool):
+            if len(b) == n:
+                if i:
+                    pool.insert(0, pool.pop(i))
+                return b
+        b = bytearray(n)
+        pool.insert(0, b)
+        del pool[2:]
+        return b
+
+    def __iter__(self) -> Iterator[bytes]:
+        e = self.e
+        if e.numel == 0:
+            return
+        parts = [(c, locate_chunk(self.files, e, i)) for i, c in enumerate(e.chunks) if c.numel]
+        yield from self._emit(parts, (), 0)
+
+    def _what(self, c: Chunk) -> str:
+        return f"tensor {self.e.fqn!r} chunk {list(c.offsets)}"
+
+    def _emit(self, parts: list[tuple[Chunk, ChunkData]], prefix: tuple[int, ...], d: int) -> Iterator[bytes]:
+        shape, es = self.e.shape, self.es
+        nd = len(shape)
+        if d == nd:  # one element (a 0-d tensor, or a fully fixed prefix)
+            c, cd = parts[0]
+            local = tuple(i - o for i, o in zip(prefix, c.offsets))
+            yield read_block(self.files, cd, local[:-1], local[-1], local[-1] + 1, self._what(c)) if nd else \
+                read_block(self.files, cd, (), 0, 0, self._what(c))
+            return
+        row = _prod(shape[d + 1:]) * es
+        full_rows = all(c.sizes[j] == shape[j] for c, _ in parts for j in range(d + 1, nd))
+        if row > self.block and d + 1 < nd:  # one row is too big: go down a dimension, row by row
+            for r in range(shape[d]):
+                sub = [(c, cd) for c, cd in parts if c.offsets[d] <= r < c.offsets[d] + c.sizes[d]]
+                yield from self._emit(sub, prefix + (r,), d + 1)
+            return
+        per = max(1, self.block // max(1, row))
+        if full_rows:  # each chunk is a contiguous range of this sub-tensor: copy it in row groups
+            for c, cd in sorted(parts, key=lambda p: p[0].offsets[d]):
+                local = tuple(i - o for i, o in zip(prefix, c.offsets))
+                for lo in range(0, c.sizes[d], per):
+                    yield read_block(self.files, cd, local, lo, min(c.sizes[d], lo + per), self._what(c),
+                                     lambda n: self._buf("out", n))
+            return
+        for r0 in range(0, shape[d], per):  # assemble groups of rows from the chunks' runs
+            r1 = min(shape[d], r0 + per)
+            buf = self._buf("out", (r1 - r0) * row)  # every byte is overwritten: the chunks tile the rows
+            dst = memoryview(buf)
+            dshape = (r1 - r0,) + tuple(shape[d + 1:])
+            dstride = [0] * len(dshape)
+            acc = 1
+            for j in range(len(dshape) - 1, -1, -1):
+                dstride[j] = acc
+                acc *= dshape[j]
+            for c, cd in parts:
+                lo, hi = max(r0, c.offsets[d]), min(r1, c.offsets[d] + c.sizes[d])
+                if lo >= hi:
+                    continue
+                local = tuple(i - o for i, o in zip(prefix, c.offsets))
+                src = memoryview(read_block(self.files, cd, local, lo - c.offsets[d], hi - c.offsets[d],
+                                            self._what(c), lambda n: self._buf("in", n)))
+                pshape = (hi - lo,) + tuple(c.sizes[d + 1:])
+                # dims m.. of the piece are full in the tensor: a run covers dim m-1 and everything after it
+                m = len(pshape)
+                while m > 1 and pshape[m - 1] == dshape[m - 1]:
+                    m -= 1
+                run = _prod(pshape[m - 1:]) * es
+                pstride = [0] * len(pshape)
+                acc = 1
+                for j in range(len(pshape) - 1, -1, -1):
+                    pstride[j] = acc
+                    acc *= pshape[j]
+                pos = (lo - r0,) + tuple(c.offsets[d + 1:])
+                base = sum(p * st for p, st in zip(pos, dstride)) * es  # where the piece's first element goes
+                if m == 1:  # the whole piece is one run
+                    dst[base: base + run] = src[:run]
+                    continue
+                k = m - 2  # the innermost iterated dim: a tight loop; the dims before it, generic
+                s_step, d_step, count = pstride[k] * es, dstride[k] * es, pshape[k]
+                for idx in ndindex(pshape[:k]):
+                    s0 = sum(i * st for i, st in zip(idx, pstride)) * es
+                    d0 = base + sum(i * st for i, st in zip(idx, dstride)) * es
+                    for _ in range(count):
+                        dst[d0: d0 + run] = src[s0: s0 + run]
+                        s0 += s_step
+                        d0 += d_step
+            yield buf
+
+
+def _item_class() -> type:
+    from ckptfix.convert import _Item
+
+    @dataclass
+    class DcpItem(_Item):
+        """A DCP tensor to write: its bytes come from :class:`TensorStream`."""
+
+        entry: Any = None
+        files: Any = None
+
+        def chunks(self, fds: Any) -> Iterator[bytes | memoryview]:
+            yield from TensorStream(self.files, self.entry)
+
+    return DcpItem
+
+
+def convert_dcp(src: str, dst: str, *, key: str | None = None, strip_prefix: bool | str | None = False,
+                max_shard_size: int | None = None, include_optimizer: bool = False, verify: bool = True,
+                force: bool = False, fsync: bool = False, progress: Any = None, ckptfix_metadata: bool = True,
+                meta: DcpMetadata | None = None) -> Any:
+    """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
+
+    Args: as :func:`ckptfix.convert.convert_to_safetensors`; ``max_shard_size`` already in bytes.
+
+    Returns:
+        ConvertReport
+
+    Raises:
+        UnsafePickleError: foreign globals in ``.metadata`` or a chunk's pickle, data file names leaving the
+            directory.
+        CorruptCheckpointError: overlapping chunks or holes, truncated chunks, byte ranges past their file,
+            unreferenced ``.distcp`` files.  CheckpointNotFoundError: a missing ``.distcp`` file.
+        KeyConflictError, UnsupportedError, OutputError, VerificationError: as for other inputs.
+    """
+    from ckptfix import convert as cv
+    from ckptfix.formats.dcp import read_dcp
+
+    t0 = time.perf_counter()
+    meta = meta or read_metadata(src)
+    meta.check_safe()
+    validate(meta)
+    cf = read_dcp(src, meta)
+    report = cv.ConvertReport(source=src, outputs=[dst], source_format="dcp")
+    report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
+    key_path, sd = cf.state_dict(key)
+    report.key_path = tuple(key_path)
+    named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRecord)]
+    extra, opt_named = cv._split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
+    if strip_prefix:
+        from ckptfix.prefixes import strip_prefix as _strip
+
+        mapping = dict(named)
+        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
+        report.renamed = sum(1 for a, b in zip(mapping, new) if a != b)
+        named = list(new.items())
+    taken = {n for n, _ in named}
+    if "__metadata__" in taken:
+        raise KeyConflictError("the state dict has a tensor named '__metadata__', which safetensors reserves for "
+                               "its metadata; rename it before converting")
+    for n, _ in opt_named:
+        if n in taken:
+            raise KeyConflictError(f"optimizer tensor {n!r} collides with a state-dict key; convert without "
+                                   "--include-optimizer")
+    named = named + list(opt_named)
+    report.optimizer_tensors = len(opt_named)
+    if not named:
+        raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")
+    item_cls = _item_class()
+    files = Files(src)
+    items = []
+    try:
+        for name, rec in named:
+            assert rec.storage is not None
+            e = meta.entries[rec.storage.key]
+            assert isinstance(e, TensorEntry)
+            cv._check_dtype(name, e.dtype)
+            items.append(item_cls(name, e.dtype, tuple(e.shape), e.nbytes, entry=e, files=files))
+        metadata: dict[str, str] = {"format": "pt"}
+        if ckptfix_metadata:
+            metadata["ckptfix.source_format"] = "dcp"
+            metadata["ckptfix.key_path"] = json.dumps(list(key_path))
+            metadata["ckptfix.order"] = json.dumps([n for n, _ in named], ensure_ascii=False)
+            if extra:
+                text = json.dumps(extra, ensure_ascii=False)
+                if len(text) <= cv._MAX_EXTRA_JSON:
+                    metadata["ckptfix.extra"] = text
+                else:
+                    report.skipped["<extra>"] = f"non-tensor entries are {len(text)} bytes of JSON; too large to keep"
+        cv._write_outputs(dst, items, metadata, max_shard_size=max_shard_size, verify=verify, fsync=fsync,
+                          force=force, src=src, progress=progress, report=report)
+    except OSError as e:
+        if isinstance(e, cv.CkptfixError):
+            raise
+        raise CorruptCheckpointError(f"{src}: cannot read the DCP directory ({e})") from None
+    finally:
+        files.close()
+    report.seconds = time.perf_counter() - t0
+    return report

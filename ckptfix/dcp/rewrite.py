@@ -1,0 +1,215 @@
+"""Rename a DCP checkpoint's keys (strip-prefix, add-prefix, align) by rewriting ``.metadata`` only.
+
+The tensor data does not change: the new directory gets hard links to the
+source's data files (copies where the file system cannot link), and a new
+``.metadata`` in which the keys of ``state_dict_metadata``, the ``fqn`` of
+every ``MetadataIndex`` in ``storage_data`` and ``planner_data`` are renamed;
+it is pickled with the original DCP globals, so torch's ``dcp.load`` reads it.
+The directory is built under a temporary name beside the output, verified
+(the new metadata is read back and must describe the same chunks at the same
+byte ranges under the new names) and renamed into place.  ``in_place``
+replaces only ``.metadata`` (atomically, keeping ``.metadata.bak``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ckptfix.atomic import fsync_dir
+from ckptfix.dcp.meta import (
+    METADATA_NAME,
+    BytesEntry,
+    DcpMetadata,
+    dumps_metadata,
+    metadata_from_bytes,
+    read_metadata,
+    rename_metadata,
+)
+from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
+from ckptfix.formats import find_state_dict
+
+
+def _link_or_copy(src: str, dst: str) -> bool:
+    """Hard-link ``src`` as ``dst``; copy when linking is impossible.  True when linked."""
+    try:
+        os.link(src, dst)
+        return True
+    except OSError:
+        shutil.copyfile(src, dst)
+        return False
+
+
+def _write_file(path: str, data: bytes, fsync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _verify(path: str, data: bytes, old: DcpMetadata, fqn_new: Mapping[str, str]) -> None:
+    new = metadata_from_bytes(data, path)
+    if new.foreign or len(new.entries) != len(old.entries):
+        raise VerificationError(f"{path}: the rewritten .metadata does not read back with the same entries")
+    for fqn, e in old.entries.items():
+        n = new.entries.get(fqn_new[fqn])
+        same = (type(n) is type(e) and (
+            (isinstance(e, BytesEntry) and n.location == e.location)  # type: ignore[union-attr]
+            or (not isinstance(e, BytesEntry) and (n.dtype, n.shape, n.chunks, n.locations)  # type: ignore[union-attr]
+                == (e.dtype, e.shape, e.chunks, e.locations))))
+        if not same:
+            raise VerificationError(f"{path}: entry {fqn!r} (now {fqn_new[fqn]!r}) reads back differently from the "
+                                    "source; nothing was written")
+
+
+def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, output: str | None = None,
+                in_place: bool = False, backup: bool = True, force: bool = False, key: str | None = None,
+                map_location: str | None = None, fsync: bool | None = None, suffix: str = "fixed") -> Any:
+    """Apply a key ``transform`` to a DCP directory's state dict (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
+
+    Args:
+        src: the DCP directory.
+        transform: state dict -> (renamed state dict, report); must rename keys one to one.
+        output: the new directory (default ``<src>.<suffix>``); ``in_place`` replaces ``src/.metadata`` instead.
+        force: replace an existing output directory (only one that holds a DCP checkpoint, or is empty).
+        key: where the state dict sits in the saved nesting (found automatically otherwise).
+        map_location: DCP data carries no device tags; only ``None``/``"cpu"`` are accepted.
+
+    Returns:
+        RewriteReport
+
+    Raises:
+        UnsafePickleError, CorruptCheckpointError: as for reading; KeyConflictError: the rename maps two
+        entries to one name; OutputError: the output exists or cannot be written; VerificationError.
+    """
+    from ckptfix.formats.dcp import read_dcp
+    from ckptfix.rewrite import RewriteReport, _detail
+
+    src = os.fspath(src).rstrip(os.sep) or os.sep
+    meta = read_metadata(src)
+    meta.check_safe()
+    if map_location not in (None, "cpu"):
+        raise UnsupportedError(f"{src}: DCP chunks carry no device tags (they are always loaded where the reader "
+                               "puts them); --map-location does not apply")
+    cf = read_dcp(src, meta)
+    key_path, sd = find_state_dict(cf.obj, key)
+    key_path = tuple(key_path)
+    new_sd, detail = transform(sd)
+    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
+        raise UnsupportedError(f"{src}: this rename does not map the DCP keys one to one; convert the checkpoint "
+                               "to a single file first (ckptfix convert)")
+    rename = {a: b for a, b in zip(sd, new_sd) if a != b}
+    paths: dict[tuple, tuple] = {}
+    fqn_new: dict[str, str] = {}
+    n = len(key_path)
+    for fqn in meta.entries:
+        p = meta.key_path(fqn)
+        if len(p) > n and p[:n] == key_path and p[n] in rename:
+            q = key_path + (rename[p[n]],) + p[n + 1:]
+            paths[p] = q
+            fqn_new[fqn] = ".".join(map(str, q))
+        else:
+            fqn_new[fqn] = fqn
+    seen: dict[str, str] = {}
+    for old, new in fqn_new.items():
+        if new in seen:
+            raise KeyConflictError(f"{src}: after the rename {old!r} and {seen[new]!r} would both be {new!r}")
+        seen[new] = old
+    rep = RewriteReport(source=src, output=None, format_in="dcp", format_out="dcp", key_path=list(key_path),
+                        changed=bool(rename), renamed=len(rename), detail=_detail(detail))
+    if not rename:
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    data = dumps_metadata(rename_metadata(meta, paths))
+    if in_place:
+        return _in_place(src, meta, data, fqn_new, rep, backup=backup, fsync=True if fsync is None else fsync)
+    out = os.path.abspath(output.rstrip(os.sep) if output else f"{src}.{suffix}")
+    if out == os.path.abspath(src) or (os.path.exists(out) and os.path.samefile(out, src)):
+        raise OutputError(f"{out}: the output is the input; use --in-place to rewrite its .metadata")
+    if os.path.lexists(out):
+        if not force:
+            raise OutputError(f"{out} already exists; pass --force to replace it or -o to choose another directory")
+        if not os.path.isdir(out) or (os.listdir(out) and not os.path.isfile(os.path.join(out, METADATA_NAME))):
+            raise OutputError(f"{out} exists and is not a DCP checkpoint directory; refusing to replace it")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise OutputError(f"{parent}: the output's parent directory does not exist; create it first")
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
+    linked = copied = 0
+    old_away = None
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
+        for name in sorted(os.listdir(src)):
+            p = os.path.join(src, name)
+            if name == METADATA_NAME or name.endswith((".bak", ".tmp")) or not os.path.isfile(p):
+                continue
+            if _link_or_copy(p, os.path.join(tmp, name)):
+                linked += 1
+            else:
+                copied += 1
+        _write_file(os.path.join(tmp, METADATA_NAME), data, bool(fsync))
+        _verify(out, data, meta, fqn_new)
+        if fsync:
+            fsync_dir(os.path.join(tmp, METADATA_NAME))
+        if os.path.lexists(out):
+            old_away = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".old", dir=parent)
+            os.rename(out, os.path.join(old_away, "d"))
+        os.rename(tmp, out)
+        tmp = ""
+        if fsync:
+            fsync_dir(out)
+    except OSError as e:
+        if old_away and not os.path.lexists(out):
+            os.rename(os.path.join(old_away, "d"), out)
+        raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old_away:
+            shutil.rmtree(old_away, ignore_errors=True)
+    rep.output = out
+    rep.notes.append(f"rewrote .metadata only; {linked} data file(s) hard-linked" + (f", {copied} copied (the file "
+                     "system cannot link them)" if copied else ""))
+    return rep
+
+
+def _in_place(src: str, meta: DcpMetadata, data: bytes, fqn_new: Mapping[str, str], rep: Any, *, backup: bool,
+              fsync: bool) -> Any:
+    mpath = os.path.join(src, METADATA_NAME)
+    _verify(src, data, meta, fqn_new)
+    fd, tmp = tempfile.mkstemp(prefix=".metadata.", suffix=".tmp", dir=src)
+    os.close(fd)
+    os.unlink(tmp)
+    try:
+        _write_file(tmp, data, fsync)
+        if backup:
+            bak = mpath + ".bak"
+            if os.path.lexists(bak):
+                os.unlink(bak)
+            os.link(mpath, bak)
+            rep.backup = bak
+        os.replace(tmp, mpath)
+        tmp = ""
+        if fsync:
+            fsync_dir(mpath)
+    except OSError as e:
+        raise OutputError(f"cannot rewrite {mpath}: {e.strerror or e}") from None
+    finally:
+        if tmp and os.path.lexists(tmp):
+            os.unlink(tmp)
+    rep.output = src
+    rep.notes.append("rewrote .metadata in place (data files untouched)")
+    return rep
