@@ -20,7 +20,7 @@ import pytest
 
 from ckptfix.errors import CudaAlreadyInitializedError
 from ckptfix.gpu import pick_gpu
-from ckptfix.gpu import visible as vis
+from ckptfix.gpu import cudainit as vis
 from fakesmi import scenario_runner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ def test_real_cpu_torch_is_available_does_not_count():
     """The CPU build has no cuInit route: pick_gpu() after is_available() is still fine there."""
     code = (
         "import torch; torch.cuda.is_available(); torch.cuda.device_count()\n"
-        "from ckptfix.gpu.visible import cuda_init_route\n"
+        "from ckptfix.gpu.cudainit import cuda_init_route\n"
         "assert torch.version.cuda is not None or cuda_init_route() is None, cuda_init_route()\n"
         "print('ok')\n"
     )
@@ -152,7 +152,7 @@ def test_driver_detection_against_a_real_loaded_library(tmp_path):
     code = textwrap.dedent(
         f"""
         import ctypes
-        from ckptfix.gpu.visible import cuda_init_route
+        from ckptfix.gpu.cudainit import cuda_init_route
         from ckptfix.gpu import pick_gpu
         from ckptfix.errors import CudaAlreadyInitializedError
         assert cuda_init_route() is None
@@ -173,7 +173,7 @@ def test_driver_detection_against_a_real_loaded_library(tmp_path):
 
 def test_detection_never_imports_torch():
     code = (
-        "import sys\nfrom ckptfix.gpu.visible import cuda_init_route\ncuda_init_route()\n"
+        "import sys\nfrom ckptfix.gpu.cudainit import cuda_init_route\ncuda_init_route()\n"
         "print('torch' in sys.modules)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from ckptfix.gpu.doctor import CUDA_DRIVER_TABLE, TORCH_CUDA_BUILDS, diagnose, recommend_cuda_build
-from ckptfix.gpu.smi import SmiGpu, SmiSnapshot
+from ckptfix.gpu.records import SmiGpu, SmiSnapshot
 from ckptfix.gpu.visible import build_view
 from test_gpu_cli import SCENARIOS, ckptfix, fake_env  # noqa: F401  (fixture)
 

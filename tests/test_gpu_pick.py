@@ -7,7 +7,6 @@ import os
 import sys
 import time
 import types
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +16,10 @@ if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  
 
 from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
 from ckptfix.gpu import pick_gpu, visible_gpus
-from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env, try_lease
-from ckptfix.gpu.smi import RunResult
-from ckptfix.gpu.visible import VisibleGpu
+from ckptfix.gpu.leases import try_lease
+from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env
+from ckptfix.gpu.records import GpuProcess, SmiGpu, VisibleGpu
+from ckptfix.gpu.runner import RunResult
 from fakesmi import scenario_runner  # noqa: E402
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
@@ -27,12 +27,14 @@ SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 
 
 
-def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **kw):
-    return VisibleGpu(
-        cuda_index=i, smi_index=i, uuid=f"GPU-{i:08d}", pci_bus_id=None, name="H200", memory_total_mib=total,
-        memory_used_mib=total - free, memory_free_mib=free, utilization_pct=util, temperature_c=None, power_w=None,
-        process_count=procs, hidden_used_mib=hidden, **kw,
-    )
+def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **smi):
+    """cuda:i = nvidia-smi GPU i; ``smi`` overrides fields of its :class:`SmiGpu`."""
+    uuid = f"GPU-{i:08d}"
+    processes = None if procs is None else tuple(GpuProcess(uuid, 1000 + k, "python", 0) for k in range(procs))
+    fields = dict(index=i, uuid=uuid, name="H200", memory_total_mib=total, memory_used_mib=total - free,
+                  memory_free_mib=free, utilization_pct=util, processes=processes)
+    fields.update(smi)
+    return VisibleGpu(cuda_index=i, gpu=SmiGpu(**fields), hidden_used_mib=hidden)
 
 
 # ----------------------------------------------------------------------------- sizes and ranking
@@ -66,8 +68,8 @@ def test_filters_and_skips():
         gpu(0, 90_000, util=90),
         gpu(1, 1_000),
         gpu(2, 90_000, procs=2),
-        replace(gpu(3, 90_000), mig_enabled=True),
-        replace(gpu(4, 0), memory_free_mib=None, unavailable=(("memory.free", "Insufficient Permissions"),)),
+        gpu(3, 90_000, mig_enabled=True),
+        gpu(4, 0, memory_free_mib=None, unavailable=(("memory.free", "Insufficient Permissions"),)),
         gpu(5, 80_000, hidden=30_000),  # used memory, no visible process
         gpu(6, 60_000),
     ]
@@ -102,7 +104,7 @@ def test_selection_env_uuid_and_index():
     devs = [gpu(3, 1), gpu(1, 1)]
     assert selection_env(devs) == {"CUDA_VISIBLE_DEVICES": "GPU-00000003,GPU-00000001", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert selection_env(devs, by="index")["CUDA_VISIBLE_DEVICES"] == "3,1"
-    assert selection_env([replace(gpu(2, 1), uuid=None)])["CUDA_VISIBLE_DEVICES"] == "2"
+    assert selection_env([gpu(2, 1, uuid=None)])["CUDA_VISIBLE_DEVICES"] == "2"
 
 
 # ----------------------------------------------------------------------------- leases
@@ -137,7 +139,7 @@ def test_undo_waits_for_a_briefly_locked_lease_file(tmp_path):
     import fcntl
     import threading
 
-    from ckptfix.gpu.pick import _undo
+    from ckptfix.gpu.leases import undo as _undo
 
     lease, _ = try_lease(tmp_path, "GPU-1", 60)
     assert lease is not None and lease.fd is None
@@ -237,7 +239,7 @@ def test_pick_gpu_sets_environ_and_holds_lease(tmp_path):
 
 
 def test_second_pick_gpu_in_the_same_process_reuses_its_own_lease(tmp_path):
-    from ckptfix.gpu import pick as pick_mod
+    from ckptfix.gpu import leases as pick_mod
 
     environ = {"CKPTFIX_LEASE_DIR": str(tmp_path)}
     first = pick_gpu(environ=environ, runner=scenario_runner("two_free"))

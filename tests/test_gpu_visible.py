@@ -13,14 +13,11 @@ from hypothesis import strategies as st
 if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  # a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptfix.gpu.smi import MigDevice, SmiGpu, SmiSnapshot
-from ckptfix.gpu.visible import (
-    build_view,
-    cuda_initialized,
-    enumeration_order,
-    parse_visible_devices,
-    strtoul_prefix,
-)
+from ckptfix.gpu.records import MigDevice, SmiGpu, SmiSnapshot
+from ckptfix.gpu.cudainit import cuda_initialized
+from ckptfix.gpu.cvd import parse_visible_devices, strtoul_prefix
+from ckptfix.gpu.order import enumeration_order
+from ckptfix.gpu.visible import build_view
 
 U = [
     "GPU-4dd97325-7fe6-abf1-d6a9-ba746fe0fdab",
@@ -338,7 +335,7 @@ def test_fastest_first_uses_reported_compute_cap_and_clock():
 
 
 def test_model_table():
-    from ckptfix.gpu.visible import model_info
+    from ckptfix.gpu.order import model_info
 
     assert model_info("Tesla T4") == ((7, 5), 40)
     assert model_info("NVIDIA T1000 8GB") == ((7, 5), 14)
@@ -354,7 +351,7 @@ def test_fastest_first_guess_matches_the_real_sample():
     """samples/csv_noheader_units_mixed_models_order_mismatch.txt: CUDA (llama.cpp's log) listed the RTX 3090
     as device 0 and the GTX 1660 SUPER (nvidia-smi 0) as device 1."""
     text = (FIX / "samples" / "csv_noheader_units_mixed_models_order_mismatch.txt").read_text().split("\n", 1)[1]
-    from ckptfix.gpu.smi import parse_gpu_csv
+    from ckptfix.gpu.parse import parse_gpu_csv
 
     parsed, _ = parse_gpu_csv(text, ("name", "memory.total", "index"))
     v = build_view(SmiSnapshot(gpus=tuple(parsed)), {})

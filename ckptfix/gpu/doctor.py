@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ckptfix.errors import CkptfixError, GpuQueryError
-from ckptfix.gpu.smi import Runner
-from ckptfix.gpu.visible import GpuView, Problem, cuda_initialized
+from ckptfix.gpu.runner import Runner
+from ckptfix.gpu.records import Problem
+from ckptfix.gpu.visible import GpuView, visible_gpus
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -323,11 +324,17 @@ def diagnose(
 def doctor_report(
     *, env: Mapping[str, str] | None = None, runner: Runner | None = None, timeout: float = 10.0
 ) -> DoctorReport:
-    """Gather everything (runs nvidia-smi, imports torch) and diagnose.  Never raises for GPU trouble."""
-    from ckptfix.gpu.smi import query
-    from ckptfix.gpu.visible import build_view
+    """Gather everything (runs nvidia-smi, imports torch) and diagnose.  Never raises for GPU trouble.
 
-    env = os.environ if env is None else env
+    Args:
+        env: the environment to report on (default ``os.environ``).
+        runner: runs one nvidia-smi command (tests).
+        timeout: seconds to wait for each nvidia-smi call.
+
+    Returns:
+        The :class:`DoctorReport`; GPU failures are in ``gpu_error`` and ``problems``.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
     python = {
         "version": sys.version.split()[0],
         "executable": sys.executable,
@@ -339,24 +346,23 @@ def doctor_report(
         python["ckptfix"] = __version__
     except Exception:  # pragma: no cover
         pass
-    in_process_cuda = cuda_initialized()
     gpu_error_kind = "no_gpu"
-    tinfo = torch_info()
     view: GpuView | None = None
     gpu_error: str | None = None
     try:
-        wants_mig = (env.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
-        snap = query(runner=runner, timeout=timeout, mig=wants_mig, env=dict(env))
-        view = build_view(snap, env, cuda_is_initialized=in_process_cuda)
+        view = visible_gpus(env=environ, runner=runner, timeout=timeout)  # before torch is imported
     except GpuQueryError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
         gpu_error_kind = "query"
     except CkptfixError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
-    environment = {k: env.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")}
-    dist = {k: env[k] for k in DIST_VARS if k in env}
-    dist.update({k: v for k, v in sorted(env.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
-    problems = diagnose(tinfo, view, gpu_error, env, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
+    tinfo = torch_info()
+    environment = {
+        k: environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")
+    }
+    dist = {k: environ[k] for k in DIST_VARS if k in environ}
+    dist.update({k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
+    problems = diagnose(tinfo, view, gpu_error, environ, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
     return DoctorReport(
         python=python,
         torch=tinfo,
