@@ -214,37 +214,17 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
     )
 
 
-def diagnose(
-    torch: Mapping[str, Any],
-    view: GpuView | None,
-    gpu_error: str | None,
-    env: Mapping[str, str],
-    *,
-    gpu_error_kind: str = "no_gpu",
-    windows: bool = False,
-) -> list[Problem]:
-    """Problems with fixes, from facts gathered elsewhere (pure).
-
-    Args:
-        torch: :func:`torch_info`'s answer.
-        view: the GPU view, ``None`` when nvidia-smi failed.
-        gpu_error: why it failed (the error text).
-        env: the environment.
-        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
-            or hung: the GPUs are there but in trouble).
-        windows: use the Windows driver minimums.
-
-    Returns:
-        The problems, each with its fix.
-    """
+def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: bool) -> list[Problem]:
+    """torch missing, a CPU-only build on a GPU machine, a CUDA build the driver cannot run."""
     problems: list[Problem] = []
     has_gpu = view is not None and len(view.physical) > 0
     if not torch.get("installed"):
         err = torch.get("error")
         what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
-        problems.append(Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)'))
-    elif has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
-        assert view is not None
+        problems.append(
+            Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
+        )
+    elif view is not None and has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
         rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
         problems.append(
             Problem(
@@ -268,24 +248,28 @@ def diagnose(
                     _recommendation_text(rec, view.driver_version),
                 )
             )
-    if gpu_error:
-        if gpu_error_kind == "query":
-            hung = "did not answer" in gpu_error
-            problems.append(
-                Problem(
-                    "nvidia_smi_hung" if hung else "nvidia_smi_failed",
-                    gpu_error,
-                    "a hung nvidia-smi usually means a GPU or the driver is stuck: look for Xid errors in "
-                    "`dmesg`; stop the processes using the GPU, then reset it (`nvidia-smi -r -i N`) or reboot; "
-                    "CUDA programs will likely hang too until then"
-                    if hung
-                    else "run `nvidia-smi` to see the full error; check `dmesg` for Xid errors",
-                )
-            )
-        else:
-            problems.append(Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU"))
-    if view is not None:
-        problems.extend(view.problems)
+    return problems
+
+
+def _gpu_error_problem(gpu_error: str, kind: str) -> Problem:
+    """nvidia-smi hung or failed (``kind="query"``), or there is no usable GPU."""
+    if kind != "query":
+        return Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU")
+    hung = "did not answer" in gpu_error
+    return Problem(
+        "nvidia_smi_hung" if hung else "nvidia_smi_failed",
+        gpu_error,
+        "a hung nvidia-smi usually means a GPU or the driver is stuck: look for Xid errors in "
+        "`dmesg`; stop the processes using the GPU, then reset it (`nvidia-smi -r -i N`) or reboot; "
+        "CUDA programs will likely hang too until then"
+        if hung
+        else "run `nvidia-smi` to see the full error; check `dmesg` for Xid errors",
+    )
+
+
+def _distributed_problems(view: GpuView | None, env: Mapping[str, str]) -> list[Problem]:
+    """Ranks out of range for the visible GPUs or the world size, a world without MASTER_ADDR."""
+    problems: list[Problem] = []
     local_rank = env.get("LOCAL_RANK")
     if view is not None and local_rank is not None and local_rank.isdigit() and view.devices:
         if int(local_rank) >= len(view.devices):
@@ -319,6 +303,37 @@ def diagnose(
             )
         )
     return problems
+
+
+def diagnose(
+    torch: Mapping[str, Any],
+    view: GpuView | None,
+    gpu_error: str | None,
+    env: Mapping[str, str],
+    *,
+    gpu_error_kind: str = "no_gpu",
+    windows: bool = False,
+) -> list[Problem]:
+    """Problems with fixes, from facts gathered elsewhere (pure).
+
+    Args:
+        torch: :func:`torch_info`'s answer.
+        view: the GPU view, ``None`` when nvidia-smi failed.
+        gpu_error: why it failed (the error text).
+        env: the environment.
+        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
+            or hung: the GPUs are there but in trouble).
+        windows: use the Windows driver minimums.
+
+    Returns:
+        The problems, each with its fix: torch's, nvidia-smi's, the view's, then the distributed environment's.
+    """
+    problems = _torch_problems(torch, view, windows=windows)
+    if gpu_error:
+        problems.append(_gpu_error_problem(gpu_error, gpu_error_kind))
+    if view is not None:
+        problems.extend(view.problems)
+    return problems + _distributed_problems(view, env)
 
 
 def doctor_report(
