@@ -45,17 +45,17 @@ def gib(mib: int | None) -> str:
     return "-" if mib is None else f"{mib / 1024:.1f}"
 
 
-def table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> str:
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     """A plain left-aligned text table, columns two spaces apart, no trailing blanks.
 
     Args:
-        rows: the cells, one list per row, as many as ``header``.
+        rows: the cells (printed with ``str``), one sequence per row, as many as ``header``.
         header: the column titles.
 
     Returns:
         The table, lines joined by newlines (no final newline).
     """
-    cols = [list(header)] + [list(r) for r in rows]
+    cols: list[Sequence[object]] = [header, *rows]
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=False)).rstrip()]
     for r in rows:

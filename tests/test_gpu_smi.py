@@ -14,6 +14,7 @@ if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  
 from ckptfix.errors import DriverMismatchError, DriverNotLoadedError, GpuQueryError, GpuToolingError, NoGpuError
 from ckptfix.gpu import parse, runner, smi
 from ckptfix.gpu.runner import RunResult
+
 from fakesmi import scenario_runner  # noqa: E402
 
 SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
@@ -48,8 +49,16 @@ def test_parse_value(raw, value, placeholder):
 
 @pytest.mark.parametrize(
     "text, mib, expected",
-    [("130013 MiB", True, 130013), ("130013", True, 130013), ("2 GiB", True, 2048), ("100 %", False, 100),
-     ("11.17 W", False, 11.17), ("junk", False, None), (None, False, None), ("5 parsecs", True, None)],
+    [
+        ("130013 MiB", True, 130013),
+        ("130013", True, 130013),
+        ("2 GiB", True, 2048),
+        ("100 %", False, 100),
+        ("11.17 W", False, 11.17),
+        ("junk", False, None),
+        (None, False, None),
+        ("5 parsecs", True, None),
+    ],
 )
 def test_parse_number(text, mib, expected):
     assert parse.parse_number(text, mib=mib) == expected
@@ -64,7 +73,10 @@ def test_h200_with_header_and_units():
     assert [g.index for g in gpus] == list(range(8))
     g7 = gpus[7]
     assert (g7.uuid, g7.memory_used_mib, g7.memory_total_mib, g7.utilization_pct) == (
-        "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72", 58071, 143771, 0,
+        "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72",
+        58071,
+        143771,
+        0,
     )
     assert g7.memory_free_mib == 143771 - 58071  # derived: the sample has no memory.free column
 
@@ -74,26 +86,53 @@ def test_noheader_nounits_titanx_with_explicit_fields():
     gpus, warnings = parse.parse_gpu_csv(sample("csv_noheader_nounits_8xTITANX_busy.txt"), fields)
     assert warnings == [] and len(gpus) == 8
     assert (gpus[0].name, gpus[0].memory_used_mib, gpus[0].memory_free_mib, gpus[0].temperature_c) == (
-        "GeForce GTX TITAN X", 802, 12206 - 802, 25.0,
+        "GeForce GTX TITAN X",
+        802,
+        12206 - 802,
+        25.0,
     )
 
 
 def test_noheader_units_kept():
-    gpus, _ = parse.parse_gpu_csv(sample("csv_noheader_units_mixed_models_order_mismatch.txt"), ["name", "memory.total", "index"])
+    gpus, _ = parse.parse_gpu_csv(
+        sample("csv_noheader_units_mixed_models_order_mismatch.txt"), ["name", "memory.total", "index"]
+    )
     assert [(g.index, g.name, g.memory_total_mib) for g in gpus] == [
-        (0, "NVIDIA GeForce GTX 1660 SUPER", 6144), (1, "NVIDIA GeForce RTX 3090", 24576),
+        (0, "NVIDIA GeForce GTX 1660 SUPER", 6144),
+        (1, "NVIDIA GeForce RTX 3090", 24576),
     ]
 
 
 def test_name_with_spaces_and_bare_na():
-    fields = ["power.limit", "power.min_limit", "power.max_limit", "memory.total", "vbios_version", "driver_version",
-              "name", "uuid", "power.draw", "temperature.gpu", "temperature.memory", "clocks.current.graphics",
-              "clocks.sm", "clocks.mem", "utilization.gpu", "utilization.memory", "fan.speed",
-              "pcie.link.width.current", "pstate"]
+    fields = [
+        "power.limit",
+        "power.min_limit",
+        "power.max_limit",
+        "memory.total",
+        "vbios_version",
+        "driver_version",
+        "name",
+        "uuid",
+        "power.draw",
+        "temperature.gpu",
+        "temperature.memory",
+        "clocks.current.graphics",
+        "clocks.sm",
+        "clocks.mem",
+        "utilization.gpu",
+        "utilization.memory",
+        "fan.speed",
+        "pcie.link.width.current",
+        "pstate",
+    ]
     (g,), warnings = parse.parse_gpu_csv(sample("csv_noheader_nounits_bare_NA_no_brackets_driver440.txt"), fields)
     assert warnings == []
     assert (g.name, g.uuid, g.power_w, g.utilization_pct, g.driver_version) == (
-        "GeForce RTX 2080", "GPU-22b2c6ac-2d49-4863-197c-9c469071178a", 176.98, 86, "440.64",
+        "GeForce RTX 2080",
+        "GPU-22b2c6ac-2d49-4863-197c-9c469071178a",
+        176.98,
+        86,
+        "440.64",
     )
     assert g.unavailable_reason("temperature.memory") == "N/A"
 
@@ -106,17 +145,34 @@ def test_name_with_comma_is_merged():
 
 @pytest.mark.parametrize(
     "name, placeholder",
-    [("csv_noheader_nounits_fan_NA_newdriver.txt", "N/A"), ("csv_noheader_nounits_fan_NotSupported_olddriver.txt", "Not Supported")],
+    [
+        ("csv_noheader_nounits_fan_NA_newdriver.txt", "N/A"),
+        ("csv_noheader_nounits_fan_NotSupported_olddriver.txt", "Not Supported"),
+    ],
 )
 def test_fan_placeholder_changes_across_drivers(name, placeholder):
-    fields = ["memory.total", "memory.free", "memory.used", "temperature.gpu", "fan.speed", "utilization.gpu", "utilization.memory"]
+    fields = [
+        "memory.total",
+        "memory.free",
+        "memory.used",
+        "temperature.gpu",
+        "fan.speed",
+        "utilization.gpu",
+        "utilization.memory",
+    ]
     (g,), _ = parse.parse_gpu_csv(sample(name), fields)
     assert (g.memory_total_mib, g.memory_free_mib, g.unavailable_reason("fan.speed")) == (2004, 2004, placeholder)
 
 
 def test_insufficient_permissions_and_mig_parent_na():
     (g,), _ = parse.parse_gpu_csv(sample("csv_k8s_MIG_A100_insufficient_permissions.txt"))
-    assert (g.index, g.uuid, g.name, g.memory_free_mib, g.utilization_pct) == (0, None, "NVIDIA A100-SXM4-80GB", None, None)
+    assert (g.index, g.uuid, g.name, g.memory_free_mib, g.utilization_pct) == (
+        0,
+        None,
+        "NVIDIA A100-SXM4-80GB",
+        None,
+        None,
+    )
     assert g.unavailable_reason("memory.free") == "Insufficient Permissions"
     assert g.unavailable_reason("utilization.gpu") == "N/A"
 
@@ -135,7 +191,8 @@ def test_gb10_loop_mode_rows():
 
 def test_unknown_error_rows_are_kept_as_unavailable():
     gpus, warnings = parse.parse_gpu_csv(
-        sample("csv_loop_mode_Unknown_Error_rows.txt"), ["utilization.gpu", "utilization.encoder", "utilization.decoder"]
+        sample("csv_loop_mode_Unknown_Error_rows.txt"),
+        ["utilization.gpu", "utilization.encoder", "utilization.decoder"],
     )
     assert warnings == []
     assert [g.utilization_pct for g in gpus] == [0, None, None]
@@ -146,7 +203,9 @@ def test_mig_mode_and_vgpu_samples():
     fields = ["index", "name", "uuid", "driver_version", "memory.total", "mig.mode.current"]
     gpus, _ = parse.parse_gpu_csv(sample("csv_noheader_2xRTXPRO6000_Server_mig_mode.txt"), fields)
     assert [(g.index, g.mig_enabled, g.memory_total_mib) for g in gpus] == [(4, False, 97887), (5, False, 97887)]
-    (g,), _ = parse.parse_gpu_csv(sample("csv_noheader_nounits_vGPU_MIG_H100L.txt"), ["clocks.max.sm", "memory.total", "gpu_name"])
+    (g,), _ = parse.parse_gpu_csv(
+        sample("csv_noheader_nounits_vGPU_MIG_H100L.txt"), ["clocks.max.sm", "memory.total", "gpu_name"]
+    )
     assert (g.name, g.memory_total_mib) == ("NVIDIA H100L-2-24C", 24576)
 
 
@@ -198,7 +257,9 @@ def test_list_docs_rendered_without_indent():
     assert {m.profile for m in migs if m.parent_index == 6} == {"1c.7g.40gb", "2c.7g.40gb", "3c.7g.40gb"}
 
 
-@pytest.mark.parametrize("name, n", [("L_legacy_R460_MIG-GPU_uuid_format_6xA100.txt", 4), ("L_legacy_gpu_operator_docs_7x1g5gb.txt", 7)])
+@pytest.mark.parametrize(
+    "name, n", [("L_legacy_R460_MIG-GPU_uuid_format_6xA100.txt", 4), ("L_legacy_gpu_operator_docs_7x1g5gb.txt", 7)]
+)
 def test_list_legacy_mig_ids(name, n):
     _, migs, _ = parse.parse_list(sample(name))
     assert len(migs) == n
@@ -236,8 +297,6 @@ def test_classify_by_text_even_with_other_rc():
 
 
 # ----------------------------------------------------------------------------- query() with an injected runner
-
-
 
 
 def test_query_h200_two_calls_processes_attached():
@@ -371,7 +430,9 @@ def test_subprocess_runner_timeout_and_missing(tmp_path):
 def test_processes_on_a_gpu_query_gpu_did_not_list_are_warned_about():
     def runner(argv, timeout):
         if argv[1].startswith("--query-gpu="):
-            return RunResult(0, "0, GPU-1, 00000000:01:00.0, Tesla T4, 15360, 900, 14460, 0, 30, 27.0, [N/A], 7.5, 1590, 550.54.15\n")
+            return RunResult(
+                0, "0, GPU-1, 00000000:01:00.0, Tesla T4, 15360, 900, 14460, 0, 30, 27.0, [N/A], 7.5, 1590, 550.54.15\n"
+            )
         if argv[1].startswith("--query-compute-apps="):
             return RunResult(0, "GPU-1, 11, python, 300\nGPU-2, 42, python, 600\nGPU-2, 43, python, 10\n")
         return RunResult(0, "")

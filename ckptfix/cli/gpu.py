@@ -27,7 +27,14 @@ _TIMEOUT_HELP = "Seconds to wait for each nvidia-smi call."
 
 @cli.command("gpus")
 @json_option
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help=_TIMEOUT_HELP,
+)
 def gpus_cmd(as_json: bool, timeout: float) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
@@ -89,8 +96,21 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     show_default=True,
     help="Identify GPUs by UUID or by PCI-order index (always with CUDA_DEVICE_ORDER=PCI_BUS_ID).",
 )
-@click.option("--wait", type=click.FloatRange(min=0), default=0.0, metavar="SECONDS", help="Wait up to this long for GPUs to qualify.")
-@click.option("--interval", type=click.FloatRange(min=0.01), default=10.0, show_default=True, metavar="SECONDS", help="Seconds between checks while waiting.")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    metavar="SECONDS",
+    help="Wait up to this long for GPUs to qualify.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.01),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Seconds between checks while waiting.",
+)
 @click.option(
     "--lease",
     type=click.FloatRange(min=0),
@@ -105,7 +125,14 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     help="Give back timed leases instead of picking: those of this shell's `eval $(pick-gpu --export)` "
     "(CKPTFIX_LEASE_TOKEN), else all of yours.",
 )
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help=_TIMEOUT_HELP,
+)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def pick_gpu_cmd(
     n: int,
@@ -154,7 +181,15 @@ def pick_gpu_cmd(
     from ckptfix.gpu.pick import choose_gpus, release_my_leases
 
     if release:
-        if command or export or n != 1 or lease is not None or min_free or max_util is not None or max_procs is not None:
+        if (
+            command
+            or export
+            or n != 1
+            or lease is not None
+            or min_free
+            or max_util is not None
+            or max_procs is not None
+        ):
             raise click.UsageError("--release takes no COMMAND and no pick options (only --json)")
         _render_release(release_my_leases(), as_json)
         return 0
@@ -269,7 +304,14 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
 
 @cli.command("doctor")
 @json_option
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True, metavar="SECONDS", help=_TIMEOUT_HELP)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    metavar="SECONDS",
+    help=_TIMEOUT_HELP,
+)
 def doctor_cmd(as_json: bool, timeout: float) -> None:
     """One report for bug threads: Python, torch build, driver, GPUs, CUDA env, distributed env, problems.
 

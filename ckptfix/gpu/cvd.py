@@ -44,6 +44,7 @@ class VisibleSpec:
     stopped_at: str | None = None  # the entry that stopped the list, if any
     read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
 
+
 def strtoul_prefix(s: str) -> int | None:
     """Like C ``strtoul`` on one entry: leading blanks, optional sign, digits; junk after is ignored.
 
@@ -129,8 +130,7 @@ def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
         return "list each GPU once"
     if spec.kind == "index" and not spec.entries:
         n = len(gpus)
-        return (
-            "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist "
-            + (f"(indices 0..{n - 1}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)")
+        return "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist " + (
+            f"(indices 0..{n - 1}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)"
         )
     return "remove the invalid entry (use indices or UUIDs from `ckptfix gpus`, not both)"

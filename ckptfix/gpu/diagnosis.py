@@ -31,9 +31,7 @@ CUDA_INITIALIZED = Problem(
 )
 
 
-def spec_problems(
-    spec: VisibleSpec, gpus: Sequence[SmiGpu], *, any_chosen: bool, already_empty: bool
-) -> list[Problem]:
+def spec_problems(spec: VisibleSpec, gpus: Sequence[SmiGpu], *, any_chosen: bool, already_empty: bool) -> list[Problem]:
     """What the driver drops from ``CUDA_VISIBLE_DEVICES`` or reads leniently, and a list that hides every GPU.
 
     Args:
@@ -162,7 +160,8 @@ def mig_enumeration_problem(mig_rows: Sequence[tuple[SmiGpu, MigDevice]]) -> Pro
         f"GPU(s) {', '.join(map(str, parents))} have MIG enabled: CUDA enumerates their "
         f"{len(mig_rows)} MIG device(s) (listed as cuda rows), never the whole GPU, and CUDA 11/12 give a "
         "process at most one MIG device, so which cuda:N exist here is a guess",
-        "pick one MIG device: export CUDA_VISIBLE_DEVICES=" + mig_rows[0][1].uuid
+        "pick one MIG device: export CUDA_VISIBLE_DEVICES="
+        + mig_rows[0][1].uuid
         + (f" (or one of {others})" if len(mig_rows) > 1 else ""),
     )
 

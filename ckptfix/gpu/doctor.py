@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ckptfix.errors import CkptfixError, GpuQueryError
-from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.records import Problem
+from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")

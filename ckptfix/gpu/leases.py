@@ -356,10 +356,10 @@ def release_leases(directory: Path, *, token: str | None = None, now: float | No
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
-                    info = _read_info(fd) or {}
-                    if not token or info.get("token") == token:
-                        key = str(info.get("key", name[:-6]))
-                        out.append(Released(key, False, f"held by a running command ({_describe(info)}): stop it"))
+                    holder = _read_info(fd) or {}
+                    if not token or holder.get("token") == token:
+                        key = str(holder.get("key", name[:-6]))
+                        out.append(Released(key, False, f"held by a running command ({_describe(holder)}): stop it"))
                     continue
                 info = _read_info(fd)
                 if not info:
@@ -391,7 +391,6 @@ def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
         f"cannot take a GPU lease in {directory} ({e.strerror or e}): set CKPTFIX_LEASE_DIR to a writable local "
         "directory (file locks need a local filesystem)"
     )
-
 
 
 def hold_for_process(leases: Sequence[Lease]) -> None:
@@ -446,4 +445,3 @@ def undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
         pass
     finally:
         os.close(fd)
-

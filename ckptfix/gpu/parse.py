@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 
-
 # What we ask for.  Every field is one nvidia-smi has had since the R450 drivers
 # except ``mig.mode.current``; if a driver rejects a field we retry with BASIC.
 BASIC_GPU_FIELDS: tuple[str, ...] = (
@@ -72,20 +71,33 @@ _ALIASES = {
 }
 _APP_ALIASES = {"used_gpu_memory": "used_memory", "uuid": "gpu_uuid", "name": "process_name"}
 
-_KNOWN_HEADER_WORDS = set(GPU_FIELDS) | set(APP_FIELDS) | set(_ALIASES) | {
-    "timestamp",
-    "driver_version",
-    "utilization.memory",
-    "temperature.memory",
-    "power.limit",
-    "clocks.max.sm",
-    "compute_cap",
-    "fan.speed",
-    "pid",
-    "process_name",
-}
+_KNOWN_HEADER_WORDS = (
+    set(GPU_FIELDS)
+    | set(APP_FIELDS)
+    | set(_ALIASES)
+    | {
+        "timestamp",
+        "driver_version",
+        "utilization.memory",
+        "temperature.memory",
+        "power.limit",
+        "clocks.max.sm",
+        "compute_cap",
+        "fan.speed",
+        "pid",
+        "process_name",
+    }
+)
 
-_PLACEHOLDERS = {"N/A", "NOT SUPPORTED", "INSUFFICIENT PERMISSIONS", "UNKNOWN ERROR", "NOT FOUND", "ERR!", "GPU IS LOST"}
+_PLACEHOLDERS = {
+    "N/A",
+    "NOT SUPPORTED",
+    "INSUFFICIENT PERMISSIONS",
+    "UNKNOWN ERROR",
+    "NOT FOUND",
+    "ERR!",
+    "GPU IS LOST",
+}
 
 # ----------------------------------------------------------------------------- value parsing
 
@@ -111,7 +123,17 @@ def parse_value(raw: str) -> tuple[str | None, str | None]:
 
 
 _NUM = re.compile(r"^([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([A-Za-z%/]*)$")
-_TO_MIB = {"": 1.0, "mib": 1.0, "mb": 1.0, "m": 1.0, "gib": 1024.0, "gb": 1024.0, "g": 1024.0, "kib": 1 / 1024, "kb": 1 / 1024}
+_TO_MIB = {
+    "": 1.0,
+    "mib": 1.0,
+    "mb": 1.0,
+    "m": 1.0,
+    "gib": 1024.0,
+    "gb": 1024.0,
+    "g": 1024.0,
+    "kib": 1 / 1024,
+    "kb": 1 / 1024,
+}
 
 
 def parse_number(text: str | None, *, mib: bool = False) -> float | None:
@@ -214,7 +236,7 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
     gpus: list[SmiGpu] = []
     warnings = list(junk)
     for cells in rows:
-        row = dict(zip(columns, cells))
+        row = dict(zip(columns, cells, strict=True))
         if not _looks_like_gpu_row(row):
             warnings.append(", ".join(cells))
             continue
@@ -269,7 +291,7 @@ def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[
     procs: list[GpuProcess] = []
     warnings = list(junk)
     for cells in rows:
-        row = dict(zip(columns, cells))
+        row = dict(zip(columns, cells, strict=True))
         uuid, _ = parse_value(row.get("gpu_uuid", ""))
         pid_text, _ = parse_value(row.get("pid", ""))
         if uuid is not None and not (uuid.startswith("GPU-") or uuid.startswith("MIG-")):
@@ -344,7 +366,11 @@ def classify_failure(returncode: int, stdout: str, stderr: str = "") -> CkptfixE
     """
     text = f"{stdout}\n{stderr}"
     low = text.lower()
-    if "couldn't communicate with the nvidia driver" in low or "could not communicate with the nvidia driver" in low or returncode == 9:
+    if (
+        "couldn't communicate with the nvidia driver" in low
+        or "could not communicate with the nvidia driver" in low
+        or returncode == 9
+    ):
         return DriverNotLoadedError(
             "nvidia-smi cannot talk to the NVIDIA driver (driver not loaded): load it (`sudo modprobe nvidia`), "
             "reboot after a driver install, or in a container run with `--gpus all`; otherwise run on CPU"
@@ -371,4 +397,3 @@ def classify_failure(returncode: int, stdout: str, stderr: str = "") -> CkptfixE
             "nvidia-smi: insufficient permissions to query the GPUs: run as a user allowed to access /dev/nvidia*"
         )
     return None
-

@@ -24,8 +24,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
 from ckptfix.gpu.cudainit import cuda_init_route
-from ckptfix.gpu.leases import (DEFAULT_LEASE_SECONDS, LEASE_TOKEN_ENV, Lease, Released, held_lease, is_held,
-                                lease_dir, lease_file, release_leases, try_lease, undo)
+from ckptfix.gpu.leases import (
+    DEFAULT_LEASE_SECONDS,
+    LEASE_TOKEN_ENV,
+    Lease,
+    Released,
+    held_lease,
+    is_held,
+    lease_dir,
+    lease_file,
+    release_leases,
+    try_lease,
+    undo,
+)
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
@@ -56,10 +67,18 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
     "": 1024.0,  # a bare number is GiB
     "b": 1 / 1024**2,
-    "k": 1 / 1024, "kb": 1 / 1024, "kib": 1 / 1024,
-    "m": 1.0, "mb": 1.0, "mib": 1.0,
-    "g": 1024.0, "gb": 1024.0, "gib": 1024.0,
-    "t": 1024.0**2, "tb": 1024.0**2, "tib": 1024.0**2,
+    "k": 1 / 1024,
+    "kb": 1 / 1024,
+    "kib": 1 / 1024,
+    "m": 1.0,
+    "mb": 1.0,
+    "mib": 1.0,
+    "g": 1024.0,
+    "gb": 1024.0,
+    "gib": 1024.0,
+    "t": 1024.0**2,
+    "tb": 1024.0**2,
+    "tib": 1024.0**2,
 }
 
 
@@ -143,7 +162,10 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
         return "the only candidate left"
     ka, kb = _sort_key(a), _sort_key(b)
     if ka[0] != kb[0]:
-        return f"more free memory than the next candidate GPU {b.smi_index} ({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+        return (
+            f"more free memory than the next candidate GPU {b.smi_index} "
+            f"({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+        )
     if ka[1] != kb[1]:
         return f"same free GiB as GPU {b.smi_index}, lower utilization ({a.utilization_pct}% vs {b.utilization_pct}%)"
     if ka[2] != kb[2]:
@@ -200,7 +222,8 @@ def rank_gpus(
             if (g.process_count or 0) == 0 and (g.hidden_used_mib or 0) > 0
             else ""
         )
-        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {g.process_count if g.process_count is not None else '?'} process(es){hidden}"
+        nprocs = "?" if g.process_count is None else str(g.process_count)
+        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
         ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt)}"))
     return ranked, rejected
 
@@ -321,7 +344,6 @@ def choose_and_lease(
     chosen = [Ranked(r.gpu, i + 1, r.effective_procs, r.reason) for i, (r, _) in enumerate(got)]
     leases = [lease for _, lease in got if lease is not None]
     return PickResult(chosen, rejected, selection_env([r.gpu for r in chosen], by=by), leases, view)
-
 
 
 def explain_shortfall(result: PickResult, criteria: Criteria) -> str:

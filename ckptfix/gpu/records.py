@@ -132,6 +132,7 @@ class Problem:
     def __str__(self) -> str:
         return f"{self.message}; fix: {self.fix}" if self.fix else self.message
 
+
 def mig_size_mib(profile: str) -> int | None:
     """Memory of a MIG device from its profile name (``1g.5gb`` -> 5120, ``1c.3g.20gb`` -> 20480); None if unknown.
 
@@ -139,7 +140,6 @@ def mig_size_mib(profile: str) -> int | None:
     """
     m = re.search(r"(\d+)gb$", profile.strip().lower())
     return int(m.group(1)) * 1024 if m else None
-
 
 
 MIG_MEMORY_NOTE = "MIG device: per-instance memory is not in --query-gpu"

@@ -149,5 +149,3 @@ def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int]
             if p.poll() is None:
                 p.kill()
                 p.wait()
-
-

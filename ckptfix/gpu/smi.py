@@ -11,10 +11,19 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from ckptfix.errors import GpuQueryError, NoGpuError
-from ckptfix.gpu.parse import (APP_FIELDS, BASIC_GPU_FIELDS, GPU_FIELDS, MID_GPU_FIELDS, classify_failure,
-                               first_lines, parse_apps_csv, parse_gpu_csv, parse_list)
+from ckptfix.gpu.parse import (
+    APP_FIELDS,
+    BASIC_GPU_FIELDS,
+    GPU_FIELDS,
+    MID_GPU_FIELDS,
+    classify_failure,
+    first_lines,
+    parse_apps_csv,
+    parse_gpu_csv,
+    parse_list,
+)
 from ckptfix.gpu.records import GpuProcess, MigDevice, SmiGpu, SmiSnapshot
-from ckptfix.gpu.runner import RunResult, Runner, find_nvidia_smi, run_parallel
+from ckptfix.gpu.runner import Runner, RunResult, find_nvidia_smi, run_parallel
 
 __all__ = ["query"]
 

@@ -217,8 +217,7 @@ def _select_mig(spec: VisibleSpec, gpus: Sequence[SmiGpu]) -> tuple[Chosen, list
             problems.append(
                 Problem(
                     "cvd_empty",
-                    f"CUDA_VISIBLE_DEVICES={cvd!r} names MIG device {hits[0].uuid} twice: CUDA then hides "
-                    "every GPU",
+                    f"CUDA_VISIBLE_DEVICES={cvd!r} names MIG device {hits[0].uuid} twice: CUDA then hides every GPU",
                     "list each MIG device once",
                 )
             )
