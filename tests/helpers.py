@@ -32,7 +32,7 @@ sys.exit(rc)
 """
 
 # variables that change what the GPU commands see or report: a test sets them explicitly
-_MACHINE_VARS = ("CUDA_", "CKPTFIX_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NCCL_")
+_MACHINE_VARS = ("CUDA_", "CKPTFIX_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NCCL_", "TORCH_NCCL")
 
 
 @dataclass(frozen=True)
