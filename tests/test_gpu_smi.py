@@ -459,3 +459,10 @@ def test_compute_cap_rejected_by_an_old_driver_falls_back_keeping_mig_mode():
     g = snap.gpus[0]
     assert g.mig_enabled is False and g.compute_cap is None and snap.calls == 3
     assert "mig.mode.current" in seen[-1] and "compute_cap" not in seen[-1]
+
+
+def test_parser_doctests():
+    import doctest
+
+    res = doctest.testmod(parse, optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0 and res.attempted > 0

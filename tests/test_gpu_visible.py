@@ -392,3 +392,12 @@ def test_fastest_first_guess_matches_the_real_sample():
     v = build_view(SmiSnapshot(gpus=tuple(parsed)), {})
     assert [d.name for d in v.devices] == ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce GTX 1660 SUPER"]
     assert not v.order_certain
+
+
+@pytest.mark.parametrize("module", ["ckptfix.gpu.cvd", "ckptfix.gpu.order", "ckptfix.gpu.visible"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0

@@ -99,5 +99,9 @@ def cuda_init_route() -> str | None:
 
 
 def cuda_initialized() -> bool:
-    """True if CUDA is already initialised in *this* process, by any route (see :func:`cuda_init_route`)."""
+    """True if CUDA is already initialised in *this* process, by any route (see :func:`cuda_init_route`).
+
+    Returns:
+        Whether a route of :func:`cuda_init_route` was taken.
+    """
     return cuda_init_route() is not None

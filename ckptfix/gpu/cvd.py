@@ -53,6 +53,12 @@ def strtoul_prefix(s: str) -> int | None:
 
     >>> strtoul_prefix("1gpu2"), strtoul_prefix(" 3"), strtoul_prefix("-1"), strtoul_prefix("gpu")
     (1, 3, -1, None)
+
+    Args:
+        s: one entry of ``CUDA_VISIBLE_DEVICES``.
+
+    Returns:
+        The number, or ``None``.
     """
     s = s.lstrip(" \t\n\r\f\v")
     sign = 1
@@ -74,6 +80,12 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
     (0, 2)
     >>> parse_visible_devices("1,1").entries
     ()
+
+    Args:
+        value: the variable's value, ``None`` when unset.
+
+    Returns:
+        The :class:`VisibleSpec`: kind, kept entries, and notes on what the driver drops or reads leniently.
     """
     if value is None:
         return VisibleSpec(None, "all")
@@ -124,6 +136,15 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
 
 
 def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
+    """How to fix a ``CUDA_VISIBLE_DEVICES`` that hides or drops GPUs.
+
+    Args:
+        spec: the parsed variable.
+        gpus: the physical GPUs.
+
+    Returns:
+        The fix, one sentence.
+    """
     if spec.kind == "none":
         return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
     if spec.emptied_by_duplicate:

@@ -81,6 +81,11 @@ class DoctorReport:
     problems: list[Problem] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``ckptfix doctor --json`` document.
+
+        Returns:
+            The document (docs/schemas/doctor.schema.json).
+        """
         return {
             "schema": "ckptfix.doctor/1",
             "python": self.python,
@@ -95,7 +100,12 @@ class DoctorReport:
 
 
 def torch_info() -> dict[str, Any]:
-    """torch version and build, imported lazily; never initialises CUDA."""
+    """torch version and build, imported lazily; never initialises CUDA.
+
+    Returns:
+        ``{"installed": False, "error": ...}``, or the version, ``cuda``, ``build`` (cuda/rocm/cpu), ``cudnn``
+        and ``cuda_initialized``.
+    """
     try:
         import torch  # noqa: PLC0415 - the one lazy torch import in ckptfix.gpu
     except ImportError as e:

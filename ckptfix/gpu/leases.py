@@ -79,6 +79,15 @@ def _lease_name(key: str) -> str:
 
 
 def lease_file(directory: Path, key: str) -> Path:
+    """The lease file of GPU ``key``.
+
+    Args:
+        directory: the lease directory.
+        key: the GPU id.
+
+    Returns:
+        The path (``<key with unsafe characters as _>.lease``).
+    """
     return directory / _lease_name(key)
 
 
@@ -191,6 +200,11 @@ class Lease:
             self.fd = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The lease in ``pick-gpu --json``.
+
+        Returns:
+            ``key``, ``path``, ``held`` and ``expires``.
+        """
         return {"key": self.key, "path": str(self.path), "held": self.fd is not None, "expires": self.expires}
 
 
@@ -315,6 +329,11 @@ class Released:
     why: str
 
     def to_dict(self) -> dict[str, Any]:
+        """One entry of ``pick-gpu --release --json``.
+
+        Returns:
+            ``key``, ``released`` and ``why``.
+        """
         return {"key": self.key, "released": self.released, "why": self.why}
 
 
@@ -379,7 +398,14 @@ def release_leases(directory: Path, *, token: str | None = None, now: float | No
 
 
 def held_lease(path: Path) -> Lease | None:
-    """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any."""
+    """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any.
+
+    Args:
+        path: the lease file.
+
+    Returns:
+        The held :class:`Lease`, or ``None``.
+    """
     for le in _HELD:
         if le.fd is not None and le.path == path:
             return le
@@ -420,6 +446,10 @@ def undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
     An expiry lease's file may be locked at this instant by another picker reading it (for
     microseconds: it sees our expiry and lets go), so wait up to ``lock_timeout`` for the lock
     rather than leave the GPU reserved until the expiry.
+
+    Args:
+        lease: the lease to give back.
+        lock_timeout: seconds to wait for the file's lock.
     """
     if lease.fd is not None:
         lease.release()

@@ -111,6 +111,12 @@ def parse_value(raw: str) -> tuple[str | None, str | None]:
     (None, 'Insufficient Permissions')
     >>> parse_value("N/A")
     (None, 'N/A')
+
+    Args:
+        raw: the cell as printed.
+
+    Returns:
+        ``(value, None)`` or ``(None, placeholder)``.
     """
     s = raw.strip()
     if len(s) >= 2 and s[0] == "[" and s[-1] == "]":
@@ -140,6 +146,13 @@ def parse_number(text: str | None, *, mib: bool = False) -> float | None:
     """``"130013 MiB" -> 130013.0``, ``"100 %" -> 100.0``, ``"11.17 W" -> 11.17``; junk -> None.
 
     With ``mib=True`` a unit other than MiB is converted to MiB.
+
+    Args:
+        text: a value from :func:`parse_value` (``None`` passes through).
+        mib: convert a memory unit to MiB.
+
+    Returns:
+        The number, or ``None`` when it is not one (or has an unknown unit with ``mib``).
     """
     if text is None:
         return None
@@ -189,6 +202,15 @@ def parse_csv(
     is one, else ``fields``), the rows that have exactly that many cells (a
     ``free_text`` column such as a product name absorbs extra commas), and the
     non-empty lines that are neither (warnings printed around the data).
+
+    Args:
+        text: nvidia-smi's stdout.
+        fields: the fields asked for, in order (the columns when there is no header).
+        free_text: the column that may contain commas.
+        aliases: header spellings -> canonical field names.
+
+    Returns:
+        ``(columns, rows, junk)``, see above.
     """
     aliases = _ALIASES if aliases is None else aliases
     columns = [aliases.get(f, f) for f in fields]
@@ -231,6 +253,13 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
 
     Rows without an ``index`` column are numbered in order.  Returns ``(gpus, warnings)``
     where warnings are the lines that were not data (e.g. a lost-GPU message).
+
+    Args:
+        text: nvidia-smi's stdout.
+        fields: the fields asked for.
+
+    Returns:
+        ``(gpus, warnings)``.
     """
     columns, rows, junk = parse_csv(text, fields, free_text="name")
     gpus: list[SmiGpu] = []
@@ -286,7 +315,15 @@ def _compute_cap(text: str | None) -> tuple[int, int] | None:
 
 
 def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[GpuProcess], list[str]]:
-    """Parse ``--query-compute-apps`` output.  A header alone (or nothing) means no processes."""
+    """Parse ``--query-compute-apps`` output.  A header alone (or nothing) means no processes.
+
+    Args:
+        text: nvidia-smi's stdout.
+        fields: the fields asked for.
+
+    Returns:
+        ``(processes, warnings)``: warnings are the lines that were not process rows.
+    """
     columns, rows, junk = parse_csv(text, fields, free_text="process_name", aliases=_APP_ALIASES)
     procs: list[GpuProcess] = []
     warnings = list(junk)
@@ -321,6 +358,12 @@ def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], 
     """Parse ``nvidia-smi -L``: ``([(index, name, uuid)], [MigDevice], junk_lines)``.
 
     Whitespace-tolerant (real output pads MIG lines; rendered docs do not).
+
+    Args:
+        text: nvidia-smi's stdout.
+
+    Returns:
+        ``(gpus, mig_devices, junk)``; each MIG device belongs to the GPU line above it.
     """
     gpus: list[tuple[int, str, str]] = []
     migs: list[MigDevice] = []
@@ -353,6 +396,15 @@ def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], 
 
 
 def first_lines(text: str, n: int = 2) -> str:
+    """The first lines of some output, for an error message.
+
+    Args:
+        text: nvidia-smi's output.
+        n: how many lines.
+
+    Returns:
+        The first ``n`` non-blank lines, stripped, joined by `` / ``.
+    """
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " / ".join(lines[:n])
 
@@ -363,6 +415,14 @@ def classify_failure(returncode: int, stdout: str, stderr: str = "") -> CkptfixE
     Recognised: driver not loaded (rc 9), driver/library mismatch (rc 18), no
     devices (rc 6 / "No devices were found" / "No supported GPUs", rc 255),
     insufficient permissions (rc 4).
+
+    Args:
+        returncode: nvidia-smi's exit code.
+        stdout: its stdout.
+        stderr: its stderr.
+
+    Returns:
+        The error to raise (with its fix), or ``None`` when the failure is not one of these.
     """
     text = f"{stdout}\n{stderr}"
     low = text.lower()

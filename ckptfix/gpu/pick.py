@@ -86,6 +86,15 @@ def parse_size_mib(text: str | int | float) -> int:
     """``"10GiB" -> 10240``, ``"512MiB" -> 512``, ``"1.5G" -> 1536``; a bare number means GiB.
 
     Raises ValueError on anything else.
+
+    Args:
+        text: a size with an optional unit (B, K/KB/KiB, M..., G..., T...), or a number of GiB.
+
+    Returns:
+        The size in MiB, rounded down.
+
+    Raises:
+        ValueError: not a size.
     """
     if isinstance(text, (int, float)):
         return int(text * 1024)
@@ -111,6 +120,11 @@ class Ranked:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """One ``chosen`` entry of ``pick-gpu --json``.
+
+        Returns:
+            The GPU's ids, memory, utilization and process count, with the rank and the reason.
+        """
         g = self.gpu
         return {
             "rank": self.rank,
@@ -134,6 +148,11 @@ class Rejected:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """One ``rejected`` entry of ``pick-gpu --json``.
+
+        Returns:
+            ``uuid``, ``smi_index``, ``name`` and ``reason``.
+        """
         return {"uuid": self.gpu.uuid, "smi_index": self.gpu.smi_index, "name": self.gpu.name, "reason": self.reason}
 
     def __str__(self) -> str:
@@ -176,7 +195,16 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
 def rank_gpus(
     devices: Sequence[VisibleGpu], criteria: Criteria, *, leased: Mapping[str, str] | None = None
 ) -> tuple[list[Ranked], list[Rejected]]:
-    """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it."""
+    """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it.
+
+    Args:
+        devices: the candidates (the devices CUDA sees).
+        criteria: how many and the filters.
+        leased: GPU id -> holder, for GPUs known to be leased.
+
+    Returns:
+        ``(ranked, rejected)``: the qualifying GPUs best first, each with the reason, and the others with why.
+    """
     leased = leased or {}
     ok: list[VisibleGpu] = []
     rejected: list[Rejected] = []
@@ -289,6 +317,13 @@ def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str
     ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
     numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
     index where nvidia-smi lists GPUs in another order.
+
+    Args:
+        chosen: the GPUs, in the order CUDA should number them.
+        by: ``"uuid"`` or ``"index"``.
+
+    Returns:
+        ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
     """
     if by == "index" or any(not g.uuid for g in chosen):
         ids = [
@@ -314,6 +349,21 @@ def choose_and_lease(
     If fewer than ``n`` qualify, nothing stays leased and the result has fewer
     than ``n`` chosen (``rejected`` says why the others failed).  ``directory=None``
     disables leases; ``token`` makes timed leases carrying it the caller's own (see :func:`try_lease`).
+
+    Args:
+        view: the devices the caller's CUDA sees.
+        criteria: how many and the filters.
+        lease_seconds: ``None`` holds the lock, ``0`` only looks, else a timed lease (see
+            :func:`ckptfix.gpu.leases.try_lease`).
+        directory: the lease directory, ``None`` for no leases.
+        by: ``"uuid"`` or ``"index"`` ids in the environment.
+        token: the caller's lease token.
+
+    Returns:
+        The :class:`PickResult`; ``env`` is empty when fewer than ``n`` qualified.
+
+    Raises:
+        OutputError: the lease directory or a lease file is unusable or unsafe (exit code 9).
     """
     ranked, rejected = rank_gpus(view.devices, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
@@ -347,7 +397,15 @@ def choose_and_lease(
 
 
 def explain_shortfall(result: PickResult, criteria: Criteria) -> str:
-    """One line: how many qualify and why each other GPU does not."""
+    """One line: how many qualify and why each other GPU does not.
+
+    Args:
+        result: a pick with fewer than ``criteria.n`` chosen.
+        criteria: what was asked for.
+
+    Returns:
+        ``need N GPU(s), K qualify: GPU i (...): why; ...``.
+    """
     n_ok = len(result.chosen)
     head = f"need {criteria.n} GPU(s), {n_ok} qualif{'ies' if n_ok == 1 else 'y'}"
     lines = [str(r) for r in result.rejected]
@@ -374,6 +432,22 @@ def pick(
         NoGpuError: CUDA would see no GPU at all (e.g. ``CUDA_VISIBLE_DEVICES=""``).
         NoGpuFitsError: not enough GPUs qualify and ``wait`` is 0.
         GpuWaitTimeoutError: still not enough after ``wait`` seconds.
+
+    Args:
+        get_view: makes a fresh :class:`GpuView` (runs nvidia-smi).
+        criteria: how many and the filters.
+        lease_seconds: see :func:`choose_and_lease`.
+        directory: the lease directory, ``None`` for no leases.
+        wait: seconds to keep retrying (0: fail at once).
+        interval: seconds between retries.
+        by: ``"uuid"`` or ``"index"`` ids.
+        on_wait: called with a progress line before each wait.
+        token: the caller's lease token.
+        sleep: the sleep function (tests).
+        clock: the monotonic clock (tests).
+
+    Returns:
+        The :class:`PickResult` with ``waited_s``.
     """
     if criteria.n < 1:
         raise ValueError("n must be at least 1")

@@ -29,6 +29,11 @@ class GpuProcess:
     used_memory_mib: int | None
 
     def to_dict(self) -> dict[str, Any]:
+        """The process as JSON.
+
+        Returns:
+            ``gpu_uuid``, ``pid``, ``name``, ``used_memory_mib``.
+        """
         return {"gpu_uuid": self.gpu_uuid, "pid": self.pid, "name": self.name, "used_memory_mib": self.used_memory_mib}
 
 
@@ -43,6 +48,11 @@ class MigDevice:
     profile: str  # e.g. ``1g.5gb`` or ``1c.3g.20gb``
 
     def to_dict(self) -> dict[str, Any]:
+        """The MIG device as JSON.
+
+        Returns:
+            ``uuid``, ``parent_uuid``, ``parent_index``, ``device_index``, ``profile``.
+        """
         return {
             "uuid": self.uuid,
             "parent_uuid": self.parent_uuid,
@@ -76,15 +86,33 @@ class SmiGpu:
 
     @property
     def process_count(self) -> int | None:
+        """How many compute processes nvidia-smi lists on this GPU.
+
+        Returns:
+            The number of compute processes, ``None`` when they were not (or could not be) listed.
+        """
         return None if self.processes is None else len(self.processes)
 
     def unavailable_reason(self, fieldname: str) -> str | None:
+        """Why ``fieldname`` has no value.
+
+        Args:
+            fieldname: an nvidia-smi field, e.g. ``memory.free``.
+
+        Returns:
+            The placeholder printed instead of its value (``N/A``, ``Insufficient Permissions``...), or ``None``.
+        """
         for f, why in self.unavailable:
             if f == fieldname:
                 return why
         return None
 
     def to_dict(self) -> dict[str, Any]:
+        """The GPU as JSON (``physical[]`` of ``ckptfix gpus --json`` adds the CUDA numbering).
+
+        Returns:
+            Every field; ``compute_cap`` as ``"9.0"``, ``unavailable`` as a mapping.
+        """
         return {
             "index": self.index,
             "uuid": self.uuid,
@@ -127,6 +155,11 @@ class Problem:
     fix: str
 
     def to_dict(self) -> dict[str, str]:
+        """The problem as JSON.
+
+        Returns:
+            ``code``, ``message`` and ``fix``.
+        """
         return {"code": self.code, "message": self.message, "fix": self.fix}
 
     def __str__(self) -> str:
@@ -137,6 +170,12 @@ def mig_size_mib(profile: str) -> int | None:
     """Memory of a MIG device from its profile name (``1g.5gb`` -> 5120, ``1c.3g.20gb`` -> 20480); None if unknown.
 
     The profile names the instance's nominal memory in GB; nvidia-smi reports slightly less usable memory.
+
+    Args:
+        profile: the profile name.
+
+    Returns:
+        The nominal memory in MiB, or ``None``.
     """
     m = re.search(r"(\d+)gb$", profile.strip().lower())
     return int(m.group(1)) * 1024 if m else None

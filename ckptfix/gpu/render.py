@@ -14,7 +14,14 @@ __all__ = ["render_gpus", "render_doctor", "short_uuid"]
 
 
 def short_uuid(uuid: str | None) -> str:
-    """``GPU-a44622e3-...`` -> ``GPU-a44622e3`` (CUDA accepts any unambiguous prefix)."""
+    """``GPU-a44622e3-...`` -> ``GPU-a44622e3`` (CUDA accepts any unambiguous prefix).
+
+    Args:
+        uuid: a GPU or MIG UUID, or ``None``.
+
+    Returns:
+        The short form (legacy ``MIG-GPU-...`` ids whole), ``-`` for none.
+    """
     if not uuid:
         return "-"
     if uuid.startswith("MIG-GPU-"):
