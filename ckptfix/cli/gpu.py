@@ -17,7 +17,7 @@ import click
 
 from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option, warn
-from ckptfix.errors import CkptfixError, NoGpuError
+from ckptfix.errors import CkptfixError
 
 if TYPE_CHECKING:
     from ckptfix.gpu.pick import PickResult, ReleaseResult
@@ -63,14 +63,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
         click.echo(render_gpus(view))
         for w in view.warnings:
             warn(w)
-    if not view.devices:
-        p = next((p for p in view.problems if p.code == "cvd_empty"), None)
-        fix = p.fix if p else "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
-        raise NoGpuError(
-            f"nvidia-smi sees {len(view.physical)} GPU(s) but none is visible to CUDA "
-            f"(CUDA_VISIBLE_DEVICES={view.cuda_visible_devices!r}): {fix}"
-        )
-    return None
+    view.raise_if_none_visible()
 
 
 @cli.command(

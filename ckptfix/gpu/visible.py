@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ckptfix.errors import NoGpuError
 from ckptfix.gpu import diagnosis
 from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized
 from ckptfix.gpu.cvd import VisibleSpec, parse_visible_devices, strtoul_prefix
@@ -85,6 +86,21 @@ class GpuView:
             **{k: v for k, v in d.items() if k != "index"},
             "process_count": g.process_count,
         }
+
+    def raise_if_none_visible(self) -> None:
+        """Fail when CUDA would see no GPU here although nvidia-smi lists some (``ckptfix gpus`` exits 21).
+
+        Raises:
+            NoGpuError: no device is visible, with the fix of the ``cvd_empty`` problem (exit code 21).
+        """
+        if self.devices:
+            return
+        p = next((p for p in self.problems if p.code == "cvd_empty"), None)
+        fix = p.fix if p else "unset CUDA_VISIBLE_DEVICES or fix it, or run on CPU"
+        raise NoGpuError(
+            f"nvidia-smi sees {len(self.physical)} GPU(s) but none is visible to CUDA "
+            f"(CUDA_VISIBLE_DEVICES={self.cuda_visible_devices!r}): {fix}"
+        )
 
     @property
     def effective_order(self) -> str:
