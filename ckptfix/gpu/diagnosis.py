@@ -19,6 +19,7 @@ __all__ = [
     "unreadable_problem",
     "device_order_problem",
     "order_uncertain_problem",
+    "order_problems",
     "mig_enumeration_problem",
     "device_problems",
     "CUDA_INITIALIZED",
@@ -142,6 +143,34 @@ def order_uncertain_problem(gpus: Sequence[SmiGpu]) -> Problem:
         "capability, then multiprocessors x clock, as CUDA ranks devices)",
         "export CUDA_DEVICE_ORDER=PCI_BUS_ID (or select GPUs by UUID)",
     )
+
+
+def order_problems(
+    gpus: Sequence[SmiGpu], order: str | None, *, by_id: bool, unreadable: Sequence[int], models_certain: bool
+) -> list[Problem]:
+    """What makes CUDA's numbering differ from what the user expects.
+
+    Args:
+        gpus: the physical GPUs.
+        order: the value of ``CUDA_DEVICE_ORDER``.
+        by_id: devices are selected by UUID (or none at all): the numbering does not depend on the order.
+        unreadable: from :func:`unreadable_indices`.
+        models_certain: the enumeration order is known (PCI_BUS_ID, or one model).
+
+    Returns:
+        ``gpu_unreadable``, ``device_order_invalid`` and ``order_uncertain`` as they apply.
+    """
+    problems: list[Problem] = []
+    if not by_id and unreadable:
+        # nvidia-smi skipped a GPU it could not read (e.g. "Unable to determine the device handle for GPU1");
+        # whether CUDA still counts it decides every cuda:N after it
+        problems.append(unreadable_problem(unreadable))
+    bad_order = device_order_problem(order)
+    if bad_order is not None:
+        problems.append(bad_order)
+    if not by_id and not models_certain:
+        problems.append(order_uncertain_problem(gpus))
+    return problems
 
 
 def mig_enumeration_problem(mig_rows: Sequence[tuple[SmiGpu, MigDevice]]) -> Problem:

@@ -256,6 +256,24 @@ def _to_visible(
     return VisibleGpu(cuda_index, g, hidden_used_mib=hidden, pci_index=pci_index)
 
 
+def _select(
+    spec: VisibleSpec, gpus: Sequence[SmiGpu], ordered: Sequence[SmiGpu]
+) -> tuple[Chosen, list[tuple[SmiGpu, MigDevice]], list[Problem]]:
+    """The devices CUDA enumerates under ``spec``: ``(chosen, MIG rows of an unset variable, problems)``."""
+    if spec.kind == "all":
+        chosen, mig_rows = _select_all(ordered)
+        return chosen, mig_rows, []
+    if spec.kind == "index":
+        chosen, problems = _select_index(spec, ordered)
+    elif spec.kind == "uuid":
+        chosen, problems = _select_uuid(spec, gpus)
+    elif spec.kind == "mig":
+        chosen, problems = _select_mig(spec, gpus)
+    else:  # "none": set but empty
+        chosen, problems = [], []
+    return chosen, [], problems
+
+
 # ----------------------------------------------------------------------------- the view
 
 
@@ -282,17 +300,7 @@ def build_view(
     spec = parse_visible_devices(cvd)
     gpus = list(snapshot.gpus)
     ordered, models_certain = enumeration_order(gpus, order)
-    mig_rows: list[tuple[SmiGpu, MigDevice]] = []
-    problems: list[Problem] = []
-    chosen: Chosen = []
-    if spec.kind == "all":
-        chosen, mig_rows = _select_all(ordered)
-    elif spec.kind == "index":
-        chosen, problems = _select_index(spec, ordered)
-    elif spec.kind == "uuid":
-        chosen, problems = _select_uuid(spec, gpus)
-    elif spec.kind == "mig":
-        chosen, problems = _select_mig(spec, gpus)
+    chosen, mig_rows, problems = _select(spec, gpus, ordered)
     problems += diagnosis.spec_problems(
         spec, gpus, any_chosen=bool(chosen), already_empty=any(p.code == "cvd_empty" for p in problems)
     )
@@ -303,15 +311,7 @@ def build_view(
     unreadable = diagnosis.unreadable_indices(gpus)
     # physical ids (or nothing) select the devices: nothing depends on CUDA_DEVICE_ORDER
     by_id = spec.kind in ("uuid", "mig", "none")
-    if not by_id and unreadable:
-        # nvidia-smi skipped a GPU it could not read (e.g. "Unable to determine the device handle for GPU1");
-        # whether CUDA still counts it decides every cuda:N after it
-        problems.append(diagnosis.unreadable_problem(unreadable))
-    bad_order = diagnosis.device_order_problem(order)
-    if bad_order is not None:
-        problems.append(bad_order)
-    if not by_id and not models_certain:
-        problems.append(diagnosis.order_uncertain_problem(gpus))
+    problems += diagnosis.order_problems(gpus, order, by_id=by_id, unreadable=unreadable, models_certain=models_certain)
     if mig_rows:
         problems.append(diagnosis.mig_enumeration_problem(mig_rows))
     problems += diagnosis.device_problems(devices, gpus, mig_listed=snapshot.mig_listed)
