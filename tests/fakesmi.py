@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptfix.errors import GpuQueryError
-from ckptfix.gpu.smi import RunResult
+from ckptfix.gpu.runner import RunResult
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 

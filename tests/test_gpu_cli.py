@@ -17,113 +17,46 @@ from pathlib import Path
 
 import pytest
 
-FIX = Path(__file__).parent / "fixtures" / "nvidia-smi"
-SCENARIOS = FIX / "scenarios"
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import CLI_PROGRAM, ROOT, SCENARIOS, cli_argv, fake_smi_env, run_cli, run_python, smi_calls
 
 H200_FREE = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"  # GPU 2 after release: 0 MiB used
 
-# Runs the CLI like the console script does, then writes "torch imported: True/False" to fd 2.
-# If the checkpoint command module (another engineer's) is not there yet, stand in an empty one.
-WRAPPER = r"""
-import os, sys, types, pathlib
-import ckptfix
-if not (pathlib.Path(ckptfix.__file__).parent / "cli" / "ckpt.py").exists():
-    sys.modules["ckptfix.cli.ckpt"] = types.ModuleType("ckptfix.cli.ckpt")
-from ckptfix.cli import main
-rc = main(sys.argv[1:])
-sys.stdout.flush()
-report = os.environ.get("TORCH_REPORT")
-if report:
-    pathlib.Path(report).write_text(str("torch" in sys.modules))
-sys.exit(rc)
-"""
-
-
-class Run:
-    def __init__(self, p: subprocess.CompletedProcess[str], torch_imported: bool | None):
-        self.rc = p.returncode
-        self.out = p.stdout
-        self.err = p.stderr
-        self.torch_imported = torch_imported
-
-    def __repr__(self) -> str:
-        return f"Run(rc={self.rc}, out={self.out!r}, err={self.err!r})"
-
 
 @pytest.fixture
-def fake_env(tmp_path: Path):
-    """An environment with the fake nvidia-smi first on PATH and private lease dir."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shutil.copy(FIX / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
-    (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("CUDA_", "CKPTFIX_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NCCL_"))
-    }
-    env.update(
-        PATH=f"{bin_dir}:/usr/bin:/bin",
-        FAKE_SMI_DIR=str(SCENARIOS),
-        FAKE_SMI_LOG=str(tmp_path / "smi.log"),
-        CKPTFIX_LEASE_DIR=str(tmp_path / "leases"),
-        PYTHONPATH=str(ROOT),
-        TORCH_REPORT=str(tmp_path / "torch-report"),
-    )
-    return env
-
-
-def ckptfix(env: dict[str, str], *args: str, scenario: str | None = None, timeout: float = 60, **extra: str) -> Run:
-    e = dict(env)
-    if scenario is not None:
-        e["FAKE_SMI_SCENARIO"] = scenario
-    e.update(extra)
-    report = Path(e["TORCH_REPORT"])
-    if report.exists():
-        report.unlink()
-    p = subprocess.run(
-        [sys.executable, "-c", WRAPPER, *args], env=e, capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-    torch_imported = None if not report.exists() else report.read_text() == "True"
-    return Run(p, torch_imported)
-
-
-def smi_calls(env: dict[str, str]) -> list[str]:
-    log = Path(env["FAKE_SMI_LOG"])
-    return log.read_text().splitlines() if log.exists() else []
+def fake_env(tmp_path: Path) -> dict[str, str]:
+    """An environment with the fake nvidia-smi first on PATH and a private lease dir."""
+    return fake_smi_env(tmp_path)
 
 
 # ----------------------------------------------------------------------------- torch stays out
 
 
 def test_importing_gpu_modules_does_not_import_torch():
-    code = "import sys, ckptfix.gpu, ckptfix.gpu.smi, ckptfix.gpu.visible, ckptfix.gpu.pick; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    code = (
+        "import sys, ckptfix.gpu, ckptfix.gpu.smi, ckptfix.gpu.visible, ckptfix.gpu.pick, ckptfix.gpu.render\n"
+        "assert 'torch' not in sys.modules"
+    )
+    p = run_python(code)
+    assert p.returncode == 0, p.stderr
 
 
 def test_importing_cli_gpu_does_not_import_torch():
-    code = (
-        "import sys, types, pathlib, ckptfix\n"
-        "if not (pathlib.Path(ckptfix.__file__).parent / 'cli' / 'ckpt.py').exists():\n"
-        "    sys.modules['ckptfix.cli.ckpt'] = types.ModuleType('ckptfix.cli.ckpt')\n"
-        "import ckptfix.cli.gpu, ckptfix.gpu\n"
-        "assert 'torch' not in sys.modules, 'torch imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    code = "import sys, ckptfix.cli.gpu, ckptfix.gpu\nassert 'torch' not in sys.modules, 'torch imported'\n"
+    p = run_python(code)
+    assert p.returncode == 0, p.stderr
 
 
 def test_gpus_and_pick_gpu_never_import_torch(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="h200_busy")
+    r = run_cli("gpus", scenario="h200_busy", env=fake_env)
     assert r.rc == 0, r
     assert r.torch_imported is False
-    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release")
+    r = run_cli("pick-gpu", scenario="h200_after_release", env=fake_env)
     assert r.rc == 0, r
     assert r.torch_imported is False
 
 
 def test_doctor_may_import_torch(fake_env):
-    r = ckptfix(fake_env, "doctor", "--json", scenario="h200_busy")
+    r = run_cli("doctor", "--json", scenario="h200_busy", env=fake_env)
     assert r.rc == 0, r
     assert r.torch_imported is True
 
@@ -132,10 +65,22 @@ def test_doctor_may_import_torch(fake_env):
 
 
 def test_gpus_table_8xh200(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="h200_busy")
+    r = run_cli("gpus", scenario="h200_busy", env=fake_env)
     assert r.rc == 0, r
     lines = r.out.splitlines()
-    assert lines[0].split() == ["cuda", "smi", "uuid", "pci", "name", "used/total", "GiB", "free", "GiB", "util", "procs"]
+    assert lines[0].split() == [
+        "cuda",
+        "smi",
+        "uuid",
+        "pci",
+        "name",
+        "used/total",
+        "GiB",
+        "free",
+        "GiB",
+        "util",
+        "procs",
+    ]
     assert lines[1].split()[:4] == ["cuda:0", "0", "GPU-a44622e3", "18:00.0"]
     assert "NVIDIA H200" in lines[1] and "127.0/140.4" in lines[1]
     assert lines[8].split()[:3] == ["cuda:7", "7", "GPU-28780eb0"]
@@ -149,7 +94,7 @@ def test_gpus_table_8xh200(fake_env):
 
 
 def test_gpus_json_schema(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES="7,GPU-x,2")
+    r = run_cli("gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES="7,GPU-x,2", env=fake_env)
     assert r.rc == 0, r
     doc = json.loads(r.out)
     assert doc["schema"] == "ckptfix.gpus/1"
@@ -161,43 +106,55 @@ def test_gpus_json_schema(fake_env):
     assert doc["physical_gpu_count"] == 8 and doc["order_certain"] is True
     (d,) = doc["devices"]
     for key in (
-        "cuda_index", "smi_index", "uuid", "pci_bus_id", "name", "memory_total_mib", "memory_free_mib",
-        "utilization_pct", "process_count",
+        "cuda_index",
+        "smi_index",
+        "uuid",
+        "pci_bus_id",
+        "name",
+        "memory_total_mib",
+        "memory_free_mib",
+        "utilization_pct",
+        "process_count",
     ):
         assert key in d
     assert (d["cuda_index"], d["smi_index"], d["uuid"]) == (0, 7, "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72")
-    assert (d["memory_total_mib"], d["memory_free_mib"], d["utilization_pct"], d["process_count"]) == (143771, 85198, 0, 1)
+    assert (d["memory_total_mib"], d["memory_free_mib"], d["utilization_pct"], d["process_count"]) == (
+        143771,
+        85198,
+        0,
+        1,
+    )
     assert any("'GPU-x' is a UUID after indices" in w for w in doc["warnings"])
     assert [p["code"] for p in doc["problems"]] == ["cvd_truncated"]
 
 
 def test_gpus_mixed_models_warns_order_uncertain(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="mixed")
+    r = run_cli("gpus", scenario="mixed", env=fake_env)
     assert r.rc == 0, r
     assert "cuda:0?" in r.out and "T1000" in r.out
     assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in r.err
     assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID" in r.err
-    r = ckptfix(fake_env, "gpus", scenario="mixed", CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    r = run_cli("gpus", scenario="mixed", CUDA_DEVICE_ORDER="PCI_BUS_ID", env=fake_env)
     assert r.rc == 0 and "cuda:0 " in r.out and "?" not in r.out and r.err == ""
 
 
 def test_gpus_invalid_device_order_warns(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="mixed", CUDA_DEVICE_ORDER="pci_bus_id")
+    r = run_cli("gpus", scenario="mixed", CUDA_DEVICE_ORDER="pci_bus_id", env=fake_env)
     assert r.rc == 0, r
     assert "cuda:0?" in r.out  # CUDA reads it as FASTEST_FIRST: still a guess on mixed models
     assert "CUDA_DEVICE_ORDER='pci_bus_id' (invalid: CUDA uses FASTEST_FIRST)" in r.out
     assert "warning: CUDA_DEVICE_ORDER='pci_bus_id' is not a value CUDA knows" in r.err
     assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID exactly" in r.err
-    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="PCI_BUS_IDX")
+    r = run_cli("gpus", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="PCI_BUS_IDX", env=fake_env)
     doc = json.loads(r.out)
     assert doc["environment"]["effective_order"] == "FASTEST_FIRST"
     assert [p["code"] for p in doc["problems"]] == ["device_order_invalid"]
-    r = ckptfix(fake_env, "doctor", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="pci_bus_id")
+    r = run_cli("doctor", "--json", scenario="h200_busy", CUDA_DEVICE_ORDER="pci_bus_id", env=fake_env)
     assert r.rc == 0 and "device_order_invalid" in [p["code"] for p in json.loads(r.out)["problems"]]
 
 
 def test_gpus_mig_host_lists_mig_devices_as_cuda_rows_and_maps_mig_uuid(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host")
+    r = run_cli("gpus", "--json", scenario="mig_host", env=fake_env)
     doc = json.loads(r.out)
     devs = doc["devices"]
     # CVD unset: the 4 whole GPUs, then the 16 MIG devices of GPUs 4-7 (7 + 3 + 2 + 4), never their parents
@@ -208,25 +165,25 @@ def test_gpus_mig_host_lists_mig_devices_as_cuda_rows_and_maps_mig_uuid(fake_env
     assert not doc["order_certain"]
     (p,) = [p for p in doc["problems"] if p["code"] == "mig_enumeration"]
     assert "MIG-1c5876e6-d3b9-524a-9eb4-664fcfbd4de2" in p["fix"] and "nvidia-smi -L" not in p["fix"]
-    table = ckptfix(fake_env, "gpus", scenario="mig_host")
+    table = run_cli("gpus", scenario="mig_host", env=fake_env)
     assert "cuda:4?" in table.out and "MIG-1c5876e6" in table.out and "1g.5gb" in table.out
     assert any(c.startswith("L ") for c in smi_calls(fake_env))
-    r = ckptfix(fake_env, "gpus", "--json", scenario="mig_host", CUDA_VISIBLE_DEVICES="MIG-4c7db5d8")
+    r = run_cli("gpus", "--json", scenario="mig_host", CUDA_VISIBLE_DEVICES="MIG-4c7db5d8", env=fake_env)
     (d,) = json.loads(r.out)["devices"]
     assert d["smi_index"] == 6 and d["mig_device"]["uuid"] == "MIG-4c7db5d8-f005-5927-803e-9ee984a56e15"
 
 
 def test_gpus_insufficient_permissions_and_gb10(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="k8s_insufficient_permissions")
+    r = run_cli("gpus", scenario="k8s_insufficient_permissions", env=fake_env)
     assert r.rc == 0, r
     assert "NVIDIA A100-SXM4-80GB" in r.out and "-/-" in r.out
     assert "[Insufficient Permissions]" in r.err
-    r = ckptfix(fake_env, "gpus", scenario="gb10_unified_memory")
+    r = run_cli("gpus", scenario="gb10_unified_memory", env=fake_env)
     assert r.rc == 0 and "NVIDIA GB10" in r.out and "[N/A]" in r.err
 
 
 def test_gpus_warning_line_before_output(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="warning_line")
+    r = run_cli("gpus", "--json", scenario="warning_line", env=fake_env)
     assert r.rc == 0, r
     doc = json.loads(r.out)
     assert [d["smi_index"] for d in doc["devices"]] == [0, 2, 3]
@@ -235,16 +192,16 @@ def test_gpus_warning_line_before_output(fake_env):
 
 
 def test_gpus_lost_gpu_makes_cuda_column_a_guess(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="warning_line")
+    r = run_cli("gpus", "--json", scenario="warning_line", env=fake_env)
     doc = json.loads(r.out)
     assert doc["order_certain"] is False
     assert [p["code"] for p in doc["problems"]] == ["gpu_unreadable"]
-    r = ckptfix(fake_env, "gpus", scenario="warning_line")
+    r = run_cli("gpus", scenario="warning_line", env=fake_env)
     assert r.out.startswith("cuda ") and "cuda:1?  2" in r.out and "could not read GPU(s) 1" in r.err
 
 
 def test_gpus_json_marks_memory_used_by_invisible_processes(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_hidden_procs")
+    r = run_cli("gpus", "--json", scenario="h200_hidden_procs", env=fake_env)
     devs = json.loads(r.out)["devices"]
     assert devs[0]["process_count"] == 0 and devs[0]["hidden_used_mib"] == 130013  # the `0*` row
     assert devs[2]["hidden_used_mib"] == 0  # 0 MiB used: idle
@@ -253,7 +210,7 @@ def test_gpus_json_marks_memory_used_by_invisible_processes(fake_env):
 def test_process_list_hang_degrades_to_unknown_counts(fake_env):
     """--query-gpu answers, --query-compute-apps hangs (scenario apps_hang): GPUs are listed, process counts unknown."""
     t0 = time.monotonic()
-    r = ckptfix(fake_env, "gpus", "--json", "--timeout", "1", scenario="apps_hang")
+    r = run_cli("gpus", "--json", "--timeout", "1", scenario="apps_hang", env=fake_env)
     assert r.rc == 0, r
     assert time.monotonic() - t0 < 20
     doc = json.loads(r.out)
@@ -261,16 +218,16 @@ def test_process_list_hang_degrades_to_unknown_counts(fake_env):
     assert all(d["process_count"] is None and d["hidden_used_mib"] is None for d in doc["devices"])
     (w,) = [w for w in doc["warnings"] if "--query-compute-apps" in w]
     assert "did not answer within 1s: process counts unknown" in w
-    r = ckptfix(fake_env, "gpus", "--timeout", "1", scenario="apps_hang")
+    r = run_cli("gpus", "--timeout", "1", scenario="apps_hang", env=fake_env)
     assert r.rc == 0, r
     assert [ln.split()[-1] for ln in r.out.splitlines()[1:9]] == ["?"] * 8
     assert "0*" not in r.out  # unknown is not "0 processes": used memory is not blamed on hidden ones
     assert "process counts unknown" in r.err
     # pick-gpu: --max-procs cannot be checked, so it rejects; without it, ranks on memory alone
-    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", "--timeout", "1", scenario="apps_hang")
+    r = run_cli("pick-gpu", "--max-procs", "0", "--timeout", "1", scenario="apps_hang", env=fake_env)
     assert r.rc == 22, r
     assert "process count unavailable (--query-compute-apps failed or timed out)" in r.err
-    r = ckptfix(fake_env, "pick-gpu", "--json", "--lease", "0", "-n", "8", "--timeout", "1", scenario="apps_hang")
+    r = run_cli("pick-gpu", "--json", "--lease", "0", "-n", "8", "--timeout", "1", scenario="apps_hang", env=fake_env)
     assert r.rc == 0, r
     chosen = json.loads(r.out)["chosen"]
     assert chosen[0]["smi_index"] == 2 and chosen[0]["process_count"] is None
@@ -281,14 +238,14 @@ def test_main_query_hang_is_still_an_error(fake_env, tmp_path):
     scen = tmp_path / "scen" / "gpu_hang"
     shutil.copytree(SCENARIOS / "two_free", scen)
     (scen / "query-gpu.hang").write_text("30\n")
-    r = ckptfix(fake_env, "gpus", "--timeout", "0.5", FAKE_SMI_DIR=str(scen.parent), FAKE_SMI_SCENARIO="gpu_hang")
+    r = run_cli("gpus", "--timeout", "0.5", FAKE_SMI_DIR=str(scen.parent), FAKE_SMI_SCENARIO="gpu_hang", env=fake_env)
     assert r.rc == 25, r
     assert r.err.startswith("Error: nvidia-smi did not answer within 0.5s") and len(r.err.splitlines()) == 1
 
 
 def test_timeout_must_be_positive(fake_env):
     for command in ("gpus", "pick-gpu", "doctor"):
-        r = ckptfix(fake_env, command, "--timeout", "0", scenario="h200_busy")
+        r = run_cli(command, "--timeout", "0", scenario="h200_busy", env=fake_env)
         assert r.rc == 2 and "--timeout" in r.err, r
 
 
@@ -303,7 +260,7 @@ def test_timeout_must_be_positive(fake_env):
 )
 @pytest.mark.parametrize("command", ["gpus", "pick-gpu"])
 def test_failures_one_line_and_exit_code(fake_env, scenario, code, text, command):
-    r = ckptfix(fake_env, command, scenario=scenario)
+    r = run_cli(command, scenario=scenario, env=fake_env)
     assert r.rc == code, r
     assert r.out == ""
     assert r.err.startswith("Error: ") and text in r.err and "Traceback" not in r.err
@@ -315,7 +272,7 @@ def test_nvidia_smi_missing(fake_env, command):
     env = dict(fake_env, PATH="/usr/bin:/bin")
     if shutil.which("nvidia-smi", path=env["PATH"]):
         pytest.skip("a real nvidia-smi is installed")
-    r = ckptfix(env, command, scenario="h200_busy")
+    r = run_cli(command, scenario="h200_busy", env=env)
     if command == "doctor":
         assert r.rc == 0 and "nvidia-smi not found on PATH" in r.out
         return
@@ -327,7 +284,7 @@ def test_nvidia_smi_missing(fake_env, command):
 
 @pytest.mark.parametrize("cvd", ["", "-1", "1,1", "NoDevFiles"])
 def test_gpus_cvd_hiding_everything_still_prints_the_document(fake_env, cvd):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    r = run_cli("gpus", "--json", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd, env=fake_env)
     assert r.rc == 21, r
     doc = json.loads(r.out)
     assert doc["devices"] == [] and len(doc["physical"]) == 8
@@ -335,39 +292,40 @@ def test_gpus_cvd_hiding_everything_still_prints_the_document(fake_env, cvd):
     (p,) = [p for p in doc["problems"] if p["code"] == "cvd_empty"]
     assert p["fix"]
     assert r.err.count("Error: ") == 1 and "nvidia-smi sees 8 GPU(s) but none is visible to CUDA" in r.err
-    t = ckptfix(fake_env, "gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd)
+    t = run_cli("gpus", scenario="h200_busy", CUDA_VISIBLE_DEVICES=cvd, env=fake_env)
     assert t.rc == 21 and t.out.count("\n-  ") == 8 and "(0 of 8 GPUs visible to CUDA)" in t.out, t
     assert "fix:" in t.err
 
 
 def test_gpus_table_keeps_the_pci_domain_on_a_two_domain_box(fake_env):
-    r = ckptfix(fake_env, "gpus", scenario="two_domains")
+    r = run_cli("gpus", scenario="two_domains", env=fake_env)
     assert r.rc == 0, r
     assert "0000:10:00.0" in r.out and "0001:10:00.0" in r.out
-    assert "0000:3a:00.0" not in ckptfix(fake_env, "gpus", scenario="two_free").out  # one domain: short form
+    assert "0000:3a:00.0" not in run_cli("gpus", scenario="two_free", env=fake_env).out  # one domain: short form
 
 
 def test_pick_gpu_ids_index_is_the_pci_order_index(fake_env):
     # nvidia-smi GPU 0 (the freest) sits on bus C1: third in PCI order
-    r = ckptfix(fake_env, "pick-gpu", "--ids", "index", "--export", "--lease", "0", scenario="pci_order_mismatch")
+    r = run_cli("pick-gpu", "--ids", "index", "--export", "--lease", "0", scenario="pci_order_mismatch", env=fake_env)
     assert r.rc == 0, r
     assert r.out.startswith("export CUDA_VISIBLE_DEVICES=2; export CUDA_DEVICE_ORDER=PCI_BUS_ID"), r
-    doc = json.loads(ckptfix(fake_env, "gpus", "--json", scenario="pci_order_mismatch",
-                             CUDA_DEVICE_ORDER="PCI_BUS_ID").out)
+    doc = json.loads(
+        run_cli("gpus", "--json", scenario="pci_order_mismatch", CUDA_DEVICE_ORDER="PCI_BUS_ID", env=fake_env).out
+    )
     assert [(d["cuda_index"], d["smi_index"]) for d in doc["devices"]] == [(0, 1), (1, 2), (2, 0)]
 
 
 def test_gpus_mixed_t4_a100_guesses_the_a100s_first(fake_env):
-    r = ckptfix(fake_env, "gpus", "--json", scenario="mixed_t4_a100")
+    r = run_cli("gpus", "--json", scenario="mixed_t4_a100", env=fake_env)
     doc = json.loads(r.out)
     assert [d["smi_index"] for d in doc["devices"]] == [1, 2, 0] and not doc["order_certain"]
     assert [g["compute_cap"] for g in doc["physical"]] == ["7.5", "8.0", "8.0"]
-    t = ckptfix(fake_env, "gpus", scenario="mixed_t4_a100")
+    t = run_cli("gpus", scenario="mixed_t4_a100", env=fake_env)
     first = t.out.splitlines()[1]
     assert first.startswith("cuda:0?") and "A100" in first
     assert "CUDA_DEVICE_ORDER is not PCI_BUS_ID" in t.err
     # pick-gpu --ids index with an index CVD: "0" is the guessed cuda:0, an A100
-    p = ckptfix(fake_env, "pick-gpu", "--lease", "0", "--json", scenario="mixed_t4_a100", CUDA_VISIBLE_DEVICES="0")
+    p = run_cli("pick-gpu", "--lease", "0", "--json", scenario="mixed_t4_a100", CUDA_VISIBLE_DEVICES="0", env=fake_env)
     assert json.loads(p.out)["chosen"][0]["smi_index"] == 1
     assert "different models" in p.err
 
@@ -376,7 +334,7 @@ def test_gpus_mixed_t4_a100_guesses_the_a100s_first(fake_env):
 
 
 def test_pick_gpu_prints_uuid(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release")
+    r = run_cli("pick-gpu", scenario="h200_after_release", env=fake_env)
     assert r.rc == 0, r
     assert r.out == H200_FREE + "\n"
     assert "picked GPU 2" in r.err and "leased until" in r.err
@@ -384,18 +342,18 @@ def test_pick_gpu_prints_uuid(fake_env):
 
 
 def test_pick_gpu_export_and_index_ids(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--export", "-n", "2", "--lease", "0", scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--export", "-n", "2", "--lease", "0", scenario="h200_after_release", env=fake_env)
     assert r.rc == 0, r
     assert r.out == (
         f"export CUDA_VISIBLE_DEVICES={H200_FREE},GPU-cb449822-5571-be90-8303-e7558da3ea66; "
         "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n"
     )
-    r = ckptfix(fake_env, "pick-gpu", "--ids", "index", "-n", "4", "--lease", "0", scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--ids", "index", "-n", "4", "--lease", "0", scenario="h200_after_release", env=fake_env)
     assert r.out == "2,4,5,6\n"  # all tie on free GiB, util and processes
 
 
 def test_pick_gpu_json(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--json", "-n", "2", scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--json", "-n", "2", scenario="h200_after_release", env=fake_env)
     assert r.rc == 0, r
     doc = json.loads(r.out)
     assert doc["schema"] == "ckptfix.pick-gpu/1"
@@ -410,10 +368,12 @@ def test_pick_gpu_json(fake_env):
 
 
 def test_pick_gpu_respects_existing_cvd_and_filters(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7")
+    r = run_cli("pick-gpu", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7", env=fake_env)
     assert r.rc == 0, r
     assert r.out.strip() == "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72"
-    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7")
+    r = run_cli(
+        "pick-gpu", "--max-procs", "0", scenario="h200_after_release", CUDA_VISIBLE_DEVICES="0,1,7", env=fake_env
+    )
     assert r.rc == 22, r
     assert r.err.startswith("Error: no GPU fits the request (need 1 GPU(s), 0 qualify:")
     assert "GPU 7 (NVIDIA H200): 1 process(es) > --max-procs 0" in r.err
@@ -421,37 +381,37 @@ def test_pick_gpu_respects_existing_cvd_and_filters(fake_env):
 
 def test_pick_gpu_keeps_order_warning_when_index_cvd_chose_candidates(fake_env):
     # CUDA_VISIBLE_DEVICES=0 under FASTEST_FIRST on mixed models may mean an RTX PRO 6000, not the T1000
-    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="mixed", CUDA_VISIBLE_DEVICES="0")
+    r = run_cli("pick-gpu", "--lease", "0", scenario="mixed", CUDA_VISIBLE_DEVICES="0", env=fake_env)
     assert r.rc == 0, r
     assert "GPUs are different models" in r.err
-    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="mixed")  # unset: UUID output is order-proof
+    r = run_cli("pick-gpu", "--lease", "0", scenario="mixed", env=fake_env)  # unset: UUID output is order-proof
     assert r.rc == 0 and "GPUs are different models" not in r.err
 
 
 def test_pick_gpu_hidden_processes_count_as_busy(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--max-procs", "0", "-n", "8", "--lease", "0", scenario="h200_hidden_procs")
+    r = run_cli("pick-gpu", "--max-procs", "0", "-n", "8", "--lease", "0", scenario="h200_hidden_procs", env=fake_env)
     assert r.rc == 22
     assert "used with no visible process" in r.err
-    r = ckptfix(fake_env, "gpus", scenario="h200_hidden_procs")
+    r = run_cli("gpus", scenario="h200_hidden_procs", env=fake_env)
     assert "0*" in r.out
 
 
 def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "-n", "4", "--ids", "index", "--lease", "0", scenario="mig_host")
+    r = run_cli("pick-gpu", "-n", "4", "--ids", "index", "--lease", "0", scenario="mig_host", env=fake_env)
     assert r.rc == 0, r
     assert r.out == "0,1,3,2\n"
-    r = ckptfix(fake_env, "pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host")
+    r = run_cli("pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host", env=fake_env)
     assert r.rc == 22 and "a MIG device: its memory and utilization are not reported" in r.err
-    r = ckptfix(fake_env, "pick-gpu", scenario="k8s_insufficient_permissions")
+    r = run_cli("pick-gpu", scenario="k8s_insufficient_permissions", env=fake_env)
     assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
-    r = ckptfix(fake_env, "pick-gpu", scenario="gb10_unified_memory")
+    r = run_cli("pick-gpu", scenario="gb10_unified_memory", env=fake_env)
     assert r.rc == 22 and "memory is unavailable ([N/A])" in r.err
 
 
 def test_pick_gpu_min_free_and_max_util(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--min-free", "100GiB", scenario="h200_busy")
+    r = run_cli("pick-gpu", "--min-free", "100GiB", scenario="h200_busy", env=fake_env)
     assert r.rc == 22 and "83.2 GiB free < --min-free 100.0 GiB" in r.err
-    r = ckptfix(fake_env, "pick-gpu", "--min-free", "lots", scenario="h200_busy")
+    r = run_cli("pick-gpu", "--min-free", "lots", scenario="h200_busy", env=fake_env)
     assert r.rc == 2 and "not a memory size" in r.err
 
 
@@ -462,18 +422,18 @@ def test_pick_gpu_runs_command_with_env_and_lease(fake_env, tmp_path):
         "print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['CUDA_DEVICE_ORDER']); "
         "print(sorted(p.name for p in d.iterdir())); sys.exit(3)"
     )
-    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", script, scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--", sys.executable, "-c", script, scenario="h200_after_release", env=fake_env)
     assert r.rc == 3, r  # the command's exit code
     first, second = r.out.splitlines()
     assert first == f"{H200_FREE} PCI_BUS_ID"
     assert H200_FREE in second
     # after the command the lease is free again: the next pick gets the same GPU
-    r = ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--lease", "0", scenario="h200_after_release", env=fake_env)
     assert r.out.strip() == H200_FREE
 
 
 def test_pick_gpu_command_not_found(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--", "no-such-command-xyz", scenario="h200_after_release")
+    r = run_cli("pick-gpu", "--", "no-such-command-xyz", scenario="h200_after_release", env=fake_env)
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
 
 
@@ -504,11 +464,12 @@ def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how)
     count = tmp_path / "count"
     ready = Path(str(count) + ".ready")
     env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
-    argv = [sys.executable, "-c", WRAPPER, "pick-gpu", "-n", "2", "--", sys.executable, "-c", SIGNAL_COUNTER, str(count)]
+    argv = cli_argv("pick-gpu", "-n", "2", "--", sys.executable, "-c", SIGNAL_COUNTER, str(count))
     if how == "timeout":
         argv = ["timeout", "-s", "TERM", "4"] + argv
-    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
+    )
     try:
         deadline = time.time() + 30
         while not ready.exists() and time.time() < deadline and p.poll() is None:
@@ -517,7 +478,7 @@ def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how)
         if how != "timeout":
             assert int(ready.read_text()) == p.pid  # exec: the command is the pick-gpu process
             # while it runs, its lease holds both GPUs
-            busy = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "1")
+            busy = run_cli("pick-gpu", "--lease", "0", "-n", "1", env=env)
             assert busy.rc == 22 and "leased by another job" in busy.err, busy
         if how == "kill_pid":
             os.kill(p.pid, signal.SIGTERM)
@@ -532,29 +493,36 @@ def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how)
     assert count.read_text() == "1", err
     assert p.returncode == (124 if how == "timeout" else 0), err  # timeout(1) reports 124 when it fired
     # the lease ended with the command: both GPUs can be picked again
-    again = ckptfix(env, "pick-gpu", "--lease", "0", "-n", "2")
+    again = run_cli("pick-gpu", "--lease", "0", "-n", "2", env=env)
     assert again.rc == 0, again
 
 
 def test_pick_gpu_command_exit_status_and_signal_death_are_native(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
-                scenario="two_free")
+    r = run_cli(
+        "pick-gpu",
+        "--",
+        sys.executable,
+        "-c",
+        "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+        scenario="two_free",
+        env=fake_env,
+    )
     assert r.rc == -15, r  # killed by SIGTERM, as without pick-gpu (a shell shows 143)
 
 
 def test_pick_gpu_unusable_lease_dir_is_a_clear_error(fake_env, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
-    r = ckptfix(fake_env, "pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(not_a_dir))
+    r = run_cli("pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(not_a_dir), env=fake_env)
     assert r.rc == 9, r
     assert r.err.startswith("Error: cannot take a GPU lease in ") and "CKPTFIX_LEASE_DIR" in r.err
     assert len(r.err.strip().splitlines()) == 1 and r.out == ""
 
 
 def test_pick_gpu_lease_makes_next_picker_choose_another(fake_env):
-    a = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
-    b = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
-    c = ckptfix(fake_env, "pick-gpu", "--lease", "60", scenario="two_free")
+    a = run_cli("pick-gpu", "--lease", "60", scenario="two_free", env=fake_env)
+    b = run_cli("pick-gpu", "--lease", "60", scenario="two_free", env=fake_env)
+    c = run_cli("pick-gpu", "--lease", "60", scenario="two_free", env=fake_env)
     assert a.rc == b.rc == 0
     assert a.out != b.out
     assert c.rc == 22 and "leased by another job" in c.err
@@ -572,7 +540,7 @@ while time.time() < t:
         lease_dir = Path(fake_env["CKPTFIX_LEASE_DIR"]) / f"r{round_}"
         env = dict(fake_env, FAKE_SMI_SCENARIO="two_free", CKPTFIX_LEASE_DIR=str(lease_dir))
         env["START_AT"] = str(time.time() + 1.5)
-        code = barrier + WRAPPER
+        code = barrier + CLI_PROGRAM
         procs = [
             subprocess.Popen(
                 [sys.executable, "-c", code, "pick-gpu", "--lease", "30"],
@@ -596,13 +564,17 @@ def test_pick_gpu_concurrent_commands_hold_leases(fake_env, tmp_path):
     hold = f"import pathlib, time; pathlib.Path({str(flag)!r}).write_text('x'); time.sleep(3)"
     env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
     first = subprocess.Popen(
-        [sys.executable, "-c", WRAPPER, "pick-gpu", "--", sys.executable, "-c", hold],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        cli_argv("pick-gpu", "--", sys.executable, "-c", hold),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     deadline = time.time() + 30
     while not flag.exists() and time.time() < deadline:
         time.sleep(0.05)
-    second = ckptfix(env, "pick-gpu", "--json")
+    second = run_cli("pick-gpu", "--json", env=env)
     out, err = first.communicate(timeout=60)
     assert first.returncode == 0, err
     assert second.rc == 0, second
@@ -612,7 +584,9 @@ def test_pick_gpu_concurrent_commands_hold_leases(fake_env, tmp_path):
 
 def test_pick_gpu_wait_times_out_with_own_exit_code(fake_env):
     t0 = time.monotonic()
-    r = ckptfix(fake_env, "pick-gpu", "--min-free", "200GiB", "--wait", "0.6", "--interval", "0.2", scenario="h200_busy")
+    r = run_cli(
+        "pick-gpu", "--min-free", "200GiB", "--wait", "0.6", "--interval", "0.2", scenario="h200_busy", env=fake_env
+    )
     assert r.rc == 23, r
     assert r.err.splitlines()[-1].startswith("Error: waited ")
     assert "waiting for GPUs" in r.err
@@ -626,8 +600,12 @@ def test_pick_gpu_wait_succeeds_when_gpu_frees(fake_env, tmp_path):
     shutil.copytree(SCENARIOS / "h200_busy", scen / "flip")
     env = dict(fake_env, FAKE_SMI_DIR=str(scen), FAKE_SMI_SCENARIO="flip")
     p = subprocess.Popen(
-        [sys.executable, "-c", WRAPPER, "pick-gpu", "--min-free", "100GiB", "--wait", "30", "--interval", "0.2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        cli_argv("pick-gpu", "--min-free", "100GiB", "--wait", "30", "--interval", "0.2"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
     )
     time.sleep(1.0)
     for f in ("query-gpu.txt", "apps.txt"):
@@ -638,7 +616,7 @@ def test_pick_gpu_wait_succeeds_when_gpu_frees(fake_env, tmp_path):
 
 
 def test_pick_gpu_cvd_hides_everything(fake_env):
-    r = ckptfix(fake_env, "pick-gpu", scenario="h200_busy", CUDA_VISIBLE_DEVICES="-1")
+    r = run_cli("pick-gpu", scenario="h200_busy", CUDA_VISIBLE_DEVICES="-1", env=fake_env)
     assert r.rc == 21
     assert "hides all of them" in r.err
 
@@ -647,9 +625,15 @@ def test_pick_gpu_cvd_hides_everything(fake_env):
 
 
 def test_doctor_json_report(fake_env):
-    r = ckptfix(
-        fake_env, "doctor", "--json", scenario="mixed", LOCAL_RANK="5", WORLD_SIZE="8", NCCL_DEBUG="INFO",
+    r = run_cli(
+        "doctor",
+        "--json",
+        scenario="mixed",
+        LOCAL_RANK="5",
+        WORLD_SIZE="8",
+        NCCL_DEBUG="INFO",
         CUDA_VISIBLE_DEVICES="0,1,1",
+        env=fake_env,
     )
     assert r.rc == 0, r
     doc = json.loads(r.out)
@@ -667,18 +651,16 @@ def test_doctor_json_report(fake_env):
 
 
 def test_doctor_text(fake_env):
-    r = ckptfix(fake_env, "doctor", scenario="mixed")
+    r = run_cli("doctor", scenario="mixed", env=fake_env)
     assert r.rc == 0, r
     assert r.out.startswith("python:  ")
     assert "driver:  580.95.05" in r.out and "cuda:0?" in r.out
     assert "[order_uncertain]" in r.out and "fix: export CUDA_DEVICE_ORDER=PCI_BUS_ID" in r.out
-    r = ckptfix(fake_env, "doctor", scenario="driver_not_loaded")
+    r = run_cli("doctor", scenario="driver_not_loaded", env=fake_env)
     assert r.rc == 0 and "[no_gpu]" in r.out and "exit code 26" in r.out
 
 
 def test_python_m_ckptfix_entry_point(fake_env):
-    if not (ROOT / "ckptfix" / "cli" / "ckpt.py").exists():
-        pytest.skip("ckptfix.cli.ckpt not written yet")
     env = dict(fake_env, FAKE_SMI_SCENARIO="h200_busy")
     p = subprocess.run([sys.executable, "-m", "ckptfix", "gpus"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
@@ -686,17 +668,17 @@ def test_python_m_ckptfix_entry_point(fake_env):
 
 
 def test_pick_gpu_release_gives_back_timed_leases(fake_env):
-    a = ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "600", scenario="two_free")
+    a = run_cli("pick-gpu", "-n", "2", "--lease", "600", scenario="two_free", env=fake_env)
     assert a.rc == 0, a
-    assert ckptfix(fake_env, "pick-gpu", "--lease", "0", scenario="two_free").rc == 22
-    r = ckptfix(fake_env, "pick-gpu", "--release", "--json", scenario="two_free")
+    assert run_cli("pick-gpu", "--lease", "0", scenario="two_free", env=fake_env).rc == 22
+    r = run_cli("pick-gpu", "--release", "--json", scenario="two_free", env=fake_env)
     assert r.rc == 0, r
     doc = json.loads(r.out)
     assert sorted(x["key"] for x in doc["leases"] if x["released"]) == sorted(a.out.strip().split(","))
-    assert ckptfix(fake_env, "pick-gpu", "-n", "2", "--lease", "0", scenario="two_free").rc == 0
-    again = ckptfix(fake_env, "pick-gpu", "--release", scenario="two_free")
+    assert run_cli("pick-gpu", "-n", "2", "--lease", "0", scenario="two_free", env=fake_env).rc == 0
+    again = run_cli("pick-gpu", "--release", scenario="two_free", env=fake_env)
     assert again.rc == 0 and again.out == "" and "nothing to release" in again.err
-    bad = ckptfix(fake_env, "pick-gpu", "--release", "-n", "2", scenario="two_free")
+    bad = run_cli("pick-gpu", "--release", "-n", "2", scenario="two_free", env=fake_env)
     assert bad.rc == 2 and "--release takes no COMMAND" in bad.err
 
 
@@ -704,7 +686,7 @@ def test_pick_gpu_refuses_a_world_writable_lease_dir(fake_env, tmp_path):
     d = tmp_path / "shared-leases"
     d.mkdir()
     d.chmod(0o777)
-    r = ckptfix(fake_env, "pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(d))
+    r = run_cli("pick-gpu", scenario="two_free", CKPTFIX_LEASE_DIR=str(d), env=fake_env)
     assert r.rc == 9 and r.out == "", r
     assert r.err.startswith("Error: refusing the GPU lease directory") and f"chmod 700 {d}" in r.err
     assert len(r.err.strip().splitlines()) == 1 and list(d.iterdir()) == []

@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from ckptfix.errors import CudaAlreadyInitializedError
+from ckptfix.gpu import cudainit as vis
 from ckptfix.gpu import pick_gpu
-from ckptfix.gpu import visible as vis
+
 from fakesmi import scenario_runner
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBCUDA_LINE = "7f3a2c000000-7f3a2c200000 r-xp 00000000 08:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05\n"
@@ -35,7 +37,9 @@ class FakeDriver:
         self.initialized = False
 
     def maps(self) -> str:
-        return "55d0c0000000-55d0c0001000 r--p 00000000 08:01 99 /usr/bin/python3.11\n" + (LIBCUDA_LINE if self.loaded else "")
+        return "55d0c0000000-55d0c0001000 r--p 00000000 08:01 99 /usr/bin/python3.11\n" + (
+            LIBCUDA_LINE if self.loaded else ""
+        )
 
     def probe(self, path: str) -> int:
         assert path.endswith("libcuda.so.580.95.05")
@@ -127,11 +131,11 @@ def test_real_cpu_torch_is_available_does_not_count():
     """The CPU build has no cuInit route: pick_gpu() after is_available() is still fine there."""
     code = (
         "import torch; torch.cuda.is_available(); torch.cuda.device_count()\n"
-        "from ckptfix.gpu.visible import cuda_init_route\n"
+        "from ckptfix.gpu.cudainit import cuda_init_route\n"
         "assert torch.version.cuda is not None or cuda_init_route() is None, cuda_init_route()\n"
         "print('ok')\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = run_python(code, timeout=120)
     assert p.stdout.strip() == "ok", p.stderr
 
 
@@ -152,7 +156,7 @@ def test_driver_detection_against_a_real_loaded_library(tmp_path):
     code = textwrap.dedent(
         f"""
         import ctypes
-        from ckptfix.gpu.visible import cuda_init_route
+        from ckptfix.gpu.cudainit import cuda_init_route
         from ckptfix.gpu import pick_gpu
         from ckptfix.errors import CudaAlreadyInitializedError
         assert cuda_init_route() is None
@@ -162,19 +166,19 @@ def test_driver_detection_against_a_real_loaded_library(tmp_path):
         route = cuda_init_route()
         assert route is not None and {str(lib)!r} in route, route
         try:
-            pick_gpu(environ={{"CKPTFIX_LEASE_DIR": {str(tmp_path / 'l')!r}}})
+            pick_gpu(environ={{"CKPTFIX_LEASE_DIR": {str(tmp_path / "l")!r}}})
         except CudaAlreadyInitializedError:
             print("refused")
         """
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = run_python(code, timeout=120)
     assert p.stdout.strip() == "refused", p.stderr
 
 
 def test_detection_never_imports_torch():
     code = (
-        "import sys\nfrom ckptfix.gpu.visible import cuda_init_route\ncuda_init_route()\n"
+        "import sys\nfrom ckptfix.gpu.cudainit import cuda_init_route\ncuda_init_route()\n"
         "print('torch' in sys.modules)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    p = run_python(code, timeout=60)
     assert p.stdout.strip() == "False", p.stderr

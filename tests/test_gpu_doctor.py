@@ -8,14 +8,25 @@ import shutil
 import pytest
 
 from ckptfix.gpu.doctor import CUDA_DRIVER_TABLE, TORCH_CUDA_BUILDS, diagnose, recommend_cuda_build
-from ckptfix.gpu.smi import SmiGpu, SmiSnapshot
+from ckptfix.gpu.records import SmiGpu, SmiSnapshot
 from ckptfix.gpu.visible import build_view
-from test_gpu_cli import SCENARIOS, ckptfix, fake_env  # noqa: F401  (fixture)
+
+from helpers import SCENARIOS, fake_smi_env, run_cli
 
 
 def _view(driver: str):
-    g = SmiGpu(index=0, uuid="GPU-1", pci_bus_id="00000000:01:00.0", name="Tesla T4", memory_total_mib=15360,
-               memory_used_mib=0, memory_free_mib=15360, utilization_pct=0, processes=(), driver_version=driver)
+    g = SmiGpu(
+        index=0,
+        uuid="GPU-1",
+        pci_bus_id="00000000:01:00.0",
+        name="Tesla T4",
+        memory_total_mib=15360,
+        memory_used_mib=0,
+        memory_free_mib=15360,
+        utilization_pct=0,
+        processes=(),
+        driver_version=driver,
+    )
     return build_view(SmiSnapshot(gpus=(g,), driver_version=driver), {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
 
 
@@ -84,22 +95,33 @@ def test_hung_nvidia_smi_is_not_no_gpu():
     assert "run on CPU" not in p.fix and "dmesg" in p.fix and "reboot" in p.fix
 
 
-@pytest.mark.parametrize("env, code", [
-    ({"LOCAL_RANK": "8", "WORLD_SIZE": "8", "MASTER_ADDR": "h"}, "local_rank_out_of_range"),
-    ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "rank_out_of_range"),
-])
+@pytest.mark.parametrize(
+    "env, code",
+    [
+        ({"LOCAL_RANK": "8", "WORLD_SIZE": "8", "MASTER_ADDR": "h"}, "local_rank_out_of_range"),
+        ({"RANK": "3", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "rank_out_of_range"),
+    ],
+)
 def test_rank_not_below_world_size(env, code):
     probs = _codes(diagnose(CPU_TORCH, None, None, env))
     assert code in probs and "WORLD_SIZE" in probs[code].message
     assert code not in _codes(diagnose(CPU_TORCH, None, None, dict(env, WORLD_SIZE="16")))
 
 
-def test_doctor_cli_files_a_hung_nvidia_smi_as_such(fake_env, tmp_path):  # noqa: F811
+def test_doctor_cli_files_a_hung_nvidia_smi_as_such(tmp_path):
+    fake_env = fake_smi_env(tmp_path)
     scen = tmp_path / "scen" / "gpu_hang"
     shutil.copytree(SCENARIOS / "two_free", scen)
     (scen / "query-gpu.hang").write_text("30\n")
-    r = ckptfix(fake_env, "doctor", "--json", "--timeout", "0.5", FAKE_SMI_DIR=str(scen.parent),
-                FAKE_SMI_SCENARIO="gpu_hang")
+    r = run_cli(
+        "doctor",
+        "--json",
+        "--timeout",
+        "0.5",
+        env=fake_env,
+        FAKE_SMI_DIR=str(scen.parent),
+        FAKE_SMI_SCENARIO="gpu_hang",
+    )
     assert r.rc == 0, r
     codes = [p["code"] for p in json.loads(r.out)["problems"]]
     assert "nvidia_smi_hung" in codes and "no_gpu" not in codes

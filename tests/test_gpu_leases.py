@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ckptfix.errors import OutputError
-from ckptfix.gpu.pick import lease_dir, open_lease_dir, release_leases, try_lease
+from ckptfix.gpu.leases import lease_dir, open_lease_dir, release_leases, try_lease
 
 KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
 IS_ROOT = os.geteuid() == 0

@@ -7,7 +7,6 @@ import os
 import sys
 import time
 import types
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,28 +16,39 @@ if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  
 
 from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
 from ckptfix.gpu import pick_gpu, visible_gpus
-from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env, try_lease
-from ckptfix.gpu.smi import RunResult
-from ckptfix.gpu.visible import VisibleGpu
+from ckptfix.gpu.leases import try_lease
+from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env
+from ckptfix.gpu.records import GpuProcess, SmiGpu, VisibleGpu
+
 from fakesmi import scenario_runner  # noqa: E402
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 
 
-
-
-def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **kw):
-    return VisibleGpu(
-        cuda_index=i, smi_index=i, uuid=f"GPU-{i:08d}", pci_bus_id=None, name="H200", memory_total_mib=total,
-        memory_used_mib=total - free, memory_free_mib=free, utilization_pct=util, temperature_c=None, power_w=None,
-        process_count=procs, hidden_used_mib=hidden, **kw,
+def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **smi):
+    """cuda:i = nvidia-smi GPU i; ``smi`` overrides fields of its :class:`SmiGpu`."""
+    uuid = f"GPU-{i:08d}"
+    processes = None if procs is None else tuple(GpuProcess(uuid, 1000 + k, "python", 0) for k in range(procs))
+    fields = dict(
+        index=i,
+        uuid=uuid,
+        name="H200",
+        memory_total_mib=total,
+        memory_used_mib=total - free,
+        memory_free_mib=free,
+        utilization_pct=util,
+        processes=processes,
     )
+    fields.update(smi)
+    return VisibleGpu(cuda_index=i, gpu=SmiGpu(**fields), hidden_used_mib=hidden)
 
 
 # ----------------------------------------------------------------------------- sizes and ranking
 
 
-@pytest.mark.parametrize("text, mib", [("10GiB", 10240), ("10G", 10240), ("512MiB", 512), ("1.5 GB", 1536), ("24", 24576), ("1TiB", 1048576)])
+@pytest.mark.parametrize(
+    "text, mib", [("10GiB", 10240), ("10G", 10240), ("512MiB", 512), ("1.5 GB", 1536), ("24", 24576), ("1TiB", 1048576)]
+)
 def test_parse_size(text, mib):
     assert parse_size_mib(text) == mib
 
@@ -50,7 +60,13 @@ def test_parse_size_rejects(bad):
 
 
 def test_rank_by_free_then_util_then_procs_then_index():
-    devs = [gpu(0, 50_000), gpu(1, 90_150, util=50), gpu(2, 90_500, util=10), gpu(3, 90_200, util=10, procs=1), gpu(4, 90_300, util=10)]
+    devs = [
+        gpu(0, 50_000),
+        gpu(1, 90_150, util=50),
+        gpu(2, 90_500, util=10),
+        gpu(3, 90_200, util=10, procs=1),
+        gpu(4, 90_300, util=10),
+    ]
     ranked, rejected = rank_gpus(devs, Criteria())
     assert [r.gpu.smi_index for r in ranked] == [2, 4, 3, 1, 0]
     assert rejected == []
@@ -66,8 +82,8 @@ def test_filters_and_skips():
         gpu(0, 90_000, util=90),
         gpu(1, 1_000),
         gpu(2, 90_000, procs=2),
-        replace(gpu(3, 90_000), mig_enabled=True),
-        replace(gpu(4, 0), memory_free_mib=None, unavailable=(("memory.free", "Insufficient Permissions"),)),
+        gpu(3, 90_000, mig_enabled=True),
+        gpu(4, 0, memory_free_mib=None, unavailable=(("memory.free", "Insufficient Permissions"),)),
         gpu(5, 80_000, hidden=30_000),  # used memory, no visible process
         gpu(6, 60_000),
     ]
@@ -100,9 +116,12 @@ def test_hidden_usage_ranks_below_an_idle_twin():
 
 def test_selection_env_uuid_and_index():
     devs = [gpu(3, 1), gpu(1, 1)]
-    assert selection_env(devs) == {"CUDA_VISIBLE_DEVICES": "GPU-00000003,GPU-00000001", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert selection_env(devs) == {
+        "CUDA_VISIBLE_DEVICES": "GPU-00000003,GPU-00000001",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    }
     assert selection_env(devs, by="index")["CUDA_VISIBLE_DEVICES"] == "3,1"
-    assert selection_env([replace(gpu(2, 1), uuid=None)])["CUDA_VISIBLE_DEVICES"] == "2"
+    assert selection_env([gpu(2, 1, uuid=None)])["CUDA_VISIBLE_DEVICES"] == "2"
 
 
 # ----------------------------------------------------------------------------- leases
@@ -137,7 +156,7 @@ def test_undo_waits_for_a_briefly_locked_lease_file(tmp_path):
     import fcntl
     import threading
 
-    from ckptfix.gpu.pick import _undo
+    from ckptfix.gpu.leases import undo as _undo
 
     lease, _ = try_lease(tmp_path, "GPU-1", 60)
     assert lease is not None and lease.fd is None
@@ -178,8 +197,17 @@ def test_pick_waits_then_times_out(tmp_path):
     clock = FakeClock()
     msgs: list[str] = []
     with pytest.raises(GpuWaitTimeoutError, match="waited 25s") as ei:
-        pick(lambda: visible_gpus(env={}, runner=runner), Criteria(min_free_mib=200_000), lease_seconds=0,
-             directory=tmp_path, wait=25, interval=10, sleep=clock.sleep, clock=clock, on_wait=msgs.append)
+        pick(
+            lambda: visible_gpus(env={}, runner=runner),
+            Criteria(min_free_mib=200_000),
+            lease_seconds=0,
+            directory=tmp_path,
+            wait=25,
+            interval=10,
+            sleep=clock.sleep,
+            clock=clock,
+            on_wait=msgs.append,
+        )
     assert clock.sleeps == [10, 10, 5]
     assert ei.value.exit_code == 23 and len(msgs) == 3
 
@@ -192,15 +220,27 @@ def test_pick_waits_until_released(tmp_path):
         return visible_gpus(env={}, runner=scenario_runner("h200_busy" if calls["n"] < 3 else "h200_after_release"))
 
     clock = FakeClock()
-    res = pick(get_view, Criteria(n=2, min_free_mib=100 * 1024, max_procs=0), lease_seconds=0, directory=tmp_path,
-               wait=600, interval=10, sleep=clock.sleep, clock=clock)
+    res = pick(
+        get_view,
+        Criteria(n=2, min_free_mib=100 * 1024, max_procs=0),
+        lease_seconds=0,
+        directory=tmp_path,
+        wait=600,
+        interval=10,
+        sleep=clock.sleep,
+        clock=clock,
+    )
     assert [r.gpu.smi_index for r in res.chosen] == [2, 4] and res.waited_s == 20
 
 
 def test_pick_without_wait_fails_fast_with_reasons(tmp_path):
     with pytest.raises(NoGpuFitsError) as ei:
-        pick(lambda: visible_gpus(env={}, runner=scenario_runner("h200_busy")), Criteria(n=2, max_util=50),
-             lease_seconds=0, directory=tmp_path)
+        pick(
+            lambda: visible_gpus(env={}, runner=scenario_runner("h200_busy")),
+            Criteria(n=2, max_util=50),
+            lease_seconds=0,
+            directory=tmp_path,
+        )
     assert ei.value.exit_code == 22
     msg = str(ei.value)
     assert msg.startswith("no GPU fits the request (need 2 GPU(s), 1 qualifies: GPU 0 (NVIDIA H200): 100% utilization")
@@ -209,8 +249,12 @@ def test_pick_without_wait_fails_fast_with_reasons(tmp_path):
 
 def test_pick_more_than_visible(tmp_path):
     with pytest.raises(NoGpuFitsError, match="only 2 are visible"):
-        pick(lambda: visible_gpus(env={"CUDA_VISIBLE_DEVICES": "0,1"}, runner=scenario_runner("h200_busy")),
-             Criteria(n=3), lease_seconds=0, directory=tmp_path)
+        pick(
+            lambda: visible_gpus(env={"CUDA_VISIBLE_DEVICES": "0,1"}, runner=scenario_runner("h200_busy")),
+            Criteria(n=3),
+            lease_seconds=0,
+            directory=tmp_path,
+        )
 
 
 def test_partial_pick_gives_leases_back(tmp_path):
@@ -237,7 +281,7 @@ def test_pick_gpu_sets_environ_and_holds_lease(tmp_path):
 
 
 def test_second_pick_gpu_in_the_same_process_reuses_its_own_lease(tmp_path):
-    from ckptfix.gpu import pick as pick_mod
+    from ckptfix.gpu import leases as pick_mod
 
     environ = {"CKPTFIX_LEASE_DIR": str(tmp_path)}
     first = pick_gpu(environ=environ, runner=scenario_runner("two_free"))
@@ -246,8 +290,9 @@ def test_second_pick_gpu_in_the_same_process_reuses_its_own_lease(tmp_path):
         again = pick_gpu(environ=environ, runner=scenario_runner("two_free"))
         assert again.ids == first.ids and again.leases[0] is first.leases[0]
         # asking for two without narrowing: the held one plus the other, no "leased by another job"
-        both = pick_gpu(2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"),
-                        set_env=False)
+        both = pick_gpu(
+            2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"), set_env=False
+        )
         assert set(first.ids) < set(both.ids) and not both.rejected
         assert sum(1 for h in pick_mod._HELD if h is first.leases[0]) == 1
         # a pick that falls short must not give back the lease the first pick holds
@@ -256,8 +301,9 @@ def test_second_pick_gpu_in_the_same_process_reuses_its_own_lease(tmp_path):
         blocker, _ = try_lease(tmp_path, other.key, None)
         try:
             with pytest.raises(NoGpuFitsError, match="already leased by this process"):
-                pick_gpu(2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"),
-                         set_env=False)
+                pick_gpu(
+                    2, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("two_free"), set_env=False
+                )
         finally:
             blocker.release()
         assert first.leases[0].fd is not None
@@ -272,8 +318,11 @@ def test_a_lease_this_process_took_itself_is_named_as_such(tmp_path):
     held, _ = try_lease(tmp_path, "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90", None)  # not via pick_gpu
     try:
         with pytest.raises(NoGpuFitsError) as ei:
-            pick_gpu(environ={"CKPTFIX_LEASE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "2"},
-                     runner=scenario_runner("h200_after_release"), set_env=False)
+            pick_gpu(
+                environ={"CKPTFIX_LEASE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "2"},
+                runner=scenario_runner("h200_after_release"),
+                set_env=False,
+            )
         assert f"already leased by this process (pid {os.getpid()}" in str(ei.value)
         assert "another job" not in str(ei.value)
     finally:
@@ -310,5 +359,7 @@ def test_lazy_top_level_exports():
 
 def test_wall_clock_not_asserted_but_pick_is_quick(tmp_path):
     t0 = time.perf_counter()
-    pick_gpu(environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("h200_busy"), set_env=False, lease=False)
+    pick_gpu(
+        environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("h200_busy"), set_env=False, lease=False
+    )
     assert time.perf_counter() - t0 >= 0  # timings live in benchmarks/bench_gpu.py

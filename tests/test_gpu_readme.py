@@ -22,9 +22,9 @@ print("train.py sees CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVIC
 def readme_block() -> tuple[list[str], list[str]]:
     """The ``$ `` commands of the pick-gpu console block, and the output lines shown under the first one."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("### `ckptfix pick-gpu`"):]
+    section = text[text.index("### `ckptfix pick-gpu`") :]
     section = section[: section.index("\n### ", 5)]
-    block = section[section.index("```console\n") + 11:]
+    block = section[section.index("```console\n") + 11 :]
     block = block[: block.index("```")]
     cmds, shown = [], []
     for line in block.splitlines():
@@ -48,16 +48,25 @@ def shell(tmp_path: Path):
     work.mkdir()
     (work / "train.py").write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_"))}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_SMI_DIR=str(FIX / "scenarios"), FAKE_SMI_SCENARIO=SCENARIO,
-               CKPTFIX_LEASE_DIR=str(tmp_path / "leases"), PYTHONPATH=str(ROOT))
+    env.update(
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        FAKE_SMI_DIR=str(FIX / "scenarios"),
+        FAKE_SMI_SCENARIO=SCENARIO,
+        CKPTFIX_LEASE_DIR=str(tmp_path / "leases"),
+        PYTHONPATH=str(ROOT),
+    )
 
     def run(lines: list[str]) -> subprocess.CompletedProcess[str]:
         script = ["set -e"]
         for i, line in enumerate(lines):
-            script += [f"echo '::step {i}' >&2; echo '::step {i}'", line,
-                       f"echo \"::cvd {i} ${{CUDA_VISIBLE_DEVICES-<unset>}}\""]
-        return subprocess.run(["bash", "-c", "\n".join(script)], env=env, cwd=work, capture_output=True, text=True,
-                              timeout=120)
+            script += [
+                f"echo '::step {i}' >&2; echo '::step {i}'",
+                line,
+                f'echo "::cvd {i} ${{CUDA_VISIBLE_DEVICES-<unset>}}"',
+            ]
+        return subprocess.run(
+            ["bash", "-c", "\n".join(script)], env=env, cwd=work, capture_output=True, text=True, timeout=120
+        )
 
     return run
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_SMI = shutil.which("nvidia-smi") is not None
@@ -19,7 +20,7 @@ real_gpu = pytest.mark.skipif(not HAS_SMI, reason="needs a real NVIDIA GPU and n
 def _py(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_")}
     e.update(env)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=e, timeout=300)
+    return run_python(code, env=e, timeout=300)
 
 
 CUDA_TORCH = "import torch, sys\nif torch.version.cuda is None: print('skip: CPU-only torch'); sys.exit(0)\n"
@@ -30,8 +31,9 @@ CUDA_TORCH = "import torch, sys\nif torch.version.cuda is None: print('skip: CPU
 @pytest.mark.parametrize("env", [{}, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, {"CUDA_VISIBLE_DEVICES": "0"}])
 def test_cuda_index_is_torchs_device(env):
     code = (
-        "from ckptfix.gpu import visible_gpus\nv = visible_gpus()\n" + CUDA_TORCH +
-        "assert torch.cuda.device_count() == len(v.devices), (torch.cuda.device_count(), len(v.devices))\n"
+        "from ckptfix.gpu import visible_gpus\nv = visible_gpus()\n"
+        + CUDA_TORCH
+        + "assert torch.cuda.device_count() == len(v.devices), (torch.cuda.device_count(), len(v.devices))\n"
         "for d in v.devices:\n"
         "    u = str(torch.cuda.get_device_properties(d.cuda_index).uuid).lower()\n"
         "    mine = (d.mig_device.uuid if d.mig_device else d.uuid).lower()\n"
@@ -58,8 +60,9 @@ def test_is_available_then_pick_gpu_is_refused_for_real(tmp_path):
 @pytest.mark.gpu
 def test_pick_gpu_first_then_torch_sees_only_the_pick(tmp_path):
     code = (
-        "from ckptfix.gpu import pick_gpu\nres = pick_gpu(lease=False)\n" + CUDA_TORCH +
-        "assert torch.cuda.device_count() == 1\n"
+        "from ckptfix.gpu import pick_gpu\nres = pick_gpu(lease=False)\n"
+        + CUDA_TORCH
+        + "assert torch.cuda.device_count() == 1\n"
         "u = str(torch.cuda.get_device_properties(0).uuid).lower()\n"
         "assert u in res.chosen[0].gpu.id.lower(), (u, res.chosen[0].gpu.id)\nprint('ok')\n"
     )

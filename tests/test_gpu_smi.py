@@ -11,9 +11,10 @@ import pytest
 if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  # a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptfix.errors import GpuQueryError, GpuToolingError, NoGpuError
-from ckptfix.gpu import smi
-from ckptfix.gpu.smi import DriverMismatchError, DriverNotLoadedError, RunResult
+from ckptfix.errors import DriverMismatchError, DriverNotLoadedError, GpuQueryError, GpuToolingError, NoGpuError
+from ckptfix.gpu import parse, runner, smi
+from ckptfix.gpu.runner import RunResult
+
 from fakesmi import scenario_runner  # noqa: E402
 
 SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
@@ -43,99 +44,155 @@ def sample(name: str) -> str:
     ],
 )
 def test_parse_value(raw, value, placeholder):
-    assert smi.parse_value(raw) == (value, placeholder)
+    assert parse.parse_value(raw) == (value, placeholder)
 
 
 @pytest.mark.parametrize(
     "text, mib, expected",
-    [("130013 MiB", True, 130013), ("130013", True, 130013), ("2 GiB", True, 2048), ("100 %", False, 100),
-     ("11.17 W", False, 11.17), ("junk", False, None), (None, False, None), ("5 parsecs", True, None)],
+    [
+        ("130013 MiB", True, 130013),
+        ("130013", True, 130013),
+        ("2 GiB", True, 2048),
+        ("100 %", False, 100),
+        ("11.17 W", False, 11.17),
+        ("junk", False, None),
+        (None, False, None),
+        ("5 parsecs", True, None),
+    ],
 )
 def test_parse_number(text, mib, expected):
-    assert smi.parse_number(text, mib=mib) == expected
+    assert parse.parse_number(text, mib=mib) == expected
 
 
 # ----------------------------------------------------------------------------- --query-gpu samples
 
 
 def test_h200_with_header_and_units():
-    gpus, warnings = smi.parse_gpu_csv(sample("csv_8xH200_busy_units.txt"))
+    gpus, warnings = parse.parse_gpu_csv(sample("csv_8xH200_busy_units.txt"))
     assert warnings == []
     assert [g.index for g in gpus] == list(range(8))
     g7 = gpus[7]
     assert (g7.uuid, g7.memory_used_mib, g7.memory_total_mib, g7.utilization_pct) == (
-        "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72", 58071, 143771, 0,
+        "GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72",
+        58071,
+        143771,
+        0,
     )
     assert g7.memory_free_mib == 143771 - 58071  # derived: the sample has no memory.free column
 
 
 def test_noheader_nounits_titanx_with_explicit_fields():
     fields = ["index", "uuid", "name", "temperature.gpu", "utilization.gpu", "memory.used", "memory.total"]
-    gpus, warnings = smi.parse_gpu_csv(sample("csv_noheader_nounits_8xTITANX_busy.txt"), fields)
+    gpus, warnings = parse.parse_gpu_csv(sample("csv_noheader_nounits_8xTITANX_busy.txt"), fields)
     assert warnings == [] and len(gpus) == 8
     assert (gpus[0].name, gpus[0].memory_used_mib, gpus[0].memory_free_mib, gpus[0].temperature_c) == (
-        "GeForce GTX TITAN X", 802, 12206 - 802, 25.0,
+        "GeForce GTX TITAN X",
+        802,
+        12206 - 802,
+        25.0,
     )
 
 
 def test_noheader_units_kept():
-    gpus, _ = smi.parse_gpu_csv(sample("csv_noheader_units_mixed_models_order_mismatch.txt"), ["name", "memory.total", "index"])
+    gpus, _ = parse.parse_gpu_csv(
+        sample("csv_noheader_units_mixed_models_order_mismatch.txt"), ["name", "memory.total", "index"]
+    )
     assert [(g.index, g.name, g.memory_total_mib) for g in gpus] == [
-        (0, "NVIDIA GeForce GTX 1660 SUPER", 6144), (1, "NVIDIA GeForce RTX 3090", 24576),
+        (0, "NVIDIA GeForce GTX 1660 SUPER", 6144),
+        (1, "NVIDIA GeForce RTX 3090", 24576),
     ]
 
 
 def test_name_with_spaces_and_bare_na():
-    fields = ["power.limit", "power.min_limit", "power.max_limit", "memory.total", "vbios_version", "driver_version",
-              "name", "uuid", "power.draw", "temperature.gpu", "temperature.memory", "clocks.current.graphics",
-              "clocks.sm", "clocks.mem", "utilization.gpu", "utilization.memory", "fan.speed",
-              "pcie.link.width.current", "pstate"]
-    (g,), warnings = smi.parse_gpu_csv(sample("csv_noheader_nounits_bare_NA_no_brackets_driver440.txt"), fields)
+    fields = [
+        "power.limit",
+        "power.min_limit",
+        "power.max_limit",
+        "memory.total",
+        "vbios_version",
+        "driver_version",
+        "name",
+        "uuid",
+        "power.draw",
+        "temperature.gpu",
+        "temperature.memory",
+        "clocks.current.graphics",
+        "clocks.sm",
+        "clocks.mem",
+        "utilization.gpu",
+        "utilization.memory",
+        "fan.speed",
+        "pcie.link.width.current",
+        "pstate",
+    ]
+    (g,), warnings = parse.parse_gpu_csv(sample("csv_noheader_nounits_bare_NA_no_brackets_driver440.txt"), fields)
     assert warnings == []
     assert (g.name, g.uuid, g.power_w, g.utilization_pct, g.driver_version) == (
-        "GeForce RTX 2080", "GPU-22b2c6ac-2d49-4863-197c-9c469071178a", 176.98, 86, "440.64",
+        "GeForce RTX 2080",
+        "GPU-22b2c6ac-2d49-4863-197c-9c469071178a",
+        176.98,
+        86,
+        "440.64",
     )
     assert g.unavailable_reason("temperature.memory") == "N/A"
 
 
 def test_name_with_comma_is_merged():
     text = "index, uuid, name, memory.total [MiB]\n0, GPU-1, NVIDIA Foo, Bar Edition, 100 MiB\n"
-    (g,), warnings = smi.parse_gpu_csv(text)
+    (g,), warnings = parse.parse_gpu_csv(text)
     assert (g.name, g.memory_total_mib, warnings) == ("NVIDIA Foo, Bar Edition", 100, [])
 
 
 @pytest.mark.parametrize(
     "name, placeholder",
-    [("csv_noheader_nounits_fan_NA_newdriver.txt", "N/A"), ("csv_noheader_nounits_fan_NotSupported_olddriver.txt", "Not Supported")],
+    [
+        ("csv_noheader_nounits_fan_NA_newdriver.txt", "N/A"),
+        ("csv_noheader_nounits_fan_NotSupported_olddriver.txt", "Not Supported"),
+    ],
 )
 def test_fan_placeholder_changes_across_drivers(name, placeholder):
-    fields = ["memory.total", "memory.free", "memory.used", "temperature.gpu", "fan.speed", "utilization.gpu", "utilization.memory"]
-    (g,), _ = smi.parse_gpu_csv(sample(name), fields)
+    fields = [
+        "memory.total",
+        "memory.free",
+        "memory.used",
+        "temperature.gpu",
+        "fan.speed",
+        "utilization.gpu",
+        "utilization.memory",
+    ]
+    (g,), _ = parse.parse_gpu_csv(sample(name), fields)
     assert (g.memory_total_mib, g.memory_free_mib, g.unavailable_reason("fan.speed")) == (2004, 2004, placeholder)
 
 
 def test_insufficient_permissions_and_mig_parent_na():
-    (g,), _ = smi.parse_gpu_csv(sample("csv_k8s_MIG_A100_insufficient_permissions.txt"))
-    assert (g.index, g.uuid, g.name, g.memory_free_mib, g.utilization_pct) == (0, None, "NVIDIA A100-SXM4-80GB", None, None)
+    (g,), _ = parse.parse_gpu_csv(sample("csv_k8s_MIG_A100_insufficient_permissions.txt"))
+    assert (g.index, g.uuid, g.name, g.memory_free_mib, g.utilization_pct) == (
+        0,
+        None,
+        "NVIDIA A100-SXM4-80GB",
+        None,
+        None,
+    )
     assert g.unavailable_reason("memory.free") == "Insufficient Permissions"
     assert g.unavailable_reason("utilization.gpu") == "N/A"
 
 
 @pytest.mark.parametrize("name", ["csv_GB10_unified_memory_NA_a.txt", "csv_GB10_unified_memory_NA_b.txt"])
 def test_gb10_memory_na(name):
-    (g,), _ = smi.parse_gpu_csv(sample(name))
+    (g,), _ = parse.parse_gpu_csv(sample(name))
     assert g.memory_total_mib is None and g.memory_free_mib is None
     assert g.unavailable_reason("memory.total") == "N/A"
 
 
 def test_gb10_loop_mode_rows():
-    gpus, _ = smi.parse_gpu_csv(sample("csv_GB10_loop_l1.txt"))
+    gpus, _ = parse.parse_gpu_csv(sample("csv_GB10_loop_l1.txt"))
     assert [g.utilization_pct for g in gpus] == [0, 2, 0, 0, 0]
 
 
 def test_unknown_error_rows_are_kept_as_unavailable():
-    gpus, warnings = smi.parse_gpu_csv(
-        sample("csv_loop_mode_Unknown_Error_rows.txt"), ["utilization.gpu", "utilization.encoder", "utilization.decoder"]
+    gpus, warnings = parse.parse_gpu_csv(
+        sample("csv_loop_mode_Unknown_Error_rows.txt"),
+        ["utilization.gpu", "utilization.encoder", "utilization.decoder"],
     )
     assert warnings == []
     assert [g.utilization_pct for g in gpus] == [0, None, None]
@@ -144,22 +201,24 @@ def test_unknown_error_rows_are_kept_as_unavailable():
 
 def test_mig_mode_and_vgpu_samples():
     fields = ["index", "name", "uuid", "driver_version", "memory.total", "mig.mode.current"]
-    gpus, _ = smi.parse_gpu_csv(sample("csv_noheader_2xRTXPRO6000_Server_mig_mode.txt"), fields)
+    gpus, _ = parse.parse_gpu_csv(sample("csv_noheader_2xRTXPRO6000_Server_mig_mode.txt"), fields)
     assert [(g.index, g.mig_enabled, g.memory_total_mib) for g in gpus] == [(4, False, 97887), (5, False, 97887)]
-    (g,), _ = smi.parse_gpu_csv(sample("csv_noheader_nounits_vGPU_MIG_H100L.txt"), ["clocks.max.sm", "memory.total", "gpu_name"])
+    (g,), _ = parse.parse_gpu_csv(
+        sample("csv_noheader_nounits_vGPU_MIG_H100L.txt"), ["clocks.max.sm", "memory.total", "gpu_name"]
+    )
     assert (g.name, g.memory_total_mib) == ("NVIDIA H100L-2-24C", 24576)
 
 
 def test_pci_bus_ids_kept_verbatim():
-    gpus, _ = smi.parse_gpu_csv(sample("csv_mixed_T1000_2xRTXPRO6000_pci_order.txt"))
+    gpus, _ = parse.parse_gpu_csv(sample("csv_mixed_T1000_2xRTXPRO6000_pci_order.txt"))
     assert [g.pci_bus_id for g in gpus] == ["00000000:47:00.0", "00000000:5E:00.0", "00000000:75:00.0"]
-    gpus, _ = smi.parse_gpu_csv(sample("csv_mixed_5060Ti_5060_driver580.txt"))
+    gpus, _ = parse.parse_gpu_csv(sample("csv_mixed_5060Ti_5060_driver580.txt"))
     assert [g.driver_version for g in gpus] == ["580.173.02"] * 2
 
 
 def test_warning_line_before_output():
     text = sample("err_device_handle_unknown_error_prefix_line.txt") + sample("csv_8xH200_after_release.txt")
-    gpus, warnings = smi.parse_gpu_csv(text)
+    gpus, warnings = parse.parse_gpu_csv(text)
     assert len(gpus) == 8
     assert warnings == ["Unable to determine the device handle for GPU1: 0000:34:00.0: Unknown Error"]
 
@@ -168,45 +227,47 @@ def test_warning_line_before_output():
 
 
 def test_apps_not_found_process():
-    procs, warnings = smi.parse_apps_csv(sample("apps_8xH200_with_NotFound_process.txt"))
+    procs, warnings = parse.parse_apps_csv(sample("apps_8xH200_with_NotFound_process.txt"))
     assert warnings == [] and len(procs) == 8
     assert procs[-1] == smi.GpuProcess("GPU-28780eb0-24d5-1f13-59b8-ae5c23617a72", 1758887, None, 58060)
 
 
 def test_apps_header_only_and_empty():
-    assert smi.parse_apps_csv(sample("apps_header_only_no_processes.txt")) == ([], [])
-    assert smi.parse_apps_csv("") == ([], [])
+    assert parse.parse_apps_csv(sample("apps_header_only_no_processes.txt")) == ([], [])
+    assert parse.parse_apps_csv("") == ([], [])
 
 
 def test_apps_same_pid_on_two_gpus():
     apps_part, gpu_part = sample("apps_and_csv_4gpu_same_pid_two_gpus.txt").split("index, uuid", 1)
-    procs, _ = smi.parse_apps_csv(apps_part, ["gpu_uuid", "pid", "used_memory"])
+    procs, _ = parse.parse_apps_csv(apps_part, ["gpu_uuid", "pid", "used_memory"])
     assert [p.pid for p in procs] == [1912379, 3891903, 1912379]
-    gpus, _ = smi.parse_gpu_csv("index, uuid" + gpu_part)
+    gpus, _ = parse.parse_gpu_csv("index, uuid" + gpu_part)
     assert [g.memory_used_mib for g in gpus] == [529, 5, 74709, 567]
 
 
 def test_list_modern_mig():
-    gpus, migs, junk = smi.parse_list(sample("L_dgxa100_8xA100-40GB_mixed_MIG.txt"))
+    gpus, migs, junk = parse.parse_list(sample("L_dgxa100_8xA100-40GB_mixed_MIG.txt"))
     assert len(gpus) == 8 and len(migs) == 7 + 3 + 2 + 4 and junk == []
     assert migs[-1].profile == "1g.5gb" and migs[-1].parent_index == 7 and migs[-1].device_index == 3
 
 
 def test_list_docs_rendered_without_indent():
-    gpus, migs, junk = smi.parse_list(sample("L_docs_R470_8xA100_every_MIG_layout_DOCS_RENDERED.txt"))
+    gpus, migs, junk = parse.parse_list(sample("L_docs_R470_8xA100_every_MIG_layout_DOCS_RENDERED.txt"))
     assert len(gpus) == 8 and len(migs) == 26 and junk == []
     assert {m.profile for m in migs if m.parent_index == 6} == {"1c.7g.40gb", "2c.7g.40gb", "3c.7g.40gb"}
 
 
-@pytest.mark.parametrize("name, n", [("L_legacy_R460_MIG-GPU_uuid_format_6xA100.txt", 4), ("L_legacy_gpu_operator_docs_7x1g5gb.txt", 7)])
+@pytest.mark.parametrize(
+    "name, n", [("L_legacy_R460_MIG-GPU_uuid_format_6xA100.txt", 4), ("L_legacy_gpu_operator_docs_7x1g5gb.txt", 7)]
+)
 def test_list_legacy_mig_ids(name, n):
-    _, migs, _ = smi.parse_list(sample(name))
+    _, migs, _ = parse.parse_list(sample(name))
     assert len(migs) == n
     assert all(m.uuid == f"MIG-{m.parent_uuid}/{m.uuid.split('/')[1]}/0" for m in migs)
 
 
 def test_list_container_renumbered():
-    gpus, migs, _ = smi.parse_list(sample("L_container_2xMIG7g_renumbered.txt"))
+    gpus, migs, _ = parse.parse_list(sample("L_container_2xMIG7g_renumbered.txt"))
     assert [g[0] for g in gpus] == [0, 1] and gpus[0][2] == "GPU-9e13f17f-a213-eb38-9a9c-0b2a540e4908"
 
 
@@ -223,21 +284,19 @@ def test_list_container_renumbered():
     ],
 )
 def test_classify_failure(name, rc, cls, code):
-    err = smi.classify_failure(rc, sample(name))
+    err = parse.classify_failure(rc, sample(name))
     assert type(err) is cls and err.exit_code == code
     assert isinstance(err, NoGpuError)  # scripts catching NoGpuError fall back to CPU for all of these
     assert "run on CPU" in str(err)
 
 
 def test_classify_by_text_even_with_other_rc():
-    assert isinstance(smi.classify_failure(0, sample("err_no_devices_found.txt")), NoGpuError)
-    assert isinstance(smi.classify_failure(1, "", sample("err_driver_not_loaded_rc9.txt")), DriverNotLoadedError)
-    assert smi.classify_failure(3, "something else") is None
+    assert isinstance(parse.classify_failure(0, sample("err_no_devices_found.txt")), NoGpuError)
+    assert isinstance(parse.classify_failure(1, "", sample("err_driver_not_loaded_rc9.txt")), DriverNotLoadedError)
+    assert parse.classify_failure(3, "something else") is None
 
 
 # ----------------------------------------------------------------------------- query() with an injected runner
-
-
 
 
 def test_query_h200_two_calls_processes_attached():
@@ -340,18 +399,18 @@ def test_run_parallel_optional_call_times_out_alone(tmp_path):
     fast.write_text("#!/bin/sh\necho ok\n")
     fast.chmod(0o755)
     t0 = time.monotonic()
-    a, b = smi._run_parallel([[str(fast)], [str(slow)]], 0.3, frozenset({1}))
+    a, b = runner.run_parallel([[str(fast)], [str(slow)]], 0.3, frozenset({1}))
     assert time.monotonic() - t0 < 3
     assert (a.returncode, a.stdout, a.timed_out) == (0, "ok\n", False)
     assert b.timed_out and b.stdout == ""
     with pytest.raises(GpuQueryError, match="did not answer"):  # not optional: still an error
-        smi._run_parallel([[str(slow)], [str(fast)]], 0.3, frozenset({1}))
+        runner.run_parallel([[str(slow)], [str(fast)]], 0.3, frozenset({1}))
 
 
 def test_find_nvidia_smi_missing_and_override(tmp_path):
     with pytest.raises(GpuToolingError, match="nvidia-smi not found on PATH"):
-        smi.find_nvidia_smi({"PATH": str(tmp_path)})
-    assert smi.find_nvidia_smi({"CKPTFIX_NVIDIA_SMI": "/opt/x/nvidia-smi"}) == "/opt/x/nvidia-smi"
+        runner.find_nvidia_smi({"PATH": str(tmp_path)})
+    assert runner.find_nvidia_smi({"CKPTFIX_NVIDIA_SMI": "/opt/x/nvidia-smi"}) == "/opt/x/nvidia-smi"
 
 
 def test_subprocess_runner_timeout_and_missing(tmp_path):
@@ -359,19 +418,21 @@ def test_subprocess_runner_timeout_and_missing(tmp_path):
     slow.write_text("#!/bin/sh\nsleep 5\n")
     slow.chmod(0o755)
     with pytest.raises(GpuQueryError, match="did not answer within 0.2s"):
-        smi.subprocess_runner([str(slow)], 0.2)
+        runner.subprocess_runner([str(slow)], 0.2)
     with pytest.raises(GpuQueryError, match="did not answer"):
-        smi._run_parallel([[str(slow)], [str(slow)]], 0.2)
+        runner.run_parallel([[str(slow)], [str(slow)]], 0.2)
     with pytest.raises(GpuToolingError):
-        smi.subprocess_runner([str(tmp_path / "nope")], 1)
+        runner.subprocess_runner([str(tmp_path / "nope")], 1)
     with pytest.raises(GpuToolingError):
-        smi._run_parallel([[str(tmp_path / "nope")]], 1)
+        runner.run_parallel([[str(tmp_path / "nope")]], 1)
 
 
 def test_processes_on_a_gpu_query_gpu_did_not_list_are_warned_about():
     def runner(argv, timeout):
         if argv[1].startswith("--query-gpu="):
-            return RunResult(0, "0, GPU-1, 00000000:01:00.0, Tesla T4, 15360, 900, 14460, 0, 30, 27.0, [N/A], 7.5, 1590, 550.54.15\n")
+            return RunResult(
+                0, "0, GPU-1, 00000000:01:00.0, Tesla T4, 15360, 900, 14460, 0, 30, 27.0, [N/A], 7.5, 1590, 550.54.15\n"
+            )
         if argv[1].startswith("--query-compute-apps="):
             return RunResult(0, "GPU-1, 11, python, 300\nGPU-2, 42, python, 600\nGPU-2, 43, python, 10\n")
         return RunResult(0, "")
@@ -398,3 +459,10 @@ def test_compute_cap_rejected_by_an_old_driver_falls_back_keeping_mig_mode():
     g = snap.gpus[0]
     assert g.mig_enabled is False and g.compute_cap is None and snap.calls == 3
     assert "mig.mode.current" in seen[-1] and "compute_cap" not in seen[-1]
+
+
+def test_parser_doctests():
+    import doctest
+
+    res = doctest.testmod(parse, optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0 and res.attempted > 0

@@ -13,14 +13,11 @@ from hypothesis import strategies as st
 if not any(Path(p, "ckptfix", "__init__.py").exists() for p in sys.path if p):  # a checkout, not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptfix.gpu.smi import MigDevice, SmiGpu, SmiSnapshot
-from ckptfix.gpu.visible import (
-    build_view,
-    cuda_initialized,
-    enumeration_order,
-    parse_visible_devices,
-    strtoul_prefix,
-)
+from ckptfix.gpu.cudainit import cuda_initialized
+from ckptfix.gpu.cvd import parse_visible_devices, strtoul_prefix
+from ckptfix.gpu.order import enumeration_order
+from ckptfix.gpu.records import MigDevice, SmiGpu, SmiSnapshot
+from ckptfix.gpu.visible import build_view
 
 U = [
     "GPU-4dd97325-7fe6-abf1-d6a9-ba746fe0fdab",
@@ -33,8 +30,17 @@ U = [
 def gpus(names=("A100",) * 4, pcis=None):
     pcis = pcis or [f"00000000:{0x10 * (i + 1):02X}:00.0" for i in range(len(names))]
     return tuple(
-        SmiGpu(index=i, uuid=U[i], pci_bus_id=pcis[i], name=n, memory_total_mib=1000, memory_used_mib=0,
-               memory_free_mib=1000, utilization_pct=0, processes=())
+        SmiGpu(
+            index=i,
+            uuid=U[i],
+            pci_bus_id=pcis[i],
+            name=n,
+            memory_total_mib=1000,
+            memory_used_mib=0,
+            memory_free_mib=1000,
+            utilization_pct=0,
+            processes=(),
+        )
         for i, n in enumerate(names)
     )
 
@@ -69,7 +75,11 @@ def smi_indices(v):
         ("GPU-4dd9,1", "uuid", ("GPU-4dd9",)),
         ("GPU-4dd9,GPU-4dd9", "uuid", ()),
         ("MIG-1c5876e6,MIG-934f", "mig", ("MIG-1c5876e6", "MIG-934f")),
-        ("MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0", "mig", ("MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0",)),
+        (
+            "MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0",
+            "mig",
+            ("MIG-GPU-fb8bbc70-d551-45f9-43d4-9734f9cddb2c/1/0",),
+        ),
         ("MIG-x,GPU-y", "mig", ("MIG-x",)),
     ],
 )
@@ -85,13 +95,21 @@ def test_parser_notes_say_what_was_dropped():
     assert "UUID after indices" in parse_visible_devices("0,GPU-x").notes[0]
 
 
-@pytest.mark.parametrize("s, n", [("1gpu2", 1), ("  7", 7), ("-3", -3), ("+", None), ("-", None), ("", None), ("x1", None), ("²", None)])
+@pytest.mark.parametrize(
+    "s, n", [("1gpu2", 1), ("  7", 7), ("-3", -3), ("+", None), ("-", None), ("", None), ("x1", None), ("²", None)]
+)
 def test_strtoul_prefix(s, n):
     assert strtoul_prefix(s) == n
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.one_of(st.text(), st.text(alphabet="0123456789,-+ GPUMI-abcdef/"), st.lists(st.integers(-3, 12)).map(lambda xs: ",".join(map(str, xs)))))
+@given(
+    st.one_of(
+        st.text(),
+        st.text(alphabet="0123456789,-+ GPUMI-abcdef/"),
+        st.lists(st.integers(-3, 12)).map(lambda xs: ",".join(map(str, xs))),
+    )
+)
 def test_parser_never_raises_and_never_duplicates(value):
     spec = parse_visible_devices(value)
     assert len(set(spec.entries)) == len(spec.entries)
@@ -168,8 +186,12 @@ def _mig_gpus():
     )
     from dataclasses import replace
 
-    return (base[0], replace(base[1], mig_enabled=True, mig_devices=(legacy,)),
-            replace(base[2], mig_enabled=True, mig_devices=modern), base[3])
+    return (
+        base[0],
+        replace(base[1], mig_enabled=True, mig_devices=(legacy,)),
+        replace(base[2], mig_enabled=True, mig_devices=modern),
+        base[3],
+    )
 
 
 def test_mig_ids_current_and_legacy():
@@ -182,7 +204,11 @@ def test_mig_ids_current_and_legacy():
     v = view({}, g)
     # CVD unset: CUDA enumerates the MIG devices, never their parents; the fix names them (no `nvidia-smi -L`)
     assert [(d.smi_index, d.mig_device.uuid if d.mig_device else None) for d in v.devices] == [
-        (0, None), (1, g[1].mig_devices[0].uuid), (2, g[2].mig_devices[0].uuid), (2, g[2].mig_devices[1].uuid), (3, None)
+        (0, None),
+        (1, g[1].mig_devices[0].uuid),
+        (2, g[2].mig_devices[0].uuid),
+        (2, g[2].mig_devices[1].uuid),
+        (3, None),
     ]
     assert [d.memory_total_mib for d in v.devices][1:4] == [20480, 5120, 5120]
     codes = [p.code for p in v.problems]
@@ -329,16 +355,22 @@ def test_fastest_first_uses_reported_compute_cap_and_clock():
     from dataclasses import replace
 
     g = gpus(names=("Unknown Board X", "Unknown Board Y"))
-    g = (replace(g[0], compute_cap=(8, 6), max_sm_clock_mhz=1800), replace(g[1], compute_cap=(9, 0), max_sm_clock_mhz=1980))
+    g = (
+        replace(g[0], compute_cap=(8, 6), max_sm_clock_mhz=1800),
+        replace(g[1], compute_cap=(9, 0), max_sm_clock_mhz=1980),
+    )
     assert smi_indices(view({}, g)) == [1, 0]
     # same compute capability: multiprocessors x clock decides (table gives the SM counts)
     h = gpus(names=("NVIDIA GeForce RTX 5060", "NVIDIA GeForce RTX 5060 Ti"))
-    h = (replace(h[0], compute_cap=(12, 0), max_sm_clock_mhz=3090), replace(h[1], compute_cap=(12, 0), max_sm_clock_mhz=3090))
+    h = (
+        replace(h[0], compute_cap=(12, 0), max_sm_clock_mhz=3090),
+        replace(h[1], compute_cap=(12, 0), max_sm_clock_mhz=3090),
+    )
     assert smi_indices(view({}, h)) == [1, 0]
 
 
 def test_model_table():
-    from ckptfix.gpu.visible import model_info
+    from ckptfix.gpu.order import model_info
 
     assert model_info("Tesla T4") == ((7, 5), 40)
     assert model_info("NVIDIA T1000 8GB") == ((7, 5), 14)
@@ -354,9 +386,18 @@ def test_fastest_first_guess_matches_the_real_sample():
     """samples/csv_noheader_units_mixed_models_order_mismatch.txt: CUDA (llama.cpp's log) listed the RTX 3090
     as device 0 and the GTX 1660 SUPER (nvidia-smi 0) as device 1."""
     text = (FIX / "samples" / "csv_noheader_units_mixed_models_order_mismatch.txt").read_text().split("\n", 1)[1]
-    from ckptfix.gpu.smi import parse_gpu_csv
+    from ckptfix.gpu.parse import parse_gpu_csv
 
     parsed, _ = parse_gpu_csv(text, ("name", "memory.total", "index"))
     v = build_view(SmiSnapshot(gpus=tuple(parsed)), {})
     assert [d.name for d in v.devices] == ["NVIDIA GeForce RTX 3090", "NVIDIA GeForce GTX 1660 SUPER"]
     assert not v.order_certain
+
+
+@pytest.mark.parametrize("module", ["ckptfix.gpu.cvd", "ckptfix.gpu.order", "ckptfix.gpu.visible"])
+def test_doctests(module):
+    import doctest
+    import importlib
+
+    res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert res.failed == 0

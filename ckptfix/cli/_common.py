@@ -1,5 +1,7 @@
 """Helpers shared by every command module: output sinks and option decorators.
 
+The text helpers (tables, human sizes) live in :mod:`ckptfix.text`; they are re-exported here.
+
 Nothing here imports torch.
 """
 
@@ -12,8 +14,13 @@ from typing import IO, Any, Callable
 
 import click
 
+from ckptfix.text import human_bytes, table
 
-def json_option(f: Callable) -> Callable:
+__all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table"]
+
+
+def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The ``--json`` flag (parameter ``as_json``) every reporting command has."""
     return click.option("--json", "as_json", is_flag=True, help="Print a JSON document on stdout instead of text.")(f)
 
 
@@ -72,24 +79,3 @@ def error_line(msg: str) -> None:
     """The one ``Error: ...`` line on stderr, ``Error:`` in red on a colour terminal."""
     color = use_color(sys.stderr)
     click.echo(click.style("Error:", fg="red", bold=True) + " " + msg, err=True, color=color)
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    """A plain left-aligned text table."""
-    cols = [header] + rows
-    widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths)).rstrip()]
-    for r in rows:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
-    return "\n".join(lines)

@@ -12,27 +12,30 @@ Nothing in this package imports torch; ``ckptfix.gpu.doctor`` imports it lazily.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping
 
-from ckptfix.gpu.smi import (
-    DriverMismatchError,
-    DriverNotLoadedError,
-    GpuProcess,
-    MigDevice,
-    Runner,
-    SmiGpu,
-    SmiSnapshot,
-    query,
-)
-from ckptfix.gpu.visible import (GpuView, Problem, VisibleGpu, build_view, cuda_init_route, cuda_initialized,
-                                 parse_visible_devices)
+from ckptfix.errors import DriverMismatchError, DriverNotLoadedError
+from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized
+from ckptfix.gpu.cvd import parse_visible_devices
+from ckptfix.gpu.records import GpuProcess, MigDevice, Problem, SmiGpu, SmiSnapshot, VisibleGpu
+from ckptfix.gpu.runner import Runner
+from ckptfix.gpu.visible import GpuView, build_view, visible_gpus
 
 if TYPE_CHECKING:
     from ckptfix.gpu.pick import PickResult
 
-# ckptfix.gpu.pick is imported on first use: `ckptfix gpus` does not need it
-_FROM_PICK = {"DEFAULT_LEASE_SECONDS", "Criteria", "Lease", "PickResult", "Ranked", "Rejected", "parse_size_mib", "rank_gpus"}
+# ckptfix.gpu.pick (and ckptfix.gpu.leases) are imported on first use: `ckptfix gpus` does not need them
+_FROM_PICK = {
+    "DEFAULT_LEASE_SECONDS",
+    "Criteria",
+    "PickResult",
+    "Ranked",
+    "Rejected",
+    "choose_gpus",
+    "parse_size_mib",
+    "rank_gpus",
+}
+_FROM_LEASES = {"Lease"}
 
 
 def __getattr__(name: str) -> Any:
@@ -40,11 +43,18 @@ def __getattr__(name: str) -> Any:
         from ckptfix.gpu import pick as _pick
 
         return getattr(_pick, name)
+    if name in _FROM_LEASES:
+        from ckptfix.gpu import leases as _leases
+
+        return getattr(_leases, name)
     raise AttributeError(f"module 'ckptfix.gpu' has no attribute {name!r}")
+
 
 __all__ = [
     "visible_gpus",
     "pick_gpu",
+    "choose_gpus",
+    "build_view",
     "GpuView",
     "VisibleGpu",
     "SmiGpu",
@@ -68,35 +78,6 @@ __all__ = [
 ]
 
 
-def visible_gpus(
-    *,
-    env: Mapping[str, str] | None = None,
-    runner: Runner | None = None,
-    timeout: float = 10.0,
-    processes: bool = True,
-) -> GpuView:
-    """The GPUs a CUDA process with ``env`` (default: this process's) sees, as ``cuda:0``, ``cuda:1``...
-
-    Runs nvidia-smi once or twice (never imports torch) and applies the driver's
-    ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` rules.
-
-    Returns:
-        A :class:`GpuView`: ``devices`` in CUDA order (each a :class:`VisibleGpu`
-        with ``cuda_index``, ``smi_index``, ``uuid``, memory, utilization,
-        ``process_count``), ``physical`` (every GPU nvidia-smi lists),
-        ``order_certain``, ``warnings`` and ``problems``.
-
-    Raises:
-        GpuToolingError: nvidia-smi missing (exit code 20).
-        NoGpuError: no GPU (21), driver not loaded (26), driver/library mismatch (27).
-        GpuQueryError: nvidia-smi failed otherwise (25).
-    """
-    env = os.environ if env is None else env
-    wants_mig = (env.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
-    snap = query(runner=runner, timeout=timeout, processes=processes, mig=wants_mig, env=dict(env))
-    return build_view(snap, env, cuda_is_initialized=cuda_initialized())
-
-
 def pick_gpu(
     n: int = 1,
     *,
@@ -117,8 +98,9 @@ def pick_gpu(
     Call it before anything touches CUDA: it sets ``CUDA_VISIBLE_DEVICES`` (UUIDs)
     and ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` in ``os.environ``.  "Touches CUDA" includes
     ``torch.cuda.is_available()`` and ``device_count()`` on CUDA builds (they run ``cuInit``) and any
-    other CUDA library; every such route is detected (:func:`ckptfix.gpu.visible.cuda_init_route`)
-    and refused rather than silently ignored.
+    other CUDA library; every such route is detected (:func:`ckptfix.gpu.cudainit.cuda_init_route`)
+    and refused rather than silently ignored.  The choice itself is :func:`ckptfix.gpu.pick.choose_gpus`;
+    this function adds the check, keeps held leases for the life of the process and applies the environment.
 
     Calling it again in the same process may choose GPUs this process already holds
     (``lease=True``): they are this process's, not "leased by another job", so they are
@@ -138,46 +120,45 @@ def pick_gpu(
             process, a number leases them for that many seconds, ``False``/``0`` takes none.
         by: ``"uuid"`` (default) or ``"index"`` ids in ``CUDA_VISIBLE_DEVICES``.
         set_env: write the choice into ``environ`` (default ``os.environ``).
+        environ: the environment to read and (with ``set_env``) write.
+        runner: runs one nvidia-smi command (tests).
+        on_wait: called with a progress line before each wait.
 
     Returns:
         :class:`PickResult` with ``chosen`` (ranked, each with the reason), ``env``, ``leases``.
 
     Raises:
+        ValueError: ``min_free`` is not a memory size.
         CudaAlreadyInitializedError: CUDA is already initialised here, by any route (24).
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27): fall back to CPU.
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
         OutputError: the lease directory (``$CKPTFIX_LEASE_DIR``...) is unusable or unsafe (9).
     """
-    from ckptfix.gpu.pick import Criteria, check_cuda_not_initialized, hold_for_process, lease_dir, parse_size_mib, pick
+    from ckptfix.gpu.leases import hold_for_process
+    from ckptfix.gpu.pick import check_cuda_not_initialized, choose_gpus
 
     environ = os.environ if environ is None else environ
     if set_env:
         check_cuda_not_initialized()
-    crit = Criteria(
-        n=n,
-        min_free_mib=None if min_free is None else parse_size_mib(min_free),
+    result = choose_gpus(
+        n,
+        min_free=min_free,
         max_util=max_util,
         max_procs=max_procs,
-    )
-    lease_seconds: float | None
-    if lease is True:
-        lease_seconds = None  # held until this process exits
-    elif lease is False:
-        lease_seconds = 0.0
-    else:
-        lease_seconds = float(lease)
-    directory: Path = lease_dir(environ)
-    result = pick(
-        lambda: visible_gpus(env=environ, runner=runner),
-        crit,
-        lease_seconds=lease_seconds,
-        directory=directory,
         wait=wait,
         interval=interval,
+        lease=lease,
         by=by,
+        token="",
+        env=environ,
+        runner=runner,
         on_wait=on_wait,
     )
     hold_for_process(result.leases)
     if set_env:
         environ.update(result.env)
     return result
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _FROM_PICK | _FROM_LEASES)

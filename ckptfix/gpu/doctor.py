@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ckptfix.errors import CkptfixError, GpuQueryError
-from ckptfix.gpu.smi import Runner
-from ckptfix.gpu.visible import GpuView, Problem, cuda_initialized
+from ckptfix.gpu.records import Problem
+from ckptfix.gpu.runner import Runner
+from ckptfix.gpu.visible import GpuView, visible_gpus
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -80,6 +81,11 @@ class DoctorReport:
     problems: list[Problem] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``ckptfix doctor --json`` document.
+
+        Returns:
+            The document (docs/schemas/doctor.schema.json).
+        """
         return {
             "schema": "ckptfix.doctor/1",
             "python": self.python,
@@ -94,7 +100,12 @@ class DoctorReport:
 
 
 def torch_info() -> dict[str, Any]:
-    """torch version and build, imported lazily; never initialises CUDA."""
+    """torch version and build, imported lazily; never initialises CUDA.
+
+    Returns:
+        ``{"installed": False, "error": ...}``, or the version, ``cuda``, ``build`` (cuda/rocm/cpu), ``cudnn``
+        and ``cuda_initialized``.
+    """
     try:
         import torch  # noqa: PLC0415 - the one lazy torch import in ckptfix.gpu
     except ImportError as e:
@@ -213,37 +224,17 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
     )
 
 
-def diagnose(
-    torch: Mapping[str, Any],
-    view: GpuView | None,
-    gpu_error: str | None,
-    env: Mapping[str, str],
-    *,
-    gpu_error_kind: str = "no_gpu",
-    windows: bool = False,
-) -> list[Problem]:
-    """Problems with fixes, from facts gathered elsewhere (pure).
-
-    Args:
-        torch: :func:`torch_info`'s answer.
-        view: the GPU view, ``None`` when nvidia-smi failed.
-        gpu_error: why it failed (the error text).
-        env: the environment.
-        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
-            or hung: the GPUs are there but in trouble).
-        windows: use the Windows driver minimums.
-
-    Returns:
-        The problems, each with its fix.
-    """
+def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: bool) -> list[Problem]:
+    """torch missing, a CPU-only build on a GPU machine, a CUDA build the driver cannot run."""
     problems: list[Problem] = []
     has_gpu = view is not None and len(view.physical) > 0
     if not torch.get("installed"):
         err = torch.get("error")
         what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
-        problems.append(Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)'))
-    elif has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
-        assert view is not None
+        problems.append(
+            Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
+        )
+    elif view is not None and has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
         rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
         problems.append(
             Problem(
@@ -267,24 +258,28 @@ def diagnose(
                     _recommendation_text(rec, view.driver_version),
                 )
             )
-    if gpu_error:
-        if gpu_error_kind == "query":
-            hung = "did not answer" in gpu_error
-            problems.append(
-                Problem(
-                    "nvidia_smi_hung" if hung else "nvidia_smi_failed",
-                    gpu_error,
-                    "a hung nvidia-smi usually means a GPU or the driver is stuck: look for Xid errors in "
-                    "`dmesg`; stop the processes using the GPU, then reset it (`nvidia-smi -r -i N`) or reboot; "
-                    "CUDA programs will likely hang too until then"
-                    if hung
-                    else "run `nvidia-smi` to see the full error; check `dmesg` for Xid errors",
-                )
-            )
-        else:
-            problems.append(Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU"))
-    if view is not None:
-        problems.extend(view.problems)
+    return problems
+
+
+def _gpu_error_problem(gpu_error: str, kind: str) -> Problem:
+    """nvidia-smi hung or failed (``kind="query"``), or there is no usable GPU."""
+    if kind != "query":
+        return Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU")
+    hung = "did not answer" in gpu_error
+    return Problem(
+        "nvidia_smi_hung" if hung else "nvidia_smi_failed",
+        gpu_error,
+        "a hung nvidia-smi usually means a GPU or the driver is stuck: look for Xid errors in "
+        "`dmesg`; stop the processes using the GPU, then reset it (`nvidia-smi -r -i N`) or reboot; "
+        "CUDA programs will likely hang too until then"
+        if hung
+        else "run `nvidia-smi` to see the full error; check `dmesg` for Xid errors",
+    )
+
+
+def _distributed_problems(view: GpuView | None, env: Mapping[str, str]) -> list[Problem]:
+    """Ranks out of range for the visible GPUs or the world size, a world without MASTER_ADDR."""
+    problems: list[Problem] = []
     local_rank = env.get("LOCAL_RANK")
     if view is not None and local_rank is not None and local_rank.isdigit() and view.devices:
         if int(local_rank) >= len(view.devices):
@@ -320,14 +315,51 @@ def diagnose(
     return problems
 
 
+def diagnose(
+    torch: Mapping[str, Any],
+    view: GpuView | None,
+    gpu_error: str | None,
+    env: Mapping[str, str],
+    *,
+    gpu_error_kind: str = "no_gpu",
+    windows: bool = False,
+) -> list[Problem]:
+    """Problems with fixes, from facts gathered elsewhere (pure).
+
+    Args:
+        torch: :func:`torch_info`'s answer.
+        view: the GPU view, ``None`` when nvidia-smi failed.
+        gpu_error: why it failed (the error text).
+        env: the environment.
+        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
+            or hung: the GPUs are there but in trouble).
+        windows: use the Windows driver minimums.
+
+    Returns:
+        The problems, each with its fix: torch's, nvidia-smi's, the view's, then the distributed environment's.
+    """
+    problems = _torch_problems(torch, view, windows=windows)
+    if gpu_error:
+        problems.append(_gpu_error_problem(gpu_error, gpu_error_kind))
+    if view is not None:
+        problems.extend(view.problems)
+    return problems + _distributed_problems(view, env)
+
+
 def doctor_report(
     *, env: Mapping[str, str] | None = None, runner: Runner | None = None, timeout: float = 10.0
 ) -> DoctorReport:
-    """Gather everything (runs nvidia-smi, imports torch) and diagnose.  Never raises for GPU trouble."""
-    from ckptfix.gpu.smi import query
-    from ckptfix.gpu.visible import build_view
+    """Gather everything (runs nvidia-smi, imports torch) and diagnose.  Never raises for GPU trouble.
 
-    env = os.environ if env is None else env
+    Args:
+        env: the environment to report on (default ``os.environ``).
+        runner: runs one nvidia-smi command (tests).
+        timeout: seconds to wait for each nvidia-smi call.
+
+    Returns:
+        The :class:`DoctorReport`; GPU failures are in ``gpu_error`` and ``problems``.
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
     python = {
         "version": sys.version.split()[0],
         "executable": sys.executable,
@@ -339,24 +371,23 @@ def doctor_report(
         python["ckptfix"] = __version__
     except Exception:  # pragma: no cover
         pass
-    in_process_cuda = cuda_initialized()
     gpu_error_kind = "no_gpu"
-    tinfo = torch_info()
     view: GpuView | None = None
     gpu_error: str | None = None
     try:
-        wants_mig = (env.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
-        snap = query(runner=runner, timeout=timeout, mig=wants_mig, env=dict(env))
-        view = build_view(snap, env, cuda_is_initialized=in_process_cuda)
+        view = visible_gpus(env=environ, runner=runner, timeout=timeout)  # before torch is imported
     except GpuQueryError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
         gpu_error_kind = "query"
     except CkptfixError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
-    environment = {k: env.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")}
-    dist = {k: env[k] for k in DIST_VARS if k in env}
-    dist.update({k: v for k, v in sorted(env.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
-    problems = diagnose(tinfo, view, gpu_error, env, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
+    tinfo = torch_info()
+    environment = {
+        k: environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")
+    }
+    dist = {k: environ[k] for k in DIST_VARS if k in environ}
+    dist.update({k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
+    problems = diagnose(tinfo, view, gpu_error, environ, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
     return DoctorReport(
         python=python,
         torch=tinfo,

@@ -1,4 +1,4 @@
-"""Choose the freest GPU(s), take leases so concurrent jobs do not collide, wait for GPUs.
+"""Choose the freest GPU(s), lease them so concurrent jobs do not collide, wait for GPUs.
 
 Nothing here imports torch.
 
@@ -9,55 +9,55 @@ free memory (to the GiB, so 0 MiB and 292 MiB of residue tie), then utilization,
 then process count, then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
-Leases: one file per GPU UUID in the lease directory (``$CKPTFIX_LEASE_DIR``,
-else ``$XDG_RUNTIME_DIR/ckptfix-leases``, else ``$TMPDIR/ckptfix-leases-<uid>``, else
-``/tmp/ckptfix-leases-<uid>``), created 0700 and refused when another user owns it or can
-write to it; lease files are opened ``O_NOFOLLOW | O_CLOEXEC`` relative to the checked
-directory and only rewritten once locked and known to hold a lease record.
-A picker takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on the file; a GPU whose file is
-locked by someone else is leased.  A lease either *holds* the lock (for the life
-of a command run under ``pick-gpu --``, or of the Python process that called
-:func:`pick_gpu`), or writes an expiry time into the file and lets go of the
-lock (``--lease SECONDS``: a lock cannot outlive the CLI process); a later
-picker treats a file with an unexpired time as leased.  A lease the calling
-process already holds (an earlier :func:`pick_gpu`) is its own: picking that GPU
-again reuses it.  Leases coordinate the
-jobs of one user on one machine; other users' jobs show up as used memory.
+Choosing (:func:`choose_gpus`): rank, lease (:mod:`ckptfix.gpu.leases`), wait and retry; it changes no
+environment.  :func:`ckptfix.gpu.pick_gpu` calls it and then applies the choice to ``os.environ``.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import json
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError, OutputError
-from ckptfix.gpu.visible import GpuView, VisibleGpu
+from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
+from ckptfix.gpu.cudainit import cuda_init_route
+from ckptfix.gpu.leases import (
+    DEFAULT_LEASE_SECONDS,
+    LEASE_TOKEN_ENV,
+    Lease,
+    Released,
+    held_lease,
+    is_held,
+    lease_dir,
+    lease_file,
+    release_leases,
+    try_lease,
+    undo,
+)
+from ckptfix.gpu.records import VisibleGpu
+from ckptfix.gpu.runner import Runner
+from ckptfix.gpu.visible import GpuView, visible_gpus
 
 __all__ = [
     "Criteria",
     "Ranked",
     "Rejected",
-    "Lease",
     "PickResult",
+    "ReleaseResult",
     "parse_size_mib",
     "rank_gpus",
-    "lease_dir",
-    "try_lease",
-    "choose_and_lease",
     "selection_env",
+    "choose_and_lease",
+    "explain_shortfall",
+    "pick",
+    "choose_gpus",
+    "release_my_leases",
+    "check_cuda_not_initialized",
     "DEFAULT_LEASE_SECONDS",
 ]
-
-DEFAULT_LEASE_SECONDS = 120.0
-_HELD: list["Lease"] = []  # leases held for the life of this Python process (pick_gpu in-process)
 
 
 # ----------------------------------------------------------------------------- criteria and ranking
@@ -67,10 +67,18 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
 _SIZE_UNITS = {
     "": 1024.0,  # a bare number is GiB
     "b": 1 / 1024**2,
-    "k": 1 / 1024, "kb": 1 / 1024, "kib": 1 / 1024,
-    "m": 1.0, "mb": 1.0, "mib": 1.0,
-    "g": 1024.0, "gb": 1024.0, "gib": 1024.0,
-    "t": 1024.0**2, "tb": 1024.0**2, "tib": 1024.0**2,
+    "k": 1 / 1024,
+    "kb": 1 / 1024,
+    "kib": 1 / 1024,
+    "m": 1.0,
+    "mb": 1.0,
+    "mib": 1.0,
+    "g": 1024.0,
+    "gb": 1024.0,
+    "gib": 1024.0,
+    "t": 1024.0**2,
+    "tb": 1024.0**2,
+    "tib": 1024.0**2,
 }
 
 
@@ -78,6 +86,15 @@ def parse_size_mib(text: str | int | float) -> int:
     """``"10GiB" -> 10240``, ``"512MiB" -> 512``, ``"1.5G" -> 1536``; a bare number means GiB.
 
     Raises ValueError on anything else.
+
+    Args:
+        text: a size with an optional unit (B, K/KB/KiB, M..., G..., T...), or a number of GiB.
+
+    Returns:
+        The size in MiB, rounded down.
+
+    Raises:
+        ValueError: not a size.
     """
     if isinstance(text, (int, float)):
         return int(text * 1024)
@@ -103,6 +120,11 @@ class Ranked:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """One ``chosen`` entry of ``pick-gpu --json``.
+
+        Returns:
+            The GPU's ids, memory, utilization and process count, with the rank and the reason.
+        """
         g = self.gpu
         return {
             "rank": self.rank,
@@ -126,6 +148,11 @@ class Rejected:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
+        """One ``rejected`` entry of ``pick-gpu --json``.
+
+        Returns:
+            ``uuid``, ``smi_index``, ``name`` and ``reason``.
+        """
         return {"uuid": self.gpu.uuid, "smi_index": self.gpu.smi_index, "name": self.gpu.name, "reason": self.reason}
 
     def __str__(self) -> str:
@@ -154,7 +181,10 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
         return "the only candidate left"
     ka, kb = _sort_key(a), _sort_key(b)
     if ka[0] != kb[0]:
-        return f"more free memory than the next candidate GPU {b.smi_index} ({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+        return (
+            f"more free memory than the next candidate GPU {b.smi_index} "
+            f"({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+        )
     if ka[1] != kb[1]:
         return f"same free GiB as GPU {b.smi_index}, lower utilization ({a.utilization_pct}% vs {b.utilization_pct}%)"
     if ka[2] != kb[2]:
@@ -165,7 +195,16 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
 def rank_gpus(
     devices: Sequence[VisibleGpu], criteria: Criteria, *, leased: Mapping[str, str] | None = None
 ) -> tuple[list[Ranked], list[Rejected]]:
-    """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it."""
+    """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it.
+
+    Args:
+        devices: the candidates (the devices CUDA sees).
+        criteria: how many and the filters.
+        leased: GPU id -> holder, for GPUs known to be leased.
+
+    Returns:
+        ``(ranked, rejected)``: the qualifying GPUs best first, each with the reason, and the others with why.
+    """
     leased = leased or {}
     ok: list[VisibleGpu] = []
     rejected: list[Rejected] = []
@@ -211,354 +250,10 @@ def rank_gpus(
             if (g.process_count or 0) == 0 and (g.hidden_used_mib or 0) > 0
             else ""
         )
-        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {g.process_count if g.process_count is not None else '?'} process(es){hidden}"
+        nprocs = "?" if g.process_count is None else str(g.process_count)
+        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
         ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt)}"))
     return ranked, rejected
-
-
-# ----------------------------------------------------------------------------- leases
-
-LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
-_LEASE_SCHEMA = "ckptfix.lease/1"
-
-
-def lease_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where GPU leases live: ``$CKPTFIX_LEASE_DIR``, else ``$XDG_RUNTIME_DIR/ckptfix-leases`` (when that
-    directory exists), else ``$TMPDIR/ckptfix-leases-<uid>``, else ``/tmp/ckptfix-leases-<uid>``.
-
-    Args:
-        env: the environment to read (default ``os.environ``).
-
-    Returns:
-        The directory (not created or checked here: :func:`try_lease` does both).
-    """
-    env = os.environ if env is None else env
-    if env.get("CKPTFIX_LEASE_DIR"):
-        return Path(env["CKPTFIX_LEASE_DIR"])
-    if env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
-        return Path(env["XDG_RUNTIME_DIR"]) / "ckptfix-leases"
-    tmp = env.get("TMPDIR")
-    base = tmp if tmp and os.path.isabs(tmp) and os.path.isdir(tmp) else "/tmp"
-    return Path(base) / f"ckptfix-leases-{os.getuid()}"
-
-
-def _lease_name(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", key) + ".lease"
-
-
-def _lease_file(directory: Path, key: str) -> Path:
-    return directory / _lease_name(key)
-
-
-def _unsafe_dir(directory: Path, why: str) -> OutputError:
-    return OutputError(
-        f"refusing the GPU lease directory {directory}: {why}; another user could plant files in it. Fix: "
-        f"`chmod 700 {directory}` if it is yours, else remove it (or set CKPTFIX_LEASE_DIR to a directory only "
-        "you can write)"
-    )
-
-
-def open_lease_dir(directory: Path) -> int:
-    """Create ``directory`` (mode 0700) if missing, check it like ssh checks ``~/.ssh``, and open it.
-
-    Refused: a directory (or a symlink to one) not owned by the current user, and one that is group- or
-    world-writable.  Lease files are then opened relative to the returned descriptor, so a directory
-    swapped after the check is never used.
-
-    Args:
-        directory: the lease directory (see :func:`lease_dir`).
-
-    Returns:
-        An ``O_DIRECTORY | O_CLOEXEC`` descriptor; the caller closes it.
-
-    Raises:
-        OutputError: the directory cannot be created or opened, or is unsafe (exit code 9).
-    """
-    uid = os.getuid()
-    try:
-        if not os.path.lexists(directory):
-            if not directory.parent.is_dir():
-                os.makedirs(directory.parent, mode=0o700, exist_ok=True)
-            try:
-                os.mkdir(directory, 0o700)
-            except FileExistsError:
-                pass  # a concurrent picker made it: checked below like any other
-        lst = os.lstat(directory)
-        if os.path.islink(directory) and lst.st_uid != uid:
-            raise _unsafe_dir(directory, f"it is a symlink owned by uid {lst.st_uid}, not you (uid {uid})")
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OutputError:
-        raise
-    except OSError as e:
-        raise _lease_dir_error(directory, e) from None
-    st = os.fstat(fd)
-    problem = None
-    if st.st_uid != uid:
-        problem = f"it is owned by uid {st.st_uid}, not you (uid {uid})"
-    elif st.st_mode & 0o022:
-        problem = f"it is group- or world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
-    if problem:
-        os.close(fd)
-        raise _unsafe_dir(directory, problem)
-    return fd
-
-
-def _open_lease_file(dfd: int, directory: Path, key: str) -> tuple[int, bool]:
-    """Open (or create) the lease file of ``key`` without following links; ``(fd, created)``."""
-    name = _lease_name(key)
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    created = False
-    try:
-        try:
-            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
-            created = True
-        except FileExistsError:
-            fd = os.open(name, flags, dir_fd=dfd)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OutputError(
-                f"GPU lease file {directory / name} is a symlink, which ckptfix never follows (someone planted "
-                f"it): remove it (`rm {directory / name}`) and check who can write to {directory}"
-            ) from None
-        raise _lease_dir_error(directory, e) from None
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = "is not a regular file"
-    elif st.st_uid != os.getuid():
-        why = f"is owned by uid {st.st_uid}, not you"
-    elif st.st_nlink != 1:
-        why = f"has {st.st_nlink} hard links (a link to another file?)"
-    if why:
-        os.close(fd)
-        raise OutputError(
-            f"GPU lease file {directory / name} {why}: ckptfix will not write to it; remove it and check who "
-            f"can write to {directory}"
-        )
-    return fd, created
-
-
-@dataclass
-class Lease:
-    """A lease on one GPU.  ``fd`` is open (and flock'ed) while the lease is *held*."""
-
-    key: str
-    path: Path
-    fd: int | None
-    expires: float | None
-    token: str | None = None
-
-    def release(self) -> None:
-        """Give the lease back now (a held lease: empty the file and drop the lock)."""
-        if self.fd is not None:
-            try:
-                os.ftruncate(self.fd, 0)
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "path": str(self.path), "held": self.fd is not None, "expires": self.expires}
-
-
-def _read_info(fd: int) -> dict[str, Any] | None:
-    """The lease record in ``fd``: ``{}`` for an empty file, ``None`` for something that is not a lease."""
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        data = os.read(fd, 4097)
-    except OSError:
-        return None
-    if not data.strip():
-        return {}
-    try:
-        info = json.loads(data.decode())
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return info if isinstance(info, dict) and "key" in info and "pid" in info else None
-
-
-def _describe(info: dict[str, Any] | None) -> str:
-    if info is None:
-        return "a file that is not a ckptfix lease"
-    who = f"pid {info.get('pid', '?')}"
-    if info.get("pid") == os.getpid():
-        who = f"this process, {who}"
-    if info.get("host"):
-        who += f" on {info['host']}"
-    exp = info.get("expires")
-    if isinstance(exp, (int, float)):
-        who += f", until {time.strftime('%H:%M:%S', time.localtime(exp))}"
-    return who
-
-
-def _not_a_lease(path: Path) -> OutputError:
-    return OutputError(
-        f"{path} is not a ckptfix lease file (it holds something else), so ckptfix will not overwrite it: move it "
-        "away if it is yours, or set CKPTFIX_LEASE_DIR to a directory of your own"
-    )
-
-
-def try_lease(
-    directory: Path,
-    key: str,
-    seconds: float | None,
-    *,
-    now: float | None = None,
-    token: str | None = None,
-) -> tuple[Lease | None, str]:
-    """Try to lease GPU ``key``.  ``seconds=None``: hold the lock (returned fd open, close-on-exec);
-    ``seconds>0``: write an expiry and let go of the lock; ``seconds==0``: only check.
-
-    A timed lease whose record carries the same non-empty ``token`` (``$CKPTFIX_LEASE_TOKEN``, exported by
-    ``pick-gpu --export``) is the caller's own and is taken over.  Lease files are opened with
-    ``O_NOFOLLOW | O_CLOEXEC``, created with ``O_EXCL``, and an existing file is only rewritten once it is
-    locked and holds a ckptfix lease record.
-
-    Args:
-        directory: lease directory (created 0700; refused if another user owns it or can write to it).
-        key: the GPU id (UUID or MIG UUID).
-        seconds: lease length, see above.
-        now: the time to compare expiries with (tests).
-        token: the caller's lease token, if any.
-
-    Returns:
-        ``(lease, "")`` or ``(None, who_holds_it)``.
-
-    Raises:
-        OutputError: the directory or the lease file is unusable or unsafe (exit code 9).
-    """
-    path = _lease_file(directory, key)
-    dfd = open_lease_dir(directory)
-    try:
-        fd, _created = _open_lease_file(dfd, directory, key)
-    finally:
-        os.close(dfd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        info = _read_info(fd)
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-            return None, _describe(info) + " (running)"
-        raise _lease_dir_error(directory, e) from None
-    now = time.time() if now is None else now
-    info = _read_info(fd)  # also when we created it: another picker may have locked, written and let go first
-    if info is None:
-        os.close(fd)
-        raise _not_a_lease(path)
-    exp = info.get("expires")
-    own = info.get("pid") == os.getpid() or (token is not None and token != "" and info.get("token") == token)
-    if isinstance(exp, (int, float)) and exp > now and not own:
-        os.close(fd)
-        return None, _describe(info)
-    if seconds == 0:
-        os.close(fd)
-        return Lease(key, path, None, None, token), ""
-    expires = None if seconds is None else now + seconds
-    record = {
-        "schema": _LEASE_SCHEMA,
-        "key": key,
-        "pid": os.getpid(),
-        "host": os.uname().nodename,
-        "created": now,
-        "expires": expires,
-        "token": token,
-    }
-    os.ftruncate(fd, 0)  # locked, and ours: a new file or a ckptfix lease record
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps(record).encode())
-    if seconds is None:
-        return Lease(key, path, fd, None, token), ""
-    os.close(fd)  # the expiry in the file is the lease now
-    return Lease(key, path, None, expires, token), ""
-
-
-@dataclass(frozen=True)
-class Released:
-    """One lease :func:`release_leases` looked at."""
-
-    key: str
-    released: bool
-    why: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "released": self.released, "why": self.why}
-
-
-def release_leases(directory: Path, *, token: str | None = None, now: float | None = None) -> list[Released]:
-    """Give back timed leases (``pick-gpu --release``).
-
-    With ``token`` only the leases taken with that token (this shell's ``pick-gpu --export``); without,
-    every unexpired timed lease in ``directory`` (all of them are the current user's).  A lease held by a
-    running command (locked) is never touched: it ends when the command does.
-
-    Args:
-        directory: the lease directory.
-        token: only release leases carrying this token.
-        now: the time (tests).
-
-    Returns:
-        One :class:`Released` per live lease found, released or not (and why).
-
-    Raises:
-        OutputError: the directory is unsafe or unusable (exit code 9).
-    """
-    now = time.time() if now is None else now
-    if not os.path.lexists(directory):
-        return []
-    dfd = open_lease_dir(directory)
-    out: list[Released] = []
-    try:
-        for name in sorted(os.listdir(dfd)):
-            if not name.endswith(".lease"):
-                continue
-            try:
-                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    info = _read_info(fd) or {}
-                    if not token or info.get("token") == token:
-                        key = str(info.get("key", name[:-6]))
-                        out.append(Released(key, False, f"held by a running command ({_describe(info)}): stop it"))
-                    continue
-                info = _read_info(fd)
-                if not info:
-                    continue
-                exp = info.get("expires")
-                if not isinstance(exp, (int, float)) or exp <= now:
-                    continue
-                if token and info.get("token") != token:
-                    continue
-                os.ftruncate(fd, 0)
-                out.append(Released(str(info.get("key")), True, f"was leased until {_describe(info)}"))
-            finally:
-                os.close(fd)
-    finally:
-        os.close(dfd)
-    return out
-
-
-def _held_lease(path: Path) -> Lease | None:
-    """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any."""
-    for le in _HELD:
-        if le.fd is not None and le.path == path:
-            return le
-    return None
-
-
-def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
-    return OutputError(
-        f"cannot take a GPU lease in {directory} ({e.strerror or e}): set CKPTFIX_LEASE_DIR to a writable local "
-        "directory (file locks need a local filesystem)"
-    )
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -566,7 +261,12 @@ def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
 
 @dataclass
 class PickResult:
-    """What :func:`choose_and_lease` / :func:`ckptfix.gpu.pick_gpu` chose."""
+    """What :func:`choose_gpus` / :func:`ckptfix.gpu.pick_gpu` chose.
+
+    ``env`` is the environment that makes CUDA see the choice (empty when too few qualified); ``leases``
+    the leases taken (held ones have an open ``fd``); ``lease_seconds`` the length of timed leases
+    (``None``: held); ``token`` the lease token the timed leases carry.
+    """
 
     chosen: list[Ranked]
     rejected: list[Rejected]
@@ -574,12 +274,31 @@ class PickResult:
     leases: list[Lease] = field(default_factory=list)
     view: GpuView | None = None
     waited_s: float = 0.0
+    lease_seconds: float | None = None
+    token: str | None = None
 
     @property
     def ids(self) -> list[str]:
+        """The chosen GPUs' ids, in order."""
         return [r.gpu.id for r in self.chosen]
 
+    @property
+    def notices(self) -> list[str]:
+        """The view's warnings that matter to this choice.
+
+        The chosen ids are UUIDs or PCI-order indices, so "cuda:N may not be nvidia-smi GPU N" on mixed models
+        does not matter -- unless an index-based ``CUDA_VISIBLE_DEVICES`` chose the candidates: then which
+        GPUs those are is itself a guess.
+        """
+        if self.view is None:
+            return []
+        if self.view.spec is not None and self.view.spec.kind == "index":
+            return list(self.view.warnings)
+        moot = {str(p) for p in self.view.problems if p.code == "order_uncertain"}
+        return [w for w in self.view.warnings if w not in moot]
+
     def to_dict(self) -> dict[str, Any]:
+        """The ``ckptfix pick-gpu --json`` document (docs/schemas/pick-gpu.schema.json)."""
         return {
             "schema": "ckptfix.pick-gpu/1",
             "CUDA_VISIBLE_DEVICES": self.env.get("CUDA_VISIBLE_DEVICES"),
@@ -598,6 +317,13 @@ def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str
     ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
     numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
     index where nvidia-smi lists GPUs in another order.
+
+    Args:
+        chosen: the GPUs, in the order CUDA should number them.
+        by: ``"uuid"`` or ``"index"``.
+
+    Returns:
+        ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
     """
     if by == "index" or any(not g.uuid for g in chosen):
         ids = [
@@ -623,6 +349,21 @@ def choose_and_lease(
     If fewer than ``n`` qualify, nothing stays leased and the result has fewer
     than ``n`` chosen (``rejected`` says why the others failed).  ``directory=None``
     disables leases; ``token`` makes timed leases carrying it the caller's own (see :func:`try_lease`).
+
+    Args:
+        view: the devices the caller's CUDA sees.
+        criteria: how many and the filters.
+        lease_seconds: ``None`` holds the lock, ``0`` only looks, else a timed lease (see
+            :func:`ckptfix.gpu.leases.try_lease`).
+        directory: the lease directory, ``None`` for no leases.
+        by: ``"uuid"`` or ``"index"`` ids in the environment.
+        token: the caller's lease token.
+
+    Returns:
+        The :class:`PickResult`; ``env`` is empty when fewer than ``n`` qualified.
+
+    Raises:
+        OutputError: the lease directory or a lease file is unusable or unsafe (exit code 9).
     """
     ranked, rejected = rank_gpus(view.devices, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
@@ -632,7 +373,7 @@ def choose_and_lease(
         if directory is None:
             got.append((r, None))
             continue
-        mine = _held_lease(_lease_file(directory, r.gpu.id))
+        mine = held_lease(lease_file(directory, r.gpu.id))
         if mine is not None:  # an earlier pick_gpu() in this process holds it: ours to use again
             got.append((r, mine))
             continue
@@ -646,8 +387,8 @@ def choose_and_lease(
         got.append((r, lease))
     if len(got) < criteria.n:
         for _, lease in got:
-            if lease is not None and not any(lease is h for h in _HELD):  # not one an earlier pick holds
-                _undo(lease)
+            if lease is not None and not is_held(lease):  # not one an earlier pick holds
+                undo(lease)
         chosen = [r for r, _ in got]
         return PickResult(chosen, rejected, {}, [], view)
     chosen = [Ranked(r.gpu, i + 1, r.effective_procs, r.reason) for i, (r, _) in enumerate(got)]
@@ -655,41 +396,16 @@ def choose_and_lease(
     return PickResult(chosen, rejected, selection_env([r.gpu for r in chosen], by=by), leases, view)
 
 
-def _undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
-    """Give back a lease taken during a pick that then fell short.
-
-    An expiry lease's file may be locked at this instant by another picker reading it (for
-    microseconds: it sees our expiry and lets go), so wait up to ``lock_timeout`` for the lock
-    rather than leave the GPU reserved until the expiry.
-    """
-    if lease.fd is not None:
-        lease.release()
-        return
-    try:
-        fd = os.open(lease.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return
-    try:
-        deadline = time.monotonic() + lock_timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) or time.monotonic() >= deadline:
-                    return  # it expires on its own
-                time.sleep(0.005)
-        st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and (_read_info(fd) or {}).get("pid") == os.getpid():
-            os.ftruncate(fd, 0)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def explain_shortfall(result: PickResult, criteria: Criteria) -> str:
-    """One line: how many qualify and why each other GPU does not."""
+    """One line: how many qualify and why each other GPU does not.
+
+    Args:
+        result: a pick with fewer than ``criteria.n`` chosen.
+        criteria: what was asked for.
+
+    Returns:
+        ``need N GPU(s), K qualify: GPU i (...): why; ...``.
+    """
     n_ok = len(result.chosen)
     head = f"need {criteria.n} GPU(s), {n_ok} qualif{'ies' if n_ok == 1 else 'y'}"
     lines = [str(r) for r in result.rejected]
@@ -716,6 +432,22 @@ def pick(
         NoGpuError: CUDA would see no GPU at all (e.g. ``CUDA_VISIBLE_DEVICES=""``).
         NoGpuFitsError: not enough GPUs qualify and ``wait`` is 0.
         GpuWaitTimeoutError: still not enough after ``wait`` seconds.
+
+    Args:
+        get_view: makes a fresh :class:`GpuView` (runs nvidia-smi).
+        criteria: how many and the filters.
+        lease_seconds: see :func:`choose_and_lease`.
+        directory: the lease directory, ``None`` for no leases.
+        wait: seconds to keep retrying (0: fail at once).
+        interval: seconds between retries.
+        by: ``"uuid"`` or ``"index"`` ids.
+        on_wait: called with a progress line before each wait.
+        token: the caller's lease token.
+        sleep: the sleep function (tests).
+        clock: the monotonic clock (tests).
+
+    Returns:
+        The :class:`PickResult` with ``waited_s``.
     """
     if criteria.n < 1:
         raise ValueError("n must be at least 1")
@@ -753,23 +485,12 @@ def pick(
         sleep(max(0.0, min(interval, wait - elapsed)))
 
 
-def apply_env(result: PickResult, environ: MutableMapping[str, str]) -> None:
-    environ.update(result.env)
-
-
-def hold_for_process(leases: Sequence[Lease]) -> None:
-    """Keep held leases open until this Python process exits."""
-    _HELD.extend(le for le in leases if le.fd is not None and not any(le is h for h in _HELD))
-
-
 def check_cuda_not_initialized() -> None:
     """Raise if CUDA is already initialised here (then ``CUDA_VISIBLE_DEVICES`` can no longer take effect).
 
     Raises:
         CudaAlreadyInitializedError: with the route that initialised it and the fix (exit code 24).
     """
-    from ckptfix.gpu.visible import cuda_init_route
-
     route = cuda_init_route()
     if route is not None:
         raise CudaAlreadyInitializedError(
@@ -777,3 +498,128 @@ def check_cuda_not_initialized() -> None:
             "effect: call pick_gpu() before any torch.cuda call (torch.cuda.is_available() included), or run "
             "`ckptfix pick-gpu -- python ...` instead"
         )
+
+
+def _lease_seconds(lease: float | bool | None) -> float | None:
+    """``True``: held (``None``); ``None``: the default timed lease; ``False``: none (0); a number: seconds."""
+    if lease is True:
+        return None
+    if lease is None:
+        return DEFAULT_LEASE_SECONDS
+    return 0.0 if lease is False else float(lease)
+
+
+def choose_gpus(
+    n: int = 1,
+    *,
+    min_free: str | int | float | None = None,
+    max_util: int | None = None,
+    max_procs: int | None = None,
+    wait: float = 0.0,
+    interval: float = 10.0,
+    lease: float | bool | None = None,
+    by: str = "uuid",
+    token: str | None = None,
+    new_token: bool = False,
+    env: Mapping[str, str] | None = None,
+    runner: Runner | None = None,
+    timeout: float = 10.0,
+    on_wait: Callable[[str], None] | None = None,
+) -> PickResult:
+    """Choose (and lease) the ``n`` freest GPUs visible under ``env``; change no environment.
+
+    The policy of ``ckptfix pick-gpu`` and :func:`ckptfix.gpu.pick_gpu`: candidates are the devices CUDA sees
+    under ``env`` (:func:`ckptfix.gpu.visible.visible_gpus`), filtered and ranked by :func:`rank_gpus`, leased
+    in the lease directory of ``env`` (:func:`ckptfix.gpu.leases.lease_dir`), retried every ``interval``
+    seconds for up to ``wait`` seconds.
+
+    Args:
+        n: how many GPUs.
+        min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
+        max_util: maximum utilization in percent.
+        max_procs: maximum number of compute processes.
+        wait: seconds to keep retrying until enough GPUs qualify (0: fail at once).
+        interval: seconds between retries.
+        lease: ``True`` holds the lease lock (for the life of this process, or of a command it execs with the
+            returned lease descriptors); ``None`` a timed lease of :data:`DEFAULT_LEASE_SECONDS`; a number a timed
+            lease of that many seconds; ``False`` or ``0`` takes none (only looks).
+        by: ``"uuid"`` or ``"index"`` (PCI-order) ids in the returned ``CUDA_VISIBLE_DEVICES``.
+        token: the lease token; ``None`` reads ``$CKPTFIX_LEASE_TOKEN`` from ``env`` (a shell's own timed leases
+            are then taken over, not refused); ``""`` means none.
+        new_token: with a timed lease and no token, make a new one (``pick-gpu --export`` hands it to the shell).
+        env: the environment to read (default ``os.environ``); never written.
+        runner: runs one nvidia-smi command (tests).
+        timeout: seconds to wait for each nvidia-smi call.
+        on_wait: called with a progress line before each wait.
+
+    Returns:
+        :class:`PickResult`: ``chosen`` (ranked, each with the reason), ``env`` to apply, ``leases``,
+        ``lease_seconds`` and ``token``.
+
+    Raises:
+        ValueError: ``min_free`` is not a memory size, or ``n`` < 1.
+        NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27).
+        NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
+        OutputError: the lease directory is unusable or unsafe (9).
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    criteria = Criteria(
+        n=n,
+        min_free_mib=None if min_free is None else parse_size_mib(min_free),
+        max_util=max_util,
+        max_procs=max_procs,
+    )
+    seconds = _lease_seconds(lease)
+    tok = environ.get(LEASE_TOKEN_ENV) if token is None else token
+    tok = tok or None
+    if new_token and tok is None and seconds:
+        tok = os.urandom(8).hex()  # marks this shell's leases as its own (take-over, --release)
+    result = pick(
+        lambda: visible_gpus(env=environ, runner=runner, timeout=timeout),
+        criteria,
+        lease_seconds=seconds,
+        directory=lease_dir(environ),
+        wait=wait,
+        interval=interval,
+        by=by,
+        on_wait=on_wait,
+        token=tok,
+    )
+    result.lease_seconds = seconds
+    result.token = tok
+    return result
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    """What :func:`release_my_leases` gave back."""
+
+    directory: Path
+    token: str | None
+    leases: list[Released]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``ckptfix pick-gpu --release --json`` document."""
+        return {
+            "schema": "ckptfix.pick-gpu-release/1",
+            "token": self.token is not None,
+            "leases": [r.to_dict() for r in self.leases],
+        }
+
+
+def release_my_leases(env: Mapping[str, str] | None = None) -> ReleaseResult:
+    """Give back the caller's timed leases: those of ``$CKPTFIX_LEASE_TOKEN`` when set, else all of the user's.
+
+    Args:
+        env: the environment (lease directory and token; default ``os.environ``).
+
+    Returns:
+        :class:`ReleaseResult` listing each live lease found, released or not (and why).
+
+    Raises:
+        OutputError: the lease directory is unsafe or unusable (exit code 9).
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    directory = lease_dir(environ)
+    token = environ.get(LEASE_TOKEN_ENV) or None
+    return ReleaseResult(directory, token, release_leases(directory, token=token))

@@ -1,0 +1,151 @@
+"""Running nvidia-smi: where it is, one call (:func:`subprocess_runner`) or several at once, with timeouts.
+
+The only module in :mod:`ckptfix.gpu` that starts processes.  A *runner* (``argv, timeout -> RunResult``)
+is what :func:`ckptfix.gpu.smi.query` calls, so tests can replace the subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from ckptfix.errors import GpuQueryError, GpuToolingError
+
+__all__ = ["RunResult", "Runner", "find_nvidia_smi", "subprocess_runner", "run_parallel"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one nvidia-smi call returned."""
+
+    returncode: int
+    stdout: str
+    stderr: str = ""
+    timed_out: bool = False  # only for an optional call (see :func:`run_parallel`): it did not answer in time
+
+
+Runner = Callable[[Sequence[str], float], RunResult]
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def find_nvidia_smi(env: Mapping[str, str] | None = None) -> str:
+    """The nvidia-smi to run: ``$CKPTFIX_NVIDIA_SMI`` or the one on ``PATH``.
+
+    Args:
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The path (``$CKPTFIX_NVIDIA_SMI`` as given).
+
+    Raises:
+        GpuToolingError: none on ``PATH`` (exit code 20).
+    """
+    environ: Mapping[str, str] = os.environ if env is None else env
+    explicit = environ.get("CKPTFIX_NVIDIA_SMI")
+    if explicit:
+        return explicit
+    found = _which("nvidia-smi", environ.get("PATH", os.defpath))
+    if not found:
+        raise GpuToolingError(
+            "nvidia-smi not found on PATH: no NVIDIA driver is installed here; run on CPU or install the driver"
+        )
+    return found
+
+
+def _which(name: str, path: str) -> str | None:
+    """``shutil.which`` without importing shutil (and its compression modules) on the fast path."""
+    for d in path.split(os.pathsep):
+        cand = os.path.join(d or ".", name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def subprocess_runner(argv: Sequence[str], timeout: float) -> RunResult:
+    """Run one command; map a missing/unrunnable binary and a timeout to ckptfix errors.
+
+    Args:
+        argv: the command.
+        timeout: seconds to wait for it.
+
+    Returns:
+        Its exit code and output.
+
+    Raises:
+        GpuToolingError: the program is missing or cannot be executed (exit code 20).
+        GpuQueryError: it did not answer within ``timeout`` (exit code 25).
+    """
+    try:
+        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, errors="replace")
+    except FileNotFoundError:
+        raise GpuToolingError(
+            f"{argv[0]} not found: no NVIDIA driver is installed here; run on CPU or install the driver"
+        ) from None
+    except PermissionError:
+        raise GpuToolingError(f"{argv[0]} cannot be executed (permission denied)") from None
+    except subprocess.TimeoutExpired:
+        raise GpuQueryError(
+            f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?): check `dmesg`, or retry"
+        ) from None
+    return RunResult(p.returncode, p.stdout or "", p.stderr or "")
+
+
+def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int] = frozenset()) -> list[RunResult]:
+    """Start several commands at once and wait for all (saves a whole nvidia-smi start-up).
+
+    A command whose position is in ``optional`` that does not answer in time is killed and
+    reported as ``RunResult(-1, "", "", timed_out=True)``; any other timeout raises.
+
+    Args:
+        cmds: the commands.
+        timeout: seconds for all of them together.
+        optional: positions of the commands whose timeout is not an error.
+
+    Returns:
+        One result per command, in order.
+
+    Raises:
+        GpuToolingError: a program is missing or cannot be executed (exit code 20).
+        GpuQueryError: a command not in ``optional`` did not answer in time (exit code 25).
+    """
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for argv in cmds:
+            try:
+                procs.append(
+                    subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
+                )
+            except FileNotFoundError:
+                raise GpuToolingError(
+                    f"{argv[0]} not found: no NVIDIA driver is installed here; run on CPU or install the driver"
+                ) from None
+            except PermissionError:
+                raise GpuToolingError(f"{argv[0]} cannot be executed (permission denied)") from None
+        deadline = time.monotonic() + timeout
+        out: list[RunResult] = []
+        for p in procs:
+            try:
+                so, se = p.communicate(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                if len(out) in optional:
+                    p.kill()  # reaped below
+                    for f in (p.stdout, p.stderr):
+                        if f is not None:
+                            f.close()
+                    out.append(RunResult(-1, "", "", timed_out=True))
+                    continue
+                raise GpuQueryError(
+                    f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?): check `dmesg`, or retry"
+                ) from None
+            out.append(RunResult(p.returncode, so or "", se or ""))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

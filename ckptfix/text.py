@@ -1,0 +1,63 @@
+"""Plain-text helpers shared by the library's reports and the CLI: tables and human sizes.  Pure, no click.
+
+>>> print(table([["cuda:0", "H200"]], ["cuda", "name"]))
+cuda    name
+cuda:0  H200
+>>> human_bytes(1536), gib(2048)
+('1.5 KiB', '2.0')
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["table", "human_bytes", "gib"]
+
+
+def human_bytes(n: int | float | None) -> str:
+    """A byte count in binary units (``1536 -> "1.5 KiB"``, ``None -> "-"``).
+
+    Args:
+        n: bytes, or ``None`` for unknown.
+
+    Returns:
+        Whole bytes below 1 KiB, else one decimal in KiB, MiB, GiB or TiB.
+    """
+    if n is None:
+        return "-"
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
+def gib(mib: int | None) -> str:
+    """MiB as GiB with one decimal, without unit (``2048 -> "2.0"``); ``None -> "-"``.
+
+    Args:
+        mib: a size in MiB, or ``None`` for unknown.
+
+    Returns:
+        The number of GiB, or ``"-"``.
+    """
+    return "-" if mib is None else f"{mib / 1024:.1f}"
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain left-aligned text table, columns two spaces apart, no trailing blanks.
+
+    Args:
+        rows: the cells (printed with ``str``), one sequence per row, as many as ``header``.
+        header: the column titles.
+
+    Returns:
+        The table, lines joined by newlines (no final newline).
+    """
+    cols: list[Sequence[object]] = [header, *rows]
+    widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths, strict=False)).rstrip()]
+    for r in rows:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
+    return "\n".join(lines)

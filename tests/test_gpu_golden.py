@@ -1,0 +1,107 @@
+"""``ckptfix gpus`` and ``ckptfix doctor`` print exactly tests/golden/{gpus,doctor}_<case>.txt.
+
+Each case replays a recorded nvidia-smi scenario (tests/fixtures/nvidia-smi/scenarios) through the fake
+nvidia-smi, runs the CLI in a fresh process, and compares the command line, stdout, stderr and exit code with
+the golden file, byte for byte.  What depends on the machine running the tests (Python's version, path and
+platform, the torch version) is masked in the doctor's output.
+
+After an intended change of the output, regenerate the files and review the diff::
+
+    CKPTFIX_UPDATE_GOLDEN=1 pytest tests/test_gpu_golden.py
+    git diff tests/golden/
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from helpers import fake_smi_env, run_cli
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE = os.environ.get("CKPTFIX_UPDATE_GOLDEN") == "1"
+
+# case -> (scenario, extra environment)
+GPUS_CASES: dict[str, tuple[str, dict[str, str]]] = {
+    "h200_busy": ("h200_busy", {}),
+    "h200_busy_cvd_truncated": ("h200_busy", {"CUDA_VISIBLE_DEVICES": "7,GPU-x,2"}),
+    "h200_busy_cvd_empty": ("h200_busy", {"CUDA_VISIBLE_DEVICES": ""}),
+    "h200_hidden_procs": ("h200_hidden_procs", {}),
+    "mixed": ("mixed", {}),
+    "mixed_pci_bus_id": ("mixed", {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
+    "mixed_order_typo": ("mixed", {"CUDA_DEVICE_ORDER": "pci_bus_id"}),
+    "mixed_t4_a100": ("mixed_t4_a100", {}),
+    "mig_host": ("mig_host", {}),
+    "mig_host_one_mig": ("mig_host", {"CUDA_VISIBLE_DEVICES": "MIG-4c7db5d8"}),
+    "k8s_insufficient_permissions": ("k8s_insufficient_permissions", {}),
+    "gb10_unified_memory": ("gb10_unified_memory", {}),
+    "warning_line": ("warning_line", {}),
+    "two_domains": ("two_domains", {}),
+    "pci_order_mismatch": ("pci_order_mismatch", {}),
+    "driver_not_loaded": ("driver_not_loaded", {}),
+    "no_devices": ("no_devices", {}),
+}
+
+DOCTOR_CASES: dict[str, tuple[str, dict[str, str]]] = {
+    "h200_busy": ("h200_busy", {}),
+    "mixed_ranks": ("mixed", {"LOCAL_RANK": "3", "WORLD_SIZE": "2", "RANK": "1"}),
+    "mig_host": ("mig_host", {}),
+    "k8s_insufficient_permissions": ("k8s_insufficient_permissions", {}),
+    "driver_not_loaded": ("driver_not_loaded", {}),
+}
+
+
+def transcript(command: str, extra: dict[str, str], out: str, err: str, rc: int) -> str:
+    """One run as a golden file: the command line, stdout, stderr and the exit code."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
+    return f"$ {env + ' ' if env else ''}ckptfix {command}\n{out}--- stderr\n{err}--- exit code {rc}\n"
+
+
+def mask_machine(text: str) -> str:
+    """Replace what depends on the machine running the tests (doctor's python and torch facts)."""
+    text = re.sub(r"^python:  .*$", "python:  <masked: version (executable) on platform>", text, flags=re.M)
+    text = re.sub(r"^torch:   .*$", "torch:   <masked: version and build>", text, flags=re.M)
+    return re.sub(r"torch(==| )\d+\.\d+(\.\d+)?(\+\w+)?", r"torch\g<1><version>", text)
+
+
+def check(name: str, text: str) -> None:
+    path = GOLDEN / f"{name}.txt"
+    if UPDATE:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.exists(), f"no {path}: run CKPTFIX_UPDATE_GOLDEN=1 pytest {Path(__file__).name}"
+    assert text == path.read_text(), f"{name}: output differs from {path} (regenerate if intended)"
+
+
+def machine_env(tmp_path: Path, extra: dict[str, str]) -> dict[str, str]:
+    env = fake_smi_env(tmp_path)
+    for k in ("LD_LIBRARY_PATH", "NO_COLOR", "FORCE_COLOR", "TERM", "COLUMNS"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("case", sorted(GPUS_CASES))
+def test_gpus_text_is_golden(case: str, tmp_path: Path) -> None:
+    scenario, extra = GPUS_CASES[case]
+    r = run_cli("gpus", env=machine_env(tmp_path, extra), scenario=scenario)
+    assert r.torch_imported is False or r.rc != 0
+    check(f"gpus_{case}", transcript("gpus", extra, r.out, r.err, r.rc))
+
+
+@pytest.mark.parametrize("case", sorted(DOCTOR_CASES))
+def test_doctor_text_is_golden(case: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")  # without torch the report says so instead (test_notorch)
+    scenario, extra = DOCTOR_CASES[case]
+    r = run_cli("doctor", env=machine_env(tmp_path, extra), scenario=scenario)
+    check(f"doctor_{case}", mask_machine(transcript("doctor", extra, r.out, r.err, r.rc)))
+
+
+def test_every_golden_file_belongs_to_a_case() -> None:
+    names = {f"gpus_{c}.txt" for c in GPUS_CASES} | {f"doctor_{c}.txt" for c in DOCTOR_CASES}
+    assert {p.name for p in GOLDEN.glob("*.txt")} <= names
