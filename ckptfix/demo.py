@@ -298,7 +298,7 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
 
 
 def format_summary(res: DemoResult) -> str:
-    from ckptfix.cli._common import table
+    from ckptfix.text import table
 
     rows = [[r.checkpoint, r.problem if len(r.problem) <= 110 else r.problem[:107] + "...", r.fix,
              "yes" if r.verified else "NO"] for r in res.rows]

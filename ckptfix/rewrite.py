@@ -23,6 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ckptfix.progress import Progress, reporting
 from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
@@ -103,7 +104,7 @@ def _replace_at(obj: Any, path: tuple[str, ...], new: Any) -> Any:
 def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = None, in_place: bool = False,
                        backup: bool = True, force: bool = False, key: str | None = None,
                        map_location: str | None = None, fsync: bool | None = None,
-                       suffix: str = "fixed") -> RewriteReport:
+                       suffix: str = "fixed", progress: Progress | None = None) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
     Args:
@@ -119,10 +120,38 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         key: where the state dict sits (found automatically otherwise).
         map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
         fsync: flush to disk before the rename (default: on for ``in_place``).
+        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: the input is missing or unreadable.
+        KeyConflictError: the transform refused (a collision, an ambiguous rename).
+        NoTensorsError: the file holds no state dict.
+        OutputError: the output exists (without ``force``), is the input, or cannot be written.
+        UnsupportedError: TorchScript, or ``in_place`` on a sharded index.
+        VerificationError: the written file did not read back (nothing was replaced).
     """
+    with reporting(progress, _input_bytes(src)):
+        return _rewrite_checkpoint(src, transform, output=output, in_place=in_place, backup=backup, force=force,
+                                   key=key, map_location=map_location, fsync=fsync, suffix=suffix)
+
+
+def _input_bytes(src: str) -> int:
+    if os.path.isdir(src):
+        return sum(e.stat().st_size for e in os.scandir(src) if e.is_file())
+    if src.endswith(".json"):
+        return sum(e.stat().st_size for e in os.scandir(os.path.dirname(os.path.abspath(src))) if e.is_file())
+    try:
+        return os.path.getsize(src)
+    except OSError:
+        return 0
+
+
+def _rewrite_checkpoint(src: str, transform: Transform, *, output: str | None, in_place: bool, backup: bool,
+                        force: bool, key: str | None, map_location: str | None, fsync: bool | None,
+                        suffix: str) -> RewriteReport:
     from ckptfix.formats import sniff
 
     if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite

@@ -42,13 +42,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from ckptfix.progress import Progress, reporting
 from ckptfix.errors import ResourceLimitError, UnsupportedError
 from ckptfix.pickles import (STORAGE_DTYPES, StorageRecord, Stub, TensorRecord, classify_global, rebuilder_class,
                              stub_class)
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
 
-Progress = Callable[[int, int], None]
 
 #: numpy dtype code (kind + item size, as numpy pickles it) -> torch dtype name
 NUMPY_TO_TORCH: dict[str, str] = {
@@ -576,10 +576,17 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
         VerificationError: the written file names a global outside the allowlist or does not read
             back; nothing is replaced.
     """
+    src = os.fspath(src)
+    size = os.path.getsize(src) if os.path.isfile(src) else 0
+    with reporting(progress, size):
+        return _sanitize(src, dst, in_place=in_place, force=force, backup=backup)
+
+
+def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool,
+              backup: bool) -> SanitizeReport:
     from ckptfix.formats import read_checkpoint
     from ckptfix.rewrite import check_written, prepare_output, write_checkpoint_zip
 
-    src = os.fspath(src)
     cf = read_checkpoint(src)
     if cf.format == "safetensors":
         raise UnsupportedError(f"{src}: a safetensors file holds no pickle; it already loads without weights_only "
@@ -629,8 +636,5 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
     rep.backup = write_atomic(dst_path, write, check, fsync=fsync, backup_of=dst_path if in_place and backup else None)
     rep.verified = True
     rep.output = src if in_place else dst_path
-    if progress is not None:
-        total = sum(st.nbytes or 0 for st in cf.storages.values()) + sum(map(len, pl.new_storages.values()))
-        progress(total, total)
     return rep
 

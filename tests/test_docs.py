@@ -91,7 +91,9 @@ def test_readme_exit_codes_match_errors_py_or_link_to_the_generated_page():
         assert "docs/exit-codes.md" in readme
 
 
-@pytest.mark.parametrize("module", ["ckptfix.prefixes", "ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix._torch"])
+@pytest.mark.parametrize("module", ["ckptfix.prefixes", "ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix.gpu.parse",
+                                    "ckptfix.gpu.cvd", "ckptfix.gpu.order", "ckptfix.text", "ckptfix.progress",
+                                    "ckptfix._torch"])
 def test_doctests_of_the_pure_modules(module):
     res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert res.failed == 0

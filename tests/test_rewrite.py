@@ -686,8 +686,6 @@ def _py2_names_ckpt(path):
     torch.save({"state_dict": {"module.w": torch.zeros(2)}, "cfg": {"dtype": int, "kind": str}}, path)
 
 
-@pytest.mark.xfail(strict=False, reason="needs the protocol-2 name fix in ckptfix/pickles.py (branch sec); until "
-                                        "then the verification below refuses the write")
 def test_py2_builtin_names_written_loadable(tmp_path):
     src = tmp_path / "c.pt"
     _py2_names_ckpt(src)
@@ -763,3 +761,17 @@ def test_every_rewrite_is_checked_before_the_rename(tmp_path, cmd, monkeypatch):
     monkeypatch.setattr(rw, "write_checkpoint_zip", broken)
     assert main([*cmd, str(src), "--in-place"]) == 7
     assert src.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+def test_rewrite_reports_progress_up_to_the_input_size(tmp_path):
+    """strip-prefix copies tensor data chunk by chunk and says so through ``progress(done, total)``."""
+    src = tmp_path / "big.pt"
+    torch.save({"module.w": torch.zeros(3 << 20), "module.b": torch.ones(5)}, src)
+    calls = []
+    rep = rewrite_checkpoint(str(src), lambda sd: strip_prefix_report(sd, None), output=str(tmp_path / "o.pt"),
+                             progress=lambda d, t: calls.append((d, t)))
+    total = src.stat().st_size
+    assert calls and calls[-1] == (total, total)
+    assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
+    assert any(d < total for d, _ in calls)  # real steps, not only the final call
+    assert set(torch.load(rep.output, weights_only=True)) == {"w", "b"}

@@ -16,7 +16,8 @@ import click
 
 from ckptfix.text import human_bytes, table
 
-__all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table"]
+__all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table",
+           "ProgressBar"]
 
 
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,3 +80,42 @@ def error_line(msg: str) -> None:
     """The one ``Error: ...`` line on stderr, ``Error:`` in red on a colour terminal."""
     color = use_color(sys.stderr)
     click.echo(click.style("Error:", fg="red", bold=True) + " " + msg, err=True, color=color)
+
+
+#: operations on less data than this finish in about a second: no bar
+BAR_MIN_BYTES = 64 << 20
+
+
+class ProgressBar:
+    """A click progress bar on stderr, shown only on a terminal and only for sizeable work.
+
+    ``update(done, total)`` is a :data:`ckptfix.progress.Progress` callback; the bar is created
+    on the first update whose ``total`` reaches :data:`BAR_MIN_BYTES`.  Use as a context manager.
+    """
+
+    def __init__(self, label: str, *, enabled: bool = True) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+        self.bar: Any = None
+        self.pos = 0
+
+    def update(self, done: int, total: int) -> None:
+        if not self.enabled or total < BAR_MIN_BYTES:
+            return
+        if self.bar is None:
+            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_eta=True,
+                                         show_percent=True)
+            self.bar.__enter__()
+        self.bar.update(done - self.pos)
+        self.pos = done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

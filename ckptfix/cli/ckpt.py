@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckptfix.cli import cli
-from ckptfix.cli._common import emit_json, human_bytes, json_option
+from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
 
 
 def _fmt_counts(d: dict) -> str:
@@ -175,9 +175,10 @@ def strip_prefix_cmd(checkpoint, prefix, partial, output, in_place, no_backup, f
     from ckptfix.prefixes import strip_prefix_report
     from ckptfix.rewrite import rewrite_checkpoint
 
-    rep = rewrite_checkpoint(checkpoint, lambda sd: strip_prefix_report(sd, prefix, partial=partial), output=output,
-                             in_place=in_place, backup=not no_backup, force=force, key=key,
-                             map_location=map_location, suffix="stripped")
+    with ProgressBar("stripping", enabled=not as_json) as bar:
+        rep = rewrite_checkpoint(checkpoint, lambda sd: strip_prefix_report(sd, prefix, partial=partial),
+                                 output=output, in_place=in_place, backup=not no_backup, force=force, key=key,
+                                 map_location=map_location, suffix="stripped", progress=bar.update)
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -194,8 +195,9 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
         new = add_prefix(sd, prefix)
         return new, {"summary": f"added {prefix!r} to {len(new)} keys", "prefix": prefix, "keys": len(new)}
 
-    rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
-                             key=key, map_location=map_location, suffix="prefixed")
+    with ProgressBar("adding", enabled=not as_json) as bar:
+        rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
+                                 key=key, map_location=map_location, suffix="prefixed", progress=bar.update)
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -258,8 +260,9 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
             raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
         return new, report
 
-    rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
-                             key=key, map_location=map_location, suffix="aligned")
+    with ProgressBar("aligning", enabled=not as_json) as bar:
+        rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
+                                 key=key, map_location=map_location, suffix="aligned", progress=bar.update)
     r = holder["r"]
     if as_json:
         emit_json(rep.to_dict())
@@ -296,7 +299,9 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     from ckptfix.cli._common import info
     from ckptfix.sanitize import sanitize_checkpoint
 
-    rep = sanitize_checkpoint(checkpoint, output, in_place=in_place, force=force, backup=not no_backup)
+    with ProgressBar("sanitizing", enabled=not as_json) as bar:
+        rep = sanitize_checkpoint(checkpoint, output, in_place=in_place, force=force, backup=not no_backup,
+                                  progress=bar.update)
     if as_json:
         emit_json(rep.to_dict())
         return

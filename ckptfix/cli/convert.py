@@ -8,9 +8,8 @@ from typing import Any
 import click
 
 from ckptfix.cli import cli
-from ckptfix.cli._common import emit_json, human_bytes, info, json_option, warn
+from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
 
-_BAR_MIN_BYTES = 64 << 20
 
 
 @cli.command("convert")
@@ -60,7 +59,7 @@ def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
 
-    bar = _Bar(enabled=not quiet and not as_json and sys.stderr.isatty())
+    bar = ProgressBar("converting", enabled=not quiet and not as_json)
     kw: dict[str, Any] = dict(verify=not no_verify, force=force, fsync=fsync, progress=bar.update)
     if strip:
         kw["strip_prefix"] = True
@@ -123,27 +122,3 @@ def _summary(r: Any) -> None:
     if r.skipped:
         warn(f"{len(r.skipped)} non-tensor entr(y/ies) not representable in metadata: "
              + ", ".join(list(r.skipped)[:5]) + (" ..." if len(r.skipped) > 5 else ""))
-
-
-class _Bar:
-    """A click progress bar on stderr, created on the first sizeable update."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bar: Any = None
-        self.pos = 0
-
-    def update(self, done: int, total: int) -> None:
-        if not self.enabled or total < _BAR_MIN_BYTES:
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label="converting", file=sys.stderr,
-                                         show_eta=True, show_percent=True)
-            self.bar.__enter__()
-        self.bar.update(done - self.pos)
-        self.pos = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats import CheckpointFile
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
+from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
 ALIGN = 64
@@ -491,7 +492,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, 
     checksum = 0
     while remaining > 0:
         if fast:
-            step = min(remaining, (FOLIO - so % FOLIO) if so % FOLIO else 1 << 30)
+            step = min(remaining, (FOLIO - so % FOLIO) if so % FOLIO else 1 << 26)  # 64 MiB: progress steps
             try:
                 n = os.copy_file_range(src_fd, dst_fd, step, so, do)
             except OSError as e:
@@ -515,6 +516,7 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, 
         so += n
         do += n
         remaining -= n
+        advance(n)
     return checksum & 0xFFFFFFFF
 
 
