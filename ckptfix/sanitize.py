@@ -359,7 +359,7 @@ class Plainer:
         numel = 1
         for s in shape:
             numel *= s
-        if isinstance(raw, list):  # object array: the elements themselves, C order
+        if isinstance(raw, list) and len(raw) == numel:  # object array: the elements themselves, C order
             self._note(path, f"numpy.ndarray object {list(shape)}", "list")
             return _nest([self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(raw)], shape)
         if not isinstance(raw, (bytes, bytearray)) or code is None:

@@ -281,3 +281,22 @@ def test_legacy_file_already_safe_is_left_alone(tmp_path):
     rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
     assert not rep.changed and not (tmp_path / "o.pt").exists()
     torch.load(tmp_path / "m.pt", weights_only=True)
+
+
+def test_object_array_with_a_lying_shape_is_bounded(tmp_path):
+    """A few bytes declaring a (10**8, 2) object array holding two elements must not build 10**8 lists."""
+    import pickle
+
+    rd = np.zeros(1).__reduce__()
+
+    class Fake:
+        def __reduce__(self):
+            return (rd[0], rd[1], (1, (10**8, 2), np.dtype(object), False, [1, 2]))
+
+    pl = Plainer(arrays="tensor")
+    from ckptfix.pickles import loads_records
+
+    obj, _ = loads_records(pickle.dumps({"a": Fake()}, protocol=2))
+    out = pl.convert(obj)
+    assert not isinstance(out["a"], list) or len(out["a"]) <= 2
+
