@@ -251,6 +251,10 @@ class Plainer:
             return v
         if module in _NUMPY_MODULES and attr == "_reconstruct":
             return self._ndarray(v, path, depth)
+        if module in ("numpy._core.numeric", "numpy.core.numeric") and attr == "_frombuffer" \
+                and len(v._args) == 4 and isinstance(v._args[2], tuple):  # protocol 5: (buffer, dtype, shape, order)
+            buf, dt, shape, order = v._args
+            return self._ndarray(v, path, depth, state=(1, shape, dt, order == "F", buf))
         if module in _NUMPY_MODULES and attr == "scalar":
             return self._np_scalar(v, path, depth)
         if name == "numpy.dtype":
@@ -348,8 +352,8 @@ class Plainer:
                 return s[0]
         return self._generic(v, "numpy.generic", path, depth)
 
-    def _ndarray(self, v: Stub, path: str, depth: int) -> Any:
-        st = v._state
+    def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
+        st = v._state if state is None else state
         if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st

@@ -283,6 +283,19 @@ def test_legacy_file_already_safe_is_left_alone(tmp_path):
     torch.load(tmp_path / "m.pt", weights_only=True)
 
 
+def test_protocol5_numpy_arrays_become_tensors(tmp_path):
+    """numpy pickles arrays as ``numpy._core.numeric._frombuffer(buf, dtype, shape, order)`` under protocol 5."""
+    p = tmp_path / "p5.pt"
+    arrays = {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "f": np.asfortranarray(np.arange(6.).reshape(2, 3)),
+              "b": np.arange(4, dtype=">f4")}
+    torch.save({"w": torch.ones(2), **arrays}, p, pickle_protocol=5)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    for k, a in arrays.items():
+        assert isinstance(got[k], torch.Tensor), (k, got[k])
+        assert torch.equal(got[k], torch.from_numpy(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("=")))), k
+
+
 def test_object_array_with_a_lying_shape_is_bounded(tmp_path):
     """A few bytes declaring a (10**8, 2) object array holding two elements must not build 10**8 lists."""
     import pickle
