@@ -357,6 +357,8 @@ class Plainer:
         if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
+        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:
+            raw = b""  # protocol 2 spells an empty array's data as the call bytes()
         shape = tuple(int(s) for s in shape)
         code = _dtype_code(dt)
         order = _byteorder(dt)

@@ -313,3 +313,12 @@ def test_object_array_with_a_lying_shape_is_bounded(tmp_path):
     out = pl.convert(obj)
     assert not isinstance(out["a"], list) or len(out["a"]) <= 2
 
+
+def test_empty_numpy_arrays_become_empty_tensors(tmp_path):
+    """Protocol 2 pickles an empty array's data as ``bytes()`` (a call, not a bytes literal)."""
+    p = tmp_path / "z.pt"
+    torch.save({"w": torch.ones(2), "a": np.zeros(0), "b": np.zeros((0, 3), dtype=np.float32)}, p)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    assert got["a"].shape == (0,) and got["a"].dtype == torch.float64
+    assert got["b"].shape == (0, 3) and got["b"].dtype == torch.float32
