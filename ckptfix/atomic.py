@@ -103,7 +103,7 @@ def atomic_output(path: str, *, fsync: bool = False,
 def free_backup_name(path: str) -> str:
     cand = path + ".bak"
     i = 1
-    while os.path.exists(cand):
+    while os.path.lexists(cand):
         cand = f"{path}.bak{i}"
         i += 1
     return cand

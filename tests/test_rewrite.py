@@ -763,3 +763,18 @@ def test_every_rewrite_is_checked_before_the_rename(tmp_path, cmd, monkeypatch):
     monkeypatch.setattr(rw, "write_checkpoint_zip", broken)
     assert main([*cmd, str(src), "--in-place"]) == 7
     assert src.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+def test_backup_never_written_through_a_dangling_symlink(tmp_path):
+    """A ``CKPT.bak`` symlink to a missing file must not make --in-place create that file elsewhere."""
+    from ckptfix.atomic import make_backup
+
+    src = tmp_path / "c.pt"
+    src.write_bytes(b"x" * 10)
+    elsewhere = tmp_path / "elsewhere" / "planted"
+    elsewhere.parent.mkdir()
+    os.symlink(elsewhere, str(src) + ".bak")
+    bak = make_backup(str(src))
+    assert not elsewhere.exists()
+    assert bak != str(src) + ".bak" and Path(bak).read_bytes() == b"x" * 10
+    assert os.path.islink(str(src) + ".bak")
