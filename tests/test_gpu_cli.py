@@ -477,6 +477,13 @@ def test_pick_gpu_command_not_found(fake_env):
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
 
 
+def test_pick_gpu_empty_command_is_not_found(fake_env):
+    """``pick-gpu -- ""`` (an unset variable in a script): exit 127 with one line, not an internal error."""
+    r = ckptfix(fake_env, "pick-gpu", "--", "", scenario="two_free")
+    assert r.rc == 127 and "command not found" in r.err and "internal error" not in r.err, r
+
+
+
 SIGNAL_COUNTER = (
     "import os, pathlib, signal, sys, time\n"
     "n = 0\n"

@@ -381,8 +381,8 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
     sys.stderr.flush()
     try:
         os.execvp(command[0], list(command))
-    except FileNotFoundError:
-        click.echo(f"Error: command not found: {command[0]} (check the name and PATH)", err=True)
+    except (FileNotFoundError, ValueError):  # ValueError: an empty name (`-- ""`, an unset variable)
+        click.echo(f"Error: command not found: {shlex.quote(command[0])} (check the name and PATH)", err=True)
         return 127
     except OSError as e:
         click.echo(f"Error: command cannot be executed: {command[0]} ({e.strerror or e})", err=True)
