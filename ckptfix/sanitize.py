@@ -158,7 +158,7 @@ class Plainer:
         """
         if v is None or isinstance(v, (bool, int, float, str, bytes, bytearray, complex)):
             return v
-        if isinstance(v, (TensorRecord, StorageRecord)):
+        if isinstance(v, StorageRecord) or (isinstance(v, TensorRecord) and _subclass_of(v) is None):
             return v
         if depth > _MAX_DEPTH:
             raise ResourceLimitError(f"the checkpoint nests objects more than {_MAX_DEPTH} levels deep at {path}; "
@@ -172,6 +172,12 @@ class Plainer:
         return out
 
     def _convert(self, v: Any, path: str, depth: int) -> Any:
+        sub = _subclass_of(v) if isinstance(v, TensorRecord) else None
+        if sub is not None:  # the tensor its rebuild_from_type_v2 call wraps, without the user class
+            self._note(path, f"tensor subclass {_stub_name(sub)}", "tensor")
+            func, _, args, _ = v.reduce_args
+            return TensorRecord(v.storage, v.offset, v.shape, v.stride, v.dtype, v.requires_grad, "dense",
+                                v.parameter, func, tuple(args))
         if isinstance(v, type):
             if issubclass(v, Stub):
                 name = f"{v._ckpt_module}.{v._ckpt_name}"
@@ -400,6 +406,15 @@ class Plainer:
 
 
 _LOSSY = object()
+
+
+def _subclass_of(t: TensorRecord) -> type | None:
+    """The placeholder of the user tensor subclass ``t`` is rebuilt as (outside the allowlist), else None."""
+    fn, a = t.reduce_func, t.reduce_args
+    if not (isinstance(fn, type) and issubclass(fn, Stub) and fn._ckpt_name == "_rebuild_from_type_v2"
+            and len(a) == 4 and isinstance(a[1], type) and issubclass(a[1], Stub) and isinstance(a[2], tuple)):
+        return None
+    return None if classify_global(f"{a[1]._ckpt_module}.{a[1]._ckpt_name}") == "safe" else a[1]
 
 
 def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False,

@@ -322,3 +322,20 @@ def test_empty_numpy_arrays_become_empty_tensors(tmp_path):
     got = torch.load(rep.output, weights_only=True)
     assert got["a"].shape == (0,) and got["a"].dtype == torch.float64
     assert got["b"].shape == (0, 3) and got["b"].dtype == torch.float32
+
+
+class _MySubclass(torch.Tensor):
+    pass
+
+
+def test_tensor_subclass_becomes_a_plain_tensor(tmp_path):
+    """A tensor subclass (``torch._tensor._rebuild_from_type_v2`` naming a user class) is outside the allowlist:
+    sanitize writes the plain tensor, same values and sharing, and lists the change."""
+    p = tmp_path / "sub.pt"
+    t = torch.arange(6.).as_subclass(_MySubclass)
+    torch.save({"t": t, "again": t, "w": torch.ones(2)}, p)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], torch.arange(6.))
+    assert got["again"] is got["t"]
+    assert any(c.path == "t" and "_MySubclass" in c.was and c.now == "tensor" for c in rep.changes)
