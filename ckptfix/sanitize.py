@@ -154,8 +154,17 @@ class Plainer:
             Weights-only-safe data; every replacement is recorded in :attr:`changes`.
 
         Raises:
-            ResourceLimitError: nesting deeper than 400 levels.
+            ResourceLimitError: nesting deeper than 400 levels (or than Python's recursion limit allows).
         """
+        if depth == 0:
+            try:
+                return self._convert_memo(v, path, depth)
+            except RecursionError:
+                raise ResourceLimitError(f"the checkpoint nests objects too deeply{' at ' + path if path else ''} to "
+                                         "convert them; flatten it in Python and save it again") from None
+        return self._convert_memo(v, path, depth)
+
+    def _convert_memo(self, v: Any, path: str, depth: int) -> Any:
         if v is None or isinstance(v, (bool, int, float, str, bytes, bytearray, complex)):
             return v
         if isinstance(v, StorageRecord) or (isinstance(v, TensorRecord) and _subclass_of(v) is None):

@@ -339,3 +339,22 @@ def test_tensor_subclass_becomes_a_plain_tensor(tmp_path):
     assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], torch.arange(6.))
     assert got["again"] is got["t"]
     assert any(c.path == "t" and "_MySubclass" in c.was and c.now == "tensor" for c in rep.changes)
+
+
+@pytest.mark.parametrize("depth", [390, 1000])
+def test_deep_nesting_is_a_one_line_error_not_a_crash(tmp_path, depth):
+    """Nesting that torch.load reads (a class reference 390 or 1000 lists deep) must not end in an internal
+    RecursionError: sanitize writes it or says it is too deep (ResourceLimitError, exit 12)."""
+    nested: list = [int]
+    for _ in range(depth):
+        nested = [nested]
+    p = tmp_path / "deep.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        torch.save({"w": torch.ones(1), "deep": nested}, p)
+    finally:
+        sys.setrecursionlimit(limit)
+    r = run_cli("sanitize", str(p))
+    if r.returncode != 0:
+        assert_one_line_error(r, 12)
