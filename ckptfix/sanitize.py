@@ -578,6 +578,36 @@ class SanitizeReport:
         return d
 
 
+#: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
+#: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
+_WEIGHTS_ONLY_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST",
+    "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
+    "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1"})
+
+
+def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
+    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some)."""
+    import pickletools
+    import zipfile
+
+    bad: set[str] = set()
+    try:
+        if fmt == "torch-zip":
+            with zipfile.ZipFile(src) as zf:
+                name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                if name is not None:
+                    bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
+        else:  # legacy: magic, protocol, sys info, the object, the storage keys
+            with open(src, "rb") as f:
+                for _ in range(5):
+                    bad.update(op.name for op, _, _ in pickletools.genops(f))
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return []  # the reader accepted it; leave the verdict to the globals
+    return sorted(bad - _WEIGHTS_ONLY_OPCODES)
+
+
 def _unsafe_globals(names: Iterable[str]) -> list[str]:
     return sorted(g for g in names if classify_global(g) != "safe")
 
@@ -625,9 +655,13 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
     from ckptfix.formats import iter_tensors
 
     rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
-    if not before:  # torch.load(weights_only=True) reads legacy files too
+    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
+    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
         rep.notes.append("nothing to change; no file written")
         return rep
+    if bad_ops:
+        rep.notes.append(f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
+                         "pickle protocol 3 or newer); written at protocol 2")
     used = set(cf.storages)
     counter = [len(used)]
 

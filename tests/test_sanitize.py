@@ -358,3 +358,19 @@ def test_deep_nesting_is_a_one_line_error_not_a_crash(tmp_path, depth):
     r = run_cli("sanitize", str(p))
     if r.returncode != 0:
         assert_one_line_error(r, 12)
+
+
+@pytest.mark.parametrize("proto", [3, 4, 5])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_protocol_3_plus_pickles_are_rewritten(tmp_path, proto, legacy):
+    """torch's weights-only unpickler reads protocol-2 opcodes only (no FRAME, SHORT_BINUNICODE, BINBYTES ...):
+    a file whose globals are all allowed but which torch.save wrote with pickle_protocol>=3 still fails
+    ``torch.load(weights_only=True)``, so sanitize must not call it already loadable."""
+    p = tmp_path / "p.pt"
+    torch.save({"w": torch.arange(3.), "b": b"xy", "s": {1, 2}, "name": "x"}, p, pickle_protocol=proto,
+               _use_new_zipfile_serialization=not legacy)
+    assert _wo_fails(p)
+    rep = sanitize_checkpoint(p)
+    assert rep.output is not None
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["w"], torch.arange(3.)) and got["b"] == b"xy" and got["s"] == {1, 2}
