@@ -588,7 +588,10 @@ _WEIGHTS_ONLY_OPCODES = frozenset({
 
 
 def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
-    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some)."""
+    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
+
+    A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
+    """
     import pickletools
     import zipfile
 
@@ -598,9 +601,15 @@ def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
             with zipfile.ZipFile(src) as zf:
                 name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
                 if name is not None:
+                    with zf.open(name) as f:
+                        if f.read(2) == b"\x80\x02":
+                            return []
                     bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
         else:  # legacy: magic, protocol, sys info, the object, the storage keys
             with open(src, "rb") as f:
+                if f.read(2) == b"\x80\x02":
+                    return []
+                f.seek(0)
                 for _ in range(5):
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
     except (OSError, ValueError, zipfile.BadZipFile):
