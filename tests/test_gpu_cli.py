@@ -483,6 +483,16 @@ def test_pick_gpu_empty_command_is_not_found(fake_env):
     assert r.rc == 127 and "command not found" in r.err and "internal error" not in r.err, r
 
 
+def test_pick_gpu_inside_a_pick_gpu_command_gets_the_commands_gpu(fake_env):
+    """`ckptfix pick-gpu -- python train.py` with a train.py that calls pick_gpu() itself: the command holds the
+    lease (inherited lock, same PID after exec); its own pick_gpu() must get that GPU, not NoGpuFitsError."""
+    code = "from ckptfix.gpu import pick_gpu; print('child', pick_gpu().ids[0])"
+    r = ckptfix(fake_env, "pick-gpu", "--", sys.executable, "-c", code, scenario="two_free")
+    assert r.rc == 0, r
+    assert r.out.strip().startswith("child GPU-"), r
+
+
+
 
 SIGNAL_COUNTER = (
     "import os, pathlib, signal, sys, time\n"

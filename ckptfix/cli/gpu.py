@@ -322,6 +322,9 @@ def _pick(
             if by_index or not w.startswith("GPUs are different models"):
                 warn(w)
     if command:
+        from ckptfix.gpu.pick import LEASES_HELD_ENV
+
+        env = dict(env, **{LEASES_HELD_ENV: ",".join(le.key for le in result.leases)})
         return _exec_with(command, env, [le.fd for le in result.leases if le.fd is not None])
     if result.leases and lease_seconds:
         until = time.strftime("%H:%M:%S", time.localtime(result.leases[0].expires or time.time()))

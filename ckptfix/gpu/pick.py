@@ -219,6 +219,8 @@ def rank_gpus(
 # ----------------------------------------------------------------------------- leases
 
 LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
+#: set by ``pick-gpu -- COMMAND``: the GPU ids whose lease COMMAND (and its children) hold through the inherited lock
+LEASES_HELD_ENV = "CKPTFIX_LEASES_HELD"
 _LEASE_SCHEMA = "ckptfix.lease/1"
 
 
@@ -653,6 +655,9 @@ def choose_and_lease(
             got.append((r, mine))
             continue
         lease, holder = try_lease(directory, r.gpu.id, lease_seconds, token=token)
+        if lease is None and holder.endswith("(running)") and r.gpu.id in os.environ.get(LEASES_HELD_ENV, "").split(","):
+            got.append((r, None))  # pick-gpu -- COMMAND leased it for this very command
+            continue
         if lease is None:
             if holder.startswith("this process, "):  # e.g. a Lease the caller took with try_lease()
                 rejected.append(Rejected(r.gpu, f"already leased by this process ({holder[14:]})"))
