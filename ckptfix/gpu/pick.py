@@ -399,7 +399,7 @@ def _describe(info: dict[str, Any] | None) -> str:
     if info is None:
         return "a file that is not a ckptfix lease"
     who = f"pid {info.get('pid', '?')}"
-    if info.get("pid") == os.getpid():
+    if _is_this_process(info):
         who = f"this process, {who}"
     if info.get("host"):
         who += f" on {info['host']}"
