@@ -129,6 +129,7 @@ class Plainer:
         self.storage_key = storage_key
         self.max_list = max_list
         self.changes: list[Change] = []
+        self.byteorder = "little"  # of the archive the new storages go into (its ``byteorder`` record)
         self.new_storages: dict[str, bytes] = {}
         self.lossy: dict[str, str] = {}
         self._memo: dict[int, Any] = {}
@@ -406,7 +407,7 @@ class Plainer:
                 return _LOSSY
             self._note(path, f"numpy.ndarray {dtype} {list(shape)}", "list")
             return _nest(_c_order(vals, shape, fortran), shape)
-        if order == ">" and int(code[1:]) > 1:
+        if order != (">" if self.byteorder == "big" else "<") and int(code[1:]) > 1:  # the archive's byte order
             raw = _swap(raw, int(code[1:]) // (2 if code[0] == "c" else 1))
         key = self.storage_key() if self.storage_key else f"np{len(self.new_storages)}"
         self.new_storages[key] = raw
@@ -681,6 +682,8 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
         return str(counter[0])
 
     pl = Plainer(arrays="tensor", storage_key=new_key)
+    if cf.format == "torch-zip" and isinstance(cf.extra, dict) and cf.extra.get("byteorder") == "big":
+        pl.byteorder = "big"
     obj = pl.convert(cf.obj)
     rep.changes = pl.changes
     rep.new_tensors = len(pl.new_storages)

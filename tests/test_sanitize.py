@@ -374,3 +374,27 @@ def test_protocol_3_plus_pickles_are_rewritten(tmp_path, proto, legacy):
     assert rep.output is not None
     got = torch.load(rep.output, weights_only=True)
     assert torch.equal(got["w"], torch.arange(3.)) and got["b"] == b"xy" and got["s"] == {1, 2}
+
+
+def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
+    """An archive whose ``byteorder`` record says big (saved on s390x): torch byte-swaps every storage on load,
+    so the tensors made from numpy arrays must be written big-endian too."""
+    import zipfile
+
+    src = tmp_path / "le.pt"
+    torch.save({"w": torch.arange(4.), "a": np.arange(3.), "b": np.arange(2, dtype=">i4")}, src)
+    big = tmp_path / "be.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(big, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                data = np.frombuffer(data, dtype="<f4").astype(">f4").tobytes()  # w's storage
+            zout.writestr(info, data)
+    assert torch.equal(torch.load(big, weights_only=False)["w"], torch.arange(4.))
+    rep = sanitize_checkpoint(big)
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["w"], torch.arange(4.))
+    assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
+    assert torch.equal(got["b"], torch.arange(2, dtype=torch.int32))
