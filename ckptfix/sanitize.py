@@ -17,6 +17,7 @@ numpy scalar / ``numpy.dtype``              Python number / dtype name (``"float
 omegaconf ``DictConfig`` / ``ListConfig``   ``dict`` / ``list`` (interpolations kept as strings)
 Lightning ``AttributeDict``, ``defaultdict``  ``dict`` (a ``deque``: ``list``)
 ``frozenset`` / ``range``, ``slice``        ``set`` / ``{"__class__": "builtins.range", ...}``
+a user tensor subclass                      the plain tensor it wraps (same storage)
 any other instance                          ``dict`` of its state plus ``"__class__": "module.Name"``
 a class or function reference               its name as a string (``"builtins.int"``)
 ==========================================  ===============================================
@@ -25,7 +26,9 @@ Tensors and storage sharing are unchanged: the pickle (``data.pkl``) is
 rewritten and every storage record is copied by byte range into a new zip
 archive (a legacy input becomes a zip).  The reading side is the same
 restricted reader as everywhere in ckptfix: nothing from the file runs, and
-torch is not imported.  Before the output is renamed into place it is read
+torch is not imported.  A file whose globals are all allowed is still rewritten
+when its pickle uses opcodes torch's weights-only unpickler cannot read
+(``pickle_protocol`` 3 or newer); the output is always protocol 2.  Before the output is renamed into place it is read
 back and must name only globals in torch's weights-only allowlist
 (:func:`ckptfix.rewrite.check_written`).
 
