@@ -373,7 +373,8 @@ class Plainer:
 
     def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
         st = v._state if state is None else state
-        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)):
+        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in st[1])):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
         if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:

@@ -398,3 +398,19 @@ def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
     assert torch.equal(got["w"], torch.arange(4.))
     assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
     assert torch.equal(got["b"], torch.arange(2, dtype=torch.int32))
+
+
+def test_an_array_with_a_non_integer_shape_is_not_a_crash(tmp_path):
+    import pickle
+
+    from ckptfix.pickles import loads_records
+
+    rd = np.zeros(1).__reduce__()
+
+    class Fake:
+        def __reduce__(self):
+            return (rd[0], rd[1], (1, ("x",), np.dtype("f8"), False, b"\0" * 8))
+
+    obj, _ = loads_records(pickle.dumps({"a": Fake()}, protocol=2))
+    out = Plainer(arrays="tensor").convert(obj)
+    assert isinstance(out["a"], dict)
