@@ -677,6 +677,9 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
         rep.notes.append(f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
                          "pickle protocol 3 or newer); written at protocol 2")
     used = set(cf.storages)
+    if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
+        data_dir = f"{cf.extra.get('root', '')}data/"
+        used.update(n[len(data_dir):] for n in cf.extra.get("members", {}) if n.startswith(data_dir))
     counter = [len(used)]
 
     def new_key() -> str:  # the next free integer, as torch numbers its storages

@@ -400,6 +400,27 @@ def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
     assert torch.equal(got["b"], torch.arange(2, dtype=torch.int32))
 
 
+def test_new_storages_never_reuse_the_name_of_an_unreferenced_member(tmp_path):
+    """An archive may hold a storage member nothing references (edited by another tool); a numpy array's new
+    storage must not be given that name: the zip would hold the name twice and torch would read the old bytes."""
+    import zipfile
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2), "a": np.arange(3.)}, src)
+    orphan = tmp_path / "orphan.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(orphan, "w", zipfile.ZIP_STORED) as zout:
+        root = zin.namelist()[0].split("/")[0]
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info))
+        zout.writestr(f"{root}/data/1", b"\xff" * 24)  # what storage 1 would be, but nothing refers to it
+    rep = sanitize_checkpoint(orphan)
+    with zipfile.ZipFile(rep.output) as z:
+        names = z.namelist()
+    assert len(names) == len(set(names))
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
+
+
 def test_an_array_with_a_non_integer_shape_is_not_a_crash(tmp_path):
     import pickle
 
