@@ -180,6 +180,8 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(cf.format)
     gl = {g: classify_global(g, ctx) for g in sorted(cf.globals_seen)}
     bad = [g for g, c in gl.items() if c != "safe"]
+    from ckptfix.sanitize import _opcodes_weights_only_cannot_read
+
     if cf.format in ("safetensors",):
         wo_ok, why = True, "safetensors holds no pickle"
     elif cf.format == "torchscript":
@@ -189,6 +191,9 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     elif bad:
         wo_ok, why = False, f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5
                                                                                               else "")
+    elif cf.format in ("torch-zip", "torch-legacy") and (ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)):
+        wo_ok, why = False, (f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
+                             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it")
     else:
         wo_ok, why = True, "only globals torch's weights-only unpickler allows"
     notes = list(cf.notes)

@@ -17,6 +17,7 @@ numpy scalar / ``numpy.dtype``              Python number / dtype name (``"float
 omegaconf ``DictConfig`` / ``ListConfig``   ``dict`` / ``list`` (interpolations kept as strings)
 Lightning ``AttributeDict``, ``defaultdict``  ``dict`` (a ``deque``: ``list``)
 ``frozenset`` / ``range``, ``slice``        ``set`` / ``{"__class__": "builtins.range", ...}``
+a user tensor subclass                      the plain tensor it wraps (same storage)
 any other instance                          ``dict`` of its state plus ``"__class__": "module.Name"``
 a class or function reference               its name as a string (``"builtins.int"``)
 ==========================================  ===============================================
@@ -25,7 +26,9 @@ Tensors and storage sharing are unchanged: the pickle (``data.pkl``) is
 rewritten and every storage record is copied by byte range into a new zip
 archive (a legacy input becomes a zip).  The reading side is the same
 restricted reader as everywhere in ckptfix: nothing from the file runs, and
-torch is not imported.  Before the output is renamed into place it is read
+torch is not imported.  A file whose globals are all allowed is still rewritten
+when its pickle uses opcodes torch's weights-only unpickler cannot read
+(``pickle_protocol`` 3 or newer); the output is always protocol 2.  Before the output is renamed into place it is read
 back and must name only globals in torch's weights-only allowlist
 (:func:`ckptfix.rewrite.check_written`).
 
@@ -129,6 +132,7 @@ class Plainer:
         self.storage_key = storage_key
         self.max_list = max_list
         self.changes: list[Change] = []
+        self.byteorder = "little"  # of the archive the new storages go into (its ``byteorder`` record)
         self.new_storages: dict[str, bytes] = {}
         self.lossy: dict[str, str] = {}
         self._memo: dict[int, Any] = {}
@@ -154,11 +158,20 @@ class Plainer:
             Weights-only-safe data; every replacement is recorded in :attr:`changes`.
 
         Raises:
-            ResourceLimitError: nesting deeper than 400 levels.
+            ResourceLimitError: nesting deeper than 400 levels (or than Python's recursion limit allows).
         """
+        if depth == 0:
+            try:
+                return self._convert_memo(v, path, depth)
+            except RecursionError:
+                raise ResourceLimitError(f"the checkpoint nests objects too deeply{' at ' + path if path else ''} to "
+                                         "convert them; flatten it in Python and save it again") from None
+        return self._convert_memo(v, path, depth)
+
+    def _convert_memo(self, v: Any, path: str, depth: int) -> Any:
         if v is None or isinstance(v, (bool, int, float, str, bytes, bytearray, complex)):
             return v
-        if isinstance(v, (TensorRecord, StorageRecord)):
+        if isinstance(v, StorageRecord) or (isinstance(v, TensorRecord) and _subclass_of(v) is None):
             return v
         if depth > _MAX_DEPTH:
             raise ResourceLimitError(f"the checkpoint nests objects more than {_MAX_DEPTH} levels deep at {path}; "
@@ -172,6 +185,12 @@ class Plainer:
         return out
 
     def _convert(self, v: Any, path: str, depth: int) -> Any:
+        sub = _subclass_of(v) if isinstance(v, TensorRecord) else None
+        if sub is not None:  # the tensor its rebuild_from_type_v2 call wraps, without the user class
+            self._note(path, f"tensor subclass {_stub_name(sub)}", "tensor")
+            func, _, args, _ = v.reduce_args
+            return TensorRecord(v.storage, v.offset, v.shape, v.stride, v.dtype, v.requires_grad, "dense",
+                                v.parameter, func, tuple(args))
         if isinstance(v, type):
             if issubclass(v, Stub):
                 name = f"{v._ckpt_module}.{v._ckpt_name}"
@@ -251,6 +270,10 @@ class Plainer:
             return v
         if module in _NUMPY_MODULES and attr == "_reconstruct":
             return self._ndarray(v, path, depth)
+        if module in ("numpy._core.numeric", "numpy.core.numeric") and attr == "_frombuffer" \
+                and len(v._args) == 4 and isinstance(v._args[2], tuple):  # protocol 5: (buffer, dtype, shape, order)
+            buf, dt, shape, order = v._args
+            return self._ndarray(v, path, depth, state=(1, shape, dt, order == "F", buf))
         if module in _NUMPY_MODULES and attr == "scalar":
             return self._np_scalar(v, path, depth)
         if name == "numpy.dtype":
@@ -348,18 +371,21 @@ class Plainer:
                 return s[0]
         return self._generic(v, "numpy.generic", path, depth)
 
-    def _ndarray(self, v: Stub, path: str, depth: int) -> Any:
-        st = v._state
-        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)):
+    def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
+        st = v._state if state is None else state
+        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in st[1])):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
+        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:
+            raw = b""  # protocol 2 spells an empty array's data as the call bytes()
         shape = tuple(int(s) for s in shape)
         code = _dtype_code(dt)
         order = _byteorder(dt)
         numel = 1
         for s in shape:
             numel *= s
-        if isinstance(raw, list):  # object array: the elements themselves, C order
+        if isinstance(raw, list) and len(raw) == numel:  # object array: the elements themselves, C order
             self._note(path, f"numpy.ndarray object {list(shape)}", "list")
             return _nest([self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(raw)], shape)
         if not isinstance(raw, (bytes, bytearray)) or code is None:
@@ -385,7 +411,7 @@ class Plainer:
                 return _LOSSY
             self._note(path, f"numpy.ndarray {dtype} {list(shape)}", "list")
             return _nest(_c_order(vals, shape, fortran), shape)
-        if order == ">" and int(code[1:]) > 1:
+        if order != (">" if self.byteorder == "big" else "<") and int(code[1:]) > 1:  # the archive's byte order
             raw = _swap(raw, int(code[1:]) // (2 if code[0] == "c" else 1))
         key = self.storage_key() if self.storage_key else f"np{len(self.new_storages)}"
         self.new_storages[key] = raw
@@ -394,6 +420,15 @@ class Plainer:
 
 
 _LOSSY = object()
+
+
+def _subclass_of(t: TensorRecord) -> type | None:
+    """The placeholder of the user tensor subclass ``t`` is rebuilt as (outside the allowlist), else None."""
+    fn, a = t.reduce_func, t.reduce_args
+    if not (isinstance(fn, type) and issubclass(fn, Stub) and fn._ckpt_name == "_rebuild_from_type_v2"
+            and len(a) == 4 and isinstance(a[1], type) and issubclass(a[1], Stub) and isinstance(a[2], tuple)):
+        return None
+    return None if classify_global(f"{a[1]._ckpt_module}.{a[1]._ckpt_name}") == "safe" else a[1]
 
 
 def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False,
@@ -548,6 +583,45 @@ class SanitizeReport:
         return d
 
 
+#: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
+#: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
+_WEIGHTS_ONLY_OPCODES = frozenset({
+    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST",
+    "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
+    "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1"})
+
+
+def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
+    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
+
+    A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
+    """
+    import pickletools
+    import zipfile
+
+    bad: set[str] = set()
+    try:
+        if fmt == "torch-zip":
+            with zipfile.ZipFile(src) as zf:
+                name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+                if name is not None:
+                    with zf.open(name) as f:
+                        if f.read(2) == b"\x80\x02":
+                            return []
+                    bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
+        else:  # legacy: magic, protocol, sys info, the object, the storage keys
+            with open(src, "rb") as f:
+                if f.read(2) == b"\x80\x02":
+                    return []
+                f.seek(0)
+                for _ in range(5):
+                    bad.update(op.name for op, _, _ in pickletools.genops(f))
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return []  # the reader accepted it; leave the verdict to the globals
+    return sorted(bad - _WEIGHTS_ONLY_OPCODES)
+
+
 def _unsafe_globals(names: Iterable[str]) -> list[str]:
     return sorted(g for g in names if classify_global(g) != "safe")
 
@@ -602,10 +676,17 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
     from ckptfix.formats import iter_tensors
 
     rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
-    if not before:  # torch.load(weights_only=True) reads legacy files too
+    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
+    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
         rep.notes.append("nothing to change; no file written")
         return rep
+    if bad_ops:
+        rep.notes.append(f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
+                         "pickle protocol 3 or newer); written at protocol 2")
     used = set(cf.storages)
+    if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
+        data_dir = f"{cf.extra.get('root', '')}data/"
+        used.update(n[len(data_dir):] for n in cf.extra.get("members", {}) if n.startswith(data_dir))
     counter = [len(used)]
 
     def new_key() -> str:  # the next free integer, as torch numbers its storages
@@ -615,6 +696,8 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         return str(counter[0])
 
     pl = Plainer(arrays="tensor", storage_key=new_key)
+    if cf.format == "torch-zip" and isinstance(cf.extra, dict) and cf.extra.get("byteorder") == "big":
+        pl.byteorder = "big"
     obj = pl.convert(cf.obj)
     rep.changes = pl.changes
     rep.new_tensors = len(pl.new_storages)

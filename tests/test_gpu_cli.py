@@ -437,6 +437,23 @@ def test_pick_gpu_command_not_found(fake_env):
     assert r.rc == 127 and "command not found: no-such-command-xyz" in r.err
 
 
+def test_pick_gpu_empty_command_is_not_found(fake_env):
+    """``pick-gpu -- ""`` (an unset variable in a script): exit 127 with one line, not an internal error."""
+    r = run_cli("pick-gpu", "--", "", scenario="two_free", env=fake_env)
+    assert r.rc == 127 and "command not found" in r.err and "internal error" not in r.err, r
+
+
+def test_pick_gpu_inside_a_pick_gpu_command_gets_the_commands_gpu(fake_env):
+    """`ckptfix pick-gpu -- python train.py` with a train.py that calls pick_gpu() itself: the command holds the
+    lease (inherited lock, same PID after exec); its own pick_gpu() must get that GPU, not NoGpuFitsError."""
+    code = "from ckptfix.gpu import pick_gpu; print('child', pick_gpu().ids[0])"
+    r = run_cli("pick-gpu", "--", sys.executable, "-c", code, scenario="two_free", env=fake_env)
+    assert r.rc == 0, r
+    assert r.out.strip().startswith("child GPU-"), r
+
+
+
+
 SIGNAL_COUNTER = (
     "import os, pathlib, signal, sys, time\n"
     "n = 0\n"

@@ -182,3 +182,19 @@ def test_release_gives_back_only_this_tokens_timed_leases(tmp_path):
 
 def test_release_on_a_missing_directory_is_empty(tmp_path):
     assert release_leases(tmp_path / "none") == []
+
+
+@pytest.mark.parametrize("field, value", [("host", "another-container"), ("start", -1)])
+def test_a_reused_pid_does_not_make_a_live_lease_ones_own(tmp_path, field, value):
+    """Containers sharing a lease directory run pick-gpu under the same small PID, and PIDs get reused on a busy
+    host: a timed lease whose record has this PID but was written by another process must still be refused."""
+    d = _private(tmp_path)
+    lease, _ = try_lease(d, KEY, 600)
+    assert lease is not None
+    f = d / f"{KEY}.lease"
+    rec = json.loads(f.read_text())
+    assert rec["pid"] == os.getpid()
+    rec[field] = value
+    f.write_text(json.dumps(rec))
+    again, who = try_lease(d, KEY, 600)
+    assert again is None and "pid" in who

@@ -98,3 +98,16 @@ def test_numpy_values_are_described(tmp_path):
     r = inspect_checkpoint(tmp_path / "m.pt")
     assert r.non_tensor_entries["shift"] == "numpy.ndarray float64 [2, 3] (placeholder)"
     assert r.non_tensor_entries["n"] == "numpy scalar float32 (placeholder)"
+
+
+@pytest.mark.parametrize("proto", [2, 4])
+def test_weights_only_verdict_agrees_with_torch_for_the_pickle_protocol(tmp_path, proto):
+    """torch's weights-only unpickler cannot read protocol-4 opcodes (FRAME ...): the verdict must say so."""
+    p = tmp_path / "p.pt"
+    torch.save({"w": torch.ones(2), "name": "x"}, p, pickle_protocol=proto)
+    try:
+        torch.load(p, weights_only=True)
+        torch_ok = True
+    except Exception:  # noqa: BLE001 - torch's UnpicklingError
+        torch_ok = False
+    assert inspect_checkpoint(p).weights_only_ok is torch_ok

@@ -775,3 +775,18 @@ def test_rewrite_reports_progress_up_to_the_input_size(tmp_path):
     assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)
     assert any(d < total for d, _ in calls)  # real steps, not only the final call
     assert set(torch.load(rep.output, weights_only=True)) == {"w", "b"}
+
+
+def test_backup_never_written_through_a_dangling_symlink(tmp_path):
+    """A ``CKPT.bak`` symlink to a missing file must not make --in-place create that file elsewhere."""
+    from ckptfix.atomic import make_backup
+
+    src = tmp_path / "c.pt"
+    src.write_bytes(b"x" * 10)
+    elsewhere = tmp_path / "elsewhere" / "planted"
+    elsewhere.parent.mkdir()
+    os.symlink(elsewhere, str(src) + ".bak")
+    bak = make_backup(str(src))
+    assert not elsewhere.exists()
+    assert bak != str(src) + ".bak" and Path(bak).read_bytes() == b"x" * 10
+    assert os.path.islink(str(src) + ".bak")

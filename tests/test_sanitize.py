@@ -281,3 +281,157 @@ def test_legacy_file_already_safe_is_left_alone(tmp_path):
     rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
     assert not rep.changed and not (tmp_path / "o.pt").exists()
     torch.load(tmp_path / "m.pt", weights_only=True)
+
+
+def test_protocol5_numpy_arrays_become_tensors(tmp_path):
+    """numpy pickles arrays as ``numpy._core.numeric._frombuffer(buf, dtype, shape, order)`` under protocol 5."""
+    p = tmp_path / "p5.pt"
+    arrays = {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "f": np.asfortranarray(np.arange(6.).reshape(2, 3)),
+              "b": np.arange(4, dtype=">f4")}
+    torch.save({"w": torch.ones(2), **arrays}, p, pickle_protocol=5)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    for k, a in arrays.items():
+        assert isinstance(got[k], torch.Tensor), (k, got[k])
+        assert torch.equal(got[k], torch.from_numpy(np.ascontiguousarray(a).astype(a.dtype.newbyteorder("=")))), k
+
+
+def test_object_array_with_a_lying_shape_is_bounded(tmp_path):
+    """A few bytes declaring a (10**8, 2) object array holding two elements must not build 10**8 lists."""
+    import pickle
+
+    rd = np.zeros(1).__reduce__()
+
+    class Fake:
+        def __reduce__(self):
+            return (rd[0], rd[1], (1, (10**8, 2), np.dtype(object), False, [1, 2]))
+
+    pl = Plainer(arrays="tensor")
+    from ckptfix.pickles import loads_records
+
+    obj, _ = loads_records(pickle.dumps({"a": Fake()}, protocol=2))
+    out = pl.convert(obj)
+    assert not isinstance(out["a"], list) or len(out["a"]) <= 2
+
+
+def test_empty_numpy_arrays_become_empty_tensors(tmp_path):
+    """Protocol 2 pickles an empty array's data as ``bytes()`` (a call, not a bytes literal)."""
+    p = tmp_path / "z.pt"
+    torch.save({"w": torch.ones(2), "a": np.zeros(0), "b": np.zeros((0, 3), dtype=np.float32)}, p)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    assert got["a"].shape == (0,) and got["a"].dtype == torch.float64
+    assert got["b"].shape == (0, 3) and got["b"].dtype == torch.float32
+
+
+class _MySubclass(torch.Tensor):
+    pass
+
+
+def test_tensor_subclass_becomes_a_plain_tensor(tmp_path):
+    """A tensor subclass (``torch._tensor._rebuild_from_type_v2`` naming a user class) is outside the allowlist:
+    sanitize writes the plain tensor, same values and sharing, and lists the change."""
+    p = tmp_path / "sub.pt"
+    t = torch.arange(6.).as_subclass(_MySubclass)
+    torch.save({"t": t, "again": t, "w": torch.ones(2)}, p)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], torch.arange(6.))
+    assert got["again"] is got["t"]
+    assert any(c.path == "t" and "_MySubclass" in c.was and c.now == "tensor" for c in rep.changes)
+
+
+@pytest.mark.parametrize("depth", [390, 1000])
+def test_deep_nesting_is_a_one_line_error_not_a_crash(tmp_path, depth):
+    """Nesting that torch.load reads (a class reference 390 or 1000 lists deep) must not end in an internal
+    RecursionError: sanitize writes it or says it is too deep (ResourceLimitError, exit 12)."""
+    nested: list = [int]
+    for _ in range(depth):
+        nested = [nested]
+    p = tmp_path / "deep.pt"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        torch.save({"w": torch.ones(1), "deep": nested}, p)
+    finally:
+        sys.setrecursionlimit(limit)
+    r = run_cli("sanitize", str(p))
+    if r.returncode != 0:
+        assert_one_line_error(r, 12)
+
+
+@pytest.mark.parametrize("proto", [3, 4, 5])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_protocol_3_plus_pickles_are_rewritten(tmp_path, proto, legacy):
+    """torch's weights-only unpickler reads protocol-2 opcodes only (no FRAME, SHORT_BINUNICODE, BINBYTES ...):
+    a file whose globals are all allowed but which torch.save wrote with pickle_protocol>=3 still fails
+    ``torch.load(weights_only=True)``, so sanitize must not call it already loadable."""
+    p = tmp_path / "p.pt"
+    torch.save({"w": torch.arange(3.), "b": b"xy", "s": {1, 2}, "name": "x"}, p, pickle_protocol=proto,
+               _use_new_zipfile_serialization=not legacy)
+    assert _wo_fails(p)
+    rep = sanitize_checkpoint(p)
+    assert rep.output is not None
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["w"], torch.arange(3.)) and got["b"] == b"xy" and got["s"] == {1, 2}
+
+
+def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
+    """An archive whose ``byteorder`` record says big (saved on s390x): torch byte-swaps every storage on load,
+    so the tensors made from numpy arrays must be written big-endian too."""
+    import zipfile
+
+    src = tmp_path / "le.pt"
+    torch.save({"w": torch.arange(4.), "a": np.arange(3.), "b": np.arange(2, dtype=">i4")}, src)
+    big = tmp_path / "be.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(big, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in info.filename:
+                data = np.frombuffer(data, dtype="<f4").astype(">f4").tobytes()  # w's storage
+            zout.writestr(info, data)
+    assert torch.equal(torch.load(big, weights_only=False)["w"], torch.arange(4.))
+    rep = sanitize_checkpoint(big)
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["w"], torch.arange(4.))
+    assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
+    assert torch.equal(got["b"], torch.arange(2, dtype=torch.int32))
+
+
+def test_new_storages_never_reuse_the_name_of_an_unreferenced_member(tmp_path):
+    """An archive may hold a storage member nothing references (edited by another tool); a numpy array's new
+    storage must not be given that name: the zip would hold the name twice and torch would read the old bytes."""
+    import zipfile
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2), "a": np.arange(3.)}, src)
+    orphan = tmp_path / "orphan.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(orphan, "w", zipfile.ZIP_STORED) as zout:
+        root = zin.namelist()[0].split("/")[0]
+        for info in zin.infolist():
+            zout.writestr(info, zin.read(info))
+        zout.writestr(f"{root}/data/1", b"\xff" * 24)  # what storage 1 would be, but nothing refers to it
+    rep = sanitize_checkpoint(orphan)
+    with zipfile.ZipFile(rep.output) as z:
+        names = z.namelist()
+    assert len(names) == len(set(names))
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
+
+
+def test_an_array_with_a_non_integer_shape_is_not_a_crash(tmp_path):
+    import pickle
+
+    from ckptfix.pickles import loads_records
+
+    rd = np.zeros(1).__reduce__()
+
+    class Fake:
+        def __reduce__(self):
+            return (rd[0], rd[1], (1, ("x",), np.dtype("f8"), False, b"\0" * 8))
+
+    obj, _ = loads_records(pickle.dumps({"a": Fake()}, protocol=2))
+    out = Plainer(arrays="tensor").convert(obj)
+    assert isinstance(out["a"], dict)

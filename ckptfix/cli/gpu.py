@@ -212,7 +212,10 @@ def pick_gpu_cmd(
         raise
     _render_pick(result, export=export, as_json=as_json, command=bool(command))
     if command:
-        return _exec_with(command, result.env, [le.fd for le in result.leases if le.fd is not None])
+        from ckptfix.gpu.leases import LEASES_HELD_ENV
+
+        env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in result.leases)})
+        return _exec_with(command, env, [le.fd for le in result.leases if le.fd is not None])
     return 0
 
 
@@ -286,8 +289,8 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
     sys.stderr.flush()
     try:
         os.execvp(command[0], list(command))
-    except FileNotFoundError:
-        click.echo(f"Error: command not found: {command[0]} (check the name and PATH)", err=True)
+    except (FileNotFoundError, ValueError):  # ValueError: an empty name (`-- ""`, an unset variable)
+        click.echo(f"Error: command not found: {shlex.quote(command[0])} (check the name and PATH)", err=True)
         return 127
     except OSError as e:
         click.echo(f"Error: command cannot be executed: {command[0]} ({e.strerror or e})", err=True)

@@ -51,6 +51,8 @@ DEFAULT_LEASE_SECONDS = 120.0
 _HELD: list[Lease] = []  # leases held for the life of this Python process (pick_gpu in-process)
 
 LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
+#: set by ``pick-gpu -- COMMAND``: the GPU ids whose lease COMMAND (and its children) hold through the inherited lock
+LEASES_HELD_ENV = "CKPTFIX_LEASES_HELD"
 _LEASE_SCHEMA = "ckptfix.lease/1"
 
 
@@ -224,11 +226,26 @@ def _read_info(fd: int) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and "key" in info and "pid" in info else None
 
 
+def _start_time() -> int | None:
+    """This process's start time in clock ticks since boot (Linux), so that a reused PID is not taken for us."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_this_process(info: dict[str, Any]) -> bool:
+    """A record written by this very process (not another one with the same PID, host or container)."""
+    return (info.get("pid") == os.getpid() and info.get("host") == os.uname().nodename
+            and info.get("start") == _start_time())
+
+
 def _describe(info: dict[str, Any] | None) -> str:
     if info is None:
         return "a file that is not a ckptfix lease"
     who = f"pid {info.get('pid', '?')}"
-    if info.get("pid") == os.getpid():
+    if _is_this_process(info):
         who = f"this process, {who}"
     if info.get("host"):
         who += f" on {info['host']}"
@@ -294,7 +311,7 @@ def try_lease(
         os.close(fd)
         raise _not_a_lease(path)
     exp = info.get("expires")
-    own = info.get("pid") == os.getpid() or (token is not None and token != "" and info.get("token") == token)
+    own = _is_this_process(info) or (token is not None and token != "" and info.get("token") == token)
     if isinstance(exp, (int, float)) and exp > now and not own:
         os.close(fd)
         return None, _describe(info)
@@ -307,6 +324,7 @@ def try_lease(
         "key": key,
         "pid": os.getpid(),
         "host": os.uname().nodename,
+        "start": _start_time(),
         "created": now,
         "expires": expires,
         "token": token,
@@ -469,7 +487,7 @@ def undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
                     return  # it expires on its own
                 time.sleep(0.005)
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and (_read_info(fd) or {}).get("pid") == os.getpid():
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and _is_this_process(_read_info(fd) or {}):
             os.ftruncate(fd, 0)
     except OSError:
         pass

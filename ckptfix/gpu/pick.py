@@ -27,6 +27,7 @@ from ckptfix.gpu.cudainit import cuda_init_route
 from ckptfix.gpu.leases import (
     DEFAULT_LEASE_SECONDS,
     LEASE_TOKEN_ENV,
+    LEASES_HELD_ENV,
     Lease,
     Released,
     held_lease,
@@ -378,6 +379,10 @@ def choose_and_lease(
             got.append((r, mine))
             continue
         lease, holder = try_lease(directory, r.gpu.id, lease_seconds, token=token)
+        held_by_command = r.gpu.id in os.environ.get(LEASES_HELD_ENV, "").split(",")
+        if lease is None and holder.endswith("(running)") and held_by_command:
+            got.append((r, None))  # pick-gpu -- COMMAND leased it for this very command
+            continue
         if lease is None:
             if holder.startswith("this process, "):  # e.g. a Lease the caller took with try_lease()
                 rejected.append(Rejected(r.gpu, f"already leased by this process ({holder[14:]})"))
