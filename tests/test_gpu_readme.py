@@ -1,4 +1,5 @@
-"""The README's pick-gpu lines, run in order in one shell against the fake nvidia-smi, behave as shown."""
+"""The documented pick-gpu lines (docs/sections/gpus.md, linked from the README), run in order in one shell
+against the fake nvidia-smi, behave as shown."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ print("train.py sees CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVIC
 
 def readme_block() -> tuple[list[str], list[str]]:
     """The ``$ `` commands of the pick-gpu console block, and the output lines shown under the first one."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### `ckptfix pick-gpu`") :]
+    text = (ROOT / "docs" / "sections" / "gpus.md").read_text()
+    section = text[text.index("### `ckptfix pick-gpu` in a shell, step by step") :]
     section = section[: section.index("\n### ", 5)]
     block = section[section.index("```console\n") + 11 :]
     block = block[: block.index("```")]
