@@ -34,8 +34,13 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 def measure(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB) of one run of ``cmd``; exits the benchmark if it fails."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(list(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         env=dict(env) if env is not None else child_env(), cwd=ROOT)
+    p = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=dict(env) if env is not None else child_env(),
+        cwd=ROOT,
+    )
     _, status, ru = os.wait4(p.pid, 0)
     dt = time.perf_counter() - t0
     err = p.stderr.read().decode() if p.stderr else ""
@@ -48,8 +53,9 @@ def measure(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[f
 Case = tuple  # (argv, before-callable or None)
 
 
-def compare(cases: Mapping[str, Case], repeat: int = 3, env: Mapping[str, str] | None = None,
-            sync: bool = True) -> dict[str, tuple[float, float, float]]:
+def compare(
+    cases: Mapping[str, Case], repeat: int = 3, env: Mapping[str, str] | None = None, sync: bool = True
+) -> dict[str, tuple[float, float, float]]:
     """Interleaved runs of every case; ``{name: (best wall s, median wall s, peak RSS MiB)}``.
 
     ``before`` (e.g. removing the previous output, so every writer creates a new file like ``cp``
@@ -71,8 +77,9 @@ def compare(cases: Mapping[str, Case], repeat: int = 3, env: Mapping[str, str] |
     return {k: (min(v), statistics.median(v), rss[k]) for k, v in walls.items()}
 
 
-def run(cmd: Sequence[str], repeat: int = 3, env: Mapping[str, str] | None = None,
-        before: Callable[[], None] | None = None) -> tuple[float, float]:
+def run(
+    cmd: Sequence[str], repeat: int = 3, env: Mapping[str, str] | None = None, before: Callable[[], None] | None = None
+) -> tuple[float, float]:
     """Best wall seconds and peak RSS (MiB) of ``cmd`` alone over ``repeat`` runs."""
     best, _, rss = compare({"cmd": (cmd, before)}, repeat, env)["cmd"]
     return best, rss
@@ -80,10 +87,12 @@ def run(cmd: Sequence[str], repeat: int = 3, env: Mapping[str, str] | None = Non
 
 def remover(*paths: str) -> Callable[[], None]:
     """A ``before`` hook that deletes ``paths`` if they exist."""
+
     def rm() -> None:
         for p in paths:
             if os.path.exists(p):
                 os.unlink(p)
+
     return rm
 
 

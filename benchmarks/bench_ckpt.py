@@ -36,13 +36,16 @@ torch.save({{"epoch": 3, "model_state_dict": sd}}, {path!r}, _use_new_zipfile_se
 
 
 def make_safetensors(src: str, dst: str) -> None:
-    run(py(f"""
+    run(
+        py(f"""
 import torch
 from safetensors.torch import save_file
 sd = torch.load({src!r}, mmap=True, weights_only=True)["model_state_dict"]
 sd.pop("module.head.weight")
 save_file(dict(sd), {dst!r})
-"""), repeat=1)
+"""),
+        repeat=1,
+    )
 
 
 def row(name: str, t: float, rss: float, base_t: float | None = None, base_name: str = "") -> None:
@@ -83,10 +86,16 @@ def main() -> None:
             if name != "click":
                 row(f"ckptfix {name}", t, rss, click_t, "import click")
         print("\nload (target: load_anywhere within 1.1x of torch.load mmap weights_only, wall and RSS)")
-        res = compare({
-            "ref": (py(f"import torch; sd = torch.load({zp!r}, mmap=True, weights_only=True, map_location='cpu')"),
-                    None),
-            "ours": (py(f"from ckptfix import load_anywhere; sd = load_anywhere({zp!r})"), None)}, r)
+        res = compare(
+            {
+                "ref": (
+                    py(f"import torch; sd = torch.load({zp!r}, mmap=True, weights_only=True, map_location='cpu')"),
+                    None,
+                ),
+                "ours": (py(f"from ckptfix import load_anywhere; sd = load_anywhere({zp!r})"), None),
+            },
+            r,
+        )
         (t_ref, _, rss_ref), (t, _, rss) = res["ref"], res["ours"]
         row("torch.load(mmap=True, weights_only=True)", t_ref, rss_ref)
         row("load_anywhere(path)", t, rss, t_ref, "torch.load")
@@ -94,9 +103,14 @@ def main() -> None:
         print("\nstrip-prefix (target: zip wall <= 1.5x cp, RSS < 100 MiB; legacy RSS <= 1.3x file size)")
         out = os.path.join(work, "out.pt")
         rm_out = remover(out)  # each writer creates a new file, like cp to a fresh name
-        res = compare({"cp": (["cp", zp, out], rm_out),
-                       "zip": (ckptfix("strip-prefix", zp, "-o", out), rm_out),
-                       "legacy": (ckptfix("strip-prefix", lp, "-o", out), rm_out)}, r)
+        res = compare(
+            {
+                "cp": (["cp", zp, out], rm_out),
+                "zip": (ckptfix("strip-prefix", zp, "-o", out), rm_out),
+                "legacy": (ckptfix("strip-prefix", lp, "-o", out), rm_out),
+            },
+            r,
+        )
         t_cp = res["cp"][0]
         row("cp", t_cp, res["cp"][2])
         row("ckptfix strip-prefix (zip)", res["zip"][0], res["zip"][2], t_cp, "cp")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -186,8 +185,10 @@ def main() -> None:
     if a.json:
         print(json.dumps(results, indent=2))
     else:
-        print("\nRSS curve (ckptfix convert, zip, verify on): "
-              + ", ".join(f"{r['size_bytes'] / 1e9:.2f} GB -> {r['ckptfix'][1]:.0f} MiB" for r in results))
+        print(
+            "\nRSS curve (ckptfix convert, zip, verify on): "
+            + ", ".join(f"{r['size_bytes'] / 1e9:.2f} GB -> {r['ckptfix'][1]:.0f} MiB" for r in results)
+        )
 
 
 def _print_one(r: dict) -> None:
@@ -199,13 +200,16 @@ def _print_one(r: dict) -> None:
             w, m = r[k]
             print(f"  {k:<28}{w:>9.3f}{r[k + '_median']:>10.3f}{m:>14.1f}")
     ck = r["ckptfix"][0]
-    print(f"  ckptfix / cp        = {ck / r['cp'][0]:.2f}x   (target <= 2.5x; medians "
-          f"{r['ckptfix_median'] / r['cp_median']:.2f}x)")
+    print(
+        f"  ckptfix / cp        = {ck / r['cp'][0]:.2f}x   (target <= 2.5x; medians "
+        f"{r['ckptfix_median'] / r['cp_median']:.2f}x)"
+    )
     if "reference" in r:
         print(f"  ckptfix / reference = {ck / r['reference'][0]:.2f}x   (target <= 0.4x)")
         print(f"  same tensor data and header entries as the reference: {r['same_data_as_reference']}")
-    print(f"  legacy peak RSS / checkpoint size = {r['ckptfix_legacy'][1] * 2**20 / r['size_bytes']:.3f} "
-          "(target <= 1.3)")
+    print(
+        f"  legacy peak RSS / checkpoint size = {r['ckptfix_legacy'][1] * 2**20 / r['size_bytes']:.3f} (target <= 1.3)"
+    )
 
 
 if __name__ == "__main__":

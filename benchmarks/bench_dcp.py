@@ -118,6 +118,7 @@ def _rm(*paths: str):
                 shutil.rmtree(p)
             elif os.path.exists(p):
                 os.unlink(p)
+
     return go
 
 
@@ -128,8 +129,9 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
     make = os.path.join(workdir, "make.py")
     with open(make, "w") as f:
         f.write(MAKE)
-    subprocess.run([sys.executable, make, src, str(size), str(ranks)], check=True, env=child_env(),
-                   stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, make, src, str(size), str(ranks)], check=True, env=child_env(), stderr=subprocess.DEVNULL
+    )
     total = _du(src)
     # warm the page cache for every tool alike, through a small buffer: a child's ru_maxrss includes this
     # process's peak RSS (the memory it was forked from), so the benchmark itself must stay small
@@ -160,11 +162,19 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
                 while k := f.readinto(buf):
                     d.update(memoryview(buf)[:k])
             return d.hexdigest()
+
         # the reference writes no ckptfix metadata: compare against ckptfix's plain header instead
         plain = os.path.join(workdir, "plain.safetensors")
-        subprocess.run(py("import sys; from ckptfix.convert import convert; "
-                          "convert(sys.argv[1], sys.argv[2], ckptfix_metadata=False)") + [src, plain],
-                       env=child_env(), check=True, capture_output=True)
+        subprocess.run(
+            py(
+                "import sys; from ckptfix.convert import convert; "
+                "convert(sys.argv[1], sys.argv[2], ckptfix_metadata=False)"
+            )
+            + [src, plain],
+            env=child_env(),
+            check=True,
+            capture_output=True,
+        )
         same = os.path.exists(plain) and h(plain) == h(ref_out)
         _rm(plain)()
     else:
@@ -173,7 +183,8 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
     base_kib, load_peak, sd_bytes = map(int, p.stdout.split())  # KiB, KiB, bytes (whole checkpoint)
     rename_s = res["ckptfix add-prefix"][0] - res["ckptfix noop"][0]
     row = {
-        "size_bytes": total, "ranks": ranks,
+        "size_bytes": total,
+        "ranks": ranks,
         "cp_s": round(res["cp -r"][0], 3),
         "convert_s": round(res["ckptfix convert"][0], 3),
         "convert_rss_mib": round(res["ckptfix convert"][2], 1),
@@ -185,11 +196,14 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
         "state_dict_bytes": sd_bytes,
     }
     if reference:
-        row.update({"reference_s": round(res["dcp_to_torch_save + save_file"][0], 3),
-                    "reference_rss_mib": round(res["dcp_to_torch_save + save_file"][2], 1),
-                    "convert_vs_reference": round(res["ckptfix convert"][0] / res["dcp_to_torch_save + save_file"][0],
-                                                  3),
-                    "byte_identical_to_reference": same})
+        row.update(
+            {
+                "reference_s": round(res["dcp_to_torch_save + save_file"][0], 3),
+                "reference_rss_mib": round(res["dcp_to_torch_save + save_file"][2], 1),
+                "convert_vs_reference": round(res["ckptfix convert"][0] / res["dcp_to_torch_save + save_file"][0], 3),
+                "byte_identical_to_reference": same,
+            }
+        )
     return row
 
 
@@ -211,14 +225,21 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         if not a.json:
             r = rows[-1]
-            print(f"{r['size_bytes'] / 1e9:5.2f} GB {r['ranks']} ranks | cp -r {r['cp_s']:.2f}s | convert "
-                  f"{r['convert_s']:.2f}s ({r['convert_vs_cp']:.2f}x cp"
-                  + (f", {r['convert_vs_reference']:.3f}x reference {r['reference_s']:.2f}s" if "reference_s" in r
-                     else "") + f") RSS {r['convert_rss_mib']:.0f} MiB"
-                  + (f" vs {r['reference_rss_mib']:.0f} MiB" if "reference_rss_mib" in r else "")
-                  + f" | identical {r.get('byte_identical_to_reference')} | add-prefix {r['add_prefix_s']:.2f}s "
-                  f"({r['add_prefix_minus_startup_s']:+.3f}s over startup) | load_checkpoint peak "
-                  f"{r['load_peak_over_state_dict']:.2f}x checkpoint", flush=True)
+            print(
+                f"{r['size_bytes'] / 1e9:5.2f} GB {r['ranks']} ranks | cp -r {r['cp_s']:.2f}s | convert "
+                f"{r['convert_s']:.2f}s ({r['convert_vs_cp']:.2f}x cp"
+                + (
+                    f", {r['convert_vs_reference']:.3f}x reference {r['reference_s']:.2f}s"
+                    if "reference_s" in r
+                    else ""
+                )
+                + f") RSS {r['convert_rss_mib']:.0f} MiB"
+                + (f" vs {r['reference_rss_mib']:.0f} MiB" if "reference_rss_mib" in r else "")
+                + f" | identical {r.get('byte_identical_to_reference')} | add-prefix {r['add_prefix_s']:.2f}s "
+                f"({r['add_prefix_minus_startup_s']:+.3f}s over startup) | load_checkpoint peak "
+                f"{r['load_peak_over_state_dict']:.2f}x checkpoint",
+                flush=True,
+            )
     if a.json:
         print(json.dumps(rows, indent=2))
 

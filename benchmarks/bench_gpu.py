@@ -39,9 +39,14 @@ def main() -> None:
         bin_dir.mkdir()
         shutil.copy(FIX / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
         (bin_dir / "nvidia-smi").chmod(0o755)
-        env = child_env({"PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-                         "FAKE_SMI_DIR": str(FIX / "scenarios"), "FAKE_SMI_SCENARIO": args.scenario,
-                         "CKPTFIX_LEASE_DIR": str(Path(tmp) / "leases")})
+        env = child_env(
+            {
+                "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                "FAKE_SMI_DIR": str(FIX / "scenarios"),
+                "FAKE_SMI_SCENARIO": args.scenario,
+                "CKPTFIX_LEASE_DIR": str(Path(tmp) / "leases"),
+            }
+        )
         for k in list(env):
             if k.startswith("CUDA_"):
                 del env[k]
@@ -57,17 +62,22 @@ def main() -> None:
         }
         for argv in cases.values():  # warm the page cache and .pyc files
             subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
-        results = {k: v[:2] for k, v in compare({k: (v, None) for k, v in cases.items()}, args.n, env,
-                                                 sync=False).items()}
+        results = {
+            k: v[:2] for k, v in compare({k: (v, None) for k, v in cases.items()}, args.n, env, sync=False).items()
+        }
 
     base = results['python -c "import click"'][0]
-    print(f"best of {args.n} whole-process runs (interleaved), scenario {args.scenario}, python {sys.version.split()[0]}")
+    print(
+        f"best of {args.n} whole-process runs (interleaved), scenario {args.scenario}, python {sys.version.split()[0]}"
+    )
     print(f"{'command':40} {'best ms':>8} {'median ms':>10} {'ratio':>6}")
     for name, (best, med) in results.items():
         print(f"{name:40} {best * 1000:8.1f} {med * 1000:10.1f} {best / base:6.2f}x")
     worst = max(results[k][0] for k in ("ckptfix gpus", "ckptfix pick-gpu --lease 0")) / base
-    print(f"target: gpus and pick-gpu within 2.00x of import click -> worst {worst:.2f}x "
-          f"({'OK' if worst <= 2 else 'OVER'})")
+    print(
+        f"target: gpus and pick-gpu within 2.00x of import click -> worst {worst:.2f}x "
+        f"({'OK' if worst <= 2 else 'OVER'})"
+    )
 
 
 if __name__ == "__main__":

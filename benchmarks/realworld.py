@@ -58,6 +58,7 @@ COMMANDS = ("inspect", "load", "convert", "prefix", "sanitize")
 
 # --------------------------------------------------------------------------- stand-ins for missing packages
 
+
 class StandIn:
     """An instance of a class from a package that is not installed: keeps what the pickle gives it."""
 
@@ -147,6 +148,7 @@ def torch_truth(path: str) -> tuple[Any, str]:
 
 # --------------------------------------------------------------------------- comparison
 
+
 def at(obj: Any, key_path: Any) -> Any:
     for k in key_path or ():
         obj = obj[k] if not isinstance(obj, StandIn) else obj.__dict__[k]
@@ -200,10 +202,13 @@ def same_tensor(a: Any, b: Any) -> bool:
     if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
     if a.is_quantized or b.is_quantized or a.layout != torch.strided:
-        return torch.equal(a.dequantize() if a.is_quantized else a.to_dense(),
-                           b.dequantize() if b.is_quantized else b.to_dense())
-    return torch.equal(a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
-                       b.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+        return torch.equal(
+            a.dequantize() if a.is_quantized else a.to_dense(), b.dequantize() if b.is_quantized else b.to_dense()
+        )
+    return torch.equal(
+        a.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().cpu().contiguous().reshape(-1).view(torch.uint8),
+    )
 
 
 def compare(got: Any, want: Any, what: str) -> str | None:
@@ -217,12 +222,14 @@ def compare(got: Any, want: Any, what: str) -> str | None:
         return f"{what}: names differ (extra {extra[:3]}, missing {missing[:3]})"
     for k, v in want_t.items():
         if not same_tensor(got_t[k], v):
-            return f"{what}: tensor {k!r} differs ({got_t[k].dtype} {tuple(got_t[k].shape)} vs {v.dtype} " \
-                   f"{tuple(v.shape)})"
+            return (
+                f"{what}: tensor {k!r} differs ({got_t[k].dtype} {tuple(got_t[k].shape)} vs {v.dtype} {tuple(v.shape)})"
+            )
     return None
 
 
 # --------------------------------------------------------------------------- fetching
+
 
 @dataclass
 class Entry:
@@ -302,6 +309,7 @@ def _sha(path: str) -> str:
 
 # --------------------------------------------------------------------------- the checks
 
+
 @dataclass
 class Result:
     entry: Entry
@@ -316,14 +324,22 @@ class Result:
         return any(v.startswith("FAIL") for v in self.results.values())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"package": self.entry.spec, "path": self.entry.path, "format": self.format, "tensors": self.tensors,
-                "truth": self.truth, "results": self.results, "seconds": round(self.seconds, 2)}
+        return {
+            "package": self.entry.spec,
+            "path": self.entry.path,
+            "format": self.format,
+            "tensors": self.tensors,
+            "truth": self.truth,
+            "results": self.results,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "ckptfix", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfix", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def _err(p: subprocess.CompletedProcess) -> str:
@@ -405,23 +421,31 @@ def check(e: Entry, cache: str, work: str) -> Result:
         doc = json.loads(p.stdout)
         raw = load_file(out)
         stored = {k: v for k, v in want.items() if k not in doc["aliases"]}
-        why = compare(raw, stored, "safetensors.load_file") or compare(load_anywhere(out), want,
-                                                                       "load_anywhere(converted)")
-        r.results["convert"] = "ok" + (f" ({len(doc['aliases'])} tied)" if doc["aliases"] else "") \
-            if why is None else f"FAIL: {why}"
+        why = compare(raw, stored, "safetensors.load_file") or compare(
+            load_anywhere(out), want, "load_anywhere(converted)"
+        )
+        r.results["convert"] = (
+            "ok" + (f" ({len(doc['aliases'])} tied)" if doc["aliases"] else "") if why is None else f"FAIL: {why}"
+        )
 
     # prefix
     from ckptfix.convert import locate_state_dict
     from ckptfix.formats import read_checkpoint
 
-    holder = "mapping" if no_tensors or lc.format in ("torchscript", "safetensors") else locate_state_dict(
-        read_checkpoint(path).obj)[2]
+    holder = (
+        "mapping"
+        if no_tensors or lc.format in ("torchscript", "safetensors")
+        else locate_state_dict(read_checkpoint(path).obj)[2]
+    )
     if lc.format == "torchscript":
         r.results["prefix"] = "n/a (TorchScript is not rewritten)"
     elif holder != "mapping":
         p = _cli("add-prefix", path, "--prefix", "rw.", "-o", os.path.join(d, "a" + ext))
-        r.results["prefix"] = (f"n/a ({holder}: no keys to rename, exit 8)" if p.returncode == 8
-                               else f"FAIL: exit {p.returncode}: {_err(p)}")
+        r.results["prefix"] = (
+            f"n/a ({holder}: no keys to rename, exit 8)"
+            if p.returncode == 8
+            else f"FAIL: exit {p.returncode}: {_err(p)}"
+        )
     else:
         a, b = os.path.join(d, "a" + ext), os.path.join(d, "b" + ext)
         p = _cli("add-prefix", path, "--prefix", "rw.", "-o", a)
@@ -438,7 +462,8 @@ def check(e: Entry, cache: str, work: str) -> Result:
                     added = truth_state_dict(_load_torch_file(a), lc.key_path)
                     back = truth_state_dict(_load_torch_file(b), lc.key_path)
                     why = compare({k[3:]: v for k, v in added.items()}, want, "add-prefix") or compare(
-                        back, want, "strip-prefix")
+                        back, want, "strip-prefix"
+                    )
                     r.results["prefix"] = "ok" if why is None else f"FAIL: {why}"
                 except Exception as ex:  # noqa: BLE001 - torch could not load our output: that is the finding
                     r.results["prefix"] = f"FAIL: torch.load of the output: {type(ex).__name__}: {ex}"[:240]
@@ -457,8 +482,11 @@ def check(e: Entry, cache: str, work: str) -> Result:
             try:
                 got = _load_torch_file(target, weights_only=True)
                 why = None if no_tensors else compare(_plain_state_dict(got, lc.key_path), want, "sanitized")
-                r.results["sanitize"] = ("ok" + (f" ({len(doc['changes'])} made plain)" if doc["changes"] else
-                                                 " (already weights_only)")) if why is None else f"FAIL: {why}"
+                r.results["sanitize"] = (
+                    ("ok" + (f" ({len(doc['changes'])} made plain)" if doc["changes"] else " (already weights_only)"))
+                    if why is None
+                    else f"FAIL: {why}"
+                )
             except Exception as ex:  # noqa: BLE001
                 r.results["sanitize"] = f"FAIL: weights_only load: {type(ex).__name__}: {ex}"[:240]
     shutil.rmtree(d, ignore_errors=True)
@@ -467,6 +495,7 @@ def check(e: Entry, cache: str, work: str) -> Result:
 
 
 # --------------------------------------------------------------------------- manifest and table
+
 
 def load_manifest(path: str = MANIFEST) -> list[Entry]:
     with open(path, encoding="utf-8") as f:
@@ -488,8 +517,16 @@ def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST) -> None:
             continue
         e = Entry(pkg, ver, inner)
         out = fetch(e, cache)
-        doc["files"].append({"package": pkg, "version": ver, "path": inner, "dist": e.dist, "sha256": _sha(out),
-                             "size": os.path.getsize(out)})
+        doc["files"].append(
+            {
+                "package": pkg,
+                "version": ver,
+                "path": inner,
+                "dist": e.dist,
+                "sha256": _sha(out),
+                "size": os.path.getsize(out),
+            }
+        )
         print(f"added {spec} ({os.path.getsize(out)} bytes)", file=sys.stderr)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
@@ -499,10 +536,17 @@ def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST) -> None:
 def table(results: list[Result]) -> str:
     rows = [["file", "package", "format", "tensors", *COMMANDS]]
     for r in results:
-        rows.append([r.entry.path.split("/")[-1], r.entry.spec, r.format, str(r.tensors),
-                     *[_short(r.results.get(c, "-")) for c in COMMANDS]])
+        rows.append(
+            [
+                r.entry.path.split("/")[-1],
+                r.entry.spec,
+                r.format,
+                str(r.tensors),
+                *[_short(r.results.get(c, "-")) for c in COMMANDS],
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in rows)
 
 
 def _short(v: str) -> str:

@@ -63,8 +63,7 @@ def missing_error(feature: str) -> TorchMissingError:
     Returns:
         A :class:`TorchMissingError` whose one-line message names the install command.
     """
-    return TorchMissingError(f"{feature} needs torch, which is not installed here; install it with: "
-                             f"{INSTALL_COMMAND}")
+    return TorchMissingError(f"{feature} needs torch, which is not installed here; install it with: {INSTALL_COMMAND}")
 
 
 def require_torch(feature: str) -> ModuleType:
@@ -86,8 +85,11 @@ def require_torch(feature: str) -> ModuleType:
     except ModuleNotFoundError as e:
         if is_torch_missing(e):
             raise missing_error(feature) from None
-        raise TorchMissingError(f"{feature} needs torch, but importing it failed ({e}); reinstall it with: "
-                                f"{INSTALL_COMMAND}") from None
+        raise TorchMissingError(
+            f"{feature} needs torch, but importing it failed ({e}); reinstall it with: {INSTALL_COMMAND}"
+        ) from None
     except (ImportError, OSError) as e:
-        raise TorchMissingError(f"{feature} needs torch, but importing it failed ({type(e).__name__}: {e}); "
-                                f"reinstall it with: {INSTALL_COMMAND}") from None
+        raise TorchMissingError(
+            f"{feature} needs torch, but importing it failed ({type(e).__name__}: {e}); "
+            f"reinstall it with: {INSTALL_COMMAND}"
+        ) from None

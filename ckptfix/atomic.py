@@ -147,8 +147,9 @@ def new_temp(path: str) -> tuple[int, str]:
     path = os.path.abspath(path)
     clean_stale_temps(os.path.dirname(path))
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{TEMP_MARK}", suffix=".tmp",
-                                   dir=os.path.dirname(path))
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}{TEMP_MARK}", suffix=".tmp", dir=os.path.dirname(path)
+        )
     except OSError as e:
         raise _os_error(e, path) from None
     _lock_temp(tmp)
@@ -171,8 +172,9 @@ def same_file(a: str, b: str) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_output(path: str, *, fsync: bool = False,
-                  before_replace: Callable[[str], None] | None = None) -> Iterator[BinaryIO]:
+def atomic_output(
+    path: str, *, fsync: bool = False, before_replace: Callable[[str], None] | None = None
+) -> Iterator[BinaryIO]:
     """``with atomic_output("out.pth") as f: f.write(...)`` -- renamed into place only on success.
 
     ``before_replace(temp_path)`` runs once the data is written (and fsynced), before the rename:

@@ -43,20 +43,56 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptfix._torch import require_torch
 from ckptfix.atomic import fsync_dir, new_temp, same_file
-from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError, KeyConflictError,
-                            NoTensorsError, OutputError, UnsupportedError, VerificationError)
+from ckptfix.errors import (
+    CheckpointNotFoundError,
+    CkptfixError,
+    CorruptCheckpointError,
+    KeyConflictError,
+    NoTensorsError,
+    OutputError,
+    UnsupportedError,
+    VerificationError,
+)
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, MAX_HEADER, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.pickles import Stub, TensorRecord, global_name, is_tensor_like
 
-__all__ = ["convert_to_safetensors", "convert_from_safetensors", "convert", "restore_aliases", "rebuild_checkpoint",
-           "parse_size", "ConvertReport", "safetensors_header"]
+__all__ = [
+    "convert_to_safetensors",
+    "convert_from_safetensors",
+    "convert",
+    "restore_aliases",
+    "rebuild_checkpoint",
+    "parse_size",
+    "ConvertReport",
+    "safetensors_header",
+]
 
 Progress = Callable[[int, int], None]
 
 #: safetensors' Rust ``Dtype`` enum order; ``save_file`` sorts tensors by it, descending, then by name
-_ST_ENUM_ORDER = ["BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
-                  "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+_ST_ENUM_ORDER = [
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
+]
 _ST_RANK = {code: i for i, code in enumerate(_ST_ENUM_ORDER)}
 
 _CHUNK = 8 << 20
@@ -67,8 +103,22 @@ _MAX_EXTRA_JSON = 16 << 20
 
 # --------------------------------------------------------------------------- sizes
 
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -85,6 +135,7 @@ def parse_size(text: str | int) -> int:
 
 
 # --------------------------------------------------------------------------- report
+
 
 @dataclass
 class ConvertReport:
@@ -121,6 +172,7 @@ class ConvertReport:
 
 
 # --------------------------------------------------------------------------- items
+
 
 @dataclass
 class _Item:
@@ -181,9 +233,11 @@ def check_view(name: str, rec: TensorRecord) -> None:
     """
     bad = [int(x) for x in (rec.offset, *rec.shape, *rec.stride) if not isinstance(x, int) or x < 0]
     if bad or len(rec.shape) != len(rec.stride):
-        raise CorruptCheckpointError(f"tensor {name!r} has offset {rec.offset}, shape {list(rec.shape)} and stride "
-                                     f"{list(rec.stride)}: negative or mismatched values no torch tensor has; the "
-                                     "checkpoint is corrupt")
+        raise CorruptCheckpointError(
+            f"tensor {name!r} has offset {rec.offset}, shape {list(rec.shape)} and stride "
+            f"{list(rec.stride)}: negative or mismatched values no torch tensor has; the "
+            "checkpoint is corrupt"
+        )
 
 
 #: output bytes allowed per input byte, plus a constant, before ``allow_expand`` is needed
@@ -208,14 +262,16 @@ def check_expansion(items: Sequence[_Item], input_bytes: int, allow_expand: bool
 
     views = [it for it in items if it.rec is not None] or list(items)
     big = max(views, key=lambda it: it.nbytes)
-    raise ResourceLimitError(f"tensor {big.name!r} {list(big.shape)} expands to {big.nbytes} bytes (the whole output "
-                             f"{total} bytes, from {input_bytes} bytes of input; the limit is {EXPAND_FACTOR}x the "
-                             "input + 64 MiB); pass --allow-expand (allow_expand=True) to write it anyway")
+    raise ResourceLimitError(
+        f"tensor {big.name!r} {list(big.shape)} expands to {big.nbytes} bytes (the whole output "
+        f"{total} bytes, from {input_bytes} bytes of input; the limit is {EXPAND_FACTOR}x the "
+        "input + 64 MiB); pass --allow-expand (allow_expand=True) to write it anyway"
+    )
 
 
 def _simplify(shape: Sequence[int], stride: Sequence[int]) -> tuple[list[int], list[int]]:
     """Drop size-1 dims and merge dims that step through memory as one (stride-0 runs included)."""
-    dims = [(int(n), int(s)) for n, s in zip(shape, stride) if n != 1]
+    dims = [(int(n), int(s)) for n, s in zip(shape, stride, strict=False) if n != 1]
     out: list[list[int]] = []
     for n, s in dims:
         if out and out[-1][1] == n * s:
@@ -230,10 +286,10 @@ def _simplify(shape: Sequence[int], stride: Sequence[int]) -> tuple[list[int], l
 def _run(src: memoryview, o: int, n: int, s: int) -> bytes:
     """``n`` elements from element ``o`` of ``src``, ``s`` apart, as bytes (one C-level copy)."""
     if s == 0:
-        return src[o:o + 1].tobytes() * n
+        return src[o : o + 1].tobytes() * n
     if s == 1:
-        return src[o:o + n].tobytes()
-    return src[o:o + (n - 1) * s + 1:s].tobytes()
+        return src[o : o + n].tobytes()
+    return src[o : o + (n - 1) * s + 1 : s].tobytes()
 
 
 def _block(src: memoryview, off: int, a: int, sa: int, b: int, sb: int, es: int) -> Iterator[bytes | bytearray]:
@@ -265,7 +321,7 @@ def _block(src: memoryview, off: int, a: int, sa: int, b: int, sb: int, es: int)
             ov = memoryview(out).cast(src.format)
             for j in range(b):
                 o = off + i0 * sa + j * sb
-                ov[j::b] = src[o:o + (n - 1) * sa + 1:sa]
+                ov[j::b] = src[o : o + (n - 1) * sa + 1 : sa]
             ov.release()
             yield out
 
@@ -299,7 +355,7 @@ def _gather(rec: TensorRecord, fds: _Fds) -> Iterator[bytes | bytearray]:
     base = start - start % mmap.ALLOCATIONGRANULARITY
     mm = mmap.mmap(fd, start + length - base, offset=base, prot=mmap.PROT_READ)
     raw = memoryview(mm)
-    src = raw[start - base:start - base + length].cast(fmt)
+    src = raw[start - base : start - base + length].cast(fmt)
     pending: list[bytes | bytearray] = []
     size = 0
     try:
@@ -307,7 +363,7 @@ def _gather(rec: TensorRecord, fds: _Fds) -> Iterator[bytes | bytearray]:
         a, b = shape[-2:]
         sa, sb = stride[-2:]
         for idx in itertools.product(*(range(n) for n in outer)):
-            off = sum(i * s for i, s in zip(idx, stride))
+            off = sum(i * s for i, s in zip(idx, stride, strict=False))
             for chunk in _block(src, off, a, sa, b, sb, es):
                 pending.append(chunk)
                 size += len(chunk)
@@ -328,16 +384,20 @@ def _tensor_chunks(t: Any) -> Iterator[memoryview]:
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     n = flat.numel()
     for i in range(0, n, _CHUNK):
-        yield memoryview(flat[i:i + _CHUNK].numpy())
+        yield memoryview(flat[i : i + _CHUNK].numpy())
 
 
 def _check_dtype(name: str, dtype: str, kind: str = "dense") -> None:
     if kind != "dense":
-        raise UnsupportedError(f"tensor {name!r} is a {kind} tensor; safetensors stores dense tensors only — "
-                               "convert it to dense in torch first, or drop it")
+        raise UnsupportedError(
+            f"tensor {name!r} is a {kind} tensor; safetensors stores dense tensors only — "
+            "convert it to dense in torch first, or drop it"
+        )
     if dtype not in DTYPE_TO_ST:
-        raise UnsupportedError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
-                               "cast it (e.g. complex128 -> complex64 or a real view) or drop it")
+        raise UnsupportedError(
+            f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+            "cast it (e.g. complex128 -> complex64 or a real view) or drop it"
+        )
 
 
 class _NeedsTorch(Exception):
@@ -420,8 +480,9 @@ def hf_tied_weights(src: str) -> tuple[list[str], str] | None:
     return pats, f"transformers {', '.join(found)}._tied_weights_keys"
 
 
-def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertReport,
-                  tied: TiedNames | None = None) -> list[_Item]:
+def _plan_records(
+    named: Sequence[tuple[str, TensorRecord]], report: ConvertReport, tied: TiedNames | None = None
+) -> list[_Item]:
     """Items to store (exact duplicates once), with aliases and views recorded in the report."""
     groups: dict[tuple, list[str]] = {}
     recs: dict[str, TensorRecord] = {}
@@ -432,11 +493,11 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
         if st is None or st.file_offset is None or st.source is None or st.nbytes is None:
             raise _NeedsTorch(name)
         if rec.numel and rec.span()[1] * rec.element_size > st.nbytes:
-            raise CorruptCheckpointError(f"tensor {name!r} reaches past the end of its storage {st.key!r}; "
-                                         "the checkpoint is corrupt")
+            raise CorruptCheckpointError(
+                f"tensor {name!r} reaches past the end of its storage {st.key!r}; the checkpoint is corrupt"
+            )
         recs[name] = rec
-        groups.setdefault((id(st), rec.offset, rec.shape, rec.stride if rec.numel else (), rec.dtype),
-                          []).append(name)
+        groups.setdefault((id(st), rec.offset, rec.shape, rec.stride if rec.numel else (), rec.dtype), []).append(name)
     keep: dict[tuple, str] = {}
     for gkey, names in groups.items():
         stored = (tied or TiedNames()).choose(names)
@@ -468,8 +529,16 @@ def _plan_records(named: Sequence[tuple[str, TensorRecord]], report: ConvertRepo
         st = rec.storage
         assert st is not None and st.file_offset is not None
         if rec.is_contiguous() or rec.numel <= 1:
-            items.append(_Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, path=st.source,
-                               offset=st.file_offset + rec.offset * rec.element_size))
+            items.append(
+                _Item(
+                    name,
+                    rec.dtype,
+                    tuple(rec.shape),
+                    rec.nbytes,
+                    path=st.source,
+                    offset=st.file_offset + rec.offset * rec.element_size,
+                )
+            )
         else:
             items.append(_Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, rec=rec))
     return items
@@ -481,8 +550,13 @@ def _has_tied_groups(named: Sequence[tuple[str, Any]]) -> bool:
         if isinstance(v, TensorRecord):
             k: tuple = (id(v.storage), v.offset, tuple(v.shape), tuple(v.stride), v.dtype)
         else:
-            k = (v.untyped_storage().data_ptr() if v.numel() else id(v), v.storage_offset(), tuple(v.shape),
-                 tuple(v.stride()), v.dtype)
+            k = (
+                v.untyped_storage().data_ptr() if v.numel() else id(v),
+                v.storage_offset(),
+                tuple(v.shape),
+                tuple(v.stride()),
+                v.dtype,
+            )
         if k in seen:
             return True
         seen.add(k)
@@ -493,8 +567,9 @@ def _torch_dtype_name(t: Any) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
-def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport,
-                  tied: TiedNames | None = None) -> list[_Item]:
+def _plan_tensors(
+    named: Sequence[tuple[str, Any]], report: ConvertReport, tied: TiedNames | None = None
+) -> list[_Item]:
     import torch
 
     groups: dict[tuple, list[str]] = {}
@@ -527,6 +602,7 @@ def _plan_tensors(named: Sequence[tuple[str, Any]], report: ConvertReport,
 
 # --------------------------------------------------------------------------- header
 
+
 def _sorted_items(items: Sequence[_Item]) -> list[_Item]:
     return sorted(items, key=lambda it: (-_ST_RANK[it.st_dtype], it.name))
 
@@ -539,8 +615,10 @@ def safetensors_header(items: Sequence[Any], metadata: Mapping[str, str] | None)
         parts.append(f'"__metadata__":{{{meta}}}')
     for it in items:
         shape = ",".join(str(int(s)) for s in it.shape)
-        parts.append(f'{_js(it.name)}:{{"dtype":"{it.st_dtype}","shape":[{shape}],'
-                     f'"data_offsets":[{it.begin},{it.begin + it.nbytes}]}}')
+        parts.append(
+            f'{_js(it.name)}:{{"dtype":"{it.st_dtype}","shape":[{shape}],'
+            f'"data_offsets":[{it.begin},{it.begin + it.nbytes}]}}'
+        )
     text = ("{" + ",".join(parts) + "}").encode("utf-8")
     text += b" " * ((-len(text)) % 8)
     return len(text).to_bytes(8, "little") + text
@@ -560,6 +638,7 @@ def _layout(items: Sequence[_Item]) -> list[_Item]:
 
 
 # --------------------------------------------------------------------------- extras
+
 
 def _is_optimizer_key(k: Any) -> bool:
     return isinstance(k, str) and ("optim" in k.lower() or k.lower() in _OPTIMIZER_KEYS)
@@ -671,8 +750,14 @@ def _strip_lossy(v: Any) -> Any:
     return v
 
 
-def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any], include_optimizer: bool,
-                      report: ConvertReport, node: Any = None) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+def _split_checkpoint(
+    obj: Any,
+    key_path: tuple[str, ...],
+    sd: Mapping[str, Any],
+    include_optimizer: bool,
+    report: ConvertReport,
+    node: Any = None,
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """(extra JSON object, optimizer tensors) for everything outside the state dict (``node``: what holds it)."""
     ex = _Extras(sd if node is None else node, report)
     extra: dict[str, Any] = {}
@@ -704,6 +789,7 @@ def _split_checkpoint(obj: Any, key_path: tuple[str, ...], sd: Mapping[str, Any]
 
 
 # --------------------------------------------------------------------------- paths and atomic files
+
 
 def _default_output(src: str, suffix: str) -> str:
     s = os.path.abspath(src).rstrip(os.sep)
@@ -763,6 +849,7 @@ def _new_temp(final: str) -> str:
 
 # --------------------------------------------------------------------------- write + verify
 
+
 class _Writer:
     """Writes safetensors files; with ``verify`` every chunk is read back from the file and compared.
 
@@ -805,8 +892,9 @@ class _Writer:
                     pos += n
                     self.tick(n)
                 if pos != base + it.begin + it.nbytes:
-                    raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, "
-                                                 f"expected {it.nbytes}")
+                    raise CorruptCheckpointError(
+                        f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}"
+                    )
             if fsync:
                 os.fsync(fd)
         finally:
@@ -850,18 +938,26 @@ class _Writer:
         end = 0
         for it in sorted(items, key=lambda i: i.begin):  # the byte ranges tile the data section exactly
             h = header[it.name]
-            if (h.get("dtype") != it.st_dtype or list(h.get("shape", ())) != list(it.shape)
-                    or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes] or it.begin != end):
-                raise VerificationError(f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
-                                        f"{it.st_dtype} shape {list(it.shape)} at [{end}, {end + it.nbytes}]")
+            if (
+                h.get("dtype") != it.st_dtype
+                or list(h.get("shape", ())) != list(it.shape)
+                or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes]
+                or it.begin != end
+            ):
+                raise VerificationError(
+                    f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
+                    f"{it.st_dtype} shape {list(it.shape)} at [{end}, {end + it.nbytes}]"
+                )
             end += it.nbytes
         if os.path.getsize(path) != start + end:
             raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
 
 
 def _differs(path: str, it: _Item, at: int) -> VerificationError:
-    return VerificationError(f"{path}: tensor {it.name!r} differs from the source near byte {at} of the tensor "
-                             "when read back; the output was removed")
+    return VerificationError(
+        f"{path}: tensor {it.name!r} differs from the source near byte {at} of the tensor "
+        "when read back; the output was removed"
+    )
 
 
 def _written_equal(fd: int, pos: int, data: bytes | bytearray | memoryview, n: int) -> bool:
@@ -878,12 +974,17 @@ def _written_equal(fd: int, pos: int, data: bytes | bytearray | memoryview, n: i
     gran = mmap.ALLOCATIONGRANULARITY
     base = pos - pos % gran
     try:
-        m = mmap.mmap(fd, n + (pos - base), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                      prot=mmap.PROT_READ, offset=base)
+        m = mmap.mmap(
+            fd,
+            n + (pos - base),
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ,
+            offset=base,
+        )
     except (ValueError, OSError):
         return False
     try:
-        with memoryview(m) as v, v[pos - base:pos - base + n] as w:
+        with memoryview(m) as v, v[pos - base : pos - base + n] as w:
             return len(w) == n and data.startswith(w)
     finally:
         m.close()
@@ -913,9 +1014,19 @@ def _shard(items: list[_Item], max_size: int | None) -> list[list[_Item]]:
     return shards
 
 
-def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, max_shard_size: int | None,
-                   verify: bool, fsync: bool, force: bool, src: str, progress: Progress | None,
-                   report: ConvertReport) -> None:
+def _write_outputs(
+    dst: str,
+    items: list[_Item],
+    metadata: dict[str, str],
+    *,
+    max_shard_size: int | None,
+    verify: bool,
+    fsync: bool,
+    force: bool,
+    src: str,
+    progress: Progress | None,
+    report: ConvertReport,
+) -> None:
     shards = _shard(items, max_shard_size)
     if len(shards) == 1:
         finals = [dst]
@@ -929,7 +1040,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
     temps: list[str] = []
     try:
         laid = []
-        for final, shard in zip(finals, shards):
+        for final, shard in zip(finals, shards, strict=False):
             tmp = _new_temp(final)
             temps.append(tmp)
             ordered = _layout(shard)
@@ -937,14 +1048,14 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
             with _named_as(tmp, final):
                 w.write(tmp, ordered, metadata, fsync)
         if verify:
-            for tmp, final, ordered in zip(temps, finals, laid):
+            for tmp, final, ordered in zip(temps, finals, laid, strict=False):
                 with _named_as(tmp, final):
                     w.check(tmp, ordered, metadata)
             report.verified = True
         idx_tmp = None
         if index_path:
             weight_map = {}
-            for final, shard in zip(finals, shards):
+            for final, shard in zip(finals, shards, strict=False):
                 for it in shard:
                     weight_map[it.name] = os.path.basename(final)
             doc = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
@@ -956,7 +1067,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())
-        for tmp, final in zip(temps, finals + ([index_path] if index_path else [])):
+        for tmp, final in zip(temps, finals + ([index_path] if index_path else []), strict=False):
             try:
                 os.replace(tmp, final)
             except OSError as e:
@@ -981,6 +1092,7 @@ def _write_outputs(dst: str, items: list[_Item], metadata: dict[str, str], *, ma
 
 # --------------------------------------------------------------------------- state dict acquisition
 
+
 def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], trust: bool) -> tuple[Any, tuple, Any]:
     """(state dict of torch tensors, key path, whole checkpoint object) through the lead's loader."""
     try:
@@ -996,9 +1108,9 @@ def _load_with_torch(src: str, key: str | None, allow_globals: Sequence[str], tr
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         sd: dict = {}
-        _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(sd, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
         from ckptfix.formats import find_state_dict
+
         kp, node = find_state_dict(sd, key)
         return node, kp, sd
     raise UnsupportedError(f"{src}: this input needs torch-level loading (ckptfix.loading is not available)")
@@ -1024,8 +1136,12 @@ def contains_tensors(obj: Any, depth: int = 200) -> bool:
             continue
         seen.add(id(v))
         if isinstance(v, Stub):
-            todo += [(v._state, d + 1), (list(v._args), d + 1), (list(v._listitems), d + 1),
-                     (list(v._dictitems.values()), d + 1)]
+            todo += [
+                (v._state, d + 1),
+                (list(v._args), d + 1),
+                (list(v._listitems), d + 1),
+                (list(v._dictitems.values()), d + 1),
+            ]
         elif isinstance(v, Mapping):
             todo += [(x, d + 1) for x in v.values()]
         elif isinstance(v, (list, tuple, set, frozenset)):
@@ -1166,9 +1282,11 @@ def _flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, dep
 def _require_tensors(cf: Any, src: str, what: str) -> None:
     """NoTensorsError when a valid checkpoint holds no tensors anywhere (training_args.bin, scheduler.pt)."""
     if not contains_tensors(cf.obj) and not cf.extra.get("torchscript_state_dict"):
-        raise NoTensorsError(f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
-                             f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
-                             "`ckptfix sanitize` makes it load with weights_only=True")
+        raise NoTensorsError(
+            f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
+            f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
+            "`ckptfix sanitize` makes it load with weights_only=True"
+        )
 
 
 def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -1184,13 +1302,25 @@ def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[s
 
 # --------------------------------------------------------------------------- public API
 
-def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, *,
-                           key: str | None = None, strip_prefix: bool | str | None = False,
-                           max_shard_size: int | str | None = None, include_optimizer: bool = False,
-                           verify: bool = True, force: bool = False, fsync: bool = False,
-                           allow_globals: Sequence[str] = (), trust: bool = False,
-                           progress: Progress | None = None, ckptfix_metadata: bool = True,
-                           keep: Sequence[str] = (), allow_expand: bool = False) -> ConvertReport:
+
+def convert_to_safetensors(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    key: str | None = None,
+    strip_prefix: bool | str | None = False,
+    max_shard_size: int | str | None = None,
+    include_optimizer: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    allow_globals: Sequence[str] = (),
+    trust: bool = False,
+    progress: Progress | None = None,
+    ckptfix_metadata: bool = True,
+    keep: Sequence[str] = (),
+    allow_expand: bool = False,
+) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
     Args:
@@ -1236,9 +1366,19 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     if sniff(src) == "dcp":  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
         from ckptfix.dcp.consolidate import convert_dcp
 
-        return convert_dcp(src, dst, key=key, strip_prefix=strip_prefix, max_shard_size=shard_limit,
-                           include_optimizer=include_optimizer, verify=verify, force=force, fsync=fsync,
-                           progress=progress, ckptfix_metadata=ckptfix_metadata)
+        return convert_dcp(
+            src,
+            dst,
+            key=key,
+            strip_prefix=strip_prefix,
+            max_shard_size=shard_limit,
+            include_optimizer=include_optimizer,
+            verify=verify,
+            force=force,
+            fsync=fsync,
+            progress=progress,
+            ckptfix_metadata=ckptfix_metadata,
+        )
     cf = read_checkpoint(src)
     report.source_format = cf.format
     report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
@@ -1254,8 +1394,12 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = cf.format == "dcp" or any(
-        isinstance(v, TensorRecord) and v.kind == "dense" and v.dtype in DTYPE_TO_ST
-        and (v.storage is None or v.storage.file_offset is None) for _, v in named)
+        isinstance(v, TensorRecord)
+        and v.kind == "dense"
+        and v.dtype in DTYPE_TO_ST
+        and (v.storage is None or v.storage.file_offset is None)
+        for _, v in named
+    )
     if use_torch:
         tsd, kp, tobj = _load_with_torch(src, key, allow_globals, trust)
         report.used_torch = True
@@ -1263,36 +1407,45 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
         sd = tsd
         obj = tobj if tobj is not None else tsd
         named = _flatten_state_dict(tsd)
-    extra, opt_named = _split_checkpoint(obj, key_path, sd, include_optimizer, report,
-                                         node=_at(obj, key_path) if key_path and not use_torch else None)
+    extra, opt_named = _split_checkpoint(
+        obj, key_path, sd, include_optimizer, report, node=_at(obj, key_path) if key_path and not use_torch else None
+    )
 
     if strip_prefix:
         from ckptfix.prefixes import strip_prefix as _strip
 
         mapping = dict(named)
         new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
-        report.renamed = sum(1 for a, b in zip(mapping, new) if a != b)
+        report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
         named = list(new.items())
     order = [n for n, _ in named]
     taken = set(order)
     if "__metadata__" in taken:
-        raise KeyConflictError("the state dict has a tensor named '__metadata__', which safetensors reserves for "
-                               "its metadata; rename it before converting")
+        raise KeyConflictError(
+            "the state dict has a tensor named '__metadata__', which safetensors reserves for "
+            "its metadata; rename it before converting"
+        )
     for n, _ in opt_named:
         if n in taken:
-            raise KeyConflictError(f"optimizer tensor {n!r} collides with a state-dict key; convert without "
-                                   "--include-optimizer")
+            raise KeyConflictError(
+                f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
+            )
     named = named + list(opt_named)
     report.optimizer_tensors = len(opt_named)
     if not named:
-        raise NoTensorsError(f"{src}: the state dict holds no tensors, so there is nothing to convert; "
-                             "`ckptfix inspect` shows what the file holds")
+        raise NoTensorsError(
+            f"{src}: the state dict holds no tensors, so there is nothing to convert; "
+            "`ckptfix inspect` shows what the file holds"
+        )
 
     missing = [k for k in keep if k not in taken]
     if missing:
-        raise KeyConflictError(f"--keep {missing[0]!r}: no tensor of that name in the state dict"
-                               + (" (after --strip-prefix)" if strip_prefix else "") + "; pass a name that "
-                               "`ckptfix inspect` lists")
+        raise KeyConflictError(
+            f"--keep {missing[0]!r}: no tensor of that name in the state dict"
+            + (" (after --strip-prefix)" if strip_prefix else "")
+            + "; pass a name that "
+            "`ckptfix inspect` lists"
+        )
     tied = TiedNames(keep)
     if _has_tied_groups(named):
         hf = hf_tied_weights(src)
@@ -1321,8 +1474,18 @@ def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None
                 metadata["ckptfix.extra"] = text
             else:
                 report.skipped["<extra>"] = f"non-tensor entries are {len(text)} bytes of JSON; too large to keep"
-    _write_outputs(dst, items, metadata, max_shard_size=shard_limit, verify=verify, fsync=fsync, force=force,
-                   src=src, progress=progress, report=report)
+    _write_outputs(
+        dst,
+        items,
+        metadata,
+        max_shard_size=shard_limit,
+        verify=verify,
+        fsync=fsync,
+        force=force,
+        src=src,
+        progress=progress,
+        report=report,
+    )
     report.__dict__.pop("_views_meta", None)
     report.seconds = time.perf_counter() - t0
     return report
@@ -1342,16 +1505,20 @@ def restore_aliases(state_dict: Mapping[str, Any], metadata: Mapping[str, str] |
     if "ckptfix.aliases" in meta:
         aliases = _json_obj(meta["ckptfix.aliases"])
     else:  # Hugging Face convert.py style
-        aliases = {k: v for k, v in meta.items()
-                   if k != "format" and not k.startswith("ckptfix.") and k not in out and v in out}
+        aliases = {
+            k: v
+            for k, v in meta.items()
+            if k != "format" and not k.startswith("ckptfix.") and k not in out and v in out
+        }
     views = _json_obj(meta.get("ckptfix.views", "{}"))
     for name, spec in views.items():
         base = out.get(spec.get("base")) if isinstance(spec, dict) else None
         if base is None or not hasattr(base, "as_strided"):
             continue
         try:
-            out[name] = base.as_strided(tuple(spec["shape"]), tuple(spec["stride"]),
-                                        base.storage_offset() + int(spec["offset"]))
+            out[name] = base.as_strided(
+                tuple(spec["shape"]), tuple(spec["stride"]), base.storage_offset() + int(spec["offset"])
+            )
         except (RuntimeError, KeyError, TypeError, ValueError):
             continue
     for alias, stored in aliases.items():
@@ -1367,7 +1534,9 @@ def restore_aliases(state_dict: Mapping[str, Any], metadata: Mapping[str, str] |
     return out
 
 
-def rebuild_checkpoint(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None) -> tuple[Any, tuple[str, ...]]:
+def rebuild_checkpoint(
+    state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None
+) -> tuple[Any, tuple[str, ...]]:
     """The checkpoint a ckptfix-written safetensors file came from, as far as its metadata holds it.
 
     The ``ckptfix.extra`` entries (epoch, step, hyper-parameters, ...) are put back around the state
@@ -1387,8 +1556,9 @@ def rebuild_checkpoint(state_dict: Mapping[str, Any], metadata: Mapping[str, str
                 return float(v["__float__"])
             if len(v) == 1 and "__tensor__" in v:
                 return sd.pop(str(v["__tensor__"]), None)
-            return {(int(k) if int_keys and k.lstrip("-").isdigit() else k): decode(x, k == "state")
-                    for k, x in v.items()}
+            return {
+                (int(k) if int_keys and k.lstrip("-").isdigit() else k): decode(x, k == "state") for k, x in v.items()
+            }
         if isinstance(v, list):
             return [decode(x) for x in v]
         return v
@@ -1448,19 +1618,29 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
                 for k in f.keys():
                     sd[k] = f.get_tensor(k)
         except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{src}: shard {os.path.basename(path)} is missing; download or copy "
-                                         "every shard next to the index") from None
+            raise CheckpointNotFoundError(
+                f"{src}: shard {os.path.basename(path)} is missing; download or copy every shard next to the index"
+            ) from None
         except Exception as e:  # safetensors_rust.SafetensorError: a header the library refuses
             if type(e).__name__ != "SafetensorError":
                 raise
-            raise CorruptCheckpointError(f"{path}: not a valid safetensors file ({e}); the file is corrupt "
-                                         "or truncated — re-download or re-save it") from None
+            raise CorruptCheckpointError(
+                f"{path}: not a valid safetensors file ({e}); the file is corrupt "
+                "or truncated — re-download or re-save it"
+            ) from None
     return sd, meta, kind
 
 
-def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, *,
-                             verify: bool = True, force: bool = False, fsync: bool = False,
-                             restore_wrapper: bool = False, progress: Progress | None = None) -> ConvertReport:
+def convert_from_safetensors(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    restore_wrapper: bool = False,
+    progress: Progress | None = None,
+) -> ConvertReport:
     """Write a ``.safetensors`` file (or sharded index) as one torch zip checkpoint, aliases restored.
 
     The output is the state dict; with ``restore_wrapper`` it is the checkpoint dict the file was
@@ -1477,16 +1657,19 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
     report.source_format = kind
     out = restore_aliases(sd, meta)
     report.aliases = {k: v for k, v in _json_obj(meta.get("ckptfix.aliases", "{}")).items() if k in out}
-    report.views = {k: v.get("base") for k, v in _json_obj(meta.get("ckptfix.views", "{}")).items()
-                    if isinstance(v, dict)}
+    report.views = {
+        k: v.get("base") for k, v in _json_obj(meta.get("ckptfix.views", "{}")).items() if isinstance(v, dict)
+    }
     report.tensors = len(out)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     report.bytes = total
     to_save: Any = out
     if restore_wrapper:
         if "ckptfix.key_path" not in meta:
-            raise UnsupportedError(f"{src}: no ckptfix.key_path metadata (not written by ckptfix convert), so "
-                                   "there is no wrapper to restore; convert without --restore-wrapper")
+            raise UnsupportedError(
+                f"{src}: no ckptfix.key_path metadata (not written by ckptfix convert), so "
+                "there is no wrapper to restore; convert without --restore-wrapper"
+            )
         to_save, kp = rebuild_checkpoint(out, meta)
         report.key_path = kp
         out = _at(to_save, kp)
@@ -1506,14 +1689,21 @@ def convert_from_safetensors(src: str | os.PathLike, dst: str | os.PathLike | No
             finally:
                 os.close(fd)
         if verify:
-            back = _at(torch.load(tmp, map_location="cpu", weights_only=True, mmap=True),
-                       report.key_path if restore_wrapper else ())
+            back = _at(
+                torch.load(tmp, map_location="cpu", weights_only=True, mmap=True),
+                report.key_path if restore_wrapper else (),
+            )
             if list(back) != list(out):
                 raise VerificationError(f"{dst}: the written checkpoint holds other keys than the source")
             for k, t in out.items():
                 b = back[k]
-                if b.dtype != t.dtype or b.shape != t.shape or not torch.equal(
-                        b.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
+                if (
+                    b.dtype != t.dtype
+                    or b.shape != t.shape
+                    or not torch.equal(
+                        b.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)
+                    )
+                ):
                     raise VerificationError(f"{dst}: tensor {k!r} differs from the source; the output was removed")
             for alias, stored in report.aliases.items():
                 if back[alias].data_ptr() != back[stored].data_ptr():

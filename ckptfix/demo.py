@@ -54,8 +54,14 @@ class DemoResult:
         return all(r.verified for r in self.rows) and all(g["ok"] for g in self.gpu_commands)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"out_dir": self.out_dir, "device": self.device, "ok": self.ok, "seconds": round(self.seconds, 1),
-                "rows": [asdict(r) for r in self.rows], "gpu_commands": self.gpu_commands}
+        return {
+            "out_dir": self.out_dir,
+            "device": self.device,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 1),
+            "rows": [asdict(r) for r in self.rows],
+            "gpu_commands": self.gpu_commands,
+        }
 
 
 def _configs(device: str, quick: bool = False) -> list[dict[str, Any]]:
@@ -143,16 +149,25 @@ def prove_plain(entry: dict[str, Any], out_dir: str, state_dict: Any) -> dict[st
     except Exception as e:  # noqa: BLE001
         return {"exact": False, "max_abs_diff": None, "error": f"load_state_dict: {_error_line(e)}"}
     got = probe_output(model, side["input"])
-    return {"exact": bool(torch.equal(got, side["output"])),
-            "max_abs_diff": float((got.double() - side["output"].double()).abs().max()), "error": None}
+    return {
+        "exact": bool(torch.equal(got, side["output"])),
+        "max_abs_diff": float((got.double() - side["output"].double()).abs().max()),
+        "error": None,
+    }
 
 
 def _model_sd(obj: Any) -> Any:
     return obj.get("model_state_dict", obj) if isinstance(obj, dict) else obj
 
 
-def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int = 1,
-             progress: Callable[[str], None] | None = None, quick: bool = False) -> DemoResult:
+def run_demo(
+    out_dir: str = "ckptfix-demo",
+    *,
+    device: str = "cpu",
+    epochs: int = 1,
+    progress: Callable[[str], None] | None = None,
+    quick: bool = False,
+) -> DemoResult:
     """Train, break, fix and verify every kind of checkpoint; see the module docstring.
 
     ``quick``: only the in-process modes (single, dp, DCP, legacy + Namespace args) and the
@@ -177,8 +192,9 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
     entries: list[tuple[dict[str, Any], str]] = []
     total = len(cfgs)
     for i, c in enumerate(cfgs, 1):
-        cfg = TrainConfig(out=out_dir, epochs=epochs, device=device, quiet=True, train_samples=1024,
-                          test_samples=256, force=True, **c)
+        cfg = TrainConfig(
+            out=out_dir, epochs=epochs, device=device, quiet=True, train_samples=1024, test_samples=256, force=True, **c
+        )
         if cfg.mode == "fsdp":
             cfg.save_format = "dcp"
         say(f"[{i}/{total}] training {cfg.run_name()} on {device} ...")
@@ -208,15 +224,19 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
         problem = "?"
         detail = ""
 
-        def record(fix: str, result: dict[str, Any], **extra: Any) -> None:
-            steps[fix] = {**extra, **result}
-            (fixes if result.get("exact") else failed).append(fix)
+        def record(fix: str, result: dict[str, Any], **extra: Any) -> None:  # called within this iteration
+            steps[fix] = {**extra, **result}  # noqa: B023
+            (fixes if result.get("exact") else failed).append(fix)  # noqa: B023
 
         try:
             problem = plain_problem(path, build_model(e["model"], 0))
             rep = inspect_checkpoint(path)
-            steps["inspect"] = {"format": rep.format, "prefixes": rep.prefixes, "locations": rep.locations,
-                                "weights_only_ok": rep.weights_only_ok}
+            steps["inspect"] = {
+                "format": rep.format,
+                "prefixes": rep.prefixes,
+                "locations": rep.locations,
+                "weights_only_ok": rep.weights_only_ok,
+            }
             on_cuda = any(str(k).startswith("cuda") for k in (rep.locations or {}))
             # 1. load_anywhere (in memory), proven by a strict load_state_dict + the probe
             sd = load_checkpoint(path, model=build_model(e["model"], 0)).state_dict
@@ -239,51 +259,66 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
                         try:
                             obj = _plain_torch_load(safe)
                         except Exception as exc:  # noqa: BLE001
-                            record("sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
-                                   output=safe)
+                            record(
+                                "sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=safe
+                            )
                             src_file = ""
                         else:
                             sd = _model_sd(obj)
-                            r = prove_plain(e, d, sd) if set(sd) == set(build_model(e["model"], 0).state_dict()) \
+                            r = (
+                                prove_plain(e, d, sd)
+                                if set(sd) == set(build_model(e["model"], 0).state_dict())
                                 else {"exact": True, "note": "weights_only load works; prefixes remain"}
+                            )
                             record("sanitize", r, output=safe)
                             src_file = safe
                 if src_file:
                     stripped = os.path.join(fixed_dir, stem + ".stripped.pt")
                     if os.path.exists(stripped):
                         os.unlink(stripped)
-                    srep = rewrite_checkpoint(src_file, lambda sd: strip_prefix_report(sd), output=stripped,
-                                              map_location="cpu" if on_cuda else None)
+                    srep = rewrite_checkpoint(
+                        src_file,
+                        lambda sd: strip_prefix_report(sd),
+                        output=stripped,
+                        map_location="cpu" if on_cuda else None,
+                    )
                     target = srep.output or src_file
                     try:
                         sd = _model_sd(_plain_torch_load(target))
                     except Exception as exc:  # noqa: BLE001
-                        record("strip-prefix", {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
-                               output=srep.output)
+                        record(
+                            "strip-prefix",
+                            {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
+                            output=srep.output,
+                        )
                     else:
                         if srep.output:
                             record("strip-prefix", prove_plain(e, d, sd), output=srep.output, renamed=srep.renamed)
                         else:
-                            steps["strip-prefix"] = {"output": None, "note": "no prefix to strip",
-                                                     **prove_plain(e, d, sd)}
+                            steps["strip-prefix"] = {
+                                "output": None,
+                                "note": "no prefix to strip",
+                                **prove_plain(e, d, sd),
+                            }
             # 3. convert to safetensors (prefixes stripped on the way), read back by safetensors itself
             from safetensors.torch import load_file
 
             st = os.path.join(fixed_dir, stem + ".safetensors")
             crep = convert_to_safetensors(path, st, strip_prefix=True, force=True)
-            record("convert", prove_plain(e, d, load_file(st)), output=st,
-                   verified=getattr(crep, "verified", None))
+            record("convert", prove_plain(e, d, load_file(st)), output=st, verified=getattr(crep, "verified", None))
         except Exception as exc:  # noqa: BLE001 - the demo reports every failure in its table
             failed.append("(error)")
             detail = f"{type(exc).__name__}: {_first(str(exc), 200)}"
         if failed and not detail:
             bad = [f for f in failed]
             why = [steps.get(f.split(" ")[0], {}).get("error") for f in failed]
-            detail = "; ".join(f"{f}: {w}" for f, w in zip(bad, why) if w) or "probe outputs differ"
-        fix_txt = ", ".join(fixes + [f"{f} NOT verified" if "not verified" not in f else f for f in failed
-                                     if f != "(error)"])
-        rows.append(DemoRow(checkpoint=name, problem=problem, fix=fix_txt, verified=not failed, detail=detail,
-                            steps=steps))
+            detail = "; ".join(f"{f}: {w}" for f, w in zip(bad, why, strict=False) if w) or "probe outputs differ"
+        fix_txt = ", ".join(
+            fixes + [f"{f} NOT verified" if "not verified" not in f else f for f in failed if f != "(error)"]
+        )
+        rows.append(
+            DemoRow(checkpoint=name, problem=problem, fix=fix_txt, verified=not failed, detail=detail, steps=steps)
+        )
 
     gpu_cmds = []
     for args in (["gpus"], ["pick-gpu"], ["doctor"]):
@@ -291,21 +326,37 @@ def run_demo(out_dir: str = "ckptfix-demo", *, device: str = "cpu", epochs: int 
         p = subprocess.run([sys.executable, "-m", "ckptfix", *args], capture_output=True, text=True, timeout=120)
         clean = "Traceback" not in p.stderr and p.returncode in (0, 20, 21)
         msg = _first(p.stderr if p.returncode else p.stdout, 110)
-        gpu_cmds.append({"command": "ckptfix " + " ".join(args), "exit_code": p.returncode, "ok": clean,
-                         "message": msg})
-    return DemoResult(out_dir=out_dir, device=device, rows=rows, gpu_commands=gpu_cmds,
-                      seconds=time.perf_counter() - t0)
+        gpu_cmds.append(
+            {"command": "ckptfix " + " ".join(args), "exit_code": p.returncode, "ok": clean, "message": msg}
+        )
+    return DemoResult(
+        out_dir=out_dir, device=device, rows=rows, gpu_commands=gpu_cmds, seconds=time.perf_counter() - t0
+    )
 
 
 def format_summary(res: DemoResult) -> str:
     from ckptfix.text import table
 
-    rows = [[r.checkpoint, r.problem if len(r.problem) <= 110 else r.problem[:107] + "...", r.fix,
-             "yes" if r.verified else "NO"] for r in res.rows]
+    rows = [
+        [
+            r.checkpoint,
+            r.problem if len(r.problem) <= 110 else r.problem[:107] + "...",
+            r.fix,
+            "yes" if r.verified else "NO",
+        ]
+        for r in res.rows
+    ]
     out = [table(rows, ["checkpoint", "problem found", "fix applied", "verified"])]
     out.append("")
-    out.append(table([[g["command"], str(g["exit_code"]), g["message"][:80], "yes" if g["ok"] else "NO"]
-                      for g in res.gpu_commands], ["command", "exit", "message", "clean"]))
+    out.append(
+        table(
+            [
+                [g["command"], str(g["exit_code"]), g["message"][:80], "yes" if g["ok"] else "NO"]
+                for g in res.gpu_commands
+            ],
+            ["command", "exit", "message", "clean"],
+        )
+    )
     out.append("")
     out.append(f"{'all verified' if res.ok else 'FAILURES'} in {res.seconds:.0f} s; files in {res.out_dir}/")
     for r in res.rows:
@@ -316,6 +367,7 @@ def format_summary(res: DemoResult) -> str:
 
 def check(res: DemoResult) -> None:
     if not res.ok:
-        bad = [r.checkpoint for r in res.rows if not r.verified] + [g["command"] for g in res.gpu_commands
-                                                                    if not g["ok"]]
+        bad = [r.checkpoint for r in res.rows if not r.verified] + [
+            g["command"] for g in res.gpu_commands if not g["ok"]
+        ]
         raise DemoFailedError(f"{len(bad)} step(s) did not verify: {', '.join(bad)}; see the table above")

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import collections
 import io
-import json
 import os
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckptfix.formats import find_state_dict, is_tensor_like, read_checkpoint, sniff
+from ckptfix.errors import CorruptCheckpointError
+from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
-    LEGACY_MAGIC_NUMBER, PickleLimits, ScanResult, Stub, TensorRecord, classify_global, classify_pair,
-    global_name, scan_globals, scan_pickle_sequence, worst,
+    LEGACY_MAGIC_NUMBER,
+    PickleLimits,
+    ScanResult,
+    Stub,
+    TensorRecord,
+    classify_global,
+    classify_pair,
+    global_name,
+    scan_globals,
+    scan_pickle_sequence,
+    worst,
 )
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
@@ -153,11 +161,13 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     distinct: dict[tuple, Any] = {}
     for t in tensors.values():
         st = t.storage
-        distinct.setdefault((id(st), t.offset, tuple(t.shape), tuple(t.stride), t.dtype) if st is not None
-                            else (id(t),), t)
+        distinct.setdefault(
+            (id(st), t.offset, tuple(t.shape), tuple(t.stride), t.dtype) if st is not None else (id(t),), t
+        )
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
-    unique_bytes = (sum(st.nbytes or 0 for st in sd_storages.values())
-                    + sum(t.nbytes for t in distinct.values() if t.storage is None))
+    unique_bytes = sum(st.nbytes or 0 for st in sd_storages.values()) + sum(
+        t.nbytes for t in distinct.values() if t.storage is None
+    )
     non_tensor: dict[str, str] = {}
     if key_path is None:  # no tensors at all: the entries themselves
         top = obj._state if isinstance(obj, Stub) and isinstance(obj._state, dict) else obj
@@ -189,42 +199,68 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     elif cf.format == "dcp":
         wo_ok, why = False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
     elif bad:
-        wo_ok, why = False, f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5
-                                                                                              else "")
+        wo_ok, why = (
+            False,
+            f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""),
+        )
     elif cf.format in ("torch-zip", "torch-legacy") and (ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)):
-        wo_ok, why = False, (f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
-                             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it")
+        wo_ok, why = (
+            False,
+            (
+                f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
+                "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
+            ),
+        )
     else:
         wo_ok, why = True, "only globals torch's weights-only unpickler allows"
     notes = list(cf.notes)
     cuda = [loc for loc in locations if loc.startswith("cuda")]
     if cuda:
-        notes.append(f"storages are tagged {', '.join(sorted(cuda))}: plain torch.load fails without those GPUs; "
-                     "load_anywhere / --map-location remaps them")
+        notes.append(
+            f"storages are tagged {', '.join(sorted(cuda))}: plain torch.load fails without those GPUs; "
+            "load_anywhere / --map-location remaps them"
+        )
     if cf.format == "torch-legacy":
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
     if holder == "module":
-        notes.append("a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
-                     "the module itself runs its class's code (load_anywhere gives the state dict)")
+        notes.append(
+            "a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
+            "the module itself runs its class's code (load_anywhere gives the state dict)"
+        )
     elif holder == "sequence":
-        notes.append("a list/tuple holding tensors, not a state dict: each named by its position (\"0\", \"1.2\" ...)")
+        notes.append('a list/tuple holding tensors, not a state dict: each named by its position ("0", "1.2" ...)')
     if key_path is None:
-        notes.append("no tensors in this file (e.g. training arguments or a scheduler state); load it with "
-                     "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize")
+        notes.append(
+            "no tensors in this file (e.g. training arguments or a scheduler state); load it with "
+            "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize"
+        )
     return InspectReport(
-        path=cf.path, format=cf.format, file_size=cf.file_size,
+        path=cf.path,
+        format=cf.format,
+        file_size=cf.file_size,
         state_dict_key=None if key_path is None else list(key_path),
-        tensor_count=len(tensors), parameter_count=sum(t.numel for t in tensors.values()),
+        tensor_count=len(tensors),
+        parameter_count=sum(t.numel for t in tensors.values()),
         unique_parameter_count=sum(t.numel for t in distinct.values()),
-        total_bytes=sum(t.nbytes for t in tensors.values()), unique_bytes=unique_bytes,
+        total_bytes=sum(t.nbytes for t in tensors.values()),
+        unique_bytes=unique_bytes,
         storage_bytes=storage_bytes,
-        dtypes=dict(sorted(dtypes.items())), locations=dict(sorted(locations.items())),
-        prefixes=_prefix_counts(list(map(str, sd.keys()))), shared=shared, non_tensor_entries=non_tensor,
-        globals=gl, stubbed_globals=sorted(cf.stubbed), weights_only_ok=wo_ok, weights_only_reason=why,
-        notes=notes, dcp=cf.extra.get("dcp") if cf.format == "dcp" else None)
+        dtypes=dict(sorted(dtypes.items())),
+        locations=dict(sorted(locations.items())),
+        prefixes=_prefix_counts(list(map(str, sd.keys()))),
+        shared=shared,
+        non_tensor_entries=non_tensor,
+        globals=gl,
+        stubbed_globals=sorted(cf.stubbed),
+        weights_only_ok=wo_ok,
+        weights_only_reason=why,
+        notes=notes,
+        dcp=cf.extra.get("dcp") if cf.format == "dcp" else None,
+    )
 
 
 # --------------------------------------------------------------------------- scan
+
 
 @dataclass
 class ScanReport:
@@ -256,9 +292,18 @@ class ScanReport:
         return "safe"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema": SCAN_SCHEMA, "path": self.path, "format": self.format, "verdict": self.verdict,
-                "pickles": self.pickles, "globals": self.globals, "dangerous": self.dangerous,
-                "unknown": self.unknown, "errors": self.errors, "notes": self.notes}
+        return {
+            "schema": SCAN_SCHEMA,
+            "path": self.path,
+            "format": self.format,
+            "verdict": self.verdict,
+            "pickles": self.pickles,
+            "globals": self.globals,
+            "dangerous": self.dangerous,
+            "unknown": self.unknown,
+            "errors": self.errors,
+            "notes": self.notes,
+        }
 
 
 class _Acc:
@@ -297,11 +342,13 @@ class _Acc:
         self.notes += other.notes
 
 
-def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, acc: _Acc,
-                       limits: PickleLimits) -> None:
+def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, acc: _Acc, limits: PickleLimits) -> None:
     if info.file_size > limits.max_bytes:
-        acc.unknown(label, f"a {info.file_size >> 20} MiB pickle, over the {limits.max_bytes >> 20} MiB limit "
-                           "(set CKPTFIX_MAX_PICKLE_MB=N to scan it)")
+        acc.unknown(
+            label,
+            f"a {info.file_size >> 20} MiB pickle, over the {limits.max_bytes >> 20} MiB limit "
+            "(set CKPTFIX_MAX_PICKLE_MB=N to scan it)",
+        )
         return
     try:
         with zf.open(info) as fh:
@@ -336,8 +383,10 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
         check_inflation(label, zf, records=False)
         names = collections.Counter(i.filename for i in infos)
         for dup in sorted(n for n, c in names.items() if c > 1):
-            acc.errors.append(f"{label}: the archive holds {names[dup]} members named {dup!r} (readers disagree on "
-                              "which one counts); refused")
+            acc.errors.append(
+                f"{label}: the archive holds {names[dup]} members named {dup!r} (readers disagree on "
+                "which one counts); refused"
+            )
         for info in infos:
             if info.filename.endswith(".pkl") and not info.filename.endswith(".debug_pkl"):
                 _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
@@ -362,8 +411,9 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> str:
     for shard, sp in idx.shards.items():
         kind = sniff(sp)
         if kind in ("sharded", "sharded-dir", "dcp"):
-            raise CorruptCheckpointError(f"{idx.path}: shard {shard!r} is itself a {kind} checkpoint; the index is "
-                                         "corrupt or hostile")
+            raise CorruptCheckpointError(
+                f"{idx.path}: shard {shard!r} is itself a {kind} checkpoint; the index is corrupt or hostile"
+            )
         acc.merge(shard, scan_checkpoint(sp, limits=limits))
     return "sharded"
 
@@ -516,8 +566,9 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     elif kind == "dcp":
         _scan_dcp(path, acc, limits)
     elif kind == "torch-tar":
-        acc.unknown(os.path.basename(path), "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix "
-                                            "does not scan them")
+        acc.unknown(
+            os.path.basename(path),
+            "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
+        )
     globals_ = dict(sorted(acc.globals.items()))
-    return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors,
-                      notes=acc.notes)
+    return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)

@@ -69,6 +69,7 @@ class LoadedCheckpoint:
 
 # --------------------------------------------------------------------------- safety
 
+
 def _real_global(module: str, name: str) -> Any:
     mod = importlib.import_module(module)
     obj: Any = mod
@@ -107,8 +108,9 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
                     try:
                         obj = _real_global(module, name)
                     except (ImportError, AttributeError) as e:
-                        raise UnsafePickleError(f"--allow-global {full}: cannot import it here ({e}); "
-                                                "install the package that defines it") from None
+                        raise UnsafePickleError(
+                            f"--allow-global {full}: cannot import it here ({e}); install the package that defines it"
+                        ) from None
                 return obj
             if classify_global(full) == "safe":
                 return _real_global(module, name)
@@ -132,6 +134,7 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
 
 # --------------------------------------------------------------------------- devices
+
 
 def auto_device() -> str:
     """This process's device: ``cuda:$LOCAL_RANK`` under torchrun, else ``cuda:0``, else ``cpu``."""
@@ -179,8 +182,10 @@ def make_restore(map_location: MapLocation, tags: collections.Counter, remapped:
     if isinstance(map_location, str):
         target = map_location
         if target.startswith("cuda") and not torch.cuda.is_available():
-            raise UnsupportedError(f"map_location={map_location!r} but CUDA is not available here; "
-                                   "use map_location='cpu' (--map-location cpu) or 'auto'")
+            raise UnsupportedError(
+                f"map_location={map_location!r} but CUDA is not available here; "
+                "use map_location='cpu' (--map-location cpu) or 'auto'"
+            )
 
     def restore(storage: Any, location: str) -> Any:
         tags[location] += 1
@@ -206,8 +211,10 @@ def make_restore(map_location: MapLocation, tags: collections.Counter, remapped:
 
 # --------------------------------------------------------------------------- loaders
 
-def _torch_load(path: str, restore: Callable, *, mmap: bool, allow_globals: Iterable[Any], trust: bool,
-                stubbed: set[str]) -> Any:
+
+def _torch_load(
+    path: str, restore: Callable, *, mmap: bool, allow_globals: Iterable[Any], trust: bool, stubbed: set[str]
+) -> Any:
     import torch
 
     with warnings.catch_warnings():
@@ -237,13 +244,14 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
         base = bases.get(id(st))
         if base is None:
             # each storage gets its own memory (saving one tensor must not write the whole archive)
-            base = whole[st.file_offset: st.file_offset + st.nbytes].clone().view(dtype)
+            base = whole[st.file_offset : st.file_offset + st.nbytes].clone().view(dtype)
             bases[id(st)] = base
         try:
             t = base.as_strided(rec.shape, rec.stride, rec.offset)
         except RuntimeError as e:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} does not fit its storage ({e}); the file is "
-                                         "corrupt") from None
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} does not fit its storage ({e}); the file is corrupt"
+            ) from None
         if device != "cpu":
             t = t.to(device)
         out[name] = t
@@ -288,9 +296,16 @@ def _simple_target(map_location: MapLocation) -> str:
     return "cpu"
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", *, key: str | None = None,
-                    model: Any = None, allow_globals: Iterable[Any] = (), trust: bool = False,
-                    mmap: bool | None = None) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> LoadedCheckpoint:
     """Load a whole checkpoint and find its state dict.
 
     Args:
@@ -330,8 +345,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
             from ckptfix.formats import tar_message
 
             raise UnsupportedError(tar_message(path))
-        obj = _torch_load(path, make_restore(map_location, tags, remapped), mmap=False, allow_globals=(), trust=True,
-                          stubbed=stubbed)
+        obj = _torch_load(
+            path, make_restore(map_location, tags, remapped), mmap=False, allow_globals=(), trust=True, stubbed=stubbed
+        )
     elif kind in ("torch-zip", "pickle-stream"):
         restore = make_restore(map_location, tags, remapped)
         if kind == "torch-zip":
@@ -348,16 +364,18 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
                     obj = restricted_pickle_module(allow_globals, stubbed).load(f)
         else:
             try:
-                obj = _torch_load(path, restore, mmap=use_mmap, allow_globals=allow_globals, trust=trust,
-                                  stubbed=stubbed)
+                obj = _torch_load(
+                    path, restore, mmap=use_mmap, allow_globals=allow_globals, trust=trust, stubbed=stubbed
+                )
             except CkptfixError:
                 raise
             except Exception as e:
-                raise CorruptCheckpointError(f"{path}: torch could not load it ({type(e).__name__}: "
-                                             f"{str(e).splitlines()[0] if str(e) else ''})") from e
+                raise CorruptCheckpointError(
+                    f"{path}: torch could not load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                ) from e
     elif kind == "safetensors":
-        from safetensors.torch import load_file
         from safetensors import safe_open
+        from safetensors.torch import load_file
 
         dev = _simple_target(map_location)
         read_checkpoint(path)  # the header's limits and checks, as in every other command
@@ -378,8 +396,7 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         wm = idx.weight_map
         merged: dict = collections.OrderedDict()
         for shard, shard_path in idx.shards.items():
-            sub = load_checkpoint(shard_path, map_location, allow_globals=allow_globals, trust=trust,
-                                  mmap=mmap)
+            sub = load_checkpoint(shard_path, map_location, allow_globals=allow_globals, trust=trust, mmap=mmap)
             tags.update(sub.locations)
             remapped.update(sub.remapped)
             stubbed.update(sub.stubbed_globals)
@@ -410,9 +427,17 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
 
     if key is None and not contains_tensors(obj):
         # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict
-        return LoadedCheckpoint(path=path, state_dict=collections.OrderedDict(), checkpoint=obj, format=fmt,
-                                key_path=(), stubbed_globals=sorted(stubbed), locations=dict(tags),
-                                remapped=remapped, metadata=metadata)
+        return LoadedCheckpoint(
+            path=path,
+            state_dict=collections.OrderedDict(),
+            checkpoint=obj,
+            format=fmt,
+            key_path=(),
+            stubbed_globals=sorted(stubbed),
+            locations=dict(tags),
+            remapped=remapped,
+            metadata=metadata,
+        )
     key_path, sd, _ = locate_state_dict(obj, key)
     if not isinstance(sd, dict):
         sd = collections.OrderedDict(sd.items())
@@ -421,14 +446,30 @@ def load_checkpoint(path: str | os.PathLike, map_location: MapLocation = "cpu", 
         from ckptfix.prefixes import align_state_dict
 
         sd, alignment = align_state_dict(sd, model)
-    return LoadedCheckpoint(path=path, state_dict=sd, checkpoint=obj, format=fmt, key_path=tuple(key_path),
-                            stubbed_globals=sorted(stubbed), locations=dict(tags), remapped=remapped,
-                            alignment=alignment, metadata=metadata)
+    return LoadedCheckpoint(
+        path=path,
+        state_dict=sd,
+        checkpoint=obj,
+        format=fmt,
+        key_path=tuple(key_path),
+        stubbed_globals=sorted(stubbed),
+        locations=dict(tags),
+        remapped=remapped,
+        alignment=alignment,
+        metadata=metadata,
+    )
 
 
-def load_anywhere(path: str | os.PathLike, map_location: MapLocation = "cpu", *, key: str | None = None,
-                  model: Any = None, allow_globals: Iterable[Any] = (), trust: bool = False,
-                  mmap: bool | None = None) -> dict:
+def load_anywhere(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> dict:
     """Load the state dict from any checkpoint, on any machine. A drop-in for ``torch.load`` in scripts.
 
     Returns the state dict itself (``dict`` name -> ``torch.Tensor``, ``_metadata`` kept), ready for
@@ -445,14 +486,15 @@ def load_anywhere(path: str | os.PathLike, map_location: MapLocation = "cpu", *,
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError: as
             :func:`load_checkpoint`.
     """
-    lc = load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust,
-                         mmap=mmap)
+    lc = load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap)
     if not lc.state_dict and key is None:
         from ckptfix.errors import NoTensorsError
 
-        raise NoTensorsError(f"{os.fspath(path)}: a valid {lc.format} file with no tensors in it (arguments, "
-                             "scheduler or other state), so there is no state dict to load; use "
-                             "load_checkpoint(path).checkpoint for the object itself")
+        raise NoTensorsError(
+            f"{os.fspath(path)}: a valid {lc.format} file with no tensors in it (arguments, "
+            "scheduler or other state), so there is no state dict to load; use "
+            "load_checkpoint(path).checkpoint for the object itself"
+        )
     return lc.state_dict
 
 

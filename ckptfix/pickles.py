@@ -30,12 +30,16 @@ import collections
 import copyreg
 import io
 import pickle
-import pickletools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Iterable, Iterator
 
-from ckptfix.scanner import (  # re-exported: the opcode scan lives in its own module
-    LEGACY_MAGIC_NUMBER, PickleLimits, ScanResult, resolve_global, scan_globals, scan_pickle_sequence,
+from ckptfix.scanner import (  # noqa: F401 - re-exported: the opcode scan lives in its own module
+    LEGACY_MAGIC_NUMBER,
+    PickleLimits,
+    ScanResult,
+    resolve_global,
+    scan_globals,
+    scan_pickle_sequence,
 )
 
 # --------------------------------------------------------------------------- dtypes
@@ -65,34 +69,79 @@ STORAGE_DTYPES: dict[str, str] = {
 
 #: dtype name -> bytes per element
 ELEMENT_SIZE: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1,
-    "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
-    "bool": 1, "complex128": 16, "complex64": 8, "complex32": 4,
-    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
-    "float4_e2m1fn_x2": 1, "bits8": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "qint8": 1,
+    "quint8": 1,
+    "qint32": 4,
+    "quint4x2": 1,
+    "quint2x4": 1,
+    "float4_e2m1fn_x2": 1,
+    "bits8": 1,
+    "bits16": 2,
+    "bits1x8": 1,
+    "bits2x4": 1,
+    "bits4x2": 1,
 }
 
 #: names of ``torch.<name>`` globals that are dtypes (as pickled: ``GLOBAL torch float32``)
 DTYPE_GLOBALS: dict[str, str] = {name: name for name in ELEMENT_SIZE}
-DTYPE_GLOBALS.update({
-    "float": "float32", "double": "float64", "half": "float16", "long": "int64", "int": "int32",
-    "short": "int16", "cfloat": "complex64", "cdouble": "complex128", "chalf": "complex32",
-})
+DTYPE_GLOBALS.update(
+    {
+        "float": "float32",
+        "double": "float64",
+        "half": "float16",
+        "long": "int64",
+        "int": "int32",
+        "short": "int16",
+        "cfloat": "complex64",
+        "cdouble": "complex128",
+        "chalf": "complex32",
+    }
+)
 for _b in range(1, 8):
     DTYPE_GLOBALS[f"uint{_b}"] = f"uint{_b}"
     DTYPE_GLOBALS[f"int{_b}"] = f"int{_b}"
 
-TENSOR_REBUILDERS = frozenset({
-    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
-    "_rebuild_meta_tensor_no_storage", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass",
-    "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor",
-})
+TENSOR_REBUILDERS = frozenset(
+    {
+        "_rebuild_tensor",
+        "_rebuild_tensor_v2",
+        "_rebuild_tensor_v3",
+        "_rebuild_parameter",
+        "_rebuild_parameter_with_state",
+        "_rebuild_qtensor",
+        "_rebuild_sparse_tensor",
+        "_rebuild_meta_tensor_no_storage",
+        "_rebuild_nested_tensor",
+        "_rebuild_wrapper_subclass",
+        "_rebuild_device_tensor_from_numpy",
+        "_rebuild_device_tensor_from_cpu_tensor",
+    }
+)
 
 
 # --------------------------------------------------------------------------- records
+
 
 @dataclass(eq=False)
 class StorageRecord:
@@ -165,7 +214,7 @@ class TensorRecord:
 
     def is_contiguous(self) -> bool:
         expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride)):
+        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expected:
                 return False
             expected *= size
@@ -181,12 +230,13 @@ class TensorRecord:
         """(first, last+1) element index in the storage that this view touches."""
         if self.numel == 0:
             return (self.offset, self.offset)
-        last = self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        last = self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
         return (self.offset, last + 1)
 
     def __repr__(self) -> str:  # compact, used in reports
         loc = self.location or "-"
-        return f"TensorRecord({self.dtype}, shape={list(self.shape)}, storage={self.storage.key if self.storage else None}@{loc})"
+        key = self.storage.key if self.storage else None
+        return f"TensorRecord({self.dtype}, shape={list(self.shape)}, storage={key}@{loc})"
 
 
 def is_tensor_like(v: Any) -> bool:
@@ -198,6 +248,7 @@ def is_tensor_like(v: Any) -> bool:
 
 
 # --------------------------------------------------------------------------- stubs
+
 
 class Stub:
     """Base of the inert placeholders that stand for globals we do not run.
@@ -274,8 +325,12 @@ class Stub:
 
     def to_dict(self) -> dict:
         """A JSON-friendly view: the global's name, its arguments and its state."""
-        return {"__global__": global_name(type(self)), "args": list(self._args),
-                "state": self._state, "items": dict(self._dictitems) or list(self._listitems) or None}
+        return {
+            "__global__": global_name(type(self)),
+            "args": list(self._args),
+            "state": self._state,
+            "items": dict(self._dictitems) or list(self._listitems) or None,
+        }
 
 
 def _short(x: Any, n: int = 60) -> str:
@@ -325,8 +380,11 @@ def rebuilder_class(module: str, name: str) -> type:
     key = f"{module}.{name}"
     cls = _REBUILDER_CACHE.get(key)
     if cls is None:
-        cls = type(name, (_TensorRebuilder,), {"_ckpt_module": module, "_ckpt_name": name,
-                                               "__module__": "ckptfix.pickles.stubs"})
+        cls = type(
+            name,
+            (_TensorRebuilder,),
+            {"_ckpt_module": module, "_ckpt_name": name, "__module__": "ckptfix.pickles.stubs"},
+        )
         _REBUILDER_CACHE[key] = cls
     return cls
 
@@ -369,14 +427,15 @@ def validate_tensor_record(t: TensorRecord) -> None:
 
     def bad(why: str) -> CorruptCheckpointError:
         key = t.storage.key if t.storage is not None else "?"
-        return CorruptCheckpointError(f"tensor record on storage {key!r} is invalid: {why}; the checkpoint is "
-                                      "corrupt (torch.load refuses it too)")
+        return CorruptCheckpointError(
+            f"tensor record on storage {key!r} is invalid: {why}; the checkpoint is corrupt (torch.load refuses it too)"
+        )
 
     shape, stride = t.shape, t.stride
     if len(shape) != len(stride):
         raise bad(f"shape {list(shape)} and stride {list(stride)} differ in length")
     numel, last = 1, t.offset
-    for size, step in zip(shape, stride):
+    for size, step in zip(shape, stride, strict=False):
         if size < 0:
             raise bad(f"negative size in shape {list(shape)}")
         if step < 0:
@@ -397,8 +456,10 @@ def validate_tensor_record(t: TensorRecord) -> None:
         return
     cap = st.nbytes if st.nbytes is not None else (st.numel * st.element_size if st.numel is not None else None)
     if cap is not None and end * es > cap:
-        raise bad(f"the view (offset {t.offset}, shape {list(t.shape)}, stride {list(t.stride)}) needs "
-                  f"{end * es:,} bytes of a {cap:,}-byte storage")
+        raise bad(
+            f"the view (offset {t.offset}, shape {list(t.shape)}, stride {list(t.stride)}) needs "
+            f"{end * es:,} bytes of a {cap:,}-byte storage"
+        )
 
 
 def _rebuild(name: str, args: tuple) -> TensorRecord:
@@ -410,27 +471,46 @@ def _rebuild(name: str, args: tuple) -> TensorRecord:
             dtype = stub_dtype(args[6]) or dtype
         if not isinstance(storage, StorageRecord):
             raise pickle.UnpicklingError(f"{name} called without a storage")
-        rec = TensorRecord(storage, _as_int(offset, "storage offset"), _as_shape(size), _as_shape(stride), dtype,
-                           requires_grad)
+        rec = TensorRecord(
+            storage, _as_int(offset, "storage offset"), _as_shape(size), _as_shape(stride), dtype, requires_grad
+        )
         validate_tensor_record(rec)
         return rec
     if name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
         inner = args[0]
         if isinstance(inner, TensorRecord):
-            return TensorRecord(inner.storage, inner.offset, inner.shape, inner.stride, inner.dtype,
-                                bool(args[1]) if len(args) > 1 else True, inner.kind, True)
+            return TensorRecord(
+                inner.storage,
+                inner.offset,
+                inner.shape,
+                inner.stride,
+                inner.dtype,
+                bool(args[1]) if len(args) > 1 else True,
+                inner.kind,
+                True,
+            )
         return TensorRecord(None, 0, (), (), "unknown", kind="subclass", parameter=True)
     if name == "_rebuild_meta_tensor_no_storage":
-        return TensorRecord(None, 0, _as_shape(args[1]), _as_shape(args[2]), stub_dtype(args[0]) or "unknown",
-                            kind="meta")
+        return TensorRecord(
+            None, 0, _as_shape(args[1]), _as_shape(args[2]), stub_dtype(args[0]) or "unknown", kind="meta"
+        )
     if name == "_rebuild_qtensor":
         storage = args[0]
-        return TensorRecord(storage if isinstance(storage, StorageRecord) else None, int(args[1]),
-                            _as_shape(args[2]), _as_shape(args[3]),
-                            storage.dtype if isinstance(storage, StorageRecord) else "unknown", kind="quantized")
-    kind = {"_rebuild_sparse_tensor": "sparse", "_rebuild_nested_tensor": "nested",
-            "_rebuild_wrapper_subclass": "subclass", "_rebuild_device_tensor_from_numpy": "numpy",
-            "_rebuild_device_tensor_from_cpu_tensor": "subclass"}.get(name, "subclass")
+        return TensorRecord(
+            storage if isinstance(storage, StorageRecord) else None,
+            int(args[1]),
+            _as_shape(args[2]),
+            _as_shape(args[3]),
+            storage.dtype if isinstance(storage, StorageRecord) else "unknown",
+            kind="quantized",
+        )
+    kind = {
+        "_rebuild_sparse_tensor": "sparse",
+        "_rebuild_nested_tensor": "nested",
+        "_rebuild_wrapper_subclass": "subclass",
+        "_rebuild_device_tensor_from_numpy": "numpy",
+        "_rebuild_device_tensor_from_cpu_tensor": "subclass",
+    }.get(name, "subclass")
     return TensorRecord(None, 0, (), (), "unknown", kind=kind)
 
 
@@ -447,15 +527,26 @@ class _RebuildFromType(Stub):
                 inner.parameter = True
             elif not (isinstance(new_type, type) and issubclass(new_type, Stub) and new_type._ckpt_name == "Tensor"):
                 inner.kind = "subclass" if inner.kind == "dense" else inner.kind
-            outer = TensorRecord(inner.storage, inner.offset, inner.shape, inner.stride, inner.dtype,
-                                 inner.requires_grad, inner.kind, inner.parameter, cls, args)
+            outer = TensorRecord(
+                inner.storage,
+                inner.offset,
+                inner.shape,
+                inner.stride,
+                inner.dtype,
+                inner.requires_grad,
+                inner.kind,
+                inner.parameter,
+                cls,
+                args,
+            )
             return outer
         return Stub.__new__(cls, *args)
 
 
 # plain-data constructors that run no user code: rebuilt for real, within limits
-_SAFE_CODECS = frozenset({"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1", "utf-8", "utf8",
-                          "utf_8", "ascii", "us-ascii"})
+_SAFE_CODECS = frozenset(
+    {"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1", "utf-8", "utf8", "utf_8", "ascii", "us-ascii"}
+)
 
 
 def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
@@ -522,8 +613,11 @@ class _BoundedCtor(Stub):
         a = args[0]
         if isinstance(a, Stub) or isinstance(a, type):
             return None  # a placeholder stands for something not built: never iterate it as if it were
-        if name in ("bytearray", "bytes") and len(args) > 1 and not (
-                isinstance(args[1], str) and args[1].lower() in _SAFE_CODECS):
+        if (
+            name in ("bytearray", "bytes")
+            and len(args) > 1
+            and not (isinstance(args[1], str) and args[1].lower() in _SAFE_CODECS)
+        ):
             return None  # only plain text codecs: a codec lookup may import modules
         if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
             return a if a >= 0 else None
@@ -551,33 +645,150 @@ _REAL: dict[tuple[str, str], Any] = {
 # --------------------------------------------------------------------------- classification
 
 _DANGEROUS_MODULES = {
-    "os", "posix", "nt", "subprocess", "sys", "runpy", "importlib", "pickle", "_pickle", "cPickle",
-    "marshal", "shutil", "socket", "ctypes", "pty", "code", "codeop", "commands", "webbrowser",
-    "multiprocessing", "asyncio", "platform", "signal", "tempfile", "io", "_io",
-    "urllib", "http", "requests", "ftplib", "smtplib", "telnetlib", "types", "inspect", "pdb",
-    "timeit", "cProfile", "profile", "trace", "dill", "cloudpickle", "joblib", "bdb", "_posixsubprocess",
-    "torch.hub", "torch._C", "torch.jit", "torch.package", "torch._dynamo", "torch.utils.cpp_extension",
-    "numpy.testing", "numpy.f2py", "numpy.distutils", "_ctypes", "operator", "functools", "builtins.getattr",
+    "os",
+    "posix",
+    "nt",
+    "subprocess",
+    "sys",
+    "runpy",
+    "importlib",
+    "pickle",
+    "_pickle",
+    "cPickle",
+    "marshal",
+    "shutil",
+    "socket",
+    "ctypes",
+    "pty",
+    "code",
+    "codeop",
+    "commands",
+    "webbrowser",
+    "multiprocessing",
+    "asyncio",
+    "platform",
+    "signal",
+    "tempfile",
+    "io",
+    "_io",
+    "urllib",
+    "http",
+    "requests",
+    "ftplib",
+    "smtplib",
+    "telnetlib",
+    "types",
+    "inspect",
+    "pdb",
+    "timeit",
+    "cProfile",
+    "profile",
+    "trace",
+    "dill",
+    "cloudpickle",
+    "joblib",
+    "bdb",
+    "_posixsubprocess",
+    "torch.hub",
+    "torch._C",
+    "torch.jit",
+    "torch.package",
+    "torch._dynamo",
+    "torch.utils.cpp_extension",
+    "numpy.testing",
+    "numpy.f2py",
+    "numpy.distutils",
+    "_ctypes",
+    "operator",
+    "functools",
+    "builtins.getattr",
 }
 #: attribute names that, reached through a dotted path, mean running something
-_DANGEROUS_ATTRS = {"system", "popen", "spawnl", "spawnv", "execl", "execv", "execve", "fork", "load", "loads",
-                    "run", "call", "check_call", "check_output", "Popen", "torch_save_to_dcp", "remove", "unlink",
-                    "rmtree", "rename", "write", "write_text", "write_bytes"}
-_PATHS = {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib.PureWindowsPath",
-          "pathlib.Path"}
+_DANGEROUS_ATTRS = {
+    "system",
+    "popen",
+    "spawnl",
+    "spawnv",
+    "execl",
+    "execv",
+    "execve",
+    "fork",
+    "load",
+    "loads",
+    "run",
+    "call",
+    "check_call",
+    "check_output",
+    "Popen",
+    "torch_save_to_dcp",
+    "remove",
+    "unlink",
+    "rmtree",
+    "rename",
+    "write",
+    "write_text",
+    "write_bytes",
+}
+_PATHS = {
+    "pathlib.PosixPath",
+    "pathlib.WindowsPath",
+    "pathlib.PurePosixPath",
+    "pathlib.PureWindowsPath",
+    "pathlib.Path",
+}
 _DANGEROUS_BUILTINS = {
-    "eval", "exec", "compile", "open", "getattr", "setattr", "delattr", "__import__", "globals", "locals",
-    "vars", "input", "breakpoint", "apply", "execfile", "file", "reload", "memoryview", "help", "exit", "quit",
-    "object", "type", "super", "classmethod", "staticmethod", "property", "callable", "map", "filter",
+    "eval",
+    "exec",
+    "compile",
+    "open",
+    "getattr",
+    "setattr",
+    "delattr",
+    "__import__",
+    "globals",
+    "locals",
+    "vars",
+    "input",
+    "breakpoint",
+    "apply",
+    "execfile",
+    "file",
+    "reload",
+    "memoryview",
+    "help",
+    "exit",
+    "quit",
+    "object",
+    "type",
+    "super",
+    "classmethod",
+    "staticmethod",
+    "property",
+    "callable",
+    "map",
+    "filter",
 }
 _SAFE_EXTRA = {
-    "collections.OrderedDict", "collections.Counter", "torch.nn.parameter.Parameter", "torch.serialization._get_layout",
-    "torch.Size", "torch.Tensor", "torch.device", "_codecs.encode", "builtins.bytearray", "builtins.set",
-    "builtins.complex", "torch._tensor._rebuild_from_type_v2", "torch.per_tensor_affine",
-    "torch.per_tensor_symmetric", "torch.per_channel_affine", "torch.per_channel_symmetric",
+    "collections.OrderedDict",
+    "collections.Counter",
+    "torch.nn.parameter.Parameter",
+    "torch.serialization._get_layout",
+    "torch.Size",
+    "torch.Tensor",
+    "torch.device",
+    "_codecs.encode",
+    "builtins.bytearray",
+    "builtins.set",
+    "builtins.complex",
+    "torch._tensor._rebuild_from_type_v2",
+    "torch.per_tensor_affine",
+    "torch.per_tensor_symmetric",
+    "torch.per_channel_affine",
+    "torch.per_channel_symmetric",
     "torch.per_channel_affine_float_qparams",
     # what torch.save writes for dtypes without a legacy typed storage class (uint16, float8 ...)
-    "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
+    "torch.storage.UntypedStorage",
+    "torch.storage.TypedStorage",
 }
 
 
@@ -602,8 +813,11 @@ def classify_global(name: str, context: str | None = None) -> str:
 
         if name in DCP_METADATA_GLOBALS:
             return "safe"
-    if context == "torchscript" and name.startswith("__torch__.") and "__" not in name[len("__torch__."):].replace(
-            "___torch_mangle_", ""):
+    if (
+        context == "torchscript"
+        and name.startswith("__torch__.")
+        and "__" not in name[len("__torch__.") :].replace("___torch_mangle_", "")
+    ):
         return "safe"
     module, _, attr = name.rpartition(".")
     if module == "torch._utils" and attr in TENSOR_REBUILDERS:
@@ -647,9 +861,17 @@ def classify_pair(module: str, name: str, context: str | None = None) -> str:
     if "." not in name:
         return joined
     parts = name.split(".")
-    own = "dangerous" if (classify_global(f"{module}.{parts[0]}", context) == "dangerous"
-                          or any(p.startswith("__") or p in _DANGEROUS_MODULES or p in _DANGEROUS_BUILTINS
-                                 or p in _DANGEROUS_ATTRS for p in parts)) else "unknown"
+    own = (
+        "dangerous"
+        if (
+            classify_global(f"{module}.{parts[0]}", context) == "dangerous"
+            or any(
+                p.startswith("__") or p in _DANGEROUS_MODULES or p in _DANGEROUS_BUILTINS or p in _DANGEROUS_ATTRS
+                for p in parts
+            )
+        )
+        else "unknown"
+    )
     return own if _ORDER[own] >= _ORDER[joined] else joined
 
 
@@ -659,6 +881,7 @@ def worst(*classes: str) -> str:
 
 
 # --------------------------------------------------------------------------- unpickler
+
 
 class RecordingUnpickler(pickle.Unpickler):
     """Unpickle into records and placeholders; calls nothing from the pickle, and stays within limits.
@@ -676,8 +899,14 @@ class RecordingUnpickler(pickle.Unpickler):
     it, the object graph's depth is checked, so no later recursive walk can fail.
     """
 
-    def __init__(self, file: BinaryIO, *, legacy: bool = False, storages: dict[str, StorageRecord] | None = None,
-                 limits: PickleLimits | None = None):
+    def __init__(
+        self,
+        file: BinaryIO,
+        *,
+        legacy: bool = False,
+        storages: dict[str, StorageRecord] | None = None,
+        limits: PickleLimits | None = None,
+    ):
         super().__init__(file, encoding="utf-8")
         self._file = file
         self.storages: dict[str, StorageRecord] = {} if storages is None else storages
@@ -721,8 +950,10 @@ class RecordingUnpickler(pickle.Unpickler):
         full = global_name(cls)
         self.stubbed.add(full)
         what = f"{size:,} elements" if size is not None else "unknown size"
-        note = (f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
-                "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged")
+        note = (
+            f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
+            "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged"
+        )
         if note not in self.notes and len(self.notes) < 100:
             self.notes.append(note)
 
@@ -737,10 +968,18 @@ class RecordingUnpickler(pickle.Unpickler):
         if (module, name) in _BOUNDED:
             cls = self._bounded.get((module, name))
             if cls is None:
-                cls = type(name, (_BoundedCtor,), {"_ckpt_module": module, "_ckpt_name": name,
-                                                   "_real": staticmethod(_BOUNDED[(module, name)]),
-                                                   "_limits": self.limits, "_owner": self,
-                                                   "__module__": "ckptfix.pickles.stubs"})
+                cls = type(
+                    name,
+                    (_BoundedCtor,),
+                    {
+                        "_ckpt_module": module,
+                        "_ckpt_name": name,
+                        "_real": staticmethod(_BOUNDED[(module, name)]),
+                        "_limits": self.limits,
+                        "_owner": self,
+                        "__module__": "ckptfix.pickles.stubs",
+                    },
+                )
                 self._bounded[(module, name)] = cls
             return cls
         if module == "torch._utils" and name in TENSOR_REBUILDERS:
@@ -760,9 +999,14 @@ class RecordingUnpickler(pickle.Unpickler):
             if rec is None:
                 type_name = getattr(storage_type, "_ckpt_name", "") or ""
                 dtype = STORAGE_DTYPES.get(type_name) or stub_dtype(storage_type) or "uint8"
-                rec = StorageRecord(key=key, dtype=dtype, location=location, numel=numel,
-                                    storage_type=storage_type,
-                                    view_metadata=pid[5] if len(pid) > 5 else None)
+                rec = StorageRecord(
+                    key=key,
+                    dtype=dtype,
+                    location=location,
+                    numel=numel,
+                    storage_type=storage_type,
+                    view_metadata=pid[5] if len(pid) > 5 else None,
+                )
                 rec._legacy = len(pid) > 5
                 self.storages[key] = rec
             if len(pid) > 5 and pid[5] is not None:  # legacy storage view: (view_key, offset, view_size)
@@ -808,8 +1052,10 @@ def check_depth(obj: Any, limit: int) -> None:
     from ckptfix.errors import ResourceLimitError
 
     def too_deep() -> ResourceLimitError:
-        return ResourceLimitError(f"the checkpoint's objects are nested more than {limit} levels deep; set "
-                                  "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust")
+        return ResourceLimitError(
+            f"the checkpoint's objects are nested more than {limit} levels deep; set "
+            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it for a file you trust"
+        )
 
     height: dict[int, int] = {}
     on_path: set[int] = set()
@@ -858,9 +1104,17 @@ _RFT_CLASS: list[type] = []
 
 def _rebuild_from_type_class() -> type:
     if not _RFT_CLASS:
-        _RFT_CLASS.append(type("_rebuild_from_type_v2", (_RebuildFromType,),
-                               {"_ckpt_module": "torch._tensor", "_ckpt_name": "_rebuild_from_type_v2",
-                                "__module__": "ckptfix.pickles.stubs"}))
+        _RFT_CLASS.append(
+            type(
+                "_rebuild_from_type_v2",
+                (_RebuildFromType,),
+                {
+                    "_ckpt_module": "torch._tensor",
+                    "_ckpt_name": "_rebuild_from_type_v2",
+                    "__module__": "ckptfix.pickles.stubs",
+                },
+            )
+        )
     return _RFT_CLASS[0]
 
 
@@ -872,6 +1126,7 @@ def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpi
 
 
 # --------------------------------------------------------------------------- writer
+
 
 class RecordPickler(pickle._Pickler):  # type: ignore[name-defined]
     """Write an object graph of records and placeholders back as a torch-loadable pickle."""
@@ -916,9 +1171,11 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
     except RecursionError:
         from ckptfix.errors import UnsupportedError
 
-        raise UnsupportedError("the checkpoint object is nested too deeply to be written back (thousands of "
-                               "levels of lists/dicts); load it with load_anywhere, flatten the nesting and "
-                               "torch.save it again") from None
+        raise UnsupportedError(
+            "the checkpoint object is nested too deeply to be written back (thousands of "
+            "levels of lists/dicts); load it with load_anywhere, flatten the nesting and "
+            "torch.save it again"
+        ) from None
     return buf.getvalue()
 
 
@@ -929,15 +1186,26 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
 # --------------------------------------------------------------------------- write-back check
 
 #: modules whose attributes :func:`globals_resolvable` may look up, and only when already imported
-RESOLVE_CHECK_MODULES = frozenset({
-    "builtins", "collections", "copyreg", "_codecs", "torch", "torch._utils", "torch._tensor",
-    "torch.nn.parameter", "torch.serialization", "torch.storage",
-})
+RESOLVE_CHECK_MODULES = frozenset(
+    {
+        "builtins",
+        "collections",
+        "copyreg",
+        "_codecs",
+        "torch",
+        "torch._utils",
+        "torch._tensor",
+        "torch.nn.parameter",
+        "torch.serialization",
+        "torch.storage",
+    }
+)
 
 
-def globals_resolvable(data: bytes | bytearray | memoryview,
-                       reference: bytes | bytearray | memoryview | Iterable[tuple[str, str]] | None = None
-                       ) -> list[str]:
+def globals_resolvable(
+    data: bytes | bytearray | memoryview,
+    reference: bytes | bytearray | memoryview | Iterable[tuple[str, str]] | None = None,
+) -> list[str]:
     """Check that every global a pickle names resolves, before a rewritten file replaces anything.
 
     Each global is resolved as CPython's unpickler resolves it at the protocol in force
@@ -973,8 +1241,10 @@ def globals_resolvable(data: bytes | bytearray | memoryview,
         mod = sys.modules.get(module) if module in RESOLVE_CHECK_MODULES else None
         if mod is not None and "." not in name:
             if not hasattr(mod, name):
-                problems.append(f"{full} does not exist: torch.load would fail with AttributeError "
-                                f"(the unpickler resolves {module}.{name} at protocol {r.protocol})")
+                problems.append(
+                    f"{full} does not exist: torch.load would fail with AttributeError "
+                    f"(the unpickler resolves {module}.{name} at protocol {r.protocol})"
+                )
             continue
         if ref is not None:
             if (module, name) not in ref:

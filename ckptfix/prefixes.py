@@ -142,7 +142,7 @@ def rename_keys(state_dict: M, fn: KeyFn | Mapping[str, str]) -> M:
     _check_collisions(old_keys, new_keys)
 
     out = _empty_like(state_dict)
-    for old, new in zip(old_keys, new_keys):
+    for old, new in zip(old_keys, new_keys, strict=False):
         out[new] = state_dict[old]
     metadata = getattr(state_dict, "_metadata", None)
     if isinstance(metadata, Mapping):
@@ -155,7 +155,7 @@ def rename_keys(state_dict: M, fn: KeyFn | Mapping[str, str]) -> M:
 
 def _check_collisions(old_keys: list[str], new_keys: list[str]) -> None:
     seen: dict[str, str] = {}
-    for old, new in zip(old_keys, new_keys):
+    for old, new in zip(old_keys, new_keys, strict=False):
         if new in seen:
             raise KeyConflictError(
                 f"renaming {seen[new]!r} and {old!r} would give both the key {new!r}; nothing was changed. "
@@ -451,9 +451,7 @@ def _plan_strip(keys: list[str], *, partial: bool) -> _StripPlan:
     return _StripPlan(tuple(steps), tuple(stripped), _ordered_counts(inner, INNER_WRAPPER_SEGMENTS), skipped)
 
 
-def strip_prefix_report(
-    state_dict: M, prefix: str | None = None, *, partial: bool = False
-) -> tuple[M, StripReport]:
+def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bool = False) -> tuple[M, StripReport]:
     """Like :func:`strip_prefix`, and also say what was done.
 
     >>> sd, report = strip_prefix_report({"module.a.w": 1, "b.w": 2})
@@ -487,7 +485,7 @@ def strip_prefix_report(
         stripped = ((wanted, carrying),) if wanted and carrying else ()
         inner_removed, skipped = {}, {}
     new = rename_keys(state_dict, fn)
-    renamed = sum(1 for old, new_key in zip(keys, new.keys()) if old != new_key)
+    renamed = sum(1 for old, new_key in zip(keys, new.keys(), strict=False) if old != new_key)
     report = StripReport(
         total_keys=len(keys),
         renamed_keys=renamed,
@@ -800,7 +798,7 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
         new_keys = [fn(k) for k in ckpt_keys]
         if len(set(new_keys)) != len(new_keys):
             continue  # this renaming would collide: not a candidate
-        pairs = tuple((old, new) for old, new in zip(ckpt_keys, new_keys) if new in target_set)
+        pairs = tuple((old, new) for old, new in zip(ckpt_keys, new_keys, strict=False) if new in target_set)
         mismatches = _count_mismatches(pairs, ckpt_shapes, target_shapes)
         score = (len(pairs), -mismatches, carrying)
         if best is None or score > best:

@@ -15,8 +15,7 @@ from typing import Callable, Iterator
 #: ``progress(done_bytes, total_bytes)``
 Progress = Callable[[int, int], None]
 
-_SINK: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("ckptfix_progress",
-                                                                                     default=None)
+_SINK: contextvars.ContextVar[Callable[[int], None] | None] = contextvars.ContextVar("ckptfix_progress", default=None)
 
 
 @contextlib.contextmanager

@@ -23,12 +23,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptfix.progress import Progress, reporting
 from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
 from ckptfix.pickles import TensorRecord, dumps
 from ckptfix.prefixes import _rekey_metadata
+from ckptfix.progress import Progress, reporting
 
 #: a transform: state dict -> (new state dict, report object with to_dict()/summary())
 Transform = Callable[[Mapping[str, Any]], "tuple[Mapping[str, Any], Any]"]
@@ -74,23 +74,41 @@ def parse_map_location(spec: str | None) -> Callable[[str], str] | None:
             continue
         a, eq, b = part.partition("=")
         if not eq or not a.strip():
-            raise UnsupportedError(f"--map-location {spec!r}: {part.strip()!r} is not FROM=TO; write it like "
-                                   "'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'")
+            raise UnsupportedError(
+                f"--map-location {spec!r}: {part.strip()!r} is not FROM=TO; write it like "
+                "'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'"
+            )
         table[a.strip()] = _check_device(b.strip(), spec)
     return lambda loc: table.get(loc, loc)
 
 
 #: device types torch.load can restore a storage to (its location tags)
-_DEVICE_TYPES = ("cpu", "cuda", "mps", "meta", "xpu", "hpu", "mtia", "xla", "maia", "ipu", "privateuseone",
-                 "npu", "mlu", "musa")  # the last: common out-of-tree (privateuse1) backends
+_DEVICE_TYPES = (
+    "cpu",
+    "cuda",
+    "mps",
+    "meta",
+    "xpu",
+    "hpu",
+    "mtia",
+    "xla",
+    "maia",
+    "ipu",
+    "privateuseone",
+    "npu",
+    "mlu",
+    "musa",
+)  # the last: common out-of-tree (privateuse1) backends
 
 
 def _check_device(dev: str, spec: str) -> str:
     """``dev`` if torch.load can restore a storage tagged with it, else an error (an unloadable file otherwise)."""
     kind, _, index = dev.partition(":")
     if kind not in _DEVICE_TYPES or (index and not index.isdigit()) or dev.endswith(":"):
-        raise UnsupportedError(f"--map-location {spec!r}: {dev!r} is not a device torch.load knows (cpu, cuda, "
-                               "cuda:N, mps, xpu:N ...); write it like 'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'")
+        raise UnsupportedError(
+            f"--map-location {spec!r}: {dev!r} is not a device torch.load knows (cpu, cuda, "
+            "cuda:N, mps, xpu:N ...); write it like 'cpu' or 'cuda:7=cuda:0,cuda:1=cpu'"
+        )
     return dev
 
 
@@ -101,10 +119,20 @@ def _replace_at(obj: Any, path: tuple[str, ...], new: Any) -> Any:
     return obj
 
 
-def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = None, in_place: bool = False,
-                       backup: bool = True, force: bool = False, key: str | None = None,
-                       map_location: str | None = None, fsync: bool | None = None,
-                       suffix: str = "fixed", progress: Progress | None = None) -> RewriteReport:
+def rewrite_checkpoint(
+    src: str,
+    transform: Transform,
+    *,
+    output: str | None = None,
+    in_place: bool = False,
+    backup: bool = True,
+    force: bool = False,
+    key: str | None = None,
+    map_location: str | None = None,
+    fsync: bool | None = None,
+    suffix: str = "fixed",
+    progress: Progress | None = None,
+) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
     Args:
@@ -134,8 +162,18 @@ def rewrite_checkpoint(src: str, transform: Transform, *, output: str | None = N
         VerificationError: the written file did not read back (nothing was replaced).
     """
     with reporting(progress, _input_bytes(src)):
-        return _rewrite_checkpoint(src, transform, output=output, in_place=in_place, backup=backup, force=force,
-                                   key=key, map_location=map_location, fsync=fsync, suffix=suffix)
+        return _rewrite_checkpoint(
+            src,
+            transform,
+            output=output,
+            in_place=in_place,
+            backup=backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=fsync,
+            suffix=suffix,
+        )
 
 
 def _input_bytes(src: str) -> int:
@@ -149,20 +187,49 @@ def _input_bytes(src: str) -> int:
         return 0
 
 
-def _rewrite_checkpoint(src: str, transform: Transform, *, output: str | None, in_place: bool, backup: bool,
-                        force: bool, key: str | None, map_location: str | None, fsync: bool | None,
-                        suffix: str) -> RewriteReport:
+def _rewrite_checkpoint(
+    src: str,
+    transform: Transform,
+    *,
+    output: str | None,
+    in_place: bool,
+    backup: bool,
+    force: bool,
+    key: str | None,
+    map_location: str | None,
+    fsync: bool | None,
+    suffix: str,
+) -> RewriteReport:
     from ckptfix.formats import sniff
 
     if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
         from ckptfix.dcp.rewrite import rewrite_dcp
 
-        return rewrite_dcp(src, transform, output=output, in_place=in_place, backup=backup, force=force, key=key,
-                           map_location=map_location, fsync=fsync, suffix=suffix)
+        return rewrite_dcp(
+            src,
+            transform,
+            output=output,
+            in_place=in_place,
+            backup=backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=fsync,
+            suffix=suffix,
+        )
     cf = read_checkpoint(src)
     if cf.format == "sharded":
-        return _rewrite_sharded(cf, transform, output=output, in_place=in_place, force=force, key=key,
-                                map_location=map_location, fsync=bool(fsync), suffix=suffix)
+        return _rewrite_sharded(
+            cf,
+            transform,
+            output=output,
+            in_place=in_place,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=bool(fsync),
+            suffix=suffix,
+        )
     _check_writable(cf)
     if key is None and cf.format != "safetensors":
         from ckptfix.convert import _require_tensors
@@ -173,36 +240,63 @@ def _rewrite_checkpoint(src: str, transform: Transform, *, output: str | None, i
     key_path, sd, holder = locate_state_dict(cf.obj, key)
     if holder != "mapping":
         what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
-        raise UnsupportedError(f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
-                               "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
-                               "load_anywhere it and save the state dict")
+        raise UnsupportedError(
+            f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
+            "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
+            "load_anywhere it and save the state dict"
+        )
     _check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
         sd = _logical_state_dict(sd, cf.extra.get("metadata"))
     new_sd, detail = transform(sd)
-    rename = dict(zip(sd.keys(), new_sd.keys()))
-    renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys()) if a != b)
+    rename = dict(zip(sd.keys(), new_sd.keys(), strict=False))
+    renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys(), strict=False) if a != b)
     relocated = _relocate(cf, map_location)
     fmt_out = _format_out(cf)
-    rep = RewriteReport(source=src, output=None, format_in=cf.format, format_out=fmt_out, key_path=list(key_path),
-                        changed=bool(renamed or relocated), renamed=renamed, detail=_detail(detail),
-                        relocated=relocated)
+    rep = RewriteReport(
+        source=src,
+        output=None,
+        format_in=cf.format,
+        format_out=fmt_out,
+        key_path=list(key_path),
+        changed=bool(renamed or relocated),
+        renamed=renamed,
+        detail=_detail(detail),
+        relocated=relocated,
+    )
     if not rep.changed:
         rep.notes.append("nothing to change; no file written")
         return rep
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    dst, fsync_out = prepare_output(src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out,
-                                    notes=rep.notes, fsync=fsync)
-    rep.backup = _write_file(cf, key_path, new_sd, dst, fsync=fsync_out,
-                             backup_of=dst if in_place and backup else None, rename=rename,
-                             what=src if in_place else dst)
+    dst, fsync_out = prepare_output(
+        src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out, notes=rep.notes, fsync=fsync
+    )
+    rep.backup = _write_file(
+        cf,
+        key_path,
+        new_sd,
+        dst,
+        fsync=fsync_out,
+        backup_of=dst if in_place and backup else None,
+        rename=rename,
+        what=src if in_place else dst,
+    )
     rep.output = src if in_place else dst
     return rep
 
 
-def prepare_output(src: str, output: str | None, *, in_place: bool, force: bool, suffix: str, fmt_out: str,
-                   notes: list[str], fsync: bool | None = None) -> tuple[str, bool]:
+def prepare_output(
+    src: str,
+    output: str | None,
+    *,
+    in_place: bool,
+    force: bool,
+    suffix: str,
+    fmt_out: str,
+    notes: list[str],
+    fsync: bool | None = None,
+) -> tuple[str, bool]:
     """(the path to write, whether to fsync) for a rewrite of ``src``; refuses outputs that would lose data.
 
     With ``in_place`` the file a symlink points to is the target (the link stays a link) and fsync is
@@ -224,23 +318,33 @@ def prepare_output(src: str, output: str | None, *, in_place: bool, force: bool,
         dst = os.path.realpath(src)
         links = os.stat(dst).st_nlink
         if links > 1:
-            notes.append(f"{src} had {links} hard links; the other names still hold the old contents "
-                         "(an atomic replace gives this name a new file)")
+            notes.append(
+                f"{src} had {links} hard links; the other names still hold the old contents "
+                "(an atomic replace gives this name a new file)"
+            )
         return dst, True if fsync is None else bool(fsync)
     dst = output or default_output(src, suffix, fmt_out)
     if same_file(dst, src):
         raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
     if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
         what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
-        raise OutputError(f"{dst} {what}; pass a file name with -o (e.g. "
-                          f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})")
+        raise OutputError(
+            f"{dst} {what}; pass a file name with -o (e.g. "
+            f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})"
+        )
     if os.path.exists(dst) and not force:
         raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
     return dst, bool(fsync)
 
 
-def write_atomic(dst: str, write: Callable[[Any], None], check: Callable[[str], None] | None, *, fsync: bool,
-                 backup_of: str | None = None) -> str | None:
+def write_atomic(
+    dst: str,
+    write: Callable[[Any], None],
+    check: Callable[[str], None] | None,
+    *,
+    fsync: bool,
+    backup_of: str | None = None,
+) -> str | None:
     """Write ``dst`` through a temp file: ``write(f)``, then ``check(temp_path)``, then the backup, then the rename.
 
     Args:
@@ -281,8 +385,9 @@ def _aliases_of(meta: Mapping[str, Any] | None, stored: Mapping[str, Any]) -> di
         amap = {k: v for k, v in meta.items() if k != "format" and not k.startswith("ckptfix.")}
     if not isinstance(amap, dict):
         return {}
-    return {a: b for a, b in amap.items() if isinstance(a, str) and isinstance(b, str) and a not in stored
-            and b in stored}
+    return {
+        a: b for a, b in amap.items() if isinstance(a, str) and isinstance(b, str) and a not in stored and b in stored
+    }
 
 
 def _logical_state_dict(stored: Mapping[str, Any], meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -335,16 +440,19 @@ def _rename_metadata(meta: dict[str, Any], rename: Mapping[str, str], stored: Ma
         if isinstance(views, dict):
             meta["ckptfix.views"] = json.dumps(
                 {r(n): ({**v, "base": r(v.get("base"))} if isinstance(v, dict) else v) for n, v in views.items()},
-                ensure_ascii=False)
+                ensure_ascii=False,
+            )
     return meta
 
 
 def _check_str_keys(src: str, sd: Mapping[Any, Any]) -> None:
     bad = next((k for k in sd.keys() if not isinstance(k, str)), None)
     if bad is not None:
-        raise UnsupportedError(f"{src}: the state dict has a key that is not a string ({bad!r}, a "
-                               f"{type(bad).__name__}), so its keys cannot be renamed; pass --key to pick "
-                               "another mapping, or rename it in Python")
+        raise UnsupportedError(
+            f"{src}: the state dict has a key that is not a string ({bad!r}, a "
+            f"{type(bad).__name__}), so its keys cannot be renamed; pass --key to pick "
+            "another mapping, or rename it in Python"
+        )
 
 
 def _rename_module_probe(probe: str, modules: Mapping[str, str]) -> str:
@@ -355,8 +463,10 @@ def _rename_module_probe(probe: str, modules: Mapping[str, str]) -> str:
 
 def _check_writable(cf: CheckpointFile, what: str = "") -> None:
     if cf.format not in WRITABLE:
-        raise UnsupportedError(f"{what or cf.path}: {cf.format} checkpoints cannot be rewritten here; convert it "
-                               "first (ckptfix convert) or load it with load_anywhere and save a new file")
+        raise UnsupportedError(
+            f"{what or cf.path}: {cf.format} checkpoints cannot be rewritten here; convert it "
+            "first (ckptfix convert) or load it with load_anywhere and save a new file"
+        )
 
 
 def _format_out(cf: CheckpointFile) -> str:
@@ -383,9 +493,17 @@ def _relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
     return relocated
 
 
-def _write_file(cf: CheckpointFile, key_path: Any, new_sd: Mapping[str, Any], dst: str, *, fsync: bool,
-                backup_of: str | None = None, rename: Mapping[str, str] | None = None,
-                what: str | None = None) -> str | None:
+def _write_file(
+    cf: CheckpointFile,
+    key_path: Any,
+    new_sd: Mapping[str, Any],
+    dst: str,
+    *,
+    fsync: bool,
+    backup_of: str | None = None,
+    rename: Mapping[str, str] | None = None,
+    what: str | None = None,
+) -> str | None:
     """Write ``cf`` with ``new_sd`` in place of its state dict to ``dst`` atomically; returns the backup path.
 
     ``rename`` (old name -> new name) also covers names a safetensors file does not store as tensors
@@ -407,13 +525,25 @@ def _write_file(cf: CheckpointFile, key_path: Any, new_sd: Mapping[str, Any], ds
     return write_atomic(dst, write, check, fsync=fsync, backup_of=backup_of)
 
 
-def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | None, in_place: bool, force: bool,
-                     key: str | None, map_location: str | None, fsync: bool, suffix: str) -> RewriteReport:
+def _rewrite_sharded(
+    cf: CheckpointFile,
+    transform: Transform,
+    *,
+    output: str | None,
+    in_place: bool,
+    force: bool,
+    key: str | None,
+    map_location: str | None,
+    fsync: bool,
+    suffix: str,
+) -> RewriteReport:
     """Rename across every shard of an index: new shards and index, same file names, in a new directory."""
     ipath = cf.path
     if in_place:
-        raise UnsupportedError(f"{ipath}: a sharded checkpoint is several files and cannot be replaced atomically "
-                               "in place; write it to a new directory with -o DIR, check it, then swap the directories")
+        raise UnsupportedError(
+            f"{ipath}: a sharded checkpoint is several files and cannot be replaced atomically "
+            "in place; write it to a new directory with -o DIR, check it, then swap the directories"
+        )
     if key is not None:
         raise UnsupportedError(f"{ipath}: --key does not apply to a sharded index (its weight map is the state dict)")
     shards: dict[str, CheckpointFile] = cf.extra["shards"]
@@ -421,17 +551,21 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
         _check_writable(scf, f"{ipath}: shard {name}")
     for name in shards:
         if os.path.isabs(name) or os.path.normpath(name) != os.path.basename(name) or name in (".", ".."):
-            raise UnsupportedError(f"{ipath}: shard {name!r} is not a plain file name next to the index; "
-                                   "ckptfix writes sharded outputs only as files beside their index")
+            raise UnsupportedError(
+                f"{ipath}: shard {name!r} is not a plain file name next to the index; "
+                "ckptfix writes sharded outputs only as files beside their index"
+            )
     sd = cf.obj
     _check_str_keys(ipath, sd)
     st_meta = next((scf.extra.get("metadata") for scf in shards.values() if scf.format == "safetensors"), None)
     sd = _logical_state_dict(sd, st_meta)  # with the names ckptfix convert stored once (aliases)
     new_sd, detail = transform(sd)
-    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
-        raise UnsupportedError(f"{ipath}: this rename does not map the sharded keys one to one; "
-                               "convert the index to a single file first (ckptfix convert)")
-    rename = dict(zip(sd, new_sd))
+    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd, strict=False)):
+        raise UnsupportedError(
+            f"{ipath}: this rename does not map the sharded keys one to one; "
+            "convert the index to a single file first (ckptfix convert)"
+        )
+    rename = dict(zip(sd, new_sd, strict=False))
     renamed = sum(1 for a, b in rename.items() if a != b)
     modules: dict[str, str] = {}  # module path -> new module path, ancestors too ("module" -> "")
     for a, b in rename.items():
@@ -443,9 +577,17 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
     for scf in shards.values():
         relocated.update(_relocate(scf, map_location))
     formats = {_format_out(scf) for scf in shards.values()}
-    rep = RewriteReport(source=ipath, output=None, format_in="sharded", format_out="sharded " + "/".join(sorted(formats)),
-                        key_path=[], changed=bool(renamed or relocated), renamed=renamed, detail=_detail(detail),
-                        relocated=relocated)
+    rep = RewriteReport(
+        source=ipath,
+        output=None,
+        format_in="sharded",
+        format_out="sharded " + "/".join(sorted(formats)),
+        key_path=[],
+        changed=bool(renamed or relocated),
+        renamed=renamed,
+        detail=_detail(detail),
+        relocated=relocated,
+    )
     if not rep.changed:
         rep.notes.append("nothing to change; no file written")
         return rep
@@ -458,8 +600,10 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
     names = [os.path.basename(ipath), *shards]
     clash = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if clash and not force:
-        raise OutputError(f"{os.path.join(out_dir, clash[0])} already exists; pass --force to overwrite or -o to "
-                          "choose another directory")
+        raise OutputError(
+            f"{os.path.join(out_dir, clash[0])} already exists; pass --force to overwrite or -o to "
+            "choose another directory"
+        )
     created = not os.path.isdir(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -505,8 +649,13 @@ def _rewrite_sharded(cf: CheckpointFile, transform: Transform, *, output: str | 
     return rep
 
 
-def write_checkpoint_zip(cf: CheckpointFile, obj: Any, f: Any, *, new_storages: Mapping[str, bytes] | None = None,
-                         ) -> None:
+def write_checkpoint_zip(
+    cf: CheckpointFile,
+    obj: Any,
+    f: Any,
+    *,
+    new_storages: Mapping[str, bytes] | None = None,
+) -> None:
     """Write ``cf`` as a torch zip archive whose data.pkl pickles ``obj``, every storage record copied by range.
 
     A legacy input becomes a zip archive.  torch is never imported.
@@ -546,8 +695,10 @@ def write_checkpoint_zip(cf: CheckpointFile, obj: Any, f: Any, *, new_storages: 
             root = "archive/"
             for st in cf.storages.values():
                 if st.view_metadata is not None:
-                    raise UnsupportedError(f"{cf.path}: legacy storage views cannot be rewritten; load the file "
-                                           "with load_anywhere and torch.save it again")
+                    raise UnsupportedError(
+                        f"{cf.path}: legacy storage views cannot be rewritten; load the file "
+                        "with load_anywhere and torch.save it again"
+                    )
                 st._legacy = False
             data_pkl = dumps(obj)
             w.add_bytes(root + "data.pkl", data_pkl)
@@ -565,6 +716,7 @@ def write_checkpoint_zip(cf: CheckpointFile, obj: Any, f: Any, *, new_storages: 
 
 
 # --------------------------------------------------------------------------- verification before the rename
+
 
 def pickle_globals(data: bytes) -> list[str]:
     """The globals a pickle names, resolved as Python's unpickler resolves them for the pickle's protocol.
@@ -604,8 +756,15 @@ def pickle_globals(data: bytes) -> list[str]:
         prev, last = last, None
         if name == "PROTO":
             proto = int(arg)
-        elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
-                      "STRING"):
+        elif name in (
+            "SHORT_BINUNICODE",
+            "BINUNICODE",
+            "BINUNICODE8",
+            "UNICODE",
+            "SHORT_BINSTRING",
+            "BINSTRING",
+            "STRING",
+        ):
             last = arg.decode("latin-1") if isinstance(arg, bytes) else str(arg)
             strings.append(last)
         elif name in ("GLOBAL", "INST"):
@@ -638,8 +797,15 @@ def _resolves(name: str) -> bool:
     return module != "builtins" or hasattr(builtins, attr)
 
 
-def check_written(path: str, source: CheckpointFile, *, expect_obj: Any, what: str, weights_only: bool = False,
-                  new_storages: Mapping[str, bytes] | None = None) -> set[str]:
+def check_written(
+    path: str,
+    source: CheckpointFile,
+    *,
+    expect_obj: Any,
+    what: str,
+    weights_only: bool = False,
+    new_storages: Mapping[str, bytes] | None = None,
+) -> set[str]:
     """Read a rewritten file back (torch-free) before it replaces anything; raise if torch could not load it.
 
     Checks: the file reads back with ckptfix's restricted reader; every global its pickle names
@@ -680,8 +846,9 @@ def check_written(path: str, source: CheckpointFile, *, expect_obj: Any, what: s
     unsafe: set[str] = set()
     for g in dict.fromkeys(names):
         if not _resolves(g):
-            raise fail(f"would name the global {g}, which does not exist in Python 3 (torch.load would raise "
-                       "AttributeError)")
+            raise fail(
+                f"would name the global {g}, which does not exist in Python 3 (torch.load would raise AttributeError)"
+            )
         safe = classify_global(g) == "safe"
         if not safe:
             unsafe.add(g)
@@ -692,8 +859,11 @@ def check_written(path: str, source: CheckpointFile, *, expect_obj: Any, what: s
     new_storages = new_storages or {}
     size = os.path.getsize(path)
     for key, st in out.storages.items():
-        want = len(new_storages[key]) if key in new_storages else (
-            source.storages[key].nbytes if key in source.storages else None)
+        want = (
+            len(new_storages[key])
+            if key in new_storages
+            else (source.storages[key].nbytes if key in source.storages else None)
+        )
         if want is None:
             raise fail(f"holds a storage {key!r} that the input does not")
         if st.nbytes != want or st.file_offset is None or st.file_offset + (st.nbytes or 0) > size:
@@ -702,18 +872,24 @@ def check_written(path: str, source: CheckpointFile, *, expect_obj: Any, what: s
     got = list(iter_tensors(out.obj, depth=64))
     if len(exp) != len(got):
         raise fail(f"holds {len(got)} tensors, expected {len(exp)}")
-    for (pa, a), (pb, b) in zip(exp, got):
+    for (pa, a), (pb, b) in zip(exp, got, strict=False):
         if not isinstance(a, TensorRecord) or not isinstance(b, TensorRecord):
             continue
-        if (pa != pb or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape) or a.offset != b.offset
-                or (a.numel and tuple(a.stride) != tuple(b.stride))
-                or (a.storage.key if a.storage else None) != (b.storage.key if b.storage else None)):
+        if (
+            pa != pb
+            or a.dtype != b.dtype
+            or tuple(a.shape) != tuple(b.shape)
+            or a.offset != b.offset
+            or (a.numel and tuple(a.stride) != tuple(b.stride))
+            or (a.storage.key if a.storage else None) != (b.storage.key if b.storage else None)
+        ):
             raise fail(f"tensor {pa or '/'} reads back as {pb}: {b!r}, expected {a!r}")
     return unsafe
 
 
-def _write_safetensors(cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Mapping[str, Any], f: Any,
-                       rename: Mapping[str, str]) -> None:
+def _write_safetensors(
+    cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Mapping[str, Any], f: Any, rename: Mapping[str, str]
+) -> None:
     """The stored tensors of ``old_sd`` under their new names (``new_sd`` order), data copied, metadata renamed."""
     from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
     from ckptfix.formats.zipfmt import FOLIO, copy_range
@@ -721,8 +897,10 @@ def _write_safetensors(cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Ma
     if "__metadata__" in new_sd:
         from ckptfix.errors import KeyConflictError
 
-        raise KeyConflictError(f"{cf.path}: the rename gives a tensor the name '__metadata__', which safetensors "
-                               "reserves for its metadata; rename it differently")
+        raise KeyConflictError(
+            f"{cf.path}: the rename gives a tensor the name '__metadata__', which safetensors "
+            "reserves for its metadata; rename it differently"
+        )
     start = cf.extra["data_start"]
     header: dict[str, Any] = {}
     meta = _rename_metadata(dict(cf.extra.get("metadata") or {}), rename, old_sd)
@@ -735,8 +913,11 @@ def _write_safetensors(cf: CheckpointFile, old_sd: Mapping[str, Any], new_sd: Ma
             continue
         t = old_sd[old]
         st = t.storage
-        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [st.file_offset - start, st.file_offset - start + st.nbytes]}
+        header[name] = {
+            "dtype": DTYPE_TO_ST[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [st.file_offset - start, st.file_offset - start + st.nbytes],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * ((-len(raw)) % 8)
     if start % 8 == 0:  # trailing spaces (valid JSON) keep the data's offset modulo FOLIO: a copy as fast as cp

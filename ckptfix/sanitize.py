@@ -45,26 +45,60 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from ckptfix.progress import Progress, reporting
 from ckptfix.errors import ResourceLimitError, UnsupportedError
-from ckptfix.pickles import (STORAGE_DTYPES, StorageRecord, Stub, TensorRecord, classify_global, rebuilder_class,
-                             stub_class)
+from ckptfix.pickles import (
+    STORAGE_DTYPES,
+    StorageRecord,
+    Stub,
+    TensorRecord,
+    classify_global,
+    rebuilder_class,
+    stub_class,
+)
+from ckptfix.progress import Progress, reporting
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
 
 
 #: numpy dtype code (kind + item size, as numpy pickles it) -> torch dtype name
 NUMPY_TO_TORCH: dict[str, str] = {
-    "f8": "float64", "f4": "float32", "f2": "float16",
-    "i8": "int64", "i4": "int32", "i2": "int16", "i1": "int8",
-    "u8": "uint64", "u4": "uint32", "u2": "uint16", "u1": "uint8",
-    "b1": "bool", "c8": "complex64", "c16": "complex128",
+    "f8": "float64",
+    "f4": "float32",
+    "f2": "float16",
+    "i8": "int64",
+    "i4": "int32",
+    "i2": "int16",
+    "i1": "int8",
+    "u8": "uint64",
+    "u4": "uint32",
+    "u2": "uint16",
+    "u1": "uint8",
+    "b1": "bool",
+    "c8": "complex64",
+    "c16": "complex128",
 }
 #: torch dtype name -> the typed storage class torch.save names for it (others use UntypedStorage + v3)
-_TYPED_STORAGE = {dt: name for name, dt in STORAGE_DTYPES.items()
-                  if name not in ("UntypedStorage", "TypedStorage") and not name.startswith("Q")}
-_STRUCT = {"f8": "d", "f4": "f", "f2": "e", "i8": "q", "i4": "i", "i2": "h", "i1": "b", "u8": "Q", "u4": "I",
-           "u2": "H", "u1": "B", "b1": "?", "c8": "f", "c16": "d"}
+_TYPED_STORAGE = {
+    dt: name
+    for name, dt in STORAGE_DTYPES.items()
+    if name not in ("UntypedStorage", "TypedStorage") and not name.startswith("Q")
+}
+_STRUCT = {
+    "f8": "d",
+    "f4": "f",
+    "f2": "e",
+    "i8": "q",
+    "i4": "i",
+    "i2": "h",
+    "i1": "b",
+    "u8": "Q",
+    "u4": "I",
+    "u2": "H",
+    "u1": "B",
+    "b1": "?",
+    "c8": "f",
+    "c16": "d",
+}
 
 _NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
 _MAX_DEPTH = 400
@@ -125,8 +159,14 @@ class Plainer:
     returns unchanged objects themselves, so a state dict that needs nothing stays the same object.
     """
 
-    def __init__(self, *, arrays: str = "tensor", storage_key: Callable[[], str] | None = None,
-                 max_list: int = 4096, sep: str = "/") -> None:
+    def __init__(
+        self,
+        *,
+        arrays: str = "tensor",
+        storage_key: Callable[[], str] | None = None,
+        max_list: int = 4096,
+        sep: str = "/",
+    ) -> None:
         self.arrays = arrays
         self.sep = sep
         self.storage_key = storage_key
@@ -164,8 +204,10 @@ class Plainer:
             try:
                 return self._convert_memo(v, path, depth)
             except RecursionError:
-                raise ResourceLimitError(f"the checkpoint nests objects too deeply{' at ' + path if path else ''} to "
-                                         "convert them; flatten it in Python and save it again") from None
+                raise ResourceLimitError(
+                    f"the checkpoint nests objects too deeply{' at ' + path if path else ''} to "
+                    "convert them; flatten it in Python and save it again"
+                ) from None
         return self._convert_memo(v, path, depth)
 
     def _convert_memo(self, v: Any, path: str, depth: int) -> Any:
@@ -174,8 +216,10 @@ class Plainer:
         if isinstance(v, StorageRecord) or (isinstance(v, TensorRecord) and _subclass_of(v) is None):
             return v
         if depth > _MAX_DEPTH:
-            raise ResourceLimitError(f"the checkpoint nests objects more than {_MAX_DEPTH} levels deep at {path}; "
-                                     "flatten it in Python and save it again")
+            raise ResourceLimitError(
+                f"the checkpoint nests objects more than {_MAX_DEPTH} levels deep at {path}; "
+                "flatten it in Python and save it again"
+            )
         key = id(v)
         if key in self._memo:
             return self._memo[key]
@@ -189,8 +233,18 @@ class Plainer:
         if sub is not None:  # the tensor its rebuild_from_type_v2 call wraps, without the user class
             self._note(path, f"tensor subclass {_stub_name(sub)}", "tensor")
             func, _, args, _ = v.reduce_args
-            return TensorRecord(v.storage, v.offset, v.shape, v.stride, v.dtype, v.requires_grad, "dense",
-                                v.parameter, func, tuple(args))
+            return TensorRecord(
+                v.storage,
+                v.offset,
+                v.shape,
+                v.stride,
+                v.dtype,
+                v.requires_grad,
+                "dense",
+                v.parameter,
+                func,
+                tuple(args),
+            )
         if isinstance(v, type):
             if issubclass(v, Stub):
                 name = f"{v._ckpt_module}.{v._ckpt_name}"
@@ -208,16 +262,20 @@ class Plainer:
             return self._dict(v, path, depth)
         if isinstance(v, list):
             new = [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v)]
-            return v if all(a is b for a, b in zip(new, v)) else new
+            return v if all(a is b for a, b in zip(new, v, strict=False)) else new
         if isinstance(v, tuple):
             new_t = tuple(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
-            return v if all(a is b for a, b in zip(new_t, v)) else new_t
+            return v if all(a is b for a, b in zip(new_t, v, strict=False)) else new_t
         if isinstance(v, (set, frozenset)):
             items = [self.convert(x, path, depth + 1) for x in v]
             if isinstance(v, frozenset):
                 self._note(path, "builtins.frozenset", "set")
             try:
-                return set(items) if isinstance(v, frozenset) or any(a is not b for a, b in zip(items, v)) else v
+                return (
+                    set(items)
+                    if isinstance(v, frozenset) or any(a is not b for a, b in zip(items, v, strict=False))
+                    else v
+                )
             except TypeError:  # unhashable after conversion
                 return items
         if isinstance(v, slice):
@@ -270,8 +328,12 @@ class Plainer:
             return v
         if module in _NUMPY_MODULES and attr == "_reconstruct":
             return self._ndarray(v, path, depth)
-        if module in ("numpy._core.numeric", "numpy.core.numeric") and attr == "_frombuffer" \
-                and len(v._args) == 4 and isinstance(v._args[2], tuple):  # protocol 5: (buffer, dtype, shape, order)
+        if (
+            module in ("numpy._core.numeric", "numpy.core.numeric")
+            and attr == "_frombuffer"
+            and len(v._args) == 4
+            and isinstance(v._args[2], tuple)
+        ):  # protocol 5: (buffer, dtype, shape, order)
             buf, dt, shape, order = v._args
             return self._ndarray(v, path, depth, state=(1, shape, dt, order == "F", buf))
         if module in _NUMPY_MODULES and attr == "scalar":
@@ -291,8 +353,11 @@ class Plainer:
             self._note(path, name, "list")
             items = v._args[0] if v._args and isinstance(v._args[0], list) else v._listitems
             return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
-        if attr == "AttributeDict" or name == "collections.defaultdict" or (
-                v._dictitems and not v._args and not v._listitems and v._state is None):
+        if (
+            attr == "AttributeDict"
+            or name == "collections.defaultdict"
+            or (v._dictitems and not v._args and not v._listitems and v._state is None)
+        ):
             self._note(path, name, "dict")
             return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v._dictitems.items()}
         return self._generic(v, name, path, depth)
@@ -304,8 +369,12 @@ class Plainer:
         if v._kwargs:
             out["__kwargs__"] = self.convert(dict(v._kwargs), self._at(path, "__kwargs__"), depth + 1)
         state = v._state
-        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)) \
-                and isinstance(state[1], dict):  # (__dict__, slots)
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and (state[0] is None or isinstance(state[0], dict))
+            and isinstance(state[1], dict)
+        ):  # (__dict__, slots)
             merged = dict(state[0] or {})
             merged.update(state[1])
             state = merged
@@ -329,8 +398,7 @@ class Plainer:
             kind = "list" if isinstance(content, list) else "dict" if isinstance(content, dict) else "str"
             self._note(path, name, kind)
             if isinstance(content, dict):
-                return {self._omega_key(k): self._omega_value(x, self._at(path, k), depth)
-                        for k, x in content.items()}
+                return {self._omega_key(k): self._omega_value(x, self._at(path, k), depth) for k, x in content.items()}
             if isinstance(content, list):
                 return [self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content)]
             return self.convert(content, path, depth + 1)  # None, "???" (missing) or "${interpolation}"
@@ -373,8 +441,12 @@ class Plainer:
 
     def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
         st = v._state if state is None else state
-        if not (isinstance(st, tuple) and len(st) == 5 and isinstance(st[1], tuple)
-                and all(isinstance(s, int) and not isinstance(s, bool) for s in st[1])):
+        if not (
+            isinstance(st, tuple)
+            and len(st) == 5
+            and isinstance(st[1], tuple)
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in st[1])
+        ):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
         if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:
@@ -399,12 +471,19 @@ class Plainer:
         dtype = NUMPY_TO_TORCH.get(code)
         if dtype is None or len(raw) != numel * int(code[1:]):
             self._note(path, f"numpy.ndarray {code} {list(shape)}", "dict (raw bytes)")
-            return {"__class__": "numpy.ndarray", "dtype": code, "byteorder": order, "shape": list(shape),
-                    "fortran_order": bool(fortran), "data": raw}
+            return {
+                "__class__": "numpy.ndarray",
+                "dtype": code,
+                "byteorder": order,
+                "shape": list(shape),
+                "fortran_order": bool(fortran),
+                "data": raw,
+            }
         if self.arrays == "list":
             if numel > self.max_list:
-                self.lossy[path or "(top level)"] = (f"numpy.ndarray {dtype} {list(shape)}: {numel} values, "
-                                                     "too many for JSON metadata")
+                self.lossy[path or "(top level)"] = (
+                    f"numpy.ndarray {dtype} {list(shape)}: {numel} values, too many for JSON metadata"
+                )
                 return _LOSSY
             vals = _unpack(code, order, raw)
             if vals is None:
@@ -425,14 +504,22 @@ _LOSSY = object()
 def _subclass_of(t: TensorRecord) -> type | None:
     """The placeholder of the user tensor subclass ``t`` is rebuilt as (outside the allowlist), else None."""
     fn, a = t.reduce_func, t.reduce_args
-    if not (isinstance(fn, type) and issubclass(fn, Stub) and fn._ckpt_name == "_rebuild_from_type_v2"
-            and len(a) == 4 and isinstance(a[1], type) and issubclass(a[1], Stub) and isinstance(a[2], tuple)):
+    if not (
+        isinstance(fn, type)
+        and issubclass(fn, Stub)
+        and fn._ckpt_name == "_rebuild_from_type_v2"
+        and len(a) == 4
+        and isinstance(a[1], type)
+        and issubclass(a[1], Stub)
+        and isinstance(a[2], tuple)
+    ):
         return None
     return None if classify_global(f"{a[1]._ckpt_module}.{a[1]._ckpt_name}") == "safe" else a[1]
 
 
-def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False,
-                       nbytes: int) -> TensorRecord:
+def make_tensor_record(
+    key: str, dtype: str, shape: tuple[int, ...], *, fortran: bool = False, nbytes: int
+) -> TensorRecord:
     """A new CPU tensor over a whole new storage ``key``, written as torch.save writes one.
 
     Args:
@@ -451,11 +538,17 @@ def make_tensor_record(key: str, dtype: str, shape: tuple[int, ...], *, fortran:
     else:
         st_cls = stub_class("torch.storage", "UntypedStorage")
         numel = nbytes
-    storage = StorageRecord(key=key, dtype=dtype if dtype in _TYPED_STORAGE else "uint8", location="cpu",
-                            numel=numel, storage_type=st_cls, nbytes=nbytes)
+    storage = StorageRecord(
+        key=key,
+        dtype=dtype if dtype in _TYPED_STORAGE else "uint8",
+        location="cpu",
+        numel=numel,
+        storage_type=st_cls,
+        nbytes=nbytes,
+    )
     stride = [0] * len(shape)
     acc = 1
-    for i in (range(len(shape)) if fortran else range(len(shape) - 1, -1, -1)):
+    for i in range(len(shape)) if fortran else range(len(shape) - 1, -1, -1):
         stride[i] = acc
         acc *= max(1, shape[i])
     hooks = collections.OrderedDict()
@@ -480,8 +573,13 @@ def _dtype_code(dt: Any) -> str | None:
     if not isinstance(dt, Stub) or not dt._args or not isinstance(dt._args[0], str):
         return None
     code = dt._args[0]
-    if code[:1] in "US" and isinstance(dt._state, tuple) and len(dt._state) > 5 and isinstance(dt._state[5], int) \
-            and dt._state[5] > 0:
+    if (
+        code[:1] in "US"
+        and isinstance(dt._state, tuple)
+        and len(dt._state) > 5
+        and isinstance(dt._state[5], int)
+        and dt._state[5] > 0
+    ):
         return f"{code[0]}{dt._state[5]}"  # element size in bytes (U: 4 per character)
     if code[:1] in "US" and len(code) == 1:
         return None
@@ -513,7 +611,7 @@ def _decode_strings(code: str, order: str, raw: bytes, n: int) -> list[str] | No
         return None
     out = []
     for i in range(n):
-        chunk = raw[i * size:(i + 1) * size]
+        chunk = raw[i * size : (i + 1) * size]
         if code[0] == "U":
             s = chunk.decode("utf-32-be" if order == ">" else "utf-32-le", errors="replace")
         else:
@@ -525,7 +623,7 @@ def _decode_strings(code: str, order: str, raw: bytes, n: int) -> list[str] | No
 def _swap(raw: bytes, size: int) -> bytes:
     b = bytearray(raw)
     for i in range(0, len(b), size):
-        b[i:i + size] = b[i:i + size][::-1]
+        b[i : i + size] = b[i : i + size][::-1]
     return bytes(b)
 
 
@@ -538,7 +636,10 @@ def _c_order(vals: list, shape: tuple[int, ...], fortran: Any) -> list:
     fstride = [1] * n
     for i in range(1, n):
         fstride[i] = fstride[i - 1] * shape[i - 1]
-    return [vals[sum(i * s for i, s in zip(idx, fstride))] for idx in itertools.product(*(range(s) for s in shape))]
+    return [
+        vals[sum(i * s for i, s in zip(idx, fstride, strict=False))]
+        for idx in itertools.product(*(range(s) for s in shape))
+    ]
 
 
 def _nest(vals: list, shape: tuple[int, ...]) -> Any:
@@ -547,10 +648,11 @@ def _nest(vals: list, shape: tuple[int, ...]) -> Any:
     if len(shape) == 1:
         return list(vals)
     step = _prod(shape[1:])
-    return [_nest(vals[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+    return [_nest(vals[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 # --------------------------------------------------------------------------- the file
+
 
 @dataclass
 class SanitizeReport:
@@ -573,8 +675,10 @@ class SanitizeReport:
     def summary(self) -> str:
         if not self.changed:
             return f"{self.source}: already loadable with weights_only=True; nothing to change"
-        return (f"{len(self.changes)} object(s) made plain data ({self.new_tensors} numpy array(s) became "
-                f"tensors); {len(self.globals_after)} global(s) left, all in torch's weights-only allowlist")
+        return (
+            f"{len(self.changes)} object(s) made plain data ({self.new_tensors} numpy array(s) became "
+            f"tensors); {len(self.globals_after)} global(s) left, all in torch's weights-only allowlist"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -585,11 +689,44 @@ class SanitizeReport:
 
 #: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
 #: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
-_WEIGHTS_ONLY_OPCODES = frozenset({
-    "PROTO", "STOP", "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
-    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE", "EMPTY_LIST",
-    "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT", "BINUNICODE", "SHORT_BINSTRING",
-    "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT", "LONG_BINPUT", "LONG1"})
+_WEIGHTS_ONLY_OPCODES = frozenset(
+    {
+        "PROTO",
+        "STOP",
+        "GLOBAL",
+        "NEWOBJ",
+        "REDUCE",
+        "BUILD",
+        "APPEND",
+        "APPENDS",
+        "SETITEM",
+        "SETITEMS",
+        "MARK",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "NONE",
+        "NEWFALSE",
+        "NEWTRUE",
+        "EMPTY_TUPLE",
+        "EMPTY_LIST",
+        "EMPTY_DICT",
+        "EMPTY_SET",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "BINFLOAT",
+        "BINUNICODE",
+        "SHORT_BINSTRING",
+        "BINPERSID",
+        "BINGET",
+        "LONG_BINGET",
+        "BINPUT",
+        "LONG_BINPUT",
+        "LONG1",
+    }
+)
 
 
 def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
@@ -626,9 +763,15 @@ def _unsafe_globals(names: Iterable[str]) -> list[str]:
     return sorted(g for g in names if classify_global(g) != "safe")
 
 
-def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = None, *, in_place: bool = False,
-                        force: bool = False, backup: bool = True,
-                        progress: Progress | None = None) -> SanitizeReport:
+def sanitize_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    in_place: bool = False,
+    force: bool = False,
+    backup: bool = True,
+    progress: Progress | None = None,
+) -> SanitizeReport:
     """Rewrite ``src`` so that plain ``torch.load(path, weights_only=True)`` loads it.
 
     Args:
@@ -656,21 +799,24 @@ def sanitize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = 
         return _sanitize(src, dst, in_place=in_place, force=force, backup=backup)
 
 
-def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool,
-              backup: bool) -> SanitizeReport:
+def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
     from ckptfix.formats import read_checkpoint
     from ckptfix.rewrite import check_written, prepare_output, write_checkpoint_zip
 
     cf = read_checkpoint(src)
     if cf.format == "safetensors":
-        raise UnsupportedError(f"{src}: a safetensors file holds no pickle; it already loads without weights_only "
-                               "concerns")
+        raise UnsupportedError(
+            f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
+        )
     if cf.format not in ("torch-zip", "torch-legacy", "pickle"):
-        raise UnsupportedError(f"{src}: {cf.format} checkpoints cannot be sanitized; sanitize a single torch.save "
-                               "file (convert sharded/DCP inputs with ckptfix convert instead)")
+        raise UnsupportedError(
+            f"{src}: {cf.format} checkpoints cannot be sanitized; sanitize a single torch.save "
+            "file (convert sharded/DCP inputs with ckptfix convert instead)"
+        )
     if cf.format == "pickle":
-        raise UnsupportedError(f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and "
-                               "torch.save what you need")
+        raise UnsupportedError(
+            f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what you need"
+        )
     before = _unsafe_globals(cf.globals_seen)
     rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
     from ckptfix.formats import iter_tensors
@@ -681,12 +827,14 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         rep.notes.append("nothing to change; no file written")
         return rep
     if bad_ops:
-        rep.notes.append(f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
-                         "pickle protocol 3 or newer); written at protocol 2")
+        rep.notes.append(
+            f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
+            "pickle protocol 3 or newer); written at protocol 2"
+        )
     used = set(cf.storages)
     if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
         data_dir = f"{cf.extra.get('root', '')}data/"
-        used.update(n[len(data_dir):] for n in cf.extra.get("members", {}) if n.startswith(data_dir))
+        used.update(n[len(data_dir) :] for n in cf.extra.get("members", {}) if n.startswith(data_dir))
     counter = [len(used)]
 
     def new_key() -> str:  # the next free integer, as torch numbers its storages
@@ -704,20 +852,27 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
     rep.changed = True
     if cf.format == "torch-legacy":
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    dst_path, fsync = prepare_output(src, os.fspath(dst) if dst is not None else None, in_place=in_place,
-                                     force=force, suffix="sanitized", fmt_out="torch-zip", notes=rep.notes)
+    dst_path, fsync = prepare_output(
+        src,
+        os.fspath(dst) if dst is not None else None,
+        in_place=in_place,
+        force=force,
+        suffix="sanitized",
+        fmt_out="torch-zip",
+        notes=rep.notes,
+    )
     from ckptfix.rewrite import write_atomic
 
     def write(f: Any) -> None:
         write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)
 
     def check(tmp: str) -> None:
-        after = check_written(tmp, cf, expect_obj=obj, weights_only=True, new_storages=pl.new_storages,
-                              what=src if in_place else dst_path)
+        after = check_written(
+            tmp, cf, expect_obj=obj, weights_only=True, new_storages=pl.new_storages, what=src if in_place else dst_path
+        )
         rep.globals_after = sorted(after)
 
     rep.backup = write_atomic(dst_path, write, check, fsync=fsync, backup_of=dst_path if in_place and backup else None)
     rep.verified = True
     rep.output = src if in_place else dst_path
     return rep
-

@@ -45,6 +45,7 @@ MAX_NAME_CHARS = 1024
 
 # --------------------------------------------------------------------------- limits
 
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -83,14 +84,17 @@ class PickleLimits:
     def from_env(cls) -> "PickleLimits":
         """The limits, with the ``CKPTFIX_MAX_PICKLE_*`` environment variables applied."""
         d = cls()
-        return cls(max_bytes=_env_int("CKPTFIX_MAX_PICKLE_MB", d.max_bytes >> 20) << 20,
-                   max_items=_env_int("CKPTFIX_MAX_PICKLE_ITEMS", d.max_items),
-                   max_globals=_env_int("CKPTFIX_MAX_PICKLE_GLOBALS", d.max_globals),
-                   max_depth=_env_int("CKPTFIX_MAX_PICKLE_DEPTH", d.max_depth),
-                   max_int_digits=d.max_int_digits)
+        return cls(
+            max_bytes=_env_int("CKPTFIX_MAX_PICKLE_MB", d.max_bytes >> 20) << 20,
+            max_items=_env_int("CKPTFIX_MAX_PICKLE_ITEMS", d.max_items),
+            max_globals=_env_int("CKPTFIX_MAX_PICKLE_GLOBALS", d.max_globals),
+            max_depth=_env_int("CKPTFIX_MAX_PICKLE_DEPTH", d.max_depth),
+            max_int_digits=d.max_int_digits,
+        )
 
 
 # --------------------------------------------------------------------------- name resolution
+
 
 def resolve_global(module: str, name: str, protocol: int) -> tuple[str, str]:
     """The (module, name) CPython's unpickler imports for ``GLOBAL module name`` at ``protocol``.
@@ -117,6 +121,7 @@ def resolve_global(module: str, name: str, protocol: int) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- abstract values
+
 
 class _Abs:
     """A value the scan does not hold concretely."""
@@ -237,8 +242,9 @@ def _as_buffer(data: Any) -> tuple[Any, int, BinaryIO | None, Any]:
     return f.read(), 0, f, None
 
 
-def scan_globals(data: bytes | bytearray | memoryview | BinaryIO, *, limits: PickleLimits | None = None,
-                 strict_limits: bool = False) -> ScanResult:
+def scan_globals(
+    data: bytes | bytearray | memoryview | BinaryIO, *, limits: PickleLimits | None = None, strict_limits: bool = False
+) -> ScanResult:
     """Simulate CPython's unpickler on one pickle and list every global it would import.
 
     Never raises on arbitrary bytes: a malformed stream is reported in ``error``;
@@ -344,8 +350,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         pairs[(rm, rn)] += 1
         globals_[f"{rm}.{rn}"] += 1
         if len(pairs) > limits.max_globals and not res.limit_error:
-            res.limit_error = (f"the pickle names more than {limits.max_globals} distinct globals; set "
-                               "CKPTFIX_MAX_PICKLE_GLOBALS=N to allow more")
+            res.limit_error = (
+                f"the pickle names more than {limits.max_globals} distinct globals; set "
+                "CKPTFIX_MAX_PICKLE_GLOBALS=N to allow more"
+            )
 
     def unresolved(what: str) -> None:
         res.unresolved.append(what)
@@ -357,8 +365,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
             raise _Malformed(_UNDERFLOW)
         if idx >= len(memo):
             if idx > 2 * memo_len + 1024:
-                raise _Stop(f"the pickle stores a memo entry at index {idx} after only {memo_len} entries (no "
-                            "pickler writes that; the C unpickler would allocate memory for every index below it)")
+                raise _Stop(
+                    f"the pickle stores a memo entry at index {idx} after only {memo_len} entries (no "
+                    "pickler writes that; the C unpickler would allocate memory for every index below it)"
+                )
             est += 16 * (idx + 1 - len(memo))
             memo.extend([EMPTY] * (idx + 1 - len(memo)))
         if memo[idx] is EMPTY:
@@ -384,19 +394,24 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
             if est > next_check:
                 next_check = est + CHECK_STEP
                 if len(stack) > max_entries or len(memo) > max_entries:
-                    raise _Stop(f"the pickle keeps more than {max_entries:,} values on the unpickler's stack or "
-                                "memo; set CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
+                    raise _Stop(
+                        f"the pickle keeps more than {max_entries:,} values on the unpickler's stack or "
+                        "memo; set CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust"
+                    )
                 if est > max_bytes:
                     if not budget_hit:
                         budget_hit = True
                         res.limit_error = res.limit_error or (
                             f"the pickle would build more than {max_bytes >> 20} MiB of objects; set "
-                            "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust")
+                            "CKPTFIX_MAX_PICKLE_MB=N (MiB) to allow it for a file you trust"
+                        )
                         if strict:
                             break
                     elif est > 2 * max_bytes:
-                        raise _Stop(f"the pickle holds more than {2 * max_bytes >> 20} MiB of values; set "
-                                    "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it")
+                        raise _Stop(
+                            f"the pickle holds more than {2 * max_bytes >> 20} MiB of values; set "
+                            "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it"
+                        )
             if strict and res.limit_error:
                 break
             if pos >= n:
@@ -437,8 +452,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 if d > max_idepth:
                     max_idepth = d
                     if d > limits.max_depth and not res.limit_error:
-                        res.limit_error = (f"the pickle nests tuples more than {limits.max_depth} deep; set "
-                                           "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
+                        res.limit_error = (
+                            f"the pickle nests tuples more than {limits.max_depth} deep; set "
+                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
+                        )
                 push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
                 est += 48 + 8 * len(items)
             elif op == 0x52:  # REDUCE
@@ -470,7 +487,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     raise truncated()
                 if size <= MAX_NAME_CHARS * 4:
                     try:
-                        s = str(buf[pos:pos + size], "utf-8", "surrogatepass")
+                        s = str(buf[pos : pos + size], "utf-8", "surrogatepass")
                     except UnicodeDecodeError:
                         raise _Malformed("invalid UTF-8 in a string") from None
                     push(s if len(s) <= MAX_NAME_CHARS else LONGSTR)
@@ -492,8 +509,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 if d > max_idepth:
                     max_idepth = d
                     if d > limits.max_depth and not res.limit_error:
-                        res.limit_error = (f"the pickle nests tuples more than {limits.max_depth} deep; set "
-                                           "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
+                        res.limit_error = (
+                            f"the pickle nests tuples more than {limits.max_depth} deep; set "
+                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
+                        )
                 push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
                 est += 48 + 8 * k
             elif op == 0x51:  # BINPERSID
@@ -631,12 +650,14 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     raise truncated()
                 if size > max_digits_bytes:
                     if not res.limit_error:
-                        res.limit_error = (f"the pickle holds an integer of about {size * 2408 // 1000} decimal "
-                                           f"digits (over Python's {limits.max_int_digits}-digit limit); not a "
-                                           "value a checkpoint holds")
+                        res.limit_error = (
+                            f"the pickle holds an integer of about {size * 2408 // 1000} decimal "
+                            f"digits (over Python's {limits.max_int_digits}-digit limit); not a "
+                            "value a checkpoint holds"
+                        )
                     push(OBJ)
                 else:
-                    push(int.from_bytes(buf[pos:pos + size], "little", signed=True) if size else 0)
+                    push(int.from_bytes(buf[pos : pos + size], "little", signed=True) if size else 0)
                 pos += size
                 est += 40 + size
             elif op == 0x80:  # PROTO
@@ -689,8 +710,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 d = 1 + max((_depth(v) for v in items), default=0)
                 max_idepth = max(max_idepth, d)
                 if d > limits.max_depth and not res.limit_error:
-                    res.limit_error = (f"the pickle nests frozensets more than {limits.max_depth} deep; set "
-                                       "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it")
+                    res.limit_error = (
+                        f"the pickle nests frozensets more than {limits.max_depth} deep; set "
+                        "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
+                    )
                 push(_nested(_FROZENSETS, "frozenset", min(d, limits.max_depth + 1)))
                 est += 216 + 32 * len(items)
             elif op == 0x47:  # BINFLOAT
@@ -703,14 +726,14 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 w = 1 if op in (0x43, 0x55) else 4 if op in (0x42, 0x54) else 8
                 if pos + w > n:
                     raise truncated()
-                size = int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x54))
+                size = int.from_bytes(buf[pos : pos + w], "little", signed=(op == 0x54))
                 pos += w
                 if size < 0:
                     raise _Malformed("BINSTRING pickle has negative byte count")
                 if pos + size > n:
                     raise truncated()
                 if op in (0x55, 0x54):  # str under the default encodings, bytes with encoding="bytes"
-                    raw_s = buf[pos:pos + size] if size <= MAX_NAME_CHARS else None
+                    raw_s = buf[pos : pos + size] if size <= MAX_NAME_CHARS else None
                     if raw_s is not None and raw_s.isascii():
                         push_str(raw_s.decode("ascii"))
                     else:
@@ -774,7 +797,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 w = 1 if op == 0x82 else 2 if op == 0x83 else 4
                 if pos + w > n:
                     raise truncated()
-                code = int.from_bytes(buf[pos:pos + w], "little", signed=(op == 0x84))
+                code = int.from_bytes(buf[pos : pos + w], "little", signed=(op == 0x84))
                 pos += w
                 if code <= 0:
                     raise _Malformed("EXT specifies code <= 0")
@@ -786,8 +809,9 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
             else:
-                raise _Malformed(f"invalid load key, {chr(op)!r}" if 32 <= op < 127 else
-                                 f"invalid load key, '\\x{op:02x}'")
+                raise _Malformed(
+                    f"invalid load key, {chr(op)!r}" if 32 <= op < 127 else f"invalid load key, '\\x{op:02x}'"
+                )
     except _Malformed as e:
         res.error = f"at byte {pos - start}: {e}"
     except _Stop as e:
@@ -805,8 +829,10 @@ def _parse_int(line: bytes, limits: PickleLimits, res: ScanResult) -> Any:
     """An INT/LONG literal's value when it is short and plain; OBJ otherwise (CPython may still accept it)."""
     if len(line) > limits.max_int_digits:
         if not res.limit_error:
-            res.limit_error = (f"the pickle holds an integer literal of {len(line)} characters (over Python's "
-                               f"{limits.max_int_digits}-digit limit); not a value a checkpoint holds")
+            res.limit_error = (
+                f"the pickle holds an integer literal of {len(line)} characters (over Python's "
+                f"{limits.max_int_digits}-digit limit); not a value a checkpoint holds"
+            )
         return OBJ
     try:
         return int(line, 0)
@@ -814,8 +840,9 @@ def _parse_int(line: bytes, limits: PickleLimits, res: ScanResult) -> Any:
         return OBJ
 
 
-def scan_pickle_sequence(data: bytes | bytearray | memoryview | BinaryIO, *, max_pickles: int = 5,
-                         limits: PickleLimits | None = None) -> tuple[ScanResult, list[ScanResult]]:
+def scan_pickle_sequence(
+    data: bytes | bytearray | memoryview | BinaryIO, *, max_pickles: int = 5, limits: PickleLimits | None = None
+) -> tuple[ScanResult, list[ScanResult]]:
     """Scan the pickles a legacy ``torch.save`` stream holds (or the one a bare pickle file holds).
 
     ``torch.load`` of a non-zip file unpickles a magic number, then (only if it

@@ -99,13 +99,20 @@ class Sandbox:
                 link.chmod(0o755)
             path.insert(0, str(smi))
             env.update(FAKE_SMI_DIR=str(SMI / "scenarios"), FAKE_SMI_SCENARIO=gpu)
-        env.update(PATH=os.pathsep.join(path), PYTHONPATH=str(ROOT), COLUMNS="100", NO_COLOR="1",
-                   CKPTFIX_LEASE_DIR=str(self.dir / ".leases"), PYTHONHASHSEED="0")
+        env.update(
+            PATH=os.pathsep.join(path),
+            PYTHONPATH=str(ROOT),
+            COLUMNS="100",
+            NO_COLOR="1",
+            CKPTFIX_LEASE_DIR=str(self.dir / ".leases"),
+            PYTHONHASHSEED="0",
+        )
         return env
 
     def run(self, cmd: str, gpu: str = "") -> str:
-        p = subprocess.run(["bash", "-c", cmd + " 2>&1"], cwd=self.dir, env=self.env(gpu), capture_output=True,
-                           text=True, timeout=600)
+        p = subprocess.run(
+            ["bash", "-c", cmd + " 2>&1"], cwd=self.dir, env=self.env(gpu), capture_output=True, text=True, timeout=600
+        )
         out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
         return out.replace(sys.executable, "python3")
 
@@ -157,13 +164,13 @@ def process(path: Path, check: bool) -> list[str]:
         shift = 0
         for b in blocks:  # top-down: a later block may use files an earlier one made
             s, e = b.start + shift, b.end + shift
-            body = new[s + 1:e]
+            body = new[s + 1 : e]
             fresh = render(body, b, box)
             if masked(body, b.masks) == masked(fresh, b.masks):
                 continue  # only timings or masked text differ: keep the shown run
             diff = difflib.unified_diff(body, fresh, f"{path.name} (shown)", f"{path.name} (real)", lineterm="")
             problems.append("\n".join(diff))
-            new[s + 1:e] = fresh
+            new[s + 1 : e] = fresh
             shift += len(fresh) - len(body)
         if not check and new != lines:
             path.write_text("\n".join(new))

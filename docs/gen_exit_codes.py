@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Write docs/exit-codes.md from ckptfix/errors.py (``all_error_classes()``), so the table cannot drift.
 
-    python docs/gen_exit_codes.py           # rewrite docs/exit-codes.md
-    python docs/gen_exit_codes.py --check   # exit 1 if it is out of date (tests/test_docs.py does this too)
+python docs/gen_exit_codes.py           # rewrite docs/exit-codes.md
+python docs/gen_exit_codes.py --check   # exit 1 if it is out of date (tests/test_docs.py does this too)
 """
 
 from __future__ import annotations
@@ -18,13 +18,14 @@ from ckptfix.errors import all_error_classes  # noqa: E402
 TARGET = os.path.join(HERE, "exit-codes.md")
 
 # Exit codes that are not an error class: Click's usage errors and an interrupt.
-OTHER = {0: "success", 2: "usage error: an unknown option, a missing argument (Click)",
-         130: "interrupted (Ctrl-C)"}
+OTHER = {0: "success", 2: "usage error: an unknown option, a missing argument (Click)", 130: "interrupted (Ctrl-C)"}
 
 
 # Where the docstring speaks to library callers, what the exit code means to a CLI user.
-CLI_MEANING = {"CkptfixError": "an unexpected internal error (re-run with `--debug` and report it); also the "
-                               "base class of every error below"}
+CLI_MEANING = {
+    "CkptfixError": "an unexpected internal error (re-run with `--debug` and report it); also the "
+    "base class of every error below"
+}
 
 
 def _summary(cls: type) -> str:

@@ -20,8 +20,10 @@ def main(path: str) -> None:
     # "auto" = cuda:$LOCAL_RANK under torchrun, cuda:0 on a GPU box, else cpu.
     ck = load_checkpoint(path, map_location="auto", model=model)
     model.load_state_dict(ck.state_dict)  # strict: keys were aligned to the model
-    print(f"loaded {len(ck.state_dict)} tensors from {ck.format} file (state dict at "
-          f"{'/'.join(ck.key_path) or 'top level'}); alignment: {ck.alignment.summary()}")
+    print(
+        f"loaded {len(ck.state_dict)} tensors from {ck.format} file (state dict at "
+        f"{'/'.join(ck.key_path) or 'top level'}); alignment: {ck.alignment.summary()}"
+    )
     if ck.remapped:
         print(f"device tags remapped: {ck.remapped}")
     if ck.stubbed_globals:

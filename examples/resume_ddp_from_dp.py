@@ -42,10 +42,18 @@ def main(src: str, dst: str) -> None:
         opt.step()
     dist.barrier()
     if rank == 0:
-        torch.save({"epoch": (ck.get("epoch") or 0) + 1, "model_state_dict": ddp.module.state_dict(),
-                    "optimizer_state_dict": opt.state_dict()}, dst)
-        print(f"resumed from {ck.format} checkpoint at epoch {ck.get('epoch')}, "
-              f"alignment: {ck.alignment.rename}; saved {dst} (loss {loss.item():.3f})")
+        torch.save(
+            {
+                "epoch": (ck.get("epoch") or 0) + 1,
+                "model_state_dict": ddp.module.state_dict(),
+                "optimizer_state_dict": opt.state_dict(),
+            },
+            dst,
+        )
+        print(
+            f"resumed from {ck.format} checkpoint at epoch {ck.get('epoch')}, "
+            f"alignment: {ck.alignment.rename}; saved {dst} (loss {loss.item():.3f})"
+        )
     dist.destroy_process_group()
 
 

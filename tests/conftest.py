@@ -38,6 +38,7 @@ IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 # --------------------------------------------------------------------------- tiny models
 
+
 class TinyNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -115,13 +116,20 @@ def tagged(location: str | dict[str, str] | Any):
         yield
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 60, cwd: str | None = None
-            ) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, env: dict | None = None, timeout: float = 60, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     e = dict(os.environ)
     if env:
         e.update(env)
-    return subprocess.run([sys.executable, "-m", "ckptfix", *map(str, args)], capture_output=True, text=True,
-                          env=e, timeout=timeout, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "ckptfix", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, code: int) -> None:
@@ -142,6 +150,7 @@ class Evil:
 
 
 # --------------------------------------------------------------------------- factory
+
 
 @dataclass
 class Built:
@@ -199,8 +208,9 @@ class CkptFactory:
     def legacy(self, name: str = "legacy.pt", **kw: Any) -> Built:
         return self.plain(name, legacy=True, **kw)
 
-    def cuda_tagged(self, name: str = "cuda7.pt", device: str = "cuda:7", *, legacy: bool = False,
-                    dp: bool = False) -> Built:
+    def cuda_tagged(
+        self, name: str = "cuda7.pt", device: str = "cuda:7", *, legacy: bool = False, dp: bool = False
+    ) -> Built:
         return (self.dataparallel if dp else self.plain)(name, legacy=legacy, location=device)
 
     def mixed_tagged(self, name: str = "mixed.pt", *, legacy: bool = False) -> Built:
@@ -221,8 +231,9 @@ class CkptFactory:
         self._save(sd, path, legacy, location)
         return Built(path, {k: v.clone() for k, v in sd.items()}, m)
 
-    def wrapped(self, name: str = "wrapped.pt", *, legacy: bool = False, location: Any = None,
-                prefix: str = "module.") -> Built:
+    def wrapped(
+        self, name: str = "wrapped.pt", *, legacy: bool = False, location: Any = None, prefix: str = "module."
+    ) -> Built:
         """{'model': {prefix+k: t}, 'optimizer': ..., 'epoch': 5} -- a training checkpoint."""
         m = tiny_model()
         opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
@@ -232,31 +243,41 @@ class CkptFactory:
         m.eval()
         base = m.state_dict()
         sd = OrderedDict((prefix + k, v) for k, v in base.items())
-        sd._metadata = OrderedDict([("", {"version": 1})] + [  # type: ignore[attr-defined]
-            ((prefix + k) if k else prefix.rstrip("."), v) for k, v in base._metadata.items()])
+        sd._metadata = OrderedDict(
+            [("", {"version": 1})]
+            + [  # type: ignore[attr-defined]
+                ((prefix + k) if k else prefix.rstrip("."), v) for k, v in base._metadata.items()
+            ]
+        )
         obj = {"model": sd, "optimizer": opt.state_dict(), "epoch": 5, "best": 0.25, "note": "hi"}
         path = self.p(name)
         self._save(obj, path, legacy, location)
-        return Built(path, {k: v.clone() for k, v in sd.items()}, m,
-                     {"optimizer": opt.state_dict(), "epoch": 5})
+        return Built(path, {k: v.clone() for k, v in sd.items()}, m, {"optimizer": opt.state_dict(), "epoch": 5})
 
     def lightning(self, name: str = "lit.ckpt", *, legacy: bool = False) -> Built:
         m = tiny_model()
         base = m.state_dict()
         sd = OrderedDict(("model." + k, v) for k, v in base.items())
-        sd._metadata = OrderedDict([("", {"version": 1})] + [  # type: ignore[attr-defined]
-            (("model." + k) if k else "model", v) for k, v in base._metadata.items()])
-        obj = {"epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.1.0",
-               "state_dict": sd,
-               "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.01, "params": [0, 1]}]}],
-               "lr_schedulers": [],
-               "hyper_parameters": argparse.Namespace(lr=0.01, hidden=3, name="tiny")}
+        sd._metadata = OrderedDict(
+            [("", {"version": 1})]
+            + [  # type: ignore[attr-defined]
+                (("model." + k) if k else "model", v) for k, v in base._metadata.items()
+            ]
+        )
+        obj = {
+            "epoch": 3,
+            "global_step": 120,
+            "pytorch-lightning_version": "2.1.0",
+            "state_dict": sd,
+            "optimizer_states": [{"state": {}, "param_groups": [{"lr": 0.01, "params": [0, 1]}]}],
+            "lr_schedulers": [],
+            "hyper_parameters": argparse.Namespace(lr=0.01, hidden=3, name="tiny"),
+        }
         path = self.p(name)
         self._save(obj, path, legacy)
         return Built(path, {k: v.clone() for k, v in sd.items()}, m, {"epoch": 3})
 
-    def safetensors(self, name: str = "model.safetensors", *, prefix: str = "",
-                    metadata: dict | None = None) -> Built:
+    def safetensors(self, name: str = "model.safetensors", *, prefix: str = "", metadata: dict | None = None) -> Built:
         from safetensors.torch import save_file
 
         m = tiny_model()
@@ -332,10 +353,8 @@ class CkptFactory:
         moddir = self.root / "_gone_models_pkg"
         moddir.mkdir(exist_ok=True)
         (moddir / "models.py").write_text(
-            "class TrainArgs:\n"
-            "    def __init__(self, lr, depth):\n"
-            "        self.lr = lr\n"
-            "        self.depth = depth\n")
+            "class TrainArgs:\n    def __init__(self, lr, depth):\n        self.lr = lr\n        self.depth = depth\n"
+        )
         saved_mod = sys.modules.pop("models", None)
         sys.path.insert(0, str(moddir))
         try:

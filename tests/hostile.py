@@ -35,8 +35,16 @@ def global_reduce(module: str, name: str, *args: str, proto: int = 2) -> bytes:
 
 def stack_global_reduce(module: str, name: str, *args: str) -> bytes:
     """``module.name(*args)`` with STACK_GLOBAL (protocol 4), the strings memoized first."""
-    return (b"\x80\x04" + _str_arg(module) + b"\x94" + _str_arg(name) + b"\x94\x93" + b"("
-            + b"".join(_str_arg(a) for a in args) + b"tR")
+    return (
+        b"\x80\x04"
+        + _str_arg(module)
+        + b"\x94"
+        + _str_arg(name)
+        + b"\x94\x93"
+        + b"("
+        + b"".join(_str_arg(a) for a in args)
+        + b"tR"
+    )
 
 
 def inst(module: str, name: str, *args: str) -> bytes:
@@ -57,7 +65,7 @@ def wrap_dict(payload: bytes, proto: int = 2, key: str = "w") -> bytes:
 
 def expressions(canary: str) -> dict[str, bytes]:
     """Pickle opcodes of one expression (no PROTO, no STOP) per code-execution route, each touching ``canary``."""
-    return {k: v[len(_HEAD):-len(_TAIL)] for k, v in payloads(canary).items()}
+    return {k: v[len(_HEAD) : -len(_TAIL)] for k, v in payloads(canary).items()}
 
 
 _HEAD = b"\x80\x02}(" + b"X\x04\x00\x00\x00evil"
@@ -77,13 +85,26 @@ def payloads(canary: str) -> dict[str, bytes]:
         "builtins.eval": wrap_dict(global_reduce("builtins", "eval", py, proto=0)),
         "builtins.exec": wrap_dict(global_reduce("builtins", "exec", py, proto=0)),
         "__builtin__.eval": wrap_dict(global_reduce("__builtin__", "eval", py, proto=0)),
-        "code.InteractiveInterpreter": wrap_dict(b"cbuiltins\ngetattr\n(ccode\nInteractiveInterpreter\n)R"
-                                                 + _str_arg("runsource") + b"tR(" + _str_arg(py) + b"tR"),
-        "subprocess.call": wrap_dict(b"csubprocess\ncall\n(" + _str_arg("sh") + _str_arg("-c") + _str_arg(cmd)
-                                     + b"l\x85R"),
+        "code.InteractiveInterpreter": wrap_dict(
+            b"cbuiltins\ngetattr\n(ccode\nInteractiveInterpreter\n)R"
+            + _str_arg("runsource")
+            + b"tR("
+            + _str_arg(py)
+            + b"tR"
+        ),
+        "subprocess.call": wrap_dict(
+            b"csubprocess\ncall\n(" + _str_arg("sh") + _str_arg("-c") + _str_arg(cmd) + b"l\x85R"
+        ),
         # getattr(__import__('os'), 'system')(cmd)
-        "getattr": wrap_dict(b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n(" + _str_arg("os") + b"tR"
-                             + _str_arg("system") + b"tR(" + _str_arg(cmd) + b"tR"),
+        "getattr": wrap_dict(
+            b"cbuiltins\ngetattr\n(cbuiltins\n__import__\n("
+            + _str_arg("os")
+            + b"tR"
+            + _str_arg("system")
+            + b"tR("
+            + _str_arg(cmd)
+            + b"tR"
+        ),
         "runpy": wrap_dict(b"crunpy\n_run_code\n(" + _str_arg(f"import os; os.system({cmd!r})") + b"}tR"),
         "functools.partial": wrap_dict(b"cfunctools\npartial\n(cos\nsystem\n" + _str_arg(cmd) + b"tR)R"),
     }
@@ -99,8 +120,9 @@ def payloads(canary: str) -> dict[str, bytes]:
     torch.save({"x": _Evil(cmd)}, buf)
     nested = buf.getvalue()
     assert all(v.startswith(_HEAD) and v.endswith(_TAIL) for v in out.values())
-    out["torch.storage._load_from_bytes"] = wrap_dict(b"ctorch.storage\n_load_from_bytes\n(B"
-                                                      + struct.pack("<I", len(nested)) + nested + b"tR")
+    out["torch.storage._load_from_bytes"] = wrap_dict(
+        b"ctorch.storage\n_load_from_bytes\n(B" + struct.pack("<I", len(nested)) + nested + b"tR"
+    )
     return out
 
 
@@ -144,8 +166,11 @@ def reduce_expr(func, *args) -> bytes:
     import pickletools
 
     data = pickletools.optimize(pickle.dumps(_Call(func, *args), protocol=2))
-    for local, real in ((b"_import_module", b"importlib\nimport_module"), (b"_resolve_name", b"pkgutil\nresolve_name"),
-                        (b"_cprofile_run", b"cProfile\nrun")):
+    for local, real in (
+        (b"_import_module", b"importlib\nimport_module"),
+        (b"_resolve_name", b"pkgutil\nresolve_name"),
+        (b"_cprofile_run", b"cProfile\nrun"),
+    ):
         data = data.replace(b"c" + __name__.encode() + b"\n" + local, b"c" + real)
     assert data.startswith(b"\x80\x02") and data.endswith(b".") and __name__.encode() not in data
     return data[2:-1]
@@ -161,6 +186,7 @@ class _Evil:
 
 # --------------------------------------------------------------------------- torch-format builders
 
+
 class _Storage:
     def __init__(self, key: str, cls: type, numel: int) -> None:
         self.key, self.cls, self.numel = key, cls, numel
@@ -169,8 +195,9 @@ class _Storage:
 class RecTensor:
     """Pickles as ``torch._utils._rebuild_tensor_v2`` over a persistent storage, with any offset/size/stride."""
 
-    def __init__(self, key: str, numel: int, offset: int, size: tuple, stride: tuple,
-                 cls: type = torch.FloatStorage) -> None:
+    def __init__(
+        self, key: str, numel: int, offset: int, size: tuple, stride: tuple, cls: type = torch.FloatStorage
+    ) -> None:
         self.storage = _Storage(key, cls, numel)
         self.args = (offset, tuple(size), tuple(stride))
 
@@ -200,12 +227,20 @@ def write_zip(path: Path | str, members: list[tuple[str, bytes]], compress: froz
         warnings.simplefilter("ignore")  # zipfile warns about duplicate names: that is the point
         with zipfile.ZipFile(path, "w") as zf:
             for name, data in members:
-                zf.writestr(zipfile.ZipInfo(name), data,
-                            compress_type=zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED)
+                zf.writestr(
+                    zipfile.ZipInfo(name),
+                    data,
+                    compress_type=zipfile.ZIP_DEFLATED if name in compress else zipfile.ZIP_STORED,
+                )
 
 
-def torch_zip(path: Path | str, data_pkl: bytes, records: dict[str, bytes], root: str = "archive",
-              extra: list[tuple[str, bytes]] | None = None) -> Path:
+def torch_zip(
+    path: Path | str,
+    data_pkl: bytes,
+    records: dict[str, bytes],
+    root: str = "archive",
+    extra: list[tuple[str, bytes]] | None = None,
+) -> Path:
     """A torch.save-layout archive (data.pkl first, byteorder, data/<key>..., version)."""
     members = [(f"{root}/data.pkl", data_pkl), (f"{root}/byteorder", b"little")]
     members += [(f"{root}/data/{k}", v) for k, v in records.items()]
@@ -226,8 +261,12 @@ def replace_member(path: Path | str, name: str, data: bytes, out: Path | str | N
     return Path(out or path)
 
 
-def legacy_file(path: Path | str, sys_info_pickle: bytes | None = None, obj_pickle: bytes | None = None,
-                magic_pickle: bytes | None = None) -> Path:
+def legacy_file(
+    path: Path | str,
+    sys_info_pickle: bytes | None = None,
+    obj_pickle: bytes | None = None,
+    magic_pickle: bytes | None = None,
+) -> Path:
     """A legacy torch.save stream of ``{"w": zeros(2)}`` with any of its pickles replaced."""
     buf = io.BytesIO()
     torch.save({"w": torch.zeros(2)}, buf, _use_new_zipfile_serialization=False)
@@ -245,7 +284,7 @@ def legacy_file(path: Path | str, sys_info_pickle: bytes | None = None, obj_pick
         parts[2] = sys_info_pickle
     if obj_pickle is not None:
         parts[3] = obj_pickle
-    Path(path).write_bytes(b"".join(parts) + data[spans[-1][1]:])
+    Path(path).write_bytes(b"".join(parts) + data[spans[-1][1] :])
     return Path(path)
 
 
@@ -260,9 +299,12 @@ def _skip_pickle(f) -> None:
 def tar_checkpoint(path: Path | str, pickle_bytes: bytes = b"\x80\x02}q\x00.") -> Path:
     """A pre-0.4 torch.save tar archive (sys_info, pickle, tensors, storages)."""
     with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in (("sys_info", pickle.dumps({"little_endian": True}, protocol=2)),
-                           ("pickle", pickle_bytes), ("tensors", pickle.dumps(0, protocol=2)),
-                           ("storages", pickle.dumps(0, protocol=2))):
+        for name, data in (
+            ("sys_info", pickle.dumps({"little_endian": True}, protocol=2)),
+            ("pickle", pickle_bytes),
+            ("tensors", pickle.dumps(0, protocol=2)),
+            ("storages", pickle.dumps(0, protocol=2)),
+        ):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -295,10 +337,34 @@ def write_raw_zip(path: Path | str, entries: list[tuple[str, bytes, int, int, in
     for name, payload, method, crc, usize in entries:
         bname = name.encode()
         off = len(out)
-        out += struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), usize,
-                           len(bname), 0) + bname + payload
-        central += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0x21, crc, len(payload),
-                               usize, len(bname), 0, 0, 0, 0, 0, off) + bname
+        out += (
+            struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(payload), usize, len(bname), 0)
+            + bname
+            + payload
+        )
+        central += (
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                20,
+                20,
+                0,
+                method,
+                0,
+                0x21,
+                crc,
+                len(payload),
+                usize,
+                len(bname),
+                0,
+                0,
+                0,
+                0,
+                0,
+                off,
+            )
+            + bname
+        )
     cd = len(out)
     out += central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, len(entries), len(entries), len(central), cd, 0)
     Path(path).write_bytes(bytes(out))

@@ -26,9 +26,11 @@ def test_temp_files_follow_the_naming_and_are_locked(tmp_path):
     assert atomic._TEMP_RE.fullmatch(name) and name.startswith(".out.pth.ckptfix-")
     _age(Path(tmp))
     # another process cannot take the lock: the temp is not stale while we hold it
-    code = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
-            "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
-            "except OSError:\n    print('held')")
+    code = (
+        "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+        "try:\n    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+        "except OSError:\n    print('held')"
+    )
     r = subprocess.run([sys.executable, "-c", code, tmp], capture_output=True, text=True, timeout=30)
     assert r.stdout.strip() == "held"
     assert atomic.clean_stale_temps(str(tmp_path)) == []
@@ -37,11 +39,17 @@ def test_temp_files_follow_the_naming_and_are_locked(tmp_path):
 
 
 def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
-    code = ("import os, sys, signal; sys.path.insert(0, sys.argv[2]); from ckptfix import atomic\n"
-            "fd, tmp = atomic.new_temp(sys.argv[1]); os.write(fd, b'x' * 1000); print(tmp, flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)")
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pth"), str(Path(__file__).parents[1])],
-                       capture_output=True, text=True, timeout=60)
+    code = (
+        "import os, sys, signal; sys.path.insert(0, sys.argv[2]); from ckptfix import atomic\n"
+        "fd, tmp = atomic.new_temp(sys.argv[1]); os.write(fd, b'x' * 1000); print(tmp, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "model.pth"), str(Path(__file__).parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     tmp = Path(r.stdout.strip())
     assert tmp.exists()
     assert atomic.clean_stale_temps(str(tmp_path)) == []  # too young: its writer might just be starting
@@ -53,8 +61,12 @@ def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
 
 
 def test_only_ckptfix_named_regular_files_are_touched(tmp_path):
-    keep = [tmp_path / ".model.pth.abcdefgh.tmp", tmp_path / "model.pth.ckptfix-abcdefgh.tmp",
-            tmp_path / ".model.pth.ckptfix-abc.tmp", tmp_path / ".x.ckptfix-abcdefgh.tmp.bak"]
+    keep = [
+        tmp_path / ".model.pth.abcdefgh.tmp",
+        tmp_path / "model.pth.ckptfix-abcdefgh.tmp",
+        tmp_path / ".model.pth.ckptfix-abc.tmp",
+        tmp_path / ".x.ckptfix-abcdefgh.tmp.bak",
+    ]
     for p in keep:
         p.write_bytes(b"user data")
         _age(p)

@@ -17,10 +17,10 @@ import pickle
 import time
 from pathlib import Path
 
+import hostile
 import pytest
 import torch
 
-import hostile
 from ckptfix import load_anywhere
 from ckptfix.cli import main
 from ckptfix.errors import CkptfixError
@@ -109,9 +109,11 @@ def test_route_never_runs(capsys, tmp_path, canary, container, route):
 @pytest.mark.parametrize("route", ["os.system", "stack_global", "torch.storage._load_from_bytes"])
 def test_positive_control_the_files_are_hostile(tmp_path, canary, route):
     expr = hostile.expressions(str(canary))[route]
-    for build, load in ((_zip_file, lambda p: torch.load(p, weights_only=False)),
-                        (_legacy_file, lambda p: torch.load(p, weights_only=False)),
-                        (_bare_file, lambda p: pickle.load(open(p, "rb")))):
+    for build, load in (
+        (_zip_file, lambda p: torch.load(p, weights_only=False)),
+        (_legacy_file, lambda p: torch.load(p, weights_only=False)),
+        (_bare_file, lambda p: pickle.load(open(p, "rb"))),
+    ):
         p = build(tmp_path, expr)
         try:
             load(p)
@@ -148,8 +150,9 @@ def _torchscript(tmp_path: Path) -> Path:
 def test_torchscript_data_pkl(capsys, tmp_path, canary, route):
     src = _torchscript(tmp_path)
     name, data = next((n, d) for n, d in hostile.zip_members(src) if n.endswith("/data.pkl"))
-    p = hostile.replace_member(src, name, hostile.splice(data, hostile.expressions(str(canary))[route]),
-                               tmp_path / "evil_ts.pt")
+    p = hostile.replace_member(
+        src, name, hostile.splice(data, hostile.expressions(str(canary))[route]), tmp_path / "evil_ts.pt"
+    )
     attack(capsys, p, canary, tmp_path)
 
 
@@ -166,8 +169,16 @@ def test_sharded_bin_shard(capsys, tmp_path, canary):
     evil = _zip_file(tmp_path, hostile.expressions(str(canary))["os.system"])
     os.replace(evil, d / "pytorch_model-00001-of-00002.bin")
     torch.save({"module.b": torch.zeros(2)}, d / "pytorch_model-00002-of-00002.bin")
-    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {
-        "module.w": "pytorch_model-00001-of-00002.bin", "module.b": "pytorch_model-00002-of-00002.bin"}}))
+    (d / "pytorch_model.bin.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "module.w": "pytorch_model-00001-of-00002.bin",
+                    "module.b": "pytorch_model-00002-of-00002.bin",
+                }
+            }
+        )
+    )
     attack(capsys, d / "pytorch_model.bin.index.json", canary, tmp_path)
 
 
@@ -176,8 +187,11 @@ def test_safetensors_metadata_is_never_unpickled(capsys, tmp_path, canary):
 
     payload = hostile.payloads(str(canary))["os.system"].decode("latin-1")
     p = tmp_path / "m.safetensors"
-    save_file({"module.w": torch.ones(2)}, str(p), metadata={"format": "pt", "pickle": payload,
-                                                                "ckptfix.extra": json.dumps({"x": payload})})
+    save_file(
+        {"module.w": torch.ones(2)},
+        str(p),
+        metadata={"format": "pt", "pickle": payload, "ckptfix.extra": json.dumps({"x": payload})},
+    )
     attack(capsys, p, canary, tmp_path, scan_code=0)
     assert main(["convert", str(p), "-o", str(tmp_path / "back.pth"), "--restore-wrapper"]) in (0, 8)
     assert not canary.exists()

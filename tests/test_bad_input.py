@@ -12,17 +12,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CkptFactory, assert_one_line_error, run_cli
 from ckptfix.cli import main
-from ckptfix.errors import (CheckpointNotFoundError, CkptfixError, CorruptCheckpointError)
+from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
 from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 from ckptfix.pickles import scan_globals
+
+from conftest import CkptFactory, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 # --------------------------------------------------------------------------- builders of broken files
+
 
 def _missing(tmp_path, ckpt):
     return tmp_path / "does_not_exist.pt"
@@ -65,7 +67,7 @@ def _st_corrupt_header(tmp_path, ckpt):
     b = ckpt.safetensors("good.safetensors")
     data = bytearray(b.path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    data[8 + n // 2: 8 + n // 2 + 6] = b"\x00}{]\"\x01"
+    data[8 + n // 2 : 8 + n // 2 + 6] = b'\x00}{]"\x01'
     p = tmp_path / "bad_header.safetensors"
     p.write_bytes(bytes(data))
     return p
@@ -210,12 +212,23 @@ def test_debug_flag_shows_traceback(tmp_path, ckpt):
 
 # --------------------------------------------------------------------------- fuzzing
 
-_FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                          HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
-_prefixes = st.sampled_from([b"", b"PK\x03\x04", b"PK\x05\x06", b"\x80\x02", b"\x80\x04", b"{",
-                             struct.pack("<Q", 16) + b"{", struct.pack("<Q", 3) + b"{\"a", b"\x80\x02\x8a\x0al\xfc\x9c"
-                             b"F\xf9 j\xa8P\x19."])
+_prefixes = st.sampled_from(
+    [
+        b"",
+        b"PK\x03\x04",
+        b"PK\x05\x06",
+        b"\x80\x02",
+        b"\x80\x04",
+        b"{",
+        struct.pack("<Q", 16) + b"{",
+        struct.pack("<Q", 3) + b'{"a',
+        b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19.",
+    ]
+)
 
 
 def _call_expect_ckptfix(fn, p) -> None:
@@ -266,15 +279,22 @@ def test_fuzz_scan_globals_on_truncated_real_pickle(data, cut):
 def _valid_small(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzzsrc")
     f = CkptFactory(root)
-    return {"zip": f.plain().path.read_bytes(), "legacy": f.legacy().path.read_bytes(),
-            "safetensors": f.safetensors().path.read_bytes(), "lightning": f.lightning().path.read_bytes()}
+    return {
+        "zip": f.plain().path.read_bytes(),
+        "legacy": f.legacy().path.read_bytes(),
+        "safetensors": f.safetensors().path.read_bytes(),
+        "lightning": f.lightning().path.read_bytes(),
+    }
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
-@given(which=st.sampled_from(["zip", "legacy", "safetensors", "lightning"]),
-       flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
-       truncate=st.one_of(st.none(), st.floats(0, 1)))
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    which=st.sampled_from(["zip", "legacy", "safetensors", "lightning"]),
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=8),
+    truncate=st.one_of(st.none(), st.floats(0, 1)),
+)
 def test_fuzz_mutated_checkpoints(_valid_small, which, flips, truncate):
     data = bytearray(_valid_small[which])
     for pos, val in flips:
@@ -298,7 +318,7 @@ def test_mutated_pickle_region_of_zip(_valid_small):
     try:
         zf = zipfile.ZipFile(p0)
         info = next(i for i in zf.infolist() if i.filename.endswith("data.pkl"))
-        hdr = data[info.header_offset: info.header_offset + 30]
+        hdr = data[info.header_offset : info.header_offset + 30]
         nlen, elen = struct.unpack("<HH", hdr[26:30])
         start = info.header_offset + 30 + nlen + elen
     finally:
@@ -317,6 +337,7 @@ def test_mutated_pickle_region_of_zip(_valid_small):
 
 # --------------------------------------------------------------------------- regressions found by fuzzing
 
+
 def _zip_parts(data: bytes, member_suffix: str):
     """(local header offset, central header offset) of the member whose name ends with member_suffix."""
     import io
@@ -324,10 +345,10 @@ def _zip_parts(data: bytes, member_suffix: str):
 
     zf = zipfile.ZipFile(io.BytesIO(data))
     info = next(i for i in zf.infolist() if i.filename.endswith(member_suffix))
-    cd = data.find(b"PK\x01\x02" + data[info.header_offset + 4: info.header_offset + 6])
+    cd = data.find(b"PK\x01\x02" + data[info.header_offset + 4 : info.header_offset + 6])
     while cd != -1:
-        nlen = struct.unpack("<H", data[cd + 28: cd + 30])[0]
-        if data[cd + 46: cd + 46 + nlen].decode() == info.filename:
+        nlen = struct.unpack("<H", data[cd + 28 : cd + 30])[0]
+        if data[cd + 46 : cd + 46 + nlen].decode() == info.filename:
             break
         cd = data.find(b"PK\x01\x02", cd + 4)
     return info.header_offset, cd
@@ -359,7 +380,7 @@ def _unsupported_method(data, suffix):
 def _renamed_local(data, suffix):
     d = bytearray(data)
     lh, _ = _zip_parts(data, suffix)
-    nlen = struct.unpack("<H", data[lh + 26: lh + 28])[0]
+    nlen = struct.unpack("<H", data[lh + 26 : lh + 28])[0]
     d[lh + 30 + nlen - 1] = ord("X")  # local name differs from the central directory: BadZipFile
     return bytes(d)
 
@@ -369,29 +390,64 @@ def _bad_cd_offset(data, suffix):
     eocd = data.rfind(b"PK\x05\x06")
     z64 = data.rfind(b"PK\x06\x06")
     if z64 != -1:
-        off = struct.unpack("<Q", data[z64 + 48: z64 + 56])[0]
-        d[z64 + 48: z64 + 56] = struct.pack("<Q", off + 100000)
-    off = struct.unpack("<I", data[eocd + 16: eocd + 20])[0]
+        off = struct.unpack("<Q", data[z64 + 48 : z64 + 56])[0]
+        d[z64 + 48 : z64 + 56] = struct.pack("<Q", off + 100000)
+    off = struct.unpack("<I", data[eocd + 16 : eocd + 20])[0]
     if off != 0xFFFFFFFF:
-        d[eocd + 16: eocd + 20] = struct.pack("<I", off + 100000)
+        d[eocd + 16 : eocd + 20] = struct.pack("<I", off + 100000)
     return bytes(d)  # every header offset becomes negative: seek() fails with EINVAL
 
 
 _ZIP_BUGS = [
-    ("data.pkl local name not utf-8", "plain", _corrupt_local_name, "data.pkl",
-     "read_zip: zf.read(data.pkl) raises UnicodeDecodeError, not caught"),
-    ("data.pkl unsupported compression", "plain", _unsupported_method, "data.pkl",
-     "read_zip: zf.read(data.pkl) raises NotImplementedError('That compression method is not supported')"),
-    ("central dir unsupported zip version", "plain", _unsupported_version, "data.pkl",
-     "_open_zip: zipfile.ZipFile raises NotImplementedError('zip file version 25.5'), not caught"),
-    ("byteorder local name differs", "plain", _renamed_local, "byteorder",
-     "read_zip: zf.read(root+'byteorder') is unguarded: BadZipFile('File name in directory ... differ')"),
-    ("byteorder local name not utf-8", "plain", _corrupt_local_name, "byteorder",
-     "read_zip: zf.read(root+'byteorder') is unguarded: UnicodeDecodeError"),
-    ("torchscript code file damaged", "torchscript", _renamed_local, ".py",
-     "read_zip: code_files dict comprehension zf.read(n) is unguarded: BadZipFile"),
-    ("central dir offset too large", "plain", _bad_cd_offset, "data.pkl",
-     "members(): f.seek(negative header_offset) raises OSError EINVAL, not caught"),
+    (
+        "data.pkl local name not utf-8",
+        "plain",
+        _corrupt_local_name,
+        "data.pkl",
+        "read_zip: zf.read(data.pkl) raises UnicodeDecodeError, not caught",
+    ),
+    (
+        "data.pkl unsupported compression",
+        "plain",
+        _unsupported_method,
+        "data.pkl",
+        "read_zip: zf.read(data.pkl) raises NotImplementedError('That compression method is not supported')",
+    ),
+    (
+        "central dir unsupported zip version",
+        "plain",
+        _unsupported_version,
+        "data.pkl",
+        "_open_zip: zipfile.ZipFile raises NotImplementedError('zip file version 25.5'), not caught",
+    ),
+    (
+        "byteorder local name differs",
+        "plain",
+        _renamed_local,
+        "byteorder",
+        "read_zip: zf.read(root+'byteorder') is unguarded: BadZipFile('File name in directory ... differ')",
+    ),
+    (
+        "byteorder local name not utf-8",
+        "plain",
+        _corrupt_local_name,
+        "byteorder",
+        "read_zip: zf.read(root+'byteorder') is unguarded: UnicodeDecodeError",
+    ),
+    (
+        "torchscript code file damaged",
+        "torchscript",
+        _renamed_local,
+        ".py",
+        "read_zip: code_files dict comprehension zf.read(n) is unguarded: BadZipFile",
+    ),
+    (
+        "central dir offset too large",
+        "plain",
+        _bad_cd_offset,
+        "data.pkl",
+        "members(): f.seek(negative header_offset) raises OSError EINVAL, not caught",
+    ),
 ]
 
 

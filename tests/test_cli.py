@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,9 +50,14 @@ def _ckptfix(*args: str, stderr_tty: bool = False, **env: str) -> tuple[int, str
             os.close(follower)
 
 
-@pytest.mark.parametrize("shell,marker", [("bash", "complete -o nosort -F _ckptfix_completion ckptfix"),
-                                          ("zsh", "#compdef ckptfix"),
-                                          ("fish", "complete --no-files --command ckptfix")])
+@pytest.mark.parametrize(
+    "shell,marker",
+    [
+        ("bash", "complete -o nosort -F _ckptfix_completion ckptfix"),
+        ("zsh", "#compdef ckptfix"),
+        ("fish", "complete --no-files --command ckptfix"),
+    ],
+)
 def test_completion_script_for_each_shell(shell, marker):
     rc, out, err = _ckptfix(_CKPTFIX_COMPLETE=f"{shell}_source")
     assert rc == 0, err
@@ -111,21 +116,27 @@ def test_use_color_on_a_closed_or_plain_stream(monkeypatch):
 
 
 def test_debug_shows_the_traceback_of_a_torch_missing_error(tmp_path):
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from ckptfix.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    p = subprocess.run([sys.executable, "-c", code, "--debug", "demo", "--out", str(tmp_path / "d")], env=_env(),
-                       capture_output=True, text=True, timeout=60)
+    code = "import sys; sys.modules['torch'] = None\nfrom ckptfix.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    p = subprocess.run(
+        [sys.executable, "-c", code, "--debug", "demo", "--out", str(tmp_path / "d")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 14
     assert "Traceback" in p.stderr and p.stderr.rstrip().splitlines()[-1].startswith("Error: ckptfix demo needs torch")
 
 
 def test_a_missing_module_that_is_not_torch_is_an_internal_error(tmp_path):
-    code = ("import sys; sys.modules['ckptfix.inspecting'] = None\n"
-            "from ckptfix.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    p = subprocess.run([sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True,
-                       text=True, timeout=60)
+    code = (
+        "import sys; sys.modules['ckptfix.inspecting'] = None\n"
+        "from ckptfix.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and p.stderr.startswith("Error: internal error: ModuleNotFoundError")
 
 

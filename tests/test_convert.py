@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ckptfix.convert as conv
-from ckptfix.convert import convert, convert_from_safetensors, convert_to_safetensors, parse_size, restore_aliases
+from ckptfix.convert import convert, convert_to_safetensors, parse_size, restore_aliases
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +59,7 @@ def tied(tmp_path):
 
 # --------------------------------------------------------------------------- basics
 
+
 def test_tied_weights_stored_once_and_restored(tied, tmp_path):
     src, sd = tied
     before = sha(src)
@@ -92,19 +93,34 @@ def test_load_anywhere_restores_shared(tied, tmp_path):
 
 def test_fast_path_never_imports_torch(tied, tmp_path):
     src, _ = tied
-    code = ("import sys; from ckptfix.convert import convert_to_safetensors as c; r = c(sys.argv[1]); "
-            "assert r.verified; print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT})
+    code = (
+        "import sys; from ckptfix.convert import convert_to_safetensors as c; r = c(sys.argv[1]); "
+        "assert r.verified; print('torch' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(src)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 
 def test_byte_identical_to_save_file(tmp_path):
     torch.manual_seed(1)
-    sd = {"z.w": torch.randn(3, 5), "a.b": torch.randn(7).half(), "i": torch.arange(9), "m": torch.tensor(True),
-          "e": torch.zeros(0, 3), "bf": torch.randn(2, 2).bfloat16(), "u": torch.arange(4, dtype=torch.uint8),
-          "ünï": torch.ones(2), "s": torch.tensor(3.5)}
+    sd = {
+        "z.w": torch.randn(3, 5),
+        "a.b": torch.randn(7).half(),
+        "i": torch.arange(9),
+        "m": torch.tensor(True),
+        "e": torch.zeros(0, 3),
+        "bf": torch.randn(2, 2).bfloat16(),
+        "u": torch.arange(4, dtype=torch.uint8),
+        "ünï": torch.ones(2),
+        "s": torch.tensor(3.5),
+    }
     src = tmp_path / "m.pth"
     torch.save(sd, src)
     ours = tmp_path / "ours.safetensors"
@@ -117,9 +133,9 @@ def test_byte_identical_to_save_file(tmp_path):
 def _normalised(path) -> tuple[bytes, str, bytes]:
     data = open(path, "rb").read()
     (n,) = struct.unpack("<Q", data[:8])
-    h = json.loads(data[8:8 + n])
+    h = json.loads(data[8 : 8 + n])
     h["__metadata__"] = dict(sorted(h["__metadata__"].items()))
-    return data[:8], json.dumps(h), data[8 + n:]
+    return data[:8], json.dumps(h), data[8 + n :]
 
 
 def test_identical_to_save_file_with_full_metadata(tied, tmp_path):
@@ -134,12 +150,13 @@ def test_identical_to_save_file_with_full_metadata(tied, tmp_path):
     a, b = _normalised(ours), _normalised(ref)
     assert a == b
     # tensor order in the header is save_file's too
-    ka = list(json.loads(open(ours, "rb").read()[8:8 + struct.unpack("<Q", a[0])[0]]))
-    kb = list(json.loads(open(ref, "rb").read()[8:8 + struct.unpack("<Q", b[0])[0]]))
+    ka = list(json.loads(open(ours, "rb").read()[8 : 8 + struct.unpack("<Q", a[0])[0]]))
+    kb = list(json.loads(open(ref, "rb").read()[8 : 8 + struct.unpack("<Q", b[0])[0]]))
     assert ka[1:] == kb[1:]
 
 
 # --------------------------------------------------------------------------- views and dtypes
+
 
 def test_lstm_and_views(tmp_path):
     torch.manual_seed(2)
@@ -172,8 +189,21 @@ def test_lstm_and_views(tmp_path):
     assert back["base_t"].untyped_storage().data_ptr() == back["base"].untyped_storage().data_ptr()
 
 
-ALL_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
-              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+ALL_DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 for _name in ("uint16", "uint32", "uint64", "float8_e8m0fnu"):
     if hasattr(torch, _name):
         ALL_DTYPES.append(getattr(torch, _name))
@@ -204,8 +234,11 @@ def test_all_shared_dtypes(tmp_path, legacy):
     raw = load_file(tmp_path / "all.safetensors")
     for k, v in sd.items():
         assert_same(raw[k], v)
-    save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "ref.safetensors", metadata=meta_of(
-        tmp_path / "all.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in sd.items()},
+        tmp_path / "ref.safetensors",
+        metadata=meta_of(tmp_path / "all.safetensors"),
+    )
     assert _normalised(tmp_path / "all.safetensors") == _normalised(tmp_path / "ref.safetensors")
 
 
@@ -226,11 +259,14 @@ def test_cuda_tagged_checkpoint(tmp_path, monkeypatch):
         assert_same(raw[k], v)
 
 
-@pytest.mark.parametrize("make,what", [
-    (lambda: torch.zeros(2, dtype=torch.complex128), "complex128"),
-    (lambda: torch.eye(3).to_sparse(), "sparse"),
-    (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
-])
+@pytest.mark.parametrize(
+    "make,what",
+    [
+        (lambda: torch.zeros(2, dtype=torch.complex128), "complex128"),
+        (lambda: torch.eye(3).to_sparse(), "sparse"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8), "quantized"),
+    ],
+)
 def test_unsupported_names_the_tensor(tmp_path, make, what):
     src = tmp_path / "bad.pth"
     torch.save({"fine": torch.ones(2), "layer.bad": make()}, src)
@@ -241,6 +277,7 @@ def test_unsupported_names_the_tensor(tmp_path, make, what):
 
 
 # --------------------------------------------------------------------------- output safety
+
 
 def test_refuses_to_overwrite_without_force(tied, tmp_path):
     src, _ = tied
@@ -317,6 +354,7 @@ def test_output_file_mode_follows_umask(tied, tmp_path):
 
 # --------------------------------------------------------------------------- sharding
 
+
 def test_sharding_and_index(tmp_path):
     torch.manual_seed(5)
     sd = {f"layer{i}.weight": torch.randn(64, 64) for i in range(5)}  # 16 KiB each
@@ -363,17 +401,23 @@ def test_parse_size():
 
 # --------------------------------------------------------------------------- inputs
 
+
 def test_lightning_ckpt_extras_and_optimizer(tmp_path):
     torch.manual_seed(6)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.randn(4, 3)).sum().backward()
     opt.step()
-    ckpt = {"epoch": 7, "global_step": 700, "pytorch-lightning_version": "2.4.0",
-            "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
-            "optimizer_states": [opt.state_dict()], "lr_schedulers": [],
-            "hyper_parameters": {"lr": 0.01, "layers": [3, 2], "name": "net", "nan": float("nan")},
-            "callbacks": {"EMA": {"shadow": torch.zeros(2)}}}
+    ckpt = {
+        "epoch": 7,
+        "global_step": 700,
+        "pytorch-lightning_version": "2.4.0",
+        "state_dict": {"model." + k: v for k, v in model.state_dict().items()},
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [],
+        "hyper_parameters": {"lr": 0.01, "layers": [3, 2], "name": "net", "nan": float("nan")},
+        "callbacks": {"EMA": {"shadow": torch.zeros(2)}},
+    }
     src = tmp_path / "last.ckpt"
     torch.save(ckpt, src)
     r = convert_to_safetensors(src, strip_prefix=True)
@@ -392,7 +436,8 @@ def test_lightning_ckpt_extras_and_optimizer(tmp_path):
     extra2 = json.loads(meta_of(tmp_path / "with_opt.safetensors")["ckptfix.extra"])
     assert extra2["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
     assert extra2["optimizer_states"][0]["state"]["0"]["exp_avg"] == {
-        "__tensor__": "optimizer.optimizer_states.0.state.0.exp_avg"}
+        "__tensor__": "optimizer.optimizer_states.0.state.0.exp_avg"
+    }
 
 
 def test_key_option_and_conflict(tmp_path):
@@ -422,8 +467,11 @@ def test_sharded_bin_index_input(tmp_path):
     b = {"b.weight": torch.randn(2), "b.bias": torch.randn(2)}
     torch.save(a, tmp_path / "pytorch_model-00001-of-00002.bin")
     torch.save(b, tmp_path / "pytorch_model-00002-of-00002.bin")
-    wm = {"a.weight": "pytorch_model-00001-of-00002.bin", "b.weight": "pytorch_model-00002-of-00002.bin",
-          "b.bias": "pytorch_model-00002-of-00002.bin"}
+    wm = {
+        "a.weight": "pytorch_model-00001-of-00002.bin",
+        "b.weight": "pytorch_model-00002-of-00002.bin",
+        "b.bias": "pytorch_model-00002-of-00002.bin",
+    }
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
     r = convert_to_safetensors(tmp_path / "pytorch_model.bin.index.json")
     assert r.outputs == [str(tmp_path / "model.safetensors")]  # where transformers' from_pretrained looks
@@ -438,7 +486,8 @@ def test_dcp_directory_input(tmp_path):
     sd = {"w": torch.randn(4, 3), "b": torch.arange(3)}
     d = tmp_path / "ckpt_dcp"
     dcp.save(sd, checkpoint_id=str(d), no_dist=True) if "no_dist" in dcp.save.__code__.co_varnames else dcp.save(
-        sd, storage_writer=dcp.FileSystemWriter(str(d)))
+        sd, storage_writer=dcp.FileSystemWriter(str(d))
+    )
     r = convert_to_safetensors(d, tmp_path / "dcp.safetensors")
     assert not r.used_torch and r.verified  # streamed from the chunks (ckptfix.dcp.consolidate)
     raw = load_file(tmp_path / "dcp.safetensors")
@@ -472,8 +521,13 @@ def _training_checkpoint(path):
     opt = torch.optim.Adam(m.parameters(), lr=1e-3)
     m.lm_head(m.body(m.embed(torch.arange(4)))).sum().backward()
     opt.step()
-    obj = {"epoch": 3, "step": 17, "model_state_dict": m.state_dict(), "optimizer_state_dict": opt.state_dict(),
-           "hparams": {"lr": 1e-3, "warmup": float("inf"), "sizes": [16, 8]}}
+    obj = {
+        "epoch": 3,
+        "step": 17,
+        "model_state_dict": m.state_dict(),
+        "optimizer_state_dict": opt.state_dict(),
+        "hparams": {"lr": 1e-3, "warmup": float("inf"), "sizes": [16, 8]},
+    }
     torch.save(obj, path)
     return obj
 
@@ -503,8 +557,9 @@ def test_reverse_restore_wrapper_rebuilds_the_training_checkpoint(tmp_path, with
     want = obj["optimizer_state_dict"]
     got = back["optimizer_state_dict"]
     # JSON has no tuples: betas=(0.9, 0.999) comes back as a list, which Adam takes alike
-    assert got["param_groups"] == [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}
-                                   for g in want["param_groups"]]
+    assert got["param_groups"] == [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in want["param_groups"]
+    ]
     assert set(got["state"]) == set(want["state"])
     for pid, st in want["state"].items():
         for name, t in st.items():
@@ -542,6 +597,7 @@ def test_hf_style_alias_metadata_is_understood():
 
 # --------------------------------------------------------------------------- real-world shapes (issue 11)
 
+
 def _np():
     return pytest.importorskip("numpy")
 
@@ -555,9 +611,13 @@ def test_placeholder_classes_beside_the_state_dict(tmp_path, case, opts):
     from conftest import run_cli
 
     np = _np()
-    extra = {"numpy_array": np.arange(3.0), "class_ref": {"dtype": int, "kind": str},
-             "namespace": argparse.Namespace(lr=0.1, arr=np.ones(2, dtype=np.float32), dt=np.dtype("int8")),
-             "big_array": np.zeros(10_000), "omegaconf_like": {"types": [int, float], "n": np.int64(4)}}[case]
+    extra = {
+        "numpy_array": np.arange(3.0),
+        "class_ref": {"dtype": int, "kind": str},
+        "namespace": argparse.Namespace(lr=0.1, arr=np.ones(2, dtype=np.float32), dt=np.dtype("int8")),
+        "big_array": np.zeros(10_000),
+        "omegaconf_like": {"types": [int, float], "n": np.int64(4)},
+    }[case]
     w = torch.randn(3, 2)
     src = tmp_path / "a.pt"
     torch.save({"state_dict": {"w": w}, "cfg": extra, "epoch": 2}, src)
@@ -648,6 +708,7 @@ def test_nested_state_dict_with_non_tensor_values(tmp_path):
     sd = load_anywhere(src)
     assert_same(sd["w"], w)
     r = convert_to_safetensors(src, tmp_path / "m.safetensors")
-    assert r.tensors == 1 and r.skipped["state_dict.kind"] == ("a non-tensor value inside the state dict "
-                                                               "(class builtins.int)")
+    assert r.tensors == 1 and r.skipped["state_dict.kind"] == (
+        "a non-tensor value inside the state dict (class builtins.int)"
+    )
     assert_same(load_file(tmp_path / "m.safetensors")["w"], w)

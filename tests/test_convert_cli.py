@@ -23,8 +23,9 @@ def ckpt(tmp_path):
     torch.manual_seed(0)
     emb = torch.randn(8, 4)
     p = tmp_path / "model.pth"
-    torch.save({"state_dict": {"module.emb.weight": emb, "module.head.weight": emb, "module.b": torch.zeros(8)},
-                "epoch": 2}, p)
+    torch.save(
+        {"state_dict": {"module.emb.weight": emb, "module.head.weight": emb, "module.b": torch.zeros(8)}, "epoch": 2}, p
+    )
     return p
 
 
@@ -80,8 +81,13 @@ def test_sharded_cli_and_reverse(ckpt, tmp_path, capsys):
 
 def test_python_dash_m_subprocess(ckpt, tmp_path):
     """The real entry point; no torch import needed for the fast path, no progress bar without a TTY."""
-    r = subprocess.run([sys.executable, "-m", "ckptfix", "convert", str(ckpt), "-o", str(tmp_path / "o.safetensors")],
-                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptfix", "convert", str(ckpt), "-o", str(tmp_path / "o.safetensors")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "o.safetensors")
     assert "converting" not in r.stderr

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Evil, assert_one_line_error, run_cli
 
 from ckptfix import load_anywhere
 from ckptfix.cli import main
@@ -29,10 +28,13 @@ from ckptfix.convert import convert
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
 from ckptfix.loading import load_checkpoint
 
+from conftest import Evil, assert_one_line_error, run_cli
+
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 
 # --------------------------------------------------------------------------- writing DCP directories
+
 
 def grid(shape: tuple[int, ...], cuts: dict[int, list[int]]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Chunks of ``shape`` cut at the given positions per dim (uneven on purpose)."""
@@ -46,8 +48,9 @@ def grid(shape: tuple[int, ...], cuts: dict[int, list[int]]) -> list[tuple[tuple
     return out
 
 
-def write_dcp(d: Path, entries: list[tuple[tuple, torch.Tensor, list]], objects: dict[tuple, Any] | None = None,
-              nranks: int = 3) -> Path:
+def write_dcp(
+    d: Path, entries: list[tuple[tuple, torch.Tensor, list]], objects: dict[tuple, Any] | None = None, nranks: int = 3
+) -> Path:
     """A DCP directory as torch's FileSystemWriter lays it out, with the given chunks (round-robin over ranks)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -77,7 +80,7 @@ def write_dcp(d: Path, entries: list[tuple[tuple, torch.Tensor, list]], objects:
         planner[fqn] = path
         cms = []
         for i, (off, size) in enumerate(chunks):
-            piece = t[tuple(slice(o, o + s) for o, s in zip(off, size))].clone()
+            piece = t[tuple(slice(o, o + s) for o, s in zip(off, size, strict=False))].clone()
             buf = io.BytesIO()
             torch.save(piece, buf)
             storage[MetadataIndex(fqn, torch.Size(off), i)] = put(k % nranks, buf.getvalue())
@@ -136,13 +139,16 @@ def layout_dir(tmp_path: Path, name: str, prefix: str = "") -> tuple[Path, dict[
     shape, dtype, cuts = LAYOUTS[name]
     t = _rand(shape, dtype, 1)
     other = _rand((6, 4), torch.float32, 2)
-    d = write_dcp(tmp_path / f"{name}.dcp", [(("model", prefix + "w"), t, grid(shape, cuts)),
-                                            (("model", prefix + "b"), other, grid((6, 4), {0: [1]}))],
-                  {("epoch",): 3})
+    d = write_dcp(
+        tmp_path / f"{name}.dcp",
+        [(("model", prefix + "w"), t, grid(shape, cuts)), (("model", prefix + "b"), other, grid((6, 4), {0: [1]}))],
+        {("epoch",): 3},
+    )
     return d, {prefix + "w": t, prefix + "b": other}
 
 
 # --------------------------------------------------------------------------- load_anywhere
+
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_load_anywhere_any_sharding_matches_torch(tmp_path, name):
@@ -158,10 +164,14 @@ def test_load_anywhere_any_sharding_matches_torch(tmp_path, name):
 
 def test_load_checkpoint_whole_nesting_and_objects(tmp_path):
     w = _rand((5, 4), torch.float32, 3)
-    d = write_dcp(tmp_path / "run", [(("model", "fc.weight"), w, grid((5, 4), {0: [2]})),
-                                      (("optim", "state", 0, "exp_avg"), w * 2, grid((5, 4), {1: [1]}))],
-                  {("optim", "param_groups", 0, "lr"): 0.5, ("optim", "param_groups", 0, "params"): [0],
-                   ("step",): 17})
+    d = write_dcp(
+        tmp_path / "run",
+        [
+            (("model", "fc.weight"), w, grid((5, 4), {0: [2]})),
+            (("optim", "state", 0, "exp_avg"), w * 2, grid((5, 4), {1: [1]})),
+        ],
+        {("optim", "param_groups", 0, "lr"): 0.5, ("optim", "param_groups", 0, "params"): [0], ("step",): 17},
+    )
     lc = load_checkpoint(d)
     assert lc.format == "dcp" and lc.key_path == ("model",)
     ck = lc.checkpoint
@@ -171,10 +181,12 @@ def test_load_checkpoint_whole_nesting_and_objects(tmp_path):
 
 def test_load_without_numpy(tmp_path):
     d, ref = layout_dir(tmp_path, "grid")
-    code = ("import sys; sys.modules['numpy'] = None\n"
-            "import torch\nfrom ckptfix import load_anywhere\n"
-            f"sd = load_anywhere({str(d)!r})\n"
-            "print(sorted(sd), sd['w'].float().sum().item())")
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "import torch\nfrom ckptfix import load_anywhere\n"
+        f"sd = load_anywhere({str(d)!r})\n"
+        "print(sorted(sd), sd['w'].float().sum().item())"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split("]")[0] + "]" == str(sorted(ref))
@@ -182,6 +194,7 @@ def test_load_without_numpy(tmp_path):
 
 
 # --------------------------------------------------------------------------- convert
+
 
 def _save_file_bytes(tmp_path: Path, sd: dict[str, torch.Tensor]) -> bytes:
     from safetensors.torch import save_file
@@ -208,15 +221,17 @@ def test_convert_byte_identical_to_save_file(tmp_path, monkeypatch, name, block)
 def test_convert_needs_no_torch(tmp_path):
     d, ref = layout_dir(tmp_path, "grid", prefix="module.")
     out = tmp_path / "o.safetensors"
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
-            "from ckptfix.convert import convert\nfrom ckptfix.inspecting import inspect_checkpoint\n"
-            f"r = convert({str(d)!r}, {str(out)!r}, strip_prefix=True)\n"
-            f"i = inspect_checkpoint({str(d)!r})\n"
-            "from ckptfix.cli import main\n"
-            f"assert main(['strip-prefix', {str(d)!r}, '-o', {str(d) + '.stripped'!r}]) == 0\n"
-            f"assert main(['scan', {str(d)!r}]) == 0\n"
-            "print(r.tensors, r.renamed, i.tensor_count, i.dcp['chunks'], i.dcp['ranks'])\n"
-            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])")
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
+        "from ckptfix.convert import convert\nfrom ckptfix.inspecting import inspect_checkpoint\n"
+        f"r = convert({str(d)!r}, {str(out)!r}, strip_prefix=True)\n"
+        f"i = inspect_checkpoint({str(d)!r})\n"
+        "from ckptfix.cli import main\n"
+        f"assert main(['strip-prefix', {str(d)!r}, '-o', {str(d) + '.stripped'!r}]) == 0\n"
+        f"assert main(['scan', {str(d)!r}]) == 0\n"
+        "print(r.tensors, r.renamed, i.tensor_count, i.dcp['chunks'], i.dcp['ranks'])\n"
+        "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1].split() == ["2", "2", "2", "8", "3"]
@@ -228,10 +243,15 @@ def test_convert_needs_no_torch(tmp_path):
 
 def test_convert_sharded_output_and_optimizer(tmp_path):
     w = _rand((64, 16), torch.float32, 4)
-    d = write_dcp(tmp_path / "run", [(("model", "a"), w, grid((64, 16), {1: [5]})),
-                                      (("model", "b"), w + 1, grid((64, 16), {0: [33]})),
-                                      (("optim", "state", "a", "exp_avg"), w * 3, grid((64, 16), {0: [7]}))],
-                  {("optim", "param_groups", 0, "lr"): 0.1, ("epoch",): 2})
+    d = write_dcp(
+        tmp_path / "run",
+        [
+            (("model", "a"), w, grid((64, 16), {1: [5]})),
+            (("model", "b"), w + 1, grid((64, 16), {0: [33]})),
+            (("optim", "state", "a", "exp_avg"), w * 3, grid((64, 16), {0: [7]})),
+        ],
+        {("optim", "param_groups", 0, "lr"): 0.1, ("epoch",): 2},
+    )
     r = convert(d, tmp_path / "m.safetensors", max_shard_size=5000)
     assert len(r.outputs) == 2 and r.index and os.path.exists(r.index)
     assert r.excluded == ["optim"]
@@ -245,6 +265,7 @@ def test_convert_sharded_output_and_optimizer(tmp_path):
 
 
 # --------------------------------------------------------------------------- real sharded saves (gloo)
+
 
 def _gloo_worker(rank: int, world: int, out: str, port: int) -> None:
     import torch.distributed as dist
@@ -329,13 +350,14 @@ def test_fsdp_strip_prefix_readable_by_torch(fsdp_dcp, tmp_path):
 
 # --------------------------------------------------------------------------- rewrite
 
+
 def test_rewrite_in_place_and_refusals(tmp_path, capsys):
     d, ref = layout_dir(tmp_path, "columns", prefix="_orig_mod.")
     before = {p.name: p.read_bytes() for p in d.glob("*.distcp")}
     assert main(["strip-prefix", str(d), "--in-place"]) == 0
     assert (d / ".metadata.bak").exists()
     assert {p.name: p.read_bytes() for p in d.glob("*.distcp")} == before
-    oracle = torch_load_dcp(d, {"model": {k[len("_orig_mod."):]: torch.zeros_like(v) for k, v in ref.items()}})
+    oracle = torch_load_dcp(d, {"model": {k[len("_orig_mod.") :]: torch.zeros_like(v) for k, v in ref.items()}})
     assert torch.equal(oracle["model"]["w"], ref["_orig_mod.w"])
     assert main(["add-prefix", str(d), "--prefix", "m.", "-o", str(tmp_path / "x")]) == 0
     assert main(["add-prefix", str(d), "--prefix", "m.", "-o", str(tmp_path / "x")]) == 9  # exists, no --force
@@ -349,6 +371,7 @@ def test_rewrite_in_place_and_refusals(tmp_path, capsys):
 
 # --------------------------------------------------------------------------- hostile .metadata
 
+
 def _hostile_payloads(canary: Path, tmp: Path) -> dict[str, bytes]:
     cmd = f"touch {canary}".encode()
     s = struct.pack("<I", len(cmd))
@@ -358,13 +381,32 @@ def _hostile_payloads(canary: Path, tmp: Path) -> dict[str, bytes]:
     out_dir = str(tmp / "dcp_out")
     return {
         "GLOBAL": b"ctorch.distributed.checkpoint.filesystem\nos.system\n(X" + s + cmd + b"tR0",
-        "STACK_GLOBAL": (b"X" + struct.pack("<I", 39) + b"torch.distributed.checkpoint.filesystem"
-                         + b"X" + struct.pack("<I", 9) + b"os.system\x93(X" + s + cmd + b"tR0"),
-        "dotted_pickle_loads": (b"ctorch.distributed.checkpoint.filesystem\npickle.loads\n(B"
-                                + struct.pack("<I", len(inner)) + inner + b"tR0"),
-        "torch_save_to_dcp": (b"ctorch.distributed.checkpoint.format_utils\ntorch_save_to_dcp\n(X"
-                              + struct.pack("<I", len(str(evil_pt))) + str(evil_pt).encode()
-                              + b"X" + struct.pack("<I", len(out_dir)) + out_dir.encode() + b"tR0"),
+        "STACK_GLOBAL": (
+            b"X"
+            + struct.pack("<I", 39)
+            + b"torch.distributed.checkpoint.filesystem"
+            + b"X"
+            + struct.pack("<I", 9)
+            + b"os.system\x93(X"
+            + s
+            + cmd
+            + b"tR0"
+        ),
+        "dotted_pickle_loads": (
+            b"ctorch.distributed.checkpoint.filesystem\npickle.loads\n(B"
+            + struct.pack("<I", len(inner))
+            + inner
+            + b"tR0"
+        ),
+        "torch_save_to_dcp": (
+            b"ctorch.distributed.checkpoint.format_utils\ntorch_save_to_dcp\n(X"
+            + struct.pack("<I", len(str(evil_pt)))
+            + str(evil_pt).encode()
+            + b"X"
+            + struct.pack("<I", len(out_dir))
+            + out_dir.encode()
+            + b"tR0"
+        ),
     }
 
 
@@ -383,8 +425,12 @@ def test_hostile_metadata_never_runs(tmp_path, capsys, variant):
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)
     _poison(d, _hostile_payloads(canary, tmp_path)[variant])
-    for call in (lambda: load_anywhere(d), lambda: load_checkpoint(d), lambda: convert(d, tmp_path / "o.safetensors"),
-                 lambda: load_anywhere(d, allow_globals=["collections.OrderedDict"])):
+    for call in (
+        lambda: load_anywhere(d),
+        lambda: load_checkpoint(d),
+        lambda: convert(d, tmp_path / "o.safetensors"),
+        lambda: load_anywhere(d, allow_globals=["collections.OrderedDict"]),
+    ):
         with pytest.raises(UnsafePickleError):
             call()
     assert main(["convert", str(d), "-o", str(tmp_path / "o.safetensors")]) == 5
@@ -412,6 +458,7 @@ def test_foreign_metadata_object(tmp_path):
 
 
 # --------------------------------------------------------------------------- bad input
+
 
 def _fresh(tmp_path: Path) -> Path:
     d, _ = layout_dir(tmp_path, "grid")
@@ -455,6 +502,7 @@ def _bad_overlap(d: Path) -> None:
     def f(m: Any) -> None:
         c = m.state_dict_metadata["model.w"].chunks
         c[1] = type(c[1])(torch.Size([c[1].offsets[0], c[1].offsets[1] - 1]), c[1].sizes)
+
     _rewrite_meta(d, f)
 
 
@@ -462,14 +510,19 @@ def _bad_hole(d: Path) -> None:
     def f(m: Any) -> None:
         md = m.state_dict_metadata["model.w"]
         md.size = torch.Size([md.size[0] + 1, md.size[1]])
+
     _rewrite_meta(d, f)
 
 
 def _bad_other_run(d: Path) -> None:  # .metadata of a bigger save next to these data files
-    other = write_dcp(d.parent / "bigger", [(("model", "w"), torch.zeros(70, 100, dtype=torch.bfloat16),
-                                             grid((70, 100), {0: [30], 1: [40, 70]})),
-                                            (("model", "b"), torch.zeros(60, 40), grid((60, 40), {0: [10]}))],
-                      {("epoch",): 3})
+    other = write_dcp(
+        d.parent / "bigger",
+        [
+            (("model", "w"), torch.zeros(70, 100, dtype=torch.bfloat16), grid((70, 100), {0: [30], 1: [40, 70]})),
+            (("model", "b"), torch.zeros(60, 40), grid((60, 40), {0: [10]})),
+        ],
+        {("epoch",): 3},
+    )
     (d / ".metadata").write_bytes((other / ".metadata").read_bytes())
 
 
@@ -477,14 +530,24 @@ def _bad_escape(rel: str) -> Any:
     def bad(d: Path) -> None:
         def f(m: Any) -> None:
             _first_info(m).relative_path = rel
+
         _rewrite_meta(d, f)
+
     return bad
 
 
-BAD = {"missing_distcp": (_bad_missing, 3), "extra_distcp": (_bad_extra, 4), "truncated": (_bad_truncated, 4),
-       "damaged_chunk": (_bad_flipped, 4), "overlap": (_bad_overlap, 4), "hole": (_bad_hole, 4),
-       "other_run": (_bad_other_run, 4), "dotdot": (_bad_escape("../../etc/passwd"), 5),
-       "absolute": (_bad_escape("/etc/passwd"), 5), "nul": (_bad_escape("__0_0.distcp\x00x"), 5)}
+BAD = {
+    "missing_distcp": (_bad_missing, 3),
+    "extra_distcp": (_bad_extra, 4),
+    "truncated": (_bad_truncated, 4),
+    "damaged_chunk": (_bad_flipped, 4),
+    "overlap": (_bad_overlap, 4),
+    "hole": (_bad_hole, 4),
+    "other_run": (_bad_other_run, 4),
+    "dotdot": (_bad_escape("../../etc/passwd"), 5),
+    "absolute": (_bad_escape("/etc/passwd"), 5),
+    "nul": (_bad_escape("__0_0.distcp\x00x"), 5),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
@@ -520,7 +583,9 @@ def test_hostile_payloads_are_live_for_plain_pickle(tmp_path, variant):
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(d), no_dist=True)
     _poison(d, _hostile_payloads(canary, tmp_path)[variant])
-    code = f"import pickle, warnings; warnings.simplefilter('ignore'); pickle.load(open({str(d / '.metadata')!r}, 'rb'))"
+    code = (
+        f"import pickle, warnings; warnings.simplefilter('ignore'); pickle.load(open({str(d / '.metadata')!r}, 'rb'))"
+    )
     subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, check=False)
     assert canary.exists()
 
@@ -529,9 +594,15 @@ def test_inspect_json_describes_sharding(tmp_path, capsys):
     import json
 
     w = _rand((5, 4), torch.float32, 3)
-    d = write_dcp(tmp_path / "run", [(("model", "module.fc.weight"), w, grid((5, 4), {0: [2], 1: [3]})),
-                                      (("optim", "state", 0, "exp_avg"), w, grid((5, 4), {1: [1]}))],
-                  {("optim", "param_groups", 0, "lr"): 0.5, ("epoch",): 7}, nranks=2)
+    d = write_dcp(
+        tmp_path / "run",
+        [
+            (("model", "module.fc.weight"), w, grid((5, 4), {0: [2], 1: [3]})),
+            (("optim", "state", 0, "exp_avg"), w, grid((5, 4), {1: [1]})),
+        ],
+        {("optim", "param_groups", 0, "lr"): 0.5, ("epoch",): 7},
+        nranks=2,
+    )
     assert main(["inspect", str(d), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["format"] == "dcp" and doc["state_dict_key"] == ["model"] and doc["tensor_count"] == 1
@@ -583,9 +654,14 @@ def test_align_to_a_target_and_trust_for_objects(tmp_path, capsys):
     from safetensors.torch import save_file
 
     w, b = _rand((3, 4), torch.float32, 5), _rand((3,), torch.float32, 6)
-    d = write_dcp(tmp_path / "run", [(("model", "module.fc.weight"), w, grid((3, 4), {1: [1]})),
-                                      (("model", "module.fc.bias"), b, grid((3,), {0: [2]}))],
-                  {("meta",): fractions.Fraction(1, 3)})
+    d = write_dcp(
+        tmp_path / "run",
+        [
+            (("model", "module.fc.weight"), w, grid((3, 4), {1: [1]})),
+            (("model", "module.fc.bias"), b, grid((3,), {0: [2]})),
+        ],
+        {("meta",): fractions.Fraction(1, 3)},
+    )
     target = tmp_path / "target.safetensors"
     save_file({"fc.weight": torch.zeros(3, 4), "fc.bias": torch.zeros(3)}, str(target))
     out = tmp_path / "aligned.dcp"
@@ -605,7 +681,10 @@ def test_safetensors_serialization_format_is_named(tmp_path, capsys):
     d = tmp_path / "stf"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"w": torch.randn(3, 4)}, no_dist=True, storage_writer=dcp.FileSystemWriter(
-            str(d), serialization_format=SerializationFormat.SAFETENSORS))
+        dcp.save(
+            {"w": torch.randn(3, 4)},
+            no_dist=True,
+            storage_writer=dcp.FileSystemWriter(str(d), serialization_format=SerializationFormat.SAFETENSORS),
+        )
     assert main(["convert", str(d), "-o", str(tmp_path / "o.safetensors")]) == 8
     assert "safetensors serialization format" in capsys.readouterr().err

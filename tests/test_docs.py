@@ -46,8 +46,19 @@ def _table_rows(text: str) -> set[tuple[int, str]]:
 
 def test_the_cli_has_the_commands_the_readme_promises():
     names = {c[0] for c in _commands()}
-    assert {"inspect", "scan", "strip-prefix", "add-prefix", "align", "convert", "gpus", "pick-gpu", "doctor",
-            "train", "demo"} <= names
+    assert {
+        "inspect",
+        "scan",
+        "strip-prefix",
+        "add-prefix",
+        "align",
+        "convert",
+        "gpus",
+        "pick-gpu",
+        "doctor",
+        "train",
+        "demo",
+    } <= names
 
 
 @pytest.mark.parametrize("path", _commands(), ids=" ".join)
@@ -91,9 +102,20 @@ def test_readme_exit_codes_match_errors_py_or_link_to_the_generated_page():
         assert "docs/exit-codes.md" in readme
 
 
-@pytest.mark.parametrize("module", ["ckptfix.prefixes", "ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix.gpu.parse",
-                                    "ckptfix.gpu.cvd", "ckptfix.gpu.order", "ckptfix.text", "ckptfix.progress",
-                                    "ckptfix._torch"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "ckptfix.prefixes",
+        "ckptfix.gpu.visible",
+        "ckptfix.gpu.smi",
+        "ckptfix.gpu.parse",
+        "ckptfix.gpu.cvd",
+        "ckptfix.gpu.order",
+        "ckptfix.text",
+        "ckptfix.progress",
+        "ckptfix._torch",
+    ],
+)
 def test_doctests_of_the_pure_modules(module):
     res = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert res.failed == 0

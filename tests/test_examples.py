@@ -59,8 +59,18 @@ def test_pick_gpu_then_train_falls_back_or_picks(tmp_path):
 @pytest.mark.slow
 def test_resume_ddp_from_dp_under_torchrun(dp_ckpt, tmp_path):
     out = tmp_path / "resumed.pt"
-    p = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              os.path.join(EX, "resume_ddp_from_dp.py"), dp_ckpt, str(out)])
+    p = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(EX, "resume_ddp_from_dp.py"),
+            dp_ckpt,
+            str(out),
+        ]
+    )
     assert out.exists() and "strip 'module.'" in p.stdout
     import torch
 
@@ -69,6 +79,15 @@ def test_resume_ddp_from_dp_under_torchrun(dp_ckpt, tmp_path):
 
 
 def test_load_any_checkpoint_under_torchrun_auto(dp_ckpt):
-    p = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              os.path.join(EX, "load_any_checkpoint.py"), dp_ckpt])
+    p = _run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(EX, "load_any_checkpoint.py"),
+            dp_ckpt,
+        ]
+    )
     assert p.stdout.count("loaded 8 tensors") == 2

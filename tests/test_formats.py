@@ -16,14 +16,14 @@ import textwrap
 import zlib
 from pathlib import Path
 
+import hostile
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import hostile
 from ckptfix import load_anywhere
 from ckptfix.cli import main
-from ckptfix.errors import CkptfixError, CorruptCheckpointError, ScanFindingsError, UnsupportedError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsupportedError
 from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 
@@ -51,8 +51,9 @@ def _argv(cmd: str, path: Path, tmp_path: Path) -> list:
 RECORD_LEVEL = (0, 4)
 
 
-def every_command(capsys, path: Path, tmp_path: Path, code: int, *, scan_codes: tuple[int, ...] | None = None,
-                  contains: str = "") -> None:
+def every_command(
+    capsys, path: Path, tmp_path: Path, code: int, *, scan_codes: tuple[int, ...] | None = None, contains: str = ""
+) -> None:
     """Every command refuses ``path`` with one ``Error:`` line and ``code``; load_anywhere raises the same."""
     for cmd in COMMANDS:
         rc, out, err = _cli(capsys, *_argv(cmd, path, tmp_path))
@@ -82,8 +83,16 @@ def test_two_members_named_data_pkl_refused_everywhere(tmp_path, capsys):
     good = hostile.torch_pickle({"w": hostile.RecTensor("0", 4, 0, (4,), (1,))})
     evil = hostile.payloads(str(tmp_path / "canary"))["os.system"]
     p = tmp_path / "dup.pth"
-    hostile.write_zip(p, [("archive/data.pkl", evil), ("archive/data.pkl", good), ("archive/byteorder", b"little"),
-                          ("archive/data/0", b"\0" * 16), ("archive/version", b"3\n")])
+    hostile.write_zip(
+        p,
+        [
+            ("archive/data.pkl", evil),
+            ("archive/data.pkl", good),
+            ("archive/byteorder", b"little"),
+            ("archive/data/0", b"\0" * 16),
+            ("archive/version", b"3\n"),
+        ],
+    )
     every_command(capsys, p, tmp_path, 4, contains="twice")
     assert not (tmp_path / "canary").exists()
 
@@ -97,7 +106,7 @@ def test_local_header_name_differs_from_central_directory(tmp_path, capsys):
     p = _tensor_zip(tmp_path / "hdr.pth")
     raw = bytearray(p.read_bytes())
     i = raw.index(b"archive/data.pkl")  # the first occurrence is the local header's
-    raw[i:i + 16] = b"archive/data.pkX"
+    raw[i : i + 16] = b"archive/data.pkX"
     p.write_bytes(bytes(raw))
     every_command(capsys, p, tmp_path, 4)
 
@@ -105,8 +114,15 @@ def test_local_header_name_differs_from_central_directory(tmp_path, capsys):
 def test_data_pkl_outside_the_first_entrys_folder_refused(tmp_path, capsys):
     good = hostile.torch_pickle({"w": hostile.RecTensor("0", 4, 0, (4,), (1,))})
     p = tmp_path / "roots.pth"
-    hostile.write_zip(p, [("other/readme.txt", b"x"), ("archive/data.pkl", good), ("archive/byteorder", b"little"),
-                          ("archive/data/0", b"\0" * 16)])
+    hostile.write_zip(
+        p,
+        [
+            ("other/readme.txt", b"x"),
+            ("archive/data.pkl", good),
+            ("archive/byteorder", b"little"),
+            ("archive/data/0", b"\0" * 16),
+        ],
+    )
     every_command(capsys, p, tmp_path, 4)
 
 
@@ -246,13 +262,21 @@ def test_tar_checkpoint_loads_only_with_trust(tmp_path):
     with open(p, "wb") as f:  # what torch.load accepts as the tar format: build it with its own writer
         import pickle
         import tarfile
+
         with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
             def add(name, data):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-            add("sys_info", pickle.dumps({"protocol_version": 1001, "little_endian": True,
-                                          "type_sizes": {"short": 2, "int": 4, "long": 4}}, protocol=2))
+
+            add(
+                "sys_info",
+                pickle.dumps(
+                    {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}},
+                    protocol=2,
+                ),
+            )
             add("storages", pickle.dumps(0, protocol=2) + pickle.dumps([], protocol=2))
             add("tensors", pickle.dumps(0, protocol=2))
             add("pickle", pickle.dumps({"epoch": 3}, protocol=2))
@@ -294,16 +318,22 @@ def test_torchscript_code_parse_is_linear(tmp_path):
 
     text = "class Linear(Module):\n" + "  __parameters__ = [\n" * 20000
     assert 400_000 < len(text) < 450_000
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
-            "from ckptfix.formats.zipfmt import _script_members\n"
-            "text = 'class Linear(Module):\\n' + '  __parameters__ = [\\n' * 20000\n"
-            "print(len(_script_members({'a/code/__torch__/m.py': text * 4}, 'a/')))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"
+        "from ckptfix.formats.zipfmt import _script_members\n"
+        "text = 'class Linear(Module):\\n' + '  __parameters__ = [\\n' * 20000\n"
+        "print(len(_script_members({'a/code/__torch__/m.py': text * 4}, 'a/')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
-    assert _script_members({"a/code/__torch__/m.py": 'class A(Module):\n  __parameters__ = ["w", "b", ]\n'
-                                                    '  __buffers__ = ["r", ]\nclass B(Module):\n'
-                                                    '  __parameters__ = [\n    "x",\n    "y"]\n'}, "a/") == {
-        "__torch__.m.A": (["w", "b"], ["r"]), "__torch__.m.B": (["x", "y"], [])}
+    assert _script_members(
+        {
+            "a/code/__torch__/m.py": 'class A(Module):\n  __parameters__ = ["w", "b", ]\n'
+            '  __buffers__ = ["r", ]\nclass B(Module):\n'
+            '  __parameters__ = [\n    "x",\n    "y"]\n'
+        },
+        "a/",
+    ) == {"__torch__.m.A": (["w", "b"], ["r"]), "__torch__.m.B": (["x", "y"], [])}
 
 
 def test_torchscript_tensors_get_their_own_storage(tmp_path):
@@ -348,8 +378,10 @@ def _index(d: Path, weight_map) -> Path:
     return p
 
 
-@pytest.mark.parametrize("shard, code", [("../outside.safetensors", 8), ("/etc/passwd", 8),
-                                         ("../../etc/passwd", 8), ("sub/../../outside.safetensors", 8)])
+@pytest.mark.parametrize(
+    "shard, code",
+    [("../outside.safetensors", 8), ("/etc/passwd", 8), ("../../etc/passwd", 8), ("sub/../../outside.safetensors", 8)],
+)
 def test_shard_names_leaving_the_directory_refused(tmp_path, capsys, shard, code):
     d = _shards(tmp_path)
     save_file({"b": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
@@ -374,8 +406,9 @@ def test_hub_cache_layout_with_blob_symlinks_allowed(tmp_path):
     save_file({"b": torch.zeros(2)}, str(repo / "blobs" / "h2"))
     os.symlink("../../blobs/h1", snap / "model-00001-of-00002.safetensors")
     os.symlink("../../blobs/h2", snap / "model-00002-of-00002.safetensors")
-    (repo / "blobs" / "hi").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                                  "b": "model-00002-of-00002.safetensors"}}))
+    (repo / "blobs" / "hi").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     os.symlink("../../blobs/hi", snap / "model.safetensors.index.json")
     sd = load_anywhere(snap)
     assert torch.equal(sd["a"], torch.ones(2)) and torch.equal(sd["b"], torch.zeros(2))
@@ -404,8 +437,9 @@ def test_deeply_nested_json_is_corrupt_not_recursion(tmp_path, capsys):
     p.write_text('{"weight_map": {}, "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
     every_command(capsys, p, tmp_path, 4)
     st = tmp_path / "deep.safetensors"
-    st.write_bytes(hostile.safetensors_bytes({}, b"")[:0] + _st_raw('{"__metadata__": ' + "[" * 100_000
-                                                                    + "]" * 100_000 + "}"))
+    st.write_bytes(
+        hostile.safetensors_bytes({}, b"")[:0] + _st_raw('{"__metadata__": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    )
     every_command(capsys, st, tmp_path, 4)
 
 
@@ -481,8 +515,12 @@ def test_expanded_tensor_refused_quickly_unless_allowed(tmp_path, capsys):
     src = tmp_path / "e.pth"
     torch.save({"w": torch.zeros(1).expand(20000, 20000)}, src)
     assert src.stat().st_size < 4096
-    r = subprocess.run([sys.executable, "-m", "ckptfix", "convert", str(src), "-o", str(tmp_path / "e.safetensors")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "ckptfix", "convert", str(src), "-o", str(tmp_path / "e.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 12 and "'w'" in r.stderr and "--allow-expand" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "e.safetensors").exists()
     torch.save({"w": torch.arange(3.0)[:, None].expand(3, 300_000)}, src)  # 3.6 MB: inside the 64 MiB slack

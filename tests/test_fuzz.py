@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-
 BUDGET_S = float(os.environ.get("CKPTFIX_FUZZ_SECONDS", "40"))
 SEED = int(os.environ.get("CKPTFIX_FUZZ_SEED", "20261123"))
 
@@ -41,25 +40,48 @@ class _Canary:
 def _seeds(d: Path, canary: str) -> dict[str, list[str]]:
     """container -> the files that make it (the first is what commands are given)."""
     d.mkdir()
-    obj = {"state_dict": {"module.w": torch.randn(4, 3), "module.b": torch.arange(3, dtype=torch.int64),
-                          "module.t": torch.randn(3, 5).t(), "module.e": torch.zeros(1).expand(4, 2)},
-           "epoch": 3, "hp": {"lr": 0.1, "betas": (0.9, 0.99)}, "evil": _Canary(canary)}
+    obj = {
+        "state_dict": {
+            "module.w": torch.randn(4, 3),
+            "module.b": torch.arange(3, dtype=torch.int64),
+            "module.t": torch.randn(3, 5).t(),
+            "module.e": torch.zeros(1).expand(4, 2),
+        },
+        "epoch": 3,
+        "hp": {"lr": 0.1, "betas": (0.9, 0.99)},
+        "evil": _Canary(canary),
+    }
     out: dict[str, list[str]] = {}
     torch.save(obj, d / "zip.pth")
     out["zip"] = [str(d / "zip.pth")]
     torch.save(obj, d / "legacy.pth", _use_new_zipfile_serialization=False)
     out["legacy"] = [str(d / "legacy.pth")]
-    save_file({"module.w": torch.randn(4, 3), "module.b": torch.arange(3)}, str(d / "m.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {"module.w": torch.randn(4, 3), "module.b": torch.arange(3)},
+        str(d / "m.safetensors"),
+        metadata={"format": "pt"},
+    )
     out["safetensors"] = [str(d / "m.safetensors")]
     sh = d / "sharded"
     sh.mkdir()
     torch.save({"module.w": torch.randn(4, 3), "evil": _Canary(canary)}, sh / "pytorch_model-00001-of-00002.bin")
     torch.save({"module.b": torch.arange(3.0)}, sh / "pytorch_model-00002-of-00002.bin")
-    (sh / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {"total_size": 60}, "weight_map": {
-        "module.w": "pytorch_model-00001-of-00002.bin", "module.b": "pytorch_model-00002-of-00002.bin"}}))
-    out["sharded"] = [str(sh / "pytorch_model.bin.index.json"), str(sh / "pytorch_model-00001-of-00002.bin"),
-                      str(sh / "pytorch_model-00002-of-00002.bin")]
+    (sh / "pytorch_model.bin.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {"total_size": 60},
+                "weight_map": {
+                    "module.w": "pytorch_model-00001-of-00002.bin",
+                    "module.b": "pytorch_model-00002-of-00002.bin",
+                },
+            }
+        )
+    )
+    out["sharded"] = [
+        str(sh / "pytorch_model.bin.index.json"),
+        str(sh / "pytorch_model-00001-of-00002.bin"),
+        str(sh / "pytorch_model-00002-of-00002.bin"),
+    ]
     m = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU()))
     torch.jit.save(m, str(d / "ts.pt"))
     out["torchscript"] = [str(d / "ts.pt")]
@@ -68,7 +90,7 @@ def _seeds(d: Path, canary: str) -> dict[str, list[str]]:
     return out
 
 
-DRIVER = textwrap.dedent(r'''
+DRIVER = textwrap.dedent(r"""
     import io, json, os, random, resource, shutil, signal, sys, time, traceback, zipfile
     sys.path.insert(0, sys.argv[1])
     import torch  # noqa: F401 - imported before the memory limit is set
@@ -216,7 +238,7 @@ DRIVER = textwrap.dedent(r'''
                 break
     print(json.dumps({"mutants": n, "per_container": counts, "failures": failures, "spawned": spawned,
                       "maxrss_mib": peak_rss_mib()}))
-''')
+""")
 
 
 def test_mutation_fuzz(tmp_path):
@@ -225,8 +247,12 @@ def test_mutation_fuzz(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     repo = str(Path(__file__).resolve().parents[1])
-    r = subprocess.run([sys.executable, "-c", DRIVER, repo, json.dumps(seeds), canary, str(work), str(BUDGET_S),
-                        str(SEED)], capture_output=True, text=True, timeout=BUDGET_S + 600)
+    r = subprocess.run(
+        [sys.executable, "-c", DRIVER, repo, json.dumps(seeds), canary, str(work), str(BUDGET_S), str(SEED)],
+        capture_output=True,
+        text=True,
+        timeout=BUDGET_S + 600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert not res["failures"], json.dumps(res["failures"][:5], indent=1)

@@ -452,8 +452,6 @@ def test_pick_gpu_inside_a_pick_gpu_command_gets_the_commands_gpu(fake_env):
     assert r.out.strip().startswith("child GPU-"), r
 
 
-
-
 SIGNAL_COUNTER = (
     "import os, pathlib, signal, sys, time\n"
     "n = 0\n"

@@ -9,16 +9,35 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
 from ckptfix.cli import main
 from ckptfix.inspecting import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, scan_checkpoint
 
+from conftest import run_cli
+
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-INSPECT_KEYS = {"schema", "path", "format", "file_size", "state_dict_key", "tensor_count", "parameter_count",
-                "unique_parameter_count", "unique_bytes",
-                "total_bytes", "dtypes", "locations", "prefixes", "shared", "non_tensor_entries", "globals",
-                "stubbed_globals", "weights_only_ok", "weights_only_reason", "notes"}
+INSPECT_KEYS = {
+    "schema",
+    "path",
+    "format",
+    "file_size",
+    "state_dict_key",
+    "tensor_count",
+    "parameter_count",
+    "unique_parameter_count",
+    "unique_bytes",
+    "total_bytes",
+    "dtypes",
+    "locations",
+    "prefixes",
+    "shared",
+    "non_tensor_entries",
+    "globals",
+    "stubbed_globals",
+    "weights_only_ok",
+    "weights_only_reason",
+    "notes",
+}
 SCAN_KEYS = {"schema", "path", "format", "verdict", "pickles", "globals", "dangerous", "unknown", "errors"}
 
 TINY_PARAMS = 4 * 3 + 3 + 3 + 3 + 3 + 3 + 1 + 3 * 2 + 2  # fc1 w,b; bn w,b,mean,var,nbt; fc2 w,b
@@ -26,18 +45,22 @@ TINY_PARAMS = 4 * 3 + 3 + 3 + 3 + 3 + 3 + 1 + 3 * 2 + 2  # fc1 w,b; bn w,b,mean,
 
 # --------------------------------------------------------------------------- inspect fields
 
-@pytest.mark.parametrize("builder,fmt,key", [
-    ("plain", "torch-zip", []),
-    ("legacy", "torch-legacy", []),
-    ("weird_root", "torch-zip", []),
-    ("safetensors", "safetensors", []),
-    ("sharded_bin", "sharded", []),
-    ("sharded_safetensors", "sharded", []),
-    ("dcp", "dcp", []),
-    ("torchscript", "torchscript", []),
-    ("lightning", "torch-zip", ["state_dict"]),
-    ("wrapped", "torch-zip", ["model"]),
-])
+
+@pytest.mark.parametrize(
+    "builder,fmt,key",
+    [
+        ("plain", "torch-zip", []),
+        ("legacy", "torch-legacy", []),
+        ("weird_root", "torch-zip", []),
+        ("safetensors", "safetensors", []),
+        ("sharded_bin", "sharded", []),
+        ("sharded_safetensors", "sharded", []),
+        ("dcp", "dcp", []),
+        ("torchscript", "torchscript", []),
+        ("lightning", "torch-zip", ["state_dict"]),
+        ("wrapped", "torch-zip", ["model"]),
+    ],
+)
 def test_inspect_format_and_counts(ckpt, builder, fmt, key):
     b = getattr(ckpt, builder)()
     r = inspect_checkpoint(b.path)
@@ -70,8 +93,9 @@ def test_inspect_locations_mixed(ckpt):
     assert r.locations == {"cpu": 1, "cuda:1": 8}
 
 
-@pytest.mark.parametrize("builder,prefix", [("dataparallel", "module."), ("compiled", "_orig_mod."),
-                                            ("lightning", "model.")])
+@pytest.mark.parametrize(
+    "builder,prefix", [("dataparallel", "module."), ("compiled", "_orig_mod."), ("lightning", "model.")]
+)
 def test_inspect_prefixes(ckpt, builder, prefix):
     r = inspect_checkpoint(getattr(ckpt, builder)().path)
     assert r.prefixes.get(prefix) == 9, r.prefixes
@@ -134,9 +158,9 @@ def test_inspect_cli_text_and_json(ckpt, capsys):
 
 # --------------------------------------------------------------------------- scan
 
+
 def test_scan_safe_exit_0(ckpt, capsys):
-    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.torchscript(),
-              ckpt.sharded_bin()):
+    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.torchscript(), ckpt.sharded_bin()):
         r = scan_checkpoint(b.path)
         assert r.verdict == "safe", (b.path, r.globals, r.errors)
         assert main(["scan", str(b.path)]) == 0, b.path
@@ -211,22 +235,38 @@ _NO_TORCH = textwrap.dedent("""
 
 
 def _run_no_torch(argvs):
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True,
-                       timeout=60)
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if ln.startswith(("CODES",
-                                                                                                        "TORCH"))}
+    p = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True, timeout=60
+    )
+    lines = {
+        ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if ln.startswith(("CODES", "TORCH"))
+    }
     assert "TORCH" in lines, (p.stdout, p.stderr)
     return lines["CODES"], lines["TORCH"]
 
 
 def test_inspect_and_scan_never_import_torch(ckpt):
-    files = [ckpt.plain(), ckpt.legacy(), ckpt.lightning(), ckpt.safetensors(), ckpt.sharded_bin(),
-             ckpt.sharded_safetensors(), ckpt.dcp(), ckpt.torchscript(), ckpt.evil(), ckpt.tied(),
-             ckpt.cuda_tagged()]
+    files = [
+        ckpt.plain(),
+        ckpt.legacy(),
+        ckpt.lightning(),
+        ckpt.safetensors(),
+        ckpt.sharded_bin(),
+        ckpt.sharded_safetensors(),
+        ckpt.dcp(),
+        ckpt.torchscript(),
+        ckpt.evil(),
+        ckpt.tied(),
+        ckpt.cuda_tagged(),
+    ]
     argvs = []
     for b in files:
-        argvs += [["inspect", str(b.path)], ["inspect", "--json", str(b.path)], ["scan", str(b.path)],
-                  ["scan", "--json", str(b.path)]]
+        argvs += [
+            ["inspect", str(b.path)],
+            ["inspect", "--json", str(b.path)],
+            ["scan", str(b.path)],
+            ["scan", "--json", str(b.path)],
+        ]
     codes, torch_mods = _run_no_torch(argvs)
     assert torch_mods == "[]"
     import ast
@@ -240,16 +280,21 @@ def test_inspect_and_scan_never_import_torch(ckpt):
 
 
 def test_help_does_not_import_torch():
-    codes, torch_mods = _run_no_torch([["--help"], ["inspect", "--help"], ["scan", "--help"],
-                                       ["strip-prefix", "--help"]])
+    codes, torch_mods = _run_no_torch(
+        [["--help"], ["inspect", "--help"], ["scan", "--help"], ["strip-prefix", "--help"]]
+    )
     assert torch_mods == "[]"
     assert codes == "[0, 0, 0, 0]"
 
 
 def test_inspect_importtime_has_no_torch(ckpt):
     b = ckpt.plain()
-    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "ckptfix", "inspect", str(b.path)],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ckptfix", "inspect", str(b.path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     mods = [ln.rsplit("|", 1)[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")]
     assert mods, p.stderr[:500]

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_cli
 from ckptfix.inspecting import inspect_checkpoint
+
+from conftest import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,8 +31,9 @@ def test_counts_tied_and_unique(tmp_path):
     torch.save(sd, tmp_path / "m.pt")
     r = inspect_checkpoint(tmp_path / "m.pt")
     assert r.parameter_count == sum(t.numel() for t in sd.values())
-    distinct = {(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-                for t in sd.values()}
+    distinct = {
+        (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride())) for t in sd.values()
+    }
     assert r.unique_parameter_count == sum(t.numel() for t in sd.values()) - 40 == 40 + 16 + 4 + 4
     assert len(distinct) == 4  # embed (= head), body.weight, body.bias, body_view
     assert r.unique_parameter_count == sum(p.numel() for p in m.parameters()) + 4
@@ -47,7 +49,11 @@ def test_cli_shows_both_counts(tmp_path):
     assert "100 values" in p.stdout and "(60 values, 240 B counting tied/shared tensors once)" in p.stdout
     doc = json.loads(run_cli("inspect", tmp_path / "m.pt", "--json").stdout)
     assert (doc["parameter_count"], doc["unique_parameter_count"], doc["total_bytes"], doc["unique_bytes"]) == (
-        100, 60, 400, 240)
+        100,
+        60,
+        400,
+        240,
+    )
 
 
 @pytest.mark.parametrize("kind", ["namespace", "scheduler", "training_args"])
@@ -88,13 +94,16 @@ def test_placeholder_class_values_are_described(tmp_path):
     r = inspect_checkpoint(tmp_path / "m.pt")
     torch.save(int, tmp_path / "c.pt")
     assert inspect_checkpoint(tmp_path / "c.pt").non_tensor_entries == {
-        "(top level)": "class builtins.int (a reference, not an instance)"}
+        "(top level)": "class builtins.int (a reference, not an instance)"
+    }
 
 
 def test_numpy_values_are_described(tmp_path):
     np = pytest.importorskip("numpy")
-    torch.save({"state_dict": {"w": torch.ones(1)}, "shift": np.arange(6.0).reshape(2, 3),
-                "n": np.float32(1.0)}, tmp_path / "m.pt")
+    torch.save(
+        {"state_dict": {"w": torch.ones(1)}, "shift": np.arange(6.0).reshape(2, 3), "n": np.float32(1.0)},
+        tmp_path / "m.pt",
+    )
     r = inspect_checkpoint(tmp_path / "m.pt")
     assert r.non_tensor_entries["shift"] == "numpy.ndarray float64 [2, 3] (placeholder)"
     assert r.non_tensor_entries["n"] == "numpy scalar float32 (placeholder)"

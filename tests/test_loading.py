@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import (HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model)
 from ckptfix import loading
 from ckptfix.errors import CkptfixError, KeyConflictError, UnsupportedError
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 from ckptfix.loading import is_stub, load_anywhere, load_checkpoint
+
+from conftest import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -24,18 +24,22 @@ def _sd_only(sd):
 
 # --------------------------------------------------------------------------- every container
 
-@pytest.mark.parametrize("builder,fmt", [
-    ("plain", "torch-zip"),
-    ("legacy", "torch-legacy"),
-    ("dataparallel", "torch-zip"),
-    ("compiled", "torch-zip"),
-    ("safetensors", "safetensors"),
-    ("sharded_bin", "sharded"),
-    ("sharded_safetensors", "sharded"),
-    ("dcp", "dcp"),
-    ("torchscript", "torchscript"),
-    ("weird_root", "torch-zip"),
-])
+
+@pytest.mark.parametrize(
+    "builder,fmt",
+    [
+        ("plain", "torch-zip"),
+        ("legacy", "torch-legacy"),
+        ("dataparallel", "torch-zip"),
+        ("compiled", "torch-zip"),
+        ("safetensors", "safetensors"),
+        ("sharded_bin", "sharded"),
+        ("sharded_safetensors", "sharded"),
+        ("dcp", "dcp"),
+        ("torchscript", "torchscript"),
+        ("weird_root", "torch-zip"),
+    ],
+)
 def test_every_container_loads_exactly(ckpt, builder, fmt):
     b = getattr(ckpt, builder)()
     lc = load_checkpoint(b.path)
@@ -56,8 +60,7 @@ def test_model_loads_strict_from_each_container_and_outputs_match(ckpt):
     ref = tiny_model()
     x = sample_input()
     want = ref(x)
-    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.torchscript(),
-              ckpt.sharded_bin()):
+    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.torchscript(), ckpt.sharded_bin()):
         m = TinyNet().eval()
         m.load_state_dict(load_anywhere(b.path), strict=True)
         assert torch.equal(m(x), want), b.path
@@ -87,6 +90,7 @@ def test_tied_weights_stay_shared(ckpt):
 
 # --------------------------------------------------------------------------- devices
 
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 @pytest.mark.parametrize("device", ["cuda:0", "cuda:7"])
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU fallback")
@@ -113,10 +117,20 @@ def test_mixed_cpu_cuda1_loads_on_cpu(ckpt, legacy):
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU fallback")
-@pytest.mark.parametrize("ml", [
-    "cpu", torch.device("cpu"), {"cuda:7": "cpu"}, {"cuda:7": torch.device("cpu")}, "auto", None,
-    lambda storage, loc: storage, lambda storage, loc: None,
-], ids=["str", "device", "dict", "dict-device", "auto", "none", "callable", "callable-none"])
+@pytest.mark.parametrize(
+    "ml",
+    [
+        "cpu",
+        torch.device("cpu"),
+        {"cuda:7": "cpu"},
+        {"cuda:7": torch.device("cpu")},
+        "auto",
+        None,
+        lambda storage, loc: storage,
+        lambda storage, loc: None,
+    ],
+    ids=["str", "device", "dict", "dict-device", "auto", "none", "callable", "callable-none"],
+)
 def test_map_location_forms(ckpt, ml):
     b = ckpt.cuda_tagged("c7.pt", device="cuda:7")
     lc = load_checkpoint(b.path, map_location=ml)
@@ -166,6 +180,7 @@ def test_gpu_safetensors_and_dcp_to_cuda(ckpt):
 
 
 # --------------------------------------------------------------------------- key= / model=
+
 
 def test_key_finds_nested_state_dict(ckpt):
     b = ckpt.wrapped()
@@ -227,6 +242,7 @@ def test_model_alignment_plain_into_dp(ckpt):
 
 # --------------------------------------------------------------------------- globals
 
+
 def test_lightning_namespace_stubbed_then_allowed(ckpt):
     b = ckpt.lightning()
     lc = load_checkpoint(b.path)
@@ -278,6 +294,7 @@ def test_allow_global_that_cannot_be_imported_is_an_error(ckpt):
 
 
 # --------------------------------------------------------------------------- safety
+
 
 @pytest.mark.parametrize("mode", ["zip", "legacy", "pickle"])
 def test_os_system_payload_never_runs(ckpt, mode):

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import pickle
-import resource
 import struct
 import subprocess
 import sys
@@ -19,12 +18,19 @@ import zipfile
 import pytest
 import torch
 
-from conftest import REPO, run_cli
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
 from ckptfix.formats import read_checkpoint
 from ckptfix.pickles import (
-    PickleLimits, Stub, check_depth, dumps, globals_resolvable, loads_records, resolve_global,
+    PickleLimits,
+    Stub,
+    check_depth,
+    dumps,
+    globals_resolvable,
+    loads_records,
+    resolve_global,
 )
+
+from conftest import REPO, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -47,31 +53,36 @@ def _zip_with_pickle(tmp_path, name: str, make_pkl) -> os.PathLike:
 
 def _with_entry(payload: bytes):
     """Add key 'bomb' -> payload (opcodes leaving one value) to the top-level dict of a torch data.pkl."""
+
     def make(body: bytes) -> bytes:
         assert body.endswith(b".")
         return body[:-1] + b"X\x04\x00\x00\x00bomb" + payload + b"s."
+
     return make
 
 
 def _rss_cli(*args: str, env: dict | None = None) -> tuple[int, float, str]:
     """Run ``python -m ckptfix ARGS`` in a child; (exit code, peak RSS MiB, stderr)."""
-    code = ("import resource, subprocess, sys\n"
-            "p = subprocess.run([sys.executable, '-m', 'ckptfix'] + sys.argv[1:], capture_output=True, text=True)\n"
-            "sys.stderr.write(p.stderr)\n"
-            "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n")
+    code = (
+        "import resource, subprocess, sys\n"
+        "p = subprocess.run([sys.executable, '-m', 'ckptfix'] + sys.argv[1:], capture_output=True, text=True)\n"
+        "sys.stderr.write(p.stderr)\n"
+        "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+    )
     e = dict(os.environ)
     e.update(env or {})
-    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120,
-                       env=e, cwd=str(REPO))
+    p = subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120, env=e, cwd=str(REPO)
+    )
     rc, kib = p.stdout.split()
     return int(rc), int(kib) / 1024, p.stderr
 
 
 # --------------------------------------------------------------------------- the bombs of issue 10 item 3
 
-BOMB_LONG_BINPUT = b"\x80\x02]r" + struct.pack("<I", 2 ** 27) + b"."  # memo index 2**27 on a tiny pickle
+BOMB_LONG_BINPUT = b"\x80\x02]r" + struct.pack("<I", 2**27) + b"."  # memo index 2**27 on a tiny pickle
 BOMB_BYTEARRAY = b"cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x80\x00\x85R"  # bytearray(2**31)
-BOMB_FROZENSET = (b"cbuiltins\nfrozenset\ncbuiltins\nrange\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R\x85R")
+BOMB_FROZENSET = b"cbuiltins\nfrozenset\ncbuiltins\nrange\n\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R\x85R"
 BOMB_SET_RANGE = b"c__builtin__\nset\nc__builtin__\nxrange\nJ\x00-1\x01\x85R\x85R"  # set(range(2e7)), protocol 2
 
 
@@ -93,10 +104,11 @@ def test_long_binput_refused_before_allocation(tmp_path):
     assert rc == 11 and rss < RSS_BUDGET_MIB, (rc, rss, err)
 
 
-@pytest.mark.parametrize("payload,global_", [(BOMB_BYTEARRAY, "builtins.bytearray"),
-                                             (BOMB_FROZENSET, "builtins.frozenset"),
-                                             (BOMB_SET_RANGE, "builtins.set")],
-                         ids=["bytearray_2e31", "frozenset_range_1e12", "set_range_2e7"])
+@pytest.mark.parametrize(
+    "payload,global_",
+    [(BOMB_BYTEARRAY, "builtins.bytearray"), (BOMB_FROZENSET, "builtins.frozenset"), (BOMB_SET_RANGE, "builtins.set")],
+    ids=["bytearray_2e31", "frozenset_range_1e12", "set_range_2e7"],
+)
 def test_container_bombs_become_placeholders_in_every_command(tmp_path, payload, global_):
     p = _zip_with_pickle(tmp_path, "bomb.pt", _with_entry(payload))
     cf = read_checkpoint(p)
@@ -111,8 +123,12 @@ def test_container_bombs_become_placeholders_in_every_command(tmp_path, payload,
     raw = zipfile.ZipFile(tmp_path / "out.pt")
     data = raw.read(next(n for n in raw.namelist() if n.endswith("data.pkl")))
     assert len(data) < 4096
-    assert globals_resolvable(data, zipfile.ZipFile(p).read(next(
-        n for n in zipfile.ZipFile(p).namelist() if n.endswith("data.pkl")))) == []
+    assert (
+        globals_resolvable(
+            data, zipfile.ZipFile(p).read(next(n for n in zipfile.ZipFile(p).namelist() if n.endswith("data.pkl")))
+        )
+        == []
+    )
 
 
 def test_small_containers_are_built_for_real():
@@ -149,11 +165,15 @@ def test_many_distinct_globals_refused(tmp_path):
     assert rc != 12, err
 
 
-@pytest.mark.parametrize("body", [
-    b"\x80\x02](" + b"}" * 5_000_000 + b"e.",  # 5 MB of bytes, ~350 MB of dicts
-    b"\x80\x02](" + b"N" * 40_000_000 + b"e.",  # 40M values on the stack
-    b"\x80\x04N" + b"\x94" * 40_000_000 + b".",  # 40M memo entries
-], ids=["dicts", "stack", "memo"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x80\x02](" + b"}" * 5_000_000 + b"e.",  # 5 MB of bytes, ~350 MB of dicts
+        b"\x80\x02](" + b"N" * 40_000_000 + b"e.",  # 40M values on the stack
+        b"\x80\x04N" + b"\x94" * 40_000_000 + b".",  # 40M memo entries
+    ],
+    ids=["dicts", "stack", "memo"],
+)
 def test_object_budget_refuses_many_small_objects(tmp_path, body):
     with pytest.raises(ResourceLimitError) as ei:
         loads_records(body)
@@ -166,9 +186,11 @@ def test_object_budget_refuses_many_small_objects(tmp_path, body):
     assert rc == 11 and rss < RSS_BUDGET_MIB, (rc, rss, err)
 
 
-@pytest.mark.parametrize("payload", [b"]" * 5000 + b"a" * 4999, b")" + b"\x85" * 5000,
-                                     b"(" * 3000 + b"\x91" * 3000],
-                         ids=["lists", "tuples", "frozensets"])
+@pytest.mark.parametrize(
+    "payload",
+    [b"]" * 5000 + b"a" * 4999, b")" + b"\x85" * 5000, b"(" * 3000 + b"\x91" * 3000],
+    ids=["lists", "tuples", "frozensets"],
+)
 def test_deep_nesting_is_a_resource_error_not_recursion(payload):
     with pytest.raises(ResourceLimitError) as ei:
         loads_records(b"\x80\x04" + payload + b".")
@@ -198,25 +220,33 @@ def test_huge_integer_is_a_clean_error(tmp_path):
 
 # --------------------------------------------------------------------------- tensor records (issue 10 item 8)
 
+
 def _patch_first(body: bytes, old: bytes, new: bytes) -> bytes:
     assert old in body, body
     return body.replace(old, new, 1)
 
 
-@pytest.mark.parametrize("old,new,why", [
-    (b"QK\x00", b"QJ\xff\xff\xff\xff", "negative storage offset"),
-    (b"K\x03\x85", b"J\xfd\xff\xff\xff\x85", "negative size"),
-    (b"K\x01\x85", b"J\xff\xff\xff\xff\x85", "negative stride"),
-    (b"QK\x00", b"QK\x02", "needs"),  # offset 2 of a 3-element storage, 3 elements: out of bounds
-    (b"K\x03\x85", b"\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x40\x85", "more than a tensor can hold"),
-], ids=["negative_offset", "negative_shape", "negative_stride", "out_of_storage", "2e62_elements"])
+@pytest.mark.parametrize(
+    "old,new,why",
+    [
+        (b"QK\x00", b"QJ\xff\xff\xff\xff", "negative storage offset"),
+        (b"K\x03\x85", b"J\xfd\xff\xff\xff\x85", "negative size"),
+        (b"K\x01\x85", b"J\xff\xff\xff\xff\x85", "negative stride"),
+        (b"QK\x00", b"QK\x02", "needs"),  # offset 2 of a 3-element storage, 3 elements: out of bounds
+        (b"K\x03\x85", b"\x8a\x08\x00\x00\x00\x00\x00\x00\x00\x40\x85", "more than a tensor can hold"),
+    ],
+    ids=["negative_offset", "negative_shape", "negative_stride", "out_of_storage", "2e62_elements"],
+)
 def test_invalid_tensor_records_are_corrupt_in_every_command(tmp_path, old, new, why):
     p = _zip_with_pickle(tmp_path, "bad.pt", lambda b: _patch_first(b, old, new))
     with pytest.raises(CorruptCheckpointError) as ei:
         read_checkpoint(p)
     assert why in str(ei.value)
-    for args in (["inspect", p], ["strip-prefix", p, "-o", tmp_path / "o.pt"], ["convert", p, "-o",
-                                                                                  tmp_path / "o.safetensors"]):
+    for args in (
+        ["inspect", p],
+        ["strip-prefix", p, "-o", tmp_path / "o.pt"],
+        ["convert", p, "-o", tmp_path / "o.safetensors"],
+    ):
         proc = run_cli(*map(str, args))
         assert proc.returncode == 4, (args, proc.stderr)
         assert proc.stderr.startswith("Error: ") and "Traceback" not in proc.stderr
@@ -227,10 +257,11 @@ def test_stride0_expanded_tensor_is_valid(tmp_path):
     p = tmp_path / "exp.pt"
     torch.save({"w": torch.zeros(1).expand(1000, 1000)}, p)
     cf = read_checkpoint(p)
-    assert cf.obj["w"].stride == (0, 0) and cf.obj["w"].numel == 10 ** 6
+    assert cf.obj["w"].stride == (0, 0) and cf.obj["w"].numel == 10**6
 
 
 # --------------------------------------------------------------------------- names that round-trip (issue 11 item 2)
+
 
 def test_protocol2_python2_names_resolve_like_the_unpickler():
     data = pickle.dumps({"dtype": int, "kind": str, "r": range}, protocol=2)
@@ -283,8 +314,14 @@ def test_globals_resolvable_finds_what_would_fail():
 
 def test_resolve_global_is_what_pickle_does():
     for proto in range(6):
-        for mod, name in [("__builtin__", "long"), ("copy_reg", "_reconstructor"), ("UserDict", "UserDict"),
-                          ("__builtin__", "xrange"), ("builtins", "int"), ("torch", "Size")]:
+        for mod, name in [
+            ("__builtin__", "long"),
+            ("copy_reg", "_reconstructor"),
+            ("UserDict", "UserDict"),
+            ("__builtin__", "xrange"),
+            ("builtins", "int"),
+            ("torch", "Size"),
+        ]:
             u = pickle._Unpickler(io.BytesIO(b""))  # type: ignore[attr-defined]
             u.proto = proto
             expected = (mod, name)
@@ -292,7 +329,9 @@ def test_resolve_global_is_what_pickle_does():
                 import _compat_pickle
 
                 expected = _compat_pickle.NAME_MAPPING.get((mod, name)) or (
-                    _compat_pickle.IMPORT_MAPPING.get(mod, mod), name)
+                    _compat_pickle.IMPORT_MAPPING.get(mod, mod),
+                    name,
+                )
             assert resolve_global(mod, name, proto) == expected
 
 

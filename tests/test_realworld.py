@@ -18,8 +18,12 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import realworld  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-opt_in = [pytest.mark.realworld, pytest.mark.skipif(not os.environ.get("CKPTFIX_REALWORLD"),
-                                                    reason="downloads PyPI packages; set CKPTFIX_REALWORLD=1")]
+opt_in = [
+    pytest.mark.realworld,
+    pytest.mark.skipif(
+        not os.environ.get("CKPTFIX_REALWORLD"), reason="downloads PyPI packages; set CKPTFIX_REALWORLD=1"
+    ),
+]
 
 ENTRIES = realworld.load_manifest()
 

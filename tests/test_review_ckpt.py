@@ -13,12 +13,13 @@ import zipfile
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_cli, sha256
 from ckptfix.formats.zipfmt import ALIGN
 from ckptfix.inspecting import scan_checkpoint
 from ckptfix.pickles import classify_global
 from ckptfix.prefixes import strip_prefix_report
 from ckptfix.rewrite import rewrite_checkpoint
+
+from conftest import assert_one_line_error, run_cli, sha256
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -51,6 +52,7 @@ def _dp_sd():
 
 # --------------------------------------------------------------------------- classification
 
+
 def test_untyped_storage_is_weights_only_safe(tmp_path):
     """torch.save writes torch.storage.UntypedStorage for uint16/float8...; weights_only loads it, so it is safe."""
     p = tmp_path / "u16.pt"
@@ -70,6 +72,7 @@ def test_every_weights_only_global_is_safe():
 
 # --------------------------------------------------------------------------- zip layouts
 
+
 def test_rezipped_archive_gets_aligned_records(tmp_path):
     """data.pkl first but records unaligned (re-zipped by Python): the rewrite must still align every record."""
     src = tmp_path / "base.pt"
@@ -81,7 +84,7 @@ def test_rezipped_archive_gets_aligned_records(tmp_path):
     bad = {n: off for n, off in _data_offsets(rep.output).items() if off % ALIGN}
     assert bad == {}
     got = torch.load(rep.output, weights_only=True, mmap=True)["state_dict"]
-    assert all(torch.equal(got[k[len("module."):]], v) for k, v in _dp_sd().items())
+    assert all(torch.equal(got[k[len("module.") :]], v) for k, v in _dp_sd().items())
 
 
 def test_compressed_storage_record_is_unsupported_with_a_fix(tmp_path):
@@ -105,12 +108,12 @@ def test_unreadable_non_storage_record_is_a_clean_error(tmp_path):
     with zipfile.ZipFile(rz) as zf:
         info = zf.getinfo([n for n in zf.namelist() if n.endswith("/version")][0])
     # the compression method, in the local header and in the central directory, becomes 99 (AES)
-    data[info.header_offset + 8: info.header_offset + 10] = struct.pack("<H", 99)
+    data[info.header_offset + 8 : info.header_offset + 10] = struct.pack("<H", 99)
     pos = data.find(b"PK\x01\x02")
     while pos >= 0:
-        nlen = struct.unpack("<H", data[pos + 28: pos + 30])[0]
-        if data[pos + 46: pos + 46 + nlen].decode().endswith("/version"):
-            data[pos + 10: pos + 12] = struct.pack("<H", 99)
+        nlen = struct.unpack("<H", data[pos + 28 : pos + 30])[0]
+        if data[pos + 46 : pos + 46 + nlen].decode().endswith("/version"):
+            data[pos + 10 : pos + 12] = struct.pack("<H", 99)
         pos = data.find(b"PK\x01\x02", pos + 4)
     rz.write_bytes(bytes(data))
     p = run_cli("strip-prefix", rz)
@@ -119,6 +122,7 @@ def test_unreadable_non_storage_record_is_a_clean_error(tmp_path):
 
 
 # --------------------------------------------------------------------------- hostile / odd pickles
+
 
 def _inject(src, dst, payload: bytes):
     """Add ``"evil": <payload>`` to the top-level dict of data.pkl."""
@@ -131,9 +135,11 @@ def _inject(src, dst, payload: bytes):
             zout.writestr(zipfile.ZipInfo(n), data)
 
 
-@pytest.mark.parametrize("payload", [b"]" * 100_000 + b"a" * 99_999,
-                                     b"}" + b"X\x01\x00\x00\x00k}" * 99_999 + b"s" * 99_999],
-                         ids=["lists", "dicts"])
+@pytest.mark.parametrize(
+    "payload",
+    [b"]" * 100_000 + b"a" * 99_999, b"}" + b"X\x01\x00\x00\x00k}" * 99_999 + b"s" * 99_999],
+    ids=["lists", "dicts"],
+)
 def test_deeply_nested_pickle_is_a_clean_error(tmp_path, payload):
     src = tmp_path / "good.pt"
     torch.save({"state_dict": {"module.w": torch.ones(3)}}, src)
@@ -156,15 +162,16 @@ def test_non_string_state_dict_key_is_a_clean_error(tmp_path):
 
 # --------------------------------------------------------------------------- legacy stream
 
+
 def test_legacy_negative_storage_size_is_corrupt(tmp_path):
     src = tmp_path / "legacy.pt"
     torch.save({"state_dict": {"module.w": torch.ones(3)}}, src, _use_new_zipfile_serialization=False)
     data = bytearray(src.read_bytes())
     # the storage's 8-byte element count sits just before its 12 data bytes at the end of the file
     at = len(data) - 12 - 8
-    assert struct.unpack("<q", data[at:at + 8])[0] == 3
+    assert struct.unpack("<q", data[at : at + 8])[0] == 3
     for bad in (-3, 1 << 62):
-        data[at:at + 8] = struct.pack("<q", bad)
+        data[at : at + 8] = struct.pack("<q", bad)
         src.write_bytes(bytes(data))
         for cmd in (["strip-prefix", src, "--force"], ["inspect", src], ["convert", src, "--force"]):
             assert_one_line_error(run_cli(*cmd), 4)
@@ -173,6 +180,7 @@ def test_legacy_negative_storage_size_is_corrupt(tmp_path):
 
 # --------------------------------------------------------------------------- safetensors headers that lie
 
+
 def _write_st(path, header, data, raw=None):
     h = raw if raw is not None else json.dumps(header).encode()
     h += b" " * ((-len(h)) % 8)
@@ -180,17 +188,29 @@ def _write_st(path, header, data, raw=None):
 
 
 LYING = {
-    "overlap": ({"module.a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                 "module.b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, 24),
-    "gap": ({"module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-             "module.b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}}, 24),
+    "overlap": (
+        {
+            "module.a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "module.b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+        },
+        24,
+    ),
+    "gap": (
+        {
+            "module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "module.b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+        },
+        24,
+    ),
     "trailing": ({"module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 16),
     "negative_shape": ({"module.a": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}, 8),
     "bool_shape": ({"module.a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, 8),
     "float_offsets": ({"module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}, 8),
-    "metadata_not_str": ({"__metadata__": {"x": 1}, "module.a": {"dtype": "F32", "shape": [2],
-                                                                  "data_offsets": [0, 8]}}, 8),
-    "shape_overflow": ({"module.a": {"dtype": "F32", "shape": [2 ** 62, 2 ** 62, 0], "data_offsets": [0, 0]}}, 0),
+    "metadata_not_str": (
+        {"__metadata__": {"x": 1}, "module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+        8,
+    ),
+    "shape_overflow": ({"module.a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}, 0),
 }
 
 
@@ -205,8 +225,12 @@ def test_lying_safetensors_header_is_refused_everywhere(tmp_path, name):
     with pytest.raises(Exception):
         safe_open(str(p), framework="pt")
     h = sha256(p)
-    for cmd in (["strip-prefix", p], ["convert", p, "-o", tmp_path / "m.pth"],
-                ["convert", p, "-o", tmp_path / "m2.safetensors"], ["inspect", p]):
+    for cmd in (
+        ["strip-prefix", p],
+        ["convert", p, "-o", tmp_path / "m.pth"],
+        ["convert", p, "-o", tmp_path / "m2.safetensors"],
+        ["inspect", p],
+    ):
         assert_one_line_error(run_cli(*cmd), 4)
     assert sha256(p) == h
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
@@ -228,6 +252,7 @@ def test_metadata_named_tensor_is_a_key_conflict(tmp_path):
 
 
 # --------------------------------------------------------------------------- file system
+
 
 def test_in_place_through_a_symlink_fixes_the_target(tmp_path):
     real_dir = tmp_path / "store"
@@ -284,8 +309,14 @@ def test_sharded_index_cannot_write_outside_the_output_directory(tmp_path):
     d.mkdir()
     save_file({"module.a": torch.ones(2)}, str(d / "model-00001-of-00002.safetensors"))
     save_file({"module.b": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        "module.a": "model-00001-of-00002.safetensors", "module.b": "../outside.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {"module.a": "model-00001-of-00002.safetensors", "module.b": "../outside.safetensors"},
+            }
+        )
+    )
     out = tmp_path / "a" / "b"
     p = run_cli("strip-prefix", d, "-o", out)
     assert_one_line_error(p, 8)
@@ -294,6 +325,7 @@ def test_sharded_index_cannot_write_outside_the_output_directory(tmp_path):
 
 
 # --------------------------------------------------------------------------- --map-location
+
 
 @pytest.mark.parametrize("spec", ["bogus", "cpu=", "cpu=cuda:0, cuda:1", "cuda:x", "cuda:"])
 def test_map_location_that_torch_cannot_load_is_refused(tmp_path, spec):
@@ -316,13 +348,19 @@ def test_map_location_valid_specs_still_work(tmp_path, spec):
 
 # --------------------------------------------------------------------------- ckptfix-written safetensors
 
+
 def _tied_ckpt(path):
     torch.manual_seed(0)
     w = torch.randn(4, 3)
-    sd = {"module.z_last": torch.ones(2), "module.w": w, "module.tied": w, "module.row": w[1],
-          "module.a_first": torch.zeros(3)}
+    sd = {
+        "module.z_last": torch.ones(2),
+        "module.w": w,
+        "module.tied": w,
+        "module.row": w[1],
+        "module.a_first": torch.zeros(3),
+    }
     torch.save(sd, path)
-    return {k[len("module."):]: v for k, v in sd.items()}
+    return {k[len("module.") :]: v for k, v in sd.items()}
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
@@ -332,7 +370,9 @@ def test_strip_prefix_on_converted_safetensors_keeps_aliases_views_and_order(tmp
     expected = _tied_ckpt(tmp_path / "m.pt")
     if sharded:
         (tmp_path / "hf").mkdir()
-        p = run_cli("convert", tmp_path / "m.pt", "-o", tmp_path / "hf" / "model.safetensors", "--max-shard-size", "20B")
+        p = run_cli(
+            "convert", tmp_path / "m.pt", "-o", tmp_path / "hf" / "model.safetensors", "--max-shard-size", "20B"
+        )
         assert p.returncode == 0, p.stderr
         p = run_cli("strip-prefix", tmp_path / "hf", "-o", tmp_path / "out")
         assert p.returncode == 0, p.stderr
@@ -358,8 +398,11 @@ def test_strip_prefix_renames_hugging_face_style_aliases(tmp_path):
     from ckptfix.convert import restore_aliases
 
     p = tmp_path / "m.safetensors"
-    save_file({"module.emb.weight": torch.ones(2, 2)}, str(p),
-              metadata={"format": "pt", "module.head.weight": "module.emb.weight"})
+    save_file(
+        {"module.emb.weight": torch.ones(2, 2)},
+        str(p),
+        metadata={"format": "pt", "module.head.weight": "module.emb.weight"},
+    )
     rep = rewrite_checkpoint(str(p), lambda sd: strip_prefix_report(sd))
     with safe_open(rep.output, "pt") as f:
         meta = f.metadata()
@@ -373,8 +416,11 @@ def test_rename_onto_an_alias_name_is_a_collision(tmp_path):
     from safetensors.torch import save_file
 
     p = tmp_path / "m.safetensors"
-    save_file({"module.a": torch.ones(2), "b": torch.zeros(2)}, str(p),
-              metadata={"format": "pt", "ckptfix.aliases": json.dumps({"a": "b"})})
+    save_file(
+        {"module.a": torch.ones(2), "b": torch.zeros(2)},
+        str(p),
+        metadata={"format": "pt", "ckptfix.aliases": json.dumps({"a": "b"})},
+    )
     r = run_cli("strip-prefix", p, "--prefix", "module.")
     assert_one_line_error(r, 6)
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]

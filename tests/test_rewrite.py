@@ -17,13 +17,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from conftest import (IS_ROOT, TinyNet, assert_one_line_error, assert_same_tensors, run_cli, sample_input, sha256,
-                      tiny_model)
 from ckptfix.cli import main
 from ckptfix.errors import KeyConflictError, OutputError
 from ckptfix.inspecting import inspect_checkpoint
 from ckptfix.prefixes import strip_prefix_report
 from ckptfix.rewrite import rewrite_checkpoint
+
+from conftest import (
+    IS_ROOT,
+    TinyNet,
+    assert_one_line_error,
+    assert_same_tensors,
+    run_cli,
+    sample_input,
+    sha256,
+    tiny_model,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -44,7 +53,7 @@ def _sd_of(obj, layout):
 
 
 def _stripped(expected, prefix):
-    return {k[len(prefix):]: v for k, v in expected.items()}
+    return {k[len(prefix) :]: v for k, v in expected.items()}
 
 
 def _tload(path, **kw):
@@ -62,6 +71,7 @@ def _dir_listing(d):
 
 
 # --------------------------------------------------------------------------- strip-prefix per format
+
 
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_strip_training_checkpoint_preserves_everything(ckpt, capsys, legacy):
@@ -190,9 +200,15 @@ def test_strip_keeps_tied_storage_shared(ckpt, capsys, tmp_path, legacy, layout)
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_strip_keeps_dtypes(ckpt, capsys, tmp_path, layout):
-    sd = {"module.h": torch.randn(3).half(), "module.b": torch.randn(3).bfloat16(), "module.i8": torch.arange(4,
-          dtype=torch.int8), "module.bool": torch.tensor([True, False]), "module.d": torch.randn(2).double(),
-          "module.c": torch.randn(2, dtype=torch.complex64), "module.view": torch.arange(10.)[2:7:2]}
+    sd = {
+        "module.h": torch.randn(3).half(),
+        "module.b": torch.randn(3).bfloat16(),
+        "module.i8": torch.arange(4, dtype=torch.int8),
+        "module.bool": torch.tensor([True, False]),
+        "module.d": torch.randn(2).double(),
+        "module.c": torch.randn(2, dtype=torch.complex64),
+        "module.view": torch.arange(10.0)[2:7:2],
+    }
     p = tmp_path / "dtypes.pt"
     _save_layout(sd, p, layout)
     rc, out, err = _cli(capsys, "strip-prefix", p)
@@ -221,8 +237,7 @@ def test_strip_keeps_cuda_tags_unless_map_location(ckpt, capsys, tmp_path, legac
     assert inspect_checkpoint(tmp_path / "cpu.pt").locations == {"cpu": 9}
     got = _sd_of(_tload(tmp_path / "cpu.pt", mmap=True), layout)  # loads without CUDA
     assert_same_tensors(got, _stripped(b.expected, "module."))
-    rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "map.pt", "--map-location",
-                        "cuda:0=cuda:3")
+    rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "map.pt", "--map-location", "cuda:0=cuda:3")
     assert rc == 0, err
     assert inspect_checkpoint(tmp_path / "map.pt").locations == {"cuda:3": 9}
 
@@ -236,6 +251,7 @@ def test_map_location_only_rewrites_tags(ckpt, capsys, tmp_path):
 
 
 # --------------------------------------------------------------------------- output handling
+
 
 def test_output_option_and_force(ckpt, capsys, tmp_path):
     b = ckpt.dataparallel()
@@ -330,9 +346,11 @@ def _enospc(*a, **k):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("builder,kw", [("dataparallel", {}), ("dataparallel", {"legacy": True}),
-                                        ("safetensors", {"prefix": "module."})],
-                         ids=["zip", "legacy", "safetensors"])
+@pytest.mark.parametrize(
+    "builder,kw",
+    [("dataparallel", {}), ("dataparallel", {"legacy": True}), ("safetensors", {"prefix": "module."})],
+    ids=["zip", "legacy", "safetensors"],
+)
 @pytest.mark.parametrize("in_place", [False, True], ids=["output", "in-place"])
 def test_disk_full_leaves_nothing_behind(ckpt, monkeypatch, builder, kw, in_place):
     b = getattr(ckpt, builder)(**kw)
@@ -375,6 +393,7 @@ def test_disk_full_on_plain_write(ckpt, monkeypatch):
 
 # --------------------------------------------------------------------------- crash safety
 
+
 @pytest.fixture(scope="module")
 def big_dp_ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("big")
@@ -382,7 +401,7 @@ def big_dp_ckpt(tmp_path_factory):
     sd = {f"module.layer{i}.weight": torch.randn(4 << 20, generator=g) for i in range(6)}  # ~96 MiB
     p = d / "big.pt"
     torch.save({"model": sd, "epoch": 1}, p)
-    return p, sha256(p), {k[len("module."):]: v for k, v in sd.items()}
+    return p, sha256(p), {k[len("module.") :]: v for k, v in sd.items()}
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.6])
@@ -390,8 +409,11 @@ def test_in_place_survives_sigkill(big_dp_ckpt, tmp_path, delay):
     src, h0, stripped = big_dp_ckpt
     p = tmp_path / "big.pt"
     shutil.copyfile(src, p)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "strip-prefix", str(p), "--in-place"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptfix", "strip-prefix", str(p), "--in-place"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -410,6 +432,7 @@ def test_in_place_survives_sigkill(big_dp_ckpt, tmp_path, delay):
 
 
 # --------------------------------------------------------------------------- refusals
+
 
 def test_partial_collision_exit_6_nothing_written(tmp_path, capsys):
     p = tmp_path / "col.pt"
@@ -440,6 +463,7 @@ def test_non_writable_formats_refused(ckpt, capsys):
 
 
 # --------------------------------------------------------------------------- sharded indexes
+
 
 @pytest.mark.parametrize("kind", ["sharded_bin", "sharded_safetensors"])
 def test_strip_sharded_index_writes_a_new_directory(ckpt, capsys, kind):
@@ -523,6 +547,7 @@ def test_align_sharded_to_model(ckpt, tmp_path):
 
 # --------------------------------------------------------------------------- add-prefix / align
 
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_add_prefix_round_trip_into_dataparallel(ckpt, capsys, legacy, layout):
@@ -573,7 +598,8 @@ def test_align_to_factory_on_pythonpath(ckpt, tmp_path, layout):
         "def build_bigger():\n"
         "    n = Net()\n"
         "    n.extra = nn.Linear(2, 2)\n"
-        "    return n\n")
+        "    return n\n"
+    )
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "pp"), os.environ["PYTHONPATH"]])}
     b = ckpt.dataparallel()
     _save_layout(torch.load(b.path, weights_only=True), b.path, layout)
@@ -604,6 +630,7 @@ def test_align_exit_10_shape_mismatch(ckpt, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------- wrapper round trips
+
 
 def _round_trip(sd_wrapped, tmp_path, capsys, model, layout):
     p = tmp_path / "wrapped_rt.pt"
@@ -681,6 +708,7 @@ def test_outputs_get_normal_modes_and_in_place_keeps_the_mode(tmp_path):
 
 # --------------------------------------------------------------------------- verified before the rename (issue 11)
 
+
 def _py2_names_ckpt(path):
     """torch.save's protocol 2 names int/str as __builtin__ long/unicode."""
     torch.save({"state_dict": {"module.w": torch.zeros(2)}, "cfg": {"dtype": int, "kind": str}}, path)
@@ -742,8 +770,9 @@ def test_check_written_catches_a_short_record(tmp_path):
         check_written(str(other), cf, expect_obj=cf.obj, what="out.pt")
 
 
-@pytest.mark.parametrize("cmd", [["strip-prefix"], ["add-prefix", "--prefix", "module."],
-                                 ["strip-prefix", "--map-location", "cpu"]])
+@pytest.mark.parametrize(
+    "cmd", [["strip-prefix"], ["add-prefix", "--prefix", "module."], ["strip-prefix", "--map-location", "cpu"]]
+)
 def test_every_rewrite_is_checked_before_the_rename(tmp_path, cmd, monkeypatch):
     """A writer bug (here: a record dropped from the archive) never reaches the user's file."""
     from ckptfix import rewrite as rw
@@ -768,8 +797,12 @@ def test_rewrite_reports_progress_up_to_the_input_size(tmp_path):
     src = tmp_path / "big.pt"
     torch.save({"module.w": torch.zeros(3 << 20), "module.b": torch.ones(5)}, src)
     calls = []
-    rep = rewrite_checkpoint(str(src), lambda sd: strip_prefix_report(sd, None), output=str(tmp_path / "o.pt"),
-                             progress=lambda d, t: calls.append((d, t)))
+    rep = rewrite_checkpoint(
+        str(src),
+        lambda sd: strip_prefix_report(sd, None),
+        output=str(tmp_path / "o.pt"),
+        progress=lambda d, t: calls.append((d, t)),
+    )
     total = src.stat().st_size
     assert calls and calls[-1] == (total, total)
     assert all(t == total for _, t in calls) and [d for d, _ in calls] == sorted(d for d, _ in calls)

@@ -18,9 +18,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from conftest import assert_one_line_error, run_cli
 from ckptfix.errors import OutputError, UnsupportedError, VerificationError
 from ckptfix.sanitize import Plainer, normalise_global, sanitize_checkpoint
+
+from conftest import assert_one_line_error, run_cli
 
 np = pytest.importorskip("numpy")
 
@@ -96,9 +97,22 @@ def _kinds():
     }
 
 
-KINDS = ["namespace", "numpy_array", "numpy_fortran_bigendian", "numpy_uint16", "numpy_scalars", "numpy_strings",
-         "numpy_objects", "numpy_dtype", "omegaconf", "attributedict", "class_refs", "enum_and_object",
-         "frozenset_range_slice", "collections"]
+KINDS = [
+    "namespace",
+    "numpy_array",
+    "numpy_fortran_bigendian",
+    "numpy_uint16",
+    "numpy_scalars",
+    "numpy_strings",
+    "numpy_objects",
+    "numpy_dtype",
+    "omegaconf",
+    "attributedict",
+    "class_refs",
+    "enum_and_object",
+    "frozenset_range_slice",
+    "collections",
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +126,11 @@ def test_each_kind_loads_with_weights_only(tmp_path, kind, legacy, omegaconf_ava
     value = _kinds()[kind]
     w = torch.randn(3, 4)
     src = tmp_path / "ckpt.pt"
-    torch.save({"state_dict": {"w": w, "w_view": w[1]}, "extra": value, "epoch": 3}, src,
-               _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"state_dict": {"w": w, "w_view": w[1]}, "extra": value, "epoch": 3},
+        src,
+        _use_new_zipfile_serialization=not legacy,
+    )
     assert _wo_fails(src)
     rep = sanitize_checkpoint(src, tmp_path / "out.pt")
     assert rep.changed and rep.verified and rep.changes
@@ -166,8 +183,11 @@ def test_training_args_namespace_top_level(tmp_path):
     torch.save(argparse.Namespace(output_dir="out", learning_rate=5e-5, seed=42), src)
     rep = sanitize_checkpoint(src, tmp_path / "ta.bin")
     assert [c.to_dict() for c in rep.changes] == [{"path": "(top level)", "was": "argparse.Namespace", "now": "dict"}]
-    assert torch.load(tmp_path / "ta.bin", weights_only=True) == {"output_dir": "out", "learning_rate": 5e-5,
-                                                                  "seed": 42}
+    assert torch.load(tmp_path / "ta.bin", weights_only=True) == {
+        "output_dir": "out",
+        "learning_rate": 5e-5,
+        "seed": 42,
+    }
 
 
 def test_cuda_tags_and_records_copied_by_range(tmp_path, monkeypatch):
@@ -245,18 +265,26 @@ def test_cli_json_and_text(tmp_path):
 def test_sanitize_never_imports_torch(tmp_path):
     src = tmp_path / "m.pt"
     torch.save({"w": torch.ones(2), "shift": np.arange(3.0), "a": argparse.Namespace(x=1)}, src)
-    code = ("import sys; from ckptfix.sanitize import sanitize_checkpoint; "
-            f"sanitize_checkpoint({str(src)!r}, {str(tmp_path / 'o.pt')!r}); "
-            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'")
+    code = (
+        "import sys; from ckptfix.sanitize import sanitize_checkpoint; "
+        f"sanitize_checkpoint({str(src)!r}, {str(tmp_path / 'o.pt')!r}); "
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'"
+    )
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("name,want", [("builtins.long", "builtins.int"), ("builtins.unicode", "builtins.str"),
-                                       ("builtins.xrange", "builtins.range"), ("copy_reg._reconstructor",
-                                                                                "copyreg._reconstructor"),
-                                       ("collections.OrderedDict", "collections.OrderedDict")])
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("builtins.long", "builtins.int"),
+        ("builtins.unicode", "builtins.str"),
+        ("builtins.xrange", "builtins.range"),
+        ("copy_reg._reconstructor", "copyreg._reconstructor"),
+        ("collections.OrderedDict", "collections.OrderedDict"),
+    ],
+)
 def test_normalise_global(name, want):
     assert normalise_global(name) == want
 
@@ -267,8 +295,7 @@ def test_whole_pickled_module(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     torch.save(net, tmp_path / "m.pt")
     rep = sanitize_checkpoint(tmp_path / "m.pt", tmp_path / "o.pt")
-    assert {c.was for c in rep.changes} >= {"torch.nn.modules.container.Sequential",
-                                            "torch.nn.modules.linear.Linear"}
+    assert {c.was for c in rep.changes} >= {"torch.nn.modules.container.Sequential", "torch.nn.modules.linear.Linear"}
     out = torch.load(tmp_path / "o.pt", weights_only=True)
     assert out["__class__"] == "torch.nn.modules.container.Sequential"
     lin = out["_modules"]["0"]
@@ -286,8 +313,11 @@ def test_legacy_file_already_safe_is_left_alone(tmp_path):
 def test_protocol5_numpy_arrays_become_tensors(tmp_path):
     """numpy pickles arrays as ``numpy._core.numeric._frombuffer(buf, dtype, shape, order)`` under protocol 5."""
     p = tmp_path / "p5.pt"
-    arrays = {"a": np.arange(6, dtype=np.int64).reshape(2, 3), "f": np.asfortranarray(np.arange(6.).reshape(2, 3)),
-              "b": np.arange(4, dtype=">f4")}
+    arrays = {
+        "a": np.arange(6, dtype=np.int64).reshape(2, 3),
+        "f": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+        "b": np.arange(4, dtype=">f4"),
+    }
     torch.save({"w": torch.ones(2), **arrays}, p, pickle_protocol=5)
     rep = sanitize_checkpoint(p)
     got = torch.load(rep.output, weights_only=True)
@@ -332,11 +362,11 @@ def test_tensor_subclass_becomes_a_plain_tensor(tmp_path):
     """A tensor subclass (``torch._tensor._rebuild_from_type_v2`` naming a user class) is outside the allowlist:
     sanitize writes the plain tensor, same values and sharing, and lists the change."""
     p = tmp_path / "sub.pt"
-    t = torch.arange(6.).as_subclass(_MySubclass)
+    t = torch.arange(6.0).as_subclass(_MySubclass)
     torch.save({"t": t, "again": t, "w": torch.ones(2)}, p)
     rep = sanitize_checkpoint(p)
     got = torch.load(rep.output, weights_only=True)
-    assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], torch.arange(6.))
+    assert type(got["t"]) is torch.Tensor and torch.equal(got["t"], torch.arange(6.0))
     assert got["again"] is got["t"]
     assert any(c.path == "t" and "_MySubclass" in c.was and c.now == "tensor" for c in rep.changes)
 
@@ -367,13 +397,17 @@ def test_protocol_3_plus_pickles_are_rewritten(tmp_path, proto, legacy):
     a file whose globals are all allowed but which torch.save wrote with pickle_protocol>=3 still fails
     ``torch.load(weights_only=True)``, so sanitize must not call it already loadable."""
     p = tmp_path / "p.pt"
-    torch.save({"w": torch.arange(3.), "b": b"xy", "s": {1, 2}, "name": "x"}, p, pickle_protocol=proto,
-               _use_new_zipfile_serialization=not legacy)
+    torch.save(
+        {"w": torch.arange(3.0), "b": b"xy", "s": {1, 2}, "name": "x"},
+        p,
+        pickle_protocol=proto,
+        _use_new_zipfile_serialization=not legacy,
+    )
     assert _wo_fails(p)
     rep = sanitize_checkpoint(p)
     assert rep.output is not None
     got = torch.load(rep.output, weights_only=True)
-    assert torch.equal(got["w"], torch.arange(3.)) and got["b"] == b"xy" and got["s"] == {1, 2}
+    assert torch.equal(got["w"], torch.arange(3.0)) and got["b"] == b"xy" and got["s"] == {1, 2}
 
 
 def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
@@ -382,7 +416,7 @@ def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
     import zipfile
 
     src = tmp_path / "le.pt"
-    torch.save({"w": torch.arange(4.), "a": np.arange(3.), "b": np.arange(2, dtype=">i4")}, src)
+    torch.save({"w": torch.arange(4.0), "a": np.arange(3.0), "b": np.arange(2, dtype=">i4")}, src)
     big = tmp_path / "be.pt"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(big, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
@@ -392,10 +426,10 @@ def test_numpy_arrays_follow_a_big_endian_archives_byte_order(tmp_path):
             elif "/data/" in info.filename:
                 data = np.frombuffer(data, dtype="<f4").astype(">f4").tobytes()  # w's storage
             zout.writestr(info, data)
-    assert torch.equal(torch.load(big, weights_only=False)["w"], torch.arange(4.))
+    assert torch.equal(torch.load(big, weights_only=False)["w"], torch.arange(4.0))
     rep = sanitize_checkpoint(big)
     got = torch.load(rep.output, weights_only=True)
-    assert torch.equal(got["w"], torch.arange(4.))
+    assert torch.equal(got["w"], torch.arange(4.0))
     assert torch.equal(got["a"], torch.arange(3, dtype=torch.float64))
     assert torch.equal(got["b"], torch.arange(2, dtype=torch.int32))
 
@@ -406,7 +440,7 @@ def test_new_storages_never_reuse_the_name_of_an_unreferenced_member(tmp_path):
     import zipfile
 
     src = tmp_path / "src.pt"
-    torch.save({"w": torch.ones(2), "a": np.arange(3.)}, src)
+    torch.save({"w": torch.ones(2), "a": np.arange(3.0)}, src)
     orphan = tmp_path / "orphan.pt"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(orphan, "w", zipfile.ZIP_STORED) as zout:
         root = zin.namelist()[0].split("/")[0]

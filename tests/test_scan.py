@@ -8,7 +8,6 @@ or the scan must say it could not follow the pickle (verdict unknown).
 from __future__ import annotations
 
 import collections
-import io
 import json
 import os
 import pickle
@@ -16,21 +15,21 @@ import struct
 import zipfile
 
 import pytest
-
-from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from conftest import run_cli
 from oracle_pickle import c_imports, py_imports
-from ckptfix.cli import main
+
+from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.inspecting import scan_checkpoint
 from ckptfix.pickles import classify_global, resolve_global, scan_globals, scan_pickle_sequence
+
+from conftest import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 # --------------------------------------------------------------------------- opcode assembly
+
 
 def u(s: str) -> bytes:
     """SHORT_BINUNICODE s"""
@@ -62,18 +61,56 @@ def covered(data: bytes) -> tuple[bool, list]:
 
 # --------------------------------------------------------------------------- issue 10 item 2 (a) (b)
 
+
 def payload_popped_strings() -> bytes:
     """(a) the real pair stays on the stack; a decoy pair is pushed and popped before STACK_GLOBAL."""
-    return (PROTO(4) + u("os") + u("system") + u("collections") + u("OrderedDict") + POP + POP + STACK_GLOBAL
-            + u("echo pwned") + TUPLE1 + REDUCE + POP + EMPTY_DICT + STOP)
+    return (
+        PROTO(4)
+        + u("os")
+        + u("system")
+        + u("collections")
+        + u("OrderedDict")
+        + POP
+        + POP
+        + STACK_GLOBAL
+        + u("echo pwned")
+        + TUPLE1
+        + REDUCE
+        + POP
+        + EMPTY_DICT
+        + STOP
+    )
 
 
 def payload_memo_mix() -> bytes:
     """(b) BINPUT then MEMOIZE: MEMOIZE stores at len(memo), not at a private counter."""
-    return (PROTO(4) + u("collections") + BINPUT(0) + u("OrderedDict") + BINPUT(1) + POP + POP
-            + u("pad") + BINPUT(7) + POP
-            + u("os") + MEMOIZE + POP + u("system") + MEMOIZE + POP
-            + BINGET(3) + BINGET(4) + STACK_GLOBAL + u("id") + TUPLE1 + REDUCE + POP + EMPTY_DICT + STOP)
+    return (
+        PROTO(4)
+        + u("collections")
+        + BINPUT(0)
+        + u("OrderedDict")
+        + BINPUT(1)
+        + POP
+        + POP
+        + u("pad")
+        + BINPUT(7)
+        + POP
+        + u("os")
+        + MEMOIZE
+        + POP
+        + u("system")
+        + MEMOIZE
+        + POP
+        + BINGET(3)
+        + BINGET(4)
+        + STACK_GLOBAL
+        + u("id")
+        + TUPLE1
+        + REDUCE
+        + POP
+        + EMPTY_DICT
+        + STOP
+    )
 
 
 @pytest.mark.parametrize("make", [payload_popped_strings, payload_memo_mix])
@@ -112,18 +149,62 @@ def test_attack_payloads_scan_exit_11(tmp_path, make):
 
 ADVERSARIAL = {
     "dup": PROTO(4) + u("os") + u("system") + DUP + POP + STACK_GLOBAL + EMPTY_DICT + STOP,
-    "pop_mark_hides_decoy": PROTO(4) + u("os") + u("system") + MARK + u("collections") + u("OrderedDict") + POP_MARK
-    + STACK_GLOBAL + EMPTY_DICT + STOP,
+    "pop_mark_hides_decoy": PROTO(4)
+    + u("os")
+    + u("system")
+    + MARK
+    + u("collections")
+    + u("OrderedDict")
+    + POP_MARK
+    + STACK_GLOBAL
+    + EMPTY_DICT
+    + STOP,
     "pop_of_empty_frame_pops_mark": PROTO(4) + u("os") + MARK + POP + u("system") + STACK_GLOBAL + STOP,
     "dup_module": PROTO(4) + u("os") + DUP + POP + u("system") + STACK_GLOBAL + STOP,
-    "memo_overwrite": PROTO(4) + u("collections") + BINPUT(0) + u("os") + BINPUT(0) + POP + POP + BINGET(0)
-    + u("system") + STACK_GLOBAL + STOP,
-    "memoize_after_gap": PROTO(4) + u("a") + BINPUT(5) + u("os") + MEMOIZE + POP + POP + BINGET(1) + u("system")
-    + STACK_GLOBAL + STOP,
-    "memoize_overwrites_explicit": PROTO(4) + u("x") + BINPUT(1) + u("os") + MEMOIZE + POP + u("collections")
-    + BINPUT(0) + POP + BINGET(1) + u("system") + STACK_GLOBAL + STOP,
-    "long_binput": PROTO(4) + u("os") + LONG_BINPUT(3) + POP + b"j" + struct.pack("<I", 3) + u("system")
-    + STACK_GLOBAL + STOP,
+    "memo_overwrite": PROTO(4)
+    + u("collections")
+    + BINPUT(0)
+    + u("os")
+    + BINPUT(0)
+    + POP
+    + POP
+    + BINGET(0)
+    + u("system")
+    + STACK_GLOBAL
+    + STOP,
+    "memoize_after_gap": PROTO(4)
+    + u("a")
+    + BINPUT(5)
+    + u("os")
+    + MEMOIZE
+    + POP
+    + POP
+    + BINGET(1)
+    + u("system")
+    + STACK_GLOBAL
+    + STOP,
+    "memoize_overwrites_explicit": PROTO(4)
+    + u("x")
+    + BINPUT(1)
+    + u("os")
+    + MEMOIZE
+    + POP
+    + u("collections")
+    + BINPUT(0)
+    + POP
+    + BINGET(1)
+    + u("system")
+    + STACK_GLOBAL
+    + STOP,
+    "long_binput": PROTO(4)
+    + u("os")
+    + LONG_BINPUT(3)
+    + POP
+    + b"j"
+    + struct.pack("<I", 3)
+    + u("system")
+    + STACK_GLOBAL
+    + STOP,
     "text_put_get": PROTO(2) + u("os") + b"p0\n" + POP + b"g0\n" + u("system") + STACK_GLOBAL + STOP,
     "binunicode": PROTO(4) + binu("os") + binu("system") + STACK_GLOBAL + STOP,
     "short_binstring": PROTO(2) + b"U\x02os" + b"U\x06system" + STACK_GLOBAL + STOP,
@@ -132,15 +213,30 @@ ADVERSARIAL = {
     "global_proto0": b"cos\nsystem\n.",
     "inst": b"(S'ls'\nios\nsystem\n.",
     "frame": PROTO(4) + b"\x95" + struct.pack("<Q", 12) + u("os") + u("system") + STACK_GLOBAL + STOP,
-    "frames_split_inside_op": PROTO(4) + b"\x95" + struct.pack("<Q", 3) + u("os") + b"\x95" + struct.pack("<Q", 1)
-    + u("system") + STACK_GLOBAL + STOP,
+    "frames_split_inside_op": PROTO(4)
+    + b"\x95"
+    + struct.pack("<Q", 3)
+    + u("os")
+    + b"\x95"
+    + struct.pack("<Q", 1)
+    + u("system")
+    + STACK_GLOBAL
+    + STOP,
     "proto_switch_maps_names": PROTO(4) + PROTO(2) + b"c__builtin__\neval\n" + STOP,
     "py2_names": PROTO(2) + b"c__builtin__\nlong\n" + b"ccopy_reg\n_reconstructor\n" + POP + STOP,
     "py2_names_at_proto3": PROTO(3) + b"c__builtin__\nlong\n" + STOP,
     "dotted_name": PROTO(4) + u("os") + u("path.join") + STACK_GLOBAL + STOP,
     "tuple_of_strings_is_not_a_name": PROTO(4) + u("os") + u("system") + b"\x86" + u("x") + STACK_GLOBAL + STOP,
-    "nested_global_calls": PROTO(2) + b"cbuiltins\ngetattr\n" + b"cbuiltins\n__import__\n" + u("os") + TUPLE1
-    + REDUCE + u("system") + b"\x86" + REDUCE + STOP,
+    "nested_global_calls": PROTO(2)
+    + b"cbuiltins\ngetattr\n"
+    + b"cbuiltins\n__import__\n"
+    + u("os")
+    + TUPLE1
+    + REDUCE
+    + u("system")
+    + b"\x86"
+    + REDUCE
+    + STOP,
 }
 
 
@@ -153,10 +249,25 @@ def test_adversarial_cases_match_cpython(name):
 
 def test_expected_names_of_adversarial_cases():
     g = lambda k: dict(scan_globals(ADVERSARIAL[k]).globals)  # noqa: E731
-    for k in ("dup", "pop_mark_hides_decoy", "pop_of_empty_frame_pops_mark", "dup_module", "memo_overwrite",
-              "memoize_after_gap", "memoize_overwrites_explicit", "long_binput", "text_put_get", "binunicode",
-              "short_binstring", "string_op", "unicode_op", "global_proto0", "inst", "frame",
-              "frames_split_inside_op"):
+    for k in (
+        "dup",
+        "pop_mark_hides_decoy",
+        "pop_of_empty_frame_pops_mark",
+        "dup_module",
+        "memo_overwrite",
+        "memoize_after_gap",
+        "memoize_overwrites_explicit",
+        "long_binput",
+        "text_put_get",
+        "binunicode",
+        "short_binstring",
+        "string_op",
+        "unicode_op",
+        "global_proto0",
+        "inst",
+        "frame",
+        "frames_split_inside_op",
+    ):
         assert g(k) == {"os.system": 1}, (k, g(k))
     assert g("proto_switch_maps_names") == {"builtins.eval": 1}
     assert g("py2_names") == {"builtins.int": 1, "copyreg._reconstructor": 1}
@@ -200,8 +311,14 @@ def test_resolve_global_matches_compat_pickle():
 
 @pytest.mark.parametrize("proto", range(6))
 def test_real_pickles_every_protocol(proto):
-    obj = {"a": [1, 2.0, "x", range(3), int, str, collections.OrderedDict(a=1), b"by", bytearray(b"ba")],
-           "b": os.path.join, "s": {1, 2}, "f": frozenset([1]), "c": complex(1, 2), "t": ((1,), (2, (3,)))}
+    obj = {
+        "a": [1, 2.0, "x", range(3), int, str, collections.OrderedDict(a=1), b"by", bytearray(b"ba")],
+        "b": os.path.join,
+        "s": {1, 2},
+        "f": frozenset([1]),
+        "c": complex(1, 2),
+        "t": ((1,), (2, (3,))),
+    }
     data = pickle.dumps(obj, protocol=proto)
     ok, missing = covered(data)
     assert ok, missing
@@ -211,14 +328,55 @@ def test_real_pickles_every_protocol(proto):
 
 # --------------------------------------------------------------------------- differential fuzz
 
-_NAMES = ["os", "system", "builtins", "eval", "collections", "OrderedDict", "__builtin__", "long", "copy_reg",
-          "_reconstructor", "posix", "getattr", "path.join", "subprocess", "Popen", "torch._utils"]
+_NAMES = [
+    "os",
+    "system",
+    "builtins",
+    "eval",
+    "collections",
+    "OrderedDict",
+    "__builtin__",
+    "long",
+    "copy_reg",
+    "_reconstructor",
+    "posix",
+    "getattr",
+    "path.join",
+    "subprocess",
+    "Popen",
+    "torch._utils",
+]
 
 _op = st.one_of(
     st.sampled_from(_NAMES).map(lambda s: ("str", s)),
-    st.sampled_from(["MARK", "POP", "POP_MARK", "DUP", "MEMOIZE", "STACK_GLOBAL", "TUPLE", "TUPLE1", "TUPLE2",
-                     "EMPTY_TUPLE", "EMPTY_LIST", "EMPTY_DICT", "APPEND", "APPENDS", "SETITEM", "SETITEMS",
-                     "REDUCE", "NONE", "BUILD", "LIST", "DICT", "NEWOBJ", "OBJ", "BINPERSID"]).map(lambda s: (s,)),
+    st.sampled_from(
+        [
+            "MARK",
+            "POP",
+            "POP_MARK",
+            "DUP",
+            "MEMOIZE",
+            "STACK_GLOBAL",
+            "TUPLE",
+            "TUPLE1",
+            "TUPLE2",
+            "EMPTY_TUPLE",
+            "EMPTY_LIST",
+            "EMPTY_DICT",
+            "APPEND",
+            "APPENDS",
+            "SETITEM",
+            "SETITEMS",
+            "REDUCE",
+            "NONE",
+            "BUILD",
+            "LIST",
+            "DICT",
+            "NEWOBJ",
+            "OBJ",
+            "BINPERSID",
+        ]
+    ).map(lambda s: (s,)),
     st.tuples(st.sampled_from(["BINPUT", "LONG_BINPUT", "PUT", "BINGET", "LONG_BINGET", "GET"]), st.integers(0, 6)),
     st.tuples(st.just("PROTO"), st.integers(0, 5)),
     st.tuples(st.just("BININT1"), st.integers(0, 255)),
@@ -226,11 +384,32 @@ _op = st.one_of(
     st.tuples(st.just("strop"), st.sampled_from(["U", "S", "V", "X", "C"]), st.sampled_from(_NAMES)),
 )
 
-_SIMPLE = {"MARK": b"(", "POP": b"0", "POP_MARK": b"1", "DUP": b"2", "MEMOIZE": b"\x94", "STACK_GLOBAL": b"\x93",
-           "TUPLE": b"t", "TUPLE1": b"\x85", "TUPLE2": b"\x86", "EMPTY_TUPLE": b")", "EMPTY_LIST": b"]",
-           "EMPTY_DICT": b"}", "APPEND": b"a", "APPENDS": b"e", "SETITEM": b"s", "SETITEMS": b"u", "REDUCE": b"R",
-           "NONE": b"N", "BUILD": b"b", "LIST": b"l", "DICT": b"d", "NEWOBJ": b"\x81", "OBJ": b"o",
-           "BINPERSID": b"Q"}
+_SIMPLE = {
+    "MARK": b"(",
+    "POP": b"0",
+    "POP_MARK": b"1",
+    "DUP": b"2",
+    "MEMOIZE": b"\x94",
+    "STACK_GLOBAL": b"\x93",
+    "TUPLE": b"t",
+    "TUPLE1": b"\x85",
+    "TUPLE2": b"\x86",
+    "EMPTY_TUPLE": b")",
+    "EMPTY_LIST": b"]",
+    "EMPTY_DICT": b"}",
+    "APPEND": b"a",
+    "APPENDS": b"e",
+    "SETITEM": b"s",
+    "SETITEMS": b"u",
+    "REDUCE": b"R",
+    "NONE": b"N",
+    "BUILD": b"b",
+    "LIST": b"l",
+    "DICT": b"d",
+    "NEWOBJ": b"\x81",
+    "OBJ": b"o",
+    "BINPERSID": b"Q",
+}
 
 
 def _assemble(ops, frame_at: int | None) -> bytes:
@@ -263,20 +442,26 @@ def _assemble(ops, frame_at: int | None) -> bytes:
             parts.append(b"i" + op[1].encode() + b"\n" + op[2].encode() + b"\n")
         elif k == "strop":
             kind, s = op[1], op[2].encode()
-            parts.append({"U": b"U" + bytes([len(s)]) + s, "S": b"S'" + s + b"'\n", "V": b"V" + s + b"\n",
-                          "X": b"X" + struct.pack("<I", len(s)) + s, "C": b"C" + bytes([len(s)]) + s}[kind])
+            parts.append(
+                {
+                    "U": b"U" + bytes([len(s)]) + s,
+                    "S": b"S'" + s + b"'\n",
+                    "V": b"V" + s + b"\n",
+                    "X": b"X" + struct.pack("<I", len(s)) + s,
+                    "C": b"C" + bytes([len(s)]) + s,
+                }[kind]
+            )
     body = b"".join(parts) + STOP
     if frame_at is not None:
         cut = min(frame_at, len(parts))
         head = b"".join(parts[:cut])
-        rest = body[len(head):]
+        rest = body[len(head) :]
         body = head + b"\x95" + struct.pack("<Q", len(rest)) + rest
     return body
 
 
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=st.lists(_op, max_size=40), frame_at=st.one_of(st.none(), st.integers(0, 40)),
-       proto=st.integers(0, 5))
+@given(ops=st.lists(_op, max_size=40), frame_at=st.one_of(st.none(), st.integers(0, 40)), proto=st.integers(0, 5))
 def test_differential_against_cpython(ops, frame_at, proto):
     data = PROTO(proto) + _assemble(ops, frame_at)
     ok, missing = covered(data)
@@ -293,6 +478,7 @@ def test_differential_random_bytes(data):
 
 # --------------------------------------------------------------------------- legacy sequences
 
+
 def test_scan_pickle_sequence_stops_after_bare_pickle():
     data = pickle.dumps({"a": 1}, protocol=2) + b"cos\nsystem\n."  # trailing bytes: never unpickled
     r, parts = scan_pickle_sequence(data)
@@ -302,9 +488,13 @@ def test_scan_pickle_sequence_stops_after_bare_pickle():
 def test_scan_pickle_sequence_reads_all_five_legacy_pickles():
     from ckptfix.pickles import LEGACY_MAGIC_NUMBER
 
-    parts = [pickle.dumps(LEGACY_MAGIC_NUMBER, protocol=2), pickle.dumps(1001, protocol=2),
-             pickle.dumps({"little_endian": True}, protocol=2), pickle.dumps({"a": 1}, protocol=2),
-             b"\x80\x02cos\nsystem\n."]
+    parts = [
+        pickle.dumps(LEGACY_MAGIC_NUMBER, protocol=2),
+        pickle.dumps(1001, protocol=2),
+        pickle.dumps({"little_endian": True}, protocol=2),
+        pickle.dumps({"a": 1}, protocol=2),
+        b"\x80\x02cos\nsystem\n.",
+    ]
     r, got = scan_pickle_sequence(b"".join(parts) + b"\x00" * 16)
     assert len(got) == 5 and r.globals["os.system"] == 1
 
@@ -320,15 +510,25 @@ def test_scan_file_object_leaves_position_after_stop(tmp_path):
 
 # --------------------------------------------------------------------------- every container, opcodes only
 
+
 def test_scan_never_unpickles_any_container(ckpt, monkeypatch):
     import ckptfix.pickles as pk
 
     def refuse(*a, **k):
         raise AssertionError("scan unpickled something")
 
-    built = (ckpt.plain(), ckpt.legacy(), ckpt.lightning(), ckpt.sharded_bin(), ckpt.sharded_safetensors(),
-             ckpt.dcp(), ckpt.torchscript(), ckpt.evil("e1.pt"), ckpt.evil("e2.pt", mode="legacy"),
-             ckpt.evil("e3.pt", mode="pickle"))
+    built = (
+        ckpt.plain(),
+        ckpt.legacy(),
+        ckpt.lightning(),
+        ckpt.sharded_bin(),
+        ckpt.sharded_safetensors(),
+        ckpt.dcp(),
+        ckpt.torchscript(),
+        ckpt.evil("e1.pt"),
+        ckpt.evil("e2.pt", mode="legacy"),
+        ckpt.evil("e3.pt", mode="pickle"),
+    )
     monkeypatch.setattr(pk.RecordingUnpickler, "load", refuse)
     monkeypatch.setattr(pickle, "load", refuse)
     monkeypatch.setattr(pickle, "loads", refuse)

@@ -40,13 +40,23 @@ def run(tmp_path: Path):
     shutil.copy(FIX / "nvidia-smi" / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
     (bin_dir / "nvidia-smi").chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI"))}
-    base.update(PYTHONPATH=str(REPO), PATH=f"{bin_dir}{os.pathsep}{base.get('PATH', '')}",
-                FAKE_SMI_DIR=str(FIX / "nvidia-smi" / "scenarios"), FAKE_SMI_SCENARIO="h200_busy",
-                CKPTFIX_LEASE_DIR=str(tmp_path / "leases"))
+    base.update(
+        PYTHONPATH=str(REPO),
+        PATH=f"{bin_dir}{os.pathsep}{base.get('PATH', '')}",
+        FAKE_SMI_DIR=str(FIX / "nvidia-smi" / "scenarios"),
+        FAKE_SMI_SCENARIO="h200_busy",
+        CKPTFIX_LEASE_DIR=str(tmp_path / "leases"),
+    )
 
     def go(*args: str, rc: int = 0, **env: str) -> Any:
-        p = subprocess.run([sys.executable, "-m", "ckptfix", *args, "--json"], cwd=work, env={**base, **env},
-                           capture_output=True, text=True, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "ckptfix", *args, "--json"],
+            cwd=work,
+            env={**base, **env},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == rc, p.stderr
         return json.loads(p.stdout)
 
@@ -64,8 +74,9 @@ def test_there_is_a_schema_for_every_reporting_command():
     assert {"inspect", "scan", "convert", "rewrite", "gpus", "pick-gpu", "doctor", "train-manifest"} <= names
 
 
-@pytest.mark.parametrize("name", ["ddp.pth", "legacy.pth", "lightning.ckpt", "model.safetensors",
-                                  "sharded/pytorch_model.bin.index.json"])
+@pytest.mark.parametrize(
+    "name", ["ddp.pth", "legacy.pth", "lightning.ckpt", "model.safetensors", "sharded/pytorch_model.bin.index.json"]
+)
 def test_inspect(run, name):
     validate(run("inspect", name), "inspect")
 
@@ -90,9 +101,15 @@ def test_a_document_missing_a_required_key_is_rejected(run):
         validate(doc, "inspect")
 
 
-@pytest.mark.parametrize("args", [("ddp.pth", "-o", "a.safetensors"), ("lightning.ckpt", "-o", "b.safetensors"),
-                                  ("model.safetensors", "-o", "c.safetensors", "--max-shard-size", "30B"),
-                                  ("model.safetensors", "-o", "back.pth")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("ddp.pth", "-o", "a.safetensors"),
+        ("lightning.ckpt", "-o", "b.safetensors"),
+        ("model.safetensors", "-o", "c.safetensors", "--max-shard-size", "30B"),
+        ("model.safetensors", "-o", "back.pth"),
+    ],
+)
 def test_convert(run, args):
     validate(run("convert", *args), "convert")
 
@@ -126,8 +143,9 @@ def test_doctor_without_nvidia_smi_is_still_valid(run, tmp_path):
 
 @pytest.mark.slow
 def test_train_manifest(run):
-    report = run("train", "--mode", "dp", "--epochs", "1", "--train-samples", "64", "--test-samples", "32",
-                 "--out", "runs", "-q")
+    report = run(
+        "train", "--mode", "dp", "--epochs", "1", "--train-samples", "64", "--test-samples", "32", "--out", "runs", "-q"
+    )
     manifest = json.loads((run.work / "runs" / "checkpoints.json").read_text(encoding="utf-8"))
     validate(manifest, "train-manifest")
     assert manifest["checkpoints"][0]["expected_prefix"] == "module."

@@ -45,11 +45,13 @@ def _load(path):
 @pytest.mark.parametrize("name", ["lenet", "resnet"])
 def test_models_output_shape_and_seeded_init(name):
     a, b = build_model(name, 3), build_model(name, 3)
-    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=False):
         assert ka == kb and torch.equal(va, vb)
     assert a(torch.zeros(5, 1, 28, 28)).shape == (5, 10)
     if name == "lenet":
-        assert list(a.state_dict()) == [f"{m}.{p}" for m in ("conv1", "conv2", "fc1", "fc2") for p in ("weight", "bias")]
+        assert list(a.state_dict()) == [
+            f"{m}.{p}" for m in ("conv1", "conv2", "fc1", "fc2") for p in ("weight", "bias")
+        ]
     else:
         assert any(k.endswith("running_mean") for k in a.state_dict())
 
@@ -114,8 +116,21 @@ def test_single_learns_and_writes_manifest_and_probe(tmp_path):
     assert next(iter(ckpt["model_state_dict"])) == "conv1.weight"
     man = read_manifest(str(tmp_path))
     e = man["checkpoints"][-1]
-    for k in ("path", "mode", "device", "devices", "world_size", "save_style", "save_format", "expected_prefix",
-              "amp", "compile", "legacy_format", "epoch", "probe"):
+    for k in (
+        "path",
+        "mode",
+        "device",
+        "devices",
+        "world_size",
+        "save_style",
+        "save_format",
+        "expected_prefix",
+        "amp",
+        "compile",
+        "legacy_format",
+        "epoch",
+        "probe",
+    ):
         assert k in e
     assert e["expected_prefix"] == "" and e["world_size"] == 1 and e["devices"] == ["cpu"]
     side = torch.load(tmp_path / e["probe"]["file"], weights_only=True)
@@ -217,7 +232,9 @@ def test_manual_matches_single(tmp_path):
     print(f"manual(2 replicas) vs single: max |dw| = {r['max_abs_diff']:.3g} at {r['worst_key']}")
     assert r["max_abs_diff"] < 1e-5
     assert abs(r["manual"].final_accuracy - r["single"].final_accuracy) < 0.02
-    r3 = compare_manual_to_single(replicas=3, epochs=1, allreduce="naive", **{k: v for k, v in SMALL.items() if k != "quiet"})
+    r3 = compare_manual_to_single(
+        replicas=3, epochs=1, allreduce="naive", **{k: v for k, v in SMALL.items() if k != "quiet"}
+    )
     assert r3["max_abs_diff"] < 1e-5
 
 
@@ -290,8 +307,18 @@ def test_ddp_checkpoint_resumes_in_single(ddp_run, tmp_path):
 @pytest.mark.slow
 def test_dp_checkpoint_resumes_in_ddp_with_dcp_shards(tmp_path):
     dp = train(TrainConfig(out=str(tmp_path), mode="dp", epochs=1, **SMALL))
-    r = train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=2, resume=dp.final_checkpoint,
-                          save_format="dcp", compile=True, **SMALL))
+    r = train(
+        TrainConfig(
+            out=str(tmp_path),
+            mode="ddp",
+            nproc=2,
+            epochs=2,
+            resume=dp.final_checkpoint,
+            save_format="dcp",
+            compile=True,
+            **SMALL,
+        )
+    )
     e = _entry(r)
     assert r.start_epoch == 2 and e["epoch"] == 2 and e["expected_prefix"] == "module._orig_mod."
     files = sorted(os.listdir(r.final_checkpoint))
@@ -338,8 +365,23 @@ def test_cli_train_module_does_not_import_torch():
 def test_cli_train_json_and_errors(tmp_path, capsys):
     from ckptfix.cli import main
 
-    rc = main(["train", "--mode", "dp", "--out", str(tmp_path), "--epochs", "1", "--train-samples", "256",
-               "--test-samples", "64", "--json", "-q"])
+    rc = main(
+        [
+            "train",
+            "--mode",
+            "dp",
+            "--out",
+            str(tmp_path),
+            "--epochs",
+            "1",
+            "--train-samples",
+            "256",
+            "--test-samples",
+            "64",
+            "--json",
+            "-q",
+        ]
+    )
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["mode"] == "dp" and doc["checkpoints"][0]["expected_prefix"] == "module."
@@ -347,8 +389,21 @@ def test_cli_train_json_and_errors(tmp_path, capsys):
     rc = main(["train", "--out", str(tmp_path), "--epochs", "1", "--resume", ck, "-q"])
     assert rc == TrainingError.exit_code
     assert "Error: " in capsys.readouterr().err
-    rc = main(["train", "--out", str(tmp_path), "--epochs", "2", "--resume", ck, "--train-samples", "256",
-               "--test-samples", "64"])
+    rc = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path),
+            "--epochs",
+            "2",
+            "--resume",
+            ck,
+            "--train-samples",
+            "256",
+            "--test-samples",
+            "64",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0 and "single-resumed-from-dp_epoch1_epoch2.pt" in cap.out and "resumed" in cap.err
 
@@ -384,8 +439,9 @@ def test_cuda_single_amp_fp16_scaler(tmp_path):
 @pytest.mark.slow
 @cuda
 def test_cuda_ddp_nccl(tmp_path):
-    res = train(TrainConfig(out=str(tmp_path), device="cuda", mode="ddp", nproc=1, model="resnet", amp=True,
-                            epochs=1, **SMALL))
+    res = train(
+        TrainConfig(out=str(tmp_path), device="cuda", mode="ddp", nproc=1, model="resnet", amp=True, epochs=1, **SMALL)
+    )
     e = _entry(res)
     assert e["sync_batchnorm"] is True and e["devices"] == ["cuda:0"]
     assert verify_probe(e, str(tmp_path))["exact"]

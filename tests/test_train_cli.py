@@ -13,15 +13,18 @@ from ckptfix.train import ddp
 TINY = ["--train-samples", "128", "--test-samples", "32", "--epochs", "1"]
 
 
-@pytest.mark.parametrize("args", [
-    ["--show-split"],
-    ["--mode", "manual", "--amp"],
-    ["--save-format", "dcp", "--legacy-format"],
-    ["--nproc", "2"],
-    ["--mode", "fsdp", "--amp"],
-    ["--bench", "--resume", __file__],
-    ["--bench", "--name", "x"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--show-split"],
+        ["--mode", "manual", "--amp"],
+        ["--save-format", "dcp", "--legacy-format"],
+        ["--nproc", "2"],
+        ["--mode", "fsdp", "--amp"],
+        ["--bench", "--resume", __file__],
+        ["--bench", "--name", "x"],
+    ],
+)
 def test_usage_errors_exit_2(tmp_path, capsys, args):
     rc = main(["train", "--out", str(tmp_path), *TINY, *args])
     err = capsys.readouterr().err
@@ -67,8 +70,21 @@ def test_failure_cause_picks_the_real_line():
 
 
 def test_bench_honours_mode_amp_out_and_names_existing_checkpoints(tmp_path, capsys):
-    rc = main(["train", "--bench", "--mode", "single", "--amp", "--out", str(tmp_path), "--save-style", "clean",
-               *TINY, "--json"])
+    rc = main(
+        [
+            "train",
+            "--bench",
+            "--mode",
+            "single",
+            "--amp",
+            "--out",
+            str(tmp_path),
+            "--save-style",
+            "clean",
+            *TINY,
+            "--json",
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 0, cap.err
     doc = json.loads(cap.out)

@@ -56,10 +56,12 @@ def test_fsdp_dcp_resumes_in_single_and_fsdp_exactly(fsdp_dcp, tmp_path):
     out, res = fsdp_dcp
     s = train(TrainConfig(out=str(tmp_path), mode="single", epochs=2, resume=res.final_checkpoint, **SMALL))
     assert s.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
-    f2 = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=res.final_checkpoint,
-                           save_format="pt", **SMALL))
-    full = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, save_format="pt", name="full",
-                             **SMALL))
+    f2 = train(
+        TrainConfig(
+            out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=res.final_checkpoint, save_format="pt", **SMALL
+        )
+    )
+    full = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, save_format="pt", name="full", **SMALL))
     assert torch.equal(_out(f2), _out(full))  # FSDP -> FSDP continues bit-exactly
     ck = torch.load(f2.final_checkpoint, weights_only=True)
     assert list(ck["model_state_dict"])[0] == "conv1.weight"

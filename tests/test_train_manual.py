@@ -19,7 +19,7 @@ def test_tutorial_network_shape_count_and_init():
     assert sum(p.numel() for p in m.parameters()) == 129_068
     shapes = [tuple(p.shape) for p in m.params]
     assert shapes == [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
-    for w, b in zip([p.detach() for p in m.params[0::2]], [p.detach() for p in m.params[1::2]]):
+    for w, b in zip([p.detach() for p in m.params[0::2]], [p.detach() for p in m.params[1::2]], strict=False):
         assert torch.count_nonzero(b) == 0  # zero biases
         assert abs(float(w.std()) - 0.01) < 0.002 and abs(float(w.mean())) < 0.002  # N(0, 0.01)
     # the layers, spelled out with torch's own modules, give the same logits
@@ -49,9 +49,21 @@ def test_scatter_sizes_examples():
 
 def test_manual_runs_the_tutorial_exactly(tmp_path, capsys):
     """lr 0.2, batch 256, no momentum, 4 replicas, tutorial network; uneven last batch shown."""
-    res = train(TrainConfig(out=str(tmp_path), mode="manual", model="tutorial", lr=0.2, momentum=0.0,
-                            batch_size=256, replicas=4, epochs=1, train_samples=600, test_samples=64,
-                            show_split=True))
+    res = train(
+        TrainConfig(
+            out=str(tmp_path),
+            mode="manual",
+            model="tutorial",
+            lr=0.2,
+            momentum=0.0,
+            batch_size=256,
+            replicas=4,
+            epochs=1,
+            train_samples=600,
+            test_samples=64,
+            show_split=True,
+        )
+    )
     err = capsys.readouterr().err
     assert "batch of 256 -> replicas: 64, 64, 64, 64" in err
     assert "batch of 88 -> replicas: 22, 22, 22, 22" in err  # 600 = 256 + 256 + 88
@@ -59,26 +71,57 @@ def test_manual_runs_the_tutorial_exactly(tmp_path, capsys):
     g = ck["optimizer_state_dict"]["param_groups"][0]
     assert (g["lr"], g["momentum"], g["weight_decay"]) == (0.2, 0.0, 0.0)
     assert ck["optimizer_state_dict"]["state"] == {} or all(
-        v.get("momentum_buffer") is None for v in ck["optimizer_state_dict"]["state"].values())
+        v.get("momentum_buffer") is None for v in ck["optimizer_state_dict"]["state"].values()
+    )
     assert ck["args"]["model"] == "tutorial" and list(ck["model_state_dict"])[0] == "w1"
 
 
 def test_manual_tutorial_matches_single(tmp_path):
-    r = compare_manual_to_single(replicas=4, out=str(tmp_path), model="tutorial", lr=0.2, momentum=0.0,
-                                 batch_size=30, epochs=1, train_samples=300, test_samples=64)
+    r = compare_manual_to_single(
+        replicas=4,
+        out=str(tmp_path),
+        model="tutorial",
+        lr=0.2,
+        momentum=0.0,
+        batch_size=30,
+        epochs=1,
+        train_samples=300,
+        test_samples=64,
+    )
     assert r["max_abs_diff"] < 1e-5
 
 
 def test_uneven_split_last_batch_and_weight_decay(tmp_path, capsys):
-    train(TrainConfig(out=str(tmp_path), mode="manual", replicas=3, batch_size=30, epochs=1, train_samples=40,
-                      test_samples=16, weight_decay=1e-4, show_split=True))
+    train(
+        TrainConfig(
+            out=str(tmp_path),
+            mode="manual",
+            replicas=3,
+            batch_size=30,
+            epochs=1,
+            train_samples=40,
+            test_samples=16,
+            weight_decay=1e-4,
+            show_split=True,
+        )
+    )
     err = capsys.readouterr().err
     assert "batch of 30 -> replicas: 10, 10, 10" in err and "batch of 10 -> replicas: 4, 4, 2" in err
 
 
 def test_dp_show_split_on_cpu_says_it_did_not_split(tmp_path, capsys):
-    train(TrainConfig(out=str(tmp_path), mode="dp", batch_size=30, epochs=1, train_samples=40, test_samples=16,
-                      show_split=True, device="cpu"))
+    train(
+        TrainConfig(
+            out=str(tmp_path),
+            mode="dp",
+            batch_size=30,
+            epochs=1,
+            train_samples=40,
+            test_samples=16,
+            show_split=True,
+            device="cpu",
+        )
+    )
     err = capsys.readouterr().err
     assert "DataParallel has one device here (cpu), so it does not split" in err
     assert "In Model: input size (30, 1, 28, 28)" in err and "In Model: input size (10, 1, 28, 28)" in err

@@ -22,7 +22,9 @@ TINY = ["--train-samples", "128", "--test-samples", "32"]
 def no_numpy_env(tmp_path):
     block = tmp_path / "block"
     (block / "numpy").mkdir(parents=True)
-    (block / "numpy" / "__init__.py").write_text('raise ModuleNotFoundError("No module named numpy (blocked for this test)", name="numpy")\n')
+    (block / "numpy" / "__init__.py").write_text(
+        'raise ModuleNotFoundError("No module named numpy (blocked for this test)", name="numpy")\n'
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(block), ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
@@ -31,16 +33,16 @@ def no_numpy_env(tmp_path):
 
 
 def _ckptfix(env, *args, check=True):
-    p = subprocess.run([sys.executable, "-m", "ckptfix", *args], env=env, capture_output=True, text=True,
-                       timeout=600)
+    p = subprocess.run([sys.executable, "-m", "ckptfix", *args], env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert p.returncode == 0, p.stderr
     return p
 
 
 def test_numpy_really_blocked(no_numpy_env):
-    p = subprocess.run([sys.executable, "-c", "import torch; torch.zeros(2).numpy()"], env=no_numpy_env,
-                       capture_output=True, text=True)
+    p = subprocess.run(
+        [sys.executable, "-c", "import torch; torch.zeros(2).numpy()"], env=no_numpy_env, capture_output=True, text=True
+    )
     assert p.returncode != 0 and "Numpy is not available" in p.stderr
 
 
@@ -51,8 +53,20 @@ def test_train_and_resume_without_numpy(tmp_path, no_numpy_env, mode):
     man = json.load(open(os.path.join(out, "checkpoints.json")))
     e = man["checkpoints"][0]
     assert len(e["probe"]["output_sha256"]) == 64
-    _ckptfix(no_numpy_env, "train", "--mode", "single", "--out", out, "--epochs", "2", *TINY, "-q",
-             "--resume", os.path.join(out, e["path"]))
+    _ckptfix(
+        no_numpy_env,
+        "train",
+        "--mode",
+        "single",
+        "--out",
+        out,
+        "--epochs",
+        "2",
+        *TINY,
+        "-q",
+        "--resume",
+        os.path.join(out, e["path"]),
+    )
     st = str(tmp_path / "m.safetensors")
     _ckptfix(no_numpy_env, "convert", os.path.join(out, e["path"]), "-o", st)
     assert os.path.getsize(st) > 0
@@ -62,20 +76,56 @@ def test_train_and_resume_without_numpy(tmp_path, no_numpy_env, mode):
 @pytest.mark.parametrize("mode,fmt", [("ddp", "pt"), ("ddp", "dcp"), ("fsdp", "dcp"), ("fsdp", "pt")])
 def test_distributed_without_numpy(tmp_path, no_numpy_env, mode, fmt):
     out = str(tmp_path / "runs")
-    _ckptfix(no_numpy_env, "train", "--mode", mode, "--nproc", "2", "--out", out, "--epochs", "1", *TINY, "-q",
-             "--save-format", fmt)
+    _ckptfix(
+        no_numpy_env,
+        "train",
+        "--mode",
+        mode,
+        "--nproc",
+        "2",
+        "--out",
+        out,
+        "--epochs",
+        "1",
+        *TINY,
+        "-q",
+        "--save-format",
+        fmt,
+    )
     (e,) = json.load(open(os.path.join(out, "checkpoints.json")))["checkpoints"]
     assert e["path"].endswith("." + fmt) and os.path.exists(os.path.join(out, e["path"]))
     if mode == "fsdp" and fmt == "dcp":  # the sharded checkpoint resumes in single mode without numpy too
-        _ckptfix(no_numpy_env, "train", "--mode", "single", "--out", out, "--epochs", "2", *TINY, "-q",
-                 "--resume", os.path.join(out, e["path"]))
+        _ckptfix(
+            no_numpy_env,
+            "train",
+            "--mode",
+            "single",
+            "--out",
+            out,
+            "--epochs",
+            "2",
+            *TINY,
+            "-q",
+            "--resume",
+            os.path.join(out, e["path"]),
+        )
 
 
 def test_dcp_save_and_resume_without_numpy(tmp_path, no_numpy_env):
     out = str(tmp_path / "runs")
     _ckptfix(no_numpy_env, "train", "--out", out, "--epochs", "1", *TINY, "-q", "--save-format", "dcp")
-    _ckptfix(no_numpy_env, "train", "--out", out, "--epochs", "2", *TINY, "-q",
-             "--resume", os.path.join(out, "single-dcp_epoch1.dcp"))
+    _ckptfix(
+        no_numpy_env,
+        "train",
+        "--out",
+        out,
+        "--epochs",
+        "2",
+        *TINY,
+        "-q",
+        "--resume",
+        os.path.join(out, "single-dcp_epoch1.dcp"),
+    )
     man = json.load(open(os.path.join(out, "checkpoints.json")))
     assert man["checkpoints"][-1]["resume"]["restored"] == ["model", "optimizer"]
 

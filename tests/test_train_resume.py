@@ -43,8 +43,10 @@ def test_resume_from_dcp_equals_resume_from_pt(tmp_path):
     # the optimizer state came back with int ids: 8 entries, not '0'..'7' next to 0..7
     assert sorted(x["optimizer_state_dict"]["state"]) == list(range(8))
     for k in range(8):
-        assert torch.equal(x["optimizer_state_dict"]["state"][k]["momentum_buffer"],
-                           y["optimizer_state_dict"]["state"][k]["momentum_buffer"])
+        assert torch.equal(
+            x["optimizer_state_dict"]["state"][k]["momentum_buffer"],
+            y["optimizer_state_dict"]["state"][k]["momentum_buffer"],
+        )
     info = ra.checkpoints[-1]["resume"]
     assert info["format"] == "dcp" and info["restored"] == ["model", "optimizer"] and info["not_restored"] == []
 
@@ -70,8 +72,18 @@ def test_explicit_hyperparameters_win_on_resume_and_are_recorded(tmp_path, capsy
     assert _sd(r1.final_checkpoint)["args"]["lr"] == 0.05
     assert _sd(r1.final_checkpoint)["optimizer_state_dict"]["param_groups"][0]["lr"] == 0.05
     # explicit: applied after loading, recorded as used
-    r2 = train(TrainConfig(out=str(tmp_path), epochs=2, lr=0.01, momentum=0.0, explicit=("lr", "momentum"),
-                           resume=a.final_checkpoint, name="over", **{**SMALL, "quiet": False}))
+    r2 = train(
+        TrainConfig(
+            out=str(tmp_path),
+            epochs=2,
+            lr=0.01,
+            momentum=0.0,
+            explicit=("lr", "momentum"),
+            resume=a.final_checkpoint,
+            name="over",
+            **{**SMALL, "quiet": False},
+        )
+    )
     err = capsys.readouterr().err
     assert "--lr 0.01 given explicitly" in err
     ck = _sd(r2.final_checkpoint)
@@ -81,7 +93,9 @@ def test_explicit_hyperparameters_win_on_resume_and_are_recorded(tmp_path, capsy
     assert h["lr"] == {"checkpoint": 0.05, "used": 0.01, "explicit": True}
     assert r2.checkpoints[-1]["hyperparameters"]["lr"] == 0.01
     # the weights differ from the lr-0.05 continuation: the override really trained
-    assert not torch.equal(ck["model_state_dict"]["fc2.weight"], _sd(r1.final_checkpoint)["model_state_dict"]["fc2.weight"])
+    assert not torch.equal(
+        ck["model_state_dict"]["fc2.weight"], _sd(r1.final_checkpoint)["model_state_dict"]["fc2.weight"]
+    )
 
 
 def test_resumed_run_has_its_own_name_and_never_overwrites_another_run(tmp_path):

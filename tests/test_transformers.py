@@ -27,8 +27,14 @@ def _gpt2():
 
 
 def _bert():
-    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                  intermediate_size=37, max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=37,
+        max_position_embeddings=32,
+    )
     return transformers.BertForMaskedLM(cfg), "bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight"
 
 

@@ -16,8 +16,7 @@ import click
 
 from ckptfix.text import human_bytes, table
 
-__all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table",
-           "ProgressBar"]
+__all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table", "ProgressBar"]
 
 
 def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,8 +102,9 @@ class ProgressBar:
         if not self.enabled or total < BAR_MIN_BYTES:
             return
         if self.bar is None:
-            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr, show_eta=True,
-                                         show_percent=True)
+            self.bar = click.progressbar(
+                length=total, label=self.label, file=sys.stderr, show_eta=True, show_percent=True
+            )
             self.bar.__enter__()
         self.bar.update(done - self.pos)
         self.pos = done

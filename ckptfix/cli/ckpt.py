@@ -30,15 +30,17 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
         where = "/".join(r.state_dict_key) or "(top level)"
         state = f"{where}: {r.tensor_count} tensors, {r.parameter_count:,} values, {human_bytes(r.total_bytes)}"
         if r.unique_parameter_count != r.parameter_count or r.unique_bytes != r.total_bytes:
-            state += (f" ({r.unique_parameter_count:,} values, {human_bytes(r.unique_bytes)} counting tied/shared "
-                      "tensors once)")
+            state += (
+                f" ({r.unique_parameter_count:,} values, {human_bytes(r.unique_bytes)} counting tied/shared "
+                "tensors once)"
+            )
     lines = [
         f"{r.path}",
         f"  format        {r.format}, {human_bytes(r.file_size)}",
         f"  state dict    {state}",
         f"  dtypes        {_fmt_counts(r.dtypes)}",
-        f"  storage tags  {_fmt_counts(r.locations)}" + (f" (all storages in the file, {human_bytes(r.storage_bytes)})"
-                                                         if r.storage_bytes != r.unique_bytes else ""),
+        f"  storage tags  {_fmt_counts(r.locations)}"
+        + (f" (all storages in the file, {human_bytes(r.storage_bytes)})" if r.storage_bytes != r.unique_bytes else ""),
         f"  prefixes      {_fmt_counts(r.prefixes)}",
         f"  shared        {'; '.join(' = '.join(g) for g in r.shared) or '-'}",
     ]
@@ -115,13 +117,17 @@ def _scan_error(checkpoint: str, r):
     from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
 
     if r.dangerous:
-        return ScanFindingsError(f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
-                                 "load this file with torch.load(weights_only=False); ckptfix loads it with them "
-                                 "stubbed")
+        return ScanFindingsError(
+            f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
+            "load this file with torch.load(weights_only=False); ckptfix loads it with them "
+            "stubbed"
+        )
     if r.unknown:
-        return ScanFindingsError(f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
-                                 f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
-                                 "to rebuild one you trust")
+        return ScanFindingsError(
+            f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
+            f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
+            "to rebuild one you trust"
+        )
     if r.errors:
         return CorruptCheckpointError(f"{checkpoint}: the pickle is malformed ({r.errors[0]})")
     return None
@@ -129,17 +135,42 @@ def _scan_error(checkpoint: str, r):
 
 # --------------------------------------------------------------------------- prefix surgery
 
+
 def _write_options(f):
-    f = click.option("-o", "--output", type=click.Path(), default=None,
-                     help="Where to write (default: next to the input, e.g. model.stripped.pth; "
-                          "for a sharded index, a directory).")(f)
+    f = click.option(
+        "-o",
+        "--output",
+        type=click.Path(),
+        default=None,
+        help="Where to write (default: next to the input, e.g. model.stripped.pth; for a sharded index, a directory).",
+    )(f)
     f = click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")(f)
     f = click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")(f)
     f = click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
     f = click.option("--key", default=None, help="Where the state dict sits, e.g. 'model/state_dict'.")(f)
-    f = click.option("--map-location", default=None,
-                     help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'.")(f)
+    f = click.option(
+        "--map-location", default=None, help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'."
+    )(f)
     return json_option(f)
+
+
+def _rewrite(checkpoint, transform, label, suffix, output, in_place, no_backup, force, key, map_location, as_json):
+    """One rewrite library call with the shared options, a progress bar on a terminal."""
+    from ckptfix.rewrite import rewrite_checkpoint
+
+    with ProgressBar(label, enabled=not as_json) as bar:
+        return rewrite_checkpoint(
+            checkpoint,
+            transform,
+            output=output,
+            in_place=in_place,
+            backup=not no_backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            suffix=suffix,
+            progress=bar.update,
+        )
 
 
 def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
@@ -165,20 +196,29 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
 @click.option("--prefix", default=None, help="Strip exactly this prefix (default: every wrapper layer all keys carry).")
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
-def strip_prefix_cmd(checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location,
-                     as_json) -> None:
+def strip_prefix_cmd(
+    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, as_json
+) -> None:
     """Strip DataParallel/DDP 'module.', torch.compile '_orig_mod.', Lightning 'model.' ... from the keys.
 
     Writes CHECKPOINT's stem + '.stripped' next to it (printed on stdout) and never modifies the input
     unless --in-place is given.
     """
     from ckptfix.prefixes import strip_prefix_report
-    from ckptfix.rewrite import rewrite_checkpoint
 
-    with ProgressBar("stripping", enabled=not as_json) as bar:
-        rep = rewrite_checkpoint(checkpoint, lambda sd: strip_prefix_report(sd, prefix, partial=partial),
-                                 output=output, in_place=in_place, backup=not no_backup, force=force, key=key,
-                                 map_location=map_location, suffix="stripped", progress=bar.update)
+    rep = _rewrite(
+        checkpoint,
+        lambda sd: strip_prefix_report(sd, prefix, partial=partial),
+        "stripping",
+        "stripped",
+        output,
+        in_place,
+        no_backup,
+        force,
+        key,
+        map_location,
+        as_json,
+    )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -189,15 +229,12 @@ def strip_prefix_cmd(checkpoint, prefix, partial, output, in_place, no_backup, f
 def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, as_json) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
     from ckptfix.prefixes import add_prefix
-    from ckptfix.rewrite import rewrite_checkpoint
 
     def tf(sd):
         new = add_prefix(sd, prefix)
         return new, {"summary": f"added {prefix!r} to {len(new)} keys", "prefix": prefix, "keys": len(new)}
 
-    with ProgressBar("adding", enabled=not as_json) as bar:
-        rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
-                                 key=key, map_location=map_location, suffix="prefixed", progress=bar.update)
+    rep = _rewrite(checkpoint, tf, "adding", "prefixed", output, in_place, no_backup, force, key, map_location, as_json)
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -225,8 +262,9 @@ def _load_target(spec: str):
 
             if is_torch_missing(e):
                 raise missing_error("align --to module:factory") from None
-            raise CheckpointNotFoundError(f"--to {spec}: cannot import it ({e}); check the module path and "
-                                          "that it is importable (PYTHONPATH)") from None
+            raise CheckpointNotFoundError(
+                f"--to {spec}: cannot import it ({e}); check the module path and that it is importable (PYTHONPATH)"
+            ) from None
         is_instance = hasattr(factory, "state_dict") and not isinstance(factory, type)
         return factory if is_instance else factory()
     from ckptfix.errors import CheckpointNotFoundError
@@ -236,14 +274,17 @@ def _load_target(spec: str):
 
 @cli.command("align")
 @click.argument("checkpoint", type=click.Path())
-@click.option("--to", "target", required=True,
-              help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.")
+@click.option(
+    "--to",
+    "target",
+    required=True,
+    help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.",
+)
 @_write_options
 def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
     from ckptfix.errors import AlignmentError, KeyConflictError
     from ckptfix.prefixes import align_state_dict
-    from ckptfix.rewrite import rewrite_checkpoint
 
     tgt = _load_target(target)
     holder = {}
@@ -253,16 +294,18 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         holder["r"] = report
         best = max((c.matched for c in report.candidates), default=len(report.matched))
         if best * 2 < max(len(sd), 1):
-            raise AlignmentError(f"the checkpoint does not fit this target: the best renaming matches only {best} "
-                                 f"of {len(sd)} keys ({len(report.missing)} target keys missing); "
-                                 "check that --to names the right model")
+            raise AlignmentError(
+                f"the checkpoint does not fit this target: the best renaming matches only {best} "
+                f"of {len(sd)} keys ({len(report.missing)} target keys missing); "
+                "check that --to names the right model"
+            )
         if report.ambiguous:
             raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
         return new, report
 
-    with ProgressBar("aligning", enabled=not as_json) as bar:
-        rep = rewrite_checkpoint(checkpoint, tf, output=output, in_place=in_place, backup=not no_backup, force=force,
-                                 key=key, map_location=map_location, suffix="aligned", progress=bar.update)
+    rep = _rewrite(
+        checkpoint, tf, "aligning", "aligned", output, in_place, no_backup, force, key, map_location, as_json
+    )
     r = holder["r"]
     if as_json:
         emit_json(rep.to_dict())
@@ -275,15 +318,22 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         for m in r.shape_mismatches[:20]:
             click.echo(f"  shape       {m.to_dict()}", err=True)
     if not r.exact:
-        raise AlignmentError(f"{len(r.missing)} missing, {len(r.unexpected)} unexpected, "
-                             f"{len(r.shape_mismatches)} shape mismatches remain after '{r.rename}'; "
-                             "load with strict=False or fix the model definition")
+        raise AlignmentError(
+            f"{len(r.missing)} missing, {len(r.unexpected)} unexpected, "
+            f"{len(r.shape_mismatches)} shape mismatches remain after '{r.rename}'; "
+            "load with strict=False or fix the model definition"
+        )
 
 
 @cli.command("sanitize")
 @click.argument("checkpoint", type=click.Path())
-@click.option("-o", "--output", type=click.Path(), default=None,
-              help="Where to write (default: next to the input, e.g. model.sanitized.pth).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(),
+    default=None,
+    help="Where to write (default: next to the input, e.g. model.sanitized.pth).",
+)
 @click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")
 @click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")
 @click.option("--force", is_flag=True, help="Overwrite an existing output file.")
@@ -300,8 +350,9 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     from ckptfix.sanitize import sanitize_checkpoint
 
     with ProgressBar("sanitizing", enabled=not as_json) as bar:
-        rep = sanitize_checkpoint(checkpoint, output, in_place=in_place, force=force, backup=not no_backup,
-                                  progress=bar.update)
+        rep = sanitize_checkpoint(
+            checkpoint, output, in_place=in_place, force=force, backup=not no_backup, progress=bar.update
+        )
     if as_json:
         emit_json(rep.to_dict())
         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
@@ -11,34 +10,72 @@ from ckptfix.cli import cli
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
 
 
-
 @cli.command("convert")
 @click.argument("src", type=click.Path(exists=False, dir_okay=True, file_okay=True))
-@click.option("-o", "--output", "output", type=click.Path(dir_okay=False),
-              help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input).")
+@click.option(
+    "-o",
+    "--output",
+    "output",
+    type=click.Path(dir_okay=False),
+    help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input).",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("--strip-prefix", "strip", is_flag=True, help="Strip wrapper prefixes (module., _orig_mod., ...).")
 @click.option("--key", default=None, help="Where the state dict is in the checkpoint, e.g. model or model/state_dict.")
-@click.option("--max-shard-size", default=None, metavar="SIZE",
-              help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.")
-@click.option("--keep", "keep", multiple=True, metavar="NAME",
-              help="Of tied tensors, store this name (repeatable); default: what transformers keeps.")
+@click.option(
+    "--max-shard-size",
+    default=None,
+    metavar="SIZE",
+    help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.",
+)
+@click.option(
+    "--keep",
+    "keep",
+    multiple=True,
+    metavar="NAME",
+    help="Of tied tensors, store this name (repeatable); default: what transformers keeps.",
+)
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
-@click.option("--restore-wrapper", is_flag=True,
-              help="Back to torch: rebuild the checkpoint dict (epoch, hyper-parameters, ...) around the state dict.")
+@click.option(
+    "--restore-wrapper",
+    is_flag=True,
+    help="Back to torch: rebuild the checkpoint dict (epoch, hyper-parameters, ...) around the state dict.",
+)
 @click.option("--no-verify", is_flag=True, help="Skip re-reading the output and comparing it with the source.")
 @click.option("--fsync", is_flag=True, help="fsync the output and its directory before returning.")
-@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
-              help="Allow this pickle global when torch loading is needed (repeatable).")
+@click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME",
+    help="Allow this pickle global when torch loading is needed (repeatable).",
+)
 @click.option("--trust", is_flag=True, help="Trust the file completely when torch loading is needed.")
-@click.option("--allow-expand", is_flag=True,
-              help="Write outputs over 4x the input + 64 MiB (expanded / stride-0 tensors written densely).")
+@click.option(
+    "--allow-expand",
+    is_flag=True,
+    help="Write outputs over 4x the input + 64 MiB (expanded / stride-0 tensors written densely).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
-def convert_cmd(src: str, output: str | None, force: bool, strip: bool, key: str | None, max_shard_size: str | None,
-                keep: tuple[str, ...], include_optimizer: bool, restore_wrapper: bool, no_verify: bool, fsync: bool,
-                allow_globals: tuple[str, ...], trust: bool,
-                allow_expand: bool, quiet: bool, as_json: bool) -> None:
+def convert_cmd(
+    src: str,
+    output: str | None,
+    force: bool,
+    strip: bool,
+    key: str | None,
+    max_shard_size: str | None,
+    keep: tuple[str, ...],
+    include_optimizer: bool,
+    restore_wrapper: bool,
+    no_verify: bool,
+    fsync: bool,
+    allow_globals: tuple[str, ...],
+    trust: bool,
+    allow_expand: bool,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
     \b
@@ -98,8 +135,7 @@ def _summary(r: Any) -> None:
     n = f"{r.tensors} tensor{'s' if r.tensors != 1 else ''}"
     if r.aliases and r.direction == "to-safetensors":
         n += f" (+{len(r.aliases)} alias{'es' if len(r.aliases) != 1 else ''})"
-    parts = [n, human_bytes(r.bytes), "verified" if r.verified else "not verified",
-             f"{r.seconds:.2f} s"]
+    parts = [n, human_bytes(r.bytes), "verified" if r.verified else "not verified", f"{r.seconds:.2f} s"]
     info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
     if r.key_path:
         where = "taken from" if r.direction == "to-safetensors" else "put back under"
@@ -107,8 +143,11 @@ def _summary(r: Any) -> None:
     if r.aliases:
         what = "stored once" if r.direction == "to-safetensors" else "restored as shared"
         rule = f" (kept by {r.tied_rule})" if getattr(r, "tied_rule", None) else ""
-        info(f"{len(r.aliases)} shared tensor(s) {what}{rule}: "
-             + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5]) + (" ..." if len(r.aliases) > 5 else ""))
+        info(
+            f"{len(r.aliases)} shared tensor(s) {what}{rule}: "
+            + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5])
+            + (" ..." if len(r.aliases) > 5 else "")
+        )
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
     if r.excluded:
@@ -116,9 +155,14 @@ def _summary(r: Any) -> None:
     if r.copied_views:
         info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
     if r.converted:
-        info(f"{len(r.converted)} non-tensor entr(y/ies) kept in the metadata as plain data: "
-             + ", ".join(f"{p} ({c})" for p, c in list(r.converted.items())[:3])
-             + (" ..." if len(r.converted) > 3 else ""))
+        info(
+            f"{len(r.converted)} non-tensor entr(y/ies) kept in the metadata as plain data: "
+            + ", ".join(f"{p} ({c})" for p, c in list(r.converted.items())[:3])
+            + (" ..." if len(r.converted) > 3 else "")
+        )
     if r.skipped:
-        warn(f"{len(r.skipped)} non-tensor entr(y/ies) not representable in metadata: "
-             + ", ".join(list(r.skipped)[:5]) + (" ..." if len(r.skipped) > 5 else ""))
+        warn(
+            f"{len(r.skipped)} non-tensor entr(y/ies) not representable in metadata: "
+            + ", ".join(list(r.skipped)[:5])
+            + (" ..." if len(r.skipped) > 5 else "")
+        )

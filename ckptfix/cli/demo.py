@@ -10,8 +10,13 @@ from ckptfix.cli._common import emit_json, info, json_option
 
 @cli.command("demo")
 @click.option("--out", default="ckptfix-demo", show_default=True, type=click.Path(), help="Work directory.")
-@click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="cpu", show_default=True,
-              help="Train on this device ('auto': CUDA when present).")
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default="cpu",
+    show_default=True,
+    help="Train on this device ('auto': CUDA when present).",
+)
 @click.option("--epochs", default=1, show_default=True, help="Epochs per training run.")
 @click.option("--quick", is_flag=True, help="In-process modes only (single, dp, DCP, legacy): no torchrun, no compile.")
 @json_option

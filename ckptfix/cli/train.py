@@ -19,55 +19,131 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 
 
 @cli.command("train")
-@click.option("--mode", type=click.Choice(_MODES), default="single", show_default=True,
-              help="single device; nn.DataParallel; DDP under torchrun; hand-written data parallelism; "
-                   "FSDP2 (fully_shard) under torchrun.")
-@click.option("--model", type=click.Choice(["lenet", "resnet", "tutorial"]), default="lenet", show_default=True,
-              help="LeNet-5 (2 conv + avg-pool + 2 linear), a small ResNet with BatchNorm, or the "
-                   "hand-written multi-GPU tutorial's LeNet (plain parameter list, functional forward).")
-@click.option("--out", "out", type=click.Path(file_okay=False), default="ckptfix-train", show_default=True,
-              help="Output directory (checkpoints, probe sidecars, checkpoints.json).")
-@click.option("--epochs", type=int, default=2, show_default=True, help="Total epochs (a resumed run continues up to it).")
+@click.option(
+    "--mode",
+    type=click.Choice(_MODES),
+    default="single",
+    show_default=True,
+    help="single device; nn.DataParallel; DDP under torchrun; hand-written data parallelism; "
+    "FSDP2 (fully_shard) under torchrun.",
+)
+@click.option(
+    "--model",
+    type=click.Choice(["lenet", "resnet", "tutorial"]),
+    default="lenet",
+    show_default=True,
+    help="LeNet-5 (2 conv + avg-pool + 2 linear), a small ResNet with BatchNorm, or the "
+    "hand-written multi-GPU tutorial's LeNet (plain parameter list, functional forward).",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False),
+    default="ckptfix-train",
+    show_default=True,
+    help="Output directory (checkpoints, probe sidecars, checkpoints.json).",
+)
+@click.option(
+    "--epochs", type=int, default=2, show_default=True, help="Total epochs (a resumed run continues up to it)."
+)
 @click.option("--batch-size", type=int, default=64, show_default=True, help="Batch size (per process in ddp/fsdp).")
-@click.option("--lr", type=float, default=0.05, show_default=True,
-              help="SGD learning rate (on --resume: the checkpoint's unless given).")
-@click.option("--momentum", type=float, default=0.9, show_default=True,
-              help="SGD momentum; 0 is plain minibatch SGD (on --resume: the checkpoint's unless given).")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True,
-              help="SGD weight decay (on --resume: the checkpoint's unless given).")
+@click.option(
+    "--lr",
+    type=float,
+    default=0.05,
+    show_default=True,
+    help="SGD learning rate (on --resume: the checkpoint's unless given).",
+)
+@click.option(
+    "--momentum",
+    type=float,
+    default=0.9,
+    show_default=True,
+    help="SGD momentum; 0 is plain minibatch SGD (on --resume: the checkpoint's unless given).",
+)
+@click.option(
+    "--weight-decay",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="SGD weight decay (on --resume: the checkpoint's unless given).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for data, weights and shuffling.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--nproc", type=int, default=None, help="ddp/fsdp: processes torchrun starts [GPU count, or 2 on CPU].")
 @click.option("--replicas", type=int, default=None, help="manual: replicas [GPU count, or 2 on CPU].")
-@click.option("--allreduce", type=click.Choice(["ring", "naive"]), default="ring", show_default=True,
-              help="manual: the hand-written gradient all-reduce.")
+@click.option(
+    "--allreduce",
+    type=click.Choice(["ring", "naive"]),
+    default="ring",
+    show_default=True,
+    help="manual: the hand-written gradient all-reduce.",
+)
 @click.option("--amp", is_flag=True, help="Mixed precision: fp16 autocast + GradScaler on CUDA, bf16 autocast on CPU.")
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model (keys gain _orig_mod.).")
-@click.option("--compile-backend", default="eager", show_default=True,
-              help="torch.compile backend (eager keeps CPU runs to seconds; inductor for real speed).")
-@click.option("--save-style", type=click.Choice(["wrapped", "clean"]), default="wrapped", show_default=True,
-              help="wrapped: the wrapper's state dict with its prefixes (what most scripts save); clean: the module's.")
-@click.option("--save-format", type=click.Choice(["pt", "dcp"]), default=None,
-              help="pt: torch.save file; dcp: torch.distributed.checkpoint directory [pt; dcp for fsdp: sharded, "
-                   "each rank writes its own shards].")
+@click.option(
+    "--compile-backend",
+    default="eager",
+    show_default=True,
+    help="torch.compile backend (eager keeps CPU runs to seconds; inductor for real speed).",
+)
+@click.option(
+    "--save-style",
+    type=click.Choice(["wrapped", "clean"]),
+    default="wrapped",
+    show_default=True,
+    help="wrapped: the wrapper's state dict with its prefixes (what most scripts save); clean: the module's.",
+)
+@click.option(
+    "--save-format",
+    type=click.Choice(["pt", "dcp"]),
+    default=None,
+    help="pt: torch.save file; dcp: torch.distributed.checkpoint directory [pt; dcp for fsdp: sharded, "
+    "each rank writes its own shards].",
+)
 @click.option("--legacy-format", is_flag=True, help="torch.save with _use_new_zipfile_serialization=False.")
-@click.option("--namespace-args", is_flag=True,
-              help="Store 'args' as an argparse.Namespace (as many scripts do; breaks weights_only loading).")
-@click.option("--resume", type=click.Path(exists=True), default=None,
-              help="Resume from any checkpoint ckptfix can load (any mode, prefix or format).")
+@click.option(
+    "--namespace-args",
+    is_flag=True,
+    help="Store 'args' as an argparse.Namespace (as many scripts do; breaks weights_only loading).",
+)
+@click.option(
+    "--resume",
+    type=click.Path(exists=True),
+    default=None,
+    help="Resume from any checkpoint ckptfix can load (any mode, prefix or format).",
+)
 @click.option("--force", is_flag=True, help="Overwrite files in --out that another run wrote.")
-@click.option("--data", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data.")
+@click.option(
+    "--data",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data.",
+)
 @click.option("--train-samples", type=int, default=2048, show_default=True, help="Synthetic training samples.")
 @click.option("--test-samples", type=int, default=512, show_default=True, help="Synthetic test samples.")
-@click.option("--show-split", is_flag=True,
-              help="dp/manual: print every batch's per-replica sizes, as the DataParallel tutorial does.")
-@click.option("--name", default=None,
-              help="File name stem [derived from the options, e.g. ddp-amp-clean; resumed runs add -resumed-from-X].")
+@click.option(
+    "--show-split",
+    is_flag=True,
+    help="dp/manual: print every batch's per-replica sizes, as the DataParallel tutorial does.",
+)
+@click.option(
+    "--name",
+    default=None,
+    help="File name stem [derived from the options, e.g. ddp-amp-clean; resumed runs add -resumed-from-X].",
+)
 @click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes.")
-@click.option("--bench", is_flag=True,
-              help="Benchmark single / dp / manual / ddp / fsdp (ddp+amp on CUDA; +amp rows with --amp) instead.")
-@click.option("-q", "--quiet", is_flag=True, help="No per-epoch progress on stderr; the results table (stdout) and warnings still print.")
+@click.option(
+    "--bench",
+    is_flag=True,
+    help="Benchmark single / dp / manual / ddp / fsdp (ddp+amp on CUDA; +amp rows with --amp) instead.",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No per-epoch progress on stderr; the results table (stdout) and warnings still print.",
+)
 @json_option
 @click.pass_context
 def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: object) -> int:
@@ -126,7 +202,8 @@ def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **
     n = res.world_size if res.mode in ("ddp", "fsdp") else len(res.devices)
     click.echo(
         f"{res.mode} on {n} x {res.devices[0]}: "
-        f"{res.sec_per_epoch:.3f} s/epoch, {res.samples_per_sec:,.0f} samples/s, final accuracy {res.final_accuracy:.1%}"
+        f"{res.sec_per_epoch:.3f} s/epoch, {res.samples_per_sec:,.0f} samples/s, "
+        f"final accuracy {res.final_accuracy:.1%}"
     )
     click.echo(f"manifest: {res.manifest}")
     if not cfg.quiet:
@@ -138,25 +215,51 @@ def _bench(ctx: click.Context, cfg: object, as_json: bool) -> int:
     from ckptfix.errors import TrainingError
     from ckptfix.train.bench import run_bench
 
-    for opt, flag in (("resume", "--resume"), ("name", "--name"), ("show_split", "--show-split"),
-                      ("replicas", "--replicas")):
+    for opt, flag in (
+        ("resume", "--resume"),
+        ("name", "--name"),
+        ("show_split", "--show-split"),
+        ("replicas", "--replicas"),
+    ):
         if _explicit(ctx, opt):
-            raise click.UsageError(f"{flag} does not apply to --bench (every row is a fresh run with its own name)",
-                                   ctx)
+            raise click.UsageError(
+                f"{flag} does not apply to --bench (every row is a fresh run with its own name)", ctx
+            )
     modes = (cfg.mode,) if _explicit(ctx, "mode") else None  # type: ignore[attr-defined]
-    keep = dict(compile=cfg.compile, compile_backend=cfg.compile_backend, save_style=cfg.save_style,  # type: ignore
-                model=cfg.model, batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,  # type: ignore
-                weight_decay=cfg.weight_decay, seed=cfg.seed, train_samples=cfg.train_samples,  # type: ignore
-                test_samples=cfg.test_samples, data=cfg.data, legacy_format=cfg.legacy_format,  # type: ignore
-                namespace_args=cfg.namespace_args, allreduce=cfg.allreduce, force=cfg.force)  # type: ignore
+    keep = dict(
+        compile=cfg.compile,
+        compile_backend=cfg.compile_backend,
+        save_style=cfg.save_style,  # type: ignore
+        model=cfg.model,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        momentum=cfg.momentum,  # type: ignore
+        weight_decay=cfg.weight_decay,
+        seed=cfg.seed,
+        train_samples=cfg.train_samples,  # type: ignore
+        test_samples=cfg.test_samples,
+        data=cfg.data,
+        legacy_format=cfg.legacy_format,  # type: ignore
+        namespace_args=cfg.namespace_args,
+        allreduce=cfg.allreduce,
+        force=cfg.force,
+    )  # type: ignore
     if _explicit(ctx, "save_format"):
         keep["save_format"] = cfg.save_format  # type: ignore[attr-defined]
     if cfg.threads:  # type: ignore[attr-defined]
         keep["threads"] = cfg.threads  # type: ignore[attr-defined]
     out = cfg.out if _explicit(ctx, "out") else None  # type: ignore[attr-defined]
     try:
-        res = run_bench(out=out, device=cfg.device, epochs=cfg.epochs, nproc=cfg.nproc,  # type: ignore
-                        quiet=cfg.quiet, modes=modes, amp=cfg.amp, **keep)  # type: ignore[attr-defined]
+        res = run_bench(
+            out=out,
+            device=cfg.device,
+            epochs=cfg.epochs,
+            nproc=cfg.nproc,  # type: ignore
+            quiet=cfg.quiet,
+            modes=modes,
+            amp=cfg.amp,
+            **keep,
+        )  # type: ignore[attr-defined]
     except TrainingError as e:
         if "--" in str(e) and ("only applies" in str(e) or "not supported" in str(e) or "cannot be combined" in str(e)):
             raise click.UsageError(str(e), ctx) from None

@@ -49,7 +49,7 @@ def flat_range(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[in
     for j in range(nd - 1, -1, -1):
         stride[j] = acc
         acc *= shape[j]
-    first = sum(o * s for o, s in zip(offsets, stride))
+    first = sum(o * s for o, s in zip(offsets, stride, strict=False))
     n = 1
     for s in sizes:
         n *= s
@@ -83,7 +83,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
         what = f"{where}tensor {e.fqn!r} chunk {list(c.offsets)}"
         fr = flat_range(e.shape, c.offsets, c.sizes)
         if fr is not None and cd.contiguous():
-            _read_into(files.fd(cd.rel), mv[fr[0] * es: fr[1] * es], cd.data_offset, what)
+            _read_into(files.fd(cd.rel), mv[fr[0] * es : fr[1] * es], cd.data_offset, what)
             continue
         row = c.numel // c.sizes[0] * es
         step = max(1, STAGE_BYTES // max(1, row))  # rows per staging block
@@ -91,7 +91,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
             hi = min(c.sizes[0], lo + step)
             data = bytearray(read_block(files, cd, (), lo, hi, what))
             src = torch.frombuffer(data, dtype=torch_dtype).view((hi - lo,) + c.sizes[1:])
-            region = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
+            region = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=False)]
             region[0] = slice(c.offsets[0] + lo, c.offsets[0] + hi)
             t[tuple(region)].copy_(src)
     del mv
@@ -102,8 +102,9 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
     """Put ``value`` at ``path`` of a nested dict/list tree, creating dicts and lists as torch's planner does."""
     node: Any = root
     for k, nxt in itertools.pairwise(path):
-        child = node[k] if (isinstance(node, list) and k < len(node)) or (isinstance(node, dict) and k in node) \
-            else None
+        child = (
+            node[k] if (isinstance(node, list) and k < len(node)) or (isinstance(node, dict) and k in node) else None
+        )
         if child is None:
             child = [] if isinstance(nxt, int) else {}
             if isinstance(node, list):
@@ -116,8 +117,15 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
     node[last] = value
 
 
-def load_dcp(path: str, *, device: str = "cpu", allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None,
-             trust: bool = False, meta: DcpMetadata | None = None) -> dict:
+def load_dcp(
+    path: str,
+    *,
+    device: str = "cpu",
+    allow_globals: Iterable[Any] = (),
+    stubbed: set[str] | None = None,
+    trust: bool = False,
+    meta: DcpMetadata | None = None,
+) -> dict:
     """The whole checkpoint a DCP directory holds, as the nested dict that was saved.
 
     Args:
@@ -161,8 +169,10 @@ def load_dcp(path: str, *, device: str = "cpu", allow_globals: Iterable[Any] = (
             try:
                 set_element(out, meta.key_path(fqn), value)
             except (TypeError, IndexError, KeyError, AttributeError):
-                raise CorruptCheckpointError(f"{path}: entry {fqn!r} has a nesting path that clashes with another "
-                                             "entry's; the metadata is corrupt") from None
+                raise CorruptCheckpointError(
+                    f"{path}: entry {fqn!r} has a nesting path that clashes with another "
+                    "entry's; the metadata is corrupt"
+                ) from None
     return out
 
 
@@ -179,8 +189,10 @@ def _load_object(files: Files, e: BytesEntry, pmod: Any) -> Any:
     except CkptfixError:
         raise
     except Exception as ex:  # noqa: BLE001 - any failure of torch.load on stored bytes is corruption
-        raise CorruptCheckpointError(f"object {e.fqn!r} cannot be read ({type(ex).__name__}: "
-                                     f"{str(ex).splitlines()[0][:200] if str(ex) else ''}); the chunk is corrupt") from None
+        raise CorruptCheckpointError(
+            f"object {e.fqn!r} cannot be read ({type(ex).__name__}: "
+            f"{str(ex).splitlines()[0][:200] if str(ex) else ''}); the chunk is corrupt"
+        ) from None
     except BaseException as ex:  # torch's CheckpointException and friends are BaseExceptions
         if isinstance(ex, (KeyboardInterrupt, SystemExit, GeneratorExit)):
             raise

@@ -29,8 +29,18 @@ MAX_OBJECT_PKL = int(os.environ.get("CKPTFIX_DCP_MAX_OBJECT", str(64 << 20)))
 #: a non-contiguous (transposed) chunk is gathered from memory up to this many bytes of span
 MAX_GATHER_SPAN = int(os.environ.get("CKPTFIX_DCP_MAX_GATHER", str(256 << 20)))
 
-_ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, NotImplementedError, KeyError,
-               IndexError, OverflowError, UnicodeDecodeError)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    struct.error,
+    EOFError,
+    NotImplementedError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    UnicodeDecodeError,
+)
 
 
 class FileWindow(io.RawIOBase):
@@ -102,7 +112,7 @@ class ChunkData:
 
     def contiguous(self) -> bool:
         expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride)):
+        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expected:
                 return False
             expected *= size
@@ -124,21 +134,27 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
             raise CorruptCheckpointError(f"{what}: the chunk archive has no data.pkl; not a DCP chunk")
         info = zf.getinfo(pkl)
         if info.file_size > cap:
-            raise ResourceLimitError(f"{what}: its pickle is {info.file_size} bytes, over the {cap}-byte limit; "
-                                     "set CKPTFIX_DCP_MAX_OBJECT to read it")
+            raise ResourceLimitError(
+                f"{what}: its pickle is {info.file_size} bytes, over the {cap}-byte limit; "
+                "set CKPTFIX_DCP_MAX_OBJECT to read it"
+            )
         data = zf.read(pkl)
     except (CorruptCheckpointError, ResourceLimitError):
         raise
     except _ZIP_ERRORS as e:
         head = os.pread(fd, 9, 0)
         if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
-            raise UnsupportedError(f"{what}: {loc.relative_path} is a safetensors file (DCP's safetensors "
-                                   "serialization format / Hugging Face storage writer); ckptfix reads DCP's default "
-                                   "torch_save format — load it with torch's dcp.load or consolidate it with "
-                                   "torch's consolidate_safetensors_files") from None
-        raise CorruptCheckpointError(f"{what}: damaged chunk at bytes {loc.offset}+{loc.length} of "
-                                     f"{loc.relative_path} ({type(e).__name__}: {e}); the file is truncated or "
-                                     "the .metadata belongs to a different run") from None
+            raise UnsupportedError(
+                f"{what}: {loc.relative_path} is a safetensors file (DCP's safetensors "
+                "serialization format / Hugging Face storage writer); ckptfix reads DCP's default "
+                "torch_save format — load it with torch's dcp.load or consolidate it with "
+                "torch's consolidate_safetensors_files"
+            ) from None
+        raise CorruptCheckpointError(
+            f"{what}: damaged chunk at bytes {loc.offset}+{loc.length} of "
+            f"{loc.relative_path} ({type(e).__name__}: {e}); the file is truncated or "
+            "the .metadata belongs to a different run"
+        ) from None
     return zf, win, data, pkl[: -len("data.pkl")]
 
 
@@ -149,8 +165,9 @@ def _unpickle(data: bytes, what: str) -> tuple[Any, RecordingUnpickler]:
     except (CorruptCheckpointError, UnsafePickleError, ResourceLimitError):
         raise
     except Exception as e:  # noqa: BLE001 - any unpickling failure of a chunk is corruption
-        raise CorruptCheckpointError(f"{what}: its pickle cannot be read ({type(e).__name__}: {str(e)[:200]}); "
-                                     "the chunk is corrupt") from None
+        raise CorruptCheckpointError(
+            f"{what}: its pickle cannot be read ({type(e).__name__}: {str(e)[:200]}); the chunk is corrupt"
+        ) from None
     return obj, up
 
 
@@ -167,17 +184,23 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
     zf, _, data, root = _archive(files, loc, what, MAX_TENSOR_PKL)
     obj, up = _unpickle(data, what)
     if up.stubbed:
-        raise UnsafePickleError(f"{what}: its pickle references {', '.join(sorted(up.stubbed)[:3])}, which a "
-                                "tensor chunk never needs; refused")
+        raise UnsafePickleError(
+            f"{what}: its pickle references {', '.join(sorted(up.stubbed)[:3])}, which a "
+            "tensor chunk never needs; refused"
+        )
     if not isinstance(obj, TensorRecord) or obj.kind != "dense" or obj.storage is None:
-        raise CorruptCheckpointError(f"{what}: holds {type(obj).__name__}, not a dense tensor; the checkpoint is "
-                                     "corrupt")
+        raise CorruptCheckpointError(
+            f"{what}: holds {type(obj).__name__}, not a dense tensor; the checkpoint is corrupt"
+        )
     if obj.dtype != e.dtype:
-        raise CorruptCheckpointError(f"{what}: holds {obj.dtype}, the metadata says {e.dtype}; .metadata belongs "
-                                     "to a different run")
+        raise CorruptCheckpointError(
+            f"{what}: holds {obj.dtype}, the metadata says {e.dtype}; .metadata belongs to a different run"
+        )
     if tuple(obj.shape) != c.sizes:
-        raise CorruptCheckpointError(f"{what}: holds shape {list(obj.shape)}, the metadata says {list(c.sizes)}; "
-                                     ".metadata belongs to a different run")
+        raise CorruptCheckpointError(
+            f"{what}: holds shape {list(obj.shape)}, the metadata says {list(c.sizes)}; "
+            ".metadata belongs to a different run"
+        )
     if obj.offset < 0 or any(s < 0 for s in obj.stride):
         raise CorruptCheckpointError(f"{what}: negative storage offset or stride; the chunk is corrupt")
     name = f"{root}data/{obj.storage.key}"
@@ -195,8 +218,10 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
     es = obj.element_size
     need = (obj.span()[1] * es) if obj.numel else 0
     if need > info.file_size or start + info.file_size > loc.length:
-        raise CorruptCheckpointError(f"{what}: its bytes run past the end of the chunk record (truncated file, "
-                                     "or .metadata from a different run)")
+        raise CorruptCheckpointError(
+            f"{what}: its bytes run past the end of the chunk record (truncated file, "
+            "or .metadata from a different run)"
+        )
     return ChunkData(loc.relative_path, loc.offset + start + obj.offset * es, tuple(obj.shape), tuple(obj.stride), es)
 
 
@@ -212,8 +237,10 @@ def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[
     _, _, data, _ = _archive(files, e.location, what, MAX_OBJECT_PKL)
     obj, up = _unpickle(data, what)
     if isinstance(obj, TensorRecord) or up.storages:
-        raise UnsupportedError(f"{what}: holds tensors inside a pickled object; ckptfix reads DCP tensors only as "
-                               "tensor entries — load it with torch's dcp.load if you trust it")
+        raise UnsupportedError(
+            f"{what}: holds tensors inside a pickled object; ckptfix reads DCP tensors only as "
+            "tensor entries — load it with torch's dcp.load if you trust it"
+        )
     return obj, set(up.stubbed)
 
 
@@ -222,8 +249,10 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
     assert e.location is not None
     loc = e.location
     if loc.length > MAX_OBJECT_PKL:
-        raise ResourceLimitError(f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
-                                 "set CKPTFIX_DCP_MAX_OBJECT to read it")
+        raise ResourceLimitError(
+            f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
+            "set CKPTFIX_DCP_MAX_OBJECT to read it"
+        )
     data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"object {e.fqn!r}: file {loc.relative_path} ended early (truncated?)")
@@ -231,6 +260,7 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
 
 
 # --------------------------------------------------------------------------- reading blocks of a chunk
+
 
 def _pread_exact(fd: int, n: int, off: int, what: str) -> bytes:
     data = os.pread(fd, n, off)
@@ -249,15 +279,16 @@ def _strided_row(buf: bytes, n: int, step: int, es: int) -> bytes:
     if es in _CAST:
         mv = memoryview(buf)[: ((n - 1) * step + 1) * es]
         return mv.cast(_CAST[es])[::step].tobytes()
-    parts = [memoryview(buf)[k::es * step] for k in range(es)]  # es = 16 (complex128) and odd sizes
+    parts = [memoryview(buf)[k :: es * step] for k in range(es)]  # es = 16 (complex128) and odd sizes
     out = bytearray(n * es)
     for k, p in enumerate(parts):
         out[k::es] = p[:n]
     return bytes(out)
 
 
-def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi: int, what: str,
-               into: Any = None) -> bytes | bytearray:
+def read_block(
+    files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi: int, what: str, into: Any = None
+) -> bytes | bytearray:
     """C-order bytes of ``chunk[prefix..., lo:hi, ...]`` (``prefix`` fixes the leading dims).
 
     One ``pread`` for a C-contiguous chunk (into the bytearray ``into(nbytes)`` returns, when given,
@@ -269,9 +300,9 @@ def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi
     shape, stride = cd.shape, cd.stride
     if not shape:
         return _pread_exact(fd, es, cd.data_offset, what)
-    base = sum(i * s for i, s in zip(prefix, stride)) + lo * stride[d]
+    base = sum(i * s for i, s in zip(prefix, stride, strict=False)) + lo * stride[d]
     inner = 1
-    for s in shape[d + 1:]:
+    for s in shape[d + 1 :]:
         inner *= s
     if cd.contiguous():
         n = (hi - lo) * inner * es
@@ -285,20 +316,22 @@ def read_block(files: Files, cd: ChunkData, prefix: tuple[int, ...], lo: int, hi
                 raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
             done += k
         return buf
-    sub_shape = (hi - lo,) + tuple(shape[d + 1:])
+    sub_shape = (hi - lo,) + tuple(shape[d + 1 :])
     sub_stride = tuple(stride[d:])
     if not all(sub_shape):
         return b""
-    span = 1 + sum((n - 1) * s for n, s in zip(sub_shape, sub_stride))
+    span = 1 + sum((n - 1) * s for n, s in zip(sub_shape, sub_stride, strict=False))
     if span * es > MAX_GATHER_SPAN:
-        raise UnsupportedError(f"{what}: a non-contiguous chunk (saved from a transposed or permuted view) whose "
-                               f"block spans {span * es} bytes; ckptfix gathers such chunks in memory only up to "
-                               f"{MAX_GATHER_SPAN} bytes (CKPTFIX_DCP_MAX_GATHER lifts it)")
+        raise UnsupportedError(
+            f"{what}: a non-contiguous chunk (saved from a transposed or permuted view) whose "
+            f"block spans {span * es} bytes; ckptfix gathers such chunks in memory only up to "
+            f"{MAX_GATHER_SPAN} bytes (CKPTFIX_DCP_MAX_GATHER lifts it)"
+        )
     buf = memoryview(_pread_exact(fd, span * es, cd.data_offset + base * es, what))
     out = bytearray()
     n, step = sub_shape[-1], sub_stride[-1]
     for idx in _ndindex(sub_shape[:-1]):
-        off = sum(i * s for i, s in zip(idx, sub_stride[:-1])) * es
+        off = sum(i * s for i, s in zip(idx, sub_stride[:-1], strict=False)) * es
         out += _strided_row(buf[off:], n, step, es)
     return bytes(out)
 

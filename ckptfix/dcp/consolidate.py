@@ -35,7 +35,7 @@ def _prod(xs: Sequence[int]) -> int:
 
 
 def _contains(c: Chunk, prefix: tuple[int, ...]) -> bool:
-    return all(o <= i < o + s for i, o, s in zip(prefix, c.offsets, c.sizes))
+    return all(o <= i < o + s for i, o, s in zip(prefix, c.offsets, c.sizes, strict=False))
 
 
 class TensorStream:
@@ -78,11 +78,14 @@ class TensorStream:
         nd = len(shape)
         if d == nd:  # one element (a 0-d tensor, or a fully fixed prefix)
             c, cd = parts[0]
-            local = tuple(i - o for i, o in zip(prefix, c.offsets))
-            yield read_block(self.files, cd, local[:-1], local[-1], local[-1] + 1, self._what(c)) if nd else \
-                read_block(self.files, cd, (), 0, 0, self._what(c))
+            local = tuple(i - o for i, o in zip(prefix, c.offsets, strict=False))
+            yield (
+                read_block(self.files, cd, local[:-1], local[-1], local[-1] + 1, self._what(c))
+                if nd
+                else read_block(self.files, cd, (), 0, 0, self._what(c))
+            )
             return
-        row = _prod(shape[d + 1:]) * es
+        row = _prod(shape[d + 1 :]) * es
         full_rows = all(c.sizes[j] == shape[j] for c, _ in parts for j in range(d + 1, nd))
         if row > self.block and d + 1 < nd:  # one row is too big: go down a dimension, row by row
             for r in range(shape[d]):
@@ -92,16 +95,23 @@ class TensorStream:
         per = max(1, self.block // max(1, row))
         if full_rows:  # each chunk is a contiguous range of this sub-tensor: copy it in row groups
             for c, cd in sorted(parts, key=lambda p: p[0].offsets[d]):
-                local = tuple(i - o for i, o in zip(prefix, c.offsets))
+                local = tuple(i - o for i, o in zip(prefix, c.offsets, strict=False))
                 for lo in range(0, c.sizes[d], per):
-                    yield read_block(self.files, cd, local, lo, min(c.sizes[d], lo + per), self._what(c),
-                                     lambda n: self._buf("out", n))
+                    yield read_block(
+                        self.files,
+                        cd,
+                        local,
+                        lo,
+                        min(c.sizes[d], lo + per),
+                        self._what(c),
+                        lambda n: self._buf("out", n),
+                    )
             return
         for r0 in range(0, shape[d], per):  # assemble groups of rows from the chunks' runs
             r1 = min(shape[d], r0 + per)
             buf = self._buf("out", (r1 - r0) * row)  # every byte is overwritten: the chunks tile the rows
             dst = memoryview(buf)
-            dshape = (r1 - r0,) + tuple(shape[d + 1:])
+            dshape = (r1 - r0,) + tuple(shape[d + 1 :])
             dstride = [0] * len(dshape)
             acc = 1
             for j in range(len(dshape) - 1, -1, -1):
@@ -111,32 +121,43 @@ class TensorStream:
                 lo, hi = max(r0, c.offsets[d]), min(r1, c.offsets[d] + c.sizes[d])
                 if lo >= hi:
                     continue
-                local = tuple(i - o for i, o in zip(prefix, c.offsets))
-                src = memoryview(read_block(self.files, cd, local, lo - c.offsets[d], hi - c.offsets[d],
-                                            self._what(c), lambda n: self._buf("in", n)))
-                pshape = (hi - lo,) + tuple(c.sizes[d + 1:])
+                local = tuple(i - o for i, o in zip(prefix, c.offsets, strict=False))
+                src = memoryview(
+                    read_block(
+                        self.files,
+                        cd,
+                        local,
+                        lo - c.offsets[d],
+                        hi - c.offsets[d],
+                        self._what(c),
+                        lambda n: self._buf("in", n),
+                    )
+                )
+                pshape = (hi - lo,) + tuple(c.sizes[d + 1 :])
                 # dims m.. of the piece are full in the tensor: a run covers dim m-1 and everything after it
                 m = len(pshape)
                 while m > 1 and pshape[m - 1] == dshape[m - 1]:
                     m -= 1
-                run = _prod(pshape[m - 1:]) * es
+                run = _prod(pshape[m - 1 :]) * es
                 pstride = [0] * len(pshape)
                 acc = 1
                 for j in range(len(pshape) - 1, -1, -1):
                     pstride[j] = acc
                     acc *= pshape[j]
-                pos = (lo - r0,) + tuple(c.offsets[d + 1:])
-                base = sum(p * st for p, st in zip(pos, dstride)) * es  # where the piece's first element goes
+                pos = (lo - r0,) + tuple(c.offsets[d + 1 :])
+                base = (
+                    sum(p * st for p, st in zip(pos, dstride, strict=False)) * es
+                )  # where the piece's first element goes
                 if m == 1:  # the whole piece is one run
-                    dst[base: base + run] = src[:run]
+                    dst[base : base + run] = src[:run]
                     continue
                 k = m - 2  # the innermost iterated dim: a tight loop; the dims before it, generic
                 s_step, d_step, count = pstride[k] * es, dstride[k] * es, pshape[k]
                 for idx in ndindex(pshape[:k]):
-                    s0 = sum(i * st for i, st in zip(idx, pstride)) * es
-                    d0 = base + sum(i * st for i, st in zip(idx, dstride)) * es
+                    s0 = sum(i * st for i, st in zip(idx, pstride, strict=False)) * es
+                    d0 = base + sum(i * st for i, st in zip(idx, dstride, strict=False)) * es
                     for _ in range(count):
-                        dst[d0: d0 + run] = src[s0: s0 + run]
+                        dst[d0 : d0 + run] = src[s0 : s0 + run]
                         s0 += s_step
                         d0 += d_step
             yield buf
@@ -158,10 +179,21 @@ def _item_class() -> type:
     return DcpItem
 
 
-def convert_dcp(src: str, dst: str, *, key: str | None = None, strip_prefix: bool | str | None = False,
-                max_shard_size: int | None = None, include_optimizer: bool = False, verify: bool = True,
-                force: bool = False, fsync: bool = False, progress: Any = None, ckptfix_metadata: bool = True,
-                meta: DcpMetadata | None = None) -> Any:
+def convert_dcp(
+    src: str,
+    dst: str,
+    *,
+    key: str | None = None,
+    strip_prefix: bool | str | None = False,
+    max_shard_size: int | None = None,
+    include_optimizer: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    progress: Any = None,
+    ckptfix_metadata: bool = True,
+    meta: DcpMetadata | None = None,
+) -> Any:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
     Args: as :func:`ckptfix.convert.convert_to_safetensors`; ``max_shard_size`` already in bytes.
@@ -195,16 +227,19 @@ def convert_dcp(src: str, dst: str, *, key: str | None = None, strip_prefix: boo
 
         mapping = dict(named)
         new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
-        report.renamed = sum(1 for a, b in zip(mapping, new) if a != b)
+        report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
         named = list(new.items())
     taken = {n for n, _ in named}
     if "__metadata__" in taken:
-        raise KeyConflictError("the state dict has a tensor named '__metadata__', which safetensors reserves for "
-                               "its metadata; rename it before converting")
+        raise KeyConflictError(
+            "the state dict has a tensor named '__metadata__', which safetensors reserves for "
+            "its metadata; rename it before converting"
+        )
     for n, _ in opt_named:
         if n in taken:
-            raise KeyConflictError(f"optimizer tensor {n!r} collides with a state-dict key; convert without "
-                                   "--include-optimizer")
+            raise KeyConflictError(
+                f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
+            )
     named = named + list(opt_named)
     report.optimizer_tensors = len(opt_named)
     if not named:
@@ -230,8 +265,18 @@ def convert_dcp(src: str, dst: str, *, key: str | None = None, strip_prefix: boo
                     metadata["ckptfix.extra"] = text
                 else:
                     report.skipped["<extra>"] = f"non-tensor entries are {len(text)} bytes of JSON; too large to keep"
-        cv._write_outputs(dst, items, metadata, max_shard_size=max_shard_size, verify=verify, fsync=fsync,
-                          force=force, src=src, progress=progress, report=report)
+        cv._write_outputs(
+            dst,
+            items,
+            metadata,
+            max_shard_size=max_shard_size,
+            verify=verify,
+            fsync=fsync,
+            force=force,
+            src=src,
+            progress=progress,
+            report=report,
+        )
     except OSError as e:
         if isinstance(e, cv.CkptfixError):
             raise

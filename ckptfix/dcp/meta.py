@@ -38,6 +38,7 @@ MAX_LIST_INDEX = 1 << 20
 
 # --------------------------------------------------------------------------- records
 
+
 @dataclass(frozen=True)
 class Chunk:
     """One chunk of a tensor: where it sits in the global tensor (element offsets and sizes per dim)."""
@@ -137,10 +138,12 @@ class DcpMetadata:
             raise UnsafePickleError(
                 f"{os.path.join(self.path, METADATA_NAME)} references {', '.join(names[:3])}{more}, which DCP "
                 "metadata never contains; refusing to run it (a crafted or foreign .metadata; re-save the "
-                "checkpoint, or pass --trust / trust=True only if you wrote it yourself)")
+                "checkpoint, or pass --trust / trust=True only if you wrote it yourself)"
+            )
 
 
 # --------------------------------------------------------------------------- reading
+
 
 class MetadataUnpickler(RecordingUnpickler):
     """Restricted reader for ``.metadata``: DCP record classes become placeholders, nothing else is trusted."""
@@ -171,8 +174,9 @@ def _name(x: Any) -> str | None:
 
 def _state(x: Any, what: str, where: str) -> dict:
     if _name(x) != what:
-        raise CorruptCheckpointError(f"{where}: expected a {what.rsplit('.', 1)[-1]}, found "
-                                     f"{_name(x) or type(x).__name__}; not DCP metadata")
+        raise CorruptCheckpointError(
+            f"{where}: expected a {what.rsplit('.', 1)[-1]}, found {_name(x) or type(x).__name__}; not DCP metadata"
+        )
     st = x._state
     if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):  # (dict, slots)
         merged = dict(st[0] or {})
@@ -218,10 +222,12 @@ def _dtype(props: Any, where: str) -> str:
     else:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties; not DCP metadata")
     if _name(layout) == "torch.serialization._get_layout" and layout._args not in (("torch.strided",),):
-        raise UnsupportedError(f"{where}: layout {layout._args[0] if layout._args else '?'} (only dense, strided "
-                               "tensors are supported)")
-    if not (isinstance(dt, type) and issubclass(dt, Stub) and dt._ckpt_module == "torch"
-            and dt._ckpt_name in DTYPE_GLOBALS):
+        raise UnsupportedError(
+            f"{where}: layout {layout._args[0] if layout._args else '?'} (only dense, strided tensors are supported)"
+        )
+    if not (
+        isinstance(dt, type) and issubclass(dt, Stub) and dt._ckpt_module == "torch" and dt._ckpt_name in DTYPE_GLOBALS
+    ):
         raise CorruptCheckpointError(f"{where}: no dtype recorded; not DCP metadata")
     dtype = DTYPE_GLOBALS[dt._ckpt_name]
     if dtype not in ELEMENT_SIZE:
@@ -236,9 +242,11 @@ def _location(info: Any, where: str) -> Location:
         raise CorruptCheckpointError(f"{where}: storage entry without a file name; not DCP metadata")
     check_relative_path(rel, where)
     if st.get("transform_descriptors"):
-        raise UnsupportedError(f"{where}: stored with transforms {list(st['transform_descriptors'])[:3]} "
-                               "(compression or encryption extensions); ckptfix reads plain DCP data only — "
-                               "load it with torch's dcp.load")
+        raise UnsupportedError(
+            f"{where}: stored with transforms {list(st['transform_descriptors'])[:3]} "
+            "(compression or encryption extensions); ckptfix reads plain DCP data only — "
+            "load it with torch's dcp.load"
+        )
     loc = Location(rel, _int(off, where), _int(length, where))
     if loc.offset < 0 or loc.length < 0:
         raise CorruptCheckpointError(f"{where}: negative byte range {loc.offset}+{loc.length}")
@@ -251,11 +259,20 @@ def check_relative_path(rel: str, where: str) -> None:
     Raises:
         UnsafePickleError: absolute, ``..``, a path separator, a NUL byte, or empty.
     """
-    bad = (not rel or "\x00" in rel or "/" in rel or "\\" in rel or rel in (".", "..") or os.path.isabs(rel)
-           or rel.startswith("~"))
+    bad = (
+        not rel
+        or "\x00" in rel
+        or "/" in rel
+        or "\\" in rel
+        or rel in (".", "..")
+        or os.path.isabs(rel)
+        or rel.startswith("~")
+    )
     if bad:
-        raise UnsafePickleError(f"{where}: data file name {rel!r} would leave the checkpoint directory; refused "
-                                "(DCP writes plain file names such as __0_0.distcp)")
+        raise UnsafePickleError(
+            f"{where}: data file name {rel!r} would leave the checkpoint directory; refused "
+            "(DCP writes plain file names such as __0_0.distcp)"
+        )
 
 
 def read_metadata(path: str | os.PathLike) -> DcpMetadata:
@@ -283,8 +300,10 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         if size > MAX_METADATA_BYTES:
             from ckptfix.errors import ResourceLimitError
 
-            raise ResourceLimitError(f"{mpath}: {size} bytes of DCP metadata is over the {MAX_METADATA_BYTES}-byte "
-                                     "limit; set CKPTFIX_DCP_MAX_METADATA to read it")
+            raise ResourceLimitError(
+                f"{mpath}: {size} bytes of DCP metadata is over the {MAX_METADATA_BYTES}-byte "
+                "limit; set CKPTFIX_DCP_MAX_METADATA to read it"
+            )
         with open(mpath, "rb") as f:
             data = f.read()
     except FileNotFoundError:
@@ -303,8 +322,10 @@ def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
     except (CorruptCheckpointError, UnsafePickleError, UnsupportedError):
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle: a typed error, never a traceback
-        raise CorruptCheckpointError(f"{mpath}: cannot read DCP metadata ({type(e).__name__}: "
-                                     f"{str(e)[:200]}); the file is truncated or not DCP metadata") from None
+        raise CorruptCheckpointError(
+            f"{mpath}: cannot read DCP metadata ({type(e).__name__}: "
+            f"{str(e)[:200]}); the file is truncated or not DCP metadata"
+        ) from None
     meta = _records(root, path, mpath)
     meta.globals_seen = dict(up.globals_seen)
     meta.foreign = dict(up.foreign)
@@ -338,12 +359,15 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
     planner_data: dict[str, tuple] = {}
     if isinstance(planner, dict):
         for k, v in planner.items():
-            if isinstance(k, str) and isinstance(v, (tuple, list)) and v and all(
-                    isinstance(p, str) or (type(p) is int and 0 <= p <= MAX_LIST_INDEX) for p in v):
+            if (
+                isinstance(k, str)
+                and isinstance(v, (tuple, list))
+                and v
+                and all(isinstance(p, str) or (type(p) is int and 0 <= p <= MAX_LIST_INDEX) for p in v)
+            ):
                 planner_data[k] = tuple(v)
             else:
-                raise CorruptCheckpointError(f"{mpath}: malformed planner_data entry {str(k)[:80]!r}; not DCP "
-                                             "metadata")
+                raise CorruptCheckpointError(f"{mpath}: malformed planner_data entry {str(k)[:80]!r}; not DCP metadata")
     elif planner is not None:
         raise CorruptCheckpointError(f"{mpath}: malformed planner_data; not DCP metadata")
     storage = st.get("storage_data")
@@ -364,30 +388,49 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
         if isinstance(e, BytesEntry):
             e.location = found.pop((fqn, None), None)
             if e.location is None:
-                raise CorruptCheckpointError(f"{where}: no storage entry for this object; the metadata is "
-                                             "incomplete")
+                raise CorruptCheckpointError(f"{where}: no storage entry for this object; the metadata is incomplete")
             continue
         for c in e.chunks:
             loc = found.pop((fqn, c.offsets), None)
             if loc is None:
-                raise CorruptCheckpointError(f"{where}: no storage entry for the chunk at {list(c.offsets)}; the "
-                                             "metadata is incomplete")
+                raise CorruptCheckpointError(
+                    f"{where}: no storage entry for the chunk at {list(c.offsets)}; the metadata is incomplete"
+                )
             e.locations.append(loc)
     if found:
         fqn, off = next(iter(found))
-        raise CorruptCheckpointError(f"{mpath}: storage entry {fqn!r}@{list(off) if off else off} belongs to no "
-                                     "state-dict entry; the metadata is inconsistent")
-    files = sorted({loc.relative_path for e in entries.values()
-                    for loc in ([e.location] if isinstance(e, BytesEntry) else e.locations) if loc is not None})
+        raise CorruptCheckpointError(
+            f"{mpath}: storage entry {fqn!r}@{list(off) if off else off} belongs to no "
+            "state-dict entry; the metadata is inconsistent"
+        )
+    files = sorted(
+        {
+            loc.relative_path
+            for e in entries.values()
+            for loc in ([e.location] if isinstance(e, BytesEntry) else e.locations)
+            if loc is not None
+        }
+    )
     version = st.get("version")
-    return DcpMetadata(path=path, entries=entries, planner_data=planner_data, files=files, globals_seen={},
-                       foreign={}, raw=root, version=version if isinstance(version, str) else None)
+    return DcpMetadata(
+        path=path,
+        entries=entries,
+        planner_data=planner_data,
+        files=files,
+        globals_seen={},
+        foreign={},
+        raw=root,
+        version=version if isinstance(version, str) else None,
+    )
 
 
 # --------------------------------------------------------------------------- validation
 
+
 def _overlap(a: Chunk, b: Chunk) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+    return all(
+        ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=False)
+    )
 
 
 def check_tiling(e: TensorEntry, where: str) -> None:
@@ -400,30 +443,37 @@ def check_tiling(e: TensorEntry, where: str) -> None:
     total = 0
     for c in e.chunks:
         if len(c.offsets) != nd or len(c.sizes) != nd:
-            raise CorruptCheckpointError(f"{where}: chunk at {list(c.offsets)} has {len(c.offsets)} dims, the "
-                                         f"tensor {nd}; the metadata is corrupt")
-        for o, s, g in zip(c.offsets, c.sizes, e.shape):
+            raise CorruptCheckpointError(
+                f"{where}: chunk at {list(c.offsets)} has {len(c.offsets)} dims, the "
+                f"tensor {nd}; the metadata is corrupt"
+            )
+        for o, s, g in zip(c.offsets, c.sizes, e.shape, strict=False):
             if o + s > g:
-                raise CorruptCheckpointError(f"{where}: chunk {list(c.offsets)}+{list(c.sizes)} reaches past the "
-                                             f"tensor's shape {list(e.shape)}; the metadata is corrupt")
+                raise CorruptCheckpointError(
+                    f"{where}: chunk {list(c.offsets)}+{list(c.sizes)} reaches past the "
+                    f"tensor's shape {list(e.shape)}; the metadata is corrupt"
+                )
         total += c.numel
     live = [c for c in e.chunks if c.numel]
     if nd:
         live.sort(key=lambda c: c.offsets[0])
         for i, a in enumerate(live):  # sweep on dim 0: only chunks starting before a ends can overlap it
             end0 = a.offsets[0] + a.sizes[0]
-            for b in live[i + 1:]:
+            for b in live[i + 1 :]:
                 if b.offsets[0] >= end0:
                     break
                 if _overlap(a, b):
                     raise CorruptCheckpointError(
                         f"{where}: chunks {list(a.offsets)}+{list(a.sizes)} and {list(b.offsets)}+{list(b.sizes)} "
-                        "overlap; the checkpoint mixes saves of different runs or its metadata is corrupt")
+                        "overlap; the checkpoint mixes saves of different runs or its metadata is corrupt"
+                    )
     elif len(live) > 1:
         raise CorruptCheckpointError(f"{where}: a scalar saved as {len(live)} chunks; the metadata is corrupt")
     if total != e.numel:
-        raise CorruptCheckpointError(f"{where}: the chunks cover {total} of {e.numel} elements (a hole); a rank's "
-                                     "shard is missing from the metadata")
+        raise CorruptCheckpointError(
+            f"{where}: the chunks cover {total} of {e.numel} elements (a hole); a rank's "
+            "shard is missing from the metadata"
+        )
 
 
 def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
@@ -447,21 +497,26 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
                 raise FileNotFoundError(p)
             sizes[rel] = os.path.getsize(p)
         except OSError:
-            raise CheckpointNotFoundError(f"{meta.path}: data file {rel} is missing (the metadata references it); "
-                                          "copy the whole checkpoint directory") from None
+            raise CheckpointNotFoundError(
+                f"{meta.path}: data file {rel} is missing (the metadata references it); "
+                "copy the whole checkpoint directory"
+            ) from None
     listed = set(meta.files)
     extra = sorted(n for n in os.listdir(meta.path) if n.endswith(".distcp") and n not in listed)
     if extra:
-        raise CorruptCheckpointError(f"{meta.path}: {', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not "
-                                     "referenced by .metadata (a leftover of another save, or .metadata of a "
-                                     "different run); remove stray files or re-save the checkpoint")
+        raise CorruptCheckpointError(
+            f"{meta.path}: {', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not "
+            "referenced by .metadata (a leftover of another save, or .metadata of a "
+            "different run); remove stray files or re-save the checkpoint"
+        )
     for e in meta.tensors():
-        for c, loc in zip(e.chunks, e.locations):
+        for c, loc in zip(e.chunks, e.locations, strict=False):
             if loc.length < c.numel * e.element_size:
                 raise CorruptCheckpointError(
                     f"{meta.path}: {e.fqn!r} chunk {list(c.offsets)} needs {c.numel * e.element_size} bytes but is "
                     f"recorded as {loc.length} bytes of {loc.relative_path} (.metadata from a different run, or "
-                    "corrupt)")
+                    "corrupt)"
+                )
     for e in meta.entries.values():
         locs = [e.location] if isinstance(e, BytesEntry) else e.locations
         for loc in locs:
@@ -469,11 +524,13 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
                 raise CorruptCheckpointError(
                     f"{meta.path}: {e.fqn!r} is recorded at bytes {loc.offset}..{loc.offset + loc.length} of "
                     f"{loc.relative_path}, which has {sizes[loc.relative_path]} bytes (truncated file, or "
-                    ".metadata from a different run)")
+                    ".metadata from a different run)"
+                )
     return sizes
 
 
 # --------------------------------------------------------------------------- writing
+
 
 def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
     """A new placeholder tree with entries moved to new key paths (``old path -> new path``).

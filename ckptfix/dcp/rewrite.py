@@ -63,18 +63,34 @@ def _verify(path: str, data: bytes, old: DcpMetadata, fqn_new: Mapping[str, str]
         raise VerificationError(f"{path}: the rewritten .metadata does not read back with the same entries")
     for fqn, e in old.entries.items():
         n = new.entries.get(fqn_new[fqn])
-        same = (type(n) is type(e) and (
+        same = type(n) is type(e) and (
             (isinstance(e, BytesEntry) and n.location == e.location)  # type: ignore[union-attr]
-            or (not isinstance(e, BytesEntry) and (n.dtype, n.shape, n.chunks, n.locations)  # type: ignore[union-attr]
-                == (e.dtype, e.shape, e.chunks, e.locations))))
+            or (
+                not isinstance(e, BytesEntry)
+                and (n.dtype, n.shape, n.chunks, n.locations)  # type: ignore[union-attr]
+                == (e.dtype, e.shape, e.chunks, e.locations)
+            )
+        )
         if not same:
-            raise VerificationError(f"{path}: entry {fqn!r} (now {fqn_new[fqn]!r}) reads back differently from the "
-                                    "source; nothing was written")
+            raise VerificationError(
+                f"{path}: entry {fqn!r} (now {fqn_new[fqn]!r}) reads back differently from the "
+                "source; nothing was written"
+            )
 
 
-def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, output: str | None = None,
-                in_place: bool = False, backup: bool = True, force: bool = False, key: str | None = None,
-                map_location: str | None = None, fsync: bool | None = None, suffix: str = "fixed") -> Any:
+def rewrite_dcp(
+    src: str,
+    transform: Callable[[Mapping[str, Any]], Any],
+    *,
+    output: str | None = None,
+    in_place: bool = False,
+    backup: bool = True,
+    force: bool = False,
+    key: str | None = None,
+    map_location: str | None = None,
+    fsync: bool | None = None,
+    suffix: str = "fixed",
+) -> Any:
     """Apply a key ``transform`` to a DCP directory's state dict (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
 
     Args:
@@ -99,23 +115,27 @@ def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, outp
     meta = read_metadata(src)
     meta.check_safe()
     if map_location not in (None, "cpu"):
-        raise UnsupportedError(f"{src}: DCP chunks carry no device tags (they are always loaded where the reader "
-                               "puts them); --map-location does not apply")
+        raise UnsupportedError(
+            f"{src}: DCP chunks carry no device tags (they are always loaded where the reader "
+            "puts them); --map-location does not apply"
+        )
     cf = read_dcp(src, meta)
     key_path, sd = find_state_dict(cf.obj, key)
     key_path = tuple(key_path)
     new_sd, detail = transform(sd)
-    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd)):
-        raise UnsupportedError(f"{src}: this rename does not map the DCP keys one to one; convert the checkpoint "
-                               "to a single file first (ckptfix convert)")
-    rename = {a: b for a, b in zip(sd, new_sd) if a != b}
+    if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd, strict=False)):
+        raise UnsupportedError(
+            f"{src}: this rename does not map the DCP keys one to one; convert the checkpoint "
+            "to a single file first (ckptfix convert)"
+        )
+    rename = {a: b for a, b in zip(sd, new_sd, strict=False) if a != b}
     paths: dict[tuple, tuple] = {}
     fqn_new: dict[str, str] = {}
     n = len(key_path)
     for fqn in meta.entries:
         p = meta.key_path(fqn)
         if len(p) > n and p[:n] == key_path and p[n] in rename:
-            q = key_path + (rename[p[n]],) + p[n + 1:]
+            q = key_path + (rename[p[n]],) + p[n + 1 :]
             paths[p] = q
             fqn_new[fqn] = ".".join(map(str, q))
         else:
@@ -125,8 +145,16 @@ def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, outp
         if new in seen:
             raise KeyConflictError(f"{src}: after the rename {old!r} and {seen[new]!r} would both be {new!r}")
         seen[new] = old
-    rep = RewriteReport(source=src, output=None, format_in="dcp", format_out="dcp", key_path=list(key_path),
-                        changed=bool(rename), renamed=len(rename), detail=_detail(detail))
+    rep = RewriteReport(
+        source=src,
+        output=None,
+        format_in="dcp",
+        format_out="dcp",
+        key_path=list(key_path),
+        changed=bool(rename),
+        renamed=len(rename),
+        detail=_detail(detail),
+    )
     if not rename:
         rep.notes.append("nothing to change; no file written")
         return rep
@@ -181,13 +209,16 @@ def rewrite_dcp(src: str, transform: Callable[[Mapping[str, Any]], Any], *, outp
         if old_away:
             shutil.rmtree(old_away, ignore_errors=True)
     rep.output = out
-    rep.notes.append(f"rewrote .metadata only; {linked} data file(s) hard-linked" + (f", {copied} copied (the file "
-                     "system cannot link them)" if copied else ""))
+    rep.notes.append(
+        f"rewrote .metadata only; {linked} data file(s) hard-linked"
+        + (f", {copied} copied (the file system cannot link them)" if copied else "")
+    )
     return rep
 
 
-def _in_place(src: str, meta: DcpMetadata, data: bytes, fqn_new: Mapping[str, str], rep: Any, *, backup: bool,
-              fsync: bool) -> Any:
+def _in_place(
+    src: str, meta: DcpMetadata, data: bytes, fqn_new: Mapping[str, str], rep: Any, *, backup: bool, fsync: bool
+) -> Any:
     mpath = os.path.join(src, METADATA_NAME)
     _verify(src, data, meta, fqn_new)
     fd, tmp = tempfile.mkstemp(prefix=".metadata.", suffix=".tmp", dir=src)

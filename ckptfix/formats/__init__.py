@@ -28,12 +28,32 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, KeyConflictError
-from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
+from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like  # noqa: F401 - TensorRecord re-exported
 
 #: environment variable (MiB) that lifts the cap on JSON metadata: safetensors headers, sharded indexes
 MAX_JSON_ENV = "CKPTFIX_MAX_JSON_MB"
 #: default cap, in MiB: a real index or header for 100k tensors is ~10-15 MB (parsed JSON takes ~10x that)
 DEFAULT_MAX_JSON_MB = 32
+
+
+def env_mib(name: str, default_mib: int) -> int:
+    """A size limit in bytes from the environment variable ``name`` (MiB), else ``default_mib`` MiB.
+
+    Raises:
+        ResourceLimitError: the variable is set but not a positive number.
+    """
+    from ckptfix.errors import ResourceLimitError
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default_mib << 20
+    try:
+        mb = float(raw)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0:
+        raise ResourceLimitError(f"{name}={raw!r} is not a positive number of MiB; set it like {name}=1024 or unset it")
+    return int(mb * (1 << 20))
 
 
 def max_json_bytes() -> int:
@@ -42,19 +62,8 @@ def max_json_bytes() -> int:
     Raises:
         ResourceLimitError: the environment variable is not a positive number.
     """
-    from ckptfix.errors import ResourceLimitError
+    return env_mib(MAX_JSON_ENV, DEFAULT_MAX_JSON_MB)
 
-    raw = os.environ.get(MAX_JSON_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_JSON_MB << 20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ResourceLimitError(f"{MAX_JSON_ENV}={raw!r} is not a positive number of MiB; set it like "
-                                 f"{MAX_JSON_ENV}=128 or unset it")
-    return int(mb * (1 << 20))
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_EMPTY = b"PK\x05\x06"
@@ -92,7 +101,8 @@ def sniff(path: str) -> str:
         cands = [n for n in sorted(os.listdir(path)) if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
         hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
         raise CheckpointNotFoundError(
-            f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}")
+            f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
+        )
     size = os.path.getsize(path)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
@@ -100,6 +110,7 @@ def sniff(path: str) -> str:
         head = f.read(16)
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
         from ckptfix.formats import zipfmt
+
         return zipfmt.zip_kind(path)
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return "pickle-stream"  # legacy torch.save or a bare pickle; told apart by the reader
@@ -120,16 +131,20 @@ def sniff(path: str) -> str:
             doc = None
         if isinstance(doc, dict) and "weight_map" in doc:
             return "sharded"
-        raise CorruptCheckpointError(f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
-                                     "pass the checkpoint file or a sharded *.index.json")
+        raise CorruptCheckpointError(
+            f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
+            "pass the checkpoint file or a sharded *.index.json"
+        )
     with open(path, "rb") as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
         return _tar_kind(path)
     if _looks_like_text(block):
         raise CorruptCheckpointError(f"{path}: a text file, not a checkpoint; pass the file torch.save wrote")
-    raise CorruptCheckpointError(f"{path}: not a checkpoint ckptfix recognises (not a torch zip, legacy pickle, "
-                                 "safetensors, DCP directory or sharded index); is it complete?")
+    raise CorruptCheckpointError(
+        f"{path}: not a checkpoint ckptfix recognises (not a torch zip, legacy pickle, "
+        "safetensors, DCP directory or sharded index); is it complete?"
+    )
 
 
 #: the members of a pre-0.4 torch.save tar archive
@@ -177,36 +192,58 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     kind = sniff(path)
     if kind in ("torch-zip", "torchscript"):
         from ckptfix.formats import zipfmt
+
         return zipfmt.read_zip(path, kind)
     if kind == "pickle-stream":
         from ckptfix.formats import legacy
+
         return legacy.read_pickle_stream(path)
     if kind == "safetensors":
         from ckptfix.formats import safetensors_fmt
+
         return safetensors_fmt.read_safetensors(path)
     if kind in ("sharded", "sharded-dir"):
         from ckptfix.formats import sharded
+
         return sharded.read_index(path)
     if kind == "dcp":
         from ckptfix.formats import dcp
+
         return dcp.read_dcp(path)
     if kind == "torch-tar":
         from ckptfix.errors import UnsupportedError
+
         raise UnsupportedError(tar_message(path))
     raise CorruptCheckpointError(f"{path}: unrecognised checkpoint format")
 
 
 def tar_message(path: str) -> str:
     """Why a pre-0.4 tar checkpoint is refused, and what to do (used by every command)."""
-    return (f"{path}: a pre-0.4 torch.save tar checkpoint; ckptfix cannot read its pickles without running them, "
-            "so it is neither scanned nor loaded. Only if you made the file yourself: load it with "
-            "load_anywhere(path, trust=True) (runs any code in it) and save it again")
+    return (
+        f"{path}: a pre-0.4 torch.save tar checkpoint; ckptfix cannot read its pickles without running them, "
+        "so it is neither scanned nor loaded. Only if you made the file yourself: load it with "
+        "load_anywhere(path, trust=True) (runs any code in it) and save it again"
+    )
 
 
 # --------------------------------------------------------------------------- state dict discovery
 
-STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model", "model_state", "net", "network", "module",
-                   "ema", "model_ema", "state_dict_ema", "ema_state_dict", "weights", "params", "generator")
+STATE_DICT_KEYS = (
+    "state_dict",
+    "model_state_dict",
+    "model",
+    "model_state",
+    "net",
+    "network",
+    "module",
+    "ema",
+    "model_ema",
+    "state_dict_ema",
+    "ema_state_dict",
+    "weights",
+    "params",
+    "generator",
+)
 
 
 def is_tensor_dict(obj: Any) -> bool:
@@ -222,8 +259,9 @@ def is_tensor_dict(obj: Any) -> bool:
 
 
 def _is_mapping(obj: Any) -> bool:
-    return isinstance(obj, Mapping) or (hasattr(obj, "items") and hasattr(obj, "keys") and hasattr(obj, "__getitem__")
-                                        and not isinstance(obj, type))
+    return isinstance(obj, Mapping) or (
+        hasattr(obj, "items") and hasattr(obj, "keys") and hasattr(obj, "__getitem__") and not isinstance(obj, type)
+    )
 
 
 def _walk(obj: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tuple[str, ...], Any]]:
@@ -299,8 +337,9 @@ def find_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], 
         tensors = {k: v for k, v in obj.items() if is_tensor_like(v)}
         if tensors:
             return (), obj
-    raise CorruptCheckpointError("no state dict (a mapping of names to tensors) found in the checkpoint; "
-                                 "pass key=... / --key to say where it is")
+    raise CorruptCheckpointError(
+        "no state dict (a mapping of names to tensors) found in the checkpoint; pass key=... / --key to say where it is"
+    )
 
 
 def iter_tensors(obj: Any, path: str = "", depth: int = 8, seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
@@ -320,6 +359,7 @@ def iter_tensors(obj: Any, path: str = "", depth: int = 8, seen: set[int] | None
             yield from iter_tensors(v, f"{path}.{i}" if path else str(i), depth - 1, seen)
     else:
         from ckptfix.pickles import Stub
+
         if isinstance(obj, Stub):
             if obj._state is not None:
                 yield from iter_tensors(obj._state, path, depth - 1, seen)

@@ -83,16 +83,38 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
     for e in meta.tensors():
         top = str(meta.key_path(e.fqn)[0])
         by_top[top] = by_top.get(top, 0) + 1
-    summary = {"tensors_by_top_level_key": by_top, "files": len(meta.files), "ranks": len(ranks) or len(meta.files), "chunks": chunks,
-               "tensors": sum(1 for _ in meta.tensors()), "objects": len(meta.entries) - sum(1 for _ in meta.tensors()),
-               "version": meta.version}
-    notes.insert(0, f"DCP: {summary['tensors']} tensors in {chunks} chunks over {len(meta.files)} data file(s) "
-                    f"from {summary['ranks']} rank(s), {summary['objects']} non-tensor object(s)"
-                    + (f"; tensors per top-level key: {', '.join(f'{k} {v}' for k, v in by_top.items())}"
-                       if len(by_top) > 1 else ""))
+    summary = {
+        "tensors_by_top_level_key": by_top,
+        "files": len(meta.files),
+        "ranks": len(ranks) or len(meta.files),
+        "chunks": chunks,
+        "tensors": sum(1 for _ in meta.tensors()),
+        "objects": len(meta.entries) - sum(1 for _ in meta.tensors()),
+        "version": meta.version,
+    }
+    notes.insert(
+        0,
+        f"DCP: {summary['tensors']} tensors in {chunks} chunks over {len(meta.files)} data file(s) "
+        f"from {summary['ranks']} rank(s), {summary['objects']} non-tensor object(s)"
+        + (
+            f"; tensors per top-level key: {', '.join(f'{k} {v}' for k, v in by_top.items())}"
+            if len(by_top) > 1
+            else ""
+        ),
+    )
     if meta.foreign:
-        notes.append(f".metadata references foreign globals ({', '.join(sorted(meta.foreign)[:3])}); loaders refuse "
-                     "this directory")
-    return CheckpointFile(path=path, format="dcp", obj=obj, storages=storages, globals_seen=globals_seen,
-                          stubbed=stubbed, file_size=size, notes=notes,
-                          extra={"shards": meta.files, "dcp": summary, "metadata": meta})
+        notes.append(
+            f".metadata references foreign globals ({', '.join(sorted(meta.foreign)[:3])}); loaders refuse "
+            "this directory"
+        )
+    return CheckpointFile(
+        path=path,
+        format="dcp",
+        obj=obj,
+        storages=storages,
+        globals_seen=globals_seen,
+        stubbed=stubbed,
+        file_size=size,
+        notes=notes,
+        extra={"shards": meta.files, "dcp": summary, "metadata": meta},
+    )

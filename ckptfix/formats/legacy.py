@@ -28,8 +28,9 @@ def _load_one(f, path: str, what: str, storages: dict[str, StorageRecord] | None
     except CkptfixError:
         raise
     except Exception as e:
-        raise CorruptCheckpointError(f"{path}: cannot read the {what} ({type(e).__name__}: {e}); "
-                                     "the file is corrupt or not a checkpoint") from None
+        raise CorruptCheckpointError(
+            f"{path}: cannot read the {what} ({type(e).__name__}: {e}); the file is corrupt or not a checkpoint"
+        ) from None
 
 
 def read_pickle_stream(path: str) -> CheckpointFile:
@@ -38,9 +39,16 @@ def read_pickle_stream(path: str) -> CheckpointFile:
         first, up0 = _load_one(f, path, "first pickle")
         if first != MAGIC_NUMBER:
             # a bare pickle (pickle.dump of a dict of tensors is not loadable by torch, but a dict of numbers is)
-            return CheckpointFile(path=path, format="pickle", obj=first, storages=up0.storages,
-                                  globals_seen=dict(up0.globals_seen), stubbed=set(up0.stubbed), file_size=size,
-                                  extra={"pickle_end": f.tell()})
+            return CheckpointFile(
+                path=path,
+                format="pickle",
+                obj=first,
+                storages=up0.storages,
+                globals_seen=dict(up0.globals_seen),
+                stubbed=set(up0.stubbed),
+                file_size=size,
+                extra={"pickle_end": f.tell()},
+            )
         protocol, _ = _load_one(f, path, "protocol version")
         sys_info, _ = _load_one(f, path, "system info")
         if protocol != 1001:
@@ -64,18 +72,25 @@ def read_pickle_stream(path: str) -> CheckpointFile:
             (numel,) = struct.unpack("<q", f.read(8))
             nbytes = numel * rec.element_size
             if numel < 0:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} has a negative size ({numel}); the file is "
-                                             "corrupt")
+                raise CorruptCheckpointError(
+                    f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt"
+                )
             if rec.file_offset is not None:
                 raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
             rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
             pos += 8 + nbytes
             if pos > size:
                 raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
-    return CheckpointFile(path=path, format="torch-legacy", obj=obj, storages=up.storages,
-                          globals_seen=dict(up.globals_seen), stubbed=set(up.stubbed), file_size=size,
-                          extra={"pickle_start": pickle_start, "pickle_end": pickle_end, "storage_keys": keys,
-                                 "sys_info": sys_info})
+    return CheckpointFile(
+        path=path,
+        format="torch-legacy",
+        obj=obj,
+        storages=up.storages,
+        globals_seen=dict(up.globals_seen),
+        stubbed=set(up.stubbed),
+        file_size=size,
+        extra={"pickle_start": pickle_start, "pickle_end": pickle_end, "storage_keys": keys, "sys_info": sys_info},
+    )
 
 
 def scan_stream(path: str):

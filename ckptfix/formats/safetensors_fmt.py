@@ -15,10 +15,22 @@ MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 
 #: safetensors dtype code -> torch dtype name
 ST_TO_DTYPE: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
     "C64": "complex64",
 }
 DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
@@ -41,25 +53,32 @@ def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any]
             raise CorruptCheckpointError(f"{path}: too short for a safetensors file")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER:
-            raise CorruptCheckpointError(f"{path}: safetensors header claims {n} bytes (limit {MAX_HEADER}); "
-                                         "the file is corrupt or hostile")
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header claims {n} bytes (limit {MAX_HEADER}); the file is corrupt or hostile"
+            )
         if n + 8 > size:
-            raise CorruptCheckpointError(f"{path}: safetensors header ({n} bytes) runs past the end of the file "
-                                         f"({size} bytes); the file is truncated")
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header ({n} bytes) runs past the end of the file "
+                f"({size} bytes); the file is truncated"
+            )
         limit = max_json_bytes() if max_bytes is None else max_bytes
         if n > limit:
-            raise ResourceLimitError(f"{path}: safetensors header is {n} bytes, over the {limit >> 20} MiB "
-                                     "limit for JSON metadata (a real header is a few MB); if you trust the file, "
-                                     f"raise {MAX_JSON_ENV}=<MiB>")
+            raise ResourceLimitError(
+                f"{path}: safetensors header is {n} bytes, over the {limit >> 20} MiB "
+                "limit for JSON metadata (a real header is a few MB); if you trust the file, "
+                f"raise {MAX_JSON_ENV}=<MiB>"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt") \
-            from None
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header is not valid JSON ({e}); the file is corrupt"
+        ) from None
     except RecursionError:
-        raise CorruptCheckpointError(f"{path}: safetensors header JSON is nested too deep; the file is corrupt or "
-                                     "hostile") from None
+        raise CorruptCheckpointError(
+            f"{path}: safetensors header JSON is nested too deep; the file is corrupt or hostile"
+        ) from None
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
     return header, 8 + n
@@ -93,13 +112,14 @@ def read_safetensors(path: str) -> CheckpointFile:
         for d in shape:  # multiplied in order, as safetensors checks it: an overflow is a corrupt header
             n *= d
             if n >= 1 << 64:
-                raise CorruptCheckpointError(f"{path}: tensor {name!r} has an impossible shape {list(shape)}; the "
-                                             "file is corrupt")
+                raise CorruptCheckpointError(
+                    f"{path}: tensor {name!r} has an impossible shape {list(shape)}; the file is corrupt"
+                )
         if begin < 0 or end < begin or start + end > size:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated "
-                                         "or corrupt")
-        rec = StorageRecord(key=name, dtype=dt, location="cpu", numel=None, file_offset=start + begin,
-                            nbytes=end - begin, source=path)
+            raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated or corrupt")
+        rec = StorageRecord(
+            key=name, dtype=dt, location="cpu", numel=None, file_offset=start + begin, nbytes=end - begin, source=path
+        )
         stride: list[int] = []
         acc = 1
         for s in reversed(shape):
@@ -107,8 +127,10 @@ def read_safetensors(path: str) -> CheckpointFile:
             acc *= s
         t = TensorRecord(rec, 0, shape, tuple(stride), dt)
         if t.nbytes != rec.nbytes:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r}: shape {list(shape)} of {dt} needs {t.nbytes} "
-                                         f"bytes but the header gives {rec.nbytes}")
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r}: shape {list(shape)} of {dt} needs {t.nbytes} "
+                f"bytes but the header gives {rec.nbytes}"
+            )
         storages[name] = rec
         obj[name] = t
     # as the safetensors library requires: the byte ranges tile the data section exactly, in some order
@@ -116,12 +138,22 @@ def read_safetensors(path: str) -> CheckpointFile:
     pos = 0
     for rec in sorted(storages.values(), key=lambda r: (r.file_offset, r.nbytes)):
         if rec.file_offset - start != pos:
-            raise CorruptCheckpointError(f"{path}: tensor {rec.key!r} starts at byte {rec.file_offset - start} of "
-                                         f"the data, expected {pos} (overlapping or gapped offsets); the file is "
-                                         "corrupt")
+            raise CorruptCheckpointError(
+                f"{path}: tensor {rec.key!r} starts at byte {rec.file_offset - start} of "
+                f"the data, expected {pos} (overlapping or gapped offsets); the file is "
+                "corrupt"
+            )
         pos += rec.nbytes
     if start + pos != size:
-        raise CorruptCheckpointError(f"{path}: the tensors cover {pos} bytes of data but the file holds "
-                                     f"{size - start}; the file is truncated or corrupt")
-    return CheckpointFile(path=path, format="safetensors", obj=obj, storages=storages, file_size=size,
-                          extra={"metadata": meta, "data_start": start})
+        raise CorruptCheckpointError(
+            f"{path}: the tensors cover {pos} bytes of data but the file holds "
+            f"{size - start}; the file is truncated or corrupt"
+        )
+    return CheckpointFile(
+        path=path,
+        format="safetensors",
+        obj=obj,
+        storages=storages,
+        file_size=size,
+        extra={"metadata": meta, "data_start": start},
+    )

@@ -12,8 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from ckptfix.errors import (CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError,
-                            UnsupportedError)
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError, UnsupportedError
 from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
 
 
@@ -73,20 +72,27 @@ def shard_file(ipath: str, shard: object) -> str:
     """
     base = os.path.dirname(os.path.abspath(ipath))
     if not isinstance(shard, str) or not shard:
-        raise CorruptCheckpointError(f"{ipath}: a shard name in the weight map is {shard!r}, not a file name; the "
-                                     "index is corrupt")
+        raise CorruptCheckpointError(
+            f"{ipath}: a shard name in the weight map is {shard!r}, not a file name; the index is corrupt"
+        )
     parts = shard.replace("\\", "/").split("/")
     if "\x00" in shard or os.path.isabs(shard) or shard.startswith(("/", "\\")) or ".." in parts:
-        raise UnsupportedError(f"{ipath}: shard {shard!r} points outside the index's directory; refused "
-                                     "(shard names must be files next to the index)")
+        raise UnsupportedError(
+            f"{ipath}: shard {shard!r} points outside the index's directory; refused "
+            "(shard names must be files next to the index)"
+        )
     sp = os.path.join(base, shard)
     if not os.path.isfile(sp):
-        raise CheckpointNotFoundError(f"{ipath}: shard {shard!r} is listed in the index but missing from {base}; "
-                                      "download or copy every shard next to the index")
+        raise CheckpointNotFoundError(
+            f"{ipath}: shard {shard!r} is listed in the index but missing from {base}; "
+            "download or copy every shard next to the index"
+        )
     real = os.path.realpath(sp)
     if not _inside(real, _allowed_roots(base)):
-        raise UnsupportedError(f"{ipath}: shard {shard!r} is a link to {real}, outside the index's "
-                                     "directory; refused (copy the shard next to the index)")
+        raise UnsupportedError(
+            f"{ipath}: shard {shard!r} is a link to {real}, outside the index's "
+            "directory; refused (copy the shard next to the index)"
+        )
     if real == os.path.realpath(ipath) or shard.endswith(".index.json"):
         raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is an index itself; the index is corrupt")
     return sp
@@ -112,25 +118,30 @@ def load_index(path: str) -> ShardIndex:
         raise CheckpointNotFoundError(f"{ipath}: cannot read the index ({e.strerror})") from None
     limit = max_json_bytes()
     if size > limit:
-        raise ResourceLimitError(f"{ipath}: the index is {size} bytes, over the {limit >> 20} MiB limit for JSON "
-                                 f"metadata (a real index is a few MB); if you trust it, raise {MAX_JSON_ENV}=<MiB>")
+        raise ResourceLimitError(
+            f"{ipath}: the index is {size} bytes, over the {limit >> 20} MiB limit for JSON "
+            f"metadata (a real index is a few MB); if you trust it, raise {MAX_JSON_ENV}=<MiB>"
+        )
     try:
         with open(ipath, "rb") as f:
             doc = json.loads(f.read().decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (not JSON); the file is corrupt") from None
     except RecursionError:
-        raise CorruptCheckpointError(f"{ipath}: the index JSON is nested too deep; the file is corrupt or "
-                                     "hostile") from None
+        raise CorruptCheckpointError(
+            f"{ipath}: the index JSON is nested too deep; the file is corrupt or hostile"
+        ) from None
     weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(weight_map, dict):
-        raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (needs a 'weight_map' object of tensor "
-                                     "names to shard files)")
+        raise CorruptCheckpointError(
+            f"{ipath}: not a valid sharded index (needs a 'weight_map' object of tensor names to shard files)"
+        )
     if not weight_map:
-        raise CorruptCheckpointError(f"{ipath}: the index's weight_map is empty (no tensors); the index is corrupt "
-                                     "or incomplete")
+        raise CorruptCheckpointError(
+            f"{ipath}: the index's weight_map is empty (no tensors); the index is corrupt or incomplete"
+        )
     shards: dict[str, str] = {}
-    for name, shard in weight_map.items():
+    for shard in weight_map.values():
         if shard not in shards:
             shards[shard] = shard_file(ipath, shard)
     return ShardIndex(path=ipath, doc=doc, weight_map=dict(weight_map), shards=shards)
@@ -151,8 +162,9 @@ def read_index(path: str) -> CheckpointFile:
     for shard, sp in idx.shards.items():
         kind = sniff(sp)
         if kind in ("sharded", "sharded-dir", "dcp"):
-            raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is a {kind} checkpoint, not a checkpoint file; "
-                                         "the index is corrupt")
+            raise CorruptCheckpointError(
+                f"{ipath}: shard {shard!r} is a {kind} checkpoint, not a checkpoint file; the index is corrupt"
+            )
         shards[shard] = read_checkpoint(sp)
     obj: dict = {}
     storages: dict = {}
@@ -171,7 +183,17 @@ def read_index(path: str) -> CheckpointFile:
             globals_seen[g] = globals_seen.get(g, 0) + n
         stubbed |= cf.stubbed
     total = sum(cf.file_size for cf in shards.values())
-    return CheckpointFile(path=ipath, format="sharded", obj=obj, storages=storages, globals_seen=globals_seen,
-                          stubbed=stubbed, file_size=total,
-                          extra={"shards": shards, "index": idx.doc, "shard_format": next(iter(shards.values())).format
-                                 if shards else None})
+    return CheckpointFile(
+        path=ipath,
+        format="sharded",
+        obj=obj,
+        storages=storages,
+        globals_seen=globals_seen,
+        stubbed=stubbed,
+        file_size=total,
+        extra={
+            "shards": shards,
+            "index": idx.doc,
+            "shard_format": next(iter(shards.values())).format if shards else None,
+        },
+    )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
-from ckptfix.formats import CheckpointFile
+from ckptfix.formats import CheckpointFile, env_mib
 from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
 from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
@@ -44,17 +44,7 @@ def max_pickle_bytes() -> int:
     Raises:
         ResourceLimitError: the environment variable is not a positive number.
     """
-    raw = os.environ.get(MAX_PICKLE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_PICKLE_MB << 20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ResourceLimitError(f"{MAX_PICKLE_ENV}={raw!r} is not a positive number of MiB; set it like "
-                                 f"{MAX_PICKLE_ENV}=1024 or unset it")
-    return int(mb * (1 << 20))
+    return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
 
 
 @dataclass
@@ -67,19 +57,31 @@ class Member:
 
 
 #: what zipfile raises on damaged archives (beyond BadZipFile)
-ZIP_ERRORS = (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, NotImplementedError, zlib.error,
-              KeyError, IndexError, OverflowError)
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    struct.error,
+    EOFError,
+    NotImplementedError,
+    zlib.error,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
 
 
 def _open_zip(path: str) -> zipfile.ZipFile:
     try:
         return zipfile.ZipFile(path)
     except zipfile.BadZipFile as e:
-        raise CorruptCheckpointError(f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — "
-                                     "re-copy or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — re-copy or re-save it"
+        ) from None
     except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{path}: unreadable zip archive ({type(e).__name__}: {e}); the file is "
-                                     "corrupt") from None
+        raise CorruptCheckpointError(
+            f"{path}: unreadable zip archive ({type(e).__name__}: {e}); the file is corrupt"
+        ) from None
 
 
 def zip_kind(path: str) -> str:
@@ -112,13 +114,17 @@ def check_names(path: str, names: list[str]) -> None:
         folded = n.casefold()
         if folded in seen:
             what = "twice" if seen[folded] == n else f"twice, as {seen[folded]!r} and {n!r} (torch ignores case)"
-            raise CorruptCheckpointError(f"{path}: the archive lists member {n!r} {what}; torch and other readers "
-                                         "would read different data, so the file is refused as corrupt or "
-                                         "crafted — re-save it with torch.save")
+            raise CorruptCheckpointError(
+                f"{path}: the archive lists member {n!r} {what}; torch and other readers "
+                "would read different data, so the file is refused as corrupt or "
+                "crafted — re-save it with torch.save"
+            )
         seen[folded] = n
         if n.startswith("/") or "\\" in n or "\x00" in n or ".." in n.split("/"):
-            raise CorruptCheckpointError(f"{path}: the archive has a member named {n!r} (absolute, '..', "
-                                         "backslash or NUL); not a torch checkpoint — refused")
+            raise CorruptCheckpointError(
+                f"{path}: the archive has a member named {n!r} (absolute, '..', "
+                "backslash or NUL); not a torch checkpoint — refused"
+            )
 
 
 def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
@@ -143,15 +149,19 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
             raw_name = f.read(nlen)
             want = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
             if raw_name != want:
-                raise CorruptCheckpointError(f"{path}: zip entry {info.filename!r} is named {raw_name!r} in its "
-                                             "local header; the names disagree, so readers would differ — the file "
-                                             "is corrupt or crafted")
+                raise CorruptCheckpointError(
+                    f"{path}: zip entry {info.filename!r} is named {raw_name!r} in its "
+                    "local header; the names disagree, so readers would differ — the file "
+                    "is corrupt or crafted"
+                )
             off = info.header_offset + 30 + nlen + elen
             if off + info.compress_size > size:
-                raise CorruptCheckpointError(f"{path}: entry {info.filename!r} runs past the end of the file "
-                                             "(truncated download or copy?)")
-            out[info.filename] = Member(info.filename, off, info.file_size, info.CRC,
-                                        info.compress_type != zipfile.ZIP_STORED)
+                raise CorruptCheckpointError(
+                    f"{path}: entry {info.filename!r} runs past the end of the file (truncated download or copy?)"
+                )
+            out[info.filename] = Member(
+                info.filename, off, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
+            )
     return out
 
 
@@ -179,9 +189,11 @@ def torch_root(path: str, names: list[str]) -> str:
     if "/" in names[0]:
         first = names[0].split("/", 1)[0] + "/"
         if first != root:
-            raise CorruptCheckpointError(f"{path}: the archive's first entry is in {first!r} but data.pkl is in "
-                                         f"{root or './'!r}; torch would read another record than ckptfix — the "
-                                         "file is corrupt or crafted")
+            raise CorruptCheckpointError(
+                f"{path}: the archive's first entry is in {first!r} but data.pkl is in "
+                f"{root or './'!r}; torch would read another record than ckptfix — the "
+                "file is corrupt or crafted"
+            )
     return root
 
 
@@ -200,10 +212,12 @@ def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> 
     packed = [i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
     rec = [i for i in packed if "/data/" in f"/{i.filename}"]
     if rec and records:
-        raise UnsupportedError(f"{path}: tensor record {rec[0].filename!r} is compressed (the archive was re-zipped "
-                               "with compression; torch.save stores records uncompressed, which ckptfix needs to read "
-                               "tensors in place); re-zip it uncompressed (zip -0) or load it with torch.load and "
-                               "torch.save it again")
+        raise UnsupportedError(
+            f"{path}: tensor record {rec[0].filename!r} is compressed (the archive was re-zipped "
+            "with compression; torch.save stores records uncompressed, which ckptfix needs to read "
+            "tensors in place); re-zip it uncompressed (zip -0) or load it with torch.load and "
+            "torch.save it again"
+        )
     packed = [i for i in packed if i not in rec]
     if packed and sum(i.file_size for i in packed) > max_pickle_bytes():
         big = max(packed, key=lambda i: i.file_size)
@@ -238,17 +252,20 @@ def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) ->
     except ResourceLimitError:
         raise
     except ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
-        raise CorruptCheckpointError(f"{path}: record {name!r} is damaged ({type(e).__name__}: {e}); the file is "
-                                     "corrupt — re-copy or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{path}: record {name!r} is damaged ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
+        ) from None
     budget[0] -= got
     return b"".join(parts)
 
 
 def _too_big(path: str, name: str, n: int) -> ResourceLimitError:
     limit = max_pickle_bytes() >> 20
-    return ResourceLimitError(f"{path}: record {name!r} inflates to {n} bytes or more, over the {limit} MiB limit for "
-                              f"pickles and small records (a zip bomb?); if you trust the file, raise it with "
-                              f"{MAX_PICKLE_ENV}=<MiB>")
+    return ResourceLimitError(
+        f"{path}: record {name!r} inflates to {n} bytes or more, over the {limit} MiB limit for "
+        f"pickles and small records (a zip bomb?); if you trust the file, raise it with "
+        f"{MAX_PICKLE_ENV}=<MiB>"
+    )
 
 
 def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
@@ -257,8 +274,9 @@ def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
     except ZIP_ERRORS as e:
-        raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
-                                     "— re-copy or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
+        ) from None
 
 
 def _read_zip(path: str, kind: str) -> CheckpointFile:
@@ -274,43 +292,61 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
         byteorder = "little"
         if root + "byteorder" in mem:
             byteorder = read_member(path, zf, root + "byteorder", budget).decode("ascii", "replace").strip()
-        code_files = {n: read_member(path, zf, n, budget).decode("utf-8", "replace") for n in names
-                      if kind == "torchscript" and n.startswith(root + "code/") and n.endswith(".py")}
+        code_files = {
+            n: read_member(path, zf, n, budget).decode("utf-8", "replace")
+            for n in names
+            if kind == "torchscript" and n.startswith(root + "code/") and n.endswith(".py")
+        }
     up = RecordingUnpickler(__import__("io").BytesIO(data_pkl))
     try:
         obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
     except Exception as e:
-        raise CorruptCheckpointError(f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); "
-                                     "the checkpoint is corrupt") from None
+        raise CorruptCheckpointError(
+            f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); the checkpoint is corrupt"
+        ) from None
     size = os.path.getsize(path)
     for key, rec in up.storages.items():
         m = mem.get(f"{root}data/{key}")
         if m is None:
             raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
         if m.compressed:
-            raise UnsupportedError(f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
-                                   "with compression; torch.save stores records uncompressed, which ckptfix needs "
-                                   "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
-                                   "torch.load and torch.save it again")
+            raise UnsupportedError(
+                f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
+                "with compression; torch.save stores records uncompressed, which ckptfix needs "
+                "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
+                "torch.load and torch.save it again"
+            )
         es = rec.element_size
         numel = rec.numel
         if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
-            raise CorruptCheckpointError(f"{path}: storage {key!r} declares a size of {numel!r} elements; the "
-                                         "checkpoint is corrupt")
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} declares a size of {numel!r} elements; the checkpoint is corrupt"
+            )
         need = numel * es if numel is not None else m.size
         if m.size < need:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
-                                         f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
-                                         "corrupt (torch.load refuses it too)")
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
+                f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
+                "corrupt (torch.load refuses it too)"
+            )
         if need % es:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
-                                         f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt")
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
+                f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
+            )
         rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
-    cf = CheckpointFile(path=path, format=kind, obj=obj, storages=up.storages, globals_seen=dict(up.globals_seen),
-                        stubbed=set(up.stubbed), file_size=size,
-                        extra={"root": root, "members": mem, "data_pkl": data_pkl, "byteorder": byteorder})
+    cf = CheckpointFile(
+        path=path,
+        format=kind,
+        obj=obj,
+        storages=up.storages,
+        globals_seen=dict(up.globals_seen),
+        stubbed=set(up.stubbed),
+        file_size=size,
+        extra={"root": root, "members": mem, "data_pkl": data_pkl, "byteorder": byteorder},
+    )
     if byteorder != "little":
         cf.notes.append(f"byte order is {byteorder}")
     if kind == "torchscript":
@@ -336,7 +372,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
     """
     out: dict[str, tuple[list[str], list[str]]] = {}
     for name, text in code_files.items():
-        mod = name[len(root) + len("code/"):-3].replace("/", ".")
+        mod = name[len(root) + len("code/") : -3].replace("/", ".")
         current: tuple[list[str], list[str]] | None = None
         collecting: list[str] | None = None
         for line in text.split("\n"):
@@ -354,7 +390,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
                 if not m:
                     continue
                 collecting = current[0] if m.group(1) == "__parameters__" else current[1]
-                rest = line[m.end():]
+                rest = line[m.end() :]
             end = rest.find("]")
             collecting.extend(_QUOTED_RE.findall(rest if end < 0 else rest[:end]))
             if end >= 0:
@@ -388,6 +424,7 @@ def torchscript_state_dict(obj: Any, code_files: dict[str, str], root: str) -> d
 
 # --------------------------------------------------------------------------- writing
 
+
 def _dos_time() -> tuple[int, int]:
     return 0, (1980 - 1980) << 9 | 1 << 5 | 1  # 1980-01-01 00:00, deterministic
 
@@ -408,8 +445,13 @@ class AlignedZipWriter:
         extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" padding, as torch writes
         s32 = 0xFFFFFFFF if zip64 else size
         t, d = _dos_time()
-        return struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, t, d, crc, s32, s32,
-                           len(name), len(extra)) + name + extra
+        return (
+            struct.pack(
+                "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0, 0, t, d, crc, s32, s32, len(name), len(extra)
+            )
+            + name
+            + extra
+        )
 
     def _start(self, name: str, crc: int, size: int) -> None:
         bname = name.encode("utf-8")
@@ -454,8 +496,30 @@ class AlignedZipWriter:
             s32 = 0xFFFFFFFF if size >= 0xFFFFFFFF else size
             o32 = 0xFFFFFFFF if off >= 0xFFFFFFFF else off
             t, d = _dos_time()
-            out += struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45 if need64 else 20, 45 if need64 else 20, 0, 0,
-                               t, d, crc, s32, s32, len(name), len(extra), 0, 0, 0, 0, o32) + name + extra
+            out += (
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    45 if need64 else 20,
+                    45 if need64 else 20,
+                    0,
+                    0,
+                    t,
+                    d,
+                    crc,
+                    s32,
+                    s32,
+                    len(name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    o32,
+                )
+                + name
+                + extra
+            )
         self.fp.write(out)
         cd_size = len(out)
         end = cd_start + cd_size
@@ -463,8 +527,19 @@ class AlignedZipWriter:
         if n >= 0xFFFF or cd_start >= 0xFFFFFFFF or cd_size >= 0xFFFFFFFF:
             self.fp.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, cd_size, cd_start))
             self.fp.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-            self.fp.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                                      min(cd_size, 0xFFFFFFFF), min(cd_start, 0xFFFFFFFF), 0))
+            self.fp.write(
+                struct.pack(
+                    "<IHHHHIIH",
+                    0x06054B50,
+                    0,
+                    0,
+                    min(n, 0xFFFF),
+                    min(n, 0xFFFF),
+                    min(cd_size, 0xFFFFFFFF),
+                    min(cd_start, 0xFFFFFFFF),
+                    0,
+                )
+            )
         else:
             self.fp.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
         self.fp.flush()
@@ -497,8 +572,9 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, 
                 n = os.copy_file_range(src_fd, dst_fd, step, so, do)
             except OSError as e:
                 if e.errno == errno.ENOSPC:
-                    raise OutputError("no space left on the output device; free some space or write elsewhere "
-                                      "with -o") from None
+                    raise OutputError(
+                        "no space left on the output device; free some space or write elsewhere with -o"
+                    ) from None
                 fast = False  # e.g. EXDEV on old kernels, or a file system without it
                 continue
             if n == 0:
@@ -529,8 +605,9 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> int:
             done += os.pwrite(fd, data[done:], off + done)
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise OutputError("no space left on the output device; free some space or write elsewhere "
-                                  "with -o") from None
+                raise OutputError(
+                    "no space left on the output device; free some space or write elsewhere with -o"
+                ) from None
             raise OutputError(f"cannot write the output: {e}") from None
     return done
 
@@ -553,8 +630,13 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
     try:
         # the fast path copies the records' region verbatim, so their data must already be 64-byte aligned
         # (an archive re-zipped by another tool is not): otherwise each record is re-laid-out aligned
-        if (order and order[0].name == pkl_name and rest and not any(m.compressed for m in rest)
-                and all(m.data_offset % ALIGN == 0 for m in rest)):
+        if (
+            order
+            and order[0].name == pkl_name
+            and rest
+            and not any(m.compressed for m in rest)
+            and all(m.data_offset % ALIGN == 0 for m in rest)
+        ):
             headers = _header_offsets(cf.path)
             region_start = min(headers[m.name] for m in rest)
             region_end = max(m.data_offset + m.size for m in rest)
@@ -568,8 +650,24 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
             extra = struct.pack("<HH", 0x4246, pad) + b"Z" * pad
             t, d = _dos_time()
             crc = zlib.crc32(data_pkl) & 0xFFFFFFFF
-            hdr = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, 0, t, d, crc, len(data_pkl), len(data_pkl),
-                              len(bname), len(extra)) + bname + extra
+            hdr = (
+                struct.pack(
+                    "<IHHHHHIIIHH",
+                    0x04034B50,
+                    20,
+                    0,
+                    0,
+                    t,
+                    d,
+                    crc,
+                    len(data_pkl),
+                    len(data_pkl),
+                    len(bname),
+                    len(extra),
+                )
+                + bname
+                + extra
+            )
             w.entries.append((bname, crc, len(data_pkl), w.pos))
             fp.write(hdr + data_pkl)
             w.pos += len(hdr) + len(data_pkl)
@@ -598,8 +696,9 @@ def _header_offsets(path: str) -> dict[str, int]:
         with zipfile.ZipFile(path) as zf:
             return {i.filename: i.header_offset for i in zf.infolist()}
     except ZIP_ERRORS + (UnicodeDecodeError,) as e:
-        raise CorruptCheckpointError(f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt "
-                                     "— re-copy or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
+        ) from None
 
 
 def _read_member(path: str, name: str) -> bytes:
@@ -607,5 +706,7 @@ def _read_member(path: str, name: str) -> bytes:
         with zipfile.ZipFile(path) as zf:
             return zf.read(name)
     except ZIP_ERRORS + (UnicodeDecodeError,) as e:
-        raise CorruptCheckpointError(f"{path}: record {name!r} cannot be read ({type(e).__name__}: {e}); the file "
-                                     "is corrupt — re-copy or re-save it") from None
+        raise CorruptCheckpointError(
+            f"{path}: record {name!r} cannot be read ({type(e).__name__}: {e}); the file "
+            "is corrupt — re-copy or re-save it"
+        ) from None

@@ -237,8 +237,11 @@ def _start_time() -> int | None:
 
 def _is_this_process(info: dict[str, Any]) -> bool:
     """A record written by this very process (not another one with the same PID, host or container)."""
-    return (info.get("pid") == os.getpid() and info.get("host") == os.uname().nodename
-            and info.get("start") == _start_time())
+    return (
+        info.get("pid") == os.getpid()
+        and info.get("host") == os.uname().nodename
+        and info.get("start") == _start_time()
+    )
 
 
 def _describe(info: dict[str, Any] | None) -> str:

@@ -44,7 +44,10 @@ def bench(*args: Any, **kwargs: Any) -> Any:
 
 
 def compare_manual_to_single(*args: Any, **kwargs: Any) -> Any:
-    """Train ``manual`` and ``single`` on the same batches; see :func:`ckptfix.train.manual.compare_manual_to_single`."""
+    """Train ``manual`` and ``single`` on the same batches.
+
+    See :func:`ckptfix.train.manual.compare_manual_to_single`.
+    """
     from ckptfix.train.manual import compare_manual_to_single as _cmp
 
     return _cmp(*args, **kwargs)

@@ -100,8 +100,12 @@ class BenchResult:
     notes: list[str]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bench": [r.to_dict() for r in self.rows], "skipped": self.skipped, "out_dir": self.out_dir,
-                "notes": self.notes}
+        return {
+            "bench": [r.to_dict() for r in self.rows],
+            "skipped": self.skipped,
+            "out_dir": self.out_dir,
+            "notes": self.notes,
+        }
 
 
 def run_bench(
@@ -127,7 +131,7 @@ def run_bench(
         # and no OpenMP spin-wait oversubscription when the machine is busy
         config.setdefault("threads", 1)
     rows_cfg, skipped = bench_configs(device_type, nproc, config, modes=modes, amp=amp)
-    for label, kw in rows_cfg:  # every row's options are checked before anything runs
+    for _label, kw in rows_cfg:  # every row's options are checked before anything runs
         TrainConfig(out=out or ".", device=device_type, epochs=epochs, **kw).validate()
     notes = []
     if amp and device_type == "cpu":
@@ -136,18 +140,30 @@ def run_bench(
     rows: list[BenchRow] = []
     try:
         # untimed warm-up: this process's one-off costs must not land on the first row
-        train(TrainConfig(out=tmp.name, device=device_type, epochs=1, quiet=True, name="warmup",
-                          train_samples=128, test_samples=32, threads=config.get("threads")))
+        train(
+            TrainConfig(
+                out=tmp.name,
+                device=device_type,
+                epochs=1,
+                quiet=True,
+                name="warmup",
+                train_samples=128,
+                test_samples=32,
+                threads=config.get("threads"),
+            )
+        )
         where = out or tmp.name
         for label, kw in rows_cfg:
-            cfg = TrainConfig(out=where, device=device_type, epochs=epochs, quiet=quiet,
-                              name=f"bench-{label.replace('+', '-')}", **kw)
+            cfg = TrainConfig(
+                out=where, device=device_type, epochs=epochs, quiet=quiet, name=f"bench-{label.replace('+', '-')}", **kw
+            )
             t0 = time.perf_counter()
             res = train(cfg)
             wall = time.perf_counter() - t0
             if res.mode in ("ddp", "fsdp", "manual"):
-                devs = (f"{len(res.devices)} x {res.devices[0]}" if len(set(res.devices)) == 1
-                        else ", ".join(res.devices))
+                devs = (
+                    f"{len(res.devices)} x {res.devices[0]}" if len(set(res.devices)) == 1 else ", ".join(res.devices)
+                )
             else:
                 devs = ", ".join(res.devices)
             rows.append(

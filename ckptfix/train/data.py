@@ -101,9 +101,12 @@ def probe_batch(seed: int = PROBE_SEED, n: int = PROBE_SIZE) -> torch.Tensor:
 
 
 def _check(images: torch.Tensor, labels: torch.Tensor, what: str, path: str) -> None:
-    if not isinstance(images, torch.Tensor) or images.dtype != torch.uint8 or images.dim() != 3 or tuple(
-        images.shape[1:]
-    ) != (IMAGE_SIZE, IMAGE_SIZE):
+    if (
+        not isinstance(images, torch.Tensor)
+        or images.dtype != torch.uint8
+        or images.dim() != 3
+        or tuple(images.shape[1:]) != (IMAGE_SIZE, IMAGE_SIZE)
+    ):
         got = f"{images.dtype} {tuple(images.shape)}" if isinstance(images, torch.Tensor) else type(images).__name__
         raise TrainingError(f"{path}: {what}images must be uint8 [N, 28, 28], got {got}")
     if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != images.shape[0]:
@@ -132,7 +135,9 @@ def load_dataset(path: str) -> Dataset:
             "'images' uint8 [N,28,28] and 'labels' int64 [N]"
         ) from e
     if not isinstance(raw, dict) or "images" not in raw or "labels" not in raw:
-        raise TrainingError(f"{path}: expected a dict with 'images' and 'labels' (optionally 'test_images'/'test_labels')")
+        raise TrainingError(
+            f"{path}: expected a dict with 'images' and 'labels' (optionally 'test_images'/'test_labels')"
+        )
     images, labels = raw["images"], raw["labels"]
     _check(images, labels, "", path)
     labels = labels.to(torch.int64)

@@ -116,7 +116,7 @@ def _run_torchrun(
                 continue
             if line.startswith(PROGRESS_MARK):
                 started = True
-                line = line[len(PROGRESS_MARK):]
+                line = line[len(PROGRESS_MARK) :]
                 if not quiet:
                     sys.stderr.write(line)
                     sys.stderr.flush()
@@ -190,8 +190,11 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
         for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
             env.pop(k, None)
         if not cfg.quiet:
-            print(f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
+                file=sys.stderr,
+                flush=True,
+            )
         fd, log_path = tempfile.mkstemp(prefix=f"ckptfix-{cfg.mode}-", suffix=".log")
         os.close(fd)
         for attempt in (1, 2):
@@ -202,8 +205,12 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             # The job died before any rank trained (rendezvous / process-group start-up on a loaded
             # machine): nothing was written, so one more try is safe.  The first log is kept.
             os.replace(log_path, log_path + ".attempt1")
-            print(f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
-                  f"(log: {log_path}.attempt1)", file=sys.stderr, flush=True)
+            print(
+                f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
+                f"(log: {log_path}.attempt1)",
+                file=sys.stderr,
+                flush=True,
+            )
         errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
         if errors:
             with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
@@ -213,9 +220,7 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             os.remove(log_path)
             raise TrainingError(err["message"])
         if rc != 0 or not os.path.exists(res_path):
-            raise TrainingError(
-                f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})"
-            )
+            raise TrainingError(f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})")
         os.remove(log_path)
         with open(res_path, encoding="utf-8") as f:
             return TrainResult.from_dict(json.load(f))
@@ -245,8 +250,7 @@ def numpy_free_object_collectives() -> bool:
 
     if not hasattr(c10d, "_tensor_to_object") or not hasattr(c10d, "_unpickler"):
         raise TrainingError(
-            "this torch's object collectives need numpy and ckptfix cannot work around it here; "
-            "pip install numpy"
+            "this torch's object collectives need numpy and ckptfix cannot work around it here; pip install numpy"
         )
 
     def _tensor_to_object(tensor, tensor_size, group):  # type: ignore[no-untyped-def]
@@ -287,8 +291,10 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
         cfg.device = device_type
         log = None
         if os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
+
             def log(msg: str) -> None:
                 print(PROGRESS_MARK + msg, file=sys.stderr, flush=True)
+
         res = Run(cfg, Dist(rank=rank, local_rank=local_rank, world_size=world), log=log).run()
         if rank == 0 and result_path:
             tmp = result_path + ".tmp"

@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.result:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             with open(f"{a.result}.err{rank}", "w", encoding="utf-8") as f:
-                json.dump({"message": f"rank {rank}: {type(e).__name__}: {first}", "type": "internal",
-                           "exit_code": 1}, f)
+                json.dump(
+                    {"message": f"rank {rank}: {type(e).__name__}: {first}", "type": "internal", "exit_code": 1}, f
+                )
         return 1
     return 0
 

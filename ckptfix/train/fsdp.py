@@ -92,8 +92,10 @@ class FSDPState:
 
         cfg = run.cfg
         if not run.dist.enabled:
-            raise TrainingError("--mode fsdp needs a process group: run it through `ckptfix train --mode fsdp` "
-                                "(which launches torchrun) or under your own torchrun")
+            raise TrainingError(
+                "--mode fsdp needs a process group: run it through `ckptfix train --mode fsdp` "
+                "(which launches torchrun) or under your own torchrun"
+            )
         self.run = run
         self.names = [n for n, _ in base.named_parameters()]
         if run.device_type == "cuda":
@@ -125,9 +127,7 @@ class FSDPState:
             k: {sk: (sv.to(self.device) if isinstance(sv, torch.Tensor) and sv.dim() else sv) for sk, sv in v.items()}
             for k, v in full["state"].items()
         }
-        set_optimizer_state_dict(
-            self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True)
-        )
+        set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
 
     def save(self, epoch: int, path: str) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
         """Save this epoch to ``path`` (DCP shards from every rank, or a full .pt from rank 0).

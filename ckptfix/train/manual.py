@@ -32,8 +32,8 @@ import tempfile
 from typing import Any, Sequence
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from ckptfix.errors import TrainingError
 
@@ -127,8 +127,9 @@ class ManualDataParallel:
             raise TrainingError(f"unknown all-reduce {all_reduce!r}; choose ring or naive")
         self.devices = list(devices)
         self.replicas = [copy.deepcopy(module).to(d) for d in self.devices]
-        self.optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-                           for r in self.replicas]
+        self.optimizers = [
+            torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay) for r in self.replicas
+        ]
         self.all_reduce = ALL_REDUCE[all_reduce]
         self.last_split: list[int] = []
 
@@ -143,7 +144,7 @@ class ManualDataParallel:
         xs, ys = torch.split(x, sizes), torch.split(y, sizes)
         self.last_split = sizes
         total = 0.0
-        for rep, opt, dev, xi, yi in zip(self.replicas, self.optimizers, self.devices, xs, ys):
+        for rep, opt, dev, xi, yi in zip(self.replicas, self.optimizers, self.devices, xs, ys, strict=False):
             opt.zero_grad(set_to_none=False)
             if xi.shape[0] == 0:
                 continue
@@ -152,7 +153,7 @@ class ManualDataParallel:
             loss = F.cross_entropy(out, yi.to(dev, non_blocking=True)) * (xi.shape[0] / n)
             loss.backward()
             total += float(loss.detach())
-        for params in zip(*(list(r.parameters()) for r in self.replicas)):
+        for params in zip(*(list(r.parameters()) for r in self.replicas), strict=False):
             grads = []
             for p in params:
                 if p.grad is None:
@@ -162,7 +163,7 @@ class ManualDataParallel:
         for opt in self.optimizers:
             opt.step()
         with torch.no_grad():  # DDP's broadcast_buffers: replica 0's BatchNorm statistics win
-            for bufs in zip(*(list(r.buffers()) for r in self.replicas)):
+            for bufs in zip(*(list(r.buffers()) for r in self.replicas), strict=False):
                 for b in bufs[1:]:
                     b.copy_(bufs[0].to(b.device))
         return total
@@ -174,7 +175,9 @@ class ManualDataParallel:
             for k, v in rep.state_dict().items():
                 if not torch.equal(v.cpu(), ref[k].cpu()):
                     diff = (v.cpu().double() - ref[k].cpu().double()).abs().max().item()
-                    raise TrainingError(f"manual data parallel: replica {i} drifted from replica 0 at {k} (max diff {diff:g})")
+                    raise TrainingError(
+                        f"manual data parallel: replica {i} drifted from replica 0 at {k} (max diff {diff:g})"
+                    )
 
 
 def compare_manual_to_single(

@@ -21,14 +21,17 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 MODEL_NAMES = ("lenet", "resnet", "tutorial")
 
 
 class LeNet(nn.Module):
-    """conv(1->6, 5x5, pad 2) - relu - avgpool - conv(6->16, 5x5) - relu - avgpool - fc(400->120) - relu - fc(120->10)."""
+    """LeNet-5 without its 84-unit layer.
+
+    conv(1->6, 5x5, pad 2) - relu - avgpool - conv(6->16, 5x5) - relu - avgpool - fc(400->120) - relu - fc(120->10).
+    """
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()
@@ -54,10 +57,14 @@ class LeNet(nn.Module):
 def tutorial_params(scale: float = 0.01) -> list[torch.Tensor]:
     """The tutorial's parameter list ``[W1, b1, W2, b2, W3, b3, W4, b4]``: weights N(0, scale), zero biases."""
     return [
-        torch.randn(20, 1, 3, 3) * scale, torch.zeros(20),
-        torch.randn(50, 20, 5, 5) * scale, torch.zeros(50),
-        torch.randn(800, 128) * scale, torch.zeros(128),
-        torch.randn(128, 10) * scale, torch.zeros(10),
+        torch.randn(20, 1, 3, 3) * scale,
+        torch.zeros(20),
+        torch.randn(50, 20, 5, 5) * scale,
+        torch.zeros(50),
+        torch.randn(800, 128) * scale,
+        torch.zeros(128),
+        torch.randn(128, 10) * scale,
+        torch.zeros(10),
     ]
 
 
@@ -81,7 +88,7 @@ class TutorialLeNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        for name, t in zip(self.NAMES, tutorial_params()):
+        for name, t in zip(self.NAMES, tutorial_params(), strict=False):
             self.register_parameter(name, nn.Parameter(t))
         self.show_split = False
 

@@ -24,8 +24,8 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 import ckptfix
 from ckptfix.errors import TrainingError
@@ -121,7 +121,7 @@ def unwrap(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
             module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(getattr(module, "_orig_mod"), nn.Module):
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
             module = module._orig_mod
         else:
             return module
@@ -317,8 +317,10 @@ class Run:
     def setup(self) -> None:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.dataset = _data.load_dataset(cfg.data) if cfg.data else _data.synthetic_dataset(
-            cfg.seed, cfg.train_samples, cfg.test_samples
+        self.dataset = (
+            _data.load_dataset(cfg.data)
+            if cfg.data
+            else _data.synthetic_dataset(cfg.seed, cfg.train_samples, cfg.test_samples)
         )
         base = build_model(cfg.model, cfg.seed)
         if cfg.resume:
@@ -328,14 +330,17 @@ class Run:
             n = cfg.replicas or (torch.cuda.device_count() if self.device_type == "cuda" else 2)
             if self.device_type == "cuda":
                 if n > torch.cuda.device_count():
-                    raise TrainingError(f"--replicas {n} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+                    raise TrainingError(
+                        f"--replicas {n} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+                    )
                 devs = [torch.device("cuda", i) for i in range(n)]
             else:
                 devs = [torch.device("cpu")] * n
             from ckptfix.train.manual import ManualDataParallel
 
-            self.manual = ManualDataParallel(base, devs, lr=cfg.lr, momentum=cfg.momentum,
-                                             weight_decay=cfg.weight_decay, all_reduce=cfg.allreduce)
+            self.manual = ManualDataParallel(
+                base, devs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, all_reduce=cfg.allreduce
+            )
             self.base = self.manual.replicas[0]
             self.wrapped = self.base
             self.optimizer = self.manual.optimizers[0]
@@ -394,10 +399,6 @@ class Run:
 
     def _resume_into(self, base: nn.Module) -> None:
         cfg = self.cfg
-        try:
-            from ckptfix.loading import load_checkpoint
-        except ImportError as e:  # pragma: no cover - the loader ships with ckptfix
-            raise TrainingError(f"--resume needs ckptfix.loading, which failed to import: {e}") from e
         ckpt, fmt = load_resume(cfg, base)
         done = int(ckpt.get("epoch", 0) or 0)
         self.start_epoch = done + 1
@@ -432,9 +433,7 @@ class Run:
             n_params = sum(len(g.get("params", ())) for g in opt_sd["param_groups"])
             want = sum(len(g["params"]) for g in self.optimizers()[0].param_groups)
             if n_params != want:
-                self._not_restored(
-                    "optimizer", f"it covers {n_params} parameters, the {cfg.model} model has {want}"
-                )
+                self._not_restored("optimizer", f"it covers {n_params} parameters, the {cfg.model} model has {want}")
             else:
                 try:
                     if self.fsdp is not None:
@@ -464,8 +463,10 @@ class Run:
                 for opt in self.optimizers():
                     for g in opt.param_groups:
                         g[h] = given
-                self.log(f"resume: --{h.replace('_', '-')} {given} given explicitly: used instead of the "
-                         f"checkpoint's {before}")
+                self.log(
+                    f"resume: --{h.replace('_', '-')} {given} given explicitly: used instead of the "
+                    f"checkpoint's {before}"
+                )
             elif restored and before != given:
                 self.log(f"resume: {h} {before} from the checkpoint (pass --{h.replace('_', '-')} to change it)")
             info["hyperparameters"][h] = {
@@ -626,7 +627,8 @@ class Run:
         out = probe_output(probe_model)
         probe_in = _data.probe_batch()
         atomic_torch_save(
-            {"input": probe_in, "output": out, "seed": _data.PROBE_SEED, "threads": 1}, os.path.join(self.out, probe_rel)
+            {"input": probe_in, "output": out, "seed": _data.PROBE_SEED, "threads": 1},
+            os.path.join(self.out, probe_rel),
         )
         return {
             "path": rel,
@@ -710,8 +712,11 @@ class Run:
                 e = by_path.get(rel) or by_path.get(rel.replace(".probe.pt", ext))
                 if e is not None and e.get("run") == self.name and e.get("resumed_from") == self.resumed_from:
                     continue
-                other = (f"run {e.get('run')!r}" + (f" resumed from {e['resumed_from']}" if e.get("resumed_from")
-                                                     else "")) if e else "something not listed in checkpoints.json"
+                other = (
+                    (f"run {e.get('run')!r}" + (f" resumed from {e['resumed_from']}" if e.get("resumed_from") else ""))
+                    if e
+                    else "something not listed in checkpoints.json"
+                )
                 raise TrainingError(
                     f"{os.path.join(self.out, rel)} exists and was written by {other}; choose another --name or "
                     "--out, or pass --force to overwrite it"
@@ -750,7 +755,9 @@ class Run:
         where = (
             f"{self.dist.world_size} processes ({cfg.mode}, {'nccl' if self.device_type == 'cuda' else 'gloo'})"
             if cfg.mode in ("ddp", "fsdp")
-            else f"{len(self.manual.replicas)} replicas" if self.manual else ", ".join(self.devices)
+            else f"{len(self.manual.replicas)} replicas"
+            if self.manual
+            else ", ".join(self.devices)
         )
         self.log(
             f"[{self.name}] {cfg.model} on {where}: {self.dataset.source}, batch {cfg.batch_size}, "
@@ -759,14 +766,20 @@ class Run:
         if cfg.show_split and cfg.mode == "dp":
             n_dev = len(self.devices) if self.device_type == "cuda" else 1
             if n_dev == 1:
-                self.log(f"--show-split: DataParallel has one device here ({self.devices[0]}), so it does not split: "
-                         "every batch goes whole to that one replica (one 'In Model' line per batch)")
+                self.log(
+                    f"--show-split: DataParallel has one device here ({self.devices[0]}), so it does not split: "
+                    "every batch goes whole to that one replica (one 'In Model' line per batch)"
+                )
             else:
-                self.log(f"--show-split: DataParallel scatters each batch over {n_dev} GPUs in chunks of "
-                         "ceil(batch / GPUs) (torch.chunk); one 'In Model' line per replica")
+                self.log(
+                    f"--show-split: DataParallel scatters each batch over {n_dev} GPUs in chunks of "
+                    "ceil(batch / GPUs) (torch.chunk); one 'In Model' line per replica"
+                )
         elif cfg.show_split and cfg.mode == "manual":
-            self.log(f"--show-split: each batch is cut like nn.parallel.scatter (torch.chunk: chunks of "
-                     f"ceil(batch / {len(self.manual.replicas)}) samples)")
+            self.log(
+                f"--show-split: each batch is cut like nn.parallel.scatter (torch.chunk: chunks of "
+                f"ceil(batch / {len(self.manual.replicas)}) samples)"
+            )
         manifest = os.path.join(self.out, MANIFEST)
         entries: list[dict[str, Any]] = []
         epochs: list[dict[str, Any]] = []
@@ -813,8 +826,7 @@ class Run:
             )
             self.log(
                 f"[{self.name}] epoch {epoch}/{cfg.epochs}: loss {train_loss:.4f}  test acc {acc:.1%}  "
-                f"{seconds:.2f}s  {samples / seconds:,.0f} samples/s"
-                + (f"  -> {entry['path']}" if entry else "")
+                f"{seconds:.2f}s  {samples / seconds:,.0f} samples/s" + (f"  -> {entry['path']}" if entry else "")
             )
         self.dist.barrier()
         result_entries = [dict(e, abs_path=os.path.join(self.out, e["path"])) for e in entries]

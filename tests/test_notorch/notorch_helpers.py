@@ -49,8 +49,11 @@ class Run:
 
 def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """The environment for a CLI subprocess: this tree first on PYTHONPATH, no CUDA/ckptfix variables."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI", "NO_COLOR", "FORCE_COLOR"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI", "NO_COLOR", "FORCE_COLOR"))
+    }
     env["PYTHONPATH"] = str(REPO)
     env["CKPTFIX_LEASE_DIR"] = str(tmp_path / "leases")
     env.update(extra)
@@ -64,8 +67,14 @@ def cli(tmp_path: Path):
     work.mkdir()
 
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> Run:
-        p = subprocess.run([sys.executable, "-c", RUNNER, *args], cwd=work, env=env or clean_env(tmp_path),
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-c", RUNNER, *args],
+            cwd=work,
+            env=env or clean_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         return Run(p.returncode, p.stdout, p.stderr)
 
     run.work = work  # type: ignore[attr-defined]
@@ -90,8 +99,8 @@ def read_safetensors(path: Path) -> dict[str, tuple[str, list[int], bytes]]:
     """name -> (dtype, shape, raw bytes) of a .safetensors file, parsed by hand (no torch, no numpy)."""
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from notorch_helpers import CKPT, FIXTURES, REPO, ckpts, clean_env, cli, read_safetensors  # noqa: F401 (fixtures)
 
 INSTALL = 'pip install "ckptfix[torch]"'
@@ -25,7 +24,7 @@ EXPECTED = read_safetensors(CKPT / "model.safetensors")
 
 def _same_tensors(path: Path, prefix: str = "") -> None:
     got = read_safetensors(path)
-    assert {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in got.items()} == EXPECTED
+    assert {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in got.items()} == EXPECTED
 
 
 @pytest.mark.skipif(os.environ.get("CKPTFIX_EXPECT_NO_TORCH") != "1", reason="only in the torch-free CI venv")
@@ -35,12 +34,19 @@ def test_this_venv_really_has_no_torch():
 
 
 def test_importing_ckptfix_and_every_command_module_does_not_import_torch():
-    code = ("import sys, ckptfix, ckptfix.cli, ckptfix.cli.ckpt, ckptfix.cli.convert, ckptfix.cli.gpu, "
-            "ckptfix.cli.train, ckptfix.cli.demo, ckptfix.formats, ckptfix.inspecting, ckptfix.prefixes, "
-            "ckptfix.rewrite, ckptfix.convert, ckptfix.gpu; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')); print(bad)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
-                       "PYTHONPATH": str(REPO)}, timeout=60)
+    code = (
+        "import sys, ckptfix, ckptfix.cli, ckptfix.cli.ckpt, ckptfix.cli.convert, ckptfix.cli.gpu, "
+        "ckptfix.cli.train, ckptfix.cli.demo, ckptfix.formats, ckptfix.inspecting, ckptfix.prefixes, "
+        "ckptfix.rewrite, ckptfix.convert, ckptfix.gpu; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')); print(bad)"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
 
@@ -48,14 +54,32 @@ def test_importing_ckptfix_and_every_command_module_does_not_import_torch():
 def test_every_command_has_help_without_torch(cli):
     top = cli("--help")
     assert top.rc == 0
-    for cmd in ("inspect", "scan", "strip-prefix", "add-prefix", "align", "convert", "gpus", "pick-gpu",
-                "doctor", "train", "demo"):
+    for cmd in (
+        "inspect",
+        "scan",
+        "strip-prefix",
+        "add-prefix",
+        "align",
+        "convert",
+        "gpus",
+        "pick-gpu",
+        "doctor",
+        "train",
+        "demo",
+    ):
         r = cli(cmd, "--help")
         assert r.rc == 0 and "Usage: ckptfix " + cmd in r.out, (cmd, r.err)
 
 
-@pytest.mark.parametrize("name,fmt", [("ddp.pth", "torch-zip"), ("legacy.pth", "torch-legacy"),
-                                      ("lightning.ckpt", "torch-zip"), ("model.safetensors", "safetensors")])
+@pytest.mark.parametrize(
+    "name,fmt",
+    [
+        ("ddp.pth", "torch-zip"),
+        ("legacy.pth", "torch-legacy"),
+        ("lightning.ckpt", "torch-zip"),
+        ("model.safetensors", "safetensors"),
+    ],
+)
 def test_inspect(cli, ckpts, name, fmt):
     r = cli("inspect", "--json", name)
     assert r.rc == 0, r.err
@@ -110,8 +134,9 @@ def test_align_to_a_checkpoint(cli, ckpts):
     _same_tensors(ckpts / "aligned.safetensors")
 
 
-@pytest.mark.parametrize("name,prefix", [("ddp.pth", "module."), ("legacy.pth", "module."),
-                                         ("lightning.ckpt", "model.")])
+@pytest.mark.parametrize(
+    "name,prefix", [("ddp.pth", "module."), ("legacy.pth", "module."), ("lightning.ckpt", "model.")]
+)
 def test_convert_zip_legacy_lightning(cli, ckpts, name, prefix):
     r = cli("convert", name, "-o", "out.safetensors")
     assert r.rc == 0, r.err
@@ -143,8 +168,12 @@ def test_gpus_pick_gpu_and_doctor_with_a_fake_nvidia_smi(cli, tmp_path):
     bin_dir.mkdir()
     shutil.copy(FIXTURES / "nvidia-smi" / "fake-nvidia-smi.sh", bin_dir / "nvidia-smi")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = clean_env(tmp_path, PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_SMI_DIR=str(FIXTURES / "nvidia-smi" / "scenarios"),
-                    FAKE_SMI_SCENARIO="h200_busy")
+    env = clean_env(
+        tmp_path,
+        PATH=f"{bin_dir}:/usr/bin:/bin",
+        FAKE_SMI_DIR=str(FIXTURES / "nvidia-smi" / "scenarios"),
+        FAKE_SMI_SCENARIO="h200_busy",
+    )
     r = cli("gpus", "--json", env=env)
     assert r.rc == 0, r.err
     assert r.json()["physical_gpu_count"] == 8
@@ -158,11 +187,14 @@ def test_gpus_pick_gpu_and_doctor_with_a_fake_nvidia_smi(cli, tmp_path):
     assert cli("doctor", "--json", env=env).json()["torch"]["installed"] is False
 
 
-@pytest.mark.parametrize("args,feature", [
-    (["train", "--epochs", "1"], "ckptfix train"),
-    (["demo"], "ckptfix demo"),
-    (["convert", "model.safetensors", "-o", "back.pth"], "converting safetensors back to .pth"),
-])
+@pytest.mark.parametrize(
+    "args,feature",
+    [
+        (["train", "--epochs", "1"], "ckptfix train"),
+        (["demo"], "ckptfix demo"),
+        (["convert", "model.safetensors", "-o", "back.pth"], "converting safetensors back to .pth"),
+    ],
+)
 def test_commands_that_need_torch_say_so_in_one_line(cli, ckpts, args, feature):
     r = cli(*args)
     assert r.rc == 14, (r.out, r.err)
@@ -178,15 +210,18 @@ def test_align_to_a_factory_that_needs_torch(cli, ckpts):
 
 
 def test_load_anywhere_raises_torch_missing_error(tmp_path):
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "from ckptfix import load_anywhere\n"
-            "from ckptfix.errors import TorchMissingError\n"
-            "try:\n"
-            f"    load_anywhere({str(CKPT / 'ddp.pth')!r})\n"
-            "except TorchMissingError as e:\n"
-            "    print(e.exit_code, e)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env=clean_env(tmp_path))
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from ckptfix import load_anywhere\n"
+        "from ckptfix.errors import TorchMissingError\n"
+        "try:\n"
+        f"    load_anywhere({str(CKPT / 'ddp.pth')!r})\n"
+        "except TorchMissingError as e:\n"
+        "    print(e.exit_code, e)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env(tmp_path)
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("14 load_anywhere") and INSTALL in p.stdout
 
