@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Benchmark DCP consolidation, renaming and loading against ``cp -r`` and torch's own recipe.
 
 Usage::

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Differential test of every ckptfix command on real checkpoints shipped inside public PyPI packages.
 
 Usage::
