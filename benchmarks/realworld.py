@@ -5,7 +5,7 @@ Usage::
 
     python benchmarks/realworld.py                     # every file in realworld_manifest.json
     python benchmarks/realworld.py --only lpips,chgnet --json
-    python benchmarks/realworld.py --cache /tmp/ckptfix-realworld --keep-going
+    python benchmarks/realworld.py --cache /tmp/ckptfix-realworld
     python benchmarks/realworld.py --add 'lpips==0.1.4:lpips/weights/v0.1/alex.pth'   # append to the manifest
 
 Opt-in (it downloads ~250 MB of wheels once): nothing here runs in the default test suite; the tests marked
