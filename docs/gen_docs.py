@@ -9,10 +9,12 @@ A block is regenerated when the line before its opening fence is a marker::
     (output, rewritten by this script)
     ```
 
-Every ``$ `` line is run with ``bash`` in a scratch directory (the same one for all
-blocks of a file, so a block can use files an earlier one made), with ``ckptfix`` on
-PATH; what it prints (stdout, then stderr, as a terminal shows them) replaces the
-lines up to the next ``$ ``.  Marker fields:
+The ``$ `` lines of a block are run in order in one ``bash`` (so ``eval``, ``export`` and
+``echo $?`` behave as in a terminal) in a scratch directory (the same one for all blocks
+of a file, so a block can use files an earlier one made), with ``ckptfix`` on PATH and an
+empty lease directory (``pick-gpu`` leases never leak from one block into the next);
+what each line prints (stdout and stderr interleaved, as a terminal shows them) replaces
+the lines up to the next ``$ ``.  Marker fields:
 
 - ``setup=runs``: the scratch directory holds ``runs/`` from
   ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
@@ -44,6 +46,7 @@ SMI = ROOT / "tests" / "fixtures" / "nvidia-smi"
 MARKER = re.compile(r"^<!-- run:(?P<fields>.*?)-->\s*$")
 #: always masked: wall-clock figures
 _TRAINED: dict[str, Path | None] = {}
+STEP = "::gen-docs-step::"
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d s\b"]
 
 
@@ -110,11 +113,29 @@ class Sandbox:
         return env
 
     def run(self, cmd: str, gpu: str = "") -> str:
+        return self.run_lines([cmd], gpu)[0]
+
+    def run_lines(self, cmds: list[str], gpu: str = "") -> list[str]:
+        """Run ``cmds`` in order in one bash, with no lease taken yet; return what each printed."""
+        shutil.rmtree(self.dir / ".leases", ignore_errors=True)
+        script = []
+        for i, cmd in enumerate(cmds):  # the step marker keeps $? of the command for the next line
+            script += [cmd, f"__rc=$?; printf '\\n{STEP}{i}\\n'; (exit $__rc)"]
         p = subprocess.run(
-            ["bash", "-c", cmd + " 2>&1"], cwd=self.dir, env=self.env(gpu), capture_output=True, text=True, timeout=600
+            ["bash", "-c", "exec 2>&1\n" + "\n".join(script)],
+            cwd=self.dir,
+            env=self.env(gpu),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
         )
         out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
-        return out.replace(sys.executable, "python3")
+        out = out.replace(sys.executable, "python3")
+        parts = re.split(rf"\n{STEP}\d+\n", out)
+        if len(parts) != len(cmds) + 1:
+            raise RuntimeError(f"a command ended the shell early: {cmds!r}\n{out}")
+        return [part.removesuffix("\n") for part in parts[:-1]]
 
     def setup(self, name: str) -> None:
         if name != "runs" or (self.dir / "runs").exists():
@@ -133,12 +154,13 @@ class Sandbox:
 
 def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:
     box.setup(block.setup)
+    cmds = [line for line in block_lines if line.startswith("$ ")]
+    outs = box.run_lines([c[2:] for c in cmds], block.gpu)
     out: list[str] = []
-    for line in block_lines:
-        if line.startswith("$ "):
-            out.append(line)
-            text = box.run(line[2:], block.gpu).rstrip("\n")
-            out.extend(text.split("\n") if text else [])
+    for line, text in zip(cmds, outs):
+        out.append(line)
+        text = text.rstrip("\n")
+        out.extend(text.split("\n") if text else [])
     return out
 
 
