@@ -14,7 +14,8 @@ The ``$ `` lines of a block are run in order in one ``bash`` (so ``eval``, ``exp
 of a file, so a block can use files an earlier one made), with ``ckptfix`` on PATH and an
 empty lease directory (``pick-gpu`` leases never leak from one block into the next);
 what each line prints (stdout and stderr interleaved, as a terminal shows them) replaces
-the lines up to the next ``$ ``.  Marker fields:
+the lines up to the next ``$ ``.  A block after ``<!-- file: NAME -->`` is not run: its
+text is written to ``NAME`` in the scratch directory, for the blocks below it.  Marker fields:
 
 - ``setup=runs``: the scratch directory holds ``runs/`` from
   ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
@@ -44,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMI = ROOT / "tests" / "fixtures" / "nvidia-smi"
 MARKER = re.compile(r"^<!-- run:(?P<fields>.*?)-->\s*$")
+FILE = re.compile(r"^<!-- file: (?P<name>[\w.-]+) -->\s*$")
 #: always masked: wall-clock figures
 _TRAINED: dict[str, Path | None] = {}
 STEP = "::gen-docs-step::"
@@ -57,6 +59,7 @@ class Block:
     setup: str = ""
     gpu: str = ""
     masks: list[str] = field(default_factory=list)
+    file: str = ""  # a ``<!-- file: NAME -->`` block: its text is written to NAME, nothing is run
 
 
 def parse_marker(text: str) -> dict[str, list[str]]:
@@ -71,9 +74,13 @@ def find_blocks(lines: list[str]) -> list[Block]:
     blocks = []
     for i, line in enumerate(lines):
         m = MARKER.match(line)
-        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
+        fm = FILE.match(line)
+        if not (m or fm) or i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
             continue
         end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+        if fm:
+            blocks.append(Block(i + 1, end, file=fm["name"]))
+            continue
         f = parse_marker(m["fields"])
         blocks.append(Block(i + 1, end, (f.get("setup") or [""])[0], (f.get("gpu") or [""])[0], f.get("mask", [])))
     return blocks
@@ -187,6 +194,9 @@ def process(path: Path, check: bool) -> list[str]:
         for b in blocks:  # top-down: a later block may use files an earlier one made
             s, e = b.start + shift, b.end + shift
             body = new[s + 1 : e]
+            if b.file:
+                (box.dir / b.file).write_text("\n".join(body) + "\n")
+                continue
             fresh = render(body, b, box)
             if masked(body, b.masks) == masked(fresh, b.masks):
                 continue  # only timings or masked text differ: keep the shown run
