@@ -49,7 +49,7 @@ FILE = re.compile(r"^<!-- file: (?P<name>[\w.-]+) -->\s*$")
 #: always masked: wall-clock figures
 _TRAINED: dict[str, Path | None] = {}
 STEP = "::gen-docs-step::"
-TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d s\b"]
+TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
 
 
 @dataclass
