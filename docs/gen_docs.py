@@ -164,7 +164,7 @@ def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:
     cmds = [line for line in block_lines if line.startswith("$ ")]
     outs = box.run_lines([c[2:] for c in cmds], block.gpu)
     out: list[str] = []
-    for line, text in zip(cmds, outs):
+    for line, text in zip(cmds, outs, strict=True):
         out.append(line)
         text = text.rstrip("\n")
         out.extend(text.split("\n") if text else [])
