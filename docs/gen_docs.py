@@ -9,10 +9,13 @@ A block is regenerated when the line before its opening fence is a marker::
     (output, rewritten by this script)
     ```
 
-Every ``$ `` line is run with ``bash`` in a scratch directory (the same one for all
-blocks of a file, so a block can use files an earlier one made), with ``ckptfix`` on
-PATH; what it prints (stdout, then stderr, as a terminal shows them) replaces the
-lines up to the next ``$ ``.  Marker fields:
+The ``$ `` lines of a block are run in order in one ``bash`` (so ``eval``, ``export`` and
+``echo $?`` behave as in a terminal) in a scratch directory (the same one for all blocks
+of a file, so a block can use files an earlier one made), with ``ckptfix`` on PATH and an
+empty lease directory (``pick-gpu`` leases never leak from one block into the next);
+what each line prints (stdout and stderr interleaved, as a terminal shows them) replaces
+the lines up to the next ``$ ``.  A block after ``<!-- file: NAME -->`` is not run: its
+text is written to ``NAME`` in the scratch directory, for the blocks below it.  Marker fields:
 
 - ``setup=runs``: the scratch directory holds ``runs/`` from
   ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
@@ -42,9 +45,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SMI = ROOT / "tests" / "fixtures" / "nvidia-smi"
 MARKER = re.compile(r"^<!-- run:(?P<fields>.*?)-->\s*$")
+FILE = re.compile(r"^<!-- file: (?P<name>[\w.-]+) -->\s*$")
 #: always masked: wall-clock figures
 _TRAINED: dict[str, Path | None] = {}
-TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d s\b"]
+STEP = "::gen-docs-step::"
+TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
 
 
 @dataclass
@@ -54,6 +59,7 @@ class Block:
     setup: str = ""
     gpu: str = ""
     masks: list[str] = field(default_factory=list)
+    file: str = ""  # a ``<!-- file: NAME -->`` block: its text is written to NAME, nothing is run
 
 
 def parse_marker(text: str) -> dict[str, list[str]]:
@@ -68,9 +74,13 @@ def find_blocks(lines: list[str]) -> list[Block]:
     blocks = []
     for i, line in enumerate(lines):
         m = MARKER.match(line)
-        if not m or i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
+        fm = FILE.match(line)
+        if not (m or fm) or i + 1 >= len(lines) or not lines[i + 1].startswith("```"):
             continue
         end = next(j for j in range(i + 2, len(lines)) if lines[j].startswith("```"))
+        if fm:
+            blocks.append(Block(i + 1, end, file=fm["name"]))
+            continue
         f = parse_marker(m["fields"])
         blocks.append(Block(i + 1, end, (f.get("setup") or [""])[0], (f.get("gpu") or [""])[0], f.get("mask", [])))
     return blocks
@@ -110,11 +120,29 @@ class Sandbox:
         return env
 
     def run(self, cmd: str, gpu: str = "") -> str:
+        return self.run_lines([cmd], gpu)[0]
+
+    def run_lines(self, cmds: list[str], gpu: str = "") -> list[str]:
+        """Run ``cmds`` in order in one bash, with no lease taken yet; return what each printed."""
+        shutil.rmtree(self.dir / ".leases", ignore_errors=True)
+        script = []
+        for i, cmd in enumerate(cmds):  # the step marker keeps $? of the command for the next line
+            script += [cmd, f"__rc=$?; printf '\\n{STEP}{i}\\n'; (exit $__rc)"]
         p = subprocess.run(
-            ["bash", "-c", cmd + " 2>&1"], cwd=self.dir, env=self.env(gpu), capture_output=True, text=True, timeout=600
+            ["bash", "-c", "exec 2>&1\n" + "\n".join(script)],
+            cwd=self.dir,
+            env=self.env(gpu),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=600,
         )
         out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
-        return out.replace(sys.executable, "python3")
+        out = out.replace(sys.executable, "python3")
+        parts = re.split(rf"\n{STEP}\d+\n", out)
+        if len(parts) != len(cmds) + 1:
+            raise RuntimeError(f"a command ended the shell early: {cmds!r}\n{out}")
+        return [part.removesuffix("\n") for part in parts[:-1]]
 
     def setup(self, name: str) -> None:
         if name != "runs" or (self.dir / "runs").exists():
@@ -133,12 +161,13 @@ class Sandbox:
 
 def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:
     box.setup(block.setup)
+    cmds = [line for line in block_lines if line.startswith("$ ")]
+    outs = box.run_lines([c[2:] for c in cmds], block.gpu)
     out: list[str] = []
-    for line in block_lines:
-        if line.startswith("$ "):
-            out.append(line)
-            text = box.run(line[2:], block.gpu).rstrip("\n")
-            out.extend(text.split("\n") if text else [])
+    for line, text in zip(cmds, outs, strict=True):
+        out.append(line)
+        text = text.rstrip("\n")
+        out.extend(text.split("\n") if text else [])
     return out
 
 
@@ -165,6 +194,9 @@ def process(path: Path, check: bool) -> list[str]:
         for b in blocks:  # top-down: a later block may use files an earlier one made
             s, e = b.start + shift, b.end + shift
             body = new[s + 1 : e]
+            if b.file:
+                (box.dir / b.file).write_text("\n".join(body) + "\n")
+                continue
             fresh = render(body, b, box)
             if masked(body, b.masks) == masked(fresh, b.masks):
                 continue  # only timings or masked text differ: keep the shown run
