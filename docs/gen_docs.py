@@ -139,6 +139,7 @@ class Sandbox:
         )
         out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
         out = out.replace(sys.executable, "python3")
+        out = re.sub(rf"\bon {re.escape(os.uname().nodename)}\b", "on HOST", out)  # lease holders: no machine name
         parts = re.split(rf"\n{STEP}\d+\n", out)
         if len(parts) != len(cmds) + 1:
             raise RuntimeError(f"a command ended the shell early: {cmds!r}\n{out}")

@@ -410,7 +410,7 @@ def release_leases(directory: Path, *, token: str | None = None, now: float | No
                 if token and info.get("token") != token:
                     continue
                 os.ftruncate(fd, 0)
-                out.append(Released(str(info.get("key")), True, f"was leased until {_describe(info)}"))
+                out.append(Released(str(info.get("key")), True, f"was leased by {_describe(info)}"))
             finally:
                 os.close(fd)
     finally:
