@@ -1303,6 +1303,50 @@ def _flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[s
 # --------------------------------------------------------------------------- public API
 
 
+def output_names(
+    named: Sequence[tuple[str, Any]],
+    opt_named: Sequence[tuple[str, Any]],
+    strip_prefix: bool | str,
+    report: ConvertReport,
+) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The tensors to write under their final names: the state dict's (prefixes stripped) then the optimizer's.
+
+    Args:
+        named: ``(name, tensor)`` of the state dict, in its order.
+        opt_named: ``(optimizer.<path>, tensor)`` pairs (empty without ``--include-optimizer``).
+        strip_prefix: strip wrapper prefixes (``True``) or exactly this prefix (a string).
+        report: gets ``renamed`` and ``optimizer_tensors``.
+
+    Returns:
+        All pairs to write, and the state dict's names in order.
+
+    Raises:
+        KeyConflictError: a tensor named ``__metadata__``, or an optimizer tensor colliding with a state-dict key.
+    """
+    named = list(named)
+    if strip_prefix:
+        from ckptfix.prefixes import strip_prefix as _strip
+
+        mapping = dict(named)
+        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
+        report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
+        named = list(new.items())
+    order = [n for n, _ in named]
+    taken = set(order)
+    if "__metadata__" in taken:
+        raise KeyConflictError(
+            "the state dict has a tensor named '__metadata__', which safetensors reserves for "
+            "its metadata; rename it before converting"
+        )
+    for n, _ in opt_named:
+        if n in taken:
+            raise KeyConflictError(
+                f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
+            )
+    report.optimizer_tensors = len(opt_named)
+    return named + list(opt_named), order
+
+
 def convert_to_safetensors(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
@@ -1411,27 +1455,8 @@ def convert_to_safetensors(
         obj, key_path, sd, include_optimizer, report, node=_at(obj, key_path) if key_path and not use_torch else None
     )
 
-    if strip_prefix:
-        from ckptfix.prefixes import strip_prefix as _strip
-
-        mapping = dict(named)
-        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
-        report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
-        named = list(new.items())
-    order = [n for n, _ in named]
+    named, order = output_names(named, opt_named, strip_prefix, report)
     taken = set(order)
-    if "__metadata__" in taken:
-        raise KeyConflictError(
-            "the state dict has a tensor named '__metadata__', which safetensors reserves for "
-            "its metadata; rename it before converting"
-        )
-    for n, _ in opt_named:
-        if n in taken:
-            raise KeyConflictError(
-                f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
-            )
-    named = named + list(opt_named)
-    report.optimizer_tensors = len(opt_named)
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "

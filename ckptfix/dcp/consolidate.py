@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
-from ckptfix.errors import CorruptCheckpointError, KeyConflictError, NoTensorsError
+from ckptfix.errors import CorruptCheckpointError, NoTensorsError
 from ckptfix.pickles import TensorRecord
 
 #: bytes assembled at a time
@@ -222,26 +222,7 @@ def convert_dcp(
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRecord)]
     extra, opt_named = cv._split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
-    if strip_prefix:
-        from ckptfix.prefixes import strip_prefix as _strip
-
-        mapping = dict(named)
-        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
-        report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
-        named = list(new.items())
-    taken = {n for n, _ in named}
-    if "__metadata__" in taken:
-        raise KeyConflictError(
-            "the state dict has a tensor named '__metadata__', which safetensors reserves for "
-            "its metadata; rename it before converting"
-        )
-    for n, _ in opt_named:
-        if n in taken:
-            raise KeyConflictError(
-                f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
-            )
-    named = named + list(opt_named)
-    report.optimizer_tensors = len(opt_named)
+    named, _ = cv.output_names(named, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")
     item_cls = _item_class()
