@@ -22,19 +22,20 @@ from ckptfix.errors import CkptfixError
 if TYPE_CHECKING:
     from ckptfix.gpu.pick import PickResult, ReleaseResult
 
-_TIMEOUT_HELP = "Seconds to wait for each nvidia-smi call."
-
-
-@cli.command("gpus")
-@json_option
-@click.option(
+#: ``--timeout SECONDS``: how long each nvidia-smi call may take (gpus, pick-gpu, doctor)
+timeout_option = click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
     default=10.0,
     show_default=True,
     metavar="SECONDS",
-    help=_TIMEOUT_HELP,
+    help="Seconds to wait for each nvidia-smi call.",
 )
+
+
+@cli.command("gpus")
+@json_option
+@timeout_option
 def gpus_cmd(as_json: bool, timeout: float) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
@@ -118,14 +119,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     help="Give back timed leases instead of picking: those of this shell's `eval $(pick-gpu --export)` "
     "(CKPTFIX_LEASE_TOKEN), else all of yours.",
 )
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    metavar="SECONDS",
-    help=_TIMEOUT_HELP,
-)
+@timeout_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def pick_gpu_cmd(
     n: int,
@@ -300,14 +294,7 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
 
 @cli.command("doctor")
 @json_option
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    metavar="SECONDS",
-    help=_TIMEOUT_HELP,
-)
+@timeout_option
 def doctor_cmd(as_json: bool, timeout: float) -> None:
     """One report for bug threads: Python, torch build, driver, GPUs, CUDA env, distributed env, problems.
 
