@@ -141,7 +141,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     obj = cf.obj
     if cf.format == "torchscript":
         obj = cf.extra.get("torchscript_state_dict") or {}
-    from ckptfix.convert import contains_tensors, locate_state_dict
+    from ckptfix.statedict import contains_tensors, locate_state_dict
 
     holder = "mapping"
     if key is None and cf.format not in ("safetensors", "sharded", "dcp") and not contains_tensors(obj):

@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from ckptfix import stmeta
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.formats import read_checkpoint, sniff
@@ -263,19 +264,12 @@ def _load_dcp(path: str, allow_globals: Iterable[Any], stubbed: set[str], trust:
     from ckptfix.dcp.assemble import load_dcp
 
     try:
-        return load_dcp(path, device=device, allow_globals=allow_globals, stubbed=stubbed, trust=trust)
+        pmod = None if trust else restricted_pickle_module(allow_globals, stubbed)
+        return load_dcp(path, device=device, pickle_module=pmod)
     except CkptfixError:
         raise
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the DCP directory ({e})") from None
-
-
-def _restore_aliases(sd: dict, metadata: dict) -> dict:
-    try:
-        from ckptfix.convert import restore_aliases
-    except ImportError:  # pragma: no cover - conversion module absent
-        return sd
-    return restore_aliases(sd, metadata)
 
 
 def _simple_target(map_location: MapLocation) -> str:
@@ -385,7 +379,7 @@ def load_checkpoint(
             obj = load_file(path, device=dev)
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e})") from e
-        obj = _restore_aliases(obj, metadata)
+        obj = stmeta.restore(obj, metadata)
         tags["cpu"] = len(obj)
         fmt = "safetensors"
     elif kind in ("sharded", "sharded-dir"):
@@ -404,7 +398,7 @@ def load_checkpoint(
             for name, s in wm.items():
                 if s == shard:
                     merged[name] = sub.state_dict[name]
-        obj = _restore_aliases(merged, metadata)
+        obj = stmeta.restore(merged, metadata)
         fmt = "sharded"
     elif kind == "torchscript":
         cf = read_checkpoint(path)
@@ -423,7 +417,7 @@ def load_checkpoint(
     else:  # pragma: no cover - sniff raises for everything else
         raise CorruptCheckpointError(f"{path}: unsupported format {kind}")
 
-    from ckptfix.convert import contains_tensors, locate_state_dict
+    from ckptfix.statedict import contains_tensors, locate_state_dict
 
     if key is None and not contains_tensors(obj):
         # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict

@@ -23,12 +23,14 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from ckptfix import stmeta
 from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
 from ckptfix.pickles import TensorRecord, dumps
 from ckptfix.prefixes import _rekey_metadata
 from ckptfix.progress import Progress, reporting
+from ckptfix.statedict import locate_state_dict, require_tensors
 
 #: a transform: state dict -> (new state dict, report object with to_dict()/summary())
 Transform = Callable[[Mapping[str, Any]], "tuple[Mapping[str, Any], Any]"]
@@ -232,11 +234,7 @@ def _rewrite_checkpoint(
         )
     _check_writable(cf)
     if key is None and cf.format != "safetensors":
-        from ckptfix.convert import _require_tensors
-
-        _require_tensors(cf, src, "rename")
-    from ckptfix.convert import locate_state_dict
-
+        require_tensors(cf, src, "rename")
     key_path, sd, holder = locate_state_dict(cf.obj, key)
     if holder != "mapping":
         what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
@@ -247,7 +245,7 @@ def _rewrite_checkpoint(
         )
     _check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
-        sd = _logical_state_dict(sd, cf.extra.get("metadata"))
+        sd = stmeta.logical_state_dict(sd, cf.extra.get("metadata"))
     new_sd, detail = transform(sd)
     rename = dict(zip(sd.keys(), new_sd.keys(), strict=False))
     renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys(), strict=False) if a != b)
@@ -373,78 +371,6 @@ def write_atomic(
     return made[0] if made else None
 
 
-def _aliases_of(meta: Mapping[str, Any] | None, stored: Mapping[str, Any]) -> dict[str, str]:
-    """{alias: stored name} that a safetensors file's metadata records (ckptfix's or Hugging Face's style)."""
-    meta = meta or {}
-    if "ckptfix.aliases" in meta:
-        try:
-            amap = json.loads(meta["ckptfix.aliases"])
-        except (TypeError, ValueError):
-            return {}
-    else:
-        amap = {k: v for k, v in meta.items() if k != "format" and not k.startswith("ckptfix.")}
-    if not isinstance(amap, dict):
-        return {}
-    return {
-        a: b for a, b in amap.items() if isinstance(a, str) and isinstance(b, str) and a not in stored and b in stored
-    }
-
-
-def _logical_state_dict(stored: Mapping[str, Any], meta: Mapping[str, Any] | None) -> Mapping[str, Any]:
-    """The stored tensors plus the aliases the metadata records (the alias's value is its target), in the
-    original order when ``ckptfix.order`` gives it; ``stored`` itself when there are no aliases."""
-    aliases = _aliases_of(meta, stored)
-    if not aliases:
-        return stored
-    try:
-        order = json.loads((meta or {}).get("ckptfix.order") or "[]")
-    except (TypeError, ValueError):
-        order = []
-    out: dict[str, Any] = {}
-    for n in [*(order if isinstance(order, list) else []), *stored, *aliases]:
-        if isinstance(n, str) and n not in out:
-            if n in stored:
-                out[n] = stored[n]
-            elif n in aliases:
-                out[n] = stored[aliases[n]]
-    return out
-
-
-def _rename_metadata(meta: dict[str, Any], rename: Mapping[str, str], stored: Mapping[str, Any]) -> dict[str, Any]:
-    """``meta`` with the tensor names it holds (ckptfix aliases, order, views; Hugging Face aliases) renamed."""
-    if not rename or all(a == b for a, b in rename.items()):
-        return meta
-
-    def r(n: Any) -> Any:
-        return rename.get(n, n) if isinstance(n, str) else n
-
-    def load(k: str) -> Any:
-        try:
-            return json.loads(meta[k])
-        except (TypeError, ValueError):
-            return None
-
-    if "ckptfix.aliases" in meta:
-        amap = load("ckptfix.aliases")
-        if isinstance(amap, dict):
-            meta["ckptfix.aliases"] = json.dumps({r(a): r(b) for a, b in amap.items()}, ensure_ascii=False)
-    else:
-        hf = _aliases_of(meta, stored)
-        meta = {(r(k) if k in hf else k): (r(v) if k in hf else v) for k, v in meta.items()}
-    if "ckptfix.order" in meta:
-        order = load("ckptfix.order")
-        if isinstance(order, list):
-            meta["ckptfix.order"] = json.dumps([r(n) for n in order], ensure_ascii=False)
-    if "ckptfix.views" in meta:
-        views = load("ckptfix.views")
-        if isinstance(views, dict):
-            meta["ckptfix.views"] = json.dumps(
-                {r(n): ({**v, "base": r(v.get("base"))} if isinstance(v, dict) else v) for n, v in views.items()},
-                ensure_ascii=False,
-            )
-    return meta
-
-
 def _check_str_keys(src: str, sd: Mapping[Any, Any]) -> None:
     bad = next((k for k in sd.keys() if not isinstance(k, str)), None)
     if bad is not None:
@@ -558,7 +484,7 @@ def _rewrite_sharded(
     sd = cf.obj
     _check_str_keys(ipath, sd)
     st_meta = next((scf.extra.get("metadata") for scf in shards.values() if scf.format == "safetensors"), None)
-    sd = _logical_state_dict(sd, st_meta)  # with the names ckptfix convert stored once (aliases)
+    sd = stmeta.logical_state_dict(sd, st_meta)  # with the names ckptfix convert stored once (aliases)
     new_sd, detail = transform(sd)
     if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd, strict=False)):
         raise UnsupportedError(
@@ -627,7 +553,7 @@ def _rewrite_sharded(
         doc = dict(cf.extra["index"])
         doc["weight_map"] = {rename.get(k, k): v for k, v in doc["weight_map"].items()}
         if isinstance(doc.get("metadata"), dict):  # ckptfix convert copies its metadata here too
-            doc["metadata"] = _rename_metadata(dict(doc["metadata"]), rename, cf.obj)
+            doc["metadata"] = stmeta.rename(dict(doc["metadata"]), rename, cf.obj)
         dst = os.path.join(out_dir, os.path.basename(ipath))
         with atomic_output(dst, fsync=fsync) as f:  # the index last: the directory is complete once it exists
             f.write(json.dumps(doc, indent=2).encode("utf-8") + b"\n")
@@ -903,7 +829,7 @@ def _write_safetensors(
         )
     start = cf.extra["data_start"]
     header: dict[str, Any] = {}
-    meta = _rename_metadata(dict(cf.extra.get("metadata") or {}), rename, old_sd)
+    meta = stmeta.rename(dict(cf.extra.get("metadata") or {}), rename, old_sd)
     if meta:
         header["__metadata__"] = meta
     old_of = {b: a for a, b in rename.items()}

@@ -9,9 +9,10 @@ cuda:0  H200
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
-__all__ = ["table", "human_bytes", "gib"]
+__all__ = ["table", "human_bytes", "gib", "parse_size"]
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -61,3 +62,47 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     for r in rows:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)).rstrip())
     return "\n".join(lines)
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """A size in bytes: ``"5GB"`` -> 5_000_000_000 (decimal, the Hugging Face convention); KiB/MiB/GiB are binary.
+
+    Args:
+        text: a number of bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case-insensitive).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ValueError: not a size, or not positive.
+
+    >>> parse_size("5GB"), parse_size("2MiB"), parse_size(512)
+    (5000000000, 2097152, 512)
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; write it like 5GB, 500MB, 2GiB or a number of bytes")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return n

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import ckptfix.convert as conv
+import ckptfix.convert.items as convert_items
+import ckptfix.convert.write as convert_write
 from ckptfix.convert import convert, convert_to_safetensors, parse_size, restore_aliases
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 
@@ -294,7 +295,7 @@ def test_refuses_to_overwrite_without_force(tied, tmp_path):
 
 def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
     src, _ = tied
-    real = conv.pwrite_all
+    real = convert_write.pwrite_all
 
     def flip(fd, data, off):  # the disk "loses" a bit of every tensor chunk
         n = real(fd, data, off)
@@ -303,7 +304,7 @@ def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatc
             os.pwrite(fd, bytes([c[0] ^ 0x40]), off + n - 1)
         return n
 
-    monkeypatch.setattr(conv, "pwrite_all", flip)
+    monkeypatch.setattr(convert_write, "pwrite_all", flip)
     with pytest.raises(VerificationError, match="differs") as e:
         convert_to_safetensors(src)
     assert str(e.value).startswith(str(tmp_path / "model.safetensors") + ":")  # the output asked for, not a temp
@@ -315,13 +316,13 @@ def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatc
 
 def test_verify_checks_the_header_read_back(tied, tmp_path, monkeypatch):
     src, _ = tied
-    real = conv.safetensors_header
+    real = convert_write.safetensors_header
 
     def lying(items, metadata):  # a header whose offsets disagree with where the bytes went
         raw = real(items, metadata)
         return raw.replace(b'"data_offsets":[0,', b'"data_offsets":[1,', 1)
 
-    monkeypatch.setattr(conv, "safetensors_header", lying)
+    monkeypatch.setattr(convert_write, "safetensors_header", lying)
     with pytest.raises(VerificationError, match="reads back"):
         convert_to_safetensors(src)
     assert files_in(tmp_path) == ["model.pth"]
@@ -336,7 +337,7 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, veri
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(conv, "pwrite_all" if verify else "copy_range", boom)
+    monkeypatch.setattr(convert_write, "pwrite_all" if verify else "copy_range", boom)
     with pytest.raises(KeyboardInterrupt):
         convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]
@@ -579,11 +580,11 @@ def test_restore_wrapper_needs_ckptfix_metadata_and_the_reverse_direction(tmp_pa
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_progress_moves_within_a_big_tensor(tmp_path, verify):
-    torch.save({"big": torch.zeros(5 * (conv._CHUNK // 4) // 2), "t": torch.ones(3, 4).t()}, tmp_path / "m.pth")
+    torch.save({"big": torch.zeros(5 * (convert_items.CHUNK // 4) // 2), "t": torch.ones(3, 4).t()}, tmp_path / "m.pth")
     seen = []
     convert_to_safetensors(tmp_path / "m.pth", verify=verify, progress=lambda done, total: seen.append((done, total)))
     total = seen[-1][1]
-    assert seen[-1][0] == total == 2.5 * conv._CHUNK + 48
+    assert seen[-1][0] == total == 2.5 * convert_items.CHUNK + 48
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
     if verify:  # chunk by chunk, not one jump per tensor
         assert len(seen) >= 4

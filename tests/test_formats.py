@@ -483,8 +483,9 @@ def _views() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("legacy", [False, True])
 def test_strided_views_gathered_equal_torch(tmp_path, monkeypatch, chunk, legacy):
     import ckptfix.convert as C
+    import ckptfix.convert.items
 
-    monkeypatch.setattr(C, "_CHUNK", chunk)
+    monkeypatch.setattr(ckptfix.convert.items, "CHUNK", chunk)
     views = _views()
     src = tmp_path / "v.pth"
     torch.save(views, src, _use_new_zipfile_serialization=not legacy)

@@ -97,27 +97,24 @@ def convert_cmd(
             raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
 
     bar = ProgressBar("converting", enabled=not quiet and not as_json)
-    kw: dict[str, Any] = dict(verify=not no_verify, force=force, fsync=fsync, progress=bar.update)
-    if strip:
-        kw["strip_prefix"] = True
-    if key is not None:
-        kw["key"] = key
-    if max_shard_size:
-        kw["max_shard_size"] = max_shard_size
-    if include_optimizer:
-        kw["include_optimizer"] = True
-    if keep:
-        kw["keep"] = keep
-    if restore_wrapper:
-        kw["restore_wrapper"] = True
-    if allow_globals:
-        kw["allow_globals"] = allow_globals
-    if trust:
-        kw["trust"] = True
-    if allow_expand:
-        kw["allow_expand"] = True
     try:
-        report = convert(src, output, **kw)
+        report = convert(
+            src,
+            output,
+            verify=not no_verify,
+            force=force,
+            fsync=fsync,
+            progress=bar.update,
+            key=key,
+            strip_prefix=bool(strip),
+            max_shard_size=max_shard_size or None,
+            include_optimizer=include_optimizer,
+            keep=tuple(keep or ()),
+            restore_wrapper=restore_wrapper,
+            allow_globals=tuple(allow_globals or ()),
+            trust=trust,
+            allow_expand=allow_expand,
+        )
     finally:
         bar.close()
     if as_json:

@@ -17,7 +17,6 @@ import io
 import itertools
 import os
 import warnings
-from collections.abc import Iterable
 from typing import Any
 
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, raw_object_bytes, read_block
@@ -120,10 +119,8 @@ def set_element(root: dict, path: tuple, value: Any) -> None:
 def load_dcp(
     path: str,
     *,
+    pickle_module: Any,
     device: str = "cpu",
-    allow_globals: Iterable[Any] = (),
-    stubbed: set[str] | None = None,
-    trust: bool = False,
     meta: DcpMetadata | None = None,
 ) -> dict:
     """The whole checkpoint a DCP directory holds, as the nested dict that was saved.
@@ -131,10 +128,11 @@ def load_dcp(
     Args:
         path: the DCP directory.
         device: where the tensors go (each is assembled on the CPU, then moved).
-        allow_globals, trust: the policy for non-tensor objects (``torch.save``'d pickles): unknown
-            globals become placeholders unless allowed; ``trust`` unpickles them fully.  ``.metadata``
-            itself is always read with the restricted reader.
-        stubbed: receives the globals turned into placeholders.
+        pickle_module: how non-tensor objects (``torch.save``'d pickles) are unpickled: the caller's
+            restricted pickle module (:func:`ckptfix.loading.restricted_pickle_module`), or None to
+            unpickle them fully (only for a trusted checkpoint).  ``.metadata`` itself is always read
+            with the restricted reader.
+        meta: the directory's metadata, when already read.
 
     Returns:
         dict: the nested state dict (``{"model": {...}, "optim": {...}}`` as it was passed to ``dcp.save``).
@@ -144,14 +142,10 @@ def load_dcp(
     """
     import torch
 
-    from ckptfix.loading import restricted_pickle_module
-
     meta = meta or read_metadata(path)
     meta.check_safe()
     validate(meta)
     out: dict = {}
-    record = stubbed if stubbed is not None else set()
-    pmod = None if trust else restricted_pickle_module(allow_globals, record)
     with Files(path) as files:
         for fqn, e in meta.entries.items():
             if isinstance(e, TensorEntry):
@@ -165,7 +159,7 @@ def load_dcp(
                 if device != "cpu":
                     value = value.to(device)
             else:
-                value = _load_object(files, e, pmod)
+                value = _load_object(files, e, pickle_module)
             try:
                 set_element(out, meta.key_path(fqn), value)
             except (TypeError, IndexError, KeyError, AttributeError):

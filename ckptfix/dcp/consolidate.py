@@ -5,22 +5,27 @@ bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
 dimensions (row sharding, replication) is a contiguous range of the tensor
 and is copied in row groups; otherwise (column sharding, any chunk offsets)
 a group of rows is assembled from the chunks' runs and written at once.  No
-tensor is ever held whole.  The safetensors writer of :mod:`ckptfix.convert`
+tensor is ever held whole.  The safetensors writer of :mod:`ckptfix.convert.write`
 writes and verifies every block against the bytes just read from the
 sources, and lays the file out exactly as ``safetensors.torch.save_file``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptfix import stmeta
+from ckptfix.convert.extras import split_checkpoint
+from ckptfix.convert.items import Item, check_dtype
+from ckptfix.convert.plan import output_names
+from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.write import write_outputs
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
-from ckptfix.errors import CorruptCheckpointError, NoTensorsError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError, NoTensorsError
 from ckptfix.pickles import TensorRecord
 
 #: bytes assembled at a time
@@ -163,20 +168,23 @@ class TensorStream:
             yield buf
 
 
-def _item_class() -> type:
-    from ckptfix.convert import _Item
+@dataclass
+class DcpItem(Item):
+    """A DCP tensor to write: its bytes come from :class:`TensorStream`."""
 
-    @dataclass
-    class DcpItem(_Item):
-        """A DCP tensor to write: its bytes come from :class:`TensorStream`."""
+    entry: Any = None
+    files: Any = None
 
-        entry: Any = None
-        files: Any = None
+    def chunks(self, fds: Any) -> Iterator[bytes | memoryview]:
+        """The tensor's bytes, C-contiguous, assembled block by block from its chunks.
 
-        def chunks(self, fds: Any) -> Iterator[bytes | memoryview]:
-            yield from TensorStream(self.files, self.entry)
+        Args:
+            fds: unused (the chunks' files are ``self.files``).
 
-    return DcpItem
+        Returns:
+            An iterator of blocks of at most :data:`BLOCK_BYTES`.
+        """
+        yield from TensorStream(self.files, self.entry)
 
 
 def convert_dcp(
@@ -190,13 +198,25 @@ def convert_dcp(
     verify: bool = True,
     force: bool = False,
     fsync: bool = False,
-    progress: Any = None,
+    progress: Progress | None = None,
     ckptfix_metadata: bool = True,
     meta: DcpMetadata | None = None,
-) -> Any:
+) -> ConvertReport:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
-    Args: as :func:`ckptfix.convert.convert_to_safetensors`; ``max_shard_size`` already in bytes.
+    Args:
+        src: the DCP directory.
+        dst: the output file (the shards' base name when sharded).
+        key: where the state dict sits in the saved nesting (found automatically otherwise).
+        strip_prefix: strip wrapper prefixes (``True``) or exactly this prefix.
+        max_shard_size: bytes per shard (already parsed), or None for one file.
+        include_optimizer: also write optimizer tensors as ``optimizer.<dotted path>``.
+        verify: compare every block as written and re-read every header before the rename.
+        force: overwrite existing outputs.
+        fsync: flush files and directory before returning.
+        progress: ``progress(done_bytes, total_bytes)``.
+        ckptfix_metadata: write the ``ckptfix.*`` metadata (:mod:`ckptfix.stmeta`).
+        meta: the directory's metadata, when already read.
 
     Returns:
         ConvertReport
@@ -208,7 +228,6 @@ def convert_dcp(
             unreferenced ``.distcp`` files.  CheckpointNotFoundError: a missing ``.distcp`` file.
         KeyConflictError, UnsupportedError, OutputError, VerificationError: as for other inputs.
     """
-    from ckptfix import convert as cv
     from ckptfix.formats.dcp import read_dcp
 
     t0 = time.perf_counter()
@@ -216,16 +235,15 @@ def convert_dcp(
     meta.check_safe()
     validate(meta)
     cf = read_dcp(src, meta)
-    report = cv.ConvertReport(source=src, outputs=[dst], source_format="dcp")
+    report = ConvertReport(source=src, outputs=[dst], source_format="dcp")
     report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
     key_path, sd = cf.state_dict(key)
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRecord)]
-    extra, opt_named = cv._split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
-    named, _ = cv.output_names(named, opt_named, strip_prefix, report)
+    extra, opt_named = split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
+    named, _ = output_names(named, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")
-    item_cls = _item_class()
     files = Files(src)
     items = []
     try:
@@ -233,20 +251,18 @@ def convert_dcp(
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]
             assert isinstance(e, TensorEntry)
-            cv._check_dtype(name, e.dtype)
-            items.append(item_cls(name, e.dtype, tuple(e.shape), e.nbytes, entry=e, files=files))
+            check_dtype(name, e.dtype)
+            items.append(DcpItem(name, e.dtype, tuple(e.shape), e.nbytes, entry=e, files=files))
         metadata: dict[str, str] = {"format": "pt"}
         if ckptfix_metadata:
-            metadata["ckptfix.source_format"] = "dcp"
-            metadata["ckptfix.key_path"] = json.dumps(list(key_path))
-            metadata["ckptfix.order"] = json.dumps([n for n, _ in named], ensure_ascii=False)
-            if extra:
-                text = json.dumps(extra, ensure_ascii=False)
-                if len(text) <= cv._MAX_EXTRA_JSON:
-                    metadata["ckptfix.extra"] = text
-                else:
-                    report.skipped["<extra>"] = f"non-tensor entries are {len(text)} bytes of JSON; too large to keep"
-        cv._write_outputs(
+            metadata = stmeta.encode(
+                source_format="dcp",
+                key_path=key_path,
+                order=[n for n, _ in named],
+                extra=extra,
+                skipped=report.skipped,
+            )
+        write_outputs(
             dst,
             items,
             metadata,
@@ -259,7 +275,7 @@ def convert_dcp(
             report=report,
         )
     except OSError as e:
-        if isinstance(e, cv.CkptfixError):
+        if isinstance(e, CkptfixError):
             raise
         raise CorruptCheckpointError(f"{src}: cannot read the DCP directory ({e})") from None
     finally:

@@ -1,0 +1,123 @@
+"""Convert checkpoints to safetensors and back, without loading them.
+
+One concern per module:
+
+* :mod:`~ckptfix.convert.forward`: checkpoint -> safetensors (:func:`convert_to_safetensors`);
+* :mod:`~ckptfix.convert.reverse`: safetensors -> torch (:func:`convert_from_safetensors`);
+* :mod:`~ckptfix.convert.plan`: which tensors are written, under which names, tied tensors once;
+* :mod:`~ckptfix.convert.extras`: the non-tensor part of a checkpoint as JSON metadata;
+* :mod:`~ckptfix.convert.items`: where each tensor's bytes come from (byte ranges, strided views);
+* :mod:`~ckptfix.convert.header`, :mod:`~ckptfix.convert.write`, :mod:`~ckptfix.convert.paths`:
+  the safetensors layout, writing with inline verification, output names;
+* :mod:`~ckptfix.convert.report`: :class:`ConvertReport`.
+
+The ``ckptfix.*`` metadata format is :mod:`ckptfix.stmeta`; finding the state dict in a checkpoint
+is :mod:`ckptfix.statedict`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from ckptfix.convert.forward import convert_to_safetensors
+from ckptfix.convert.header import safetensors_header
+from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.reverse import convert_from_safetensors, is_safetensors_input, rebuild_checkpoint
+from ckptfix.errors import UnsupportedError
+from ckptfix.statedict import contains_tensors, locate_state_dict, module_state_dict
+from ckptfix.stmeta import restore as restore_aliases
+from ckptfix.text import parse_size
+
+__all__ = [
+    "convert_to_safetensors",
+    "convert_from_safetensors",
+    "convert",
+    "restore_aliases",
+    "rebuild_checkpoint",
+    "parse_size",
+    "ConvertReport",
+    "safetensors_header",
+    "is_safetensors_input",
+    "contains_tensors",
+    "locate_state_dict",
+    "module_state_dict",
+]
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    progress: Progress | None = None,
+    key: str | None = None,
+    strip_prefix: bool | str | None = False,
+    max_shard_size: int | str | None = None,
+    include_optimizer: bool = False,
+    allow_globals: Sequence[str] = (),
+    trust: bool = False,
+    ckptfix_metadata: bool = True,
+    keep: Sequence[str] = (),
+    allow_expand: bool = False,
+    restore_wrapper: bool = False,
+) -> ConvertReport:
+    """Convert in the direction the paths say: safetensors in and a non-safetensors ``dst`` (or none) -> torch.
+
+    Anything else goes to safetensors.
+
+    Args:
+        src: the input checkpoint.
+        dst: the output (default: next to ``src``).
+        verify, force, fsync, progress: as for both directions.
+        key, strip_prefix, max_shard_size, include_optimizer, allow_globals, trust, ckptfix_metadata,
+            keep, allow_expand: as for :func:`convert_to_safetensors`.
+        restore_wrapper: as for :func:`convert_from_safetensors`.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        UnsupportedError: an option of the other direction was given.  Otherwise as
+            :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
+    """
+    d = os.fspath(dst) if dst is not None else None
+    if is_safetensors_input(src) and (d is None or not d.endswith(".safetensors")):
+        given = {
+            "key": key is not None,
+            "strip_prefix": bool(strip_prefix),
+            "max_shard_size": bool(max_shard_size),
+            "include_optimizer": include_optimizer,
+            "allow_globals": bool(allow_globals),
+            "trust": trust,
+            "ckptfix_metadata": not ckptfix_metadata,
+            "keep": bool(keep),
+            "allow_expand": allow_expand,
+        }
+        used = sorted(k for k, v in given.items() if v)
+        if used:
+            raise UnsupportedError(f"options {used} apply to conversion to safetensors, not back to torch")
+        return convert_from_safetensors(
+            src, d, verify=verify, force=force, fsync=fsync, restore_wrapper=restore_wrapper, progress=progress
+        )
+    if restore_wrapper:
+        raise UnsupportedError("--restore-wrapper applies to conversion back to torch (a .safetensors input)")
+    return convert_to_safetensors(
+        src,
+        d,
+        key=key,
+        strip_prefix=strip_prefix,
+        max_shard_size=max_shard_size,
+        include_optimizer=include_optimizer,
+        verify=verify,
+        force=force,
+        fsync=fsync,
+        allow_globals=allow_globals,
+        trust=trust,
+        progress=progress,
+        ckptfix_metadata=ckptfix_metadata,
+        keep=keep,
+        allow_expand=allow_expand,
+    )

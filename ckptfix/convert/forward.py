@@ -1,0 +1,209 @@
+"""Checkpoint -> safetensors, without loading the checkpoint.
+
+The fast path never imports torch: :func:`ckptfix.formats.read_checkpoint` gives every tensor as a
+:class:`~ckptfix.pickles.TensorRecord` whose bytes are a byte range of the source file (zip
+member, legacy stream, safetensors or ``.bin`` shard), so a contiguous tensor is copied straight
+from the source into the output with ``copy_file_range``; a strided view is gathered from just
+its span of bytes.  Inputs whose tensors torch code builds go through
+:func:`ckptfix.loading.load_checkpoint`; DCP directories are streamed from their chunks by
+:mod:`ckptfix.dcp.consolidate`.  The metadata written is described in :mod:`ckptfix.stmeta`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ckptfix import stmeta
+from ckptfix.convert.extras import split_checkpoint
+from ckptfix.convert.paths import check_outputs, default_st_output
+from ckptfix.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
+from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.write import write_outputs
+from ckptfix.errors import NoTensorsError
+from ckptfix.formats import read_checkpoint, sniff
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
+from ckptfix.pickles import TensorRecord, is_tensor_like
+from ckptfix.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
+from ckptfix.text import parse_size
+
+
+def convert_to_safetensors(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    key: str | None = None,
+    strip_prefix: bool | str | None = False,
+    max_shard_size: int | str | None = None,
+    include_optimizer: bool = False,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    allow_globals: Sequence[str] = (),
+    trust: bool = False,
+    progress: Progress | None = None,
+    ckptfix_metadata: bool = True,
+    keep: Sequence[str] = (),
+    allow_expand: bool = False,
+) -> ConvertReport:
+    """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
+
+    Args:
+        src: the checkpoint: a torch zip or legacy file, safetensors, TorchScript, a sharded index
+            (or its folder) or a DCP directory.
+        dst: the output (default: next to ``src``, see below).
+        key: where the state dict is (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+        strip_prefix: ``True`` strips wrapper prefixes (``module.``, ``_orig_mod.`` ...); a string strips that one.
+        max_shard_size: ``"5GB"`` (decimal) or bytes: write ``stem-0000k-of-0000N.safetensors`` + an index.
+        include_optimizer: also write optimizer tensors as ``optimizer.<dotted path>`` (excluded by default).
+        verify: re-read every written tensor and compare dtype, shape and bytes with the source.
+        force: overwrite existing outputs.  fsync: fsync files and directory before returning.
+        allow_globals, trust: the loading policy, for inputs that need torch (DCP).
+        progress: ``progress(done_bytes, total_bytes)`` while writing and verifying.
+        ckptfix_metadata: ``False`` writes only ``{"format": "pt"}`` (aliases are then not restorable).
+        keep: of tied tensors (one tensor under several names), store these names; the others become
+            aliases.  By default the transformers class named by a ``config.json`` beside ``src`` decides
+            (its ``_tied_weights_keys`` are the names it drops), else the state dict's own order: the
+            first name is kept, as ``save_pretrained`` does.
+        allow_expand: write outputs larger than 4x the input + 64 MiB (expanded, stride-0 views written
+            densely); refused otherwise.
+
+    The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
+    ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` when sharded), where ``from_pretrained`` looks.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        OutputError: the output exists (without ``force``), is the input, or cannot be written.
+        UnsupportedError: a tensor whose dtype/kind safetensors cannot hold (named in the message).
+        VerificationError: the written file does not read back identical; nothing is left behind.
+        ResourceLimitError: the output would be over 4x the input + 64 MiB (without ``allow_expand``).
+    """
+    t0 = time.perf_counter()
+    src = os.fspath(src)
+    dst = os.fspath(dst) if dst is not None else default_st_output(src)
+    shard_limit = parse_size(max_shard_size) if max_shard_size else None
+    if not max_shard_size:
+        check_outputs([dst], src, force)  # fail before any reading
+    if sniff(src) == "dcp":  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
+        from ckptfix.dcp.consolidate import convert_dcp
+
+        return convert_dcp(
+            src,
+            dst,
+            key=key,
+            strip_prefix=strip_prefix,
+            max_shard_size=shard_limit,
+            include_optimizer=include_optimizer,
+            verify=verify,
+            force=force,
+            fsync=fsync,
+            progress=progress,
+            ckptfix_metadata=ckptfix_metadata,
+        )
+    report = ConvertReport(source=src, outputs=[dst])
+    source = _read_source(src, key, allow_globals, trust, report)
+    extra, opt_named = split_checkpoint(
+        source.obj, source.key_path, source.state_dict, include_optimizer, report, node=source.holder
+    )
+    named, order = output_names(source.named, opt_named, strip_prefix, report)
+    if not named:
+        raise NoTensorsError(
+            f"{src}: the state dict holds no tensors, so there is nothing to convert; "
+            "`ckptfix inspect` shows what the file holds"
+        )
+    tied = tied_names(named, order, keep, src, bool(strip_prefix))
+    views: dict[str, dict[str, Any]] = {}
+    if source.use_torch:
+        items = plan_tensors(named, report, tied)
+    else:
+        items, views = plan_records(named, report, tied)
+        check_expansion(items, source.file_size, allow_expand)
+    if report.aliases:
+        report.tied_rule = "--keep" if tied.used_keep else tied.source
+    metadata = {"format": "pt"}
+    if ckptfix_metadata:
+        metadata = stmeta.encode(
+            source_format=source.format,
+            key_path=source.key_path,
+            order=[n for n, _ in named],
+            aliases=report.aliases,
+            views=views,
+            extra=extra,
+            skipped=report.skipped,
+        )
+    write_outputs(
+        dst,
+        items,
+        metadata,
+        max_shard_size=shard_limit,
+        verify=verify,
+        fsync=fsync,
+        force=force,
+        src=src,
+        progress=progress,
+        report=report,
+    )
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+@dataclass
+class _Source:
+    """What a conversion reads: the state dict's tensors and the checkpoint around them."""
+
+    format: str
+    file_size: int
+    obj: Any  # the whole checkpoint
+    key_path: tuple[str, ...]
+    state_dict: Mapping[str, Any]
+    named: list[tuple[str, Any]]
+    use_torch: bool
+    holder: Any  # what holds the state dict in ``obj`` (None: the state dict itself)
+
+
+def _read_source(
+    src: str, key: str | None, allow_globals: Sequence[str], trust: bool, report: ConvertReport
+) -> _Source:
+    """Read ``src`` torch-free; through torch only when some tensor's bytes are not a byte range of the file."""
+    cf = read_checkpoint(src)
+    report.source_format = cf.format
+    report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
+    obj = cf.obj
+    key_path: tuple[str, ...]
+    sd: Mapping[str, Any]
+    if cf.format == "torchscript" and cf.extra.get("torchscript_state_dict") and key is None:
+        key_path, sd = (), cf.extra["torchscript_state_dict"]
+        obj = sd
+    else:
+        if key is None:
+            require_tensors(cf, src, "convert")
+        key_path, sd, _ = locate_state_dict(cf.obj, key)
+    report.key_path = key_path = tuple(key_path)
+    named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
+    use_torch = any(_needs_torch(v) for _, v in named)
+    if use_torch:
+        from ckptfix.loading import load_checkpoint
+
+        lc = load_checkpoint(src, "cpu", key=key, allow_globals=tuple(allow_globals), trust=trust)
+        report.used_torch = True
+        report.key_path = key_path = tuple(lc.key_path)
+        sd = lc.state_dict
+        obj = lc.checkpoint if lc.checkpoint is not None else sd
+        named = flatten_state_dict(sd)
+    holder = at_path(obj, key_path) if key_path and not use_torch else None
+    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder)
+
+
+def _needs_torch(v: Any) -> bool:
+    """A dense tensor safetensors can hold whose bytes are not a byte range of the file (built by torch code)."""
+    return (
+        isinstance(v, TensorRecord)
+        and v.kind == "dense"
+        and v.dtype in DTYPE_TO_ST
+        and (v.storage is None or v.storage.file_offset is None)
+    )

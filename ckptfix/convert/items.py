@@ -1,0 +1,217 @@
+"""The tensors a conversion writes (:class:`Item`) and where their bytes come from.
+
+An item's bytes are a contiguous byte range of a source file (copied by the writer), a strided
+view gathered from the span of its storage (:func:`gather`: memory-mapped, strided ``memoryview``
+slices, no numpy and no per-element Python loop), or a torch tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from ckptfix.errors import CorruptCheckpointError, UnsupportedError
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
+from ckptfix.pickles import TensorRecord
+
+#: bytes per chunk read, gathered or compared
+CHUNK = 8 << 20
+
+
+@dataclass
+class Item:
+    """One tensor to write: where its bytes come from and what it is."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    path: str | None = None  # contiguous byte range of this file ...
+    offset: int = 0
+    rec: TensorRecord | None = None  # ... or a strided view to gather ...
+    tensor: Any = None  # ... or a torch tensor
+    begin: int = 0  # data offset in the output, filled by the planner
+
+    @property
+    def st_dtype(self) -> str:
+        return DTYPE_TO_ST[self.dtype]
+
+    def chunks(self, fds: "Fds") -> Iterator[bytes | memoryview]:
+        """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.
+
+        (Contiguous byte ranges of a file are copied by :class:`~ckptfix.convert.write.Writer` instead.)
+        """
+        if self.rec is not None:
+            yield from _gather(self.rec, fds)
+        elif self.tensor is not None:
+            yield from _tensor_chunks(self.tensor)
+
+
+class Fds:
+    """Read-only file descriptors, opened once per path."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+#: memoryview formats by element size: a strided run of elements is one C-level slice copy
+_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
+
+
+def check_view(name: str, rec: TensorRecord) -> None:
+    """Refuse a tensor record no torch tensor can have: negative offset, size or stride.
+
+    Raises:
+        CorruptCheckpointError: naming the tensor.
+    """
+    bad = [int(x) for x in (rec.offset, *rec.shape, *rec.stride) if not isinstance(x, int) or x < 0]
+    if bad or len(rec.shape) != len(rec.stride):
+        raise CorruptCheckpointError(
+            f"tensor {name!r} has offset {rec.offset}, shape {list(rec.shape)} and stride "
+            f"{list(rec.stride)}: negative or mismatched values no torch tensor has; the "
+            "checkpoint is corrupt"
+        )
+
+
+def _simplify(shape: Sequence[int], stride: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Drop size-1 dims and merge dims that step through memory as one (stride-0 runs included)."""
+    dims = [(int(n), int(s)) for n, s in zip(shape, stride, strict=False) if n != 1]
+    out: list[list[int]] = []
+    for n, s in dims:
+        if out and out[-1][1] == n * s:
+            out[-1] = [out[-1][0] * n, s]
+        else:
+            out.append([n, s])
+    if not out:
+        out = [[1, 1]]
+    return [n for n, _ in out], [s for _, s in out]
+
+
+def _run(src: memoryview, o: int, n: int, s: int) -> bytes:
+    """``n`` elements from element ``o`` of ``src``, ``s`` apart, as bytes (one C-level copy)."""
+    if s == 0:
+        return src[o : o + 1].tobytes() * n
+    if s == 1:
+        return src[o : o + n].tobytes()
+    return src[o : o + (n - 1) * s + 1 : s].tobytes()
+
+
+def _block(src: memoryview, off: int, a: int, sa: int, b: int, sb: int, es: int) -> Iterator[bytes | bytearray]:
+    """The C-order bytes of an ``a x b`` view (element strides ``sa``, ``sb``) from element ``off``, in chunks.
+
+    Per chunk the Python loop runs over the smaller of its two dimensions; each step is one strided
+    slice copy of the other (``bytes * n`` for stride 0), so no per-element Python work.
+    """
+    row = b * es
+    if row >= CHUNK:
+        per = max(1, CHUNK // es)
+        for i in range(a):
+            o = off + i * sa
+            for j0 in range(0, b, per):
+                yield _run(src, o + j0 * sb, min(per, b - j0), sb)
+        return
+    rows = max(1, CHUNK // row)
+    same: bytes | None = None
+    for i0 in range(0, a, rows):
+        n = min(rows, a - i0)
+        if sa == 0:
+            if same is None:
+                same = _run(src, off, b, sb)
+            yield same * n
+        elif n <= b:
+            yield b"".join(_run(src, off + i * sa, b, sb) for i in range(i0, i0 + n))
+        else:
+            out = bytearray(n * row)
+            ov = memoryview(out).cast(src.format)
+            for j in range(b):
+                o = off + i0 * sa + j * sb
+                ov[j::b] = src[o : o + (n - 1) * sa + 1 : sa]
+            ov.release()
+            yield out
+
+
+def _gather(rec: TensorRecord, fds: Fds) -> Iterator[bytes | bytearray]:
+    """C-order bytes of a strided view in bounded chunks, reading only its span of the storage.
+
+    The span is memory-mapped (pages come and go through the page cache, however large the storage)
+    and copied with strided slices of a typed ``memoryview``: no numpy, no per-element Python loop,
+    and stride-0 (expanded) dimensions repeat bytes instead of re-reading them.
+    """
+    import mmap
+
+    if rec.numel == 0:
+        return
+    es = rec.element_size
+    fmt = _FMT.get(es)
+    if fmt is None:
+        raise UnsupportedError(f"tensor of dtype {rec.dtype} ({es}-byte elements) cannot be gathered")
+    first, end = rec.span()
+    st = rec.storage
+    assert st is not None and st.source is not None and st.file_offset is not None
+    fd = fds.get(st.source)
+    start = st.file_offset + first * es
+    length = (end - first) * es
+    if os.fstat(fd).st_size < start + length:
+        raise CorruptCheckpointError(f"{st.source}: file ended inside storage {st.key!r} (truncated?)")
+    shape, stride = _simplify(rec.shape, rec.stride)
+    if len(shape) == 1:
+        shape, stride = [1] + shape, [0] + stride
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    mm = mmap.mmap(fd, start + length - base, offset=base, prot=mmap.PROT_READ)
+    raw = memoryview(mm)
+    src = raw[start - base : start - base + length].cast(fmt)
+    pending: list[bytes | bytearray] = []
+    size = 0
+    try:
+        outer = shape[:-2]
+        a, b = shape[-2:]
+        sa, sb = stride[-2:]
+        for idx in itertools.product(*(range(n) for n in outer)):
+            off = sum(i * s for i, s in zip(idx, stride, strict=False))
+            for chunk in _block(src, off, a, sa, b, sb, es):
+                pending.append(chunk)
+                size += len(chunk)
+                if size >= CHUNK:  # small blocks are written together, not one syscall each
+                    yield pending[0] if len(pending) == 1 else b"".join(pending)
+                    pending, size = [], 0
+        if pending:
+            yield pending[0] if len(pending) == 1 else b"".join(pending)
+    finally:
+        src.release()
+        raw.release()
+        mm.close()
+
+
+def _tensor_chunks(t: Any) -> Iterator[memoryview]:
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    for i in range(0, n, CHUNK):
+        yield memoryview(flat[i : i + CHUNK].numpy())
+
+
+def check_dtype(name: str, dtype: str, kind: str = "dense") -> None:
+    if kind != "dense":
+        raise UnsupportedError(
+            f"tensor {name!r} is a {kind} tensor; safetensors stores dense tensors only — "
+            "convert it to dense in torch first, or drop it"
+        )
+    if dtype not in DTYPE_TO_ST:
+        raise UnsupportedError(
+            f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+            "cast it (e.g. complex128 -> complex64 or a real view) or drop it"
+        )

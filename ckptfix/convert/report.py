@@ -1,0 +1,73 @@
+"""What a conversion did: :class:`ConvertReport`, the ``--json`` document of ``ckptfix convert``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+#: ``progress(done_bytes, total_bytes)``
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did.  ``to_dict()`` is the ``--json`` document.
+
+    Attributes:
+        source: the input path.
+        outputs: the files written (shards in order).
+        source_format: the input's format (``torch-zip``, ``safetensors``, ``dcp`` ...).
+        direction: ``"to-safetensors"`` or ``"to-torch"``.
+        index: the sharded index written, if any.
+        key_path: where the state dict sat in the checkpoint.
+        tensors: tensors written.
+        aliases: ``{alias: stored name}`` of tensors stored once.
+        views: ``{view: base}`` of views restorable from a stored base.
+        copied_views: views of a shared storage written as copies.
+        tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
+        excluded: top-level optimizer entries left out.
+        skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
+        placeholders: ``{path: global}`` of placeholders of classes written as plain data.
+        converted: ``{path: "was -> now"}`` of values written as plain data.
+        stubbed_globals: globals the restricted reader turned into placeholders.
+        renamed: keys renamed by ``strip_prefix``.
+        optimizer_tensors: optimizer tensors written.
+        bytes: tensor bytes written.
+        verified: every output was read back and compared.
+        used_torch: the input needed torch to read.
+        seconds: wall time.
+    """
+
+    source: str
+    outputs: list[str]
+    source_format: str = ""
+    direction: str = "to-safetensors"
+    index: str | None = None
+    key_path: tuple[str, ...] = ()
+    tensors: int = 0
+    aliases: dict[str, str] = field(default_factory=dict)
+    views: dict[str, str] = field(default_factory=dict)
+    copied_views: list[str] = field(default_factory=list)
+    tied_rule: str | None = None
+    excluded: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    placeholders: dict[str, str] = field(default_factory=dict)
+    converted: dict[str, str] = field(default_factory=dict)
+    stubbed_globals: list[str] = field(default_factory=list)
+    renamed: int = 0
+    optimizer_tensors: int = 0
+    bytes: int = 0
+    verified: bool = False
+    used_torch: bool = False
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data.
+
+        Returns:
+            Every field, ``key_path`` as a list and ``seconds`` rounded to milliseconds.
+        """
+        d = dict(self.__dict__)
+        d["key_path"] = list(self.key_path)
+        d["seconds"] = round(self.seconds, 3)
+        return d

@@ -1,0 +1,296 @@
+"""Writing safetensors files with verification inline, and the atomic rename of every output.
+
+Verification happens right after each chunk is written, while its source bytes are still in our
+buffer: the written pages are mapped (no copy) and ``memcmp``-ed against it.  Together with the
+structural check of the header read back, that proves every byte of the file equals the source,
+at the cost of one extra pass over memory instead of re-reading both files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Iterator, Mapping
+
+from ckptfix.atomic import _os_error, fsync_dir
+from ckptfix.convert.header import layout, safetensors_header, shard
+from ckptfix.convert.items import CHUNK, Fds, Item
+from ckptfix.convert.paths import check_outputs, shard_names, temp_for
+from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
+from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
+from ckptfix.formats.zipfmt import copy_range, pwrite_all
+
+
+class Writer:
+    """Writes safetensors files; with ``verify`` every chunk is read back from the file and compared.
+
+    Verification happens right after each chunk is written, while its source bytes are still in
+    our buffer: the written pages are mapped (no copy) and ``memcmp``-ed against it.  Together with
+    the structural check in :meth:`check` (header read back, offsets tiling the data section
+    exactly, file size), that proves every byte of the file equals the source, at the cost of one
+    extra pass over memory instead of re-reading both files.
+    """
+
+    def __init__(self, total: int, progress: Progress | None, verify: bool) -> None:
+        self.total = total
+        self.done = 0
+        self.progress = progress
+        self.verify = verify
+        self.fds = Fds()
+        self._buf: bytearray | None = None
+
+    def tick(self, n: int) -> None:
+        """Count ``n`` bytes done and report progress.
+
+        Args:
+            n: bytes just written (or verified).
+        """
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+    def write(self, path: str, items: list[Item], metadata: Mapping[str, str] | None, fsync: bool) -> None:
+        """Write one safetensors file: header, then every item's bytes at its offset.
+
+        Args:
+            path: the (temp) file, created empty.
+            items: the items in file order, ``begin`` set (:func:`~ckptfix.convert.header.layout`).
+            metadata: the ``__metadata__`` entries.
+            fsync: flush the file before returning.
+
+        Raises:
+            VerificationError: with ``verify``, a chunk did not read back equal.
+            CorruptCheckpointError: a source ended early or gave the wrong number of bytes.
+        """
+        header = safetensors_header(items, metadata)
+        # no O_TRUNC: the temp file is new and empty, and truncating makes ext4 flush it on close (auto_da_alloc)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            pwrite_all(fd, header, 0)
+            base = len(header)
+            for it in items:
+                pos = base + it.begin
+                if it.path is not None:
+                    self._copy(it, fd, pos, path)
+                    continue
+                for chunk in it.chunks(self.fds):
+                    n = pwrite_all(fd, chunk, pos)
+                    if self.verify and not _written_equal(fd, pos, chunk, n):
+                        raise _differs(path, it, pos - base - it.begin)
+                    pos += n
+                    self.tick(n)
+                if pos != base + it.begin + it.nbytes:
+                    raise CorruptCheckpointError(
+                        f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}"
+                    )
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _copy(self, it: Item, fd: int, pos: int, path: str) -> None:
+        """A contiguous byte range of a source file -> the output ``path`` (open as ``fd``) at ``pos``."""
+        src = self.fds.get(it.path)  # type: ignore[arg-type]
+        if not self.verify:
+            copy_range(src, it.offset, fd, pos, it.nbytes)
+            self.tick(it.nbytes)
+            return
+        if self._buf is None:
+            self._buf = bytearray(CHUNK)
+        buf = self._buf
+        view = memoryview(buf)
+        off, left, start = it.offset, it.nbytes, pos
+        while left > 0:
+            n = min(left, len(buf))
+            if os.preadv(src, [view[:n]], off) != n:
+                raise CorruptCheckpointError(f"{it.path}: file ended inside tensor {it.name!r} (truncated?)")
+            pwrite_all(fd, view[:n], pos)
+            if not _written_equal(fd, pos, buf, n):
+                raise _differs(path, it, pos - start)
+            off += n
+            pos += n
+            left -= n
+            self.tick(n)
+
+    def check(self, path: str, items: list[Item], metadata: Mapping[str, str] | None) -> None:
+        """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size.
+
+        Args:
+            path: the written file.
+            items: the items written, ``begin`` set.
+            metadata: the metadata written.
+
+        Raises:
+            VerificationError: naming what reads back differently.
+        """
+        try:
+            header, start = read_header(path, max_bytes=MAX_HEADER)
+        except CkptfixError as e:
+            raise VerificationError(f"{path}: the written file does not read back: {e}") from None
+        meta = header.pop("__metadata__", None)
+        if (meta or None) != (dict(metadata) if metadata else None):
+            raise VerificationError(f"{path}: metadata read back differs from what was written")
+        if set(header) != {it.name for it in items}:
+            raise VerificationError(f"{path}: the written file holds other tensors than the source")
+        end = 0
+        for it in sorted(items, key=lambda i: i.begin):  # the byte ranges tile the data section exactly
+            h = header[it.name]
+            if (
+                h.get("dtype") != it.st_dtype
+                or list(h.get("shape", ())) != list(it.shape)
+                or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes]
+                or it.begin != end
+            ):
+                raise VerificationError(
+                    f"{path}: tensor {it.name!r} reads back as {h}, expected dtype "
+                    f"{it.st_dtype} shape {list(it.shape)} at [{end}, {end + it.nbytes}]"
+                )
+            end += it.nbytes
+        if os.path.getsize(path) != start + end:
+            raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
+
+
+def _differs(path: str, it: Item, at: int) -> VerificationError:
+    return VerificationError(
+        f"{path}: tensor {it.name!r} differs from the source near byte {at} of the tensor "
+        "when read back; the output was removed"
+    )
+
+
+def _written_equal(fd: int, pos: int, data: bytes | bytearray | memoryview, n: int) -> bool:
+    """Do the ``n`` bytes of the file ``fd`` at ``pos`` equal the first ``n`` bytes of ``data``?
+
+    The file's pages are mapped, not copied, and compared with ``memcmp`` (``bytes.startswith``).
+    """
+    import mmap
+
+    if not isinstance(data, (bytes, bytearray)):
+        data = bytes(data)
+    if n == 0:
+        return True
+    gran = mmap.ALLOCATIONGRANULARITY
+    base = pos - pos % gran
+    try:
+        m = mmap.mmap(
+            fd,
+            n + (pos - base),
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ,
+            offset=base,
+        )
+    except (ValueError, OSError):
+        return False
+    try:
+        with memoryview(m) as v, v[pos - base : pos - base + n] as w:
+            return len(w) == n and data.startswith(w)
+    finally:
+        m.close()
+
+
+@contextlib.contextmanager
+def _named_as(tmp: str, final: str) -> Iterator[None]:
+    """Verification errors name the output the user asked for, not the temp file (which is removed)."""
+    try:
+        yield
+    except VerificationError as e:
+        raise VerificationError(str(e).replace(tmp, final)) from None
+
+
+def write_outputs(
+    dst: str,
+    items: list[Item],
+    metadata: dict[str, str],
+    *,
+    max_shard_size: int | None,
+    verify: bool,
+    fsync: bool,
+    force: bool,
+    src: str,
+    progress: Progress | None,
+    report: ConvertReport,
+) -> None:
+    """Write ``items`` as ``dst`` (or as shards + index), through temp files renamed into place once verified.
+
+    Args:
+        dst: the output (the shards' base name when sharded).
+        items: the tensors in state-dict order.
+        metadata: the ``__metadata__`` of every file (and the index's ``metadata``).
+        max_shard_size: bytes per shard, or None for one file.
+        verify: compare every chunk as written and re-read every header before the rename.
+        fsync: flush files and directory.
+        force: replace existing outputs.
+        src: the input (never overwritten).
+        progress: ``progress(done_bytes, total_bytes)``.
+        report: gets ``outputs``, ``index``, ``bytes``, ``tensors`` and ``verified``.
+
+    Raises:
+        OutputError: an output cannot be written or exists without ``force``.
+        VerificationError: the written bytes or header do not read back; nothing is left behind.
+    """
+    shards = shard(items, max_shard_size)
+    if len(shards) == 1:
+        finals = [dst]
+        index_path = None
+    else:
+        finals = shard_names(dst, len(shards))
+        index_path = dst + ".index.json" if dst.endswith(".safetensors") else dst + ".safetensors.index.json"
+    check_outputs(finals + ([index_path] if index_path else []), src, force)
+    total = sum(it.nbytes for it in items)
+    w = Writer(total, progress, verify)
+    temps: list[str] = []
+    try:
+        laid = []
+        for final, part in zip(finals, shards, strict=False):
+            tmp = temp_for(final)
+            temps.append(tmp)
+            ordered = layout(part)
+            laid.append(ordered)
+            with _named_as(tmp, final):
+                w.write(tmp, ordered, metadata, fsync)
+        if verify:
+            for tmp, final, ordered in zip(temps, finals, laid, strict=False):
+                with _named_as(tmp, final):
+                    w.check(tmp, ordered, metadata)
+            report.verified = True
+        if index_path:
+            temps.append(_write_index(index_path, finals, shards, total, metadata, fsync))
+        for tmp, final in zip(temps, finals + ([index_path] if index_path else []), strict=False):
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise _os_error(e, final) from None
+        temps.clear()
+        if fsync:
+            fsync_dir(dst)
+    finally:
+        w.fds.close()
+        for tmp in temps:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    report.outputs = finals
+    report.index = index_path
+    report.bytes = total
+    report.tensors = len(items)
+
+
+def _write_index(
+    index_path: str, finals: list[str], shards: list[list[Item]], total: int, metadata: dict[str, str], fsync: bool
+) -> str:
+    """The sharded index (``weight_map`` in state-dict order) written to a temp file; returns its path."""
+    weight_map = {}
+    for final, part in zip(finals, shards, strict=False):
+        for it in part:
+            weight_map[it.name] = os.path.basename(final)
+    doc = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
+    idx_tmp = temp_for(index_path)
+    with open(idx_tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return idx_tmp

@@ -1,0 +1,257 @@
+"""Find the tensors of any checkpoint object and name them, torch-free.
+
+A checkpoint is whatever ``torch.save`` was given: a state dict, a dict holding one
+(``{"model": ..., "optimizer": ...}``), a whole pickled ``nn.Module``, a list of tensors.  The
+functions here find and name its tensors the way ``module.state_dict()`` would, on the records
+and placeholders of the restricted reader (or on real torch objects); convert, rewrite, loading
+and inspect share them.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Mapping, Sequence
+
+from ckptfix.errors import CorruptCheckpointError, NoTensorsError
+from ckptfix.formats import STATE_DICT_KEYS, find_state_dict
+from ckptfix.pickles import Stub, is_tensor_like
+
+__all__ = [
+    "contains_tensors",
+    "module_state",
+    "module_state_dict",
+    "locate_state_dict",
+    "flatten_containers",
+    "flatten_state_dict",
+    "require_tensors",
+    "at_path",
+]
+
+
+def contains_tensors(obj: Any, depth: int = 200) -> bool:
+    """Is there a tensor (record or torch tensor) anywhere in ``obj``, placeholder state included?
+
+    Args:
+        obj: any object graph from the restricted reader or torch.
+        depth: how deep to look.
+
+    Returns:
+        True at the first tensor found.
+    """
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(obj, 0)]
+    while todo:
+        v, d = todo.pop()
+        if is_tensor_like(v):
+            return True
+        if d > depth or id(v) in seen or isinstance(v, (str, bytes, int, float, type)) or v is None:
+            continue
+        seen.add(id(v))
+        if isinstance(v, Stub):
+            todo += [
+                (v._state, d + 1),
+                (list(v._args), d + 1),
+                (list(v._listitems), d + 1),
+                (list(v._dictitems.values()), d + 1),
+            ]
+        elif isinstance(v, Mapping):
+            todo += [(x, d + 1) for x in v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            todo += [(x, d + 1) for x in v]
+        elif hasattr(v, "__dict__"):
+            todo.append((vars(v), d + 1))
+    return False
+
+
+def module_state(obj: Any) -> dict | None:
+    """The ``__dict__`` of a pickled ``nn.Module`` (a placeholder, a plain dict after sanitize, or a real module).
+
+    Args:
+        obj: any object of a checkpoint.
+
+    Returns:
+        The module's attribute dict (with ``_parameters`` and ``_modules``), or None when ``obj`` is no module.
+    """
+    if isinstance(obj, Stub):
+        st = obj._state
+    elif isinstance(obj, dict):
+        st = obj
+    elif hasattr(obj, "_parameters") and hasattr(obj, "_modules"):
+        st = vars(obj)
+    else:
+        return None
+    return st if isinstance(st, dict) and "_parameters" in st and "_modules" in st else None
+
+
+def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict | None:
+    """What ``module.state_dict()`` returns, for a whole pickled ``nn.Module`` (``torch.save(model)``), without torch.
+
+    Args:
+        obj: the module: a placeholder, a plain dict (after ``sanitize``) or a real ``nn.Module``.
+        prefix, out, depth: used by the recursion.
+
+    Returns:
+        name -> tensor: parameters, then persistent buffers, then each submodule's, recursively, as
+        torch orders them; None when ``obj`` is not a module.
+    """
+    st = module_state(obj)
+    if st is None or depth > 100:
+        return None
+    out = collections.OrderedDict() if out is None else out
+    for name, p in (st.get("_parameters") or {}).items():
+        if p is not None and is_tensor_like(p):
+            out[prefix + str(name)] = p
+    skip = st.get("_non_persistent_buffers_set") or set()
+    for name, b in (st.get("_buffers") or {}).items():
+        if b is not None and is_tensor_like(b) and name not in skip:
+            out[prefix + str(name)] = b
+    for name, m in (st.get("_modules") or {}).items():
+        if m is not None:
+            module_state_dict(m, f"{prefix}{name}.", out, depth + 1)
+    return out
+
+
+def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any], str]:
+    """Find the tensors of any checkpoint object and name them.
+
+    Args:
+        obj: the unpickled checkpoint (records and placeholders, or torch objects).
+        key: where the state dict sits (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+
+    Returns:
+        ``(key path, state dict, kind)``.  ``kind`` ``"mapping"``: a state dict (as
+        :func:`ckptfix.formats.find_state_dict` finds it); ``"module"``: a whole pickled ``nn.Module``
+        (at the top or under a top-level key), its ``state_dict()`` computed from the placeholders;
+        ``"sequence"``: a top-level list/tuple holding tensors (nested lists, tuples and dicts too),
+        each named by its path: ``"0"``, ``"1.2"`` ...
+
+    Raises:
+        KeyConflictError: ``key`` does not exist.  CorruptCheckpointError: no tensors found.
+    """
+    if key is None:
+        if module_state(obj) is not None and not isinstance(obj, dict):
+            sd = module_state_dict(obj)
+            if sd:
+                return (), sd, "module"
+        if isinstance(obj, Mapping) and not is_tensor_like(obj):
+            for k, v in obj.items():
+                if isinstance(k, str) and not isinstance(v, dict) and module_state(v) is not None:
+                    sd = module_state_dict(v)
+                    if sd:
+                        return (k,), sd, "module"
+    try:
+        kp, sd = find_state_dict(obj, key)
+    except CorruptCheckpointError:
+        if key is not None:
+            raise
+        mixed = _mixed_state_dict(obj)
+        if mixed is not None:
+            return mixed[0], mixed[1], "mapping"
+        flat = flatten_containers(obj) if isinstance(obj, (list, tuple)) else {}
+        if not flat:
+            raise
+        return (), flat, "sequence"
+    return tuple(kp), sd, "mapping"
+
+
+def _mixed_state_dict(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:
+    """A nested state dict that also holds non-tensor values (``{"w": tensor, "kind": int}``, ``_extra_state``).
+
+    Preferred names (``state_dict``, ``model`` ...) first, else the mapping with the most tensors, three levels
+    down at most.  None when no mapping holds a tensor directly.
+    """
+    best: tuple[int, int, tuple[str, ...], Any] | None = None
+    todo: list[tuple[tuple[str, ...], Any]] = [((), obj)]
+    while todo:
+        path, node = todo.pop(0)
+        if not isinstance(node, Mapping) or len(path) > 3:
+            continue
+        n = sum(1 for v in node.values() if is_tensor_like(v))
+        if n and path:
+            rank = (1 if path[-1] in STATE_DICT_KEYS else 0, n)
+            if best is None or rank > best[:2]:
+                best = (rank[0], rank[1], path, node)
+        todo += [(path + (k,), v) for k, v in node.items() if isinstance(k, str) and isinstance(v, Mapping)]
+    return (best[2], best[3]) if best else None
+
+
+def flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, depth: int = 0) -> dict[str, Any]:
+    """``{"0.1": tensor, ...}``: every tensor in nested lists, tuples and dicts, named by its path.
+
+    Args:
+        obj: the container.
+        prefix, out, depth: used by the recursion.
+
+    Returns:
+        name -> tensor, in container order (32 levels deep at most).
+    """
+    out = {} if out is None else out
+    if depth > 32:
+        return out
+    if is_tensor_like(obj):
+        out[prefix.rstrip(".")] = obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            flatten_containers(v, f"{prefix}{i}.", out, depth + 1)
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if isinstance(k, (str, int)):
+                flatten_containers(v, f"{prefix}{k}.", out, depth + 1)
+    return out
+
+
+def require_tensors(cf: Any, src: str, what: str) -> None:
+    """Refuse a valid checkpoint that holds no tensors anywhere (``training_args.bin``, ``scheduler.pt``).
+
+    Args:
+        cf: the :class:`~ckptfix.formats.CheckpointFile` read from ``src``.
+        src: the path, for the message.
+        what: the operation, for the message (``"convert"``, ``"rename"``).
+
+    Raises:
+        NoTensorsError: naming the file and what to do instead.
+    """
+    if not contains_tensors(cf.obj) and not cf.extra.get("torchscript_state_dict"):
+        raise NoTensorsError(
+            f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
+            f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "
+            "`ckptfix sanitize` makes it load with weights_only=True"
+        )
+
+
+def flatten_state_dict(sd: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """The ``(name, tensor)`` pairs of a state dict; a nested one (DCP's ``{"model": {...}}``) is dotted.
+
+    Args:
+        sd: the state dict.
+        prefix: used by the recursion.
+
+    Returns:
+        The pairs in state-dict order; non-tensor values are left out.
+    """
+    out: list[tuple[str, Any]] = []
+    for k, v in sd.items():
+        name = f"{prefix}{k}"
+        if is_tensor_like(v):
+            out.append((name, v))
+        elif isinstance(v, Mapping) and prefix == "" and any(is_tensor_like(x) for x in v.values()):
+            out.extend(flatten_state_dict(v, name + "."))  # DCP nested state dicts
+    return out
+
+
+def at_path(obj: Any, path: Sequence[str]) -> Any:
+    """``obj[path[0]][path[1]]...``.
+
+    Args:
+        obj: a nested mapping.
+        path: the keys to follow.
+
+    Returns:
+        The value at ``path`` (``obj`` itself for an empty path).
+
+    Raises:
+        KeyError, TypeError: ``path`` does not exist in ``obj``.
+    """
+    for part in path:
+        obj = obj[part]
+    return obj
