@@ -801,7 +801,9 @@ def sanitize_checkpoint(
 
 def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
     from ckptfix.formats import read_checkpoint
-    from ckptfix.rewrite import check_written, prepare_output, write_checkpoint_zip
+    from ckptfix.rewrite.output import prepare_output
+    from ckptfix.rewrite.verify import check_written
+    from ckptfix.rewrite.writers import write_checkpoint_zip
 
     cf = read_checkpoint(src)
     if cf.format == "safetensors":
@@ -861,7 +863,7 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         fmt_out="torch-zip",
         notes=rep.notes,
     )
-    from ckptfix.rewrite import write_atomic
+    from ckptfix.rewrite.output import write_atomic
 
     def write(f: Any) -> None:
         write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)

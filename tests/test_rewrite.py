@@ -518,11 +518,11 @@ def test_sharded_output_options(ckpt, capsys, tmp_path):
 
 
 def test_sharded_failure_leaves_no_directory(ckpt, monkeypatch, tmp_path):
-    import ckptfix.rewrite as rw
+    import ckptfix.rewrite.sharded as rw
 
     b = ckpt.sharded_safetensors(prefix="module.")
     calls = []
-    real = rw._write_file
+    real = rw.write_file
 
     def second_fails(*a, **k):
         calls.append(1)
@@ -530,7 +530,7 @@ def test_sharded_failure_leaves_no_directory(ckpt, monkeypatch, tmp_path):
             raise OutputError("disk full (simulated)")
         return real(*a, **k)
 
-    monkeypatch.setattr(rw, "_write_file", second_fails)
+    monkeypatch.setattr(rw, "write_file", second_fails)
     with pytest.raises(OutputError):
         rewrite_checkpoint(str(b.path), lambda sd: strip_prefix_report(sd), output=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
@@ -775,8 +775,8 @@ def test_check_written_catches_a_short_record(tmp_path):
 )
 def test_every_rewrite_is_checked_before_the_rename(tmp_path, cmd, monkeypatch):
     """A writer bug (here: a record dropped from the archive) never reaches the user's file."""
-    from ckptfix import rewrite as rw
     from ckptfix.cli import main
+    from ckptfix.rewrite import writers as rw
 
     src = tmp_path / "m.pt"
     torch.save({"module.w": torch.ones(3), "module.b": torch.zeros(2)}, src)

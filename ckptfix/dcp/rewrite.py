@@ -109,7 +109,8 @@ def rewrite_dcp(
         entries to one name; OutputError: the output exists or cannot be written; VerificationError.
     """
     from ckptfix.formats.dcp import read_dcp
-    from ckptfix.rewrite import RewriteReport, _detail
+    from ckptfix.rewrite.report import RewriteReport
+    from ckptfix.rewrite.report import detail as report_detail
 
     src = os.fspath(src).rstrip(os.sep) or os.sep
     meta = read_metadata(src)
@@ -153,7 +154,7 @@ def rewrite_dcp(
         key_path=list(key_path),
         changed=bool(rename),
         renamed=len(rename),
-        detail=_detail(detail),
+        detail=report_detail(detail),
     )
     if not rename:
         rep.notes.append("nothing to change; no file written")

@@ -1,0 +1,248 @@
+"""Rename a checkpoint's state-dict keys on disk without decoding a tensor.
+
+The key renames come from :mod:`ckptfix.prefixes`; this module applies them to
+the file:
+
+* torch zip (``.pt``/``.pth``/Lightning ``.ckpt``): only ``data.pkl`` is rewritten,
+  every tensor record is copied through unchanged (``copy_file_range``), 64-byte
+  aligned, so ``torch.load(mmap=True)`` still works.  torch is never imported.
+* legacy (pre-1.6) stream: written as a zip archive (said in the report), tensor
+  bytes copied from their byte ranges.
+* safetensors: the JSON header is rewritten, the data section copied.
+
+Everything outside the state dict (epoch, optimizer and scaler state,
+hyper-parameters), storage sharing, dtypes and location tags are preserved;
+``map_location`` rewrites the tags.
+
+Modules: :mod:`~ckptfix.rewrite.writers` (writing a file back), :mod:`~ckptfix.rewrite.verify`
+(reading it back before the rename), :mod:`~ckptfix.rewrite.output` (paths, atomic write),
+:mod:`~ckptfix.rewrite.sharded` (an index and its shards), :mod:`~ckptfix.rewrite.location`
+(``--map-location``), :mod:`~ckptfix.rewrite.report`; DCP directories: :mod:`ckptfix.dcp.rewrite`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ckptfix import stmeta
+from ckptfix.errors import UnsupportedError
+from ckptfix.formats import CheckpointFile, read_checkpoint, sniff
+from ckptfix.progress import Progress, reporting
+from ckptfix.rewrite.location import parse_map_location, relocate
+from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
+from ckptfix.rewrite.report import RewriteReport, Transform, detail
+from ckptfix.rewrite.sharded import rewrite_sharded
+from ckptfix.rewrite.verify import check_written, pickle_globals
+from ckptfix.rewrite.writers import (
+    WRITABLE,
+    check_str_keys,
+    check_writable,
+    format_out,
+    write_checkpoint_zip,
+    write_file,
+)
+from ckptfix.statedict import locate_state_dict, require_tensors
+
+__all__ = [
+    "rewrite_checkpoint",
+    "RewriteReport",
+    "Transform",
+    "WRITABLE",
+    "parse_map_location",
+    "default_output",
+    "prepare_output",
+    "write_atomic",
+    "write_checkpoint_zip",
+    "check_written",
+    "pickle_globals",
+]
+
+
+def rewrite_checkpoint(
+    src: str,
+    transform: Transform,
+    *,
+    output: str | None = None,
+    in_place: bool = False,
+    backup: bool = True,
+    force: bool = False,
+    key: str | None = None,
+    map_location: str | None = None,
+    fsync: bool | None = None,
+    suffix: str = "fixed",
+    progress: Progress | None = None,
+) -> RewriteReport:
+    """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
+
+    Args:
+        src: checkpoint file (torch zip, legacy, Lightning ``.ckpt`` or safetensors), or a sharded
+            ``*.index.json`` (or its directory) whose shards are any of those.
+        transform: state dict -> (renamed state dict, report); must raise to refuse (collisions).
+        output: where to write; default ``<stem>.<suffix><ext>`` next to ``src``.  For a sharded
+            input, a directory (default ``<dir>.<suffix>`` beside the shards' directory) that gets
+            the rewritten shards and index under their own names.
+        in_place: replace ``src`` itself (temp file + fsync + rename), keeping ``src.bak`` unless
+            ``backup=False``.  Not for sharded inputs (several files cannot be replaced atomically).
+        force: overwrite an existing ``output``.
+        key: where the state dict sits (found automatically otherwise).
+        map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
+        fsync: flush to disk before the rename (default: on for ``in_place``).
+        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
+
+    Returns:
+        RewriteReport (``output`` is None when nothing needed to change).
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: the input is missing or unreadable.
+        KeyConflictError: the transform refused (a collision, an ambiguous rename).
+        NoTensorsError: the file holds no state dict.
+        OutputError: the output exists (without ``force``), is the input, or cannot be written.
+        UnsupportedError: TorchScript, or ``in_place`` on a sharded index.
+        VerificationError: the written file did not read back (nothing was replaced).
+    """
+    with reporting(progress, _input_bytes(src)):
+        return _rewrite_checkpoint(
+            src,
+            transform,
+            output=output,
+            in_place=in_place,
+            backup=backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=fsync,
+            suffix=suffix,
+        )
+
+
+def _input_bytes(src: str) -> int:
+    if os.path.isdir(src):
+        return sum(e.stat().st_size for e in os.scandir(src) if e.is_file())
+    if src.endswith(".json"):
+        return sum(e.stat().st_size for e in os.scandir(os.path.dirname(os.path.abspath(src))) if e.is_file())
+    try:
+        return os.path.getsize(src)
+    except OSError:
+        return 0
+
+
+def _rewrite_checkpoint(
+    src: str,
+    transform: Transform,
+    *,
+    output: str | None,
+    in_place: bool,
+    backup: bool,
+    force: bool,
+    key: str | None,
+    map_location: str | None,
+    fsync: bool | None,
+    suffix: str,
+) -> RewriteReport:
+    if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+        from ckptfix.dcp.rewrite import rewrite_dcp
+
+        return rewrite_dcp(
+            src,
+            transform,
+            output=output,
+            in_place=in_place,
+            backup=backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=fsync,
+            suffix=suffix,
+        )
+    cf = read_checkpoint(src)
+    if cf.format == "sharded":
+        return rewrite_sharded(
+            cf,
+            transform,
+            output=output,
+            in_place=in_place,
+            force=force,
+            key=key,
+            map_location=map_location,
+            fsync=bool(fsync),
+            suffix=suffix,
+        )
+    return _rewrite_file(
+        cf,
+        transform,
+        output=output,
+        in_place=in_place,
+        backup=backup,
+        force=force,
+        key=key,
+        map_location=map_location,
+        fsync=fsync,
+        suffix=suffix,
+    )
+
+
+def _rewrite_file(
+    cf: CheckpointFile,
+    transform: Transform,
+    *,
+    output: str | None,
+    in_place: bool,
+    backup: bool,
+    force: bool,
+    key: str | None,
+    map_location: str | None,
+    fsync: bool | None,
+    suffix: str,
+) -> RewriteReport:
+    """One torch zip, legacy or safetensors file: its state dict renamed, everything else kept."""
+    src = cf.path
+    check_writable(cf)
+    if key is None and cf.format != "safetensors":
+        require_tensors(cf, src, "rename")
+    key_path, sd, holder = locate_state_dict(cf.obj, key)
+    if holder != "mapping":
+        what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
+        raise UnsupportedError(
+            f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
+            "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
+            "load_anywhere it and save the state dict"
+        )
+    check_str_keys(src, sd)
+    if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
+        sd = stmeta.logical_state_dict(sd, cf.extra.get("metadata"))
+    new_sd, report = transform(sd)
+    rename = dict(zip(sd.keys(), new_sd.keys(), strict=False))
+    renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys(), strict=False) if a != b)
+    relocated = relocate(cf, map_location)
+    fmt_out = format_out(cf)
+    rep = RewriteReport(
+        source=src,
+        output=None,
+        format_in=cf.format,
+        format_out=fmt_out,
+        key_path=list(key_path),
+        changed=bool(renamed or relocated),
+        renamed=renamed,
+        detail=detail(report),
+        relocated=relocated,
+    )
+    if not rep.changed:
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    if cf.format == "torch-legacy":
+        rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
+    dst, fsync_out = prepare_output(
+        src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out, notes=rep.notes, fsync=fsync
+    )
+    rep.backup = write_file(
+        cf,
+        key_path,
+        new_sd,
+        dst,
+        fsync=fsync_out,
+        backup_of=dst if in_place and backup else None,
+        rename=rename,
+        what=src if in_place else dst,
+    )
+    rep.output = src if in_place else dst
+    return rep
