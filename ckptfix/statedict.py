@@ -49,10 +49,10 @@ def contains_tensors(obj: Any, depth: int = 200) -> bool:
         seen.add(id(v))
         if isinstance(v, Stub):
             todo += [
-                (v._state, d + 1),
-                (list(v._args), d + 1),
-                (list(v._listitems), d + 1),
-                (list(v._dictitems.values()), d + 1),
+                (getattr(v, "_state", None), d + 1),
+                (list(getattr(v, "_args", ())), d + 1),
+                (list(getattr(v, "_listitems", ())), d + 1),
+                (list(getattr(v, "_dictitems", {}).values()), d + 1),
             ]
         elif isinstance(v, Mapping):
             todo += [(x, d + 1) for x in v.values()]
@@ -73,7 +73,7 @@ def module_state(obj: Any) -> dict | None:
         The module's attribute dict (with ``_parameters`` and ``_modules``), or None when ``obj`` is no module.
     """
     if isinstance(obj, Stub):
-        st = obj._state
+        st = getattr(obj, "_state", None)
     elif isinstance(obj, dict):
         st = obj
     elif hasattr(obj, "_parameters") and hasattr(obj, "_modules"):
@@ -130,15 +130,15 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
     """
     if key is None:
         if module_state(obj) is not None and not isinstance(obj, dict):
-            sd = module_state_dict(obj)
-            if sd:
-                return (), sd, "module"
+            msd = module_state_dict(obj)
+            if msd:
+                return (), msd, "module"
         if isinstance(obj, Mapping) and not is_tensor_like(obj):
             for k, v in obj.items():
                 if isinstance(k, str) and not isinstance(v, dict) and module_state(v) is not None:
-                    sd = module_state_dict(v)
-                    if sd:
-                        return (k,), sd, "module"
+                    msd = module_state_dict(v)
+                    if msd:
+                        return (k,), msd, "module"
     try:
         kp, sd = find_state_dict(obj, key)
     except CorruptCheckpointError:

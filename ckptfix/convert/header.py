@@ -88,7 +88,7 @@ def layout(items: Sequence[Item]) -> list[Item]:
     return ordered
 
 
-def shard(items: list[Item], max_size: int | None) -> list[list[Item]]:
+def shard(items: Sequence[Item], max_size: int | None) -> list[list[Item]]:
     """Split in state-dict order, as huggingface_hub does: a tensor larger than the limit gets its own shard.
 
     Args:
@@ -99,7 +99,7 @@ def shard(items: list[Item], max_size: int | None) -> list[list[Item]]:
         The shards, each a list of items.
     """
     if not max_size:
-        return [items]
+        return [list(items)]
     shards: list[list[Item]] = [[]]
     size = 0
     for it in items:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
@@ -38,7 +38,7 @@ class Item:
     def st_dtype(self) -> str:
         return DTYPE_TO_ST[self.dtype]
 
-    def chunks(self, fds: "Fds") -> Iterator[bytes | memoryview]:
+    def chunks(self, fds: Fds) -> Iterator[bytes | bytearray | memoryview]:
         """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.
 
         (Contiguous byte ranges of a file are copied by :class:`~ckptfix.convert.write.Writer` instead.)
@@ -68,7 +68,7 @@ class Fds:
 
 
 #: memoryview formats by element size: a strided run of elements is one C-level slice copy
-_FMT = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_FMT: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 
 def check_view(name: str, rec: TensorRecord) -> None:
@@ -135,7 +135,8 @@ def _block(src: memoryview, off: int, a: int, sa: int, b: int, sb: int, es: int)
             yield b"".join(_run(src, off + i * sa, b, sb) for i in range(i0, i0 + n))
         else:
             out = bytearray(n * row)
-            ov = memoryview(out).cast(src.format)
+            ov: Any = memoryview(out)
+            ov = ov.cast(src.format)
             for j in range(b):
                 o = off + i0 * sa + j * sb
                 ov[j::b] = src[o : o + (n - 1) * sa + 1 : sa]

@@ -300,7 +300,7 @@ def check_expansion(items: Sequence[Item], input_bytes: int, allow_expand: bool)
 def output_names(
     named: Sequence[tuple[str, Any]],
     opt_named: Sequence[tuple[str, Any]],
-    strip_prefix: bool | str,
+    strip_prefix: bool | str | None,
     report: ConvertReport,
 ) -> tuple[list[tuple[str, Any]], list[str]]:
     """The tensors to write under their final names: the state dict's (prefixes stripped) then the optimizer's.

@@ -160,7 +160,7 @@ def convert_from_safetensors(
     report.source_format = kind
     out = stmeta.restore(sd, meta)
     report.aliases = stmeta.aliases(meta, sd)
-    report.views = {k: v.get("base") for k, v in stmeta.views(meta).items()}
+    report.views = {k: v["base"] for k, v in stmeta.views(meta).items() if isinstance(v.get("base"), str)}
     report.tensors = len(out)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     report.bytes = total

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 from ckptfix.atomic import _os_error, fsync_dir
 from ckptfix.convert.header import layout, safetensors_header, shard
@@ -200,7 +200,7 @@ def _named_as(tmp: str, final: str) -> Iterator[None]:
 
 def write_outputs(
     dst: str,
-    items: list[Item],
+    items: Sequence[Item],
     metadata: dict[str, str],
     *,
     max_shard_size: int | None,

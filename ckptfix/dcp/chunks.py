@@ -16,7 +16,7 @@ import struct
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ckptfix.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
@@ -269,10 +269,10 @@ def _pread_exact(fd: int, n: int, off: int, what: str) -> bytes:
     return data
 
 
-_CAST = {1: "B", 2: "H", 4: "I", 8: "Q"}
+_CAST: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 
-def _strided_row(buf: bytes, n: int, step: int, es: int) -> bytes:
+def _strided_row(buf: bytes | memoryview, n: int, step: int, es: int) -> bytes:
     """``n`` elements of ``es`` bytes, every ``step``-th element of ``buf`` (vectorised with memoryview casts)."""
     if step == 1 or n <= 1:
         return bytes(buf[: n * es])

@@ -68,7 +68,7 @@ class TensorStream:
         del pool[2:]
         return b
 
-    def __iter__(self) -> Iterator[bytes]:
+    def __iter__(self) -> Iterator[bytes | bytearray]:
         e = self.e
         if e.numel == 0:
             return
@@ -78,7 +78,9 @@ class TensorStream:
     def _what(self, c: Chunk) -> str:
         return f"tensor {self.e.fqn!r} chunk {list(c.offsets)}"
 
-    def _emit(self, parts: list[tuple[Chunk, ChunkData]], prefix: tuple[int, ...], d: int) -> Iterator[bytes]:
+    def _emit(
+        self, parts: list[tuple[Chunk, ChunkData]], prefix: tuple[int, ...], d: int
+    ) -> Iterator[bytes | bytearray]:
         shape, es = self.e.shape, self.es
         nd = len(shape)
         if d == nd:  # one element (a 0-d tensor, or a fully fixed prefix)
@@ -175,7 +177,7 @@ class DcpItem(Item):
     entry: Any = None
     files: Any = None
 
-    def chunks(self, fds: Any) -> Iterator[bytes | memoryview]:
+    def chunks(self, fds: Any) -> Iterator[bytes | bytearray | memoryview]:
         """The tensor's bytes, C-contiguous, assembled block by block from its chunks.
 
         Args:

@@ -221,9 +221,10 @@ def _dtype(props: Any, where: str) -> str:
         dt, layout = st.get("dtype"), st.get("layout")
     else:
         raise CorruptCheckpointError(f"{where}: malformed tensor properties; not DCP metadata")
-    if _name(layout) == "torch.serialization._get_layout" and layout._args not in (("torch.strided",),):
+    largs = getattr(layout, "_args", None)
+    if _name(layout) == "torch.serialization._get_layout" and largs not in (("torch.strided",),):
         raise UnsupportedError(
-            f"{where}: layout {layout._args[0] if layout._args else '?'} (only dense, strided tensors are supported)"
+            f"{where}: layout {largs[0] if largs else '?'} (only dense, strided tensors are supported)"
         )
     if not (
         isinstance(dt, type) and issubclass(dt, Stub) and dt._ckpt_module == "torch" and dt._ckpt_name in DTYPE_GLOBALS
@@ -517,13 +518,13 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
                     f"recorded as {loc.length} bytes of {loc.relative_path} (.metadata from a different run, or "
                     "corrupt)"
                 )
-    for e in meta.entries.values():
-        locs = [e.location] if isinstance(e, BytesEntry) else e.locations
-        for loc in locs:
-            if loc is not None and loc.offset + loc.length > sizes[loc.relative_path]:
+    for entry in meta.entries.values():
+        locs: list[Location | None] = [entry.location] if isinstance(entry, BytesEntry) else list(entry.locations)
+        for place in locs:
+            if place is not None and place.offset + place.length > sizes[place.relative_path]:
                 raise CorruptCheckpointError(
-                    f"{meta.path}: {e.fqn!r} is recorded at bytes {loc.offset}..{loc.offset + loc.length} of "
-                    f"{loc.relative_path}, which has {sizes[loc.relative_path]} bytes (truncated file, or "
+                    f"{meta.path}: {entry.fqn!r} is recorded at bytes {place.offset}..{place.offset + place.length} "
+                    f"of {place.relative_path}, which has {sizes[place.relative_path]} bytes (truncated file, or "
                     ".metadata from a different run)"
                 )
     return sizes

@@ -181,11 +181,11 @@ def rewrite_dcp(
     old_away = None
     try:
         os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
-        for name in sorted(os.listdir(src)):
-            p = os.path.join(src, name)
-            if name == METADATA_NAME or name.endswith((".bak", ".tmp")) or not os.path.isfile(p):
+        for fname in sorted(os.listdir(src)):
+            fpath = os.path.join(src, fname)
+            if fname == METADATA_NAME or fname.endswith((".bak", ".tmp")) or not os.path.isfile(fpath):
                 continue
-            if _link_or_copy(p, os.path.join(tmp, name)):
+            if _link_or_copy(fpath, os.path.join(tmp, fname)):
                 linked += 1
             else:
                 copied += 1

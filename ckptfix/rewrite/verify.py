@@ -48,7 +48,7 @@ def pickle_globals(data: bytes) -> list[str]:
         name = op.name
         prev, last = last, None
         if name == "PROTO":
-            proto = int(arg)
+            proto = _int(arg)
         elif name in (
             "SHORT_BINUNICODE",
             "BINUNICODE",
@@ -66,14 +66,14 @@ def pickle_globals(data: bytes) -> list[str]:
         elif name == "STACK_GLOBAL":
             out.append(f"{strings[-2]}.{strings[-1]}" if len(strings) >= 2 else "<unresolved STACK_GLOBAL>")
         elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(arg)] = prev
+            memo[_int(arg)] = prev
             last = prev
         elif name == "MEMOIZE":
             memo[n_memo] = prev
             n_memo += 1
             last = prev
         elif name in ("GET", "BINGET", "LONG_BINGET"):
-            v = memo.get(int(arg))
+            v = memo.get(_int(arg))
             if isinstance(v, str):
                 strings.append(v)
                 last = v
@@ -193,3 +193,8 @@ def _py3_global(name: str) -> str:
         if (m, a) != (mod, attr):
             return f"{m}.{a}"
     return name
+
+
+def _int(arg: Any) -> int:
+    """An opcode's integer argument."""
+    return int(arg)

@@ -177,6 +177,7 @@ def write_checkpoint_zip(
             w.add_bytes(root + "byteorder", b"little")
             for key in cf.extra["storage_keys"]:
                 st = cf.storages[str(key)]
+                assert st.file_offset is not None and st.nbytes is not None
                 w.add_copy(f"{root}data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
         for key, data in new_storages.items():
             w.add_bytes(f"{root}data/{key}", data)
