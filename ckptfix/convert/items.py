@@ -36,12 +36,23 @@ class Item:
 
     @property
     def st_dtype(self) -> str:
+        """The safetensors dtype code.
+
+        Returns:
+            ``"F32"``, ``"BF16"`` ...
+        """
         return DTYPE_TO_ST[self.dtype]
 
     def chunks(self, fds: Fds) -> Iterator[bytes | bytearray | memoryview]:
         """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.
 
         (Contiguous byte ranges of a file are copied by :class:`~ckptfix.convert.write.Writer` instead.)
+
+        Args:
+            fds: open source files.
+
+        Returns:
+            An iterator of chunks of at most :data:`CHUNK` bytes (a few more for small gathered blocks).
         """
         if self.rec is not None:
             yield from _gather(self.rec, fds)
@@ -56,12 +67,21 @@ class Fds:
         self.fds: dict[str, int] = {}
 
     def get(self, path: str) -> int:
+        """The read-only descriptor of ``path``, opened on first use.
+
+        Args:
+            path: a source file.
+
+        Returns:
+            The descriptor (closed by :meth:`close`).
+        """
         fd = self.fds.get(path)
         if fd is None:
             fd = self.fds[path] = os.open(path, os.O_RDONLY)
         return fd
 
     def close(self) -> None:
+        """Close every descriptor opened."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -73,6 +93,10 @@ _FMT: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 def check_view(name: str, rec: TensorRecord) -> None:
     """Refuse a tensor record no torch tensor can have: negative offset, size or stride.
+
+    Args:
+        name: the tensor's name, for the message.
+        rec: its record.
 
     Raises:
         CorruptCheckpointError: naming the tensor.
@@ -206,6 +230,16 @@ def _tensor_chunks(t: Any) -> Iterator[memoryview]:
 
 
 def check_dtype(name: str, dtype: str, kind: str = "dense") -> None:
+    """Refuse a tensor safetensors cannot store.
+
+    Args:
+        name: the tensor's name, for the message.
+        dtype: its torch dtype name (``"float32"``).
+        kind: ``"dense"``, or ``"sparse"``, ``"quantized"``, ``"meta"`` ...
+
+    Raises:
+        UnsupportedError: not dense, or a dtype safetensors has no code for; says what to do.
+    """
     if kind != "dense":
         raise UnsupportedError(
             f"tensor {name!r} is a {kind} tensor; safetensors stores dense tensors only — "

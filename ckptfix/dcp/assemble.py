@@ -36,7 +36,16 @@ def _writable_view(t: Any) -> memoryview:
 
 
 def flat_range(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[int, int] | None:
-    """(first, end) element of a chunk in its tensor's row-major layout if the chunk is one contiguous range."""
+    """(first, end) element of a chunk in its tensor's row-major layout if the chunk is one contiguous range.
+
+    Args:
+        shape: the tensor's shape.
+        offsets: the chunk's offsets in it.
+        sizes: the chunk's sizes.
+
+    Returns:
+        ``(first, end)``, or None when the chunk is not one contiguous range.
+    """
     nd = len(shape)
     k = nd
     while k > 0 and sizes[k - 1] == shape[k - 1]:
@@ -66,6 +75,15 @@ def _read_into(fd: int, view: memoryview, off: int, what: str) -> None:
 
 def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str = "") -> Any:
     """One global tensor, built from its chunks (CPU).
+
+    Args:
+        files: the open ``.distcp`` files.
+        e: the tensor's metadata entry.
+        torch_dtype: its torch dtype.
+        where: names the checkpoint in messages.
+
+    Returns:
+        The torch tensor.
 
     Raises:
         CorruptCheckpointError, UnsafePickleError, UnsupportedError: from the chunks.
@@ -98,7 +116,13 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
 
 
 def set_element(root: dict, path: tuple, value: Any) -> None:
-    """Put ``value`` at ``path`` of a nested dict/list tree, creating dicts and lists as torch's planner does."""
+    """Put ``value`` at ``path`` of a nested dict/list tree, creating dicts and lists as torch's planner does.
+
+    Args:
+        root: the tree (changed in place).
+        path: keys (str) and list indices (int) from the root.
+        value: what to put there.
+    """
     node: Any = root
     for k, nxt in itertools.pairwise(path):
         child = (

@@ -51,21 +51,56 @@ class FileWindow(io.RawIOBase):
         self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
     def readable(self) -> bool:
+        """The window can be read.
+
+        Returns:
+            True.
+        """
         return True
 
     def seekable(self) -> bool:
+        """The window can seek.
+
+        Returns:
+            True.
+        """
         return True
 
     def seek(self, off: int, whence: int = 0) -> int:
+        """Move the read position, as :meth:`io.IOBase.seek`.
+
+        Args:
+            off: the offset.
+            whence: 0 from the start, 1 from the current position, 2 from the end of the window.
+
+        Returns:
+            The new position.
+
+        Raises:
+            ValueError: a negative position.
+        """
         self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
         if self.pos < 0:
             raise ValueError("negative seek position")
         return self.pos
 
     def tell(self) -> int:
+        """The read position.
+
+        Returns:
+            The position in the window.
+        """
         return self.pos
 
     def readinto(self, b: Any) -> int:
+        """Read into ``b`` from the window (one ``pread``), as :meth:`io.RawIOBase.readinto`.
+
+        Args:
+            b: a writable buffer.
+
+        Returns:
+            The number of bytes read (0 at the end of the window).
+        """
         n = max(0, min(len(b), self.length - self.pos))
         if n == 0:
             return 0
@@ -83,12 +118,21 @@ class Files:
         self.fds: dict[str, int] = {}
 
     def fd(self, rel: str) -> int:
+        """The read-only descriptor of a data file, opened on first use.
+
+        Args:
+            rel: the file's path relative to the directory.
+
+        Returns:
+            The descriptor (closed by :meth:`close`).
+        """
         fd = self.fds.get(rel)
         if fd is None:
             fd = self.fds[rel] = os.open(os.path.join(self.root, rel), os.O_RDONLY)
         return fd
 
     def close(self) -> None:
+        """Close every descriptor opened."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -111,6 +155,11 @@ class ChunkData:
     element_size: int
 
     def contiguous(self) -> bool:
+        """Are the chunk's bytes in C order?
+
+        Returns:
+            True when they are (size-1 dimensions ignored).
+        """
         expected = 1
         for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expected:
@@ -174,6 +223,15 @@ def _unpickle(data: bytes, what: str) -> tuple[Any, RecordingUnpickler]:
 def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> ChunkData:
     """Find chunk ``i`` of ``e``: its storage bytes' offset in the ``.distcp`` file, shape and strides.
 
+    Args:
+        files: the open ``.distcp`` files.
+        e: the tensor's metadata entry.
+        i: the chunk's index.
+        where: names the checkpoint in messages.
+
+    Returns:
+        The chunk's :class:`ChunkData`.
+
     Raises:
         CorruptCheckpointError: damaged archive, wrong shape/dtype, bytes past the end of the record.
         UnsafePickleError: the chunk's pickle names anything but a tensor rebuild.
@@ -226,7 +284,15 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
 
 
 def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[str]]:
-    """A non-tensor entry, unpickled by the restricted reader: (object with placeholders, stubbed globals).
+    """A non-tensor entry, unpickled by the restricted reader.
+
+    Args:
+        files: the open ``.distcp`` files.
+        e: the entry.
+        where: names the checkpoint in messages.
+
+    Returns:
+        ``(object with placeholders, stubbed globals)``.
 
     Raises:
         CorruptCheckpointError: damaged archive or pickle.
@@ -245,7 +311,19 @@ def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[
 
 
 def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
-    """The bytes of a non-tensor entry exactly as stored (a ``torch.save`` archive), for ``torch.load``."""
+    """The bytes of a non-tensor entry exactly as stored (a ``torch.save`` archive), for ``torch.load``.
+
+    Args:
+        files: the open ``.distcp`` files.
+        e: the entry.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        ResourceLimitError: over :data:`MAX_OBJECT_PKL`.
+        CorruptCheckpointError: the file ends early.
+    """
     assert e.location is not None
     loc = e.location
     if loc.length > MAX_OBJECT_PKL:
@@ -293,6 +371,21 @@ def read_block(
 
     One ``pread`` for a C-contiguous chunk (into the bytearray ``into(nbytes)`` returns, when given,
     so that a caller can reuse buffers); a permuted (e.g. transposed) chunk is gathered row by row.
+
+    Args:
+        files: the open ``.distcp`` files.
+        cd: the chunk.
+        prefix: indices fixing the leading dimensions.
+        lo, hi: the range of the next dimension.
+        what: names the chunk in messages.
+        into: ``into(nbytes)`` returns a bytearray to read into, or None.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        CorruptCheckpointError: the file ends inside the chunk.
+        UnsupportedError: a chunk layout that cannot be gathered.
     """
     fd = files.fd(cd.rel)
     es = cd.element_size
@@ -357,5 +450,12 @@ def _ndindex(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
 
 
 def ndindex(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Every index tuple of ``shape`` in C order (``()`` once for a 0-d shape)."""
+    """Every index tuple of ``shape`` in C order (``()`` once for a 0-d shape).
+
+    Args:
+        shape: the dimensions.
+
+    Returns:
+        An iterator of index tuples.
+    """
     return _ndindex(shape)

@@ -48,6 +48,11 @@ class Chunk:
 
     @property
     def numel(self) -> int:
+        """Elements in the chunk.
+
+        Returns:
+            The product of ``sizes``.
+        """
         n = 1
         for s in self.sizes:
             n *= s
@@ -75,6 +80,11 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
+        """Elements in the tensor.
+
+        Returns:
+            The product of ``shape``.
+        """
         n = 1
         for s in self.shape:
             n *= s
@@ -82,10 +92,20 @@ class TensorEntry:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element.
+
+        Returns:
+            The size of ``dtype``.
+        """
         return ELEMENT_SIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the whole tensor.
+
+        Returns:
+            ``numel * element_size``.
+        """
         return self.numel * self.element_size
 
 
@@ -122,16 +142,32 @@ class DcpMetadata:
     version: str | None = None
 
     def tensors(self) -> Iterator[TensorEntry]:
+        """The tensor entries.
+
+        Returns:
+            An iterator of :class:`TensorEntry`, in metadata order.
+        """
         for e in self.entries.values():
             if isinstance(e, TensorEntry):
                 yield e
 
     def key_path(self, fqn: str) -> tuple:
-        """The entry's path in the nested state dict (its fqn alone when the planner recorded none)."""
+        """The entry's path in the nested state dict.
+
+        Args:
+            fqn: the entry's flattened name.
+
+        Returns:
+            The path (its fqn alone when the planner recorded none).
+        """
         return tuple(self.planner_data.get(fqn) or (fqn,))
 
     def check_safe(self) -> None:
-        """Raise :class:`UnsafePickleError` if ``.metadata`` named any global outside the DCP allowlist."""
+        """Refuse metadata that named any global outside the DCP allowlist.
+
+        Raises:
+            UnsafePickleError: naming up to three of them.
+        """
         if self.foreign:
             names = sorted(self.foreign)
             more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
@@ -153,6 +189,15 @@ class MetadataUnpickler(RecordingUnpickler):
         self.foreign: collections.Counter[str] = collections.Counter()
 
     def find_class(self, module: str, name: str) -> Any:
+        """A placeholder class for every global (``OrderedDict`` excepted); foreign ones are counted.
+
+        Args:
+            module: the global's module.
+            name: its name.
+
+        Returns:
+            The placeholder class.
+        """
         if module == "__builtin__":
             module = "builtins"
         full = f"{module}.{name}"
@@ -165,6 +210,14 @@ class MetadataUnpickler(RecordingUnpickler):
         return stub_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
+        """Refuse persistent ids (DCP metadata has none).
+
+        Args:
+            pid: the id.
+
+        Raises:
+            pickle.UnpicklingError: always.
+        """
         raise pickle.UnpicklingError("DCP metadata holds no persistent ids")
 
 
@@ -257,6 +310,10 @@ def _location(info: Any, where: str) -> Location:
 def check_relative_path(rel: str, where: str) -> None:
     """Refuse a data-file name that could leave the checkpoint directory.
 
+    Args:
+        rel: the name as recorded.
+        where: names the metadata in messages.
+
     Raises:
         UnsafePickleError: absolute, ``..``, a path separator, a NUL byte, or empty.
     """
@@ -315,7 +372,19 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
 
 
 def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
-    """:func:`read_metadata` on the bytes of a ``.metadata`` file (``path``: the directory, for messages)."""
+    """:func:`read_metadata` on the bytes of a ``.metadata`` file.
+
+    Args:
+        data: the file's bytes.
+        path: the directory, for messages.
+
+    Returns:
+        The :class:`DcpMetadata`.
+
+    Raises:
+        CorruptCheckpointError: not readable as DCP metadata.
+        UnsafePickleError, UnsupportedError: as :func:`read_metadata`.
+    """
     mpath = os.path.join(path, METADATA_NAME)
     up = MetadataUnpickler(io.BytesIO(data))
     try:
@@ -437,6 +506,10 @@ def _overlap(a: Chunk, b: Chunk) -> bool:
 def check_tiling(e: TensorEntry, where: str) -> None:
     """The chunks lie inside the tensor, do not overlap and leave no hole.
 
+    Args:
+        e: the tensor entry.
+        where: names the metadata in messages.
+
     Raises:
         CorruptCheckpointError: naming the tensor and the offending chunk(s).
     """
@@ -478,7 +551,14 @@ def check_tiling(e: TensorEntry, where: str) -> None:
 
 
 def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
-    """Check the metadata against itself and the directory.  Returns file name -> size.
+    """Check the metadata against itself and the directory.
+
+    Args:
+        meta: the metadata read.
+        check_files: also check the data files' sizes and that none is unreferenced.
+
+    Returns:
+        Data file name -> size.
 
     Raises:
         CheckpointNotFoundError: a referenced data file is missing.
@@ -539,6 +619,13 @@ def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
     Renames keys in ``state_dict_metadata``, the ``fqn`` of every ``MetadataIndex`` in
     ``storage_data`` and ``planner_data``; everything else (chunks, byte ranges,
     storage_meta, version) is kept as read.
+
+    Args:
+        meta: the metadata read.
+        rename: old key path -> new key path.
+
+    Returns:
+        The new placeholder tree (pickle it with :func:`dumps_metadata`).
     """
     root = meta.raw
     st = dict(_state(root, _MD + "Metadata", "metadata"))
@@ -574,5 +661,12 @@ def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
 
 
 def dumps_metadata(tree: Any) -> bytes:
-    """Pickle a metadata placeholder tree back, naming the original DCP globals (torch loads it)."""
+    """Pickle a metadata placeholder tree back, naming the original DCP globals (torch loads it).
+
+    Args:
+        tree: the placeholder tree.
+
+    Returns:
+        The pickle bytes (protocol 2, as torch writes them).
+    """
     return dumps(tree, protocol=2)
