@@ -130,22 +130,7 @@ def rewrite_dcp(
             "to a single file first (ckptfix convert)"
         )
     rename = {a: b for a, b in zip(sd, new_sd, strict=False) if a != b}
-    paths: dict[tuple, tuple] = {}
-    fqn_new: dict[str, str] = {}
-    n = len(key_path)
-    for fqn in meta.entries:
-        p = meta.key_path(fqn)
-        if len(p) > n and p[:n] == key_path and p[n] in rename:
-            q = key_path + (rename[p[n]],) + p[n + 1 :]
-            paths[p] = q
-            fqn_new[fqn] = ".".join(map(str, q))
-        else:
-            fqn_new[fqn] = fqn
-    seen: dict[str, str] = {}
-    for old, new in fqn_new.items():
-        if new in seen:
-            raise KeyConflictError(f"{src}: after the rename {old!r} and {seen[new]!r} would both be {new!r}")
-        seen[new] = old
+    paths, fqn_new = _renamed_paths(src, meta, key_path, rename)
     rep = RewriteReport(
         source=src,
         output=None,
@@ -162,6 +147,41 @@ def rewrite_dcp(
     data = dumps_metadata(rename_metadata(meta, paths))
     if in_place:
         return _in_place(src, meta, data, fqn_new, rep, backup=backup, fsync=True if fsync is None else fsync)
+    out = _output_dir(src, output, suffix, force)
+    linked, copied = _write_directory(src, out, data, meta, fqn_new, bool(fsync))
+    rep.output = out
+    rep.notes.append(
+        f"rewrote .metadata only; {linked} data file(s) hard-linked"
+        + (f", {copied} copied (the file system cannot link them)" if copied else "")
+    )
+    return rep
+
+
+def _renamed_paths(
+    src: str, meta: DcpMetadata, key_path: tuple, rename: Mapping[Any, Any]
+) -> tuple[dict[tuple, tuple], dict[str, str]]:
+    """(old key path -> new, fqn -> new fqn) of every entry under the state dict; refuses two entries on one name."""
+    paths: dict[tuple, tuple] = {}
+    fqn_new: dict[str, str] = {}
+    n = len(key_path)
+    for fqn in meta.entries:
+        p = meta.key_path(fqn)
+        if len(p) > n and p[:n] == key_path and p[n] in rename:
+            q = key_path + (rename[p[n]],) + p[n + 1 :]
+            paths[p] = q
+            fqn_new[fqn] = ".".join(map(str, q))
+        else:
+            fqn_new[fqn] = fqn
+    seen: dict[str, str] = {}
+    for old, new in fqn_new.items():
+        if new in seen:
+            raise KeyConflictError(f"{src}: after the rename {old!r} and {seen[new]!r} would both be {new!r}")
+        seen[new] = old
+    return paths, fqn_new
+
+
+def _output_dir(src: str, output: str | None, suffix: str, force: bool) -> str:
+    """The new directory's path, refused when it is the input, or exists and is not a DCP checkpoint."""
     out = os.path.abspath(output.rstrip(os.sep) if output else f"{src}.{suffix}")
     if out == os.path.abspath(src) or (os.path.exists(out) and os.path.samefile(out, src)):
         raise OutputError(f"{out}: the output is the input; use --in-place to rewrite its .metadata")
@@ -173,6 +193,17 @@ def rewrite_dcp(
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
         raise OutputError(f"{parent}: the output's parent directory does not exist; create it first")
+    return out
+
+
+def _write_directory(
+    src: str, out: str, data: bytes, meta: DcpMetadata, fqn_new: Mapping[str, str], fsync: bool
+) -> tuple[int, int]:
+    """A new directory at ``out``: data files hard-linked (or copied), the new ``.metadata``, renamed into place.
+
+    Returns ``(linked, copied)``.
+    """
+    parent = os.path.dirname(out)
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
@@ -209,12 +240,7 @@ def rewrite_dcp(
             shutil.rmtree(tmp, ignore_errors=True)
         if old_away:
             shutil.rmtree(old_away, ignore_errors=True)
-    rep.output = out
-    rep.notes.append(
-        f"rewrote .metadata only; {linked} data file(s) hard-linked"
-        + (f", {copied} copied (the file system cannot link them)" if copied else "")
-    )
-    return rep
+    return linked, copied
 
 
 def _in_place(
