@@ -51,10 +51,12 @@ from ckptfix.pickles import (
     StorageRecord,
     Stub,
     TensorRecord,
-    classify_global,
+    global_name,
+    global_pair,
     rebuilder_class,
     stub_class,
 )
+from ckptfix.policy import REBUILD_FROM_TYPE, classify_global
 from ckptfix.progress import Progress, reporting
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
@@ -130,7 +132,7 @@ def normalise_global(name: str) -> str:
 
 
 def _stub_name(cls: type) -> str:
-    return normalise_global(f"{cls._ckpt_module}.{cls._ckpt_name}")
+    return normalise_global(global_name(cls))
 
 
 @dataclass
@@ -247,8 +249,7 @@ class Plainer:
             )
         if isinstance(v, type):
             if issubclass(v, Stub):
-                name = f"{v._ckpt_module}.{v._ckpt_name}"
-                if classify_global(name) == "safe":  # torch.float32, torch.FloatStorage ...
+                if classify_global(global_name(v)) == "safe":  # torch.float32, torch.FloatStorage ...
                     return v
                 now = _stub_name(v)
                 self._note(path, f"class {now}", "str")
@@ -320,9 +321,8 @@ class Plainer:
     # ---------------------------------------------------------------- placeholders of instances
 
     def _stub(self, v: Stub, path: str, depth: int) -> Any:
-        cls = type(v)
-        raw = f"{cls._ckpt_module}.{cls._ckpt_name}"
-        name = _stub_name(cls)
+        raw = v.full_name
+        name = normalise_global(raw)
         module, _, attr = name.rpartition(".")
         if classify_global(raw) == "safe":  # torch.Size(...), torch.device(...)
             return v
@@ -331,10 +331,10 @@ class Plainer:
         if (
             module in ("numpy._core.numeric", "numpy.core.numeric")
             and attr == "_frombuffer"
-            and len(v._args) == 4
-            and isinstance(v._args[2], tuple)
+            and len(v.args) == 4
+            and isinstance(v.args[2], tuple)
         ):  # protocol 5: (buffer, dtype, shape, order)
-            buf, dt, shape, order = v._args
+            buf, dt, shape, order = v.args
             return self._ndarray(v, path, depth, state=(1, shape, dt, order == "F", buf))
         if module in _NUMPY_MODULES and attr == "scalar":
             return self._np_scalar(v, path, depth)
@@ -344,31 +344,31 @@ class Plainer:
             self._note(path, "numpy.dtype", f"str {now!r}")
             return now
         if name == "argparse.Namespace":
-            state = v._state if isinstance(v._state, dict) else {}
+            state = v.state if isinstance(v.state, dict) else {}
             self._note(path, name, "dict")
             return {str(k): self.convert(x, self._at(path, k), depth + 1) for k, x in state.items()}
         if module.startswith("omegaconf"):
             return self._omegaconf(v, path, depth)
         if name == "collections.deque":
             self._note(path, name, "list")
-            items = v._args[0] if v._args and isinstance(v._args[0], list) else v._listitems
+            items = v.args[0] if v.args and isinstance(v.args[0], list) else v.listitems
             return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
         if (
             attr == "AttributeDict"
             or name == "collections.defaultdict"
-            or (v._dictitems and not v._args and not v._listitems and v._state is None)
+            or (v.dictitems and not v.args and not v.listitems and v.state is None)
         ):
             self._note(path, name, "dict")
-            return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v._dictitems.items()}
+            return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v.dictitems.items()}
         return self._generic(v, name, path, depth)
 
     def _generic(self, v: Stub, name: str, path: str, depth: int) -> dict:
         out: dict[str, Any] = {"__class__": name}
-        if v._args:
-            out["__args__"] = self.convert(list(v._args), self._at(path, "__args__"), depth + 1)
-        if v._kwargs:
-            out["__kwargs__"] = self.convert(dict(v._kwargs), self._at(path, "__kwargs__"), depth + 1)
-        state = v._state
+        if v.args:
+            out["__args__"] = self.convert(list(v.args), self._at(path, "__args__"), depth + 1)
+        if v.kwargs:
+            out["__kwargs__"] = self.convert(dict(v.kwargs), self._at(path, "__kwargs__"), depth + 1)
+        state = v.state
         if (
             isinstance(state, tuple)
             and len(state) == 2
@@ -383,16 +383,16 @@ class Plainer:
                 out[k] = self.convert(x, self._at(path, k), depth + 1)
         elif state is not None:
             out["__state__"] = self.convert(state, self._at(path, "__state__"), depth + 1)
-        if v._dictitems:
-            out["__items__"] = self.convert(dict(v._dictitems), self._at(path, "__items__"), depth + 1)
-        elif v._listitems:
-            out["__items__"] = self.convert(list(v._listitems), self._at(path, "__items__"), depth + 1)
+        if v.dictitems:
+            out["__items__"] = self.convert(dict(v.dictitems), self._at(path, "__items__"), depth + 1)
+        elif v.listitems:
+            out["__items__"] = self.convert(list(v.listitems), self._at(path, "__items__"), depth + 1)
         self._note(path, name, "dict")
         return out
 
     def _omegaconf(self, v: Stub, path: str, depth: int) -> Any:
         name = _stub_name(type(v))
-        state = v._state if isinstance(v._state, dict) else {}
+        state = v.state if isinstance(v.state, dict) else {}
         if "_content" in state:  # DictConfig / ListConfig
             content = state["_content"]
             kind = "list" if isinstance(content, list) else "dict" if isinstance(content, dict) else "str"
@@ -413,17 +413,17 @@ class Plainer:
         return k
 
     def _omega_value(self, x: Any, path: str, depth: int) -> Any:
-        if isinstance(x, Stub) and isinstance(x._state, dict):
-            if "_val" in x._state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
-                return self.convert(x._state["_val"], path, depth + 1)
-            if "_content" in x._state:
+        if isinstance(x, Stub) and isinstance(x.state, dict):
+            if "_val" in x.state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
+                return self.convert(x.state["_val"], path, depth + 1)
+            if "_content" in x.state:
                 return self._omegaconf(x, path, depth + 1)
         return self.convert(x, path, depth + 1)
 
     # ---------------------------------------------------------------- numpy
 
     def _np_scalar(self, v: Stub, path: str, depth: int) -> Any:
-        args = v._args
+        args = v.args
         code = _dtype_code(args[0]) if args else None
         data = args[1] if len(args) > 1 else None
         if code in _STRUCT and isinstance(data, (bytes, bytearray)):
@@ -440,7 +440,7 @@ class Plainer:
         return self._generic(v, "numpy.generic", path, depth)
 
     def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
-        st = v._state if state is None else state
+        st = v.state if state is None else state
         if not (
             isinstance(st, tuple)
             and len(st) == 5
@@ -449,7 +449,7 @@ class Plainer:
         ):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
-        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:
+        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw.args:
             raw = b""  # protocol 2 spells an empty array's data as the call bytes()
         shape = tuple(int(s) for s in shape)
         code = _dtype_code(dt)
@@ -506,15 +506,14 @@ def _subclass_of(t: TensorRecord) -> type | None:
     fn, a = t.reduce_func, t.reduce_args
     if not (
         isinstance(fn, type)
-        and issubclass(fn, Stub)
-        and fn._ckpt_name == "_rebuild_from_type_v2"
+        and global_pair(fn) == REBUILD_FROM_TYPE
         and len(a) == 4
         and isinstance(a[1], type)
         and issubclass(a[1], Stub)
         and isinstance(a[2], tuple)
     ):
         return None
-    return None if classify_global(f"{a[1]._ckpt_module}.{a[1]._ckpt_name}") == "safe" else a[1]
+    return None if classify_global(global_name(a[1])) == "safe" else a[1]
 
 
 def make_tensor_record(
@@ -551,7 +550,7 @@ def make_tensor_record(
     for i in range(len(shape)) if fortran else range(len(shape) - 1, -1, -1):
         stride[i] = acc
         acc *= max(1, shape[i])
-    hooks = collections.OrderedDict()
+    hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # backward hooks: none
     if dtype in _TYPED_STORAGE:
         fn = rebuilder_class("torch._utils", "_rebuild_tensor_v2")
         args: tuple = (storage, 0, tuple(shape), tuple(stride), False, hooks)
@@ -570,24 +569,24 @@ def _prod(shape: Iterable[int]) -> int:
 
 def _dtype_code(dt: Any) -> str | None:
     """``"f8"``, ``"<U2"`` -> ``"U8"`` ... from a ``numpy.dtype`` placeholder (args: ('f8', False, True))."""
-    if not isinstance(dt, Stub) or not dt._args or not isinstance(dt._args[0], str):
+    if not isinstance(dt, Stub) or not dt.args or not isinstance(dt.args[0], str):
         return None
-    code = dt._args[0]
+    code = dt.args[0]
     if (
         code[:1] in "US"
-        and isinstance(dt._state, tuple)
-        and len(dt._state) > 5
-        and isinstance(dt._state[5], int)
-        and dt._state[5] > 0
+        and isinstance(dt.state, tuple)
+        and len(dt.state) > 5
+        and isinstance(dt.state[5], int)
+        and dt.state[5] > 0
     ):
-        return f"{code[0]}{dt._state[5]}"  # element size in bytes (U: 4 per character)
+        return f"{code[0]}{dt.state[5]}"  # element size in bytes (U: 4 per character)
     if code[:1] in "US" and len(code) == 1:
         return None
     return code
 
 
 def _byteorder(dt: Any) -> str:
-    st = dt._state if isinstance(dt, Stub) else None
+    st = dt.state if isinstance(dt, Stub) else None
     if isinstance(st, tuple) and len(st) > 1 and st[1] in ("<", ">", "|", "="):
         return ">" if st[1] == ">" else "<"
     return "<"
