@@ -156,6 +156,13 @@ class Plainer:
             (for JSON), arrays above ``max_list`` elements becoming a short description instead.
         storage_key: a function returning an unused storage key, for ``arrays="tensor"``.
         max_list: the largest array written as a list in ``"list"`` mode.
+        sep: what joins the keys of a path in the change list.
+        keep_cycles: keep an object that contains itself (``l = []; l.append(l)``, a ``Namespace``
+            holding itself) as the same cycle of plain lists and dicts, which a pickle holds and
+            ``torch.load`` rebuilds; otherwise (and always where the converted form cannot hold a
+            reference, e.g. a numpy object array) the reference back becomes the string
+            ``"<cycle: back to PATH>"``, recorded in :attr:`changes`.  Default: keep them with
+            ``arrays="tensor"`` (a pickle), replace them with ``arrays="list"`` (JSON holds no cycle).
 
     The converted graph keeps shared references shared (one converted object per source object) and
     returns unchanged objects themselves, so a state dict that needs nothing stays the same object.
@@ -168,8 +175,10 @@ class Plainer:
         storage_key: Callable[[], str] | None = None,
         max_list: int = 4096,
         sep: str = "/",
+        keep_cycles: bool | None = None,
     ) -> None:
         self.arrays = arrays
+        self.keep_cycles = arrays == "tensor" if keep_cycles is None else keep_cycles
         self.sep = sep
         self.storage_key = storage_key
         self.max_list = max_list
@@ -179,6 +188,7 @@ class Plainer:
         self.lossy: dict[str, str] = {}
         self._memo: dict[int, Any] = {}
         self._keep: list[Any] = []  # keeps converted sources alive so their ids stay unique
+        self._active: dict[int, str] = {}  # id -> path of the objects being converted (a cycle comes back to one)
 
     def _note(self, path: str, was: str, now: str) -> None:
         if len(self.changes) < 10_000:
@@ -225,10 +235,33 @@ class Plainer:
         key = id(v)
         if key in self._memo:
             return self._memo[key]
-        out = self._convert(v, path, depth)
+        fresh = key not in self._active
+        if not fresh and not isinstance(v, tuple):
+            # a reference back to an object still being converted, which could not hold it (a tuple is
+            # converted again: the cycle passes through a list, dict or object that holds it)
+            return self._cycle(path, self._active[key])
+        if fresh:
+            self._active[key] = path
+        try:
+            out = self._convert(v, path, depth)
+        finally:
+            if fresh:
+                del self._active[key]
         self._memo[key] = out
         self._keep.append(v)
         return out
+
+    def _claim(self, v: Any, out: Any) -> Any:
+        """Make ``out`` the converted form of ``v`` before its contents are, so a cycle back to ``v`` finds it."""
+        if self.keep_cycles:
+            self._memo[id(v)] = out
+            self._keep.append(v)
+        return out
+
+    def _cycle(self, path: str, target: str) -> str:
+        target = target or "(top level)"
+        self._note(path, f"reference back to {target} (a cycle)", "str")
+        return f"<cycle: back to {target}>"
 
     def _convert(self, v: Any, path: str, depth: int) -> Any:
         sub = _subclass_of(v) if isinstance(v, TensorRecord) else None
@@ -262,7 +295,8 @@ class Plainer:
         if isinstance(v, dict):
             return self._dict(v, path, depth)
         if isinstance(v, list):
-            new = [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v)]
+            new: list[Any] = self._claim(v, [])
+            new.extend(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
             return v if all(a is b for a, b in zip(new, v, strict=False)) else new
         if isinstance(v, tuple):
             new_t = tuple(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
@@ -295,7 +329,8 @@ class Plainer:
 
     def _dict(self, v: dict, path: str, depth: int) -> Any:
         changed = False
-        items = []
+        empty: dict[Any, Any] = collections.OrderedDict() if isinstance(v, collections.OrderedDict) else {}
+        out: dict[Any, Any] = self._claim(v, empty)
         for k, x in v.items():
             nk = self.convert(k, self._at(path, "<key>"), depth + 1)
             try:
@@ -304,13 +339,12 @@ class Plainer:
                 nk = repr(nk)
             nx = self.convert(x, self._at(path, k), depth + 1)
             changed = changed or nk is not k or nx is not x
-            items.append((nk, nx))
+            out[nk] = nx
         attrs = getattr(v, "__dict__", None) or {}
         new_attrs = {a: self.convert(x, self._at(path, "." + a), depth + 1) for a, x in attrs.items()}
         changed = changed or any(new_attrs[a] is not attrs[a] for a in attrs)
         if not changed and type(v) in (dict, collections.OrderedDict):
             return v
-        out: dict = collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else dict(items)
         for a, x in new_attrs.items():  # the state dict's _metadata
             try:
                 setattr(out, a, x)
@@ -346,24 +380,30 @@ class Plainer:
         if name == "argparse.Namespace":
             state = v.state if isinstance(v.state, dict) else {}
             self._note(path, name, "dict")
-            return {str(k): self.convert(x, self._at(path, k), depth + 1) for k, x in state.items()}
+            fields: dict[str, Any] = self._claim(v, {})
+            fields.update((str(k), self.convert(x, self._at(path, k), depth + 1)) for k, x in state.items())
+            return fields
         if module.startswith("omegaconf"):
             return self._omegaconf(v, path, depth)
         if name == "collections.deque":
             self._note(path, name, "list")
             items = v.args[0] if v.args and isinstance(v.args[0], list) else v.listitems
-            return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
+            elements: list[Any] = self._claim(v, [])
+            elements.extend(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items))
+            return elements
         if (
             attr == "AttributeDict"
             or name == "collections.defaultdict"
             or (v.dictitems and not v.args and not v.listitems and v.state is None)
         ):
             self._note(path, name, "dict")
-            return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v.dictitems.items()}
+            entries: dict[Any, Any] = self._claim(v, {})
+            entries.update((k, self.convert(x, self._at(path, k), depth + 1)) for k, x in v.dictitems.items())
+            return entries
         return self._generic(v, name, path, depth)
 
     def _generic(self, v: Stub, name: str, path: str, depth: int) -> dict:
-        out: dict[str, Any] = {"__class__": name}
+        out: dict[str, Any] = self._claim(v, {"__class__": name})
         if v.args:
             out["__args__"] = self.convert(list(v.args), self._at(path, "__args__"), depth + 1)
         if v.kwargs:
@@ -398,9 +438,15 @@ class Plainer:
             kind = "list" if isinstance(content, list) else "dict" if isinstance(content, dict) else "str"
             self._note(path, name, kind)
             if isinstance(content, dict):
-                return {self._omega_key(k): self._omega_value(x, self._at(path, k), depth) for k, x in content.items()}
+                mapping: dict[Any, Any] = self._claim(v, {})
+                mapping.update(
+                    (self._omega_key(k), self._omega_value(x, self._at(path, k), depth)) for k, x in content.items()
+                )
+                return mapping
             if isinstance(content, list):
-                return [self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content)]
+                seq: list[Any] = self._claim(v, [])
+                seq.extend(self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content))
+                return seq
             return self.convert(content, path, depth + 1)  # None, "???" (missing) or "${interpolation}"
         if "_val" in state:  # a value node on its own
             self._note(path, name, "value")
@@ -417,7 +463,7 @@ class Plainer:
             if "_val" in x.state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
                 return self.convert(x.state["_val"], path, depth + 1)
             if "_content" in x.state:
-                return self._omegaconf(x, path, depth + 1)
+                return self.convert(x, path, depth + 1)
         return self.convert(x, path, depth + 1)
 
     # ---------------------------------------------------------------- numpy
