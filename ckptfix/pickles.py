@@ -11,16 +11,17 @@ stride), storages become :class:`StorageRecord` objects, and every other
 global becomes an inert placeholder class (:class:`Stub`) that records its
 name, arguments and state and calls nothing.  A handful of plain-data
 constructors (``collections.OrderedDict``, ``builtins.set`` ...) are rebuilt
-for real because they run no user code.
+for real because they run no user code: which ones, and which globals are safe,
+is :mod:`ckptfix.policy`'s table.
 
 :func:`dumps` writes such an object graph back as a pickle that torch loads,
 emitting placeholders as the globals they stood for.  That is what lets
 ``strip-prefix`` rename keys in ``data.pkl`` without importing torch.
 
-:func:`scan_globals` lists the globals a pickle references by walking its
-opcodes only (no object is built), and :func:`classify_global` says whether
-each is safe (what ``torch.load(weights_only=True)`` allows), dangerous or
-unknown.
+:func:`~ckptfix.scanner.scan_globals` (in :mod:`ckptfix.scanner`) lists the
+globals a pickle references by walking its opcodes only (no object is built),
+and :func:`~ckptfix.policy.classify_global` says whether each is safe (what
+``torch.load(weights_only=True)`` allows), dangerous or unknown.
 """
 
 from __future__ import annotations
@@ -133,10 +134,16 @@ class StorageRecord:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of ``dtype`` (1 for a dtype ckptfix does not know)."""
         return ELEMENT_SIZE.get(self.dtype, 1)
 
-    def pid(self) -> tuple:
-        pid: tuple = ("storage", self.storage_type, self.key, self.location, self.numel)
+    def pid(self) -> tuple[Any, ...]:
+        """The persistent id torch.save writes for this storage.
+
+        Returns:
+            ``("storage", storage class, key, location, numel)``, plus the view metadata in legacy files.
+        """
+        pid: tuple[Any, ...] = ("storage", self.storage_type, self.key, self.location, self.numel)
         if self.view_metadata is not None or self._legacy:
             pid = pid + (self.view_metadata,)
         return pid
@@ -168,6 +175,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
+        """Number of elements (the product of ``shape``)."""
         n = 1
         for s in self.shape:
             n *= int(s)
@@ -175,17 +183,25 @@ class TensorRecord:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of ``dtype`` (1 for a dtype ckptfix does not know)."""
         return ELEMENT_SIZE.get(self.dtype, 1)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's elements (``numel * element_size``), not of its storage."""
         return self.numel * self.element_size
 
     @property
     def location(self) -> str | None:
+        """The storage's device tag as saved (``"cpu"``, ``"cuda:0"``); None without a storage."""
         return self.storage.location if self.storage else None
 
     def is_contiguous(self) -> bool:
+        """Whether the strides are those of a C-contiguous tensor of this shape (as ``Tensor.is_contiguous``).
+
+        Returns:
+            True when contiguous (size-1 dimensions may have any stride).
+        """
         expected = 1
         for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expected:
@@ -194,13 +210,21 @@ class TensorRecord:
         return True
 
     def covers_storage(self) -> bool:
-        """True when this tensor is exactly its whole storage, contiguous, from offset 0."""
+        """Whether this tensor is exactly its whole storage, contiguous, from offset 0.
+
+        Returns:
+            True when so; False too when the storage's size is not known.
+        """
         if self.storage is None or self.storage.nbytes is None:
             return False
         return self.offset == 0 and self.is_contiguous() and self.nbytes == self.storage.nbytes
 
     def span(self) -> tuple[int, int]:
-        """(first, last+1) element index in the storage that this view touches."""
+        """The range of storage elements this view touches.
+
+        Returns:
+            ``(first, last + 1)`` element indices in the storage (``(offset, offset)`` when empty).
+        """
         if self.numel == 0:
             return (self.offset, self.offset)
         last = self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
@@ -213,7 +237,14 @@ class TensorRecord:
 
 
 def is_tensor_like(v: Any) -> bool:
-    """A TensorRecord or a real torch.Tensor (checked without importing torch)."""
+    """Whether ``v`` is a :class:`TensorRecord` or a real ``torch.Tensor`` (checked without importing torch).
+
+    Args:
+        v: anything.
+
+    Returns:
+        True for a tensor record or a tensor.
+    """
     if isinstance(v, TensorRecord):
         return True
     t = type(v)
@@ -441,21 +472,6 @@ def global_name(cls: type) -> str:
     """
     module, name = global_pair(cls)
     return f"{module}.{name}"
-
-
-def is_stub_of(x: Any, module: str, name: str) -> bool:
-    """True when ``x`` is the placeholder (class or instance) of exactly ``module.name``.
-
-    Args:
-        x: anything from the restricted reader.
-        module: the global's module.
-        name: the global's name.
-
-    Returns:
-        Whether ``x`` (or its class) stands for that global.
-    """
-    cls = x if isinstance(x, type) else type(x)
-    return issubclass(cls, Stub) and (cls._ckpt_module, cls._ckpt_name) == (module, name)
 
 
 _STUB_CACHE: dict[tuple[str, str], type[Stub]] = {}
@@ -769,6 +785,12 @@ class RecordingUnpickler(pickle.Unpickler):
     opcodes and refuses (``ResourceLimitError``) a pickle whose memo indices,
     object count, nesting or integers would exceed :class:`PickleLimits`.  After
     it, the object graph's depth is checked, so no later recursive walk can fail.
+
+    Args:
+        file: the pickle, a binary file positioned at its start.
+        legacy: the pickle is the object pickle of a legacy (pre-1.6) ``torch.save`` stream.
+        storages: storage records already known (shared with the container's other pickles).
+        limits: resource limits (default: :meth:`PickleLimits.from_env`).
     """
 
     def __init__(
@@ -792,6 +814,9 @@ class RecordingUnpickler(pickle.Unpickler):
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
+
+        Returns:
+            The unpickled object graph of records, placeholders and plain data.
 
         Raises:
             ResourceLimitError: the pickle would exceed a limit (the message names the variable that lifts it).
@@ -829,7 +854,17 @@ class RecordingUnpickler(pickle.Unpickler):
         if note not in self.notes and len(self.notes) < 100:
             self.notes.append(note)
 
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve a global without importing it (the pickle hook), as :data:`~ckptfix.policy.KNOWN_GLOBALS` says.
+
+        Args:
+            module: the module as written in the pickle.
+            name: the attribute name as written in the pickle.
+
+        Returns:
+            A plain-data constructor (``collections.OrderedDict``), a bounded one, a tensor rebuilder's
+            placeholder, or the inert placeholder class of the global.
+        """
         if (module, name) in self._py2_names:
             module, name = resolve_global(module, name, 2)
         full = f"{module}.{name}"
@@ -863,6 +898,17 @@ class RecordingUnpickler(pickle.Unpickler):
         return stub_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
+        """Turn a ``('storage', type, key, location, numel[, view])`` persistent id into a :class:`StorageRecord`.
+
+        Args:
+            pid: the persistent id.
+
+        Returns:
+            The storage record of ``key`` (one per key), or a legacy storage view of it.
+
+        Raises:
+            pickle.UnpicklingError: not a storage id, or an invalid size.
+        """
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
             if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
@@ -991,7 +1037,19 @@ def _rebuild_from_type_class() -> type:
 
 
 def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpickler]:
-    """Unpickle ``data`` into records/placeholders. Returns (object, unpickler)."""
+    """Unpickle ``data`` into records and placeholders with a :class:`RecordingUnpickler`.
+
+    Args:
+        data: the pickle bytes, or a binary file positioned at it.
+        **kw: passed to :class:`RecordingUnpickler` (``legacy``, ``storages``, ``limits``).
+
+    Returns:
+        ``(object, unpickler)``: the unpickler holds ``storages``, ``globals_seen``, ``stubbed`` and ``notes``.
+
+    Raises:
+        ResourceLimitError: the pickle would exceed a limit.
+        pickle.UnpicklingError: the pickle is malformed.
+    """
     f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     up = RecordingUnpickler(f, **kw)
     return up.load(), up
@@ -1011,11 +1069,30 @@ class RecordPickler(pickle._Pickler):
     memoize: Callable[[Any], None]
 
     def persistent_id(self, obj: Any) -> Any:
+        """The pickle hook: a storage record is written as its persistent id.
+
+        Args:
+            obj: the object about to be pickled.
+
+        Returns:
+            :meth:`StorageRecord.pid` for a storage record, else None.
+        """
         if isinstance(obj, StorageRecord):
             return obj.pid()
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        """The pickle hook: a tensor record is written as its rebuild call, a placeholder as what it recorded.
+
+        Args:
+            obj: the object about to be pickled.
+
+        Returns:
+            A reduce tuple, or ``NotImplemented`` for anything else (pickled as usual).
+
+        Raises:
+            pickle.PicklingError: a tensor record without a rebuild call.
+        """
         if isinstance(obj, TensorRecord):
             if obj.reduce_func is None:
                 raise pickle.PicklingError(f"cannot write {obj!r}: it has no rebuild call")
@@ -1030,6 +1107,15 @@ class RecordPickler(pickle._Pickler):
         return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
+        """Write a global: a placeholder class as the global it stands for, never importing anything.
+
+        Args:
+            obj: the class or function to write.
+            name: its name, when the pickler already knows it.
+
+        Raises:
+            pickle.PicklingError: any other global that does not resolve.
+        """
         if isinstance(obj, type) and issubclass(obj, Stub):
             mod, nm = obj._ckpt_module, obj._ckpt_name
             self.write(pickle.GLOBAL + mod.encode("utf-8") + b"\n" + nm.encode("utf-8") + b"\n")
@@ -1043,7 +1129,18 @@ class RecordPickler(pickle._Pickler):
 
 
 def dumps(obj: Any, protocol: int = 2) -> bytes:
-    """Pickle an object graph that may contain records and placeholders."""
+    """Pickle an object graph that may contain records and placeholders.
+
+    Args:
+        obj: the object graph (from :func:`loads_records`, possibly edited).
+        protocol: the pickle protocol (torch.save's default is 2).
+
+    Returns:
+        The pickle bytes; placeholders are written as the globals they stand for.
+
+    Raises:
+        UnsupportedError: the graph is nested too deeply to write.
+    """
     buf = io.BytesIO()
     try:
         RecordPickler(buf, protocol=protocol).dump(obj)
@@ -1056,10 +1153,6 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
             "torch.save it again"
         ) from None
     return buf.getvalue()
-
-
-# --------------------------------------------------------------------------- scanning
-# (the opcode scan lives in ckptfix.scanner; its public names are re-exported above)
 
 
 # --------------------------------------------------------------------------- write-back check

@@ -144,6 +144,11 @@ class Change:
     now: str
 
     def to_dict(self) -> dict[str, str]:
+        """The change as JSON.
+
+        Returns:
+            ``{"path": ..., "was": ..., "now": ...}``.
+        """
         return {"path": self.path, "was": self.was, "now": self.now}
 
 
@@ -204,10 +209,12 @@ class Plainer:
 
         Args:
             v: any object from the restricted reader.
-            path: where ``v`` sits, for the change list.  depth: nesting so far.
+            path: where ``v`` sits, for the change list.
+            depth: nesting so far.
 
         Returns:
-            Weights-only-safe data; every replacement is recorded in :attr:`changes`.
+            Weights-only-safe data; every replacement (and every cycle that could not be kept) is recorded in
+            :attr:`changes`.
 
         Raises:
             ResourceLimitError: nesting deeper than 400 levels (or than Python's recursion limit allows).
@@ -569,7 +576,9 @@ def make_tensor_record(
 
     Args:
         key: the storage key (its bytes go to ``data/<key>``).
-        dtype: torch dtype name.  shape: the tensor's shape.  fortran: column-major strides.
+        dtype: torch dtype name.
+        shape: the tensor's shape.
+        fortran: column-major strides.
         nbytes: the storage's size in bytes.
 
     Returns:
@@ -718,6 +727,11 @@ class SanitizeReport:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        """One line for the terminal.
+
+        Returns:
+            What was made plain data and what is left, or that nothing needed a change.
+        """
         if not self.changed:
             return f"{self.source}: already loadable with weights_only=True; nothing to change"
         return (
@@ -726,6 +740,11 @@ class SanitizeReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document.
+
+        Returns:
+            Every field, the changes as dicts, and ``summary``.
+        """
         d = dict(self.__dict__)
         d["changes"] = [c.to_dict() for c in self.changes]
         d["summary"] = self.summary()
