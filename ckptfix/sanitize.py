@@ -43,7 +43,7 @@ import collections
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ckptfix.errors import ResourceLimitError, UnsupportedError
 from ckptfix.pickles import (
@@ -58,6 +58,9 @@ from ckptfix.pickles import (
 )
 from ckptfix.policy import REBUILD_FROM_TYPE, classify_global
 from ckptfix.progress import Progress, reporting
+
+if TYPE_CHECKING:
+    from ckptfix.formats import CheckpointFile
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
 
@@ -863,11 +866,8 @@ def sanitize_checkpoint(
         return _sanitize(src, dst, in_place=in_place, force=force, backup=backup)
 
 
-def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
-    from ckptfix.formats import read_checkpoint
-    from ckptfix.rewrite import check_written, prepare_output, write_checkpoint_zip
-
-    cf = read_checkpoint(src)
+def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
+    """Raise UnsupportedError unless ``cf`` is a single torch.save file (zip or legacy)."""
     if cf.format == "safetensors":
         raise UnsupportedError(
             f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
@@ -881,20 +881,10 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         raise UnsupportedError(
             f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what you need"
         )
-    before = _unsafe_globals(cf.globals_seen)
-    rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
-    from ckptfix.formats import iter_tensors
 
-    rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
-    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
-    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
-        rep.notes.append("nothing to change; no file written")
-        return rep
-    if bad_ops:
-        rep.notes.append(
-            f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
-            "pickle protocol 3 or newer); written at protocol 2"
-        )
+
+def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
+    """A function returning the next storage key the archive does not use (referenced or not)."""
     used = set(cf.storages)
     if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
         data_dir = f"{cf.extra.get('root', '')}data/"
@@ -907,7 +897,28 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         used.add(str(counter[0]))
         return str(counter[0])
 
-    pl = Plainer(arrays="tensor", storage_key=new_key)
+    return new_key
+
+
+def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
+    from ckptfix.formats import iter_tensors, read_checkpoint
+    from ckptfix.rewrite import check_written, prepare_output, write_atomic, write_checkpoint_zip
+
+    cf = read_checkpoint(src)
+    _refuse_unsupported(cf, src)
+    before = _unsafe_globals(cf.globals_seen)
+    rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
+    rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
+    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
+    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    if bad_ops:
+        rep.notes.append(
+            f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
+            "pickle protocol 3 or newer); written at protocol 2"
+        )
+    pl = Plainer(arrays="tensor", storage_key=_storage_key_allocator(cf))
     if cf.format == "torch-zip" and isinstance(cf.extra, dict) and cf.extra.get("byteorder") == "big":
         pl.byteorder = "big"
     obj = pl.convert(cf.obj)
@@ -925,7 +936,6 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         fmt_out="torch-zip",
         notes=rep.notes,
     )
-    from ckptfix.rewrite import write_atomic
 
     def write(f: Any) -> None:
         write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)
