@@ -196,6 +196,48 @@ def known_global(module: str, name: str) -> KnownGlobal | None:
     return KNOWN_GLOBALS.get((module, name))
 
 
+#: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
+#: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
+WEIGHTS_ONLY_OPCODES = frozenset(
+    {
+        "PROTO",
+        "STOP",
+        "GLOBAL",
+        "NEWOBJ",
+        "REDUCE",
+        "BUILD",
+        "APPEND",
+        "APPENDS",
+        "SETITEM",
+        "SETITEMS",
+        "MARK",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "NONE",
+        "NEWFALSE",
+        "NEWTRUE",
+        "EMPTY_TUPLE",
+        "EMPTY_LIST",
+        "EMPTY_DICT",
+        "EMPTY_SET",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "BINFLOAT",
+        "BINUNICODE",
+        "SHORT_BINSTRING",
+        "BINPERSID",
+        "BINGET",
+        "LONG_BINGET",
+        "BINPUT",
+        "LONG_BINPUT",
+        "LONG1",
+    }
+)
+
+
 # --------------------------------------------------------------------------- dangerous names
 
 DANGEROUS_MODULES = frozenset(

@@ -56,7 +56,7 @@ from ckptfix.pickles import (
     rebuilder_class,
     stub_class,
 )
-from ckptfix.policy import REBUILD_FROM_TYPE, classify_global
+from ckptfix.policy import REBUILD_FROM_TYPE, WEIGHTS_ONLY_OPCODES, classify_global
 from ckptfix.progress import Progress, reporting
 
 if TYPE_CHECKING:
@@ -754,50 +754,8 @@ class SanitizeReport:
         return d
 
 
-#: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
-#: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
-_WEIGHTS_ONLY_OPCODES = frozenset(
-    {
-        "PROTO",
-        "STOP",
-        "GLOBAL",
-        "NEWOBJ",
-        "REDUCE",
-        "BUILD",
-        "APPEND",
-        "APPENDS",
-        "SETITEM",
-        "SETITEMS",
-        "MARK",
-        "TUPLE",
-        "TUPLE1",
-        "TUPLE2",
-        "TUPLE3",
-        "NONE",
-        "NEWFALSE",
-        "NEWTRUE",
-        "EMPTY_TUPLE",
-        "EMPTY_LIST",
-        "EMPTY_DICT",
-        "EMPTY_SET",
-        "BININT",
-        "BININT1",
-        "BININT2",
-        "BINFLOAT",
-        "BINUNICODE",
-        "SHORT_BINSTRING",
-        "BINPERSID",
-        "BINGET",
-        "LONG_BINGET",
-        "BINPUT",
-        "LONG_BINPUT",
-        "LONG1",
-    }
-)
-
-
 def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
-    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
+    """Opcodes in ``src``'s pickles outside :data:`~ckptfix.policy.WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
 
     A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
     """
@@ -823,7 +781,7 @@ def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
     except (OSError, ValueError, zipfile.BadZipFile):
         return []  # the reader accepted it; leave the verdict to the globals
-    return sorted(bad - _WEIGHTS_ONLY_OPCODES)
+    return sorted(bad - WEIGHTS_ONLY_OPCODES)
 
 
 def _unsafe_globals(names: Iterable[str]) -> list[str]:

@@ -140,3 +140,14 @@ def test_policy_imports_neither_torch_nor_the_reader():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_weights_only_opcodes_are_the_ones_torch_reads():
+    """torch's weights-only unpickler imports each opcode it handles from ``pickle`` by name: the same set."""
+    wo = pytest.importorskip("torch._weights_only_unpickler")
+    handled = {
+        n
+        for n in dir(wo)
+        if n.isupper() and isinstance(getattr(wo, n), bytes) and getattr(pickle, n, None) == getattr(wo, n)
+    }
+    assert handled == policy.WEIGHTS_ONLY_OPCODES
