@@ -18,13 +18,11 @@ from ckptfix.pickles import (
     ScanResult,
     Stub,
     TensorRecord,
-    classify_global,
-    classify_pair,
     global_name,
     scan_globals,
     scan_pickle_sequence,
-    worst,
 )
+from ckptfix.policy import classify_global, classify_pair, worst
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 SCAN_SCHEMA = "ckptfix.scan/1"

@@ -26,7 +26,8 @@ from ckptfix import stmeta
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.formats import read_checkpoint, sniff
-from ckptfix.pickles import Stub, classify_global, stub_class
+from ckptfix.pickles import Stub, stub_class
+from ckptfix.policy import classify_global
 
 MapLocation = Any  # str | torch.device | dict | callable | None | "auto"
 

@@ -11,28 +11,38 @@ stride), storages become :class:`StorageRecord` objects, and every other
 global becomes an inert placeholder class (:class:`Stub`) that records its
 name, arguments and state and calls nothing.  A handful of plain-data
 constructors (``collections.OrderedDict``, ``builtins.set`` ...) are rebuilt
-for real because they run no user code.
+for real because they run no user code: which ones, and which globals are safe,
+is :mod:`ckptfix.policy`'s table.
 
 :func:`dumps` writes such an object graph back as a pickle that torch loads,
 emitting placeholders as the globals they stood for.  That is what lets
 ``strip-prefix`` rename keys in ``data.pkl`` without importing torch.
 
-:func:`scan_globals` lists the globals a pickle references by walking its
-opcodes only (no object is built), and :func:`classify_global` says whether
-each is safe (what ``torch.load(weights_only=True)`` allows), dangerous or
-unknown.
+:func:`~ckptfix.scanner.scan_globals` (in :mod:`ckptfix.scanner`) lists the
+globals a pickle references by walking its opcodes only (no object is built),
+and :func:`~ckptfix.policy.classify_global` says whether each is safe (what
+``torch.load(weights_only=True)`` allows), dangerous or unknown.
 """
 
 from __future__ import annotations
 
-import codecs
 import collections
 import copyreg
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import Any, BinaryIO, Callable, ClassVar, ItemsView, Iterable, Iterator, KeysView, ValuesView
 
+from ckptfix.policy import (  # noqa: F401 - classify_global, DTYPE_GLOBALS: also imported from here
+    DTYPE_GLOBALS,
+    REBUILD_FROM_TYPE,
+    SAFE_CODECS,
+    TENSOR_REBUILDERS,
+    classify_global,
+    classify_pair,
+    codecs_encode,
+    known_global,
+)
 from ckptfix.scanner import (  # noqa: F401 - re-exported: the opcode scan lives in its own module
     LEGACY_MAGIC_NUMBER,
     PickleLimits,
@@ -103,42 +113,6 @@ ELEMENT_SIZE: dict[str, int] = {
     "bits4x2": 1,
 }
 
-#: names of ``torch.<name>`` globals that are dtypes (as pickled: ``GLOBAL torch float32``)
-DTYPE_GLOBALS: dict[str, str] = {name: name for name in ELEMENT_SIZE}
-DTYPE_GLOBALS.update(
-    {
-        "float": "float32",
-        "double": "float64",
-        "half": "float16",
-        "long": "int64",
-        "int": "int32",
-        "short": "int16",
-        "cfloat": "complex64",
-        "cdouble": "complex128",
-        "chalf": "complex32",
-    }
-)
-for _b in range(1, 8):
-    DTYPE_GLOBALS[f"uint{_b}"] = f"uint{_b}"
-    DTYPE_GLOBALS[f"int{_b}"] = f"int{_b}"
-
-TENSOR_REBUILDERS = frozenset(
-    {
-        "_rebuild_tensor",
-        "_rebuild_tensor_v2",
-        "_rebuild_tensor_v3",
-        "_rebuild_parameter",
-        "_rebuild_parameter_with_state",
-        "_rebuild_qtensor",
-        "_rebuild_sparse_tensor",
-        "_rebuild_meta_tensor_no_storage",
-        "_rebuild_nested_tensor",
-        "_rebuild_wrapper_subclass",
-        "_rebuild_device_tensor_from_numpy",
-        "_rebuild_device_tensor_from_cpu_tensor",
-    }
-)
-
 
 # --------------------------------------------------------------------------- records
 
@@ -160,10 +134,16 @@ class StorageRecord:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of ``dtype`` (1 for a dtype ckptfix does not know)."""
         return ELEMENT_SIZE.get(self.dtype, 1)
 
-    def pid(self) -> tuple:
-        pid: tuple = ("storage", self.storage_type, self.key, self.location, self.numel)
+    def pid(self) -> tuple[Any, ...]:
+        """The persistent id torch.save writes for this storage.
+
+        Returns:
+            ``("storage", storage class, key, location, numel)``, plus the view metadata in legacy files.
+        """
+        pid: tuple[Any, ...] = ("storage", self.storage_type, self.key, self.location, self.numel)
         if self.view_metadata is not None or self._legacy:
             pid = pid + (self.view_metadata,)
         return pid
@@ -195,6 +175,7 @@ class TensorRecord:
 
     @property
     def numel(self) -> int:
+        """Number of elements (the product of ``shape``)."""
         n = 1
         for s in self.shape:
             n *= int(s)
@@ -202,17 +183,25 @@ class TensorRecord:
 
     @property
     def element_size(self) -> int:
+        """Bytes per element of ``dtype`` (1 for a dtype ckptfix does not know)."""
         return ELEMENT_SIZE.get(self.dtype, 1)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's elements (``numel * element_size``), not of its storage."""
         return self.numel * self.element_size
 
     @property
     def location(self) -> str | None:
+        """The storage's device tag as saved (``"cpu"``, ``"cuda:0"``); None without a storage."""
         return self.storage.location if self.storage else None
 
     def is_contiguous(self) -> bool:
+        """Whether the strides are those of a C-contiguous tensor of this shape (as ``Tensor.is_contiguous``).
+
+        Returns:
+            True when contiguous (size-1 dimensions may have any stride).
+        """
         expected = 1
         for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
             if size != 1 and st != expected:
@@ -221,13 +210,21 @@ class TensorRecord:
         return True
 
     def covers_storage(self) -> bool:
-        """True when this tensor is exactly its whole storage, contiguous, from offset 0."""
+        """Whether this tensor is exactly its whole storage, contiguous, from offset 0.
+
+        Returns:
+            True when so; False too when the storage's size is not known.
+        """
         if self.storage is None or self.storage.nbytes is None:
             return False
         return self.offset == 0 and self.is_contiguous() and self.nbytes == self.storage.nbytes
 
     def span(self) -> tuple[int, int]:
-        """(first, last+1) element index in the storage that this view touches."""
+        """The range of storage elements this view touches.
+
+        Returns:
+            ``(first, last + 1)`` element indices in the storage (``(offset, offset)`` when empty).
+        """
         if self.numel == 0:
             return (self.offset, self.offset)
         last = self.offset + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
@@ -240,7 +237,14 @@ class TensorRecord:
 
 
 def is_tensor_like(v: Any) -> bool:
-    """A TensorRecord or a real torch.Tensor (checked without importing torch)."""
+    """Whether ``v`` is a :class:`TensorRecord` or a real ``torch.Tensor`` (checked without importing torch).
+
+    Args:
+        v: anything.
+
+    Returns:
+        True for a tensor record or a tensor.
+    """
     if isinstance(v, TensorRecord):
         return True
     t = type(v)
@@ -251,17 +255,28 @@ def is_tensor_like(v: Any) -> bool:
 
 
 class Stub:
-    """Base of the inert placeholders that stand for globals we do not run.
+    """Base of the inert placeholders that stand for globals the reader does not run.
 
-    Every placeholder *class* has ``_ckpt_module`` / ``_ckpt_name``.  Calling it
-    (pickle ``REDUCE``) or ``__new__``-ing it (pickle ``NEWOBJ``) only records
-    the arguments; ``BUILD`` records the state; list and dict items are kept.
+    Each placeholder *class* stands for one global (:func:`global_pair` / :func:`global_name`
+    read which).  Calling it (pickle ``REDUCE``) or ``__new__``-ing it (pickle ``NEWOBJ``) only
+    records the arguments; ``BUILD`` records the state; ``APPEND(S)`` / ``SETITEM(S)`` items are
+    kept.  An instance exposes what the pickle recorded: :attr:`module`, :attr:`name`,
+    :attr:`full_name`, :attr:`args`, :attr:`kwargs`, :attr:`state`, :attr:`listitems`,
+    :attr:`dictitems`, :attr:`via_newobj`; :meth:`with_state` copies it with another state.
     """
 
-    _ckpt_module = ""
-    _ckpt_name = ""
+    # the global this placeholder class stands for (set on each generated subclass)
+    _ckpt_module: ClassVar[str] = ""
+    _ckpt_name: ClassVar[str] = ""
+    # what the pickle recorded (set in __new__ through object.__setattr__: __setattr__ records BUILD state)
+    _args: tuple[Any, ...]
+    _kwargs: dict[str, Any]
+    _state: Any
+    _listitems: list[Any]
+    _dictitems: dict[Any, Any]
+    _via_newobj: bool
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "Stub":
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         self = object.__new__(cls)
         object.__setattr__(self, "_args", args)
         object.__setattr__(self, "_kwargs", kwargs)
@@ -283,10 +298,85 @@ class Stub:
         st[name] = value
         object.__setattr__(self, "_state", st)
 
+    # ---------------------------------------------------------------- what the pickle recorded
+
+    @property
+    def module(self) -> str:
+        """The module of the global this placeholder stands for (``"argparse"``)."""
+        return type(self)._ckpt_module
+
+    @property
+    def name(self) -> str:
+        """The attribute name of the global (``"Namespace"``; dotted for a protocol-4 attribute path)."""
+        return type(self)._ckpt_name
+
+    @property
+    def full_name(self) -> str:
+        """``module.name`` as the pickle spelled it (``"argparse.Namespace"``)."""
+        return global_name(type(self))
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The positional arguments of the ``REDUCE`` / ``NEWOBJ`` call."""
+        return self._args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of a ``NEWOBJ_EX`` call (usually empty)."""
+        return self._kwargs
+
+    @property
+    def state(self) -> Any:
+        """What ``BUILD`` passed (``__setstate__``'s argument, a ``__dict__``, ...); None without ``BUILD``."""
+        return self._state
+
+    @property
+    def listitems(self) -> list[Any]:
+        """Items ``APPEND`` / ``APPENDS`` added (a stubbed list subclass's elements)."""
+        return self._listitems
+
+    @property
+    def dictitems(self) -> dict[Any, Any]:
+        """Items ``SETITEM`` / ``SETITEMS`` added (a stubbed dict subclass's entries)."""
+        return self._dictitems
+
+    @property
+    def via_newobj(self) -> bool:
+        """True when the pickle built it with ``cls.__new__(cls, *args)`` rather than ``cls(*args)``."""
+        return self._via_newobj
+
+    def with_state(self, state: Any) -> Stub:
+        """A copy of this placeholder (same global, arguments and items) with another state.
+
+        Args:
+            state: the new ``BUILD`` state.
+
+        Returns:
+            The new placeholder; this one is unchanged.
+        """
+        new: Stub = Stub.__new__(type(self), *self._args, **self._kwargs)
+        object.__setattr__(new, "_via_newobj", self._via_newobj)
+        object.__setattr__(new, "_state", state)
+        new._listitems.extend(self._listitems)
+        new._dictitems.update(self._dictitems)
+        return new
+
+    # ---------------------------------------------------------------- container protocol
+
     def append(self, item: Any) -> None:
+        """Record an ``APPEND`` item.
+
+        Args:
+            item: the item.
+        """
         self._listitems.append(item)
 
     def extend(self, items: Iterable[Any]) -> None:
+        """Record ``APPENDS`` items.
+
+        Args:
+            items: the items.
+        """
         self._listitems.extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -296,13 +386,28 @@ class Stub:
     def __getitem__(self, key: Any) -> Any:
         return self._dictitems[key]
 
-    def keys(self):  # noqa: D401 - mapping protocol
+    def keys(self) -> KeysView[Any]:
+        """The keys ``SETITEM(S)`` recorded.
+
+        Returns:
+            A view of :attr:`dictitems`' keys.
+        """
         return self._dictitems.keys()
 
-    def items(self):
+    def items(self) -> ItemsView[Any, Any]:
+        """The entries ``SETITEM(S)`` recorded.
+
+        Returns:
+            A view of :attr:`dictitems`' items.
+        """
         return self._dictitems.items()
 
-    def values(self):
+    def values(self) -> ValuesView[Any]:
+        """The values ``SETITEM(S)`` recorded.
+
+        Returns:
+            A view of :attr:`dictitems`' values.
+        """
         return self._dictitems.values()
 
     def __len__(self) -> int:
@@ -323,8 +428,12 @@ class Stub:
             bits.append(f"state={_short(self._state)}")
         return f"<stub {global_name(type(self))}({', '.join(bits)})>"
 
-    def to_dict(self) -> dict:
-        """A JSON-friendly view: the global's name, its arguments and its state."""
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view: the global's name, its arguments and its state.
+
+        Returns:
+            ``{"__global__": "module.name", "args": [...], "state": ..., "items": ...}``.
+        """
         return {
             "__global__": global_name(type(self)),
             "args": list(self._args),
@@ -338,15 +447,46 @@ def _short(x: Any, n: int = 60) -> str:
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
+def global_pair(cls: type) -> tuple[str, str]:
+    """The ``(module, name)`` a class stands for: a placeholder's global, else the class's own.
+
+    Args:
+        cls: a placeholder class (``type(stub)`` or a global the pickle named) or any class.
+
+    Returns:
+        ``("argparse", "Namespace")`` for the placeholder of ``argparse.Namespace``.
+    """
+    if issubclass(cls, Stub):
+        return cls._ckpt_module, cls._ckpt_name
+    return cls.__module__, cls.__qualname__
+
+
 def global_name(cls: type) -> str:
-    return f"{cls._ckpt_module}.{cls._ckpt_name}" if issubclass(cls, Stub) else f"{cls.__module__}.{cls.__qualname__}"
+    """``module.name`` of :func:`global_pair`.
+
+    Args:
+        cls: a placeholder class or any class.
+
+    Returns:
+        ``"argparse.Namespace"`` for the placeholder of ``argparse.Namespace``.
+    """
+    module, name = global_pair(cls)
+    return f"{module}.{name}"
 
 
-_STUB_CACHE: dict[tuple[str, str], type] = {}
+_STUB_CACHE: dict[tuple[str, str], type[Stub]] = {}
 
 
-def stub_class(module: str, name: str) -> type:
-    """The (cached) placeholder class for ``module.name``."""
+def stub_class(module: str, name: str) -> type[Stub]:
+    """The placeholder class for ``module.name`` (one class per global, cached).
+
+    Args:
+        module: the global's module.
+        name: the global's name.
+
+    Returns:
+        A :class:`Stub` subclass; calling it records arguments, as the reader does.
+    """
     key = (module, name)
     cls = _STUB_CACHE.get(key)
     if cls is None:
@@ -357,7 +497,14 @@ def stub_class(module: str, name: str) -> type:
 
 
 def stub_dtype(cls: Any) -> str | None:
-    """dtype name if ``cls`` is the placeholder of a ``torch.<dtype>`` global."""
+    """The dtype a ``torch.<dtype>`` placeholder stands for.
+
+    Args:
+        cls: anything (typically a ``GLOBAL torch float32`` placeholder class).
+
+    Returns:
+        The canonical dtype name (``"float32"`` for ``torch.float``), or None when ``cls`` is not a dtype global.
+    """
     if isinstance(cls, type) and issubclass(cls, Stub) and cls._ckpt_module == "torch":
         return DTYPE_GLOBALS.get(cls._ckpt_name)
     return None
@@ -366,17 +513,26 @@ def stub_dtype(cls: Any) -> str | None:
 class _TensorRebuilder(Stub):
     """Placeholder of a torch rebuild function: calling it yields a TensorRecord."""
 
-    def __new__(cls, *args: Any) -> Any:  # type: ignore[override]
+    def __new__(cls, *args: Any) -> Any:
         rec = _rebuild(cls._ckpt_name, args)
         rec.reduce_func = cls
         rec.reduce_args = args
         return rec
 
 
-_REBUILDER_CACHE: dict[str, type] = {}
+_REBUILDER_CACHE: dict[str, type[Stub]] = {}
 
 
-def rebuilder_class(module: str, name: str) -> type:
+def rebuilder_class(module: str, name: str) -> type[Stub]:
+    """The placeholder class of a torch rebuild function (``torch._utils._rebuild_tensor_v2``): calls build records.
+
+    Args:
+        module: ``"torch._utils"``.
+        name: one of :data:`~ckptfix.policy.TENSOR_REBUILDERS`.
+
+    Returns:
+        A :class:`Stub` subclass whose call returns a :class:`TensorRecord` (which writes back as that call).
+    """
     key = f"{module}.{name}"
     cls = _REBUILDER_CACHE.get(key)
     if cls is None:
@@ -514,12 +670,10 @@ def _rebuild(name: str, args: tuple) -> TensorRecord:
     return TensorRecord(None, 0, (), (), "unknown", kind=kind)
 
 
-def _rebuild_from_type_v2(func: Any, new_type: Any, args: tuple, state: Any) -> Any:
-    return func(*args)
-
-
 class _RebuildFromType(Stub):
-    def __new__(cls, *args: Any) -> Any:  # type: ignore[override]
+    """Placeholder of ``torch._tensor._rebuild_from_type_v2``: a tensor record marked parameter or subclass."""
+
+    def __new__(cls, *args: Any) -> Any:
         inner = args[0](*args[2]) if args and callable(args[0]) else None
         if isinstance(inner, TensorRecord):
             new_type = args[1]
@@ -541,18 +695,6 @@ class _RebuildFromType(Stub):
             )
             return outer
         return Stub.__new__(cls, *args)
-
-
-# plain-data constructors that run no user code: rebuilt for real, within limits
-_SAFE_CODECS = frozenset(
-    {"latin1", "latin-1", "latin_1", "iso-8859-1", "iso8859-1", "l1", "utf-8", "utf8", "utf_8", "ascii", "us-ascii"}
-)
-
-
-def _codecs_encode(obj: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-    if isinstance(obj, str) and isinstance(encoding, str) and encoding.lower() in _SAFE_CODECS:
-        return codecs.encode(obj, encoding, errors if isinstance(errors, str) else "strict")
-    raise pickle.UnpicklingError("_codecs.encode with something other than a string and a plain text codec")
 
 
 def _range_len(r: range) -> int:
@@ -585,7 +727,7 @@ class _BoundedCtor(Stub):
     _limits: PickleLimits = PickleLimits()
     _owner: Any = None  # the RecordingUnpickler, for notes
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         size = cls._materialised_size(args)
         if size is not None and size <= cls._budget() and not kwargs:
             try:
@@ -616,7 +758,7 @@ class _BoundedCtor(Stub):
         if (
             name in ("bytearray", "bytes")
             and len(args) > 1
-            and not (isinstance(args[1], str) and args[1].lower() in _SAFE_CODECS)
+            and not (isinstance(args[1], str) and args[1].lower() in SAFE_CODECS)
         ):
             return None  # only plain text codecs: a codec lookup may import modules
         if name in ("bytearray", "bytes") and isinstance(a, int) and not isinstance(a, bool):
@@ -624,260 +766,6 @@ class _BoundedCtor(Stub):
         if name == "encode":
             return 4 * len(a) if isinstance(a, str) else None
         return _size_of(a)
-
-
-_BOUNDED: dict[tuple[str, str], Any] = {
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "bytearray"): bytearray,
-    ("builtins", "bytes"): bytes,
-    ("builtins", "range"): range,
-    ("_codecs", "encode"): _codecs_encode,
-}
-
-_REAL: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "complex"): complex,
-    ("builtins", "slice"): slice,
-}
-
-
-# --------------------------------------------------------------------------- classification
-
-_DANGEROUS_MODULES = {
-    "os",
-    "posix",
-    "nt",
-    "subprocess",
-    "sys",
-    "runpy",
-    "importlib",
-    "pickle",
-    "_pickle",
-    "cPickle",
-    "marshal",
-    "shutil",
-    "socket",
-    "ctypes",
-    "pty",
-    "code",
-    "codeop",
-    "commands",
-    "webbrowser",
-    "multiprocessing",
-    "asyncio",
-    "platform",
-    "signal",
-    "tempfile",
-    "io",
-    "_io",
-    "urllib",
-    "http",
-    "requests",
-    "ftplib",
-    "smtplib",
-    "telnetlib",
-    "types",
-    "inspect",
-    "pdb",
-    "timeit",
-    "cProfile",
-    "profile",
-    "trace",
-    "dill",
-    "cloudpickle",
-    "joblib",
-    "bdb",
-    "_posixsubprocess",
-    "torch.hub",
-    "torch._C",
-    "torch.jit",
-    "torch.package",
-    "torch._dynamo",
-    "torch.utils.cpp_extension",
-    "numpy.testing",
-    "numpy.f2py",
-    "numpy.distutils",
-    "_ctypes",
-    "operator",
-    "functools",
-    "builtins.getattr",
-}
-#: attribute names that, reached through a dotted path, mean running something
-_DANGEROUS_ATTRS = {
-    "system",
-    "popen",
-    "spawnl",
-    "spawnv",
-    "execl",
-    "execv",
-    "execve",
-    "fork",
-    "load",
-    "loads",
-    "run",
-    "call",
-    "check_call",
-    "check_output",
-    "Popen",
-    "torch_save_to_dcp",
-    "remove",
-    "unlink",
-    "rmtree",
-    "rename",
-    "write",
-    "write_text",
-    "write_bytes",
-}
-_PATHS = {
-    "pathlib.PosixPath",
-    "pathlib.WindowsPath",
-    "pathlib.PurePosixPath",
-    "pathlib.PureWindowsPath",
-    "pathlib.Path",
-}
-_DANGEROUS_BUILTINS = {
-    "eval",
-    "exec",
-    "compile",
-    "open",
-    "getattr",
-    "setattr",
-    "delattr",
-    "__import__",
-    "globals",
-    "locals",
-    "vars",
-    "input",
-    "breakpoint",
-    "apply",
-    "execfile",
-    "file",
-    "reload",
-    "memoryview",
-    "help",
-    "exit",
-    "quit",
-    "object",
-    "type",
-    "super",
-    "classmethod",
-    "staticmethod",
-    "property",
-    "callable",
-    "map",
-    "filter",
-}
-_SAFE_EXTRA = {
-    "collections.OrderedDict",
-    "collections.Counter",
-    "torch.nn.parameter.Parameter",
-    "torch.serialization._get_layout",
-    "torch.Size",
-    "torch.Tensor",
-    "torch.device",
-    "_codecs.encode",
-    "builtins.bytearray",
-    "builtins.set",
-    "builtins.complex",
-    "torch._tensor._rebuild_from_type_v2",
-    "torch.per_tensor_affine",
-    "torch.per_tensor_symmetric",
-    "torch.per_channel_affine",
-    "torch.per_channel_symmetric",
-    "torch.per_channel_affine_float_qparams",
-    # what torch.save writes for dtypes without a legacy typed storage class (uint16, float8 ...)
-    "torch.storage.UntypedStorage",
-    "torch.storage.TypedStorage",
-}
-
-
-#: the record classes a DCP ``.metadata`` pickle names (torch.distributed.checkpoint), exactly
-
-
-def classify_global(name: str, context: str | None = None) -> str:
-    """``"safe"`` (torch's weights-only loader allows it), ``"dangerous"`` or ``"unknown"``.
-
-    ``context`` widens "safe" for pickles that are not ``torch.load`` files: ``"dcp"`` (a DCP
-    ``.metadata`` file: exactly the metadata record classes of torch.distributed.checkpoint, and
-    paths) and ``"torchscript"`` (``__torch__.*`` classes are TorchScript types, resolved by the
-    TorchScript runtime, not Python).  No module prefix is trusted wholesale outside TorchScript.
-    Names the scan could not resolve (``<...>``) are unknown.
-    """
-    if name.startswith("<"):
-        return "unknown"
-    if name in _SAFE_EXTRA:
-        return "safe"
-    if context == "dcp":
-        from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS  # exact names: no module prefix is trusted
-
-        if name in DCP_METADATA_GLOBALS:
-            return "safe"
-    if (
-        context == "torchscript"
-        and name.startswith("__torch__.")
-        and "__" not in name[len("__torch__.") :].replace("___torch_mangle_", "")
-    ):
-        return "safe"
-    module, _, attr = name.rpartition(".")
-    if module == "torch._utils" and attr in TENSOR_REBUILDERS:
-        return "safe"
-    if module == "torch" and (attr in DTYPE_GLOBALS or attr.endswith("Storage") or attr.endswith("Tensor")):
-        return "safe"
-    if module in ("torch.cuda",) and (attr.endswith("Storage") or attr.endswith("Tensor")):
-        return "safe"
-    if module in ("torch.sparse", "torch.cuda.sparse") and attr.endswith("Tensor"):
-        return "safe"
-    if module in ("builtins", "__builtin__"):
-        return "dangerous" if attr in _DANGEROUS_BUILTINS else "unknown"
-    root = module.split(".")[0]
-    if module in _DANGEROUS_MODULES or root in _DANGEROUS_MODULES:
-        return "dangerous"
-    if any(part.startswith("__") and part.endswith("__") for part in name.split(".")[1:]):
-        return "dangerous"  # __globals__, __builtins__, __subclasses__ ...
-    if module.startswith("numpy") and attr in ("load", "loads", "fromfile", "memmap", "save"):
-        return "dangerous"
-    return "unknown"
-
-
-_ORDER = {"safe": 0, "unknown": 1, "dangerous": 2}
-
-
-def classify_pair(module: str, name: str, context: str | None = None) -> str:
-    """Classify a global the way the unpickler resolves it: ``name`` may be dotted (``path.join``).
-
-    A dotted attribute path is never safe: the unpickler walks it with ``getattr``
-    from ``module`` (protocol 4+), which reaches far beyond the name it spells.
-
-    Args:
-        module: the resolved module name.
-        name: the resolved attribute name (dots walk attributes).
-        context: as for :func:`classify_global`.
-
-    Returns:
-        ``"safe"``, ``"unknown"`` or ``"dangerous"``.
-    """
-    joined = classify_global(f"{module}.{name}", context)
-    if "." not in name:
-        return joined
-    parts = name.split(".")
-    own = (
-        "dangerous"
-        if (
-            classify_global(f"{module}.{parts[0]}", context) == "dangerous"
-            or any(
-                p.startswith("__") or p in _DANGEROUS_MODULES or p in _DANGEROUS_BUILTINS or p in _DANGEROUS_ATTRS
-                for p in parts
-            )
-        )
-        else "unknown"
-    )
-    return own if _ORDER[own] >= _ORDER[joined] else joined
-
-
-def worst(*classes: str) -> str:
-    """The most severe of some classifications."""
-    return max(classes, key=_ORDER.__getitem__) if classes else "safe"
 
 
 # --------------------------------------------------------------------------- unpickler
@@ -897,6 +785,12 @@ class RecordingUnpickler(pickle.Unpickler):
     opcodes and refuses (``ResourceLimitError``) a pickle whose memo indices,
     object count, nesting or integers would exceed :class:`PickleLimits`.  After
     it, the object graph's depth is checked, so no later recursive walk can fail.
+
+    Args:
+        file: the pickle, a binary file positioned at its start.
+        legacy: the pickle is the object pickle of a legacy (pre-1.6) ``torch.save`` stream.
+        storages: storage records already known (shared with the container's other pickles).
+        limits: resource limits (default: :meth:`PickleLimits.from_env`).
     """
 
     def __init__(
@@ -916,10 +810,13 @@ class RecordingUnpickler(pickle.Unpickler):
         self.legacy = legacy
         self.limits = limits or PickleLimits.from_env()
         self._py2_names: set[tuple[str, str]] = set()
-        self._bounded: dict[tuple[str, str], type] = {}
+        self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
+
+        Returns:
+            The unpickled object graph of records, placeholders and plain data.
 
         Raises:
             ResourceLimitError: the pickle would exceed a limit (the message names the variable that lifts it).
@@ -957,15 +854,25 @@ class RecordingUnpickler(pickle.Unpickler):
         if note not in self.notes and len(self.notes) < 100:
             self.notes.append(note)
 
-    def find_class(self, module: str, name: str) -> Any:  # noqa: D401 - pickle hook
+    def find_class(self, module: str, name: str) -> Any:
+        """Resolve a global without importing it (the pickle hook), as :data:`~ckptfix.policy.KNOWN_GLOBALS` says.
+
+        Args:
+            module: the module as written in the pickle.
+            name: the attribute name as written in the pickle.
+
+        Returns:
+            A plain-data constructor (``collections.OrderedDict``), a bounded one, a tensor rebuilder's
+            placeholder, or the inert placeholder class of the global.
+        """
         if (module, name) in self._py2_names:
             module, name = resolve_global(module, name, 2)
         full = f"{module}.{name}"
         self.globals_seen[full] += 1
-        real = _REAL.get((module, name))
-        if real is not None:
-            return real
-        if (module, name) in _BOUNDED:
+        known = known_global(module, name)
+        if known is not None and known.build is not None:
+            if not known.bounded:
+                return known.build
             cls = self._bounded.get((module, name))
             if cls is None:
                 cls = type(
@@ -974,7 +881,7 @@ class RecordingUnpickler(pickle.Unpickler):
                     {
                         "_ckpt_module": module,
                         "_ckpt_name": name,
-                        "_real": staticmethod(_BOUNDED[(module, name)]),
+                        "_real": staticmethod(known.build),
                         "_limits": self.limits,
                         "_owner": self,
                         "__module__": "ckptfix.pickles.stubs",
@@ -984,13 +891,24 @@ class RecordingUnpickler(pickle.Unpickler):
             return cls
         if module == "torch._utils" and name in TENSOR_REBUILDERS:
             return rebuilder_class(module, name)
-        if full == "torch._tensor._rebuild_from_type_v2":
+        if (module, name) == REBUILD_FROM_TYPE:
             return _rebuild_from_type_class()
         if classify_pair(module, name) != "safe":
             self.stubbed.add(full)
         return stub_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
+        """Turn a ``('storage', type, key, location, numel[, view])`` persistent id into a :class:`StorageRecord`.
+
+        Args:
+            pid: the persistent id.
+
+        Returns:
+            The storage record of ``key`` (one per key), or a legacy storage view of it.
+
+        Raises:
+            pickle.UnpicklingError: not a storage id, or an invalid size.
+        """
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location, numel = pid[1], str(pid[2]), str(pid[3]), pid[4]
             if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
@@ -1119,7 +1037,19 @@ def _rebuild_from_type_class() -> type:
 
 
 def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpickler]:
-    """Unpickle ``data`` into records/placeholders. Returns (object, unpickler)."""
+    """Unpickle ``data`` into records and placeholders with a :class:`RecordingUnpickler`.
+
+    Args:
+        data: the pickle bytes, or a binary file positioned at it.
+        **kw: passed to :class:`RecordingUnpickler` (``legacy``, ``storages``, ``limits``).
+
+    Returns:
+        ``(object, unpickler)``: the unpickler holds ``storages``, ``globals_seen``, ``stubbed`` and ``notes``.
+
+    Raises:
+        ResourceLimitError: the pickle would exceed a limit.
+        pickle.UnpicklingError: the pickle is malformed.
+    """
     f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     up = RecordingUnpickler(f, **kw)
     return up.load(), up
@@ -1127,16 +1057,42 @@ def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpi
 
 # --------------------------------------------------------------------------- writer
 
+#: what the pickler writes as ``NEWOBJ`` (typeshed does not declare it)
+_NEWOBJ: Callable[..., Any] = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed
 
-class RecordPickler(pickle._Pickler):  # type: ignore[name-defined]
+
+class RecordPickler(pickle._Pickler):
     """Write an object graph of records and placeholders back as a torch-loadable pickle."""
 
+    # set and defined by the pure-Python pickler; typeshed's pickle._Pickler does not declare them
+    write: Callable[[bytes], Any]
+    memoize: Callable[[Any], None]
+
     def persistent_id(self, obj: Any) -> Any:
+        """The pickle hook: a storage record is written as its persistent id.
+
+        Args:
+            obj: the object about to be pickled.
+
+        Returns:
+            :meth:`StorageRecord.pid` for a storage record, else None.
+        """
         if isinstance(obj, StorageRecord):
             return obj.pid()
         return None
 
     def reducer_override(self, obj: Any) -> Any:
+        """The pickle hook: a tensor record is written as its rebuild call, a placeholder as what it recorded.
+
+        Args:
+            obj: the object about to be pickled.
+
+        Returns:
+            A reduce tuple, or ``NotImplemented`` for anything else (pickled as usual).
+
+        Raises:
+            pickle.PicklingError: a tensor record without a rebuild call.
+        """
         if isinstance(obj, TensorRecord):
             if obj.reduce_func is None:
                 raise pickle.PicklingError(f"cannot write {obj!r}: it has no rebuild call")
@@ -1146,25 +1102,45 @@ class RecordPickler(pickle._Pickler):  # type: ignore[name-defined]
             listitems = iter(obj._listitems) if obj._listitems else None
             dictitems = iter(obj._dictitems.items()) if obj._dictitems else None
             if obj._via_newobj:
-                return (copyreg.__newobj__, (cls,) + tuple(obj._args), obj._state, listitems, dictitems)
+                return (_NEWOBJ, (cls,) + tuple(obj._args), obj._state, listitems, dictitems)
             return (cls, tuple(obj._args), obj._state, listitems, dictitems)
         return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
+        """Write a global: a placeholder class as the global it stands for, never importing anything.
+
+        Args:
+            obj: the class or function to write.
+            name: its name, when the pickler already knows it.
+
+        Raises:
+            pickle.PicklingError: any other global that does not resolve.
+        """
         if isinstance(obj, type) and issubclass(obj, Stub):
             mod, nm = obj._ckpt_module, obj._ckpt_name
             self.write(pickle.GLOBAL + mod.encode("utf-8") + b"\n" + nm.encode("utf-8") + b"\n")
             self.memoize(obj)
             return
-        if obj is _codecs_encode:
+        if obj is codecs_encode:
             self.write(pickle.GLOBAL + b"_codecs\nencode\n")
             self.memoize(obj)
             return
-        super().save_global(obj, name)
+        super().save_global(obj, name)  # type: ignore[misc]  # typeshed's pickle._Pickler omits save_global
 
 
 def dumps(obj: Any, protocol: int = 2) -> bytes:
-    """Pickle an object graph that may contain records and placeholders."""
+    """Pickle an object graph that may contain records and placeholders.
+
+    Args:
+        obj: the object graph (from :func:`loads_records`, possibly edited).
+        protocol: the pickle protocol (torch.save's default is 2).
+
+    Returns:
+        The pickle bytes; placeholders are written as the globals they stand for.
+
+    Raises:
+        UnsupportedError: the graph is nested too deeply to write.
+    """
     buf = io.BytesIO()
     try:
         RecordPickler(buf, protocol=protocol).dump(obj)
@@ -1177,10 +1153,6 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
             "torch.save it again"
         ) from None
     return buf.getvalue()
-
-
-# --------------------------------------------------------------------------- scanning
-# (the opcode scan lives in ckptfix.scanner; its public names are re-exported above)
 
 
 # --------------------------------------------------------------------------- write-back check

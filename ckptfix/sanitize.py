@@ -43,7 +43,7 @@ import collections
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ckptfix.errors import ResourceLimitError, UnsupportedError
 from ckptfix.pickles import (
@@ -51,11 +51,16 @@ from ckptfix.pickles import (
     StorageRecord,
     Stub,
     TensorRecord,
-    classify_global,
+    global_name,
+    global_pair,
     rebuilder_class,
     stub_class,
 )
+from ckptfix.policy import REBUILD_FROM_TYPE, WEIGHTS_ONLY_OPCODES, classify_global
 from ckptfix.progress import Progress, reporting
+
+if TYPE_CHECKING:
+    from ckptfix.formats import CheckpointFile
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
 
@@ -130,7 +135,7 @@ def normalise_global(name: str) -> str:
 
 
 def _stub_name(cls: type) -> str:
-    return normalise_global(f"{cls._ckpt_module}.{cls._ckpt_name}")
+    return normalise_global(global_name(cls))
 
 
 @dataclass
@@ -142,6 +147,11 @@ class Change:
     now: str
 
     def to_dict(self) -> dict[str, str]:
+        """The change as JSON.
+
+        Returns:
+            ``{"path": ..., "was": ..., "now": ...}``.
+        """
         return {"path": self.path, "was": self.was, "now": self.now}
 
 
@@ -154,6 +164,13 @@ class Plainer:
             (for JSON), arrays above ``max_list`` elements becoming a short description instead.
         storage_key: a function returning an unused storage key, for ``arrays="tensor"``.
         max_list: the largest array written as a list in ``"list"`` mode.
+        sep: what joins the keys of a path in the change list.
+        keep_cycles: keep an object that contains itself (``l = []; l.append(l)``, a ``Namespace``
+            holding itself) as the same cycle of plain lists and dicts, which a pickle holds and
+            ``torch.load`` rebuilds; otherwise (and always where the converted form cannot hold a
+            reference, e.g. a numpy object array) the reference back becomes the string
+            ``"<cycle: back to PATH>"``, recorded in :attr:`changes`.  Default: keep them with
+            ``arrays="tensor"`` (a pickle), replace them with ``arrays="list"`` (JSON holds no cycle).
 
     The converted graph keeps shared references shared (one converted object per source object) and
     returns unchanged objects themselves, so a state dict that needs nothing stays the same object.
@@ -166,8 +183,10 @@ class Plainer:
         storage_key: Callable[[], str] | None = None,
         max_list: int = 4096,
         sep: str = "/",
+        keep_cycles: bool | None = None,
     ) -> None:
         self.arrays = arrays
+        self.keep_cycles = arrays == "tensor" if keep_cycles is None else keep_cycles
         self.sep = sep
         self.storage_key = storage_key
         self.max_list = max_list
@@ -177,6 +196,7 @@ class Plainer:
         self.lossy: dict[str, str] = {}
         self._memo: dict[int, Any] = {}
         self._keep: list[Any] = []  # keeps converted sources alive so their ids stay unique
+        self._active: dict[int, str] = {}  # id -> path of the objects being converted (a cycle comes back to one)
 
     def _note(self, path: str, was: str, now: str) -> None:
         if len(self.changes) < 10_000:
@@ -192,10 +212,12 @@ class Plainer:
 
         Args:
             v: any object from the restricted reader.
-            path: where ``v`` sits, for the change list.  depth: nesting so far.
+            path: where ``v`` sits, for the change list.
+            depth: nesting so far.
 
         Returns:
-            Weights-only-safe data; every replacement is recorded in :attr:`changes`.
+            Weights-only-safe data; every replacement (and every cycle that could not be kept) is recorded in
+            :attr:`changes`.
 
         Raises:
             ResourceLimitError: nesting deeper than 400 levels (or than Python's recursion limit allows).
@@ -223,10 +245,33 @@ class Plainer:
         key = id(v)
         if key in self._memo:
             return self._memo[key]
-        out = self._convert(v, path, depth)
+        fresh = key not in self._active
+        if not fresh and not isinstance(v, tuple):
+            # a reference back to an object still being converted, which could not hold it (a tuple is
+            # converted again: the cycle passes through a list, dict or object that holds it)
+            return self._cycle(path, self._active[key])
+        if fresh:
+            self._active[key] = path
+        try:
+            out = self._convert(v, path, depth)
+        finally:
+            if fresh:
+                del self._active[key]
         self._memo[key] = out
         self._keep.append(v)
         return out
+
+    def _claim(self, v: Any, out: Any) -> Any:
+        """Make ``out`` the converted form of ``v`` before its contents are, so a cycle back to ``v`` finds it."""
+        if self.keep_cycles:
+            self._memo[id(v)] = out
+            self._keep.append(v)
+        return out
+
+    def _cycle(self, path: str, target: str) -> str:
+        target = target or "(top level)"
+        self._note(path, f"reference back to {target} (a cycle)", "str")
+        return f"<cycle: back to {target}>"
 
     def _convert(self, v: Any, path: str, depth: int) -> Any:
         sub = _subclass_of(v) if isinstance(v, TensorRecord) else None
@@ -247,8 +292,7 @@ class Plainer:
             )
         if isinstance(v, type):
             if issubclass(v, Stub):
-                name = f"{v._ckpt_module}.{v._ckpt_name}"
-                if classify_global(name) == "safe":  # torch.float32, torch.FloatStorage ...
+                if classify_global(global_name(v)) == "safe":  # torch.float32, torch.FloatStorage ...
                     return v
                 now = _stub_name(v)
                 self._note(path, f"class {now}", "str")
@@ -261,7 +305,8 @@ class Plainer:
         if isinstance(v, dict):
             return self._dict(v, path, depth)
         if isinstance(v, list):
-            new = [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v)]
+            new: list[Any] = self._claim(v, [])
+            new.extend(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
             return v if all(a is b for a, b in zip(new, v, strict=False)) else new
         if isinstance(v, tuple):
             new_t = tuple(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(v))
@@ -294,7 +339,8 @@ class Plainer:
 
     def _dict(self, v: dict, path: str, depth: int) -> Any:
         changed = False
-        items = []
+        empty: dict[Any, Any] = collections.OrderedDict() if isinstance(v, collections.OrderedDict) else {}
+        out: dict[Any, Any] = self._claim(v, empty)
         for k, x in v.items():
             nk = self.convert(k, self._at(path, "<key>"), depth + 1)
             try:
@@ -303,13 +349,12 @@ class Plainer:
                 nk = repr(nk)
             nx = self.convert(x, self._at(path, k), depth + 1)
             changed = changed or nk is not k or nx is not x
-            items.append((nk, nx))
+            out[nk] = nx
         attrs = getattr(v, "__dict__", None) or {}
         new_attrs = {a: self.convert(x, self._at(path, "." + a), depth + 1) for a, x in attrs.items()}
         changed = changed or any(new_attrs[a] is not attrs[a] for a in attrs)
         if not changed and type(v) in (dict, collections.OrderedDict):
             return v
-        out: dict = collections.OrderedDict(items) if isinstance(v, collections.OrderedDict) else dict(items)
         for a, x in new_attrs.items():  # the state dict's _metadata
             try:
                 setattr(out, a, x)
@@ -320,9 +365,8 @@ class Plainer:
     # ---------------------------------------------------------------- placeholders of instances
 
     def _stub(self, v: Stub, path: str, depth: int) -> Any:
-        cls = type(v)
-        raw = f"{cls._ckpt_module}.{cls._ckpt_name}"
-        name = _stub_name(cls)
+        raw = v.full_name
+        name = normalise_global(raw)
         module, _, attr = name.rpartition(".")
         if classify_global(raw) == "safe":  # torch.Size(...), torch.device(...)
             return v
@@ -331,10 +375,10 @@ class Plainer:
         if (
             module in ("numpy._core.numeric", "numpy.core.numeric")
             and attr == "_frombuffer"
-            and len(v._args) == 4
-            and isinstance(v._args[2], tuple)
+            and len(v.args) == 4
+            and isinstance(v.args[2], tuple)
         ):  # protocol 5: (buffer, dtype, shape, order)
-            buf, dt, shape, order = v._args
+            buf, dt, shape, order = v.args
             return self._ndarray(v, path, depth, state=(1, shape, dt, order == "F", buf))
         if module in _NUMPY_MODULES and attr == "scalar":
             return self._np_scalar(v, path, depth)
@@ -344,31 +388,37 @@ class Plainer:
             self._note(path, "numpy.dtype", f"str {now!r}")
             return now
         if name == "argparse.Namespace":
-            state = v._state if isinstance(v._state, dict) else {}
+            state = v.state if isinstance(v.state, dict) else {}
             self._note(path, name, "dict")
-            return {str(k): self.convert(x, self._at(path, k), depth + 1) for k, x in state.items()}
+            fields: dict[str, Any] = self._claim(v, {})
+            fields.update((str(k), self.convert(x, self._at(path, k), depth + 1)) for k, x in state.items())
+            return fields
         if module.startswith("omegaconf"):
             return self._omegaconf(v, path, depth)
         if name == "collections.deque":
             self._note(path, name, "list")
-            items = v._args[0] if v._args and isinstance(v._args[0], list) else v._listitems
-            return [self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items)]
+            items = v.args[0] if v.args and isinstance(v.args[0], list) else v.listitems
+            elements: list[Any] = self._claim(v, [])
+            elements.extend(self.convert(x, self._at(path, i), depth + 1) for i, x in enumerate(items))
+            return elements
         if (
             attr == "AttributeDict"
             or name == "collections.defaultdict"
-            or (v._dictitems and not v._args and not v._listitems and v._state is None)
+            or (v.dictitems and not v.args and not v.listitems and v.state is None)
         ):
             self._note(path, name, "dict")
-            return {k: self.convert(x, self._at(path, k), depth + 1) for k, x in v._dictitems.items()}
+            entries: dict[Any, Any] = self._claim(v, {})
+            entries.update((k, self.convert(x, self._at(path, k), depth + 1)) for k, x in v.dictitems.items())
+            return entries
         return self._generic(v, name, path, depth)
 
     def _generic(self, v: Stub, name: str, path: str, depth: int) -> dict:
-        out: dict[str, Any] = {"__class__": name}
-        if v._args:
-            out["__args__"] = self.convert(list(v._args), self._at(path, "__args__"), depth + 1)
-        if v._kwargs:
-            out["__kwargs__"] = self.convert(dict(v._kwargs), self._at(path, "__kwargs__"), depth + 1)
-        state = v._state
+        out: dict[str, Any] = self._claim(v, {"__class__": name})
+        if v.args:
+            out["__args__"] = self.convert(list(v.args), self._at(path, "__args__"), depth + 1)
+        if v.kwargs:
+            out["__kwargs__"] = self.convert(dict(v.kwargs), self._at(path, "__kwargs__"), depth + 1)
+        state = v.state
         if (
             isinstance(state, tuple)
             and len(state) == 2
@@ -383,24 +433,30 @@ class Plainer:
                 out[k] = self.convert(x, self._at(path, k), depth + 1)
         elif state is not None:
             out["__state__"] = self.convert(state, self._at(path, "__state__"), depth + 1)
-        if v._dictitems:
-            out["__items__"] = self.convert(dict(v._dictitems), self._at(path, "__items__"), depth + 1)
-        elif v._listitems:
-            out["__items__"] = self.convert(list(v._listitems), self._at(path, "__items__"), depth + 1)
+        if v.dictitems:
+            out["__items__"] = self.convert(dict(v.dictitems), self._at(path, "__items__"), depth + 1)
+        elif v.listitems:
+            out["__items__"] = self.convert(list(v.listitems), self._at(path, "__items__"), depth + 1)
         self._note(path, name, "dict")
         return out
 
     def _omegaconf(self, v: Stub, path: str, depth: int) -> Any:
         name = _stub_name(type(v))
-        state = v._state if isinstance(v._state, dict) else {}
+        state = v.state if isinstance(v.state, dict) else {}
         if "_content" in state:  # DictConfig / ListConfig
             content = state["_content"]
             kind = "list" if isinstance(content, list) else "dict" if isinstance(content, dict) else "str"
             self._note(path, name, kind)
             if isinstance(content, dict):
-                return {self._omega_key(k): self._omega_value(x, self._at(path, k), depth) for k, x in content.items()}
+                mapping: dict[Any, Any] = self._claim(v, {})
+                mapping.update(
+                    (self._omega_key(k), self._omega_value(x, self._at(path, k), depth)) for k, x in content.items()
+                )
+                return mapping
             if isinstance(content, list):
-                return [self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content)]
+                seq: list[Any] = self._claim(v, [])
+                seq.extend(self._omega_value(x, self._at(path, i), depth) for i, x in enumerate(content))
+                return seq
             return self.convert(content, path, depth + 1)  # None, "???" (missing) or "${interpolation}"
         if "_val" in state:  # a value node on its own
             self._note(path, name, "value")
@@ -413,17 +469,17 @@ class Plainer:
         return k
 
     def _omega_value(self, x: Any, path: str, depth: int) -> Any:
-        if isinstance(x, Stub) and isinstance(x._state, dict):
-            if "_val" in x._state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
-                return self.convert(x._state["_val"], path, depth + 1)
-            if "_content" in x._state:
-                return self._omegaconf(x, path, depth + 1)
+        if isinstance(x, Stub) and isinstance(x.state, dict):
+            if "_val" in x.state:  # AnyNode, IntegerNode, StringNode, ... : the value itself, quietly
+                return self.convert(x.state["_val"], path, depth + 1)
+            if "_content" in x.state:
+                return self.convert(x, path, depth + 1)
         return self.convert(x, path, depth + 1)
 
     # ---------------------------------------------------------------- numpy
 
     def _np_scalar(self, v: Stub, path: str, depth: int) -> Any:
-        args = v._args
+        args = v.args
         code = _dtype_code(args[0]) if args else None
         data = args[1] if len(args) > 1 else None
         if code in _STRUCT and isinstance(data, (bytes, bytearray)):
@@ -440,7 +496,7 @@ class Plainer:
         return self._generic(v, "numpy.generic", path, depth)
 
     def _ndarray(self, v: Stub, path: str, depth: int, state: Any = None) -> Any:
-        st = v._state if state is None else state
+        st = v.state if state is None else state
         if not (
             isinstance(st, tuple)
             and len(st) == 5
@@ -449,7 +505,7 @@ class Plainer:
         ):
             return self._generic(v, "numpy.ndarray", path, depth)
         _, shape, dt, fortran, raw = st
-        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw._args:
+        if isinstance(raw, Stub) and _stub_name(type(raw)) == "builtins.bytes" and not raw.args:
             raw = b""  # protocol 2 spells an empty array's data as the call bytes()
         shape = tuple(int(s) for s in shape)
         code = _dtype_code(dt)
@@ -506,15 +562,14 @@ def _subclass_of(t: TensorRecord) -> type | None:
     fn, a = t.reduce_func, t.reduce_args
     if not (
         isinstance(fn, type)
-        and issubclass(fn, Stub)
-        and fn._ckpt_name == "_rebuild_from_type_v2"
+        and global_pair(fn) == REBUILD_FROM_TYPE
         and len(a) == 4
         and isinstance(a[1], type)
         and issubclass(a[1], Stub)
         and isinstance(a[2], tuple)
     ):
         return None
-    return None if classify_global(f"{a[1]._ckpt_module}.{a[1]._ckpt_name}") == "safe" else a[1]
+    return None if classify_global(global_name(a[1])) == "safe" else a[1]
 
 
 def make_tensor_record(
@@ -524,7 +579,9 @@ def make_tensor_record(
 
     Args:
         key: the storage key (its bytes go to ``data/<key>``).
-        dtype: torch dtype name.  shape: the tensor's shape.  fortran: column-major strides.
+        dtype: torch dtype name.
+        shape: the tensor's shape.
+        fortran: column-major strides.
         nbytes: the storage's size in bytes.
 
     Returns:
@@ -551,7 +608,7 @@ def make_tensor_record(
     for i in range(len(shape)) if fortran else range(len(shape) - 1, -1, -1):
         stride[i] = acc
         acc *= max(1, shape[i])
-    hooks = collections.OrderedDict()
+    hooks: collections.OrderedDict[str, Any] = collections.OrderedDict()  # backward hooks: none
     if dtype in _TYPED_STORAGE:
         fn = rebuilder_class("torch._utils", "_rebuild_tensor_v2")
         args: tuple = (storage, 0, tuple(shape), tuple(stride), False, hooks)
@@ -570,24 +627,24 @@ def _prod(shape: Iterable[int]) -> int:
 
 def _dtype_code(dt: Any) -> str | None:
     """``"f8"``, ``"<U2"`` -> ``"U8"`` ... from a ``numpy.dtype`` placeholder (args: ('f8', False, True))."""
-    if not isinstance(dt, Stub) or not dt._args or not isinstance(dt._args[0], str):
+    if not isinstance(dt, Stub) or not dt.args or not isinstance(dt.args[0], str):
         return None
-    code = dt._args[0]
+    code = dt.args[0]
     if (
         code[:1] in "US"
-        and isinstance(dt._state, tuple)
-        and len(dt._state) > 5
-        and isinstance(dt._state[5], int)
-        and dt._state[5] > 0
+        and isinstance(dt.state, tuple)
+        and len(dt.state) > 5
+        and isinstance(dt.state[5], int)
+        and dt.state[5] > 0
     ):
-        return f"{code[0]}{dt._state[5]}"  # element size in bytes (U: 4 per character)
+        return f"{code[0]}{dt.state[5]}"  # element size in bytes (U: 4 per character)
     if code[:1] in "US" and len(code) == 1:
         return None
     return code
 
 
 def _byteorder(dt: Any) -> str:
-    st = dt._state if isinstance(dt, Stub) else None
+    st = dt.state if isinstance(dt, Stub) else None
     if isinstance(st, tuple) and len(st) > 1 and st[1] in ("<", ">", "|", "="):
         return ">" if st[1] == ">" else "<"
     return "<"
@@ -673,6 +730,11 @@ class SanitizeReport:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        """One line for the terminal.
+
+        Returns:
+            What was made plain data and what is left, or that nothing needed a change.
+        """
         if not self.changed:
             return f"{self.source}: already loadable with weights_only=True; nothing to change"
         return (
@@ -681,56 +743,19 @@ class SanitizeReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` document.
+
+        Returns:
+            Every field, the changes as dicts, and ``summary``.
+        """
         d = dict(self.__dict__)
         d["changes"] = [c.to_dict() for c in self.changes]
         d["summary"] = self.summary()
         return d
 
 
-#: the opcodes torch's weights-only unpickler reads (torch/_weights_only_unpickler.py, torch 2.13): protocol 2
-#: as torch.save writes it; FRAME, SHORT_BINUNICODE, BINBYTES, ADDITEMS, MEMOIZE ... make it fail
-_WEIGHTS_ONLY_OPCODES = frozenset(
-    {
-        "PROTO",
-        "STOP",
-        "GLOBAL",
-        "NEWOBJ",
-        "REDUCE",
-        "BUILD",
-        "APPEND",
-        "APPENDS",
-        "SETITEM",
-        "SETITEMS",
-        "MARK",
-        "TUPLE",
-        "TUPLE1",
-        "TUPLE2",
-        "TUPLE3",
-        "NONE",
-        "NEWFALSE",
-        "NEWTRUE",
-        "EMPTY_TUPLE",
-        "EMPTY_LIST",
-        "EMPTY_DICT",
-        "EMPTY_SET",
-        "BININT",
-        "BININT1",
-        "BININT2",
-        "BINFLOAT",
-        "BINUNICODE",
-        "SHORT_BINSTRING",
-        "BINPERSID",
-        "BINGET",
-        "LONG_BINGET",
-        "BINPUT",
-        "LONG_BINPUT",
-        "LONG1",
-    }
-)
-
-
 def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
-    """Opcodes in ``src``'s pickles outside :data:`_WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
+    """Opcodes in ``src``'s pickles outside :data:`~ckptfix.policy.WEIGHTS_ONLY_OPCODES` (protocol >= 3 writes some).
 
     A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
     """
@@ -756,7 +781,7 @@ def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
     except (OSError, ValueError, zipfile.BadZipFile):
         return []  # the reader accepted it; leave the verdict to the globals
-    return sorted(bad - _WEIGHTS_ONLY_OPCODES)
+    return sorted(bad - WEIGHTS_ONLY_OPCODES)
 
 
 def _unsafe_globals(names: Iterable[str]) -> list[str]:
@@ -799,13 +824,8 @@ def sanitize_checkpoint(
         return _sanitize(src, dst, in_place=in_place, force=force, backup=backup)
 
 
-def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
-    from ckptfix.formats import read_checkpoint
-    from ckptfix.rewrite.output import prepare_output
-    from ckptfix.rewrite.verify import check_written
-    from ckptfix.rewrite.writers import write_checkpoint_zip
-
-    cf = read_checkpoint(src)
+def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
+    """Raise UnsupportedError unless ``cf`` is a single torch.save file (zip or legacy)."""
     if cf.format == "safetensors":
         raise UnsupportedError(
             f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
@@ -819,20 +839,10 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         raise UnsupportedError(
             f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what you need"
         )
-    before = _unsafe_globals(cf.globals_seen)
-    rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
-    from ckptfix.formats import iter_tensors
 
-    rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
-    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
-    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
-        rep.notes.append("nothing to change; no file written")
-        return rep
-    if bad_ops:
-        rep.notes.append(
-            f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
-            "pickle protocol 3 or newer); written at protocol 2"
-        )
+
+def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
+    """A function returning the next storage key the archive does not use (referenced or not)."""
     used = set(cf.storages)
     if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
         data_dir = f"{cf.extra.get('root', '')}data/"
@@ -845,7 +855,30 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         used.add(str(counter[0]))
         return str(counter[0])
 
-    pl = Plainer(arrays="tensor", storage_key=new_key)
+    return new_key
+
+
+def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
+    from ckptfix.formats import iter_tensors, read_checkpoint
+    from ckptfix.rewrite.output import prepare_output, write_atomic
+    from ckptfix.rewrite.verify import check_written
+    from ckptfix.rewrite.writers import write_checkpoint_zip
+
+    cf = read_checkpoint(src)
+    _refuse_unsupported(cf, src)
+    before = _unsafe_globals(cf.globals_seen)
+    rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
+    rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
+    bad_ops = [] if before else _opcodes_weights_only_cannot_read(src, cf.format)
+    if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
+        rep.notes.append("nothing to change; no file written")
+        return rep
+    if bad_ops:
+        rep.notes.append(
+            f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
+            "pickle protocol 3 or newer); written at protocol 2"
+        )
+    pl = Plainer(arrays="tensor", storage_key=_storage_key_allocator(cf))
     if cf.format == "torch-zip" and isinstance(cf.extra, dict) and cf.extra.get("byteorder") == "big":
         pl.byteorder = "big"
     obj = pl.convert(cf.obj)
@@ -863,7 +896,6 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
         fmt_out="torch-zip",
         notes=rep.notes,
     )
-    from ckptfix.rewrite.output import write_atomic
 
     def write(f: Any) -> None:
         write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)

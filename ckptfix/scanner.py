@@ -82,7 +82,11 @@ class PickleLimits:
 
     @classmethod
     def from_env(cls) -> "PickleLimits":
-        """The limits, with the ``CKPTFIX_MAX_PICKLE_*`` environment variables applied."""
+        """The limits, with the ``CKPTFIX_MAX_PICKLE_*`` environment variables applied.
+
+        Returns:
+            The defaults, each replaced by its variable when that is set to a positive number.
+        """
         d = cls()
         return cls(
             max_bytes=_env_int("CKPTFIX_MAX_PICKLE_MB", d.max_bytes >> 20) << 20,
@@ -191,7 +195,11 @@ class ScanResult:
     limit_error: str | None = None  # a resource limit the pickle would exceed when loaded
 
     def merge(self, other: "ScanResult") -> None:
-        """Add another pickle's findings (for multi-pickle files)."""
+        """Add another pickle's findings (for multi-pickle files).
+
+        Args:
+            other: the next pickle's result; its first error and limit finding are kept only if this has none.
+        """
         self.globals.update(other.globals)
         self.pairs.update(other.pairs)
         self.raw.update(other.raw)

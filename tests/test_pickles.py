@@ -25,9 +25,13 @@ from ckptfix.pickles import (
     Stub,
     check_depth,
     dumps,
+    global_name,
+    global_pair,
     globals_resolvable,
     loads_records,
     resolve_global,
+    stub_class,
+    stub_dtype,
 )
 
 from conftest import REPO, run_cli
@@ -113,7 +117,7 @@ def test_container_bombs_become_placeholders_in_every_command(tmp_path, payload,
     p = _zip_with_pickle(tmp_path, "bomb.pt", _with_entry(payload))
     cf = read_checkpoint(p)
     bomb = cf.obj["bomb"]
-    assert isinstance(bomb, Stub) and f"{type(bomb)._ckpt_module}.{type(bomb)._ckpt_name}" == global_
+    assert isinstance(bomb, Stub) and bomb.full_name == global_
     for args in (["inspect", "--json", p], ["scan", p], ["strip-prefix", p, "-o", tmp_path / "out.pt"]):
         rc, rss, err = _rss_cli(*args)
         assert rss < RSS_BUDGET_MIB, (args, rss)
@@ -339,3 +343,65 @@ def test_ordereddict_and_collections_unchanged():
     data = pickle.dumps(collections.OrderedDict(a=1), protocol=2)
     obj, _ = loads_records(data)
     assert obj == collections.OrderedDict(a=1)
+
+
+# --------------------------------------------------------------------------- placeholders
+
+
+class _Obj:
+    """A class the reader keeps as a placeholder: state through BUILD, items through APPENDS / SETITEMS."""
+
+    def __init__(self) -> None:
+        self.lr = 0.5
+
+
+class _ListSub(list):
+    pass
+
+
+class _DictSub(dict):
+    pass
+
+
+def test_placeholders_expose_what_the_pickle_recorded():
+    """``stub.module / name / full_name / args / state / listitems / dictitems / via_newobj``: the same values
+    CPython's own ``__reduce_ex__`` hands the pickler, read back without running the class."""
+    import argparse
+
+    src = {
+        "obj": _Obj(),
+        "ns": argparse.Namespace(a=1),
+        "lst": _ListSub([1, 2]),
+        "dct": _DictSub(k="v"),
+        "dtype": torch.float16,
+    }
+    obj, _ = loads_records(pickle.dumps(src, protocol=2))
+    o = obj["obj"]
+    assert (o.module, o.name, o.full_name) == (__name__, "_Obj", f"{__name__}._Obj")
+    assert o.state == {"lr": 0.5} and o.args == () and o.kwargs == {} and o.via_newobj
+    assert obj["ns"].state == {"a": 1} and obj["ns"].full_name == "argparse.Namespace"
+    assert obj["lst"].listitems == [1, 2] and list(obj["lst"]) == [1, 2]
+    assert obj["dct"].dictitems == {"k": "v"} and dict(obj["dct"].items()) == {"k": "v"} and obj["dct"]["k"] == "v"
+    assert global_pair(type(o)) == (__name__, "_Obj") and global_name(type(o)) == f"{__name__}._Obj"
+    assert global_pair(collections.OrderedDict) == ("collections", "OrderedDict")
+    assert stub_dtype(obj["dtype"]) == "float16"
+    # what the writer writes is what was recorded: a round trip through dumps gives CPython's objects back
+    back = pickle.loads(dumps(obj))
+    assert back["obj"].lr == 0.5 and back["ns"] == argparse.Namespace(a=1)
+    assert back["lst"] == [1, 2] and type(back["lst"]) is _ListSub and back["dct"] == {"k": "v"}
+
+
+def test_with_state_copies_a_placeholder():
+    obj, _ = loads_records(pickle.dumps(_DictSub(k=1), protocol=2))
+    new = obj.with_state({"extra": True})
+    assert type(new) is type(obj) and new.state == {"extra": True} and new.dictitems == {"k": 1}
+    assert obj.state is None and new.via_newobj == obj.via_newobj and new.args == obj.args
+    new.dictitems["j"] = 2
+    assert "j" not in obj.dictitems
+
+
+def test_stub_classes_are_one_per_global():
+    assert stub_class("argparse", "Namespace") is stub_class("argparse", "Namespace")
+    ns = stub_class("argparse", "Namespace")()
+    assert ns.full_name == "argparse.Namespace" and not ns.via_newobj
+    assert "argparse.Namespace" in repr(ns)

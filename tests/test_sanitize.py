@@ -469,3 +469,66 @@ def test_an_array_with_a_non_integer_shape_is_not_a_crash(tmp_path):
     obj, _ = loads_records(pickle.dumps({"a": Fake()}, protocol=2))
     out = Plainer(arrays="tensor").convert(obj)
     assert isinstance(out["a"], dict)
+
+
+def test_objects_that_contain_themselves_keep_their_cycles(tmp_path):
+    """The pickle memo lets a list, a dict or an object hold itself, and ``torch.load(weights_only=True)`` rebuilds
+    such cycles of lists and dicts: sanitize keeps them (an object becomes a dict that holds itself) instead of
+    refusing the file as nested too deeply, and reports only what became plain data."""
+    lst: list = []
+    lst.append(lst)
+    d: dict = {"k": 1}
+    d["self"] = d
+    ns = argparse.Namespace(lr=0.1)
+    ns.me = ns
+    ns.lst = lst
+    box = [1]
+    tup = (box,)
+    box.append(tup)  # tuple -> list -> the tuple
+    p = tmp_path / "cyc.pt"
+    torch.save({"w": torch.arange(3.0), "l": lst, "d": d, "ns": ns, "t": tup}, p)
+    r = run_cli("sanitize", str(p), "--json")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert [(c["path"], c["was"], c["now"]) for c in rep["changes"]] == [("ns", "argparse.Namespace", "dict")]
+    got = torch.load(rep["output"], weights_only=True)
+    assert torch.equal(got["w"], torch.arange(3.0))
+    assert got["l"][0] is got["l"] and got["d"]["self"] is got["d"] and got["d"]["k"] == 1
+    assert got["ns"]["me"] is got["ns"] and got["ns"]["lst"] is got["l"] and got["ns"]["lr"] == 0.1
+    assert got["t"][0][0] == 1 and got["t"][0][1][0] is got["t"][0]
+
+
+def test_a_cycle_no_plain_container_can_hold_becomes_a_reported_string(tmp_path):
+    """A numpy object array that holds itself becomes a list, which cannot be the array: the reference back
+    becomes ``"<cycle: back to PATH>"``, listed in the changes; the tensor is kept."""
+    a = np.empty(2, dtype=object)
+    a[0], a[1] = "x", a
+    p = tmp_path / "objcyc.pt"
+    torch.save({"w": torch.ones(2), "a": a}, p)
+    rep = sanitize_checkpoint(p)
+    got = torch.load(rep.output, weights_only=True)
+    assert torch.equal(got["w"], torch.ones(2))
+    assert got["a"] == ["x", "<cycle: back to a>"]
+    assert any(c.path == "a/1" and c.was == "reference back to a (a cycle)" and c.now == "str" for c in rep.changes)
+
+
+def test_plain_data_for_json_replaces_every_cycle():
+    """``arrays="list"`` (what convert writes into JSON metadata) cannot hold a cycle: each reference back to an
+    object being converted becomes a string naming where it points, and the result is JSON."""
+    import pickle
+
+    from ckptfix.pickles import loads_records
+
+    lst: list = [1]
+    lst.append(lst)
+    ns = argparse.Namespace(lr=0.1, lst=lst)
+    ns.me = ns
+    obj, _ = loads_records(pickle.dumps({"ns": ns}, protocol=2))
+    pl = Plainer(arrays="list", sep=".")
+    out = pl.convert(obj)
+    assert json.loads(json.dumps(out)) == {
+        "ns": {"lr": 0.1, "lst": [1, "<cycle: back to ns.lst>"], "me": "<cycle: back to ns>"}
+    }
+    assert {c.path for c in pl.changes if c.now == "str"} == {"ns.lst.1", "ns.me"}
+    kept = Plainer(arrays="list", keep_cycles=True).convert(obj)
+    assert kept["ns"]["me"] is kept["ns"]

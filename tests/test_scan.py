@@ -21,7 +21,8 @@ from oracle_pickle import c_imports, py_imports
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.inspecting import scan_checkpoint
-from ckptfix.pickles import classify_global, resolve_global, scan_globals, scan_pickle_sequence
+from ckptfix.pickles import resolve_global, scan_globals, scan_pickle_sequence
+from ckptfix.policy import classify_global
 
 from conftest import run_cli
 
