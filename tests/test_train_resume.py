@@ -1,4 +1,4 @@
-"""Resume semantics of the trainer (ckptfix.train.trainer): exact continuation from every format,
+"""Resume semantics of the trainer (ckptfix.train.run): exact continuation from every format,
 state that cannot be restored is reported, explicit hyper-parameters win and are recorded, resumed
 runs get their own names, and failed saves leave nothing half-written."""
 
@@ -12,7 +12,7 @@ import torch
 
 from ckptfix.errors import TrainingError
 from ckptfix.train import TrainConfig, read_manifest, train
-from ckptfix.train.trainer import int_optimizer_keys
+from ckptfix.train.resume import int_optimizer_keys
 
 SMALL = dict(train_samples=256, test_samples=64, quiet=True)
 
@@ -118,9 +118,9 @@ def test_resumed_run_has_its_own_name_and_never_overwrites_another_run(tmp_path)
 
 
 def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
-    from ckptfix.train import trainer
+    from ckptfix.train import run
 
-    real = trainer.tensor_sha256
+    real = run.tensor_sha256
     calls = {"n": 0}
 
     def flaky(t):
@@ -129,7 +129,7 @@ def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
             raise RuntimeError("simulated failure while saving")
         return real(t)
 
-    monkeypatch.setattr(trainer, "tensor_sha256", flaky)
+    monkeypatch.setattr(run, "tensor_sha256", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         train(TrainConfig(out=str(tmp_path), epochs=3, **SMALL))
     files = sorted(os.listdir(tmp_path))
@@ -139,12 +139,12 @@ def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
 
 
 def test_failed_epoch_removes_dcp_directory_too(tmp_path, monkeypatch):
-    from ckptfix.train import trainer
+    from ckptfix.train import run
 
     def boom(*a, **k):
         raise RuntimeError("simulated probe failure")
 
-    monkeypatch.setattr(trainer, "probe_output", boom)
+    monkeypatch.setattr(run, "probe_output", boom)
     with pytest.raises(RuntimeError):
         train(TrainConfig(out=str(tmp_path), epochs=1, save_format="dcp", **SMALL))
     assert os.listdir(tmp_path) == []

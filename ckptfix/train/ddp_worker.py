@@ -13,6 +13,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train as one rank; a failure is written next to ``--result`` for the launcher.
+
+    Args:
+        argv: The command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, the ckptfix error's exit code, or 1 for anything else.
+    """
     p = argparse.ArgumentParser(prog="python -m ckptfix.train.ddp_worker")
     p.add_argument("--config", required=True, help="TrainConfig as JSON")
     p.add_argument("--result", default=None, help="rank 0 writes the TrainResult JSON here")

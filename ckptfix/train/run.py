@@ -1,11 +1,11 @@
-"""The common training loop, checkpoint saving, ``checkpoints.json`` and the probe batch.
+"""One training run: build the model, resume, wrap it the way the mode does, train, evaluate, save.
 
-:func:`train` runs ``single``, ``dp`` and ``manual`` in this process and hands
-``ddp`` to :mod:`ckptfix.train.ddp` (which launches ``torchrun``, or runs as a
-worker when already under ``torchrun``).  Every mode goes through
-:class:`Run`: build the model from the seed, optionally resume through
-:func:`ckptfix.loading.load_checkpoint`, wrap it the way the mode does, train,
-evaluate, and save a realistic wrapper dict after every epoch.
+:class:`Run` is the whole run for the in-process modes (``single``, ``dp``, ``manual``) and one
+rank's share of a ``ddp`` / ``fsdp`` job (:mod:`ckptfix.train.ddp` starts those).  The mode's own
+machinery lives beside it: the hand-written all-reduce in :mod:`ckptfix.train.manual`, the
+sharded model in :mod:`ckptfix.train.fsdp`.  After every epoch it saves a realistic wrapper dict
+(:mod:`ckptfix.train.saving`), the probe output (:mod:`ckptfix.train.probe`) and then the
+``checkpoints.json`` entry (:mod:`ckptfix.train.manifest`).
 """
 
 from __future__ import annotations
@@ -13,270 +13,30 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
-import hashlib
-import json
 import os
-import shutil
 import sys
 import time
-import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ckptfix
 from ckptfix.errors import TrainingError
 from ckptfix.train import data as _data
-from ckptfix.train.config import TrainConfig, TrainResult
+from ckptfix.train.config import DISTRIBUTED_MODES, HPARAMS, TrainConfig, TrainResult, process_group_backend
+from ckptfix.train.devices import Dist, amp_dtype, resolve_device
+from ckptfix.train.fsdp import FSDPState
+from ckptfix.train.manifest import MANIFEST, check_outputs, update_manifest
+from ckptfix.train.manual import ManualDataParallel
 from ckptfix.train.models import build_model, has_batchnorm
-
-MANIFEST = "checkpoints.json"
-MANIFEST_VERSION = 1
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(
-            "--device cuda requested but CUDA is not available to this torch build "
-            f"(torch {torch.__version__}); use --device cpu, or run `ckptfix doctor`"
-        )
-    return device
-
-
-def amp_dtype(device: str) -> torch.dtype:
-    return torch.float16 if device == "cuda" else torch.bfloat16
+from ckptfix.train.probe import probe_output, tensor_sha256
+from ckptfix.train.resume import int_optimizer_keys, load_resume
+from ckptfix.train.saving import atomic_torch_save, expected_prefix, remove_outputs, save_dcp
 
 
 def _log_to_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def atomic_torch_save(obj: Any, path: str, *, legacy: bool = False) -> None:
-    """``torch.save`` into a temp file next to ``path`` (:mod:`ckptfix.atomic`), fsynced, renamed into place."""
-    from ckptfix.atomic import atomic_output
-
-    with atomic_output(path, fsync=True) as f:
-        if legacy:
-            torch.save(obj, f, _use_new_zipfile_serialization=False)
-        else:
-            torch.save(obj, f)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a fsynced temp file renamed into place."""
-    from ckptfix.atomic import atomic_output
-
-    with atomic_output(path, fsync=True) as f:
-        f.write(text.encode("utf-8"))
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw bytes of a CPU tensor in C order (native byte order), without numpy."""
-    import ctypes
-
-    t = t.detach().to("cpu").contiguous()
-    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()) if t.numel() else b""
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's float32 bytes (C order, native little-endian)."""
-    return hashlib.sha256(tensor_bytes(t.detach().to("cpu", torch.float32))).hexdigest()
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def probe_output(model: nn.Module, probe: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's logits on the probe batch: a CPU float32 copy, eval mode, one intra-op thread.
-
-    One thread makes the summation order fixed, so the same weights give the
-    same bits on the same machine (the basis of the bit-exact restoration check).
-    """
-    if probe is None:
-        probe = _data.probe_batch()
-    m = copy.deepcopy(model).to("cpu", torch.float32).eval()
-    if hasattr(m, "show_split"):
-        m.show_split = False
-    with _one_thread(), torch.no_grad():
-        return m(probe).detach().clone()
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """Peel DataParallel/DDP (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            module = module.module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def expected_prefix(mode: str, save_style: str, compiled: bool) -> str:
-    """The key prefix a checkpoint of this configuration has.
-
-    Wrapped DP/DDP saves gain ``module.``; ``torch.compile`` adds ``_orig_mod.``
-    inside it (the model is compiled first and then wrapped, as nanoGPT does),
-    giving ``module._orig_mod.``.  ``clean`` saves have no prefix.
-    """
-    if save_style == "clean":
-        return ""
-    p = "module." if mode in ("dp", "ddp") else ""
-    if compiled:
-        p += "_orig_mod."
-    return p
-
-
-# --------------------------------------------------------------------------- manifest
-
-
-def read_manifest(out_dir: str) -> dict[str, Any]:
-    """Read ``out_dir/checkpoints.json`` (or the file itself); an empty manifest when absent."""
-    path = out_dir if out_dir.endswith(".json") else os.path.join(out_dir, MANIFEST)
-    if not os.path.exists(path):
-        return {"version": MANIFEST_VERSION, "checkpoints": []}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _update_manifest(out_dir: str, entries: list[dict[str, Any]]) -> str:
-    """Add ``entries`` to checkpoints.json (replacing entries with the same path); atomic."""
-    path = os.path.join(out_dir, MANIFEST)
-    man = read_manifest(out_dir)
-    new_paths = {e["path"] for e in entries}
-    kept = [e for e in man.get("checkpoints", []) if e.get("path") not in new_paths]
-    man = {
-        "version": MANIFEST_VERSION,
-        "generator": f"ckptfix {ckptfix.__version__} train",
-        "torch": torch.__version__,
-        "checkpoints": kept + entries,
-    }
-    atomic_write_text(path, json.dumps(man, indent=2) + "\n")
-    return path
-
-
-def verify_probe(
-    entry: dict[str, Any],
-    out_dir: str,
-    state_dict: dict[str, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """Prove that weights restore the model exactly: rebuild it, run the probe, compare.
-
-    ``entry`` is one ``checkpoints.json`` entry, ``out_dir`` the directory holding
-    the manifest.  Without ``state_dict`` the checkpoint is loaded through
-    :func:`ckptfix.loading.load_checkpoint` (``model=`` aligns the keys).
-    Returns ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
-    """
-    probe = entry["probe"]
-    side = torch.load(os.path.join(out_dir, probe["file"]), map_location="cpu", weights_only=True)
-    model = build_model(entry["model"], 0)
-    if state_dict is None:
-        from ckptfix.loading import load_checkpoint
-
-        lc = load_checkpoint(
-            os.path.join(out_dir, entry["path"]), map_location="cpu", model=model, allow_globals=_ALLOW_GLOBALS
-        )
-        state_dict = lc.state_dict
-    model.load_state_dict(state_dict)
-    got = probe_output(model, side["input"])
-    want = side["output"]
-    return {
-        "exact": bool(torch.equal(got, want)),
-        "max_abs_diff": float((got.double() - want.double()).abs().max()),
-        "sha256_ok": tensor_sha256(got) == probe["output_sha256"],
-    }
-
-
-# argparse.Namespace is what `args` becomes with --namespace-args: harmless, so resume allows it.
-_ALLOW_GLOBALS = (argparse.Namespace,)
-
-
-def int_optimizer_keys(opt_sd: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with integer parameter ids, as ``Optimizer.load_state_dict`` needs.
-
-    A DCP checkpoint hands the optimizer's ``state`` back keyed by strings (``'0'`` .. ``'7'``):
-    ``load_state_dict`` would keep those *next to* the real entries and the momentum would be lost.
-    String ids (in ``state`` and in each param group's ``params``) become ints again; the
-    tensors are not copied.
-    """
-
-    def as_id(k: Any) -> Any:
-        return int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
-
-    out = dict(opt_sd)
-    out["state"] = {as_id(k): v for k, v in (opt_sd.get("state") or {}).items()}
-    groups = []
-    for g in opt_sd.get("param_groups") or []:
-        g = dict(g)
-        if "params" in g:
-            g["params"] = [as_id(p) for p in g["params"]]
-        groups.append(g)
-    out["param_groups"] = groups
-    return out
-
-
-def load_resume(cfg: TrainConfig, base: nn.Module) -> tuple[dict[str, Any], str]:
-    """Load ``cfg.resume`` into ``base`` (weights only) and check it can continue; returns (checkpoint dict, format).
-
-    Also the launcher's pre-flight check for ``ddp``/``fsdp``, so a bad ``--resume`` is one
-    ``Error:`` line before torchrun starts.  Raises :class:`TrainingError` when the weights do not
-    fit the model or the checkpoint already has ``cfg.epochs`` epochs.
-    """
-    from ckptfix.loading import load_checkpoint
-
-    lc = load_checkpoint(cfg.resume, map_location="cpu", model=base, allow_globals=_ALLOW_GLOBALS)
-    try:
-        base.load_state_dict(lc.state_dict)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TrainingError(f"--resume {cfg.resume}: weights do not fit the {cfg.model} model: {first}") from e
-    ckpt = lc.checkpoint if isinstance(lc.checkpoint, dict) else {}
-    done = int(ckpt.get("epoch", 0) or 0)
-    if done >= cfg.epochs:
-        raise TrainingError(
-            f"--resume {cfg.resume}: the checkpoint already has {done} epoch(s) and --epochs is {cfg.epochs}; "
-            f"pass --epochs {done + 1} or more to train further"
-        )
-    return ckpt, str(getattr(lc, "format", "?"))
-
-
-# --------------------------------------------------------------------------- the run
-
-
-@dataclasses.dataclass
-class Dist:
-    """Process-group facts (world_size 1 and rank 0 outside DDP)."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-
-    @property
-    def enabled(self) -> bool:
-        return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.enabled:
-            torch.distributed.barrier()
 
 
 class Run:
@@ -289,21 +49,31 @@ class Run:
         self.device_type = resolve_device(cfg.device)
         self.out = os.path.abspath(cfg.out)
         self.name = cfg.run_name()
-        self.manual = None
-        self.scaler = None
+        self.manual: ManualDataParallel | None = None
+        self.scaler: torch.amp.GradScaler | None = None
         self.sync_bn = False
         self.resumed_from: str | None = None
         self.resume_info: dict[str, Any] | None = None
         self.start_epoch = 1
         self._resume_ckpt: Any = None
-        self.fsdp = None  # the FSDP helper (ckptfix.train.fsdp) in --mode fsdp
+        self.fsdp: FSDPState | None = None  # the FSDP helper (ckptfix.train.fsdp) in --mode fsdp
+        self._epoch_files: list[str] = []  # this epoch's files, removed again if its save fails
 
     def log(self, msg: str) -> None:
+        """Progress on stderr (rank 0 only; nothing with ``--quiet``).
+
+        Args:
+            msg: One line.
+        """
         if not self.cfg.quiet and self.dist.is_main:
             self._log(msg)
 
     def warn(self, msg: str) -> None:
-        """A warning: on stderr even with --quiet (rank 0 only)."""
+        """A warning: on stderr even with --quiet (rank 0 only).
+
+        Args:
+            msg: One line (``warning:`` is prepended).
+        """
         if self.dist.is_main:
             self._log(f"warning: {msg}")
 
@@ -315,6 +85,12 @@ class Run:
     # -- setup ---------------------------------------------------------------
 
     def setup(self) -> None:
+        """Load the data, build the model (resuming its weights), wrap it the way the mode does.
+
+        Raises:
+            TrainingError: ``--replicas`` names more GPUs than there are, or the resume fails.
+            CkptfixError: the ``--data`` or ``--resume`` file cannot be read.
+        """
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.dataset = (
@@ -336,8 +112,6 @@ class Run:
                 devs = [torch.device("cuda", i) for i in range(n)]
             else:
                 devs = [torch.device("cpu")] * n
-            from ckptfix.train.manual import ManualDataParallel
-
             self.manual = ManualDataParallel(
                 base, devs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, all_reduce=cfg.allreduce
             )
@@ -347,9 +121,11 @@ class Run:
             self.devices = [str(d) for d in devs]
             self.input_device = devs[0]
         elif cfg.mode == "fsdp":
-            from ckptfix.train.fsdp import FSDPState
-
-            self.fsdp = FSDPState(self, base)
+            self.fsdp = FSDPState(cfg, self.dist, self.device_type, base)
+            self.base = self.wrapped = self.fsdp.model
+            self.optimizer = self.fsdp.optimizer
+            self.devices = [str(self.fsdp.device)]
+            self.input_device = self.fsdp.device
         else:
             if cfg.mode == "ddp":
                 if self.device_type == "cuda":
@@ -381,7 +157,7 @@ class Run:
             self.base = base
             model: nn.Module = base
             if cfg.compile:
-                model = torch.compile(model, backend=cfg.compile_backend)
+                model = cast(nn.Module, torch.compile(model, backend=cfg.compile_backend))
             if cfg.mode == "dp":
                 model = nn.DataParallel(model)
             elif cfg.mode == "ddp":
@@ -399,6 +175,7 @@ class Run:
 
     def _resume_into(self, base: nn.Module) -> None:
         cfg = self.cfg
+        assert cfg.resume is not None
         ckpt, fmt = load_resume(cfg, base)
         done = int(ckpt.get("epoch", 0) or 0)
         self.start_epoch = done + 1
@@ -415,6 +192,11 @@ class Run:
         self.log(f"resumed {cfg.resume} (format {fmt}, epoch {done})")
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The run's optimizers (one per replica in manual mode, else one).
+
+        Returns:
+            The optimizers.
+        """
         if self.manual:
             return list(self.manual.optimizers)
         if self.fsdp is not None:
@@ -456,7 +238,7 @@ class Run:
                 self._not_restored("scaler", "the checkpoint has no scaler_state_dict (saved without --amp)")
         # Hyper-parameters: the checkpoint's (restored with the optimizer) unless given explicitly.
         groups = self.optimizers()[0].param_groups[0]
-        for h in ("lr", "momentum", "weight_decay"):
+        for h in HPARAMS:
             given = getattr(cfg, h)
             before = groups.get(h) if restored else None
             if restored and h in cfg.explicit and before != given:
@@ -478,22 +260,31 @@ class Run:
     # -- data ----------------------------------------------------------------
 
     def train_loader(self, epoch: int) -> Any:
+        """This epoch's batches: a seeded shuffle (ddp/fsdp: ``DistributedSampler`` with ``set_epoch``).
+
+        Args:
+            epoch: The epoch (1-based); each gets its own shuffle, the same on every rank.
+
+        Returns:
+            A ``DataLoader``.
+        """
         from torch.utils.data import DataLoader, TensorDataset
 
         if not hasattr(self, "_train_ds"):
             x, y = self.dataset.train_tensors()
             self._train_ds = TensorDataset(x, y)
-            if self.cfg.mode in ("ddp", "fsdp"):
+            if self.cfg.mode in DISTRIBUTED_MODES:
                 from torch.utils.data.distributed import DistributedSampler
 
-                self._sampler = DistributedSampler(
+                self._sampler: DistributedSampler[Any] = DistributedSampler(
                     self._train_ds,
                     num_replicas=self.dist.world_size,
                     rank=self.dist.rank,
                     shuffle=True,
                     seed=self.cfg.seed,
                 )
-        if self.cfg.mode in ("ddp", "fsdp"):
+        sampler: Any
+        if self.cfg.mode in DISTRIBUTED_MODES:
             self._sampler.set_epoch(epoch)  # a different shuffle every epoch, the same on every rank
             sampler = self._sampler
         else:
@@ -511,28 +302,43 @@ class Run:
     # -- one step ------------------------------------------------------------
 
     def autocast(self) -> Any:
+        """The forward pass's autocast context (a no-op without ``--amp``).
+
+        Returns:
+            A context manager.
+        """
         if not self.cfg.amp:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=amp_dtype(self.device_type))
 
     def step(self, x: torch.Tensor, y: torch.Tensor, show_split: bool) -> float:
+        """One optimisation step on a batch.
+
+        Args:
+            x: The inputs.
+            y: The labels.
+            show_split: Print how the batch is split over the replicas.
+
+        Returns:
+            The batch's mean loss.
+        """
         if self.manual is not None:
-            loss = self.manual.step(x, y)
+            manual_loss = self.manual.step(x, y)
             if show_split:
                 sizes = self.manual.last_split
                 print(f"batch of {x.shape[0]} -> replicas: {', '.join(map(str, sizes))}", file=sys.stderr, flush=True)
-            return loss
+            return manual_loss
         x = x.to(self.input_device, non_blocking=True)
         y = y.to(self.input_device, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
         if show_split:
-            self.base.show_split = True
+            setattr(self.base, "show_split", True)  # noqa: B010 - the models print their split when set
         try:
             with self.autocast():
                 out = self.wrapped(x)
                 loss = F.cross_entropy(out, y)
         finally:
-            self.base.show_split = False
+            setattr(self.base, "show_split", False)  # noqa: B010
         if show_split:
             print(f"Outside: input size {tuple(x.shape)}, output size {tuple(out.shape)}", file=sys.stderr, flush=True)
         if self.scaler is not None:
@@ -547,6 +353,11 @@ class Run:
     # -- evaluation ----------------------------------------------------------
 
     def evaluate(self) -> float:
+        """Test accuracy of the current weights (over every rank's share in ddp).
+
+        Returns:
+            The fraction of test samples classified correctly.
+        """
         x, y = self.dataset.test_tensors()
         # ddp: each rank scores a strided share, then the counts are summed.  fsdp: every rank runs the
         # whole set (each forward all-gathers parameters, so all ranks must run the same batches).
@@ -566,7 +377,7 @@ class Run:
             counts = counts.to(self.input_device)
             torch.distributed.all_reduce(counts)
             counts = counts.cpu()
-        return float(counts[0] / max(counts[1], 1))
+        return float(counts[0]) / max(float(counts[1]), 1.0)
 
     # -- saving --------------------------------------------------------------
 
@@ -575,7 +386,7 @@ class Run:
         d = self.cfg.to_dict()
         d["explicit"] = list(d["explicit"])
         g = self.optimizers()[0].param_groups[0]
-        for h in ("lr", "momentum", "weight_decay"):
+        for h in HPARAMS:
             if h in g:
                 d[h] = g[h]
         d["device_type"] = self.device_type
@@ -587,7 +398,19 @@ class Run:
         return argparse.Namespace(**d) if self.cfg.namespace_args else d
 
     def save(self, epoch: int, accuracy: float) -> dict[str, Any] | None:
-        """Save this epoch's checkpoint (rank 0 writes .pt; every rank writes its DCP shard); return its entry."""
+        """Save this epoch's checkpoint (rank 0 writes .pt; every rank writes its DCP shard) and probe.
+
+        Args:
+            epoch: The epoch just trained.
+            accuracy: Its test accuracy.
+
+        Returns:
+            The epoch's ``checkpoints.json`` entry on rank 0; None on the other ranks.
+
+        Raises:
+            TrainingError: a key lacks the expected prefix (a bug in the trainer).
+            OutputError: a file cannot be written.
+        """
         cfg = self.cfg
         compiled = cfg.compile
         prefix = expected_prefix(cfg.mode, cfg.save_style, compiled)
@@ -596,7 +419,7 @@ class Run:
         probe_rel = stem + ".probe.pt"
         self._epoch_files = [rel, probe_rel]  # removed again if this epoch's save fails
         if self.fsdp is not None:
-            sd, probe_model = self.fsdp.save(epoch, os.path.join(self.out, rel))
+            sd, probe_model = self.fsdp.save(epoch, os.path.join(self.out, rel), self._args_dict(), self._args_object())
         else:
             sd = (self.wrapped if cfg.save_style == "wrapped" else self.base).state_dict()
             bad = [k for k in sd if not k.startswith(prefix)]
@@ -611,7 +434,8 @@ class Run:
                 payload["scaler_state_dict"] = self.scaler.state_dict()
             payload["args"] = self._args_object()
             if cfg.save_format == "dcp":
-                self._save_dcp(payload, os.path.join(self.out, rel))
+                # args as a plain dict: DCP pickles non-tensor leaves; keep it readable without extra globals
+                save_dcp({**payload, "args": self._args_dict()}, os.path.join(self.out, rel), self.dist)
             else:
                 if self.dist.is_main:
                     atomic_torch_save(payload, os.path.join(self.out, rel), legacy=cfg.legacy_format)
@@ -623,6 +447,7 @@ class Run:
         top_keys.append("args")
         if not self.dist.is_main:
             return None
+        assert probe_model is not None  # rank 0 always has the full model
 
         out = probe_output(probe_model)
         probe_in = _data.probe_batch()
@@ -636,7 +461,7 @@ class Run:
             "mode": cfg.mode,
             "model": cfg.model,
             "device": self.device_type,
-            "devices": self.devices if cfg.mode not in ("ddp", "fsdp") else self._all_devices,
+            "devices": self.devices if cfg.mode not in DISTRIBUTED_MODES else self._all_devices,
             "world_size": self.dist.world_size,
             "replicas": len(self.manual.replicas) if self.manual else (len(self.devices) if cfg.mode == "dp" else 1),
             "save_style": cfg.save_style,
@@ -671,81 +496,53 @@ class Run:
             },
         }
 
-    def _save_dcp(self, payload: dict[str, Any], final: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        tmp = final + ".tmp"
-        if self.dist.is_main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        self.dist.barrier()
-        # args as a plain dict: DCP pickles non-tensor leaves; keep it readable without extra globals
-        payload = dict(payload)
-        payload["args"] = self._args_dict()
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": yes it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(payload, checkpoint_id=tmp, no_dist=not self.dist.enabled)
-        self.dist.barrier()
-        if self.dist.is_main:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        self.dist.barrier()
-
     # -- the loop ------------------------------------------------------------
 
     def check_outputs(self) -> None:
         """Refuse (without ``--force``) to overwrite files that another run wrote in ``--out``.
 
         Re-running the same configuration (same run name, same resume source) replaces its own
-        files, as before; anything else -- a file of a run with another history, or a file not in
+        files; anything else -- a file of a run with another history, or a file not in
         ``checkpoints.json`` -- is kept.
+
+        Raises:
+            TrainingError: a file this run would write belongs to another run.
         """
         if self.cfg.force:
             return
-        man = read_manifest(self.out)
-        by_path = {e.get("path"): e for e in man.get("checkpoints", [])}
         ext = ".dcp" if self.cfg.save_format == "dcp" else ".pt"
-        for epoch in range(self.start_epoch, self.cfg.epochs + 1):
-            for rel in (f"{self.name}_epoch{epoch}{ext}", f"{self.name}_epoch{epoch}.probe.pt"):
-                if not os.path.exists(os.path.join(self.out, rel)):
-                    continue
-                e = by_path.get(rel) or by_path.get(rel.replace(".probe.pt", ext))
-                if e is not None and e.get("run") == self.name and e.get("resumed_from") == self.resumed_from:
-                    continue
-                other = (
-                    (f"run {e.get('run')!r}" + (f" resumed from {e['resumed_from']}" if e.get("resumed_from") else ""))
-                    if e
-                    else "something not listed in checkpoints.json"
-                )
-                raise TrainingError(
-                    f"{os.path.join(self.out, rel)} exists and was written by {other}; choose another --name or "
-                    "--out, or pass --force to overwrite it"
-                )
+        paths = [
+            rel
+            for epoch in range(self.start_epoch, self.cfg.epochs + 1)
+            for rel in (f"{self.name}_epoch{epoch}{ext}", f"{self.name}_epoch{epoch}.probe.pt")
+        ]
+        check_outputs(self.out, paths, self.name, self.resumed_from)
 
     def _record_epoch(self, entry: dict[str, Any]) -> str:
         """Add this epoch's entry to checkpoints.json (after its files are complete)."""
-        return _update_manifest(self.out, [entry])
+        return update_manifest(self.out, [entry])
 
     def _remove_epoch_files(self) -> None:
-        if not self.dist.is_main:
-            return
-        for rel in getattr(self, "_epoch_files", []):
-            p = os.path.join(self.out, rel)
-            with contextlib.suppress(OSError):
-                if os.path.isdir(p):
-                    shutil.rmtree(p)
-                else:
-                    os.remove(p)
-            with contextlib.suppress(OSError):
-                if os.path.isdir(p + ".tmp"):
-                    shutil.rmtree(p + ".tmp")
+        if self.dist.is_main:
+            remove_outputs([os.path.join(self.out, rel) for rel in self._epoch_files])
 
     def run(self) -> TrainResult:
+        """Set up, then train, evaluate and save every epoch; ``checkpoints.json`` after each.
+
+        A failure while saving an epoch removes that epoch's files, so no half-saved epoch is left.
+
+        Returns:
+            The checkpoints and metrics (rank 0's lists the checkpoints; other ranks' none).
+
+        Raises:
+            TrainingError: the setup or training fails, or ``--out`` holds another run's files.
+            OutputError: a file cannot be written.
+        """
         cfg = self.cfg
         os.makedirs(self.out, exist_ok=True)
         self.setup()
         self.check_outputs()
-        if self.dist.enabled and cfg.mode in ("ddp", "fsdp"):
+        if self.dist.enabled and cfg.mode in DISTRIBUTED_MODES:
             gathered: list[Any] = [None] * self.dist.world_size
             torch.distributed.all_gather_object(gathered, self.devices[0])
             self._all_devices = gathered
@@ -753,8 +550,8 @@ class Run:
             self._all_devices = self.devices
         n_train = len(self.dataset.train_labels)
         where = (
-            f"{self.dist.world_size} processes ({cfg.mode}, {'nccl' if self.device_type == 'cuda' else 'gloo'})"
-            if cfg.mode in ("ddp", "fsdp")
+            f"{self.dist.world_size} processes ({cfg.mode}, {process_group_backend(self.device_type)})"
+            if cfg.mode in DISTRIBUTED_MODES
             else f"{len(self.manual.replicas)} replicas"
             if self.manual
             else ", ".join(self.devices)
@@ -775,7 +572,7 @@ class Run:
                     f"--show-split: DataParallel scatters each batch over {n_dev} GPUs in chunks of "
                     "ceil(batch / GPUs) (torch.chunk); one 'In Model' line per replica"
                 )
-        elif cfg.show_split and cfg.mode == "manual":
+        elif cfg.show_split and self.manual is not None:
             self.log(
                 f"--show-split: each batch is cut like nn.parallel.scatter (torch.chunk: chunks of "
                 f"ceil(batch / {len(self.manual.replicas)}) samples)"
@@ -808,7 +605,7 @@ class Run:
                 stats = stats.to(self.input_device)
                 torch.distributed.all_reduce(stats)
                 stats = stats.cpu()
-            train_loss = float(stats[0] / max(stats[1], 1))
+            train_loss = float(stats[0]) / max(float(stats[1]), 1.0)
             samples = int(stats[1])
             acc = self.evaluate()
             try:
@@ -850,46 +647,3 @@ class Run:
             train_samples=n_train,
             extra={"resumed_from": self.resumed_from, "resume": self.resume_info, "sync_batchnorm": self.sync_bn},
         )
-
-
-def check_not_under_torchrun(mode: str) -> None:
-    """Refuse an in-process mode inside a torchrun job of several processes.
-
-    Every process would train the same run and write the same files; the distributed modes
-    are ``ddp`` and ``fsdp``.  Raises :class:`TrainingError`.
-    """
-    from ckptfix.train import ddp
-
-    world = os.environ.get("WORLD_SIZE", "1")
-    if ddp.under_torchrun() and world.isdigit() and int(world) > 1:
-        raise TrainingError(
-            f"--mode {mode} runs in one process, but this is one of {world} torchrun workers: every worker would "
-            "train the same run and write the same files; use --mode ddp or --mode fsdp under torchrun, or run "
-            "without torchrun"
-        )
-
-
-def train(config: TrainConfig, **overrides: Any) -> TrainResult:
-    """Run one training configuration and return its checkpoints and metrics.
-
-    ``single``, ``dp`` and ``manual`` run in this process; ``ddp`` and ``fsdp``
-    launch ``torchrun`` (``config.nproc`` workers, gloo on CPU / nccl on CUDA)
-    unless this process already is a torchrun worker, in which case it trains
-    as that rank.  Raises :class:`ckptfix.errors.TrainingError` on failure.
-    """
-    cfg = dataclasses.replace(config, **overrides) if overrides else config
-    cfg.validate()
-    from ckptfix.train import ddp
-
-    if cfg.mode in ("ddp", "fsdp"):
-        if ddp.under_torchrun():
-            return ddp.run_worker(cfg)
-        return ddp.launch(cfg)
-    check_not_under_torchrun(cfg.mode)
-    threads = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
-        return Run(cfg).run()
-    finally:
-        torch.set_num_threads(threads)

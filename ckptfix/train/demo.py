@@ -30,9 +30,15 @@ from typing import Any, Callable
 
 from ckptfix.errors import DemoFailedError
 
+DEMO_OUT = "ckptfix-demo"  # the work directory
+DEMO_DEVICE = "cpu"  # train on the CPU unless asked: the demo must run anywhere
+DEMO_EPOCHS = 1  # epochs per training run
+
 
 @dataclass
 class DemoRow:
+    """One checkpoint: what plain torch says about it, the fixes applied, whether all verified."""
+
     checkpoint: str
     problem: str
     fix: str
@@ -43,6 +49,8 @@ class DemoRow:
 
 @dataclass
 class DemoResult:
+    """The whole demo: one row per checkpoint and the GPU commands' outcomes."""
+
     out_dir: str
     device: str
     rows: list[DemoRow]
@@ -51,9 +59,15 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
+        """True when every fix verified and every GPU command ran cleanly."""
         return all(r.verified for r in self.rows) and all(g["ok"] for g in self.gpu_commands)
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (``ckptfix demo --json``).
+
+        Returns:
+            ``{"out_dir", "device", "ok", "seconds", "rows", "gpu_commands"}``.
+        """
         return {
             "out_dir": self.out_dir,
             "device": self.device,
@@ -118,6 +132,13 @@ def plain_problem(path: str, model: Any) -> str:
 
     ``torch.load(path, weights_only=True)`` (a directory too), then on the state dict it returns
     ``model.load_state_dict(sd, strict=True)``.
+
+    Args:
+        path: The checkpoint (file or DCP directory).
+        model: A fresh model of the checkpoint's architecture.
+
+    Returns:
+        ``"torch.load: <error>"``, ``"load_state_dict: <error>"`` or ``"none (plain torch loads it)"``.
     """
     try:
         obj = _plain_torch_load(path)
@@ -135,12 +156,20 @@ def prove_plain(entry: dict[str, Any], out_dir: str, state_dict: Any) -> dict[st
     """Plain-torch proof: a fresh model, ``load_state_dict(strict=True)``, probe outputs bit-identical.
 
     ``state_dict`` comes from ``torch.load(weights_only=True)`` / ``safetensors.torch.load_file``
-    (or :func:`ckptfix.load_anywhere`, the in-memory fix).  Returns ``{"exact", "max_abs_diff", "error"}``.
+    (or :func:`ckptfix.load_anywhere`, the in-memory fix).
+
+    Args:
+        entry: The checkpoint's ``checkpoints.json`` entry (model and probe).
+        out_dir: The directory holding the manifest and the probe sidecar.
+        state_dict: The weights to prove.
+
+    Returns:
+        ``{"exact": bool, "max_abs_diff": float | None, "error": str | None}``.
     """
     import torch
 
     from ckptfix.train.models import build_model
-    from ckptfix.train.trainer import probe_output
+    from ckptfix.train.probe import probe_output
 
     side = torch.load(os.path.join(out_dir, entry["probe"]["file"]), map_location="cpu", weights_only=True)
     model = build_model(entry["model"], 0)
@@ -161,17 +190,29 @@ def _model_sd(obj: Any) -> Any:
 
 
 def run_demo(
-    out_dir: str = "ckptfix-demo",
+    out_dir: str = DEMO_OUT,
     *,
-    device: str = "cpu",
-    epochs: int = 1,
+    device: str = DEMO_DEVICE,
+    epochs: int = DEMO_EPOCHS,
     progress: Callable[[str], None] | None = None,
     quick: bool = False,
 ) -> DemoResult:
     """Train, break, fix and verify every kind of checkpoint; see the module docstring.
 
-    ``quick``: only the in-process modes (single, dp, DCP, legacy + Namespace args) and the
-    cuda:1-tagged copy: no torchrun, no torch.compile.
+    Args:
+        out_dir: The work directory (created; its files are replaced).
+        device: ``cpu``, ``cuda`` or ``auto``.
+        epochs: Epochs per training run.
+        progress: Called with one line per step (None: silent).
+        quick: Only the in-process modes (single, dp, DCP, legacy + Namespace args) and the
+            cuda:1-tagged copy: no torchrun, no torch.compile.
+
+    Returns:
+        One row per checkpoint and the GPU commands' outcomes; a failed fix is a row that does
+        not verify, not an exception.
+
+    Raises:
+        TrainingError: a training run fails.
     """
     import torch
 
@@ -180,7 +221,9 @@ def run_demo(
     from ckptfix.loading import load_checkpoint
     from ckptfix.prefixes import strip_prefix_report
     from ckptfix.rewrite import rewrite_checkpoint
-    from ckptfix.train import TrainConfig, train
+    from ckptfix.sanitize import sanitize_checkpoint
+    from ckptfix.train.config import TrainConfig
+    from ckptfix.train.entry import train
     from ckptfix.train.models import build_model
 
     say = progress or (lambda m: None)
@@ -246,32 +289,23 @@ def run_demo(
                 src_file = path
                 if "Unsupported global" in problem:
                     safe = os.path.join(fixed_dir, stem + ".safe.pt")
+                    if os.path.exists(safe):
+                        os.unlink(safe)
+                    sanitize_checkpoint(path, safe)
                     try:
-                        from ckptfix.sanitize import sanitize_checkpoint
-                    except ImportError as exc:
-                        steps["sanitize"] = {"exact": False, "error": f"ckptfix.sanitize is not available ({exc})"}
-                        failed.append("sanitize (not verified)")
+                        obj = _plain_torch_load(safe)
+                    except Exception as exc:  # noqa: BLE001
+                        record("sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=safe)
                         src_file = ""
                     else:
-                        if os.path.exists(safe):
-                            os.unlink(safe)
-                        sanitize_checkpoint(path, safe)
-                        try:
-                            obj = _plain_torch_load(safe)
-                        except Exception as exc:  # noqa: BLE001
-                            record(
-                                "sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=safe
-                            )
-                            src_file = ""
-                        else:
-                            sd = _model_sd(obj)
-                            r = (
-                                prove_plain(e, d, sd)
-                                if set(sd) == set(build_model(e["model"], 0).state_dict())
-                                else {"exact": True, "note": "weights_only load works; prefixes remain"}
-                            )
-                            record("sanitize", r, output=safe)
-                            src_file = safe
+                        sd = _model_sd(obj)
+                        r = (
+                            prove_plain(e, d, sd)
+                            if set(sd) == set(build_model(e["model"], 0).state_dict())
+                            else {"exact": True, "note": "weights_only load works; prefixes remain"}
+                        )
+                        record("sanitize", r, output=safe)
+                        src_file = safe
                 if src_file:
                     stripped = os.path.join(fixed_dir, stem + ".stripped.pt")
                     if os.path.exists(stripped):
@@ -335,6 +369,14 @@ def run_demo(
 
 
 def format_summary(res: DemoResult) -> str:
+    """The demo's text report: the checkpoint table, the GPU command table, the verdict.
+
+    Args:
+        res: The demo's result.
+
+    Returns:
+        The text (no trailing newline).
+    """
     from ckptfix.text import table
 
     rows = [
@@ -366,6 +408,14 @@ def format_summary(res: DemoResult) -> str:
 
 
 def check(res: DemoResult) -> None:
+    """Fail unless every step of the demo verified.
+
+    Args:
+        res: The demo's result.
+
+    Raises:
+        DemoFailedError: some fix or GPU command did not verify (names them).
+    """
     if not res.ok:
         bad = [r.checkpoint for r in res.rows if not r.verified] + [
             g["command"] for g in res.gpu_commands if not g["ok"]
