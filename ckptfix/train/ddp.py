@@ -194,43 +194,13 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
         )
     preflight(cfg)
     os.makedirs(cfg.out, exist_ok=True)
-    wcfg = TrainConfig.from_dict(cfg.to_dict())
-    wcfg.out = os.path.abspath(cfg.out)
-    wcfg.device = device_type
-    if wcfg.resume:
-        wcfg.resume = os.path.abspath(wcfg.resume)
-    if wcfg.data:
-        wcfg.data = os.path.abspath(wcfg.data)
     with tempfile.TemporaryDirectory(prefix=f"ckptfix-{cfg.mode}-") as tmp:
         cfg_path = os.path.join(tmp, "config.json")
         res_path = os.path.join(tmp, "result.json")
         with open(cfg_path, "w", encoding="utf-8") as f:
-            f.write(wcfg.to_json())
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--local-addr",
-            "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "ckptfix.train.ddp_worker",
-            "--config",
-            cfg_path,
-            "--result",
-            res_path,
-        ]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
-        env["CKPTFIX_PROGRESS_MARK"] = "1"
-        root = _package_root()
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            env.pop(k, None)
+            f.write(_worker_config(cfg, device_type).to_json())
+        cmd = _torchrun_command(nproc, cfg_path, res_path)
+        env = _torchrun_env()
         if not cfg.quiet:
             print(
                 f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
@@ -253,19 +223,70 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
                 file=sys.stderr,
                 flush=True,
             )
-        errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
-        if errors:
-            with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
-                err = json.load(f)
-            if err.get("type") == "internal":
-                raise TrainingError(f"{err['message']} (full log: {log_path})")
-            os.remove(log_path)
-            raise TrainingError(err["message"])
-        if rc != 0 or not os.path.exists(res_path):
-            raise TrainingError(f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})")
+        return _outcome(res_path, rc, lines, log_path)
+
+
+def _worker_config(cfg: TrainConfig, device_type: str) -> TrainConfig:
+    """The configuration the workers read: absolute paths, the resolved device type."""
+    wcfg = TrainConfig.from_dict(cfg.to_dict())
+    wcfg.out = os.path.abspath(cfg.out)
+    wcfg.device = device_type
+    if wcfg.resume:
+        wcfg.resume = os.path.abspath(wcfg.resume)
+    if wcfg.data:
+        wcfg.data = os.path.abspath(wcfg.data)
+    return wcfg
+
+
+def _torchrun_command(nproc: int, cfg_path: str, res_path: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr",
+        "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "ckptfix.train.ddp_worker",
+        "--config",
+        cfg_path,
+        "--result",
+        res_path,
+    ]
+
+
+def _torchrun_env() -> dict[str, str]:
+    """This process's environment for torchrun, without the variables of an enclosing torchrun job."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
+    env["CKPTFIX_PROGRESS_MARK"] = "1"
+    root = _package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _outcome(res_path: str, rc: int, lines: list[str], log_path: str) -> TrainResult:
+    """Rank 0's result, or the error: a worker's own (``result.json.errN``) or the log's cause line."""
+    tmp = os.path.dirname(res_path)
+    errors = sorted(p for p in os.listdir(tmp) if p.startswith(os.path.basename(res_path) + ".err"))
+    if errors:
+        with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
+            err = json.load(f)
+        if err.get("type") == "internal":
+            raise TrainingError(f"{err['message']} (full log: {log_path})")
         os.remove(log_path)
-        with open(res_path, encoding="utf-8") as f:
-            return TrainResult.from_dict(json.load(f))
+        raise TrainingError(err["message"])
+    if rc != 0 or not os.path.exists(res_path):
+        raise TrainingError(f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})")
+    os.remove(log_path)
+    with open(res_path, encoding="utf-8") as f:
+        return TrainResult.from_dict(json.load(f))
 
 
 def numpy_free_object_collectives() -> bool:

@@ -216,23 +216,34 @@ def run_demo(
     """
     import torch
 
-    from ckptfix.convert import convert_to_safetensors
-    from ckptfix.inspecting import inspect_checkpoint
-    from ckptfix.loading import load_checkpoint
-    from ckptfix.prefixes import strip_prefix_report
-    from ckptfix.rewrite import rewrite_checkpoint
-    from ckptfix.sanitize import sanitize_checkpoint
-    from ckptfix.train.config import TrainConfig
-    from ckptfix.train.entry import train
-    from ckptfix.train.models import build_model
-
     say = progress or (lambda m: None)
     t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    entries = _train_checkpoints(out_dir, device, epochs, quick, say)
+    fixed_dir = os.path.join(out_dir, "fixed")
+    os.makedirs(fixed_dir, exist_ok=True)
+    rows: list[DemoRow] = []
+    for i, e in enumerate(entries, 1):
+        say(f"[{i}/{len(entries)}] fixing {e['path']} ...")
+        rows.append(_Fixes(e, out_dir, fixed_dir).run())
+    gpu_cmds = _gpu_commands(say)
+    return DemoResult(
+        out_dir=out_dir, device=device, rows=rows, gpu_commands=gpu_cmds, seconds=time.perf_counter() - t0
+    )
+
+
+def _train_checkpoints(
+    out_dir: str, device: str, epochs: int, quick: bool, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Train every configuration; the last checkpoint entry of each, plus a copy tagged as saved on cuda:1."""
+    from ckptfix.rewrite import rewrite_checkpoint
+    from ckptfix.train.config import TrainConfig
+    from ckptfix.train.entry import train
+
     cfgs = _configs(device, quick)
-    entries: list[tuple[dict[str, Any], str]] = []
+    entries: list[dict[str, Any]] = []
     total = len(cfgs)
     for i, c in enumerate(cfgs, 1):
         cfg = TrainConfig(
@@ -242,118 +253,20 @@ def run_demo(
             cfg.save_format = "dcp"
         say(f"[{i}/{total}] training {cfg.run_name()} on {device} ...")
         res = train(cfg)
-        for e in res.checkpoints[-1:]:
-            entries.append((e, out_dir))
+        entries.extend(res.checkpoints[-1:])
     # a copy that looks saved on cuda:1 (the "fewer GPUs than the saver" case), re-tagged without torch
-    first = entries[0][0]
+    first = entries[0]
     src = os.path.join(out_dir, first["path"])
     tagged = os.path.join(out_dir, "single-saved-on-cuda1.pt")
     if os.path.exists(tagged):
         os.unlink(tagged)
     rewrite_checkpoint(src, lambda sd: (sd, {}), output=tagged, map_location="cpu=cuda:1")
-    entries.append(({**first, "path": os.path.basename(tagged), "mode": first["mode"] + " (cuda:1 tags)"}, out_dir))
+    entries.append({**first, "path": os.path.basename(tagged), "mode": first["mode"] + " (cuda:1 tags)"})
+    return entries
 
-    fixed_dir = os.path.join(out_dir, "fixed")
-    os.makedirs(fixed_dir, exist_ok=True)
-    rows: list[DemoRow] = []
-    for i, (e, d) in enumerate(entries, 1):
-        path = os.path.join(d, e["path"])
-        name = e["path"]
-        stem = os.path.splitext(os.path.basename(name))[0]
-        say(f"[{i}/{len(entries)}] fixing {name} ...")
-        steps: dict[str, Any] = {}
-        fixes: list[str] = []
-        failed: list[str] = []
-        problem = "?"
-        detail = ""
 
-        def record(fix: str, result: dict[str, Any], **extra: Any) -> None:  # called within this iteration
-            steps[fix] = {**extra, **result}  # noqa: B023
-            (fixes if result.get("exact") else failed).append(fix)  # noqa: B023
-
-        try:
-            problem = plain_problem(path, build_model(e["model"], 0))
-            rep = inspect_checkpoint(path)
-            steps["inspect"] = {
-                "format": rep.format,
-                "prefixes": rep.prefixes,
-                "locations": rep.locations,
-                "weights_only_ok": rep.weights_only_ok,
-            }
-            on_cuda = any(str(k).startswith("cuda") for k in (rep.locations or {}))
-            # 1. load_anywhere (in memory), proven by a strict load_state_dict + the probe
-            sd = load_checkpoint(path, model=build_model(e["model"], 0)).state_dict
-            record("load_anywhere", prove_plain(e, d, sd))
-            # 2. files only: make plain torch.load(weights_only=True) work, then strip the prefixes
-            if not os.path.isdir(path):
-                src_file = path
-                if "Unsupported global" in problem:
-                    safe = os.path.join(fixed_dir, stem + ".safe.pt")
-                    if os.path.exists(safe):
-                        os.unlink(safe)
-                    sanitize_checkpoint(path, safe)
-                    try:
-                        obj = _plain_torch_load(safe)
-                    except Exception as exc:  # noqa: BLE001
-                        record("sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=safe)
-                        src_file = ""
-                    else:
-                        sd = _model_sd(obj)
-                        r = (
-                            prove_plain(e, d, sd)
-                            if set(sd) == set(build_model(e["model"], 0).state_dict())
-                            else {"exact": True, "note": "weights_only load works; prefixes remain"}
-                        )
-                        record("sanitize", r, output=safe)
-                        src_file = safe
-                if src_file:
-                    stripped = os.path.join(fixed_dir, stem + ".stripped.pt")
-                    if os.path.exists(stripped):
-                        os.unlink(stripped)
-                    srep = rewrite_checkpoint(
-                        src_file,
-                        lambda sd: strip_prefix_report(sd),
-                        output=stripped,
-                        map_location="cpu" if on_cuda else None,
-                    )
-                    target = srep.output or src_file
-                    try:
-                        sd = _model_sd(_plain_torch_load(target))
-                    except Exception as exc:  # noqa: BLE001
-                        record(
-                            "strip-prefix",
-                            {"exact": False, "error": f"torch.load: {_error_line(exc)}"},
-                            output=srep.output,
-                        )
-                    else:
-                        if srep.output:
-                            record("strip-prefix", prove_plain(e, d, sd), output=srep.output, renamed=srep.renamed)
-                        else:
-                            steps["strip-prefix"] = {
-                                "output": None,
-                                "note": "no prefix to strip",
-                                **prove_plain(e, d, sd),
-                            }
-            # 3. convert to safetensors (prefixes stripped on the way), read back by safetensors itself
-            from safetensors.torch import load_file
-
-            st = os.path.join(fixed_dir, stem + ".safetensors")
-            crep = convert_to_safetensors(path, st, strip_prefix=True, force=True)
-            record("convert", prove_plain(e, d, load_file(st)), output=st, verified=getattr(crep, "verified", None))
-        except Exception as exc:  # noqa: BLE001 - the demo reports every failure in its table
-            failed.append("(error)")
-            detail = f"{type(exc).__name__}: {_first(str(exc), 200)}"
-        if failed and not detail:
-            bad = [f for f in failed]
-            why = [steps.get(f.split(" ")[0], {}).get("error") for f in failed]
-            detail = "; ".join(f"{f}: {w}" for f, w in zip(bad, why, strict=False) if w) or "probe outputs differ"
-        fix_txt = ", ".join(
-            fixes + [f"{f} NOT verified" if "not verified" not in f else f for f in failed if f != "(error)"]
-        )
-        rows.append(
-            DemoRow(checkpoint=name, problem=problem, fix=fix_txt, verified=not failed, detail=detail, steps=steps)
-        )
-
+def _gpu_commands(say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Run ``gpus``, ``pick-gpu`` and ``doctor`` as a user would; clean = no traceback, a documented exit."""
     gpu_cmds = []
     for args in (["gpus"], ["pick-gpu"], ["doctor"]):
         say(f"running ckptfix {' '.join(args)} ...")
@@ -363,9 +276,138 @@ def run_demo(
         gpu_cmds.append(
             {"command": "ckptfix " + " ".join(args), "exit_code": p.returncode, "ok": clean, "message": msg}
         )
-    return DemoResult(
-        out_dir=out_dir, device=device, rows=rows, gpu_commands=gpu_cmds, seconds=time.perf_counter() - t0
-    )
+    return gpu_cmds
+
+
+class _Fixes:
+    """One checkpoint's row: plain torch's problem, then each fix applied and proven with plain tools."""
+
+    def __init__(self, entry: dict[str, Any], out_dir: str, fixed_dir: str) -> None:
+        self.e = entry
+        self.d = out_dir
+        self.name = entry["path"]
+        self.path = os.path.join(out_dir, self.name)
+        self.stem = os.path.splitext(os.path.basename(self.name))[0]
+        self.fixed_dir = fixed_dir
+        self.steps: dict[str, Any] = {}
+        self.fixes: list[str] = []
+        self.failed: list[str] = []
+        self.problem = "?"
+        self.detail = ""
+
+    def record(self, fix: str, result: dict[str, Any], **extra: Any) -> None:
+        self.steps[fix] = {**extra, **result}
+        (self.fixes if result.get("exact") else self.failed).append(fix)
+
+    def prove(self, state_dict: Any) -> dict[str, Any]:
+        return prove_plain(self.e, self.d, state_dict)
+
+    def run(self) -> DemoRow:
+        try:
+            self._apply()
+        except Exception as exc:  # noqa: BLE001 - the demo reports every failure in its table
+            self.failed.append("(error)")
+            self.detail = f"{type(exc).__name__}: {_first(str(exc), 200)}"
+        failed = self.failed
+        if failed and not self.detail:
+            why = [self.steps.get(f.split(" ")[0], {}).get("error") for f in failed]
+            self.detail = (
+                "; ".join(f"{f}: {w}" for f, w in zip(failed, why, strict=False) if w) or "probe outputs differ"
+            )
+        fix_txt = ", ".join(
+            self.fixes + [f"{f} NOT verified" if "not verified" not in f else f for f in failed if f != "(error)"]
+        )
+        return DemoRow(
+            checkpoint=self.name,
+            problem=self.problem,
+            fix=fix_txt,
+            verified=not failed,
+            detail=self.detail,
+            steps=self.steps,
+        )
+
+    def _apply(self) -> None:
+        from ckptfix.inspecting import inspect_checkpoint
+        from ckptfix.loading import load_checkpoint
+        from ckptfix.train.models import build_model
+
+        self.problem = plain_problem(self.path, build_model(self.e["model"], 0))
+        rep = inspect_checkpoint(self.path)
+        self.steps["inspect"] = {
+            "format": rep.format,
+            "prefixes": rep.prefixes,
+            "locations": rep.locations,
+            "weights_only_ok": rep.weights_only_ok,
+        }
+        on_cuda = any(str(k).startswith("cuda") for k in (rep.locations or {}))
+        # 1. load_anywhere (in memory), proven by a strict load_state_dict + the probe
+        sd = load_checkpoint(self.path, model=build_model(self.e["model"], 0)).state_dict
+        self.record("load_anywhere", self.prove(sd))
+        # 2. files only: make plain torch.load(weights_only=True) work, then strip the prefixes
+        if not os.path.isdir(self.path):
+            src_file = self._sanitize() if "Unsupported global" in self.problem else self.path
+            if src_file:
+                self._strip_prefix(src_file, on_cuda)
+        # 3. convert to safetensors (prefixes stripped on the way), read back by safetensors itself
+        self._convert()
+
+    def _sanitize(self) -> str:
+        """``sanitize`` the file; the sanitized file's path, or "" when plain torch still cannot load it."""
+        from ckptfix.sanitize import sanitize_checkpoint
+        from ckptfix.train.models import build_model
+
+        safe = os.path.join(self.fixed_dir, self.stem + ".safe.pt")
+        if os.path.exists(safe):
+            os.unlink(safe)
+        sanitize_checkpoint(self.path, safe)
+        try:
+            obj = _plain_torch_load(safe)
+        except Exception as exc:  # noqa: BLE001
+            self.record("sanitize", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=safe)
+            return ""
+        sd = _model_sd(obj)
+        r = (
+            self.prove(sd)
+            if set(sd) == set(build_model(self.e["model"], 0).state_dict())
+            else {"exact": True, "note": "weights_only load works; prefixes remain"}
+        )
+        self.record("sanitize", r, output=safe)
+        return safe
+
+    def _strip_prefix(self, src_file: str, on_cuda: bool) -> None:
+        from ckptfix.prefixes import strip_prefix_report
+        from ckptfix.rewrite import rewrite_checkpoint
+
+        stripped = os.path.join(self.fixed_dir, self.stem + ".stripped.pt")
+        if os.path.exists(stripped):
+            os.unlink(stripped)
+        srep = rewrite_checkpoint(
+            src_file,
+            lambda sd: strip_prefix_report(sd),
+            output=stripped,
+            map_location="cpu" if on_cuda else None,
+        )
+        target = srep.output or src_file
+        try:
+            sd = _model_sd(_plain_torch_load(target))
+        except Exception as exc:  # noqa: BLE001
+            self.record(
+                "strip-prefix", {"exact": False, "error": f"torch.load: {_error_line(exc)}"}, output=srep.output
+            )
+            return
+        if srep.output:
+            self.record("strip-prefix", self.prove(sd), output=srep.output, renamed=srep.renamed)
+        else:
+            self.steps["strip-prefix"] = {"output": None, "note": "no prefix to strip", **self.prove(sd)}
+
+    def _convert(self) -> None:
+        from safetensors.torch import load_file
+
+        from ckptfix.convert import convert_to_safetensors
+
+        st = os.path.join(self.fixed_dir, self.stem + ".safetensors")
+        crep = convert_to_safetensors(self.path, st, strip_prefix=True, force=True)
+        self.record("convert", self.prove(load_file(st)), output=st, verified=getattr(crep, "verified", None))
 
 
 def format_summary(res: DemoResult) -> str:

@@ -103,75 +103,88 @@ class Run:
             self._resume_into(base)
 
         if cfg.mode == "manual":
-            n = cfg.replicas or (torch.cuda.device_count() if self.device_type == "cuda" else 2)
-            if self.device_type == "cuda":
-                if n > torch.cuda.device_count():
-                    raise TrainingError(
-                        f"--replicas {n} but only {torch.cuda.device_count()} CUDA device(s) are visible"
-                    )
-                devs = [torch.device("cuda", i) for i in range(n)]
-            else:
-                devs = [torch.device("cpu")] * n
-            self.manual = ManualDataParallel(
-                base, devs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, all_reduce=cfg.allreduce
-            )
-            self.base = self.manual.replicas[0]
-            self.wrapped = self.base
-            self.optimizer = self.manual.optimizers[0]
-            self.devices = [str(d) for d in devs]
-            self.input_device = devs[0]
+            self._setup_manual(base)
         elif cfg.mode == "fsdp":
-            self.fsdp = FSDPState(cfg, self.dist, self.device_type, base)
-            self.base = self.wrapped = self.fsdp.model
-            self.optimizer = self.fsdp.optimizer
-            self.devices = [str(self.fsdp.device)]
-            self.input_device = self.fsdp.device
+            self._setup_fsdp(base)
         else:
-            if cfg.mode == "ddp":
-                if self.device_type == "cuda":
-                    dev = torch.device("cuda", self.dist.local_rank)
-                else:
-                    dev = torch.device("cpu")
-                if has_batchnorm(base):
-                    if self.device_type == "cuda":
-                        base = nn.SyncBatchNorm.convert_sync_batchnorm(base)
-                        self.sync_bn = True
-                    else:
-                        self.log(
-                            "note: SyncBatchNorm needs CUDA tensors; on CPU (gloo) each rank normalises with its own "
-                            "batch statistics and DDP broadcasts rank 0's running statistics"
-                        )
-                self.devices = [str(dev)]
-            elif cfg.mode == "dp":
-                if self.device_type == "cuda":
-                    dev = torch.device("cuda", 0)
-                    self.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-                else:
-                    dev = torch.device("cpu")
-                    self.devices = ["cpu"]
-            else:
-                dev = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
-                self.devices = [str(dev)]
-            self.input_device = dev
-            base = base.to(dev)
-            self.base = base
-            model: nn.Module = base
-            if cfg.compile:
-                model = cast(nn.Module, torch.compile(model, backend=cfg.compile_backend))
-            if cfg.mode == "dp":
-                model = nn.DataParallel(model)
-            elif cfg.mode == "ddp":
-                model = nn.parallel.DistributedDataParallel(
-                    model, device_ids=[self.dist.local_rank] if self.device_type == "cuda" else None
-                )
-            self.wrapped = model
-            self.optimizer = torch.optim.SGD(
-                self.wrapped.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
-            if cfg.amp:
-                self.scaler = torch.amp.GradScaler(self.device_type)
+            self._setup_wrapped(base)
         if self._resume_ckpt is not None:
             self._resume_optimizer()
+
+    def _setup_manual(self, base: nn.Module) -> None:
+        """manual: ``--replicas`` copies of ``base`` (one per GPU, or all on the CPU)."""
+        cfg = self.cfg
+        n = cfg.replicas or (torch.cuda.device_count() if self.device_type == "cuda" else 2)
+        if self.device_type == "cuda":
+            if n > torch.cuda.device_count():
+                raise TrainingError(f"--replicas {n} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+            devs = [torch.device("cuda", i) for i in range(n)]
+        else:
+            devs = [torch.device("cpu")] * n
+        self.manual = ManualDataParallel(
+            base, devs, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, all_reduce=cfg.allreduce
+        )
+        self.base = self.manual.replicas[0]
+        self.wrapped = self.base
+        self.optimizer = self.manual.optimizers[0]
+        self.devices = [str(d) for d in devs]
+        self.input_device = devs[0]
+
+    def _setup_fsdp(self, base: nn.Module) -> None:
+        """fsdp: ``base`` sharded over the process group."""
+        cfg = self.cfg
+        self.fsdp = FSDPState(cfg, self.dist, self.device_type, base)
+        self.base = self.wrapped = self.fsdp.model
+        self.optimizer = self.fsdp.optimizer
+        self.devices = [str(self.fsdp.device)]
+        self.input_device = self.fsdp.device
+
+    def _setup_wrapped(self, base: nn.Module) -> None:
+        """single / dp / ddp: ``base`` on its device, compiled if asked, wrapped the way the mode does."""
+        cfg = self.cfg
+        if cfg.mode == "ddp":
+            if self.device_type == "cuda":
+                dev = torch.device("cuda", self.dist.local_rank)
+            else:
+                dev = torch.device("cpu")
+            if has_batchnorm(base):
+                if self.device_type == "cuda":
+                    base = nn.SyncBatchNorm.convert_sync_batchnorm(base)
+                    self.sync_bn = True
+                else:
+                    self.log(
+                        "note: SyncBatchNorm needs CUDA tensors; on CPU (gloo) each rank normalises with its own "
+                        "batch statistics and DDP broadcasts rank 0's running statistics"
+                    )
+            self.devices = [str(dev)]
+        elif cfg.mode == "dp":
+            if self.device_type == "cuda":
+                dev = torch.device("cuda", 0)
+                self.devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+            else:
+                dev = torch.device("cpu")
+                self.devices = ["cpu"]
+        else:
+            dev = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
+            self.devices = [str(dev)]
+        self.input_device = dev
+        base = base.to(dev)
+        self.base = base
+        model: nn.Module = base
+        if cfg.compile:
+            model = cast(nn.Module, torch.compile(model, backend=cfg.compile_backend))
+        if cfg.mode == "dp":
+            model = nn.DataParallel(model)
+        elif cfg.mode == "ddp":
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.dist.local_rank] if self.device_type == "cuda" else None
+            )
+        self.wrapped = model
+        self.optimizer = torch.optim.SGD(
+            self.wrapped.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+        if cfg.amp:
+            self.scaler = torch.amp.GradScaler(self.device_type)
 
     def _resume_into(self, base: nn.Module) -> None:
         cfg = self.cfg
@@ -421,25 +434,7 @@ class Run:
         if self.fsdp is not None:
             sd, probe_model = self.fsdp.save(epoch, os.path.join(self.out, rel), self._args_dict(), self._args_object())
         else:
-            sd = (self.wrapped if cfg.save_style == "wrapped" else self.base).state_dict()
-            bad = [k for k in sd if not k.startswith(prefix)]
-            if bad:  # a bug in the trainer, not a user error
-                raise TrainingError(f"internal: expected every key to start with {prefix!r}, got {bad[0]!r}")
-            payload: dict[str, Any] = {
-                "epoch": epoch,
-                "model_state_dict": sd,
-                "optimizer_state_dict": self.optimizer.state_dict(),
-            }
-            if self.scaler is not None:
-                payload["scaler_state_dict"] = self.scaler.state_dict()
-            payload["args"] = self._args_object()
-            if cfg.save_format == "dcp":
-                # args as a plain dict: DCP pickles non-tensor leaves; keep it readable without extra globals
-                save_dcp({**payload, "args": self._args_dict()}, os.path.join(self.out, rel), self.dist)
-            else:
-                if self.dist.is_main:
-                    atomic_torch_save(payload, os.path.join(self.out, rel), legacy=cfg.legacy_format)
-                self.dist.barrier()  # nobody goes on (or exits) before the file is complete
+            sd = self._save_unsharded(epoch, os.path.join(self.out, rel), prefix)
             probe_model = self.base
         top_keys = ["epoch", "model_state_dict", "optimizer_state_dict"]
         if self.scaler is not None:
@@ -455,6 +450,46 @@ class Run:
             {"input": probe_in, "output": out, "seed": _data.PROBE_SEED, "threads": 1},
             os.path.join(self.out, probe_rel),
         )
+        return self._manifest_entry(epoch, accuracy, rel, prefix, sd, top_keys, probe_rel, probe_in, out)
+
+    def _save_unsharded(self, epoch: int, path: str, prefix: str) -> dict[str, Any]:
+        """Save the wrapper dict of a single/dp/ddp/manual run (.pt on rank 0, or DCP); its model state dict."""
+        cfg = self.cfg
+        sd = (self.wrapped if cfg.save_style == "wrapped" else self.base).state_dict()
+        bad = [k for k in sd if not k.startswith(prefix)]
+        if bad:  # a bug in the trainer, not a user error
+            raise TrainingError(f"internal: expected every key to start with {prefix!r}, got {bad[0]!r}")
+        payload: dict[str, Any] = {
+            "epoch": epoch,
+            "model_state_dict": sd,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+        }
+        if self.scaler is not None:
+            payload["scaler_state_dict"] = self.scaler.state_dict()
+        payload["args"] = self._args_object()
+        if cfg.save_format == "dcp":
+            # args as a plain dict: DCP pickles non-tensor leaves; keep it readable without extra globals
+            save_dcp({**payload, "args": self._args_dict()}, path, self.dist)
+        else:
+            if self.dist.is_main:
+                atomic_torch_save(payload, path, legacy=cfg.legacy_format)
+            self.dist.barrier()  # nobody goes on (or exits) before the file is complete
+        return sd
+
+    def _manifest_entry(
+        self,
+        epoch: int,
+        accuracy: float,
+        rel: str,
+        prefix: str,
+        sd: dict[str, Any],
+        top_keys: list[str],
+        probe_rel: str,
+        probe_in: torch.Tensor,
+        out: torch.Tensor,
+    ) -> dict[str, Any]:
+        """This epoch's ``checkpoints.json`` entry."""
+        cfg = self.cfg
         return {
             "path": rel,
             "run": self.name,
@@ -526,29 +561,9 @@ class Run:
         if self.dist.is_main:
             remove_outputs([os.path.join(self.out, rel) for rel in self._epoch_files])
 
-    def run(self) -> TrainResult:
-        """Set up, then train, evaluate and save every epoch; ``checkpoints.json`` after each.
-
-        A failure while saving an epoch removes that epoch's files, so no half-saved epoch is left.
-
-        Returns:
-            The checkpoints and metrics (rank 0's lists the checkpoints; other ranks' none).
-
-        Raises:
-            TrainingError: the setup or training fails, or ``--out`` holds another run's files.
-            OutputError: a file cannot be written.
-        """
+    def _announce(self) -> None:
+        """The run's first progress lines: what trains where, and how --show-split splits a batch."""
         cfg = self.cfg
-        os.makedirs(self.out, exist_ok=True)
-        self.setup()
-        self.check_outputs()
-        if self.dist.enabled and cfg.mode in DISTRIBUTED_MODES:
-            gathered: list[Any] = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(gathered, self.devices[0])
-            self._all_devices = gathered
-        else:
-            self._all_devices = self.devices
-        n_train = len(self.dataset.train_labels)
         where = (
             f"{self.dist.world_size} processes ({cfg.mode}, {process_group_backend(self.device_type)})"
             if cfg.mode in DISTRIBUTED_MODES
@@ -577,6 +592,59 @@ class Run:
                 f"--show-split: each batch is cut like nn.parallel.scatter (torch.chunk: chunks of "
                 f"ceil(batch / {len(self.manual.replicas)}) samples)"
             )
+
+    def _train_epoch(self, epoch: int) -> tuple[float, int, float]:
+        """Train one epoch; (mean training loss over every rank, samples, seconds of the loop)."""
+        cfg = self.cfg
+        loader = self.train_loader(epoch)
+        self.dist.barrier()
+        t0 = time.perf_counter()
+        loss_sum, seen = 0.0, 0
+        for i, (x, y) in enumerate(loader):
+            if cfg.show_split and self.dist.is_main and cfg.mode == "dp":
+                print(f"batch {i + 1} (epoch {epoch}):", file=sys.stderr, flush=True)
+            loss = self.step(x, y, show_split=cfg.show_split)
+            loss_sum += loss * x.shape[0]
+            seen += x.shape[0]
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()
+        self.dist.barrier()
+        seconds = time.perf_counter() - t0
+        if self.manual:
+            self.manual.check_in_sync()
+        stats = torch.tensor([loss_sum, float(seen)], dtype=torch.float64)
+        if self.dist.enabled:
+            stats = stats.to(self.input_device)
+            torch.distributed.all_reduce(stats)
+            stats = stats.cpu()
+        train_loss = float(stats[0]) / max(float(stats[1]), 1.0)
+        samples = int(stats[1])
+        return train_loss, samples, seconds
+
+    def run(self) -> TrainResult:
+        """Set up, then train, evaluate and save every epoch; ``checkpoints.json`` after each.
+
+        A failure while saving an epoch removes that epoch's files, so no half-saved epoch is left.
+
+        Returns:
+            The checkpoints and metrics (rank 0's lists the checkpoints; other ranks' none).
+
+        Raises:
+            TrainingError: the setup or training fails, or ``--out`` holds another run's files.
+            OutputError: a file cannot be written.
+        """
+        cfg = self.cfg
+        os.makedirs(self.out, exist_ok=True)
+        self.setup()
+        self.check_outputs()
+        if self.dist.enabled and cfg.mode in DISTRIBUTED_MODES:
+            gathered: list[Any] = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(gathered, self.devices[0])
+            self._all_devices = gathered
+        else:
+            self._all_devices = self.devices
+        n_train = len(self.dataset.train_labels)
+        self._announce()
         manifest = os.path.join(self.out, MANIFEST)
         entries: list[dict[str, Any]] = []
         epochs: list[dict[str, Any]] = []
@@ -584,29 +652,7 @@ class Run:
         if self.manual:
             self.manual.train()
         for epoch in range(self.start_epoch, cfg.epochs + 1):
-            loader = self.train_loader(epoch)
-            self.dist.barrier()
-            t0 = time.perf_counter()
-            loss_sum, seen = 0.0, 0
-            for i, (x, y) in enumerate(loader):
-                if cfg.show_split and self.dist.is_main and cfg.mode == "dp":
-                    print(f"batch {i + 1} (epoch {epoch}):", file=sys.stderr, flush=True)
-                loss = self.step(x, y, show_split=cfg.show_split)
-                loss_sum += loss * x.shape[0]
-                seen += x.shape[0]
-            if self.device_type == "cuda":
-                torch.cuda.synchronize()
-            self.dist.barrier()
-            seconds = time.perf_counter() - t0
-            if self.manual:
-                self.manual.check_in_sync()
-            stats = torch.tensor([loss_sum, float(seen)], dtype=torch.float64)
-            if self.dist.enabled:
-                stats = stats.to(self.input_device)
-                torch.distributed.all_reduce(stats)
-                stats = stats.cpu()
-            train_loss = float(stats[0]) / max(float(stats[1]), 1.0)
-            samples = int(stats[1])
+            train_loss, samples, seconds = self._train_epoch(epoch)
             acc = self.evaluate()
             try:
                 entry = self.save(epoch, acc)
