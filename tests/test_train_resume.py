@@ -148,3 +148,25 @@ def test_failed_epoch_removes_dcp_directory_too(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError):
         train(TrainConfig(out=str(tmp_path), epochs=1, save_format="dcp", **SMALL))
     assert os.listdir(tmp_path) == []
+
+
+def test_rerun_replaces_its_dcp_directory_whole(tmp_path):
+    from ckptfix.train import verify_probe
+
+    for _ in range(2):
+        res = train(TrainConfig(out=str(tmp_path), epochs=1, save_format="dcp", name="d", **SMALL))
+    # the second run's directory replaced the first's: no temp or old directory is left beside it
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints.json", "d_epoch1.dcp", "d_epoch1.probe.pt"]
+    assert verify_probe(res.checkpoints[0], str(tmp_path))["exact"]
+
+
+def test_another_runs_probe_file_is_not_overwritten(tmp_path):
+    from ckptfix.train.manifest import check_outputs
+
+    train(TrainConfig(out=str(tmp_path), epochs=1, name="a", **SMALL))
+    check_outputs(str(tmp_path), ["a_epoch1.pt", "a_epoch1.probe.pt"], "a", None)  # its own files
+    with pytest.raises(TrainingError, match="run 'a'"):
+        check_outputs(str(tmp_path), ["a_epoch1.probe.pt"], "b", None)
+    (tmp_path / "stray.pt").write_bytes(b"x")
+    with pytest.raises(TrainingError, match="not listed in checkpoints.json"):
+        check_outputs(str(tmp_path), ["stray.pt"], "a", None)
