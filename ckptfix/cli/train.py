@@ -6,7 +6,7 @@ command only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -184,7 +184,7 @@ def _given(ctx: click.Context) -> set[str]:
 )
 @json_option
 @click.pass_context
-def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: object) -> int:
+def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: Any) -> int:
     """Train a small model in one of five parallel modes and save realistic checkpoints.
 
     Every epoch writes a wrapper dict (epoch, model_state_dict,
@@ -208,7 +208,7 @@ def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **
     from ckptfix.train.entry import check_options, train
 
     given = _given(ctx)
-    cfg = TrainConfig(compile=compile_, explicit=tuple(h for h in HPARAMS if h in given), **kw)  # type: ignore[arg-type]
+    cfg = TrainConfig(compile=compile_, explicit=tuple(h for h in HPARAMS if h in given), **kw)
     try:
         if bench:
             check_bench_options(cfg, given)
