@@ -252,3 +252,40 @@ def make_backup(path: str) -> str:
     finally:
         release_temp(tmp)
     return dst
+
+
+def replace_directory(tmp: str, path: str) -> None:
+    """Move the complete directory ``tmp`` to ``path``, replacing a directory already there.
+
+    The old ``path`` is first renamed aside (next to it), so ``path`` is at every moment either
+    the old directory or the new one, never a mix; the old one is removed afterwards.  Every file
+    in ``tmp`` should already be written and closed.
+
+    Args:
+        tmp: The finished directory, on the same file system as ``path``.
+        path: The final name.
+
+    Raises:
+        OutputError: a rename fails (``path`` is left as it was).
+    """
+    import shutil
+
+    path = os.path.abspath(path)
+    old = None
+    try:
+        if os.path.lexists(path):
+            name = os.path.basename(path)
+            old = tempfile.mkdtemp(prefix=f".{name}{TEMP_MARK}", suffix=".old", dir=os.path.dirname(path))
+            os.rename(path, os.path.join(old, "d"))
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if old is not None:
+                os.rename(os.path.join(old, "d"), path)
+            raise
+        fsync_dir(path)
+    except OSError as e:
+        raise _os_error(e, path) from None
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""``ckptfix demo`` (ckptfix.demo): every row's problem is plain torch's own error and every fix is
+"""``ckptfix demo`` (ckptfix.train.demo): every row's problem is plain torch's own error and every fix is
 proven with plain torch / safetensors loads and bit-identical probe outputs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from ckptfix.demo import plain_problem, run_demo
+from ckptfix.train.demo import plain_problem, run_demo
 from ckptfix.train.models import build_model
 
 HAVE_SANITIZE = importlib.util.find_spec("ckptfix.sanitize") is not None

@@ -60,7 +60,8 @@ def test_failure_cause_picks_the_real_line():
         "W1123 warning: something",
         "Traceback (most recent call last):",
         '  File "x.py", line 3, in <module>',
-        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local address (Address already in use)",
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local address "
+        "(Address already in use)",
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
         "============================================================",
     ]
@@ -110,3 +111,41 @@ def test_bench_compile_leaves_out_rows_that_cannot_compile(tmp_path, capsys):
     assert [label for label, _ in rows] == ["single", "single+amp", "dp", "dp+amp", "manual", "ddp", "ddp+amp", "fsdp"]
     # an explicit mode that cannot compile is a usage error
     assert main(["train", "--bench", "--mode", "manual", "--compile", *TINY]) == 2
+
+
+def test_cli_choices_and_defaults_come_from_the_config():
+    from ckptfix.cli.train import train_cmd
+    from ckptfix.train import config
+
+    opts = {p.name: p for p in train_cmd.params}
+    for name, choices in (
+        ("mode", config.MODES),
+        ("model", config.MODELS),
+        ("device", config.DEVICES),
+        ("allreduce", config.ALLREDUCES),
+        ("save_style", config.SAVE_STYLES),
+        ("save_format", config.SAVE_FORMATS),
+    ):
+        assert tuple(opts[name].type.choices) == choices, name
+    fields = {f.name for f in config.dataclasses.fields(config.TrainConfig)}
+    for name, opt in opts.items():
+        if name in fields and name != "save_format" and not opt.is_flag:  # save_format: None = the mode's
+            assert opt.default == config.default(name), name
+    assert config.TrainConfig(mode="fsdp").save_format == "dcp" and config.TrainConfig().save_format == "pt"
+
+
+def test_bench_options_keep_only_what_was_given(tmp_path):
+    from ckptfix.train.bench import bench_options, check_bench_options
+    from ckptfix.train.config import TrainConfig
+
+    cfg = TrainConfig(out=str(tmp_path), epochs=1, lr=0.1, save_format="dcp")
+    kw = bench_options(cfg, given={"lr"})
+    assert kw["out"] is None and kw["modes"] is None and "save_format" not in kw and kw["lr"] == 0.1
+    kw = bench_options(cfg, given={"out", "mode", "save_format"})
+    assert kw["out"] == str(tmp_path) and kw["modes"] == ("single",) and kw["save_format"] == "dcp"
+    from ckptfix.errors import TrainingError
+
+    with pytest.raises(TrainingError, match="--replicas does not apply to --bench"):
+        check_bench_options(TrainConfig(mode="manual", replicas=2), given={"replicas"})
+    with pytest.raises(TrainingError, match="cannot be combined"):  # a row's own check, before anything runs
+        check_bench_options(TrainConfig(save_format="dcp", legacy_format=True), given={"save_format"})

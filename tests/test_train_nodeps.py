@@ -137,7 +137,7 @@ def test_probe_hash_matches_hashlib_of_numpy_bytes():
 
     import torch
 
-    from ckptfix.train.trainer import tensor_sha256
+    from ckptfix.train.probe import tensor_sha256
 
     t = torch.randn(8, 10)
     assert tensor_sha256(t) == hashlib.sha256(np.ascontiguousarray(t.numpy()).tobytes()).hexdigest()

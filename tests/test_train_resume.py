@@ -1,4 +1,4 @@
-"""Resume semantics of the trainer (ckptfix.train.trainer): exact continuation from every format,
+"""Resume semantics of the trainer (ckptfix.train.run): exact continuation from every format,
 state that cannot be restored is reported, explicit hyper-parameters win and are recorded, resumed
 runs get their own names, and failed saves leave nothing half-written."""
 
@@ -12,7 +12,7 @@ import torch
 
 from ckptfix.errors import TrainingError
 from ckptfix.train import TrainConfig, read_manifest, train
-from ckptfix.train.trainer import int_optimizer_keys
+from ckptfix.train.resume import int_optimizer_keys
 
 SMALL = dict(train_samples=256, test_samples=64, quiet=True)
 
@@ -118,9 +118,9 @@ def test_resumed_run_has_its_own_name_and_never_overwrites_another_run(tmp_path)
 
 
 def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
-    from ckptfix.train import trainer
+    from ckptfix.train import run
 
-    real = trainer.tensor_sha256
+    real = run.tensor_sha256
     calls = {"n": 0}
 
     def flaky(t):
@@ -129,7 +129,7 @@ def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
             raise RuntimeError("simulated failure while saving")
         return real(t)
 
-    monkeypatch.setattr(trainer, "tensor_sha256", flaky)
+    monkeypatch.setattr(run, "tensor_sha256", flaky)
     with pytest.raises(RuntimeError, match="simulated"):
         train(TrainConfig(out=str(tmp_path), epochs=3, **SMALL))
     files = sorted(os.listdir(tmp_path))
@@ -139,12 +139,34 @@ def test_failed_save_leaves_no_half_written_epoch(tmp_path, monkeypatch):
 
 
 def test_failed_epoch_removes_dcp_directory_too(tmp_path, monkeypatch):
-    from ckptfix.train import trainer
+    from ckptfix.train import run
 
     def boom(*a, **k):
         raise RuntimeError("simulated probe failure")
 
-    monkeypatch.setattr(trainer, "probe_output", boom)
+    monkeypatch.setattr(run, "probe_output", boom)
     with pytest.raises(RuntimeError):
         train(TrainConfig(out=str(tmp_path), epochs=1, save_format="dcp", **SMALL))
     assert os.listdir(tmp_path) == []
+
+
+def test_rerun_replaces_its_dcp_directory_whole(tmp_path):
+    from ckptfix.train import verify_probe
+
+    for _ in range(2):
+        res = train(TrainConfig(out=str(tmp_path), epochs=1, save_format="dcp", name="d", **SMALL))
+    # the second run's directory replaced the first's: no temp or old directory is left beside it
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints.json", "d_epoch1.dcp", "d_epoch1.probe.pt"]
+    assert verify_probe(res.checkpoints[0], str(tmp_path))["exact"]
+
+
+def test_another_runs_probe_file_is_not_overwritten(tmp_path):
+    from ckptfix.train.manifest import check_outputs
+
+    train(TrainConfig(out=str(tmp_path), epochs=1, name="a", **SMALL))
+    check_outputs(str(tmp_path), ["a_epoch1.pt", "a_epoch1.probe.pt"], "a", None)  # its own files
+    with pytest.raises(TrainingError, match="run 'a'"):
+        check_outputs(str(tmp_path), ["a_epoch1.probe.pt"], "b", None)
+    (tmp_path / "stray.pt").write_bytes(b"x")
+    with pytest.raises(TrainingError, match="not listed in checkpoints.json"):
+        check_outputs(str(tmp_path), ["stray.pt"], "a", None)

@@ -6,25 +6,27 @@ import click
 
 from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option
+from ckptfix.train.config import DEVICES
+from ckptfix.train.demo import DEMO_DEVICE, DEMO_EPOCHS, DEMO_OUT
 
 
 @cli.command("demo")
-@click.option("--out", default="ckptfix-demo", show_default=True, type=click.Path(), help="Work directory.")
+@click.option("--out", default=DEMO_OUT, show_default=True, type=click.Path(), help="Work directory.")
 @click.option(
     "--device",
-    type=click.Choice(["cpu", "cuda", "auto"]),
-    default="cpu",
+    type=click.Choice(DEVICES),
+    default=DEMO_DEVICE,
     show_default=True,
     help="Train on this device ('auto': CUDA when present).",
 )
-@click.option("--epochs", default=1, show_default=True, help="Epochs per training run.")
+@click.option("--epochs", type=int, default=DEMO_EPOCHS, show_default=True, help="Epochs per training run.")
 @click.option("--quick", is_flag=True, help="In-process modes only (single, dp, DCP, legacy): no torchrun, no compile.")
 @json_option
 def demo_cmd(out: str, device: str, epochs: int, quick: bool, as_json: bool) -> None:
     """End-to-end: train single/dp/ddp/manual/compile/DCP/legacy/fsdp checkpoints, show what plain torch
     says about each, fix them (load_anywhere, sanitize, strip-prefix, convert) and prove every fix with
     plain torch / safetensors loads and bit-identical probe outputs."""
-    from ckptfix.demo import check, format_summary, run_demo
+    from ckptfix.train.demo import check, format_summary, run_demo
 
     res = run_demo(out, device=device, epochs=epochs, progress=None if as_json else info, quick=quick)
     if as_json:

@@ -1,36 +1,58 @@
 """``ckptfix train``: train a small model in a chosen parallel mode and save realistic checkpoints.
 
-Torch is imported inside the command only.
+The choices and defaults come from :mod:`ckptfix.train.config`.  Torch is imported inside the
+command only.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option, table
+from ckptfix.train.config import (
+    ALLREDUCES,
+    DEVICES,
+    DISTRIBUTED_MODES,
+    HPARAMS,
+    MODELS,
+    MODES,
+    SAVE_FORMATS,
+    SAVE_STYLES,
+    TrainConfig,
+    TrainResult,
+    default,
+)
 
-_MODES = ["single", "dp", "ddp", "manual", "fsdp"]
+if TYPE_CHECKING:
+    from ckptfix.train.bench import BenchResult
 
 
-def _explicit(ctx: click.Context, name: str) -> bool:
-    src = ctx.get_parameter_source(name)
-    return src is not None and src != click.core.ParameterSource.DEFAULT
+def _given(ctx: click.Context) -> set[str]:
+    """The TrainConfig fields the user set on the command line (``compile_`` is ``compile``)."""
+    out = set()
+    for name in ctx.params:
+        src = ctx.get_parameter_source(name)
+        if src is not None and src != click.core.ParameterSource.DEFAULT:
+            out.add(name.rstrip("_"))
+    return out
 
 
 @cli.command("train")
 @click.option(
     "--mode",
-    type=click.Choice(_MODES),
-    default="single",
+    type=click.Choice(MODES),
+    default=default("mode"),
     show_default=True,
     help="single device; nn.DataParallel; DDP under torchrun; hand-written data parallelism; "
     "FSDP2 (fully_shard) under torchrun.",
 )
 @click.option(
     "--model",
-    type=click.Choice(["lenet", "resnet", "tutorial"]),
-    default="lenet",
+    type=click.Choice(MODELS),
+    default=default("model"),
     show_default=True,
     help="LeNet-5 (2 conv + avg-pool + 2 linear), a small ResNet with BatchNorm, or the "
     "hand-written multi-GPU tutorial's LeNet (plain parameter list, functional forward).",
@@ -39,43 +61,55 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     "--out",
     "out",
     type=click.Path(file_okay=False),
-    default="ckptfix-train",
+    default=default("out"),
     show_default=True,
     help="Output directory (checkpoints, probe sidecars, checkpoints.json).",
 )
 @click.option(
-    "--epochs", type=int, default=2, show_default=True, help="Total epochs (a resumed run continues up to it)."
+    "--epochs",
+    type=int,
+    default=default("epochs"),
+    show_default=True,
+    help="Total epochs (a resumed run continues up to it).",
 )
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Batch size (per process in ddp/fsdp).")
+@click.option(
+    "--batch-size",
+    type=int,
+    default=default("batch_size"),
+    show_default=True,
+    help="Batch size (per process in ddp/fsdp).",
+)
 @click.option(
     "--lr",
     type=float,
-    default=0.05,
+    default=default("lr"),
     show_default=True,
     help="SGD learning rate (on --resume: the checkpoint's unless given).",
 )
 @click.option(
     "--momentum",
     type=float,
-    default=0.9,
+    default=default("momentum"),
     show_default=True,
     help="SGD momentum; 0 is plain minibatch SGD (on --resume: the checkpoint's unless given).",
 )
 @click.option(
     "--weight-decay",
     type=float,
-    default=0.0,
+    default=default("weight_decay"),
     show_default=True,
     help="SGD weight decay (on --resume: the checkpoint's unless given).",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for data, weights and shuffling.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option(
+    "--seed", type=int, default=default("seed"), show_default=True, help="Seed for data, weights and shuffling."
+)
+@click.option("--device", type=click.Choice(DEVICES), default=default("device"), show_default=True)
 @click.option("--nproc", type=int, default=None, help="ddp/fsdp: processes torchrun starts [GPU count, or 2 on CPU].")
 @click.option("--replicas", type=int, default=None, help="manual: replicas [GPU count, or 2 on CPU].")
 @click.option(
     "--allreduce",
-    type=click.Choice(["ring", "naive"]),
-    default="ring",
+    type=click.Choice(ALLREDUCES),
+    default=default("allreduce"),
     show_default=True,
     help="manual: the hand-written gradient all-reduce.",
 )
@@ -83,20 +117,20 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--compile", "compile_", is_flag=True, help="torch.compile the model (keys gain _orig_mod.).")
 @click.option(
     "--compile-backend",
-    default="eager",
+    default=default("compile_backend"),
     show_default=True,
     help="torch.compile backend (eager keeps CPU runs to seconds; inductor for real speed).",
 )
 @click.option(
     "--save-style",
-    type=click.Choice(["wrapped", "clean"]),
-    default="wrapped",
+    type=click.Choice(SAVE_STYLES),
+    default=default("save_style"),
     show_default=True,
     help="wrapped: the wrapper's state dict with its prefixes (what most scripts save); clean: the module's.",
 )
 @click.option(
     "--save-format",
-    type=click.Choice(["pt", "dcp"]),
+    type=click.Choice(SAVE_FORMATS),
     default=None,
     help="pt: torch.save file; dcp: torch.distributed.checkpoint directory [pt; dcp for fsdp: sharded, "
     "each rank writes its own shards].",
@@ -120,8 +154,12 @@ def _explicit(ctx: click.Context, name: str) -> bool:
     default=None,
     help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data.",
 )
-@click.option("--train-samples", type=int, default=2048, show_default=True, help="Synthetic training samples.")
-@click.option("--test-samples", type=int, default=512, show_default=True, help="Synthetic test samples.")
+@click.option(
+    "--train-samples", type=int, default=default("train_samples"), show_default=True, help="Synthetic training samples."
+)
+@click.option(
+    "--test-samples", type=int, default=default("test_samples"), show_default=True, help="Synthetic test samples."
+)
 @click.option(
     "--show-split",
     is_flag=True,
@@ -146,7 +184,7 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 )
 @json_option
 @click.pass_context
-def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: object) -> int:
+def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **kw: Any) -> int:
     """Train a small model in one of five parallel modes and save realistic checkpoints.
 
     Every epoch writes a wrapper dict (epoch, model_state_dict,
@@ -166,111 +204,55 @@ def train_cmd(ctx: click.Context, as_json: bool, bench: bool, compile_: bool, **
       ckptfix train --bench
     """
     from ckptfix.errors import TrainingError
-    from ckptfix.train.config import HPARAMS, TrainConfig
+    from ckptfix.train.bench import bench_from_config, check_bench_options
+    from ckptfix.train.entry import check_options, train
 
-    if kw["save_format"] is None:
-        kw["save_format"] = "dcp" if kw["mode"] == "fsdp" else "pt"
-    explicit = tuple(h for h in HPARAMS if _explicit(ctx, h))
-    cfg = TrainConfig(compile=compile_, explicit=explicit, **kw)  # type: ignore[arg-type]
+    given = _given(ctx)
+    cfg = TrainConfig(compile=compile_, explicit=tuple(h for h in HPARAMS if h in given), **kw)
     try:
-        cfg.validate()
+        if bench:
+            check_bench_options(cfg, given)
+        else:
+            check_options(cfg)
     except TrainingError as e:
         raise click.UsageError(str(e), ctx) from None
     if bench:
-        return _bench(ctx, cfg, as_json)
+        _render_bench(bench_from_config(cfg, given), as_json)
+    else:
+        _render_train(train(cfg), as_json, quiet=cfg.quiet)
+    return 0
 
-    from ckptfix.train import train
-    from ckptfix.train.ddp import under_torchrun
-    from ckptfix.train.trainer import check_not_under_torchrun
 
-    if cfg.mode not in ("ddp", "fsdp"):
-        try:
-            check_not_under_torchrun(cfg.mode)
-        except TrainingError as e:
-            raise click.UsageError(str(e), ctx) from None
-    res = train(cfg)
-    if under_torchrun() and not res.checkpoints:  # a non-zero rank of the user's own torchrun: rank 0 reports
-        return 0
+def _render_train(res: TrainResult, as_json: bool, *, quiet: bool) -> None:
+    if not res.checkpoints:  # a non-zero rank of the user's own torchrun: rank 0 reports
+        return
     if as_json:
         emit_json(res.to_dict())
-        return 0
+        return
     rows = [
         [c["path"], str(c["epoch"]), repr(c["expected_prefix"]), c["save_format"], f"{c['accuracy']:.1%}"]
         for c in res.checkpoints
     ]
     click.echo(table(rows, ["checkpoint", "epoch", "prefix", "format", "test acc"]))
-    n = res.world_size if res.mode in ("ddp", "fsdp") else len(res.devices)
+    n = res.world_size if res.mode in DISTRIBUTED_MODES else len(res.devices)
     click.echo(
         f"{res.mode} on {n} x {res.devices[0]}: "
         f"{res.sec_per_epoch:.3f} s/epoch, {res.samples_per_sec:,.0f} samples/s, "
         f"final accuracy {res.final_accuracy:.1%}"
     )
     click.echo(f"manifest: {res.manifest}")
-    if not cfg.quiet:
+    if not quiet:
         info(f"done: {len(res.checkpoints)} checkpoint(s) in {res.out_dir}")
-    return 0
 
 
-def _bench(ctx: click.Context, cfg: object, as_json: bool) -> int:
-    from ckptfix.errors import TrainingError
-    from ckptfix.train.bench import run_bench
-
-    for opt, flag in (
-        ("resume", "--resume"),
-        ("name", "--name"),
-        ("show_split", "--show-split"),
-        ("replicas", "--replicas"),
-    ):
-        if _explicit(ctx, opt):
-            raise click.UsageError(
-                f"{flag} does not apply to --bench (every row is a fresh run with its own name)", ctx
-            )
-    modes = (cfg.mode,) if _explicit(ctx, "mode") else None  # type: ignore[attr-defined]
-    keep = dict(
-        compile=cfg.compile,
-        compile_backend=cfg.compile_backend,
-        save_style=cfg.save_style,  # type: ignore
-        model=cfg.model,
-        batch_size=cfg.batch_size,
-        lr=cfg.lr,
-        momentum=cfg.momentum,  # type: ignore
-        weight_decay=cfg.weight_decay,
-        seed=cfg.seed,
-        train_samples=cfg.train_samples,  # type: ignore
-        test_samples=cfg.test_samples,
-        data=cfg.data,
-        legacy_format=cfg.legacy_format,  # type: ignore
-        namespace_args=cfg.namespace_args,
-        allreduce=cfg.allreduce,
-        force=cfg.force,
-    )  # type: ignore
-    if _explicit(ctx, "save_format"):
-        keep["save_format"] = cfg.save_format  # type: ignore[attr-defined]
-    if cfg.threads:  # type: ignore[attr-defined]
-        keep["threads"] = cfg.threads  # type: ignore[attr-defined]
-    out = cfg.out if _explicit(ctx, "out") else None  # type: ignore[attr-defined]
-    try:
-        res = run_bench(
-            out=out,
-            device=cfg.device,
-            epochs=cfg.epochs,
-            nproc=cfg.nproc,  # type: ignore
-            quiet=cfg.quiet,
-            modes=modes,
-            amp=cfg.amp,
-            **keep,
-        )  # type: ignore[attr-defined]
-    except TrainingError as e:
-        if "--" in str(e) and ("only applies" in str(e) or "not supported" in str(e) or "cannot be combined" in str(e)):
-            raise click.UsageError(str(e), ctx) from None
-        raise
+def _render_bench(res: BenchResult, as_json: bool) -> None:
     for note in res.notes:
         info(note)
     if res.skipped:
         info("left out: " + ", ".join(res.skipped))
     if as_json:
         emit_json(res.to_dict())
-        return 0
+        return
     body = [
         [
             r.mode + (f" ({r.amp_dtype})" if r.amp_dtype else ""),
@@ -286,4 +268,3 @@ def _bench(ctx: click.Context, cfg: object, as_json: bool) -> int:
     click.echo(table(body, ["mode", "devices", "world size", "s/epoch", "samples/s", "final acc", "wall s"]))
     if res.out_dir:
         click.echo(f"checkpoints: {res.out_dir}")
-    return 0

@@ -1,9 +1,18 @@
-"""The bundled trainer: real single / DataParallel / DDP / hand-written data-parallel runs
+"""The bundled trainer: real single / DataParallel / DDP / FSDP / hand-written data-parallel runs
 that produce the checkpoints ckptfix is about (``module.``, ``_orig_mod.``, DCP, legacy...).
 
 >>> from ckptfix.train import TrainConfig, train            # doctest: +SKIP
 >>> res = train(TrainConfig(mode="dp", out="runs"))         # doctest: +SKIP
 >>> res.final_checkpoint, res.final_accuracy                # doctest: +SKIP
+
+The modules, bottom up: :mod:`~ckptfix.train.config` (choices, defaults, options; no torch),
+:mod:`~ckptfix.train.data`, :mod:`~ckptfix.train.models`, :mod:`~ckptfix.train.devices`,
+:mod:`~ckptfix.train.probe`, :mod:`~ckptfix.train.saving`, :mod:`~ckptfix.train.manifest`
+(``checkpoints.json``), :mod:`~ckptfix.train.resume`; the modes' machinery
+:mod:`~ckptfix.train.manual` and :mod:`~ckptfix.train.fsdp`; :mod:`~ckptfix.train.run` (one run);
+:mod:`~ckptfix.train.ddp` (torchrun launcher and worker); :mod:`~ckptfix.train.entry` (what
+``ckptfix train`` calls); :mod:`~ckptfix.train.bench`, :mod:`~ckptfix.train.compare` and
+:mod:`~ckptfix.train.demo` on top.
 
 Importing this package does not import torch; :func:`train`, :func:`bench`,
 :func:`compare_manual_to_single` and :func:`verify_probe` import it when called.
@@ -30,38 +39,90 @@ __all__ = [
 
 
 def train(config: TrainConfig, **overrides: Any) -> TrainResult:
-    """Run one training configuration; see :func:`ckptfix.train.trainer.train`."""
-    from ckptfix.train.trainer import train as _train
+    """Run one training configuration; see :func:`ckptfix.train.entry.train`.
+
+    Args:
+        config: The configuration.
+        **overrides: Fields replaced in a copy of ``config``.
+
+    Returns:
+        The run's checkpoints and metrics.
+
+    Raises:
+        TrainingError: the options are invalid or the run fails.
+    """
+    from ckptfix.train.entry import train as _train
 
     return _train(config, **overrides)
 
 
-def bench(*args: Any, **kwargs: Any) -> Any:
-    """Time single / dp / manual / ddp (and ddp+amp on CUDA); see :func:`ckptfix.train.bench.bench`."""
+def bench(**kwargs: Any) -> Any:
+    """Time single / dp / manual / ddp / fsdp (+amp); see :func:`ckptfix.train.bench.bench`.
+
+    Args:
+        **kwargs: :func:`ckptfix.train.bench.run_bench`'s arguments.
+
+    Returns:
+        The rows (:class:`ckptfix.train.bench.BenchRow`).
+
+    Raises:
+        TrainingError: a row's options are invalid or a run fails.
+    """
     from ckptfix.train.bench import bench as _bench
 
-    return _bench(*args, **kwargs)
+    return _bench(**kwargs)
 
 
-def compare_manual_to_single(*args: Any, **kwargs: Any) -> Any:
-    """Train ``manual`` and ``single`` on the same batches.
+def compare_manual_to_single(replicas: int = 2, *, out: str | None = None, **config: Any) -> dict[str, Any]:
+    """Train ``manual`` and ``single`` on the same batches; see :func:`ckptfix.train.compare.compare_manual_to_single`.
 
-    See :func:`ckptfix.train.manual.compare_manual_to_single`.
+    Args:
+        replicas: Replicas of the manual run.
+        out: Where both runs write (default: a temp directory).
+        **config: More TrainConfig fields.
+
+    Returns:
+        The per-key and worst weight differences, and both results.
+
+    Raises:
+        TrainingError: a run fails.
     """
-    from ckptfix.train.manual import compare_manual_to_single as _cmp
+    from ckptfix.train.compare import compare_manual_to_single as _cmp
 
-    return _cmp(*args, **kwargs)
-
-
-def verify_probe(*args: Any, **kwargs: Any) -> Any:
-    """Prove a restored model matches a checkpoints.json entry; see :func:`ckptfix.train.trainer.verify_probe`."""
-    from ckptfix.train.trainer import verify_probe as _verify
-
-    return _verify(*args, **kwargs)
+    return _cmp(replicas, out=out, **config)
 
 
-def read_manifest(*args: Any, **kwargs: Any) -> Any:
-    """Read ``checkpoints.json``; see :func:`ckptfix.train.trainer.read_manifest`."""
-    from ckptfix.train.trainer import read_manifest as _read
+def verify_probe(entry: dict[str, Any], out_dir: str, state_dict: Any = None) -> dict[str, Any]:
+    """Prove a restored model matches a checkpoints.json entry; see :func:`ckptfix.train.compare.verify_probe`.
 
-    return _read(*args, **kwargs)
+    Args:
+        entry: One ``checkpoints.json`` entry.
+        out_dir: The directory holding the manifest.
+        state_dict: The weights to check (default: the entry's checkpoint, loaded).
+
+    Returns:
+        ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
+
+    Raises:
+        CkptfixError: the checkpoint cannot be loaded.
+    """
+    from ckptfix.train.compare import verify_probe as _verify
+
+    return _verify(entry, out_dir, state_dict)
+
+
+def read_manifest(out_dir: str) -> dict[str, Any]:
+    """Read ``checkpoints.json``; see :func:`ckptfix.train.manifest.read_manifest`.
+
+    Args:
+        out_dir: A run's output directory, or the manifest file.
+
+    Returns:
+        The manifest (an empty one when absent).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    from ckptfix.train.manifest import read_manifest as _read
+
+    return _read(out_dir)

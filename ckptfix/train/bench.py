@@ -28,8 +28,9 @@ import dataclasses
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Collection
 
+from ckptfix.errors import TrainingError
 from ckptfix.train.config import TrainConfig
 
 BENCH_MODES = ("single", "dp", "manual", "ddp", "fsdp")
@@ -37,6 +38,8 @@ BENCH_MODES = ("single", "dp", "manual", "ddp", "fsdp")
 
 @dataclasses.dataclass
 class BenchRow:
+    """One row of the table: one training run."""
+
     mode: str
     devices: str
     world_size: int
@@ -48,6 +51,11 @@ class BenchRow:
     amp_dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The row as a JSON-ready dict (without ``checkpoint`` when the files were not kept).
+
+        Returns:
+            ``{field: value}``.
+        """
         d = dataclasses.asdict(self)
         if d["checkpoint"] is None:
             del d["checkpoint"]
@@ -61,20 +69,31 @@ def bench_configs(
     *,
     modes: tuple[str, ...] | None = None,
     amp: bool = False,
-) -> tuple[list[tuple[str, dict]], list[str]]:
-    """The (label, TrainConfig overrides) rows the benchmark runs on ``device_type``, and the rows left out (why)."""
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """The rows the benchmark runs on ``device_type``, and the rows left out.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+        nproc: Processes / replicas of the multi-device rows (default: GPU count, or 2 on CPU).
+        base: TrainConfig fields every row gets.
+        modes: Only rows of these modes (default: all, plus ddp+amp on CUDA).
+        amp: Add a ``+amp`` row for every mode that supports it.
+
+    Returns:
+        ([(label, TrainConfig fields)], ["label (why it is left out)"]).
+    """
     import torch
 
     base = dict(base or {})
     n = (nproc or max(1, torch.cuda.device_count())) if device_type == "cuda" else (nproc or 2)
-    plain: list[tuple[str, dict]] = [
+    plain: list[tuple[str, dict[str, Any]]] = [
         ("single", dict(mode="single")),
         ("dp", dict(mode="dp")),
         ("manual", dict(mode="manual", replicas=n)),
         ("ddp", dict(mode="ddp", nproc=n)),
         ("fsdp", dict(mode="fsdp", nproc=n)),
     ]
-    rows: list[tuple[str, dict]] = []
+    rows: list[tuple[str, dict[str, Any]]] = []
     skipped: list[str] = []
     for label, kw in plain:
         if modes and kw["mode"] not in modes:
@@ -94,12 +113,19 @@ def bench_configs(
 
 @dataclasses.dataclass
 class BenchResult:
+    """The table: its rows, the rows left out (why), where the checkpoints are, notes."""
+
     rows: list[BenchRow]
     skipped: list[str]
     out_dir: str | None  # where the checkpoints are (None: a removed temp dir)
     notes: list[str]
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as a JSON-ready dict (``bench``: the rows).
+
+        Returns:
+            ``{"bench", "skipped", "out_dir", "notes"}``.
+        """
         return {
             "bench": [r.to_dict() for r in self.rows],
             "skipped": self.skipped,
@@ -119,20 +145,29 @@ def run_bench(
     amp: bool = False,
     **config: Any,
 ) -> BenchResult:
-    """Run every benchmark row (see the module docstring); extra keywords go to :class:`TrainConfig`.
+    """Run every benchmark row (see the module docstring).
 
-    Raises :class:`ckptfix.errors.TrainingError` when a row's configuration is invalid or a run fails.
+    Args:
+        out: Keep every row's checkpoints here (default: a temp directory, removed).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        epochs: Epochs per row.
+        nproc: Processes / replicas of the multi-device rows.
+        quiet: No per-epoch progress.
+        modes: Only rows of these modes.
+        amp: Add ``+amp`` rows.
+        **config: More :class:`TrainConfig` fields for every row.
+
+    Returns:
+        The table.
+
+    Raises:
+        TrainingError: a row's configuration is invalid (before anything runs) or a run fails.
     """
-    from ckptfix.train.trainer import amp_dtype, resolve_device, train
+    from ckptfix.train.devices import amp_dtype, resolve_device
+    from ckptfix.train.entry import train
 
     device_type = resolve_device(device)
-    if device_type == "cpu":
-        # one intra-op thread per process: "1 device" = 1 core, DDP with 2 ranks = 2 cores (like 1 vs 2 GPUs),
-        # and no OpenMP spin-wait oversubscription when the machine is busy
-        config.setdefault("threads", 1)
-    rows_cfg, skipped = bench_configs(device_type, nproc, config, modes=modes, amp=amp)
-    for _label, kw in rows_cfg:  # every row's options are checked before anything runs
-        TrainConfig(out=out or ".", device=device_type, epochs=epochs, **kw).validate()
+    rows_cfg, skipped = _plan(device_type, out, epochs, nproc, modes, amp, config)
     notes = []
     if amp and device_type == "cpu":
         notes.append("+amp rows on CPU: bfloat16 autocast (with a GradScaler, as on CUDA fp16)")
@@ -184,6 +219,129 @@ def run_bench(
     return BenchResult(rows=rows, skipped=skipped, out_dir=os.path.abspath(out) if out else None, notes=notes)
 
 
+def _plan(
+    device_type: str,
+    out: str | None,
+    epochs: int,
+    nproc: int | None,
+    modes: tuple[str, ...] | None,
+    amp: bool,
+    config: dict[str, Any],
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """(rows, rows left out); every row's options are checked before anything runs."""
+    if device_type == "cpu":
+        # one intra-op thread per process: "1 device" = 1 core, DDP with 2 ranks = 2 cores (like 1 vs 2 GPUs),
+        # and no OpenMP spin-wait oversubscription when the machine is busy
+        config.setdefault("threads", 1)
+    rows_cfg, skipped = bench_configs(device_type, nproc, config, modes=modes, amp=amp)
+    for _label, kw in rows_cfg:
+        TrainConfig(out=out or ".", device=device_type, epochs=epochs, **kw).validate()
+    return rows_cfg, skipped
+
+
 def bench(**kwargs: Any) -> list[BenchRow]:
-    """The rows of :func:`run_bench` (same arguments)."""
+    """The rows of :func:`run_bench`.
+
+    Args:
+        **kwargs: :func:`run_bench`'s arguments.
+
+    Returns:
+        The rows.
+
+    Raises:
+        TrainingError: as :func:`run_bench`.
+    """
     return run_bench(**kwargs).rows
+
+
+#: options of ``ckptfix train`` that make no sense for the benchmark (every row is a fresh run)
+NOT_FOR_BENCH = {"resume": "--resume", "name": "--name", "show_split": "--show-split", "replicas": "--replicas"}
+#: fields of the training configuration every row inherits
+_ROW_FIELDS = (
+    "compile",
+    "compile_backend",
+    "save_style",
+    "model",
+    "batch_size",
+    "lr",
+    "momentum",
+    "weight_decay",
+    "seed",
+    "train_samples",
+    "test_samples",
+    "data",
+    "legacy_format",
+    "namespace_args",
+    "allreduce",
+    "force",
+)
+
+
+def bench_options(cfg: TrainConfig, given: Collection[str]) -> dict[str, Any]:
+    """:func:`run_bench`'s arguments for the options of ``ckptfix train --bench``.
+
+    ``--mode``, ``--out`` and ``--save-format`` apply only when given (``given``): otherwise
+    every mode runs, the files go to a temp directory, and each mode saves in its own format.
+
+    Args:
+        cfg: The training options.
+        given: The names of the fields the user set explicitly.
+
+    Returns:
+        The keyword arguments.
+    """
+    kw: dict[str, Any] = {f: getattr(cfg, f) for f in _ROW_FIELDS}
+    if "save_format" in given:
+        kw["save_format"] = cfg.save_format
+    if cfg.threads:
+        kw["threads"] = cfg.threads
+    return dict(
+        out=cfg.out if "out" in given else None,
+        device=cfg.device,
+        epochs=cfg.epochs,
+        nproc=cfg.nproc,
+        quiet=cfg.quiet,
+        modes=(cfg.mode,) if "mode" in given else None,
+        amp=cfg.amp,
+        **kw,
+    )
+
+
+def check_bench_options(cfg: TrainConfig, given: Collection[str]) -> None:
+    """Check the options of ``ckptfix train --bench`` before anything runs.
+
+    Args:
+        cfg: The training options.
+        given: The names of the fields the user set explicitly.
+
+    Raises:
+        TrainingError: an option is invalid or does not apply to the benchmark or to one of its rows.
+    """
+    cfg.validate()
+    for name, flag in NOT_FOR_BENCH.items():
+        if name in given:
+            raise TrainingError(f"{flag} does not apply to --bench (every row is a fresh run with its own name)")
+    from ckptfix.train.devices import resolve_device
+
+    kw = bench_options(cfg, given)
+    # whether CUDA is there is not a usage question: run_bench reports it when it runs
+    device_type = "cuda" if cfg.device == "cuda" else resolve_device(cfg.device)
+    for k in ("device", "quiet"):
+        del kw[k]
+    _plan(device_type, kw.pop("out"), kw.pop("epochs"), kw.pop("nproc"), kw.pop("modes"), kw.pop("amp"), kw)
+
+
+def bench_from_config(cfg: TrainConfig, given: Collection[str]) -> BenchResult:
+    """Run the benchmark with the options of ``ckptfix train --bench`` (see :func:`bench_options`).
+
+    Args:
+        cfg: The training options.
+        given: The names of the fields the user set explicitly.
+
+    Returns:
+        The table.
+
+    Raises:
+        TrainingError: an option does not apply, or a run fails.
+    """
+    return run_bench(**bench_options(cfg, given))

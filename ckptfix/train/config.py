@@ -1,4 +1,9 @@
-"""Configuration and result types for the trainer (no torch import here)."""
+"""The trainer's choices, defaults, configuration and result types (no torch import here).
+
+Every choice the trainer offers (modes, models, devices, save styles and formats, all-reduce
+algorithms) and every default (the fields of :class:`TrainConfig`) is defined here once; the
+``ckptfix train`` options read them from here (:func:`default`).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,31 @@ HPARAMS = ("lr", "momentum", "weight_decay")  # optimizer settings a resume can 
 SAVE_STYLES = ("wrapped", "clean")
 SAVE_FORMATS = ("pt", "dcp")
 DEVICES = ("auto", "cpu", "cuda")
+ALLREDUCES = ("ring", "naive")  # manual: the hand-written gradient all-reduce
+
+
+def default_save_format(mode: str) -> str:
+    """The save format of ``mode`` when none is given: ``dcp`` for fsdp (sharded), else ``pt``.
+
+    Args:
+        mode: One of :data:`MODES`.
+
+    Returns:
+        ``"dcp"`` or ``"pt"``.
+    """
+    return "dcp" if mode == "fsdp" else "pt"
+
+
+def process_group_backend(device_type: str) -> str:
+    """The torch.distributed backend of ``ddp``/``fsdp`` runs: nccl on CUDA, gloo on CPU.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+        The backend name.
+    """
+    return "nccl" if device_type == "cuda" else "gloo"
 
 
 @dataclass
@@ -56,13 +86,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.save_format is None:
-            self.save_format = "dcp" if self.mode == "fsdp" else "pt"
+            self.save_format = default_save_format(self.mode)
 
     def run_name(self) -> str:
         """The file-name stem: ``--name``, or derived from the options (``ddp-amp-clean``).
 
         A resumed run without ``--name`` is ``<derived>-resumed-from-<checkpoint stem>``, so it never
         writes over the files of the run it continues, nor mixes two histories under one name.
+
+        Returns:
+            The stem.
         """
         if self.name:
             return self.name
@@ -88,8 +121,8 @@ class TrainConfig:
             parts.append("compile")
         if self.save_style != "wrapped":
             parts.append(self.save_style)
-        if self.save_format != ("dcp" if self.mode == "fsdp" else "pt"):
-            parts.append(self.save_format)
+        if self.save_format != default_save_format(self.mode):
+            parts.append(str(self.save_format))
         if self.legacy_format:
             parts.append("legacy")
         if self.namespace_args:
@@ -97,13 +130,31 @@ class TrainConfig:
         return "-".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict.
+
+        Returns:
+            ``{field: value}``.
+        """
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
+        """The fields as JSON (what a torchrun worker reads back with :meth:`from_dict`).
+
+        Returns:
+            The JSON text.
+        """
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        """A configuration from :meth:`to_dict`'s output; unknown keys are ignored.
+
+        Args:
+            d: The fields.
+
+        Returns:
+            The configuration.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if "explicit" in kw:
@@ -111,6 +162,11 @@ class TrainConfig:
         return cls(**kw)
 
     def validate(self) -> None:
+        """Check the options and their combinations.
+
+        Raises:
+            TrainingError: an option is out of range or does not apply (the message names it).
+        """
         from ckptfix.errors import TrainingError
 
         def bad(msg: str) -> None:
@@ -149,7 +205,7 @@ class TrainConfig:
             bad("--replicas only applies to --mode manual")
         if self.mode == "manual" and (self.amp or self.compile):
             bad("manual mode is the plain teaching algorithm; use --amp/--compile with single, dp or ddp")
-        if self.allreduce not in ("ring", "naive"):
+        if self.allreduce not in ALLREDUCES:
             bad(f"unknown all-reduce {self.allreduce!r}; choose ring or naive")
         if self.save_format == "dcp" and self.legacy_format:
             bad("--legacy-format applies to torch.save files; it cannot be combined with --save-format dcp")
@@ -182,12 +238,45 @@ class TrainResult:
 
     @property
     def final_checkpoint(self) -> str:
-        return self.checkpoints[-1]["abs_path"]
+        """The absolute path of the last checkpoint this run wrote."""
+        path: str = self.checkpoints[-1]["abs_path"]
+        return path
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain (JSON-ready) dict.
+
+        Returns:
+            ``{field: value}``.
+        """
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainResult":
+        """A result from :meth:`to_dict`'s output; unknown keys are ignored.
+
+        Args:
+            d: The fields.
+
+        Returns:
+            The result.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def default(name: str) -> Any:
+    """The default of the :class:`TrainConfig` field ``name`` (what ``ckptfix train`` shows).
+
+    Args:
+        name: A field name.
+
+    Returns:
+        Its default value.
+
+    Raises:
+        KeyError: there is no such field.
+    """
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)

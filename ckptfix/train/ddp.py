@@ -32,13 +32,21 @@ import subprocess
 import sys
 import tempfile
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import TrainingError
-from ckptfix.train.config import TrainConfig, TrainResult
+from ckptfix.train.config import TrainConfig, TrainResult, process_group_backend
+
+if TYPE_CHECKING:
+    import torch
 
 
 def under_torchrun() -> bool:
-    """True when this process is a worker started by torchrun (or any launcher setting the env:// variables)."""
+    """Whether this process is a worker started by torchrun (or any launcher setting the env:// variables).
+
+    Returns:
+        True when ``LOCAL_RANK``, ``RANK`` and ``WORLD_SIZE`` are all set.
+    """
     return all(k in os.environ for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
 
 
@@ -49,6 +57,14 @@ def _package_root() -> str:
 
 
 def default_nproc(device_type: str) -> int:
+    """How many workers ``ddp``/``fsdp`` start without ``--nproc``.
+
+    Args:
+        device_type: ``"cuda"`` or ``"cpu"``.
+
+    Returns:
+        The GPU count on CUDA (at least 1), else 2.
+    """
     import torch
 
     if device_type == "cuda":
@@ -68,7 +84,14 @@ _CAUSE_PATTERNS = (
 
 
 def failure_cause(lines: list[str]) -> str:
-    """The line of a torchrun log that best says why it failed (the last match of the most specific pattern)."""
+    """The line of a torchrun log that best says why it failed (the last match of the most specific pattern).
+
+    Args:
+        lines: The log's lines.
+
+    Returns:
+        That line, stripped (the last non-empty line when no pattern matches; ``"no output"``).
+    """
     for pat in _CAUSE_PATTERNS:
         hits = [ln.strip() for ln in lines if pat.search(ln) and "ChildFailedError" not in ln]
         if hits:
@@ -81,8 +104,14 @@ def preflight(cfg: TrainConfig) -> None:
     """Check in this process what the workers would otherwise find out only inside torchrun.
 
     The options (:meth:`TrainConfig.validate`), the ``--data`` file, and a ``--resume``
-    checkpoint: readable, fits the model, has fewer epochs than ``--epochs``.  Raises the
-    error the workers would raise, as one line, before anything is launched.
+    checkpoint: readable, fits the model, has fewer epochs than ``--epochs``.
+
+    Args:
+        cfg: The configuration.
+
+    Raises:
+        TrainingError: as the workers would raise it, before anything is launched.
+        CkptfixError: the ``--data`` or ``--resume`` file cannot be read (its own class).
     """
     cfg.validate()
     if cfg.data:
@@ -91,7 +120,7 @@ def preflight(cfg: TrainConfig) -> None:
         load_dataset(cfg.data)
     if cfg.resume:
         from ckptfix.train.models import build_model
-        from ckptfix.train.trainer import load_resume
+        from ckptfix.train.resume import load_resume
 
         load_resume(cfg, build_model(cfg.model, cfg.seed))
 
@@ -138,10 +167,23 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
     The configuration is checked first (:func:`preflight`).  The workers' output goes to a log
     file; only rank 0's progress lines are shown.  On failure the error is one line: the
     worker's own ckptfix error, or the log line naming the cause, plus the log's path (kept).
+    A job that dies before any rank started training (rendezvous, process-group start-up)
+    is retried once.
+
+    Args:
+        cfg: The configuration (mode ddp or fsdp).
+        timeout: Seconds torchrun may run (None: no limit).
+
+    Returns:
+        Rank 0's result.
+
+    Raises:
+        TrainingError: the configuration is invalid, torchrun cannot start, a worker failed,
+            or the job ran past ``timeout``.
     """
     import torch
 
-    from ckptfix.train.trainer import resolve_device
+    from ckptfix.train.devices import resolve_device
 
     device_type = resolve_device(cfg.device)
     nproc = cfg.nproc or default_nproc(device_type)
@@ -152,43 +194,13 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
         )
     preflight(cfg)
     os.makedirs(cfg.out, exist_ok=True)
-    wcfg = TrainConfig.from_dict(cfg.to_dict())
-    wcfg.out = os.path.abspath(cfg.out)
-    wcfg.device = device_type
-    if wcfg.resume:
-        wcfg.resume = os.path.abspath(wcfg.resume)
-    if wcfg.data:
-        wcfg.data = os.path.abspath(wcfg.data)
     with tempfile.TemporaryDirectory(prefix=f"ckptfix-{cfg.mode}-") as tmp:
         cfg_path = os.path.join(tmp, "config.json")
         res_path = os.path.join(tmp, "result.json")
         with open(cfg_path, "w", encoding="utf-8") as f:
-            f.write(wcfg.to_json())
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--local-addr",
-            "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "ckptfix.train.ddp_worker",
-            "--config",
-            cfg_path,
-            "--result",
-            res_path,
-        ]
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
-        env["CKPTFIX_PROGRESS_MARK"] = "1"
-        root = _package_root()
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-            env.pop(k, None)
+            f.write(_worker_config(cfg, device_type).to_json())
+        cmd = _torchrun_command(nproc, cfg_path, res_path)
+        env = _torchrun_env()
         if not cfg.quiet:
             print(
                 f"[{cfg.mode}] launching: torchrun --standalone --nproc-per-node {nproc} -m ckptfix.train.ddp_worker",
@@ -211,19 +223,70 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
                 file=sys.stderr,
                 flush=True,
             )
-        errors = sorted(p for p in os.listdir(tmp) if p.startswith("result.json.err"))
-        if errors:
-            with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
-                err = json.load(f)
-            if err.get("type") == "internal":
-                raise TrainingError(f"{err['message']} (full log: {log_path})")
-            os.remove(log_path)
-            raise TrainingError(err["message"])
-        if rc != 0 or not os.path.exists(res_path):
-            raise TrainingError(f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})")
+        return _outcome(res_path, rc, lines, log_path)
+
+
+def _worker_config(cfg: TrainConfig, device_type: str) -> TrainConfig:
+    """The configuration the workers read: absolute paths, the resolved device type."""
+    wcfg = TrainConfig.from_dict(cfg.to_dict())
+    wcfg.out = os.path.abspath(cfg.out)
+    wcfg.device = device_type
+    if wcfg.resume:
+        wcfg.resume = os.path.abspath(wcfg.resume)
+    if wcfg.data:
+        wcfg.data = os.path.abspath(wcfg.data)
+    return wcfg
+
+
+def _torchrun_command(nproc: int, cfg_path: str, res_path: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--local-addr",
+        "127.0.0.1",  # MASTER_ADDR without a hostname lookup (single node)
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "ckptfix.train.ddp_worker",
+        "--config",
+        cfg_path,
+        "--result",
+        res_path,
+    ]
+
+
+def _torchrun_env() -> dict[str, str]:
+    """This process's environment for torchrun, without the variables of an enclosing torchrun job."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # N workers share the cores; torchrun would set 1 and warn
+    env["CKPTFIX_PROGRESS_MARK"] = "1"
+    root = _package_root()
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    return env
+
+
+def _outcome(res_path: str, rc: int, lines: list[str], log_path: str) -> TrainResult:
+    """Rank 0's result, or the error: a worker's own (``result.json.errN``) or the log's cause line."""
+    tmp = os.path.dirname(res_path)
+    errors = sorted(p for p in os.listdir(tmp) if p.startswith(os.path.basename(res_path) + ".err"))
+    if errors:
+        with open(os.path.join(tmp, errors[0]), encoding="utf-8") as f:
+            err = json.load(f)
+        if err.get("type") == "internal":
+            raise TrainingError(f"{err['message']} (full log: {log_path})")
         os.remove(log_path)
-        with open(res_path, encoding="utf-8") as f:
-            return TrainResult.from_dict(json.load(f))
+        raise TrainingError(err["message"])
+    if rc != 0 or not os.path.exists(res_path):
+        raise TrainingError(f"torchrun exited with status {rc}: {failure_cause(lines)} (full log: {log_path})")
+    os.remove(log_path)
+    with open(res_path, encoding="utf-8") as f:
+        return TrainResult.from_dict(json.load(f))
 
 
 def numpy_free_object_collectives() -> bool:
@@ -234,9 +297,15 @@ def numpy_free_object_collectives() -> bool:
     ``tensor.numpy().tobytes()`` in torch 2.x, so without numpy every distributed DCP save fails
     with "Numpy is not available".  When numpy cannot be imported, the private helper that does
     this (``distributed_c10d._tensor_to_object``) is replaced with the same code reading the
-    tensor's bytes through :func:`ckptfix.train.trainer.tensor_bytes`.  With numpy nothing changes.
+    tensor's bytes through :func:`ckptfix.train.probe.tensor_bytes`.  With numpy nothing changes.
+
+    Returns:
+        True when the helper was replaced (numpy is missing), False when numpy is there.
+
+    Raises:
+        TrainingError: numpy is missing and this torch has no such helper to replace.
     """
-    try:
+    try:  # numpy is optional: the trainer must work without it (only torch's helper needs it)
         import numpy  # noqa: F401
     except ImportError:
         pass
@@ -246,14 +315,14 @@ def numpy_free_object_collectives() -> bool:
 
     import torch.distributed.distributed_c10d as c10d
 
-    from ckptfix.train.trainer import tensor_bytes
+    from ckptfix.train.probe import tensor_bytes
 
     if not hasattr(c10d, "_tensor_to_object") or not hasattr(c10d, "_unpickler"):
         raise TrainingError(
             "this torch's object collectives need numpy and ckptfix cannot work around it here; pip install numpy"
         )
 
-    def _tensor_to_object(tensor, tensor_size, group):  # type: ignore[no-untyped-def]
+    def _tensor_to_object(tensor: torch.Tensor, tensor_size: Any, group: Any) -> Any:
         buf = tensor_bytes(tensor.cpu())[: int(tensor_size)]
         return c10d._unpickler(io.BytesIO(buf)).load()
 
@@ -261,12 +330,29 @@ def numpy_free_object_collectives() -> bool:
     return True
 
 
+def _progress_line(msg: str) -> None:
+    print(PROGRESS_MARK + msg, file=sys.stderr, flush=True)
+
+
 def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
-    """Train as one rank of a torchrun job (the process group is created and destroyed here)."""
+    """Train as one rank of a torchrun job (the process group is created and destroyed here).
+
+    Args:
+        cfg: The configuration (mode ddp or fsdp).
+        result_path: Where rank 0 writes its :class:`TrainResult` as JSON (atomically), or None.
+
+    Returns:
+        This rank's result (only rank 0's lists the checkpoints).
+
+    Raises:
+        TrainingError: ``LOCAL_RANK`` names a GPU that is not there, or the run fails.
+    """
     import torch
     import torch.distributed as dist
 
-    from ckptfix.train.trainer import Dist, Run, resolve_device
+    from ckptfix.atomic import atomic_output
+    from ckptfix.train.devices import Dist, resolve_device
+    from ckptfix.train.run import Run
 
     device_type = resolve_device(cfg.device)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -274,7 +360,7 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
     world = int(os.environ["WORLD_SIZE"])
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if device_type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise TrainingError(
@@ -283,24 +369,17 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
         torch.cuda.set_device(local_rank)
         kwargs["device_id"] = torch.device("cuda", local_rank)
     numpy_free_object_collectives()
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(minutes=10), **kwargs)
+    dist.init_process_group(process_group_backend(device_type), timeout=timedelta(minutes=10), **kwargs)
     if rank == 0 and os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
         print(STARTED_MARK, file=sys.stderr, flush=True)
     try:
         cfg = TrainConfig.from_dict(cfg.to_dict())
         cfg.device = device_type
-        log = None
-        if os.environ.get("CKPTFIX_PROGRESS_MARK") == "1":
-
-            def log(msg: str) -> None:
-                print(PROGRESS_MARK + msg, file=sys.stderr, flush=True)
-
+        log = _progress_line if os.environ.get("CKPTFIX_PROGRESS_MARK") == "1" else None
         res = Run(cfg, Dist(rank=rank, local_rank=local_rank, world_size=world), log=log).run()
         if rank == 0 and result_path:
-            tmp = result_path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(res.to_dict(), f)
-            os.replace(tmp, result_path)
+            with atomic_output(result_path) as f:
+                f.write(json.dumps(res.to_dict()).encode("utf-8"))
         return res
     finally:
         dist.destroy_process_group()

@@ -12,7 +12,23 @@ import os
 import sys
 
 
+def _write_error(path: str, err: dict[str, object]) -> None:
+    """The launcher reads ``path`` after the job: written whole or not at all."""
+    from ckptfix.atomic import atomic_output
+
+    with atomic_output(path) as f:
+        f.write(json.dumps(err).encode("utf-8"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Train as one rank; a failure is written next to ``--result`` for the launcher.
+
+    Args:
+        argv: The command line (default ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, the ckptfix error's exit code, or 1 for anything else.
+    """
     p = argparse.ArgumentParser(prog="python -m ckptfix.train.ddp_worker")
     p.add_argument("--config", required=True, help="TrainConfig as JSON")
     p.add_argument("--result", default=None, help="rank 0 writes the TrainResult JSON here")
@@ -28,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(cfg, a.result)
     except CkptfixError as e:
         if a.result:
-            with open(f"{a.result}.err{rank}", "w", encoding="utf-8") as f:
-                json.dump({"message": str(e), "type": type(e).__name__, "exit_code": e.exit_code}, f)
+            _write_error(
+                f"{a.result}.err{rank}", {"message": str(e), "type": type(e).__name__, "exit_code": e.exit_code}
+            )
         print(f"[rank {rank}] Error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     except Exception as e:  # a bug or an environment failure: one line for the launcher, traceback in the log
@@ -38,10 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         if a.result:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            with open(f"{a.result}.err{rank}", "w", encoding="utf-8") as f:
-                json.dump(
-                    {"message": f"rank {rank}: {type(e).__name__}: {first}", "type": "internal", "exit_code": 1}, f
-                )
+            _write_error(
+                f"{a.result}.err{rank}",
+                {"message": f"rank {rank}: {type(e).__name__}: {first}", "type": "internal", "exit_code": 1},
+            )
         return 1
     return 0
 

@@ -26,18 +26,16 @@ each rank's slice.
 
 from __future__ import annotations
 
-import os
-import shutil
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from ckptfix.errors import TrainingError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ckptfix.train.trainer import Run
+from ckptfix.train.config import TrainConfig
+from ckptfix.train.devices import Dist
+from ckptfix.train.models import build_model
+from ckptfix.train.saving import atomic_torch_save, save_dcp
 
 
 def _shard_units(model: nn.Module) -> list[nn.Module]:
@@ -55,6 +53,13 @@ def names_to_ids(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name (``get_state_dict``) re-keyed by index into ``names``.
 
     Keys that are already ints (or not among ``names``) are kept.
+
+    Args:
+        opt_sd: The optimizer state dict.
+        names: The parameter names in index order.
+
+    Returns:
+        A new dict keyed by index.
     """
     index = {n: i for i, n in enumerate(names)}
 
@@ -70,7 +75,15 @@ def names_to_ids(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def ids_to_names(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The inverse of :func:`names_to_ids`: index keys become parameter names (what ``set_state_dict`` wants)."""
+    """The inverse of :func:`names_to_ids`: index keys become parameter names (what ``set_state_dict`` wants).
+
+    Args:
+        opt_sd: The optimizer state dict.
+        names: The parameter names in index order.
+
+    Returns:
+        A new dict keyed by name.
+    """
 
     def as_name(k: Any) -> Any:
         return names[k] if isinstance(k, int) and 0 <= k < len(names) else k
@@ -86,25 +99,36 @@ def ids_to_names(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 class FSDPState:
     """The sharded model and optimizer of one fsdp rank, and how they are saved and restored."""
 
-    def __init__(self, run: "Run", base: nn.Module) -> None:
+    def __init__(self, cfg: TrainConfig, dist: Dist, device_type: str, base: nn.Module) -> None:
+        """Shard ``base`` over the process group and make its SGD optimizer.
+
+        Args:
+            cfg: The run's configuration.
+            dist: The process group's facts (it must be initialised).
+            device_type: ``"cuda"`` (rank ``i`` uses ``cuda:LOCAL_RANK``) or ``"cpu"``.
+            base: The unsharded model (moved and sharded in place).
+
+        Raises:
+            TrainingError: there is no process group.
+        """
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        cfg = run.cfg
-        if not run.dist.enabled:
+        if not dist.enabled:
             raise TrainingError(
                 "--mode fsdp needs a process group: run it through `ckptfix train --mode fsdp` "
                 "(which launches torchrun) or under your own torchrun"
             )
-        self.run = run
+        self.cfg = cfg
+        self.dist = dist
         self.names = [n for n, _ in base.named_parameters()]
-        if run.device_type == "cuda":
-            dev = torch.device("cuda", run.dist.local_rank)
+        if device_type == "cuda":
+            dev = torch.device("cuda", dist.local_rank)
         else:
             dev = torch.device("cpu")
         self.device = dev
         base = base.to(dev)
-        mesh = init_device_mesh(dev.type, (run.dist.world_size,))
+        mesh = init_device_mesh(dev.type, (dist.world_size,))
         for unit in _shard_units(base):
             fully_shard(unit, mesh=mesh)
         fully_shard(base, mesh=mesh)
@@ -112,14 +136,13 @@ class FSDPState:
         self.optimizer = torch.optim.SGD(
             base.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
-        run.base = base
-        run.wrapped = base
-        run.optimizer = self.optimizer
-        run.devices = [str(dev)]
-        run.input_device = dev
 
     def load_optimizer(self, opt_sd: dict[str, Any]) -> None:
-        """Restore a full (unsharded) optimizer state dict keyed by index or name; each rank keeps its slice."""
+        """Restore a full (unsharded) optimizer state dict keyed by index or name; each rank keeps its slice.
+
+        Args:
+            opt_sd: The full optimizer state dict.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         full = ids_to_names(opt_sd, self.names)
@@ -129,19 +152,29 @@ class FSDPState:
         }
         set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
 
-    def save(self, epoch: int, path: str) -> tuple[dict[str, torch.Tensor], nn.Module | None]:
+    def save(
+        self, epoch: int, path: str, args: dict[str, Any], args_object: Any
+    ) -> tuple[dict[str, Any], nn.Module | None]:
         """Save this epoch to ``path`` (DCP shards from every rank, or a full .pt from rank 0).
 
-        Collective.  Returns (the full model state dict, a plain model holding it for the probe);
-        both only on rank 0 (``({}, None)`` elsewhere).
+        Collective: every rank calls it.
+
+        Args:
+            epoch: The epoch just trained.
+            path: The checkpoint's final path.
+            args: The run's options as a plain dict (stored in a DCP checkpoint).
+            args_object: The options as stored in a .pt file (a dict or an ``argparse.Namespace``).
+
+        Returns:
+            (the full model state dict, a plain model holding it for the probe), on rank 0;
+            ``({}, None)`` on the other ranks.
+
+        Raises:
+            OutputError: the checkpoint cannot be written.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        from ckptfix.train.models import build_model
-        from ckptfix.train.trainer import atomic_torch_save
-
-        run = self.run
-        cfg = run.cfg
+        cfg = self.cfg
         full_model, full_optim = get_state_dict(
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
@@ -151,39 +184,21 @@ class FSDPState:
                 "epoch": epoch,
                 "model_state_dict": model_sd,
                 "optimizer_state_dict": optim_sd,
-                "args": run._args_dict(),
+                "args": args,
             }
-            self._save_dcp(payload, path)
+            save_dcp(payload, path, self.dist)
         else:
-            if run.dist.is_main:
+            if self.dist.is_main:
                 payload = {
                     "epoch": epoch,
                     "model_state_dict": full_model,
                     "optimizer_state_dict": names_to_ids(full_optim, self.names),
-                    "args": run._args_object(),
+                    "args": args_object,
                 }
                 atomic_torch_save(payload, path, legacy=cfg.legacy_format)
-            run.dist.barrier()
-        if not run.dist.is_main:
+            self.dist.barrier()
+        if not self.dist.is_main:
             return {}, None
         plain = build_model(cfg.model, 0)
         plain.load_state_dict(full_model)
         return full_model, plain
-
-    def _save_dcp(self, payload: dict[str, Any], final: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        run = self.run
-        tmp = final + ".tmp"
-        if run.dist.is_main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        run.dist.barrier()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.save(payload, checkpoint_id=tmp)
-        run.dist.barrier()
-        if run.dist.is_main:
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        run.dist.barrier()

@@ -27,9 +27,7 @@ still runs for real; with CUDA replica ``i`` lives on ``cuda:i``.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,11 @@ from ckptfix.errors import TrainingError
 
 
 def naive_all_reduce(tensors: Sequence[torch.Tensor]) -> None:
-    """Sum ``tensors`` (one per replica, any devices) in replica order; write the sum into each."""
+    """Sum ``tensors`` (one per replica, any devices) in replica order; write the sum into each.
+
+    Args:
+        tensors: One tensor per replica, all of one shape; overwritten with the sum.
+    """
     total = tensors[0].detach().clone()
     for t in tensors[1:]:
         total.add_(t.detach().to(total.device))
@@ -56,6 +58,9 @@ def ring_all_reduce(tensors: Sequence[torch.Tensor]) -> None:
     All-gather: in N-1 more steps the finished chunks travel round the ring and
     overwrite the partial ones.  Each chunk's sum is computed once, so every
     replica ends with bit-identical values.
+
+    Args:
+        tensors: One contiguous tensor per replica, all of one shape; overwritten with the sum.
     """
     n = len(tensors)
     if n == 1:
@@ -92,7 +97,17 @@ def scatter_sizes(n: int, k: int) -> list[int]:
     DataParallel's scatter calls ``tensor.chunk(k)``: chunks of ``ceil(n / k)`` samples, the last one
     smaller (30 on 4 -> 8, 8, 8, 6; 10 on 3 -> 4, 4, 2).  ``chunk`` can return fewer than ``k`` chunks
     (5 on 4 -> 2, 2, 1); the replicas left over get 0 samples and sit the step out, as DataParallel
-    then uses fewer replicas.  Always returns ``k`` sizes summing to ``n``.
+    then uses fewer replicas.
+
+    Args:
+        n: The batch size.
+        k: The replicas.
+
+    Returns:
+        ``k`` sizes summing to ``n``.
+
+    Raises:
+        TrainingError: ``k`` is less than 1.
     """
     if k < 1:
         raise TrainingError("at least one replica is needed")
@@ -134,11 +149,20 @@ class ManualDataParallel:
         self.last_split: list[int] = []
 
     def train(self) -> None:
+        """Put every replica in training mode."""
         for r in self.replicas:
             r.train()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """One optimisation step on the batch ``(x, y)``; returns the full-batch mean loss."""
+        """One optimisation step on the batch ``(x, y)``.
+
+        Args:
+            x: The input batch (any device; each slice goes to its replica's device).
+            y: The labels.
+
+        Returns:
+            The full-batch mean loss.
+        """
         n = x.shape[0]
         sizes = scatter_sizes(n, len(self.replicas))
         xs, ys = torch.split(x, sizes), torch.split(y, sizes)
@@ -169,7 +193,11 @@ class ManualDataParallel:
         return total
 
     def check_in_sync(self) -> None:
-        """Raise TrainingError unless every replica holds exactly replica 0's weights and buffers."""
+        """Check that every replica holds exactly replica 0's weights and buffers.
+
+        Raises:
+            TrainingError: a replica drifted (names the first key that differs).
+        """
         ref = self.replicas[0].state_dict()
         for i, rep in enumerate(self.replicas[1:], 1):
             for k, v in rep.state_dict().items():
@@ -178,49 +206,3 @@ class ManualDataParallel:
                     raise TrainingError(
                         f"manual data parallel: replica {i} drifted from replica 0 at {k} (max diff {diff:g})"
                     )
-
-
-def compare_manual_to_single(
-    replicas: int = 2,
-    *,
-    out: str | None = None,
-    **config: Any,
-) -> dict[str, Any]:
-    """Train ``single`` and ``manual`` (``replicas`` replicas) on the same batches and seed; compare weights.
-
-    Returns ``{"max_abs_diff": float, "worst_key": str, "per_key": {...}, "single": TrainResult,
-    "manual": TrainResult}``.  Extra keyword arguments go to :class:`TrainConfig` (e.g. ``epochs=1``).
-    """
-    from ckptfix.train.config import TrainConfig
-    from ckptfix.train.trainer import train
-
-    tmp = None
-    if out is None:
-        tmp = tempfile.TemporaryDirectory(prefix="ckptfix-manual-")
-        out = tmp.name
-    try:
-        base = dict(config)
-        base.setdefault("quiet", True)
-        single = train(TrainConfig(mode="single", out=out, save_style="clean", name="cmp-single", **base))
-        manual = train(
-            TrainConfig(mode="manual", out=out, replicas=replicas, save_style="clean", name="cmp-manual", **base)
-        )
-        a = torch.load(single.final_checkpoint, map_location="cpu", weights_only=True)["model_state_dict"]
-        b = torch.load(manual.final_checkpoint, map_location="cpu", weights_only=True)["model_state_dict"]
-        per = {}
-        for k in a:
-            if a[k].is_floating_point():
-                per[k] = float((a[k].double() - b[k].double()).abs().max())
-        worst = max(per, key=per.get)
-        return {
-            "max_abs_diff": per[worst],
-            "worst_key": worst,
-            "per_key": per,
-            "replicas": replicas,
-            "single": single,
-            "manual": manual,
-            "out": None if tmp else os.path.abspath(out),
-        }
-    finally:
-        if tmp is not None:
-            tmp.cleanup()

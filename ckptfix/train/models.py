@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_NAMES = ("lenet", "resnet", "tutorial")
+from ckptfix.train.config import MODELS
 
 
 class LeNet(nn.Module):
@@ -45,6 +45,14 @@ class LeNet(nn.Module):
         self.show_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits.
+
+        Args:
+            x: A batch [N, 1, 28, 28].
+
+        Returns:
+            [N, 10] logits.
+        """
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         x = self.pool(F.relu(self.conv1(x)))
@@ -55,7 +63,14 @@ class LeNet(nn.Module):
 
 
 def tutorial_params(scale: float = 0.01) -> list[torch.Tensor]:
-    """The tutorial's parameter list ``[W1, b1, W2, b2, W3, b3, W4, b4]``: weights N(0, scale), zero biases."""
+    """The tutorial's parameter list ``[W1, b1, W2, b2, W3, b3, W4, b4]``: weights N(0, scale), zero biases.
+
+    Args:
+        scale: The weights' standard deviation.
+
+    Returns:
+        The eight tensors (from the global RNG).
+    """
     return [
         torch.randn(20, 1, 3, 3) * scale,
         torch.zeros(20),
@@ -69,7 +84,15 @@ def tutorial_params(scale: float = 0.01) -> list[torch.Tensor]:
 
 
 def tutorial_forward(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The tutorial's functional LeNet on ``[N, 1, 28, 28]`` input with ``params`` from :func:`tutorial_params`."""
+    """The tutorial's functional LeNet on ``[N, 1, 28, 28]`` input with ``params`` from :func:`tutorial_params`.
+
+    Args:
+        x: A batch [N, 1, 28, 28].
+        params: The eight tensors.
+
+    Returns:
+        [N, 10] logits.
+    """
     w1, b1, w2, b2, w3, b3, w4, b4 = params
     h1 = F.avg_pool2d(F.relu(F.conv2d(x, w1, b1)), kernel_size=2, stride=2)
     h2 = F.avg_pool2d(F.relu(F.conv2d(h1, w2, b2)), kernel_size=2, stride=2)
@@ -94,15 +117,26 @@ class TutorialLeNet(nn.Module):
 
     @property
     def params(self) -> list[torch.Tensor]:
+        """The parameters in the tutorial's order (``w1, b1 ... w4, b4``)."""
         return [getattr(self, n) for n in self.NAMES]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits.
+
+        Args:
+            x: A batch [N, 1, 28, 28].
+
+        Returns:
+            [N, 10] logits.
+        """
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         return tutorial_forward(x, self.params)
 
 
 class BasicBlock(nn.Module):
+    """A ResNet basic block: two 3x3 conv+BN, with a 1x1 conv+BN shortcut when the shape changes."""
+
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
@@ -114,6 +148,14 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output.
+
+        Args:
+            x: Feature maps [N, cin, H, W].
+
+        Returns:
+            Feature maps [N, cout, H / stride, W / stride].
+        """
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
@@ -132,6 +174,14 @@ class SmallResNet(nn.Module):
         self.show_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits.
+
+        Args:
+            x: A batch [N, 1, 28, 28].
+
+        Returns:
+            [N, 10] logits.
+        """
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         x = F.relu(self.bn1(self.conv1(x)))
@@ -141,7 +191,18 @@ class SmallResNet(nn.Module):
 
 
 def build_model(name: str, seed: int) -> nn.Module:
-    """Build ``name`` with weights initialised from ``seed`` (identical on every rank/replica)."""
+    """Build ``name`` with weights initialised from ``seed`` (identical on every rank/replica).
+
+    Args:
+        name: One of :data:`ckptfix.train.config.MODELS`.
+        seed: The initialisation seed (the global RNG is left as it was).
+
+    Returns:
+        The model (CPU, float32).
+
+    Raises:
+        TrainingError: ``name`` is not a known model.
+    """
     from ckptfix.errors import TrainingError
 
     with torch.random.fork_rng(devices=[]):
@@ -152,8 +213,16 @@ def build_model(name: str, seed: int) -> nn.Module:
             return SmallResNet()
         if name == "tutorial":
             return TutorialLeNet()
-    raise TrainingError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    raise TrainingError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
 
 
 def has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm layers (DDP on CUDA converts them to SyncBatchNorm).
+
+    Args:
+        model: The model.
+
+    Returns:
+        True when some submodule is a BatchNorm.
+    """
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

@@ -1,0 +1,81 @@
+"""``--resume``: loading a checkpoint of any mode or format into the model, and its optimizer state."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torch import nn
+
+from ckptfix.errors import TrainingError
+from ckptfix.train.config import TrainConfig
+
+# argparse.Namespace is what `args` becomes with --namespace-args: harmless, so resume allows it.
+ALLOW_GLOBALS = (argparse.Namespace,)
+
+
+def int_optimizer_keys(opt_sd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict with integer parameter ids, as ``Optimizer.load_state_dict`` needs.
+
+    A DCP checkpoint hands the optimizer's ``state`` back keyed by strings (``'0'`` .. ``'7'``):
+    ``load_state_dict`` would keep those *next to* the real entries and the momentum would be lost.
+    String ids (in ``state`` and in each param group's ``params``) become ints again; the
+    tensors are not copied.
+
+    Args:
+        opt_sd: An optimizer state dict (``state`` and ``param_groups``).
+
+    Returns:
+        A new dict with integer ids.
+    """
+
+    def as_id(k: Any) -> Any:
+        return int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k
+
+    out = dict(opt_sd)
+    out["state"] = {as_id(k): v for k, v in (opt_sd.get("state") or {}).items()}
+    groups = []
+    for g in opt_sd.get("param_groups") or []:
+        g = dict(g)
+        if "params" in g:
+            g["params"] = [as_id(p) for p in g["params"]]
+        groups.append(g)
+    out["param_groups"] = groups
+    return out
+
+
+def load_resume(cfg: TrainConfig, base: nn.Module) -> tuple[dict[str, Any], str]:
+    """Load ``cfg.resume`` into ``base`` (weights only) and check the run can continue from it.
+
+    Also the launcher's pre-flight check for ``ddp``/``fsdp``, so a bad ``--resume`` is one
+    ``Error:`` line before torchrun starts.
+
+    Args:
+        cfg: The run's configuration (``cfg.resume`` is set).
+        base: The freshly built model; its weights are replaced.
+
+    Returns:
+        (the checkpoint's top-level dict, or ``{}`` for a bare state dict; its format name).
+
+    Raises:
+        TrainingError: the weights do not fit the model, or the checkpoint already has
+            ``cfg.epochs`` epochs.
+        CkptfixError: the checkpoint cannot be read (its own error class).
+    """
+    from ckptfix.loading import load_checkpoint
+
+    assert cfg.resume is not None
+    lc = load_checkpoint(cfg.resume, map_location="cpu", model=base, allow_globals=ALLOW_GLOBALS)
+    try:
+        base.load_state_dict(lc.state_dict)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TrainingError(f"--resume {cfg.resume}: weights do not fit the {cfg.model} model: {first}") from e
+    ckpt = lc.checkpoint if isinstance(lc.checkpoint, dict) else {}
+    done = int(ckpt.get("epoch", 0) or 0)
+    if done >= cfg.epochs:
+        raise TrainingError(
+            f"--resume {cfg.resume}: the checkpoint already has {done} epoch(s) and --epochs is {cfg.epochs}; "
+            f"pass --epochs {done + 1} or more to train further"
+        )
+    return ckpt, str(getattr(lc, "format", "?"))
