@@ -515,12 +515,9 @@ def test_expanded_tensor_refused_quickly_unless_allowed(tmp_path, capsys):
     src = tmp_path / "e.pth"
     torch.save({"w": torch.zeros(1).expand(20000, 20000)}, src)
     assert src.stat().st_size < 4096
-    r = subprocess.run(
-        [sys.executable, "-m", "ckptfix", "convert", str(src), "-o", str(tmp_path / "e.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    from helpers import run_cli
+
+    r = run_cli("convert", src, "-o", tmp_path / "e.safetensors")
     assert r.returncode == 12 and "'w'" in r.stderr and "--allow-expand" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "e.safetensors").exists()
     torch.save({"w": torch.arange(3.0)[:, None].expand(3, 300_000)}, src)  # 3.6 MB: inside the 64 MiB slack

@@ -12,7 +12,7 @@ import pytest
 from ckptfix.cli import main
 from ckptfix.inspecting import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, scan_checkpoint
 
-from conftest import run_cli
+from helpers import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -13,7 +13,7 @@ from ckptfix.errors import CkptfixError, KeyConflictError, UnsupportedError
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 from ckptfix.loading import is_stub, load_anywhere, load_checkpoint
 
-from conftest import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
+from helpers import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -30,7 +30,7 @@ from ckptfix.pickles import (
     resolve_global,
 )
 
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

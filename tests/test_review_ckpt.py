@@ -19,7 +19,7 @@ from ckptfix.pickles import classify_global
 from ckptfix.prefixes import strip_prefix_report
 from ckptfix.rewrite import rewrite_checkpoint
 
-from conftest import assert_one_line_error, run_cli, sha256
+from helpers import assert_one_line_error, run_cli, sha256
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

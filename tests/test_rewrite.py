@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from ckptfix.inspecting import inspect_checkpoint
 from ckptfix.prefixes import strip_prefix_report
 from ckptfix.rewrite import rewrite_checkpoint
 
-from conftest import (
+from helpers import (
     IS_ROOT,
     TinyNet,
     assert_one_line_error,
@@ -221,7 +220,7 @@ def test_strip_keeps_dtypes(ckpt, capsys, tmp_path, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_strip_keeps_cuda_tags_unless_map_location(ckpt, capsys, tmp_path, legacy, layout):
-    from conftest import Built, tagged
+    from helpers import Built, tagged
 
     m = tiny_model()
     sd = nn.DataParallel(m).state_dict()
@@ -409,8 +408,10 @@ def test_in_place_survives_sigkill(big_dp_ckpt, tmp_path, delay):
     src, h0, stripped = big_dp_ckpt
     p = tmp_path / "big.pt"
     shutil.copyfile(src, p)
+    from helpers import cli_argv
+
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptfix", "strip-prefix", str(p), "--in-place"],
+        cli_argv("strip-prefix", str(p), "--in-place"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -603,18 +604,18 @@ def test_align_to_factory_on_pythonpath(ckpt, tmp_path, layout):
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "pp"), os.environ["PYTHONPATH"]])}
     b = ckpt.dataparallel()
     _save_layout(torch.load(b.path, weights_only=True), b.path, layout)
-    p = run_cli("align", b.path, "--to", "mypkg.nets:build", "-o", tmp_path / "al.pt", env=env)
+    p = run_cli("align", b.path, "--to", "mypkg.nets:build", "-o", tmp_path / "al.pt", **env)
     assert p.returncode == 0, p.stderr
     m = TinyNet().eval()
     m.load_state_dict(_sd_of(_tload(tmp_path / "al.pt"), layout), strict=True)
     assert torch.equal(m(sample_input()), b.model(sample_input()))
     # not exact: exit 10, the output is still written and the missing keys listed
-    p = run_cli("align", b.path, "--to", "mypkg.nets:build_bigger", "-o", tmp_path / "al2.pt", env=env)
+    p = run_cli("align", b.path, "--to", "mypkg.nets:build_bigger", "-o", tmp_path / "al2.pt", **env)
     assert p.returncode == 10, p.stderr
     assert "Traceback" not in p.stderr and "extra.weight" in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("Error: ")
     # an unimportable factory
-    p = run_cli("align", b.path, "--to", "nopkg.nets:build", "-o", tmp_path / "al3.pt", env=env)
+    p = run_cli("align", b.path, "--to", "nopkg.nets:build", "-o", tmp_path / "al3.pt", **env)
     assert_one_line_error(p, 3)
 
 

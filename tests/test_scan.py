@@ -23,7 +23,7 @@ from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.inspecting import scan_checkpoint
 from ckptfix.pickles import classify_global, resolve_global, scan_globals, scan_pickle_sequence
 
-from conftest import run_cli
+from helpers import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -551,7 +551,7 @@ def test_scan_dcp_byte_item_with_payload(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from conftest import Evil
+    from helpers import Evil
 
     d = tmp_path / "evil_dcp"
     marker = tmp_path / "pwned"
