@@ -14,10 +14,12 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import warnings
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -484,8 +486,6 @@ class CkptFactory:
         return Built(path, {k: v.clone() for k, v in m.state_dict().items()}, m)
 
     def weird_root(self, name: str = "weird_name.pt") -> Built:
-        import zipfile
-
         b = self.plain(name)
         names = zipfile.ZipFile(b.path).namelist()
         root = names[0].split("/")[0]
@@ -538,3 +538,62 @@ class CkptFactory:
             raise ValueError(mode)
         assert not marker.exists()
         return Built(path, {k: v.clone() for k, v in sd.items()}, m, {"marker": marker})
+
+
+# --------------------------------------------------------------------------- odd files, built by hand
+
+
+def dp_state_dict() -> dict[str, torch.Tensor]:
+    """Six 5x3 float tensors under DataParallel's ``module.`` prefix (seeded, so equal on every call)."""
+    torch.manual_seed(0)
+    return {f"module.l{i}.weight": torch.randn(5, 3) for i in range(6)}
+
+
+def leftovers(d: str | os.PathLike) -> list[str]:
+    """Hidden or ``.tmp`` files in ``d``: what an interrupted or refused write must not leave behind."""
+    return sorted(n for n in os.listdir(d) if n.startswith(".") or n.endswith(".tmp"))
+
+
+def zip_data_offsets(path: str | os.PathLike) -> dict[str, int]:
+    """Each zip member's name -> the file offset where its data starts (after the local header)."""
+    out = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for info in zf.infolist():
+            f.seek(info.header_offset + 26)
+            n, e = struct.unpack("<HH", f.read(4))
+            out[info.filename] = info.header_offset + 30 + n + e
+    return out
+
+
+def rezip(src: str | os.PathLike, dst: str | os.PathLike, compress_for: Any = None, order: Any = None) -> None:
+    """Copy zip ``src`` to ``dst`` as Python's zipfile writes it (no 64-byte alignment).
+
+    Args:
+        src: a torch zip checkpoint.
+        dst: where to write.
+        compress_for: member name -> zipfile compression constant (default: stored).
+        order: member names -> member names in the order to write them.
+    """
+    compress = compress_for or (lambda name: zipfile.ZIP_STORED)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        names = order(zin.namelist()) if order else zin.namelist()
+        for n in names:
+            zout.writestr(zipfile.ZipInfo(n), zin.read(n), compress_type=compress(n))
+
+
+def inject_into_data_pkl(src: str | os.PathLike, dst: str | os.PathLike, payload: bytes) -> None:
+    """Copy zip checkpoint ``src`` to ``dst`` with ``"evil": <payload>`` added to data.pkl's top-level dict."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for n in zin.namelist():
+            data = zin.read(n)
+            if n.endswith("data.pkl"):
+                assert data.endswith(b".")
+                data = data[:-1] + b"X\x04\x00\x00\x00evil" + payload + b"s."
+            zout.writestr(zipfile.ZipInfo(n), data)
+
+
+def write_raw_safetensors(path: Path, header: Any, data: bytes, raw: bytes | None = None) -> None:
+    """Write a safetensors file with any header (``raw`` bytes instead of ``json.dumps(header)``), padded to 8."""
+    h = raw if raw is not None else json.dumps(header).encode()
+    h += b" " * ((-len(h)) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
