@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import subprocess
 import sys
 import zipfile
@@ -185,7 +186,7 @@ def test_legacy_format_and_namespace_args(tmp_path):
     res = train(TrainConfig(out=str(tmp_path), legacy_format=True, namespace_args=True, epochs=1, **SMALL))
     path = res.final_checkpoint
     assert not zipfile.is_zipfile(path)
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError):
         torch.load(path, weights_only=True)  # argparse.Namespace is not an allowed global
     ckpt = torch.load(path, weights_only=False)
     assert isinstance(ckpt["args"], argparse.Namespace) and ckpt["args"].legacy_format is True

@@ -60,7 +60,8 @@ def test_failure_cause_picks_the_real_line():
         "W1123 warning: something",
         "Traceback (most recent call last):",
         '  File "x.py", line 3, in <module>',
-        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local address (Address already in use)",
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local address "
+        "(Address already in use)",
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
         "============================================================",
     ]
