@@ -5,7 +5,8 @@ that says what went wrong *and how to fix it*.  Each class also subclasses the
 matching built-in exception so callers can catch ``FileNotFoundError`` or
 ``ValueError`` without knowing about ckptfix.
 
-The exit codes are part of the public interface and documented in README.md.
+The exit codes are part of the public interface; docs/exit-codes.md is generated from
+this module (``docs/gen_exit_codes.py``, checked by tests/test_docs.py).
 """
 
 from __future__ import annotations
