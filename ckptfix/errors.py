@@ -163,7 +163,11 @@ class DemoFailedError(CkptfixError, RuntimeError):
 
 
 def all_error_classes() -> list[type[CkptfixError]]:
-    """Every error class, base first (used by the README test and the docs)."""
+    """Every error class, base first (docs/gen_exit_codes.py and tests/test_docs.py use it).
+
+    Returns:
+        :class:`CkptfixError` and all its subclasses, each class before its subclasses.
+    """
     out: list[type[CkptfixError]] = [CkptfixError]
     todo = [CkptfixError]
     while todo:
