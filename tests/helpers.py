@@ -597,3 +597,24 @@ def write_raw_safetensors(path: Path, header: Any, data: bytes, raw: bytes | Non
     h = raw if raw is not None else json.dumps(header).encode()
     h += b" " * ((-len(h)) % 8)
     path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+
+
+# --------------------------------------------------------------------------- golden files
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE_GOLDEN = os.environ.get("CKPTFIX_UPDATE_GOLDEN") == "1"
+
+
+def check_golden(path: Path, text: str) -> None:
+    """Assert ``text`` equals golden file ``path``; with ``CKPTFIX_UPDATE_GOLDEN=1``, (re)write it instead.
+
+    Args:
+        path: the golden file, under tests/golden/.
+        text: what the command printed (as a transcript).
+    """
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.exists(), f"no {path}: run CKPTFIX_UPDATE_GOLDEN=1 pytest on this test"
+    assert text == path.read_text(), f"output differs from {path} (regenerate it if the change is intended)"
