@@ -38,6 +38,11 @@ def _os_error(e: OSError, path: str) -> OutputError:
 
 
 def fsync_dir(path: str) -> None:
+    """Flush the directory holding ``path`` to disk, so a rename into it survives a crash (best effort).
+
+    Args:
+        path: a file whose directory entry should be durable.
+    """
     d = os.path.dirname(os.path.abspath(path)) or "."
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -82,6 +87,9 @@ def release_temp(tmp: str | None = None) -> None:
 
     Locks are also released when the process exits, which is what makes a left-over temp file
     recognisable as stale (see :func:`clean_stale_temps`).
+
+    Args:
+        tmp: the temp file from :func:`new_temp`, or ``None`` for every locked temp that no longer exists.
     """
     with _locks_mutex:
         names = [tmp] if tmp is not None else [t for t in _locks if not os.path.lexists(t)]
@@ -99,6 +107,10 @@ def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
     :data:`STALE_AFTER_S`, and an exclusive ``flock`` on it succeeds at once -- every ckptfix writer
     holds that lock until it renames or removes its temp, so a lock that can be taken means its
     writer is gone.
+
+    Args:
+        directory: where to look (an unreadable directory is skipped).
+        now: the current time (default ``time.time()``), for the age test.
 
     Returns:
         The paths removed.
@@ -143,6 +155,15 @@ def new_temp(path: str) -> tuple[int, str]:
     mkstemp creates files 0600; the result gets the mode of the file it replaces, or the
     usual ``0666 & ~umask`` for a new file.  The temp file is locked (``flock``) until it is
     renamed or removed, and stale temps of dead writers in the same directory are removed first.
+
+    Args:
+        path: the final file the temp will be renamed to.
+
+    Returns:
+        ``(fd, temp_path)``; the caller closes ``fd`` and calls :func:`release_temp` when done.
+
+    Raises:
+        OutputError: the temp file cannot be created (no space, permission denied, no such directory).
     """
     path = os.path.abspath(path)
     clean_stale_temps(os.path.dirname(path))
@@ -164,7 +185,15 @@ def new_temp(path: str) -> tuple[int, str]:
 
 
 def same_file(a: str, b: str) -> bool:
-    """True when ``a`` and ``b`` are the same file: one path, a symlink to it, or a hard link (same inode)."""
+    """True when ``a`` and ``b`` are the same file: one path, a symlink to it, or a hard link (same inode).
+
+    Args:
+        a: a path.
+        b: another path.
+
+    Returns:
+        ``False`` also when either does not exist.
+    """
     try:
         return os.path.realpath(a) == os.path.realpath(b) or os.path.samefile(a, b)
     except OSError:
@@ -180,6 +209,18 @@ def atomic_output(
     ``before_replace(temp_path)`` runs once the data is written (and fsynced), before the rename:
     it verifies the written file and may raise, in which case the temp file is removed and
     ``path`` is left as it was.
+
+    Args:
+        path: the final file.
+        fsync: flush the data before the rename and the directory after it.
+        before_replace: a check of the written temp file, run before the rename.
+
+    Yields:
+        The temp file, open for binary writing (and reading).
+
+    Raises:
+        OutputError: the temp file cannot be created, written or renamed (the message says why).
+        Exception: whatever the ``with`` body or ``before_replace`` raises; the temp file is removed.
     """
     path = os.path.abspath(path)
     fd, tmp = new_temp(path)
@@ -216,6 +257,12 @@ def backup_name(path: str) -> str:
 
     So ``.bak`` holds the file as it was before the first in-place rewrite and ``.bak1`` as it was
     before the latest one; backups never pile up beyond those two.
+
+    Args:
+        path: the file to back up.
+
+    Returns:
+        The backup's path.
     """
     first = path + ".bak"
     return first if not os.path.lexists(first) else path + ".bak1"
@@ -226,6 +273,9 @@ def make_backup(path: str) -> str:
 
     The first backup is ``path.bak`` and is never replaced; later ones go to ``path.bak1``,
     replacing the previous ``.bak1`` atomically.
+
+    Args:
+        path: the file about to be replaced.
 
     Returns:
         The backup's path.

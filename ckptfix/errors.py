@@ -5,7 +5,8 @@ that says what went wrong *and how to fix it*.  Each class also subclasses the
 matching built-in exception so callers can catch ``FileNotFoundError`` or
 ``ValueError`` without knowing about ckptfix.
 
-The exit codes are part of the public interface and documented in README.md.
+The exit codes are part of the public interface; docs/exit-codes.md is generated from
+this module (``docs/gen_exit_codes.py``, checked by tests/test_docs.py).
 """
 
 from __future__ import annotations
@@ -162,7 +163,11 @@ class DemoFailedError(CkptfixError, RuntimeError):
 
 
 def all_error_classes() -> list[type[CkptfixError]]:
-    """Every error class, base first (used by the README test and the docs)."""
+    """Every error class, base first (docs/gen_exit_codes.py and tests/test_docs.py use it).
+
+    Returns:
+        :class:`CkptfixError` and all its subclasses, each class before its subclasses.
+    """
     out: list[type[CkptfixError]] = [CkptfixError]
     todo = [CkptfixError]
     while todo:

@@ -119,6 +119,7 @@ def rename_keys(state_dict: M, fn: KeyFn | Mapping[str, str]) -> M:
     Raises:
         KeyConflictError: two keys would get the same name; names both source
             keys and the target.  Nothing is returned and the input is untouched.
+        TypeError: ``fn`` returned something other than a ``str``.
 
     >>> rename_keys({"a.w": 1, "b.w": 2}, lambda k: k.replace("a.", "enc."))
     {'enc.w': 1, 'b.w': 2}
@@ -167,11 +168,13 @@ def _check_collisions(old_keys: list[str], new_keys: list[str]) -> None:
 
 def _empty_like(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     kind = type(state_dict)
-    if kind is dict or kind is OrderedDict:
-        return kind()
+    if kind is dict:
+        return {}
+    if kind is OrderedDict:
+        return OrderedDict()
     if isinstance(state_dict, dict):
         try:  # a dict subclass: keep its class and attributes, not its items
-            out = copy.copy(state_dict)
+            out: dict[str, Any] = copy.copy(state_dict)
             out.clear()
             return out
         except Exception:  # noqa: BLE001 - an exotic subclass: fall back to a dict
@@ -280,7 +283,11 @@ class PrefixReport:
         return {p: n for p, n in self.leading.items() if n < self.total_keys}
 
     def summary(self) -> str:
-        """One line for humans."""
+        """One line for humans.
+
+        Returns:
+            The prefixes with their key counts, or ``"no wrapper prefixes in N keys"``.
+        """
         if not self.has_wrappers:
             return f"no wrapper prefixes in {self.total_keys} keys"
         parts = [f"{p!r} on {n} of {self.total_keys} keys" for p, n in self.leading.items()]
@@ -288,7 +295,11 @@ class PrefixReport:
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form.
+
+        Returns:
+            The fields, ``partial`` and ``has_wrappers`` as plain values.
+        """
         return {
             "total_keys": self.total_keys,
             "leading": dict(self.leading),
@@ -302,6 +313,15 @@ class PrefixReport:
 
 def detect_prefixes(keys: Iterable[str]) -> PrefixReport:
     """Report the wrapper prefixes present in ``keys`` (a state dict or any iterable of keys).
+
+    Args:
+        keys: key names; a mapping's keys are used.
+
+    Returns:
+        A :class:`PrefixReport`.
+
+    Raises:
+        TypeError: ``keys`` is a single string.
 
     >>> r = detect_prefixes(["module._orig_mod.fc.weight", "module._orig_mod.fc.bias"])
     >>> r.leading, r.stacks, r.default_strip
@@ -369,7 +389,11 @@ class StripReport:
         return self.renamed_keys > 0
 
     def summary(self) -> str:
-        """One line for humans, saying what was stripped and what was not."""
+        """One line for humans, saying what was stripped and what was not.
+
+        Returns:
+            The stripped prefixes and removed segments with key counts, then what was left in place and why.
+        """
         parts = [f"stripped {p!r} from {n} of {self.total_keys} keys" for p, n in self.stripped]
         parts += [f"removed inner {s!r} from {n} keys" for s, n in self.inner_removed.items()]
         if not parts:
@@ -380,7 +404,11 @@ class StripReport:
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form.
+
+        Returns:
+            The fields, ``changed`` and ``summary`` as plain values.
+        """
         return {
             "total_keys": self.total_keys,
             "renamed_keys": self.renamed_keys,
@@ -453,6 +481,20 @@ def _plan_strip(keys: list[str], *, partial: bool) -> _StripPlan:
 
 def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bool = False) -> tuple[M, StripReport]:
     """Like :func:`strip_prefix`, and also say what was done.
+
+    Args:
+        state_dict: mapping key -> value; never mutated, values never inspected.
+        prefix: ``None`` for the wrapper layers all keys carry, or exactly this prefix
+            (see :func:`strip_prefix`).
+        partial: with ``prefix=None``, also strip ``module.``, ``_orig_mod.`` and
+            ``_forward_module.`` from the keys that carry them when not all do.
+
+    Returns:
+        ``(new_state_dict, StripReport)``; the new mapping has the input's type, ``_metadata`` re-keyed.
+
+    Raises:
+        KeyConflictError: an explicit prefix that no key has (the message lists
+            what was detected), or stripping would make two keys collide.
 
     >>> sd, report = strip_prefix_report({"module.a.w": 1, "b.w": 2})
     >>> sd
@@ -532,6 +574,16 @@ def add_prefix(state_dict: M, prefix: str) -> M:
     re-keyed: the root ``""`` entry moves to ``prefix`` (without the dot) and a copy
     stays at ``""`` for the wrapper itself.
 
+    Args:
+        state_dict: mapping key -> value; never mutated.
+        prefix: the prefix, e.g. ``"module."``.
+
+    Returns:
+        A new mapping of the same type.
+
+    Raises:
+        TypeError: ``prefix`` is not a string.
+
     >>> add_prefix({"fc.w": 1}, "module.")
     {'module.fc.w': 1}
     """
@@ -554,7 +606,11 @@ class ShapeMismatch(NamedTuple):
     target_shape: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form.
+
+        Returns:
+            ``key`` and both shapes as lists.
+        """
         return {
             "key": self.key,
             "checkpoint_shape": list(self.checkpoint_shape),
@@ -583,6 +639,11 @@ class AlignmentCandidate:
     shape_mismatches: int
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form.
+
+        Returns:
+            The fields as plain values.
+        """
         return {
             "rename": self.rename,
             "strip": self.strip,
@@ -627,7 +688,11 @@ class AlignmentReport:
         return not (self.missing or self.unexpected or self.shape_mismatches)
 
     def summary(self) -> str:
-        """One line for humans."""
+        """One line for humans.
+
+        Returns:
+            The renaming (or the tied candidates) and the matched/missing/unexpected/mismatch counts.
+        """
         if self.ambiguous:
             options = " | ".join(c.rename for c in self.candidates)
             head = f"ambiguous: {len(self.candidates)} renamings match equally well ({options}); nothing applied"
@@ -640,7 +705,11 @@ class AlignmentReport:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
+        """JSON-ready form.
+
+        Returns:
+            The fields, counts, ``exact`` and ``summary`` as plain values.
+        """
         return {
             "rename": self.rename,
             "applied": self.applied,
@@ -826,13 +895,13 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
     result_keys = list(result.keys())
     result_set = set(result_keys)
     matched_keys = tuple(k for k in target_keys if k in result_set)
-    mismatches = []
+    shape_mismatches: list[ShapeMismatch] = []
     if target_shapes is not None:
         result_shapes = {k: _shape_of(v) for k, v in result.items()}
         for key in matched_keys:
             mine, theirs = result_shapes[key], target_shapes[key]
             if mine is not None and theirs is not None and mine != theirs:
-                mismatches.append(ShapeMismatch(key, mine, theirs))
+                shape_mismatches.append(ShapeMismatch(key, mine, theirs))
     report = AlignmentReport(
         rename=rename,
         applied=applied,
@@ -841,7 +910,7 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
         matched=matched_keys,
         missing=tuple(k for k in target_keys if k not in result_set),
         unexpected=tuple(k for k in result_keys if k not in target_set),
-        shape_mismatches=tuple(mismatches),
+        shape_mismatches=tuple(shape_mismatches),
         shapes_compared=target_shapes is not None,
     )
     return result, report

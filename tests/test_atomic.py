@@ -113,3 +113,68 @@ def test_convert_to_a_hard_link_of_the_input_is_refused(tmp_path, capsys):
     assert src.read_bytes() == before
     assert main(["strip-prefix", str(src), "-o", str(tmp_path / "link.safetensors"), "--force"]) == 9
     assert src.read_bytes() == before
+
+
+# --- moved from test_review_ckpt.py: in-place through symlinks and hard links; outputs that are dirs or the input
+
+
+def test_in_place_through_a_symlink_fixes_the_target(tmp_path):
+    """--in-place on a symlink rewrites the file it points to, keeps the link, and backs up the real file."""
+    from helpers import dp_state_dict, run_cli
+
+    real_dir = tmp_path / "store"
+    real_dir.mkdir()
+    real = real_dir / "real.pt"
+    torch.save({"state_dict": dp_state_dict()}, real)
+    link = tmp_path / "link.pt"
+    link.symlink_to(os.path.relpath(real, tmp_path))
+    p = run_cli("strip-prefix", link, "--in-place")
+    assert p.returncode == 0, p.stderr
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    assert list(torch.load(real, weights_only=True)["state_dict"]) == [f"l{i}.weight" for i in range(6)]
+    assert (real_dir / "real.pt.bak").is_file() and not (real_dir / "real.pt.bak").is_symlink()
+    assert list(torch.load(real_dir / "real.pt.bak", weights_only=True)["state_dict"])[0] == "module.l0.weight"
+
+
+def test_in_place_on_a_hard_linked_file_says_so(tmp_path):
+    """Replacing a hard-linked file leaves the other link on the old content, and the report notes it."""
+    from ckptfix.prefixes import strip_prefix_report
+    from ckptfix.rewrite import rewrite_checkpoint
+
+    from helpers import dp_state_dict
+
+    a = tmp_path / "a.pt"
+    torch.save({"state_dict": dp_state_dict()}, a)
+    b = tmp_path / "b.pt"
+    os.link(a, b)
+    rep = rewrite_checkpoint(str(a), lambda sd: strip_prefix_report(sd), in_place=True, backup=False)
+    assert any("hard link" in n for n in rep.notes)
+    assert list(torch.load(b, weights_only=True)["state_dict"])[0] == "module.l0.weight"  # b is the old file
+
+
+def test_output_that_is_a_directory_is_refused_without_suggesting_force(tmp_path):
+    from helpers import assert_one_line_error, dp_state_dict, leftovers, run_cli
+
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    d = tmp_path / "out"
+    d.mkdir()
+    for extra in ([], ["--force"]):
+        p = run_cli("strip-prefix", src, "-o", d, *extra)
+        assert_one_line_error(p, 9)
+        assert "is a directory" in p.stderr and "--force" not in p.stderr
+    assert os.listdir(d) == [] and leftovers(tmp_path) == []
+
+
+def test_output_that_is_the_input_through_a_symlink_is_refused(tmp_path):
+    """-o naming the input by another path (a symlink) is refused (exit 9) even with --force; the input is unchanged."""
+    from helpers import assert_one_line_error, dp_state_dict, run_cli, sha256
+
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    link = tmp_path / "link.pt"
+    link.symlink_to(src)
+    h = sha256(src)
+    p = run_cli("strip-prefix", link, "-o", src, "--force")
+    assert_one_line_error(p, 9)
+    assert "is the input" in p.stderr and sha256(src) == h

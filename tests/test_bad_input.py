@@ -18,7 +18,7 @@ from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 from ckptfix.pickles import scan_globals
 
-from conftest import CkptFactory, assert_one_line_error, run_cli
+from helpers import CkptFactory, assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

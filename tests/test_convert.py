@@ -609,7 +609,7 @@ def test_placeholder_classes_beside_the_state_dict(tmp_path, case, opts):
     """A placeholder *class* (numpy.ndarray via _reconstruct, {"dtype": int}) next to the weights never crashes."""
     import argparse
 
-    from conftest import run_cli
+    from helpers import run_cli
 
     np = _np()
     extra = {
@@ -643,7 +643,7 @@ def test_placeholder_classes_beside_the_state_dict(tmp_path, case, opts):
 
 
 def test_placeholder_class_as_the_whole_object(tmp_path):
-    from conftest import assert_one_line_error, run_cli
+    from helpers import assert_one_line_error, run_cli
 
     src = tmp_path / "a.pt"
     torch.save(int, src)
@@ -692,7 +692,7 @@ def test_whole_module_and_tensor_lists(tmp_path, layout):
     raw = load_file(tmp_path / "m.safetensors")
     for k, v in want.items():
         assert_same(raw[k], v)
-    from conftest import assert_one_line_error, run_cli
+    from helpers import assert_one_line_error, run_cli
 
     assert_one_line_error(run_cli("strip-prefix", src), 8)  # no keys to rename in the file: said clearly
 

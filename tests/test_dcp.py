@@ -28,7 +28,7 @@ from ckptfix.convert import convert
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
 from ckptfix.loading import load_checkpoint
 
-from conftest import Evil, assert_one_line_error, run_cli
+from helpers import Evil, assert_one_line_error, run_cli
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 

@@ -201,7 +201,7 @@ def test_record_shorter_than_the_pickle_declares_refused_like_torch(tmp_path, ca
     members = [(n, d[:12] if n.endswith("/data/0") else d) for n, d in hostile.zip_members(src)]
     p = tmp_path / "short.pth"
     hostile.write_zip(p, members)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError):
         torch.load(p, weights_only=True)  # the oracle refuses it too
     every_command(capsys, p, tmp_path, 4, contains="truncated", scan_codes=RECORD_LEVEL)
 
@@ -516,12 +516,9 @@ def test_expanded_tensor_refused_quickly_unless_allowed(tmp_path, capsys):
     src = tmp_path / "e.pth"
     torch.save({"w": torch.zeros(1).expand(20000, 20000)}, src)
     assert src.stat().st_size < 4096
-    r = subprocess.run(
-        [sys.executable, "-m", "ckptfix", "convert", str(src), "-o", str(tmp_path / "e.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    from helpers import run_cli
+
+    r = run_cli("convert", src, "-o", tmp_path / "e.safetensors")
     assert r.returncode == 12 and "'w'" in r.stderr and "--allow-expand" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "e.safetensors").exists()
     torch.save({"w": torch.arange(3.0)[:, None].expand(3, 300_000)}, src)  # 3.6 MB: inside the 64 MiB slack
@@ -554,3 +551,108 @@ def test_oversized_safetensors_header_refused_with_the_env_var_named(tmp_path, c
     every_command(capsys, p, tmp_path, 12, scan_codes=(0, 12), contains="CKPTFIX_MAX_JSON_MB")
     monkeypatch.setenv("CKPTFIX_MAX_JSON_MB", "8")
     assert inspect_checkpoint(p).tensor_count == 30_000
+
+
+# --- moved from test_review_ckpt.py: damaged zip records, legacy streams and safetensors headers that lie
+
+
+def test_unreadable_non_storage_record_is_a_clean_error(tmp_path):
+    """A damaged small record (here: an unknown compression method on 'version') is exit 4, not a crash."""
+    import struct
+    import zipfile
+
+    from helpers import assert_one_line_error, dp_state_dict, leftovers, rezip, run_cli
+
+    src = tmp_path / "base.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    rz = tmp_path / "rz.pt"
+    rezip(src, rz, lambda n: zipfile.ZIP_DEFLATED if n.endswith("/version") else zipfile.ZIP_STORED)
+    data = bytearray(rz.read_bytes())
+    with zipfile.ZipFile(rz) as zf:
+        info = zf.getinfo([n for n in zf.namelist() if n.endswith("/version")][0])
+    # the compression method, in the local header and in the central directory, becomes 99 (AES)
+    data[info.header_offset + 8 : info.header_offset + 10] = struct.pack("<H", 99)
+    pos = data.find(b"PK\x01\x02")
+    while pos >= 0:
+        nlen = struct.unpack("<H", data[pos + 28 : pos + 30])[0]
+        if data[pos + 46 : pos + 46 + nlen].decode().endswith("/version"):
+            data[pos + 10 : pos + 12] = struct.pack("<H", 99)
+        pos = data.find(b"PK\x01\x02", pos + 4)
+    rz.write_bytes(bytes(data))
+    p = run_cli("strip-prefix", rz)
+    assert_one_line_error(p, 4)
+    assert leftovers(tmp_path) == []
+
+
+def test_legacy_storage_with_a_negative_or_absurd_size_is_corrupt(tmp_path):
+    """A legacy stream whose storage size is negative or absurd is corrupt (exit 4).
+
+    strip-prefix, inspect and convert all say so in one line and write nothing.
+    """
+    import struct
+
+    from helpers import assert_one_line_error, leftovers, run_cli
+
+    src = tmp_path / "legacy.pt"
+    torch.save({"state_dict": {"module.w": torch.ones(3)}}, src, _use_new_zipfile_serialization=False)
+    data = bytearray(src.read_bytes())
+    # the storage's 8-byte element count sits just before its 12 data bytes at the end of the file
+    at = len(data) - 12 - 8
+    assert struct.unpack("<q", data[at : at + 8])[0] == 3
+    for bad in (-3, 1 << 62):
+        data[at : at + 8] = struct.pack("<q", bad)
+        src.write_bytes(bytes(data))
+        for cmd in (["strip-prefix", src, "--force"], ["inspect", src], ["convert", src, "--force"]):
+            assert_one_line_error(run_cli(*cmd), 4)
+    assert leftovers(tmp_path) == []
+
+
+LYING = {
+    "overlap": (
+        {
+            "module.a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "module.b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+        },
+        24,
+    ),
+    "gap": (
+        {
+            "module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "module.b": {"dtype": "F32", "shape": [2], "data_offsets": [16, 24]},
+        },
+        24,
+    ),
+    "trailing": ({"module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 16),
+    "negative_shape": ({"module.a": {"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}}, 8),
+    "bool_shape": ({"module.a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, 8),
+    "float_offsets": ({"module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}, 8),
+    "metadata_not_str": (
+        {"__metadata__": {"x": 1}, "module.a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+        8,
+    ),
+    "shape_overflow": ({"module.a": {"dtype": "F32", "shape": [2**62, 2**62, 0], "data_offsets": [0, 0]}}, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LYING))
+def test_lying_safetensors_header_is_refused_everywhere(tmp_path, name):
+    """safetensors itself refuses these files: strip-prefix must not write one, convert must not crash."""
+    from safetensors import SafetensorError, safe_open
+
+    from helpers import assert_one_line_error, run_cli, sha256, write_raw_safetensors
+
+    header, n = LYING[name]
+    p = tmp_path / "m.safetensors"
+    write_raw_safetensors(p, header, bytes(range(n)))
+    with pytest.raises(SafetensorError):
+        safe_open(str(p), framework="pt")
+    h = sha256(p)
+    for cmd in (
+        ["strip-prefix", p],
+        ["convert", p, "-o", tmp_path / "m.pth"],
+        ["convert", p, "-o", tmp_path / "m2.safetensors"],
+        ["inspect", p],
+    ):
+        assert_one_line_error(run_cli(*cmd), 4)
+    assert sha256(p) == h
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]

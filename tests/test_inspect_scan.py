@@ -12,7 +12,7 @@ import pytest
 from ckptfix.cli import main
 from ckptfix.inspecting import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, scan_checkpoint
 
-from conftest import run_cli
+from helpers import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -209,7 +209,7 @@ def test_scan_json_schema(ckpt, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert SCAN_KEYS <= set(doc)
     assert doc["verdict"] == "safe" and doc["dangerous"] == [] and doc["unknown"] == []
-    for g, d in doc["globals"].items():
+    for d in doc["globals"].values():
         assert set(d) == {"class", "count"} and d["class"] == "safe"
 
 

@@ -10,7 +10,7 @@ import torch
 
 from ckptfix.inspecting import inspect_checkpoint
 
-from conftest import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -13,7 +13,7 @@ from ckptfix.errors import CkptfixError, KeyConflictError, UnsupportedError
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 from ckptfix.loading import is_stub, load_anywhere, load_checkpoint
 
-from conftest import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
+from helpers import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -97,7 +97,7 @@ def test_tied_weights_stay_shared(ckpt):
 def test_cuda_tagged_loads_on_cpu(ckpt, legacy, device):
     b = ckpt.cuda_tagged(device=device, legacy=legacy)
     # plain torch.load cannot (no CUDA here)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError):
         torch.load(b.path, weights_only=True)
     lc = load_checkpoint(b.path)
     assert_same_tensors(lc.state_dict, b.expected)

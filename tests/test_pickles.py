@@ -34,7 +34,7 @@ from ckptfix.pickles import (
     stub_dtype,
 )
 
-from conftest import REPO, run_cli
+from helpers import REPO, run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -405,3 +405,47 @@ def test_stub_classes_are_one_per_global():
     ns = stub_class("argparse", "Namespace")()
     assert ns.full_name == "argparse.Namespace" and not ns.via_newobj
     assert "argparse.Namespace" in repr(ns)
+# --- moved from test_review_ckpt.py: classifying globals, and nesting limits of the pickle reader
+
+
+def test_untyped_storage_is_weights_only_safe(tmp_path):
+    """torch.save writes torch.storage.UntypedStorage for uint16/float8...; weights_only loads it, so it is safe."""
+    from ckptfix.inspecting import scan_checkpoint
+    from ckptfix.pickles import classify_global
+
+    p = tmp_path / "u16.pt"
+    torch.save({"a": torch.zeros(3, dtype=torch.uint16), "b": torch.ones(2).to(torch.float8_e4m3fn)}, p)
+    torch.load(p, weights_only=True)  # torch agrees
+    assert classify_global("torch.storage.UntypedStorage") == "safe"
+    r = scan_checkpoint(str(p))
+    assert not r.unknown and not r.dangerous, r.to_dict()
+    assert run_cli("scan", p).returncode == 0
+
+
+def test_every_weights_only_global_is_safe():
+    """Everything torch's weights-only unpickler allows, classify_global calls safe."""
+    import torch._weights_only_unpickler as wo
+
+    from ckptfix.pickles import classify_global
+
+    assert [g for g in wo._get_allowed_globals() if classify_global(g) != "safe"] == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"]" * 100_000 + b"a" * 99_999, b"}" + b"X\x01\x00\x00\x00k}" * 99_999 + b"s" * 99_999],
+    ids=["lists", "dicts"],
+)
+def test_deeply_nested_pickle_is_a_clean_error(tmp_path, payload):
+    """A pickle nested 100,000 deep is refused by the reader: exit 12 naming the limit's variable, input untouched."""
+    from helpers import assert_one_line_error, inject_into_data_pkl, leftovers, sha256
+
+    src = tmp_path / "good.pt"
+    torch.save({"state_dict": {"module.w": torch.ones(3)}}, src)
+    deep = tmp_path / "deep.pt"
+    inject_into_data_pkl(src, deep, payload)
+    h = sha256(deep)
+    p = run_cli("strip-prefix", deep)
+    assert_one_line_error(p, 12)  # ResourceLimitError: refused by the reader, before any recursive walk
+    assert "nested more than" in p.stderr and "CKPTFIX_MAX_PICKLE_DEPTH" in p.stderr
+    assert sha256(deep) == h and leftovers(tmp_path) == []

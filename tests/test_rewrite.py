@@ -8,7 +8,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from ckptfix.inspecting import inspect_checkpoint
 from ckptfix.prefixes import strip_prefix_report
 from ckptfix.rewrite import rewrite_checkpoint
 
-from conftest import (
+from helpers import (
     IS_ROOT,
     TinyNet,
     assert_one_line_error,
@@ -221,7 +220,7 @@ def test_strip_keeps_dtypes(ckpt, capsys, tmp_path, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_strip_keeps_cuda_tags_unless_map_location(ckpt, capsys, tmp_path, legacy, layout):
-    from conftest import Built, tagged
+    from helpers import Built, tagged
 
     m = tiny_model()
     sd = nn.DataParallel(m).state_dict()
@@ -409,8 +408,10 @@ def test_in_place_survives_sigkill(big_dp_ckpt, tmp_path, delay):
     src, h0, stripped = big_dp_ckpt
     p = tmp_path / "big.pt"
     shutil.copyfile(src, p)
+    from helpers import cli_argv
+
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptfix", "strip-prefix", str(p), "--in-place"],
+        cli_argv("strip-prefix", str(p), "--in-place"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -603,18 +604,18 @@ def test_align_to_factory_on_pythonpath(ckpt, tmp_path, layout):
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "pp"), os.environ["PYTHONPATH"]])}
     b = ckpt.dataparallel()
     _save_layout(torch.load(b.path, weights_only=True), b.path, layout)
-    p = run_cli("align", b.path, "--to", "mypkg.nets:build", "-o", tmp_path / "al.pt", env=env)
+    p = run_cli("align", b.path, "--to", "mypkg.nets:build", "-o", tmp_path / "al.pt", **env)
     assert p.returncode == 0, p.stderr
     m = TinyNet().eval()
     m.load_state_dict(_sd_of(_tload(tmp_path / "al.pt"), layout), strict=True)
     assert torch.equal(m(sample_input()), b.model(sample_input()))
     # not exact: exit 10, the output is still written and the missing keys listed
-    p = run_cli("align", b.path, "--to", "mypkg.nets:build_bigger", "-o", tmp_path / "al2.pt", env=env)
+    p = run_cli("align", b.path, "--to", "mypkg.nets:build_bigger", "-o", tmp_path / "al2.pt", **env)
     assert p.returncode == 10, p.stderr
     assert "Traceback" not in p.stderr and "extra.weight" in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("Error: ")
     # an unimportable factory
-    p = run_cli("align", b.path, "--to", "nopkg.nets:build", "-o", tmp_path / "al3.pt", env=env)
+    p = run_cli("align", b.path, "--to", "nopkg.nets:build", "-o", tmp_path / "al3.pt", **env)
     assert_one_line_error(p, 3)
 
 
@@ -823,3 +824,204 @@ def test_backup_never_written_through_a_dangling_symlink(tmp_path):
     assert not elsewhere.exists()
     assert bak != str(src) + ".bak" and Path(bak).read_bytes() == b"x" * 10
     assert os.path.islink(str(src) + ".bak")
+
+
+# --- moved from test_review_ckpt.py: zip layouts, odd keys, --map-location, sharded output, ckptfix-written safetensors
+
+
+def test_rezipped_archive_gets_aligned_records(tmp_path):
+    """data.pkl first but records unaligned (re-zipped by Python): the rewrite must still align every record."""
+    import zipfile
+
+    from ckptfix.formats.zipfmt import ALIGN
+
+    from helpers import dp_state_dict, rezip, zip_data_offsets
+
+    src = tmp_path / "base.pt"
+    torch.save({"state_dict": dp_state_dict(), "epoch": 1}, src)
+    rz = tmp_path / "rz.pt"
+    rezip(src, rz, lambda n: zipfile.ZIP_DEFLATED if n.endswith("data.pkl") else zipfile.ZIP_STORED)
+    assert any(off % ALIGN for n, off in zip_data_offsets(rz).items() if "/data/" in n)  # the premise
+    rep = rewrite_checkpoint(str(rz), lambda sd: strip_prefix_report(sd), output=str(tmp_path / "out.pt"))
+    bad = {n: off for n, off in zip_data_offsets(rep.output).items() if off % ALIGN}
+    assert bad == {}
+    got = torch.load(rep.output, weights_only=True, mmap=True)["state_dict"]
+    assert all(torch.equal(got[k[len("module.") :]], v) for k, v in dp_state_dict().items())
+
+
+def test_compressed_storage_record_is_unsupported_with_a_fix(tmp_path):
+    """A deflated tensor record cannot be copied through: exit 8 saying to re-zip with `zip -0`, nothing left behind."""
+    import zipfile
+
+    from helpers import dp_state_dict, leftovers, rezip
+
+    src = tmp_path / "base.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    rz = tmp_path / "deflated.pt"
+    rezip(src, rz, lambda n: zipfile.ZIP_DEFLATED)
+    p = run_cli("strip-prefix", rz)
+    assert_one_line_error(p, 8)
+    assert "compressed" in p.stderr and "zip -0" in p.stderr
+    assert leftovers(tmp_path) == []
+
+
+def test_non_string_state_dict_key_is_a_clean_error(tmp_path):
+    """A state dict with an int key is refused (exit 8), naming the key."""
+    p0 = tmp_path / "intkey.pt"
+    torch.save({"module.a": torch.ones(2), 3: torch.zeros(1)}, p0)
+    p = run_cli("strip-prefix", p0)
+    assert_one_line_error(p, 8)
+    assert "not a string" in p.stderr and "3" in p.stderr
+
+
+def test_metadata_named_tensor_is_a_key_conflict(tmp_path):
+    """'__metadata__' is reserved in a safetensors header: a rename or a conversion onto it is an error."""
+    from safetensors.torch import save_file
+
+    st = tmp_path / "m.safetensors"
+    save_file({"module.__metadata__": torch.ones(2), "module.b": torch.zeros(2)}, str(st))
+    assert_one_line_error(run_cli("strip-prefix", st), 6)
+    pt = tmp_path / "plain.pt"
+    torch.save({"__metadata__": torch.ones(2), "b": torch.zeros(2)}, pt)
+    p = run_cli("convert", pt)
+    assert_one_line_error(p, 6)
+    assert "__metadata__" in p.stderr and ".tmp" not in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors", "plain.pt"]
+
+
+def test_sharded_index_cannot_write_outside_the_output_directory(tmp_path):
+    """A weight_map naming '../outside.safetensors' is refused (exit 8) before any directory is created."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"module.a": torch.ones(2)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"module.b": torch.ones(2)}, str(tmp_path / "outside.safetensors"))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {"module.a": "model-00001-of-00002.safetensors", "module.b": "../outside.safetensors"},
+            }
+        )
+    )
+    out = tmp_path / "a" / "b"
+    p = run_cli("strip-prefix", d, "-o", out)
+    assert_one_line_error(p, 8)
+    assert not (tmp_path / "a").exists()
+    assert sorted(os.listdir(tmp_path)) == ["hf", "outside.safetensors"]
+
+
+@pytest.mark.parametrize("spec", ["bogus", "cpu=", "cpu=cuda:0, cuda:1", "cuda:x", "cuda:"])
+def test_map_location_that_torch_cannot_load_is_refused(tmp_path, spec):
+    """A tag torch.load cannot restore would make an unloadable file: refuse it, write nothing."""
+    from helpers import dp_state_dict
+
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    p = run_cli("strip-prefix", src, "--map-location", spec)
+    assert_one_line_error(p, 8)
+    assert "--map-location" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+@pytest.mark.parametrize("spec", ["cpu", "cuda:1", "cpu=cuda:0", "cuda:7=cuda:0,cpu=cpu"])
+def test_map_location_valid_specs_are_written(tmp_path, spec):
+    """Every device spec torch.load can restore is accepted and written."""
+    from helpers import dp_state_dict
+
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    rep = rewrite_checkpoint(str(src), lambda sd: strip_prefix_report(sd), map_location=spec)
+    assert rep.output and os.path.exists(rep.output)
+
+
+def _tied_ckpt(path):
+    torch.manual_seed(0)
+    w = torch.randn(4, 3)
+    sd = {
+        "module.z_last": torch.ones(2),
+        "module.w": w,
+        "module.tied": w,
+        "module.row": w[1],
+        "module.a_first": torch.zeros(3),
+    }
+    torch.save(sd, path)
+    return {k[len("module.") :]: v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_strip_prefix_on_converted_safetensors_keeps_aliases_views_and_order(tmp_path, sharded):
+    """convert stores tied tensors once (aliases in the metadata): a rename must rename those names too,
+    or converting back loses the tied key."""
+    expected = _tied_ckpt(tmp_path / "m.pt")
+    if sharded:
+        (tmp_path / "hf").mkdir()
+        p = run_cli(
+            "convert", tmp_path / "m.pt", "-o", tmp_path / "hf" / "model.safetensors", "--max-shard-size", "20B"
+        )
+        assert p.returncode == 0, p.stderr
+        p = run_cli("strip-prefix", tmp_path / "hf", "-o", tmp_path / "out")
+        assert p.returncode == 0, p.stderr
+        stripped = tmp_path / "out"
+    else:
+        assert run_cli("convert", tmp_path / "m.pt").returncode == 0
+        p = run_cli("strip-prefix", tmp_path / "m.safetensors")
+        assert p.returncode == 0, p.stderr
+        stripped = tmp_path / "m.stripped.safetensors"
+    p = run_cli("convert", stripped, "-o", tmp_path / "back.pt")
+    assert p.returncode == 0, p.stderr
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert list(back) == list(expected)
+    assert all(torch.equal(back[k], v) for k, v in expected.items())
+    assert back["w"].data_ptr() == back["tied"].data_ptr()
+    assert back["row"].untyped_storage().data_ptr() == back["w"].untyped_storage().data_ptr()
+
+
+def test_strip_prefix_renames_hugging_face_style_aliases(tmp_path):
+    """Hugging Face's alias metadata (tied name -> stored name) is renamed with the keys."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ckptfix.convert import restore_aliases
+
+    p = tmp_path / "m.safetensors"
+    save_file(
+        {"module.emb.weight": torch.ones(2, 2)},
+        str(p),
+        metadata={"format": "pt", "module.head.weight": "module.emb.weight"},
+    )
+    rep = rewrite_checkpoint(str(p), lambda sd: strip_prefix_report(sd))
+    with safe_open(rep.output, "pt") as f:
+        meta = f.metadata()
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    assert meta == {"format": "pt", "head.weight": "emb.weight"}
+    assert sorted(restore_aliases(sd, meta)) == ["emb.weight", "head.weight"]
+
+
+def test_rename_onto_an_alias_name_is_a_collision(tmp_path):
+    """An alias is a key of the original state dict: renaming another key onto it must collide."""
+    from safetensors.torch import save_file
+
+    p = tmp_path / "m.safetensors"
+    save_file(
+        {"module.a": torch.ones(2), "b": torch.zeros(2)},
+        str(p),
+        metadata={"format": "pt", "ckptfix.aliases": json.dumps({"a": "b"})},
+    )
+    r = run_cli("strip-prefix", p, "--prefix", "module.")
+    assert_one_line_error(r, 6)
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("cmd", ["strip-prefix", "convert"])
+def test_output_with_a_trailing_slash_is_not_written_as_a_file(tmp_path, cmd):
+    """'-o newdir/' names a directory that does not exist: refused (exit 9), no file called 'newdir' written."""
+    from helpers import dp_state_dict
+
+    src = tmp_path / "m.pt"
+    torch.save({"state_dict": dp_state_dict()}, src)
+    p = run_cli(cmd, src, "-o", str(tmp_path / "newdir") + "/")
+    assert_one_line_error(p, 9)
+    assert "directory" in p.stderr
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]

@@ -21,7 +21,7 @@ import torch
 from ckptfix.errors import OutputError, UnsupportedError, VerificationError
 from ckptfix.sanitize import Plainer, normalise_global, sanitize_checkpoint
 
-from conftest import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli
 
 np = pytest.importorskip("numpy")
 

@@ -24,7 +24,7 @@ from ckptfix.inspecting import scan_checkpoint
 from ckptfix.pickles import resolve_global, scan_globals, scan_pickle_sequence
 from ckptfix.policy import classify_global
 
-from conftest import run_cli
+from helpers import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -552,7 +552,7 @@ def test_scan_dcp_byte_item_with_payload(tmp_path):
     torch = pytest.importorskip("torch")
     import torch.distributed.checkpoint as dcp
 
-    from conftest import Evil
+    from helpers import Evil
 
     d = tmp_path / "evil_dcp"
     marker = tmp_path / "pwned"

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +47,9 @@ def run(tmp_path: Path):
     )
 
     def go(*args: str, rc: int = 0, **env: str) -> Any:
-        p = subprocess.run(
-            [sys.executable, "-m", "ckptfix", *args, "--json"],
-            cwd=work,
-            env={**base, **env},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        from helpers import run_cli
+
+        p = run_cli(*args, "--json", env={**base, **env}, cwd=work, timeout=300)
         assert p.returncode == rc, p.stderr
         return json.loads(p.stdout)
 

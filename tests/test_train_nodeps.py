@@ -33,7 +33,9 @@ def no_numpy_env(tmp_path):
 
 
 def _ckptfix(env, *args, check=True):
-    p = subprocess.run([sys.executable, "-m", "ckptfix", *args], env=env, capture_output=True, text=True, timeout=600)
+    from helpers import run_cli
+
+    p = run_cli(*args, env=env, timeout=600)
     if check:
         assert p.returncode == 0, p.stderr
     return p

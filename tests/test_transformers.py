@@ -129,7 +129,7 @@ def test_keep_forces_a_name(built, tmp_path):
 
 
 def test_cli_converts_inside_the_folder(built, tmp_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     name, model, embed, head, ids = built
     src = _save_hf_bin(model, tmp_path / "f")

@@ -85,7 +85,7 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
             r = scan_checkpoint(path)
         except CkptfixError as e:
             docs.append({"path": path, "verdict": "error", "error": str(e), "exit_code": e.exit_code})
-            err: CkptfixError | None = e
+            err = e
         else:
             docs.append(r.to_dict())
             if not as_json:
@@ -154,25 +154,6 @@ def _write_options(f):
     return json_option(f)
 
 
-def _rewrite(checkpoint, transform, label, suffix, output, in_place, no_backup, force, key, map_location, as_json):
-    """One rewrite library call with the shared options, a progress bar on a terminal."""
-    from ckptfix.rewrite import rewrite_checkpoint
-
-    with ProgressBar(label, enabled=not as_json) as bar:
-        return rewrite_checkpoint(
-            checkpoint,
-            transform,
-            output=output,
-            in_place=in_place,
-            backup=not no_backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            suffix=suffix,
-            progress=bar.update,
-        )
-
-
 def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
     from ckptfix.cli._common import info
 
@@ -204,21 +185,21 @@ def strip_prefix_cmd(
     Writes CHECKPOINT's stem + '.stripped' next to it (printed on stdout) and never modifies the input
     unless --in-place is given.
     """
-    from ckptfix.prefixes import strip_prefix_report
+    from ckptfix.rekey import strip_prefix_checkpoint
 
-    rep = _rewrite(
-        checkpoint,
-        lambda sd: strip_prefix_report(sd, prefix, partial=partial),
-        "stripping",
-        "stripped",
-        output,
-        in_place,
-        no_backup,
-        force,
-        key,
-        map_location,
-        as_json,
-    )
+    with ProgressBar("stripping", enabled=not as_json) as bar:
+        rep = strip_prefix_checkpoint(
+            checkpoint,
+            prefix,
+            partial=partial,
+            output=output,
+            in_place=in_place,
+            backup=not no_backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            progress=bar.update,
+        )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -228,48 +209,21 @@ def strip_prefix_cmd(
 @_write_options
 def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, as_json) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
-    from ckptfix.prefixes import add_prefix
+    from ckptfix.rekey import add_prefix_checkpoint
 
-    def tf(sd):
-        new = add_prefix(sd, prefix)
-        return new, {"summary": f"added {prefix!r} to {len(new)} keys", "prefix": prefix, "keys": len(new)}
-
-    rep = _rewrite(checkpoint, tf, "adding", "prefixed", output, in_place, no_backup, force, key, map_location, as_json)
+    with ProgressBar("adding", enabled=not as_json) as bar:
+        rep = add_prefix_checkpoint(
+            checkpoint,
+            prefix,
+            output=output,
+            in_place=in_place,
+            backup=not no_backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            progress=bar.update,
+        )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
-
-
-def _load_target(spec: str):
-    import importlib
-    import os
-
-    if os.path.exists(spec):
-        from ckptfix.formats import read_checkpoint
-
-        cf = read_checkpoint(spec)
-        obj = cf.extra.get("torchscript_state_dict") if cf.format == "torchscript" else cf.obj
-        from ckptfix.formats import find_state_dict
-
-        return find_state_dict(obj)[1]
-    if ":" in spec:
-        mod, _, attr = spec.partition(":")
-        from ckptfix.errors import CheckpointNotFoundError
-
-        try:
-            m = importlib.import_module(mod)
-            factory = getattr(m, attr)
-        except (ImportError, AttributeError) as e:
-            from ckptfix._torch import is_torch_missing, missing_error
-
-            if is_torch_missing(e):
-                raise missing_error("align --to module:factory") from None
-            raise CheckpointNotFoundError(
-                f"--to {spec}: cannot import it ({e}); check the module path and that it is importable (PYTHONPATH)"
-            ) from None
-        is_instance = hasattr(factory, "state_dict") and not isinstance(factory, type)
-        return factory if is_instance else factory()
-    from ckptfix.errors import CheckpointNotFoundError
-
-    raise CheckpointNotFoundError(f"--to {spec}: no such file, and not a 'package.module:factory' spec")
 
 
 @cli.command("align")
@@ -283,46 +237,34 @@ def _load_target(spec: str):
 @_write_options
 def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
-    from ckptfix.errors import AlignmentError, KeyConflictError
-    from ckptfix.prefixes import align_state_dict
+    from ckptfix.rekey import align_checkpoint
 
-    tgt = _load_target(target)
-    holder = {}
-
-    def tf(sd):
-        new, report = align_state_dict(sd, tgt)
-        holder["r"] = report
-        best = max((c.matched for c in report.candidates), default=len(report.matched))
-        if best * 2 < max(len(sd), 1):
-            raise AlignmentError(
-                f"the checkpoint does not fit this target: the best renaming matches only {best} "
-                f"of {len(sd)} keys ({len(report.missing)} target keys missing); "
-                "check that --to names the right model"
-            )
-        if report.ambiguous:
-            raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
-        return new, report
-
-    rep = _rewrite(
-        checkpoint, tf, "aligning", "aligned", output, in_place, no_backup, force, key, map_location, as_json
-    )
-    r = holder["r"]
+    with ProgressBar("aligning", enabled=not as_json) as bar:
+        res = align_checkpoint(
+            checkpoint,
+            target,
+            output=output,
+            in_place=in_place,
+            backup=not no_backup,
+            force=force,
+            key=key,
+            map_location=map_location,
+            progress=bar.update,
+        )
+    r = res.alignment
     if as_json:
-        emit_json(rep.to_dict())
+        emit_json(res.to_dict())
     else:
-        _render_rewrite(rep, False, r.summary())
+        _render_rewrite(res.rewrite, False, r.summary())
         for k in r.missing[:20]:
             click.echo(f"  missing     {k}", err=True)
         for k in r.unexpected[:20]:
             click.echo(f"  unexpected  {k}", err=True)
         for m in r.shape_mismatches[:20]:
             click.echo(f"  shape       {m.to_dict()}", err=True)
-    if not r.exact:
-        raise AlignmentError(
-            f"{len(r.missing)} missing, {len(r.unexpected)} unexpected, "
-            f"{len(r.shape_mismatches)} shape mismatches remain after '{r.rename}'; "
-            "load with strict=False or fix the model definition"
-        )
+    err = res.mismatch_error()
+    if err is not None:
+        raise err
 
 
 @cli.command("sanitize")

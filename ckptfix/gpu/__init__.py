@@ -4,7 +4,7 @@
 >>> for d in visible_gpus().devices:                      # doctest: +SKIP
 ...     print(f"cuda:{d.cuda_index} = nvidia-smi {d.smi_index} {d.uuid} {d.name}")
 >>> pick_gpu(n=1, min_free="20GiB")                       # doctest: +SKIP
->>> import torch; torch.zeros(1, device="cuda")           # doctest: +SKIP  (lands on the picked GPU)
+>>> import torch; torch.zeros(1, device="cuda")           # on the picked GPU  # doctest: +SKIP
 
 Nothing in this package imports torch; ``ckptfix.gpu.doctor`` imports it lazily.
 """

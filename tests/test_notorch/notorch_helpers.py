@@ -4,9 +4,8 @@ This folder must pass in a venv without torch (``.ci/run`` runs it there with
 ``--confcutdir tests/test_notorch``, so ``tests/conftest.py``, which imports torch,
 is not loaded).  With torch installed the subprocesses block it
 (``sys.modules["torch"] = None``), so the same tests mean the same thing in both venvs.
-Nothing here imports torch, numpy or safetensors.torch.  The fixtures live here, not in a
-conftest.py (a second ``conftest`` module would shadow tests/conftest.py for the tests that do
-``from conftest import ...``); the test modules import them.
+Nothing here imports torch, numpy or safetensors.torch.  The fixtures are defined here and
+registered for the folder by its conftest.py; the test modules import the other helpers.
 """
 
 from __future__ import annotations

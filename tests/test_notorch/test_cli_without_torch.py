@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from notorch_helpers import CKPT, FIXTURES, REPO, ckpts, clean_env, cli, read_safetensors  # noqa: F401 (fixtures)
+from notorch_helpers import CKPT, FIXTURES, REPO, clean_env, read_safetensors
 
 INSTALL = 'pip install "ckptfix[torch]"'
 EXPECTED = read_safetensors(CKPT / "model.safetensors")
