@@ -17,6 +17,7 @@ hyper-parameters), storage sharing, dtypes and location tags are preserved;
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping
 from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict, read_checkpoint
+from ckptfix.parallel import run_tasks
 from ckptfix.pickles import TensorRecord, dumps
 from ckptfix.prefixes import _rekey_metadata
 from ckptfix.progress import Progress, reporting
@@ -132,6 +134,7 @@ def rewrite_checkpoint(
     fsync: bool | None = None,
     suffix: str = "fixed",
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
@@ -149,6 +152,7 @@ def rewrite_checkpoint(
         map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
         fsync: flush to disk before the rename (default: on for ``in_place``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
+        jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -173,6 +177,7 @@ def rewrite_checkpoint(
             map_location=map_location,
             fsync=fsync,
             suffix=suffix,
+            jobs=jobs,
         )
 
 
@@ -199,6 +204,7 @@ def _rewrite_checkpoint(
     map_location: str | None,
     fsync: bool | None,
     suffix: str,
+    jobs: int = 1,
 ) -> RewriteReport:
     from ckptfix.formats import sniff
 
@@ -229,6 +235,7 @@ def _rewrite_checkpoint(
             map_location=map_location,
             fsync=bool(fsync),
             suffix=suffix,
+            jobs=jobs,
         )
     _check_writable(cf)
     if key is None and cf.format != "safetensors":
@@ -536,8 +543,12 @@ def _rewrite_sharded(
     map_location: str | None,
     fsync: bool,
     suffix: str,
+    jobs: int = 1,
 ) -> RewriteReport:
-    """Rename across every shard of an index: new shards and index, same file names, in a new directory."""
+    """Rename across every shard of an index: new shards and index, same file names, in a new directory.
+
+    The shards are written ``jobs`` at a time; the index last, once every shard is in place.
+    """
     ipath = cf.path
     if in_place:
         raise UnsupportedError(
@@ -610,18 +621,22 @@ def _rewrite_sharded(
     except OSError as e:
         raise OutputError(f"cannot create {out_dir}: {e.strerror}; choose another directory with -o") from None
     written: list[str] = []
+
+    def one_shard(name: str, scf: CheckpointFile) -> None:
+        key_path, ssd = find_state_dict(scf.obj)
+        new_ssd = type(ssd)() if isinstance(ssd, dict) else {}
+        for k, v in ssd.items():
+            new_ssd[rename.get(k, k)] = v
+        meta = getattr(ssd, "_metadata", None)
+        if isinstance(meta, dict):  # module paths follow their tensors' renames
+            new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))  # type: ignore
+        dst = os.path.join(out_dir, name)
+        _write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename, what=os.path.join(out_dir, name))
+        written.append(dst)
+
     try:
+        run_tasks([functools.partial(one_shard, name, scf) for name, scf in shards.items()], jobs)
         for name, scf in shards.items():
-            key_path, ssd = find_state_dict(scf.obj)
-            new_ssd = type(ssd)() if isinstance(ssd, dict) else {}
-            for k, v in ssd.items():
-                new_ssd[rename.get(k, k)] = v
-            meta = getattr(ssd, "_metadata", None)
-            if isinstance(meta, dict):  # module paths follow their tensors' renames
-                new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))  # type: ignore
-            dst = os.path.join(out_dir, name)
-            _write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename, what=os.path.join(out_dir, name))
-            written.append(dst)
             if scf.format == "torch-legacy":
                 rep.notes.append(f"legacy shard {name} was written in the zip format")
         doc = dict(cf.extra["index"])

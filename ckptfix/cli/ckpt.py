@@ -151,10 +151,20 @@ def _write_options(f):
     f = click.option(
         "--map-location", default=None, help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'."
     )(f)
+    f = click.option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="Shards of a sharded index written in parallel (0: one per CPU); same output for any N.",
+    )(f)
     return json_option(f)
 
 
-def _rewrite(checkpoint, transform, label, suffix, output, in_place, no_backup, force, key, map_location, as_json):
+def _rewrite(
+    checkpoint, transform, label, suffix, output, in_place, no_backup, force, key, map_location, as_json, jobs=1
+):
     """One rewrite library call with the shared options, a progress bar on a terminal."""
     from ckptfix.rewrite import rewrite_checkpoint
 
@@ -170,6 +180,7 @@ def _rewrite(checkpoint, transform, label, suffix, output, in_place, no_backup, 
             map_location=map_location,
             suffix=suffix,
             progress=bar.update,
+            jobs=jobs,
         )
 
 
@@ -197,7 +208,7 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
 def strip_prefix_cmd(
-    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, as_json
+    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, jobs, as_json
 ) -> None:
     """Strip DataParallel/DDP 'module.', torch.compile '_orig_mod.', Lightning 'model.' ... from the keys.
 
@@ -218,6 +229,7 @@ def strip_prefix_cmd(
         key,
         map_location,
         as_json,
+        jobs,
     )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -226,7 +238,7 @@ def strip_prefix_cmd(
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
 @_write_options
-def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
     from ckptfix.prefixes import add_prefix
 
@@ -234,7 +246,9 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
         new = add_prefix(sd, prefix)
         return new, {"summary": f"added {prefix!r} to {len(new)} keys", "prefix": prefix, "keys": len(new)}
 
-    rep = _rewrite(checkpoint, tf, "adding", "prefixed", output, in_place, no_backup, force, key, map_location, as_json)
+    rep = _rewrite(
+        checkpoint, tf, "adding", "prefixed", output, in_place, no_backup, force, key, map_location, as_json, jobs
+    )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
 
@@ -281,7 +295,7 @@ def _load_target(spec: str):
     help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.",
 )
 @_write_options
-def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
     from ckptfix.errors import AlignmentError, KeyConflictError
     from ckptfix.prefixes import align_state_dict
@@ -304,7 +318,7 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         return new, report
 
     rep = _rewrite(
-        checkpoint, tf, "aligning", "aligned", output, in_place, no_backup, force, key, map_location, as_json
+        checkpoint, tf, "aligning", "aligned", output, in_place, no_backup, force, key, map_location, as_json, jobs
     )
     r = holder["r"]
     if as_json:

@@ -12,6 +12,7 @@ sources, and lays the file out exactly as ``safetensors.torch.save_file``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -193,10 +194,12 @@ def convert_dcp(
     progress: Any = None,
     ckptfix_metadata: bool = True,
     meta: DcpMetadata | None = None,
+    jobs: int = 1,
 ) -> Any:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
-    Args: as :func:`ckptfix.convert.convert_to_safetensors`; ``max_shard_size`` already in bytes.
+    Args: as :func:`ckptfix.convert.convert_to_safetensors`; ``max_shard_size`` already in bytes; ``jobs``
+        tensors assembled, written and verified at a time (memory: ``jobs`` x 4 x :data:`BLOCK_BYTES`).
 
     Returns:
         ConvertReport
@@ -229,6 +232,9 @@ def convert_dcp(
     files = Files(src)
     items = []
     try:
+        for rel in meta.files:  # opened once, before any worker thread asks (errors are reported where used)
+            with contextlib.suppress(OSError):
+                files.fd(rel)
         for name, rec in named:
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]
@@ -257,6 +263,7 @@ def convert_dcp(
             src=src,
             progress=progress,
             report=report,
+            jobs=jobs,
         )
     except OSError as e:
         if isinstance(e, cv.CkptfixError):
