@@ -143,3 +143,23 @@ def test_cli(tmp_path):
     p = run_cli("convert", pth, "--to", "dcp")
     assert_one_line_error(p, p.returncode)
     assert "not a safetensors file" in p.stderr
+
+
+def test_a_bad_read_back_leaves_nothing(tmp_path, monkeypatch):
+    from ckptfix.dcp import consolidate
+    from ckptfix.errors import VerificationError
+
+    src = tmp_path / "m.safetensors"
+    save_file(_sd(), src)
+    real = consolidate.TensorStream.__iter__
+
+    def flipped(self):
+        for block in real(self):
+            b = bytearray(block)
+            b[0] ^= 1
+            yield b
+
+    monkeypatch.setattr(consolidate.TensorStream, "__iter__", flipped)
+    with pytest.raises(VerificationError, match="differs from the source"):
+        convert(src, tmp_path / "o.dcp")
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]

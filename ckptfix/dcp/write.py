@@ -143,17 +143,17 @@ def _verify(out: str, final: str, expected: dict[str, Any], torch: Any, progress
     with Files(out) as files, warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer of a read-only block: only compared
         for name, t in expected.items():
-            e = meta.entries[name]
-            if not isinstance(e, TensorEntry):
+            entry = meta.entries[name]
+            if not isinstance(entry, TensorEntry):
                 raise fail(f"entry {name!r} is not a tensor")
             want = str(t.dtype).removeprefix("torch.")
-            if e.dtype != want or tuple(e.shape) != tuple(t.shape):
-                raise fail(f"tensor {name!r} is {e.dtype} {list(e.shape)}, expected {want} {list(t.shape)}")
+            if entry.dtype != want or tuple(entry.shape) != tuple(t.shape):
+                raise fail(f"tensor {name!r} is {entry.dtype} {list(entry.shape)}, expected {want} {list(t.shape)}")
             if t.numel() == 0:
                 continue
             flat = t.contiguous().reshape(-1).view(torch.uint8)
             pos = 0
-            for block in TensorStream(files, e):
+            for block in TensorStream(files, entry):
                 n = len(block)
                 got = torch.frombuffer(block, dtype=torch.uint8) if n else flat[:0]
                 if pos + n > flat.numel() or not torch.equal(got, flat[pos : pos + n]):
@@ -276,7 +276,7 @@ def convert_to_dcp(
         if old_away:
             shutil.rmtree(old_away, ignore_errors=True)
     report.tensors = n_entries
-    report.bytes = sum(os.path.getsize(os.path.join(out, n)) for n in os.listdir(out) if n.endswith(".distcp"))
+    report.bytes = total
     report.seconds = time.perf_counter() - t0
     return report
 
