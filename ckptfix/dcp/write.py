@@ -16,6 +16,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -88,9 +89,33 @@ def _check_output(dst: str, src: str, force: bool) -> None:
         raise OutputError(f"{parent}: no permission to write there; choose another output with -o")
 
 
-def _map_tensors(paths: Sequence[str], torch: Any) -> tuple[dict[str, Any], dict[str, str], list[mmap.mmap], int]:
-    """(name -> tensor viewing the mapped file, metadata of the first file, the mappings, bytes)."""
+#: a tensor's bytes in a mapped input file: (mapping, offset, length)
+Span = tuple[mmap.mmap, int, int]
+
+
+def _release(span: Span | None) -> None:
+    """Drop a tensor's pages from this process (they are re-read from the file if touched again).
+
+    The mapping is private and never written, so ``MADV_DONTNEED`` only discards clean file pages:
+    resident memory stays at the tensors being written, whatever the file's size.
+    """
+    if span is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    mm, off, n = span
+    a = off - off % mmap.PAGESIZE
+    if n > 0:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, a, n + off - a)
+        except (OSError, ValueError):
+            pass
+
+
+def _map_tensors(
+    paths: Sequence[str], torch: Any
+) -> tuple[dict[str, Any], dict[str, Span], dict[str, str], list[mmap.mmap], int]:
+    """(name -> tensor viewing the mapped file, name -> its span, metadata of the first file, the mappings, bytes)."""
     tensors: dict[str, Any] = {}
+    spans: dict[str, Span] = {}
     metadata: dict[str, str] = {}
     maps: list[mmap.mmap] = []
     total = 0
@@ -119,11 +144,28 @@ def _map_tensors(paths: Sequence[str], torch: Any) -> tuple[dict[str, Any], dict
             else:
                 t = torch.frombuffer(mm, dtype=tdtype, count=(b - a) // es, offset=start + a)
                 tensors[name] = t.view(shape)
+                assert mm is not None
+                spans[name] = (mm, start + a, b - a)
             total += b - a
-    return tensors, metadata, maps, total
+    return tensors, spans, metadata, maps, total
 
 
-def _verify(out: str, final: str, expected: dict[str, Any], torch: Any, progress: Any) -> None:
+def _releasing_planner(spans: dict[str, Span]) -> Any:
+    """torch's default save planner, dropping each tensor's pages once its writer thread moved on."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    local = threading.local()
+
+    class ReleasingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            _release(getattr(local, "prev", None))  # this thread wrote it: torch's loader resolves one at a time
+            local.prev = spans.get(write_item.index.fqn)
+            return super().resolve_data(write_item)
+
+    return ReleasingPlanner()
+
+
+def _verify(out: str, final: str, expected: dict[str, Any], spans: dict[str, Span], torch: Any, progress: Any) -> None:
     """Read ``out`` back through ckptfix's DCP reader: the same names, dtypes, shapes and bytes."""
     from ckptfix.dcp.chunks import Files
     from ckptfix.dcp.consolidate import TensorStream
@@ -151,17 +193,27 @@ def _verify(out: str, final: str, expected: dict[str, Any], torch: Any, progress
                 raise fail(f"tensor {name!r} is {entry.dtype} {list(entry.shape)}, expected {want} {list(t.shape)}")
             if t.numel() == 0:
                 continue
-            flat = t.contiguous().reshape(-1).view(torch.uint8)
+            span = spans.get(name)
+            flat = None if span else t.contiguous().reshape(-1).view(torch.uint8)  # a view: its bytes, in memory
+            size = span[2] if span else t.numel() * t.element_size()
             pos = 0
             for block in TensorStream(files, entry):
                 n = len(block)
-                got = torch.frombuffer(block, dtype=torch.uint8) if n else flat[:0]
-                if pos + n > flat.numel() or not torch.equal(got, flat[pos : pos + n]):
+                if pos + n > size:
+                    raise fail(f"tensor {name!r} has more than {size} bytes")
+                if span:  # memcmp against the mapped input
+                    with memoryview(span[0]) as m, m[span[1] + pos : span[1] + pos + n] as w:
+                        same = block.startswith(w)
+                else:
+                    assert flat is not None
+                    same = torch.equal(torch.frombuffer(block, dtype=torch.uint8), flat[pos : pos + n])
+                if not same:
                     raise fail(f"tensor {name!r} differs from the source near byte {pos}")
                 pos += n
                 progress(n)
-            if pos != flat.numel():
-                raise fail(f"tensor {name!r} has {pos} bytes, expected {flat.numel()}")
+            if pos != size:
+                raise fail(f"tensor {name!r} has {pos} bytes, expected {size}")
+            _release(span)
 
 
 def convert_to_dcp(
@@ -222,7 +274,7 @@ def convert_to_dcp(
 
     report = ConvertReport(source=src, outputs=[out], source_format="safetensors", direction="to-dcp")
     report.used_torch = True
-    tensors, metadata, maps, total = _map_tensors(paths, torch)
+    tensors, spans, metadata, maps, total = _map_tensors(paths, torch)
     sd = restore_aliases(tensors, metadata)  # tied names back, in the recorded order
     if strip_prefix:
         from ckptfix.prefixes import strip_prefix_report
@@ -232,6 +284,8 @@ def convert_to_dcp(
         sd = dict(new_sd)
     if not sd:
         raise NoTensorsError(f"{src}: the safetensors file holds no tensors, so there is nothing to write")
+    by_id = {id(tensors[n]): sp for n, sp in spans.items()}
+    spans = {k: by_id[id(v)] for k, v in sd.items() if id(v) in by_id}  # aliases share their tensor's span
     n_entries = len(sd)
     report.aliases = {k: v for k, v in json.loads(metadata.get("ckptfix.aliases", "{}") or "{}").items()}
     tally = Tally(progress, total * (2 if verify else 1))
@@ -246,10 +300,12 @@ def convert_to_dcp(
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: saving as a single process"
-            dcp.save(sd, storage_writer=writer, no_dist=True)
+            dcp.save(sd, storage_writer=writer, planner=_releasing_planner(spans), no_dist=True)
+        for span in spans.values():
+            _release(span)
         tally.add(total)
         if verify:
-            _verify(tmp, out, sd, torch, tally.add)
+            _verify(tmp, out, sd, spans, torch, tally.add)
             report.verified = True
         if fsync:
             fsync_dir(os.path.join(tmp, ".metadata"))
