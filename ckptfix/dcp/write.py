@@ -33,9 +33,6 @@ from ckptfix.errors import (
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.progress import Progress
 
-#: options of ``convert`` that only make sense when writing safetensors
-_NOT_FOR_DCP = ("key", "max_shard_size", "include_optimizer", "keep", "allow_expand", "allow_globals", "trust")
-
 
 def default_dcp_output(src: str) -> str:
     """``model.safetensors`` -> ``model.dcp`` (an index ``model.safetensors.index.json`` -> ``model.dcp``).
@@ -262,9 +259,8 @@ def convert_to_dcp(
 
     t0 = time.perf_counter()
     used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), "", 1))
-    bad = [k for k in used if k in _NOT_FOR_DCP] or used
-    if bad:
-        raise UnsupportedError(f"options {bad} apply to conversion to safetensors, not to DCP")
+    if used:
+        raise UnsupportedError(f"options {used} do not apply to conversion to DCP (a safetensors input)")
     src = os.fspath(src)
     out = os.fspath(dst).rstrip("/" + os.sep) if dst is not None else default_dcp_output(src)
     paths = _source_files(src)
