@@ -1794,6 +1794,8 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike | None = None, **kw: 
         from ckptfix.dcp.write import convert_to_dcp
 
         return convert_to_dcp(src, d, **kw)
+    if kw.pop("shards", 1) != 1:
+        raise UnsupportedError("--shards applies to DCP output (-o DIR.dcp or --to dcp)")
     if to == "pt" and not is_safetensors_input(src):
         raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
     if to == "pt" or (to is None and is_safetensors_input(src) and (d is None or not d.endswith(".safetensors"))):

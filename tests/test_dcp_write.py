@@ -163,3 +163,29 @@ def test_a_bad_read_back_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(VerificationError, match="differs from the source"):
         convert(src, tmp_path / "o.dcp")
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+def test_shards_split_rows_like_ranks(tmp_path):
+    from ckptfix.dcp.meta import read_metadata
+
+    ref = _sd()
+    ref["big"] = torch.randn(10, 3, 2)
+    src = tmp_path / "m.safetensors"
+    save_file(ref, src, metadata={"format": "pt"})
+    out = tmp_path / "m.dcp"
+    assert convert(src, out, shards=4).verified
+    assert sorted(p for p in os.listdir(out) if p.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    meta = read_metadata(out)
+    big = meta.entries["big"]
+    assert sorted((c.offsets[0], c.sizes[0]) for c in big.chunks) == [(0, 3), (3, 3), (6, 3), (9, 1)]
+    assert (
+        len(meta.entries["steps"].chunks) == 1 and len(meta.entries["layers.0.norm.b"].chunks) == 3
+    )  # 6 rows: 2, 2, 2, none
+    got = _torch_load(out, ref)
+    assert all(torch.equal(got[k], v) for k, v in ref.items())
+    back = tmp_path / "back.safetensors"
+    convert(out, back, ckptfix_metadata=False)
+    assert back.read_bytes() == src.read_bytes()
+    p = run_cli("convert", src, "-o", tmp_path / "x.safetensors", "--shards", "2")
+    assert_one_line_error(p, p.returncode)
+    assert "--shards applies to DCP output" in p.stderr

@@ -34,6 +34,14 @@ from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_
     show_default=True,
     help="Tensors/shards written in parallel (0: one per CPU); same output bytes for any N.",
 )
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="DCP output: write it as K ranks would (K .distcp files, tensors split along dim 0).",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("--strip-prefix", "strip", is_flag=True, help="Strip wrapper prefixes (module., _orig_mod., ...).")
 @click.option("--key", default=None, help="Where the state dict is in the checkpoint, e.g. model or model/state_dict.")
@@ -78,6 +86,7 @@ def convert_cmd(
     output: str | None,
     to: str | None,
     jobs: int,
+    shards: int,
     force: bool,
     strip: bool,
     key: str | None,
@@ -102,7 +111,7 @@ def convert_cmd(
     ckptfix convert model.safetensors -o model.pth
     ckptfix convert model.safetensors -o ckpt.pth --restore-wrapper   # epoch, ... too
     ckptfix convert run.dcp -o model.safetensors --jobs 4
-    ckptfix convert model.safetensors -o start.dcp  # a DCP checkpoint (torch)
+    ckptfix convert model.safetensors -o start.dcp --shards 4  # DCP as 4 ranks (torch)
 
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
@@ -121,6 +130,8 @@ def convert_cmd(
         kw["jobs"] = jobs
     if to is not None:
         kw["to"] = to
+    if shards != 1:
+        kw["shards"] = shards
     if strip:
         kw["strip_prefix"] = True
     if key is not None:

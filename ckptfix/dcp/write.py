@@ -162,6 +162,89 @@ def _releasing_planner(spans: dict[str, Span]) -> Any:
     return ReleasingPlanner()
 
 
+def _rows(shape: Sequence[int], rank: int, shards: int) -> tuple[int, int] | None:
+    """Rank ``rank``'s rows ``[lo, hi)`` of a tensor split along dim 0 into ``shards`` (FSDP-style ceil
+    division; a scalar or a tensor with fewer rows than ranks is written whole by rank 0), or None."""
+    if not shape or shape[0] < shards:
+        return (0, shape[0] if shape else 0) if rank == 0 else None
+    step = -(-shape[0] // shards)
+    lo, hi = min(shape[0], rank * step), min(shape[0], (rank + 1) * step)
+    return (lo, hi) if lo < hi else None
+
+
+def _save_sharded(sd: dict[str, Any], spans: dict[str, Span], writer: Any, shards: int, torch: Any) -> None:
+    """Save ``sd`` as ``shards`` ranks would (each writes its rows), through torch's planner and writer.
+
+    The steps of ``torch.distributed.checkpoint.save`` run here for every rank in turn, no process
+    group needed; each rank's piece is a ``torch.frombuffer`` of exactly its rows of the mapped input.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    local = threading.local()
+
+    class RankPlanner(DefaultSavePlanner):
+        def __init__(self, rank: int) -> None:
+            super().__init__()
+            self.rank = rank
+
+        def create_local_plan(self) -> Any:
+            items = []
+            for fqn, t in self.state_dict.items():
+                rows = _rows(tuple(t.shape), self.rank, shards)
+                if rows is None:
+                    continue
+                whole = rows == ((0, t.shape[0]) if t.dim() else (0, 0))
+                offsets = (rows[0],) + (0,) * (t.dim() - 1) if t.dim() else ()
+                sizes = (rows[1] - rows[0],) + tuple(t.shape[1:]) if t.dim() else ()
+                items.append(
+                    WriteItem(
+                        index=MetadataIndex(fqn, torch.Size(offsets)),
+                        type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+                            properties=TensorProperties.create_from_tensor(t),
+                            size=t.size(),
+                        ),
+                    )
+                )
+            self.plan = SavePlan(items, planner_data=self.mappings)
+            return self.plan
+
+        def resolve_data(self, write_item: Any) -> Any:
+            _release(getattr(local, "prev", None))
+            fqn = write_item.index.fqn
+            t = self.state_dict[fqn]
+            span = spans.get(fqn)
+            if t.dim() == 0 or tuple(write_item.tensor_data.chunk.sizes) == tuple(t.shape):
+                local.prev = span
+                return t
+            lo, n = write_item.tensor_data.chunk.offsets[0], write_item.tensor_data.chunk.sizes[0]
+            if span is None:  # a restored view: its rows, copied (torch's loader would copy them anyway)
+                local.prev = None
+                return t.narrow(0, lo, n).clone()
+            row = t[0].numel() * t.element_size()
+            local.prev = (span[0], span[1] + lo * row, n * row)
+            piece = torch.frombuffer(span[0], dtype=t.dtype, count=n * t[0].numel(), offset=span[1] + lo * row)
+            return piece.view((n,) + tuple(t.shape[1:]))
+
+    planners = [RankPlanner(r) for r in range(shards)]
+    plans = []
+    for r, planner in enumerate(planners):
+        planner.set_up_planner(sd, storage_meta=writer.storage_meta(), is_coordinator=r == 0)
+        writer.set_up_storage_writer(r == 0, rank=r, use_collectives=True)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+    plans, metadata = planners[0].create_global_plan(plans)
+    plans = writer.prepare_global_plan(plans)
+    results = []
+    for r, planner in enumerate(planners):
+        fut = writer.write_data(planner.finish_plan(plans[r]), planner)
+        fut.wait()
+        results.append(fut.value())
+    writer.finish(metadata, results)
+
+
 def _verify(out: str, final: str, expected: dict[str, Any], spans: dict[str, Span], torch: Any, progress: Any) -> None:
     """Read ``out`` back through ckptfix's DCP reader: the same names, dtypes, shapes and bytes."""
     from ckptfix.dcp.chunks import Files
@@ -223,6 +306,7 @@ def convert_to_dcp(
     fsync: bool = False,
     progress: Progress | None = None,
     jobs: int = 1,
+    shards: int = 1,
     ckptfix_metadata: bool = True,
     **unsupported: Any,
 ) -> Any:
@@ -241,6 +325,9 @@ def convert_to_dcp(
         fsync: flush the files and directories to disk before returning.
         progress: ``progress(done_bytes, total_bytes)``.
         jobs: threads torch's writer uses (``0``: one per CPU).
+        shards: write the checkpoint as this many ranks would: ``__<rank>_<n>.distcp`` files, each tensor
+            split along dim 0 (ceil division, as FSDP does; tensors with fewer rows than ranks and scalars
+            are written whole by rank 0).
         ckptfix_metadata: unused here (DCP has no place for it); accepted for symmetry with the other direction.
         unsupported: options of the safetensors direction; refused when set.
 
@@ -261,6 +348,8 @@ def convert_to_dcp(
     used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), "", 1))
     if used:
         raise UnsupportedError(f"options {used} do not apply to conversion to DCP (a safetensors input)")
+    if shards < 1:
+        raise UnsupportedError(f"--shards {shards}: pass a number of ranks, 1 or more")
     src = os.fspath(src)
     out = os.fspath(dst).rstrip("/" + os.sep) if dst is not None else default_dcp_output(src)
     paths = _source_files(src)
@@ -296,7 +385,10 @@ def convert_to_dcp(
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: saving as a single process"
-            dcp.save(sd, storage_writer=writer, planner=_releasing_planner(spans), no_dist=True)
+            if shards > 1:
+                _save_sharded(sd, spans, writer, shards, torch)
+            else:
+                dcp.save(sd, storage_writer=writer, planner=_releasing_planner(spans), no_dist=True)
         for span in spans.values():
             _release(span)
         tally.add(total)
