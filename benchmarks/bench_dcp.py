@@ -6,6 +6,7 @@ Usage::
     python benchmarks/bench_dcp.py                         # 0.2 GB and 1 GB, 4 ranks
     python benchmarks/bench_dcp.py --sizes 0.2GB,1GB,2GB,4GB --repeat 2 --json
     python benchmarks/bench_dcp.py --sizes 4GB --no-reference   # memory curve point without the torch recipe
+    python benchmarks/bench_dcp.py --sizes 2GB --jobs 1,2,4     # convert with --jobs N side by side
 
 For each size a 4-rank sharded DCP checkpoint is written by a gloo process group (each rank
 builds only its own shards with ``DTensor.from_local``: FSDP-style ``Shard(0)`` with uneven rows
@@ -14,7 +15,8 @@ for most weights, ``Shard(1)`` for a quarter of them, a replicated bias and an o
 whole-process wall time and peak RSS (``wait4``) of:
 
 * ``cp -r`` of the directory;
-* ``python -m ckptfix convert DIR -o model.safetensors`` (streaming, verification on);
+* ``python -m ckptfix convert DIR -o model.safetensors`` (streaming, verification on), once per ``--jobs``
+  value (``--jobs N``: N tensors assembled, written and verified at a time);
 * the reference: ``dcp_to_torch_save`` then ``safetensors.torch.save_file`` of the model part;
 * ``python -m ckptfix add-prefix DIR --prefix m. -o NEW`` (``.metadata`` rewritten, data hard-linked);
 * ``load_checkpoint(DIR)`` (the whole checkpoint: peak RSS above an ``import torch, ckptfix`` baseline, over
@@ -123,7 +125,7 @@ def _rm(*paths: str):
     return go
 
 
-def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> dict:
+def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str, jobs: tuple[int, ...] = (1,)) -> dict:
     import subprocess
 
     src = os.path.join(workdir, "run.dcp")
@@ -148,6 +150,11 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
     cases = {
         "cp -r": (["cp", "-r", src, cp_dst], _rm(cp_dst)),
         "ckptfix convert": (ckptfix("convert", src, "-o", out, "--quiet"), _rm(out)),
+        **{
+            f"ckptfix convert -j {n}": (ckptfix("convert", src, "-o", out, "--quiet", "--jobs", str(n)), _rm(out))
+            for n in jobs
+            if n != 1
+        },
         "ckptfix add-prefix": (ckptfix("add-prefix", src, "--prefix", "m.", "-o", renamed), _rm(renamed)),
         "ckptfix noop": (ckptfix("--version"), None),
     }
@@ -190,6 +197,15 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str) -> 
         "convert_s": round(res["ckptfix convert"][0], 3),
         "convert_rss_mib": round(res["ckptfix convert"][2], 1),
         "convert_vs_cp": round(res["ckptfix convert"][0] / res["cp -r"][0], 2),
+        "convert_jobs": {
+            str(n): {
+                "s": round(res[k][0], 3),
+                "vs_cp": round(res[k][0] / res["cp -r"][0], 2),
+                "rss_mib": round(res[k][2], 1),
+            }
+            for n in jobs
+            for k in ["ckptfix convert" if n == 1 else f"ckptfix convert -j {n}"]
+        },
         "add_prefix_s": round(res["ckptfix add-prefix"][0], 3),
         "add_prefix_minus_startup_s": round(rename_s, 3),
         "startup_s": round(res["ckptfix noop"][0], 3),
@@ -214,6 +230,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--no-reference", action="store_true", help="skip dcp_to_torch_save + save_file")
+    ap.add_argument("--jobs", default="1,2", help="comma-separated --jobs values to time convert with")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     a = ap.parse_args()
@@ -221,7 +238,8 @@ def main() -> None:
     for s in a.sizes.split(","):
         work = tempfile.mkdtemp(prefix="bench_dcp.", dir=a.dir)
         try:
-            rows.append(bench(parse_size(s), a.repeat, a.ranks, not a.no_reference, work))
+            jobs = tuple(int(j) for j in a.jobs.split(","))
+            rows.append(bench(parse_size(s), a.repeat, a.ranks, not a.no_reference, work, jobs))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if not a.json:
@@ -236,6 +254,11 @@ def main() -> None:
                 )
                 + f") RSS {r['convert_rss_mib']:.0f} MiB"
                 + (f" vs {r['reference_rss_mib']:.0f} MiB" if "reference_rss_mib" in r else "")
+                + "".join(
+                    f" | -j {n} {v['s']:.2f}s ({v['vs_cp']:.2f}x cp, {v['rss_mib']:.0f} MiB)"
+                    for n, v in r["convert_jobs"].items()
+                    if n != "1"
+                )
                 + f" | identical {r.get('byte_identical_to_reference')} | add-prefix {r['add_prefix_s']:.2f}s "
                 f"({r['add_prefix_minus_startup_s']:+.3f}s over startup) | load_checkpoint peak "
                 f"{r['load_peak_over_state_dict']:.2f}x checkpoint",

@@ -3,13 +3,16 @@
 The copy loops deep inside the writers (:func:`ckptfix.formats.zipfmt.copy_range`) call
 :func:`advance` after each step; :func:`reporting` routes those calls, for the duration of one
 library call, to a ``progress(done_bytes, total_bytes)`` callback.  Nothing is reported (and
-nothing costs more than one context-variable lookup per step) when no one asked.
+nothing costs more than one context-variable lookup per step) when no one asked.  The count is
+thread-safe: the worker threads of :func:`ckptfix.parallel.run_tasks` run in a copy of the
+caller's context, so their steps add up in one callback, called by one thread at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Callable, Iterator
 
 #: ``progress(done_bytes, total_bytes)``
@@ -38,10 +41,12 @@ def reporting(progress: Progress | None, total: int) -> Iterator[None]:
         yield
         return
     done = [0]
+    lock = threading.Lock()
 
     def sink(n: int) -> None:
-        done[0] = min(total, done[0] + n)
-        progress(done[0], total)
+        with lock:
+            done[0] = min(total, done[0] + n)
+            progress(done[0], total)
 
     token = _SINK.set(sink)
     try:

@@ -52,6 +52,7 @@ def strip_prefix_checkpoint(
     key: str | None = None,
     map_location: str | None = None,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> RewriteReport:
     """Strip wrapper prefixes from the state-dict keys of ``src`` (default output ``<stem>.stripped<ext>``).
 
@@ -67,6 +68,7 @@ def strip_prefix_checkpoint(
         key: where the state dict sits, e.g. ``"model/state_dict"`` (found automatically otherwise).
         map_location: rewrite storage device tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
+        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` is the
@@ -88,6 +90,7 @@ def strip_prefix_checkpoint(
         map_location=map_location,
         suffix="stripped",
         progress=progress,
+        jobs=jobs,
     )
 
 
@@ -102,6 +105,7 @@ def add_prefix_checkpoint(
     key: str | None = None,
     map_location: str | None = None,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> RewriteReport:
     """Put ``prefix`` in front of every state-dict key of ``src`` (default output ``<stem>.prefixed<ext>``).
 
@@ -115,6 +119,7 @@ def add_prefix_checkpoint(
         key: where the state dict sits (found automatically otherwise).
         map_location: rewrite storage device tags.
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
+        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` holds ``summary``, ``prefix`` and ``keys``.
@@ -139,6 +144,7 @@ def add_prefix_checkpoint(
         map_location=map_location,
         suffix="prefixed",
         progress=progress,
+        jobs=jobs,
     )
 
 
@@ -196,6 +202,7 @@ def align_checkpoint(
     key: str | None = None,
     map_location: str | None = None,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> AlignResult:
     """Rename the state-dict keys of ``src`` to match ``target`` (default output ``<stem>.aligned<ext>``).
 
@@ -215,6 +222,7 @@ def align_checkpoint(
         key: where the state dict sits (found automatically otherwise).
         map_location: rewrite storage device tags.
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
+        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
 
     Returns:
         An :class:`AlignResult`.
@@ -246,6 +254,7 @@ def align_checkpoint(
         map_location=map_location,
         suffix="aligned",
         progress=progress,
+        jobs=jobs,
     )
     return AlignResult(rep, reports[-1])
 

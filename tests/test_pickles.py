@@ -405,6 +405,8 @@ def test_stub_classes_are_one_per_global():
     ns = stub_class("argparse", "Namespace")()
     assert ns.full_name == "argparse.Namespace" and not ns.via_newobj
     assert "argparse.Namespace" in repr(ns)
+
+
 # --- moved from test_review_ckpt.py: classifying globals, and nesting limits of the pickle reader
 
 

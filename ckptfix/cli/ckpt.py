@@ -151,6 +151,14 @@ def _write_options(f):
     f = click.option(
         "--map-location", default=None, help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'."
     )(f)
+    f = click.option(
+        "--jobs",
+        "-j",
+        type=click.IntRange(min=0),
+        default=1,
+        show_default=True,
+        help="Shards of a sharded index written in parallel (0: one per CPU); same output for any N.",
+    )(f)
     return json_option(f)
 
 
@@ -178,7 +186,7 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
 def strip_prefix_cmd(
-    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, as_json
+    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, jobs, as_json
 ) -> None:
     """Strip DataParallel/DDP 'module.', torch.compile '_orig_mod.', Lightning 'model.' ... from the keys.
 
@@ -199,6 +207,7 @@ def strip_prefix_cmd(
             key=key,
             map_location=map_location,
             progress=bar.update,
+            jobs=jobs,
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -207,7 +216,7 @@ def strip_prefix_cmd(
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
 @_write_options
-def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
     from ckptfix.rekey import add_prefix_checkpoint
 
@@ -222,6 +231,7 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
             key=key,
             map_location=map_location,
             progress=bar.update,
+            jobs=jobs,
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -235,7 +245,7 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
     help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.",
 )
 @_write_options
-def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, as_json) -> None:
+def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
     from ckptfix.rekey import align_checkpoint
 
@@ -250,6 +260,7 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
             key=key,
             map_location=map_location,
             progress=bar.update,
+            jobs=jobs,
         )
     r = res.alignment
     if as_json:

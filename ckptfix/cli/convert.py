@@ -16,8 +16,31 @@ from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_
     "-o",
     "--output",
     "output",
-    type=click.Path(dir_okay=False),
-    help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input).",
+    type=click.Path(),
+    help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input; DIR.dcp: a DCP checkpoint).",
+)
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["safetensors", "pt", "dcp"]),
+    default=None,
+    help="Output format when -o does not say (dcp: a torch.distributed.checkpoint directory; imports torch).",
+)
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Tensors/shards written in parallel (0: one per CPU); same output bytes for any N.",
+)
+@click.option(
+    "--shards",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="DCP output: write it as K ranks would (K .distcp files, tensors split along dim 0).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("--strip-prefix", "strip", is_flag=True, help="Strip wrapper prefixes (module., _orig_mod., ...).")
@@ -61,6 +84,9 @@ from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_
 def convert_cmd(
     src: str,
     output: str | None,
+    to: str | None,
+    jobs: int,
+    shards: int,
     force: bool,
     strip: bool,
     key: str | None,
@@ -84,6 +110,8 @@ def convert_cmd(
     ckptfix convert big.pth --max-shard-size 5GB   # -> big-00001-of-0000N.safetensors + index
     ckptfix convert model.safetensors -o model.pth
     ckptfix convert model.safetensors -o ckpt.pth --restore-wrapper   # epoch, ... too
+    ckptfix convert run.dcp -o model.safetensors --jobs 4
+    ckptfix convert model.safetensors -o start.dcp --shards 4  # DCP as 4 ranks (torch)
 
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
@@ -114,6 +142,9 @@ def convert_cmd(
             allow_globals=tuple(allow_globals or ()),
             trust=trust,
             allow_expand=allow_expand,
+            jobs=jobs,
+            to=to,
+            shards=shards,
         )
     finally:
         bar.close()

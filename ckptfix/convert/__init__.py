@@ -63,10 +63,14 @@ def convert(
     keep: Sequence[str] = (),
     allow_expand: bool = False,
     restore_wrapper: bool = False,
+    jobs: int = 1,
+    to: str | None = None,
+    shards: int = 1,
 ) -> ConvertReport:
-    """Convert in the direction the paths say: safetensors in and a non-safetensors ``dst`` (or none) -> torch.
+    """Convert in the direction ``to`` or the paths say.
 
-    Anything else goes to safetensors.
+    A ``dst`` ending in ``.dcp`` (or ``to="dcp"``) -> a DCP directory; safetensors in and a
+    non-safetensors ``dst`` (or none, or ``to="pt"``) -> torch; anything else -> safetensors.
 
     Args:
         src: the input checkpoint.
@@ -75,6 +79,9 @@ def convert(
         key, strip_prefix, max_shard_size, include_optimizer, allow_globals, trust, ckptfix_metadata,
             keep, allow_expand: as for :func:`convert_to_safetensors`.
         restore_wrapper: as for :func:`convert_from_safetensors`.
+        jobs: tensors (or DCP writer threads) at a time; ``0``: one per CPU.  Same output for any number.
+        to: ``"safetensors"``, ``"pt"`` or ``"dcp"``; None: from the paths.
+        shards: for DCP output, write as this many ranks would (:func:`ckptfix.dcp.write.convert_to_dcp`).
 
     Returns:
         A :class:`ConvertReport`.
@@ -84,19 +91,45 @@ def convert(
             :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
     """
     d = os.fspath(dst) if dst is not None else None
-    if is_safetensors_input(src) and (d is None or not d.endswith(".safetensors")):
-        given = {
-            "key": key is not None,
+    to_safetensors_only = {
+        "key": key is not None,
+        "max_shard_size": bool(max_shard_size),
+        "include_optimizer": include_optimizer,
+        "allow_globals": bool(allow_globals),
+        "trust": trust,
+        "keep": bool(keep),
+        "allow_expand": allow_expand,
+    }
+    if to == "dcp" or (to is None and d is not None and d.rstrip("/" + os.sep).endswith(".dcp")):
+        from ckptfix.dcp.write import convert_to_dcp
+
+        given: dict[str, bool] = {k: v for k, v in to_safetensors_only.items() if v}
+        if restore_wrapper:
+            given["restore_wrapper"] = True
+        return convert_to_dcp(
+            src,
+            d,
+            strip_prefix=strip_prefix,
+            verify=verify,
+            force=force,
+            fsync=fsync,
+            progress=progress,
+            jobs=jobs,
+            shards=shards,
+            ckptfix_metadata=ckptfix_metadata,
+            **given,
+        )
+    if shards != 1:
+        raise UnsupportedError("--shards applies to DCP output (-o DIR.dcp or --to dcp)")
+    if to == "pt" and not is_safetensors_input(src):
+        raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
+    if to == "pt" or (to is None and is_safetensors_input(src) and (d is None or not d.endswith(".safetensors"))):
+        back: dict[str, bool] = {
+            **to_safetensors_only,
             "strip_prefix": bool(strip_prefix),
-            "max_shard_size": bool(max_shard_size),
-            "include_optimizer": include_optimizer,
-            "allow_globals": bool(allow_globals),
-            "trust": trust,
             "ckptfix_metadata": not ckptfix_metadata,
-            "keep": bool(keep),
-            "allow_expand": allow_expand,
         }
-        used = sorted(k for k, v in given.items() if v)
+        used = sorted(k for k, v in back.items() if v)
         if used:
             raise UnsupportedError(f"options {used} apply to conversion to safetensors, not back to torch")
         return convert_from_safetensors(
@@ -120,4 +153,5 @@ def convert(
         ckptfix_metadata=ckptfix_metadata,
         keep=keep,
         allow_expand=allow_expand,
+        jobs=jobs,
     )

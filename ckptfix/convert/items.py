@@ -76,8 +76,11 @@ class Fds:
             The descriptor (closed by :meth:`close`).
         """
         fd = self.fds.get(path)
-        if fd is None:
-            fd = self.fds[path] = os.open(path, os.O_RDONLY)
+        if fd is None:  # two threads may race here: one descriptor is kept, the other closed
+            new = os.open(path, os.O_RDONLY)
+            fd = self.fds.setdefault(path, new)
+            if fd != new:
+                os.close(new)
         return fd
 
     def close(self) -> None:

@@ -9,8 +9,10 @@ at the cost of one extra pass over memory instead of re-reading both files.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
+import threading
 from typing import Iterator, Mapping, Sequence
 
 from ckptfix.atomic import _os_error, fsync_dir
@@ -21,6 +23,7 @@ from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
 from ckptfix.formats.zipfmt import copy_range, pwrite_all
+from ckptfix.parallel import Tally, run_tasks
 
 
 class Writer:
@@ -34,24 +37,22 @@ class Writer:
     """
 
     def __init__(self, total: int, progress: Progress | None, verify: bool) -> None:
-        self.total = total
-        self.done = 0
-        self.progress = progress
+        self.tally = Tally(progress, total)
         self.verify = verify
         self.fds = Fds()
-        self._buf: bytearray | None = None
+        self._local = threading.local()  # one copy buffer per thread
 
     def tick(self, n: int) -> None:
-        """Count ``n`` bytes done and report progress.
+        """Count ``n`` bytes done and report progress (thread-safe).
 
         Args:
             n: bytes just written (or verified).
         """
-        self.done += n
-        if self.progress is not None:
-            self.progress(self.done, self.total)
+        self.tally.add(n)
 
-    def write(self, path: str, items: list[Item], metadata: Mapping[str, str] | None, fsync: bool) -> None:
+    def write(
+        self, path: str, items: list[Item], metadata: Mapping[str, str] | None, fsync: bool, jobs: int = 1
+    ) -> None:
         """Write one safetensors file: header, then every item's bytes at its offset.
 
         Args:
@@ -59,6 +60,7 @@ class Writer:
             items: the items in file order, ``begin`` set (:func:`~ckptfix.convert.header.layout`).
             metadata: the ``__metadata__`` entries.
             fsync: flush the file before returning.
+            jobs: items written at a time, each at its own offset (same bytes for any number).
 
         Raises:
             VerificationError: with ``verify``, a chunk did not read back equal.
@@ -70,25 +72,26 @@ class Writer:
         try:
             pwrite_all(fd, header, 0)
             base = len(header)
-            for it in items:
-                pos = base + it.begin
-                if it.path is not None:
-                    self._copy(it, fd, pos, path)
-                    continue
-                for chunk in it.chunks(self.fds):
-                    n = pwrite_all(fd, chunk, pos)
-                    if self.verify and not _written_equal(fd, pos, chunk, n):
-                        raise _differs(path, it, pos - base - it.begin)
-                    pos += n
-                    self.tick(n)
-                if pos != base + it.begin + it.nbytes:
-                    raise CorruptCheckpointError(
-                        f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}"
-                    )
+            run_tasks([functools.partial(self._item, it, fd, base, path) for it in items], jobs)
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+    def _item(self, it: Item, fd: int, base: int, path: str) -> None:
+        """One item's bytes at its offset in ``path`` (open as ``fd``)."""
+        pos = base + it.begin
+        if it.path is not None:
+            self._copy(it, fd, pos, path)
+            return
+        for chunk in it.chunks(self.fds):
+            n = pwrite_all(fd, chunk, pos)
+            if self.verify and not _written_equal(fd, pos, chunk, n):
+                raise _differs(path, it, pos - base - it.begin)
+            pos += n
+            self.tick(n)
+        if pos != base + it.begin + it.nbytes:
+            raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
     def _copy(self, it: Item, fd: int, pos: int, path: str) -> None:
         """A contiguous byte range of a source file -> the output ``path`` (open as ``fd``) at ``pos``."""
@@ -97,9 +100,9 @@ class Writer:
             copy_range(src, it.offset, fd, pos, it.nbytes)
             self.tick(it.nbytes)
             return
-        if self._buf is None:
-            self._buf = bytearray(CHUNK)
-        buf = self._buf
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(CHUNK)
         view = memoryview(buf)
         off, left, start = it.offset, it.nbytes, pos
         while left > 0:
@@ -210,6 +213,7 @@ def write_outputs(
     src: str,
     progress: Progress | None,
     report: ConvertReport,
+    jobs: int = 1,
 ) -> None:
     """Write ``items`` as ``dst`` (or as shards + index), through temp files renamed into place once verified.
 
@@ -224,6 +228,7 @@ def write_outputs(
         src: the input (never overwritten).
         progress: ``progress(done_bytes, total_bytes)``.
         report: gets ``outputs``, ``index``, ``bytes``, ``tensors`` and ``verified``.
+        jobs: tensors written at a time (memory: ``jobs`` x the 8 MiB copy buffer).
 
     Raises:
         OutputError: an output cannot be written or exists without ``force``.
@@ -248,7 +253,7 @@ def write_outputs(
             ordered = layout(part)
             laid.append(ordered)
             with _named_as(tmp, final):
-                w.write(tmp, ordered, metadata, fsync)
+                w.write(tmp, ordered, metadata, fsync, jobs)
         if verify:
             for tmp, final, ordered in zip(temps, finals, laid, strict=False):
                 with _named_as(tmp, final):

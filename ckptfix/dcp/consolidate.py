@@ -12,6 +12,7 @@ sources, and lays the file out exactly as ``safetensors.torch.save_file``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -203,6 +204,7 @@ def convert_dcp(
     progress: Progress | None = None,
     ckptfix_metadata: bool = True,
     meta: DcpMetadata | None = None,
+    jobs: int = 1,
 ) -> ConvertReport:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
@@ -219,6 +221,7 @@ def convert_dcp(
         progress: ``progress(done_bytes, total_bytes)``.
         ckptfix_metadata: write the ``ckptfix.*`` metadata (:mod:`ckptfix.stmeta`).
         meta: the directory's metadata, when already read.
+        jobs: tensors assembled, written and verified at a time (memory: ``jobs`` x 4 x :data:`BLOCK_BYTES`).
 
     Returns:
         ConvertReport
@@ -249,6 +252,9 @@ def convert_dcp(
     files = Files(src)
     items = []
     try:
+        for rel in meta.files:  # opened once, before any worker thread asks (errors are reported where used)
+            with contextlib.suppress(OSError):
+                files.fd(rel)
         for name, rec in named:
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]
@@ -275,6 +281,7 @@ def convert_dcp(
             src=src,
             progress=progress,
             report=report,
+            jobs=jobs,
         )
     except OSError as e:
         if isinstance(e, CkptfixError):

@@ -71,6 +71,7 @@ def rewrite_checkpoint(
     fsync: bool | None = None,
     suffix: str = "fixed",
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
@@ -88,6 +89,7 @@ def rewrite_checkpoint(
         map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
         fsync: flush to disk before the rename (default: on for ``in_place``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
+        jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -112,6 +114,7 @@ def rewrite_checkpoint(
             map_location=map_location,
             fsync=fsync,
             suffix=suffix,
+            jobs=jobs,
         )
 
 
@@ -138,6 +141,7 @@ def _rewrite_checkpoint(
     map_location: str | None,
     fsync: bool | None,
     suffix: str,
+    jobs: int = 1,
 ) -> RewriteReport:
     if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
         from ckptfix.dcp.rewrite import rewrite_dcp
@@ -166,6 +170,7 @@ def _rewrite_checkpoint(
             map_location=map_location,
             fsync=bool(fsync),
             suffix=suffix,
+            jobs=jobs,
         )
     return _rewrite_file(
         cf,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any, Mapping
@@ -10,6 +11,7 @@ from ckptfix import stmeta
 from ckptfix.atomic import atomic_output
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, find_state_dict
+from ckptfix.parallel import run_tasks
 from ckptfix.prefixes import _rekey_metadata
 from ckptfix.rewrite.location import relocate
 from ckptfix.rewrite.report import RewriteReport, Transform, detail
@@ -27,6 +29,7 @@ def rewrite_sharded(
     map_location: str | None,
     fsync: bool,
     suffix: str,
+    jobs: int = 1,
 ) -> RewriteReport:
     """Rename across every shard of an index, writing the shards and the index (last) to a new directory.
 
@@ -40,6 +43,7 @@ def rewrite_sharded(
         map_location: re-tag the shards' storages.
         fsync: flush every file.
         suffix: for the default directory name.
+        jobs: shards written at a time (``0``: one per CPU); the same files for any number.
 
     Returns:
         RewriteReport (``output``: the new index; None when nothing needed to change).
@@ -98,7 +102,7 @@ def rewrite_sharded(
         raise OutputError(f"cannot create {out_dir}: {e.strerror}; choose another directory with -o") from None
     written: list[str] = []
     try:
-        _write_shards(shards, rename, out_dir, fsync, written, rep.notes)
+        _write_shards(shards, rename, out_dir, fsync, written, rep.notes, jobs)
         doc = dict(cf.extra["index"])
         doc["weight_map"] = {rename.get(k, k): v for k, v in doc["weight_map"].items()}
         if isinstance(doc.get("metadata"), dict):  # ckptfix convert copies its metadata here too
@@ -178,10 +182,12 @@ def _write_shards(
     fsync: bool,
     written: list[str],
     notes: list[str],
+    jobs: int = 1,
 ) -> None:
-    """Each shard under its own name in ``out_dir``, its keys renamed (``written`` gets each path)."""
+    """Each shard under its own name in ``out_dir``, keys renamed, ``jobs`` at a time (``written`` gets each path)."""
     modules = _module_renames(rename)
-    for name, scf in shards.items():
+
+    def one_shard(name: str, scf: CheckpointFile) -> None:
         key_path, ssd = find_state_dict(scf.obj)
         new_ssd: Any = type(ssd)() if isinstance(ssd, dict) else {}
         for k, v in ssd.items():
@@ -192,5 +198,8 @@ def _write_shards(
         dst = os.path.join(out_dir, name)
         write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename, what=dst)
         written.append(dst)
+
+    run_tasks([functools.partial(one_shard, name, scf) for name, scf in shards.items()], jobs)
+    for name, scf in shards.items():
         if scf.format == "torch-legacy":
             notes.append(f"legacy shard {name} was written in the zip format")
