@@ -17,7 +17,7 @@ from ckptfix.convert import convert
 from ckptfix.dcp.write import default_dcp_output
 from ckptfix.errors import OutputError, UnsupportedError
 
-from conftest import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli
 
 
 def _sd() -> dict[str, torch.Tensor]:

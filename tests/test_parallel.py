@@ -19,7 +19,7 @@ from ckptfix.parallel import Tally, resolve_jobs, run_tasks
 from ckptfix.progress import advance, reporting
 from ckptfix.rewrite import rewrite_checkpoint
 
-from conftest import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli
 
 # --------------------------------------------------------------------------- the pool
 

@@ -346,7 +346,7 @@ def convert_to_dcp(
     from ckptfix.stmeta import restore as restore_aliases
 
     t0 = time.perf_counter()
-    used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), "", 1))
+    used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), ""))
     if used:
         raise UnsupportedError(f"options {used} do not apply to conversion to DCP (a safetensors input)")
     if shards < 1:
