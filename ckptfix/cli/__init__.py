@@ -16,30 +16,10 @@ import traceback
 import click
 
 from ckptfix._torch import is_torch_missing, missing_error
+from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
+from ckptfix.cli.group import _DEBUG, cli
 from ckptfix.errors import CkptfixError
-
-_DEBUG = {"on": False}
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
-@click.version_option(package_name="ckptfix", prog_name="ckptfix")
-def cli(debug: bool) -> None:
-    """Make PyTorch checkpoints and GPUs stop getting in your way.
-
-    \b
-    Checkpoints:  inspect, scan, strip-prefix, add-prefix, align, convert, sanitize
-    GPUs:         gpus, pick-gpu, doctor
-    Training:     train, demo
-    """
-    if debug:
-        _DEBUG["on"] = True
-
-
-def _register() -> None:
-    # Each module defines its commands with @cli.command; none imports torch at import time.
-    from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401
 
 
 def _debug_wanted() -> bool:
@@ -99,6 +79,3 @@ def _feature(args: list[str]) -> str:
 
 def run() -> None:
     sys.exit(main())
-
-
-_register()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ckptfix.cli import cli
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli.group import cli
 
 
 def _fmt_counts(d: dict) -> str:

@@ -6,8 +6,8 @@ from typing import Any
 
 import click
 
-from ckptfix.cli import cli
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
+from ckptfix.cli.group import cli
 
 
 @cli.command("convert")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option
+from ckptfix.cli.group import cli
 from ckptfix.train.config import DEVICES
 from ckptfix.train.demo import DEMO_DEVICE, DEMO_EPOCHS, DEMO_OUT
 

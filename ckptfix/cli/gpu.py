@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option, warn
+from ckptfix.cli.group import cli
 from ckptfix.errors import CkptfixError
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptfix.cli import cli
 from ckptfix.cli._common import emit_json, info, json_option, table
+from ckptfix.cli.group import cli
 from ckptfix.train.config import (
     ALLREDUCES,
     DEVICES,
