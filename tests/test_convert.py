@@ -713,3 +713,16 @@ def test_nested_state_dict_with_non_tensor_values(tmp_path):
         "a non-tensor value inside the state dict (class builtins.int)"
     )
     assert_same(load_file(tmp_path / "m.safetensors")["w"], w)
+
+
+def test_keep_two_names_of_one_tied_tensor_is_refused(tmp_path):
+    """``--keep a --keep b`` where a and b are the same tensor cannot both be stored: refused, nothing written."""
+    from ckptfix.errors import KeyConflictError
+
+    t = torch.ones(4)
+    src = tmp_path / "t.pt"
+    torch.save({"a": t, "b": t}, src)
+    out = tmp_path / "t.safetensors"
+    with pytest.raises(KeyConflictError, match="one tensor"):
+        convert_to_safetensors(src, out, keep=["a", "b"])
+    assert not out.exists()

@@ -45,8 +45,16 @@ class TiedNames:
 
         Returns:
             The name to store.
+
+        Raises:
+            KeyConflictError: ``--keep`` names two names of the same tensor.
         """
         kept = [n for n in names if n in self.keep]
+        if len(kept) > 1:
+            raise KeyConflictError(
+                f"--keep {' and '.join(repr(n) for n in kept)}: these names are one tensor (tied), so only one "
+                "can be stored; keep just one of them (the others become aliases of it)"
+            )
         if kept:
             self.used_keep.add(kept[0])
             return kept[0]
