@@ -57,7 +57,11 @@ def reporting(progress: Progress | None, total: int) -> Iterator[None]:
 
 
 def advance(n: int) -> None:
-    """Count ``n`` more bytes copied (a no-op unless inside :func:`reporting`)."""
+    """Count ``n`` more bytes copied (a no-op unless inside :func:`reporting`).
+
+    Args:
+        n: bytes just copied; zero or less is ignored.
+    """
     sink = _SINK.get()
     if sink is not None and n > 0:
         sink(n)

@@ -299,7 +299,11 @@ class PickResult:
         return [w for w in self.view.warnings if w not in moot]
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --json`` document (docs/schemas/pick-gpu.schema.json)."""
+        """The ``ckptfix pick-gpu --json`` document.
+
+        Returns:
+            A dict valid against docs/schemas/pick-gpu.schema.json.
+        """
         return {
             "schema": "ckptfix.pick-gpu/1",
             "CUDA_VISIBLE_DEVICES": self.env.get("CUDA_VISIBLE_DEVICES"),
@@ -604,7 +608,11 @@ class ReleaseResult:
     leases: list[Released]
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --release --json`` document."""
+        """The ``ckptfix pick-gpu --release --json`` document.
+
+        Returns:
+            A JSON-ready dict (schema ``ckptfix.pick-gpu-release/1``).
+        """
         return {
             "schema": "ckptfix.pick-gpu-release/1",
             "token": self.token is not None,

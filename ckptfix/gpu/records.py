@@ -278,7 +278,11 @@ class VisibleGpu:
         return self.uuid if self.uuid else str(self.smi_index)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``devices[]`` entry of ``ckptfix gpus --json`` (docs/schemas/gpus.schema.json)."""
+        """The ``devices[]`` entry of ``ckptfix gpus --json``.
+
+        Returns:
+            A dict valid against the ``devices`` items of docs/schemas/gpus.schema.json.
+        """
         return {
             "cuda_index": self.cuda_index,
             "device": f"cuda:{self.cuda_index}",

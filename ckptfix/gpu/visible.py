@@ -108,7 +108,11 @@ class GpuView:
         return "PCI_BUS_ID" if self.cuda_device_order == "PCI_BUS_ID" else "FASTEST_FIRST"
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix gpus --json`` document (docs/schemas/gpus.schema.json)."""
+        """The ``ckptfix gpus --json`` document.
+
+        Returns:
+            A dict valid against docs/schemas/gpus.schema.json.
+        """
         return {
             "schema": "ckptfix.gpus/1",
             "driver_version": self.driver_version,
