@@ -30,11 +30,15 @@ _LAZY = {
     "strip_prefix": "ckptfix.prefixes",
     "add_prefix": "ckptfix.prefixes",
     "align_state_dict": "ckptfix.prefixes",
+    "strip_prefix_checkpoint": "ckptfix.rekey",
+    "add_prefix_checkpoint": "ckptfix.rekey",
+    "align_checkpoint": "ckptfix.rekey",
     "convert_to_safetensors": "ckptfix.convert",
     "convert_from_safetensors": "ckptfix.convert",
     "sanitize_checkpoint": "ckptfix.sanitize",
     "visible_gpus": "ckptfix.gpu",
     "pick_gpu": "ckptfix.gpu",
+    "choose_gpus": "ckptfix.gpu",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
