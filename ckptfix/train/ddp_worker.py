@@ -63,5 +63,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Leave without interpreter finalization once the rank's work and files are done.
+
+    Under CPU contention a gloo rank sometimes aborts *after* its work is complete (SIGABRT,
+    "terminate called without an active exception"): c10d/gloo C++ threads and objects are torn
+    down during interpreter finalization, after the GIL machinery is gone (pytorch/pytorch#179291
+    describes the same race).  torchrun then reports the job as failed although every file was
+    written — the flaky ``test_cli_bench_json`` exit 30.  Everything this process owes is already
+    on disk (results and errors go through atomic writes), so flush the streams and ``_exit``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())
