@@ -8,10 +8,10 @@ import os
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ckptfix.errors import CorruptCheckpointError
-from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
+from ckptfix.formats import DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
     PickleLimits,
@@ -52,7 +52,7 @@ class InspectReport:
     """
 
     path: str
-    format: str
+    format: Format
     file_size: int
     state_dict_key: list[str] | None
     tensor_count: int
@@ -112,10 +112,8 @@ def _describe(v: Any) -> str:
 
 
 def _prefix_counts(keys: list[str]) -> dict[str, int]:
-    try:
-        from ckptfix.prefixes import detect_prefixes
-    except ImportError:  # pragma: no cover
-        return {}
+    from ckptfix.prefixes import detect_prefixes
+
     rep = detect_prefixes(keys)
     out = dict(rep.leading)
     out.update({f"(inner) {k}": v for k, v in rep.inner.items()})
@@ -138,13 +136,11 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         KeyConflictError: ``key`` does not exist.
     """
     cf = read_checkpoint(path)
-    obj = cf.obj
-    if cf.format == "torchscript":
-        obj = cf.extra.get("torchscript_state_dict") or {}
+    obj = cf.state_root
     from ckptfix.convert import contains_tensors, locate_state_dict
 
     holder = "mapping"
-    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and not contains_tensors(obj):
+    if key is None and cf.format not in (Format.SAFETENSORS, Format.SHARDED, Format.DCP) and not contains_tensors(obj):
         key_path: tuple[str, ...] | None = None
         sd: Any = {}
     else:
@@ -187,23 +183,24 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     for k, v in sd.items():
         if not is_tensor_like(v):
             non_tensor[f"{'/'.join(key_path) + '/' if key_path else ''}{k}"] = _describe(v)
-    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(cf.format)
-    gl = {g: classify_global(g, ctx) for g in sorted(cf.globals_seen)}
+    gl = {g: classify_global(g, _context(cf.format)) for g in sorted(cf.globals_seen)}
     bad = [g for g, c in gl.items() if c != "safe"]
     from ckptfix.sanitize import _opcodes_weights_only_cannot_read
 
-    if cf.format in ("safetensors",):
+    if cf.format == Format.SAFETENSORS:
         wo_ok, why = True, "safetensors holds no pickle"
-    elif cf.format == "torchscript":
+    elif cf.format == Format.TORCHSCRIPT:
         wo_ok, why = True, "torch.load hands TorchScript archives to torch.jit.load"
-    elif cf.format == "dcp":
+    elif cf.format == Format.DCP:
         wo_ok, why = False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
     elif bad:
         wo_ok, why = (
             False,
             f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""),
         )
-    elif cf.format in ("torch-zip", "torch-legacy") and (ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)):
+    elif cf.format in (Format.TORCH_ZIP, Format.TORCH_LEGACY) and (
+        ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)
+    ):
         wo_ok, why = (
             False,
             (
@@ -220,7 +217,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
             f"storages are tagged {', '.join(sorted(cuda))}: plain torch.load fails without those GPUs; "
             "load_anywhere / --map-location remaps them"
         )
-    if cf.format == "torch-legacy":
+    if cf.format == Format.TORCH_LEGACY:
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
     if holder == "module":
         notes.append(
@@ -255,7 +252,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         weights_only_ok=wo_ok,
         weights_only_reason=why,
         notes=notes,
-        dcp=cf.extra.get("dcp") if cf.format == "dcp" else None,
+        dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
     )
 
 
@@ -267,7 +264,7 @@ class ScanReport:
     """What ``scan`` found: every global each pickle of the checkpoint references, classified."""
 
     path: str
-    format: str
+    format: Format
     pickles: list[str]
     globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
     errors: list[str]
@@ -392,8 +389,8 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
                 _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
 
 
-def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> str:
-    """Every pickle torch.load would unpickle from a non-zip file; returns the format name."""
+def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
     with open(path, "rb") as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
     legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
@@ -401,21 +398,17 @@ def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> str:
     for i, part in enumerate(parts):
         label = os.path.basename(path) + (f"[{names[i]}]" if legacy else "" if i == 0 else f"[{i}]")
         acc.add_result(label, part)
-    return "torch-legacy" if legacy else "pickle"
+    return Format.TORCH_LEGACY if legacy else Format.PICKLE
 
 
-def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> str:
-    from ckptfix.formats.sharded import load_index
+def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    from ckptfix.formats.sharded import check_shard_kind, load_index
 
     idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
     for shard, sp in idx.shards.items():
-        kind = sniff(sp)
-        if kind in ("sharded", "sharded-dir", "dcp"):
-            raise CorruptCheckpointError(
-                f"{idx.path}: shard {shard!r} is itself a {kind} checkpoint; the index is corrupt or hostile"
-            )
+        check_shard_kind(idx, shard, sniff(sp))
         acc.merge(shard, scan_checkpoint(sp, limits=limits))
-    return "sharded"
+    return Format.SHARDED
 
 
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
@@ -551,24 +544,41 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
     kind = sniff(path)
-    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(kind)
-    acc = _Acc(ctx)
-    fmt = kind
-    if kind in ("torch-zip", "torchscript"):
-        with open(path, "rb") as f:
-            _scan_zip(f, os.path.basename(path), acc, limits)
-    elif kind == "pickle-stream":
-        fmt = _scan_legacy(path, acc, limits)
-    elif kind == "safetensors":
-        read_checkpoint(path)  # validates the JSON header; no pickle inside
-    elif kind in ("sharded", "sharded-dir"):
-        fmt = _scan_sharded(path, acc, limits)
-    elif kind == "dcp":
-        _scan_dcp(path, acc, limits)
-    elif kind == "torch-tar":
-        acc.unknown(
-            os.path.basename(path),
-            "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
-        )
+    acc = _Acc(_context(kind))
+    fmt = _SCANNERS[kind](path, acc, limits) or kind
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
+
+
+def _context(fmt: Format) -> str | None:
+    """The container a global is judged in (DCP metadata and TorchScript allow their own classes)."""
+    return {Format.DCP: "dcp", Format.TORCHSCRIPT: "torchscript"}.get(fmt)
+
+
+def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    with open(path, "rb") as f:
+        _scan_zip(f, os.path.basename(path), acc, limits)
+
+
+def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    read_checkpoint(path)  # validates the JSON header; no pickle inside
+
+
+def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    acc.unknown(
+        os.path.basename(path),
+        "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
+    )
+
+
+#: how each format is scanned (a scanner that tells the format from what it read returns it)
+_SCANNERS: dict[Format, Callable[[str, _Acc, PickleLimits], Format | None]] = {
+    Format.TORCH_ZIP: _scan_archive,
+    Format.TORCHSCRIPT: _scan_archive,
+    Format.TORCH_LEGACY: _scan_legacy,
+    Format.PICKLE: _scan_legacy,
+    Format.SAFETENSORS: _scan_safetensors,
+    Format.SHARDED: _scan_sharded,
+    Format.DCP: _scan_dcp,
+    Format.TORCH_TAR: _scan_tar,
+}

@@ -74,9 +74,9 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
             emit_json(r.to_dict())
         else:
             _render_scan(r)
-        err = _scan_error(checkpoints[0], r)
-        if err is not None:
-            raise err
+        found = _scan_error(checkpoints[0], r)
+        if found is not None:
+            raise found
         return
     docs: list[dict] = []
     failed: list[CkptfixError] = []
@@ -245,11 +245,7 @@ def _load_target(spec: str):
     if os.path.exists(spec):
         from ckptfix.formats import read_checkpoint
 
-        cf = read_checkpoint(spec)
-        obj = cf.extra.get("torchscript_state_dict") if cf.format == "torchscript" else cf.obj
-        from ckptfix.formats import find_state_dict
-
-        return find_state_dict(obj)[1]
+        return read_checkpoint(spec).state_dict()[1]
     if ":" in spec:
         mod, _, attr = spec.partition(":")
         from ckptfix.errors import CheckpointNotFoundError

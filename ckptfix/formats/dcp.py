@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from ckptfix.errors import CkptfixError
-from ckptfix.formats import CheckpointFile
+from ckptfix.formats.base import CheckpointFile, DcpDetails, Format
 from ckptfix.pickles import StorageRecord, TensorRecord
 
 #: non-tensor objects up to this size are decoded for ``inspect`` (restricted reader)
@@ -26,7 +26,15 @@ _RANK_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
-    """Read a DCP directory's structure (no tensor bytes); ``meta``: its :class:`~ckptfix.dcp.meta.DcpMetadata`.
+    """Read a DCP directory's structure (no tensor bytes).
+
+    Args:
+        path: the directory.
+        meta: its :class:`~ckptfix.dcp.meta.DcpMetadata` when already read.
+
+    Returns:
+        A :class:`CheckpointFile` (tensor records with their global dtype and shape, small objects
+        decoded) with :class:`DcpDetails`.
 
     Raises:
         CorruptCheckpointError, CheckpointNotFoundError, UnsafePickleError, UnsupportedError: as
@@ -40,8 +48,8 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
     notes: list[str] = []
     try:
         validate(meta)
-    except CkptfixError as e:
-        notes.append(f"not loadable as is: {e}")
+    except CkptfixError as err:
+        notes.append(f"not loadable as is: {err}")
     obj: dict = {}
     storages: dict[str, StorageRecord] = {}
     stubbed = set(meta.foreign)
@@ -52,7 +60,8 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
             value: Any
             if isinstance(e, TensorEntry):
                 chunks += len(e.chunks)
-                stride, acc = [], 1
+                stride: list[int] = []
+                acc = 1
                 for s in reversed(e.shape):
                     stride.insert(0, acc)
                     acc *= s
@@ -80,8 +89,8 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
         if os.path.isfile(p):
             size += os.path.getsize(p)
     by_top: dict[str, int] = {}
-    for e in meta.tensors():
-        top = str(meta.key_path(e.fqn)[0])
+    for te in meta.tensors():
+        top = str(meta.key_path(te.fqn)[0])
         by_top[top] = by_top.get(top, 0) + 1
     summary = {
         "tensors_by_top_level_key": by_top,
@@ -109,12 +118,12 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
         )
     return CheckpointFile(
         path=path,
-        format="dcp",
+        format=Format.DCP,
         obj=obj,
         storages=storages,
         globals_seen=globals_seen,
         stubbed=stubbed,
         file_size=size,
         notes=notes,
-        extra={"shards": meta.files, "dcp": summary, "metadata": meta},
+        details=DcpDetails(files=meta.files, summary=summary, metadata=meta),
     )

@@ -8,7 +8,7 @@ import struct
 from typing import Any
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
-from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
+from ckptfix.formats.base import MAX_JSON_ENV, CheckpointFile, Format, SafetensorsDetails, max_json_bytes
 from ckptfix.pickles import StorageRecord, TensorRecord
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -37,10 +37,15 @@ DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
 
 
 def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any], int]:
-    """(header dict, data start offset). Validates sizes and offsets.
+    """Read and check a safetensors header's size and JSON.
 
-    ``max_bytes`` caps the header (default ``CKPTFIX_MAX_JSON_MB``; a file ckptfix just wrote is
-    re-read with safetensors' own limit).
+    Args:
+        path: the file.
+        max_bytes: cap on the header (default ``CKPTFIX_MAX_JSON_MB``; a file ckptfix just wrote is
+            re-read with safetensors' own limit).
+
+    Returns:
+        ``(header dict, data start offset)``.
 
     Raises:
         CorruptCheckpointError: a header that is truncated, not JSON, nested too deep or not an object.
@@ -92,6 +97,19 @@ def _uint(x: Any) -> int:
 
 
 def read_safetensors(path: str) -> CheckpointFile:
+    """Read a ``.safetensors`` file's header: every tensor's dtype, shape and byte range, checked.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`CheckpointFile` (tensor records by name) with :class:`SafetensorsDetails`.
+
+    Raises:
+        CorruptCheckpointError: a malformed header, unknown dtypes, impossible shapes, byte ranges
+            that do not tile the data section exactly.
+        ResourceLimitError: a header over ``CKPTFIX_MAX_JSON_MB``.
+    """
     header, start = read_header(path)
     size = os.path.getsize(path)
     meta = header.pop("__metadata__", None) or {}
@@ -136,14 +154,15 @@ def read_safetensors(path: str) -> CheckpointFile:
     # as the safetensors library requires: the byte ranges tile the data section exactly, in some order
     # (a file with overlaps, gaps or trailing bytes does not load there, nor would a rewrite of it)
     pos = 0
-    for rec in sorted(storages.values(), key=lambda r: (r.file_offset, r.nbytes)):
-        if rec.file_offset - start != pos:
+    for rec in sorted(storages.values(), key=lambda r: (r.file_offset or 0, r.nbytes or 0)):
+        off, nbytes = rec.file_offset or 0, rec.nbytes or 0  # both set above
+        if off - start != pos:
             raise CorruptCheckpointError(
-                f"{path}: tensor {rec.key!r} starts at byte {rec.file_offset - start} of "
+                f"{path}: tensor {rec.key!r} starts at byte {off - start} of "
                 f"the data, expected {pos} (overlapping or gapped offsets); the file is "
                 "corrupt"
             )
-        pos += rec.nbytes
+        pos += nbytes
     if start + pos != size:
         raise CorruptCheckpointError(
             f"{path}: the tensors cover {pos} bytes of data but the file holds "
@@ -151,9 +170,9 @@ def read_safetensors(path: str) -> CheckpointFile:
         )
     return CheckpointFile(
         path=path,
-        format="safetensors",
+        format=Format.SAFETENSORS,
         obj=obj,
         storages=storages,
         file_size=size,
-        extra={"metadata": meta, "data_start": start},
+        details=SafetensorsDetails(metadata=meta, data_start=start),
     )
