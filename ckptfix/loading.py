@@ -61,6 +61,15 @@ class LoadedCheckpoint:
         return self.checkpoint[key]
 
     def get(self, key: str, default: Any = None) -> Any:
+        """An entry of the whole checkpoint (``lc.get("epoch")``), as ``dict.get``.
+
+        Args:
+            key: the top-level key.
+            default: what to return when the checkpoint has no such entry (or is not a mapping).
+
+        Returns:
+            The entry, or ``default``.
+        """
         try:
             return self.checkpoint[key]
         except (KeyError, TypeError, IndexError):
@@ -93,6 +102,14 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
     torch-allowed globals are rebuilt, ``allow_globals`` entries are imported and
     rebuilt, every other global becomes a placeholder (recorded in ``stubbed``).
+
+    Args:
+        allow_globals: ``"module.Name"`` strings or the objects themselves, rebuilt for real.
+        stubbed: a set that receives every global replaced by a placeholder.
+
+    Returns:
+        A module with ``Unpickler``, ``load`` and ``loads``; its unpickler raises
+        :class:`~ckptfix.errors.UnsafePickleError` when an allowed global cannot be imported here.
     """
     allowed = _normalise_allow(allow_globals)
     record = stubbed if stubbed is not None else set()
@@ -137,7 +154,11 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
 
 def auto_device() -> str:
-    """This process's device: ``cuda:$LOCAL_RANK`` under torchrun, else ``cuda:0``, else ``cpu``."""
+    """This process's device.
+
+    Returns:
+        ``cuda:$LOCAL_RANK`` under torchrun (when that GPU exists), else ``cuda:0``, else ``cpu``.
+    """
     import torch
 
     if torch.cuda.is_available():
@@ -171,7 +192,19 @@ def _available(dev: str) -> str | None:
 
 
 def make_restore(map_location: MapLocation, tags: collections.Counter, remapped: dict[str, str]) -> Callable:
-    """A ``map_location`` callable that records every tag and never targets a device that is not here."""
+    """A ``map_location`` callable that records every tag and never targets a device that is not here.
+
+    Args:
+        map_location: as for :func:`load_checkpoint`.
+        tags: counts every storage location tag seen.
+        remapped: receives tag -> the device used instead, where they differ.
+
+    Returns:
+        ``restore(storage, location)`` for ``torch.load(map_location=...)``.
+
+    Raises:
+        UnsupportedError: ``map_location`` names a CUDA device and CUDA is not available here.
+    """
     import torch
     from torch.serialization import default_restore_location
 
@@ -505,7 +538,19 @@ def load_anywhere(
 
     Returns the state dict itself (``dict`` name -> ``torch.Tensor``, ``_metadata`` kept), ready for
     ``model.load_state_dict``.  Use :func:`load_checkpoint` for the rest of the checkpoint and for how
-    it was found.  Arguments are those of :func:`load_checkpoint`.
+    it was found.
+
+    Args:
+        path: a file or directory in any supported format (detected by content).
+        map_location: as for ``torch.load``, plus ``"auto"`` and ``None`` (see :func:`load_checkpoint`).
+        key: where the state dict sits; found automatically otherwise.
+        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added).
+        allow_globals: globals to rebuild for real instead of stubbing.
+        trust: full unpickle (runs code from the file!). Only for files you made.
+        mmap: memory-map zip-format files (default True for them).
+
+    Returns:
+        The state dict (name -> ``torch.Tensor``).
 
     Example:
         >>> sd = load_anywhere("ddp_cuda7.pth", model=model)   # doctest: +SKIP
@@ -530,5 +575,12 @@ def load_anywhere(
 
 
 def is_stub(obj: Any) -> bool:
-    """True for the inert placeholders that stand for globals that were not rebuilt."""
+    """Whether ``obj`` is one of the inert placeholders that stand for globals that were not rebuilt.
+
+    Args:
+        obj: any value from a loaded checkpoint.
+
+    Returns:
+        True for a placeholder.
+    """
     return isinstance(obj, Stub)
