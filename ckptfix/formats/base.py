@@ -100,6 +100,26 @@ def tar_message(path: str) -> str:
     )
 
 
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``.
+
+    Args:
+        shape: the tensor's shape.
+
+    Returns:
+        One stride per dimension, in elements.
+
+    >>> contiguous_stride((2, 3, 4))
+    (12, 4, 1)
+    """
+    stride: list[int] = []
+    acc = 1
+    for s in reversed(shape):
+        stride.insert(0, acc)
+        acc *= s
+    return tuple(stride)
+
+
 # --------------------------------------------------------------------------- per-format details
 
 

@@ -16,7 +16,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import CkptfixError
-from ckptfix.formats.base import CheckpointFile, DcpDetails, Format
+from ckptfix.formats.base import CheckpointFile, DcpDetails, Format, contiguous_stride
 from ckptfix.pickles import StorageRecord, TensorRecord
 
 if TYPE_CHECKING:
@@ -89,16 +89,11 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
 
 def _tensor_record(path: str, fqn: str, e: TensorEntry, storages: dict[str, StorageRecord]) -> TensorRecord:
     """A record for a DCP tensor (global dtype and shape, contiguous); its storage is added to ``storages``."""
-    stride: list[int] = []
-    acc = 1
-    for s in reversed(e.shape):
-        stride.insert(0, acc)
-        acc *= s
     src = os.path.join(path, e.locations[0].relative_path) if e.locations else path
     rec = StorageRecord(key=fqn, dtype=e.dtype, location="cpu", numel=e.numel, source=src)
     rec.nbytes = e.nbytes
     storages[fqn] = rec
-    return TensorRecord(rec, 0, e.shape, tuple(stride), e.dtype)
+    return TensorRecord(rec, 0, e.shape, contiguous_stride(e.shape), e.dtype)
 
 
 def _object_value(files: Files, meta: DcpMetadata, fqn: str, e: Any, stubbed: set[str], notes: list[str]) -> Any:

@@ -85,60 +85,73 @@ def find_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], 
         CorruptCheckpointError: no mapping of tensors anywhere in the object.
     """
     if key is not None:
-        node = obj
-        parts = key.split("/") if "/" in key else [key]
-        walked: tuple[str, ...] = ()
-        for part in parts:
-            if _is_mapping(node) and part in node.keys():
-                node = node[part]
-                walked += (part,)
-                continue
-            if "." in part and _is_mapping(node):
-                sub = part.split(".")
-                ok = True
-                for s in sub:
-                    if _is_mapping(node) and s in node.keys():
-                        node = node[s]
-                        walked += (s,)
-                    else:
-                        ok = False
-                        break
-                if ok:
-                    continue
-            top = list(obj.keys())[:12] if _is_mapping(obj) else []
-            raise KeyConflictError(f"key {key!r} not found in the checkpoint; top-level keys: {top}")
-        if not _is_mapping(node):
-            raise KeyConflictError(f"key {key!r} holds a {type(node).__name__}, not a state dict")
-        return walked, node
+        return _follow_key(obj, key)
     if is_tensor_dict(obj):
         return (), obj
     if _is_mapping(obj):
-        # preferred names first, breadth first, up to 3 levels down
-        frontier: list[tuple[tuple[str, ...], Any]] = [((), obj)]
-        for _ in range(3):
-            nxt: list[tuple[tuple[str, ...], Any]] = []
-            for path, node in frontier:
-                for name in STATE_DICT_KEYS:
-                    if name in node.keys() and is_tensor_dict(node[name]):
-                        return path + (name,), node[name]
-                for k, v in list(node.items()):
-                    if isinstance(k, str) and _is_mapping(v):
-                        nxt.append((path + (k,), v))
-            frontier = nxt
-        # otherwise the largest mapping of tensors anywhere
-        best: tuple[tuple[str, ...], Any] | None = None
-        for path, node in _walk(obj, (), 4):
-            if is_tensor_dict(node) and (best is None or len(node) > len(best[1])):
-                best = (path, node)
-        if best is not None:
-            return best
+        found = _preferred(obj) or _largest(obj)
+        if found is not None:
+            return found
         # a mapping with some tensors and some other values at the top (e.g. a bare model dict with extras)
-        tensors = {k: v for k, v in obj.items() if is_tensor_like(v)}
-        if tensors:
+        if any(is_tensor_like(v) for v in obj.values()):
             return (), obj
     raise CorruptCheckpointError(
         "no state dict (a mapping of names to tensors) found in the checkpoint; pass key=... / --key to say where it is"
     )
+
+
+def _follow_key(obj: Any, key: str) -> tuple[tuple[str, ...], Mapping[str, Any]]:
+    """The mapping at ``key`` (levels split on ``/``, or on ``.`` where no key with the dot exists)."""
+    node = obj
+    parts = key.split("/") if "/" in key else [key]
+    walked: tuple[str, ...] = ()
+    for part in parts:
+        if _is_mapping(node) and part in node.keys():
+            node = node[part]
+            walked += (part,)
+            continue
+        if "." in part and _is_mapping(node):
+            sub = part.split(".")
+            ok = True
+            for s in sub:
+                if _is_mapping(node) and s in node.keys():
+                    node = node[s]
+                    walked += (s,)
+                else:
+                    ok = False
+                    break
+            if ok:
+                continue
+        top = list(obj.keys())[:12] if _is_mapping(obj) else []
+        raise KeyConflictError(f"key {key!r} not found in the checkpoint; top-level keys: {top}")
+    if not _is_mapping(node):
+        raise KeyConflictError(f"key {key!r} holds a {type(node).__name__}, not a state dict")
+    return walked, node
+
+
+def _preferred(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:
+    """A mapping of tensors under one of :data:`STATE_DICT_KEYS`, breadth first, up to 3 levels down."""
+    frontier: list[tuple[tuple[str, ...], Any]] = [((), obj)]
+    for _ in range(3):
+        nxt: list[tuple[tuple[str, ...], Any]] = []
+        for path, node in frontier:
+            for name in STATE_DICT_KEYS:
+                if name in node.keys() and is_tensor_dict(node[name]):
+                    return path + (name,), node[name]
+            for k, v in list(node.items()):
+                if isinstance(k, str) and _is_mapping(v):
+                    nxt.append((path + (k,), v))
+        frontier = nxt
+    return None
+
+
+def _largest(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:
+    """The largest mapping of tensors anywhere, up to 4 levels down."""
+    best: tuple[tuple[str, ...], Any] | None = None
+    for path, node in _walk(obj, (), 4):
+        if is_tensor_dict(node) and (best is None or len(node) > len(best[1])):
+            best = (path, node)
+    return best
 
 
 def iter_tensors(obj: Any, path: str = "", depth: int = 8, seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
