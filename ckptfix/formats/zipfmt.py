@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
-from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
+from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord
 from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
@@ -363,37 +363,8 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         raise CorruptCheckpointError(
             f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); the checkpoint is corrupt"
         ) from None
-    size = os.path.getsize(path)
     for key, rec in up.storages.items():
-        m = mem.get(f"{root}data/{key}")
-        if m is None:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
-        if m.compressed:
-            raise UnsupportedError(
-                f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
-                "with compression; torch.save stores records uncompressed, which ckptfix needs "
-                "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
-                "torch.load and torch.save it again"
-            )
-        es = rec.element_size
-        numel = rec.numel
-        if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} declares a size of {numel!r} elements; the checkpoint is corrupt"
-            )
-        need = numel * es if numel is not None else m.size
-        if m.size < need:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
-                f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
-                "corrupt (torch.load refuses it too)"
-            )
-        if need % es:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
-                f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
-            )
-        rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
+        _place_storage(path, key, rec, mem.get(f"{root}data/{key}"))
     notes = [f"byte order is {byteorder}"] if byteorder != "little" else []
     details: ZipDetails = ZipDetails(root=root, members=mem, data_pkl=data_pkl, byteorder=byteorder)
     if kind == Format.TORCHSCRIPT:
@@ -410,10 +381,42 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         storages=up.storages,
         globals_seen=dict(up.globals_seen),
         stubbed=set(up.stubbed),
-        file_size=size,
+        file_size=os.path.getsize(path),
         details=details,
         notes=notes,
     )
+
+
+def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) -> None:
+    """Give storage ``key`` its byte range in the archive, checked against what its pickle declares."""
+    if m is None:
+        raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
+    if m.compressed:
+        raise UnsupportedError(
+            f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
+            "with compression; torch.save stores records uncompressed, which ckptfix needs "
+            "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
+            "torch.load and torch.save it again"
+        )
+    es = rec.element_size
+    numel = rec.numel
+    if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} declares a size of {numel!r} elements; the checkpoint is corrupt"
+        )
+    need = numel * es if numel is not None else m.size
+    if m.size < need:
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
+            f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
+            "corrupt (torch.load refuses it too)"
+        )
+    if need % es:
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
+            f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
+        )
+    rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
 
 
 # --------------------------------------------------------------------------- TorchScript
