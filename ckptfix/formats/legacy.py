@@ -60,6 +60,28 @@ def _load_one(
         ) from None
 
 
+def _place_storages(f: BinaryIO, path: str, size: int, keys: list[Any], storages: dict[str, StorageRecord]) -> None:
+    """Give each storage its byte range: after the key list, in its order, a count then the bytes."""
+    pos = f.tell()
+    for key in keys:
+        rec = storages.get(str(key))
+        if rec is None:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} is listed but never used")
+        if pos + 8 > size:
+            raise CorruptCheckpointError(f"{path}: the file ends before storage {key!r}; it is truncated")
+        f.seek(pos)
+        (numel,) = struct.unpack("<q", f.read(8))
+        nbytes = numel * rec.element_size
+        if numel < 0:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt")
+        if rec.file_offset is not None:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
+        rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
+        pos += 8 + nbytes
+        if pos > size:
+            raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
+
+
 def read_pickle_stream(path: str) -> CheckpointFile:
     """Read a legacy ``torch.save`` stream or a bare pickle, without torch and without running its code.
 
@@ -102,26 +124,7 @@ def read_pickle_stream(path: str) -> CheckpointFile:
         keys, _ = _load_one(f, path, "storage key list")
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path}: the storage key list is damaged")
-        pos = f.tell()
-        for key in keys:
-            rec = up.storages.get(str(key))
-            if rec is None:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} is listed but never used")
-            if pos + 8 > size:
-                raise CorruptCheckpointError(f"{path}: the file ends before storage {key!r}; it is truncated")
-            f.seek(pos)
-            (numel,) = struct.unpack("<q", f.read(8))
-            nbytes = numel * rec.element_size
-            if numel < 0:
-                raise CorruptCheckpointError(
-                    f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt"
-                )
-            if rec.file_offset is not None:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
-            rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
-            pos += 8 + nbytes
-            if pos > size:
-                raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
+        _place_storages(f, path, size, keys, up.storages)
     return CheckpointFile(
         path=path,
         format=Format.TORCH_LEGACY,
