@@ -8,10 +8,10 @@ import os
 import struct
 import zipfile
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from ckptfix.errors import CorruptCheckpointError
-from ckptfix.formats import is_tensor_like, read_checkpoint, sniff
+from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
     PickleLimits,
@@ -50,7 +50,7 @@ class InspectReport:
     """
 
     path: str
-    format: str
+    format: Format
     file_size: int
     state_dict_key: list[str] | None
     tensor_count: int
@@ -72,7 +72,12 @@ class InspectReport:
     dcp: dict[str, Any] | None = None  # DCP directories: files, ranks, chunks, tensors, objects, version
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"schema": INSPECT_SCHEMA}
+        """The ``inspect --json`` document.
+
+        Returns:
+            ``schema`` (``ckptfix.inspect/1``) and every field.
+        """
+        d: dict[str, Any] = {"schema": INSPECT_SCHEMA}
         d.update(asdict(self))
         return d
 
@@ -110,10 +115,8 @@ def _describe(v: Any) -> str:
 
 
 def _prefix_counts(keys: list[str]) -> dict[str, int]:
-    try:
-        from ckptfix.prefixes import detect_prefixes
-    except ImportError:  # pragma: no cover
-        return {}
+    from ckptfix.prefixes import detect_prefixes
+
     rep = detect_prefixes(keys)
     out = dict(rep.leading)
     out.update({f"(inner) {k}": v for k, v in rep.inner.items()})
@@ -136,36 +139,73 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         KeyConflictError: ``key`` does not exist.
     """
     cf = read_checkpoint(path)
-    obj = cf.obj
-    if cf.format == "torchscript":
-        obj = cf.extra.get("torchscript_state_dict") or {}
+    key_path, sd, holder = _locate(cf, key)
+    tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
+    distinct = _distinct(tensors)
+    sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
+    locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
+    gl: dict[str, str] = {g: classify_global(g, _context(cf.format)) for g in sorted(cf.globals_seen)}
+    wo_ok, why = _weights_only(cf, [g for g, c in gl.items() if c != "safe"])
+    return InspectReport(
+        path=cf.path,
+        format=cf.format,
+        file_size=cf.file_size,
+        state_dict_key=None if key_path is None else list(key_path),
+        tensor_count=len(tensors),
+        parameter_count=sum(t.numel for t in tensors.values()),
+        unique_parameter_count=sum(t.numel for t in distinct),
+        total_bytes=sum(t.nbytes for t in tensors.values()),
+        unique_bytes=sum(st.nbytes or 0 for st in sd_storages.values())
+        + sum(t.nbytes for t in distinct if t.storage is None),
+        storage_bytes=sum(st.nbytes or 0 for st in cf.storages.values()),
+        dtypes=dict(sorted(collections.Counter(t.dtype for t in tensors.values()).items())),
+        locations=dict(sorted(locations.items())),
+        prefixes=_prefix_counts(list(map(str, sd.keys()))),
+        shared=_shared(tensors),
+        non_tensor_entries=_non_tensor_entries(cf, key_path, sd),
+        globals=gl,
+        stubbed_globals=sorted(cf.stubbed),
+        weights_only_ok=wo_ok,
+        weights_only_reason=why,
+        notes=_notes(cf, locations, holder, key_path),
+        dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
+    )
+
+
+def _locate(cf: CheckpointFile, key: str | None) -> tuple[tuple[str, ...] | None, Mapping[str, Any], str]:
+    """(key path, state dict, holder) as :func:`ckptfix.convert.locate_state_dict`; key path None
+    (and an empty state dict) for a valid torch file without tensors."""
     from ckptfix.statedict import contains_tensors, locate_state_dict
 
-    holder = "mapping"
-    if key is None and cf.format not in ("safetensors", "sharded", "dcp") and not contains_tensors(obj):
-        key_path: tuple[str, ...] | None = None
-        sd: Any = {}
-    else:
-        key_path, sd, holder = locate_state_dict(obj, key)
-    tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
-    dtypes: collections.Counter[str] = collections.Counter(t.dtype for t in tensors.values())
-    by_storage: dict[int, list[str]] = collections.defaultdict(list)
-    for name, t in tensors.items():
-        if t.storage is not None:
-            by_storage[id(t.storage)].append(name)
-    shared = [names for names in by_storage.values() if len(names) > 1]
-    locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
-    storage_bytes = sum(st.nbytes or 0 for st in cf.storages.values())
+    obj = cf.state_root
+    if key is None and cf.format not in (Format.SAFETENSORS, Format.SHARDED, Format.DCP) and not contains_tensors(obj):
+        return None, {}, "mapping"
+    return locate_state_dict(obj, key)
+
+
+def _distinct(tensors: Mapping[str, Any]) -> list[Any]:
+    """The distinct tensors: names that share storage, offset, shape, stride and dtype count once."""
     distinct: dict[tuple, Any] = {}
     for t in tensors.values():
         st = t.storage
         distinct.setdefault(
             (id(st), t.offset, tuple(t.shape), tuple(t.stride), t.dtype) if st is not None else (id(t),), t
         )
-    sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
-    unique_bytes = sum(st.nbytes or 0 for st in sd_storages.values()) + sum(
-        t.nbytes for t in distinct.values() if t.storage is None
-    )
+    return list(distinct.values())
+
+
+def _shared(tensors: Mapping[str, Any]) -> list[list[str]]:
+    """Groups of names whose tensors use one storage (tied weights, views)."""
+    by_storage: dict[int, list[str]] = collections.defaultdict(list)
+    for name, t in tensors.items():
+        if t.storage is not None:
+            by_storage[id(t.storage)].append(name)
+    return [names for names in by_storage.values() if len(names) > 1]
+
+
+def _non_tensor_entries(cf: CheckpointFile, key_path: tuple[str, ...] | None, sd: Mapping[str, Any]) -> dict[str, str]:
+    """What the checkpoint holds besides tensors, each described in a few words."""
+    obj = cf.state_root
     non_tensor: dict[str, str] = {}
     if key_path is None:  # no tensors at all: the entries themselves
         top = obj._state if isinstance(obj, Stub) and isinstance(obj._state, dict) else obj
@@ -185,32 +225,35 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     for k, v in sd.items():
         if not is_tensor_like(v):
             non_tensor[f"{'/'.join(key_path) + '/' if key_path else ''}{k}"] = _describe(v)
-    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(cf.format)
-    gl = {g: classify_global(g, ctx) for g in sorted(cf.globals_seen)}
-    bad = [g for g, c in gl.items() if c != "safe"]
+    return non_tensor
+
+
+def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
+    """Whether ``torch.load(weights_only=True)`` reads the file, and why; ``bad``: globals it refuses."""
     from ckptfix.sanitize import _opcodes_weights_only_cannot_read
 
-    if cf.format in ("safetensors",):
-        wo_ok, why = True, "safetensors holds no pickle"
-    elif cf.format == "torchscript":
-        wo_ok, why = True, "torch.load hands TorchScript archives to torch.jit.load"
-    elif cf.format == "dcp":
-        wo_ok, why = False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
-    elif bad:
-        wo_ok, why = (
-            False,
-            f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else ""),
+    if cf.format == Format.SAFETENSORS:
+        return True, "safetensors holds no pickle"
+    if cf.format == Format.TORCHSCRIPT:
+        return True, "torch.load hands TorchScript archives to torch.jit.load"
+    if cf.format == Format.DCP:
+        return False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
+    if bad:
+        return False, f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else "")
+    if cf.format in (Format.TORCH_ZIP, Format.TORCH_LEGACY) and (
+        ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)
+    ):
+        return False, (
+            f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
+            "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
         )
-    elif cf.format in ("torch-zip", "torch-legacy") and (ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)):
-        wo_ok, why = (
-            False,
-            (
-                f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
-                "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
-            ),
-        )
-    else:
-        wo_ok, why = True, "only globals torch's weights-only unpickler allows"
+    return True, "only globals torch's weights-only unpickler allows"
+
+
+def _notes(
+    cf: CheckpointFile, locations: Mapping[str, int], holder: str, key_path: tuple[str, ...] | None
+) -> list[str]:
+    """The reader's notes, then what a user should know before loading the file."""
     notes = list(cf.notes)
     cuda = [loc for loc in locations if loc.startswith("cuda")]
     if cuda:
@@ -218,7 +261,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
             f"storages are tagged {', '.join(sorted(cuda))}: plain torch.load fails without those GPUs; "
             "load_anywhere / --map-location remaps them"
         )
-    if cf.format == "torch-legacy":
+    if cf.format == Format.TORCH_LEGACY:
         notes.append("legacy (pre-1.6) format: cannot be memory-mapped; strip-prefix/convert rewrite it as zip")
     if holder == "module":
         notes.append(
@@ -232,29 +275,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
             "no tensors in this file (e.g. training arguments or a scheduler state); load it with "
             "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize"
         )
-    return InspectReport(
-        path=cf.path,
-        format=cf.format,
-        file_size=cf.file_size,
-        state_dict_key=None if key_path is None else list(key_path),
-        tensor_count=len(tensors),
-        parameter_count=sum(t.numel for t in tensors.values()),
-        unique_parameter_count=sum(t.numel for t in distinct.values()),
-        total_bytes=sum(t.nbytes for t in tensors.values()),
-        unique_bytes=unique_bytes,
-        storage_bytes=storage_bytes,
-        dtypes=dict(sorted(dtypes.items())),
-        locations=dict(sorted(locations.items())),
-        prefixes=_prefix_counts(list(map(str, sd.keys()))),
-        shared=shared,
-        non_tensor_entries=non_tensor,
-        globals=gl,
-        stubbed_globals=sorted(cf.stubbed),
-        weights_only_ok=wo_ok,
-        weights_only_reason=why,
-        notes=notes,
-        dcp=cf.extra.get("dcp") if cf.format == "dcp" else None,
-    )
+    return notes
 
 
 # --------------------------------------------------------------------------- scan
@@ -265,7 +286,7 @@ class ScanReport:
     """What ``scan`` found: every global each pickle of the checkpoint references, classified."""
 
     path: str
-    format: str
+    format: Format
     pickles: list[str]
     globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
     errors: list[str]
@@ -273,14 +294,17 @@ class ScanReport:
 
     @property
     def dangerous(self) -> list[str]:
+        """The globals classified dangerous (they run code when unpickled)."""
         return [g for g, d in self.globals.items() if d["class"] == "dangerous"]
 
     @property
     def unknown(self) -> list[str]:
+        """The globals outside torch's weights-only allowlist, and what the scan could not read."""
         return [g for g, d in self.globals.items() if d["class"] == "unknown"]
 
     @property
     def verdict(self) -> str:
+        """``dangerous``, ``unknown``, ``malformed`` or ``safe``, the worst that applies."""
         if self.dangerous:
             return "dangerous"
         if self.unknown:
@@ -290,6 +314,11 @@ class ScanReport:
         return "safe"
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``scan --json`` document.
+
+        Returns:
+            ``schema`` (``ckptfix.scan/1``), the fields, the verdict and the dangerous/unknown lists.
+        """
         return {
             "schema": SCAN_SCHEMA,
             "path": self.path,
@@ -390,8 +419,8 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
                 _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
 
 
-def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> str:
-    """Every pickle torch.load would unpickle from a non-zip file; returns the format name."""
+def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
     with open(path, "rb") as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
     legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
@@ -399,21 +428,17 @@ def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> str:
     for i, part in enumerate(parts):
         label = os.path.basename(path) + (f"[{names[i]}]" if legacy else "" if i == 0 else f"[{i}]")
         acc.add_result(label, part)
-    return "torch-legacy" if legacy else "pickle"
+    return Format.TORCH_LEGACY if legacy else Format.PICKLE
 
 
-def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> str:
-    from ckptfix.formats.sharded import load_index
+def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    from ckptfix.formats.sharded import check_shard_kind, load_index
 
     idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
     for shard, sp in idx.shards.items():
-        kind = sniff(sp)
-        if kind in ("sharded", "sharded-dir", "dcp"):
-            raise CorruptCheckpointError(
-                f"{idx.path}: shard {shard!r} is itself a {kind} checkpoint; the index is corrupt or hostile"
-            )
+        check_shard_kind(idx, shard, sniff(sp))
         acc.merge(shard, scan_checkpoint(sp, limits=limits))
-    return "sharded"
+    return Format.SHARDED
 
 
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
@@ -549,24 +574,41 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
     kind = sniff(path)
-    ctx = {"dcp": "dcp", "torchscript": "torchscript"}.get(kind)
-    acc = _Acc(ctx)
-    fmt = kind
-    if kind in ("torch-zip", "torchscript"):
-        with open(path, "rb") as f:
-            _scan_zip(f, os.path.basename(path), acc, limits)
-    elif kind == "pickle-stream":
-        fmt = _scan_legacy(path, acc, limits)
-    elif kind == "safetensors":
-        read_checkpoint(path)  # validates the JSON header; no pickle inside
-    elif kind in ("sharded", "sharded-dir"):
-        fmt = _scan_sharded(path, acc, limits)
-    elif kind == "dcp":
-        _scan_dcp(path, acc, limits)
-    elif kind == "torch-tar":
-        acc.unknown(
-            os.path.basename(path),
-            "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
-        )
+    acc = _Acc(_context(kind))
+    fmt = _SCANNERS[kind](path, acc, limits) or kind
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
+
+
+def _context(fmt: Format) -> str | None:
+    """The container a global is judged in (DCP metadata and TorchScript allow their own classes)."""
+    return {Format.DCP: "dcp", Format.TORCHSCRIPT: "torchscript"}.get(fmt)
+
+
+def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    with open(path, "rb") as f:
+        _scan_zip(f, os.path.basename(path), acc, limits)
+
+
+def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    read_checkpoint(path)  # validates the JSON header; no pickle inside
+
+
+def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    acc.unknown(
+        os.path.basename(path),
+        "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
+    )
+
+
+#: how each format is scanned (a scanner that tells the format from what it read returns it)
+_SCANNERS: dict[Format, Callable[[str, _Acc, PickleLimits], Format | None]] = {
+    Format.TORCH_ZIP: _scan_archive,
+    Format.TORCHSCRIPT: _scan_archive,
+    Format.TORCH_LEGACY: _scan_legacy,
+    Format.PICKLE: _scan_legacy,
+    Format.SAFETENSORS: _scan_safetensors,
+    Format.SHARDED: _scan_sharded,
+    Format.DCP: _scan_dcp,
+    Format.TORCH_TAR: _scan_tar,
+}

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ckptfix import stmeta
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import read_checkpoint, sniff
+from ckptfix.formats import Format, ShardedDetails, read_checkpoint, sniff, tar_message
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.policy import classify_global
 
@@ -39,8 +39,8 @@ class LoadedCheckpoint:
     Attributes:
         state_dict: name -> tensor, ready for ``model.load_state_dict`` (``_metadata`` kept).
         checkpoint: the whole object (e.g. the wrapper dict with ``epoch`` and optimizer state).
-        format: container format (``torch-zip``, ``torch-legacy``, ``safetensors``, ``sharded``,
-            ``torchscript``, ``dcp``, ``pickle``).
+        format: container format (a :class:`~ckptfix.formats.Format`: ``torch-zip``, ``torch-legacy``,
+            ``safetensors``, ``sharded``, ``torchscript``, ``dcp``, ``pickle``, ``torch-tar``).
         key_path: where the state dict sat inside ``checkpoint`` (``()`` = top level).
         stubbed_globals: globals replaced by inert placeholders.
         locations: storage location tag -> number of storages (e.g. ``{"cuda:7": 12}``).
@@ -51,7 +51,7 @@ class LoadedCheckpoint:
     path: str
     state_dict: dict
     checkpoint: Any
-    format: str
+    format: Format
     key_path: tuple[str, ...] = ()
     stubbed_globals: list[str] = field(default_factory=list)
     locations: dict[str, int] = field(default_factory=dict)
@@ -63,6 +63,15 @@ class LoadedCheckpoint:
         return self.checkpoint[key]
 
     def get(self, key: str, default: Any = None) -> Any:
+        """An entry of the whole checkpoint (``lc.get("epoch")``), as ``dict.get``.
+
+        Args:
+            key: the top-level key.
+            default: what to return when the checkpoint has no such entry (or is not a mapping).
+
+        Returns:
+            The entry, or ``default``.
+        """
         try:
             return self.checkpoint[key]
         except (KeyError, TypeError, IndexError):
@@ -95,6 +104,14 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
     torch-allowed globals are rebuilt, ``allow_globals`` entries are imported and
     rebuilt, every other global becomes a placeholder (recorded in ``stubbed``).
+
+    Args:
+        allow_globals: ``"module.Name"`` strings or the objects themselves, rebuilt for real.
+        stubbed: a set that receives every global replaced by a placeholder.
+
+    Returns:
+        A module with ``Unpickler``, ``load`` and ``loads``; its unpickler raises
+        :class:`~ckptfix.errors.UnsafePickleError` when an allowed global cannot be imported here.
     """
     allowed = _normalise_allow(allow_globals)
     record = stubbed if stubbed is not None else set()
@@ -139,7 +156,11 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
 
 def auto_device() -> str:
-    """This process's device: ``cuda:$LOCAL_RANK`` under torchrun, else ``cuda:0``, else ``cpu``."""
+    """This process's device.
+
+    Returns:
+        ``cuda:$LOCAL_RANK`` under torchrun (when that GPU exists), else ``cuda:0``, else ``cpu``.
+    """
     import torch
 
     if torch.cuda.is_available():
@@ -173,7 +194,19 @@ def _available(dev: str) -> str | None:
 
 
 def make_restore(map_location: MapLocation, tags: collections.Counter, remapped: dict[str, str]) -> Callable:
-    """A ``map_location`` callable that records every tag and never targets a device that is not here."""
+    """A ``map_location`` callable that records every tag and never targets a device that is not here.
+
+    Args:
+        map_location: as for :func:`load_checkpoint`.
+        tags: counts every storage location tag seen.
+        remapped: receives tag -> the device used instead, where they differ.
+
+    Returns:
+        ``restore(storage, location)`` for ``torch.load(map_location=...)``.
+
+    Raises:
+        UnsupportedError: ``map_location`` names a CUDA device and CUDA is not available here.
+    """
     import torch
     from torch.serialization import default_restore_location
 
@@ -260,19 +293,6 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
     return out
 
 
-def _load_dcp(path: str, allow_globals: Iterable[Any], stubbed: set[str], trust: bool, device: str) -> dict:
-    """A DCP directory through ckptfix's own reader (:mod:`ckptfix.dcp`), never torch's unrestricted one."""
-    from ckptfix.dcp.assemble import load_dcp
-
-    try:
-        pmod = None if trust else restricted_pickle_module(allow_globals, stubbed)
-        return load_dcp(path, device=device, pickle_module=pmod)
-    except CkptfixError:
-        raise
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot read the DCP directory ({e})") from None
-
-
 def _simple_target(map_location: MapLocation) -> str:
     """The one device a whole-file loader (safetensors, DCP, TorchScript) should use."""
     import torch
@@ -289,6 +309,141 @@ def _simple_target(map_location: MapLocation) -> str:
     if isinstance(map_location, dict):
         return _available(str(map_location.get("cpu", "cpu"))) or "cpu"
     return "cpu"
+
+
+@dataclass
+class _Load:
+    """One load: the caller's arguments, and what the per-format loader records on the way."""
+
+    path: str
+    map_location: MapLocation
+    allow_globals: Iterable[Any]
+    trust: bool
+    mmap: bool | None
+    tags: collections.Counter[str] = field(default_factory=collections.Counter)
+    remapped: dict[str, str] = field(default_factory=dict)
+    stubbed: set[str] = field(default_factory=set)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def restore(self) -> Callable:
+        """The ``map_location`` callable for ``torch.load`` (records tags, remaps missing devices)."""
+        return make_restore(self.map_location, self.tags, self.remapped)
+
+    def torch_load(self, restore: Callable, *, mmap: bool) -> Any:
+        """``torch.load`` the file through the restricted pickle module (or fully, with ``trust``)."""
+        try:
+            return _torch_load(
+                self.path,
+                restore,
+                mmap=mmap,
+                allow_globals=self.allow_globals,
+                trust=self.trust,
+                stubbed=self.stubbed,
+            )
+        except CkptfixError:
+            raise
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CorruptCheckpointError(f"{self.path}: torch could not load it ({type(e).__name__}: {first})") from e
+
+
+def _load_tar(ld: _Load) -> Any:
+    if not ld.trust:
+        raise UnsupportedError(tar_message(ld.path))
+    return _torch_load(ld.path, ld.restore(), mmap=False, allow_globals=(), trust=True, stubbed=ld.stubbed)
+
+
+def _load_zip(ld: _Load) -> Any:
+    restore = ld.restore()  # a map_location naming a device this machine lacks is refused first
+    read_checkpoint(ld.path)  # names, record sizes and limits checked before torch maps anything
+    return ld.torch_load(restore, mmap=ld.mmap if ld.mmap is not None else True)
+
+
+def _load_legacy(ld: _Load) -> Any:
+    restore = ld.restore()
+    read_checkpoint(ld.path)  # truncated or damaged storages refused before torch reads them
+    return ld.torch_load(restore, mmap=False)
+
+
+def _load_pickle(ld: _Load) -> Any:
+    ld.restore()  # map_location is checked as for any torch file
+    read_checkpoint(ld.path)
+    with open(ld.path, "rb") as f:
+        if ld.trust:
+            return pickle.load(f)  # noqa: S301 - explicitly trusted
+        return restricted_pickle_module(ld.allow_globals, ld.stubbed).load(f)
+
+
+def _load_safetensors(ld: _Load) -> Any:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    dev = _simple_target(ld.map_location)
+    read_checkpoint(ld.path)  # the header's limits and checks, as in every other command
+    try:
+        with safe_open(ld.path, framework="pt") as f:
+            ld.metadata.update(f.metadata() or {})
+        obj = load_file(ld.path, device=dev)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{ld.path}: safetensors could not read it ({e})") from e
+    obj = stmeta.restore(obj, ld.metadata)
+    ld.tags["cpu"] = len(obj)
+    return obj
+
+
+def _load_sharded(ld: _Load) -> Any:
+    cf = read_checkpoint(ld.path)  # validates the index, every shard's name and contents
+    idx = cf.details_as(ShardedDetails).index
+    merged: dict[str, Any] = collections.OrderedDict()
+    for shard, shard_path in idx.shards.items():
+        sub = load_checkpoint(shard_path, ld.map_location, allow_globals=ld.allow_globals, trust=ld.trust, mmap=ld.mmap)
+        ld.tags.update(sub.locations)
+        ld.remapped.update(sub.remapped)
+        ld.stubbed.update(sub.stubbed_globals)
+        ld.metadata.update(sub.metadata)
+        for name, s in idx.weight_map.items():
+            if s == shard:
+                merged[name] = sub.state_dict[name]
+    return stmeta.restore(merged, ld.metadata)
+
+
+def _load_torchscript(ld: _Load) -> Any:
+    cf = read_checkpoint(ld.path)
+    for st in cf.storages.values():
+        ld.tags[st.location] += 1
+    dev = _simple_target(ld.map_location)
+    if ld.trust:
+        torch = require_torch("load_anywhere (loading tensors)")
+        return torch.jit.load(ld.path, map_location=dev).state_dict()
+    return collections.OrderedDict(_materialize(cf.state_root, dev, ld.path))
+
+
+def _load_dcp(ld: _Load) -> Any:
+    """A DCP directory through ckptfix's own reader (:mod:`ckptfix.dcp`), never torch's unrestricted one."""
+    from ckptfix.dcp.assemble import load_dcp
+
+    try:
+        pmod = None if ld.trust else restricted_pickle_module(ld.allow_globals, ld.stubbed)
+        obj = load_dcp(ld.path, device=_simple_target(ld.map_location), pickle_module=pmod)
+    except CkptfixError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"{ld.path}: cannot read the DCP directory ({e})") from None
+    ld.tags["cpu"] += 1
+    return obj
+
+
+#: the loader of each format: each returns the whole checkpoint object, torch tensors in it
+_LOADERS: dict[Format, Callable[[_Load], Any]] = {
+    Format.TORCH_TAR: _load_tar,
+    Format.TORCH_ZIP: _load_zip,
+    Format.TORCH_LEGACY: _load_legacy,
+    Format.PICKLE: _load_pickle,
+    Format.SAFETENSORS: _load_safetensors,
+    Format.SHARDED: _load_sharded,
+    Format.TORCHSCRIPT: _load_torchscript,
+    Format.DCP: _load_dcp,
+}
 
 
 def load_checkpoint(
@@ -324,135 +479,40 @@ def load_checkpoint(
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
     """
-    torch = require_torch("load_anywhere (loading tensors)")
-
+    require_torch("load_anywhere (loading tensors)")
     path = os.fspath(path)
-    kind = sniff(path)
-    tags: collections.Counter = collections.Counter()
-    remapped: dict[str, str] = {}
-    stubbed: set[str] = set()
-    metadata: dict[str, Any] = {}
-    fmt = kind
+    fmt = sniff(path)
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
-    if kind == "torch-tar":
-        if not trust:
-            from ckptfix.formats import tar_message
+    ld = _Load(path, map_location, allow_globals, trust, mmap)
+    obj = _LOADERS[fmt](ld)
+    return _found(ld, fmt, obj, key, model)
 
-            raise UnsupportedError(tar_message(path))
-        obj = _torch_load(
-            path, make_restore(map_location, tags, remapped), mmap=False, allow_globals=(), trust=True, stubbed=stubbed
-        )
-    elif kind in ("torch-zip", "pickle-stream"):
-        restore = make_restore(map_location, tags, remapped)
-        if kind == "torch-zip":
-            read_checkpoint(path)  # names, record sizes and limits checked before torch maps anything
-        if kind == "pickle-stream":
-            cf_kind = read_checkpoint(path).format  # torch-legacy or a bare pickle
-            fmt = cf_kind
-        use_mmap = (mmap if mmap is not None else True) and kind == "torch-zip"
-        if fmt == "pickle":
-            with open(path, "rb") as f:
-                if trust:
-                    obj = pickle.load(f)  # noqa: S301 - explicitly trusted
-                else:
-                    obj = restricted_pickle_module(allow_globals, stubbed).load(f)
-        else:
-            try:
-                obj = _torch_load(
-                    path, restore, mmap=use_mmap, allow_globals=allow_globals, trust=trust, stubbed=stubbed
-                )
-            except CkptfixError:
-                raise
-            except Exception as e:
-                raise CorruptCheckpointError(
-                    f"{path}: torch could not load it ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                ) from e
-    elif kind == "safetensors":
-        from safetensors import safe_open
-        from safetensors.torch import load_file
 
-        dev = _simple_target(map_location)
-        read_checkpoint(path)  # the header's limits and checks, as in every other command
-        try:
-            with safe_open(path, framework="pt") as f:
-                metadata = dict(f.metadata() or {})
-            obj = load_file(path, device=dev)
-        except Exception as e:
-            raise CorruptCheckpointError(f"{path}: safetensors could not read it ({e})") from e
-        obj = stmeta.restore(obj, metadata)
-        tags["cpu"] = len(obj)
-        fmt = "safetensors"
-    elif kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats.sharded import load_index
-
-        read_checkpoint(path)  # validates the index, every shard's name and contents
-        idx = load_index(path)
-        wm = idx.weight_map
-        merged: dict = collections.OrderedDict()
-        for shard, shard_path in idx.shards.items():
-            sub = load_checkpoint(shard_path, map_location, allow_globals=allow_globals, trust=trust, mmap=mmap)
-            tags.update(sub.locations)
-            remapped.update(sub.remapped)
-            stubbed.update(sub.stubbed_globals)
-            metadata.update(sub.metadata)
-            for name, s in wm.items():
-                if s == shard:
-                    merged[name] = sub.state_dict[name]
-        obj = stmeta.restore(merged, metadata)
-        fmt = "sharded"
-    elif kind == "torchscript":
-        cf = read_checkpoint(path)
-        recs = cf.extra.get("torchscript_state_dict") or {}
-        if trust:
-            obj = torch.jit.load(path, map_location=_simple_target(map_location)).state_dict()
-        else:
-            obj = collections.OrderedDict(_materialize(recs, _simple_target(map_location), path))
-        for st in cf.storages.values():
-            tags[st.location] += 1
-        fmt = "torchscript"
-    elif kind == "dcp":
-        obj = _load_dcp(path, allow_globals, stubbed, trust, _simple_target(map_location))
-        tags["cpu"] += 1
-        fmt = "dcp"
-    else:  # pragma: no cover - sniff raises for everything else
-        raise CorruptCheckpointError(f"{path}: unsupported format {kind}")
-
+def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
+    """The :class:`LoadedCheckpoint` of a loaded object: its state dict found, aligned to ``model``."""
     from ckptfix.statedict import contains_tensors, locate_state_dict
 
+    common: dict[str, Any] = {
+        "path": ld.path,
+        "checkpoint": obj,
+        "format": fmt,
+        "stubbed_globals": sorted(ld.stubbed),
+        "locations": dict(ld.tags),
+        "remapped": ld.remapped,
+        "metadata": ld.metadata,
+    }
     if key is None and not contains_tensors(obj):
         # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict
-        return LoadedCheckpoint(
-            path=path,
-            state_dict=collections.OrderedDict(),
-            checkpoint=obj,
-            format=fmt,
-            key_path=(),
-            stubbed_globals=sorted(stubbed),
-            locations=dict(tags),
-            remapped=remapped,
-            metadata=metadata,
-        )
-    key_path, sd, _ = locate_state_dict(obj, key)
-    if not isinstance(sd, dict):
-        sd = collections.OrderedDict(sd.items())
+        return LoadedCheckpoint(state_dict=collections.OrderedDict(), key_path=(), **common)
+    key_path, found, _ = locate_state_dict(obj, key)
+    sd = found if isinstance(found, dict) else collections.OrderedDict(found.items())
     alignment = None
     if model is not None:
         from ckptfix.prefixes import align_state_dict
 
         sd, alignment = align_state_dict(sd, model)
-    return LoadedCheckpoint(
-        path=path,
-        state_dict=sd,
-        checkpoint=obj,
-        format=fmt,
-        key_path=tuple(key_path),
-        stubbed_globals=sorted(stubbed),
-        locations=dict(tags),
-        remapped=remapped,
-        alignment=alignment,
-        metadata=metadata,
-    )
+    return LoadedCheckpoint(state_dict=sd, key_path=tuple(key_path), alignment=alignment, **common)
 
 
 def load_anywhere(
@@ -469,7 +529,19 @@ def load_anywhere(
 
     Returns the state dict itself (``dict`` name -> ``torch.Tensor``, ``_metadata`` kept), ready for
     ``model.load_state_dict``.  Use :func:`load_checkpoint` for the rest of the checkpoint and for how
-    it was found.  Arguments are those of :func:`load_checkpoint`.
+    it was found.
+
+    Args:
+        path: a file or directory in any supported format (detected by content).
+        map_location: as for ``torch.load``, plus ``"auto"`` and ``None`` (see :func:`load_checkpoint`).
+        key: where the state dict sits; found automatically otherwise.
+        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added).
+        allow_globals: globals to rebuild for real instead of stubbing.
+        trust: full unpickle (runs code from the file!). Only for files you made.
+        mmap: memory-map zip-format files (default True for them).
+
+    Returns:
+        The state dict (name -> ``torch.Tensor``).
 
     Example:
         >>> sd = load_anywhere("ddp_cuda7.pth", model=model)   # doctest: +SKIP
@@ -494,5 +566,12 @@ def load_anywhere(
 
 
 def is_stub(obj: Any) -> bool:
-    """True for the inert placeholders that stand for globals that were not rebuilt."""
+    """Whether ``obj`` is one of the inert placeholders that stand for globals that were not rebuilt.
+
+    Args:
+        obj: any value from a loaded checkpoint.
+
+    Returns:
+        True for a placeholder.
+    """
     return isinstance(obj, Stub)

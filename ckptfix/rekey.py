@@ -289,11 +289,9 @@ def load_align_target(spec: str) -> Any:
         CkptfixError: the file cannot be read (see :func:`ckptfix.formats.read_checkpoint`).
     """
     if os.path.exists(spec):
-        from ckptfix.formats import find_state_dict, read_checkpoint
+        from ckptfix.formats import read_checkpoint
 
-        cf = read_checkpoint(spec)
-        obj = cf.extra.get("torchscript_state_dict") if cf.format == "torchscript" else cf.obj
-        return find_state_dict(obj)[1]
+        return read_checkpoint(spec).state_dict()[1]
     if ":" in spec:
         mod, _, attr = spec.partition(":")
         try:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ckptfix.errors import ResourceLimitError, UnsupportedError
+from ckptfix.formats.base import ZipDetails
 from ckptfix.pickles import (
     STORAGE_DTYPES,
     StorageRecord,
@@ -844,9 +845,9 @@ def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
 def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
     """A function returning the next storage key the archive does not use (referenced or not)."""
     used = set(cf.storages)
-    if cf.format == "torch-zip" and isinstance(cf.extra, dict):  # also members nothing refers to: never a name twice
-        data_dir = f"{cf.extra.get('root', '')}data/"
-        used.update(n[len(data_dir) :] for n in cf.extra.get("members", {}) if n.startswith(data_dir))
+    if isinstance(cf.details, ZipDetails):  # also members nothing refers to: never a name twice
+        data_dir = f"{cf.details.root}data/"
+        used.update(n[len(data_dir) :] for n in cf.details.members if n.startswith(data_dir))
     counter = [len(used)]
 
     def new_key() -> str:  # the next free integer, as torch numbers its storages
@@ -879,7 +880,7 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
             "pickle protocol 3 or newer); written at protocol 2"
         )
     pl = Plainer(arrays="tensor", storage_key=_storage_key_allocator(cf))
-    if cf.format == "torch-zip" and isinstance(cf.extra, dict) and cf.extra.get("byteorder") == "big":
+    if isinstance(cf.details, ZipDetails) and cf.details.byteorder == "big":
         pl.byteorder = "big"
     obj = pl.convert(cf.obj)
     rep.changes = pl.changes

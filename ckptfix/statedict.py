@@ -211,7 +211,7 @@ def require_tensors(cf: Any, src: str, what: str) -> None:
     Raises:
         NoTensorsError: naming the file and what to do instead.
     """
-    if not contains_tensors(cf.obj) and not cf.extra.get("torchscript_state_dict"):
+    if not contains_tensors(cf.state_root):
         raise NoTensorsError(
             f"{src}: a valid {cf.format} file with no tensors in it (arguments, scheduler or "
             f"other state), so there is nothing to {what}; `ckptfix inspect` summarises it and "

@@ -283,7 +283,7 @@ def test_torch_file_with_int_str_range_round_trips(tmp_path):
     cf = read_checkpoint(src)
     assert "builtins.long" not in cf.globals_seen and "builtins.int" in cf.globals_seen
     new = dumps(cf.obj)
-    assert globals_resolvable(new, cf.extra["data_pkl"]) == []
+    assert globals_resolvable(new, cf.details.data_pkl) == []
     p = run_cli("strip-prefix", src)
     assert p.returncode == 0, p.stderr
     out = tmp_path / "c.stripped.pt"

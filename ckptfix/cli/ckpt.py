@@ -74,9 +74,9 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
             emit_json(r.to_dict())
         else:
             _render_scan(r)
-        err = _scan_error(checkpoints[0], r)
-        if err is not None:
-            raise err
+        found = _scan_error(checkpoints[0], r)
+        if found is not None:
+            raise found
         return
     docs: list[dict] = []
     failed: list[CkptfixError] = []

@@ -23,7 +23,7 @@ from ckptfix.convert.plan import check_expansion, output_names, plan_records, pl
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.convert.write import write_outputs
 from ckptfix.errors import NoTensorsError
-from ckptfix.formats import read_checkpoint, sniff
+from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import TensorRecord, is_tensor_like
 from ckptfix.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
@@ -181,8 +181,8 @@ def _read_source(
     obj = cf.obj
     key_path: tuple[str, ...]
     sd: Mapping[str, Any]
-    if cf.format == "torchscript" and cf.extra.get("torchscript_state_dict") and key is None:
-        key_path, sd = (), cf.extra["torchscript_state_dict"]
+    if cf.format == Format.TORCHSCRIPT and cf.state_root and key is None:
+        key_path, sd = (), cf.state_root
         obj = sd
     else:
         if key is None:

@@ -6,131 +6,125 @@
 every storage with the byte range that holds it, and what the pickle(s)
 referenced.  Nothing here imports torch or reads tensor bytes.
 
-Formats (``CheckpointFile.format``):
+Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` records):
 
 ``torch-zip``     ``torch.save`` since 1.6 (any archive root folder name)
 ``torch-legacy``  ``torch.save(..., _use_new_zipfile_serialization=False)``
 ``torchscript``   ``torch.jit.save`` archives
 ``safetensors``   a ``.safetensors`` file
-``sharded``       a ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards)
+``sharded``       a ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards), or its directory
 ``dcp``           a ``torch.distributed.checkpoint`` directory
 ``pickle``        a bare pickle with no torch storages
 ``torch-tar``     the pre-0.4 ``torch.save`` tar archive (``sys_info``, ``pickle``, ``storages``,
                   ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
+
+The shared types live in :mod:`ckptfix.formats.base`, state dict discovery in
+:mod:`ckptfix.formats.statedict`, each container in its own module; this package re-exports them
+and dispatches on the format.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Callable
 
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, KeyConflictError
-from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like  # noqa: F401 - TensorRecord re-exported
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
+from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, zipfmt
+from ckptfix.formats.base import (
+    DEFAULT_MAX_JSON_MB,
+    MAX_JSON_ENV,
+    CheckpointFile,
+    DcpDetails,
+    Details,
+    Format,
+    LegacyDetails,
+    Member,
+    PickleDetails,
+    SafetensorsDetails,
+    ShardedDetails,
+    ShardIndex,
+    TorchScriptDetails,
+    ZipDetails,
+    env_mib,
+    max_json_bytes,
+    tar_message,
+)
+from ckptfix.formats.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
+from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 
-#: environment variable (MiB) that lifts the cap on JSON metadata: safetensors headers, sharded indexes
-MAX_JSON_ENV = "CKPTFIX_MAX_JSON_MB"
-#: default cap, in MiB: a real index or header for 100k tensors is ~10-15 MB (parsed JSON takes ~10x that)
-DEFAULT_MAX_JSON_MB = 32
-
-
-def env_mib(name: str, default_mib: int) -> int:
-    """A size limit in bytes from the environment variable ``name`` (MiB), else ``default_mib`` MiB.
-
-    Raises:
-        ResourceLimitError: the variable is set but not a positive number.
-    """
-    from ckptfix.errors import ResourceLimitError
-
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default_mib << 20
-    try:
-        mb = float(raw)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0:
-        raise ResourceLimitError(f"{name}={raw!r} is not a positive number of MiB; set it like {name}=1024 or unset it")
-    return int(mb * (1 << 20))
-
-
-def max_json_bytes() -> int:
-    """The largest safetensors header or sharded index ckptfix parses (``CKPTFIX_MAX_JSON_MB``, default 32 MiB).
-
-    Raises:
-        ResourceLimitError: the environment variable is not a positive number.
-    """
-    return env_mib(MAX_JSON_ENV, DEFAULT_MAX_JSON_MB)
-
+__all__ = [
+    "DEFAULT_MAX_JSON_MB",
+    "MAX_JSON_ENV",
+    "STATE_DICT_KEYS",
+    "CheckpointFile",
+    "DcpDetails",
+    "Details",
+    "Format",
+    "LegacyDetails",
+    "Member",
+    "PickleDetails",
+    "SafetensorsDetails",
+    "ShardIndex",
+    "ShardedDetails",
+    "StorageRecord",
+    "TensorRecord",
+    "TorchScriptDetails",
+    "ZipDetails",
+    "env_mib",
+    "find_state_dict",
+    "is_tensor_dict",
+    "is_tensor_like",
+    "iter_tensors",
+    "max_json_bytes",
+    "read_checkpoint",
+    "sniff",
+    "tar_message",
+]
 
 ZIP_MAGIC = b"PK\x03\x04"
 ZIP_EMPTY = b"PK\x05\x06"
 
 
-@dataclass(eq=False)
-class CheckpointFile:
-    """A checkpoint read without torch: object graph, storages, provenance."""
+def sniff(path: str) -> Format:
+    """Say which format ``path`` holds, by content (the first bytes, a zip's member names).
 
-    path: str
-    format: str
-    obj: Any
-    storages: dict[str, StorageRecord] = field(default_factory=dict)
-    globals_seen: dict[str, int] = field(default_factory=dict)
-    stubbed: set[str] = field(default_factory=set)
-    file_size: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)  # container specifics (zip prefix, safetensors metadata...)
-    notes: list[str] = field(default_factory=list)
+    Args:
+        path: a file or directory.
 
-    def state_dict(self, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any]]:
-        """(path inside the wrapper, the state dict) -- see :func:`find_state_dict`."""
-        return find_state_dict(self.obj, key)
+    Returns:
+        The :class:`Format`: a directory is :attr:`Format.DCP` or :attr:`Format.SHARDED`; a pickle
+        stream is :attr:`Format.TORCH_LEGACY` when its first pickle is torch's magic number, else
+        :attr:`Format.PICKLE`.
 
-
-def sniff(path: str) -> str:
-    """Say which format ``path`` holds, by content. Raises the ckptfix error for bad input."""
+    Raises:
+        CheckpointNotFoundError: the path does not exist, or is a directory with no checkpoint.
+        CorruptCheckpointError: an empty file, or one that is no checkpoint (text, JSON without a
+            weight map, a zip without ``data.pkl``, a tar archive that is not torch's).
+        ResourceLimitError: a zip whose small records inflate past ``CKPTFIX_MAX_PICKLE_MB``.
+    """
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory; check the path")
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            return "dcp"
-        idx = [n for n in sorted(os.listdir(path)) if n.endswith(".index.json")]
-        if idx:
-            return "sharded-dir"
-        cands = [n for n in sorted(os.listdir(path)) if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
-        hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
-        raise CheckpointNotFoundError(
-            f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
-        )
+        return _dir_kind(path)
     size = os.path.getsize(path)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
     with open(path, "rb") as f:
         head = f.read(16)
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
-        from ckptfix.formats import zipfmt
-
         return zipfmt.zip_kind(path)
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
-        return "pickle-stream"  # legacy torch.save or a bare pickle; told apart by the reader
+        return legacy.stream_kind(path)
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])
         if head[8:9] == b"{" and 0 < n <= size - 8:
-            return "safetensors"
+            return Format.SAFETENSORS
     if len(head) >= 8 and head[8:9] == b"{":
-        return "safetensors"  # header length is wrong: the reader reports it
+        return Format.SAFETENSORS  # header length is wrong: the reader reports it
     if head.lstrip()[:1] == b"{":
-        with open(path, "rb") as f:
-            text = f.read(min(size, max_json_bytes()))
-        if size > len(text) and b'"weight_map"' in text:
-            return "sharded"  # too large to parse: the index reader refuses it with the limit
-        try:
-            doc = json.loads(text)
-        except (ValueError, RecursionError):
-            doc = None
-        if isinstance(doc, dict) and "weight_map" in doc:
-            return "sharded"
+        if sharded.looks_like_index(path):
+            return Format.SHARDED
         raise CorruptCheckpointError(
             f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
             "pass the checkpoint file or a sharded *.index.json"
@@ -147,12 +141,26 @@ def sniff(path: str) -> str:
     )
 
 
+def _dir_kind(path: str) -> Format:
+    """A DCP directory (``.metadata``) or a directory holding a ``*.index.json``; refused otherwise."""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return Format.DCP
+    names = sorted(os.listdir(path))
+    if any(n.endswith(".index.json") for n in names):
+        return Format.SHARDED
+    cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
+    hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
+    raise CheckpointNotFoundError(
+        f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
+    )
+
+
 #: the members of a pre-0.4 torch.save tar archive
 TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
 
 
-def _tar_kind(path: str) -> str:
-    """``"torch-tar"`` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
+def _tar_kind(path: str) -> Format:
+    """:attr:`Format.TORCH_TAR` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
     import tarfile
 
     names: set[str] = set()
@@ -166,7 +174,7 @@ def _tar_kind(path: str) -> str:
     except (tarfile.TarError, OSError, ValueError, EOFError, UnicodeDecodeError, OverflowError):
         pass
     if "pickle" in names and names & {"storages", "tensors", "sys_info"}:
-        return "torch-tar"
+        return Format.TORCH_TAR
     raise CorruptCheckpointError(f"{path}: a tar archive, not a checkpoint; extract it and pass the checkpoint inside")
 
 
@@ -183,185 +191,38 @@ def _looks_like_text(block: bytes) -> bool:
 def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     """Read any supported checkpoint without torch and without running pickle code.
 
+    Args:
+        path: a checkpoint file, a sharded index (or its directory) or a DCP directory.
+
+    Returns:
+        The :class:`CheckpointFile`, its :attr:`~CheckpointFile.details` typed per format.
+
     Raises:
         CheckpointNotFoundError: missing path or a directory with no checkpoint.
         CorruptCheckpointError: truncated, empty or unrecognised data.
-        UnsupportedError: a format ckptfix cannot read without torch.
+        UnsupportedError: a format ckptfix cannot read without torch (a pre-0.4 tar archive).
+        ResourceLimitError: metadata or pickles over the configured limits.
     """
     path = os.fspath(path)
-    kind = sniff(path)
-    if kind in ("torch-zip", "torchscript"):
-        from ckptfix.formats import zipfmt
-
-        return zipfmt.read_zip(path, kind)
-    if kind == "pickle-stream":
-        from ckptfix.formats import legacy
-
-        return legacy.read_pickle_stream(path)
-    if kind == "safetensors":
-        from ckptfix.formats import safetensors_fmt
-
-        return safetensors_fmt.read_safetensors(path)
-    if kind in ("sharded", "sharded-dir"):
-        from ckptfix.formats import sharded
-
-        return sharded.read_index(path)
-    if kind == "dcp":
-        from ckptfix.formats import dcp
-
-        return dcp.read_dcp(path)
-    if kind == "torch-tar":
-        from ckptfix.errors import UnsupportedError
-
-        raise UnsupportedError(tar_message(path))
-    raise CorruptCheckpointError(f"{path}: unrecognised checkpoint format")
+    return _READERS[sniff(path)](path)
 
 
-def tar_message(path: str) -> str:
-    """Why a pre-0.4 tar checkpoint is refused, and what to do (used by every command)."""
-    return (
-        f"{path}: a pre-0.4 torch.save tar checkpoint; ckptfix cannot read its pickles without running them, "
-        "so it is neither scanned nor loaded. Only if you made the file yourself: load it with "
-        "load_anywhere(path, trust=True) (runs any code in it) and save it again"
-    )
+def _read_tar(path: str) -> CheckpointFile:
+    raise UnsupportedError(tar_message(path))
 
 
-# --------------------------------------------------------------------------- state dict discovery
-
-STATE_DICT_KEYS = (
-    "state_dict",
-    "model_state_dict",
-    "model",
-    "model_state",
-    "net",
-    "network",
-    "module",
-    "ema",
-    "model_ema",
-    "state_dict_ema",
-    "ema_state_dict",
-    "weights",
-    "params",
-    "generator",
-)
+def _read_sharded(path: str) -> CheckpointFile:
+    return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
 
-def is_tensor_dict(obj: Any) -> bool:
-    """A mapping whose values are all tensors (records or torch tensors), at least one."""
-    if not _is_mapping(obj):
-        return False
-    n = 0
-    for v in obj.values():
-        if not is_tensor_like(v):
-            return False
-        n += 1
-    return n > 0
-
-
-def _is_mapping(obj: Any) -> bool:
-    return isinstance(obj, Mapping) or (
-        hasattr(obj, "items") and hasattr(obj, "keys") and hasattr(obj, "__getitem__") and not isinstance(obj, type)
-    )
-
-
-def _walk(obj: Any, path: tuple[str, ...], depth: int) -> Iterator[tuple[tuple[str, ...], Any]]:
-    yield path, obj
-    if depth <= 0 or not _is_mapping(obj):
-        return
-    for k, v in list(obj.items()):
-        if isinstance(k, str) and _is_mapping(v):
-            yield from _walk(v, path + (k,), depth - 1)
-
-
-def find_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any]]:
-    """Find the state dict inside a checkpoint object.
-
-    Returns ``(path, mapping)`` where ``path`` is the chain of keys from the
-    top (``()`` when the object itself is the state dict).  ``key`` picks the
-    path explicitly: ``"model"`` or ``"model/state_dict"`` (``.`` is also
-    accepted between levels when no key with a dot matches).
-
-    Raises:
-        KeyConflictError: ``key`` does not exist or is not a mapping of tensors.
-        CorruptCheckpointError: no mapping of tensors anywhere in the object.
-    """
-    if key is not None:
-        node = obj
-        parts = key.split("/") if "/" in key else [key]
-        walked: tuple[str, ...] = ()
-        for part in parts:
-            if _is_mapping(node) and part in node.keys():
-                node = node[part]
-                walked += (part,)
-                continue
-            if "." in part and _is_mapping(node):
-                sub = part.split(".")
-                ok = True
-                for s in sub:
-                    if _is_mapping(node) and s in node.keys():
-                        node = node[s]
-                        walked += (s,)
-                    else:
-                        ok = False
-                        break
-                if ok:
-                    continue
-            top = list(obj.keys())[:12] if _is_mapping(obj) else []
-            raise KeyConflictError(f"key {key!r} not found in the checkpoint; top-level keys: {top}")
-        if not _is_mapping(node):
-            raise KeyConflictError(f"key {key!r} holds a {type(node).__name__}, not a state dict")
-        return walked, node
-    if is_tensor_dict(obj):
-        return (), obj
-    if _is_mapping(obj):
-        # preferred names first, breadth first, up to 3 levels down
-        frontier: list[tuple[tuple[str, ...], Any]] = [((), obj)]
-        for _ in range(3):
-            nxt: list[tuple[tuple[str, ...], Any]] = []
-            for path, node in frontier:
-                for name in STATE_DICT_KEYS:
-                    if name in node.keys() and is_tensor_dict(node[name]):
-                        return path + (name,), node[name]
-                for k, v in list(node.items()):
-                    if isinstance(k, str) and _is_mapping(v):
-                        nxt.append((path + (k,), v))
-            frontier = nxt
-        # otherwise the largest mapping of tensors anywhere
-        best: tuple[tuple[str, ...], Any] | None = None
-        for path, node in _walk(obj, (), 4):
-            if is_tensor_dict(node) and (best is None or len(node) > len(best[1])):
-                best = (path, node)
-        if best is not None:
-            return best
-        # a mapping with some tensors and some other values at the top (e.g. a bare model dict with extras)
-        tensors = {k: v for k, v in obj.items() if is_tensor_like(v)}
-        if tensors:
-            return (), obj
-    raise CorruptCheckpointError(
-        "no state dict (a mapping of names to tensors) found in the checkpoint; pass key=... / --key to say where it is"
-    )
-
-
-def iter_tensors(obj: Any, path: str = "", depth: int = 8, seen: set[int] | None = None) -> Iterator[tuple[str, Any]]:
-    """Every tensor reachable from ``obj`` with a dotted path (dicts, lists, tuples, placeholder state)."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0:
-        return
-    if is_tensor_like(obj):
-        yield path, obj
-        return
-    seen.add(id(obj))
-    if _is_mapping(obj):
-        for k, v in list(obj.items()):
-            yield from iter_tensors(v, f"{path}.{k}" if path else str(k), depth - 1, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from iter_tensors(v, f"{path}.{i}" if path else str(i), depth - 1, seen)
-    else:
-        from ckptfix.pickles import Stub
-
-        if isinstance(obj, Stub):
-            if obj._state is not None:
-                yield from iter_tensors(obj._state, path, depth - 1, seen)
-            if obj._args:
-                yield from iter_tensors(list(obj._args), path, depth - 1, seen)
+#: the reader of each format
+_READERS: dict[Format, Callable[[str], CheckpointFile]] = {
+    Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
+    Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
+    Format.TORCH_LEGACY: legacy.read_pickle_stream,
+    Format.PICKLE: legacy.read_pickle_stream,
+    Format.SAFETENSORS: safetensors_fmt.read_safetensors,
+    Format.SHARDED: _read_sharded,
+    Format.DCP: dcp.read_dcp,
+    Format.TORCH_TAR: _read_tar,
+}

@@ -9,17 +9,44 @@ so the storage table is built by seeking, never reading tensor data.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
+from typing import Any, BinaryIO
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
-from ckptfix.formats import CheckpointFile
+from ckptfix.formats.base import CheckpointFile, Format, LegacyDetails, PickleDetails
 from ckptfix.pickles import RecordingUnpickler, StorageRecord
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
+#: the longest pickle of the magic number (protocol 4/5: PROTO, FRAME, LONG1 with 10 bytes, STOP is 24)
+_MAGIC_PICKLE_MAX = 64
 
 
-def _load_one(f, path: str, what: str, storages: dict[str, StorageRecord] | None = None):
+def stream_kind(path: str) -> Format:
+    """Tell a legacy ``torch.save`` stream from a bare pickle by its first pickle (torch's magic number).
+
+    Only the first few bytes are read, with the restricted reader.
+
+    Args:
+        path: a file that starts with a pickle.
+
+    Returns:
+        :attr:`Format.TORCH_LEGACY` when the first pickle is the magic number, else :attr:`Format.PICKLE`
+        (whose reader reports a damaged pickle).
+    """
+    with open(path, "rb") as f:
+        head = f.read(_MAGIC_PICKLE_MAX)
+    try:
+        first = RecordingUnpickler(io.BytesIO(head), legacy=True).load()
+    except Exception:  # noqa: BLE001 - anything but the magic number is a bare pickle, read and judged later
+        return Format.PICKLE
+    return Format.TORCH_LEGACY if first == MAGIC_NUMBER and type(first) is int else Format.PICKLE
+
+
+def _load_one(
+    f: BinaryIO, path: str, what: str, storages: dict[str, StorageRecord] | None = None
+) -> tuple[Any, RecordingUnpickler]:
     up = RecordingUnpickler(f, legacy=True, storages=storages)
     try:
         return up.load(), up
@@ -33,7 +60,43 @@ def _load_one(f, path: str, what: str, storages: dict[str, StorageRecord] | None
         ) from None
 
 
+def _place_storages(f: BinaryIO, path: str, size: int, keys: list[Any], storages: dict[str, StorageRecord]) -> None:
+    """Give each storage its byte range: after the key list, in its order, a count then the bytes."""
+    pos = f.tell()
+    for key in keys:
+        rec = storages.get(str(key))
+        if rec is None:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} is listed but never used")
+        if pos + 8 > size:
+            raise CorruptCheckpointError(f"{path}: the file ends before storage {key!r}; it is truncated")
+        f.seek(pos)
+        (numel,) = struct.unpack("<q", f.read(8))
+        nbytes = numel * rec.element_size
+        if numel < 0:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt")
+        if rec.file_offset is not None:
+            raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
+        rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
+        pos += 8 + nbytes
+        if pos > size:
+            raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
+
+
 def read_pickle_stream(path: str) -> CheckpointFile:
+    """Read a legacy ``torch.save`` stream or a bare pickle, without torch and without running its code.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`CheckpointFile` of format ``torch-legacy`` (with :class:`LegacyDetails`) or
+        ``pickle`` (with :class:`PickleDetails`).
+
+    Raises:
+        CorruptCheckpointError: truncated or damaged pickles or storages, an unsupported legacy
+            protocol, a big-endian file.
+        UnsafePickleError, ResourceLimitError: as the restricted reader.
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         first, up0 = _load_one(f, path, "first pickle")
@@ -41,13 +104,13 @@ def read_pickle_stream(path: str) -> CheckpointFile:
             # a bare pickle (pickle.dump of a dict of tensors is not loadable by torch, but a dict of numbers is)
             return CheckpointFile(
                 path=path,
-                format="pickle",
+                format=Format.PICKLE,
                 obj=first,
                 storages=up0.storages,
                 globals_seen=dict(up0.globals_seen),
                 stubbed=set(up0.stubbed),
                 file_size=size,
-                extra={"pickle_end": f.tell()},
+                details=PickleDetails(pickle_end=f.tell()),
             )
         protocol, _ = _load_one(f, path, "protocol version")
         sys_info, _ = _load_one(f, path, "system info")
@@ -61,41 +124,14 @@ def read_pickle_stream(path: str) -> CheckpointFile:
         keys, _ = _load_one(f, path, "storage key list")
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path}: the storage key list is damaged")
-        pos = f.tell()
-        for key in keys:
-            rec = up.storages.get(str(key))
-            if rec is None:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} is listed but never used")
-            if pos + 8 > size:
-                raise CorruptCheckpointError(f"{path}: the file ends before storage {key!r}; it is truncated")
-            f.seek(pos)
-            (numel,) = struct.unpack("<q", f.read(8))
-            nbytes = numel * rec.element_size
-            if numel < 0:
-                raise CorruptCheckpointError(
-                    f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt"
-                )
-            if rec.file_offset is not None:
-                raise CorruptCheckpointError(f"{path}: storage {key!r} is listed twice; the file is corrupt")
-            rec.file_offset, rec.nbytes, rec.source = pos + 8, nbytes, path
-            pos += 8 + nbytes
-            if pos > size:
-                raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
+        _place_storages(f, path, size, keys, up.storages)
     return CheckpointFile(
         path=path,
-        format="torch-legacy",
+        format=Format.TORCH_LEGACY,
         obj=obj,
         storages=up.storages,
         globals_seen=dict(up.globals_seen),
         stubbed=set(up.stubbed),
         file_size=size,
-        extra={"pickle_start": pickle_start, "pickle_end": pickle_end, "storage_keys": keys, "sys_info": sys_info},
+        details=LegacyDetails(pickle_start=pickle_start, pickle_end=pickle_end, storage_keys=keys, sys_info=sys_info),
     )
-
-
-def scan_stream(path: str):
-    """Scan every pickle in a legacy/bare stream for globals, opcodes only."""
-    from ckptfix.pickles import scan_pickle_sequence
-
-    with open(path, "rb") as f:
-        return scan_pickle_sequence(f)[0]

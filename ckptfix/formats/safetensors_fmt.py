@@ -8,7 +8,14 @@ import struct
 from typing import Any
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
-from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
+from ckptfix.formats.base import (
+    MAX_JSON_ENV,
+    CheckpointFile,
+    Format,
+    SafetensorsDetails,
+    contiguous_stride,
+    max_json_bytes,
+)
 from ckptfix.pickles import StorageRecord, TensorRecord
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
@@ -37,10 +44,15 @@ DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
 
 
 def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any], int]:
-    """(header dict, data start offset). Validates sizes and offsets.
+    """Read and check a safetensors header's size and JSON.
 
-    ``max_bytes`` caps the header (default ``CKPTFIX_MAX_JSON_MB``; a file ckptfix just wrote is
-    re-read with safetensors' own limit).
+    Args:
+        path: the file.
+        max_bytes: cap on the header (default ``CKPTFIX_MAX_JSON_MB``; a file ckptfix just wrote is
+            re-read with safetensors' own limit).
+
+    Returns:
+        ``(header dict, data start offset)``.
 
     Raises:
         CorruptCheckpointError: a header that is truncated, not JSON, nested too deep or not an object.
@@ -91,7 +103,73 @@ def _uint(x: Any) -> int:
     return x
 
 
+def _tensor_record(path: str, name: str, info: Any, start: int, size: int) -> tuple[StorageRecord, TensorRecord]:
+    """The record of one header entry, checked: known dtype, possible shape, bytes inside the file."""
+    try:
+        dt = ST_TO_DTYPE.get(info["dtype"])
+        shape = tuple(_uint(s) for s in info["shape"])
+        begin, end = (_uint(x) for x in info["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}") from None
+    if dt is None:
+        raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
+    n = 1
+    for d in shape:  # multiplied in order, as safetensors checks it: an overflow is a corrupt header
+        n *= d
+        if n >= 1 << 64:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} has an impossible shape {list(shape)}; the file is corrupt"
+            )
+    if begin < 0 or end < begin or start + end > size:
+        raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated or corrupt")
+    rec = StorageRecord(
+        key=name, dtype=dt, location="cpu", numel=None, file_offset=start + begin, nbytes=end - begin, source=path
+    )
+    t = TensorRecord(rec, 0, shape, contiguous_stride(shape), dt)
+    if t.nbytes != rec.nbytes:
+        raise CorruptCheckpointError(
+            f"{path}: tensor {name!r}: shape {list(shape)} of {dt} needs {t.nbytes} "
+            f"bytes but the header gives {rec.nbytes}"
+        )
+    return rec, t
+
+
+def _check_tiling(path: str, storages: dict[str, StorageRecord], start: int, size: int) -> None:
+    """As the safetensors library requires: the byte ranges tile the data section exactly, in some order.
+
+    A file with overlaps, gaps or trailing bytes does not load there, nor would a rewrite of it.
+    """
+    pos = 0
+    for rec in sorted(storages.values(), key=lambda r: (r.file_offset or 0, r.nbytes or 0)):
+        off, nbytes = rec.file_offset or 0, rec.nbytes or 0  # both set by _tensor_record
+        if off - start != pos:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {rec.key!r} starts at byte {off - start} of "
+                f"the data, expected {pos} (overlapping or gapped offsets); the file is "
+                "corrupt"
+            )
+        pos += nbytes
+    if start + pos != size:
+        raise CorruptCheckpointError(
+            f"{path}: the tensors cover {pos} bytes of data but the file holds "
+            f"{size - start}; the file is truncated or corrupt"
+        )
+
+
 def read_safetensors(path: str) -> CheckpointFile:
+    """Read a ``.safetensors`` file's header: every tensor's dtype, shape and byte range, checked.
+
+    Args:
+        path: the file.
+
+    Returns:
+        A :class:`CheckpointFile` (tensor records by name) with :class:`SafetensorsDetails`.
+
+    Raises:
+        CorruptCheckpointError: a malformed header, unknown dtypes, impossible shapes, byte ranges
+            that do not tile the data section exactly.
+        ResourceLimitError: a header over ``CKPTFIX_MAX_JSON_MB``.
+    """
     header, start = read_header(path)
     size = os.path.getsize(path)
     meta = header.pop("__metadata__", None) or {}
@@ -100,60 +178,13 @@ def read_safetensors(path: str) -> CheckpointFile:
     obj: dict[str, TensorRecord] = {}
     storages: dict[str, StorageRecord] = {}
     for name, info in header.items():
-        try:
-            dt = ST_TO_DTYPE.get(info["dtype"])
-            shape = tuple(_uint(s) for s in info["shape"])
-            begin, end = (_uint(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}") from None
-        if dt is None:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
-        n = 1
-        for d in shape:  # multiplied in order, as safetensors checks it: an overflow is a corrupt header
-            n *= d
-            if n >= 1 << 64:
-                raise CorruptCheckpointError(
-                    f"{path}: tensor {name!r} has an impossible shape {list(shape)}; the file is corrupt"
-                )
-        if begin < 0 or end < begin or start + end > size:
-            raise CorruptCheckpointError(f"{path}: tensor {name!r} points outside the file; it is truncated or corrupt")
-        rec = StorageRecord(
-            key=name, dtype=dt, location="cpu", numel=None, file_offset=start + begin, nbytes=end - begin, source=path
-        )
-        stride: list[int] = []
-        acc = 1
-        for s in reversed(shape):
-            stride.insert(0, acc)
-            acc *= s
-        t = TensorRecord(rec, 0, shape, tuple(stride), dt)
-        if t.nbytes != rec.nbytes:
-            raise CorruptCheckpointError(
-                f"{path}: tensor {name!r}: shape {list(shape)} of {dt} needs {t.nbytes} "
-                f"bytes but the header gives {rec.nbytes}"
-            )
-        storages[name] = rec
-        obj[name] = t
-    # as the safetensors library requires: the byte ranges tile the data section exactly, in some order
-    # (a file with overlaps, gaps or trailing bytes does not load there, nor would a rewrite of it)
-    pos = 0
-    for rec in sorted(storages.values(), key=lambda r: (r.file_offset, r.nbytes)):
-        if rec.file_offset - start != pos:
-            raise CorruptCheckpointError(
-                f"{path}: tensor {rec.key!r} starts at byte {rec.file_offset - start} of "
-                f"the data, expected {pos} (overlapping or gapped offsets); the file is "
-                "corrupt"
-            )
-        pos += rec.nbytes
-    if start + pos != size:
-        raise CorruptCheckpointError(
-            f"{path}: the tensors cover {pos} bytes of data but the file holds "
-            f"{size - start}; the file is truncated or corrupt"
-        )
+        storages[name], obj[name] = _tensor_record(path, name, info, start, size)
+    _check_tiling(path, storages, start, size)
     return CheckpointFile(
         path=path,
-        format="safetensors",
+        format=Format.SAFETENSORS,
         obj=obj,
         storages=storages,
         file_size=size,
-        extra={"metadata": meta, "data_start": start},
+        details=SafetensorsDetails(metadata=meta, data_start=start),
     )

@@ -10,31 +10,69 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from typing import Any, Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.formats import MAX_JSON_ENV, CheckpointFile, max_json_bytes
+from ckptfix.formats.base import (
+    MAX_JSON_ENV,
+    CheckpointFile,
+    Format,
+    ShardedDetails,
+    ShardIndex,
+    max_json_bytes,
+)
+from ckptfix.pickles import StorageRecord
+
+__all__ = ["ShardIndex", "check_shard_kind", "index_path", "load_index", "looks_like_index", "read_index", "shard_file"]
 
 
-@dataclass
-class ShardIndex:
-    """A parsed, validated ``*.index.json``.
+def looks_like_index(path: str) -> bool:
+    """Whether a JSON file is a sharded index (an object with a ``weight_map``); used by ``sniff``.
 
-    Attributes:
-        path: the index file.
-        doc: the whole JSON document.
-        weight_map: tensor name -> shard name, as written in the index.
-        shards: shard name -> absolute path of the shard file (index order, each once).
+    Args:
+        path: a file whose content starts with ``{``.
+
+    Returns:
+        True for an object with a ``weight_map`` key, and for a file too large to parse that
+        mentions one (:func:`load_index` then refuses it with the size limit).
     """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        text = f.read(min(size, max_json_bytes()))
+    if size > len(text):
+        return b'"weight_map"' in text
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and "weight_map" in doc
 
-    path: str
-    doc: dict
-    weight_map: dict[str, str]
-    shards: dict[str, str]
+
+def check_shard_kind(idx: ShardIndex, shard: str, kind: Format) -> None:
+    """Refuse a shard that is not a checkpoint file (an index or a DCP directory itself).
+
+    Args:
+        idx: the index naming the shard.
+        shard: the shard's name in the index.
+        kind: what :func:`~ckptfix.formats.sniff` says the shard holds.
+
+    Raises:
+        CorruptCheckpointError: the shard is a sharded or DCP checkpoint.
+    """
+    if kind in (Format.SHARDED, Format.DCP):
+        raise CorruptCheckpointError(
+            f"{idx.path}: shard {shard!r} is a {kind} checkpoint, not a checkpoint file; the index is corrupt"
+        )
 
 
 def index_path(path: str) -> str:
     """The ``*.index.json`` a sharded checkpoint path names (the file, or the only index in a directory).
+
+    Args:
+        path: an index file or a directory holding one.
+
+    Returns:
+        The index file's path.
 
     Raises:
         CorruptCheckpointError: the directory holds several indexes.
@@ -63,7 +101,14 @@ def _inside(path: str, roots: list[str]) -> bool:
 
 
 def shard_file(ipath: str, shard: object) -> str:
-    """The absolute path of ``shard`` as named in the index ``ipath``; refused if it leaves the index's directory.
+    """The path of ``shard`` as named in the index ``ipath``; refused if it leaves the index's directory.
+
+    Args:
+        ipath: the index file.
+        shard: a shard name from its weight map.
+
+    Returns:
+        The shard file's path, next to the index.
 
     Raises:
         CorruptCheckpointError: not a string, or the index itself.
@@ -100,6 +145,9 @@ def shard_file(ipath: str, shard: object) -> str:
 
 def load_index(path: str) -> ShardIndex:
     """Parse and validate a sharded index (a ``*.index.json`` or a directory holding one).
+
+    Args:
+        path: the index or its directory.
 
     Returns:
         A :class:`ShardIndex` whose shard paths all exist inside the index's directory.
@@ -147,27 +195,30 @@ def load_index(path: str) -> ShardIndex:
     return ShardIndex(path=ipath, doc=doc, weight_map=dict(weight_map), shards=shards)
 
 
-def read_index(path: str) -> CheckpointFile:
+def read_index(path: str, *, sniff: Callable[[str], Format], read: Callable[[str], CheckpointFile]) -> CheckpointFile:
     """Read every shard (without torch) and merge the tensors named in the weight map.
 
-    Raises:
-        CorruptCheckpointError, CheckpointNotFoundError, ResourceLimitError: see :func:`load_index`;
-            also a shard that is not a checkpoint file, or a tensor missing from its shard.
-    """
-    from ckptfix.formats import read_checkpoint, sniff
+    Args:
+        path: the ``*.index.json`` or its directory.
+        sniff: tells a shard's format (:func:`ckptfix.formats.sniff`).
+        read: reads one shard (:func:`ckptfix.formats.read_checkpoint`).
 
+    Returns:
+        A :class:`CheckpointFile`: tensor name -> record, every shard's storages as
+        ``"<shard>:<key>"``, with :class:`ShardedDetails`.
+
+    Raises:
+        CorruptCheckpointError, CheckpointNotFoundError, ResourceLimitError, UnsupportedError: see
+            :func:`load_index`; also a shard that is not a checkpoint file, or a tensor missing from its shard.
+    """
     idx = load_index(path)
     ipath = idx.path
     shards: dict[str, CheckpointFile] = {}
     for shard, sp in idx.shards.items():
-        kind = sniff(sp)
-        if kind in ("sharded", "sharded-dir", "dcp"):
-            raise CorruptCheckpointError(
-                f"{ipath}: shard {shard!r} is a {kind} checkpoint, not a checkpoint file; the index is corrupt"
-            )
-        shards[shard] = read_checkpoint(sp)
-    obj: dict = {}
-    storages: dict = {}
+        check_shard_kind(idx, shard, sniff(sp))
+        shards[shard] = read(sp)
+    obj: dict[str, Any] = {}
+    storages: dict[str, StorageRecord] = {}
     globals_seen: dict[str, int] = {}
     stubbed: set[str] = set()
     for name, shard in idx.weight_map.items():
@@ -185,15 +236,13 @@ def read_index(path: str) -> CheckpointFile:
     total = sum(cf.file_size for cf in shards.values())
     return CheckpointFile(
         path=ipath,
-        format="sharded",
+        format=Format.SHARDED,
         obj=obj,
         storages=storages,
         globals_seen=globals_seen,
         stubbed=stubbed,
         file_size=total,
-        extra={
-            "shards": shards,
-            "index": idx.doc,
-            "shard_format": next(iter(shards.values())).format if shards else None,
-        },
+        details=ShardedDetails(
+            index=idx, shards=shards, shard_format=next(iter(shards.values())).format if shards else None
+        ),
     )

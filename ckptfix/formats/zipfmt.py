@@ -14,17 +14,17 @@ through Python.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import re
 import struct
 import zipfile
 import zlib
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
-from ckptfix.formats import CheckpointFile, env_mib
-from ckptfix.pickles import RecordingUnpickler, Stub, TensorRecord
+from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
+from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord
 from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
@@ -32,7 +32,6 @@ ALIGN = 64
 
 #: environment variable (MiB) that lifts the cap on the pickle and other small records of an archive
 MAX_PICKLE_ENV = "CKPTFIX_MAX_PICKLE_MB"
-#: default cap, in MiB: data.pkl of a real checkpoint with ~100k tensors is a few MiB
 
 
 def max_pickle_bytes() -> int:
@@ -45,15 +44,6 @@ def max_pickle_bytes() -> int:
         ResourceLimitError: the environment variable is not a positive number.
     """
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
-
-
-@dataclass
-class Member:
-    name: str
-    data_offset: int
-    size: int
-    crc: int
-    compressed: bool
 
 
 #: what zipfile raises on damaged archives (beyond BadZipFile)
@@ -84,7 +74,18 @@ def _open_zip(path: str) -> zipfile.ZipFile:
         ) from None
 
 
-def zip_kind(path: str) -> str:
+def zip_kind(path: str) -> Format:
+    """Tell a ``torch.save`` archive from a ``torch.jit.save`` one by its member names.
+
+    Args:
+        path: a zip file.
+
+    Returns:
+        :attr:`Format.TORCHSCRIPT` (a ``code/`` folder or ``constants.pkl``) or :attr:`Format.TORCH_ZIP`.
+
+    Raises:
+        CorruptCheckpointError: a damaged archive, ambiguous member names, or no ``data.pkl``.
+    """
     with _open_zip(path) as zf:
         try:
             names = zf.namelist()
@@ -92,9 +93,9 @@ def zip_kind(path: str) -> str:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
     check_names(path, names)
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
-        return "torchscript"
+        return Format.TORCHSCRIPT
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
-        return "torch-zip"
+        return Format.TORCH_ZIP
     raise CorruptCheckpointError(f"{path}: a zip archive without data.pkl — not a torch checkpoint")
 
 
@@ -105,6 +106,10 @@ def check_names(path: str, names: list[str]) -> None:
     return either entry, while :mod:`zipfile` returns the last one: the scanner and the loader would
     then read different pickles.  Names that differ only in case, repeated names, absolute names and
     names with ``..`` or backslashes are all refused.
+
+    Args:
+        path: the archive (for the message).
+        names: its member names, in archive order.
 
     Raises:
         CorruptCheckpointError: a name is repeated or ambiguous.
@@ -128,7 +133,14 @@ def check_names(path: str, names: list[str]) -> None:
 
 
 def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
-    """name -> Member with the absolute offset of the member's data.
+    """Every member of the archive with the absolute offset of its data, checked against the local headers.
+
+    Args:
+        path: the archive file.
+        zf: the same archive, open.
+
+    Returns:
+        Member name -> :class:`Member`, in archive order.
 
     Raises:
         CorruptCheckpointError: repeated or ambiguous names (see :func:`check_names`), a local header
@@ -166,6 +178,15 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
 
 
 def root_of(names: list[str], leaf: str = "data.pkl") -> str:
+    """The archive folder holding ``leaf``: a top-level folder first, else any, else ``""``.
+
+    Args:
+        names: the archive's member names.
+        leaf: the record to look for.
+
+    Returns:
+        The folder with its trailing ``/``, or ``""`` (at the top, or absent).
+    """
     for n in names:
         if n == leaf:
             return ""
@@ -179,6 +200,13 @@ def root_of(names: list[str], leaf: str = "data.pkl") -> str:
 
 def torch_root(path: str, names: list[str]) -> str:
     """The archive folder torch's reader uses (the first entry's folder), checked to hold data.pkl.
+
+    Args:
+        path: the archive (for the message).
+        names: its member names, in archive order.
+
+    Returns:
+        The folder with its trailing ``/`` (``""`` at the top, or when there is no data.pkl at all).
 
     Raises:
         CorruptCheckpointError: torch would read another data.pkl than the one ckptfix finds.
@@ -205,6 +233,11 @@ def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> 
     ``records`` a compressed tensor record (``<root>/data/<key>``) is refused as unsupported;
     without, such records are left out (a scan never reads them).
 
+    Args:
+        path: the archive (for the message).
+        zf: the archive, open.
+        records: refuse compressed tensor records too.
+
     Raises:
         ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
         UnsupportedError: a compressed tensor record (with ``records``).
@@ -229,6 +262,15 @@ def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) ->
 
     The declared size is checked before anything is inflated, and inflation goes in bounded steps
     (``ZipFile.read`` can inflate GiB in one call before truncating to the declared size).
+
+    Args:
+        path: the archive (for the message).
+        zf: the archive, open.
+        name: the member.
+        budget: a one-element list, the bytes left to inflate; decreased by what was read.
+
+    Returns:
+        The member's bytes.
 
     Raises:
         ResourceLimitError: the member (with what was read before) exceeds ``CKPTFIX_MAX_PICKLE_MB``.
@@ -268,7 +310,22 @@ def _too_big(path: str, name: str, n: int) -> ResourceLimitError:
     )
 
 
-def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
+def read_zip(path: str, kind: Format = Format.TORCH_ZIP) -> CheckpointFile:
+    """Read a torch zip archive: ``data.pkl`` with the restricted reader, every storage's byte range.
+
+    Args:
+        path: the archive.
+        kind: :attr:`Format.TORCH_ZIP`, or :attr:`Format.TORCHSCRIPT` to also derive the state dict
+            from the archive's ``code/`` (see :func:`torchscript_state_dict`).
+
+    Returns:
+        A :class:`CheckpointFile` with :class:`ZipDetails` (:class:`TorchScriptDetails` for TorchScript).
+
+    Raises:
+        CorruptCheckpointError: a damaged archive, missing or truncated storages, ambiguous names.
+        UnsupportedError: a compressed tensor record.
+        ResourceLimitError: records that inflate past ``CKPTFIX_MAX_PICKLE_MB``.
+    """
     try:
         return _read_zip(path, kind)
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
@@ -279,7 +336,7 @@ def read_zip(path: str, kind: str = "torch-zip") -> CheckpointFile:
         ) from None
 
 
-def _read_zip(path: str, kind: str) -> CheckpointFile:
+def _read_zip(path: str, kind: Format) -> CheckpointFile:
     with _open_zip(path) as zf:
         mem = members(path, zf)
         names = list(mem)
@@ -295,9 +352,9 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
         code_files = {
             n: read_member(path, zf, n, budget).decode("utf-8", "replace")
             for n in names
-            if kind == "torchscript" and n.startswith(root + "code/") and n.endswith(".py")
+            if kind == Format.TORCHSCRIPT and n.startswith(root + "code/") and n.endswith(".py")
         }
-    up = RecordingUnpickler(__import__("io").BytesIO(data_pkl))
+    up = RecordingUnpickler(io.BytesIO(data_pkl))
     try:
         obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
@@ -306,55 +363,60 @@ def _read_zip(path: str, kind: str) -> CheckpointFile:
         raise CorruptCheckpointError(
             f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); the checkpoint is corrupt"
         ) from None
-    size = os.path.getsize(path)
     for key, rec in up.storages.items():
-        m = mem.get(f"{root}data/{key}")
-        if m is None:
-            raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
-        if m.compressed:
-            raise UnsupportedError(
-                f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
-                "with compression; torch.save stores records uncompressed, which ckptfix needs "
-                "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
-                "torch.load and torch.save it again"
-            )
-        es = rec.element_size
-        numel = rec.numel
-        if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} declares a size of {numel!r} elements; the checkpoint is corrupt"
-            )
-        need = numel * es if numel is not None else m.size
-        if m.size < need:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
-                f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
-                "corrupt (torch.load refuses it too)"
-            )
-        if need % es:
-            raise CorruptCheckpointError(
-                f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
-                f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
-            )
-        rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
-    cf = CheckpointFile(
+        _place_storage(path, key, rec, mem.get(f"{root}data/{key}"))
+    notes = [f"byte order is {byteorder}"] if byteorder != "little" else []
+    details: ZipDetails = ZipDetails(root=root, members=mem, data_pkl=data_pkl, byteorder=byteorder)
+    if kind == Format.TORCHSCRIPT:
+        ts_sd = None
+        try:
+            ts_sd = torchscript_state_dict(obj, code_files, root)
+        except Exception as e:  # noqa: BLE001 - an archive torch.jit.save did not write: noted, still inspected
+            notes.append(f"could not derive the TorchScript state_dict: {e}")
+        details = TorchScriptDetails(root=root, members=mem, data_pkl=data_pkl, byteorder=byteorder, state_dict=ts_sd)
+    return CheckpointFile(
         path=path,
         format=kind,
         obj=obj,
         storages=up.storages,
         globals_seen=dict(up.globals_seen),
         stubbed=set(up.stubbed),
-        file_size=size,
-        extra={"root": root, "members": mem, "data_pkl": data_pkl, "byteorder": byteorder},
+        file_size=os.path.getsize(path),
+        details=details,
+        notes=notes,
     )
-    if byteorder != "little":
-        cf.notes.append(f"byte order is {byteorder}")
-    if kind == "torchscript":
-        try:
-            cf.extra["torchscript_state_dict"] = torchscript_state_dict(obj, code_files, root)
-        except Exception as e:  # pragma: no cover - unusual archives
-            cf.notes.append(f"could not derive the TorchScript state_dict: {e}")
-    return cf
+
+
+def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) -> None:
+    """Give storage ``key`` its byte range in the archive, checked against what its pickle declares."""
+    if m is None:
+        raise CorruptCheckpointError(f"{path}: storage {key!r} is referenced but missing from the archive")
+    if m.compressed:
+        raise UnsupportedError(
+            f"{path}: storage {key!r} is a compressed zip record (the archive was re-zipped "
+            "with compression; torch.save stores records uncompressed, which ckptfix needs "
+            "to read tensors in place); re-zip it uncompressed (zip -0) or load it with "
+            "torch.load and torch.save it again"
+        )
+    es = rec.element_size
+    numel = rec.numel
+    if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} declares a size of {numel!r} elements; the checkpoint is corrupt"
+        )
+    need = numel * es if numel is not None else m.size
+    if m.size < need:
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} holds {m.size} bytes but its pickle declares "
+            f"{numel} x {es} = {need}; the record is truncated or the checkpoint "
+            "corrupt (torch.load refuses it too)"
+        )
+    if need % es:
+        raise CorruptCheckpointError(
+            f"{path}: storage {key!r} holds {m.size} bytes, not a whole number of "
+            f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
+        )
+    rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
 
 
 # --------------------------------------------------------------------------- TorchScript
@@ -399,7 +461,19 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
 
 
 def torchscript_state_dict(obj: Any, code_files: dict[str, str], root: str) -> dict[str, Any]:
-    """What ``torch.jit.load(f).state_dict()`` returns, as records, without running TorchScript."""
+    """What ``torch.jit.load(f).state_dict()`` returns, as records, without running TorchScript.
+
+    Each scripted module's ``__parameters__`` and ``__buffers__`` lists (in its class's ``code/``
+    source) name the attributes of its pickled state that are parameters and buffers.
+
+    Args:
+        obj: the unpickled ``data.pkl`` (the top module, a placeholder).
+        code_files: member name -> source of every ``<root>code/**.py`` member.
+        root: the archive folder.
+
+    Returns:
+        Dotted name -> tensor record, in module order.
+    """
     table = _script_members(code_files, root)
     out: dict[str, Any] = {}
 
@@ -461,6 +535,12 @@ class AlignedZipWriter:
         self.pos += len(hdr)
 
     def add_bytes(self, name: str, data: bytes) -> None:
+        """Add a stored member holding ``data``.
+
+        Args:
+            name: the member name.
+            data: its bytes.
+        """
         self._start(name, zlib.crc32(data) & 0xFFFFFFFF, len(data))
         self.fp.write(data)
         self.pos += len(data)
@@ -468,7 +548,17 @@ class AlignedZipWriter:
     def add_copy(self, name: str, src_fd: int, offset: int, size: int, crc: int | None = None) -> None:
         """Copy ``size`` bytes at ``offset`` of ``src_fd`` into the archive without holding them in Python.
 
-        With ``crc=None`` the CRC-32 is computed while copying and patched into the local header.
+        Args:
+            name: the member name.
+            src_fd: the source file descriptor.
+            offset: where the bytes start in the source.
+            size: how many bytes.
+            crc: their CRC-32 when known (a copied record's); None computes it while copying and
+                patches it into the local header.
+
+        Raises:
+            OutputError: the output device is full.
+            CorruptCheckpointError: the source ends early.
         """
         start = self.pos
         self._start(name, crc or 0, size)
@@ -481,6 +571,7 @@ class AlignedZipWriter:
         self.fp.seek(self.pos)
 
     def close(self) -> None:
+        """Write the central directory (zip64 records when needed) and flush; the file stays open."""
         cd_start = self.pos
         out = bytearray()
         for name, crc, size, off in self.entries:
@@ -559,6 +650,21 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, 
     :data:`FOLIO` (the first call then brings them to a folio boundary); otherwise through one
     reused 8 MiB buffer.  With ``crc`` the bytes always pass through the buffer and their CRC-32
     is returned (one read of the source for both); otherwise 0 is returned.
+
+    Args:
+        src_fd: the source file descriptor.
+        src_off: where to read from.
+        dst_fd: the destination file descriptor.
+        dst_off: where to write to.
+        size: how many bytes.
+        crc: also compute the bytes' CRC-32.
+
+    Returns:
+        The CRC-32 with ``crc``, else 0.
+
+    Raises:
+        OutputError: the output device is full.
+        CorruptCheckpointError: the source ends early.
     """
     remaining = size
     so, do = src_off, dst_off
@@ -597,7 +703,19 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, 
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> int:
-    """Write all of ``data`` at ``off``; a full disk is an OutputError that says so.  Returns the size."""
+    """Write all of ``data`` at ``off`` of ``fd``.
+
+    Args:
+        fd: the file descriptor.
+        data: the bytes.
+        off: the file offset.
+
+    Returns:
+        The number of bytes written (all of them).
+
+    Raises:
+        OutputError: the disk is full, or the write failed.
+    """
     data = memoryview(data).cast("B")
     done = 0
     while done < len(data):
@@ -619,9 +737,19 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
     padded so that the rest of the archive keeps its offsets modulo 64 KiB (so modulo 64, the
     alignment torch's mmap loader needs) and is copied in one
     ``copy_file_range`` call; the central directory is rewritten with the shifted offsets.
+
+    Args:
+        cf: the archive read (a torch zip with :class:`ZipDetails`).
+        data_pkl: the new ``data.pkl``.
+        fp: the output, open for writing at its start.
+
+    Raises:
+        OutputError: the output device is full.
+        CorruptCheckpointError: the source archive is damaged or ends early.
+        TypeError: ``cf`` is not a zip archive.
     """
-    mem: dict[str, Member] = cf.extra["members"]
-    root = cf.extra["root"]
+    zd = cf.details_as(ZipDetails)
+    mem, root = zd.members, zd.root
     pkl_name = root + "data.pkl"
     order = sorted(mem.values(), key=lambda m: m.data_offset)
     rest = [m for m in order if m.name != pkl_name]

@@ -26,7 +26,7 @@ import os
 
 from ckptfix import stmeta
 from ckptfix.errors import UnsupportedError
-from ckptfix.formats import CheckpointFile, read_checkpoint, sniff
+from ckptfix.formats import CheckpointFile, SafetensorsDetails, read_checkpoint, sniff
 from ckptfix.progress import Progress, reporting
 from ckptfix.rewrite.location import parse_map_location, relocate
 from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
@@ -214,7 +214,7 @@ def _rewrite_file(
         )
     check_str_keys(src, sd)
     if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
-        sd = stmeta.logical_state_dict(sd, cf.extra.get("metadata"))
+        sd = stmeta.logical_state_dict(sd, cf.details_as(SafetensorsDetails).metadata)
     new_sd, report = transform(sd)
     rename = dict(zip(sd.keys(), new_sd.keys(), strict=False))
     renamed = sum(1 for a, b in zip(sd.keys(), new_sd.keys(), strict=False) if a != b)

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from ckptfix import stmeta
 from ckptfix.atomic import atomic_output
 from ckptfix.errors import OutputError, UnsupportedError
-from ckptfix.formats import CheckpointFile, find_state_dict
+from ckptfix.formats import CheckpointFile, SafetensorsDetails, ShardedDetails, find_state_dict
 from ckptfix.parallel import run_tasks
 from ckptfix.prefixes import _rekey_metadata
 from ckptfix.rewrite.location import relocate
@@ -62,11 +62,14 @@ def rewrite_sharded(
         )
     if key is not None:
         raise UnsupportedError(f"{ipath}: --key does not apply to a sharded index (its weight map is the state dict)")
-    shards: dict[str, CheckpointFile] = cf.extra["shards"]
+    details = cf.details_as(ShardedDetails)
+    shards: dict[str, CheckpointFile] = details.shards
     _check_shards(ipath, shards)
     sd = cf.obj
     check_str_keys(ipath, sd)
-    st_meta = next((scf.extra.get("metadata") for scf in shards.values() if scf.format == "safetensors"), None)
+    st_meta = next(
+        (scf.details.metadata for scf in shards.values() if isinstance(scf.details, SafetensorsDetails)), None
+    )
     sd = stmeta.logical_state_dict(sd, st_meta)  # with the names ckptfix convert stored once (aliases)
     new_sd, report = transform(sd)
     if len(new_sd) != len(sd) or any(sd[a] is not new_sd[b] for a, b in zip(sd, new_sd, strict=False)):
@@ -103,7 +106,7 @@ def rewrite_sharded(
     written: list[str] = []
     try:
         _write_shards(shards, rename, out_dir, fsync, written, rep.notes, jobs)
-        doc = dict(cf.extra["index"])
+        doc = dict(details.index.doc)
         doc["weight_map"] = {rename.get(k, k): v for k, v in doc["weight_map"].items()}
         if isinstance(doc.get("metadata"), dict):  # ckptfix convert copies its metadata here too
             doc["metadata"] = stmeta.rename(dict(doc["metadata"]), rename, cf.obj)

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.errors import KeyConflictError, UnsupportedError
-from ckptfix.formats import CheckpointFile
+from ckptfix.formats import CheckpointFile, LegacyDetails, SafetensorsDetails, ZipDetails
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.formats.zipfmt import FOLIO, AlignedZipWriter, _read_member, copy_range, rewrite_zip
 from ckptfix.pickles import dumps
@@ -155,8 +155,9 @@ def write_checkpoint_zip(
     try:
         if cf.format == "torch-zip":
             data_pkl = dumps(obj)
-            root = cf.extra["root"]
-            for name, m in cf.extra["members"].items():
+            zd = cf.details_as(ZipDetails)
+            root = zd.root
+            for name, m in zd.members.items():
                 if name == root + "data.pkl":
                     w.add_bytes(name, data_pkl)
                 elif m.compressed:
@@ -175,7 +176,7 @@ def write_checkpoint_zip(
             data_pkl = dumps(obj)
             w.add_bytes(root + "data.pkl", data_pkl)
             w.add_bytes(root + "byteorder", b"little")
-            for key in cf.extra["storage_keys"]:
+            for key in cf.details_as(LegacyDetails).storage_keys:
                 st = cf.storages[str(key)]
                 assert st.file_offset is not None and st.nbytes is not None
                 w.add_copy(f"{root}data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
@@ -211,9 +212,10 @@ def write_safetensors(
             f"{cf.path}: the rename gives a tensor the name '__metadata__', which safetensors "
             "reserves for its metadata; rename it differently"
         )
-    start = cf.extra["data_start"]
+    sd_details = cf.details_as(SafetensorsDetails)
+    start = sd_details.data_start
     header: dict[str, Any] = {}
-    meta = stmeta.rename(dict(cf.extra.get("metadata") or {}), rename, old_sd)
+    meta = stmeta.rename(dict(sd_details.metadata or {}), rename, old_sd)
     if meta:
         header["__metadata__"] = meta
     old_of = {b: a for a, b in rename.items()}
