@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from ckptfix.errors import ResourceLimitError, UnsupportedError
-from ckptfix.formats.base import ZipDetails
+from ckptfix.formats.base import Format, ZipDetails
 from ckptfix.pickles import (
     STORAGE_DTYPES,
     StorageRecord,
@@ -765,7 +765,7 @@ def _opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
 
     bad: set[str] = set()
     try:
-        if fmt == "torch-zip":
+        if fmt == Format.TORCH_ZIP:
             with zipfile.ZipFile(src) as zf:
                 name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
                 if name is not None:
@@ -827,16 +827,16 @@ def sanitize_checkpoint(
 
 def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
     """Raise UnsupportedError unless ``cf`` is a single torch.save file (zip or legacy)."""
-    if cf.format == "safetensors":
+    if cf.format == Format.SAFETENSORS:
         raise UnsupportedError(
             f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
         )
-    if cf.format not in ("torch-zip", "torch-legacy", "pickle"):
+    if cf.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.PICKLE):
         raise UnsupportedError(
             f"{src}: {cf.format} checkpoints cannot be sanitized; sanitize a single torch.save "
             "file (convert sharded/DCP inputs with ckptfix convert instead)"
         )
-    if cf.format == "pickle":
+    if cf.format == Format.PICKLE:
         raise UnsupportedError(
             f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what you need"
         )
@@ -886,7 +886,7 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
     rep.changes = pl.changes
     rep.new_tensors = len(pl.new_storages)
     rep.changed = True
-    if cf.format == "torch-legacy":
+    if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
     dst_path, fsync = prepare_output(
         src,

@@ -92,7 +92,7 @@ def convert_to_safetensors(
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     if not max_shard_size:
         check_outputs([dst], src, force)  # fail before any reading
-    if sniff(src) == "dcp":  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
+    if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
         from ckptfix.dcp.consolidate import convert_dcp
 
         return convert_dcp(

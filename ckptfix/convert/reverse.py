@@ -24,7 +24,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
-from ckptfix.formats import sniff
+from ckptfix.formats import Format, sniff
 from ckptfix.formats.sharded import load_index
 from ckptfix.statedict import at_path
 
@@ -85,9 +85,9 @@ def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]
     from safetensors import safe_open
 
     kind = sniff(src)
-    if kind == "safetensors":
+    if kind == Format.SAFETENSORS:
         files = [src]
-    elif kind in ("sharded", "sharded-dir"):
+    elif kind == Format.SHARDED:
         files = list(load_index(src).shards.values())
         if not all(s.endswith(".safetensors") for s in files):
             raise UnsupportedError(f"{src}: the shards are not safetensors; convert the index to safetensors instead")
@@ -245,9 +245,9 @@ def is_safetensors_input(src: str | os.PathLike) -> bool:
         kind = sniff(src)
     except CkptfixError:
         return False
-    if kind == "safetensors":
+    if kind == Format.SAFETENSORS:
         return True
-    if kind in ("sharded", "sharded-dir"):
+    if kind == Format.SHARDED:
         try:
             return all(s.endswith(".safetensors") for s in load_index(src).shards)
         except (OSError, CkptfixError):

@@ -30,6 +30,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
+from ckptfix.formats.base import Format
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.progress import Progress
 
@@ -57,9 +58,9 @@ def _source_files(src: str) -> list[str]:
     from ckptfix.formats import sniff
 
     kind = sniff(src)
-    if kind == "safetensors":
+    if kind == Format.SAFETENSORS:
         return [src]
-    if kind in ("sharded", "sharded-dir"):
+    if kind == Format.SHARDED:
         from ckptfix.formats.sharded import load_index
 
         files = list(dict.fromkeys(load_index(src).shards.values()))

@@ -26,7 +26,7 @@ import os
 
 from ckptfix import stmeta
 from ckptfix.errors import UnsupportedError
-from ckptfix.formats import CheckpointFile, SafetensorsDetails, read_checkpoint, sniff
+from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
 from ckptfix.progress import Progress, reporting
 from ckptfix.rewrite.location import parse_map_location, relocate
 from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
@@ -143,7 +143,7 @@ def _rewrite_checkpoint(
     suffix: str,
     jobs: int = 1,
 ) -> RewriteReport:
-    if sniff(src) == "dcp":  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+    if sniff(src) == Format.DCP:  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
         from ckptfix.dcp.rewrite import rewrite_dcp
 
         return rewrite_dcp(
@@ -159,7 +159,7 @@ def _rewrite_checkpoint(
             suffix=suffix,
         )
     cf = read_checkpoint(src)
-    if cf.format == "sharded":
+    if cf.format == Format.SHARDED:
         return rewrite_sharded(
             cf,
             transform,
@@ -202,7 +202,7 @@ def _rewrite_file(
     """One torch zip, legacy or safetensors file: its state dict renamed, everything else kept."""
     src = cf.path
     check_writable(cf)
-    if key is None and cf.format != "safetensors":
+    if key is None and cf.format != Format.SAFETENSORS:
         require_tensors(cf, src, "rename")
     key_path, sd, holder = locate_state_dict(cf.obj, key)
     if holder != "mapping":
@@ -213,7 +213,7 @@ def _rewrite_file(
             "load_anywhere it and save the state dict"
         )
     check_str_keys(src, sd)
-    if cf.format == "safetensors":  # the names ckptfix convert stored once (aliases) are keys too
+    if cf.format == Format.SAFETENSORS:  # the names ckptfix convert stored once (aliases) are keys too
         sd = stmeta.logical_state_dict(sd, cf.details_as(SafetensorsDetails).metadata)
     new_sd, report = transform(sd)
     rename = dict(zip(sd.keys(), new_sd.keys(), strict=False))
@@ -234,7 +234,7 @@ def _rewrite_file(
     if not rep.changed:
         rep.notes.append("nothing to change; no file written")
         return rep
-    if cf.format == "torch-legacy":
+    if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
     dst, fsync_out = prepare_output(
         src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out, notes=rep.notes, fsync=fsync

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ckptfix.errors import UnsupportedError
-from ckptfix.formats import CheckpointFile
+from ckptfix.formats import CheckpointFile, Format
 
 
 def parse_map_location(spec: str | None) -> Callable[[str], str] | None:
@@ -86,7 +86,7 @@ def relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
     relocated: dict[str, str] = {}
     if relocate is None:
         return relocated
-    if cf.format == "safetensors":
+    if cf.format == Format.SAFETENSORS:
         raise UnsupportedError("safetensors files carry no device tags; --map-location does not apply")
     for st in cf.storages.values():
         new = relocate(st.location)

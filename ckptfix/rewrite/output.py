@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.errors import OutputError
+from ckptfix.formats.base import Format
 
 
 def default_output(src: str, suffix: str, fmt_out: str) -> str:
@@ -21,7 +22,7 @@ def default_output(src: str, suffix: str, fmt_out: str) -> str:
         The path.
     """
     base, ext = os.path.splitext(src)
-    if fmt_out == "safetensors":
+    if fmt_out == Format.SAFETENSORS:
         ext = ".safetensors"
     return f"{base}.{suffix}{ext or '.pt'}"
 

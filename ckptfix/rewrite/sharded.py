@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from ckptfix import stmeta
 from ckptfix.atomic import atomic_output
 from ckptfix.errors import OutputError, UnsupportedError
-from ckptfix.formats import CheckpointFile, SafetensorsDetails, ShardedDetails, find_state_dict
+from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict
 from ckptfix.parallel import run_tasks
 from ckptfix.prefixes import _rekey_metadata
 from ckptfix.rewrite.location import relocate
@@ -204,5 +204,5 @@ def _write_shards(
 
     run_tasks([functools.partial(one_shard, name, scf) for name, scf in shards.items()], jobs)
     for name, scf in shards.items():
-        if scf.format == "torch-legacy":
+        if scf.format == Format.TORCH_LEGACY:
             notes.append(f"legacy shard {name} was written in the zip format")

@@ -6,7 +6,7 @@ import os
 from typing import Any, Mapping
 
 from ckptfix.errors import CkptfixError, VerificationError
-from ckptfix.formats import CheckpointFile, iter_tensors, read_checkpoint
+from ckptfix.formats import CheckpointFile, Format, iter_tensors, read_checkpoint
 from ckptfix.pickles import TensorRecord, classify_global
 from ckptfix.scanner import resolve_global
 
@@ -131,7 +131,7 @@ def check_written(
         out = read_checkpoint(path)
     except CkptfixError as e:
         raise fail(f"does not read back ({e})") from None
-    if out.format == "safetensors":
+    if out.format == Format.SAFETENSORS:
         if len(out.obj) != sum(1 for _ in source.obj):
             pass  # aliases stored once may differ in count; the header was written from the source's records
         return set()

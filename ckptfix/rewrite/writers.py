@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.errors import KeyConflictError, UnsupportedError
-from ckptfix.formats import CheckpointFile, LegacyDetails, SafetensorsDetails, ZipDetails
+from ckptfix.formats import CheckpointFile, Format, LegacyDetails, SafetensorsDetails, ZipDetails
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.formats.zipfmt import FOLIO, AlignedZipWriter, _read_member, copy_range, rewrite_zip
 from ckptfix.pickles import dumps
@@ -17,7 +17,7 @@ from ckptfix.rewrite.output import write_atomic
 from ckptfix.rewrite.verify import check_written
 
 #: the formats a rewrite can write back
-WRITABLE = ("torch-zip", "torch-legacy", "safetensors")
+WRITABLE = (Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.SAFETENSORS)
 
 
 def check_str_keys(src: str, sd: Mapping[Any, Any]) -> None:
@@ -65,7 +65,7 @@ def format_out(cf: CheckpointFile) -> str:
     Returns:
         ``"torch-zip"`` or ``"safetensors"``.
     """
-    return "torch-zip" if cf.format in ("torch-zip", "torch-legacy") else "safetensors"
+    return Format.TORCH_ZIP if cf.format in (Format.TORCH_ZIP, Format.TORCH_LEGACY) else Format.SAFETENSORS
 
 
 def _replace_at(obj: Any, path: tuple[str, ...], new: Any) -> Any:
@@ -113,7 +113,7 @@ def write_file(
     cf.obj = _replace_at(cf.obj, tuple(key_path), new_sd)
 
     def write(f: Any) -> None:
-        if cf.format == "safetensors":
+        if cf.format == Format.SAFETENSORS:
             write_safetensors(cf, old_sd, new_sd, f, rename or {})
         else:
             write_checkpoint_zip(cf, cf.obj, f)
@@ -147,13 +147,13 @@ def write_checkpoint_zip(
         OutputError: the disk is full.
     """
     new_storages = dict(new_storages or {})
-    if cf.format == "torch-zip" and not new_storages:
+    if cf.format == Format.TORCH_ZIP and not new_storages:
         rewrite_zip(cf, dumps(obj), f)
         return
     w = AlignedZipWriter(f)
     fd = os.open(cf.path, os.O_RDONLY)
     try:
-        if cf.format == "torch-zip":
+        if cf.format == Format.TORCH_ZIP:
             data_pkl = dumps(obj)
             zd = cf.details_as(ZipDetails)
             root = zd.root
@@ -182,7 +182,7 @@ def write_checkpoint_zip(
                 w.add_copy(f"{root}data/{key}", fd, st.file_offset, st.nbytes)  # CRC computed on the way
         for key, data in new_storages.items():
             w.add_bytes(f"{root}data/{key}", data)
-        if cf.format != "torch-zip":
+        if cf.format != Format.TORCH_ZIP:
             w.add_bytes(root + "version", b"3\n")
         w.close()
     finally:
