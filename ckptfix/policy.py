@@ -84,6 +84,43 @@ for _b in range(1, 8):
     DTYPE_GLOBALS[f"uint{_b}"] = f"uint{_b}"
     DTYPE_GLOBALS[f"int{_b}"] = f"int{_b}"
 
+# --------------------------------------------------------------------------- DCP .metadata vocabulary
+# The exact globals a DCP ``.metadata`` pickle may name.  Every other global there is foreign: the
+# restricted reader keeps it as an inert placeholder and the loaders refuse the directory.  No module
+# prefix and no dotted name is trusted: ``torch.distributed.checkpoint.filesystem`` + ``os.system`` is
+# the global ``torch.distributed.checkpoint.filesystem.os.system``, which is not listed.
+
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_DCP_FS = "torch.distributed.checkpoint.filesystem"
+_SHARD_MD = "torch.distributed._shard.sharded_tensor.metadata"  # torch < 2.2 kept TensorProperties here
+
+#: the record classes torch's DCP writes into ``.metadata``
+RECORD_GLOBALS: frozenset[str] = frozenset(
+    {
+        f"{_DCP_MD}.Metadata",
+        f"{_DCP_MD}.TensorStorageMetadata",
+        f"{_DCP_MD}.BytesStorageMetadata",
+        f"{_DCP_MD}.ChunkStorageMetadata",
+        f"{_DCP_MD}.TensorProperties",
+        f"{_DCP_MD}.MetadataIndex",
+        f"{_DCP_MD}.StorageMeta",
+        f"{_DCP_MD}._MEM_FORMAT_ENCODING",
+        f"{_DCP_FS}._StorageInfo",
+        f"{_SHARD_MD}.TensorProperties",
+        f"{_SHARD_MD}.MEM_FORMAT_ENCODING",
+        "torch.Size",
+        "torch.serialization._get_layout",
+        "pathlib.PosixPath",
+        "pathlib.PurePosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PureWindowsPath",
+        "collections.OrderedDict",
+    }
+)
+
+#: every global a DCP ``.metadata`` file may reference, as ``module.name`` (dtypes under all their names)
+DCP_METADATA_GLOBALS: frozenset[str] = RECORD_GLOBALS | frozenset(f"torch.{d}" for d in DTYPE_GLOBALS)
+
 #: ``torch._utils`` functions that rebuild a tensor (the reader turns each call into a tensor record)
 TENSOR_REBUILDERS = frozenset(
     {
@@ -391,9 +428,7 @@ def classify_global(name: str, context: str | None = None) -> Verdict:
     if known is not None and known.safe:
         return "safe"
     if context == "dcp":
-        from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS  # exact names: no module prefix is trusted
-
-        if name in DCP_METADATA_GLOBALS:
+        if name in DCP_METADATA_GLOBALS:  # exact names: no module prefix is trusted
             return "safe"
     if (
         context == "torchscript"

@@ -2,7 +2,7 @@
 
 ``.metadata`` is a pickle of torch's DCP dataclasses.  :class:`MetadataUnpickler`
 (a :class:`~ckptfix.pickles.RecordingUnpickler`) maps exactly the globals in
-:data:`ckptfix.dcp.allowlist.DCP_METADATA_GLOBALS` to inert placeholders that
+:data:`ckptfix.policy.DCP_METADATA_GLOBALS` to inert placeholders that
 record their arguments and state; every other global is a *foreign* placeholder,
 counted so that loaders refuse the directory.  Nothing is imported and nothing
 is called.  :func:`read_metadata` then turns the placeholder tree into plain
@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptfix.dcp.allowlist import DCP_METADATA_GLOBALS
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.pickles import DTYPE_GLOBALS, ELEMENT_SIZE, RecordingUnpickler, Stub, dumps, stub_class
+from ckptfix.policy import DCP_METADATA_GLOBALS
 
 METADATA_NAME = ".metadata"
 #: a ``.metadata`` larger than this is refused (millions of chunks); ``CKPTFIX_DCP_MAX_METADATA`` lifts it
