@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
@@ -180,6 +182,20 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
         click.echo(rep.output)
 
 
+def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs) -> dict[str, Any]:
+    """The library's write keywords from the options :func:`_write_options` adds, progress on ``bar``."""
+    return {
+        "output": output,
+        "in_place": in_place,
+        "backup": not no_backup,
+        "force": force,
+        "key": key,
+        "map_location": map_location,
+        "progress": bar.update,
+        "jobs": jobs,
+    }
+
+
 @cli.command("strip-prefix")
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", default=None, help="Strip exactly this prefix (default: every wrapper layer all keys carry).")
@@ -200,14 +216,7 @@ def strip_prefix_cmd(
             checkpoint,
             prefix,
             partial=partial,
-            output=output,
-            in_place=in_place,
-            backup=not no_backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            progress=bar.update,
-            jobs=jobs,
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -224,14 +233,7 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
         rep = add_prefix_checkpoint(
             checkpoint,
             prefix,
-            output=output,
-            in_place=in_place,
-            backup=not no_backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            progress=bar.update,
-            jobs=jobs,
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -253,14 +255,7 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         res = align_checkpoint(
             checkpoint,
             target,
-            output=output,
-            in_place=in_place,
-            backup=not no_backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            progress=bar.update,
-            jobs=jobs,
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
         )
     r = res.alignment
     if as_json:
