@@ -304,7 +304,7 @@ def make_backup(path: str) -> str:
     return dst
 
 
-def replace_directory(tmp: str, path: str) -> None:
+def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
     """Move the complete directory ``tmp`` to ``path``, replacing a directory already there.
 
     The old ``path`` is first renamed aside (next to it), so ``path`` is at every moment either
@@ -314,6 +314,7 @@ def replace_directory(tmp: str, path: str) -> None:
     Args:
         tmp: The finished directory, on the same file system as ``path``.
         path: The final name.
+        fsync: flush the parent directory after the rename.
 
     Raises:
         OutputError: a rename fails (``path`` is left as it was).
@@ -333,7 +334,8 @@ def replace_directory(tmp: str, path: str) -> None:
             if old is not None:
                 os.rename(os.path.join(old, "d"), path)
             raise
-        fsync_dir(path)
+        if fsync:
+            fsync_dir(path)
     except OSError as e:
         raise _os_error(e, path) from None
     finally:

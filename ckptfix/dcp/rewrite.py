@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptfix.atomic import fsync_dir
+from ckptfix.atomic import fsync_dir, replace_directory
 from ckptfix.dcp.meta import (
     METADATA_NAME,
     BytesEntry,
@@ -209,7 +209,6 @@ def _write_directory(
     except OSError as e:
         raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
     linked = copied = 0
-    old_away = None
     try:
         os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
         for fname in sorted(os.listdir(src)):
@@ -224,22 +223,13 @@ def _write_directory(
         _verify(out, data, meta, fqn_new)
         if fsync:
             fsync_dir(os.path.join(tmp, METADATA_NAME))
-        if os.path.lexists(out):
-            old_away = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".old", dir=parent)
-            os.rename(out, os.path.join(old_away, "d"))
-        os.rename(tmp, out)
+        replace_directory(tmp, out, fsync=fsync)
         tmp = ""
-        if fsync:
-            fsync_dir(out)
     except OSError as e:
-        if old_away and not os.path.lexists(out):
-            os.rename(os.path.join(old_away, "d"), out)
         raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        if old_away:
-            shutil.rmtree(old_away, ignore_errors=True)
     return linked, copied
 
 

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ckptfix.atomic import fsync_dir
+from ckptfix.atomic import fsync_dir, replace_directory
 from ckptfix.errors import (
     CkptfixError,
     NoTensorsError,
@@ -381,7 +381,6 @@ def convert_to_dcp(
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
         raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
-    old_away = None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
@@ -399,16 +398,9 @@ def convert_to_dcp(
             report.verified = True
         if fsync:
             fsync_dir(os.path.join(tmp, ".metadata"))
-        if os.path.lexists(out):
-            old_away = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".old", dir=parent)
-            os.rename(out, os.path.join(old_away, "d"))
-        os.rename(tmp, out)
+        replace_directory(tmp, out, fsync=fsync)
         tmp = ""
-        if fsync:
-            fsync_dir(out)
     except OSError as e:
-        if old_away and not os.path.lexists(out):
-            os.rename(os.path.join(old_away, "d"), out)
         raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
     finally:
         del sd, tensors
@@ -419,8 +411,6 @@ def convert_to_dcp(
                 pass
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-        if old_away:
-            shutil.rmtree(old_away, ignore_errors=True)
     report.tensors = n_entries
     report.bytes = total
     report.seconds = time.perf_counter() - t0
