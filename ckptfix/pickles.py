@@ -31,7 +31,7 @@ import copyreg
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, ClassVar, ItemsView, Iterable, Iterator, KeysView, ValuesView
+from typing import Any, BinaryIO, Callable, ClassVar, ItemsView, Iterable, Iterator, KeysView, Sequence, ValuesView
 
 from ckptfix.policy import (  # noqa: F401 - classify_global, DTYPE_GLOBALS: also imported from here
     DTYPE_GLOBALS,
@@ -151,6 +151,27 @@ class StorageRecord:
     _legacy: bool = False
 
 
+def is_c_contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether ``stride`` is that of a C-contiguous tensor of ``shape`` (as ``Tensor.is_contiguous``).
+
+    Args:
+        shape: the sizes.
+        stride: the strides, in elements.
+
+    Returns:
+        True when contiguous (size-1 dimensions may have any stride).
+
+    >>> is_c_contiguous((2, 3), (3, 1)), is_c_contiguous((2, 3), (1, 2)), is_c_contiguous((1, 4), (99, 1))
+    (True, False, True)
+    """
+    expected = 1
+    for size, st in zip(reversed(shape), reversed(stride), strict=False):
+        if size != 1 and st != expected:
+            return False
+        expected *= size
+    return True
+
+
 @dataclass(eq=False)
 class TensorRecord:
     """What a torch rebuild call would build, without building it.
@@ -202,12 +223,7 @@ class TensorRecord:
         Returns:
             True when contiguous (size-1 dimensions may have any stride).
         """
-        expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
-            if size != 1 and st != expected:
-                return False
-            expected *= size
-        return True
+        return is_c_contiguous(self.shape, self.stride)
 
     def covers_storage(self) -> bool:
         """Whether this tensor is exactly its whole storage, contiguous, from offset 0.

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from ckptfix.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
-from ckptfix.pickles import RecordingUnpickler, TensorRecord
+from ckptfix.formats.zipfmt import ZIP_ERRORS
+from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
 #: a tensor chunk's ``data.pkl`` is a few hundred bytes; anything this large is not one
 MAX_TENSOR_PKL = 1 << 20
@@ -28,19 +29,6 @@ MAX_TENSOR_PKL = 1 << 20
 MAX_OBJECT_PKL = int(os.environ.get("CKPTFIX_DCP_MAX_OBJECT", str(64 << 20)))
 #: a non-contiguous (transposed) chunk is gathered from memory up to this many bytes of span
 MAX_GATHER_SPAN = int(os.environ.get("CKPTFIX_DCP_MAX_GATHER", str(256 << 20)))
-
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    OSError,
-    ValueError,
-    struct.error,
-    EOFError,
-    NotImplementedError,
-    KeyError,
-    IndexError,
-    OverflowError,
-    UnicodeDecodeError,
-)
 
 
 class FileWindow(io.RawIOBase):
@@ -160,12 +148,7 @@ class ChunkData:
         Returns:
             True when they are (size-1 dimensions ignored).
         """
-        expected = 1
-        for size, st in zip(reversed(self.shape), reversed(self.stride), strict=False):
-            if size != 1 and st != expected:
-                return False
-            expected *= size
-        return True
+        return is_c_contiguous(self.shape, self.stride)
 
 
 def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.ZipFile, FileWindow, bytes, str]:
@@ -190,7 +173,7 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
         data = zf.read(pkl)
     except (CorruptCheckpointError, ResourceLimitError):
         raise
-    except _ZIP_ERRORS as e:
+    except ZIP_ERRORS as e:
         head = os.pread(fd, 9, 0)
         if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
             raise UnsupportedError(
