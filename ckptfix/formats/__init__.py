@@ -19,7 +19,7 @@ Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` 
                   ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
 
 The shared types live in :mod:`ckptfix.formats.base`, state dict discovery in
-:mod:`ckptfix.formats.statedict`, each container in its own module; this package re-exports them
+:mod:`ckptfix.statedict`, each container in its own module; this package re-exports them
 and dispatches on the format.
 """
 
@@ -50,8 +50,8 @@ from ckptfix.formats.base import (
     max_json_bytes,
     tar_message,
 )
-from ckptfix.formats.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
+from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
 
 __all__ = [
     "DEFAULT_MAX_JSON_MB",

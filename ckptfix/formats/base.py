@@ -12,8 +12,8 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, Union
 
 from ckptfix.errors import ResourceLimitError
-from ckptfix.formats.statedict import find_state_dict
 from ckptfix.pickles import StorageRecord
+from ckptfix.statedict import find_state_dict
 
 if TYPE_CHECKING:
     from ckptfix.dcp.meta import DcpMetadata
