@@ -94,13 +94,13 @@ def _describe(v: Any) -> str:
         from ckptfix.sanitize import NUMPY_TO_TORCH, _dtype_code, normalise_global
 
         name = normalise_global(global_name(type(v)))
-        st = v._state
+        st = v.state
         if name.endswith("multiarray._reconstruct") and isinstance(st, tuple) and len(st) == 5:
             code = _dtype_code(st[2]) or "?"
             shape = list(st[1]) if isinstance(st[1], tuple) else "?"
             return f"numpy.ndarray {NUMPY_TO_TORCH.get(code, code)} {shape} (placeholder)"
-        if name.endswith("multiarray.scalar") and v._args:
-            code = _dtype_code(v._args[0]) or "?"
+        if name.endswith("multiarray.scalar") and v.args:
+            code = _dtype_code(v.args[0]) or "?"
             return f"numpy scalar {NUMPY_TO_TORCH.get(code, code)} (placeholder)"
         return f"object {name} (placeholder)"
     if isinstance(v, dict):
@@ -208,9 +208,9 @@ def _non_tensor_entries(cf: CheckpointFile, key_path: tuple[str, ...] | None, sd
     obj = cf.state_root
     non_tensor: dict[str, str] = {}
     if key_path is None:  # no tensors at all: the entries themselves
-        top = obj._state if isinstance(obj, Stub) and isinstance(obj._state, dict) else obj
-        if isinstance(top, Stub) and top._dictitems:
-            top = top._dictitems
+        top = obj.state if isinstance(obj, Stub) and isinstance(obj.state, dict) else obj
+        if isinstance(top, Stub) and top.dictitems:
+            top = top.dictitems
         if isinstance(top, dict):
             for k, v in top.items():
                 non_tensor[str(k)] = _describe(v)

@@ -521,8 +521,8 @@ def stub_dtype(cls: Any) -> str | None:
     Returns:
         The canonical dtype name (``"float32"`` for ``torch.float``), or None when ``cls`` is not a dtype global.
     """
-    if isinstance(cls, type) and issubclass(cls, Stub) and cls._ckpt_module == "torch":
-        return DTYPE_GLOBALS.get(cls._ckpt_name)
+    if isinstance(cls, type) and issubclass(cls, Stub) and global_pair(cls)[0] == "torch":
+        return DTYPE_GLOBALS.get(global_pair(cls)[1])
     return None
 
 

@@ -184,10 +184,10 @@ def iter_tensors(obj: Any, path: str = "", depth: int = 8, seen: set[int] | None
         for i, v in enumerate(obj):
             yield from iter_tensors(v, f"{path}.{i}" if path else str(i), depth - 1, seen)
     elif isinstance(obj, Stub):
-        if obj._state is not None:
-            yield from iter_tensors(obj._state, path, depth - 1, seen)
-        if obj._args:
-            yield from iter_tensors(list(obj._args), path, depth - 1, seen)
+        if obj.state is not None:
+            yield from iter_tensors(obj.state, path, depth - 1, seen)
+        if obj.args:
+            yield from iter_tensors(list(obj.args), path, depth - 1, seen)
 
 
 __all__ = [

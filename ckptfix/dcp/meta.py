@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.pickles import DTYPE_GLOBALS, ELEMENT_SIZE, RecordingUnpickler, Stub, dumps, stub_class
+from ckptfix.pickles import ELEMENT_SIZE, RecordingUnpickler, Stub, dumps, stub_class, stub_dtype
 from ckptfix.policy import DCP_METADATA_GLOBALS
 
 METADATA_NAME = ".metadata"
@@ -222,7 +222,7 @@ class MetadataUnpickler(RecordingUnpickler):
 
 
 def _name(x: Any) -> str | None:
-    return f"{type(x)._ckpt_module}.{type(x)._ckpt_name}" if isinstance(x, Stub) else None
+    return x.full_name if isinstance(x, Stub) else None
 
 
 def _state(x: Any, what: str, where: str) -> dict:
@@ -230,7 +230,7 @@ def _state(x: Any, what: str, where: str) -> dict:
         raise CorruptCheckpointError(
             f"{where}: expected a {what.rsplit('.', 1)[-1]}, found {_name(x) or type(x).__name__}; not DCP metadata"
         )
-    st = x._state
+    st = x.state
     if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):  # (dict, slots)
         merged = dict(st[0] or {})
         merged.update(st[1])
@@ -250,7 +250,7 @@ def _int(v: Any, where: str) -> int:
 
 def _size(x: Any, where: str) -> tuple[int, ...]:
     if _name(x) == "torch.Size":
-        args = x._args
+        args = x.args
         x = args[0] if args else ()
     if not isinstance(x, (tuple, list)) or len(x) > 64:
         raise CorruptCheckpointError(f"{where}: expected a torch.Size, found {type(x).__name__}")
@@ -267,7 +267,7 @@ def _dtype(props: Any, where: str) -> str:
     name = _name(props)
     if name not in (_MD + "TensorProperties", "torch.distributed._shard.sharded_tensor.metadata.TensorProperties"):
         raise CorruptCheckpointError(f"{where}: tensor properties missing; not DCP metadata")
-    st = props._state
+    st = props.state
     if isinstance(st, tuple) and st:  # torch >= 2.0: (dtype, layout, requires_grad, memory format, pin_memory)
         dt, layout = st[0], st[1] if len(st) > 1 else None
     elif isinstance(st, dict):
@@ -279,11 +279,9 @@ def _dtype(props: Any, where: str) -> str:
         raise UnsupportedError(
             f"{where}: layout {largs[0] if largs else '?'} (only dense, strided tensors are supported)"
         )
-    if not (
-        isinstance(dt, type) and issubclass(dt, Stub) and dt._ckpt_module == "torch" and dt._ckpt_name in DTYPE_GLOBALS
-    ):
+    dtype = stub_dtype(dt)
+    if dtype is None:
         raise CorruptCheckpointError(f"{where}: no dtype recorded; not DCP metadata")
-    dtype = DTYPE_GLOBALS[dt._ckpt_name]
     if dtype not in ELEMENT_SIZE:
         raise UnsupportedError(f"{where}: dtype {dtype} is not supported")
     return dtype
@@ -641,10 +639,7 @@ def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
     for idx, info in st["storage_data"].items():
         ist = dict(_state(idx, _MD + "MetadataIndex", "metadata"))
         ist["fqn"] = fqn_map[ist["fqn"]][0]
-        nidx = type(idx).__new__(type(idx), *idx._args)
-        object.__setattr__(nidx, "_via_newobj", idx._via_newobj)
-        object.__setattr__(nidx, "_state", ist if not isinstance(idx._state, tuple) else (ist, {}))
-        new_storage[nidx] = info
+        new_storage[idx.with_state(ist if not isinstance(idx.state, tuple) else (ist, {}))] = info
     st["state_dict_metadata"] = new_sdm
     st["storage_data"] = new_storage
     if isinstance(st.get("planner_data"), dict):
@@ -654,10 +649,7 @@ def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
                 old = st["planner_data"][fqn]
                 new_planner[nf] = type(old)(npath) if isinstance(old, (tuple, list)) else old
         st["planner_data"] = new_planner
-    new_root = type(root).__new__(type(root), *root._args)
-    object.__setattr__(new_root, "_via_newobj", root._via_newobj)
-    object.__setattr__(new_root, "_state", st)
-    return new_root
+    return root.with_state(st)
 
 
 def dumps_metadata(tree: Any) -> bytes:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
-from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord
+from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
@@ -481,15 +481,15 @@ def torchscript_state_dict(obj: Any, code_files: dict[str, str], root: str) -> d
         if not isinstance(node, Stub):
             return
         cls = type(node)
-        qual = f"{cls._ckpt_module}.{cls._ckpt_name}"
-        state = node._state if isinstance(node._state, dict) else {}
+        qual = global_name(cls)
+        state = node.state if isinstance(node.state, dict) else {}
         params, bufs = table.get(qual, ([], []))
         for attr in list(params) + list(bufs):
             v = state.get(attr)
             if isinstance(v, TensorRecord):
                 out[prefix + attr] = v
         for attr, v in state.items():
-            if isinstance(v, Stub) and type(v)._ckpt_module.startswith("__torch__"):
+            if isinstance(v, Stub) and v.module.startswith("__torch__"):
                 visit(v, f"{prefix}{attr}.")
 
     visit(obj, "")
