@@ -129,8 +129,22 @@ def _follow_key(obj: Any, key: str) -> tuple[tuple[str, ...], Mapping[str, Any]]
         top = list(obj.keys())[:12] if _is_mapping(obj) else []
         raise KeyConflictError(f"key {key!r} not found in the checkpoint; top-level keys: {top}")
     if not _is_mapping(node):
-        raise KeyConflictError(f"key {key!r} holds a {type(node).__name__}, not a state dict")
+        parent = "/".join(walked[:-1])
+        hint = f"; try --key {parent!r}" if parent else "; leave --key out to find the state dict automatically"
+        raise KeyConflictError(f"key {key!r} holds {_describe(node)}, not a state dict{hint}")
     return walked, node
+
+
+def _describe(node: Any) -> str:
+    """What a non-mapping value is, in a user's words (a tensor, a list of 3 items, an int ...)."""
+    if is_tensor_like(node):
+        shape = getattr(node, "shape", None)
+        return f"a tensor (shape {list(shape)})" if shape is not None else "a tensor"
+    if isinstance(node, Stub):
+        return f"an object of class {node.full_name}"
+    if isinstance(node, (list, tuple)):
+        return f"a {type(node).__name__} of {len(node)} items"
+    return f"a value of type {type(node).__name__}"
 
 
 def _preferred(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:

@@ -656,3 +656,17 @@ def test_lying_safetensors_header_is_refused_everywhere(tmp_path, name):
         assert_one_line_error(run_cli(*cmd), 4)
     assert sha256(p) == h
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+def test_key_pointing_at_a_tensor_names_it_in_user_terms(tmp_path):
+    """``--key`` that names a tensor says so (with its shape) and suggests the enclosing key."""
+    from ckptfix.errors import KeyConflictError
+    from ckptfix.formats import read_checkpoint
+
+    p = tmp_path / "c.pt"
+    torch.save({"model": {"a": torch.ones(2)}, "w": torch.zeros(3)}, p)
+    cf = read_checkpoint(p)
+    with pytest.raises(KeyConflictError, match=r"holds a tensor \(shape \[2\]\), not a state dict; try --key 'model'"):
+        cf.state_dict("model/a")
+    with pytest.raises(KeyConflictError, match=r"holds a tensor \(shape \[3\]\)"):
+        cf.state_dict("w")
