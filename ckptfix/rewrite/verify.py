@@ -131,9 +131,7 @@ def check_written(
         out = read_checkpoint(path)
     except CkptfixError as e:
         raise fail(f"does not read back ({e})") from None
-    if out.format == Format.SAFETENSORS:
-        if len(out.obj) != sum(1 for _ in source.obj):
-            pass  # aliases stored once may differ in count; the header was written from the source's records
+    if out.format == Format.SAFETENSORS:  # its header was written from the source's records and read back above
         return set()
     with zipfile.ZipFile(path) as zf:
         pkl = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
