@@ -836,48 +836,8 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
     ckpt_keys = list(state_dict.keys())
     ckpt_shapes = {k: _shape_of(v) for k, v in state_dict.items()} if target_shapes is not None else {}
 
-    scored: list[tuple[int, str, str, bool, int]] = []  # (matched, strip, add, remove_inner, carrying)
-    variants = [False]
-    if any(_remove_inner(k)[1] for k in ckpt_keys):
-        variants.append(True)
-    target_prefixes = _candidate_prefixes(target_keys)
-    target_rests = {b: {t[len(b) :] for t in target_keys if b == "" or _carries(t, b)} for b in target_prefixes}
-    for remove_inner in variants:
-        base = [_remove_inner(k)[0] for k in ckpt_keys] if remove_inner else ckpt_keys
-        for a in _candidate_prefixes(base):
-            rests = {k[len(a) :] for k in base if a == "" or _carries(k, a)}
-            others_matched = sum(1 for k in base if a and not _carries(k, a) and k in target_set)
-            for b in target_prefixes:
-                if a and a == b:
-                    continue
-                matched = len(rests & target_rests[b]) + others_matched
-                scored.append((matched, a, b, remove_inner, len(rests)))
-
-    # best first; among equals the simplest first (fewer prefix segments, no inner removal, shorter)
-    scored.sort(key=lambda s: (-s[0], s[1].count(".") + s[2].count("."), s[3], len(s[1]) + len(s[2]), s[1], s[2]))
-
-    groups: dict[tuple[tuple[str, str], ...], tuple[AlignmentCandidate, KeyFn]] = {}
-    best: tuple[int, int, int] | None = None
-    for matched, a, b, remove_inner, carrying in scored:
-        if best is not None and matched < best[0]:
-            break
-        if matched == 0:
-            break
-        fn = _make_fn(a, b, remove_inner)
-        new_keys = [fn(k) for k in ckpt_keys]
-        if len(set(new_keys)) != len(new_keys):
-            continue  # this renaming would collide: not a candidate
-        pairs = tuple((old, new) for old, new in zip(ckpt_keys, new_keys, strict=False) if new in target_set)
-        mismatches = _count_mismatches(pairs, ckpt_shapes, target_shapes)
-        score = (len(pairs), -mismatches, carrying)
-        if best is None or score > best:
-            best, groups = score, {}
-        if score < best:
-            continue
-        if pairs not in groups:
-            desc = _describe(a, b, remove_inner, carrying, len(ckpt_keys))
-            groups[pairs] = (AlignmentCandidate(desc, a, b, remove_inner, len(pairs), mismatches), fn)
-
+    scored = _scored_renamings(ckpt_keys, target_keys, target_set)
+    groups = _best_renamings(scored, ckpt_keys, target_set, ckpt_shapes, target_shapes)
     candidates = tuple(c for c, _ in groups.values())
     ambiguous = len(groups) > 1
     applied = False
@@ -895,13 +855,7 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
     result_keys = list(result.keys())
     result_set = set(result_keys)
     matched_keys = tuple(k for k in target_keys if k in result_set)
-    shape_mismatches: list[ShapeMismatch] = []
-    if target_shapes is not None:
-        result_shapes = {k: _shape_of(v) for k, v in result.items()}
-        for key in matched_keys:
-            mine, theirs = result_shapes[key], target_shapes[key]
-            if mine is not None and theirs is not None and mine != theirs:
-                shape_mismatches.append(ShapeMismatch(key, mine, theirs))
+    shape_mismatches = _shape_mismatches(result, matched_keys, target_shapes)
     report = AlignmentReport(
         rename=rename,
         applied=applied,
@@ -914,6 +868,78 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
         shapes_compared=target_shapes is not None,
     )
     return result, report
+
+
+_Scored = tuple[int, str, str, bool, int]  # (matched, strip, add, remove_inner, carrying)
+_Groups = dict[tuple[tuple[str, str], ...], tuple["AlignmentCandidate", KeyFn]]
+
+
+def _scored_renamings(ckpt_keys: list[Any], target_keys: list[str], target_set: set[str]) -> list[_Scored]:
+    """Every (strip, add, remove-inner) renaming with the number of target keys it would match, best first."""
+    scored: list[_Scored] = []
+    variants = [False]
+    if any(_remove_inner(k)[1] for k in ckpt_keys):
+        variants.append(True)
+    target_prefixes = _candidate_prefixes(target_keys)
+    target_rests = {b: {t[len(b) :] for t in target_keys if b == "" or _carries(t, b)} for b in target_prefixes}
+    for remove_inner in variants:
+        base = [_remove_inner(k)[0] for k in ckpt_keys] if remove_inner else ckpt_keys
+        for a in _candidate_prefixes(base):
+            rests = {k[len(a) :] for k in base if a == "" or _carries(k, a)}
+            others_matched = sum(1 for k in base if a and not _carries(k, a) and k in target_set)
+            for b in target_prefixes:
+                if a and a == b:
+                    continue
+                matched = len(rests & target_rests[b]) + others_matched
+                scored.append((matched, a, b, remove_inner, len(rests)))
+    # best first; among equals the simplest first (fewer prefix segments, no inner removal, shorter)
+    scored.sort(key=lambda s: (-s[0], s[1].count(".") + s[2].count("."), s[3], len(s[1]) + len(s[2]), s[1], s[2]))
+    return scored
+
+
+def _best_renamings(
+    scored: list[_Scored],
+    ckpt_keys: list[Any],
+    target_set: set[str],
+    ckpt_shapes: dict[Any, Any],
+    target_shapes: dict[str, Any] | None,
+) -> _Groups:
+    """The best-scoring renamings that do not collide, one per distinct pairing of checkpoint and target keys."""
+    groups: _Groups = {}
+    best: tuple[int, int, int] | None = None
+    for matched, a, b, remove_inner, carrying in scored:
+        if (best is not None and matched < best[0]) or matched == 0:
+            break
+        fn = _make_fn(a, b, remove_inner)
+        new_keys = [fn(k) for k in ckpt_keys]
+        if len(set(new_keys)) != len(new_keys):
+            continue  # this renaming would collide: not a candidate
+        pairs = tuple((old, new) for old, new in zip(ckpt_keys, new_keys, strict=False) if new in target_set)
+        mismatches = _count_mismatches(pairs, ckpt_shapes, target_shapes)
+        score = (len(pairs), -mismatches, carrying)
+        if best is None or score > best:
+            best, groups = score, {}
+        if score < best:
+            continue
+        if pairs not in groups:
+            desc = _describe(a, b, remove_inner, carrying, len(ckpt_keys))
+            groups[pairs] = (AlignmentCandidate(desc, a, b, remove_inner, len(pairs), mismatches), fn)
+    return groups
+
+
+def _shape_mismatches(
+    result: Mapping[str, Any], matched_keys: tuple[str, ...], target_shapes: dict[str, Any] | None
+) -> list["ShapeMismatch"]:
+    """The matched keys whose shapes differ from the target's (none when the target has no shapes)."""
+    out: list[ShapeMismatch] = []
+    if target_shapes is None:
+        return out
+    result_shapes = {k: _shape_of(v) for k, v in result.items()}
+    for key in matched_keys:
+        mine, theirs = result_shapes[key], target_shapes[key]
+        if mine is not None and theirs is not None and mine != theirs:
+            out.append(ShapeMismatch(key, mine, theirs))
+    return out
 
 
 def _count_mismatches(
