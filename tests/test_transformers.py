@@ -154,3 +154,26 @@ def test_the_name_alphabetical_order_keeps_breaks_automodel(tmp_path):
     os.remove(src)
     base = transformers.AutoModel.from_pretrained(folder, use_safetensors=True)
     assert not torch.equal(_outputs(base, ids), _outputs(_base_of(model), ids))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_dcp_checkpoint_of_an_hf_model_converts_to_a_folder_transformers_loads(built, tmp_path, shards):
+    """A DCP save of a transformers model (as FSDP ranks would write it), consolidated by ckptfix without
+    torch into model.safetensors, loads with ``from_pretrained`` and gives bit-identical outputs."""
+    from ckptfix.convert import convert
+
+    name, model, embed, head, ids = built
+    folder = tmp_path / name
+    src = _save_hf_bin(model, folder)
+    st = folder / "start.safetensors"
+    convert(src, st)
+    run = tmp_path / "run.dcp"
+    convert(st, run, shards=shards)  # written through torch's own DCP writer, as `shards` ranks would
+    os.remove(src)
+    os.remove(st)
+    rep = convert(run, folder / "model.safetensors")
+    assert rep.verified and rep.outputs == [str(folder / "model.safetensors")]
+    loaded = type(model).from_pretrained(folder, use_safetensors=True)
+    assert torch.equal(_outputs(loaded, ids), _outputs(model, ids))
+    base = transformers.AutoModel.from_pretrained(folder, use_safetensors=True)
+    assert torch.equal(_outputs(base, ids), _outputs(_base_of(model), ids))
