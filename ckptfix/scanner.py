@@ -391,6 +391,23 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         unresolved(UNRESOLVED_MEMO)
         raise _Malformed(f"memo value not found at index {idx}")
 
+    def push_tuple(items: list) -> None:
+        """Push the abstract tuple of ``items``, one level deeper than its deepest item (limit checked)."""
+        nonlocal max_idepth
+        d = 0
+        for v in items:
+            if type(v) is _Abs and v.depth > d:
+                d = v.depth
+        d += 1
+        if d > max_idepth:
+            max_idepth = d
+            if d > limits.max_depth and not res.limit_error:
+                res.limit_error = (
+                    f"the pickle nests tuples more than {limits.max_depth} deep; set "
+                    "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
+                )
+        push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
+
     def push_str(s: str) -> None:
         push(s if len(s) <= MAX_NAME_CHARS else LONGSTR)
 
@@ -452,19 +469,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 est += 8
             elif op == 0x74:  # TUPLE
                 items = pop_mark()
-                d = 0
-                for v in items:
-                    if type(v) is _Abs and v.depth > d:
-                        d = v.depth
-                d += 1
-                if d > max_idepth:
-                    max_idepth = d
-                    if d > limits.max_depth and not res.limit_error:
-                        res.limit_error = (
-                            f"the pickle nests tuples more than {limits.max_depth} deep; set "
-                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
-                        )
-                push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
+                push_tuple(items)
                 est += 48 + 8 * len(items)
             elif op == 0x52:  # REDUCE
                 if len(stack) - 2 < fence:
@@ -509,19 +514,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     raise _Malformed(_UNDERFLOW)
                 items = stack[-k:]
                 del stack[-k:]
-                d = 0
-                for v in items:
-                    if type(v) is _Abs and v.depth > d:
-                        d = v.depth
-                d += 1
-                if d > max_idepth:
-                    max_idepth = d
-                    if d > limits.max_depth and not res.limit_error:
-                        res.limit_error = (
-                            f"the pickle nests tuples more than {limits.max_depth} deep; set "
-                            "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
-                        )
-                push(_TUPLES[0] if d == 1 else _nested(_TUPLES, "tuple", min(d, limits.max_depth + 1)))
+                push_tuple(items)
                 est += 48 + 8 * k
             elif op == 0x51:  # BINPERSID
                 if len(stack) <= fence:
