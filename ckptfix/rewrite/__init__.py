@@ -103,8 +103,37 @@ def rewrite_checkpoint(
         VerificationError: the written file did not read back (nothing was replaced).
     """
     with reporting(progress, _input_bytes(src)):
-        return _rewrite_checkpoint(
-            src,
+        if sniff(src) == Format.DCP:  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+            from ckptfix.dcp.rewrite import rewrite_dcp
+
+            return rewrite_dcp(
+                src,
+                transform,
+                output=output,
+                in_place=in_place,
+                backup=backup,
+                force=force,
+                key=key,
+                map_location=map_location,
+                fsync=fsync,
+                suffix=suffix,
+            )
+        cf = read_checkpoint(src)
+        if cf.format == Format.SHARDED:
+            return rewrite_sharded(
+                cf,
+                transform,
+                output=output,
+                in_place=in_place,
+                force=force,
+                key=key,
+                map_location=map_location,
+                fsync=bool(fsync),
+                suffix=suffix,
+                jobs=jobs,
+            )
+        return _rewrite_file(
+            cf,
             transform,
             output=output,
             in_place=in_place,
@@ -114,7 +143,6 @@ def rewrite_checkpoint(
             map_location=map_location,
             fsync=fsync,
             suffix=suffix,
-            jobs=jobs,
         )
 
 
@@ -127,63 +155,6 @@ def _input_bytes(src: str) -> int:
         return os.path.getsize(src)
     except OSError:
         return 0
-
-
-def _rewrite_checkpoint(
-    src: str,
-    transform: Transform,
-    *,
-    output: str | None,
-    in_place: bool,
-    backup: bool,
-    force: bool,
-    key: str | None,
-    map_location: str | None,
-    fsync: bool | None,
-    suffix: str,
-    jobs: int = 1,
-) -> RewriteReport:
-    if sniff(src) == Format.DCP:  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
-        from ckptfix.dcp.rewrite import rewrite_dcp
-
-        return rewrite_dcp(
-            src,
-            transform,
-            output=output,
-            in_place=in_place,
-            backup=backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            fsync=fsync,
-            suffix=suffix,
-        )
-    cf = read_checkpoint(src)
-    if cf.format == Format.SHARDED:
-        return rewrite_sharded(
-            cf,
-            transform,
-            output=output,
-            in_place=in_place,
-            force=force,
-            key=key,
-            map_location=map_location,
-            fsync=bool(fsync),
-            suffix=suffix,
-            jobs=jobs,
-        )
-    return _rewrite_file(
-        cf,
-        transform,
-        output=output,
-        in_place=in_place,
-        backup=backup,
-        force=force,
-        key=key,
-        map_location=map_location,
-        fsync=fsync,
-        suffix=suffix,
-    )
 
 
 def _rewrite_file(
