@@ -136,6 +136,17 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str, job
         [sys.executable, make, src, str(size), str(ranks)], check=True, env=child_env(), stderr=subprocess.DEVNULL
     )
     total = _du(src)
+    # what the rename's cost follows: .metadata entries (tensors, optimizer states, objects), not bytes
+    entries = int(
+        subprocess.run(
+            py("import sys; from ckptfix.dcp.meta import read_metadata; print(len(read_metadata(sys.argv[1]).entries))")
+            + [src],
+            capture_output=True,
+            text=True,
+            env=child_env(),
+            check=True,
+        ).stdout
+    )
     # warm the page cache for every tool alike, through a small buffer: a child's ru_maxrss includes this
     # process's peak RSS (the memory it was forked from), so the benchmark itself must stay small
     buf = bytearray(1 << 20)
@@ -208,6 +219,8 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str, job
         },
         "add_prefix_s": round(res["ckptfix add-prefix"][0], 3),
         "add_prefix_minus_startup_s": round(rename_s, 3),
+        "entries": entries,
+        "add_prefix_ms_per_entry": round(rename_s * 1000 / max(1, entries), 3),
         "startup_s": round(res["ckptfix noop"][0], 3),
         "load_peak_over_state_dict": round((load_peak - base_kib) * 1024 / max(1, sd_bytes), 3),
         "state_dict_bytes": sd_bytes,
@@ -260,8 +273,8 @@ def main() -> None:
                     if n != "1"
                 )
                 + f" | identical {r.get('byte_identical_to_reference')} | add-prefix {r['add_prefix_s']:.2f}s "
-                f"({r['add_prefix_minus_startup_s']:+.3f}s over startup) | load_checkpoint peak "
-                f"{r['load_peak_over_state_dict']:.2f}x checkpoint",
+                f"({r['add_prefix_minus_startup_s']:+.3f}s over startup, {r['entries']} entries) | "
+                f"load_checkpoint peak {r['load_peak_over_state_dict']:.2f}x checkpoint",
                 flush=True,
             )
     if a.json:

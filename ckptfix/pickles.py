@@ -27,11 +27,29 @@ and :func:`~ckptfix.policy.classify_global` says whether each is safe (what
 from __future__ import annotations
 
 import collections
+import contextlib
 import copyreg
+import gc
 import io
+import itertools
+import os
 import pickle
+import sys
+import types
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, ClassVar, ItemsView, Iterable, Iterator, KeysView, Sequence, ValuesView
+from typing import (
+    Any,
+    BinaryIO,
+    Callable,
+    ClassVar,
+    ItemsView,
+    Iterable,
+    Iterator,
+    KeysView,
+    Mapping,
+    Sequence,
+    ValuesView,
+)
 
 from ckptfix.policy import (  # noqa: F401 - classify_global, DTYPE_GLOBALS: also imported from here
     DTYPE_GLOBALS,
@@ -270,6 +288,29 @@ def is_tensor_like(v: Any) -> bool:
 # --------------------------------------------------------------------------- stubs
 
 
+_object_new = object.__new__
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a large acyclic graph is built (restored on exit).
+
+    Unpickling allocates an object per opcode; each allocation counts towards a collection, and
+    each collection walks every object built so far, so a big pickle spends more time collecting
+    than loading.  The graphs built here hold no cycles the collector could free.
+
+    Yields:
+        None.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 class Stub:
     """Base of the inert placeholders that stand for globals the reader does not run.
 
@@ -284,35 +325,45 @@ class Stub:
     # the global this placeholder class stands for (set on each generated subclass)
     _ckpt_module: ClassVar[str] = ""
     _ckpt_name: ClassVar[str] = ""
-    # what the pickle recorded (set in __new__ through object.__setattr__: __setattr__ records BUILD state)
+    # what the pickle recorded, in the instance __dict__ (__setattr__ records BUILD state instead);
+    # the class defaults stand until the pickle sets them: most placeholders have no state, no items
     _args: tuple[Any, ...]
     _kwargs: dict[str, Any]
-    _state: Any
-    _listitems: list[Any]
-    _dictitems: dict[Any, Any]
-    _via_newobj: bool
+    _state: Any = None
+    _listitems: Sequence[Any] = ()
+    _dictitems: Mapping[Any, Any] = types.MappingProxyType({})
+    _via_newobj: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        self = object.__new__(cls)
-        object.__setattr__(self, "_args", args)
-        object.__setattr__(self, "_kwargs", kwargs)
-        object.__setattr__(self, "_state", None)
-        object.__setattr__(self, "_listitems", [])
-        object.__setattr__(self, "_dictitems", {})
-        object.__setattr__(self, "_via_newobj", True)
+        self = _object_new(cls)
+        d = self.__dict__
+        d["_args"] = args
+        d["_kwargs"] = kwargs
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # Only reached through a plain call (REDUCE), never through NEWOBJ.
-        object.__setattr__(self, "_via_newobj", False)
+        self.__dict__["_via_newobj"] = False
 
     def __setstate__(self, state: Any) -> None:
-        object.__setattr__(self, "_state", state)
+        self.__dict__["_state"] = state
 
     def __setattr__(self, name: str, value: Any) -> None:  # BUILD with slot state
         st = self._state if isinstance(self._state, dict) else {}
         st[name] = value
-        object.__setattr__(self, "_state", st)
+        self.__dict__["_state"] = st
+
+    def _items_list(self) -> list[Any]:
+        items = self.__dict__.get("_listitems")
+        if items is None:
+            items = self.__dict__["_listitems"] = []
+        return items
+
+    def _items_dict(self) -> dict[Any, Any]:
+        items = self.__dict__.get("_dictitems")
+        if items is None:
+            items = self.__dict__["_dictitems"] = {}
+        return items
 
     # ---------------------------------------------------------------- what the pickle recorded
 
@@ -347,12 +398,12 @@ class Stub:
         return self._state
 
     @property
-    def listitems(self) -> list[Any]:
+    def listitems(self) -> Sequence[Any]:
         """Items ``APPEND`` / ``APPENDS`` added (a stubbed list subclass's elements)."""
         return self._listitems
 
     @property
-    def dictitems(self) -> dict[Any, Any]:
+    def dictitems(self) -> Mapping[Any, Any]:
         """Items ``SETITEM`` / ``SETITEMS`` added (a stubbed dict subclass's entries)."""
         return self._dictitems
 
@@ -371,10 +422,13 @@ class Stub:
             The new placeholder; this one is unchanged.
         """
         new: Stub = Stub.__new__(type(self), *self._args, **self._kwargs)
-        object.__setattr__(new, "_via_newobj", self._via_newobj)
-        object.__setattr__(new, "_state", state)
-        new._listitems.extend(self._listitems)
-        new._dictitems.update(self._dictitems)
+        d = new.__dict__
+        d["_via_newobj"] = self._via_newobj
+        d["_state"] = state
+        if self._listitems:
+            d["_listitems"] = list(self._listitems)
+        if self._dictitems:
+            d["_dictitems"] = dict(self._dictitems)
         return new
 
     # ---------------------------------------------------------------- container protocol
@@ -385,7 +439,7 @@ class Stub:
         Args:
             item: the item.
         """
-        self._listitems.append(item)
+        self._items_list().append(item)
 
     def extend(self, items: Iterable[Any]) -> None:
         """Record ``APPENDS`` items.
@@ -393,10 +447,10 @@ class Stub:
         Args:
             items: the items.
         """
-        self._listitems.extend(items)
+        self._items_list().extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self._dictitems[key] = value
+        self._items_dict()[key] = value
 
     # read access, so that wrapper dicts built from stubbed dict subclasses can be searched
     def __getitem__(self, key: Any) -> Any:
@@ -807,7 +861,13 @@ class RecordingUnpickler(pickle.Unpickler):
         legacy: the pickle is the object pickle of a legacy (pre-1.6) ``torch.save`` stream.
         storages: storage records already known (shared with the container's other pickles).
         limits: resource limits (default: :meth:`PickleLimits.from_env`).
+        preflight: check the limits (opcodes before, nesting after); False only for bytes this process
+            just wrote from a graph that was read with the checks.
     """
+
+    #: check the object graph's depth after loading (a subclass whose graph is only read through a
+    #: fixed schema, and written back by the C pickler, whose recursion is bounded, may skip it)
+    check_nesting: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -816,6 +876,7 @@ class RecordingUnpickler(pickle.Unpickler):
         legacy: bool = False,
         storages: dict[str, StorageRecord] | None = None,
         limits: PickleLimits | None = None,
+        preflight: bool = True,
     ):
         super().__init__(file, encoding="utf-8")
         self._file = file
@@ -827,6 +888,7 @@ class RecordingUnpickler(pickle.Unpickler):
         self.limits = limits or PickleLimits.from_env()
         self._py2_names: set[tuple[str, str]] = set()
         self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
+        self.preflight = preflight
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
@@ -843,7 +905,7 @@ class RecordingUnpickler(pickle.Unpickler):
             start = f.tell()
         except (AttributeError, OSError, ValueError):
             start = None
-        if start is not None:
+        if start is not None and self.preflight:
             try:
                 r = scan_globals(f, limits=self.limits, strict_limits=True)
             finally:
@@ -852,11 +914,13 @@ class RecordingUnpickler(pickle.Unpickler):
                 raise pickle.UnpicklingError(r.error)
             self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}
         try:
-            obj = super().load()
+            with paused_gc():
+                obj = super().load()
         finally:
             for cls in self._bounded.values():
                 cls._owner = None  # placeholders outlive the unpickler; notes were taken
-        check_depth(obj, self.limits.max_depth)
+        if self.preflight and self.check_nesting:
+            check_depth(obj, self.limits.max_depth)
         return obj
 
     def _note_placeholder(self, cls: type, size: int | None) -> None:
@@ -1066,7 +1130,8 @@ def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpi
         ResourceLimitError: the pickle would exceed a limit.
         pickle.UnpicklingError: the pickle is malformed.
     """
-    f = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    # a buffered reader has peek(): the C unpickler then prefetches instead of calling read() per opcode
+    f = io.BufferedReader(io.BytesIO(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
     up = RecordingUnpickler(f, **kw)
     return up.load(), up
 
@@ -1077,42 +1142,60 @@ def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpi
 _NEWOBJ: Callable[..., Any] = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed
 
 
-class RecordPickler(pickle._Pickler):
-    """Write an object graph of records and placeholders back as a torch-loadable pickle."""
+#: where the pickler finds placeholder globals while it writes (see :class:`RecordPickler`); never imported
+_WRITING = types.ModuleType("ckptfix.pickles.stubs")
+sys.modules.setdefault(_WRITING.__name__, _WRITING)
+_WRITING_NAMES = itertools.count()
 
-    # set and defined by the pure-Python pickler; typeshed's pickle._Pickler does not declare them
-    write: Callable[[bytes], Any]
-    memoize: Callable[[Any], None]
 
-    def persistent_id(self, obj: Any) -> Any:
-        """The pickle hook: a storage record is written as its persistent id.
+class RecordPickler(pickle.Pickler):
+    """Write an object graph of records and placeholders back as a torch-loadable pickle (CPython's C pickler).
 
-        Args:
-            obj: the object about to be pickled.
+    The C pickler writes a global only after finding it by name (it imports the module and
+    compares), and a placeholder's module is never imported.  So while :meth:`dump` runs,
+    each placeholder class (and :func:`~ckptfix.policy.codecs_encode`) is put under a unique
+    random name in an in-memory module, the pickler writes and memoizes that ``GLOBAL`` as
+    usual, and :meth:`finish` replaces each such ``GLOBAL`` (once per class, a byte string
+    nothing else in the stream can contain) by the global it stands for.  Protocols 2 and 3
+    only: protocol 4's frames carry lengths the replacement would change.
+    """
 
-        Returns:
-            :meth:`StorageRecord.pid` for a storage record, else None.
-        """
-        if isinstance(obj, StorageRecord):
-            return obj.pid()
-        return None
+    def __init__(self, file: BinaryIO, protocol: int = 2, *, storages: bool = True) -> None:
+        if protocol not in (2, 3):
+            raise ValueError(f"RecordPickler writes protocol 2 or 3, not {protocol}")
+        super().__init__(file, protocol=protocol)
+        if storages:  # only then: the C pickler calls persistent_id for every object it writes
+            self.persistent_id = self._storage_id  # type: ignore[method-assign]
+        self._nonce = os.urandom(8).hex()
+        #: GLOBAL bytes as written -> GLOBAL bytes as they must read
+        self._globals: dict[bytes, bytes] = {}
+
+    @staticmethod
+    def _storage_id(obj: Any) -> Any:
+        return obj.pid() if isinstance(obj, StorageRecord) else None
+
+    def _placeholder_global(self, module: str, name: str, obj: Any) -> str:
+        if "\n" in module or "\n" in name:
+            raise pickle.PicklingError(f"cannot write the global {module}.{name}: its name holds a newline")
+        alias = f"g{next(_WRITING_NAMES)}_{self._nonce}"
+        setattr(_WRITING, alias, obj)
+        written = pickle.GLOBAL + f"{_WRITING.__name__}\n{alias}\n".encode()
+        self._globals[written] = pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        return alias
 
     def reducer_override(self, obj: Any) -> Any:
         """The pickle hook: a tensor record is written as its rebuild call, a placeholder as what it recorded.
 
         Args:
-            obj: the object about to be pickled.
+            obj: the object about to be pickled (once: the pickler memoizes what it wrote).
 
         Returns:
-            A reduce tuple, or ``NotImplemented`` for anything else (pickled as usual).
+            A reduce tuple, the name under which a placeholder class is found while writing, or
+            ``NotImplemented`` for anything else (pickled as usual).
 
         Raises:
-            pickle.PicklingError: a tensor record without a rebuild call.
+            pickle.PicklingError: a tensor record without a rebuild call, or a global whose name holds a newline.
         """
-        if isinstance(obj, TensorRecord):
-            if obj.reduce_func is None:
-                raise pickle.PicklingError(f"cannot write {obj!r}: it has no rebuild call")
-            return (obj.reduce_func, tuple(obj.reduce_args))
         if isinstance(obj, Stub):
             cls = type(obj)
             listitems = iter(obj._listitems) if obj._listitems else None
@@ -1120,36 +1203,39 @@ class RecordPickler(pickle._Pickler):
             if obj._via_newobj:
                 return (_NEWOBJ, (cls,) + tuple(obj._args), obj._state, listitems, dictitems)
             return (cls, tuple(obj._args), obj._state, listitems, dictitems)
+        if isinstance(obj, type) and issubclass(obj, Stub):
+            return self._placeholder_global(obj._ckpt_module, obj._ckpt_name, obj)
+        if isinstance(obj, TensorRecord):
+            if obj.reduce_func is None:
+                raise pickle.PicklingError(f"cannot write {obj!r}: it has no rebuild call")
+            return (obj.reduce_func, tuple(obj.reduce_args))
+        if obj is codecs_encode:
+            return self._placeholder_global("_codecs", "encode", obj)
         return NotImplemented
 
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        """Write a global: a placeholder class as the global it stands for, never importing anything.
+    def finish(self, data: bytes) -> bytes:
+        """Name the globals :meth:`reducer_override` put aside as what they stand for, and forget them.
 
         Args:
-            obj: the class or function to write.
-            name: its name, when the pickler already knows it.
+            data: what :meth:`dump` wrote.
 
-        Raises:
-            pickle.PicklingError: any other global that does not resolve.
+        Returns:
+            The pickle bytes.
         """
-        if isinstance(obj, type) and issubclass(obj, Stub):
-            mod, nm = obj._ckpt_module, obj._ckpt_name
-            self.write(pickle.GLOBAL + mod.encode("utf-8") + b"\n" + nm.encode("utf-8") + b"\n")
-            self.memoize(obj)
-            return
-        if obj is codecs_encode:
-            self.write(pickle.GLOBAL + b"_codecs\nencode\n")
-            self.memoize(obj)
-            return
-        super().save_global(obj, name)  # type: ignore[misc]  # typeshed's pickle._Pickler omits save_global
+        for written, real in self._globals.items():
+            data = data.replace(written, real, 1)
+            delattr(_WRITING, written.split(b"\n")[1].decode())
+        self._globals.clear()
+        return data
 
 
-def dumps(obj: Any, protocol: int = 2) -> bytes:
+def dumps(obj: Any, protocol: int = 2, *, storages: bool = True) -> bytes:
     """Pickle an object graph that may contain records and placeholders.
 
     Args:
         obj: the object graph (from :func:`loads_records`, possibly edited).
-        protocol: the pickle protocol (torch.save's default is 2).
+        protocol: the pickle protocol, 2 (torch.save's default) or 3.
+        storages: write storage records as persistent ids (torch's ``data.pkl``); False is faster.
 
     Returns:
         The pickle bytes; placeholders are written as the globals they stand for.
@@ -1158,8 +1244,11 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
         UnsupportedError: the graph is nested too deeply to write.
     """
     buf = io.BytesIO()
+    pickler = RecordPickler(buf, protocol=protocol, storages=storages)
+    data = b""
     try:
-        RecordPickler(buf, protocol=protocol).dump(obj)
+        pickler.dump(obj)
+        data = buf.getvalue()
     except RecursionError:
         from ckptfix.errors import UnsupportedError
 
@@ -1168,7 +1257,9 @@ def dumps(obj: Any, protocol: int = 2) -> bytes:
             "levels of lists/dicts); load it with load_anywhere, flatten the nesting and "
             "torch.save it again"
         ) from None
-    return buf.getvalue()
+    finally:
+        data = pickler.finish(data)  # also when dump failed: the names put aside are forgotten
+    return data
 
 
 # --------------------------------------------------------------------------- write-back check

@@ -222,6 +222,10 @@ class _Malformed(Exception):
     pass
 
 
+class _LimitStop(Exception):
+    """A strict scan stops at the first limit crossed (already recorded in ``limit_error``)."""
+
+
 class _Stop(Exception):
     """The scan cannot go on at a point where CPython's unpickler might: the rest is unknown."""
 
@@ -357,11 +361,18 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         raw[(module, name, proto)] += 1
         pairs[(rm, rn)] += 1
         globals_[f"{rm}.{rn}"] += 1
-        if len(pairs) > limits.max_globals and not res.limit_error:
-            res.limit_error = (
+        if len(pairs) > limits.max_globals:
+            limit(
                 f"the pickle names more than {limits.max_globals} distinct globals; set "
                 "CKPTFIX_MAX_PICKLE_GLOBALS=N to allow more"
             )
+
+    def limit(message: str) -> None:
+        """Record the first limit crossed; in strict mode stop there."""
+        if not res.limit_error:
+            res.limit_error = message
+        if strict:
+            raise _LimitStop
 
     def unresolved(what: str) -> None:
         res.unresolved.append(what)
@@ -401,8 +412,8 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         d += 1
         if d > max_idepth:
             max_idepth = d
-            if d > limits.max_depth and not res.limit_error:
-                res.limit_error = (
+            if d > limits.max_depth:
+                limit(
                     f"the pickle nests tuples more than {limits.max_depth} deep; set "
                     "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
                 )
@@ -437,23 +448,36 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                             f"the pickle holds more than {2 * max_bytes >> 20} MiB of values; set "
                             "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it"
                         )
-            if strict and res.limit_error:
-                break
-            if pos >= n:
-                raise _Malformed("pickle data was truncated (no STOP)")
-            op = buf[pos]
+            op = buf[pos]  # past the end: IndexError, reported as truncated below
             pos += 1
-            # ---- in order of frequency in torch pickles
-            if op == 0x72:  # LONG_BINPUT
-                if pos + 4 > n:
-                    raise truncated()
-                memo_put(_U32(buf, pos)[0])
-                pos += 4
+            # ---- in order of frequency in torch pickles (protocol 2) and DCP .metadata (protocol 4)
+            if op == 0x72 or op == 0x94:  # LONG_BINPUT MEMOIZE (the next free index, as CPython counts)
+                if op == 0x72:
+                    if pos + 4 > n:
+                        raise truncated()
+                    idx = _U32(buf, pos)[0]
+                    pos += 4
+                else:
+                    idx = memo_len
+                if idx == memo_len == len(memo) and len(stack) > fence:  # the next slot, no holes: append
+                    memo.append(stack[-1])
+                    memo_len += 1
+                    est += 16
+                else:
+                    memo_put(idx)
             elif op == 0x68:  # BINGET
                 if pos >= n:
                     raise truncated()
                 idx = buf[pos]
                 pos += 1
+                v = memo[idx] if idx < len(memo) else EMPTY
+                push(v if v is not EMPTY else memo_get(idx))
+                est += 8
+            elif op == 0x6A:  # LONG_BINGET
+                if pos + 4 > n:
+                    raise truncated()
+                idx = _U32(buf, pos)[0]
+                pos += 4
                 v = memo[idx] if idx < len(memo) else EMPTY
                 push(v if v is not EMPTY else memo_get(idx))
                 est += 8
@@ -467,19 +491,27 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 fence = len(stack)
                 marks.append(fence)
                 est += 8
-            elif op == 0x74:  # TUPLE
-                items = pop_mark()
-                push_tuple(items)
-                est += 48 + 8 * len(items)
+            elif op == 0x29:  # EMPTY_TUPLE
+                push(_TUPLES[0])
+                est += 8
             elif op == 0x52:  # REDUCE
                 if len(stack) - 2 < fence:
                     raise _Malformed(_UNDERFLOW)
                 del stack[-1]
                 stack[-1] = ANY
                 est += 200
-            elif op == 0x29:  # EMPTY_TUPLE
-                push(_TUPLES[0])
-                est += 8
+            elif op == 0x74:  # TUPLE
+                items = pop_mark()
+                push_tuple(items)
+                est += 48 + 8 * len(items)
+            elif op == 0x85 or op == 0x86 or op == 0x87:  # TUPLE1 TUPLE2 TUPLE3
+                k = op - 0x84
+                if len(stack) - k < fence:
+                    raise _Malformed(_UNDERFLOW)
+                items = stack[-k:]
+                del stack[-k:]
+                push_tuple(items)
+                est += 48 + 8 * k
             elif op == 0x58 or op == 0x8C or op == 0x8D:  # BINUNICODE SHORT_BINUNICODE BINUNICODE8
                 if op == 0x58:
                     if pos + 4 > n:
@@ -508,30 +540,34 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     push(LONGSTR)
                 pos += size
                 est += 57 + size
-            elif op == 0x85 or op == 0x86 or op == 0x87:  # TUPLE1 TUPLE2 TUPLE3
-                k = op - 0x84
-                if len(stack) - k < fence:
+            elif op == 0x81:  # NEWOBJ
+                if len(stack) - 2 < fence:
                     raise _Malformed(_UNDERFLOW)
-                items = stack[-k:]
-                del stack[-k:]
-                push_tuple(items)
-                est += 48 + 8 * k
+                del stack[-1]
+                stack[-1] = ANY
+                est += 200
+            elif op == 0x62:  # BUILD
+                if len(stack) - 2 < fence:
+                    raise _Malformed(_UNDERFLOW)
+                del stack[-1]
+            elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS APPENDS ADDITEMS
+                count = drop_mark()
+                if len(stack) <= fence:
+                    raise _Malformed(_UNDERFLOW)
+                if op == 0x75 and count & 1:
+                    raise _Malformed("odd number of items for SETITEMS")
+                est += (50 if op != 0x65 else 8) * count
+            elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
+                push(OBJ)
+                est += 64 if op == 0x7D else 56 if op == 0x5D else 216
+            elif op == 0x4E or op == 0x88 or op == 0x89:  # NONE NEWTRUE NEWFALSE
+                push(OBJ)
+                est += 8
             elif op == 0x51:  # BINPERSID
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
                 stack[-1] = ANY
                 est += 100
-            elif op == 0x4E or op == 0x88 or op == 0x89:  # NONE NEWTRUE NEWFALSE
-                push(OBJ)
-                est += 8
-            elif op == 0x6A:  # LONG_BINGET
-                if pos + 4 > n:
-                    raise truncated()
-                idx = _U32(buf, pos)[0]
-                pos += 4
-                v = memo[idx] if idx < len(memo) else EMPTY
-                push(v if v is not EMPTY else memo_get(idx))
-                est += 8
             elif op == 0x4D:  # BININT2
                 if pos + 2 > n:
                     raise truncated()
@@ -543,16 +579,6 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     raise truncated()
                 memo_put(buf[pos])
                 pos += 1
-            elif op == 0x75 or op == 0x65 or op == 0x90:  # SETITEMS APPENDS ADDITEMS
-                count = drop_mark()
-                if len(stack) <= fence:
-                    raise _Malformed(_UNDERFLOW)
-                if op == 0x75 and count & 1:
-                    raise _Malformed("odd number of items for SETITEMS")
-                est += (50 if op != 0x65 else 8) * count
-            elif op == 0x7D or op == 0x5D or op == 0x8F:  # EMPTY_DICT EMPTY_LIST EMPTY_SET
-                push(OBJ)
-                est += 64 if op == 0x7D else 56 if op == 0x5D else 216
             elif op == 0x4A:  # BININT
                 if pos + 4 > n:
                     raise truncated()
@@ -569,12 +595,6 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     raise _Malformed(_UNDERFLOW)
                 del stack[-1]
                 est += 8
-            elif op == 0x62:  # BUILD
-                if len(stack) - 2 < fence:
-                    raise _Malformed(_UNDERFLOW)
-                del stack[-1]
-            elif op == 0x94:  # MEMOIZE
-                memo_put(memo_len)
             elif op == 0x93:  # STACK_GLOBAL
                 if len(stack) - 2 < fence:
                     raise _Malformed(_UNDERFLOW)
@@ -617,12 +637,6 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                     est += 200
                 push(ANY)
                 est += 8
-            elif op == 0x81:  # NEWOBJ
-                if len(stack) - 2 < fence:
-                    raise _Malformed(_UNDERFLOW)
-                del stack[-1]
-                stack[-1] = ANY
-                est += 200
             elif op == 0x92:  # NEWOBJ_EX
                 if len(stack) - 3 < fence:
                     raise _Malformed(_UNDERFLOW)
@@ -650,12 +664,11 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 if pos + size > n:
                     raise truncated()
                 if size > max_digits_bytes:
-                    if not res.limit_error:
-                        res.limit_error = (
-                            f"the pickle holds an integer of about {size * 2408 // 1000} decimal "
-                            f"digits (over Python's {limits.max_int_digits}-digit limit); not a "
-                            "value a checkpoint holds"
-                        )
+                    limit(
+                        f"the pickle holds an integer of about {size * 2408 // 1000} decimal "
+                        f"digits (over Python's {limits.max_int_digits}-digit limit); not a "
+                        "value a checkpoint holds"
+                    )
                     push(OBJ)
                 else:
                     push(int.from_bytes(buf[pos : pos + size], "little", signed=True) if size else 0)
@@ -710,8 +723,8 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 items = pop_mark()
                 d = 1 + max((_depth(v) for v in items), default=0)
                 max_idepth = max(max_idepth, d)
-                if d > limits.max_depth and not res.limit_error:
-                    res.limit_error = (
+                if d > limits.max_depth:
+                    limit(
                         f"the pickle nests frozensets more than {limits.max_depth} deep; set "
                         "CKPTFIX_MAX_PICKLE_DEPTH=N to allow it"
                     )
@@ -766,10 +779,14 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
             elif op == 0x49:  # INT
                 line = readline()
                 push(_parse_int(line, limits, res) if line not in (b"00", b"01") else OBJ)
+                if strict and res.limit_error:
+                    raise _LimitStop
                 est += 40 + len(line)
             elif op == 0x4C:  # LONG
                 line = readline()
                 push(_parse_int(line[:-1] if line.endswith(b"L") else line, limits, res))
+                if strict and res.limit_error:
+                    raise _LimitStop
                 est += 40 + len(line)
             elif op == 0x46:  # FLOAT
                 readline()  # a bad literal fails in CPython; going on only reports more
@@ -818,7 +835,13 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
     except _Stop as e:
         unresolved(f"<scan stopped at byte {pos - start}: the rest of the pickle is not checked>")
         res.limit_error = res.limit_error or str(e)
-    except (MemoryError, RecursionError, OverflowError, ValueError, IndexError) as e:
+    except _LimitStop:
+        pass
+    except IndexError as e:
+        res.error = f"at byte {pos - start}: " + (
+            "pickle data was truncated (no STOP)" if pos >= n else f"{type(e).__name__}: {e}"
+        )
+    except (MemoryError, RecursionError, OverflowError, ValueError) as e:
         res.error = f"at byte {pos - start}: {type(e).__name__}: {e}"
     res.end = pos - start
     res.est_bytes = est + (pos - start)

@@ -400,6 +400,41 @@ def test_with_state_copies_a_placeholder():
     assert "j" not in obj.dictitems
 
 
+def test_writer_names_placeholder_globals_once_and_forgets_them():
+    """``dumps`` runs CPython's C pickler, which must find a global by importing it; a placeholder's module
+    is never imported, so the writer lends each class a random name while it writes and renames it
+    after: the pickle names the real global once (memoized), and nothing is left behind."""
+    import pickletools
+
+    import ckptfix.pickles as pk
+
+    obj, _ = loads_records(pickle.dumps({"a": _Obj(), "b": [_Obj(), _Obj()]}, protocol=2))
+    data = dumps(obj)
+    assert pk._WRITING.__name__.encode() not in data
+    named = [arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"]
+    assert named.count(f"{__name__} _Obj") == 1
+    back = pickle.loads(data)
+    assert [type(x) for x in [back["a"], *back["b"]]] == [_Obj] * 3 and back["b"][1].lr == 0.5
+    assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
+    with pytest.raises(pickle.PicklingError, match="newline"):  # a failed dump forgets its names too
+        dumps([stub_class("argparse", "Namespace")(), stub_class("m", "a\nb")()])
+    assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
+    with pytest.raises(ValueError, match="protocol 2 or 3"):
+        dumps(obj, protocol=4)
+
+
+def test_placeholders_share_no_item_containers():
+    """Items live in per-instance containers made on first use; the class defaults are read-only."""
+    cls = stub_class("argparse", "Namespace")
+    a, b = cls(), cls()
+    a.append(1)
+    a["k"] = "v"
+    assert a.listitems == [1] and a.dictitems == {"k": "v"}
+    assert list(b.listitems) == [] and dict(b.dictitems) == {} and b.state is None
+    with pytest.raises(TypeError):
+        b.dictitems["x"] = 1  # type: ignore[index]
+
+
 def test_stub_classes_are_one_per_global():
     assert stub_class("argparse", "Namespace") is stub_class("argparse", "Namespace")
     ns = stub_class("argparse", "Namespace")()
@@ -451,3 +486,23 @@ def test_deeply_nested_pickle_is_a_clean_error(tmp_path, payload):
     assert_one_line_error(p, 12)  # ResourceLimitError: refused by the reader, before any recursive walk
     assert "nested more than" in p.stderr and "CKPTFIX_MAX_PICKLE_DEPTH" in p.stderr
     assert sha256(deep) == h and leftovers(tmp_path) == []
+
+
+def test_paused_gc_restores_the_collector_as_it_found_it():
+    import gc
+
+    from ckptfix.pickles import paused_gc
+
+    assert gc.isenabled()
+    with pytest.raises(KeyError):
+        with paused_gc():
+            assert not gc.isenabled()
+            raise KeyError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # it was off: it stays off
+    finally:
+        gc.enable()

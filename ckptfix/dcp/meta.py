@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.pickles import ELEMENT_SIZE, RecordingUnpickler, Stub, dumps, stub_class, stub_dtype
+from ckptfix.pickles import (
+    ELEMENT_SIZE,
+    RecordingUnpickler,
+    Stub,
+    dumps,
+    global_name,
+    paused_gc,
+    stub_class,
+    stub_dtype,
+)
 from ckptfix.policy import DCP_METADATA_GLOBALS
 
 METADATA_NAME = ".metadata"
@@ -182,10 +191,18 @@ class DcpMetadata:
 
 
 class MetadataUnpickler(RecordingUnpickler):
-    """Restricted reader for ``.metadata``: DCP record classes become placeholders, nothing else is trusted."""
+    """Restricted reader for ``.metadata``: DCP record classes become placeholders, nothing else is trusted.
 
-    def __init__(self, file: Any) -> None:
-        super().__init__(file)
+    The opcode pre-flight runs as for any pickle; the generic depth walk after it does not:
+    the tree is only ever read by :func:`_records` through the fixed DCP schema (whose
+    messages show foreign values by type, never by ``repr``) and written back by the C
+    pickler, whose recursion is bounded (:func:`~ckptfix.pickles.dumps` turns it into an error).
+    """
+
+    check_nesting = False
+
+    def __init__(self, file: Any, *, preflight: bool = True) -> None:
+        super().__init__(file, preflight=preflight)
         self.foreign: collections.Counter[str] = collections.Counter()
 
     def find_class(self, module: str, name: str) -> Any:
@@ -221,8 +238,20 @@ class MetadataUnpickler(RecordingUnpickler):
         raise pickle.UnpicklingError("DCP metadata holds no persistent ids")
 
 
+_NAMES: dict[type, str] = {}  # class -> "module.name" of a placeholder class, "" for any other type
+
+
 def _name(x: Any) -> str | None:
-    return x.full_name if isinstance(x, Stub) else None
+    t = type(x)
+    name = _NAMES.get(t)
+    if name is None:
+        name = _NAMES[t] = global_name(t) if issubclass(t, Stub) else ""
+    return name or None
+
+
+def _show(x: Any) -> str:
+    """A value from the metadata for a message: strings and integers as written, anything else by type."""
+    return repr(x)[:80] if type(x) in (str, int) else f"<{type(x).__name__}>"
 
 
 def _state(x: Any, what: str, where: str) -> dict:
@@ -252,12 +281,14 @@ def _size(x: Any, where: str) -> tuple[int, ...]:
     if _name(x) == "torch.Size":
         args = x.args
         x = args[0] if args else ()
-    if not isinstance(x, (tuple, list)) or len(x) > 64:
+    if type(x) not in (tuple, list) or len(x) > 64:
         raise CorruptCheckpointError(f"{where}: expected a torch.Size, found {type(x).__name__}")
-    out = tuple(_int(v, where) for v in x)
-    if any(v < 0 for v in out):
-        raise CorruptCheckpointError(f"{where}: negative size {list(out)}")
-    return out
+    for v in x:
+        if type(v) is not int:
+            raise CorruptCheckpointError(f"{where}: expected an integer, found {type(v).__name__}")
+        if v < 0:
+            raise CorruptCheckpointError(f"{where}: negative size {list(x)}")
+    return tuple(x)
 
 
 _MD = "torch.distributed.checkpoint.metadata."
@@ -295,7 +326,7 @@ def _location(info: Any, where: str) -> Location:
     check_relative_path(rel, where)
     if st.get("transform_descriptors"):
         raise UnsupportedError(
-            f"{where}: stored with transforms {list(st['transform_descriptors'])[:3]} "
+            f"{where}: stored with transforms {[_show(t) for t in list(st['transform_descriptors'])[:3]]} "
             "(compression or encryption extensions); ckptfix reads plain DCP data only — "
             "load it with torch's dcp.load"
         )
@@ -369,12 +400,14 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
     return metadata_from_bytes(data, path)
 
 
-def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
+def metadata_from_bytes(data: bytes, path: str, *, ours: bool = False) -> DcpMetadata:
     """:func:`read_metadata` on the bytes of a ``.metadata`` file.
 
     Args:
         data: the file's bytes.
         path: the directory, for messages.
+        ours: the bytes were just written by :func:`dumps_metadata` from metadata read with the
+            limits checked, so the opcode pre-flight and nesting check are skipped.
 
     Returns:
         The :class:`DcpMetadata`.
@@ -384,9 +417,11 @@ def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
         UnsafePickleError, UnsupportedError: as :func:`read_metadata`.
     """
     mpath = os.path.join(path, METADATA_NAME)
-    up = MetadataUnpickler(io.BytesIO(data))
+    # a buffered reader has peek(): the C unpickler then prefetches instead of calling read() per opcode
+    up = MetadataUnpickler(io.BufferedReader(io.BytesIO(data)), preflight=not ours)
     try:
-        root = up.load()
+        with paused_gc():
+            root = up.load()
     except (CorruptCheckpointError, UnsafePickleError, UnsupportedError):
         raise
     except Exception as e:  # noqa: BLE001 - any malformed pickle: a typed error, never a traceback
@@ -394,7 +429,8 @@ def metadata_from_bytes(data: bytes, path: str) -> DcpMetadata:
             f"{mpath}: cannot read DCP metadata ({type(e).__name__}: "
             f"{str(e)[:200]}); the file is truncated or not DCP metadata"
         ) from None
-    meta = _records(root, path, mpath)
+    with paused_gc():
+        meta = _records(root, path, mpath)
     meta.globals_seen = dict(up.globals_seen)
     meta.foreign = dict(up.foreign)
     return meta
@@ -435,7 +471,7 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
             ):
                 planner_data[k] = tuple(v)
             else:
-                raise CorruptCheckpointError(f"{mpath}: malformed planner_data entry {str(k)[:80]!r}; not DCP metadata")
+                raise CorruptCheckpointError(f"{mpath}: malformed planner_data entry {_show(k)}; not DCP metadata")
     elif planner is not None:
         raise CorruptCheckpointError(f"{mpath}: malformed planner_data; not DCP metadata")
     storage = st.get("storage_data")
@@ -445,6 +481,8 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
     for idx, info in storage.items():
         ist = _state(idx, _MD + "MetadataIndex", mpath)
         fqn = ist.get("fqn")
+        if type(fqn) is not str:
+            raise CorruptCheckpointError(f"{mpath}: storage entry named {_show(fqn)}, not a string; not DCP metadata")
         where = f"{mpath}: {fqn!r}"
         off = ist.get("offset")
         key = (fqn, None if off is None else _size(off, where))
@@ -661,4 +699,4 @@ def dumps_metadata(tree: Any) -> bytes:
     Returns:
         The pickle bytes (protocol 2, as torch writes them).
     """
-    return dumps(tree, protocol=2)
+    return dumps(tree, protocol=2, storages=False)

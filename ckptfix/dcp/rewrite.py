@@ -32,6 +32,7 @@ from ckptfix.dcp.meta import (
 )
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
+from ckptfix.pickles import paused_gc
 
 
 def _link_or_copy(src: str, dst: str) -> bool:
@@ -58,7 +59,7 @@ def _write_file(path: str, data: bytes, fsync: bool) -> None:
 
 
 def _verify(path: str, data: bytes, old: DcpMetadata, fqn_new: Mapping[str, str]) -> None:
-    new = metadata_from_bytes(data, path)
+    new = metadata_from_bytes(data, path, ours=True)
     if new.foreign or len(new.entries) != len(old.entries):
         raise VerificationError(f"{path}: the rewritten .metadata does not read back with the same entries")
     for fqn, e in old.entries.items():
@@ -78,6 +79,7 @@ def _verify(path: str, data: bytes, old: DcpMetadata, fqn_new: Mapping[str, str]
             )
 
 
+@paused_gc()  # the records and placeholder trees it builds hold no cycles; collections only cost time
 def rewrite_dcp(
     src: str,
     transform: Callable[[Mapping[str, Any]], Any],

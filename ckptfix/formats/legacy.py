@@ -38,7 +38,7 @@ def stream_kind(path: str) -> Format:
     with open(path, "rb") as f:
         head = f.read(_MAGIC_PICKLE_MAX)
     try:
-        first = RecordingUnpickler(io.BytesIO(head), legacy=True).load()
+        first = RecordingUnpickler(io.BufferedReader(io.BytesIO(head)), legacy=True).load()
     except Exception:  # noqa: BLE001 - anything but the magic number is a bare pickle, read and judged later
         return Format.PICKLE
     return Format.TORCH_LEGACY if first == MAGIC_NUMBER and type(first) is int else Format.PICKLE

@@ -354,7 +354,7 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
             for n in names
             if kind == Format.TORCHSCRIPT and n.startswith(root + "code/") and n.endswith(".py")
         }
-    up = RecordingUnpickler(io.BytesIO(data_pkl))
+    up = RecordingUnpickler(io.BufferedReader(io.BytesIO(data_pkl)))  # peek(): the C unpickler prefetches
     try:
         obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
