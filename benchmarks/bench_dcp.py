@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_dcp.py --sizes 0.2GB,1GB,2GB,4GB --repeat 2 --json
     python benchmarks/bench_dcp.py --sizes 4GB --no-reference   # memory curve point without the torch recipe
     python benchmarks/bench_dcp.py --sizes 2GB --jobs 1,2,4     # convert with --jobs N side by side
+    python benchmarks/bench_dcp.py --sizes 6.5MB --layer 67x16 --no-reference   # 3,000 tiny tensors: the rename
 
 For each size a 4-rank sharded DCP checkpoint is written by a gloo process group (each rank
 builds only its own shards with ``DTensor.from_local``: FSDP-style ``Shard(0)`` with uneven rows
@@ -52,8 +53,7 @@ def work(rank, world, out, total, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    hidden = 1024
-    rows = 4099                          # not divisible by the world size: uneven shards
+    rows, hidden = map(int, sys.argv[4].split("x"))   # 4099 rows: not divisible by the world size
     per = rows * hidden * 4 * 2          # weight + its exp_avg, float32
     n = max(1, total // per)
     g = torch.Generator().manual_seed(rank)
@@ -125,7 +125,15 @@ def _rm(*paths: str):
     return go
 
 
-def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str, jobs: tuple[int, ...] = (1,)) -> dict:
+def bench(
+    size: int,
+    repeat: int,
+    ranks: int,
+    reference: bool,
+    workdir: str,
+    jobs: tuple[int, ...] = (1,),
+    layer: str = "4099x1024",
+) -> dict:
     import subprocess
 
     src = os.path.join(workdir, "run.dcp")
@@ -133,7 +141,10 @@ def bench(size: int, repeat: int, ranks: int, reference: bool, workdir: str, job
     with open(make, "w") as f:
         f.write(MAKE)
     subprocess.run(
-        [sys.executable, make, src, str(size), str(ranks)], check=True, env=child_env(), stderr=subprocess.DEVNULL
+        [sys.executable, make, src, str(size), str(ranks), layer],
+        check=True,
+        env=child_env(),
+        stderr=subprocess.DEVNULL,
     )
     total = _du(src)
     # what the rename's cost follows: .metadata entries (tensors, optimizer states, objects), not bytes
@@ -244,6 +255,11 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--no-reference", action="store_true", help="skip dcp_to_torch_save + save_file")
     ap.add_argument("--jobs", default="1,2", help="comma-separated --jobs values to time convert with")
+    ap.add_argument(
+        "--layer",
+        default="4099x1024",
+        help="ROWSxCOLS of each weight; small layers give many tensors per byte (the rename's cost follows them)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     a = ap.parse_args()
@@ -252,7 +268,7 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix="bench_dcp.", dir=a.dir)
         try:
             jobs = tuple(int(j) for j in a.jobs.split(","))
-            rows.append(bench(parse_size(s), a.repeat, a.ranks, not a.no_reference, work, jobs))
+            rows.append(bench(parse_size(s), a.repeat, a.ranks, not a.no_reference, work, jobs, a.layer))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         if not a.json:
