@@ -35,6 +35,7 @@ import itertools
 import os
 import pickle
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import (
@@ -290,6 +291,10 @@ def is_tensor_like(v: Any) -> bool:
 
 _object_new = object.__new__
 
+_GC_LOCK = threading.Lock()
+_gc_pauses = 0  # paused_gc contexts open, in all threads
+_gc_was_enabled = False  # the collector's state when the first of them opened
+
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
@@ -299,16 +304,25 @@ def paused_gc() -> Iterator[None]:
     each collection walks every object built so far, so a big pickle spends more time collecting
     than loading.  The graphs built here hold no cycles the collector could free.
 
+    Pauses may overlap (threads): the first one in reads the collector's state, the last one out
+    restores it.
+
     Yields:
         None.
     """
-    was = gc.isenabled()
-    gc.disable()
+    global _gc_pauses, _gc_was_enabled
+    with _GC_LOCK:
+        if not _gc_pauses:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _GC_LOCK:
+            _gc_pauses -= 1
+            if not _gc_pauses and _gc_was_enabled:
+                gc.enable()
 
 
 class Stub:

@@ -506,3 +506,51 @@ def test_paused_gc_restores_the_collector_as_it_found_it():
         assert not gc.isenabled()  # it was off: it stays off
     finally:
         gc.enable()
+
+
+def test_paused_gc_overlapping_threads_leave_the_collector_on(monkeypatch):
+    """Two threads' pauses overlap; the first ends while the second is between reading and pausing the collector.
+
+    Each pause remembering its own "was it on" would read "off" in the second thread, and pause it
+    again after the first turned it back on: the collector would stay off for the rest of the process.
+    """
+    import threading
+
+    import ckptfix.pickles as pk
+
+    class FakeGc:
+        enabled = True
+
+        def isenabled(self) -> bool:
+            return self.enabled
+
+        def enable(self) -> None:
+            self.enabled = True
+
+        def disable(self) -> None:
+            if threading.current_thread().name == "second":
+                second_pausing.set()
+                first_done.wait(0.5)  # the first thread ends its pause here, unless paused_gc serialises them
+            self.enabled = False
+
+    fake = FakeGc()
+    monkeypatch.setattr(pk, "gc", fake)
+    first_in, second_pausing, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with pk.paused_gc():
+            first_in.set()
+            second_pausing.wait(0.5)
+        first_done.set()
+
+    def second() -> None:
+        first_in.wait(2)
+        with pk.paused_gc():
+            pass
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert fake.enabled
