@@ -1189,12 +1189,22 @@ class RecordPickler(pickle.Pickler):
         return obj.pid() if isinstance(obj, StorageRecord) else None
 
     def _placeholder_global(self, module: str, name: str, obj: Any) -> str:
-        if "\n" in module or "\n" in name:
-            raise pickle.PicklingError(f"cannot write the global {module}.{name}: its name holds a newline")
+        try:
+            if "\n" in module or "\n" in name:
+                raise ValueError("a newline")
+            real = pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        except (ValueError, UnicodeEncodeError):  # a STACK_GLOBAL may name any string; GLOBAL is two UTF-8 lines
+            from ckptfix.errors import UnsupportedError
+
+            raise UnsupportedError(
+                f"the checkpoint names the global {module + '.' + name!r}, which a protocol-2 pickle cannot "
+                "write (a newline or an invalid character in the name); it is no global torch can load: "
+                "load the checkpoint with load_anywhere and save what you need again"
+            ) from None
         alias = f"g{next(_WRITING_NAMES)}_{self._nonce}"
-        setattr(_WRITING, alias, obj)
         written = pickle.GLOBAL + f"{_WRITING.__name__}\n{alias}\n".encode()
-        self._globals[written] = pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        self._globals[written] = real
+        setattr(_WRITING, alias, obj)
         return alias
 
     def reducer_override(self, obj: Any) -> Any:
@@ -1208,7 +1218,8 @@ class RecordPickler(pickle.Pickler):
             ``NotImplemented`` for anything else (pickled as usual).
 
         Raises:
-            pickle.PicklingError: a tensor record without a rebuild call, or a global whose name holds a newline.
+            pickle.PicklingError: a tensor record without a rebuild call.
+            UnsupportedError: a placeholder's global name that a ``GLOBAL`` opcode cannot hold.
         """
         if isinstance(obj, Stub):
             cls = type(obj)
@@ -1255,7 +1266,7 @@ def dumps(obj: Any, protocol: int = 2, *, storages: bool = True) -> bytes:
         The pickle bytes; placeholders are written as the globals they stand for.
 
     Raises:
-        UnsupportedError: the graph is nested too deeply to write.
+        UnsupportedError: the graph is nested too deeply to write, or names a global no ``GLOBAL`` can hold.
     """
     buf = io.BytesIO()
     pickler = RecordPickler(buf, protocol=protocol, storages=storages)

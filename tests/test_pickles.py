@@ -416,7 +416,9 @@ def test_writer_names_placeholder_globals_once_and_forgets_them():
     back = pickle.loads(data)
     assert [type(x) for x in [back["a"], *back["b"]]] == [_Obj] * 3 and back["b"][1].lr == 0.5
     assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
-    with pytest.raises(pickle.PicklingError, match="newline"):  # a failed dump forgets its names too
+    from ckptfix.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="newline"):  # a failed dump forgets its names too
         dumps([stub_class("argparse", "Namespace")(), stub_class("m", "a\nb")()])
     assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
     with pytest.raises(ValueError, match="protocol 2 or 3"):
@@ -554,3 +556,29 @@ def test_paused_gc_overlapping_threads_leave_the_collector_on(monkeypatch):
     for t in threads:
         t.join(5)
     assert fake.enabled
+
+
+@pytest.mark.parametrize("module", ["a\nb", "a\ud800"], ids=["newline", "lone_surrogate"])
+def test_unwritable_global_name_is_a_typed_error_and_nothing_is_left_lent(module):
+    """A STACK_GLOBAL may name any string; protocol 2's GLOBAL holds neither a newline nor a lone surrogate."""
+    import ckptfix.pickles as pk
+    from ckptfix.errors import UnsupportedError
+
+    before = set(vars(pk._WRITING))
+    with pytest.raises(UnsupportedError) as e:
+        pk.dumps({"x": pk.stub_class(module, "n")()})
+    assert "\n" not in str(e.value)
+    assert set(vars(pk._WRITING)) == before
+
+
+@pytest.mark.parametrize("module", [b"a\nb", b"a\xed\xa0\x80"], ids=["newline", "lone_surrogate"])
+def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, module):
+    from helpers import assert_one_line_error, inject_into_data_pkl, leftovers
+
+    src = tmp_path / "good.pt"
+    torch.save({"module.w": torch.ones(3)}, src)
+    bad = tmp_path / "bad.pt"
+    inject_into_data_pkl(src, bad, b"\x8c" + bytes([len(module)]) + module + b"\x8c\x01n\x93")
+    p = run_cli("strip-prefix", bad, "--prefix", "module.", "-o", tmp_path / "out.pt")
+    assert_one_line_error(p, 8)
+    assert not (tmp_path / "out.pt").exists() and leftovers(tmp_path) == []
