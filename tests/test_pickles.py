@@ -571,8 +571,12 @@ def test_unwritable_global_name_is_a_typed_error_and_nothing_is_left_lent(module
     assert set(vars(pk._WRITING)) == before
 
 
-@pytest.mark.parametrize("module", [b"a\nb", b"a\xed\xa0\x80"], ids=["newline", "lone_surrogate"])
-def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, module):
+@pytest.mark.parametrize(
+    "module, code",
+    [(b"a\nb", 8), (b"a\xed\xa0\x80", 4)],  # a lone surrogate: refused by the reader's pre-flight already
+    ids=["newline", "lone_surrogate"],
+)
+def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, module, code):
     from helpers import assert_one_line_error, inject_into_data_pkl, leftovers
 
     src = tmp_path / "good.pt"
@@ -580,5 +584,5 @@ def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, modu
     bad = tmp_path / "bad.pt"
     inject_into_data_pkl(src, bad, b"\x8c" + bytes([len(module)]) + module + b"\x8c\x01n\x93")
     p = run_cli("strip-prefix", bad, "--prefix", "module.", "-o", tmp_path / "out.pt")
-    assert_one_line_error(p, 8)
+    assert_one_line_error(p, code)
     assert not (tmp_path / "out.pt").exists() and leftovers(tmp_path) == []
