@@ -688,3 +688,30 @@ def test_safetensors_serialization_format_is_named(tmp_path, capsys):
         )
     assert main(["convert", str(d), "-o", str(tmp_path / "o.safetensors")]) == 8
     assert "safetensors serialization format" in capsys.readouterr().err
+
+
+_METADATA_NEWOBJ = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81"
+_DEEP_LIST = b"]" * 50_000 + b"a" * 49_999  # a list 50,000 levels deep (the reader does not walk .metadata)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        # an entry named by a foreign object whose state nests deeply: the message must not repr it
+        b"}X\x13\x00\x00\x00state_dict_metadata}cfractions\nFraction\n)\x81" + _DEEP_LIST + b"bNss",
+        # (dict, slots) state whose first half is no dict
+        b"(]K\x01a}X\x13\x00\x00\x00state_dict_metadata}st",
+        b"(K\x01}X\x13\x00\x00\x00state_dict_metadata}st",
+        b"(X\x02\x00\x00\x00ab}X\x13\x00\x00\x00state_dict_metadata}st",
+    ],
+    ids=["deep_foreign_entry_name", "slots_state_list", "slots_state_int", "slots_state_str"],
+)
+def test_malformed_metadata_state_is_a_one_line_error(tmp_path, capsys, state):
+    d = _fresh(tmp_path)
+    (d / ".metadata").write_bytes(_METADATA_NEWOBJ + state + b"b.")
+    for args in (["inspect", str(d)], ["strip-prefix", str(d), "--prefix", "model.", "-o", str(tmp_path / "s.dcp")]):
+        assert main(args) == 4
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and err[0].startswith("Error: ") and "internal error" not in err[0], err
+    with pytest.raises(CorruptCheckpointError):
+        load_anywhere(d)

@@ -260,7 +260,8 @@ def _state(x: Any, what: str, where: str) -> dict:
             f"{where}: expected a {what.rsplit('.', 1)[-1]}, found {_name(x) or type(x).__name__}; not DCP metadata"
         )
     st = x.state
-    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):  # (dict, slots)
+    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict) and isinstance(st[0], (dict, type(None))):
+        # (dict, slots)
         merged = dict(st[0] or {})
         merged.update(st[1])
         return merged
@@ -444,7 +445,7 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in sdm.items():
         if not isinstance(fqn, str):
-            raise CorruptCheckpointError(f"{mpath}: entry name {fqn!r} is not a string")
+            raise CorruptCheckpointError(f"{mpath}: entry name {_show(fqn)} is not a string")
         where = f"{mpath}: {fqn!r}"
         if _name(md) == _MD + "BytesStorageMetadata":
             entries[fqn] = BytesEntry(fqn)
