@@ -25,7 +25,7 @@ import torch
 from ckptfix import load_anywhere
 from ckptfix.cli import main
 from ckptfix.convert import convert
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.loading import load_checkpoint
 
 from helpers import Evil, assert_one_line_error, run_cli
@@ -709,9 +709,24 @@ _DEEP_LIST = b"]" * 50_000 + b"a" * 49_999  # a list 50,000 levels deep (the rea
 def test_malformed_metadata_state_is_a_one_line_error(tmp_path, capsys, state):
     d = _fresh(tmp_path)
     (d / ".metadata").write_bytes(_METADATA_NEWOBJ + state + b"b.")
+    _assert_metadata_refused(d, tmp_path, capsys, 4)
+
+
+def test_foreign_layout_argument_is_shown_by_type(tmp_path, capsys):
+    """A layout recorded as _get_layout(<a list nested 50,000 deep>): the message must not print it."""
+    d = _fresh(tmp_path)
+    data = (d / ".metadata").read_bytes()
+    strided = b"\x8c\rtorch.strided"  # SHORT_BINUNICODE in torch's protocol-4 .metadata
+    assert data[:2] == b"\x80\x04" and data[2:3] == b"\x95" and strided in data
+    data = b"\x80\x04" + data[11:]  # drop the frame: its length no longer holds once spliced
+    (d / ".metadata").write_bytes(data.replace(strided, _DEEP_LIST))
+    _assert_metadata_refused(d, tmp_path, capsys, 8)
+
+
+def _assert_metadata_refused(d: Path, tmp_path: Path, capsys: Any, code: int) -> None:
     for args in (["inspect", str(d)], ["strip-prefix", str(d), "--prefix", "model.", "-o", str(tmp_path / "s.dcp")]):
-        assert main(args) == 4
+        assert main(args) == code
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
         assert len(err) == 1 and err[0].startswith("Error: ") and "internal error" not in err[0], err
-    with pytest.raises(CorruptCheckpointError):
+    with pytest.raises((CorruptCheckpointError, UnsupportedError)):
         load_anywhere(d)

@@ -309,7 +309,7 @@ def _dtype(props: Any, where: str) -> str:
     largs = getattr(layout, "_args", None)
     if _name(layout) == "torch.serialization._get_layout" and largs not in (("torch.strided",),):
         raise UnsupportedError(
-            f"{where}: layout {largs[0] if largs else '?'} (only dense, strided tensors are supported)"
+            f"{where}: layout {_show(largs[0]) if largs else '?'} (only dense, strided tensors are supported)"
         )
     dtype = stub_dtype(dt)
     if dtype is None:
