@@ -1167,8 +1167,8 @@ class RecordPickler(pickle.Pickler):
 
     The C pickler writes a global only after finding it by name (it imports the module and
     compares), and a placeholder's module is never imported.  So while :meth:`dump` runs,
-    each placeholder class (and :func:`~ckptfix.policy.codecs_encode`) is put under a unique
-    random name in an in-memory module, the pickler writes and memoizes that ``GLOBAL`` as
+    each placeholder class is put under a unique random name in an in-memory module (and
+    :func:`~ckptfix.policy.codecs_encode` in its own module), the pickler writes and memoizes that ``GLOBAL`` as
     usual, and :meth:`finish` replaces each such ``GLOBAL`` (once per class, a byte string
     nothing else in the stream can contain) by the global it stands for.  Protocols 2 and 3
     only: protocol 4's frames carry lengths the replacement would change.
@@ -1183,6 +1183,7 @@ class RecordPickler(pickle.Pickler):
         self._nonce = os.urandom(8).hex()
         #: GLOBAL bytes as written -> GLOBAL bytes as they must read
         self._globals: dict[bytes, bytes] = {}
+        self._lent: list[tuple[types.ModuleType, str]] = []  # (module, name) of each object lent a name
 
     @staticmethod
     def _storage_id(obj: Any) -> Any:
@@ -1201,10 +1202,12 @@ class RecordPickler(pickle.Pickler):
                 "write (a newline or an invalid character in the name); it is no global torch can load: "
                 "load the checkpoint with load_anywhere and save what you need again"
             ) from None
+        home = sys.modules[obj.__module__]  # where the C pickler finds it: _WRITING for placeholder classes
         alias = f"g{next(_WRITING_NAMES)}_{self._nonce}"
-        written = pickle.GLOBAL + f"{_WRITING.__name__}\n{alias}\n".encode()
+        written = pickle.GLOBAL + f"{home.__name__}\n{alias}\n".encode()
         self._globals[written] = real
-        setattr(_WRITING, alias, obj)
+        self._lent.append((home, alias))
+        setattr(home, alias, obj)
         return alias
 
     def reducer_override(self, obj: Any) -> Any:
@@ -1249,8 +1252,10 @@ class RecordPickler(pickle.Pickler):
         """
         for written, real in self._globals.items():
             data = data.replace(written, real, 1)
-            delattr(_WRITING, written.split(b"\n")[1].decode())
+        for home, alias in self._lent:
+            delattr(home, alias)
         self._globals.clear()
+        self._lent.clear()
         return data
 
 

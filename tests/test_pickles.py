@@ -586,3 +586,16 @@ def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, modu
     p = run_cli("strip-prefix", bad, "--prefix", "module.", "-o", tmp_path / "out.pt")
     assert_one_line_error(p, code)
     assert not (tmp_path / "out.pt").exists() and leftovers(tmp_path) == []
+
+
+def test_codecs_encode_itself_is_written_as_the_codecs_global():
+    """The reader's ``_codecs.encode`` stand-in, written as a value, names ``_codecs.encode`` (as CPython's pickle does)."""
+    import pickletools
+
+    import ckptfix.policy as policy
+
+    data = dumps([policy.codecs_encode, policy.codecs_encode])
+    assert [arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"] == ["_codecs encode"]
+    back = pickle.loads(data)
+    assert back[0] is back[1] and back[0](b"ab".decode(), "latin1") == b"ab"
+    assert not [k for k in vars(policy) if k.startswith("g") and "_" in k and k[1:].split("_")[0].isdigit()]
