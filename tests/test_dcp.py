@@ -730,3 +730,30 @@ def _assert_metadata_refused(d: Path, tmp_path: Path, capsys: Any, code: int) ->
         assert len(err) == 1 and err[0].startswith("Error: ") and "internal error" not in err[0], err
     with pytest.raises((CorruptCheckpointError, UnsupportedError)):
         load_anywhere(d)
+
+
+def test_tiling_check_sweeps_the_dimension_the_chunks_are_spread_on(monkeypatch):
+    """20,000 chunks that all start at row 0 (column sharding): a sweep on dim 0 compared every pair
+    (200 million comparisons, minutes); the sweep runs on the dimension where chunks start apart."""
+    from ckptfix.dcp import meta
+
+    calls = []
+    real = meta._overlap
+    monkeypatch.setattr(meta, "_overlap", lambda a, b: calls.append(1) or real(a, b))
+    n = 20_000
+    meta.check_tiling(meta.TensorEntry("w", "float32", (2, n), [meta.Chunk((0, i), (2, 1)) for i in range(n)]), "x")
+    assert len(calls) < n
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        chunks = [meta.Chunk((0, i), (2, 1)) for i in range(n - 2)] + [meta.Chunk((0, n - 3), (1, 2))]
+        meta.check_tiling(meta.TensorEntry("w", "float32", (2, n), chunks + [meta.Chunk((1, n - 1), (1, 1))]), "x")
+
+
+def test_tiling_check_refuses_a_layout_too_costly_to_check(monkeypatch):
+    """Chunks crowded on every dimension (a grid, here with a tiny limit) are a resource limit, not hours of work."""
+    from ckptfix.dcp import meta
+    from ckptfix.errors import ResourceLimitError
+
+    monkeypatch.setattr(meta, "MAX_TILING_PAIRS", 100)
+    grid_chunks = [meta.Chunk((r, c), (1, 1)) for r in range(30) for c in range(30)]
+    with pytest.raises(ResourceLimitError, match="chunks"):
+        meta.check_tiling(meta.TensorEntry("w", "float32", (30, 30), grid_chunks), "x")
