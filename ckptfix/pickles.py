@@ -813,7 +813,7 @@ class _BoundedCtor(Stub):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         size = cls._materialised_size(args)
-        if size is not None and size <= cls._budget() and not kwargs:
+        if size is not None and size <= cls._budget() and not kwargs and cls._afford(size):
             try:
                 return cls._real(*args)
             except (TypeError, ValueError, OverflowError, LookupError, pickle.UnpicklingError):
@@ -821,6 +821,18 @@ class _BoundedCtor(Stub):
         if cls._owner is not None:
             cls._owner._note_placeholder(cls, size)
         return Stub.__new__(cls, *args, **kwargs)
+
+    @classmethod
+    def _afford(cls, size: int) -> bool:
+        """Count a call's bytes against its unpickler's byte budget, shared by all its bounded calls (False: over)."""
+        owner = cls._owner
+        if owner is None or cls._ckpt_name == "range":  # a range is three integers, however long
+            return True
+        cost = size if cls._ckpt_name in ("bytearray", "bytes", "encode") else 64 * size
+        if owner._built_bytes + cost > cls._limits.max_bytes:
+            return False
+        owner._built_bytes += cost
+        return True
 
     @classmethod
     def _budget(cls) -> int:
@@ -903,6 +915,7 @@ class RecordingUnpickler(pickle.Unpickler):
         self._py2_names: set[tuple[str, str]] = set()
         self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
         self.preflight = preflight
+        self._built_bytes = 0  # what bounded calls built for real (their shared byte budget: limits.max_bytes)
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
@@ -942,8 +955,9 @@ class RecordingUnpickler(pickle.Unpickler):
         self.stubbed.add(full)
         what = f"{size:,} elements" if size is not None else "unknown size"
         note = (
-            f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
-            "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged"
+            f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}, or of "
+            f"{self.limits.max_bytes >> 20} MiB for all such values; CKPTFIX_MAX_PICKLE_ITEMS / CKPTFIX_MAX_PICKLE_MB "
+            "lift them): kept as a placeholder, written back unchanged"
         )
         if note not in self.notes and len(self.notes) < 100:
             self.notes.append(note)

@@ -599,3 +599,19 @@ def test_codecs_encode_itself_is_written_as_the_codecs_global():
     back = pickle.loads(data)
     assert back[0] is back[1] and back[0](b"ab".decode(), "latin1") == b"ab"
     assert not [k for k in vars(policy) if k.startswith("g") and "_" in k and k[1:].split("_")[0].isdigit()]
+
+
+def test_bounded_calls_share_one_byte_budget():
+    """Each ``bytearray(n)`` call is under the per-call limit, but 20 of them in a few hundred bytes of pickle
+    must not build 20 MB: once what bounded calls built reaches the byte budget, the rest stay placeholders."""
+    from ckptfix.pickles import PickleLimits
+
+    one = b"c__builtin__\nbytearray\nJ" + struct.pack("<i", 1_000_000) + b"\x85R"
+    data = b"\x80\x02(" + one * 20 + b"l."
+    limits = PickleLimits(max_bytes=8 << 20, max_items=1 << 20)
+    obj, up = loads_records(data, limits=limits)
+    built = [x for x in obj if type(x) is bytearray]
+    assert 0 < len(built) and sum(map(len, built)) <= limits.max_bytes
+    kept = [x for x in obj if type(x) is not bytearray]
+    assert kept and all(x.args == (1_000_000,) for x in kept) and up.notes
+    assert [len(x) for x in pickle.loads(dumps(obj))] == [1_000_000] * 20  # written back as the same calls
