@@ -35,6 +35,7 @@ import itertools
 import os
 import pickle
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import (
@@ -290,6 +291,10 @@ def is_tensor_like(v: Any) -> bool:
 
 _object_new = object.__new__
 
+_GC_LOCK = threading.Lock()
+_gc_pauses = 0  # paused_gc contexts open, in all threads
+_gc_was_enabled = False  # the collector's state when the first of them opened
+
 
 @contextlib.contextmanager
 def paused_gc() -> Iterator[None]:
@@ -299,16 +304,25 @@ def paused_gc() -> Iterator[None]:
     each collection walks every object built so far, so a big pickle spends more time collecting
     than loading.  The graphs built here hold no cycles the collector could free.
 
+    Pauses may overlap (threads): the first one in reads the collector's state, the last one out
+    restores it.
+
     Yields:
         None.
     """
-    was = gc.isenabled()
-    gc.disable()
+    global _gc_pauses, _gc_was_enabled
+    with _GC_LOCK:
+        if not _gc_pauses:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _GC_LOCK:
+            _gc_pauses -= 1
+            if not _gc_pauses and _gc_was_enabled:
+                gc.enable()
 
 
 class Stub:
@@ -799,7 +813,7 @@ class _BoundedCtor(Stub):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         size = cls._materialised_size(args)
-        if size is not None and size <= cls._budget() and not kwargs:
+        if size is not None and size <= cls._budget() and not kwargs and cls._afford(size):
             try:
                 return cls._real(*args)
             except (TypeError, ValueError, OverflowError, LookupError, pickle.UnpicklingError):
@@ -807,6 +821,18 @@ class _BoundedCtor(Stub):
         if cls._owner is not None:
             cls._owner._note_placeholder(cls, size)
         return Stub.__new__(cls, *args, **kwargs)
+
+    @classmethod
+    def _afford(cls, size: int) -> bool:
+        """Count a call's bytes against its unpickler's byte budget, shared by all its bounded calls (False: over)."""
+        owner = cls._owner
+        if owner is None or cls._ckpt_name == "range":  # a range is three integers, however long
+            return True
+        cost = size if cls._ckpt_name in ("bytearray", "bytes", "encode") else 64 * size
+        if owner._built_bytes + cost > cls._limits.max_bytes:
+            return False
+        owner._built_bytes += cost
+        return True
 
     @classmethod
     def _budget(cls) -> int:
@@ -889,6 +915,7 @@ class RecordingUnpickler(pickle.Unpickler):
         self._py2_names: set[tuple[str, str]] = set()
         self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
         self.preflight = preflight
+        self._built_bytes = 0  # what bounded calls built for real (their shared byte budget: limits.max_bytes)
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
@@ -928,8 +955,9 @@ class RecordingUnpickler(pickle.Unpickler):
         self.stubbed.add(full)
         what = f"{size:,} elements" if size is not None else "unknown size"
         note = (
-            f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}; "
-            "CKPTFIX_MAX_PICKLE_ITEMS lifts it): kept as a placeholder, written back unchanged"
+            f"{full}(...) with {what} was not built (over the limit of {self.limits.max_items:,}, or of "
+            f"{self.limits.max_bytes >> 20} MiB for all such values; CKPTFIX_MAX_PICKLE_ITEMS / CKPTFIX_MAX_PICKLE_MB "
+            "lift them): kept as a placeholder, written back unchanged"
         )
         if note not in self.notes and len(self.notes) < 100:
             self.notes.append(note)
@@ -1153,8 +1181,8 @@ class RecordPickler(pickle.Pickler):
 
     The C pickler writes a global only after finding it by name (it imports the module and
     compares), and a placeholder's module is never imported.  So while :meth:`dump` runs,
-    each placeholder class (and :func:`~ckptfix.policy.codecs_encode`) is put under a unique
-    random name in an in-memory module, the pickler writes and memoizes that ``GLOBAL`` as
+    each placeholder class is put under a unique random name in an in-memory module (and
+    :func:`~ckptfix.policy.codecs_encode` in its own module), the pickler writes and memoizes that ``GLOBAL`` as
     usual, and :meth:`finish` replaces each such ``GLOBAL`` (once per class, a byte string
     nothing else in the stream can contain) by the global it stands for.  Protocols 2 and 3
     only: protocol 4's frames carry lengths the replacement would change.
@@ -1169,18 +1197,31 @@ class RecordPickler(pickle.Pickler):
         self._nonce = os.urandom(8).hex()
         #: GLOBAL bytes as written -> GLOBAL bytes as they must read
         self._globals: dict[bytes, bytes] = {}
+        self._lent: list[tuple[types.ModuleType, str]] = []  # (module, name) of each object lent a name
 
     @staticmethod
     def _storage_id(obj: Any) -> Any:
         return obj.pid() if isinstance(obj, StorageRecord) else None
 
     def _placeholder_global(self, module: str, name: str, obj: Any) -> str:
-        if "\n" in module or "\n" in name:
-            raise pickle.PicklingError(f"cannot write the global {module}.{name}: its name holds a newline")
+        try:
+            if "\n" in module or "\n" in name:
+                raise ValueError("a newline")
+            real = pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        except (ValueError, UnicodeEncodeError):  # a STACK_GLOBAL may name any string; GLOBAL is two UTF-8 lines
+            from ckptfix.errors import UnsupportedError
+
+            raise UnsupportedError(
+                f"the checkpoint names the global {module + '.' + name!r}, which a protocol-2 pickle cannot "
+                "write (a newline or an invalid character in the name); it is no global torch can load: "
+                "load the checkpoint with load_anywhere and save what you need again"
+            ) from None
+        home = sys.modules[obj.__module__]  # where the C pickler finds it: _WRITING for placeholder classes
         alias = f"g{next(_WRITING_NAMES)}_{self._nonce}"
-        setattr(_WRITING, alias, obj)
-        written = pickle.GLOBAL + f"{_WRITING.__name__}\n{alias}\n".encode()
-        self._globals[written] = pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8")
+        written = pickle.GLOBAL + f"{home.__name__}\n{alias}\n".encode()
+        self._globals[written] = real
+        self._lent.append((home, alias))
+        setattr(home, alias, obj)
         return alias
 
     def reducer_override(self, obj: Any) -> Any:
@@ -1194,7 +1235,8 @@ class RecordPickler(pickle.Pickler):
             ``NotImplemented`` for anything else (pickled as usual).
 
         Raises:
-            pickle.PicklingError: a tensor record without a rebuild call, or a global whose name holds a newline.
+            pickle.PicklingError: a tensor record without a rebuild call.
+            UnsupportedError: a placeholder's global name that a ``GLOBAL`` opcode cannot hold.
         """
         if isinstance(obj, Stub):
             cls = type(obj)
@@ -1224,8 +1266,10 @@ class RecordPickler(pickle.Pickler):
         """
         for written, real in self._globals.items():
             data = data.replace(written, real, 1)
-            delattr(_WRITING, written.split(b"\n")[1].decode())
+        for home, alias in self._lent:
+            delattr(home, alias)
         self._globals.clear()
+        self._lent.clear()
         return data
 
 
@@ -1241,7 +1285,7 @@ def dumps(obj: Any, protocol: int = 2, *, storages: bool = True) -> bytes:
         The pickle bytes; placeholders are written as the globals they stand for.
 
     Raises:
-        UnsupportedError: the graph is nested too deeply to write.
+        UnsupportedError: the graph is nested too deeply to write, or names a global no ``GLOBAL`` can hold.
     """
     buf = io.BytesIO()
     pickler = RecordPickler(buf, protocol=protocol, storages=storages)

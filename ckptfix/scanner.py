@@ -158,6 +158,14 @@ def _maybe_str(v: Any) -> bool:
     return type(v) is str or v is ANY or v is LONGSTR
 
 
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _depth(v: Any) -> int:
     return v.depth if type(v) is _Abs else 0
 
@@ -601,6 +609,9 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 name = stack.pop()
                 module = stack[-1]
                 if type(name) is str and type(module) is str:
+                    if not (module.isascii() and name.isascii()) and not _utf8(module + name):
+                        # a lone surrogate (BINUNICODE decodes with surrogatepass): no module or attribute has it
+                        raise _Malformed("STACK_GLOBAL names must be valid UTF-8 (a lone surrogate)")
                     add_global(module, name)
                 elif not _maybe_str(name) or not _maybe_str(module):
                     raise _Malformed("STACK_GLOBAL requires str")

@@ -25,7 +25,7 @@ import torch
 from ckptfix import load_anywhere
 from ckptfix.cli import main
 from ckptfix.convert import convert
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.loading import load_checkpoint
 
 from helpers import Evil, assert_one_line_error, run_cli
@@ -688,3 +688,72 @@ def test_safetensors_serialization_format_is_named(tmp_path, capsys):
         )
     assert main(["convert", str(d), "-o", str(tmp_path / "o.safetensors")]) == 8
     assert "safetensors serialization format" in capsys.readouterr().err
+
+
+_METADATA_NEWOBJ = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81"
+_DEEP_LIST = b"]" * 50_000 + b"a" * 49_999  # a list 50,000 levels deep (the reader does not walk .metadata)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        # an entry named by a foreign object whose state nests deeply: the message must not repr it
+        b"}X\x13\x00\x00\x00state_dict_metadata}cfractions\nFraction\n)\x81" + _DEEP_LIST + b"bNss",
+        # (dict, slots) state whose first half is no dict
+        b"(]K\x01a}X\x13\x00\x00\x00state_dict_metadata}st",
+        b"(K\x01}X\x13\x00\x00\x00state_dict_metadata}st",
+        b"(X\x02\x00\x00\x00ab}X\x13\x00\x00\x00state_dict_metadata}st",
+    ],
+    ids=["deep_foreign_entry_name", "slots_state_list", "slots_state_int", "slots_state_str"],
+)
+def test_malformed_metadata_state_is_a_one_line_error(tmp_path, capsys, state):
+    d = _fresh(tmp_path)
+    (d / ".metadata").write_bytes(_METADATA_NEWOBJ + state + b"b.")
+    _assert_metadata_refused(d, tmp_path, capsys, 4)
+
+
+def test_foreign_layout_argument_is_shown_by_type(tmp_path, capsys):
+    """A layout recorded as _get_layout(<a list nested 50,000 deep>): the message must not print it."""
+    d = _fresh(tmp_path)
+    data = (d / ".metadata").read_bytes()
+    strided = b"\x8c\rtorch.strided"  # SHORT_BINUNICODE in torch's protocol-4 .metadata
+    assert data[:2] == b"\x80\x04" and data[2:3] == b"\x95" and strided in data
+    data = b"\x80\x04" + data[11:]  # drop the frame: its length no longer holds once spliced
+    (d / ".metadata").write_bytes(data.replace(strided, _DEEP_LIST))
+    _assert_metadata_refused(d, tmp_path, capsys, 8)
+
+
+def _assert_metadata_refused(d: Path, tmp_path: Path, capsys: Any, code: int) -> None:
+    for args in (["inspect", str(d)], ["strip-prefix", str(d), "--prefix", "model.", "-o", str(tmp_path / "s.dcp")]):
+        assert main(args) == code
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and err[0].startswith("Error: ") and "internal error" not in err[0], err
+    with pytest.raises((CorruptCheckpointError, UnsupportedError)):
+        load_anywhere(d)
+
+
+def test_tiling_check_sweeps_the_dimension_the_chunks_are_spread_on(monkeypatch):
+    """20,000 chunks that all start at row 0 (column sharding): a sweep on dim 0 compared every pair
+    (200 million comparisons, minutes); the sweep runs on the dimension where chunks start apart."""
+    from ckptfix.dcp import meta
+
+    calls = []
+    real = meta._overlap
+    monkeypatch.setattr(meta, "_overlap", lambda a, b: calls.append(1) or real(a, b))
+    n = 20_000
+    meta.check_tiling(meta.TensorEntry("w", "float32", (2, n), [meta.Chunk((0, i), (2, 1)) for i in range(n)]), "x")
+    assert len(calls) < n
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        chunks = [meta.Chunk((0, i), (2, 1)) for i in range(n - 2)] + [meta.Chunk((0, n - 3), (1, 2))]
+        meta.check_tiling(meta.TensorEntry("w", "float32", (2, n), chunks + [meta.Chunk((1, n - 1), (1, 1))]), "x")
+
+
+def test_tiling_check_refuses_a_layout_too_costly_to_check(monkeypatch):
+    """Chunks crowded on every dimension (a grid, here with a tiny limit) are a resource limit, not hours of work."""
+    from ckptfix.dcp import meta
+    from ckptfix.errors import ResourceLimitError
+
+    monkeypatch.setattr(meta, "MAX_TILING_PAIRS", 100)
+    grid_chunks = [meta.Chunk((r, c), (1, 1)) for r in range(30) for c in range(30)]
+    with pytest.raises(ResourceLimitError, match="chunks"):
+        meta.check_tiling(meta.TensorEntry("w", "float32", (30, 30), grid_chunks), "x")

@@ -416,7 +416,9 @@ def test_writer_names_placeholder_globals_once_and_forgets_them():
     back = pickle.loads(data)
     assert [type(x) for x in [back["a"], *back["b"]]] == [_Obj] * 3 and back["b"][1].lr == 0.5
     assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
-    with pytest.raises(pickle.PicklingError, match="newline"):  # a failed dump forgets its names too
+    from ckptfix.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="newline"):  # a failed dump forgets its names too
         dumps([stub_class("argparse", "Namespace")(), stub_class("m", "a\nb")()])
     assert not [k for k in vars(pk._WRITING) if not k.startswith("__")]
     with pytest.raises(ValueError, match="protocol 2 or 3"):
@@ -506,3 +508,110 @@ def test_paused_gc_restores_the_collector_as_it_found_it():
         assert not gc.isenabled()  # it was off: it stays off
     finally:
         gc.enable()
+
+
+def test_paused_gc_overlapping_threads_leave_the_collector_on(monkeypatch):
+    """Two threads' pauses overlap; the first ends while the second is between reading and pausing the collector.
+
+    Each pause remembering its own "was it on" would read "off" in the second thread, and pause it
+    again after the first turned it back on: the collector would stay off for the rest of the process.
+    """
+    import threading
+
+    import ckptfix.pickles as pk
+
+    class FakeGc:
+        enabled = True
+
+        def isenabled(self) -> bool:
+            return self.enabled
+
+        def enable(self) -> None:
+            self.enabled = True
+
+        def disable(self) -> None:
+            if threading.current_thread().name == "second":
+                second_pausing.set()
+                first_done.wait(0.5)  # the first thread ends its pause here, unless paused_gc serialises them
+            self.enabled = False
+
+    fake = FakeGc()
+    monkeypatch.setattr(pk, "gc", fake)
+    first_in, second_pausing, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with pk.paused_gc():
+            first_in.set()
+            second_pausing.wait(0.5)
+        first_done.set()
+
+    def second() -> None:
+        first_in.wait(2)
+        with pk.paused_gc():
+            pass
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert fake.enabled
+
+
+@pytest.mark.parametrize("module", ["a\nb", "a\ud800"], ids=["newline", "lone_surrogate"])
+def test_unwritable_global_name_is_a_typed_error_and_nothing_is_left_lent(module):
+    """A STACK_GLOBAL may name any string; protocol 2's GLOBAL holds neither a newline nor a lone surrogate."""
+    import ckptfix.pickles as pk
+    from ckptfix.errors import UnsupportedError
+
+    before = set(vars(pk._WRITING))
+    with pytest.raises(UnsupportedError) as e:
+        pk.dumps({"x": pk.stub_class(module, "n")()})
+    assert "\n" not in str(e.value)
+    assert set(vars(pk._WRITING)) == before
+
+
+@pytest.mark.parametrize(
+    "module, code",
+    [(b"a\nb", 8), (b"a\xed\xa0\x80", 4)],  # a lone surrogate: refused by the reader's pre-flight already
+    ids=["newline", "lone_surrogate"],
+)
+def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, module, code):
+    from helpers import assert_one_line_error, inject_into_data_pkl, leftovers
+
+    src = tmp_path / "good.pt"
+    torch.save({"module.w": torch.ones(3)}, src)
+    bad = tmp_path / "bad.pt"
+    inject_into_data_pkl(src, bad, b"\x8c" + bytes([len(module)]) + module + b"\x8c\x01n\x93")
+    p = run_cli("strip-prefix", bad, "--prefix", "module.", "-o", tmp_path / "out.pt")
+    assert_one_line_error(p, code)
+    assert not (tmp_path / "out.pt").exists() and leftovers(tmp_path) == []
+
+
+def test_codecs_encode_itself_is_written_as_the_codecs_global():
+    """The reader's ``_codecs.encode`` stand-in, written as a value, names ``_codecs.encode`` (as CPython's pickle does)."""
+    import pickletools
+
+    import ckptfix.policy as policy
+
+    data = dumps([policy.codecs_encode, policy.codecs_encode])
+    assert [arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"] == ["_codecs encode"]
+    back = pickle.loads(data)
+    assert back[0] is back[1] and back[0](b"ab".decode(), "latin1") == b"ab"
+    assert not [k for k in vars(policy) if k.startswith("g") and "_" in k and k[1:].split("_")[0].isdigit()]
+
+
+def test_bounded_calls_share_one_byte_budget():
+    """Each ``bytearray(n)`` call is under the per-call limit, but 20 of them in a few hundred bytes of pickle
+    must not build 20 MB: once what bounded calls built reaches the byte budget, the rest stay placeholders."""
+    from ckptfix.pickles import PickleLimits
+
+    one = b"c__builtin__\nbytearray\nJ" + struct.pack("<i", 1_000_000) + b"\x85R"
+    data = b"\x80\x02(" + one * 20 + b"l."
+    limits = PickleLimits(max_bytes=8 << 20, max_items=1 << 20)
+    obj, up = loads_records(data, limits=limits)
+    built = [x for x in obj if type(x) is bytearray]
+    assert 0 < len(built) and sum(map(len, built)) <= limits.max_bytes
+    kept = [x for x in obj if type(x) is not bytearray]
+    assert kept and all(x.args == (1_000_000,) for x in kept) and up.notes
+    assert [len(x) for x in pickle.loads(dumps(obj))] == [1_000_000] * 20  # written back as the same calls

@@ -631,3 +631,28 @@ def test_scan_tar_checkpoint_is_not_safe(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="tar"):
         scan_checkpoint(p)
     assert run_cli("scan", p).returncode == 4
+
+
+@pytest.mark.parametrize("where", ["module", "name"])
+def test_stack_global_with_a_lone_surrogate_is_malformed_and_every_command_says_so(tmp_path, where):
+    """BINUNICODE decodes with surrogatepass, so a STACK_GLOBAL may name a string no module or attribute has:
+    CPython fails to import it; the scan calls the pickle malformed (a name that could not be printed either)."""
+    sur = b"\x8c\x04a\xed\xa0\x80"
+    plain = b"\x8c\x02os"
+    data = b"\x80\x04" + (sur + b"\x8c\x01n" if where == "module" else plain + sur) + b"\x93."
+    with pytest.raises((ModuleNotFoundError, AttributeError)):  # CPython: nothing can be found by that name
+        pickle.loads(data)
+    r = scan_globals(data)
+    assert r.error and "surrogate" in r.error
+    import torch
+
+    from helpers import assert_one_line_error, inject_into_data_pkl
+
+    src = tmp_path / "good.pt"
+    torch.save({"module.w": torch.ones(3)}, src)
+    bad = tmp_path / "bad.pt"
+    inject_into_data_pkl(src, bad, data[2:-1])
+    for cmd in (["inspect"], ["convert", "-o", str(tmp_path / "o.safetensors")]):
+        assert_one_line_error(run_cli(cmd[0], bad, *cmd[1:]), 4)
+    p = run_cli("scan", bad)
+    assert p.returncode == 4 and "Traceback" not in p.stderr and "internal error" not in p.stderr

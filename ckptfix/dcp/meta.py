@@ -17,6 +17,7 @@ original globals, which torch's ``FileSystemReader`` loads.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import io
 import os
@@ -260,7 +261,8 @@ def _state(x: Any, what: str, where: str) -> dict:
             f"{where}: expected a {what.rsplit('.', 1)[-1]}, found {_name(x) or type(x).__name__}; not DCP metadata"
         )
     st = x.state
-    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict):  # (dict, slots)
+    if isinstance(st, tuple) and len(st) == 2 and isinstance(st[1], dict) and isinstance(st[0], (dict, type(None))):
+        # (dict, slots)
         merged = dict(st[0] or {})
         merged.update(st[1])
         return merged
@@ -308,7 +310,7 @@ def _dtype(props: Any, where: str) -> str:
     largs = getattr(layout, "_args", None)
     if _name(layout) == "torch.serialization._get_layout" and largs not in (("torch.strided",),):
         raise UnsupportedError(
-            f"{where}: layout {largs[0] if largs else '?'} (only dense, strided tensors are supported)"
+            f"{where}: layout {_show(largs[0]) if largs else '?'} (only dense, strided tensors are supported)"
         )
     dtype = stub_dtype(dt)
     if dtype is None:
@@ -444,7 +446,7 @@ def _records(root: Any, path: str, mpath: str) -> DcpMetadata:
     entries: dict[str, TensorEntry | BytesEntry] = {}
     for fqn, md in sdm.items():
         if not isinstance(fqn, str):
-            raise CorruptCheckpointError(f"{mpath}: entry name {fqn!r} is not a string")
+            raise CorruptCheckpointError(f"{mpath}: entry name {_show(fqn)} is not a string")
         where = f"{mpath}: {fqn!r}"
         if _name(md) == _MD + "BytesStorageMetadata":
             entries[fqn] = BytesEntry(fqn)
@@ -539,6 +541,34 @@ def _overlap(a: Chunk, b: Chunk) -> bool:
     )
 
 
+#: the most chunk pairs :func:`check_tiling` compares for one tensor (a few seconds)
+MAX_TILING_PAIRS = 1 << 22
+
+
+def _sweep_dim(live: list[Chunk], nd: int, where: str) -> int:
+    """The dimension whose sweep compares the fewest chunk pairs (chunks spread apart there).
+
+    Raises:
+        ResourceLimitError: even that sweep would compare more than :data:`MAX_TILING_PAIRS` pairs.
+    """
+    best, best_cost = 0, -1
+    for d in range(nd):
+        starts = sorted(c.offsets[d] for c in live)
+        ends = sorted(c.offsets[d] + c.sizes[d] for c in live)
+        # the pairs the sweep visits: for each chunk, those starting at or after it and before it ends
+        cost = sum(bisect.bisect_left(starts, end) for end in ends) - len(live) * (len(live) + 1) // 2
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = d, cost
+    if best_cost > MAX_TILING_PAIRS:
+        from ckptfix.errors import ResourceLimitError
+
+        raise ResourceLimitError(
+            f"{where}: its {len(live)} chunks are crowded on every dimension; checking them for overlaps "
+            f"would compare over {MAX_TILING_PAIRS:,} pairs (no DCP writer lays chunks out like that)"
+        )
+    return best
+
+
 def check_tiling(e: TensorEntry, where: str) -> None:
     """The chunks lie inside the tensor, do not overlap and leave no hole.
 
@@ -548,6 +578,7 @@ def check_tiling(e: TensorEntry, where: str) -> None:
 
     Raises:
         CorruptCheckpointError: naming the tensor and the offending chunk(s).
+        ResourceLimitError: chunks so crowded on every dimension that the check would take minutes.
     """
     nd = len(e.shape)
     total = 0
@@ -566,11 +597,12 @@ def check_tiling(e: TensorEntry, where: str) -> None:
         total += c.numel
     live = [c for c in e.chunks if c.numel]
     if nd:
-        live.sort(key=lambda c: c.offsets[0])
-        for i, a in enumerate(live):  # sweep on dim 0: only chunks starting before a ends can overlap it
-            end0 = a.offsets[0] + a.sizes[0]
+        d = _sweep_dim(live, nd, where)
+        live.sort(key=lambda c: c.offsets[d])
+        for i, a in enumerate(live):  # sweep on dim d: only chunks starting before a ends can overlap it
+            end0 = a.offsets[d] + a.sizes[d]
             for b in live[i + 1 :]:
-                if b.offsets[0] >= end0:
+                if b.offsets[d] >= end0:
                     break
                 if _overlap(a, b):
                     raise CorruptCheckpointError(
