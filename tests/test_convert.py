@@ -726,3 +726,16 @@ def test_keep_two_names_of_one_tied_tensor_is_refused(tmp_path):
     with pytest.raises(KeyConflictError, match="one tensor"):
         convert_to_safetensors(src, out, keep=["a", "b"])
     assert not out.exists()
+
+
+def test_a_name_with_a_lone_surrogate_is_refused_before_anything_is_written(tmp_path):
+    """torch pickles any str key (BINUNICODE passes surrogates); a safetensors header is UTF-8 JSON."""
+    from helpers import assert_one_line_error, run_cli
+
+    src = tmp_path / "sur.pt"
+    torch.save({"a\ud800b": torch.ones(2), "ok": torch.zeros(1)}, src)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(UnsupportedError, match="lone surrogate"):
+        convert(str(src), str(out))
+    assert sorted(os.listdir(tmp_path)) == ["sur.pt"]
+    assert_one_line_error(run_cli("convert", str(src), "-o", str(out)), 8)

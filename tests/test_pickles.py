@@ -589,7 +589,7 @@ def test_strip_prefix_of_an_unwritable_global_is_a_one_line_error(tmp_path, modu
 
 
 def test_codecs_encode_itself_is_written_as_the_codecs_global():
-    """The reader's ``_codecs.encode`` stand-in, written as a value, names ``_codecs.encode`` (as CPython's pickle does)."""
+    """The reader's ``_codecs.encode`` stand-in, written as a value, names ``_codecs.encode`` (as CPython's does)."""
     import pickletools
 
     import ckptfix.policy as policy

@@ -324,6 +324,7 @@ def output_names(
 
     Raises:
         KeyConflictError: a tensor named ``__metadata__``, or an optimizer tensor colliding with a state-dict key.
+        UnsupportedError: a name that is not valid UTF-8 (a lone surrogate), which a safetensors header cannot hold.
     """
     named = list(named)
     if strip_prefix:
@@ -345,6 +346,15 @@ def output_names(
             raise KeyConflictError(
                 f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
             )
+    for n, _ in [*named, *opt_named]:
+        if not n.isascii():
+            try:
+                n.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UnsupportedError(
+                    f"tensor name {ascii(n)} holds a lone surrogate, which a safetensors header (UTF-8 JSON) "
+                    "cannot store; load the checkpoint with load_anywhere, rename the key and save it again"
+                ) from None
     report.optimizer_tensors = len(opt_named)
     return named + list(opt_named), order
 

@@ -564,7 +564,8 @@ def _sweep_dim(live: list[Chunk], nd: int, where: str) -> int:
 
         raise ResourceLimitError(
             f"{where}: its {len(live)} chunks are crowded on every dimension; checking them for overlaps "
-            f"would compare over {MAX_TILING_PAIRS:,} pairs (no DCP writer lays chunks out like that)"
+            f"would compare over {MAX_TILING_PAIRS:,} pairs (no DCP writer lays chunks out like that); "
+            "if the checkpoint is yours, load it with torch's dcp.load"
         )
     return best
 
