@@ -49,6 +49,7 @@ from typing import (
     KeysView,
     Mapping,
     Sequence,
+    TypeVar,
     ValuesView,
 )
 
@@ -867,6 +868,9 @@ class _BoundedCtor(Stub):
 # --------------------------------------------------------------------------- unpickler
 
 
+_U = TypeVar("_U", bound="RecordingUnpickler")
+
+
 class RecordingUnpickler(pickle.Unpickler):
     """Unpickle into records and placeholders; calls nothing from the pickle, and stays within limits.
 
@@ -916,6 +920,20 @@ class RecordingUnpickler(pickle.Unpickler):
         self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
         self.preflight = preflight
         self._built_bytes = 0  # what bounded calls built for real (their shared byte budget: limits.max_bytes)
+
+    @classmethod
+    def for_bytes(cls: type[_U], data: bytes | bytearray | memoryview, **kw: Any) -> _U:
+        """An unpickler of pickle bytes held in memory.
+
+        Args:
+            data: the pickle.
+            **kw: the constructor's keywords.
+
+        Returns:
+            The unpickler, reading through a buffered reader: with its ``peek()`` the C unpickler
+            prefetches, instead of calling ``read()`` once per opcode of an unframed pickle.
+        """
+        return cls(io.BufferedReader(io.BytesIO(data)), **kw)
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
@@ -1158,9 +1176,10 @@ def loads_records(data: bytes | BinaryIO, **kw: Any) -> tuple[Any, RecordingUnpi
         ResourceLimitError: the pickle would exceed a limit.
         pickle.UnpicklingError: the pickle is malformed.
     """
-    # a buffered reader has peek(): the C unpickler then prefetches instead of calling read() per opcode
-    f = io.BufferedReader(io.BytesIO(data)) if isinstance(data, (bytes, bytearray, memoryview)) else data
-    up = RecordingUnpickler(f, **kw)
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        up = RecordingUnpickler.for_bytes(data, **kw)
+    else:
+        up = RecordingUnpickler(data, **kw)
     return up.load(), up
 
 

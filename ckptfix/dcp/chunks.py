@@ -191,7 +191,7 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
 
 
 def _unpickle(data: bytes, what: str) -> tuple[Any, RecordingUnpickler]:
-    up = RecordingUnpickler(io.BufferedReader(io.BytesIO(data)))
+    up = RecordingUnpickler.for_bytes(data)
     try:
         obj = up.load()
     except (CorruptCheckpointError, UnsafePickleError, ResourceLimitError):

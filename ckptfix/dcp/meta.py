@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import io
 import os
 import pickle
 from collections.abc import Iterator
@@ -419,8 +418,7 @@ def metadata_from_bytes(data: bytes, path: str, *, ours: bool = False) -> DcpMet
         UnsafePickleError, UnsupportedError: as :func:`read_metadata`.
     """
     mpath = os.path.join(path, METADATA_NAME)
-    # a buffered reader has peek(): the C unpickler then prefetches instead of calling read() per opcode
-    up = MetadataUnpickler(io.BufferedReader(io.BytesIO(data)), preflight=not ours)
+    up = MetadataUnpickler.for_bytes(data, preflight=not ours)
     try:
         with paused_gc():
             root = up.load()

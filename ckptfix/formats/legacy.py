@@ -9,7 +9,6 @@ so the storage table is built by seeking, never reading tensor data.
 
 from __future__ import annotations
 
-import io
 import os
 import struct
 from typing import Any, BinaryIO
@@ -38,7 +37,7 @@ def stream_kind(path: str) -> Format:
     with open(path, "rb") as f:
         head = f.read(_MAGIC_PICKLE_MAX)
     try:
-        first = RecordingUnpickler(io.BufferedReader(io.BytesIO(head)), legacy=True).load()
+        first = RecordingUnpickler.for_bytes(head, legacy=True).load()
     except Exception:  # noqa: BLE001 - anything but the magic number is a bare pickle, read and judged later
         return Format.PICKLE
     return Format.TORCH_LEGACY if first == MAGIC_NUMBER and type(first) is int else Format.PICKLE

@@ -14,7 +14,6 @@ through Python.
 from __future__ import annotations
 
 import errno
-import io
 import os
 import re
 import struct
@@ -354,7 +353,7 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
             for n in names
             if kind == Format.TORCHSCRIPT and n.startswith(root + "code/") and n.endswith(".py")
         }
-    up = RecordingUnpickler(io.BufferedReader(io.BytesIO(data_pkl)))  # peek(): the C unpickler prefetches
+    up = RecordingUnpickler.for_bytes(data_pkl)
     try:
         obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
