@@ -4,7 +4,8 @@
 # ckptfix's cuda:N is torch's cuda:N by UUID, trains every mode on CUDA (single, AMP, DataParallel,
 # DDP over nccl with SyncBatchNorm, FSDP2 DCP, hand-written all-reduce, torch.compile/inductor),
 # loads each CUDA checkpoint on a CPU-only view with load_anywhere, and runs the `gpu`-marked tests.
-# Small CUDA checkpoints come back as cuda_ckpts.tar.gz (fixtures for tests/fixtures/cuda/).
+# Small CUDA checkpoints come back as cuda_ckpts.tar.gz (fixtures for tests/fixtures/cuda/), every log as logs.tgz.
+# Run there as: OUT=$OUT timeout 460 bash benchmarks/gpu_check.sh   (about 400 s on an H200)
 set -u
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
@@ -74,5 +75,6 @@ done
 step pytest_gpu $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_real.py tests/test_train.py -x
 step pytest_gpu_all $PY -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors
 (cd $R && tar czf "$OUT/cuda_ckpts.tar.gz" --exclude='*.probe.pt' $(ls | grep -E '\.(pt|dcp)$|checkpoints.json' | head -20)) 2>>"$OUT/summary.txt"
-ls -la "$OUT" >>"$OUT/summary.txt"
 cat "$OUT/summary.txt"
+# the device tool brings back at most 8 files: every log in one archive
+(cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt ./checkpoints.json 2>/dev/null)
