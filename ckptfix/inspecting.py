@@ -70,6 +70,9 @@ class InspectReport:
     weights_only_reason: str
     notes: list[str] = field(default_factory=list)
     dcp: dict[str, Any] | None = None  # DCP directories: files, ranks, chunks, tensors, objects, version
+    # the training framework that wrote the folder (or file): layout, weights, every other file
+    # (ckptfix.frameworks); None for a plain checkpoint
+    framework: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``inspect --json`` document.
@@ -134,10 +137,37 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         InspectReport (see its docstring for what each count means).  A valid torch file without
         tensors is summarised too (``tensor_count`` 0).
 
+    A folder a training framework wrote (Trainer ``checkpoint-N/``, accelerate ``save_state``, Lightning
+    ModelParallel, a Hugging Face model folder: :mod:`ckptfix.frameworks`) is reported as its model
+    weights, with ``framework`` naming the layout and summarising every other file.
+
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError: unreadable input.
         KeyConflictError: ``key`` does not exist.
+        NoModelWeightsError: a framework folder without model weights.
     """
+    if os.path.isdir(path):
+        from ckptfix.frameworks import inspect_folder, resolve
+
+        fw = resolve(path)
+        if fw is not None:
+            rep: InspectReport = inspect_folder(fw, key)
+            return rep
+    return inspect_file(path, key)
+
+
+def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectReport:
+    """:func:`inspect_checkpoint` of one checkpoint (file, index or DCP directory), no framework lookup.
+
+    Args:
+        path: the checkpoint.
+        key: where the state dict sits.
+
+    Returns:
+        The :class:`InspectReport`.
+    """
+    from ckptfix.frameworks import identify_object
+
     cf = read_checkpoint(path)
     key_path, sd, holder = _locate(cf, key)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
@@ -169,6 +199,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         weights_only_reason=why,
         notes=_notes(cf, locations, holder, key_path),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
+        framework=identify_object(cf.obj),
     )
 
 
@@ -267,6 +298,15 @@ def _notes(
         notes.append(
             "a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
             "the module itself runs its class's code (load_anywhere gives the state dict)"
+        )
+    elif holder == "optimizer":
+        from ckptfix.frameworks import optimizer_summary
+
+        opt = optimizer_summary(cf.obj) or {}
+        notes.append(
+            f"an optimizer state ({opt.get('param_groups', '?')} param group(s), {opt.get('state_tensors', '?')} "
+            "state tensors), not model weights: load_checkpoint(...).checkpoint is what optimizer.load_state_dict "
+            "takes; convert --include-optimizer writes its tensors"
         )
     elif holder == "sequence":
         notes.append('a list/tuple holding tensors, not a state dict: each named by its position ("0", "1.2" ...)')
@@ -573,11 +613,61 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     """
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
+    if os.path.isdir(path):
+        from ckptfix.frameworks import resolve
+
+        fw = resolve(path)
+        if fw is not None:
+            return _scan_folder(fw, limits)
+    return _scan_one(path, limits)
+
+
+def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
     kind = sniff(path)
     acc = _Acc(_context(kind))
     fmt = _SCANNERS[kind](path, acc, limits) or kind
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
+
+
+#: roles of framework files that hold no pickle (JSON, tokenizer files ...)
+_NO_PICKLE_ROLES = ("trainer-state", "config", "generation-config", "tokenizer")
+
+
+def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
+    """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
+    from ckptfix.errors import CkptfixError
+
+    acc = _Acc(None)
+    targets = ([fw.weights] if fw.weights else []) + [
+        os.path.join(fw.path, f.file) for f in fw.files if f.role not in _NO_PICKLE_ROLES
+    ]
+    fmt = Format.PICKLE
+    scanned = 0
+    for t in targets:
+        label = os.path.relpath(t, fw.path) if t != fw.path else "."
+        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt")) or os.path.getsize(t) == 0):
+            continue
+        try:
+            sub = _scan_one(t, limits)
+        except CkptfixError as e:
+            if os.path.isdir(t):
+                continue  # a sub-folder that is no checkpoint (logs ...)
+            acc.errors.append(f"{label}: {e}")
+            continue
+        if t == fw.weights:
+            fmt = sub.format
+        acc.merge(label, sub)
+        if not os.path.isdir(t) or t == fw.path:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
+            n = len(sub.pickles)
+            acc.pickles[-n or len(acc.pickles) :] = sub.pickles if n else []
+            acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
+        scanned += 1
+    acc.notes.append(f"{fw.layout.framework} folder ({fw.layout.name}): {scanned} checkpoint file(s) scanned")
+    globals_ = dict(sorted(acc.globals.items()))
+    return ScanReport(
+        path=fw.path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes
+    )
 
 
 def _context(fmt: Format) -> str | None:
