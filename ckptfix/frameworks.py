@@ -428,13 +428,11 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
             k: v for k, v in d.items() if isinstance(v, (int, float, str))
         }
     if role == "rng":
-        keys = [str(k) for k in fields.keys()]
-        return "RNG states: " + (", ".join(keys) or "?"), {"states": keys}
+        states = [str(k) for k in fields.keys()]
+        return "RNG states: " + (", ".join(states) or "?"), {"states": states}
     if role == "args":
         d = {k: fields[k] for k in ("max_steps", "num_train_epochs", "learning_rate", "seed") if k in fields}
-        from ckptfix.pickles import Stub
-
-        cls = type(obj).__name__ if isinstance(obj, Stub) else type(obj).__name__
+        cls = type(obj).__name__
         return f"{cls}: " + ", ".join(f"{k} {_short(v)}" for k, v in d.items()), {
             k: v for k, v in d.items() if isinstance(v, (int, float, str))
         }

@@ -631,7 +631,7 @@ def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
 
 
 #: roles of framework files that hold no pickle (JSON, tokenizer files ...)
-_NO_PICKLE_ROLES = ("trainer-state", "config", "generation-config", "tokenizer")
+_NO_PICKLE_ROLES = ("trainer-state", "config", "gen-config", "tokenizer")
 
 
 def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:

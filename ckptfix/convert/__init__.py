@@ -99,7 +99,7 @@ def convert(
 
         fw = resolve(src)
         if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
-            return convert_folder(  # type: ignore[no-any-return]
+            return convert_folder(
                 fw,
                 os.fspath(dst) if dst is not None else None,
                 verify=verify,
