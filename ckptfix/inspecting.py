@@ -117,10 +117,10 @@ def _describe(v: Any) -> str:
     return type(v).__name__
 
 
-def _prefix_counts(keys: list[str]) -> dict[str, int]:
+def _prefix_counts(keys: list[str], own: Mapping[str, str] | None = None) -> dict[str, int]:
     from ckptfix.prefixes import detect_prefixes
 
-    rep = detect_prefixes(keys)
+    rep = detect_prefixes(keys, own or ())
     out = dict(rep.leading)
     out.update({f"(inner) {k}": v for k, v in rep.inner.items()})
     return out
@@ -167,9 +167,11 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
         The :class:`InspectReport`.
     """
     from ckptfix.frameworks import identify_object
+    from ckptfix.hfarch import own_prefixes
 
     cf = read_checkpoint(path)
     key_path, sd, holder = _locate(cf, key)
+    own = own_prefixes(path)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     distinct = _distinct(tensors)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
@@ -190,14 +192,14 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
         storage_bytes=sum(st.nbytes or 0 for st in cf.storages.values()),
         dtypes=dict(sorted(collections.Counter(t.dtype for t in tensors.values()).items())),
         locations=dict(sorted(locations.items())),
-        prefixes=_prefix_counts(list(map(str, sd.keys()))),
+        prefixes=_prefix_counts(list(map(str, sd.keys())), own),
         shared=_shared(tensors),
         non_tensor_entries=_non_tensor_entries(cf, key_path, sd),
         globals=gl,
         stubbed_globals=sorted(cf.stubbed),
         weights_only_ok=wo_ok,
         weights_only_reason=why,
-        notes=_notes(cf, locations, holder, key_path),
+        notes=_notes(cf, locations, holder, key_path) + _own_notes(list(map(str, sd.keys())), own),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
         framework=identify_object(cf.obj),
     )
@@ -212,6 +214,19 @@ def _locate(cf: CheckpointFile, key: str | None) -> tuple[tuple[str, ...] | None
     if key is None and cf.format not in (Format.SAFETENSORS, Format.SHARDED, Format.DCP) and not contains_tensors(obj):
         return None, {}, "mapping"
     return locate_state_dict(obj, key)
+
+
+def _own_notes(keys: list[str], own: Mapping[str, str]) -> list[str]:
+    """Say which leading prefix is the model's own (config.json), so no one strips it."""
+    out = []
+    for p, whose in own.items():
+        n = sum(1 for k in keys if k.startswith(p))
+        if n:
+            out.append(
+                f"{p!r} on {n} of {len(keys)} keys is {whose}'s own base-model prefix (config.json beside the "
+                "file), not a wrapper: strip-prefix and convert --strip-prefix leave it"
+            )
+    return out
 
 
 def _distinct(tensors: Mapping[str, Any]) -> list[Any]:

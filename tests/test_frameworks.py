@@ -329,3 +329,20 @@ def test_regenerate_with_installed_frameworks(tmp_path: Path) -> None:
         want = load_file(str(tmp_path / f"{EXPECTED[folder]}.expected.safetensors"))
         assert_matches_expected(load_file(str(out)), want)
     assert inspect_checkpoint(tmp_path / "lightning.ckpt").framework is not None
+
+
+# --------------------------------------------------------------------------- align -o (Build 6)
+
+
+@pytest.mark.parametrize("src", ["hf_llama_bin/pytorch_model.bin", "hf_gpt2_sharded/model.safetensors.index.json"])
+def test_align_output_always_written(src: str, tmp_path: Path) -> None:
+    """align -o OUT writes OUT even when no key needs renaming (an unchanged copy): a pipeline reads OUT."""
+    path = FW / src
+    out = tmp_path / ("out" if src.endswith(".json") else "out.bin")
+    p = run_cli("align", str(path), "--to", str(path), "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "unchanged copy" in p.stderr
+    assert out.exists()
+    got = load_anywhere(out / "model.safetensors.index.json" if out.is_dir() else out)
+    want = load_anywhere(path)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

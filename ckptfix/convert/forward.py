@@ -142,7 +142,9 @@ def convert_to_safetensors(
             opt_named = list(opt_named) + onamed
     if extra_metadata:
         extra = {**extra_metadata, **extra}
-    named, order = output_names(source.named, opt_named, strip_prefix, report)
+    from ckptfix.hfarch import own_prefixes
+
+    named, order = output_names(source.named, opt_named, strip_prefix, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
