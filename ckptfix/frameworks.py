@@ -272,6 +272,21 @@ _BY_NAME: dict[str, Layout] = {lay.name: lay for lay in LAYOUTS}
 def register(layout: Layout, *, before: str | None = None) -> None:
     """Add a layout to :data:`LAYOUTS` (before the entry named ``before``, else before the generic ones).
 
+    Adding DeepSpeed ZeRO (``ckptfix/deepspeed.py``) is one call, or one line in :data:`LAYOUTS`::
+
+        def _detect_zero(folder, names):          # names: the folder's entries, sorted
+            if "latest" not in names and not any(n.startswith("global_step") for n in names):
+                return None
+            tag_dir = find_zero_checkpoint(folder)  # raises for a broken one: the user sees that error
+            return Resolved(folder, LAYOUT, tag_dir, _others(folder, names, None, (os.path.basename(tag_dir),)))
+
+        LAYOUT = Layout("deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.16", _detect_zero,
+                        weight_hint=("latest", "global_stepN/"),
+                        inspect=lambda r, key: ...,             # -> InspectReport (set .framework = r.to_dict())
+                        convert=lambda r, dst, **kw: ...,       # convert()'s keywords -> ConvertReport
+                        load=lambda r, **kw: ...)               # load_checkpoint()'s keywords -> LoadedCheckpoint
+        register(LAYOUT)
+
     Args:
         layout: the new entry.
         before: the name of the entry it must be tried before (default ``"hf-trainer"``: after the DCP

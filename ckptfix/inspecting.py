@@ -657,25 +657,27 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     targets = ([fw.weights] if fw.weights else []) + [
         os.path.join(fw.path, f.file) for f in fw.files if f.role not in _NO_PICKLE_ROLES
     ]
+    targets = _expand_dirs(targets, fw.path)
     fmt = Format.PICKLE
     scanned = 0
     for t in targets:
         label = os.path.relpath(t, fw.path) if t != fw.path else "."
-        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt")) or os.path.getsize(t) == 0):
+        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
             continue
         try:
             sub = _scan_one(t, limits)
         except CkptfixError as e:
-            if os.path.isdir(t):
-                continue  # a sub-folder that is no checkpoint (logs ...)
+            if os.path.isdir(t) or _text_file(t):
+                continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
             acc.errors.append(f"{label}: {e}")
             continue
         if t == fw.weights:
             fmt = sub.format
         acc.merge(label, sub)
         if not os.path.isdir(t) or t == fw.path:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
-            n = len(sub.pickles)
-            acc.pickles[-n or len(acc.pickles) :] = sub.pickles if n else []
+            n, base = len(sub.pickles), os.path.basename(t)
+            relabel = [label + q[len(base) :] if q.startswith(base) and t != fw.path else q for q in sub.pickles]
+            acc.pickles[-n or len(acc.pickles) :] = relabel if n else []
             acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
         scanned += 1
     acc.notes.append(f"{fw.layout.framework} folder ({fw.layout.name}): {scanned} checkpoint file(s) scanned")
@@ -683,6 +685,27 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     return ScanReport(
         path=fw.path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes
     )
+
+
+def _text_file(path: str) -> bool:
+    from ckptfix.formats import _looks_like_text
+
+    with open(path, "rb") as f:
+        return _looks_like_text(f.read(512))
+
+
+def _expand_dirs(targets: list[str], root: str, depth: int = 3) -> list[str]:
+    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them."""
+    out: list[str] = []
+    for t in targets:
+        if t == root or not os.path.isdir(t):
+            out.append(t)
+            continue
+        if os.path.isfile(os.path.join(t, ".metadata")) or any(n.endswith(".index.json") for n in os.listdir(t)):
+            out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
+        elif depth > 0:
+            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, depth - 1)
+    return out
 
 
 def _context(fmt: Format) -> str | None:

@@ -346,3 +346,15 @@ def test_align_output_always_written(src: str, tmp_path: Path) -> None:
     got = load_anywhere(out / "model.safetensors.index.json" if out.is_dir() else out)
     want = load_anywhere(path)
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_scan_folder_walks_sub_folders_and_skips_text(tmp_path: Path) -> None:
+    """A Trainer run with DeepSpeed: global_stepN/ holds pickles, `latest` is text; every pickle is scanned."""
+    d = tmp_path / "checkpoint-2"
+    shutil.copytree(FW / "trainer" / "checkpoint-2", d)
+    (d / "global_step2").mkdir()
+    (d / "latest").write_text("global_step2")
+    torch.save({"module": {"w": torch.zeros(2)}}, d / "global_step2" / "mp_rank_00_model_states.pt")
+    r = scan_checkpoint(d)
+    assert any(p.startswith("global_step2/mp_rank_00_model_states.pt") for p in r.pickles), r.pickles
+    assert r.errors == []
