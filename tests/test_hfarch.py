@@ -17,6 +17,7 @@ from ckptfix.hfarch import ARCHITECTURES, own_prefixes, tied_drop
 from ckptfix.inspecting import inspect_checkpoint
 from ckptfix.prefixes import detect_prefixes, strip_prefix_report
 from ckptfix.rekey import strip_prefix_checkpoint
+
 from helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
