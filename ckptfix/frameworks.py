@@ -19,6 +19,7 @@ Nothing here imports torch; the sidecar summaries read pickles with the restrict
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import re
@@ -269,6 +270,10 @@ LAYOUTS: list[Layout] = [
 _BY_NAME: dict[str, Layout] = {lay.name: lay for lay in LAYOUTS}
 
 
+#: set while a handler reads a folder's weights: the weights may be the folder itself (a DCP directory)
+_NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_frameworks_nested", default=False)
+
+
 def register(layout: Layout, *, before: str | None = None) -> None:
     """Add a layout to :data:`LAYOUTS` (before the entry named ``before``, else before the generic ones).
 
@@ -310,7 +315,7 @@ def resolve(path: str | os.PathLike) -> Resolved | None:
         own handling: a sharded index's folder, or the "no checkpoint in it" message).
     """
     p = os.fspath(path)
-    if not os.path.isdir(p):
+    if _NESTED.get() or not os.path.isdir(p):
         return None
     try:
         names = sorted(os.listdir(p))
@@ -567,26 +572,35 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     if handler is not None:
         return handler(r, dst, **kw)
     from ckptfix.convert import convert
+    from ckptfix.convert.reverse import is_safetensors_input
 
     weights = r.require_weights()
     dst = dst if dst is not None else default_output(r)
-    if kw.get("to") not in (None, "safetensors") or dst.rstrip("/" + os.sep).endswith(".dcp"):
-        return convert(weights, dst, **kw)
-    kw = dict(kw, to="safetensors")
-    extra: dict[str, Any] = {}
-    if kw.get("include_optimizer") and os.path.isfile(weights):
-        extra["optimizer_files"] = _optimizer_files(r)
-    meta = r.of_role("meta")
-    if meta:
-        extra["extra_metadata"] = meta_extras(meta[0])
-    from ckptfix.convert.forward import convert_to_safetensors
+    to = kw.get("to")
+    if to is None:  # the paths decide, as for a file: the default output is always .safetensors
+        if dst.rstrip("/" + os.sep).endswith(".dcp"):
+            to = "dcp"
+        elif is_safetensors_input(weights) and not dst.endswith(".safetensors"):
+            to = "pt"
+        else:
+            to = "safetensors"
+    token = _NESTED.set(True)  # the weights may be the folder itself (DCP): read it as a plain checkpoint now
+    try:
+        if to != "safetensors" or kw.get("restore_wrapper") or kw.get("shards", 1) != 1:
+            rep = convert(weights, dst, **kw)  # the other directions, and the refusals of misplaced options
+        else:
+            from ckptfix.convert.forward import convert_to_safetensors
 
-    if extra or os.path.isdir(weights):
-        for k in ("to", "restore_wrapper", "shards"):
-            kw.pop(k, None)
-        rep = convert_to_safetensors(weights, dst, **kw, **extra)
-    else:
-        rep = convert(weights, dst, **kw)
+            extra: dict[str, Any] = {}
+            if kw.get("include_optimizer") and os.path.isfile(weights):
+                extra["optimizer_files"] = _optimizer_files(r)
+            meta = r.of_role("meta")
+            if meta:
+                extra["extra_metadata"] = meta_extras(meta[0])
+            rest = {k: v for k, v in kw.items() if k not in ("to", "restore_wrapper", "shards")}
+            rep = convert_to_safetensors(weights, dst, **rest, **extra)
+    finally:
+        _NESTED.reset(token)
     rep.source = r.path
     return rep
 
