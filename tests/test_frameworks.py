@@ -318,8 +318,10 @@ _HAVE = all(importlib.util.find_spec(m) for m in ("transformers", "accelerate", 
 
 @pytest.mark.frameworks
 @pytest.mark.skipif(not _HAVE, reason="needs transformers, accelerate and lightning installed")
-def test_regenerate_with_installed_frameworks(tmp_path: Path) -> None:
+def test_regenerate_with_installed_frameworks(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """``pytest -m frameworks``: write the fixtures again with the installed frameworks and check them."""
+    if "frameworks" not in (request.config.getoption("-m") or ""):
+        pytest.skip("opt-in: pytest -m frameworks")
     subprocess.run([sys.executable, str(FW / "make.py"), str(tmp_path)], check=True, capture_output=True, timeout=600)
     for folder, (layout, _) in FOLDERS.items():
         r = resolve(tmp_path / folder)
