@@ -98,6 +98,31 @@ def convert_to_safetensors(
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
+    if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
+        from ckptfix.frameworks import convert_folder, resolve
+
+        fw = resolve(src)
+        if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights
+            rep: ConvertReport = convert_folder(
+                fw,
+                os.fspath(dst) if dst is not None else None,
+                to="safetensors",
+                key=key,
+                strip_prefix=strip_prefix,
+                max_shard_size=max_shard_size,
+                include_optimizer=include_optimizer,
+                verify=verify,
+                force=force,
+                fsync=fsync,
+                allow_globals=allow_globals,
+                trust=trust,
+                progress=progress,
+                ckptfix_metadata=ckptfix_metadata,
+                keep=keep,
+                allow_expand=allow_expand,
+                jobs=jobs,
+            )
+            return rep
     dst = os.fspath(dst) if dst is not None else default_st_output(src)
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     if not max_shard_size:
