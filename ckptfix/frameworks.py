@@ -254,8 +254,8 @@ def _detect_dcp(folder: str, names: list[str]) -> Resolved | None:
 def _detect_hf_model(folder: str, names: list[str]) -> Resolved | None:
     """A Hugging Face model folder (``save_pretrained``): ``config.json`` and/or the weight names."""
     w = _weights_in(folder, names)
-    if w is None:
-        return None
+    if w is None or (w.endswith(".index.json") and "config.json" not in names):
+        return None  # shards + index alone: the plain sharded format already reads the folder
     return Resolved(folder, _BY_NAME["hf-model"], w, _others(folder, names, w))
 
 
