@@ -268,6 +268,23 @@ def _render_release(done: ReleaseResult, as_json: bool) -> None:
         info(f"no live timed lease {scope} in {done.directory}: nothing to release")
 
 
+def _restore_signal_dispositions() -> None:
+    """Give COMMAND the signal dispositions a shell would: Python ignores SIGPIPE and SIGXFSZ (and exec keeps
+    an ignored signal ignored), so without this `pick-gpu -- sh -c 'yes | head -1'` makes ``yes`` print
+    "Broken pipe" instead of dying quietly.  Handlers Python installed (SIGINT) revert to the default at exec
+    by themselves; a signal ignored by whoever started ckptfix (``nohup``, a background job) stays ignored,
+    as it would under a shell; and no signal stays blocked.
+    """
+    import signal
+
+    for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[int]) -> int:
     """Become COMMAND (``execvp``) with the chosen GPUs; the flock'ed lease fds are inherited across exec.
 
@@ -279,6 +296,7 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
     os.environ.update(env_update)
     for fd in fds:
         os.set_inheritable(fd, True)
+    _restore_signal_dispositions()
     sys.stdout.flush()
     sys.stderr.flush()
     try:
