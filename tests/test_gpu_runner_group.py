@@ -15,7 +15,7 @@ from ckptfix.gpu.runner import run_parallel, subprocess_runner
 HUNG = """#!/bin/sh
 # a hung nvidia-smi that started helpers of its own
 sleep 300 & echo $! >> "{pids}"
-sh -c 'sleep 300' & echo $! >> "{pids}"
+sh -c 'sleep 300 & echo $! >> "{pids}"; wait' &
 wait
 """
 
