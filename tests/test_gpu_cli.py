@@ -361,7 +361,8 @@ def test_pick_gpu_json(fake_env):
     assert doc["chosen"][0]["uuid"] == H200_FREE
     assert doc["chosen"][0]["reason"] == (
         "139.9 GiB free, 0% util, 0 process(es); "
-        "ties with GPU 4 on free GiB, utilization and processes; lower nvidia-smi index"
+        "free memory within 512 MiB of GPU 4 (143,269 MiB vs 143,025 MiB: counted as equal), "
+        "same utilization and processes; lower nvidia-smi index"
     )
     assert doc["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert len(doc["leases"]) == 2

@@ -142,7 +142,8 @@ def pick_gpu_cmd(
     Candidates are the GPUs visible to the caller (an existing CUDA_VISIBLE_DEVICES
     is respected).  GPUs with MIG enabled, with unavailable memory, leased by
     another pick-gpu, or failing the filters are skipped; the rest are ranked by
-    free memory (to the GiB), then utilization, then process count.  Memory in use
+    free memory (exact MiB; within 512 MiB counts as equal), then utilization,
+    then process count.  Memory in use
     with no visible process (another container) counts as a process.
 
     \b

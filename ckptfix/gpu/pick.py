@@ -5,7 +5,8 @@ Nothing here imports torch.
 Ranking (pure, :func:`rank_gpus`): among the devices visible to the caller, drop
 MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
 those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
-free memory (to the GiB, so 0 MiB and 292 MiB of residue tie), then utilization,
+free memory in exact MiB, where GPUs within :data:`FREE_TOLERANCE_MIB` (512 MiB) of the freest of their
+group count as equal (so 0 MiB and 292 MiB of residue tie), then utilization,
 then process count, then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
@@ -171,26 +172,55 @@ def _effective_procs(g: VisibleGpu) -> int:
     return procs
 
 
-def _sort_key(g: VisibleGpu) -> tuple[int, int, int, int]:
-    free_gib = (g.memory_free_mib or 0) // 1024
+#: free memory within this many MiB counts as equal when ranking (driver residue of a freed GPU is 0-300 MiB)
+FREE_TOLERANCE_MIB = 512
+
+
+def _tie_key(g: VisibleGpu) -> tuple[int, int, int]:
     util = g.utilization_pct if g.utilization_pct is not None else 101
-    return (-free_gib, util, _effective_procs(g), g.smi_index)
+    return (util, _effective_procs(g), g.smi_index)
 
 
-def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
+def _order(devices: Sequence[VisibleGpu]) -> list[list[VisibleGpu]]:
+    """Most free memory first, compared in exact MiB; GPUs within :data:`FREE_TOLERANCE_MIB` of the freest of
+    their group count as equal and are ordered by utilization, then processes, then nvidia-smi index."""
+    by_free = sorted(devices, key=lambda g: (-(g.memory_free_mib or 0), g.smi_index))
+    out: list[list[VisibleGpu]] = []
+    i = 0
+    while i < len(by_free):
+        top = by_free[i].memory_free_mib or 0
+        j = i
+        while j < len(by_free) and top - (by_free[j].memory_free_mib or 0) <= FREE_TOLERANCE_MIB:
+            j += 1
+        out.append(sorted(by_free[i:j], key=_tie_key))
+        i = j
+    return out
+
+
+def _mib(mib: int | None) -> str:
+    return "?" if mib is None else f"{mib:,} MiB"
+
+
+def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     if b is None:
         return "the only candidate left"
-    ka, kb = _sort_key(a), _sort_key(b)
-    if ka[0] != kb[0]:
+    fa, fb = a.memory_free_mib or 0, b.memory_free_mib or 0
+    if not same_group:
         return (
             f"more free memory than the next candidate GPU {b.smi_index} "
-            f"({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+            f"({_mib(fa)} vs {_mib(fb)}, {fa - fb:,} MiB more: beyond the {FREE_TOLERANCE_MIB} MiB tolerance)"
         )
+    ka, kb = _tie_key(a), _tie_key(b)
+    near = (
+        f"free memory within {FREE_TOLERANCE_MIB} MiB of GPU {b.smi_index} ({_mib(fa)} vs {_mib(fb)}: counted as equal)"
+    )
+    if ka[0] != kb[0]:
+        ua = "?" if a.utilization_pct is None else f"{a.utilization_pct}%"
+        ub = "?" if b.utilization_pct is None else f"{b.utilization_pct}%"
+        return f"{near}, lower utilization ({ua} vs {ub})"
     if ka[1] != kb[1]:
-        return f"same free GiB as GPU {b.smi_index}, lower utilization ({a.utilization_pct}% vs {b.utilization_pct}%)"
-    if ka[2] != kb[2]:
-        return f"same free GiB and utilization as GPU {b.smi_index}, fewer processes ({ka[2]} vs {kb[2]})"
-    return f"ties with GPU {b.smi_index} on free GiB, utilization and processes; lower nvidia-smi index"
+        return f"{near}, same utilization, fewer processes ({ka[1]} vs {kb[1]})"
+    return f"{near}, same utilization and processes; lower nvidia-smi index"
 
 
 def rank_gpus(
@@ -221,7 +251,10 @@ def rank_gpus(
         elif g.id in leased:
             rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
         elif criteria.min_free_mib is not None and g.memory_free_mib < criteria.min_free_mib:
-            rejected.append(Rejected(g, f"{_gib(g.memory_free_mib)} free < --min-free {_gib(criteria.min_free_mib)}"))
+            have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
+            if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
+                have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
+            rejected.append(Rejected(g, f"{have} free < --min-free {need}"))
         elif criteria.max_util is not None and g.utilization_pct is None:
             rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
         elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
@@ -241,7 +274,9 @@ def rank_gpus(
             rejected.append(Rejected(g, f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}"))
         else:
             ok.append(g)
-    ok.sort(key=_sort_key)
+    ordered = _order(ok)
+    groups = {id(g): k for k, grp in enumerate(ordered) for g in grp}
+    ok = [g for grp in ordered for g in grp]
     ranked = []
     for i, g in enumerate(ok):
         nxt = ok[i + 1] if i + 1 < len(ok) else None
@@ -253,7 +288,8 @@ def rank_gpus(
         )
         nprocs = "?" if g.process_count is None else str(g.process_count)
         desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
-        ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt)}"))
+        same = nxt is not None and groups[id(g)] == groups[id(nxt)]
+        ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt, same)}"))
     return ranked, rejected
 
 
