@@ -52,7 +52,8 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
     hides all (the table / --json document is still printed: every physical GPU
     with cuda_index null, and the problem cvd_empty with its fix); 25 nvidia-smi
-    failed; 26 driver not loaded; 27 driver/library version mismatch.
+    failed; 28 nvidia-smi printed a row that does not parse; 26 driver not
+    loaded; 27 driver/library version mismatch.
     """
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.render import render_gpus
@@ -162,7 +163,8 @@ def pick_gpu_cmd(
     \b
     Exit codes: 0 ok (with COMMAND: the command's exit code); 20 nvidia-smi
     missing; 21 no GPU; 22 no GPU fits; 23 --wait timed out; 25 nvidia-smi
-    failed; 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
+    failed; 28 nvidia-smi printed a row that does not parse (named in the
+    error; nothing is picked); 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
