@@ -13,7 +13,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ckptfix.errors import CkptfixError, GpuQueryError
+from ckptfix.errors import (
+    CkptfixError,
+    DriverMismatchError,
+    DriverNotLoadedError,
+    GpuQueryError,
+    GpuToolingError,
+)
 from ckptfix.gpu.records import Problem
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
@@ -261,10 +267,57 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
     return problems
 
 
+#: gpu_error_kind -> (problem code, fix) for the driver problems that are not "no GPU"
+_DRIVER_FIXES: dict[str, tuple[str, str]] = {
+    "driver_not_loaded": (
+        "driver_not_loaded",
+        "load the NVIDIA kernel module (`sudo modprobe nvidia`), or reboot after a driver install; in a "
+        "container, run it with the GPUs (`docker run --gpus all`, or the pod's nvidia.com/gpu resource); "
+        "until then torch runs on CPU only",
+    ),
+    "driver_mismatch": (
+        "driver_mismatch",
+        "the driver was upgraded but the old kernel module is still loaded: reboot (or stop every GPU process and "
+        "reload the modules: `sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia`); "
+        "until then torch runs on CPU only",
+    ),
+    "no_nvidia_smi": (
+        "no_gpu",
+        "install the NVIDIA driver (it brings nvidia-smi; or set CKPTFIX_NVIDIA_SMI to where it is), or run on CPU",
+    ),
+    "no_gpu": (
+        "no_gpu",
+        "check `dmesg` for a failed device, or the GPUs granted to this container/job; otherwise run on CPU",
+    ),
+}
+
+
+def gpu_error_kind_of(e: CkptfixError) -> str:
+    """Which of doctor's GPU problems an error of :func:`ckptfix.gpu.visible_gpus` is.
+
+    Args:
+        e: the error.
+
+    Returns:
+        ``"query"`` (nvidia-smi failed or hung), ``"driver_not_loaded"``, ``"driver_mismatch"``,
+        ``"no_nvidia_smi"`` or ``"no_gpu"``.
+    """
+    if isinstance(e, GpuQueryError):
+        return "query"
+    if isinstance(e, DriverNotLoadedError):
+        return "driver_not_loaded"
+    if isinstance(e, DriverMismatchError):
+        return "driver_mismatch"
+    if isinstance(e, GpuToolingError):
+        return "no_nvidia_smi"
+    return "no_gpu"
+
+
 def _gpu_error_problem(gpu_error: str, kind: str) -> Problem:
-    """nvidia-smi hung or failed (``kind="query"``), or there is no usable GPU."""
+    """nvidia-smi hung or failed (``kind="query"``), a driver problem, or there is no usable GPU."""
     if kind != "query":
-        return Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU")
+        code, fix = _DRIVER_FIXES.get(kind, _DRIVER_FIXES["no_gpu"])
+        return Problem(code, gpu_error, fix)
     hung = "did not answer" in gpu_error
     return Problem(
         "nvidia_smi_hung" if hung else "nvidia_smi_failed",
@@ -331,8 +384,9 @@ def diagnose(
         view: the GPU view, ``None`` when nvidia-smi failed.
         gpu_error: why it failed (the error text).
         env: the environment.
-        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
-            or hung: the GPUs are there but in trouble).
+        gpu_error_kind: from :func:`gpu_error_kind_of`: ``"query"`` (nvidia-smi failed or hung: the GPUs are
+            there but in trouble), ``"driver_not_loaded"``, ``"driver_mismatch"``, ``"no_nvidia_smi"`` or
+            ``"no_gpu"``.
         windows: use the Windows driver minimums.
 
     Returns:
@@ -376,11 +430,9 @@ def doctor_report(
     gpu_error: str | None = None
     try:
         view = visible_gpus(env=environ, runner=runner, timeout=timeout)  # before torch is imported
-    except GpuQueryError as e:
-        gpu_error = f"{e} (exit code {e.exit_code})"
-        gpu_error_kind = "query"
     except CkptfixError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
+        gpu_error_kind = gpu_error_kind_of(e)
     tinfo = torch_info()
     environment = {
         k: environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")
