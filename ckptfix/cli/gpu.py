@@ -112,7 +112,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     default=None,
     metavar="SECONDS",
     help="Reserve the picked GPUs against other pickers for this long (default 120; 0: only look). "
-    "With `-- COMMAND` the lease lasts as long as the command.",
+    "With `-- COMMAND` the lease lasts as long as the command (--lease 0: none).",
 )
 @click.option(
     "--release",
@@ -187,6 +187,11 @@ def pick_gpu_cmd(
         raise click.UsageError("--export/--json print the choice; they cannot be combined with a COMMAND")
     if export and as_json:
         raise click.UsageError("choose one of --export and --json")
+    if command and lease is not None and lease > 0:
+        raise click.UsageError(
+            f"--lease {lease:g} does not apply with -- COMMAND: the lease lasts as long as the command; "
+            "drop --lease (or give --lease 0 to take none)"
+        )
     try:
         result = choose_gpus(
             n,
@@ -195,7 +200,8 @@ def pick_gpu_cmd(
             max_procs=max_procs,
             wait=wait,
             interval=interval,
-            lease=True if command else lease,  # `-- COMMAND` holds the lease for the command's life
+            # `-- COMMAND` holds the lease for the command's life; --lease 0 takes none
+            lease=(lease != 0) if command and lease is not None else (True if command else lease),
             by=ids,
             new_token=export,
             timeout=timeout,
@@ -211,8 +217,11 @@ def pick_gpu_cmd(
     if command:
         from ckptfix.gpu.leases import LEASES_HELD_ENV
 
-        env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in result.leases)})
-        return _exec_with(command, env, [le.fd for le in result.leases if le.fd is not None])
+        if lease == 0:
+            info("no lease taken (--lease 0): another pick-gpu may choose the same GPU(s) while the command runs")
+        held = [le for le in result.leases if le.fd is not None]
+        env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in held)})
+        return _exec_with(command, env, [le.fd for le in held if le.fd is not None])
     return 0
 
 
@@ -280,7 +289,7 @@ def _restore_signal_dispositions() -> None:
     """
     import signal
 
-    for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ"):
+    for name in ("SIGPIPE", "SIGXFSZ"):
         sig = getattr(signal, name, None)
         if sig is not None:
             signal.signal(sig, signal.SIG_DFL)

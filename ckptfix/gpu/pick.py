@@ -327,12 +327,13 @@ class PickResult:
         does not matter -- unless an index-based ``CUDA_VISIBLE_DEVICES`` chose the candidates: then which
         GPUs those are is itself a guess.
         """
+        mine = [le.warning for le in self.leases if le.warning]
         if self.view is None:
-            return []
+            return mine
         if self.view.spec is not None and self.view.spec.kind == "index":
-            return list(self.view.warnings)
+            return list(self.view.warnings) + mine
         moot = {str(p) for p in self.view.problems if p.code == "order_uncertain"}
-        return [w for w in self.view.warnings if w not in moot]
+        return [w for w in self.view.warnings if w not in moot] + mine
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ckptfix pick-gpu --json`` document.
@@ -348,7 +349,8 @@ class PickResult:
             "rejected": [r.to_dict() for r in self.rejected],
             "leases": [lease.to_dict() for lease in self.leases],
             "waited_s": round(self.waited_s, 3),
-            "warnings": list(self.view.warnings) if self.view else [],
+            "warnings": (list(self.view.warnings) if self.view else [])
+            + [le.warning for le in self.leases if le.warning],
         }
 
 
