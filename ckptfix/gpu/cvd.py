@@ -43,6 +43,9 @@ class VisibleSpec:
     emptied_by_duplicate: bool = False
     stopped_at: str | None = None  # the entry that stopped the list, if any
     read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
+    # with emptied_by_duplicate: the entries read up to the repeated one ("0,9,0" -> (0, 9)); an index past the
+    # last GPU among them ends the list by NVIDIA's documented rule before the repeat is ever seen
+    before_duplicate: tuple[Any, ...] = ()
 
 
 def strtoul_prefix(s: str) -> int | None:
@@ -101,6 +104,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
                     (),
                     (f"entry {elem!r} appears twice: CUDA then hides every GPU",),
                     emptied_by_duplicate=True,
+                    before_duplicate=tuple(seen),
                 )
             if not elem.startswith(prefix):
                 other = "an index" if strtoul_prefix(elem) is not None else "not a " + prefix + " id"
@@ -122,6 +126,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
                 (),
                 (f"index {x} appears twice: CUDA then hides every GPU",),
                 emptied_by_duplicate=True,
+                before_duplicate=tuple(ints),
             )
         if x is None or x < 0:
             why = "negative" if x is not None else "not a number"
@@ -149,9 +154,29 @@ def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
         return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
     if spec.emptied_by_duplicate:
         return "list each GPU once"
-    if spec.kind == "index" and not spec.entries:
-        n = len(gpus)
-        return "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist " + (
-            f"(indices 0..{n - 1}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)"
-        )
-    return "remove the invalid entry (use indices or UUIDs from `ckptfix gpus`, not both)"
+    n = len(gpus)
+    valid = f"indices 0..{n - 1}" if n else "no index (no GPU is listed here)"
+    stopped = (spec.stopped_at or "").strip()
+    if spec.kind == "index" and stopped.startswith(("GPU-", "MIG-")):
+        return f"use indices or UUIDs from `ckptfix gpus`, not both (here: {valid})"
+    if spec.kind in ("uuid", "mig") and stopped and strtoul_prefix(stopped) is not None:
+        return "use UUIDs or indices from `ckptfix gpus`, not both"
+    if spec.kind == "index":
+        out = [e for e in spec.entries if isinstance(e, int) and e >= n]
+        if out and gpus:
+            where = "every index" if len(out) == len(spec.entries) else f"index {out[0]}"
+            return (
+                f"{where} in it is past this machine's last GPU ({n} GPU(s) here: {valid}; an index of the host "
+                f"or of another machine is not valid inside this container or job): use {valid}, or UUIDs from "
+                "`ckptfix gpus`"
+            )
+        if not spec.entries:
+            return "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist " + (
+                f"({valid}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)"
+            )
+        if stopped:
+            return (
+                f"remove the entry {stopped!r}: CUDA_VISIBLE_DEVICES takes comma-separated indices ({valid}) or "
+                "GPU UUIDs from `ckptfix gpus`"
+            )
+    return f"remove the invalid entry (use {valid}, or UUIDs from `ckptfix gpus`)"

@@ -278,6 +278,38 @@ def _select(
     return chosen, [], problems
 
 
+def _duplicate_after_invalid(
+    spec: VisibleSpec, gpus: Sequence[SmiGpu], ordered: Sequence[SmiGpu]
+) -> tuple[Chosen, Problem] | None:
+    """``0,9,0`` on a 2-GPU machine: the entry ``9`` ends the list by NVIDIA's documented rule (CUDA sees GPU 0),
+    while torch's emulation (``torch.cuda._parse_visible_devices``) rejects the repeated ``0`` first and hides
+    every GPU.  The driver's order of the two checks is not documented: ``(documented devices, cvd_uncertain)``,
+    or ``None`` when the two readings agree."""
+    if not spec.emptied_by_duplicate or not spec.before_duplicate:
+        return None
+    alt = VisibleSpec(spec.raw, spec.kind, spec.before_duplicate)
+    chosen, _, problems = _select(alt, gpus, ordered)
+    if not any(p.code == "cvd_truncated" for p in problems):
+        return None  # every entry before the repeat is valid: both rules hide every GPU
+    got = ", ".join(
+        f"cuda:{i} = {'MIG device ' + m.uuid if m is not None else f'GPU {g.index}'}" for i, (g, m) in enumerate(chosen)
+    )
+    documented = got if chosen else "no GPU"
+    stop = next(p for p in problems if p.code == "cvd_truncated")
+    keep = ",".join(str(e) for e in spec.before_duplicate[: len(chosen)])
+    return chosen, Problem(
+        "cvd_uncertain",
+        f"CUDA_VISIBLE_DEVICES={spec.raw!r} reads two ways: by NVIDIA's documented rule an invalid entry ends the "
+        f"list ({stop.message.split(': ', 1)[-1] if ': ' in stop.message else stop.message}), which gives "
+        f"{documented}; torch's emulation (torch.cuda._parse_visible_devices) rejects the repeated entry first, "
+        "which hides every GPU. Which the driver applies is not documented, so the answer is uncertain (the "
+        "table shows the documented reading)",
+        f"write only the GPUs you mean, each once (e.g. CUDA_VISIBLE_DEVICES={keep})"
+        if keep
+        else "write only the GPUs you mean, each once",
+    )
+
+
 # ----------------------------------------------------------------------------- the view
 
 
@@ -308,6 +340,10 @@ def build_view(
     problems += diagnosis.spec_problems(
         spec, gpus, any_chosen=bool(chosen), already_empty=any(p.code == "cvd_empty" for p in problems)
     )
+    uncertain = _duplicate_after_invalid(spec, gpus, ordered)
+    if uncertain is not None:  # NVIDIA's documented rule and torch's emulation disagree: show the former, say so
+        chosen, problem = uncertain
+        problems = [p for p in problems if p.code != "cvd_empty"] + [problem]
 
     pci_pos = {id(g): i for i, g in enumerate(pci_order(gpus))}
     devices = [_to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(chosen)]
@@ -321,7 +357,7 @@ def build_view(
     problems += diagnosis.device_problems(devices, gpus, mig_listed=snapshot.mig_listed)
     if cuda_is_initialized:
         problems.append(diagnosis.CUDA_INITIALIZED)
-    certain = by_id or (models_certain and not unreadable and not mig_rows)
+    certain = (by_id or (models_certain and not unreadable and not mig_rows)) and uncertain is None
     return GpuView(
         devices=tuple(devices),
         physical=tuple(gpus),
