@@ -402,7 +402,7 @@ def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
     assert r.rc == 0, r
     assert r.out == "0,1,3,2\n"
     r = run_cli("pick-gpu", "-n", "5", "--lease", "0", scenario="mig_host", env=fake_env)
-    assert r.rc == 22 and "a MIG device: its memory and utilization are not reported" in r.err
+    assert r.rc == 22 and "a CUDA process sees a single MIG instance: -n 5 cannot use MIG devices" in r.err
     r = run_cli("pick-gpu", scenario="k8s_insufficient_permissions", env=fake_env)
     assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
     r = run_cli("pick-gpu", scenario="gb10_unified_memory", env=fake_env)

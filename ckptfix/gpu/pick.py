@@ -238,11 +238,16 @@ def rank_gpus(
     """
     leased = leased or {}
     ok: list[VisibleGpu] = []
+    migs: list[VisibleGpu] = []
     rejected: list[Rejected] = []
     for g in devices:
         procs = _effective_procs(g)
         if g.mig_device is not None:
-            rejected.append(Rejected(g, "a MIG device: its memory and utilization are not reported, cannot rank it"))
+            why = _mig_rejection(g, criteria)
+            if why is None:
+                migs.append(g)
+            else:
+                rejected.append(Rejected(g, why))
         elif g.mig_enabled:
             rejected.append(Rejected(g, "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)"))
         elif g.memory_free_mib is None or g.memory_total_mib is None:
@@ -290,7 +295,37 @@ def rank_gpus(
         desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
         same = nxt is not None and groups[id(g)] == groups[id(nxt)]
         ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt, same)}"))
+    # MIG devices after whole GPUs: the biggest slice first (their use is not reported; leases tell them apart)
+    migs.sort(key=lambda g: (-(g.memory_total_mib or 0), g.smi_index, g.mig_device.device_index if g.mig_device else 0))
+    for g in migs:
+        if g.id in leased:
+            rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
+            continue
+        m = g.mig_device
+        ranked.append(
+            Ranked(
+                g,
+                len(ranked) + 1,
+                0,
+                f"MIG {m.profile if m else '?'} slice of GPU {g.smi_index} ({_gib(g.memory_total_mib)}); memory use "
+                "and utilization are not reported per MIG device, so slices are told apart by leases, biggest first",
+            )
+        )
     return ranked, rejected
+
+
+def _mig_rejection(g: VisibleGpu, criteria: Criteria) -> str | None:
+    """Why a MIG device cannot be picked for ``criteria``, or ``None``."""
+    if criteria.n > 1:
+        return f"a MIG device, and a CUDA process sees a single MIG instance: -n {criteria.n} cannot use MIG devices"
+    if criteria.max_util is not None:
+        return "a MIG device: utilization is not reported per MIG device and --max-util was given"
+    if criteria.max_procs is not None:
+        return "a MIG device: processes are not reported per MIG device and --max-procs was given"
+    size = g.memory_total_mib
+    if criteria.min_free_mib is not None and (size is None or size < criteria.min_free_mib):
+        return f"a MIG slice of {_gib(size)} < --min-free {_gib(criteria.min_free_mib)}"
+    return None
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -408,7 +443,7 @@ def choose_and_lease(
     Raises:
         OutputError: the lease directory or a lease file is unusable or unsafe (exit code 9).
     """
-    ranked, rejected = rank_gpus(view.devices, criteria)
+    ranked, rejected = rank_gpus(view.candidates, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
     for r in ranked:
         if len(got) == criteria.n:
@@ -501,7 +536,7 @@ def pick(
     start = clock()
     while True:
         view = get_view()
-        if not view.devices:
+        if not view.candidates:
             cvd = view.cuda_visible_devices
             detail = (
                 f"nvidia-smi sees {len(view.physical)} GPU(s) but CUDA_VISIBLE_DEVICES={cvd!r} hides all of them"
@@ -509,9 +544,9 @@ def pick(
                 else "nvidia-smi lists no GPU"
             )
             raise NoGpuError(f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU")
-        if len(view.devices) < criteria.n:
+        if len(view.candidates) < criteria.n:
             raise NoGpuFitsError(
-                f"asked for {criteria.n} GPU(s) but only {len(view.devices)} are visible to this process: "
+                f"asked for {criteria.n} GPU(s) but only {len(view.candidates)} are visible to this process: "
                 "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
             )
         result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by, token=token)

@@ -60,6 +60,14 @@ class GpuView:
     warnings: tuple[str, ...] = ()
     problems: tuple[Problem, ...] = field(default=())
     spec: VisibleSpec | None = None
+    # every MIG device CUDA_VISIBLE_DEVICES names, when it names several (CUDA enumerates only the first): the
+    # devices a job given these slices may choose from, one per process (pick-gpu leases one by its UUID)
+    mig_named: tuple[VisibleGpu, ...] = ()
+
+    @property
+    def candidates(self) -> tuple[VisibleGpu, ...]:
+        """What pick-gpu chooses from: the devices CUDA sees, or every MIG device ``CUDA_VISIBLE_DEVICES`` names."""
+        return self.mig_named or self.devices
 
     def cuda_index_of(self, g: SmiGpu) -> int | None:
         """``cuda:N`` of the whole physical GPU ``g`` in this environment, ``None`` if CUDA does not see it.
@@ -340,6 +348,10 @@ def build_view(
     problems += diagnosis.spec_problems(
         spec, gpus, any_chosen=bool(chosen), already_empty=any(p.code == "cvd_empty" for p in problems)
     )
+    mig_named: Chosen = []
+    if spec.kind == "mig" and len(chosen) > 1:  # a CUDA process sees a single MIG instance: the first
+        mig_named, chosen = chosen, chosen[:1]
+        problems.append(diagnosis.mig_single_problem(spec, mig_named))
     uncertain = _duplicate_after_invalid(spec, gpus, ordered)
     if uncertain is not None:  # NVIDIA's documented rule and torch's emulation disagree: show the former, say so
         chosen, problem = uncertain
@@ -369,6 +381,9 @@ def build_view(
         warnings=tuple(snapshot.warnings) + tuple(str(p) for p in problems),
         problems=tuple(problems),
         spec=spec,
+        mig_named=tuple(
+            _to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(mig_named)
+        ),
     )
 
 
