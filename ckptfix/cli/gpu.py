@@ -49,16 +49,33 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     also learn whether CUDA is already initialised there.
 
     \b
+    Without nvidia-smi (a login node) it still says what CUDA_VISIBLE_DEVICES
+    asks for (stdout; with --json the document has no GPUs, its problems and
+    "error"), then exits 20.
+
+    \b
     Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
     hides all (the table / --json document is still printed: every physical GPU
     with cuda_index null, and the problem cvd_empty with its fix); 25 nvidia-smi
     failed; 28 nvidia-smi printed a row that does not parse; 26 driver not
     loaded; 27 driver/library version mismatch.
     """
+    from ckptfix.errors import GpuToolingError
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.render import render_gpus
+    from ckptfix.gpu.visible import driverless_view
 
-    view = visible_gpus(timeout=timeout)
+    try:
+        view = visible_gpus(timeout=timeout)
+    except GpuToolingError as e:  # no nvidia-smi (a login node): the CUDA_VISIBLE_DEVICES rules need no driver
+        view = driverless_view(os.environ, e)
+        if as_json:
+            emit_json(view.to_dict())
+        else:
+            click.echo(view.cvd_summary)
+            for w in view.warnings:
+                warn(w)
+        raise
     if as_json:
         emit_json(view.to_dict())
     else:

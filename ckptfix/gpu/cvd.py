@@ -27,7 +27,7 @@ from typing import Any, Literal, Sequence
 
 from ckptfix.gpu.records import SmiGpu
 
-__all__ = ["Kind", "VisibleSpec", "strtoul_prefix", "parse_visible_devices", "cvd_fix"]
+__all__ = ["Kind", "VisibleSpec", "strtoul_prefix", "parse_visible_devices", "cvd_fix", "describe_spec"]
 
 Kind = Literal["all", "none", "index", "uuid", "mig"]
 
@@ -155,7 +155,7 @@ def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
     if spec.emptied_by_duplicate:
         return "list each GPU once"
     n = len(gpus)
-    valid = f"indices 0..{n - 1}" if n else "no index (no GPU is listed here)"
+    valid = f"indices 0..{n - 1}" if n else "indices of the machine the job runs on"
     stopped = (spec.stopped_at or "").strip()
     if spec.kind == "index" and stopped.startswith(("GPU-", "MIG-")):
         return f"use indices or UUIDs from `ckptfix gpus`, not both (here: {valid})"
@@ -180,3 +180,48 @@ def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
                 "GPU UUIDs from `ckptfix gpus`"
             )
     return f"remove the invalid entry (use {valid}, or UUIDs from `ckptfix gpus`)"
+
+
+FULL_UUID_LEN = len("GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90")
+
+
+def describe_spec(spec: VisibleSpec) -> str:
+    """What CUDA will do with ``CUDA_VISIBLE_DEVICES`` on any machine, in one sentence (no driver needed).
+
+    ``"GPU-28780eb0,1gpu,0"``: CUDA will use at most ``GPU-28780eb0`` (a prefix that must match exactly one GPU
+    where the job runs) and ignores ``'1gpu'`` and everything after it.
+
+    Args:
+        spec: the parsed variable.
+
+    Returns:
+        The sentence.
+    """
+    head = f"CUDA_VISIBLE_DEVICES={spec.raw!r}"
+    if spec.kind == "all":
+        return "CUDA_VISIBLE_DEVICES is unset: CUDA will use every GPU of the machine the job runs on"
+    if spec.kind == "none":
+        return f"{head}: CUDA will see no GPU"
+    if spec.emptied_by_duplicate:
+        return f"{head}: an entry appears twice, so CUDA will see no GPU"
+    if not spec.entries:
+        return f"{head}: no entry is usable ({spec.stopped_at!r} is the first), so CUDA will see no GPU"
+    if spec.kind == "index":
+        listed = ", ".join(f"cuda:{i} = index {e}" for i, e in enumerate(spec.entries))
+        what = (
+            f"{listed} (indices count in CUDA_DEVICE_ORDER on the machine the job runs on; an index past its last GPU "
+            "ends the list there)"
+        )
+    else:
+        short = [e for e in spec.entries if len(e) < FULL_UUID_LEN and e.startswith("GPU-")]
+        what = ", ".join(spec.entries) + (
+            " (a UUID prefix: it must match exactly one GPU of the machine the job runs on, else CUDA sees none)"
+            if short and len(spec.entries) == 1
+            else " (UUID prefixes must each match exactly one GPU where the job runs)"
+            if short
+            else ""
+        )
+        if spec.kind == "mig" and len(spec.entries) > 1:
+            what += "; a CUDA process sees a single MIG instance: only the first"
+    tail = f"; it ignores {spec.stopped_at!r} and everything after it" if spec.stopped_at is not None else ""
+    return f"{head}: CUDA will use at most {what}{tail}"

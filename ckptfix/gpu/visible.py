@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ckptfix.errors import NoGpuError
+from ckptfix.errors import CkptfixError, NoGpuError
 from ckptfix.gpu import diagnosis
 from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized
-from ckptfix.gpu.cvd import VisibleSpec, parse_visible_devices, strtoul_prefix
+from ckptfix.gpu.cvd import VisibleSpec, describe_spec, parse_visible_devices, strtoul_prefix
 from ckptfix.gpu.order import enumeration_order, is_unified_memory, model_info, pci_order, pci_sort_key, speed_key
 from ckptfix.gpu.records import MigDevice, Problem, SmiGpu, SmiSnapshot, VisibleGpu, mig_size_mib
 from ckptfix.gpu.runner import Runner
@@ -24,6 +24,7 @@ from ckptfix.gpu.smi import query
 __all__ = [
     "GpuView",
     "build_view",
+    "driverless_view",
     "visible_gpus",
     "HIDDEN_BUSY_MIB",
     # the records and pure helpers a view is made of, importable from here too
@@ -63,6 +64,9 @@ class GpuView:
     # every MIG device CUDA_VISIBLE_DEVICES names, when it names several (CUDA enumerates only the first): the
     # devices a job given these slices may choose from, one per process (pick-gpu leases one by its UUID)
     mig_named: tuple[VisibleGpu, ...] = ()
+    # set by :func:`driverless_view`: why nvidia-smi could not be asked, and what CUDA_VISIBLE_DEVICES asks for
+    error: CkptfixError | None = None
+    cvd_summary: str | None = None
 
     @property
     def candidates(self) -> tuple[VisibleGpu, ...]:
@@ -136,6 +140,14 @@ class GpuView:
             "physical": [self._physical_dict(g) for g in self.physical],
             "warnings": list(self.warnings),
             "problems": [p.to_dict() for p in self.problems],
+            **(
+                {}
+                if self.error is None
+                else {
+                    "error": {"exit_code": self.error.exit_code, "message": str(self.error)},
+                    "cvd_summary": self.cvd_summary,
+                }
+            ),
         }
 
 
@@ -420,3 +432,37 @@ def visible_gpus(
     wants_mig = (environ.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
     snap = query(runner=runner, timeout=timeout, processes=processes, mig=wants_mig, env=dict(environ))
     return build_view(snap, environ, cuda_is_initialized=cuda_initialized())
+
+
+def driverless_view(env: Mapping[str, str], error: CkptfixError) -> GpuView:
+    """The view where nvidia-smi cannot be asked (a login node without a driver): no GPU, but what
+    ``CUDA_VISIBLE_DEVICES`` asks for needs no driver, so its problems and :func:`describe_spec`'s summary are there.
+
+    Args:
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` apply.
+        error: why nvidia-smi could not be asked (kept in the view and its ``--json`` document).
+
+    Returns:
+        A :class:`GpuView` with no devices, the variable's problems, ``error`` and ``cvd_summary``.
+    """
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    order = env.get("CUDA_DEVICE_ORDER")
+    spec = parse_visible_devices(cvd)
+    problems = diagnosis.spec_problems(spec, [], any_chosen=bool(spec.entries), already_empty=False)
+    bad_order = diagnosis.device_order_problem(order)
+    if bad_order is not None:
+        problems.append(bad_order)
+    return GpuView(
+        devices=(),
+        physical=(),
+        cuda_visible_devices=cvd,
+        cuda_device_order=order,
+        order_certain=spec.kind in ("uuid", "mig", "none"),
+        driver_version=None,
+        cuda_initialized=False,
+        warnings=tuple(str(p) for p in problems),
+        problems=tuple(problems),
+        spec=spec,
+        error=error,
+        cvd_summary=describe_spec(spec),
+    )
