@@ -65,3 +65,88 @@ def test_corrupt_lease_file_does_not_block_pickers(fake_env):
     assert doc["CUDA_VISIBLE_DEVICES"] == H200_FREE
     assert any("corrupt" in w and "stale" in w for w in doc["warnings"]), doc["warnings"]
     assert "corrupt" in r.err
+
+
+# ----------------------------------------------------------------------------- item 10: --exclude, --max-temp, --max-power
+
+
+def test_exclude_by_index_uuid_prefix_and_pci(fake_env):
+    # h200_after_release: free GPUs 2, 4, 5, 6 (2 first)
+    r = run_cli("pick-gpu", "--lease", "0", "--exclude", "2", scenario="h200_after_release", env=fake_env)
+    assert r.rc == 0 and r.out.strip().startswith("GPU-cb449822"), r  # GPU 4: ties with 5 and 6, lowest index
+    r = run_cli(
+        "pick-gpu",
+        "--lease",
+        "0",
+        "--json",
+        "-n",
+        "2",
+        "--exclude",
+        "GPU-4e9e74b7,00000000:9A:00.0",
+        scenario="h200_after_release",
+        env=fake_env,
+    )
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    assert [c["smi_index"] for c in doc["chosen"]] == [5, 6]
+    why = {x["smi_index"]: x["reason"] for x in doc["rejected"]}
+    assert why[2] == "excluded (--exclude GPU-4e9e74b7)" and why[4] == "excluded (--exclude 00000000:9A:00.0)"
+
+
+def test_exclude_naming_no_gpu_is_a_usage_error(fake_env):
+    r = run_cli("pick-gpu", "--exclude", "GPU-nope", scenario="two_free", env=fake_env)
+    assert r.rc == 2 and "--exclude" in r.err and "names no GPU here" in r.err, r
+
+
+def test_max_temp_and_max_power(fake_env):
+    # h200_busy-like values: two_free GPUs are at 33 C and 118.41 W
+    r = run_cli("pick-gpu", "--max-temp", "30", scenario="two_free", env=fake_env)
+    assert r.rc == 22 and "33 C > --max-temp 30" in r.err, r
+    r = run_cli("pick-gpu", "--max-power", "100", scenario="two_free", env=fake_env)
+    assert r.rc == 22 and "118.41 W > --max-power 100" in r.err, r
+    r = run_cli("pick-gpu", "--lease", "0", "--max-temp", "40", "--max-power", "120", scenario="two_free", env=fake_env)
+    assert r.rc == 0, r
+    # an unreported sensor fails the filter
+    r = run_cli("pick-gpu", "--max-temp", "90", scenario="gb10_unified_memory", env=fake_env)
+    assert r.rc == 22 and "temperature unavailable and --max-temp was given" in r.err, r
+
+
+def test_pick_gpu_api_takes_the_new_filters(tmp_path):
+    from ckptfix.gpu import pick_gpu
+
+    from fakesmi import scenario_runner
+
+    env: dict[str, str] = {"CKPTFIX_LEASE_DIR": str(tmp_path / "l")}
+    got = pick_gpu(exclude=["0"], max_temp=50, environ=env, runner=scenario_runner("two_free"), lease=False)
+    assert got.ids == ["GPU-8e137fa6-c3d9-6980-7733-0d8df296756e"]
+
+
+def test_gpus_watch_refreshes_until_ctrl_c(fake_env):
+    import signal
+    import subprocess
+    import time
+
+    from helpers import cli_argv
+
+    p = subprocess.Popen(
+        cli_argv("gpus", "--watch", "0.2"),
+        env=dict(fake_env, FAKE_SMI_SCENARIO="two_free"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    log = Path(fake_env["FAKE_SMI_LOG"])
+    deadline = time.monotonic() + 30  # only to catch a hang
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("query-gpu") < 3):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 0, (out, err)
+    assert out.count("(Ctrl-C to leave)") >= 2 and out.count("cuda:0  0") >= 2, out
+    assert "Traceback" not in err and "Aborted" not in err and "\x1b[" not in out, err
+
+
+def test_gpus_watch_with_json_is_a_usage_error(fake_env):
+    r = run_cli("gpus", "--watch", "1", "--json", scenario="two_free", env=fake_env)
+    assert r.rc == 2 and "--watch" in r.err, r

@@ -36,7 +36,14 @@ timeout_option = click.option(
 @cli.command("gpus")
 @json_option
 @timeout_option
-def gpus_cmd(as_json: bool, timeout: float) -> None:
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Refresh the table every SECONDS until Ctrl-C (which leaves cleanly, exit 0).",
+)
+def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
     \b
@@ -64,6 +71,12 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.render import render_gpus
     from ckptfix.gpu.visible import driverless_view
+
+    if watch is not None:
+        if as_json:
+            raise click.UsageError("--watch refreshes a table; it cannot be combined with --json")
+        _watch_gpus(watch, timeout)
+        return
 
     try:
         view = visible_gpus(timeout=timeout)
@@ -93,6 +106,13 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
 @click.option("--min-free", metavar="SIZE", help="Minimum free memory, e.g. 10GiB, 512MiB (bare number: GiB).")
 @click.option("--max-util", type=click.IntRange(0, 100), metavar="PCT", help="Maximum GPU utilization in percent.")
 @click.option("--max-procs", type=click.IntRange(min=0), metavar="N", help="Maximum compute processes on the GPU.")
+@click.option(
+    "--exclude",
+    metavar="IDS",
+    help="Never pick these GPUs: comma-separated nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.",
+)
+@click.option("--max-temp", type=click.FloatRange(min=0), metavar="C", help="Maximum GPU temperature in degrees C.")
+@click.option("--max-power", type=click.FloatRange(min=0), metavar="W", help="Maximum power draw in watts.")
 @click.option(
     "--export",
     "export",
@@ -144,6 +164,9 @@ def pick_gpu_cmd(
     min_free: str | None,
     max_util: int | None,
     max_procs: int | None,
+    exclude: str | None,
+    max_temp: float | None,
+    max_power: float | None,
     export: bool,
     as_json: bool,
     ids: str,
@@ -158,8 +181,10 @@ def pick_gpu_cmd(
 
     \b
     Candidates are the GPUs visible to the caller (an existing CUDA_VISIBLE_DEVICES
-    is respected).  GPUs with MIG enabled, with unavailable memory, leased by
-    another pick-gpu, or failing the filters are skipped; the rest are ranked by
+    is respected; several MIG devices in it are each a candidate, one per process).
+    GPUs with MIG enabled, with unavailable memory, leased by another pick-gpu,
+    excluded, or failing the filters are skipped (an unreported temperature or
+    power fails --max-temp / --max-power); the rest are ranked by
     free memory (exact MiB; within 512 MiB counts as equal), then utilization,
     then process count.  Memory in use
     with no visible process (another container) counts as a process.
@@ -170,6 +195,7 @@ def pick_gpu_cmd(
       ckptfix pick-gpu --release                # give that lease back
       ckptfix pick-gpu -n 2 --min-free 40GiB -- torchrun --nproc-per-node 2 train.py
       ckptfix pick-gpu --wait 600 --interval 10 -- python train.py
+      ckptfix pick-gpu --exclude 0,GPU-28780eb0 --max-temp 80 --max-power 300
 
     \b
     With `-- COMMAND`, pick-gpu becomes COMMAND (exec): same PID, signals and
@@ -185,7 +211,7 @@ def pick_gpu_cmd(
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
-    from ckptfix.gpu.pick import choose_gpus, release_my_leases
+    from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
 
     if release:
         if (
@@ -196,6 +222,9 @@ def pick_gpu_cmd(
             or min_free
             or max_util is not None
             or max_procs is not None
+            or exclude
+            or max_temp is not None
+            or max_power is not None
         ):
             raise click.UsageError("--release takes no COMMAND and no pick options (only --json)")
         _render_release(release_my_leases(), as_json)
@@ -215,6 +244,9 @@ def pick_gpu_cmd(
             min_free=min_free,
             max_util=max_util,
             max_procs=max_procs,
+            exclude=tuple(e for e in (exclude or "").split(",") if e.strip()),
+            max_temp=max_temp,
+            max_power=max_power,
             wait=wait,
             interval=interval,
             # `-- COMMAND` holds the lease for the command's life; --lease 0 takes none
@@ -224,6 +256,9 @@ def pick_gpu_cmd(
             timeout=timeout,
             on_wait=info,
         )
+    except ExcludeError as e:
+        _export_failure(export, 2)
+        raise click.BadParameter(str(e).removeprefix("--exclude "), param_hint="--exclude") from None
     except ValueError as e:  # --min-free is not a size
         _export_failure(export, 2)
         raise click.BadParameter(str(e), param_hint="--min-free") from None
@@ -240,6 +275,38 @@ def pick_gpu_cmd(
         env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in held)})
         return _exec_with(command, env, [le.fd for le in held if le.fd is not None])
     return 0
+
+
+def _watch_gpus(every: float, timeout: float) -> None:
+    """``gpus --watch``: the table, redrawn every ``every`` seconds (on a terminal the screen is cleared first;
+    otherwise frames follow each other, separated by a blank line), until Ctrl-C, which ends it with exit 0.
+    A failing nvidia-smi shows its error in the frame and the watch goes on."""
+    from ckptfix.gpu import visible_gpus
+    from ckptfix.gpu.render import render_gpus
+
+    tty = sys.stdout.isatty()
+    frame = 0
+    try:
+        while True:
+            try:
+                view = visible_gpus(timeout=timeout)
+                body = render_gpus(view) + "".join(f"\nwarning: {w}" for w in view.warnings)
+            except CkptfixError as e:
+                body = f"Error: {e}"
+            stamp = time.strftime("%H:%M:%S")
+            head = f"every {every:g}s, {stamp} (Ctrl-C to leave)"
+            if tty:
+                click.echo("\033[H\033[2J", nl=False)
+            elif frame:
+                click.echo("")
+            click.echo(f"{head}\n{body}")
+            sys.stdout.flush()
+            frame += 1
+            time.sleep(every)
+    except KeyboardInterrupt:
+        if tty:
+            click.echo("")
+        return
 
 
 def _export_failure(export: bool, code: int) -> None:

@@ -45,6 +45,8 @@ from ckptfix.gpu.visible import GpuView, visible_gpus
 
 __all__ = [
     "Criteria",
+    "ExcludeError",
+    "check_exclude",
     "Ranked",
     "Rejected",
     "PickResult",
@@ -112,6 +114,55 @@ class Criteria:
     min_free_mib: int | None = None
     max_util: int | None = None
     max_procs: int | None = None
+    exclude: tuple[str, ...] = ()  # nvidia-smi indices, GPU/MIG UUIDs (or prefixes) or PCI bus ids
+    max_temp: float | None = None  # degrees C
+    max_power: float | None = None  # watts
+
+
+class ExcludeError(ValueError):
+    """An ``--exclude`` entry that names no GPU here (a typo must not silently exclude nothing)."""
+
+
+def _excluded_by(g: VisibleGpu, ids: Sequence[str]) -> str | None:
+    """The ``--exclude`` entry that names ``g``, or ``None``."""
+    for raw in ids:
+        e = raw.strip()
+        low = e.lower()
+        if e.isdigit() and g.mig_device is None and int(e) == g.smi_index:
+            return e
+        if low.startswith(("gpu-", "mig-")):
+            if g.uuid and g.uuid.lower().startswith(low):  # a whole GPU, or every MIG device of it
+                return e
+            if g.mig_device is not None and g.mig_device.uuid.lower().startswith(low):
+                return e
+        elif ":" in e and g.pci_bus_id and _pci(g.pci_bus_id) == _pci(e):
+            return e
+    return None
+
+
+def _pci(bus_id: str) -> str:
+    """``00000000:3A:00.0`` and ``3a:00.0`` compare equal."""
+    parts = bus_id.strip().lower().split(":")
+    return ":".join(parts[-2:]) if len(parts) >= 2 else bus_id.lower()
+
+
+def check_exclude(ids: Sequence[str], view: GpuView) -> None:
+    """Refuse ``--exclude`` entries that name no GPU (or MIG device) of ``view``.
+
+    Args:
+        ids: the entries.
+        view: the machine.
+
+    Raises:
+        ExcludeError: an entry names nothing here (a usage error, exit 2 in the CLI).
+    """
+    everything = list(view.candidates) + [VisibleGpu(-1, g) for g in view.physical]
+    for e in ids:
+        if not any(_excluded_by(g, [e]) for g in everything):
+            raise ExcludeError(
+                f"--exclude {e!r} names no GPU here: give nvidia-smi indices, GPU or MIG UUIDs (or unique prefixes) "
+                "or PCI bus ids, as `ckptfix gpus` lists them"
+            )
 
 
 @dataclass(frozen=True)
@@ -242,7 +293,13 @@ def rank_gpus(
     rejected: list[Rejected] = []
     for g in devices:
         procs = _effective_procs(g)
-        if g.mig_device is not None:
+        excluded = _excluded_by(g, criteria.exclude)
+        sensor = _sensor_rejection(g, criteria)
+        if excluded is not None:
+            rejected.append(Rejected(g, f"excluded (--exclude {excluded})"))
+        elif sensor is not None:
+            rejected.append(Rejected(g, sensor))
+        elif g.mig_device is not None:
             why = _mig_rejection(g, criteria)
             if why is None:
                 migs.append(g)
@@ -312,6 +369,21 @@ def rank_gpus(
             )
         )
     return ranked, rejected
+
+
+def _sensor_rejection(g: VisibleGpu, criteria: Criteria) -> str | None:
+    """``--max-temp`` / ``--max-power`` (a MIG device reads its GPU's sensors); unknown values fail the filter."""
+    if criteria.max_temp is not None:
+        if g.temperature_c is None:
+            return "temperature unavailable and --max-temp was given"
+        if g.temperature_c > criteria.max_temp:
+            return f"{g.temperature_c:g} C > --max-temp {criteria.max_temp:g}"
+    if criteria.max_power is not None:
+        if g.power_w is None:
+            return "power draw unavailable and --max-power was given"
+        if g.power_w > criteria.max_power:
+            return f"{g.power_w:g} W > --max-power {criteria.max_power:g}"
+    return None
 
 
 def _mig_rejection(g: VisibleGpu, criteria: Criteria) -> str | None:
@@ -536,6 +608,7 @@ def pick(
     start = clock()
     while True:
         view = get_view()
+        check_exclude(criteria.exclude, view)
         if not view.candidates:
             cvd = view.cuda_visible_devices
             detail = (
@@ -597,6 +670,9 @@ def choose_gpus(
     min_free: str | int | float | None = None,
     max_util: int | None = None,
     max_procs: int | None = None,
+    exclude: Sequence[str] = (),
+    max_temp: float | None = None,
+    max_power: float | None = None,
     wait: float = 0.0,
     interval: float = 10.0,
     lease: float | bool | None = None,
@@ -620,6 +696,9 @@ def choose_gpus(
         min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes.
+        exclude: GPUs never to pick: nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.
+        max_temp: maximum temperature in degrees C (an unreported temperature fails it).
+        max_power: maximum power draw in watts (an unreported one fails it).
         wait: seconds to keep retrying until enough GPUs qualify (0: fail at once).
         interval: seconds between retries.
         lease: ``True`` holds the lease lock (for the life of this process, or of a command it execs with the
@@ -639,7 +718,8 @@ def choose_gpus(
         ``lease_seconds`` and ``token``.
 
     Raises:
-        ValueError: ``min_free`` is not a memory size, or ``n`` < 1.
+        ValueError: ``min_free`` is not a memory size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
+            names no GPU here.
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27).
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
         OutputError: the lease directory is unusable or unsafe (9).
@@ -650,6 +730,9 @@ def choose_gpus(
         min_free_mib=None if min_free is None else parse_size_mib(min_free),
         max_util=max_util,
         max_procs=max_procs,
+        exclude=tuple(exclude),
+        max_temp=max_temp,
+        max_power=max_power,
     )
     seconds = _lease_seconds(lease)
     tok = environ.get(LEASE_TOKEN_ENV) if token is None else token
