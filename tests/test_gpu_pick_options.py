@@ -67,7 +67,7 @@ def test_corrupt_lease_file_does_not_block_pickers(fake_env):
     assert "corrupt" in r.err
 
 
-# ----------------------------------------------------------------------------- item 10: --exclude, --max-temp, --max-power
+# ------------------------------------------------------------- item 10: --exclude, --max-temp, --max-power, --watch
 
 
 def test_exclude_by_index_uuid_prefix_and_pci(fake_env):
