@@ -212,7 +212,7 @@ def mig_single_problem(spec: VisibleSpec, named: Sequence[tuple[SmiGpu, MigDevic
         "mig_single",
         f"CUDA_VISIBLE_DEVICES names {len(uuids)} MIG devices, but a CUDA process sees a single MIG instance: "
         f"cuda:0 = {uuids[0]}, and {', '.join(uuids[1:3])}{', ...' if len(uuids) > 3 else ''} "
-        "are not visible to this process (there is no cuda:1)",
+        f"{'is' if len(uuids) == 2 else 'are'} not visible to this process (there is no cuda:1)",
         "run one process per MIG device, each with CUDA_VISIBLE_DEVICES set to one MIG UUID "
         "(`ckptfix pick-gpu -- CMD` picks a free one and leases it by UUID)",
     )

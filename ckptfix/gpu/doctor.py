@@ -245,6 +245,8 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
         else ""
     )
     lacks = rec.get("lacks_arch") or {}
+    if rec.get("build") in rec["builds"] and not rec.get("no_build_fits"):  # only newer builds skipped surprise
+        lacks = {b: who for b, who in lacks.items() if rec["builds"].index(b) > rec["builds"].index(rec["build"])}
     if lacks and rec.get("no_build_fits"):
         note += (
             f"; no CUDA build of torch {rec['torch']} ships kernels for every GPU here ("
@@ -260,7 +262,7 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
             f"is better){note}"
         )
     if rec["command"]:
-        fits = " with kernels for every GPU here" if lacks and not rec.get("no_build_fits") else ""
+        fits = " with kernels for every GPU here" if rec.get("lacks_arch") and not rec.get("no_build_fits") else ""
         return f"{rec['command']} (the newest CUDA build of torch {rec['torch']} that driver {driver} runs{fits}){note}"
     return (
         f"upgrade the NVIDIA driver first, to >= {rec['upgrade_to']} (at the very least {rec['upgrade_to_at_least']}): "
