@@ -15,6 +15,7 @@ from ckptfix.gpu.visible import visible_gpus
 from fakesmi import scenario_runner
 from helpers import fake_smi_env, run_cli
 
+SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
 HEADER = "index, uuid, pci.bus_id, name, memory.total [MiB], memory.used [MiB], memory.free [MiB], utilization.gpu [%]"
 
 
@@ -93,3 +94,20 @@ def test_fallen_off_gpu_is_warned_about_and_the_rest_are_usable(fake_env):
     assert any(p["code"] == "gpu_unreadable" for p in doc["problems"]), doc["problems"]
     r = run_cli("pick-gpu", "--lease", "0", scenario="fallen_off", env=fake_env)
     assert r.rc == 0 and r.out.strip() == "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90", r
+
+
+@pytest.mark.parametrize(
+    "name", ["csv_recorded_1xH200_driver580_units.txt", "csv_recorded_1xH200_driver580_nounits.txt"]
+)
+def test_real_h200_rows_pass_validation(name):
+    text = (SAMPLES / name).read_text().split("\n", 1)[1]
+    (g,), warnings = parse.parse_gpu_csv(text)
+    assert warnings == []
+    assert (g.name, g.memory_total_mib, g.compute_cap, g.max_sm_clock_mhz, g.driver_version) == (
+        "NVIDIA H200",
+        143771,
+        (9, 0),
+        1980,
+        "580.159.04",
+    )
+    assert 0 < (g.power_w or 0) < 1000 and g.mig_enabled is False
