@@ -82,3 +82,17 @@ def test_gpus_in_a_mig_pod_warns_and_lists_one_device(fake_env):
     doc = json.loads(r.out)
     assert [d["mig_device"]["uuid"] for d in doc["devices"]] == [POD_A]
     assert "mig_single" in [p["code"] for p in doc["problems"]]
+
+
+def test_mig_pick_json_is_valid(fake_env):
+    from jsonschema import Draft202012Validator
+
+    from helpers import ROOT
+
+    r = run_cli("pick-gpu", "--json", "--lease", "0", scenario="mig_pod", env=fake_env)
+    assert r.rc == 0, r
+    schema = json.loads((ROOT / "docs" / "schemas" / "pick-gpu.schema.json").read_text())
+    Draft202012Validator(schema).validate(json.loads(r.out))
+    r = run_cli("gpus", "--json", scenario="mig_pod", env=fake_env, CUDA_VISIBLE_DEVICES=f"{POD_A},{POD_B}")
+    schema = json.loads((ROOT / "docs" / "schemas" / "gpus.schema.json").read_text())
+    Draft202012Validator(schema).validate(json.loads(r.out))

@@ -74,3 +74,20 @@ def test_table_covers_every_published_build():
         if key >= min(WHEEL_ARCHS):
             for b in builds:
                 assert wheel_archs(key, b) is not None, (key, b)
+
+
+def test_doctor_json_on_the_old_box_is_valid_and_advises_cu126(tmp_path):
+    import json
+
+    from jsonschema import Draft202012Validator
+
+    from helpers import ROOT, fake_smi_env, run_cli
+
+    r = run_cli("doctor", "--json", scenario="old_arch", env=fake_smi_env(tmp_path))
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    schema = json.loads((ROOT / "docs" / "schemas" / "doctor.schema.json").read_text())
+    Draft202012Validator(schema).validate(doc)
+    fixes = " ".join(p["fix"] for p in doc["problems"] if p["code"] in ("cpu_only_torch", "wheel_lacks_arch"))
+    if doc["torch"].get("installed"):
+        assert "whl/cu126" in fixes and "whl/cu130" not in fixes, fixes
