@@ -63,3 +63,10 @@ def test_cli_json_shows_the_uncertainty(tmp_path: Path):
     doc = json.loads(r.out)
     assert doc["order_certain"] is False and [d["smi_index"] for d in doc["devices"]] == [0]
     assert "cvd_uncertain" in [p["code"] for p in doc["problems"]]
+
+
+def test_pick_gpu_with_every_index_out_of_range_says_so(tmp_path: Path):
+    env = fake_smi_env(tmp_path)
+    r = run_cli("pick-gpu", scenario="two_free", env=env, CUDA_VISIBLE_DEVICES="4,5")
+    assert r.rc == 21, r
+    assert "hides all of them" in r.err and "past this machine's last GPU" in r.err and "not both" not in r.err, r

@@ -616,7 +616,12 @@ def pick(
                 if view.physical
                 else "nvidia-smi lists no GPU"
             )
-            raise NoGpuError(f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU")
+            fix = next((p.fix for p in view.problems if p.code == "cvd_empty"), None) if view.physical else None
+            raise NoGpuError(
+                f"{detail}: {fix} (see `ckptfix gpus`), or run on CPU"
+                if fix
+                else f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU"
+            )
         if len(view.candidates) < criteria.n:
             raise NoGpuFitsError(
                 f"asked for {criteria.n} GPU(s) but only {len(view.candidates)} are visible to this process: "
