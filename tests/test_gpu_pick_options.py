@@ -138,7 +138,11 @@ def test_gpus_watch_refreshes_until_ctrl_c(fake_env):
     )
     log = Path(fake_env["FAKE_SMI_LOG"])
     deadline = time.monotonic() + 30  # only to catch a hang
-    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("query-gpu") < 3):
+
+    def frames_started() -> int:
+        return sum(1 for ln in log.read_text().splitlines() if ln.startswith("query-gpu ")) if log.exists() else 0
+
+    while time.monotonic() < deadline and frames_started() < 4:  # the 4th query: 3 frames printed
         time.sleep(0.05)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
