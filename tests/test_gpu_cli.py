@@ -488,7 +488,7 @@ def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how)
     )
     try:
         deadline = time.time() + 30
-        while not ready.exists() and time.time() < deadline and p.poll() is None:
+        while not (ready.exists() and ready.read_text()) and time.time() < deadline and p.poll() is None:
             time.sleep(0.02)
         assert ready.exists(), p.communicate(timeout=30)
         if how != "timeout":
