@@ -160,6 +160,13 @@ class GpuQueryError(CkptfixError, RuntimeError):
     exit_code = 25
 
 
+class GpuOutputError(GpuQueryError):
+    """``nvidia-smi`` printed a GPU row ckptfix cannot read (a column count or unit that does not fit):
+    nothing is picked from it."""
+
+    exit_code = 28
+
+
 class TrainingError(CkptfixError, RuntimeError):
     """The bundled trainer failed."""
 

@@ -44,6 +44,16 @@ GPUS_CASES: dict[str, tuple[str, dict[str, str]]] = {
     "pci_order_mismatch": ("pci_order_mismatch", {}),
     "driver_not_loaded": ("driver_not_loaded", {}),
     "no_devices": ("no_devices", {}),
+    # issue 23's stand-in machines
+    "comma_locale": ("comma_locale", {}),
+    "fallen_off": ("fallen_off", {}),
+    "mig_pod": ("mig_pod", {}),
+    "mig_pod_two_slices": (
+        "mig_pod",
+        {"CUDA_VISIBLE_DEVICES": "MIG-ac2471ee-ea05-55fe-b7d7-8c31210e7a6e,MIG-960c229f-92b5-5543-8eb5-2999f26ef6b8"},
+    ),
+    "old_arch": ("old_arch", {}),
+    "two_free_cvd_uncertain": ("two_free", {"CUDA_VISIBLE_DEVICES": "0,9,0"}),
 }
 
 DOCTOR_CASES: dict[str, tuple[str, dict[str, str]]] = {
@@ -52,6 +62,8 @@ DOCTOR_CASES: dict[str, tuple[str, dict[str, str]]] = {
     "mig_host": ("mig_host", {}),
     "k8s_insufficient_permissions": ("k8s_insufficient_permissions", {}),
     "driver_not_loaded": ("driver_not_loaded", {}),
+    "old_arch": ("old_arch", {}),
+    "lib_mismatch": ("lib_mismatch", {}),
 }
 
 

@@ -15,7 +15,7 @@ GPU = Path(ckptfix.gpu.__file__).parent
 # lowest first: a module may import only modules of lower layers
 LAYERS: list[set[str]] = [
     {"records", "runner", "cudainit", "leases"},  # records, running nvidia-smi, process state, lease files
-    {"parse", "cvd", "order"},  # pure parsers and CUDA's numbering rules
+    {"parse", "cvd", "order", "wheels"},  # pure parsers, CUDA's numbering rules, torch wheels' architectures
     {"smi", "diagnosis"},  # query = run + parse; problems of a view
     {"visible"},  # GpuView, build_view (selectors), visible_gpus
     {"pick", "doctor"},  # choose_gpus, doctor_report

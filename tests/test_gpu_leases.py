@@ -59,13 +59,19 @@ def test_hard_link_to_another_file_is_refused(tmp_path):
     assert victim.read_text() == "precious"
 
 
-def test_existing_file_that_is_not_a_lease_is_not_truncated(tmp_path):
+def test_corrupt_lease_file_is_a_stale_lease_with_a_warning(tmp_path):
+    # issue 23 item 8: it used to block every picker until removed by hand
     d = _private(tmp_path)
     f = d / f"{KEY}.lease"
-    f.write_text("not a lease record\n")
-    with pytest.raises(OutputError, match="not a ckptfix lease file"):
-        try_lease(d, KEY, 60)
-    assert f.read_text() == "not a lease record\n"
+    f.write_text('{"key": "GPU-x", "pi')  # a write cut short
+    looked, _ = try_lease(d, KEY, 0)
+    assert looked is not None and "corrupt" in (looked.warning or "") and "rewritten" not in looked.warning
+    assert f.read_text() == '{"key": "GPU-x", "pi'  # only looking changes nothing
+    lease, holder = try_lease(d, KEY, 60)
+    assert lease is not None and holder == "", holder
+    assert 'was corrupt (20 bytes: {"key": "GPU-x", "pi): taken as a stale lease and rewritten' in lease.warning
+    record = json.loads(f.read_text())
+    assert record["key"] == KEY and record["expires"] == lease.expires  # a proper lease again
 
 
 def test_world_writable_directory_is_refused(tmp_path):

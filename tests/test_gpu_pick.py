@@ -70,7 +70,10 @@ def test_rank_by_free_then_util_then_procs_then_index():
     ranked, rejected = rank_gpus(devs, Criteria())
     assert [r.gpu.smi_index for r in ranked] == [2, 4, 3, 1, 0]
     assert rejected == []
-    assert "fewer processes" not in ranked[0].reason and "ties with GPU 4" in ranked[0].reason
+    assert (
+        "fewer processes" not in ranked[0].reason
+        and "same utilization and processes; lower nvidia-smi index" in ranked[0].reason
+    )
     assert "fewer processes (0 vs 1)" in ranked[1].reason
     assert "lower utilization (10% vs 50%)" in ranked[2].reason
     assert "more free memory than the next candidate GPU 0" in ranked[3].reason

@@ -197,7 +197,9 @@ def _mig_gpus():
 def test_mig_ids_current_and_legacy():
     g = _mig_gpus()
     v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c5876e6,MIG-GPU-" + U[1][4:] + "/1/0"}, g)
-    assert smi_indices(v) == [2, 1]
+    # a CUDA process sees a single MIG instance: the first; both stay candidates for pick-gpu
+    assert smi_indices(v) == [2] and [d.smi_index for d in v.candidates] == [2, 1]
+    assert "mig_single" in [p.code for p in v.problems]
     assert v.devices[0].name == "A100 MIG 1g.5gb" and v.devices[0].id.startswith("MIG-1c5876e6")
     v = view({"CUDA_VISIBLE_DEVICES": "MIG-1c58"}, g)  # ambiguous prefix
     assert smi_indices(v) == [] and "ambiguous" in v.problems[0].message

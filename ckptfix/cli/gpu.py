@@ -36,7 +36,14 @@ timeout_option = click.option(
 @cli.command("gpus")
 @json_option
 @timeout_option
-def gpus_cmd(as_json: bool, timeout: float) -> None:
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.1),
+    default=None,
+    metavar="SECONDS",
+    help="Refresh the table every SECONDS until Ctrl-C (which leaves cleanly, exit 0).",
+)
+def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
     """Show which physical GPU each cuda:N is, and why.
 
     \b
@@ -49,15 +56,39 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     also learn whether CUDA is already initialised there.
 
     \b
+    Without nvidia-smi (a login node) it still says what CUDA_VISIBLE_DEVICES
+    asks for (stdout; with --json the document has no GPUs, its problems and
+    "error"), then exits 20.
+
+    \b
     Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
     hides all (the table / --json document is still printed: every physical GPU
     with cuda_index null, and the problem cvd_empty with its fix); 25 nvidia-smi
-    failed; 26 driver not loaded; 27 driver/library version mismatch.
+    failed; 28 nvidia-smi printed a row that does not parse; 26 driver not
+    loaded; 27 driver/library version mismatch.
     """
+    from ckptfix.errors import GpuToolingError
     from ckptfix.gpu import visible_gpus
     from ckptfix.gpu.render import render_gpus
+    from ckptfix.gpu.visible import driverless_view
 
-    view = visible_gpus(timeout=timeout)
+    if watch is not None:
+        if as_json:
+            raise click.UsageError("--watch refreshes a table; it cannot be combined with --json")
+        _watch_gpus(watch, timeout)
+        return
+
+    try:
+        view = visible_gpus(timeout=timeout)
+    except GpuToolingError as e:  # no nvidia-smi (a login node): the CUDA_VISIBLE_DEVICES rules need no driver
+        view = driverless_view(os.environ, e)
+        if as_json:
+            emit_json(view.to_dict())
+        else:
+            click.echo(view.cvd_summary)
+            for w in view.warnings:
+                warn(w)
+        raise
     if as_json:
         emit_json(view.to_dict())
     else:
@@ -75,6 +106,13 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
 @click.option("--min-free", metavar="SIZE", help="Minimum free memory, e.g. 10GiB, 512MiB (bare number: GiB).")
 @click.option("--max-util", type=click.IntRange(0, 100), metavar="PCT", help="Maximum GPU utilization in percent.")
 @click.option("--max-procs", type=click.IntRange(min=0), metavar="N", help="Maximum compute processes on the GPU.")
+@click.option(
+    "--exclude",
+    metavar="IDS",
+    help="Never pick these GPUs: comma-separated nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.",
+)
+@click.option("--max-temp", type=click.FloatRange(min=0), metavar="C", help="Maximum GPU temperature in degrees C.")
+@click.option("--max-power", type=click.FloatRange(min=0), metavar="W", help="Maximum power draw in watts.")
 @click.option(
     "--export",
     "export",
@@ -111,7 +149,7 @@ def gpus_cmd(as_json: bool, timeout: float) -> None:
     default=None,
     metavar="SECONDS",
     help="Reserve the picked GPUs against other pickers for this long (default 120; 0: only look). "
-    "With `-- COMMAND` the lease lasts as long as the command.",
+    "With `-- COMMAND` the lease lasts as long as the command (--lease 0: none).",
 )
 @click.option(
     "--release",
@@ -126,6 +164,9 @@ def pick_gpu_cmd(
     min_free: str | None,
     max_util: int | None,
     max_procs: int | None,
+    exclude: str | None,
+    max_temp: float | None,
+    max_power: float | None,
     export: bool,
     as_json: bool,
     ids: str,
@@ -140,9 +181,12 @@ def pick_gpu_cmd(
 
     \b
     Candidates are the GPUs visible to the caller (an existing CUDA_VISIBLE_DEVICES
-    is respected).  GPUs with MIG enabled, with unavailable memory, leased by
-    another pick-gpu, or failing the filters are skipped; the rest are ranked by
-    free memory (to the GiB), then utilization, then process count.  Memory in use
+    is respected; several MIG devices in it are each a candidate, one per process).
+    GPUs with MIG enabled, with unavailable memory, leased by another pick-gpu,
+    excluded, or failing the filters are skipped (an unreported temperature or
+    power fails --max-temp / --max-power); the rest are ranked by
+    free memory (exact MiB; within 512 MiB counts as equal), then utilization,
+    then process count.  Memory in use
     with no visible process (another container) counts as a process.
 
     \b
@@ -151,6 +195,7 @@ def pick_gpu_cmd(
       ckptfix pick-gpu --release                # give that lease back
       ckptfix pick-gpu -n 2 --min-free 40GiB -- torchrun --nproc-per-node 2 train.py
       ckptfix pick-gpu --wait 600 --interval 10 -- python train.py
+      ckptfix pick-gpu --exclude 0,GPU-28780eb0 --max-temp 80 --max-power 300
 
     \b
     With `-- COMMAND`, pick-gpu becomes COMMAND (exec): same PID, signals and
@@ -161,11 +206,12 @@ def pick_gpu_cmd(
     \b
     Exit codes: 0 ok (with COMMAND: the command's exit code); 20 nvidia-smi
     missing; 21 no GPU; 22 no GPU fits; 23 --wait timed out; 25 nvidia-smi
-    failed; 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
+    failed; 28 nvidia-smi printed a row that does not parse (named in the
+    error; nothing is picked); 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
-    from ckptfix.gpu.pick import choose_gpus, release_my_leases
+    from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
 
     if release:
         if (
@@ -176,6 +222,9 @@ def pick_gpu_cmd(
             or min_free
             or max_util is not None
             or max_procs is not None
+            or exclude
+            or max_temp is not None
+            or max_power is not None
         ):
             raise click.UsageError("--release takes no COMMAND and no pick options (only --json)")
         _render_release(release_my_leases(), as_json)
@@ -184,20 +233,32 @@ def pick_gpu_cmd(
         raise click.UsageError("--export/--json print the choice; they cannot be combined with a COMMAND")
     if export and as_json:
         raise click.UsageError("choose one of --export and --json")
+    if command and lease is not None and lease > 0:
+        raise click.UsageError(
+            f"--lease {lease:g} does not apply with -- COMMAND: the lease lasts as long as the command; "
+            "drop --lease (or give --lease 0 to take none)"
+        )
     try:
         result = choose_gpus(
             n,
             min_free=min_free,
             max_util=max_util,
             max_procs=max_procs,
+            exclude=tuple(e for e in (exclude or "").split(",") if e.strip()),
+            max_temp=max_temp,
+            max_power=max_power,
             wait=wait,
             interval=interval,
-            lease=True if command else lease,  # `-- COMMAND` holds the lease for the command's life
+            # `-- COMMAND` holds the lease for the command's life; --lease 0 takes none
+            lease=(lease != 0) if command and lease is not None else (True if command else lease),
             by=ids,
             new_token=export,
             timeout=timeout,
             on_wait=info,
         )
+    except ExcludeError as e:
+        _export_failure(export, 2)
+        raise click.BadParameter(str(e).removeprefix("--exclude "), param_hint="--exclude") from None
     except ValueError as e:  # --min-free is not a size
         _export_failure(export, 2)
         raise click.BadParameter(str(e), param_hint="--min-free") from None
@@ -208,9 +269,44 @@ def pick_gpu_cmd(
     if command:
         from ckptfix.gpu.leases import LEASES_HELD_ENV
 
-        env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in result.leases)})
-        return _exec_with(command, env, [le.fd for le in result.leases if le.fd is not None])
+        if lease == 0:
+            info("no lease taken (--lease 0): another pick-gpu may choose the same GPU(s) while the command runs")
+        held = [le for le in result.leases if le.fd is not None]
+        env = dict(result.env, **{LEASES_HELD_ENV: ",".join(le.key for le in held)})
+        return _exec_with(command, env, [le.fd for le in held if le.fd is not None])
     return 0
+
+
+def _watch_gpus(every: float, timeout: float) -> None:
+    """``gpus --watch``: the table, redrawn every ``every`` seconds (on a terminal the screen is cleared first;
+    otherwise frames follow each other, separated by a blank line), until Ctrl-C, which ends it with exit 0.
+    A failing nvidia-smi shows its error in the frame and the watch goes on."""
+    from ckptfix.gpu import visible_gpus
+    from ckptfix.gpu.render import render_gpus
+
+    tty = sys.stdout.isatty()
+    frame = 0
+    try:
+        while True:
+            try:
+                view = visible_gpus(timeout=timeout)
+                body = render_gpus(view) + "".join(f"\nwarning: {w}" for w in view.warnings)
+            except CkptfixError as e:
+                body = f"Error: {e}"
+            stamp = time.strftime("%H:%M:%S")
+            head = f"every {every:g}s, {stamp} (Ctrl-C to leave)"
+            if tty:
+                click.echo("\033[H\033[2J", nl=False)
+            elif frame:
+                click.echo("")
+            click.echo(f"{head}\n{body}")
+            sys.stdout.flush()
+            frame += 1
+            time.sleep(every)
+    except KeyboardInterrupt:
+        if tty:
+            click.echo("")
+        return
 
 
 def _export_failure(export: bool, code: int) -> None:
@@ -268,6 +364,23 @@ def _render_release(done: ReleaseResult, as_json: bool) -> None:
         info(f"no live timed lease {scope} in {done.directory}: nothing to release")
 
 
+def _restore_signal_dispositions() -> None:
+    """Give COMMAND the signal dispositions a shell would: Python ignores SIGPIPE and SIGXFSZ (and exec keeps
+    an ignored signal ignored), so without this `pick-gpu -- sh -c 'yes | head -1'` makes ``yes`` print
+    "Broken pipe" instead of dying quietly.  Handlers Python installed (SIGINT) revert to the default at exec
+    by themselves; a signal ignored by whoever started ckptfix (``nohup``, a background job) stays ignored,
+    as it would under a shell; and no signal stays blocked.
+    """
+    import signal
+
+    for name in ("SIGPIPE", "SIGXFSZ"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            signal.signal(sig, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
 def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[int]) -> int:
     """Become COMMAND (``execvp``) with the chosen GPUs; the flock'ed lease fds are inherited across exec.
 
@@ -279,6 +392,7 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
     os.environ.update(env_update)
     for fd in fds:
         os.set_inheritable(fd, True)
+    _restore_signal_dispositions()
     sys.stdout.flush()
     sys.stderr.flush()
     try:

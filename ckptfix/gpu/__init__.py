@@ -12,7 +12,7 @@ Nothing in this package imports torch; ``ckptfix.gpu.doctor`` imports it lazily.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any, Callable, MutableMapping, Sequence
 
 from ckptfix.errors import DriverMismatchError, DriverNotLoadedError
 from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized
@@ -84,6 +84,9 @@ def pick_gpu(
     min_free: str | int | None = None,
     max_util: int | None = None,
     max_procs: int | None = None,
+    exclude: Sequence[str] = (),
+    max_temp: float | None = None,
+    max_power: float | None = None,
     wait: float = 0.0,
     interval: float = 10.0,
     lease: float | bool = True,
@@ -114,6 +117,9 @@ def pick_gpu(
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes (memory used by invisible
             processes counts as one).
+        exclude: GPUs never to pick: nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.
+        max_temp: maximum temperature in degrees C.
+        max_power: maximum power draw in watts.
         wait: seconds to keep retrying until enough GPUs qualify (0: fail at once).
         interval: seconds between retries.
         lease: ``True`` holds a lease on the chosen GPUs for the life of this
@@ -145,6 +151,9 @@ def pick_gpu(
         min_free=min_free,
         max_util=max_util,
         max_procs=max_procs,
+        exclude=exclude,
+        max_temp=max_temp,
+        max_power=max_power,
         wait=wait,
         interval=interval,
         lease=lease,

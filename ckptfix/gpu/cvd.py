@@ -27,7 +27,7 @@ from typing import Any, Literal, Sequence
 
 from ckptfix.gpu.records import SmiGpu
 
-__all__ = ["Kind", "VisibleSpec", "strtoul_prefix", "parse_visible_devices", "cvd_fix"]
+__all__ = ["Kind", "VisibleSpec", "strtoul_prefix", "parse_visible_devices", "cvd_fix", "describe_spec"]
 
 Kind = Literal["all", "none", "index", "uuid", "mig"]
 
@@ -43,6 +43,9 @@ class VisibleSpec:
     emptied_by_duplicate: bool = False
     stopped_at: str | None = None  # the entry that stopped the list, if any
     read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
+    # with emptied_by_duplicate: the entries read up to the repeated one ("0,9,0" -> (0, 9)); an index past the
+    # last GPU among them ends the list by NVIDIA's documented rule before the repeat is ever seen
+    before_duplicate: tuple[Any, ...] = ()
 
 
 def strtoul_prefix(s: str) -> int | None:
@@ -101,6 +104,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
                     (),
                     (f"entry {elem!r} appears twice: CUDA then hides every GPU",),
                     emptied_by_duplicate=True,
+                    before_duplicate=tuple(seen),
                 )
             if not elem.startswith(prefix):
                 other = "an index" if strtoul_prefix(elem) is not None else "not a " + prefix + " id"
@@ -122,6 +126,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
                 (),
                 (f"index {x} appears twice: CUDA then hides every GPU",),
                 emptied_by_duplicate=True,
+                before_duplicate=tuple(ints),
             )
         if x is None or x < 0:
             why = "negative" if x is not None else "not a number"
@@ -149,9 +154,74 @@ def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
         return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
     if spec.emptied_by_duplicate:
         return "list each GPU once"
-    if spec.kind == "index" and not spec.entries:
-        n = len(gpus)
-        return "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist " + (
-            f"(indices 0..{n - 1}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)"
+    n = len(gpus)
+    valid = f"indices 0..{n - 1}" if n else "indices of the machine the job runs on"
+    stopped = (spec.stopped_at or "").strip()
+    if spec.kind == "index" and stopped.startswith(("GPU-", "MIG-")):
+        return f"use indices or UUIDs from `ckptfix gpus`, not both (here: {valid})"
+    if spec.kind in ("uuid", "mig") and stopped and strtoul_prefix(stopped) is not None:
+        return "use UUIDs or indices from `ckptfix gpus`, not both"
+    if spec.kind == "index":
+        out = [e for e in spec.entries if isinstance(e, int) and e >= n]
+        if out and gpus:
+            where = "every index" if len(out) == len(spec.entries) else f"index {out[0]}"
+            return (
+                f"{where} in it is past this machine's last GPU ({n} GPU(s) here: {valid}; an index of the host "
+                f"or of another machine is not valid inside this container or job): use {valid}, or UUIDs from "
+                "`ckptfix gpus`"
+            )
+        if not spec.entries:
+            return "unset CUDA_VISIBLE_DEVICES, or set it to GPUs that exist " + (
+                f"({valid}, or UUIDs from `ckptfix gpus`)" if n else "(UUIDs from `ckptfix gpus`)"
+            )
+        if stopped:
+            return (
+                f"remove the entry {stopped!r}: CUDA_VISIBLE_DEVICES takes comma-separated indices ({valid}) or "
+                "GPU UUIDs from `ckptfix gpus`"
+            )
+    return f"remove the invalid entry (use {valid}, or UUIDs from `ckptfix gpus`)"
+
+
+FULL_UUID_LEN = len("GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90")
+
+
+def describe_spec(spec: VisibleSpec) -> str:
+    """What CUDA will do with ``CUDA_VISIBLE_DEVICES`` on any machine, in one sentence (no driver needed).
+
+    ``"GPU-28780eb0,1gpu,0"``: CUDA will use at most ``GPU-28780eb0`` (a prefix that must match exactly one GPU
+    where the job runs) and ignores ``'1gpu'`` and everything after it.
+
+    Args:
+        spec: the parsed variable.
+
+    Returns:
+        The sentence.
+    """
+    head = f"CUDA_VISIBLE_DEVICES={spec.raw!r}"
+    if spec.kind == "all":
+        return "CUDA_VISIBLE_DEVICES is unset: CUDA will use every GPU of the machine the job runs on"
+    if spec.kind == "none":
+        return f"{head}: CUDA will see no GPU"
+    if spec.emptied_by_duplicate:
+        return f"{head}: an entry appears twice, so CUDA will see no GPU"
+    if not spec.entries:
+        return f"{head}: no entry is usable ({spec.stopped_at!r} is the first), so CUDA will see no GPU"
+    if spec.kind == "index":
+        listed = ", ".join(f"cuda:{i} = index {e}" for i, e in enumerate(spec.entries))
+        what = (
+            f"{listed} (indices count in CUDA_DEVICE_ORDER on the machine the job runs on; an index past its last GPU "
+            "ends the list there)"
         )
-    return "remove the invalid entry (use indices or UUIDs from `ckptfix gpus`, not both)"
+    else:
+        short = [e for e in spec.entries if len(e) < FULL_UUID_LEN and e.startswith("GPU-")]
+        what = ", ".join(spec.entries) + (
+            " (a UUID prefix: it must match exactly one GPU of the machine the job runs on, else CUDA sees none)"
+            if short and len(spec.entries) == 1
+            else " (UUID prefixes must each match exactly one GPU where the job runs)"
+            if short
+            else ""
+        )
+        if spec.kind == "mig" and len(spec.entries) > 1:
+            what += "; a CUDA process sees a single MIG instance: only the first"
+    tail = f"; it ignores {spec.stopped_at!r} and everything after it" if spec.stopped_at is not None else ""
+    return f"{head}: CUDA will use at most {what}{tail}"

@@ -21,6 +21,7 @@ __all__ = [
     "order_uncertain_problem",
     "order_problems",
     "mig_enumeration_problem",
+    "mig_single_problem",
     "device_problems",
     "CUDA_INITIALIZED",
 ]
@@ -192,6 +193,28 @@ def mig_enumeration_problem(mig_rows: Sequence[tuple[SmiGpu, MigDevice]]) -> Pro
         "pick one MIG device: export CUDA_VISIBLE_DEVICES="
         + mig_rows[0][1].uuid
         + (f" (or one of {others})" if len(mig_rows) > 1 else ""),
+    )
+
+
+def mig_single_problem(spec: VisibleSpec, named: Sequence[tuple[SmiGpu, MigDevice | None]]) -> Problem:
+    """``mig_single``: ``CUDA_VISIBLE_DEVICES`` names several MIG devices, and a CUDA process sees a single MIG
+    instance (NVIDIA's MIG user guide, "CUDA Device Enumeration"): only the first is ``cuda:0``.
+
+    Args:
+        spec: the parsed variable.
+        named: the ``(parent, MIG device)`` pairs it names, in order (more than one).
+
+    Returns:
+        The problem.
+    """
+    uuids = [m.uuid for _, m in named if m is not None]
+    return Problem(
+        "mig_single",
+        f"CUDA_VISIBLE_DEVICES names {len(uuids)} MIG devices, but a CUDA process sees a single MIG instance: "
+        f"cuda:0 = {uuids[0]}, and {', '.join(uuids[1:3])}{', ...' if len(uuids) > 3 else ''} "
+        f"{'is' if len(uuids) == 2 else 'are'} not visible to this process (there is no cuda:1)",
+        "run one process per MIG device, each with CUDA_VISIBLE_DEVICES set to one MIG UUID "
+        "(`ckptfix pick-gpu -- CMD` picks a free one and leases it by UUID)",
     )
 
 

@@ -11,12 +11,20 @@ import os
 import platform
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from ckptfix.errors import CkptfixError, GpuQueryError
+from ckptfix.errors import (
+    CkptfixError,
+    DriverMismatchError,
+    DriverNotLoadedError,
+    GpuQueryError,
+    GpuToolingError,
+)
+from ckptfix.gpu.order import model_info
 from ckptfix.gpu.records import Problem
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
+from ckptfix.gpu.wheels import arch_text, runs_on, wheel_archs
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -53,8 +61,9 @@ CUDA_DRIVER_TABLE: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 }
 
 # The CUDA builds published for each torch minor release (https://pytorch.org/get-started/previous-versions,
-# checked for 2.4-2.9).  A newer release than the table knows is assumed to ship the newest row's builds: an
-# assumption, so the recommendation says so.
+# checked for 2.4-2.9; 2.10 and 2.11 from pytorch/pytorch RELEASE.md's support matrix).  Which GPU architectures
+# each build ships kernels for: ckptfix.gpu.wheels.WHEEL_ARCHS.  A newer release than the table knows is assumed
+# to ship the newest row's builds: an assumption, so the recommendation says so.
 TORCH_CUDA_BUILDS: dict[tuple[int, int], tuple[str, ...]] = {
     (2, 0): ("cu117", "cu118"),
     (2, 1): ("cu118", "cu121"),
@@ -66,6 +75,8 @@ TORCH_CUDA_BUILDS: dict[tuple[int, int], tuple[str, ...]] = {
     (2, 7): ("cu118", "cu126", "cu128"),
     (2, 8): ("cu126", "cu128", "cu129"),
     (2, 9): ("cu126", "cu128", "cu130"),
+    (2, 10): ("cu126", "cu128", "cu130"),
+    (2, 11): ("cu126", "cu128", "cu130"),
 }
 
 
@@ -121,6 +132,8 @@ def torch_info() -> dict[str, Any]:
         "cuda": cuda,
         "build": "cuda" if cuda else ("rocm" if getattr(torch.version, "hip", None) else "cpu"),
         "cudnn": _safe(lambda: torch.backends.cudnn.version()) if cuda else None,
+        # the architectures this build has kernels for; read from the build, never by initialising CUDA
+        "arch_list": _safe(lambda: str(torch._C._cuda_getArchFlags()).split()) if cuda else None,
         "cuda_initialized": _safe(lambda: bool(torch.cuda.is_initialized())),
     }
 
@@ -145,17 +158,27 @@ def _fmt(v: tuple[int, ...]) -> str:
     return ".".join([str(v[0])] + [f"{x:02d}" for x in v[1:]])
 
 
-def recommend_cuda_build(torch_version: str | None, driver: str | None, *, windows: bool = False) -> dict[str, Any]:
-    """The newest CUDA build of the installed torch release that this driver runs, or the upgrade it needs.
+def recommend_cuda_build(
+    torch_version: str | None,
+    driver: str | None,
+    *,
+    windows: bool = False,
+    gpus: Sequence[tuple[str, tuple[int, int]]] = (),
+) -> dict[str, Any]:
+    """The newest CUDA build of the installed torch release that this driver runs and that ships kernels for
+    every GPU's architecture, or the upgrade it needs.
 
     Args:
         torch_version: e.g. ``"2.6.0+cpu"``.
         driver: nvidia-smi's ``driver_version``, e.g. ``"470.82.01"``.
         windows: compare with the Windows column of the driver table.
+        gpus: ``(label, compute capability)`` of each GPU, e.g. ``("GPU 0 (Tesla V100)", (7, 0))``; a build
+            without kernels for one of them is not recommended (:mod:`ckptfix.gpu.wheels`).
 
     Returns:
         ``{"torch": "2.6", "builds": [...], "assumed": bool, "build": "cu124" | None,
-        "command": "pip install ...", "upgrade_to": "560.28.03" | None}``.
+        "command": "pip install ...", "upgrade_to": "560.28.03" | None, "lacks_arch": {build: [label, ...]},
+        "no_build_fits": bool}``.
     """
     tv = _version(torch_version) or (0, 0)
     key = (tv[0], tv[1] if len(tv) > 1 else 0)
@@ -177,18 +200,30 @@ def recommend_cuda_build(torch_version: str | None, driver: str | None, *, windo
         major = int(b[2:-1])
         return _MIN_DRIVER.get(major, need(b)) if not windows else need(b)
 
+    lacks: dict[str, list[str]] = {}
+    for b in builds:
+        archs = wheel_archs(key_used, b)
+        missing = [label for label, cc in gpus if archs is not None and not runs_on(archs, cc)]
+        if missing:
+            lacks[b] = missing
+    fitting = [b for b in builds if b not in lacks]
+    no_build_fits = not fitting
+    if fitting:
+        builds = tuple(fitting)
     ok = [b for b in builds if drv is not None and drv >= need(b)]
     ok_compat = [b for b in builds if drv is not None and drv >= compat(b)]
     pin = f"torch=={tv[0]}.{tv[1]}.{tv[2]}" if len(tv) >= 3 else "torch"
     out: dict[str, Any] = {
         "torch": f"{key[0]}.{key[1]}",
-        "builds": list(builds),
+        "builds": list(TORCH_CUDA_BUILDS[key_used]),
         "assumed": assumed,
         "build": None,
         "command": None,
         "minor_version_compatibility": False,
         "upgrade_to": None,
         "upgrade_to_at_least": None,
+        "lacks_arch": lacks,
+        "no_build_fits": no_build_fits,
     }
     best = ok[-1] if ok else (ok_compat[0] if ok_compat else None)
     if best is not None:
@@ -209,6 +244,17 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
         if rec["assumed"]
         else ""
     )
+    lacks = rec.get("lacks_arch") or {}
+    if rec.get("build") in rec["builds"] and not rec.get("no_build_fits"):  # only newer builds skipped surprise
+        lacks = {b: who for b, who in lacks.items() if rec["builds"].index(b) > rec["builds"].index(rec["build"])}
+    if lacks and rec.get("no_build_fits"):
+        note += (
+            f"; no CUDA build of torch {rec['torch']} ships kernels for every GPU here ("
+            + "; ".join(f"{b}: not {', '.join(who)}" for b, who in lacks.items())
+            + "): use an older torch release for those GPUs, or CUDA_VISIBLE_DEVICES to leave them out"
+        )
+    elif lacks:
+        note += "; not " + "; not ".join(f"{b}: it ships no kernels for {', '.join(who)}" for b, who in lacks.items())
     if rec["command"] and rec["minor_version_compatibility"]:
         return (
             f"{rec['command']} (driver {driver} is below that CUDA's own {rec['upgrade_to']} but runs it through "
@@ -216,7 +262,8 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
             f"is better){note}"
         )
     if rec["command"]:
-        return f"{rec['command']} (the newest CUDA build of torch {rec['torch']} that driver {driver} runs){note}"
+        fits = " with kernels for every GPU here" if rec.get("lacks_arch") and not rec.get("no_build_fits") else ""
+        return f"{rec['command']} (the newest CUDA build of torch {rec['torch']} that driver {driver} runs{fits}){note}"
     return (
         f"upgrade the NVIDIA driver first, to >= {rec['upgrade_to']} (at the very least {rec['upgrade_to_at_least']}): "
         f"driver {driver} runs none of torch {rec['torch']}'s CUDA builds ({', '.join(rec['builds'])}); then "
@@ -235,7 +282,7 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
             Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
         )
     elif view is not None and has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
-        rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
+        rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows, gpus=gpu_ccs(view))
         problems.append(
             Problem(
                 "cpu_only_torch",
@@ -244,12 +291,15 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
                 _recommendation_text(rec, view.driver_version),
             )
         )
+    lacking = _installed_build_problem(torch, view, windows) if torch.get("installed") else None
+    if lacking is not None:
+        problems.append(lacking)
     if view is not None and torch.get("cuda") and view.driver_version:
         major = _version(torch["cuda"])
         drv = _version(view.driver_version)
         need = _MIN_DRIVER.get(major[0]) if major else None
         if need and drv and drv < need:
-            rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows)
+            rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows, gpus=gpu_ccs(view))
             problems.append(
                 Problem(
                     "driver_too_old",
@@ -261,10 +311,106 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
     return problems
 
 
+#: gpu_error_kind -> (problem code, fix) for the driver problems that are not "no GPU"
+_DRIVER_FIXES: dict[str, tuple[str, str]] = {
+    "driver_not_loaded": (
+        "driver_not_loaded",
+        "load the NVIDIA kernel module (`sudo modprobe nvidia`), or reboot after a driver install; in a "
+        "container, run it with the GPUs (`docker run --gpus all`, or the pod's nvidia.com/gpu resource); "
+        "until then torch runs on CPU only",
+    ),
+    "driver_mismatch": (
+        "driver_mismatch",
+        "the driver was upgraded but the old kernel module is still loaded: reboot (or stop every GPU process and "
+        "reload the modules: `sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia && sudo modprobe nvidia`); "
+        "until then torch runs on CPU only",
+    ),
+    "no_nvidia_smi": (
+        "no_gpu",
+        "install the NVIDIA driver (it brings nvidia-smi; or set CKPTFIX_NVIDIA_SMI to where it is), or run on CPU",
+    ),
+    "no_gpu": (
+        "no_gpu",
+        "check `dmesg` for a failed device, or the GPUs granted to this container/job; otherwise run on CPU",
+    ),
+}
+
+
+def gpu_error_kind_of(e: CkptfixError) -> str:
+    """Which of doctor's GPU problems an error of :func:`ckptfix.gpu.visible_gpus` is.
+
+    Args:
+        e: the error.
+
+    Returns:
+        ``"query"`` (nvidia-smi failed or hung), ``"driver_not_loaded"``, ``"driver_mismatch"``,
+        ``"no_nvidia_smi"`` or ``"no_gpu"``.
+    """
+    if isinstance(e, GpuQueryError):
+        return "query"
+    if isinstance(e, DriverNotLoadedError):
+        return "driver_not_loaded"
+    if isinstance(e, DriverMismatchError):
+        return "driver_mismatch"
+    if isinstance(e, GpuToolingError):
+        return "no_nvidia_smi"
+    return "no_gpu"
+
+
+def gpu_ccs(view: GpuView | None) -> list[tuple[str, tuple[int, int]]]:
+    """``(label, compute capability)`` of each physical GPU: nvidia-smi's ``compute_cap`` (R510+), else the model.
+
+    Args:
+        view: the GPU view.
+
+    Returns:
+        One pair per GPU whose capability is known, e.g. ``("GPU 0 (Tesla V100-PCIE-16GB, sm_70)", (7, 0))``.
+    """
+    out: list[tuple[str, tuple[int, int]]] = []
+    for g in view.physical if view is not None else ():
+        cc = g.compute_cap or model_info(g.name)[0]
+        if cc is not None:
+            out.append((f"GPU {g.index} ({g.name or '?'}, sm_{cc[0]}{cc[1]})", cc))
+    return out
+
+
+def _installed_build_problem(torch: Mapping[str, Any], view: GpuView | None, windows: bool) -> Problem | None:
+    """``wheel_lacks_arch``: the installed CUDA build of torch ships no kernels for a GPU here."""
+    cuda = _version(torch.get("cuda"))
+    tv = _version(torch.get("version"))
+    if not cuda or not tv or len(tv) < 2 or view is None:
+        return None
+    build = f"cu{cuda[0]}{cuda[1] if len(cuda) > 1 else 0}"
+    flags = torch.get("arch_list")
+    archs: tuple[tuple[tuple[int, int], ...], tuple[int, int] | None] | None
+    if isinstance(flags, list) and flags:  # what this very build was compiled for (torch._C._cuda_getArchFlags)
+        sass = tuple((int(f[3:-1]), int(f[-1])) for f in flags if f.startswith("sm_") and f[3:].isdigit())
+        ptx = max(
+            ((int(f[8:-1]), int(f[-1])) for f in flags if f.startswith("compute_") and f[8:].isdigit()), default=None
+        )
+        archs = (sass, ptx)
+    else:
+        archs = wheel_archs((tv[0], tv[1]), build)
+    if archs is None:
+        return None
+    missing = [label for label, cc in gpu_ccs(view) if not runs_on(archs, cc)]
+    if not missing:
+        return None
+    rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows, gpus=gpu_ccs(view))
+    return Problem(
+        "wheel_lacks_arch",
+        f"torch {torch.get('version')} ships kernels for {arch_text(archs[0])}"
+        + (f" (+PTX {arch_text([archs[1]])})" if archs[1] else "")
+        + f', not for {", ".join(missing)}: CUDA calls there fail with "no kernel image is available"',
+        _recommendation_text(rec, view.driver_version),
+    )
+
+
 def _gpu_error_problem(gpu_error: str, kind: str) -> Problem:
-    """nvidia-smi hung or failed (``kind="query"``), or there is no usable GPU."""
+    """nvidia-smi hung or failed (``kind="query"``), a driver problem, or there is no usable GPU."""
     if kind != "query":
-        return Problem("no_gpu", gpu_error, "" if "run on CPU" in gpu_error else "run on CPU")
+        code, fix = _DRIVER_FIXES.get(kind, _DRIVER_FIXES["no_gpu"])
+        return Problem(code, gpu_error, fix)
     hung = "did not answer" in gpu_error
     return Problem(
         "nvidia_smi_hung" if hung else "nvidia_smi_failed",
@@ -331,8 +477,9 @@ def diagnose(
         view: the GPU view, ``None`` when nvidia-smi failed.
         gpu_error: why it failed (the error text).
         env: the environment.
-        gpu_error_kind: ``"no_gpu"`` (no driver, no GPU, no nvidia-smi) or ``"query"`` (nvidia-smi failed
-            or hung: the GPUs are there but in trouble).
+        gpu_error_kind: from :func:`gpu_error_kind_of`: ``"query"`` (nvidia-smi failed or hung: the GPUs are
+            there but in trouble), ``"driver_not_loaded"``, ``"driver_mismatch"``, ``"no_nvidia_smi"`` or
+            ``"no_gpu"``.
         windows: use the Windows driver minimums.
 
     Returns:
@@ -376,11 +523,9 @@ def doctor_report(
     gpu_error: str | None = None
     try:
         view = visible_gpus(env=environ, runner=runner, timeout=timeout)  # before torch is imported
-    except GpuQueryError as e:
-        gpu_error = f"{e} (exit code {e.exit_code})"
-        gpu_error_kind = "query"
     except CkptfixError as e:
         gpu_error = f"{e} (exit code {e.exit_code})"
+        gpu_error_kind = gpu_error_kind_of(e)
     tinfo = torch_info()
     environment = {
         k: environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_HOME", "LD_LIBRARY_PATH")

@@ -190,6 +190,7 @@ class Lease:
     fd: int | None
     expires: float | None
     token: str | None = None
+    warning: str | None = None  # e.g. the lease file was corrupt and was taken as stale
 
     def release(self) -> None:
         """Give the lease back now (a held lease: empty the file and drop the lock)."""
@@ -226,6 +227,17 @@ def _read_info(fd: int) -> dict[str, Any] | None:
     return info if isinstance(info, dict) and "key" in info and "pid" in info else None
 
 
+def _peek(fd: int) -> str:
+    """The start of a lease file's content, for a warning."""
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        data = os.read(fd, 41)
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    shown = repr(data[:40])[2:-1] + ("..." if len(data) > 40 else "")
+    return f"{os.fstat(fd).st_size} bytes: {shown}"
+
+
 def _start_time() -> int | None:
     """This process's start time in clock ticks since boot (Linux), so that a reused PID is not taken for us."""
     try:
@@ -258,13 +270,6 @@ def _describe(info: dict[str, Any] | None) -> str:
     return who
 
 
-def _not_a_lease(path: Path) -> OutputError:
-    return OutputError(
-        f"{path} is not a ckptfix lease file (it holds something else), so ckptfix will not overwrite it: move it "
-        "away if it is yours, or set CKPTFIX_LEASE_DIR to a directory of your own"
-    )
-
-
 def try_lease(
     directory: Path,
     key: str,
@@ -279,7 +284,8 @@ def try_lease(
     A timed lease whose record carries the same non-empty ``token`` (``$CKPTFIX_LEASE_TOKEN``, exported by
     ``pick-gpu --export``) is the caller's own and is taken over.  Lease files are opened with
     ``O_NOFOLLOW | O_CLOEXEC``, created with ``O_EXCL``, and an existing file is only rewritten once it is
-    locked and holds a ckptfix lease record.
+    locked (a regular file of the caller's, one link, in the private lease directory).  One that holds no lease
+    record (a write cut short, stray bytes) is a stale lease: taken, with :attr:`Lease.warning` saying so.
 
     Args:
         directory: lease directory (created 0700; refused if another user owns it or can write to it).
@@ -310,9 +316,14 @@ def try_lease(
         raise _lease_dir_error(directory, e) from None
     now = time.time() if now is None else now
     info = _read_info(fd)  # also when we created it: another picker may have locked, written and let go first
+    warning = None
     if info is None:
-        os.close(fd)
-        raise _not_a_lease(path)
+        # we hold its lock in our private lease directory and it is no lease record (a write cut short by a full
+        # disk or a crash, stray bytes): a stale lease, not a reason to block every picker until removed by hand
+        warning = f"GPU lease file {path} was corrupt ({_peek(fd)}): taken as a stale lease" + (
+            " and rewritten" if seconds != 0 else ""
+        )
+        info = {}
     exp = info.get("expires")
     own = _is_this_process(info) or (token is not None and token != "" and info.get("token") == token)
     if isinstance(exp, (int, float)) and exp > now and not own:
@@ -320,7 +331,7 @@ def try_lease(
         return None, _describe(info)
     if seconds == 0:
         os.close(fd)
-        return Lease(key, path, None, None, token), ""
+        return Lease(key, path, None, None, token, warning), ""
     expires = None if seconds is None else now + seconds
     record = {
         "schema": _LEASE_SCHEMA,
@@ -336,9 +347,9 @@ def try_lease(
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(record).encode())
     if seconds is None:
-        return Lease(key, path, fd, None, token), ""
+        return Lease(key, path, fd, None, token, warning), ""
     os.close(fd)  # the expiry in the file is the lease now
-    return Lease(key, path, None, expires, token), ""
+    return Lease(key, path, None, expires, token, warning), ""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,14 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from ckptfix.errors import CkptfixError, DriverMismatchError, DriverNotLoadedError, GpuQueryError, NoGpuError
+from ckptfix.errors import (
+    CkptfixError,
+    DriverMismatchError,
+    DriverNotLoadedError,
+    GpuOutputError,
+    GpuQueryError,
+    NoGpuError,
+)
 from ckptfix.gpu.records import GpuProcess, MigDevice, SmiGpu
 
 __all__ = [
@@ -212,9 +219,17 @@ def parse_csv(
     Returns:
         ``(columns, rows, junk)``, see above.
     """
+    columns, lines, junk = _parse_csv_lines(text, fields, free_text=free_text, aliases=aliases)
+    return columns, [cells for _, cells in lines], junk
+
+
+def _parse_csv_lines(
+    text: str, fields: Sequence[str], *, free_text: str | None = None, aliases: dict[str, str] | None = None
+) -> tuple[list[str], list[tuple[str, list[str]]], list[str]]:
+    """:func:`parse_csv` keeping each row's line: ``(columns, [(line, cells)], junk)``."""
     aliases = _ALIASES if aliases is None else aliases
     columns = [aliases.get(f, f) for f in fields]
-    rows: list[list[str]] = []
+    rows: list[tuple[str, list[str]]] = []
     junk: list[str] = []
     header_seen = False
     for line in text.splitlines():
@@ -230,8 +245,138 @@ def parse_csv(
         if cells is None:
             junk.append(line.strip())
         else:
-            rows.append(cells)
+            rows.append((line, cells))
     return columns, rows, junk
+
+
+# ----------------------------------------------------------------------------- validating a --query-gpu row
+
+_INT = r"[-+]?\d+"
+_FLOAT = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+#: field -> (the number's pattern, the units nvidia-smi may print after it (lower case; "" = none), what it is)
+_FIELD_FORMATS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "index": (r"\d+", ("",), "a GPU index"),
+    "memory.total": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
+    "memory.used": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
+    "memory.free": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
+    "utilization.gpu": (_INT, ("", "%"), "a percentage"),
+    "utilization.memory": (_INT, ("", "%"), "a percentage"),
+    "temperature.gpu": (_FLOAT, ("", "c"), "degrees C"),
+    "power.draw": (_FLOAT, ("", "w"), "watts"),
+    "clocks.max.sm": (_INT, ("", "mhz"), "MHz"),
+    "compute_cap": (r"\d+\.\d+", ("",), "a compute capability such as 8.0"),
+}
+#: fields nvidia-smi prints with a decimal point (``118.41 W``, ``8.0``): where a comma locale puts a comma
+_FRACTIONAL = frozenset({"power.draw", "power.limit", "compute_cap"})
+_OTHER_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
+    "uuid": (re.compile(r"^(GPU|MIG)-[\w./-]+$"), "a GPU-/MIG- UUID"),
+    "pci.bus_id": (re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$"), "a PCI bus id"),
+    "mig.mode.current": (re.compile(r"^(Enabled|Disabled)$", re.I), "Enabled or Disabled"),
+    "driver_version": (re.compile(r"^\d+(\.\d+)+$"), "a version such as 570.124.06"),
+}
+
+
+def _field_error(column: str, value: str) -> str | None:
+    """Why ``value`` (not a placeholder) cannot be nvidia-smi's ``column``, or ``None`` when it can."""
+    fmt = _FIELD_FORMATS.get(column)
+    if fmt is not None:
+        number, units, what = fmt
+        m = re.match(rf"^({number})\s*([A-Za-z%]*)$", value)
+        if not m:
+            return f"not {what}"
+        if m.group(2).lower() not in units:
+            return f"unit {m.group(2)!r} is not one nvidia-smi prints for {column} ({what})"
+        return None
+    other = _OTHER_FORMATS.get(column)
+    if other is not None and not other[0].match(value):
+        return f"not {other[1]}"
+    return None
+
+
+def _row_errors(columns: Sequence[str], cells: Sequence[str]) -> list[tuple[str, str, str]]:
+    """``[(column, value, why)]`` for each cell that does not fit its column, then memory that does not add up."""
+    out: list[tuple[str, str, str]] = []
+    values: dict[str, str] = {}
+    for col, cell in zip(columns, cells, strict=True):
+        v, _ = parse_value(cell)
+        if v is None:
+            continue
+        values[col] = v
+        why = _field_error(col, v)
+        if why is not None:
+            out.append((col, v, why))
+    if out:
+        return out
+    total = parse_number(values.get("memory.total"), mib=True)
+    for col in ("memory.used", "memory.free"):
+        size = parse_number(values.get(col), mib=True)
+        if total is not None and size is not None and size > total:
+            out.append((col, values[col], f"larger than memory.total ({values['memory.total']})"))
+    return out
+
+
+def _decimal_comma_field(columns: Sequence[str], line: str) -> tuple[str, str] | None:
+    """The column a decimal comma split in two (``118,41`` -> ``118`` and ``41``): ``(column, "118,41")``.
+
+    Tries joining each pair of neighbouring digit cells; the answer is the one join after which the row has
+    exactly the asked columns and every cell fits (``None`` when no single join explains the row).
+    """
+    raw = [c.strip() for c in line.split(",")]
+    if len(raw) != len(columns) + 1:
+        return None
+    found: list[tuple[str, str]] = []
+    for k in range(len(raw) - 1):
+        if columns[k] not in _FRACTIONAL:  # the fields nvidia-smi prints with a fraction
+            continue
+        if not re.fullmatch(r"[-+]?\d+", raw[k]) or not re.fullmatch(r"\d+\s*[A-Za-z%]*", raw[k + 1]):
+            continue
+        joined = raw[:k] + [f"{raw[k]}.{raw[k + 1]}"] + raw[k + 2 :]
+        if not _row_errors(columns, joined):
+            found.append((columns[k], f"{raw[k]},{raw[k + 1]}"))
+    return found[0] if len(found) == 1 else None
+
+
+def _refuse_row(columns: Sequence[str], line: str, cells: Sequence[str] | None) -> GpuOutputError:
+    """The error for a ``--query-gpu`` row that does not parse (it names the field)."""
+    shown = line.strip() if len(line.strip()) <= 200 else line.strip()[:200] + "..."
+    where = f"nvidia-smi --query-gpu printed a row ckptfix cannot read ({shown!r})"
+    fix = (
+        "nothing is picked from it; run `LC_ALL=C nvidia-smi --query-gpu=... --format=csv` to see the raw values, "
+        "and report it if they look right"
+    )
+    comma = _decimal_comma_field(columns, line)
+    if comma is not None:
+        col, value = comma
+        return GpuOutputError(
+            f"{where}: field {col} is {value!r}, a decimal comma from a comma locale (which LC_ALL=C, set by "
+            "ckptfix, did not override), so every later column is shifted; nothing is picked from it: check "
+            f"`LC_ALL=C nvidia-smi --query-gpu={col} --format=csv` and report it"
+        )
+    n = len([c for c in line.split(",")])
+    if cells is None or n != len(columns):
+        got = f"{n} fields where {len(columns)} were asked ({', '.join(columns)})"
+        if cells is not None:  # the name absorbed the extra fields, and something else no longer fits
+            errs = _row_errors(columns, cells)
+            if errs:
+                col, value, why = errs[0]
+                return GpuOutputError(f"{where}: {got}; read that way, field {col} is {value!r}: {why}; {fix}")
+        return GpuOutputError(f"{where}: {got}; {fix}")
+    col, value, why = _row_errors(columns, cells)[0]
+    return GpuOutputError(f"{where}: field {col} is {value!r}: {why}; {fix}")
+
+
+def _name_absorbed_a_number(name: str | None, line: str, ncols: int) -> bool:
+    """The product name took in extra fields (a row with more fields than asked) and one of them is a bare number:
+    not part of a name but a value split by a decimal comma, so the columns after it are shifted."""
+    if name is None or len(line.split(",")) <= ncols:
+        return False
+    return any(re.fullmatch(r"[-+]?\d+(\.\d+)?\s*[A-Za-z%]*", part.strip()) for part in name.split(",")[1:])
+
+
+def _is_gpu_line(line: str) -> bool:
+    """A line that is meant as a GPU row (an index first, a GPU UUID in it), not a warning printed around them."""
+    cells = [c.strip() for c in line.split(",")]
+    return len(cells) > 2 and cells[0].isdigit() and any(c.startswith(("GPU-", "MIG-")) for c in cells)
 
 
 def _looks_like_gpu_row(row: dict[str, str]) -> bool:
@@ -252,7 +397,9 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
     """Parse ``--query-gpu`` output into :class:`SmiGpu` records (no processes yet).
 
     Rows without an ``index`` column are numbered in order.  Returns ``(gpus, warnings)``
-    where warnings are the lines that were not data (e.g. a lost-GPU message).
+    where warnings are the lines that were not data (e.g. a lost-GPU message).  Every GPU row is
+    validated: its column count, and the number and unit of each field ckptfix reads; a row that does not
+    fit is refused, naming the field (a decimal comma from a comma locale is named as such).
 
     Args:
         text: nvidia-smi's stdout.
@@ -260,15 +407,24 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
 
     Returns:
         ``(gpus, warnings)``.
+
+    Raises:
+        GpuOutputError: a GPU row does not parse (exit code 28).
     """
-    columns, rows, junk = parse_csv(text, fields, free_text="name")
+    columns, rows, junk = _parse_csv_lines(text, fields, free_text="name")
     gpus: list[SmiGpu] = []
-    warnings = list(junk)
-    for cells in rows:
+    warnings: list[str] = []
+    for line in junk:
+        if _is_gpu_line(line):
+            raise _refuse_row(columns, line, None)
+        warnings.append(line)
+    for line, cells in rows:
         row = dict(zip(columns, cells, strict=True))
         if not _looks_like_gpu_row(row):
             warnings.append(", ".join(cells))
             continue
+        if _row_errors(columns, cells) or _name_absorbed_a_number(row.get("name"), line, len(columns)):
+            raise _refuse_row(columns, line, cells)
         values: dict[str, str | None] = {}
         unavailable: list[tuple[str, str]] = []
         for col, cell in row.items():

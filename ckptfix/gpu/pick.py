@@ -5,7 +5,8 @@ Nothing here imports torch.
 Ranking (pure, :func:`rank_gpus`): among the devices visible to the caller, drop
 MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
 those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
-free memory (to the GiB, so 0 MiB and 292 MiB of residue tie), then utilization,
+free memory in exact MiB, where GPUs within :data:`FREE_TOLERANCE_MIB` (512 MiB) of the freest of their
+group count as equal (so 0 MiB and 292 MiB of residue tie), then utilization,
 then process count, then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
@@ -44,6 +45,8 @@ from ckptfix.gpu.visible import GpuView, visible_gpus
 
 __all__ = [
     "Criteria",
+    "ExcludeError",
+    "check_exclude",
     "Ranked",
     "Rejected",
     "PickResult",
@@ -111,6 +114,55 @@ class Criteria:
     min_free_mib: int | None = None
     max_util: int | None = None
     max_procs: int | None = None
+    exclude: tuple[str, ...] = ()  # nvidia-smi indices, GPU/MIG UUIDs (or prefixes) or PCI bus ids
+    max_temp: float | None = None  # degrees C
+    max_power: float | None = None  # watts
+
+
+class ExcludeError(ValueError):
+    """An ``--exclude`` entry that names no GPU here (a typo must not silently exclude nothing)."""
+
+
+def _excluded_by(g: VisibleGpu, ids: Sequence[str]) -> str | None:
+    """The ``--exclude`` entry that names ``g``, or ``None``."""
+    for raw in ids:
+        e = raw.strip()
+        low = e.lower()
+        if e.isdigit() and g.mig_device is None and int(e) == g.smi_index:
+            return e
+        if low.startswith(("gpu-", "mig-")):
+            if g.uuid and g.uuid.lower().startswith(low):  # a whole GPU, or every MIG device of it
+                return e
+            if g.mig_device is not None and g.mig_device.uuid.lower().startswith(low):
+                return e
+        elif ":" in e and g.pci_bus_id and _pci(g.pci_bus_id) == _pci(e):
+            return e
+    return None
+
+
+def _pci(bus_id: str) -> str:
+    """``00000000:3A:00.0`` and ``3a:00.0`` compare equal."""
+    parts = bus_id.strip().lower().split(":")
+    return ":".join(parts[-2:]) if len(parts) >= 2 else bus_id.lower()
+
+
+def check_exclude(ids: Sequence[str], view: GpuView) -> None:
+    """Refuse ``--exclude`` entries that name no GPU (or MIG device) of ``view``.
+
+    Args:
+        ids: the entries.
+        view: the machine.
+
+    Raises:
+        ExcludeError: an entry names nothing here (a usage error, exit 2 in the CLI).
+    """
+    everything = list(view.candidates) + [VisibleGpu(-1, g) for g in view.physical]
+    for e in ids:
+        if not any(_excluded_by(g, [e]) for g in everything):
+            raise ExcludeError(
+                f"--exclude {e!r} names no GPU here: give nvidia-smi indices, GPU or MIG UUIDs (or unique prefixes) "
+                "or PCI bus ids, as `ckptfix gpus` lists them"
+            )
 
 
 @dataclass(frozen=True)
@@ -171,26 +223,55 @@ def _effective_procs(g: VisibleGpu) -> int:
     return procs
 
 
-def _sort_key(g: VisibleGpu) -> tuple[int, int, int, int]:
-    free_gib = (g.memory_free_mib or 0) // 1024
+#: free memory within this many MiB counts as equal when ranking (driver residue of a freed GPU is 0-300 MiB)
+FREE_TOLERANCE_MIB = 512
+
+
+def _tie_key(g: VisibleGpu) -> tuple[int, int, int]:
     util = g.utilization_pct if g.utilization_pct is not None else 101
-    return (-free_gib, util, _effective_procs(g), g.smi_index)
+    return (util, _effective_procs(g), g.smi_index)
 
 
-def _why_before(a: VisibleGpu, b: VisibleGpu | None) -> str:
+def _order(devices: Sequence[VisibleGpu]) -> list[list[VisibleGpu]]:
+    """Most free memory first, compared in exact MiB; GPUs within :data:`FREE_TOLERANCE_MIB` of the freest of
+    their group count as equal and are ordered by utilization, then processes, then nvidia-smi index."""
+    by_free = sorted(devices, key=lambda g: (-(g.memory_free_mib or 0), g.smi_index))
+    out: list[list[VisibleGpu]] = []
+    i = 0
+    while i < len(by_free):
+        top = by_free[i].memory_free_mib or 0
+        j = i
+        while j < len(by_free) and top - (by_free[j].memory_free_mib or 0) <= FREE_TOLERANCE_MIB:
+            j += 1
+        out.append(sorted(by_free[i:j], key=_tie_key))
+        i = j
+    return out
+
+
+def _mib(mib: int | None) -> str:
+    return "?" if mib is None else f"{mib:,} MiB"
+
+
+def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     if b is None:
         return "the only candidate left"
-    ka, kb = _sort_key(a), _sort_key(b)
-    if ka[0] != kb[0]:
+    fa, fb = a.memory_free_mib or 0, b.memory_free_mib or 0
+    if not same_group:
         return (
             f"more free memory than the next candidate GPU {b.smi_index} "
-            f"({_gib(a.memory_free_mib)} vs {_gib(b.memory_free_mib)})"
+            f"({_mib(fa)} vs {_mib(fb)}, {fa - fb:,} MiB more: beyond the {FREE_TOLERANCE_MIB} MiB tolerance)"
         )
+    ka, kb = _tie_key(a), _tie_key(b)
+    near = (
+        f"free memory within {FREE_TOLERANCE_MIB} MiB of GPU {b.smi_index} ({_mib(fa)} vs {_mib(fb)}: counted as equal)"
+    )
+    if ka[0] != kb[0]:
+        ua = "?" if a.utilization_pct is None else f"{a.utilization_pct}%"
+        ub = "?" if b.utilization_pct is None else f"{b.utilization_pct}%"
+        return f"{near}, lower utilization ({ua} vs {ub})"
     if ka[1] != kb[1]:
-        return f"same free GiB as GPU {b.smi_index}, lower utilization ({a.utilization_pct}% vs {b.utilization_pct}%)"
-    if ka[2] != kb[2]:
-        return f"same free GiB and utilization as GPU {b.smi_index}, fewer processes ({ka[2]} vs {kb[2]})"
-    return f"ties with GPU {b.smi_index} on free GiB, utilization and processes; lower nvidia-smi index"
+        return f"{near}, same utilization, fewer processes ({ka[1]} vs {kb[1]})"
+    return f"{near}, same utilization and processes; lower nvidia-smi index"
 
 
 def rank_gpus(
@@ -208,11 +289,22 @@ def rank_gpus(
     """
     leased = leased or {}
     ok: list[VisibleGpu] = []
+    migs: list[VisibleGpu] = []
     rejected: list[Rejected] = []
     for g in devices:
         procs = _effective_procs(g)
-        if g.mig_device is not None:
-            rejected.append(Rejected(g, "a MIG device: its memory and utilization are not reported, cannot rank it"))
+        excluded = _excluded_by(g, criteria.exclude)
+        sensor = _sensor_rejection(g, criteria)
+        if excluded is not None:
+            rejected.append(Rejected(g, f"excluded (--exclude {excluded})"))
+        elif sensor is not None:
+            rejected.append(Rejected(g, sensor))
+        elif g.mig_device is not None:
+            why = _mig_rejection(g, criteria)
+            if why is None:
+                migs.append(g)
+            else:
+                rejected.append(Rejected(g, why))
         elif g.mig_enabled:
             rejected.append(Rejected(g, "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)"))
         elif g.memory_free_mib is None or g.memory_total_mib is None:
@@ -221,7 +313,10 @@ def rank_gpus(
         elif g.id in leased:
             rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
         elif criteria.min_free_mib is not None and g.memory_free_mib < criteria.min_free_mib:
-            rejected.append(Rejected(g, f"{_gib(g.memory_free_mib)} free < --min-free {_gib(criteria.min_free_mib)}"))
+            have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
+            if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
+                have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
+            rejected.append(Rejected(g, f"{have} free < --min-free {need}"))
         elif criteria.max_util is not None and g.utilization_pct is None:
             rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
         elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
@@ -241,7 +336,9 @@ def rank_gpus(
             rejected.append(Rejected(g, f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}"))
         else:
             ok.append(g)
-    ok.sort(key=_sort_key)
+    ordered = _order(ok)
+    groups = {id(g): k for k, grp in enumerate(ordered) for g in grp}
+    ok = [g for grp in ordered for g in grp]
     ranked = []
     for i, g in enumerate(ok):
         nxt = ok[i + 1] if i + 1 < len(ok) else None
@@ -253,8 +350,54 @@ def rank_gpus(
         )
         nprocs = "?" if g.process_count is None else str(g.process_count)
         desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
-        ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt)}"))
+        same = nxt is not None and groups[id(g)] == groups[id(nxt)]
+        ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt, same)}"))
+    # MIG devices after whole GPUs: the biggest slice first (their use is not reported; leases tell them apart)
+    migs.sort(key=lambda g: (-(g.memory_total_mib or 0), g.smi_index, g.mig_device.device_index if g.mig_device else 0))
+    for g in migs:
+        if g.id in leased:
+            rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
+            continue
+        m = g.mig_device
+        ranked.append(
+            Ranked(
+                g,
+                len(ranked) + 1,
+                0,
+                f"MIG {m.profile if m else '?'} slice of GPU {g.smi_index} ({_gib(g.memory_total_mib)}); memory use "
+                "and utilization are not reported per MIG device, so slices are told apart by leases, biggest first",
+            )
+        )
     return ranked, rejected
+
+
+def _sensor_rejection(g: VisibleGpu, criteria: Criteria) -> str | None:
+    """``--max-temp`` / ``--max-power`` (a MIG device reads its GPU's sensors); unknown values fail the filter."""
+    if criteria.max_temp is not None:
+        if g.temperature_c is None:
+            return "temperature unavailable and --max-temp was given"
+        if g.temperature_c > criteria.max_temp:
+            return f"{g.temperature_c:g} C > --max-temp {criteria.max_temp:g}"
+    if criteria.max_power is not None:
+        if g.power_w is None:
+            return "power draw unavailable and --max-power was given"
+        if g.power_w > criteria.max_power:
+            return f"{g.power_w:g} W > --max-power {criteria.max_power:g}"
+    return None
+
+
+def _mig_rejection(g: VisibleGpu, criteria: Criteria) -> str | None:
+    """Why a MIG device cannot be picked for ``criteria``, or ``None``."""
+    if criteria.n > 1:
+        return f"a MIG device, and a CUDA process sees a single MIG instance: -n {criteria.n} cannot use MIG devices"
+    if criteria.max_util is not None:
+        return "a MIG device: utilization is not reported per MIG device and --max-util was given"
+    if criteria.max_procs is not None:
+        return "a MIG device: processes are not reported per MIG device and --max-procs was given"
+    size = g.memory_total_mib
+    if criteria.min_free_mib is not None and (size is None or size < criteria.min_free_mib):
+        return f"a MIG slice of {_gib(size)} < --min-free {_gib(criteria.min_free_mib)}"
+    return None
 
 
 # ----------------------------------------------------------------------------- choosing
@@ -291,12 +434,13 @@ class PickResult:
         does not matter -- unless an index-based ``CUDA_VISIBLE_DEVICES`` chose the candidates: then which
         GPUs those are is itself a guess.
         """
+        mine = [le.warning for le in self.leases if le.warning]
         if self.view is None:
-            return []
+            return mine
         if self.view.spec is not None and self.view.spec.kind == "index":
-            return list(self.view.warnings)
+            return list(self.view.warnings) + mine
         moot = {str(p) for p in self.view.problems if p.code == "order_uncertain"}
-        return [w for w in self.view.warnings if w not in moot]
+        return [w for w in self.view.warnings if w not in moot] + mine
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ckptfix pick-gpu --json`` document.
@@ -312,7 +456,8 @@ class PickResult:
             "rejected": [r.to_dict() for r in self.rejected],
             "leases": [lease.to_dict() for lease in self.leases],
             "waited_s": round(self.waited_s, 3),
-            "warnings": list(self.view.warnings) if self.view else [],
+            "warnings": (list(self.view.warnings) if self.view else [])
+            + [le.warning for le in self.leases if le.warning],
         }
 
 
@@ -370,7 +515,7 @@ def choose_and_lease(
     Raises:
         OutputError: the lease directory or a lease file is unusable or unsafe (exit code 9).
     """
-    ranked, rejected = rank_gpus(view.devices, criteria)
+    ranked, rejected = rank_gpus(view.candidates, criteria)
     got: list[tuple[Ranked, Lease | None]] = []
     for r in ranked:
         if len(got) == criteria.n:
@@ -463,17 +608,23 @@ def pick(
     start = clock()
     while True:
         view = get_view()
-        if not view.devices:
+        check_exclude(criteria.exclude, view)
+        if not view.candidates:
             cvd = view.cuda_visible_devices
             detail = (
                 f"nvidia-smi sees {len(view.physical)} GPU(s) but CUDA_VISIBLE_DEVICES={cvd!r} hides all of them"
                 if view.physical
                 else "nvidia-smi lists no GPU"
             )
-            raise NoGpuError(f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU")
-        if len(view.devices) < criteria.n:
+            fix = next((p.fix for p in view.problems if p.code == "cvd_empty"), None) if view.physical else None
+            raise NoGpuError(
+                f"{detail}: {fix} (see `ckptfix gpus`), or run on CPU"
+                if fix
+                else f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU"
+            )
+        if len(view.candidates) < criteria.n:
             raise NoGpuFitsError(
-                f"asked for {criteria.n} GPU(s) but only {len(view.devices)} are visible to this process: "
+                f"asked for {criteria.n} GPU(s) but only {len(view.candidates)} are visible to this process: "
                 "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
             )
         result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by, token=token)
@@ -524,6 +675,9 @@ def choose_gpus(
     min_free: str | int | float | None = None,
     max_util: int | None = None,
     max_procs: int | None = None,
+    exclude: Sequence[str] = (),
+    max_temp: float | None = None,
+    max_power: float | None = None,
     wait: float = 0.0,
     interval: float = 10.0,
     lease: float | bool | None = None,
@@ -547,6 +701,9 @@ def choose_gpus(
         min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes.
+        exclude: GPUs never to pick: nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.
+        max_temp: maximum temperature in degrees C (an unreported temperature fails it).
+        max_power: maximum power draw in watts (an unreported one fails it).
         wait: seconds to keep retrying until enough GPUs qualify (0: fail at once).
         interval: seconds between retries.
         lease: ``True`` holds the lease lock (for the life of this process, or of a command it execs with the
@@ -566,7 +723,8 @@ def choose_gpus(
         ``lease_seconds`` and ``token``.
 
     Raises:
-        ValueError: ``min_free`` is not a memory size, or ``n`` < 1.
+        ValueError: ``min_free`` is not a memory size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
+            names no GPU here.
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27).
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
         OutputError: the lease directory is unusable or unsafe (9).
@@ -577,6 +735,9 @@ def choose_gpus(
         min_free_mib=None if min_free is None else parse_size_mib(min_free),
         max_util=max_util,
         max_procs=max_procs,
+        exclude=tuple(exclude),
+        max_temp=max_temp,
+        max_power=max_power,
     )
     seconds = _lease_seconds(lease)
     tok = environ.get(LEASE_TOKEN_ENV) if token is None else token

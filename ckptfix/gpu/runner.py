@@ -7,6 +7,7 @@ is what :func:`ckptfix.gpu.smi.query` calls, so tests can replace the subprocess
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from typing import Callable, Mapping, Sequence
 
 from ckptfix.errors import GpuQueryError, GpuToolingError
 
-__all__ = ["RunResult", "Runner", "find_nvidia_smi", "subprocess_runner", "run_parallel"]
+__all__ = ["RunResult", "Runner", "find_nvidia_smi", "nvidia_smi_env", "subprocess_runner", "run_parallel"]
 
 
 @dataclass(frozen=True)
@@ -81,18 +82,74 @@ def subprocess_runner(argv: Sequence[str], timeout: float) -> RunResult:
         GpuQueryError: it did not answer within ``timeout`` (exit code 25).
     """
     try:
-        p = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, errors="replace")
+        p = _start(argv)
     except FileNotFoundError:
         raise GpuToolingError(
             f"{argv[0]} not found: no NVIDIA driver is installed here; run on CPU or install the driver"
         ) from None
     except PermissionError:
         raise GpuToolingError(f"{argv[0]} cannot be executed (permission denied)") from None
+    try:
+        so, se = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        _kill_group(p)
         raise GpuQueryError(
             f"nvidia-smi did not answer within {timeout:g}s (a hung GPU or driver?): check `dmesg`, or retry"
         ) from None
-    return RunResult(p.returncode, p.stdout or "", p.stderr or "")
+    finally:
+        if p.poll() is None:
+            _kill_group(p)
+    return RunResult(p.returncode, so or "", se or "")
+
+
+def nvidia_smi_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment nvidia-smi runs in: ``LC_ALL=C``, so that no locale prints a decimal comma
+    (``47,5`` in a comma-separated table shifts every later column).
+
+    Args:
+        base: the environment to start from (default ``os.environ``).
+
+    Returns:
+        A copy of it with ``LC_ALL=C`` and ``LANG=C``.
+    """
+    env = dict(os.environ if base is None else base)
+    env["LC_ALL"] = "C"
+    env["LANG"] = "C"
+    env.pop("LANGUAGE", None)
+    return env
+
+
+def _start(argv: Sequence[str]) -> subprocess.Popen[str]:
+    """nvidia-smi in its own process group (session), so that a hung one is killed with every child it started."""
+    return subprocess.Popen(
+        list(argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        errors="replace",
+        env=nvidia_smi_env(),
+        start_new_session=True,
+    )
+
+
+def _kill_group(p: subprocess.Popen[str]) -> None:
+    """Kill ``p`` and its whole process group (it leads one: :func:`_start`), then reap it."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.kill()
+    except ProcessLookupError:  # pragma: no cover
+        pass
+    for f in (p.stdout, p.stderr):
+        if f is not None:
+            try:
+                f.close()
+            except OSError:  # pragma: no cover
+                pass
+    p.wait()
 
 
 def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int] = frozenset()) -> list[RunResult]:
@@ -117,9 +174,7 @@ def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int]
     try:
         for argv in cmds:
             try:
-                procs.append(
-                    subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace")
-                )
+                procs.append(_start(argv))
             except FileNotFoundError:
                 raise GpuToolingError(
                     f"{argv[0]} not found: no NVIDIA driver is installed here; run on CPU or install the driver"
@@ -133,10 +188,7 @@ def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int]
                 so, se = p.communicate(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 if len(out) in optional:
-                    p.kill()  # reaped below
-                    for f in (p.stdout, p.stderr):
-                        if f is not None:
-                            f.close()
+                    _kill_group(p)
                     out.append(RunResult(-1, "", "", timed_out=True))
                     continue
                 raise GpuQueryError(
@@ -147,5 +199,4 @@ def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int]
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait()
+                _kill_group(p)

@@ -12,10 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ckptfix.errors import NoGpuError
+from ckptfix.errors import CkptfixError, NoGpuError
 from ckptfix.gpu import diagnosis
 from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized
-from ckptfix.gpu.cvd import VisibleSpec, parse_visible_devices, strtoul_prefix
+from ckptfix.gpu.cvd import VisibleSpec, describe_spec, parse_visible_devices, strtoul_prefix
 from ckptfix.gpu.order import enumeration_order, is_unified_memory, model_info, pci_order, pci_sort_key, speed_key
 from ckptfix.gpu.records import MigDevice, Problem, SmiGpu, SmiSnapshot, VisibleGpu, mig_size_mib
 from ckptfix.gpu.runner import Runner
@@ -24,6 +24,7 @@ from ckptfix.gpu.smi import query
 __all__ = [
     "GpuView",
     "build_view",
+    "driverless_view",
     "visible_gpus",
     "HIDDEN_BUSY_MIB",
     # the records and pure helpers a view is made of, importable from here too
@@ -60,6 +61,17 @@ class GpuView:
     warnings: tuple[str, ...] = ()
     problems: tuple[Problem, ...] = field(default=())
     spec: VisibleSpec | None = None
+    # every MIG device CUDA_VISIBLE_DEVICES names, when it names several (CUDA enumerates only the first): the
+    # devices a job given these slices may choose from, one per process (pick-gpu leases one by its UUID)
+    mig_named: tuple[VisibleGpu, ...] = ()
+    # set by :func:`driverless_view`: why nvidia-smi could not be asked, and what CUDA_VISIBLE_DEVICES asks for
+    error: CkptfixError | None = None
+    cvd_summary: str | None = None
+
+    @property
+    def candidates(self) -> tuple[VisibleGpu, ...]:
+        """What pick-gpu chooses from: the devices CUDA sees, or every MIG device ``CUDA_VISIBLE_DEVICES`` names."""
+        return self.mig_named or self.devices
 
     def cuda_index_of(self, g: SmiGpu) -> int | None:
         """``cuda:N`` of the whole physical GPU ``g`` in this environment, ``None`` if CUDA does not see it.
@@ -128,6 +140,14 @@ class GpuView:
             "physical": [self._physical_dict(g) for g in self.physical],
             "warnings": list(self.warnings),
             "problems": [p.to_dict() for p in self.problems],
+            **(
+                {}
+                if self.error is None
+                else {
+                    "error": {"exit_code": self.error.exit_code, "message": str(self.error)},
+                    "cvd_summary": self.cvd_summary,
+                }
+            ),
         }
 
 
@@ -278,6 +298,38 @@ def _select(
     return chosen, [], problems
 
 
+def _duplicate_after_invalid(
+    spec: VisibleSpec, gpus: Sequence[SmiGpu], ordered: Sequence[SmiGpu]
+) -> tuple[Chosen, Problem] | None:
+    """``0,9,0`` on a 2-GPU machine: the entry ``9`` ends the list by NVIDIA's documented rule (CUDA sees GPU 0),
+    while torch's emulation (``torch.cuda._parse_visible_devices``) rejects the repeated ``0`` first and hides
+    every GPU.  The driver's order of the two checks is not documented: ``(documented devices, cvd_uncertain)``,
+    or ``None`` when the two readings agree."""
+    if not spec.emptied_by_duplicate or not spec.before_duplicate:
+        return None
+    alt = VisibleSpec(spec.raw, spec.kind, spec.before_duplicate)
+    chosen, _, problems = _select(alt, gpus, ordered)
+    if not any(p.code == "cvd_truncated" for p in problems):
+        return None  # every entry before the repeat is valid: both rules hide every GPU
+    got = ", ".join(
+        f"cuda:{i} = {'MIG device ' + m.uuid if m is not None else f'GPU {g.index}'}" for i, (g, m) in enumerate(chosen)
+    )
+    documented = got if chosen else "no GPU"
+    stop = next(p for p in problems if p.code == "cvd_truncated")
+    keep = ",".join(str(e) for e in spec.before_duplicate[: len(chosen)])
+    return chosen, Problem(
+        "cvd_uncertain",
+        f"CUDA_VISIBLE_DEVICES={spec.raw!r} reads two ways: by NVIDIA's documented rule an invalid entry ends the "
+        f"list ({stop.message.split(': ', 1)[-1] if ': ' in stop.message else stop.message}), which gives "
+        f"{documented}; torch's emulation (torch.cuda._parse_visible_devices) rejects the repeated entry first, "
+        "which hides every GPU. Which the driver applies is not documented, so the answer is uncertain (the "
+        "table shows the documented reading)",
+        f"write only the GPUs you mean, each once (e.g. CUDA_VISIBLE_DEVICES={keep})"
+        if keep
+        else "write only the GPUs you mean, each once",
+    )
+
+
 # ----------------------------------------------------------------------------- the view
 
 
@@ -308,6 +360,14 @@ def build_view(
     problems += diagnosis.spec_problems(
         spec, gpus, any_chosen=bool(chosen), already_empty=any(p.code == "cvd_empty" for p in problems)
     )
+    mig_named: Chosen = []
+    if spec.kind == "mig" and len(chosen) > 1:  # a CUDA process sees a single MIG instance: the first
+        mig_named, chosen = chosen, chosen[:1]
+        problems.append(diagnosis.mig_single_problem(spec, mig_named))
+    uncertain = _duplicate_after_invalid(spec, gpus, ordered)
+    if uncertain is not None:  # NVIDIA's documented rule and torch's emulation disagree: show the former, say so
+        chosen, problem = uncertain
+        problems = [p for p in problems if p.code != "cvd_empty"] + [problem]
 
     pci_pos = {id(g): i for i, g in enumerate(pci_order(gpus))}
     devices = [_to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(chosen)]
@@ -321,7 +381,7 @@ def build_view(
     problems += diagnosis.device_problems(devices, gpus, mig_listed=snapshot.mig_listed)
     if cuda_is_initialized:
         problems.append(diagnosis.CUDA_INITIALIZED)
-    certain = by_id or (models_certain and not unreadable and not mig_rows)
+    certain = (by_id or (models_certain and not unreadable and not mig_rows)) and uncertain is None
     return GpuView(
         devices=tuple(devices),
         physical=tuple(gpus),
@@ -333,6 +393,9 @@ def build_view(
         warnings=tuple(snapshot.warnings) + tuple(str(p) for p in problems),
         problems=tuple(problems),
         spec=spec,
+        mig_named=tuple(
+            _to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(mig_named)
+        ),
     )
 
 
@@ -369,3 +432,37 @@ def visible_gpus(
     wants_mig = (environ.get("CUDA_VISIBLE_DEVICES") or "").startswith("MIG-") or None
     snap = query(runner=runner, timeout=timeout, processes=processes, mig=wants_mig, env=dict(environ))
     return build_view(snap, environ, cuda_is_initialized=cuda_initialized())
+
+
+def driverless_view(env: Mapping[str, str], error: CkptfixError) -> GpuView:
+    """The view where nvidia-smi cannot be asked (a login node without a driver): no GPU, but what
+    ``CUDA_VISIBLE_DEVICES`` asks for needs no driver, so its problems and :func:`describe_spec`'s summary are there.
+
+    Args:
+        env: the environment whose ``CUDA_VISIBLE_DEVICES`` / ``CUDA_DEVICE_ORDER`` apply.
+        error: why nvidia-smi could not be asked (kept in the view and its ``--json`` document).
+
+    Returns:
+        A :class:`GpuView` with no devices, the variable's problems, ``error`` and ``cvd_summary``.
+    """
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    order = env.get("CUDA_DEVICE_ORDER")
+    spec = parse_visible_devices(cvd)
+    problems = diagnosis.spec_problems(spec, [], any_chosen=bool(spec.entries), already_empty=False)
+    bad_order = diagnosis.device_order_problem(order)
+    if bad_order is not None:
+        problems.append(bad_order)
+    return GpuView(
+        devices=(),
+        physical=(),
+        cuda_visible_devices=cvd,
+        cuda_device_order=order,
+        order_certain=spec.kind in ("uuid", "mig", "none"),
+        driver_version=None,
+        cuda_initialized=False,
+        warnings=tuple(str(p) for p in problems),
+        problems=tuple(problems),
+        spec=spec,
+        error=error,
+        cvd_summary=describe_spec(spec),
+    )

@@ -1,0 +1,62 @@
+"""Ranking compares exact MiB with a stated tolerance, and the printed reason is the real one (issue 23, item 2)."""
+
+from __future__ import annotations
+
+from ckptfix.gpu.pick import FREE_TOLERANCE_MIB, Criteria, rank_gpus
+from ckptfix.gpu.records import GpuProcess, SmiGpu, VisibleGpu
+
+
+def gpu(i, free, util=0, procs=0, total=81_559):
+    uuid = f"GPU-{i:08d}"
+    g = SmiGpu(
+        index=i,
+        uuid=uuid,
+        name="H100",
+        memory_total_mib=total,
+        memory_used_mib=total - free,
+        memory_free_mib=free,
+        utilization_pct=util,
+        processes=tuple(GpuProcess(uuid, 100 + k, "python", 10) for k in range(procs)),
+    )
+    return VisibleGpu(i, g)
+
+
+def test_two_mib_more_free_does_not_beat_idle():
+    # 80,897 vs 80,895 MiB: both "79.0 GiB"; the busy one used to win on rounding down across a GiB boundary
+    busy, idle = gpu(0, 80_897, util=100, procs=1), gpu(1, 80_895, util=0)
+    ranked, _ = rank_gpus([busy, idle], Criteria())
+    assert [r.gpu.smi_index for r in ranked] == [1, 0]
+    why = ranked[0].reason
+    assert "79.0 GiB vs 79.0 GiB" not in why
+    assert f"within {FREE_TOLERANCE_MIB} MiB of GPU 0 (80,895 MiB vs 80,897 MiB" in why, why
+    assert "lower utilization (0% vs 100%)" in why, why
+
+
+def test_gib_boundary_does_not_split_equals():
+    # 1,023.9 GiB vs 1,024.0 GiB: formerly different "GiB" buckets, so the 100%-busy one came first
+    a, b = gpu(0, 1024 * 80, util=100), gpu(1, 1024 * 80 - 1, util=0)
+    ranked, _ = rank_gpus([a, b], Criteria())
+    assert [r.gpu.smi_index for r in ranked] == [1, 0]
+
+
+def test_beyond_tolerance_free_memory_wins_and_says_by_how_much():
+    a, b = gpu(0, 40_000, util=100), gpu(1, 40_000 + FREE_TOLERANCE_MIB + 1, util=100)
+    ranked, _ = rank_gpus([a, b], Criteria())
+    assert [r.gpu.smi_index for r in ranked] == [1, 0]
+    assert f"(40,513 MiB vs 40,000 MiB, 513 MiB more: beyond the {FREE_TOLERANCE_MIB} MiB tolerance)" in (
+        ranked[0].reason
+    )
+
+
+def test_group_is_anchored_at_its_freest_gpu():
+    # 1000 and 600 tie (400 apart); 200 is 800 below the freest: next group even though 400 below 600
+    gs = [gpu(0, 30_000 + 200, util=0), gpu(1, 30_000 + 600, util=50), gpu(2, 30_000 + 1000, util=90)]
+    ranked, _ = rank_gpus(gs, Criteria())
+    assert [r.gpu.smi_index for r in ranked] == [1, 2, 0]
+    assert "lower utilization (50% vs 90%)" in ranked[0].reason
+    assert "beyond the" in ranked[1].reason
+
+
+def test_min_free_rejection_shows_exact_sizes_when_gib_look_equal():
+    _, rejected = rank_gpus([gpu(0, 81_919)], Criteria(min_free_mib=81_920))
+    assert rejected[0].reason == "81,919 MiB free < --min-free 81,920 MiB"
