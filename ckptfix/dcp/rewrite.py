@@ -30,6 +30,7 @@ from ckptfix.dcp.meta import (
     read_metadata,
     rename_metadata,
 )
+from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
 from ckptfix.pickles import paused_gc
@@ -186,15 +187,15 @@ def _output_dir(src: str, output: str | None, suffix: str, force: bool) -> str:
     """The new directory's path, refused when it is the input, or exists and is not a DCP checkpoint."""
     out = os.path.abspath(output.rstrip(os.sep) if output else f"{src}.{suffix}")
     if out == os.path.abspath(src) or (os.path.exists(out) and os.path.samefile(out, src)):
-        raise OutputError(f"{out}: the output is the input; use --in-place to rewrite its .metadata")
+        raise OutputError(output_is_input(out, in_place="rewrite its .metadata"))
     if os.path.lexists(out):
         if not force:
-            raise OutputError(f"{out} already exists; pass --force to replace it or -o to choose another directory")
+            raise OutputError(already_exists(out, directory=True))
         if not os.path.isdir(out) or (os.listdir(out) and not os.path.isfile(os.path.join(out, METADATA_NAME))):
             raise OutputError(f"{out} exists and is not a DCP checkpoint directory; refusing to replace it")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: the output's parent directory does not exist; create it first")
+        raise OutputError(missing_directory(parent))
     return out
 
 
