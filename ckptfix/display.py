@@ -94,7 +94,10 @@ def cannot_create(path: str) -> str:
         The message.
     """
     parent = shown_path(os.path.dirname(os.path.abspath(path))) or "."
-    return f"{shown_path(path)}: cannot create a file there ({parent} exists but accepts no new files); -o to choose another path"
+    return (
+        f"{shown_path(path)}: cannot create a file there ({parent} exists but accepts no new files); "
+        "-o to choose another path"
+    )
 
 
 def output_is_input(path: str, *, in_place: str | None = None) -> str:

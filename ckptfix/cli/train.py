@@ -12,6 +12,7 @@ import click
 
 from ckptfix.cli._common import emit_json, info, json_option, table
 from ckptfix.cli.group import cli
+from ckptfix.display import shown_path
 from ckptfix.train.config import (
     ALLREDUCES,
     DEVICES,
@@ -170,7 +171,7 @@ def _given(ctx: click.Context) -> set[str]:
     default=None,
     help="File name stem [derived from the options, e.g. ddp-amp-clean; resumed runs add -resumed-from-X].",
 )
-@click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes.")
+@click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes [1 on CPU; torch's default on CUDA].")
 @click.option(
     "--bench",
     is_flag=True,
@@ -240,9 +241,9 @@ def _render_train(res: TrainResult, as_json: bool, *, quiet: bool) -> None:
         f"{res.sec_per_epoch:.3f} s/epoch, {res.samples_per_sec:,.0f} samples/s, "
         f"final accuracy {res.final_accuracy:.1%}"
     )
-    click.echo(f"manifest: {res.manifest}")
+    click.echo(f"manifest: {shown_path(res.manifest)}")
     if not quiet:
-        info(f"done: {len(res.checkpoints)} checkpoint(s) in {res.out_dir}")
+        info(f"done: {len(res.checkpoints)} checkpoint(s) in {shown_path(res.out_dir)}")
 
 
 def _render_bench(res: BenchResult, as_json: bool) -> None:
@@ -267,4 +268,4 @@ def _render_bench(res: BenchResult, as_json: bool) -> None:
     ]
     click.echo(table(body, ["mode", "devices", "world size", "s/epoch", "samples/s", "final acc", "wall s"]))
     if res.out_dir:
-        click.echo(f"checkpoints: {res.out_dir}")
+        click.echo(f"checkpoints: {shown_path(res.out_dir)}")

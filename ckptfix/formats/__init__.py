@@ -149,6 +149,8 @@ def _dir_kind(path: str) -> Format:
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
+    # real checkpoints first, the trainer's probe sidecars (X.probe.pt) after them
+    cands.sort(key=lambda n: n.endswith(".probe.pt"))
     hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"

@@ -77,7 +77,7 @@ class TrainConfig:
     test_samples: int = 512
     show_split: bool = False  # dp: print per-replica batch sizes (first batch of each epoch)
     name: str | None = None  # file name stem; default derived from the options
-    threads: int | None = None  # torch.set_num_threads for in-process modes (None: leave as is)
+    threads: int | None = None  # torch.set_num_threads for in-process modes (None: 1 on CPU, torch's on CUDA)
     quiet: bool = False  # no progress on stderr
     # On --resume: the optimizer settings (of HPARAMS) the user gave explicitly.  They override the
     # checkpoint's param_groups after loading; the others keep the checkpoint's values.
