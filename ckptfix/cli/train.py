@@ -171,7 +171,12 @@ def _given(ctx: click.Context) -> set[str]:
     default=None,
     help="File name stem [derived from the options, e.g. ddp-amp-clean; resumed runs add -resumed-from-X].",
 )
-@click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes [1 on CPU; torch's default on CUDA].")
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="torch intra-op threads for in-process modes [1 on CPU; torch's default on CUDA].",
+)
 @click.option(
     "--bench",
     is_flag=True,
