@@ -444,7 +444,8 @@ def format_summary(res: DemoResult) -> str:
     out.append("")
     from ckptfix.display import shown_path
 
-    out.append(f"{'all verified' if res.ok else 'FAILURES'} in {res.seconds:.0f} s; files in {shown_path(res.out_dir)}/")
+    verdict = "all verified" if res.ok else "FAILURES"
+    out.append(f"{verdict} in {res.seconds:.0f} s; files in {shown_path(res.out_dir)}/")
     for r in res.rows:
         if r.detail:
             out.append(f"  {r.checkpoint}: {r.detail}")
