@@ -18,6 +18,7 @@ from ckptfix.train.config import (
     DEVICES,
     DISTRIBUTED_MODES,
     HPARAMS,
+    INITS,
     MODELS,
     MODES,
     SAVE_FORMATS,
@@ -41,6 +42,13 @@ def _given(ctx: click.Context) -> set[str]:
     return out
 
 
+def _data_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--data``: the word ``digits`` (the bundled real digits), or an existing file."""
+    if value is None or value == "digits":
+        return value
+    return str(click.Path(exists=True, dir_okay=False).convert(value, param, ctx))
+
+
 @cli.command("train")
 @click.option(
     "--mode",
@@ -57,6 +65,14 @@ def _given(ctx: click.Context) -> set[str]:
     show_default=True,
     help="LeNet-5 (2 conv + avg-pool + 2 linear), a small ResNet with BatchNorm, or the "
     "hand-written multi-GPU tutorial's LeNet (plain parameter list, functional forward).",
+)
+@click.option(
+    "--init",
+    type=click.Choice(INITS),
+    default=default("init"),
+    show_default=True,
+    help="--model tutorial: He-scaled weights N(0, sqrt(2/fan_in)), or the tutorial's N(0, 0.01) (which "
+    "stays at chance for ~500 plain-SGD steps: 60 epochs of the bundled data).",
 )
 @click.option(
     "--out",
@@ -151,9 +167,11 @@ def _given(ctx: click.Context) -> set[str]:
 @click.option("--force", is_flag=True, help="Overwrite files in --out that another run wrote.")
 @click.option(
     "--data",
-    type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data.",
+    callback=_data_path,
+    metavar="PATH|digits",
+    help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data; "
+    "'digits': the bundled 1,797 real handwritten digits (UCI, 8x8 upsampled; ./digits for a file of that name).",
 )
 @click.option(
     "--train-samples", type=int, default=default("train_samples"), show_default=True, help="Synthetic training samples."

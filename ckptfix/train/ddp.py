@@ -114,7 +114,7 @@ def preflight(cfg: TrainConfig) -> None:
         CkptfixError: the ``--data`` or ``--resume`` file cannot be read (its own class).
     """
     cfg.validate()
-    if cfg.data:
+    if cfg.data and cfg.data != "digits":
         from ckptfix.train.data import load_dataset
 
         load_dataset(cfg.data)
@@ -233,7 +233,7 @@ def _worker_config(cfg: TrainConfig, device_type: str) -> TrainConfig:
     wcfg.device = device_type
     if wcfg.resume:
         wcfg.resume = os.path.abspath(wcfg.resume)
-    if wcfg.data:
+    if wcfg.data and wcfg.data != "digits":
         wcfg.data = os.path.abspath(wcfg.data)
     return wcfg
 
