@@ -18,7 +18,7 @@ import click
 from ckptfix._torch import is_torch_missing, missing_error
 from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
-from ckptfix.cli.group import _DEBUG, cli
+from ckptfix.cli.group import _DEBUG, CtrlC, cli
 from ckptfix.errors import CkptfixError, InterruptedByUserError
 
 
@@ -47,9 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         err = missing_error(_feature(args))
         error_line(str(err))
         return err.exit_code
-    except (click.exceptions.Abort, KeyboardInterrupt):  # Click turns Ctrl-C into Abort
+    except (CtrlC, click.exceptions.Abort, KeyboardInterrupt):
         if _debug_wanted():
             traceback.print_exc()
+        if sys.stderr.isatty():  # end the terminal's "^C" line
+            click.echo(err=True)
         err = interrupted_error()
         error_line(str(err))
         return err.exit_code
