@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 GEN = Path(__file__).resolve().parents[1] / "docs" / "gen_docs.py"
@@ -12,6 +13,7 @@ def _gen():
     spec = importlib.util.spec_from_file_location("gen_docs_under_test", GEN)
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
