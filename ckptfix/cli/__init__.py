@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         if sys.stderr.isatty():  # end the terminal's "^C" line
             click.echo(err=True)
-        err = interrupted_error()
-        error_line(str(err))
-        return err.exit_code
+        stop = interrupted_error()
+        error_line(str(stop))
+        return stop.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
