@@ -116,6 +116,32 @@ def test_ctrl_c_names_what_was_kept(monkeypatch, capsys, work):
     assert not [p for p in os.listdir(work) if p.startswith(".second")]  # its temp file is gone
 
 
+def test_ctrl_c_in_training_names_the_epochs_kept(monkeypatch, capsys, tmp_path):
+    from ckptfix.train.run import Run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    record = Run._record_epoch
+    calls = []
+
+    def interrupted_in_epoch_2(self, entry):
+        calls.append(entry)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return record(self, entry)
+
+    monkeypatch.setattr(Run, "_record_epoch", interrupted_in_epoch_2)
+    args = ["train", "--out", "runs", "--epochs", "3", "--train-samples", "32", "--test-samples", "16", "-q"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == (
+        "Error: interrupted; kept 3 output(s) finished before it: runs/single_epoch1.pt, "
+        "runs/single_epoch1.probe.pt, runs/checkpoints.json; the one in progress was not written\n"
+    )
+    assert sorted(os.listdir(tmp_path / "runs")) == ["checkpoints.json", "single_epoch1.probe.pt", "single_epoch1.pt"]
+
+
 def test_a_real_sigint_gives_the_error_line(work):
     code = (
         "import os, signal, sys\n"

@@ -75,7 +75,8 @@ def interrupted_error() -> InterruptedByUserError:
     from ckptfix.atomic import FINISHED
     from ckptfix.display import shown_path
 
-    kept = list(dict.fromkeys(FINISHED))
+    # still there: a command may remove what it finished when the step around it fails (the trainer's epoch)
+    kept = [p for p in dict.fromkeys(FINISHED) if os.path.lexists(p)]
     if not kept:
         return InterruptedByUserError("interrupted; nothing was written")
     names = ", ".join(shown_path(p) for p in kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
