@@ -271,3 +271,17 @@ def test_in_process_training_uses_one_thread_on_cpu_unless_told(monkeypatch, tmp
         assert torch.get_num_threads() == before
     assert entry.in_process_threads(TrainConfig(device="cpu")) == 1
     assert entry.in_process_threads(TrainConfig(device="cpu", threads=3)) == 3
+
+
+def test_trainer_refusal_says_already_exists_with_the_path_as_typed(tmp_path):
+    args = ("train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16", "-q")
+    assert run_cli(*args, cwd=tmp_path).rc == 0
+    r = run_cli(*args, "--lr", "0.01", "--name", "x", cwd=tmp_path)  # a new run: fine
+    assert r.rc == 0, r.err
+    (tmp_path / "runs" / "y_epoch1.pt").write_bytes(b"not ours")
+    r = run_cli(*args, "--name", "y", cwd=tmp_path)
+    assert r.rc == 30, r.err  # TrainingError
+    assert "runs/y_epoch1.pt already exists (written by something not listed in checkpoints.json); pass --force" in (
+        r.err
+    )
+    assert str(tmp_path) not in r.err
