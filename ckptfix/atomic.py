@@ -30,6 +30,8 @@ from ckptfix.errors import OutputError
 def _os_error(e: OSError, path: str) -> OutputError:
     from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
 
+    if isinstance(e, OutputError):  # already says what went wrong
+        return e
     if e.errno == errno.ENOSPC:
         return OutputError(f"{shown_path(path)}: no space left on the device; free space or write elsewhere with -o")
     if e.errno in (errno.EACCES, errno.EPERM):

@@ -285,3 +285,33 @@ def test_trainer_refusal_says_already_exists_with_the_path_as_typed(tmp_path):
         r.err
     )
     assert str(tmp_path) not in r.err
+
+
+def test_directory_outputs_say_permission_denied_once(tmp_path, monkeypatch):
+    """DCP and sharded outputs go through the same wording (no 'cannot write X: X: permission denied')."""
+    import tempfile
+
+    from ckptfix.errors import OutputError
+    from ckptfix.rekey import add_prefix_checkpoint
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    shutil.copytree(SHARDED, tmp_path / "sharded")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "makedirs", refuse)
+    with pytest.raises(OutputError) as ei:
+        add_prefix_checkpoint("sharded/pytorch_model.bin.index.json", "module.", output="out")
+    assert str(ei.value) == "out: permission denied; -o to choose a writable location"
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    from ckptfix.dcp.write import convert_to_dcp
+
+    torch.save({"a": torch.zeros(2)}, tmp_path / "n.pt")
+    from ckptfix.convert import convert
+
+    convert("n.pt", "n.safetensors")
+    with pytest.raises(OutputError) as ei:
+        convert_to_dcp("n.safetensors", "n.dcp")
+    assert str(ei.value) == "n.dcp: permission denied; -o to choose a writable location"

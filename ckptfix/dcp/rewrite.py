@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptfix.atomic import fsync_dir, replace_directory
+from ckptfix.atomic import _os_error, fsync_dir, replace_directory
 from ckptfix.dcp.meta import (
     METADATA_NAME,
     BytesEntry,
@@ -210,7 +210,7 @@ def _write_directory(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
+        raise _os_error(e, out) from None
     linked = copied = 0
     try:
         os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
@@ -229,7 +229,7 @@ def _write_directory(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
+        raise _os_error(e, out) from None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ckptfix.atomic import fsync_dir, replace_directory
+from ckptfix.atomic import _os_error, fsync_dir, replace_directory
 from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
 from ckptfix.errors import (
     CkptfixError,
@@ -381,7 +381,7 @@ def convert_to_dcp(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
+        raise _os_error(e, out) from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
@@ -402,7 +402,7 @@ def convert_to_dcp(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
+        raise _os_error(e, out) from None
     finally:
         del sd, tensors
         for m in maps:

@@ -8,7 +8,7 @@ import os
 from typing import Any, Mapping
 
 from ckptfix import stmeta
-from ckptfix.atomic import atomic_output
+from ckptfix.atomic import _os_error, atomic_output
 from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict
@@ -103,7 +103,7 @@ def rewrite_sharded(
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"cannot create {out_dir}: {e.strerror}; choose another directory with -o") from None
+        raise _os_error(e, out_dir) from None
     written: list[str] = []
     try:
         _write_shards(shards, rename, out_dir, fsync, written, rep.notes, jobs)
