@@ -96,6 +96,16 @@ class NoTensorsError(CkptfixError, LookupError):
     exit_code = 13
 
 
+class NoModelWeightsError(CkptfixError, LookupError):
+    """A training framework's folder (or file) that holds training state but no model weights.
+
+    A Trainer ``checkpoint-N/`` without ``model.safetensors`` / ``pytorch_model.bin``, or an
+    optimizer file given to ``convert`` without ``--include-optimizer``.
+    """
+
+    exit_code = 15
+
+
 class TorchMissingError(CkptfixError, ImportError):
     """The operation needs torch, which is not installed (``pip install "ckptfix[torch]"``)."""
 

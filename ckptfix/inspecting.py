@@ -70,6 +70,9 @@ class InspectReport:
     weights_only_reason: str
     notes: list[str] = field(default_factory=list)
     dcp: dict[str, Any] | None = None  # DCP directories: files, ranks, chunks, tensors, objects, version
+    # the training framework that wrote the folder (or file): layout, weights, every other file
+    # (ckptfix.frameworks); None for a plain checkpoint
+    framework: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``inspect --json`` document.
@@ -114,10 +117,10 @@ def _describe(v: Any) -> str:
     return type(v).__name__
 
 
-def _prefix_counts(keys: list[str]) -> dict[str, int]:
+def _prefix_counts(keys: list[str], own: Mapping[str, str] | None = None) -> dict[str, int]:
     from ckptfix.prefixes import detect_prefixes
 
-    rep = detect_prefixes(keys)
+    rep = detect_prefixes(keys, own or ())
     out = dict(rep.leading)
     out.update({f"(inner) {k}": v for k, v in rep.inner.items()})
     return out
@@ -134,12 +137,41 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         InspectReport (see its docstring for what each count means).  A valid torch file without
         tensors is summarised too (``tensor_count`` 0).
 
+    A folder a training framework wrote (Trainer ``checkpoint-N/``, accelerate ``save_state``, Lightning
+    ModelParallel, a Hugging Face model folder: :mod:`ckptfix.frameworks`) is reported as its model
+    weights, with ``framework`` naming the layout and summarising every other file.
+
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError: unreadable input.
         KeyConflictError: ``key`` does not exist.
+        NoModelWeightsError: a framework folder without model weights.
     """
+    if os.path.isdir(path):
+        from ckptfix.frameworks import inspect_folder, resolve
+
+        fw = resolve(path)
+        if fw is not None:
+            rep: InspectReport = inspect_folder(fw, key)
+            return rep
+    return inspect_file(path, key)
+
+
+def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectReport:
+    """:func:`inspect_checkpoint` of one checkpoint (file, index or DCP directory), no framework lookup.
+
+    Args:
+        path: the checkpoint.
+        key: where the state dict sits.
+
+    Returns:
+        The :class:`InspectReport`.
+    """
+    from ckptfix.frameworks import identify_object
+    from ckptfix.hfarch import own_prefixes
+
     cf = read_checkpoint(path)
     key_path, sd, holder = _locate(cf, key)
+    own = own_prefixes(path)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     distinct = _distinct(tensors)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
@@ -160,15 +192,16 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         storage_bytes=sum(st.nbytes or 0 for st in cf.storages.values()),
         dtypes=dict(sorted(collections.Counter(t.dtype for t in tensors.values()).items())),
         locations=dict(sorted(locations.items())),
-        prefixes=_prefix_counts(list(map(str, sd.keys()))),
+        prefixes=_prefix_counts(list(map(str, sd.keys())), own),
         shared=_shared(tensors),
         non_tensor_entries=_non_tensor_entries(cf, key_path, sd),
         globals=gl,
         stubbed_globals=sorted(cf.stubbed),
         weights_only_ok=wo_ok,
         weights_only_reason=why,
-        notes=_notes(cf, locations, holder, key_path),
+        notes=_notes(cf, locations, holder, key_path) + _own_notes(list(map(str, sd.keys())), own),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
+        framework=identify_object(cf.obj),
     )
 
 
@@ -181,6 +214,19 @@ def _locate(cf: CheckpointFile, key: str | None) -> tuple[tuple[str, ...] | None
     if key is None and cf.format not in (Format.SAFETENSORS, Format.SHARDED, Format.DCP) and not contains_tensors(obj):
         return None, {}, "mapping"
     return locate_state_dict(obj, key)
+
+
+def _own_notes(keys: list[str], own: Mapping[str, str]) -> list[str]:
+    """Say which leading prefix is the model's own (config.json), so no one strips it."""
+    out = []
+    for p, whose in own.items():
+        n = sum(1 for k in keys if k.startswith(p))
+        if n:
+            out.append(
+                f"{p!r} on {n} of {len(keys)} keys is {whose}'s own base-model prefix (config.json beside the "
+                "file), not a wrapper: strip-prefix and convert --strip-prefix leave it"
+            )
+    return out
 
 
 def _distinct(tensors: Mapping[str, Any]) -> list[Any]:
@@ -267,6 +313,15 @@ def _notes(
         notes.append(
             "a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
             "the module itself runs its class's code (load_anywhere gives the state dict)"
+        )
+    elif holder == "optimizer":
+        from ckptfix.frameworks import optimizer_summary
+
+        opt = optimizer_summary(cf.obj) or {}
+        notes.append(
+            f"an optimizer state ({opt.get('param_groups', '?')} param group(s), {opt.get('state_tensors', '?')} "
+            "state tensors), not model weights: load_checkpoint(...).checkpoint is what optimizer.load_state_dict "
+            "takes; convert --include-optimizer writes its tensors"
         )
     elif holder == "sequence":
         notes.append('a list/tuple holding tensors, not a state dict: each named by its position ("0", "1.2" ...)')
@@ -573,11 +628,84 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     """
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
+    if os.path.isdir(path):
+        from ckptfix.frameworks import resolve
+
+        fw = resolve(path)
+        if fw is not None:
+            return _scan_folder(fw, limits)
+    return _scan_one(path, limits)
+
+
+def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
     kind = sniff(path)
     acc = _Acc(_context(kind))
     fmt = _SCANNERS[kind](path, acc, limits) or kind
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
+
+
+#: roles of framework files that hold no pickle (JSON, tokenizer files ...)
+_NO_PICKLE_ROLES = ("trainer-state", "config", "gen-config", "tokenizer")
+
+
+def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
+    """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
+    from ckptfix.errors import CkptfixError
+
+    acc = _Acc(None)
+    targets = ([fw.weights] if fw.weights else []) + [
+        os.path.join(fw.path, f.file) for f in fw.files if f.role not in _NO_PICKLE_ROLES
+    ]
+    targets = _expand_dirs(targets, fw.path)
+    fmt = Format.PICKLE
+    scanned = 0
+    for t in targets:
+        label = os.path.relpath(t, fw.path) if t != fw.path else "."
+        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
+            continue
+        try:
+            sub = _scan_one(t, limits)
+        except CkptfixError as e:
+            if os.path.isdir(t) or _text_file(t):
+                continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
+            acc.errors.append(f"{label}: {e}")
+            continue
+        if t == fw.weights:
+            fmt = sub.format
+        acc.merge(label, sub)
+        if not os.path.isdir(t) or t == fw.path:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
+            n, base = len(sub.pickles), os.path.basename(t)
+            relabel = [label + q[len(base) :] if q.startswith(base) and t != fw.path else q for q in sub.pickles]
+            acc.pickles[-n or len(acc.pickles) :] = relabel if n else []
+            acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
+        scanned += 1
+    acc.notes.append(f"{fw.layout.framework} folder ({fw.layout.name}): {scanned} checkpoint file(s) scanned")
+    globals_ = dict(sorted(acc.globals.items()))
+    return ScanReport(
+        path=fw.path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes
+    )
+
+
+def _text_file(path: str) -> bool:
+    from ckptfix.formats import _looks_like_text
+
+    with open(path, "rb") as f:
+        return _looks_like_text(f.read(512))
+
+
+def _expand_dirs(targets: list[str], root: str, depth: int = 3) -> list[str]:
+    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them."""
+    out: list[str] = []
+    for t in targets:
+        if t == root or not os.path.isdir(t):
+            out.append(t)
+            continue
+        if os.path.isfile(os.path.join(t, ".metadata")) or any(n.endswith(".index.json") for n in os.listdir(t)):
+            out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
+        elif depth > 0:
+            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, depth - 1)
+    return out
 
 
 def _context(fmt: Format) -> str | None:

@@ -476,10 +476,51 @@ def load_checkpoint(
         scheduler's state) ``state_dict`` is empty and ``checkpoint`` is the object (non-allowlisted
         classes such as ``TrainingArguments`` as placeholders unless ``allow_globals``/``trust``).
 
+    A folder a training framework wrote (Trainer ``checkpoint-N/``, accelerate ``save_state``, a
+    Hugging Face model folder, Lightning ModelParallel: :mod:`ckptfix.frameworks`) gives its model weights.
+
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
+        NoModelWeightsError: a framework folder without model weights.
     """
     require_torch("load_anywhere (loading tensors)")
+    path = os.fspath(path)
+    kw: dict[str, Any] = {
+        "map_location": map_location,
+        "key": key,
+        "model": model,
+        "allow_globals": allow_globals,
+        "trust": trust,
+        "mmap": mmap,
+    }
+    if os.path.isdir(path):
+        from ckptfix.frameworks import load_folder, resolve
+
+        fw = resolve(path)
+        if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
+            lc: LoadedCheckpoint = load_folder(fw, **kw)
+            return lc
+    return load_file(path, **kw)
+
+
+def load_file(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> LoadedCheckpoint:
+    """:func:`load_checkpoint` of one checkpoint (file, index or DCP directory), no framework-folder lookup.
+
+    Args:
+        path, map_location, key, model, allow_globals, trust, mmap: as :func:`load_checkpoint`.
+
+    Returns:
+        LoadedCheckpoint.
+    """
     path = os.fspath(path)
     fmt = sniff(path)
     if trust:

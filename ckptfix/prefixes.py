@@ -271,6 +271,7 @@ class PrefixReport:
     stacks: dict[str, int] = field(default_factory=dict)
     inner: dict[str, int] = field(default_factory=dict)
     default_strip: tuple[str, ...] = ()
+    own: dict[str, int] = field(default_factory=dict)  # leading prefixes that are the model's own (never stripped)
 
     @property
     def has_wrappers(self) -> bool:
@@ -308,14 +309,18 @@ class PrefixReport:
             "partial": self.partial,
             "default_strip": list(self.default_strip),
             "has_wrappers": self.has_wrappers,
+            "own": dict(self.own),
         }
 
 
-def detect_prefixes(keys: Iterable[str]) -> PrefixReport:
+def detect_prefixes(keys: Iterable[str], own: Iterable[str] = ()) -> PrefixReport:
     """Report the wrapper prefixes present in ``keys`` (a state dict or any iterable of keys).
 
     Args:
         keys: key names; a mapping's keys are used.
+        own: leading prefixes that are the model's own names, not wrappers (a Hugging Face model's
+            base-model prefix, ``"model."`` for Llama: :func:`ckptfix.hfarch.own_prefixes`); reported in
+            ``own`` instead of ``leading`` and never in ``default_strip``.
 
     Returns:
         A :class:`PrefixReport`.
@@ -332,6 +337,7 @@ def detect_prefixes(keys: Iterable[str]) -> PrefixReport:
     if isinstance(keys, str):
         raise TypeError("detect_prefixes takes an iterable of keys, not a single string")
     key_list = list(keys)
+    own_set = tuple(_normalize_prefix(p) for p in own)
     leading: Counter[str] = Counter()
     stacks: Counter[str] = Counter()
     inner: Counter[str] = Counter()
@@ -346,14 +352,21 @@ def detect_prefixes(keys: Iterable[str]) -> PrefixReport:
                 leading[name + "."] += 1
         for name in dict.fromkeys(p for p in parts[run:-1] if p in _INNER_NAMES):
             inner[name + "."] += 1
-    plan = _plan_strip(key_list, partial=False)
+    plan = _plan_strip(key_list, partial=False, own=own_set)
+    own_counts = {p: sum(1 for k in plan_keys(plan, key_list) if _carries(k, p)) for p in own_set}
     return PrefixReport(
         total_keys=len(key_list),
-        leading=_ordered_counts(leading, KNOWN_PREFIXES),
+        leading={p: n for p, n in _ordered_counts(leading, KNOWN_PREFIXES).items() if not own_counts.get(p)},
         stacks=dict(stacks.most_common()),
         inner=_ordered_counts(inner, INNER_WRAPPER_SEGMENTS),
         default_strip=tuple(p for p, _ in plan.stripped),
+        own={p: n for p, n in own_counts.items() if n},
     )
+
+
+def plan_keys(plan: "_StripPlan", keys: list[str]) -> list[str]:
+    """The keys after ``plan``'s default strip (the prefixes left at their front are the model's own)."""
+    return [plan.apply(k) for k in keys]
 
 
 def _ordered_counts(counts: Mapping[str, int], order: tuple[str, ...]) -> dict[str, int]:
@@ -382,6 +395,7 @@ class StripReport:
     stripped: tuple[tuple[str, int], ...] = ()
     inner_removed: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+    own: dict[str, str] = field(default_factory=dict)  # prefix left because it is the model's own -> whose
 
     @property
     def changed(self) -> bool:
@@ -401,6 +415,8 @@ class StripReport:
         for p, n in self.skipped.items():
             how = "an explicit prefix" if p in SUBMODULE_LIKE_PREFIXES else "partial=True or an explicit prefix"
             parts.append(f"left {p!r} in place: it is on {n} of {self.total_keys} keys only (strip it with {how})")
+        for p, whose in self.own.items():
+            parts.append(f"left {p!r} in place: it is {whose}'s own base-model prefix (config.json), not a wrapper")
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -416,6 +432,7 @@ class StripReport:
             "stripped": [{"prefix": p, "keys": n} for p, n in self.stripped],
             "inner_removed": dict(self.inner_removed),
             "skipped": dict(self.skipped),
+            "own": dict(self.own),
             "summary": self.summary(),
         }
 
@@ -444,17 +461,18 @@ def _strip_layer(keys: list[str], *, need_all: bool, allowed: tuple[str, ...]) -
     return None
 
 
-def _plan_strip(keys: list[str], *, partial: bool) -> _StripPlan:
-    """Work out, on key names only, the steps the default strip takes."""
+def _plan_strip(keys: list[str], *, partial: bool, own: tuple[str, ...] = ()) -> _StripPlan:
+    """Work out, on key names only, the steps the default strip takes (``own`` prefixes are never stripped)."""
     current = list(keys)
     steps: list[tuple[str, str]] = []
     stripped: list[tuple[str, int]] = []
     inner: Counter[str] = Counter()
-    partial_ok = tuple(p for p in KNOWN_PREFIXES if p not in SUBMODULE_LIKE_PREFIXES)
+    partial_ok = tuple(p for p in KNOWN_PREFIXES if p not in SUBMODULE_LIKE_PREFIXES and p not in own)
+    known = tuple(p for p in KNOWN_PREFIXES if p not in own)
     # Each round removes one layer, in this order of preference: a leading prefix every
     # key carries; inner wrapper segments; (partial) a leading prefix some keys carry.
     while current:
-        step = _strip_layer(current, need_all=True, allowed=KNOWN_PREFIXES)
+        step = _strip_layer(current, need_all=True, allowed=known)
         if step is None:
             results = [_remove_inner(k) for k in current]
             if any(removed for _, removed in results):
@@ -472,14 +490,16 @@ def _plan_strip(keys: list[str], *, partial: bool) -> _StripPlan:
         steps.append(("strip", prefix))
         stripped.append((prefix, carrying))
     skipped = {}
-    for prefix in KNOWN_PREFIXES:
+    for prefix in known:
         carrying = sum(1 for k in current if _carries(k, prefix))
         if carrying:
             skipped[prefix] = carrying
     return _StripPlan(tuple(steps), tuple(stripped), _ordered_counts(inner, INNER_WRAPPER_SEGMENTS), skipped)
 
 
-def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bool = False) -> tuple[M, StripReport]:
+def strip_prefix_report(
+    state_dict: M, prefix: str | None = None, *, partial: bool = False, own: Iterable[str] = ()
+) -> tuple[M, StripReport]:
     """Like :func:`strip_prefix`, and also say what was done.
 
     Args:
@@ -488,6 +508,8 @@ def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bo
             (see :func:`strip_prefix`).
         partial: with ``prefix=None``, also strip ``module.``, ``_orig_mod.`` and
             ``_forward_module.`` from the keys that carry them when not all do.
+        own: with ``prefix=None``, leading prefixes that are the model's own (a Hugging Face base-model
+            prefix, :func:`ckptfix.hfarch.own_prefixes`): never stripped.
 
     Returns:
         ``(new_state_dict, StripReport)``; the new mapping has the input's type, ``_metadata`` re-keyed.
@@ -506,7 +528,7 @@ def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bo
     """
     keys = list(state_dict.keys())
     if prefix is None:
-        plan = _plan_strip(keys, partial=partial)
+        plan = _plan_strip(keys, partial=partial, own=tuple(_normalize_prefix(p) for p in own))
         fn: KeyFn = plan.apply
         stripped, inner_removed, skipped = plan.stripped, plan.inner_removed, plan.skipped
     else:
@@ -528,17 +550,24 @@ def strip_prefix_report(state_dict: M, prefix: str | None = None, *, partial: bo
         inner_removed, skipped = {}, {}
     new = rename_keys(state_dict, fn)
     renamed = sum(1 for old, new_key in zip(keys, new.keys(), strict=False) if old != new_key)
+    whose = dict(own) if isinstance(own, Mapping) else {p: "the model" for p in own}
+    left = {
+        _normalize_prefix(p): c
+        for p, c in whose.items()
+        if prefix is None and any(_carries(str(k), _normalize_prefix(p)) for k in new.keys())
+    }
     report = StripReport(
         total_keys=len(keys),
         renamed_keys=renamed,
         stripped=tuple(stripped),
         inner_removed=dict(inner_removed),
         skipped=dict(skipped),
+        own=left,
     )
     return new, report
 
 
-def strip_prefix(state_dict: M, prefix: str | None = None, *, partial: bool = False) -> M:
+def strip_prefix(state_dict: M, prefix: str | None = None, *, partial: bool = False, own: Iterable[str] = ()) -> M:
     """Return a copy of ``state_dict`` without wrapper prefixes, ready for ``load_state_dict``.
 
     Args:
@@ -550,6 +579,8 @@ def strip_prefix(state_dict: M, prefix: str | None = None, *, partial: bool = Fa
             keys that start with it, and nothing else.
         partial: with ``prefix=None``, also strip ``module.``, ``_orig_mod.`` and
             ``_forward_module.`` from the keys that carry them when not all do.
+        own: leading prefixes that are the model's own (never stripped by default), see
+            :func:`strip_prefix_report`.
 
     Returns:
         A new mapping of the same type, ``_metadata`` re-keyed.
@@ -563,7 +594,7 @@ def strip_prefix(state_dict: M, prefix: str | None = None, *, partial: bool = Fa
     >>> strip_prefix({"model.fc.w": 1, "loss.pos_weight": 2}, "model")
     {'fc.w': 1, 'loss.pos_weight': 2}
     """
-    return strip_prefix_report(state_dict, prefix, partial=partial)[0]
+    return strip_prefix_report(state_dict, prefix, partial=partial, own=own)[0]
 
 
 def add_prefix(state_dict: M, prefix: str) -> M:

@@ -79,9 +79,12 @@ def strip_prefix_checkpoint(
         CkptfixError: any error of :func:`ckptfix.rewrite.rewrite_checkpoint` (missing or
             unreadable input, output refused, verification failed ...).
     """
+    from ckptfix.hfarch import own_prefixes
+
+    own = own_prefixes(src)  # a Hugging Face model's base-model prefix (config.json beside src) is not a wrapper
     return rewrite_checkpoint(
         src,
-        lambda sd: strip_prefix_report(sd, prefix, partial=partial),
+        lambda sd: strip_prefix_report(sd, prefix, partial=partial, own=own),
         output=output,
         in_place=in_place,
         backup=backup,

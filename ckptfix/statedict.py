@@ -311,7 +311,8 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
         :func:`ckptfix.formats.find_state_dict` finds it); ``"module"``: a whole pickled ``nn.Module``
         (at the top or under a top-level key), its ``state_dict()`` computed from the placeholders;
         ``"sequence"``: a top-level list/tuple holding tensors (nested lists, tuples and dicts too),
-        each named by its path: ``"0"``, ``"1.2"`` ...
+        each named by its path: ``"0"``, ``"1.2"`` ...; ``"optimizer"``: an optimizer's state
+        (:func:`is_optimizer_state`), every tensor named by its path (``"state.0.exp_avg"``).
 
     Raises:
         KeyConflictError: ``key`` does not exist.  CorruptCheckpointError: no tensors found.
@@ -327,6 +328,9 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
                     msd = module_state_dict(v)
                     if msd:
                         return (k,), msd, "module"
+    if key is None and is_optimizer_state(obj) is not None:
+        # torch.optim / accelerate / DeepSpeed optimizer states: int-keyed "state", tensors in lists
+        return (), flatten_containers(obj), "optimizer"
     try:
         kp, sd = find_state_dict(obj, key)
     except CorruptCheckpointError:
@@ -340,6 +344,34 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
             raise
         return (), flat, "sequence"
     return tuple(kp), sd, "mapping"
+
+
+#: keys of DeepSpeed's ZeRO optimizer partitions (``*_optim_states.pt``: ``optimizer_state_dict``)
+_ZERO_KEYS = ("fp32_flat_groups", "single_partition_of_fp32_groups", "base_optimizer_state")
+
+
+def is_optimizer_state(obj: Any) -> str | None:
+    """Whether ``obj`` is an optimizer's saved state, and whose.
+
+    ``optimizer.state_dict()`` (``{"state": {0: {...}}, "param_groups": [...]}``: Trainer's
+    ``optimizer.pt``, accelerate's ``optimizer.bin``) holds its tensors under integer keys, which no
+    state-dict search follows; DeepSpeed's ``*_optim_states.pt`` holds ``{"optimizer_state_dict":
+    {"fp32_flat_groups" | "single_partition_of_fp32_groups": [tensor, ...], ...}}``.
+
+    Args:
+        obj: the unpickled checkpoint.
+
+    Returns:
+        ``"torch"``, ``"deepspeed"`` or None.
+    """
+    if not isinstance(obj, Mapping) or not contains_tensors(obj):
+        return None
+    if "param_groups" in obj and "state" in obj and isinstance(obj["state"], Mapping):
+        return "torch"
+    inner = obj.get("optimizer_state_dict")
+    if isinstance(inner, Mapping) and any(k in inner for k in _ZERO_KEYS):
+        return "deepspeed"
+    return None
 
 
 def _mixed_state_dict(obj: Any) -> tuple[tuple[str, ...], Mapping[str, Any]] | None:

@@ -53,7 +53,20 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
     lines.append(f"  weights_only  {'ok' if r.weights_only_ok else 'FAILS'} ({r.weights_only_reason})")
     for n in r.notes:
         lines.append(f"  note          {n}")
+    lines += _framework_lines(r.framework)
     click.echo("\n".join(lines))
+
+
+def _framework_lines(fw: dict | None) -> list[str]:
+    """The framework, layout and one line per other file of a framework folder (inspect's text)."""
+    if not fw:
+        return []
+    out = [f"  framework     {fw['framework']} ({fw['layout']}; checked with {fw['checked_versions']})"]
+    if fw.get("weights") is not None:
+        out.append(f"  weights       {fw['weights']}")
+    for f in fw.get("files", []):
+        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}")
+    return out
 
 
 @cli.command("scan")

@@ -83,13 +83,43 @@ def convert(
         to: ``"safetensors"``, ``"pt"`` or ``"dcp"``; None: from the paths.
         shards: for DCP output, write as this many ranks would (:func:`ckptfix.dcp.write.convert_to_dcp`).
 
+    A folder a training framework wrote (:mod:`ckptfix.frameworks`) converts its model weights
+    (``include_optimizer`` adds its optimizer files' tensors as ``optimizer.<path>``).
+
     Returns:
         A :class:`ConvertReport`.
 
     Raises:
+        NoModelWeightsError: a framework folder without model weights.
         UnsupportedError: an option of the other direction was given.  Otherwise as
             :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
     """
+    if os.path.isdir(src):
+        from ckptfix.frameworks import convert_folder, resolve
+
+        fw = resolve(src)
+        if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
+            return convert_folder(
+                fw,
+                os.fspath(dst) if dst is not None else None,
+                verify=verify,
+                force=force,
+                fsync=fsync,
+                progress=progress,
+                key=key,
+                strip_prefix=strip_prefix,
+                max_shard_size=max_shard_size,
+                include_optimizer=include_optimizer,
+                allow_globals=allow_globals,
+                trust=trust,
+                ckptfix_metadata=ckptfix_metadata,
+                keep=keep,
+                allow_expand=allow_expand,
+                restore_wrapper=restore_wrapper,
+                jobs=jobs,
+                to=to,
+                shards=shards,
+            )
     d = os.fspath(dst) if dst is not None else None
     if trust:  # a full unpickle is torch's: never silently ignored when torch is missing
         from ckptfix._torch import require_torch

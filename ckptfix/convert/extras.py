@@ -190,3 +190,65 @@ def split_checkpoint(
         if r is not _OMIT:
             extra[str(k)] = r
     return extra, ex.opt_tensors
+
+
+def optimizer_extras(
+    src: str, obj: Any, include_optimizer: bool, report: ConvertReport, name: str
+) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """An optimizer state saved on its own (``optimizer.pt``, ``optimizer.bin``) as metadata and tensors.
+
+    Args:
+        src: the file (for the message).
+        obj: its object (``{"state": ..., "param_groups": ...}`` or a DeepSpeed partition).
+        include_optimizer: write its tensors; without it the optimizer is refused (it is not model weights).
+        report: gets ``skipped``, ``placeholders``, ``converted``.
+        name: the entry name: tensors become ``<name>.<path>`` and the metadata holds ``{name: ...}``.
+
+    Returns:
+        ``(extra, tensors)`` as :func:`split_checkpoint`.
+
+    Raises:
+        NoModelWeightsError: ``include_optimizer`` is False.
+    """
+    if not include_optimizer:
+        from ckptfix.errors import NoModelWeightsError
+
+        raise NoModelWeightsError(
+            f"{src}: an optimizer state, not model weights; pass --include-optimizer (include_optimizer=True) "
+            f"to write its tensors as {name}.state.<param>.<name>, or convert the model file beside it"
+        )
+    ex = _Extras(None, report)
+    r = ex.value(obj, name, opt=True)
+    for i, (n, t) in enumerate(ex.opt_tensors):  # _Extras names them optimizer.<path>; the path starts at name
+        ex.opt_tensors[i] = (n[len("optimizer.") :], t)
+    r = _rename_refs(r, len("optimizer."))
+    return ({name: r} if r is not _OMIT else {}), ex.opt_tensors
+
+
+def _rename_refs(v: Any, cut: int) -> Any:
+    if isinstance(v, dict):
+        if set(v) == {"__tensor__"}:
+            return {"__tensor__": v["__tensor__"][cut:]}
+        return {k: _rename_refs(x, cut) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rename_refs(x, cut) for x in v]
+    return v
+
+
+def plain_extras(obj: Any) -> dict[str, Any]:
+    """A mapping's JSON-representable entries (what convert keeps of a checkpoint's non-tensor part).
+
+    Args:
+        obj: a mapping read from a checkpoint (a Lightning ``meta.pt``).
+
+    Returns:
+        entry -> JSON data; entries that cannot be represented (and tensors) are left out.
+    """
+    ex = _Extras(None, ConvertReport(source="", outputs=[]))
+    out: dict[str, Any] = {}
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            r = ex.value(v, str(k))
+            if r is not _OMIT:
+                out[str(k)] = r
+    return out

@@ -48,6 +48,8 @@ def convert_to_safetensors(
     keep: Sequence[str] = (),
     allow_expand: bool = False,
     jobs: int = 1,
+    optimizer_files: Sequence[str] = (),
+    extra_metadata: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
@@ -72,6 +74,14 @@ def convert_to_safetensors(
             densely); refused otherwise.
         jobs: write (and verify) tensors in this many threads (``0``: one per CPU); the output is the
             same bytes whatever the number.  Memory: ``jobs`` x the 8 MiB copy buffer (x4 for DCP chunks).
+        optimizer_files: optimizer states saved beside the weights (a Trainer's ``optimizer.pt``,
+            accelerate's ``optimizer.bin``): with ``include_optimizer``, their tensors are written as
+            ``<file stem>.<path>`` (``optimizer.state.0.exp_avg``), the rest kept in the metadata.
+        extra_metadata: plain data kept in the metadata beside the checkpoint's own entries (a Lightning
+            ``meta.pt``); the checkpoint's entries win.
+
+    An optimizer state on its own (``optimizer.pt``) is written only with ``include_optimizer`` (its
+    tensors as ``optimizer.<path>``); without it :class:`~ckptfix.errors.NoModelWeightsError`.
 
     The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
     ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
@@ -88,6 +98,31 @@ def convert_to_safetensors(
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
+    if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
+        from ckptfix.frameworks import convert_folder, resolve
+
+        fw = resolve(src)
+        if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights
+            rep: ConvertReport = convert_folder(
+                fw,
+                os.fspath(dst) if dst is not None else None,
+                to="safetensors",
+                key=key,
+                strip_prefix=strip_prefix,
+                max_shard_size=max_shard_size,
+                include_optimizer=include_optimizer,
+                verify=verify,
+                force=force,
+                fsync=fsync,
+                allow_globals=allow_globals,
+                trust=trust,
+                progress=progress,
+                ckptfix_metadata=ckptfix_metadata,
+                keep=keep,
+                allow_expand=allow_expand,
+                jobs=jobs,
+            )
+            return rep
     dst = os.fspath(dst) if dst is not None else default_st_output(src)
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     if not max_shard_size:
@@ -108,13 +143,33 @@ def convert_to_safetensors(
             progress=progress,
             ckptfix_metadata=ckptfix_metadata,
             jobs=jobs,
+            extra_metadata=extra_metadata,
         )
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(src, key, allow_globals, trust, report)
-    extra, opt_named = split_checkpoint(
-        source.obj, source.key_path, source.state_dict, include_optimizer, report, node=source.holder
-    )
-    named, order = output_names(source.named, opt_named, strip_prefix, report)
+    if source.kind == "optimizer":  # an optimizer.pt on its own: its tensors are all there is
+        from ckptfix.convert.extras import optimizer_extras
+
+        extra, opt_named = optimizer_extras(src, source.obj, include_optimizer, report, "optimizer")
+        source.named = []
+    else:
+        extra, opt_named = split_checkpoint(
+            source.obj, source.key_path, source.state_dict, include_optimizer, report, node=source.holder
+        )
+    if include_optimizer and optimizer_files:
+        from ckptfix.convert.extras import optimizer_extras
+
+        for of in optimizer_files:
+            stem = os.path.splitext(os.path.basename(of))[0]
+            ocf = read_checkpoint(of)
+            oextra, onamed = optimizer_extras(of, ocf.obj, True, report, stem)
+            extra.update(oextra)
+            opt_named = list(opt_named) + onamed
+    if extra_metadata:
+        extra = {**extra_metadata, **extra}
+    from ckptfix.hfarch import own_prefixes
+
+    named, order = output_names(source.named, opt_named, strip_prefix, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
@@ -169,6 +224,7 @@ class _Source:
     named: list[tuple[str, Any]]
     use_torch: bool
     holder: Any  # what holds the state dict in ``obj`` (None: the state dict itself)
+    kind: str = "mapping"  # as locate_state_dict says: mapping, module, sequence, optimizer
 
 
 def _read_source(
@@ -181,13 +237,14 @@ def _read_source(
     obj = cf.obj
     key_path: tuple[str, ...]
     sd: Mapping[str, Any]
+    kind = "mapping"
     if cf.format == Format.TORCHSCRIPT and cf.state_root and key is None:
         key_path, sd = (), cf.state_root
         obj = sd
     else:
         if key is None:
             require_tensors(cf, src, "convert")
-        key_path, sd, _ = locate_state_dict(cf.obj, key)
+        key_path, sd, kind = locate_state_dict(cf.obj, key)
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = any(_needs_torch(v) for _, v in named)
@@ -201,7 +258,7 @@ def _read_source(
         obj = lc.checkpoint if lc.checkpoint is not None else sd
         named = flatten_state_dict(sd)
     holder = at_path(obj, key_path) if key_path and not use_torch else None
-    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder)
+    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder, kind)
 
 
 def _needs_torch(v: Any) -> bool:

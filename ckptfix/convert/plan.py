@@ -7,8 +7,6 @@ covers them; an output much larger than its input (expanded views) is refused un
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from typing import Any, Mapping, Sequence
 
@@ -65,48 +63,19 @@ class TiedNames:
 def hf_tied_weights(src: str) -> tuple[list[str], str] | None:
     """The tied-weight names transformers drops, for the class a ``config.json`` beside ``src`` names.
 
-    Only the installed transformers package is imported (and only when such a ``config.json``
-    exists); nothing from the checkpoint runs.
+    From ckptfix's table (:mod:`ckptfix.hfarch`), never by importing transformers or torch.
 
     Args:
         src: the checkpoint file (or its folder).
 
     Returns:
-        ``(patterns, source)``: the class's ``_tied_weights_keys`` (dict keys in transformers 5, list
-        entries in 4.x) and a description for the report; None when there is no ``config.json`` with
-        ``architectures`` next to the input or transformers is not importable (then the state-dict
-        order decides).
+        ``(names, source)``: the class's ``_tied_weights_keys`` (and its base model's, under its prefix)
+        and a description for the report; None when there is no ``config.json`` naming a known
+        architecture next to the input (then the state-dict order decides).
     """
-    d = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
-    cfg = os.path.join(d, "config.json")
-    if not os.path.isfile(cfg):
-        return None
-    try:
-        with open(cfg, encoding="utf-8") as f:
-            archs = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(archs, list) or not archs:
-        return None
-    try:
-        import transformers
-    except Exception:  # noqa: BLE001 - not installed, or broken: fall back to the state-dict order
-        return None
-    pats: list[str] = []
-    found = []
-    for arch in archs:
-        if not isinstance(arch, str):
-            continue
-        try:
-            cls = getattr(transformers, arch)
-        except Exception:  # noqa: BLE001 - unknown architecture or missing optional dependency
-            continue
-        tied = getattr(cls, "_tied_weights_keys", None) or {}
-        pats += [str(k) for k in (tied.keys() if isinstance(tied, dict) else tied)]
-        found.append(arch)
-    if not found:
-        return None
-    return pats, f"transformers {', '.join(found)}._tied_weights_keys"
+    from ckptfix.hfarch import tied_drop
+
+    return tied_drop(src)
 
 
 def plan_records(
@@ -310,6 +279,7 @@ def output_names(
     opt_named: Sequence[tuple[str, Any]],
     strip_prefix: bool | str | None,
     report: ConvertReport,
+    own: Mapping[str, str] | None = None,
 ) -> tuple[list[tuple[str, Any]], list[str]]:
     """The tensors to write under their final names: the state dict's (prefixes stripped) then the optimizer's.
 
@@ -318,6 +288,8 @@ def output_names(
         opt_named: ``(optimizer.<path>, tensor)`` pairs (empty without ``--include-optimizer``).
         strip_prefix: strip wrapper prefixes (``True``) or exactly this prefix (a string).
         report: gets ``renamed`` and ``optimizer_tensors``.
+        own: leading prefixes that are the model's own (:func:`ckptfix.hfarch.own_prefixes`): never stripped
+            by ``strip_prefix=True``.
 
     Returns:
         All pairs to write, and the state dict's names in order.
@@ -331,7 +303,7 @@ def output_names(
         from ckptfix.prefixes import strip_prefix as _strip
 
         mapping = dict(named)
-        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix))
+        new = _strip(mapping, None if strip_prefix is True else str(strip_prefix), own=own or {})
         report.renamed = sum(1 for a, b in zip(mapping, new, strict=False) if a != b)
         named = list(new.items())
     order = [n for n, _ in named]

@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.convert.extras import split_checkpoint
@@ -205,6 +205,7 @@ def convert_dcp(
     ckptfix_metadata: bool = True,
     meta: DcpMetadata | None = None,
     jobs: int = 1,
+    extra_metadata: Mapping[str, Any] | None = None,
 ) -> ConvertReport:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
@@ -221,6 +222,8 @@ def convert_dcp(
         progress: ``progress(done_bytes, total_bytes)``.
         ckptfix_metadata: write the ``ckptfix.*`` metadata (:mod:`ckptfix.stmeta`).
         meta: the directory's metadata, when already read.
+        extra_metadata: plain data to keep in the metadata beside the checkpoint's own (a Lightning
+            ``meta.pt``: epoch, global_step, hyper_parameters); the checkpoint's entries win.
         jobs: tensors assembled, written and verified at a time (memory: ``jobs`` x 4 x :data:`BLOCK_BYTES`).
 
     Returns:
@@ -246,6 +249,8 @@ def convert_dcp(
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRecord)]
     extra, opt_named = split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
+    if extra_metadata:
+        extra = {**extra_metadata, **extra}
     named, _ = output_names(named, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")

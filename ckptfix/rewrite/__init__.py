@@ -202,9 +202,11 @@ def _rewrite_file(
         detail=detail(report),
         relocated=relocated,
     )
-    if not rep.changed:
+    if not rep.changed and (output is None or in_place):
         rep.notes.append("nothing to change; no file written")
         return rep
+    if not rep.changed:  # -o OUT: a pipeline reads OUT, so it is written (an unchanged copy), as by every command
+        rep.notes.append("nothing to change; the output is an unchanged copy")
     if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
     dst, fsync_out = prepare_output(

@@ -95,9 +95,11 @@ def rewrite_sharded(
         detail=detail(report),
         relocated=relocated,
     )
-    if not rep.changed:
+    if not rep.changed and (output is None or in_place):
         rep.notes.append("nothing to change; no file written")
         return rep
+    if not rep.changed:  # -o OUT: a pipeline reads OUT, so it is written (an unchanged copy), as by every command
+        rep.notes.append("nothing to change; the output is an unchanged copy")
     out_dir = _output_dir(ipath, shards, output, suffix, force)
     created = not os.path.isdir(out_dir)
     try:

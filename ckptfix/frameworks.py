@@ -1,0 +1,630 @@
+"""Folders that training frameworks write, as inputs: which layout, where the model weights are, what else.
+
+A user of transformers' ``Trainer``, accelerate or Lightning holds the *folder* the framework wrote
+(``checkpoint-500/``, ``save_state``'s directory, a ModelParallel/FSDP directory), not a plain file.
+:func:`resolve` tells the layout from the names in the folder (nothing is unpickled to decide) and
+returns a :class:`Resolved`: the framework, the model weights (a file, an index or a DCP directory
+that the format readers already read) and every other file with its role.  ``inspect``, ``scan``,
+``convert`` and ``load_checkpoint`` call it for a directory and use the layout's handlers.
+
+The table :data:`LAYOUTS` holds one :class:`Layout` per layout, most specific first, each with the
+framework versions it was checked against (``tests/fixtures/frameworks/`` holds folders the
+frameworks wrote, ``make.py`` regenerates them).  A new layout (DeepSpeed ZeRO, torch's
+``HuggingFaceStorageWriter``) is one entry: a ``detect`` function and, where the default
+(read ``Resolved.weights`` with the ordinary readers) does not fit, its own ``inspect`` / ``convert``
+/ ``load`` handlers.  See :func:`register`.
+
+Nothing here imports torch; the sidecar summaries read pickles with the restricted reader.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ckptfix.errors import CkptfixError, NoModelWeightsError
+
+# --------------------------------------------------------------------------- file roles
+
+#: model weight files a framework folder may hold, in the order they are preferred
+WEIGHT_NAMES = (
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+#: (pattern, role) for every other file a framework writes; the first match names the role
+_ROLES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"optimizer(_\d+)?\.(pt|bin)|.*_optim_states\.pt"), "optimizer"),
+    (re.compile(r"scheduler(_\d+)?\.(pt|bin)"), "scheduler"),
+    (re.compile(r"rng_state(_\d+)?\.pth|random_states_\d+\.pkl"), "rng"),
+    (re.compile(r"training_args\.bin"), "args"),
+    (re.compile(r"trainer_state\.json"), "trainer-state"),
+    (re.compile(r"config\.json"), "config"),
+    (re.compile(r"generation_config\.json"), "gen-config"),
+    (re.compile(r"sampler(_\d+)?\.bin"), "sampler"),
+    (re.compile(r"scaler\.pt"), "scaler"),
+    (re.compile(r"custom_checkpoint_\d+\.pkl"), "custom"),
+    (re.compile(r"meta\.pt"), "meta"),
+    (re.compile(r"model_\d+\.safetensors|pytorch_model_\d+\.bin"), "model"),
+    (re.compile(r"(tokenizer|special_tokens_map|vocab|merges|added_tokens|chat_template).*"), "tokenizer"),
+    (re.compile(r"README\.md|\.gitattributes|adapter_config\.json"), "other"),
+]
+
+#: the roles whose files are training state around the weights (listed after real checkpoints)
+SIDECAR_ROLES = frozenset({"optimizer", "scheduler", "rng", "args", "sampler", "scaler", "custom", "meta"})
+
+
+def file_role(name: str) -> str | None:
+    """The role of a file a framework writes, from its name.
+
+    Args:
+        name: the file name (no directory).
+
+    Returns:
+        ``"weights"``, ``"optimizer"``, ``"scheduler"``, ``"rng"``, ``"args"``, ``"trainer-state"``,
+        ``"config"``, ... or None for a name no framework in :data:`LAYOUTS` writes.
+    """
+    if name in WEIGHT_NAMES or re.fullmatch(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)", name):
+        return "weights"
+    for pat, role in _ROLES:
+        if pat.fullmatch(name):
+            return role
+    return None
+
+
+def is_sidecar_name(name: str) -> bool:
+    """Whether ``name`` is a framework's training-state file rather than model weights (``optimizer.pt``).
+
+    Args:
+        name: a file name.
+
+    Returns:
+        True for optimizer, scheduler, RNG, arguments, sampler, custom-object and Lightning meta files.
+    """
+    return file_role(name) in SIDECAR_ROLES
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass
+class FolderFile:
+    """One file (or sub-folder) of a framework folder besides the weights."""
+
+    file: str  # relative to the folder
+    role: str
+    bytes: int
+    summary: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "role": self.role, "bytes": self.bytes, "summary": self.summary}
+
+
+@dataclass
+class Resolved:
+    """What :func:`resolve` found in a folder.
+
+    Attributes:
+        path: the folder.
+        layout: the table entry that recognised it.
+        weights: the model weights (a file, a ``*.index.json`` or a DCP directory), None when the folder
+            has none (then ``convert`` / ``load`` raise :class:`~ckptfix.errors.NoModelWeightsError`).
+        files: every other file, each with its role.
+        extra: whatever the layout's handlers need (e.g. a DeepSpeed tag).
+    """
+
+    path: str
+    layout: "Layout"
+    weights: str | None
+    files: list[FolderFile] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def of_role(self, role: str) -> list[str]:
+        """The paths of the files with ``role``, in folder order."""
+        return [os.path.join(self.path, f.file) for f in self.files if f.role == role]
+
+    def require_weights(self) -> str:
+        """The weights path, or :class:`~ckptfix.errors.NoModelWeightsError` naming what the folder holds."""
+        if self.weights is not None:
+            return self.weights
+        held = ", ".join(f.file for f in self.files[:6]) or "nothing else"
+        want = " or ".join(self.layout.weight_hint)
+        raise NoModelWeightsError(
+            f"{self.path}: a {self.layout.framework} folder ({self.layout.name}) with no model weights in it "
+            f"(no {want}; it holds {held}); point at the folder the model was saved to, or pass one of "
+            "its files (`ckptfix inspect DIR/optimizer.pt`)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``framework`` entry of ``inspect --json``."""
+        return {
+            "framework": self.layout.framework,
+            "layout": self.layout.name,
+            "checked_versions": self.layout.checked,
+            "folder": self.path,
+            "weights": None if self.weights is None else os.path.relpath(self.weights, self.path),
+            "files": [f.to_dict() for f in self.files],
+        }
+
+
+@dataclass
+class Layout:
+    """One row of :data:`LAYOUTS`.
+
+    Attributes:
+        name: the layout's name (``hf-trainer``, ``accelerate``, ``lightning-dcp`` ...).
+        framework: who writes it, in words (``transformers Trainer``).
+        checked: the framework versions it was checked against (fixtures in tests/fixtures/frameworks).
+        detect: ``detect(folder, names)`` -> :class:`Resolved` or None (names: the folder's entries, sorted).
+        weight_hint: the weight names the layout expects (for the "no weights" message).
+        inspect, convert, load: handlers; None: the defaults (the ordinary reader on ``Resolved.weights``).
+            ``inspect(resolved, key)`` -> InspectReport; ``convert(resolved, dst, **kw)`` -> ConvertReport;
+            ``load(resolved, **kw)`` -> LoadedCheckpoint.
+    """
+
+    name: str
+    framework: str
+    checked: str
+    detect: Callable[[str, list[str]], "Resolved | None"]
+    weight_hint: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "their *.index.json")
+    inspect: Callable[..., Any] | None = None
+    convert: Callable[..., Any] | None = None
+    load: Callable[..., Any] | None = None
+
+
+def _size(p: str) -> int:
+    if os.path.isdir(p):
+        total = 0
+        for root, _, files in os.walk(p):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        return total
+    return os.path.getsize(p)
+
+
+def _weights_in(folder: str, names: list[str]) -> str | None:
+    for n in WEIGHT_NAMES:
+        if n in names and os.path.isfile(os.path.join(folder, n)):
+            return os.path.join(folder, n)
+    return None
+
+
+def _others(folder: str, names: list[str], weights: str | None, skip: tuple[str, ...] = ()) -> list[FolderFile]:
+    """Every entry of the folder but the weights (and shards an index names), each with its role."""
+    wname = os.path.basename(weights) if weights else None
+    out = []
+    for n in names:
+        if n == wname or n in skip or n.startswith("."):
+            continue
+        role = file_role(n)
+        if role == "weights" and wname is not None:
+            continue  # shards of the index, or the other weight format beside the chosen one
+        p = os.path.join(folder, n)
+        out.append(FolderFile(n, role or ("folder" if os.path.isdir(p) else "other"), _size(p)))
+    return out
+
+
+def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
+    """transformers ``Trainer``: ``checkpoint-N/`` with ``trainer_state.json`` (and optimizer, scheduler, rng, args)."""
+    base = os.path.basename(os.path.normpath(folder))
+    marks = {"trainer_state.json", "training_args.bin"}
+    if not (marks & set(names) or (re.fullmatch(r"checkpoint-\d+", base) and "optimizer.pt" in names)):
+        return None
+    w = _weights_in(folder, names)
+    return Resolved(folder, _BY_NAME["hf-trainer"], w, _others(folder, names, w))
+
+
+def _detect_accelerate(folder: str, names: list[str]) -> Resolved | None:
+    """accelerate ``save_state``: ``random_states_*.pkl`` / ``optimizer.bin`` / ``scheduler.bin`` beside the model."""
+    if not any(re.fullmatch(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin", n) for n in names):
+        return None
+    w = _weights_in(folder, names)
+    skip: tuple[str, ...] = ()
+    if w is None and "pytorch_model_fsdp_0" in names:  # FSDP SHARDED_STATE_DICT: a DCP directory
+        d = os.path.join(folder, "pytorch_model_fsdp_0")
+        if os.path.isfile(os.path.join(d, ".metadata")):
+            w, skip = d, ("pytorch_model_fsdp_0",)
+    return Resolved(folder, _BY_NAME["accelerate"], w, _others(folder, names, w, skip))
+
+
+def _detect_lightning_dcp(folder: str, names: list[str]) -> Resolved | None:
+    """Lightning ModelParallel / FSDP (``state_dict_type="sharded"``): a DCP directory plus ``meta.pt``."""
+    if ".metadata" not in names or "meta.pt" not in names:
+        return None
+    return Resolved(folder, _BY_NAME["lightning-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
+
+
+def _dcp_files(names: list[str]) -> tuple[str, ...]:
+    return tuple(n for n in names if n.endswith(".distcp") or n == ".metadata")
+
+
+def _detect_dcp(folder: str, names: list[str]) -> Resolved | None:
+    """torch ``dcp.save`` with the ``FileSystemWriter``: ``.metadata`` + ``__R_I.distcp`` files."""
+    if ".metadata" not in names:
+        return None
+    return Resolved(folder, _BY_NAME["torch-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
+
+
+def _detect_hf_model(folder: str, names: list[str]) -> Resolved | None:
+    """A Hugging Face model folder (``save_pretrained``): ``config.json`` and/or the weight names."""
+    w = _weights_in(folder, names)
+    if w is None or (w.endswith(".index.json") and "config.json" not in names):
+        return None  # shards + index alone: the plain sharded format already reads the folder
+    return Resolved(folder, _BY_NAME["hf-model"], w, _others(folder, names, w))
+
+
+#: every layout, most specific first (the first whose detect returns something wins)
+LAYOUTS: list[Layout] = [
+    Layout("lightning-dcp", "Lightning ModelParallel/FSDP", "lightning 2.6.6", _detect_lightning_dcp),
+    Layout("torch-dcp", "torch.distributed.checkpoint", "torch 2.4-2.13", _detect_dcp),
+    Layout("hf-trainer", "transformers Trainer", "transformers 4.40-5.23", _detect_trainer),
+    Layout("accelerate", "accelerate save_state", "accelerate 1.15.0", _detect_accelerate),
+    Layout("hf-model", "Hugging Face model folder", "transformers 4.40-5.23", _detect_hf_model),
+]
+_BY_NAME: dict[str, Layout] = {lay.name: lay for lay in LAYOUTS}
+
+
+#: set while a handler reads a folder's weights: the weights may be the folder itself (a DCP directory)
+_NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_frameworks_nested", default=False)
+
+
+def register(layout: Layout, *, before: str | None = None) -> None:
+    """Add a layout to :data:`LAYOUTS` (before the entry named ``before``, else before the generic ones).
+
+    Adding DeepSpeed ZeRO (``ckptfix/deepspeed.py``) is one call, or one line in :data:`LAYOUTS`::
+
+        def _detect_zero(folder, names):          # names: the folder's entries, sorted
+            if "latest" not in names and not any(n.startswith("global_step") for n in names):
+                return None
+            tag_dir = find_zero_checkpoint(folder)  # raises for a broken one: the user sees that error
+            return Resolved(folder, LAYOUT, tag_dir, _others(folder, names, None, (os.path.basename(tag_dir),)))
+
+        LAYOUT = Layout("deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.16", _detect_zero,
+                        weight_hint=("latest", "global_stepN/"),
+                        inspect=lambda r, key: ...,             # -> InspectReport (set .framework = r.to_dict())
+                        convert=lambda r, dst, **kw: ...,       # convert()'s keywords -> ConvertReport
+                        load=lambda r, **kw: ...)               # load_checkpoint()'s keywords -> LoadedCheckpoint
+        register(LAYOUT)
+
+    Args:
+        layout: the new entry.
+        before: the name of the entry it must be tried before (default ``"hf-trainer"``: after the DCP
+            entries, before the folders recognised by file names alone).
+    """
+    at = next((i for i, lay in enumerate(LAYOUTS) if lay.name == (before or "hf-trainer")), len(LAYOUTS))
+    LAYOUTS.insert(at, layout)
+    _BY_NAME[layout.name] = layout
+
+
+def resolve(path: str | os.PathLike) -> Resolved | None:
+    """Which framework wrote the folder ``path``, where its model weights are, and what else it holds.
+
+    Decided from the names in the folder only (nothing is read or unpickled).
+
+    Args:
+        path: a directory (anything else gives None).
+
+    Returns:
+        A :class:`Resolved`, or None when the folder is none of :data:`LAYOUTS` (callers then keep their
+        own handling: a sharded index's folder, or the "no checkpoint in it" message).
+    """
+    p = os.fspath(path)
+    if _NESTED.get() or not os.path.isdir(p):
+        return None
+    try:
+        names = sorted(os.listdir(p))
+    except OSError:
+        return None
+    for lay in LAYOUTS:
+        r = lay.detect(p, names)
+        if r is not None:
+            return r
+    return None
+
+
+# --------------------------------------------------------------------------- what each other file holds
+
+
+def optimizer_summary(obj: Any) -> dict[str, Any] | None:
+    """Param groups, state tensors and their bytes of an optimizer state (torch, accelerate, DeepSpeed ZeRO).
+
+    Args:
+        obj: the object read from the file (records and placeholders).
+
+    Returns:
+        ``{"param_groups", "params", "state_tensors", "state_bytes", "state_keys", "kind"}``, or None when
+        ``obj`` is no optimizer state.
+    """
+    from ckptfix.statedict import flatten_containers, is_optimizer_state
+
+    kind = is_optimizer_state(obj)
+    if kind is None:
+        return None
+    inner = obj
+    if kind == "deepspeed":
+        inner = obj.get("optimizer_state_dict", obj)
+        inner = inner.get("base_optimizer_state", inner) if isinstance(inner, Mapping) else inner
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    groups = groups if isinstance(groups, list) else []
+    state = inner.get("state") if isinstance(inner, Mapping) else None
+    keys: set[str] = set()
+    if isinstance(state, Mapping):
+        for v in state.values():
+            if isinstance(v, Mapping):
+                keys.update(str(k) for k in v.keys())
+    flat = flatten_containers(obj)
+    params = sum(len(g.get("params", [])) for g in groups if isinstance(g, Mapping))
+    return {
+        "kind": kind,
+        "param_groups": len(groups),
+        "params": params,
+        "state_tensors": len(flat),
+        "state_bytes": sum(getattr(t, "nbytes", 0) for t in flat.values()),
+        "state_keys": sorted(keys),
+    }
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _stub_fields(obj: Any) -> Mapping[str, Any]:
+    from ckptfix.pickles import Stub
+
+    if isinstance(obj, Stub):
+        st = obj.state
+        if isinstance(st, tuple) and st and isinstance(st[0], dict):
+            st = st[0]
+        return st if isinstance(st, Mapping) else (obj.dictitems or {})
+    return obj if isinstance(obj, Mapping) else {}
+
+
+def describe_file(path: str, role: str) -> tuple[str, dict[str, Any]]:
+    """One line on what a framework's file holds, and the numbers behind it.
+
+    Args:
+        path: the file.
+        role: its role (:func:`file_role`).
+
+    Returns:
+        ``(summary, details)``; a file that cannot be read is described, never raised.
+    """
+    try:
+        return _describe(path, role)
+    except CkptfixError as e:
+        return f"unreadable ({e})", {"error": str(e)}
+    except (OSError, ValueError) as e:
+        return f"unreadable ({type(e).__name__}: {e})", {"error": str(e)}
+
+
+def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
+    from ckptfix.text import human_bytes
+
+    if os.path.isdir(path):
+        return f"folder, {human_bytes(_size(path))}", {}
+    if path.endswith(".json"):
+        if os.path.getsize(path) > 4 << 20:
+            return "JSON, not read (over 4 MiB)", {}
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict):
+            return "JSON", {}
+        if role == "trainer-state":
+            d = {k: doc.get(k) for k in ("global_step", "epoch", "max_steps", "best_metric") if k in doc}
+            return ", ".join(f"{k} {v}" for k, v in d.items() if v is not None), d
+        if role == "config":
+            d = {k: doc.get(k) for k in ("architectures", "model_type", "tie_word_embeddings") if k in doc}
+            arch = ", ".join(map(str, doc.get("architectures") or [])) or "?"
+            return f"{arch} ({doc.get('model_type', '?')})", d
+        return f"JSON ({len(doc)} keys)", {}
+    if role in ("tokenizer", "other", "folder"):
+        return human_bytes(os.path.getsize(path)), {}
+    from ckptfix.formats import read_checkpoint
+    from ckptfix.statedict import contains_tensors
+
+    cf = read_checkpoint(path)
+    obj = cf.obj
+    opt = optimizer_summary(obj)
+    if opt is not None:
+        keys = f" ({', '.join(opt['state_keys'][:4])})" if opt["state_keys"] else ""
+        s = (
+            f"{opt['param_groups']} param group(s), {opt['params']} params, {opt['state_tensors']} state tensors"
+            f"{keys}, {human_bytes(opt['state_bytes'])}"
+        )
+        if opt["kind"] == "deepspeed":
+            s = "DeepSpeed ZeRO partition: " + s
+        return s, opt
+    fields = _stub_fields(obj)
+    if role == "scheduler":
+        d = {k: fields[k] for k in ("last_epoch", "_step_count", "_last_lr") if k in fields}
+        return ", ".join(f"{k.lstrip('_')} {_short(v)}" for k, v in d.items()) or "scheduler state", {
+            k: v for k, v in d.items() if isinstance(v, (int, float, str))
+        }
+    if role == "rng":
+        states = [str(k) for k in fields.keys()]
+        return "RNG states: " + (", ".join(states) or "?"), {"states": states}
+    if role == "args":
+        d = {k: fields[k] for k in ("max_steps", "num_train_epochs", "learning_rate", "seed") if k in fields}
+        cls = type(obj).__name__
+        return f"{cls}: " + ", ".join(f"{k} {_short(v)}" for k, v in d.items()), {
+            k: v for k, v in d.items() if isinstance(v, (int, float, str))
+        }
+    if role == "meta":
+        d = lightning_meta(obj)
+        parts = [f"{k} {_short(d[k])}" for k in ("epoch", "global_step") if k in d]
+        if "hyper_parameters" in d:
+            parts.append(f"hyper_parameters {_short(d['hyper_parameters'])}")
+        if "pytorch-lightning_version" in d:
+            parts.append(f"lightning {d['pytorch-lightning_version']}")
+        return ", ".join(parts), d
+    n = len(fields)
+    what = "tensors" if contains_tensors(obj) else "no tensors"
+    return f"{cf.format}, {n} entries, {what}", {}
+
+
+def lightning_meta(obj: Any) -> dict[str, Any]:
+    """The plain-data part of a Lightning ``meta.pt`` (epoch, global_step, hyper_parameters, version ...).
+
+    Args:
+        obj: the object read from ``meta.pt``.
+
+    Returns:
+        The entries whose values are JSON data (numbers, strings, and dicts/lists of them).
+    """
+
+    def plain(v: Any, depth: int = 0) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if depth < 6 and isinstance(v, Mapping):
+            out = {str(k): plain(x, depth + 1) for k, x in v.items()}
+            return {k: x for k, x in out.items() if x is not _NOPE}
+        if depth < 6 and isinstance(v, (list, tuple)):
+            return [x for x in (plain(x, depth + 1) for x in v) if x is not _NOPE]
+        return _NOPE
+
+    out: dict[str, Any] = {}
+    if isinstance(obj, Mapping):
+        for k in ("epoch", "global_step", "pytorch-lightning_version", "hparams_name", "hyper_parameters"):
+            if k in obj:
+                v = plain(obj[k])
+                if v is not _NOPE:
+                    out[k] = v
+    return out
+
+
+_NOPE = object()
+
+
+def describe_files(r: Resolved) -> Resolved:
+    """Fill in each file's summary (reads each file with the restricted, torch-free reader)."""
+    for f in r.files:
+        f.summary, f.details = describe_file(os.path.join(r.path, f.file), f.role)
+    return r
+
+
+def identify_object(obj: Any) -> dict[str, str] | None:
+    """The framework a single file's object came from, when it says so (a Lightning ``.ckpt``).
+
+    Args:
+        obj: the object read from the file.
+
+    Returns:
+        ``{"framework", "layout", "checked_versions"}`` or None.
+    """
+    if isinstance(obj, Mapping) and "pytorch-lightning_version" in obj and "state_dict" in obj:
+        return {
+            "framework": "Lightning",
+            "layout": "lightning-ckpt",
+            "checked_versions": "lightning 2.6.6",
+            "version": str(obj.get("pytorch-lightning_version")),
+        }
+    return None
+
+
+# --------------------------------------------------------------------------- default handlers
+
+
+def inspect_folder(r: Resolved, key: str | None = None) -> Any:
+    """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file)."""
+    handler = r.layout.inspect
+    if handler is not None:
+        return handler(r, key)
+    from ckptfix.inspecting import inspect_file
+
+    weights = r.require_weights()
+    rep = inspect_file(weights, key)
+    describe_files(r)
+    rep.framework = r.to_dict()
+    meta = next((f for f in r.files if f.role == "meta"), None)
+    if meta is not None and meta.details:
+        rep.framework["lightning_meta"] = meta.details
+    return rep
+
+
+def _optimizer_files(r: Resolved) -> list[str]:
+    return [p for p in r.of_role("optimizer") if os.path.isfile(p)]
+
+
+def default_output(r: Resolved) -> str:
+    """Where ``convert FOLDER`` writes by default.
+
+    ``model.safetensors`` inside a Hugging Face folder whose weights are ``pytorch_model*.bin`` (where
+    ``from_pretrained`` looks); else ``FOLDER.safetensors`` beside the folder.
+    """
+    from ckptfix.convert.paths import default_output as beside
+
+    w = r.weights or ""
+    if r.layout.name in ("hf-model", "hf-trainer") and os.path.basename(w).startswith("pytorch_model"):
+        return os.path.join(r.path, "model.safetensors")
+    return beside(r.path, ".safetensors")
+
+
+def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
+    """``convert FOLDER``: the model weights (and, with ``include_optimizer``, the optimizer files)."""
+    handler = r.layout.convert
+    if handler is not None:
+        return handler(r, dst, **kw)
+    from ckptfix.convert import convert
+    from ckptfix.convert.reverse import is_safetensors_input
+
+    weights = r.require_weights()
+    dst = dst if dst is not None else default_output(r)
+    to = kw.get("to")
+    if to is None:  # the paths decide, as for a file: the default output is always .safetensors
+        if dst.rstrip("/" + os.sep).endswith(".dcp"):
+            to = "dcp"
+        elif is_safetensors_input(weights) and not dst.endswith(".safetensors"):
+            to = "pt"
+        else:
+            to = "safetensors"
+    token = _NESTED.set(True)  # the weights may be the folder itself (DCP): read it as a plain checkpoint now
+    try:
+        if to != "safetensors" or kw.get("restore_wrapper") or kw.get("shards", 1) != 1:
+            rep = convert(weights, dst, **kw)  # the other directions, and the refusals of misplaced options
+        else:
+            from ckptfix.convert.forward import convert_to_safetensors
+
+            extra: dict[str, Any] = {}
+            if kw.get("include_optimizer") and os.path.isfile(weights):
+                extra["optimizer_files"] = _optimizer_files(r)
+            meta = r.of_role("meta")
+            if meta:
+                extra["extra_metadata"] = meta_extras(meta[0])
+            rest = {k: v for k, v in kw.items() if k not in ("to", "restore_wrapper", "shards")}
+            rep = convert_to_safetensors(weights, dst, **rest, **extra)
+    finally:
+        _NESTED.reset(token)
+    rep.source = r.path
+    return rep
+
+
+def meta_extras(path: str) -> dict[str, Any]:
+    """A Lightning ``meta.pt`` (epoch, global_step, hyper_parameters, loops ...) as the JSON convert keeps.
+
+    Args:
+        path: the ``meta.pt`` file.
+
+    Returns:
+        Its JSON-representable entries (placeholders as the plain data ``sanitize`` writes).
+    """
+    from ckptfix.convert.extras import plain_extras
+    from ckptfix.formats import read_checkpoint
+
+    return plain_extras(read_checkpoint(path).obj)
+
+
+def load_folder(r: Resolved, **kw: Any) -> Any:
+    """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
+    handler = r.layout.load
+    if handler is not None:
+        return handler(r, **kw)
+    from ckptfix.loading import load_file
+
+    return load_file(r.require_weights(), **kw)
