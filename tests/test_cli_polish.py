@@ -315,3 +315,34 @@ def test_directory_outputs_say_permission_denied_once(tmp_path, monkeypatch):
     with pytest.raises(OutputError) as ei:
         convert_to_dcp("n.safetensors", "n.dcp")
     assert str(ei.value) == "n.dcp: permission denied; -o to choose a writable location"
+
+
+def test_ctrl_c_during_torchrun_names_what_the_workers_kept(monkeypatch, capsys, tmp_path):
+    """ddp/fsdp: the workers write the files, so the launcher names the run's files its manifest lists."""
+    import json
+
+    from ckptfix.train import ddp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    monkeypatch.setattr(ddp, "preflight", lambda cfg: None)
+
+    def worker_wrote_epoch_1_then_ctrl_c(cmd, env, log_path, *, quiet, timeout):
+        out = tmp_path / "runs"
+        for name in ("ddp_epoch1.pt", "ddp_epoch1.probe.pt", "other_epoch1.pt"):
+            (out / name).write_bytes(b"x")
+        entries = [
+            {"run": "ddp", "path": "ddp_epoch1.pt", "probe": {"file": "ddp_epoch1.probe.pt"}},
+            {"run": "other", "path": "other_epoch1.pt"},
+        ]
+        (out / "checkpoints.json").write_text(json.dumps({"version": 1, "checkpoints": entries}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ddp, "_run_torchrun", worker_wrote_epoch_1_then_ctrl_c)
+    rc = main(["train", "--mode", "ddp", "--nproc", "2", "--device", "cpu", "--out", "runs", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == (
+        "Error: interrupted; kept 3 output(s) finished before it: runs/ddp_epoch1.pt, runs/ddp_epoch1.probe.pt, "
+        "runs/checkpoints.json; the one in progress was not written\n"
+    )
