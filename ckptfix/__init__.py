@@ -16,7 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ckptfix._torch import silence_numpy_warning
+
 __version__ = "0.1.0"
+
+silence_numpy_warning()
 
 # public name -> module that defines it (imported on first use)
 _LAZY = {

@@ -28,6 +28,22 @@ from ckptfix.errors import TorchMissingError
 INSTALL_COMMAND = 'pip install "ckptfix[torch]"'
 
 
+#: the warning torch prints on import when numpy is absent; the trainer and loader need no numpy
+NUMPY_WARNING = r"Failed to initialize NumPy"
+
+
+def silence_numpy_warning() -> None:
+    """Hide torch's import-time ``UserWarning: Failed to initialize NumPy`` (and only that warning).
+
+    ``ckptfix[torch]`` does not depend on numpy and nothing ckptfix does with torch needs it, so on
+    a machine without numpy the warning is noise on every torch-importing command.  Installed
+    when ckptfix is imported (so also in torchrun workers), before any of its modules imports torch.
+    """
+    import warnings
+
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+
+
 def torch_installed() -> bool:
     """Whether torch can be found, without importing it.
 

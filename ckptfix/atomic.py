@@ -28,13 +28,22 @@ from ckptfix.errors import OutputError
 
 
 def _os_error(e: OSError, path: str) -> OutputError:
+    from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
+
+    if isinstance(e, OutputError):  # already says what went wrong
+        return e
     if e.errno == errno.ENOSPC:
-        return OutputError(f"{path}: no space left on the device; free space or write elsewhere with -o")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return OutputError(f"{path}: permission denied ({e.strerror}); choose a writable location with -o")
+        return OutputError(f"{shown_path(path)}: no space left on the device; free space or write elsewhere with -o")
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return OutputError(permission_denied(path))
+    if e.errno == errno.EROFS:
+        return OutputError(f"{shown_path(path)}: read-only file system; -o to choose a writable location")
     if e.errno == errno.ENOENT:
-        return OutputError(f"{path}: the output directory does not exist; create it or choose another with -o")
-    return OutputError(f"{path}: cannot write ({e.strerror or e})")
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            return OutputError(missing_directory(parent))
+        return OutputError(cannot_create(path))
+    return OutputError(f"{shown_path(path)}: cannot write ({e.strerror or e})")
 
 
 def fsync_dir(path: str) -> None:
@@ -200,6 +209,20 @@ def same_file(a: str, b: str) -> bool:
         return False
 
 
+#: every output this process finished (renamed into place), oldest first: what an interrupted
+#: command kept (the CLI names them after Ctrl-C).
+FINISHED: list[str] = []
+
+
+def note_finished(path: str) -> None:
+    """Record that ``path`` was completely written and renamed into place (see :data:`FINISHED`).
+
+    Args:
+        path: the final file or directory.
+    """
+    FINISHED.append(os.path.abspath(path))
+
+
 @contextlib.contextmanager
 def atomic_output(
     path: str, *, fsync: bool = False, before_replace: Callable[[str], None] | None = None
@@ -236,6 +259,7 @@ def atomic_output(
         if before_replace is not None:
             before_replace(tmp)
         os.replace(tmp, path)
+        note_finished(path)
         if fsync:
             fsync_dir(path)
     except OSError as e:
@@ -295,6 +319,7 @@ def make_backup(path: str) -> str:
 
             shutil.copy2(path, tmp)
         os.replace(tmp, dst)
+        note_finished(dst)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -334,6 +359,7 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
             if old is not None:
                 os.rename(os.path.join(old, "d"), path)
             raise
+        note_finished(path)
         if fsync:
             fsync_dir(path)
     except OSError as e:

@@ -179,6 +179,12 @@ class DemoFailedError(CkptfixError, RuntimeError):
     exit_code = 31
 
 
+class InterruptedByUserError(CkptfixError, KeyboardInterrupt):
+    """Interrupted (Ctrl-C, SIGINT): finished outputs are kept, unfinished temp files removed; nothing else written."""
+
+    exit_code = 130
+
+
 def all_error_classes() -> list[type[CkptfixError]]:
     """Every error class, base first (docs/gen_exit_codes.py and tests/test_docs.py use it).
 

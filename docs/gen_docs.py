@@ -10,12 +10,15 @@ A block is regenerated when the line before its opening fence is a marker::
     ```
 
 The ``$ `` lines of a block are run in order in one ``bash`` (so ``eval``, ``export`` and
-``echo $?`` behave as in a terminal) in a scratch directory (the same one for all blocks
-of a file, so a block can use files an earlier one made), with ``ckptfix`` on PATH and an
-empty lease directory (``pick-gpu`` leases never leak from one block into the next);
-what each line prints (stdout and stderr interleaved, as a terminal shows them) replaces
-the lines up to the next ``$ ``.  A block after ``<!-- file: NAME -->`` is not run: its
-text is written to ``NAME`` in the scratch directory, for the blocks below it.  Marker fields:
+``echo $?`` behave as in a terminal) in a scratch directory: each page starts in its own new,
+empty directory (the same one for all blocks of the page, so a block can use files an earlier
+one made, and pages never see each other's files), with ``ckptfix`` on PATH and an empty lease
+directory (``pick-gpu`` leases never leak from one block into the next), both kept outside
+the working directory; what each line prints (stdout and stderr interleaved, as a terminal
+shows them) replaces the lines up to the next ``$ ``, as printed: paths are not rewritten,
+so a page shows the paths a user sees (ckptfix prints them relative to the current directory).
+A block after ``<!-- file: NAME -->`` is not run: its text is written to ``NAME`` in the
+scratch directory, for the blocks below it.  Marker fields:
 
 - ``setup=runs``: the scratch directory holds ``runs/`` from
   ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
@@ -90,8 +93,10 @@ class Sandbox:
     """A scratch directory with ``ckptfix`` (this checkout) on PATH."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="ckptfix-docs-"))
-        self.bin = self.dir / ".bin"
+        self.root = Path(tempfile.mkdtemp(prefix="ckptfix-docs-"))
+        self.dir = self.root / "work"  # the page's working directory: empty at the start
+        self.dir.mkdir()
+        self.bin = self.root / "bin"
         self.bin.mkdir()
         exe = self.bin / "ckptfix"
         exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptfix "$@"\n')
@@ -114,7 +119,7 @@ class Sandbox:
             PYTHONPATH=str(ROOT),
             COLUMNS="100",
             NO_COLOR="1",
-            CKPTFIX_LEASE_DIR=str(self.dir / ".leases"),
+            CKPTFIX_LEASE_DIR=str(self.root / "leases"),
             PYTHONHASHSEED="0",
         )
         return env
@@ -124,7 +129,7 @@ class Sandbox:
 
     def run_lines(self, cmds: list[str], gpu: str = "") -> list[str]:
         """Run ``cmds`` in order in one bash, with no lease taken yet; return what each printed."""
-        shutil.rmtree(self.dir / ".leases", ignore_errors=True)
+        shutil.rmtree(self.root / "leases", ignore_errors=True)
         script = []
         for i, cmd in enumerate(cmds):  # the step marker keeps $? of the command for the next line
             script += [cmd, f"__rc=$?; printf '\\n{STEP}{i}\\n'; (exit $__rc)"]
@@ -137,8 +142,7 @@ class Sandbox:
             text=True,
             timeout=600,
         )
-        out = p.stdout.replace(str(self.dir) + "/", "").replace(str(self.dir), ".")
-        out = out.replace(sys.executable, "python3")
+        out = p.stdout.replace(sys.executable, "python3")
         out = re.sub(rf"\bon {re.escape(os.uname().nodename)}\b", "on HOST", out)  # lease holders: no machine name
         parts = re.split(rf"\n{STEP}\d+\n", out)
         if len(parts) != len(cmds) + 1:
@@ -157,7 +161,7 @@ class Sandbox:
             shutil.copytree(_TRAINED["runs"] / "runs", self.dir / "runs")
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:

@@ -17,8 +17,8 @@ from ckptfix.errors import all_error_classes  # noqa: E402
 
 TARGET = os.path.join(HERE, "exit-codes.md")
 
-# Exit codes that are not an error class: Click's usage errors and an interrupt.
-OTHER = {0: "success", 2: "usage error: an unknown option, a missing argument (Click)", 130: "interrupted (Ctrl-C)"}
+# Exit codes that are not an error class: Click's usage errors.
+OTHER = {0: "success", 2: "usage error: an unknown option, a missing argument (Click)"}
 
 
 # Where the docstring speaks to library callers, what the exit code means to a CLI user.

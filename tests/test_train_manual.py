@@ -1,5 +1,6 @@
 """ckptfix.train.manual and the tutorial network: the hand-written data-parallel tutorial runs exactly
-(network, parameter count, init, plain SGD, scatter-style split), checked against torch itself."""
+(network, parameter count, init (He-scaled, or the tutorial's with init="tutorial"), plain SGD,
+scatter-style split), checked against torch itself."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ def test_tutorial_network_shape_count_and_init():
     assert sum(p.numel() for p in m.parameters()) == 129_068
     shapes = [tuple(p.shape) for p in m.params]
     assert shapes == [(20, 1, 3, 3), (20,), (50, 20, 5, 5), (50,), (800, 128), (128,), (128, 10), (10,)]
-    for w, b in zip([p.detach() for p in m.params[0::2]], [p.detach() for p in m.params[1::2]], strict=False):
+    weights = [p.detach() for p in m.params[0::2]]
+    for w, b, fan_in in zip(weights, [p.detach() for p in m.params[1::2]], (9, 500, 800, 128), strict=True):
         assert torch.count_nonzero(b) == 0  # zero biases
-        assert abs(float(w.std()) - 0.01) < 0.002 and abs(float(w.mean())) < 0.002  # N(0, 0.01)
+        std = (2 / fan_in) ** 0.5  # He-scaled N(0, sqrt(2 / fan_in)) by default
+        assert abs(float(w.std()) - std) < 0.15 * std and abs(float(w.mean())) < 0.1 * std
+    tut = build_model("tutorial", 0, init="tutorial")
+    for w in [p.detach() for p in tut.params[0::2]]:
+        assert abs(float(w.std()) - 0.01) < 0.002 and abs(float(w.mean())) < 0.002  # the tutorial's N(0, 0.01)
     # the layers, spelled out with torch's own modules, give the same logits
     x = torch.randn(4, 1, 28, 28)
     w1, b1, w2, b2, w3, b3, w4, b4 = m.params

@@ -18,8 +18,8 @@ import click
 from ckptfix._torch import is_torch_missing, missing_error
 from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
-from ckptfix.cli.group import _DEBUG, cli
-from ckptfix.errors import CkptfixError
+from ckptfix.cli.group import _DEBUG, CtrlC, cli
+from ckptfix.errors import CkptfixError, InterruptedByUserError
 
 
 def _debug_wanted() -> bool:
@@ -47,21 +47,42 @@ def main(argv: list[str] | None = None) -> int:
         err = missing_error(_feature(args))
         error_line(str(err))
         return err.exit_code
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        return 130
+    except (CtrlC, click.exceptions.Abort, KeyboardInterrupt):
+        if _debug_wanted():
+            traceback.print_exc()
+        if sys.stderr.isatty():  # end the terminal's "^C" line
+            click.echo(err=True)
+        stop = interrupted_error()
+        error_line(str(stop))
+        return stop.exit_code
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
         e.show()
         return e.exit_code
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        return 130
     except BrokenPipeError:
         return 0
     except Exception as e:  # an internal bug: still one line unless --debug
         return _internal_error(e)
+
+
+def interrupted_error() -> InterruptedByUserError:
+    """The error of a Ctrl-C: what this process had finished writing (kept), or that nothing was written.
+
+    Returns:
+        The error, its message naming the kept outputs (relative to the current directory when under it).
+    """
+    from ckptfix.atomic import FINISHED
+    from ckptfix.display import shown_path
+
+    # still there: a command may remove what it finished when the step around it fails (the trainer's epoch)
+    kept = [p for p in dict.fromkeys(FINISHED) if os.path.lexists(p)]
+    if not kept:
+        return InterruptedByUserError("interrupted; nothing was written")
+    names = ", ".join(shown_path(p) for p in kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+    return InterruptedByUserError(
+        f"interrupted; kept {len(kept)} output(s) finished before it: {names}; the one in progress was not written"
+    )
 
 
 def _internal_error(e: BaseException) -> int:

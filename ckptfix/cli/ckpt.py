@@ -179,6 +179,7 @@ def _write_options(f):
 
 def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
     from ckptfix.cli._common import info
+    from ckptfix.display import shown_path
 
     if as_json:
         emit_json(rep.to_dict())
@@ -190,9 +191,9 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
     if rep.relocated:
         info("device tags: " + ", ".join(f"{a} -> {b}" for a, b in rep.relocated.items()))
     if rep.backup:
-        info(f"backup: {rep.backup}")
+        info(f"backup: {shown_path(rep.backup)}")
     if rep.output:
-        click.echo(rep.output)
+        click.echo(shown_path(rep.output))
 
 
 def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs) -> dict[str, Any]:

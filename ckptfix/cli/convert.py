@@ -152,10 +152,12 @@ def convert_cmd(
         emit_json(report.to_dict())
         return
     if not quiet:
+        from ckptfix.display import shown_path
+
         for p in report.outputs:
-            click.echo(p)
+            click.echo(shown_path(p))
         if report.index:
-            click.echo(report.index)
+            click.echo(shown_path(report.index))
         _summary(report)
 
 
@@ -164,7 +166,9 @@ def _summary(r: Any) -> None:
     if r.aliases and r.direction == "to-safetensors":
         n += f" (+{len(r.aliases)} alias{'es' if len(r.aliases) != 1 else ''})"
     parts = [n, human_bytes(r.bytes), "verified" if r.verified else "not verified", f"{r.seconds:.2f} s"]
-    info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
+    from ckptfix.display import shown_path
+
+    info(f"converted {shown_path(r.source)} ({r.source_format}): " + ", ".join(parts))
     if r.key_path:
         where = "taken from" if r.direction == "to-safetensors" else "put back under"
         info(f"state dict {where} {'/'.join(r.key_path)}")

@@ -10,7 +10,7 @@ from ckptfix.train.config import DEVICES
 from ckptfix.train.demo import DEMO_DEVICE, DEMO_EPOCHS, DEMO_OUT
 
 
-@cli.command("demo")
+@cli.command("demo", short_help="Train every kind of checkpoint, then fix and verify each.")
 @click.option("--out", default=DEMO_OUT, show_default=True, type=click.Path(), help="Work directory.")
 @click.option(
     "--device",

@@ -11,7 +11,21 @@ import click
 _DEBUG = {"on": False}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class CtrlC(Exception):  # noqa: N818 (a signal, not an error: ckptfix.cli.main renders it)
+    """Ctrl-C inside a command, carried past Click (which would print a blank line and "Aborted.")."""
+
+
+class Group(click.Group):
+    """The root group: a KeyboardInterrupt in a command reaches :func:`ckptfix.cli.main` as :class:`CtrlC`."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            raise CtrlC() from e
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
 @click.version_option(package_name="ckptfix", prog_name="ckptfix")
 def cli(debug: bool) -> None:

@@ -12,11 +12,13 @@ import click
 
 from ckptfix.cli._common import emit_json, info, json_option, table
 from ckptfix.cli.group import cli
+from ckptfix.display import shown_path
 from ckptfix.train.config import (
     ALLREDUCES,
     DEVICES,
     DISTRIBUTED_MODES,
     HPARAMS,
+    INITS,
     MODELS,
     MODES,
     SAVE_FORMATS,
@@ -40,6 +42,13 @@ def _given(ctx: click.Context) -> set[str]:
     return out
 
 
+def _data_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--data``: the word ``digits`` (the bundled real digits), or an existing file."""
+    if value is None or value == "digits":
+        return value
+    return str(click.Path(exists=True, dir_okay=False).convert(value, param, ctx))
+
+
 @cli.command("train")
 @click.option(
     "--mode",
@@ -56,6 +65,14 @@ def _given(ctx: click.Context) -> set[str]:
     show_default=True,
     help="LeNet-5 (2 conv + avg-pool + 2 linear), a small ResNet with BatchNorm, or the "
     "hand-written multi-GPU tutorial's LeNet (plain parameter list, functional forward).",
+)
+@click.option(
+    "--init",
+    type=click.Choice(INITS),
+    default=default("init"),
+    show_default=True,
+    help="--model tutorial: He-scaled weights N(0, sqrt(2/fan_in)), or the tutorial's N(0, 0.01) (which "
+    "stays at chance for ~500 plain-SGD steps: 60 epochs of the bundled data).",
 )
 @click.option(
     "--out",
@@ -150,9 +167,11 @@ def _given(ctx: click.Context) -> set[str]:
 @click.option("--force", is_flag=True, help="Overwrite files in --out that another run wrote.")
 @click.option(
     "--data",
-    type=click.Path(exists=True, dir_okay=False),
     default=None,
-    help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data.",
+    callback=_data_path,
+    metavar="PATH|digits",
+    help="A .pt/.npz file with 'images' uint8 [N,28,28] and 'labels' int64 [N] instead of synthetic data; "
+    "'digits': the bundled 1,797 real handwritten digits (UCI, 8x8 upsampled; ./digits for a file of that name).",
 )
 @click.option(
     "--train-samples", type=int, default=default("train_samples"), show_default=True, help="Synthetic training samples."
@@ -170,7 +189,12 @@ def _given(ctx: click.Context) -> set[str]:
     default=None,
     help="File name stem [derived from the options, e.g. ddp-amp-clean; resumed runs add -resumed-from-X].",
 )
-@click.option("--threads", type=int, default=None, help="torch intra-op threads for in-process modes.")
+@click.option(
+    "--threads",
+    type=int,
+    default=None,
+    help="torch intra-op threads for in-process modes [1 on CPU; torch's default on CUDA].",
+)
 @click.option(
     "--bench",
     is_flag=True,
@@ -240,9 +264,9 @@ def _render_train(res: TrainResult, as_json: bool, *, quiet: bool) -> None:
         f"{res.sec_per_epoch:.3f} s/epoch, {res.samples_per_sec:,.0f} samples/s, "
         f"final accuracy {res.final_accuracy:.1%}"
     )
-    click.echo(f"manifest: {res.manifest}")
+    click.echo(f"manifest: {shown_path(res.manifest)}")
     if not quiet:
-        info(f"done: {len(res.checkpoints)} checkpoint(s) in {res.out_dir}")
+        info(f"done: {len(res.checkpoints)} checkpoint(s) in {shown_path(res.out_dir)}")
 
 
 def _render_bench(res: BenchResult, as_json: bool) -> None:
@@ -267,4 +291,4 @@ def _render_bench(res: BenchResult, as_json: bool) -> None:
     ]
     click.echo(table(body, ["mode", "devices", "world size", "s/epoch", "samples/s", "final acc", "wall s"]))
     if res.out_dir:
-        click.echo(f"checkpoints: {res.out_dir}")
+        click.echo(f"checkpoints: {shown_path(res.out_dir)}")

@@ -121,6 +121,10 @@ def convert(
                 shards=shards,
             )
     d = os.fspath(dst) if dst is not None else None
+    if trust:  # a full unpickle is torch's: never silently ignored when torch is missing
+        from ckptfix._torch import require_torch
+
+        require_torch("--trust")
     to_safetensors_only = {
         "key": key is not None,
         "max_shard_size": bool(max_shard_size),

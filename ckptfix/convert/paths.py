@@ -7,6 +7,7 @@ import re
 from typing import Sequence
 
 from ckptfix.atomic import new_temp, same_file
+from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
 from ckptfix.errors import OutputError
 
 _PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl")
@@ -83,18 +84,18 @@ def check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
     """
     for p in paths:
         if same_file(p, src):
-            raise OutputError(f"{p}: that is the input; choose another output with -o")
+            raise OutputError(output_is_input(p))
         if os.path.isdir(p):
             raise OutputError(f"{p}: is a directory; pass a file name with -o")
         if p.endswith(("/", os.sep)):
             raise OutputError(f"{p}: names a directory (it ends with a slash); pass a file name with -o")
         if os.path.lexists(p) and not force:
-            raise OutputError(f"{p} already exists; pass --force to overwrite it, or choose another name with -o")
+            raise OutputError(already_exists(p))
         d = os.path.dirname(os.path.abspath(p))
         if not os.path.isdir(d):
-            raise OutputError(f"{d}: the output directory does not exist; create it first")
+            raise OutputError(missing_directory(d))
         if not os.access(d, os.W_OK):
-            raise OutputError(f"{d}: no permission to write there; choose another output with -o")
+            raise OutputError(permission_denied(d))
 
 
 def temp_for(final: str) -> str:

@@ -15,7 +15,7 @@ import os
 import threading
 from typing import Iterator, Mapping, Sequence
 
-from ckptfix.atomic import _os_error, fsync_dir
+from ckptfix.atomic import _os_error, fsync_dir, note_finished
 from ckptfix.convert.header import layout, safetensors_header, shard
 from ckptfix.convert.items import CHUNK, Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
@@ -266,6 +266,7 @@ def write_outputs(
                 os.replace(tmp, final)
             except OSError as e:
                 raise _os_error(e, final) from None
+            note_finished(final)
         temps.clear()
         if fsync:
             fsync_dir(dst)

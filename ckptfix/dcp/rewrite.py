@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptfix.atomic import fsync_dir, replace_directory
+from ckptfix.atomic import _os_error, fsync_dir, replace_directory
 from ckptfix.dcp.meta import (
     METADATA_NAME,
     BytesEntry,
@@ -30,6 +30,7 @@ from ckptfix.dcp.meta import (
     read_metadata,
     rename_metadata,
 )
+from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
 from ckptfix.pickles import paused_gc
@@ -186,15 +187,15 @@ def _output_dir(src: str, output: str | None, suffix: str, force: bool) -> str:
     """The new directory's path, refused when it is the input, or exists and is not a DCP checkpoint."""
     out = os.path.abspath(output.rstrip(os.sep) if output else f"{src}.{suffix}")
     if out == os.path.abspath(src) or (os.path.exists(out) and os.path.samefile(out, src)):
-        raise OutputError(f"{out}: the output is the input; use --in-place to rewrite its .metadata")
+        raise OutputError(output_is_input(out, in_place="rewrite its .metadata"))
     if os.path.lexists(out):
         if not force:
-            raise OutputError(f"{out} already exists; pass --force to replace it or -o to choose another directory")
+            raise OutputError(already_exists(out, directory=True))
         if not os.path.isdir(out) or (os.listdir(out) and not os.path.isfile(os.path.join(out, METADATA_NAME))):
             raise OutputError(f"{out} exists and is not a DCP checkpoint directory; refusing to replace it")
     parent = os.path.dirname(out)
     if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: the output's parent directory does not exist; create it first")
+        raise OutputError(missing_directory(parent))
     return out
 
 
@@ -209,7 +210,7 @@ def _write_directory(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
+        raise _os_error(e, out) from None
     linked = copied = 0
     try:
         os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
@@ -228,7 +229,7 @@ def _write_directory(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
+        raise _os_error(e, out) from None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ckptfix.atomic import fsync_dir, replace_directory
+from ckptfix.atomic import _os_error, fsync_dir, replace_directory
+from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
 from ckptfix.errors import (
     CkptfixError,
     NoTensorsError,
@@ -75,16 +76,16 @@ def _source_files(src: str) -> list[str]:
 def _check_output(dst: str, src: str, force: bool) -> None:
     if os.path.lexists(dst):
         if not force:
-            raise OutputError(f"{dst} already exists; pass --force to replace it, or choose another name with -o")
+            raise OutputError(already_exists(dst, directory=True))
         if not os.path.isdir(dst) or (os.listdir(dst) and not os.path.isfile(os.path.join(dst, ".metadata"))):
             raise OutputError(f"{dst} exists and is not a DCP checkpoint directory; refusing to replace it")
     if os.path.abspath(dst) == os.path.abspath(src):
-        raise OutputError(f"{dst}: that is the input; choose another output with -o")
+        raise OutputError(output_is_input(dst))
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
-        raise OutputError(f"{parent}: the output directory does not exist; create it first")
+        raise OutputError(missing_directory(parent))
     if not os.access(parent, os.W_OK):
-        raise OutputError(f"{parent}: no permission to write there; choose another output with -o")
+        raise OutputError(permission_denied(parent))
 
 
 #: a tensor's bytes in a mapped input file: (mapping, offset, length)
@@ -380,7 +381,7 @@ def convert_to_dcp(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise OutputError(f"cannot create a directory in {parent}: {e.strerror}; choose another -o") from None
+        raise _os_error(e, out) from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
@@ -401,7 +402,7 @@ def convert_to_dcp(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; choose another directory with -o") from None
+        raise _os_error(e, out) from None
     finally:
         del sd, tensors
         for m in maps:

@@ -151,7 +151,9 @@ def _dir_kind(path: str) -> Format:
     from ckptfix.frameworks import is_sidecar_name
 
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
-    cands.sort(key=is_sidecar_name)  # real checkpoints before optimizer.pt, scheduler.pt, rng_state.pth ...
+    # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
+    # and the trainer's probe batches (X.probe.pt)
+    cands.sort(key=lambda n: is_sidecar_name(n) or n.endswith(".probe.pt"))
     hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"

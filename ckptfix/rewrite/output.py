@@ -6,6 +6,7 @@ import os
 from typing import Any, Callable
 
 from ckptfix.atomic import atomic_output, make_backup, same_file
+from ckptfix.display import already_exists, output_is_input
 from ckptfix.errors import OutputError
 from ckptfix.formats.base import Format
 
@@ -66,7 +67,7 @@ def prepare_output(
         return dst, True if fsync is None else bool(fsync)
     dst = output or default_output(src, suffix, fmt_out)
     if same_file(dst, src):
-        raise OutputError(f"{dst}: the output is the input; use --in-place to replace it")
+        raise OutputError(output_is_input(dst, in_place="replace it"))
     if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
         what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
         raise OutputError(
@@ -74,7 +75,7 @@ def prepare_output(
             f"{os.path.join(dst, os.path.basename(default_output(src, suffix, fmt_out)))})"
         )
     if os.path.exists(dst) and not force:
-        raise OutputError(f"{dst} already exists; pass --force to overwrite it or -o to choose another path")
+        raise OutputError(already_exists(dst))
     return dst, bool(fsync)
 
 

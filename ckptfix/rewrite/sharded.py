@@ -8,7 +8,8 @@ import os
 from typing import Any, Mapping
 
 from ckptfix import stmeta
-from ckptfix.atomic import atomic_output
+from ckptfix.atomic import _os_error, atomic_output
+from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict
 from ckptfix.parallel import run_tasks
@@ -104,7 +105,7 @@ def rewrite_sharded(
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise OutputError(f"cannot create {out_dir}: {e.strerror}; choose another directory with -o") from None
+        raise _os_error(e, out_dir) from None
     written: list[str] = []
     try:
         _write_shards(shards, rename, out_dir, fsync, written, rep.notes, jobs)
@@ -129,7 +130,7 @@ def rewrite_sharded(
                 pass
         raise
     rep.output = dst
-    rep.notes.append(f"wrote {len(shards)} shard(s) and the index to {out_dir}")
+    rep.notes.append(f"wrote {len(shards)} shard(s) and the index to {shown_path(out_dir)}")
     return rep
 
 
@@ -150,16 +151,13 @@ def _output_dir(ipath: str, shards: Mapping[str, Any], output: str | None, suffi
     src_dir = os.path.dirname(os.path.abspath(ipath))
     out_dir = os.path.abspath(output) if output else f"{src_dir}.{suffix}"
     if out_dir == src_dir:
-        raise OutputError(f"{out_dir}: the output directory is the input's; choose a new one with -o DIR")
+        raise OutputError(output_is_input(out_dir))
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise OutputError(f"{out_dir} exists and is not a directory; for a sharded index -o names a directory")
     names = [os.path.basename(ipath), *shards]
     clash = [n for n in names if os.path.exists(os.path.join(out_dir, n))]
     if clash and not force:
-        raise OutputError(
-            f"{os.path.join(out_dir, clash[0])} already exists; pass --force to overwrite or -o to "
-            "choose another directory"
-        )
+        raise OutputError(already_exists(os.path.join(out_dir, clash[0]), directory=True))
     return out_dir
 
 

@@ -15,6 +15,7 @@ from typing import Any
 MODES = ("single", "dp", "ddp", "manual", "fsdp")
 DISTRIBUTED_MODES = ("ddp", "fsdp")  # launched through torchrun
 MODELS = ("lenet", "resnet", "tutorial")
+INITS = ("he", "tutorial")  # --model tutorial: He-scaled weights, or the tutorial's N(0, 0.01)
 HPARAMS = ("lr", "momentum", "weight_decay")  # optimizer settings a resume can override
 SAVE_STYLES = ("wrapped", "clean")
 SAVE_FORMATS = ("pt", "dcp")
@@ -52,6 +53,7 @@ class TrainConfig:
 
     mode: str = "single"  # single | dp | ddp | manual | fsdp
     model: str = "lenet"  # lenet | resnet | tutorial
+    init: str = "he"  # --model tutorial: he (N(0, sqrt(2/fan_in))) | tutorial (N(0, 0.01): ~500 steps at chance)
     out: str = "ckptfix-train"  # output directory (created)
     epochs: int = 2  # total epochs (a resumed run continues up to this number)
     batch_size: int = 64  # single/dp/manual: the whole batch; ddp: per process
@@ -77,7 +79,7 @@ class TrainConfig:
     test_samples: int = 512
     show_split: bool = False  # dp: print per-replica batch sizes (first batch of each epoch)
     name: str | None = None  # file name stem; default derived from the options
-    threads: int | None = None  # torch.set_num_threads for in-process modes (None: leave as is)
+    threads: int | None = None  # torch.set_num_threads for in-process modes (None: 1 on CPU, torch's on CUDA)
     quiet: bool = False  # no progress on stderr
     # On --resume: the optimizer settings (of HPARAMS) the user gave explicitly.  They override the
     # checkpoint's param_groups after loading; the others keep the checkpoint's values.
@@ -115,6 +117,8 @@ class TrainConfig:
         parts = [self.mode]
         if self.model != "lenet":
             parts.append(self.model)
+        if self.init != "he":
+            parts.append(f"init-{self.init}")
         if self.amp:
             parts.append("amp")
         if self.compile:
@@ -176,6 +180,10 @@ class TrainConfig:
             bad(f"unknown mode {self.mode!r}; choose one of: {', '.join(MODES)}")
         if self.model not in MODELS:
             bad(f"unknown model {self.model!r}; choose one of: {', '.join(MODELS)}")
+        if self.init not in INITS:
+            bad(f"unknown init {self.init!r}; choose he or tutorial")
+        if self.init != "he" and self.model != "tutorial":
+            bad("--init applies to --model tutorial (the other models use torch's layer defaults)")
         if self.device not in DEVICES:
             bad(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
         if self.save_style not in SAVE_STYLES:

@@ -114,7 +114,7 @@ def preflight(cfg: TrainConfig) -> None:
         CkptfixError: the ``--data`` or ``--resume`` file cannot be read (its own class).
     """
     cfg.validate()
-    if cfg.data:
+    if cfg.data and cfg.data != "digits":
         from ckptfix.train.data import load_dataset
 
         load_dataset(cfg.data)
@@ -209,21 +209,59 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
             )
         fd, log_path = tempfile.mkstemp(prefix=f"ckptfix-{cfg.mode}-", suffix=".log")
         os.close(fd)
-        for attempt in (1, 2):
-            rc, lines, started = _run_torchrun(cmd, env, log_path, quiet=cfg.quiet, timeout=timeout)
-            failed_early = rc != 0 and not started and not any(p.startswith("result.json") for p in os.listdir(tmp))
-            if not (failed_early and attempt == 1):
-                break
-            # The job died before any rank trained (rendezvous / process-group start-up on a loaded
-            # machine): nothing was written, so one more try is safe.  The first log is kept.
-            os.replace(log_path, log_path + ".attempt1")
-            print(
-                f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
-                f"(log: {log_path}.attempt1)",
-                file=sys.stderr,
-                flush=True,
-            )
+        try:
+            rc, lines = _attempts(cfg, cmd, env, tmp, log_path, timeout)
+        except KeyboardInterrupt:
+            note_kept(cfg)  # the workers wrote them: name them in the interrupted command's message
+            raise
         return _outcome(res_path, rc, lines, log_path)
+
+
+def note_kept(cfg: TrainConfig) -> None:
+    """Record (:func:`ckptfix.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist.
+
+    Args:
+        cfg: The interrupted run's configuration.
+    """
+    from ckptfix.atomic import note_finished
+    from ckptfix.train.manifest import MANIFEST, read_manifest
+
+    out = os.path.abspath(cfg.out)
+    try:
+        entries = read_manifest(out).get("checkpoints", [])
+    except (OSError, ValueError):
+        return
+    name = cfg.run_name()
+    for e in entries:
+        if not isinstance(e, dict) or e.get("run") != name:
+            continue
+        probe = e.get("probe")
+        for rel in (e.get("path"), probe.get("file") if isinstance(probe, dict) else None):
+            if isinstance(rel, str) and os.path.lexists(os.path.join(out, rel)):
+                note_finished(os.path.join(out, rel))
+    if os.path.exists(os.path.join(out, MANIFEST)):
+        note_finished(os.path.join(out, MANIFEST))
+
+
+def _attempts(
+    cfg: TrainConfig, cmd: list[str], env: dict[str, str], tmp: str, log_path: str, timeout: float | None
+) -> tuple[int, list[str]]:
+    """Run torchrun; once more when the first try died before any rank trained.  Returns (status, last lines)."""
+    for attempt in (1, 2):
+        rc, lines, started = _run_torchrun(cmd, env, log_path, quiet=cfg.quiet, timeout=timeout)
+        failed_early = rc != 0 and not started and not any(p.startswith("result.json") for p in os.listdir(tmp))
+        if not (failed_early and attempt == 1):
+            break
+        # The job died before any rank trained (rendezvous / process-group start-up on a loaded
+        # machine): nothing was written, so one more try is safe.  The first log is kept.
+        os.replace(log_path, log_path + ".attempt1")
+        print(
+            f"[{cfg.mode}] torchrun failed while starting ({failure_cause(lines)}); retrying once "
+            f"(log: {log_path}.attempt1)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rc, lines
 
 
 def _worker_config(cfg: TrainConfig, device_type: str) -> TrainConfig:
@@ -233,7 +271,7 @@ def _worker_config(cfg: TrainConfig, device_type: str) -> TrainConfig:
     wcfg.device = device_type
     if wcfg.resume:
         wcfg.resume = os.path.abspath(wcfg.resume)
-    if wcfg.data:
+    if wcfg.data and wcfg.data != "digits":
         wcfg.data = os.path.abspath(wcfg.data)
     return wcfg
 

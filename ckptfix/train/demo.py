@@ -442,7 +442,10 @@ def format_summary(res: DemoResult) -> str:
         )
     )
     out.append("")
-    out.append(f"{'all verified' if res.ok else 'FAILURES'} in {res.seconds:.0f} s; files in {res.out_dir}/")
+    from ckptfix.display import shown_path
+
+    verdict = "all verified" if res.ok else "FAILURES"
+    out.append(f"{verdict} in {res.seconds:.0f} s; files in {shown_path(res.out_dir)}/")
     for r in res.rows:
         if r.detail:
             out.append(f"  {r.checkpoint}: {r.detail}")

@@ -108,12 +108,17 @@ def check_outputs(out_dir: str, paths: Iterable[str], run: str, resumed_from: st
         e = by_path.get(rel) or by_probe.get(rel)
         if e is not None and e.get("run") == run and e.get("resumed_from") == resumed_from:
             continue
+        from ckptfix.display import shown_path
+
         other = (
-            (f"run {e.get('run')!r}" + (f" resumed from {e['resumed_from']}" if e.get("resumed_from") else ""))
+            (
+                f"run {e.get('run')!r}"
+                + (f" resumed from {shown_path(e['resumed_from'])}" if e.get("resumed_from") else "")
+            )
             if e
             else "something not listed in checkpoints.json"
         )
         raise TrainingError(
-            f"{os.path.join(out_dir, rel)} exists and was written by {other}; choose another --name or "
-            "--out, or pass --force to overwrite it"
+            f"{shown_path(os.path.join(out_dir, rel))} already exists (written by {other}); pass --force to "
+            "overwrite it, or choose another --name or --out"
         )

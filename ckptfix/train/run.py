@@ -93,12 +93,13 @@ class Run:
         """
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        self.dataset = (
-            _data.load_dataset(cfg.data)
-            if cfg.data
-            else _data.synthetic_dataset(cfg.seed, cfg.train_samples, cfg.test_samples)
-        )
-        base = build_model(cfg.model, cfg.seed)
+        if cfg.data == _data.DIGITS:
+            self.dataset = _data.digits_dataset(cfg.seed)
+        elif cfg.data:
+            self.dataset = _data.load_dataset(cfg.data)
+        else:
+            self.dataset = _data.synthetic_dataset(cfg.seed, cfg.train_samples, cfg.test_samples)
+        base = build_model(cfg.model, cfg.seed, init=cfg.init)
         if cfg.resume:
             self._resume_into(base)
 

@@ -1,0 +1,114 @@
+"""How paths are shown to the user: as they typed them, relative to the current directory when under it.
+
+The library works with absolute paths (so a ``chdir`` cannot change what a name means); everything a
+user reads -- default output names, "already exists", the notes of sharded rewrites, the trainer's
+manifest -- goes through :func:`shown_path`, so ``ckptfix convert model.pt`` says ``model.safetensors``,
+not ``/home/me/project/model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def shown_path(path: str, *, cwd: str | None = None) -> str:
+    """``path`` as a user would write it: relative to ``cwd`` when it lies under it, else unchanged.
+
+    A relative ``path`` is kept as it is; an absolute one under the current directory becomes
+    relative (``/home/me/p/out/x.pt`` -> ``out/x.pt``); one outside it (``/tmp/x.pt``, ``../x.pt``
+    resolved) stays absolute, since ``../../`` chains are harder to read than the full path.
+
+    Args:
+        path: A path.
+        cwd: The directory to be relative to (default: the current directory).
+
+    Returns:
+        The path to print.
+    """
+    if not path or not os.path.isabs(path):
+        return path
+    try:
+        base = os.path.abspath(cwd) if cwd is not None else os.getcwd()
+    except OSError:  # the current directory was removed
+        return path
+    norm = os.path.normpath(path)
+    if norm == base:
+        return "."
+    prefix = base.rstrip(os.sep) + os.sep
+    if norm.startswith(prefix):
+        return norm[len(prefix) :]
+    return path
+
+
+# One wording for one mistake, whichever command meets it (each returns the message of an OutputError).
+
+
+def already_exists(path: str, *, directory: bool = False) -> str:
+    """``PATH already exists; pass --force to overwrite it, or -o to choose another path``.
+
+    Args:
+        path: The output that exists.
+        directory: The output is a directory (says "another directory").
+
+    Returns:
+        The message.
+    """
+    other = "another directory" if directory else "another path"
+    return f"{shown_path(path)} already exists; pass --force to overwrite it, or -o to choose {other}"
+
+
+def missing_directory(directory: str) -> str:
+    """``DIR: the output directory does not exist; create it, or -o to choose another path``.
+
+    Args:
+        directory: The directory that is not there.
+
+    Returns:
+        The message.
+    """
+    return f"{shown_path(directory)}: the output directory does not exist; create it, or -o to choose another path"
+
+
+def permission_denied(path: str) -> str:
+    """``PATH: permission denied; -o to choose a writable location``.
+
+    Args:
+        path: The output (or its directory) that cannot be written.
+
+    Returns:
+        The message.
+    """
+    return f"{shown_path(path)}: permission denied; -o to choose a writable location"
+
+
+def cannot_create(path: str) -> str:
+    """``PATH: cannot create a file there (DIR exists but accepts no new files); -o to choose another path``.
+
+    For a directory that exists but refuses new files (``/proc``, a FUSE mount...), where
+    "does not exist" would be wrong.
+
+    Args:
+        path: The output.
+
+    Returns:
+        The message.
+    """
+    parent = shown_path(os.path.dirname(os.path.abspath(path))) or "."
+    return (
+        f"{shown_path(path)}: cannot create a file there ({parent} exists but accepts no new files); "
+        "-o to choose another path"
+    )
+
+
+def output_is_input(path: str, *, in_place: str | None = None) -> str:
+    """``PATH: the output is the input; -o to choose another path`` (plus how to rewrite in place, if offered).
+
+    Args:
+        path: The output, which names the input.
+        in_place: What ``--in-place`` does for this command (e.g. "replace it"), or None when it has none.
+
+    Returns:
+        The message.
+    """
+    tail = f", or --in-place to {in_place}" if in_place else ""
+    return f"{shown_path(path)}: the output is the input; -o to choose another path{tail}"
