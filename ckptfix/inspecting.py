@@ -442,11 +442,15 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
 
 
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    from ckptfix.containment import check_member
+
     meta = os.path.join(path, ".metadata")
+    check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
     with open(meta, "rb") as f:
         acc.add_result(".metadata", scan_globals(f, limits=limits))
     for name in sorted(os.listdir(path)):
         if name.endswith(".distcp") and os.path.isfile(os.path.join(path, name)):
+            check_member(path, name, path)
             _scan_distcp(os.path.join(path, name), name, acc, limits)
 
 

@@ -72,6 +72,7 @@ def rewrite_checkpoint(
     suffix: str = "fixed",
     progress: Progress | None = None,
     jobs: int = 1,
+    link: bool = False,
 ) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
@@ -90,6 +91,8 @@ def rewrite_checkpoint(
         fsync: flush to disk before the rename (default: on for ``in_place``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
         jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
+        link: a DCP directory's output hard-links the input's data files instead of copying them
+            (they are then shared: a later save into the output changes the input); other inputs ignore it.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -103,7 +106,7 @@ def rewrite_checkpoint(
         VerificationError: the written file did not read back (nothing was replaced).
     """
     with reporting(progress, _input_bytes(src)):
-        if sniff(src) == Format.DCP:  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+        if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.dcp.rewrite
             from ckptfix.dcp.rewrite import rewrite_dcp
 
             return rewrite_dcp(
@@ -117,6 +120,7 @@ def rewrite_checkpoint(
                 map_location=map_location,
                 fsync=fsync,
                 suffix=suffix,
+                link=link,
             )
         cf = read_checkpoint(src)
         if cf.format == Format.SHARDED:

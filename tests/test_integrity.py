@@ -1,0 +1,182 @@
+"""Issue 21 (integrity): no output shares storage with its input, no container member escapes its
+directory, bounded cost on tiny hostile files, no exit 0 that dropped tensors.
+
+Every hostile file is generated here at test time.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptfix import atomic
+from ckptfix.cli import main
+
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+
+def _save_dcp(d: Path, sd: dict[str, Any]) -> None:
+    dcp.save(sd, checkpoint_id=str(d), no_dist=True)
+
+
+def _load_dcp(d: Path, template: dict[str, Any]) -> dict[str, Any]:
+    dcp.load(template, checkpoint_id=str(d), no_dist=True)
+    return template
+
+
+# --------------------------------------------------------------------------- item 2: no aliasing
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["strip-prefix"],
+        ["add-prefix", "--prefix", "pre."],
+    ],
+)
+def test_dcp_rename_never_shares_data_files(tmp_path, argv):
+    """A torch save into the renamed directory must leave the input as it was (it truncated it through a link)."""
+    src, out = tmp_path / "run.dcp", tmp_path / "out.dcp"
+    w = torch.arange(64, dtype=torch.float32)
+    _save_dcp(src, {"model": {"module.w": w.clone()}})
+    assert main([argv[0], str(src), *argv[1:], "-o", str(out)]) == 0
+    names = sorted(p.name for p in src.glob("*.distcp"))
+    assert names
+    for n in names:
+        assert os.stat(src / n).st_ino != os.stat(out / n).st_ino
+        assert (src / n).read_bytes() == (out / n).read_bytes()
+    key = "module.w" if argv[0] == "add-prefix" else "w"
+    key = "pre.module.w" if argv[0] == "add-prefix" else key
+    _save_dcp(out, {"model": {key: torch.full((64,), 7.0)}})  # the user fine-tunes and saves into the output
+    got = _load_dcp(src, {"model": {"module.w": torch.zeros(64)}})["model"]["module.w"]
+    assert torch.equal(got, w)
+
+
+def test_dcp_rename_link_is_opt_in_and_says_the_risk(tmp_path, capsys):
+    src, out = tmp_path / "run.dcp", tmp_path / "out.dcp"
+    _save_dcp(src, {"model": {"module.w": torch.ones(8)}})
+    assert main(["strip-prefix", str(src), "-o", str(out), "--link"]) == 0
+    err = capsys.readouterr().err
+    assert "hard-linked" in err and "do not save into the output" in err
+    for f in src.glob("*.distcp"):
+        assert os.stat(f).st_ino == os.stat(out / f.name).st_ino
+    assert main(["strip-prefix", "--help"]) == 0
+    assert "changes the input" in " ".join(capsys.readouterr().out.split())
+
+
+def test_no_os_link_outside_backups():
+    """Every os.link in the package is either a backup of a file about to be replaced, or behind --link."""
+    root = Path(__file__).resolve().parents[1] / "ckptfix"
+    hits = []
+    for p in root.rglob("*.py"):
+        for line in p.read_text().splitlines():
+            if "os.link(" in line:
+                hits.append(f"{p.relative_to(root)}:{line.strip()}")
+    allowed = {"atomic.py", "dcp/rewrite.py"}
+    assert all(h.split(":")[0] in allowed for h in hits), hits
+    assert len(hits) == 3, hits
+
+
+def _data(n: int) -> bytes:
+    return bytes(range(256)) * (n // 256) + b"x" * (n % 256)
+
+
+def test_copy_file_data_copies(tmp_path):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_bytes(_data(3 << 20))
+    os.chmod(src, 0o640)
+    how = atomic.copy_file_data(str(src), str(dst), fsync=True)
+    assert how in ("reflink", "copy")
+    assert dst.read_bytes() == src.read_bytes()
+    assert os.stat(src).st_ino != os.stat(dst).st_ino
+    assert os.stat(dst).st_mode & 0o777 == 0o640
+    with pytest.raises(FileExistsError):
+        atomic.copy_file_data(str(src), str(dst))
+    empty = tmp_path / "e"
+    empty.write_bytes(b"")
+    atomic.copy_file_data(str(empty), str(tmp_path / "e2"))
+    assert (tmp_path / "e2").read_bytes() == b""
+
+
+@pytest.mark.parametrize("broken", ["cfr", "cfr+sendfile"])
+def test_copy_file_data_falls_back_per_call(tmp_path, monkeypatch, broken):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_bytes(_data((1 << 20) + 17))
+    monkeypatch.setattr(atomic, "_reflink", lambda s, d: False)
+    monkeypatch.setattr(atomic, "_COPY_CHUNK", 1 << 16)
+    calls = {"cfr": 0}
+    real_cfr = os.copy_file_range
+
+    def cfr(*a: Any) -> int:  # works for the first call, then the file system says EXDEV
+        calls["cfr"] += 1
+        if calls["cfr"] > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real_cfr(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", cfr)
+    if "sendfile" in broken:
+
+        def sf(*a: Any) -> int:
+            raise OSError(errno.EINVAL, "no sendfile")
+
+        monkeypatch.setattr(os, "sendfile", sf)
+    atomic.copy_file_data(str(src), str(dst))
+    assert dst.read_bytes() == src.read_bytes()
+
+
+# --------------------------------------------------------------------------- item 6: symlinks out of a DCP directory
+
+
+def _dcp_with_outside_link(tmp_path: Path, member: str) -> Path:
+    d = tmp_path / "run.dcp"
+    _save_dcp(d, {"model": {"module.w": torch.ones(16)}})
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    name = member if member == ".metadata" else sorted(p.name for p in d.glob("*.distcp"))[0]
+    (d / name).rename(outside / name)
+    (d / name).symlink_to(outside / name)
+    return d
+
+
+@pytest.mark.parametrize("member", [".metadata", "distcp"])
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect"], ["scan"], ["strip-prefix", "-o", "{out}"], ["convert", "-o", "{out}.safetensors"]],
+)
+def test_dcp_member_linking_outside_is_refused(tmp_path, capsys, member, argv):
+    d = _dcp_with_outside_link(tmp_path, member)
+    out = str(tmp_path / "out")
+    rc = main([argv[0], str(d), *(a.format(out=out) for a in argv[1:])])
+    err = capsys.readouterr().err
+    assert rc == 8, err
+    assert "outside the checkpoint directory" in err and "Traceback" not in err
+    assert not os.path.exists(out) and not os.path.exists(out + ".safetensors")
+
+
+def test_dcp_member_linking_inside_is_fine_and_copied_as_a_file(tmp_path):
+    d = tmp_path / "run.dcp"
+    _save_dcp(d, {"model": {"module.w": torch.ones(16)}})
+    name = sorted(p.name for p in d.glob("*.distcp"))[0]
+    (d / name).rename(d / "real.bin")
+    (d / name).symlink_to("real.bin")
+    out = tmp_path / "out.dcp"
+    assert main(["strip-prefix", str(d), "-o", str(out)]) == 0
+    assert not (out / name).is_symlink()
+    assert (out / name).read_bytes() == (d / "real.bin").read_bytes()
+
+
+def test_dcp_rename_refuses_a_stray_file_linking_outside(tmp_path, capsys):
+    d = tmp_path / "run.dcp"
+    _save_dcp(d, {"model": {"module.w": torch.ones(16)}})
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (d / "notes.txt").symlink_to(secret)
+    out = tmp_path / "out.dcp"
+    assert main(["strip-prefix", str(d), "-o", str(out)]) == 8
+    assert "outside the checkpoint directory" in capsys.readouterr().err
+    assert not out.exists()
