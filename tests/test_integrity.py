@@ -180,3 +180,76 @@ def test_dcp_rename_refuses_a_stray_file_linking_outside(tmp_path, capsys):
     assert main(["strip-prefix", str(d), "-o", str(out)]) == 8
     assert "outside the checkpoint directory" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --------------------------------------------------------------------------- item 3: shared-reference DAG bomb
+
+
+def _dag(levels: int) -> Any:
+    x: Any = [1]
+    for _ in range(levels):
+        x = [x, x]  # the pickler memoizes x: the file stays tiny, a naive walk expands 2**levels
+    return x
+
+
+def _dag_file(tmp_path: Path, levels: int, where: str) -> Path:
+    x = _dag(levels)
+    if where == "extra":
+        obj = {"model": {"w": torch.zeros(4)}, "extra": x}
+    else:
+        obj = {
+            "model": {"w": torch.zeros(4)},
+            "optimizer": {"state": {0: {"step": x}}, "param_groups": [{"params": [0], "lr": 0.1}]},
+        }
+    p = tmp_path / f"dag_{where}_{levels}.pt"
+    torch.save(obj, p)
+    assert p.stat().st_size < 4096
+    return p
+
+
+@pytest.mark.parametrize("where", ["extra", "optimizer"])
+def test_dag_bomb_refused_quickly_by_convert(tmp_path, where):
+    from helpers import assert_one_line_error, run_cli
+
+    p = _dag_file(tmp_path, 40, where)
+    out = tmp_path / "x.safetensors"
+    r = run_cli("convert", str(p), "-o", str(out), "--include-optimizer", timeout=60)
+    assert_one_line_error(r, 12)
+    assert "CKPTFIX_MAX_PICKLE_ITEMS" in r.stderr
+    assert not out.exists()
+    for argv in (["inspect", str(p)], ["scan", str(p)], ["sanitize", str(p), "-o", str(tmp_path / "s.pt")]):
+        assert run_cli(*argv, timeout=60).returncode == 0
+
+
+def test_shared_extras_below_the_budget_are_written_whole(tmp_path):
+    """Sharing is rendered once and repeated in the JSON: the same output as before, in linear time."""
+    import json
+
+    from safetensors import safe_open
+
+    from ckptfix.convert import convert
+
+    p = _dag_file(tmp_path, 10, "extra")
+    out = tmp_path / "x.safetensors"
+    convert(p, out)
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    blob = next(v for v in meta.values() if "extra" in v)
+    extra = json.loads(blob)
+    node = extra["extra"] if "extra" in extra else extra
+    for _ in range(10):
+        assert len(node) == 2 and node[0] == node[1]
+        node = node[0]
+    assert node == [1]
+
+
+def test_extras_node_budget_is_the_items_limit(tmp_path, monkeypatch):
+    from ckptfix.convert import convert
+    from ckptfix.errors import ResourceLimitError
+
+    p = _dag_file(tmp_path, 12, "extra")  # 2**13 values in the JSON
+    monkeypatch.setenv("CKPTFIX_MAX_PICKLE_ITEMS", "4000")
+    with pytest.raises(ResourceLimitError, match="CKPTFIX_MAX_PICKLE_ITEMS"):
+        convert(p, tmp_path / "a.safetensors")
+    monkeypatch.setenv("CKPTFIX_MAX_PICKLE_ITEMS", "20000")
+    convert(p, tmp_path / "b.safetensors")

@@ -36,13 +36,50 @@ _OMIT = object()
 class _Extras:
     """Turns the non-tensor part of a checkpoint into JSON, noting what it cannot represent."""
 
-    def __init__(self, sd_node: Any, report: ConvertReport) -> None:
+    def __init__(self, sd_node: Any, report: ConvertReport, max_nodes: int | None = None) -> None:
         self.sd_node = sd_node
         self.report = report
         self.opt_tensors: list[tuple[str, Any]] = []
         self._seen: set[int] = set()
+        if max_nodes is None:
+            from ckptfix.scanner import PickleLimits
+
+            max_nodes = PickleLimits.from_env().max_items
+        self.max_nodes = max_nodes
+        #: values the JSON holds so far, a shared object counted once per place it appears
+        self.nodes = 0
+        #: id -> (JSON of a container already rendered, the values it holds); a shared object is
+        #: rendered once, and its count added again at each further place (JSON repeats it)
+        self._memo: dict[int, tuple[Any, int]] = {}
+        self._keep: list[Any] = []  # keeps memoized sources alive so their ids stay unique
+
+    def _count(self, n: int, path: str) -> None:
+        self.nodes += n
+        if self.nodes > self.max_nodes:
+            from ckptfix.errors import ResourceLimitError
+
+            raise ResourceLimitError(
+                f"the non-tensor entries (at {path or 'the top level'}) expand to more than {self.max_nodes:,} "
+                "values when written out as JSON (one object shared many times over, which JSON must "
+                "repeat); nothing was written. Set CKPTFIX_MAX_PICKLE_ITEMS to a larger count for a "
+                "file you trust, or convert only the weights with --key"
+            )
 
     def value(self, v: Any, path: str, opt: bool = False, depth: int = 0) -> Any:
+        """``v`` as JSON data, or the ``_OMIT`` marker; raises past the node budget (see :meth:`_value`)."""
+        hit = self._memo.get(id(v))
+        if hit is not None:
+            self._count(hit[1], path)
+            return hit[0]
+        before = self.nodes
+        self._count(1, path)
+        r = self._value(v, path, opt, depth)
+        if r is not _OMIT and isinstance(v, (Mapping, list, tuple, set, frozenset)) and id(v) not in self._seen:
+            self._memo[id(v)] = (r, self.nodes - before)
+            self._keep.append(v)
+        return r
+
+    def _value(self, v: Any, path: str, opt: bool = False, depth: int = 0) -> Any:
         """``v`` as JSON data, or the ``_OMIT`` marker (the reason recorded in the report).
 
         Args:
