@@ -253,3 +253,85 @@ def test_extras_node_budget_is_the_items_limit(tmp_path, monkeypatch):
         convert(p, tmp_path / "a.safetensors")
     monkeypatch.setenv("CKPTFIX_MAX_PICKLE_ITEMS", "20000")
     convert(p, tmp_path / "b.safetensors")
+
+
+# --------------------------------------------------------------------------- item 4: no-op opcode zip bomb
+
+_NOOPS = {
+    "proto": b"\x80\x02",
+    "mark_pop_mark": b"(1",
+    "none_pop": b"N0",
+    "empty_frame": b"\x95" + bytes(8),
+    "put_over": b"N\x94q\x000",  # NONE MEMOIZE, BINPUT 0 over the filled slot, POP
+    "empty_appends": b"](e0",  # EMPTY_LIST MARK APPENDS (nothing) POP
+    "mix": b"\x80\x02(1N0",
+}
+
+
+def _noop_zip(tmp_path: Path, kind: str, nbytes: int) -> Path:
+    """A real torch zip whose deflated data.pkl starts with ``nbytes`` of opcodes that build nothing."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    unit = _NOOPS[kind]
+    p = tmp_path / f"noop_{kind}.pt"
+    with zipfile.ZipFile(p, "w") as z:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                if kind == "put_over":  # the first MEMOIZE fills slot 0; every later BINPUT 0 overwrites it
+                    data = data[:2] + b"N\x940" + unit * (nbytes // len(unit)) + data[2:]
+                else:
+                    data = data[:2] + unit * (nbytes // len(unit)) + data[2:]
+                z.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
+            else:
+                z.writestr(info, data)
+    return p
+
+
+@pytest.mark.parametrize("kind", sorted(_NOOPS))
+def test_noop_opcode_bomb_is_refused_at_once(tmp_path, capsys, kind):
+    p = _noop_zip(tmp_path, kind, 4 << 20)
+    assert p.stat().st_size < 200_000
+    for argv in (["inspect", str(p)], ["convert", str(p), "-o", str(tmp_path / "o.safetensors")]):
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 12, (kind, argv, err)
+        assert "CKPTFIX_MAX_PICKLE_IDLE" in err and "building nothing" in err
+    assert main(["scan", str(p)]) == 11  # never "safe": the rest of the pickle was not checked
+    assert "scan stopped" in capsys.readouterr().out
+
+
+def test_noop_budget_lifted_by_its_variable(tmp_path, monkeypatch, capsys):
+    p = _noop_zip(tmp_path, "mix", 600_000)
+    assert main(["inspect", str(p)]) == 12
+    capsys.readouterr()
+    monkeypatch.setenv("CKPTFIX_MAX_PICKLE_IDLE", "1000000")
+    assert main(["inspect", str(p)]) == 0
+    assert "w" in capsys.readouterr().out
+
+
+def test_real_pickles_spend_no_idle_opcodes():
+    """torch.save (protocol 2) and protocol-4/5 framed pickles stay far below the idle allowance."""
+    import io
+    import pickle
+
+    from ckptfix.scanner import PickleLimits, scan_globals
+
+    tight = PickleLimits(max_idle=2)
+    buf = io.BytesIO()
+    sd = {f"layer{i}.weight": torch.zeros(3) for i in range(300)}
+    torch.save({"model": sd, "opt": {"state": {}, "param_groups": [{"params": list(range(300))}]}}, buf)
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert scan_globals(pkl, limits=tight, strict_limits=True).limit_error is None
+    rec: list = []
+    rec.append((rec, rec))  # a recursive tuple: the pickler writes POP / POP_MARK for it
+    for proto in (4, 5):
+        big = pickle.dumps({"s": ["x" * 100] * 5000, "n": list(range(100_000)), "r": rec}, protocol=proto)
+        assert scan_globals(big, limits=tight, strict_limits=True).limit_error is None
