@@ -167,7 +167,7 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         stubbed_globals=sorted(cf.stubbed),
         weights_only_ok=wo_ok,
         weights_only_reason=why,
-        notes=_notes(cf, locations, holder, key_path),
+        notes=_notes(cf, locations, holder, key_path) + _partitioned(cf, sd, tensors),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
     )
 
@@ -248,6 +248,14 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
         )
     return True, "only globals torch's weights-only unpickler allows"
+
+
+def _partitioned(cf: CheckpointFile, sd: Mapping[str, Any], tensors: Mapping[str, Any]) -> list[str]:
+    """A warning when the tensors are empty placeholders of a partitioned (ZeRO-3) checkpoint."""
+    from ckptfix.placeholders import describe, empty_placeholders
+
+    found = empty_placeholders(cf.obj, sd)
+    return [f"WARNING: {describe(cf.path, found, len(tensors))}"] if found else []
 
 
 def _notes(

@@ -335,3 +335,76 @@ def test_real_pickles_spend_no_idle_opcodes():
     for proto in (4, 5):
         big = pickle.dumps({"s": ["x" * 100] * 5000, "n": list(range(100_000)), "r": rec}, protocol=proto)
         assert scan_globals(big, limits=tight, strict_limits=True).limit_error is None
+
+
+# --------------------------------------------------------------------------- item 9: ZeRO-3 placeholders
+
+
+def _zero3_model_states(d: Path, *, frozen_real: bool = False) -> Path:
+    """What DeepSpeed ZeRO-3 writes as ``zero_pp_rank_0_mp_rank_00_model_states.pt``: empty parameters."""
+    from collections import OrderedDict
+
+    d.mkdir(parents=True, exist_ok=True)
+    shapes = OrderedDict([("fc.weight", torch.Size([4, 8])), ("fc.bias", torch.Size([4]))])
+    module = OrderedDict([("fc.weight", torch.empty(0)), ("fc.bias", torch.empty(0))])
+    module["norm.running_mean"] = torch.zeros(4)  # buffers are saved whole
+    p = d / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    torch.save(
+        {
+            "module": module,
+            "buffer_names": ["norm.running_mean"],
+            "param_shapes": [shapes],
+            "frozen_param_shapes": None,
+            "optimizer": None,
+            "lr_scheduler": None,
+            "global_steps": 10,
+            "dp_world_size": 2,
+            "mp_world_size": 1,
+            "ds_config": {"zero_optimization": {"stage": 3}},
+            "ds_version": "0.14.0",
+        },
+        p,
+    )
+    return p
+
+
+def test_zero3_placeholders_inspect_warns(tmp_path, capsys):
+    p = _zero3_model_states(tmp_path / "global_step10")
+    assert main(["inspect", str(p)]) == 0
+    cap = capsys.readouterr()
+    assert "empty placeholders" in cap.out and "warning:" in cap.err
+    assert f"ckptfix convert {tmp_path / 'global_step10'} -o model.safetensors" in cap.err
+    from ckptfix.inspecting import inspect_checkpoint
+
+    assert any(n.startswith("WARNING: 2 of 3 tensor(s)") for n in inspect_checkpoint(p).notes)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "-o", "{out}.safetensors"],
+        ["strip-prefix", "--prefix", "fc.", "-o", "{out}.pt"],
+        ["add-prefix", "--prefix", "module.", "-o", "{out}.pt"],
+    ],
+)
+def test_zero3_placeholders_refused_with_the_consolidating_command(tmp_path, capsys, argv):
+    p = _zero3_model_states(tmp_path / "global_step10")
+    out = str(tmp_path / "out")
+    rc = main([argv[0], str(p), *(a.format(out=out) for a in argv[1:])])
+    err = capsys.readouterr().err
+    assert rc == 17, err
+    assert "param_shapes records [4, 8]" in err
+    assert f"ckptfix convert {tmp_path / 'global_step10'} -o model.safetensors" in err
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_empty_tensors_without_recorded_shapes_are_fine(tmp_path):
+    """A genuinely empty parameter (no param_shapes saying otherwise) converts as before."""
+    from ckptfix.convert import convert
+
+    p = tmp_path / "empty.pt"
+    torch.save({"w": torch.empty(0), "b": torch.ones(2)}, p)
+    convert(p, tmp_path / "e.safetensors")
+    from ckptfix.placeholders import empty_placeholders
+
+    assert empty_placeholders({"param_shapes": [{"w": torch.Size([0, 3])}]}, {"w": torch.empty(0)}) == []

@@ -54,6 +54,9 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
     for n in r.notes:
         lines.append(f"  note          {n}")
     click.echo("\n".join(lines))
+    for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
+        if n.startswith("WARNING: "):
+            click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
 
 
 @cli.command("scan")

@@ -26,6 +26,7 @@ from ckptfix.errors import NoTensorsError
 from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import TensorRecord, is_tensor_like
+from ckptfix.placeholders import check_not_partitioned
 from ckptfix.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
 from ckptfix.text import parse_size
 
@@ -188,6 +189,7 @@ def _read_source(
         if key is None:
             require_tensors(cf, src, "convert")
         key_path, sd, _ = locate_state_dict(cf.obj, key)
+    check_not_partitioned(src, cf.obj, sd, "convert")
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = any(_needs_torch(v) for _, v in named)

@@ -188,6 +188,9 @@ def _rewrite_file(
             "load_anywhere it and save the state dict"
         )
     check_str_keys(src, sd)
+    from ckptfix.placeholders import check_not_partitioned
+
+    check_not_partitioned(src, cf.obj, sd, "renaming its keys")
     if cf.format == Format.SAFETENSORS:  # the names ckptfix convert stored once (aliases) are keys too
         sd = stmeta.logical_state_dict(sd, cf.details_as(SafetensorsDetails).metadata)
     new_sd, report = transform(sd)
