@@ -408,3 +408,77 @@ def test_empty_tensors_without_recorded_shapes_are_fine(tmp_path):
     from ckptfix.placeholders import empty_placeholders
 
     assert empty_placeholders({"param_shapes": [{"w": torch.Size([0, 3])}]}, {"w": torch.empty(0)}) == []
+
+
+# --------------------------------------------------------------------------- item 8: no exit 0 that dropped tensors
+
+
+def _quantized_state_dict(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.ao.quantization.quantize_dynamic(m, {torch.nn.Linear}, dtype=torch.qint8)
+    sd = q.state_dict()
+    p = tmp_path / "quantized.pt"
+    torch.save(sd, p)
+    return p, sd
+
+
+def test_quantized_packed_params_refused_not_dropped(tmp_path, capsys):
+    p, _ = _quantized_state_dict(tmp_path)
+    out = tmp_path / "q.safetensors"
+    rc = main(["convert", str(p), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 8, err
+    assert "0._packed_params._packed_params.0" in err and "quantized" in err and "--drop" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_quantized_dropped_on_request_is_reported(tmp_path, capsys):
+    import json
+
+    p, _ = _quantized_state_dict(tmp_path)
+    out = tmp_path / "q.safetensors"
+    assert main(["convert", str(p), "-o", str(out), "--drop", "*_packed_params*", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert sorted(doc["dropped"]) == [f"{i}._packed_params._packed_params.{j}" for i in (0, 2) for j in (0, 1)]
+
+
+def test_tensor_outside_the_state_dict_refused_unless_dropped_or_keyed(tmp_path):
+    from ckptfix.convert import convert
+    from ckptfix.errors import UnsupportedError
+
+    p = tmp_path / "ema.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "extra": {"shadow": [torch.zeros(3)]}, "epoch": 1}, p)
+    with pytest.raises(UnsupportedError, match=r"extra\.shadow\.0"):
+        convert(p, tmp_path / "a.safetensors")
+    assert not (tmp_path / "a.safetensors").exists()
+    r = convert(p, tmp_path / "b.safetensors", drop=["extra"])
+    assert r.dropped == ["extra.shadow.0"] and r.tensors == 1
+    r = convert(p, tmp_path / "c.safetensors", key="model")  # an explicit entry: the rest left as asked, listed
+    assert r.dropped == ["extra.shadow.0"]
+
+
+def test_tensor_under_a_tuple_key_is_counted(tmp_path):
+    from ckptfix.convert import convert
+    from ckptfix.errors import UnsupportedError
+
+    p = tmp_path / "tk.pt"
+    torch.save({"model": {"w": torch.ones(2)}, "cache": {(1, 2): torch.zeros(3)}}, p)
+    with pytest.raises(UnsupportedError, match="missing from the output"):
+        convert(p, tmp_path / "a.safetensors")
+
+
+def test_drop_leaves_out_state_dict_tensors_by_pattern(tmp_path):
+    from safetensors.torch import load_file
+
+    from ckptfix.convert import convert
+
+    p = tmp_path / "sd.pt"
+    torch.save({"a.weight": torch.ones(2), "a.bias": torch.ones(1), "b.weight": torch.zeros(2)}, p)
+    r = convert(p, tmp_path / "o.safetensors", drop=["a"])
+    assert sorted(r.dropped) == ["a.bias", "a.weight"]
+    assert set(load_file(tmp_path / "o.safetensors")) == {"b.weight"}

@@ -22,7 +22,7 @@ from ckptfix.convert.paths import check_outputs, default_st_output
 from ckptfix.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.convert.write import write_outputs
-from ckptfix.errors import NoTensorsError
+from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import TensorRecord, is_tensor_like
@@ -49,6 +49,7 @@ def convert_to_safetensors(
     keep: Sequence[str] = (),
     allow_expand: bool = False,
     jobs: int = 1,
+    drop: Sequence[str] = (),
 ) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
@@ -71,6 +72,11 @@ def convert_to_safetensors(
             first name is kept, as ``save_pretrained`` does.
         allow_expand: write outputs larger than 4x the input + 64 MiB (expanded, stride-0 views written
             densely); refused otherwise.
+        drop: names or dotted paths (``fnmatch`` patterns; a pattern also matches everything under
+            it) of tensors to leave out.  Any other tensor of the input the output would not hold (a
+            quantized model's packed params, tensors in a list outside the state dict, an EMA copy ...)
+            is refused before anything is written; the report lists what was dropped.  An explicit
+            ``key`` converts that entry only: tensors elsewhere are dropped as asked (and listed).
         jobs: write (and verify) tensors in this many threads (``0``: one per CPU); the output is the
             same bytes whatever the number.  Memory: ``jobs`` x the 8 MiB copy buffer (x4 for DCP chunks).
 
@@ -96,6 +102,9 @@ def convert_to_safetensors(
     if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
         from ckptfix.dcp.consolidate import convert_dcp
 
+        if drop:
+            raise UnsupportedError("--drop does not apply to DCP directories (every entry is a tensor written)")
+
         return convert_dcp(
             src,
             dst,
@@ -112,10 +121,19 @@ def convert_to_safetensors(
         )
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(src, key, allow_globals, trust, report)
+    unwritten: list[tuple[str, Any]] = []
     extra, opt_named = split_checkpoint(
-        source.obj, source.key_path, source.state_dict, include_optimizer, report, node=source.holder
+        source.obj,
+        source.key_path,
+        source.state_dict,
+        include_optimizer,
+        report,
+        node=source.holder,
+        unwritten=unwritten,
     )
-    named, order = output_names(source.named, opt_named, strip_prefix, report)
+    kept = _drop(source.named, drop, report)
+    _refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # --key: the rest is left on request
+    named, order = output_names(kept, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
@@ -156,6 +174,62 @@ def convert_to_safetensors(
     )
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _dropped(name: str, patterns: Sequence[str]) -> bool:
+    """``name`` matches a ``--drop`` pattern (``fnmatch``), or sits under one (``pattern.``...)."""
+    import fnmatch
+
+    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _drop(named: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport) -> list[tuple[str, Any]]:
+    """The state dict's tensors less those ``patterns`` name (recorded in ``report.dropped``)."""
+    if not patterns:
+        return named
+    kept = []
+    for n, v in named:
+        if _dropped(n, patterns):
+            report.dropped.append(n)
+        else:
+            kept.append((n, v))
+    return kept
+
+
+def _refuse_unwritten(
+    src: str, unwritten: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport
+) -> None:
+    """Refuse (exit 8, nothing written) when the input holds tensors the output would not, unless dropped on request.
+
+    Raises:
+        UnsupportedError: tensors outside the state dict (and outside an included optimizer) that no
+            ``--drop`` pattern names.
+    """
+    left = []
+    for path, t in unwritten:
+        if _dropped(path, patterns):
+            report.dropped.append(path)
+        else:
+            left.append((path, t))
+    if not left:
+        return
+    quantized = [p for p, t in left if getattr(t, "kind", None) == "quantized" or getattr(t, "is_quantized", False)]
+    names = ", ".join(p for p, _ in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    if quantized:
+        why = (
+            "they are quantized (e.g. torch.ao.quantization.quantize_dynamic's packed qint8 weights and "
+            "their biases), which safetensors has no dtype for; convert the float model before "
+            "quantizing, or keep the .pt"
+        )
+        hint = "*_packed_params*"
+    else:
+        why = "safetensors holds the state dict's tensors (and, with --include-optimizer, the optimizer's)"
+        hint = left[0][0].split(".")[0] + "*"
+    raise UnsupportedError(
+        f"{src}: {len(left)} tensor(s) of the input would be missing from the output: {names}; {why}. "
+        f"Nothing was written. Pass --drop '{hint}' to leave them out on purpose, or --key to convert the "
+        "entry that holds them"
+    )
 
 
 @dataclass
