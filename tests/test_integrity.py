@@ -482,3 +482,15 @@ def test_drop_leaves_out_state_dict_tensors_by_pattern(tmp_path):
     r = convert(p, tmp_path / "o.safetensors", drop=["a"])
     assert sorted(r.dropped) == ["a.bias", "a.weight"]
     assert set(load_file(tmp_path / "o.safetensors")) == {"b.weight"}
+
+
+def test_dcp_convert_refuses_tensor_entries_it_would_leave_out(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    d = tmp_path / "run.dcp"
+    _save_dcp(d, {"model": {"w": torch.ones(4)}, "ema": {"w": torch.zeros(4)}, "epoch": 3})
+    out = tmp_path / "m.safetensors"
+    assert main(["convert", str(d), "-o", str(out)]) == 8
+    assert "ema.w" in capsys.readouterr().err and not out.exists()
+    assert main(["convert", str(d), "-o", str(out), "--drop", "ema"]) == 0
+    assert set(load_file(out)) == {"w"}

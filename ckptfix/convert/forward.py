@@ -102,9 +102,6 @@ def convert_to_safetensors(
     if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
         from ckptfix.dcp.consolidate import convert_dcp
 
-        if drop:
-            raise UnsupportedError("--drop does not apply to DCP directories (every entry is a tensor written)")
-
         return convert_dcp(
             src,
             dst,
@@ -118,6 +115,7 @@ def convert_to_safetensors(
             progress=progress,
             ckptfix_metadata=ckptfix_metadata,
             jobs=jobs,
+            drop=drop,
         )
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(src, key, allow_globals, trust, report)
@@ -131,8 +129,8 @@ def convert_to_safetensors(
         node=source.holder,
         unwritten=unwritten,
     )
-    kept = _drop(source.named, drop, report)
-    _refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # --key: the rest is left on request
+    kept = drop_named(source.named, drop, report)
+    refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # --key: the rest is left on request
     named, order = output_names(kept, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(
@@ -183,7 +181,7 @@ def _dropped(name: str, patterns: Sequence[str]) -> bool:
     return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def _drop(named: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport) -> list[tuple[str, Any]]:
+def drop_named(named: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport) -> list[tuple[str, Any]]:
     """The state dict's tensors less those ``patterns`` name (recorded in ``report.dropped``)."""
     if not patterns:
         return named
@@ -196,7 +194,7 @@ def _drop(named: list[tuple[str, Any]], patterns: Sequence[str], report: Convert
     return kept
 
 
-def _refuse_unwritten(
+def refuse_unwritten(
     src: str, unwritten: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport
 ) -> None:
     """Refuse (exit 8, nothing written) when the input holds tensors the output would not, unless dropped on request.
