@@ -494,3 +494,13 @@ def test_dcp_convert_refuses_tensor_entries_it_would_leave_out(tmp_path, capsys)
     assert "ema.w" in capsys.readouterr().err and not out.exists()
     assert main(["convert", str(d), "-o", str(out), "--drop", "ema"]) == 0
     assert set(load_file(out)) == {"w"}
+
+
+@pytest.mark.parametrize("member", [".metadata", "distcp"])
+def test_dcp_member_linking_outside_is_refused_by_load_anywhere(tmp_path, member):
+    from ckptfix import load_anywhere
+    from ckptfix.errors import UnsupportedError
+
+    d = _dcp_with_outside_link(tmp_path, member)
+    with pytest.raises(UnsupportedError, match="outside the checkpoint directory"):
+        load_anywhere(d)
