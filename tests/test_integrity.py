@@ -504,3 +504,10 @@ def test_dcp_member_linking_outside_is_refused_by_load_anywhere(tmp_path, member
     d = _dcp_with_outside_link(tmp_path, member)
     with pytest.raises(UnsupportedError, match="outside the checkpoint directory"):
         load_anywhere(d)
+
+
+def test_link_is_refused_for_single_files(tmp_path, capsys):
+    p = tmp_path / "m.pt"
+    torch.save({"module.w": torch.ones(2)}, p)
+    assert main(["strip-prefix", str(p), "--link", "-o", str(tmp_path / "o.pt")]) == 8
+    assert "DCP directories only" in capsys.readouterr().err

@@ -92,7 +92,7 @@ def rewrite_checkpoint(
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
         jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
         link: a DCP directory's output hard-links the input's data files instead of copying them
-            (they are then shared: a later save into the output changes the input); other inputs ignore it.
+            (they are then shared: a later save into the output changes the input); refused for other inputs.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -121,6 +121,10 @@ def rewrite_checkpoint(
                 fsync=fsync,
                 suffix=suffix,
                 link=link,
+            )
+        if link:
+            raise UnsupportedError(
+                f"{src}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
             )
         cf = read_checkpoint(src)
         if cf.format == Format.SHARDED:
