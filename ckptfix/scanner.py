@@ -885,7 +885,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
     except _Malformed as e:
         res.error = f"at byte {pos - start}: {e}"
     except _Stop as e:
-        unresolved(f"<scan stopped at byte {pos - start}: the rest of the pickle is not checked>")
+        unresolved(f"<scan stopped at byte {pos - start}: the rest of the pickle is not checked ({e})>")
         res.limit_error = res.limit_error or str(e)
     except _LimitStop:
         pass
