@@ -112,6 +112,17 @@ class TorchMissingError(CkptfixError, ImportError):
     exit_code = 14
 
 
+class PartitionedCheckpointError(UnsupportedError):
+    """The parameters are empty placeholders of a partitioned checkpoint (DeepSpeed ZeRO-3 ``param_shapes``).
+
+    The values live in other files (the optimizer partitions); the message names the command that
+    consolidates them.  A subclass of :class:`UnsupportedError` with its own code, so scripts can
+    tell "consolidate first" from other refusals.
+    """
+
+    exit_code = 17
+
+
 class GpuToolingError(CkptfixError, FileNotFoundError):
     """``nvidia-smi`` is missing or cannot be run."""
 

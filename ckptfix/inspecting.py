@@ -199,7 +199,9 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
         stubbed_globals=sorted(cf.stubbed),
         weights_only_ok=wo_ok,
         weights_only_reason=why,
-        notes=_notes(cf, locations, holder, key_path) + _own_notes(list(map(str, sd.keys())), own),
+        notes=_notes(cf, locations, holder, key_path)
+        + _own_notes(list(map(str, sd.keys())), own)
+        + _partitioned(cf, sd, tensors),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
         framework=identify_object(cf.obj),
     )
@@ -294,6 +296,14 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
         )
     return True, "only globals torch's weights-only unpickler allows"
+
+
+def _partitioned(cf: CheckpointFile, sd: Mapping[str, Any], tensors: Mapping[str, Any]) -> list[str]:
+    """A warning when the tensors are empty placeholders of a partitioned (ZeRO-3) checkpoint."""
+    from ckptfix.placeholders import describe, empty_placeholders
+
+    found = empty_placeholders(cf.obj, sd)
+    return [f"WARNING: {describe(cf.path, found, len(tensors))}"] if found else []
 
 
 def _notes(
@@ -497,11 +507,15 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
 
 
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    from ckptfix.containment import check_member
+
     meta = os.path.join(path, ".metadata")
+    check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
     with open(meta, "rb") as f:
         acc.add_result(".metadata", scan_globals(f, limits=limits))
     for name in sorted(os.listdir(path)):
         if name.endswith(".distcp") and os.path.isfile(os.path.join(path, name)):
+            check_member(path, name, path)
             _scan_distcp(os.path.join(path, name), name, acc, limits)
 
 

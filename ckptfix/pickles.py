@@ -920,6 +920,7 @@ class RecordingUnpickler(pickle.Unpickler):
         self._bounded: dict[tuple[str, str], type[_BoundedCtor]] = {}
         self.preflight = preflight
         self._built_bytes = 0  # what bounded calls built for real (their shared byte budget: limits.max_bytes)
+        self._bytes: bytes | bytearray | memoryview | None = None  # set by for_bytes
 
     @classmethod
     def for_bytes(cls: type[_U], data: bytes | bytearray | memoryview, **kw: Any) -> _U:
@@ -933,7 +934,9 @@ class RecordingUnpickler(pickle.Unpickler):
             The unpickler, reading through a buffered reader: with its ``peek()`` the C unpickler
             prefetches, instead of calling ``read()`` once per opcode of an unframed pickle.
         """
-        return cls(io.BufferedReader(io.BytesIO(data)), **kw)
+        u = cls(io.BufferedReader(io.BytesIO(data)), **kw)
+        u._bytes = data  # the pre-flight walks these bytes in place (no second copy of a large pickle)
+        return u
 
     def load(self) -> Any:
         """Pre-flight the opcodes, unpickle, then check the object graph's depth.
@@ -952,7 +955,8 @@ class RecordingUnpickler(pickle.Unpickler):
             start = None
         if start is not None and self.preflight:
             try:
-                r = scan_globals(f, limits=self.limits, strict_limits=True)
+                whole = self._bytes if self._bytes is not None and start == 0 else None
+                r = scan_globals(f if whole is None else whole, limits=self.limits, strict_limits=True)
             finally:
                 f.seek(start)
             if r.error:

@@ -53,6 +53,7 @@ def strip_prefix_checkpoint(
     map_location: str | None = None,
     progress: Progress | None = None,
     jobs: int = 1,
+    link: bool = False,
 ) -> RewriteReport:
     """Strip wrapper prefixes from the state-dict keys of ``src`` (default output ``<stem>.stripped<ext>``).
 
@@ -69,6 +70,7 @@ def strip_prefix_checkpoint(
         map_location: rewrite storage device tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
         jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
+        link: for a DCP directory, hard-link its data files into the output instead of copying them.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` is the
@@ -94,6 +96,7 @@ def strip_prefix_checkpoint(
         suffix="stripped",
         progress=progress,
         jobs=jobs,
+        link=link,
     )
 
 
@@ -109,6 +112,7 @@ def add_prefix_checkpoint(
     map_location: str | None = None,
     progress: Progress | None = None,
     jobs: int = 1,
+    link: bool = False,
 ) -> RewriteReport:
     """Put ``prefix`` in front of every state-dict key of ``src`` (default output ``<stem>.prefixed<ext>``).
 
@@ -123,6 +127,7 @@ def add_prefix_checkpoint(
         map_location: rewrite storage device tags.
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
         jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
+        link: for a DCP directory, hard-link its data files into the output instead of copying them.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` holds ``summary``, ``prefix`` and ``keys``.
@@ -148,6 +153,7 @@ def add_prefix_checkpoint(
         suffix="prefixed",
         progress=progress,
         jobs=jobs,
+        link=link,
     )
 
 
@@ -206,6 +212,7 @@ def align_checkpoint(
     map_location: str | None = None,
     progress: Progress | None = None,
     jobs: int = 1,
+    link: bool = False,
 ) -> AlignResult:
     """Rename the state-dict keys of ``src`` to match ``target`` (default output ``<stem>.aligned<ext>``).
 
@@ -226,6 +233,7 @@ def align_checkpoint(
         map_location: rewrite storage device tags.
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
         jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
+        link: for a DCP directory, hard-link its data files into the output instead of copying them.
 
     Returns:
         An :class:`AlignResult`.
@@ -258,6 +266,7 @@ def align_checkpoint(
         suffix="aligned",
         progress=progress,
         jobs=jobs,
+        link=link,
     )
     return AlignResult(rep, reports[-1])
 

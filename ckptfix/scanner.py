@@ -72,6 +72,11 @@ class PickleLimits:
     (``CKPTFIX_MAX_PICKLE_ITEMS``).  ``max_globals``: distinct globals one pickle may name
     (``CKPTFIX_MAX_PICKLE_GLOBALS``).  ``max_depth``: nesting of the object graph
     (``CKPTFIX_MAX_PICKLE_DEPTH``).  ``max_int_digits``: decimal digits of one integer.
+    ``max_idle``: opcodes that build nothing (a repeated ``PROTO``, ``POP``, ``POP_MARK``, an empty
+    ``FRAME`` or ``APPENDS``/``SETITEMS``/``ADDITEMS``, a ``PUT`` over a filled memo slot) allowed
+    beyond one per :data:`IDLE_BYTES` bytes of pickle (``CKPTFIX_MAX_PICKLE_IDLE``): picklers emit
+    almost none, so a pickle made of them (a deflated bomb of no-ops) is stopped at once, and the
+    walk's work stays proportional to what the pickle builds.
     """
 
     max_bytes: int = DEFAULT_MAX_PICKLE_MB << 20
@@ -79,6 +84,7 @@ class PickleLimits:
     max_globals: int = 10_000
     max_depth: int = 100
     max_int_digits: int = 4300
+    max_idle: int = 1 << 16
 
     @classmethod
     def from_env(cls) -> "PickleLimits":
@@ -94,6 +100,7 @@ class PickleLimits:
             max_globals=_env_int("CKPTFIX_MAX_PICKLE_GLOBALS", d.max_globals),
             max_depth=_env_int("CKPTFIX_MAX_PICKLE_DEPTH", d.max_depth),
             max_int_digits=d.max_int_digits,
+            max_idle=_env_int("CKPTFIX_MAX_PICKLE_IDLE", d.max_idle),
         )
 
 
@@ -306,6 +313,9 @@ _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
 
+#: one opcode that builds nothing is allowed per this many bytes of pickle (beyond ``max_idle``)
+IDLE_BYTES = 16
+
 _UNDERFLOW = "unpickling stack underflow"
 CHECK_STEP = 16 << 20  # the stack/memo sizes are checked each time the estimate grows by this much
 
@@ -329,6 +339,9 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
     max_entries = max(max_bytes // 64, 1 << 16)  # stack and memo slots (8 bytes each in the C unpickler too)
     budget_hit = False
     max_digits_bytes = limits.max_int_digits * 415 // 1000  # bytes of a LONG4 whose value has that many digits
+    idle = 0  # opcodes so far that build nothing (see PickleLimits.max_idle)
+    idle_cap = limits.max_idle
+    protos = 0
     globals_ = res.globals
     pairs = res.pairs
     raw = res.raw
@@ -386,6 +399,23 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         res.unresolved.append(what)
         globals_[what] += 1
 
+    def idled() -> None:
+        """Count an opcode that builds nothing; stop once they outnumber what the pickle's size allows."""
+        nonlocal idle, idle_cap
+        idle += 1
+        if idle > idle_cap:
+            idle_cap = limits.max_idle + (pos - start) // IDLE_BYTES
+            if idle > idle_cap:
+                msg = (
+                    f"the pickle spends more than {idle:,} opcodes building nothing (repeated PROTO, POP, "
+                    f"POP_MARK, empty FRAME ...) in its first {pos - start:,} bytes, which no pickler writes; "
+                    "set CKPTFIX_MAX_PICKLE_IDLE=N to read it for a file you trust"
+                )
+                if strict:
+                    res.limit_error = res.limit_error or msg
+                    raise _LimitStop
+                raise _Stop(msg)
+
     def memo_put(idx: int) -> None:
         nonlocal memo_len, est
         if len(stack) <= fence:
@@ -400,6 +430,8 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
             memo.extend([EMPTY] * (idx + 1 - len(memo)))
         if memo[idx] is EMPTY:
             memo_len += 1
+        else:
+            idled()
         memo[idx] = stack[-1]
 
     def memo_get(idx: int) -> Any:
@@ -562,6 +594,8 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 count = drop_mark()
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
+                if not count:
+                    idled()
                 if op == 0x75 and count & 1:
                     raise _Malformed("odd number of items for SETITEMS")
                 est += (50 if op != 0x65 else 8) * count
@@ -695,6 +729,9 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 proto = p
                 if p > res.protocol:
                     res.protocol = p
+                protos += 1
+                if protos > 1:
+                    idled()
             elif op == 0x95:  # FRAME
                 if pos + 8 > n:
                     raise truncated()
@@ -702,6 +739,8 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 pos += 8
                 if pos + size > n:  # the C unpickler only checks that the whole frame is there
                     raise truncated()
+                if size < 4096:  # picklers frame at least 64 KiB (the last frame of a pickle aside)
+                    idled()
             elif op == 0x2E:  # STOP
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
@@ -710,6 +749,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 res.value_unknown = v is ANY
                 break
             elif op == 0x30:  # POP: of an empty frame, pops the MARK itself
+                idled()
                 if marks and marks[-1] == len(stack):
                     marks.pop()
                     fence = marks[-1] if marks else 0
@@ -718,6 +758,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 else:
                     del stack[-1]
             elif op == 0x31:  # POP_MARK
+                idled()
                 drop_mark()
             elif op == 0x32:  # DUP
                 if len(stack) <= fence:
@@ -844,7 +885,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
     except _Malformed as e:
         res.error = f"at byte {pos - start}: {e}"
     except _Stop as e:
-        unresolved(f"<scan stopped at byte {pos - start}: the rest of the pickle is not checked>")
+        unresolved(f"<scan stopped at byte {pos - start}: the rest of the pickle is not checked ({e})>")
         res.limit_error = res.limit_error or str(e)
     except _LimitStop:
         pass

@@ -421,16 +421,19 @@ def test_lightning_ckpt_extras_and_optimizer(tmp_path):
     }
     src = tmp_path / "last.ckpt"
     torch.save(ckpt, src)
-    r = convert_to_safetensors(src, strip_prefix=True)
+    with pytest.raises(UnsupportedError, match=r"callbacks\.EMA\.shadow"):  # a tensor left out: never silently
+        convert_to_safetensors(src, strip_prefix=True)
+    assert not (tmp_path / "last.safetensors").exists()
+    r = convert_to_safetensors(src, strip_prefix=True, drop=["callbacks"])
     assert r.key_path == ("state_dict",) and r.excluded == ["optimizer_states"]
-    assert r.renamed == 2 and "callbacks.EMA.shadow" in r.skipped
+    assert r.renamed == 2 and "callbacks.EMA.shadow" in r.skipped and r.dropped == ["callbacks.EMA.shadow"]
     out = tmp_path / "last.safetensors"
     assert set(load_file(out)) == {"weight", "bias"}
     meta = meta_of(out)
     extra = json.loads(meta["ckptfix.extra"])
     assert extra["epoch"] == 7 and extra["global_step"] == 700 and extra["hyper_parameters"]["layers"] == [3, 2]
     assert "optimizer_states" not in extra and json.loads(meta["ckptfix.key_path"]) == ["state_dict"]
-    r2 = convert_to_safetensors(src, tmp_path / "with_opt.safetensors", include_optimizer=True)
+    r2 = convert_to_safetensors(src, tmp_path / "with_opt.safetensors", include_optimizer=True, drop=["callbacks.*"])
     assert r2.excluded == [] and r2.optimizer_tensors == 6  # step, exp_avg, exp_avg_sq x 2 params
     got = load_file(tmp_path / "with_opt.safetensors")
     assert_same(got["optimizer.optimizer_states.0.state.0.exp_avg"], opt.state_dict()["state"][0]["exp_avg"])

@@ -337,8 +337,9 @@ def test_fsdp_strip_prefix_readable_by_torch(fsdp_dcp, tmp_path):
     rc = main(["add-prefix", str(d), "--prefix", "module.", "-o", str(out)])
     assert rc == 0
     assert (os.stat(out).st_mode & 0o777) == (os.stat(d).st_mode & 0o777)
-    for f in d.glob("*.distcp"):  # data files are hard links of the source's
-        assert os.stat(f).st_ino == os.stat(out / f.name).st_ino
+    for f in d.glob("*.distcp"):  # data files are copies of the source's, never links (issue 21)
+        assert os.stat(f).st_ino != os.stat(out / f.name).st_ino
+        assert f.read_bytes() == (out / f.name).read_bytes()
     template = {"model": {"module." + k: torch.zeros_like(v) for k, v in full.items()}}
     got = torch_load_dcp(out, template)["model"]
     assert all(torch.equal(got["module." + k], v) for k, v in full.items())

@@ -55,6 +55,9 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
         lines.append(f"  note          {n}")
     lines += _framework_lines(r.framework)
     click.echo("\n".join(lines))
+    for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
+        if n.startswith("WARNING: "):
+            click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
 
 
 def _framework_lines(fw: dict | None) -> list[str]:
@@ -162,6 +165,13 @@ def _write_options(f):
     f = click.option("--in-place", is_flag=True, help="Replace the input atomically (temp file, fsync, rename).")(f)
     f = click.option("--no-backup", is_flag=True, help="With --in-place: do not keep CHECKPOINT.bak.")(f)
     f = click.option("--force", is_flag=True, help="Overwrite an existing output file.")(f)
+    f = click.option(
+        "--link",
+        is_flag=True,
+        help="DCP directories only: hard-link the data files into the output instead of copying them. "
+        "Risk: input and output then share those files, so saving into the output (dcp.save) also "
+        "changes the input.",
+    )(f)
     f = click.option("--key", default=None, help="Where the state dict sits, e.g. 'model/state_dict'.")(f)
     f = click.option(
         "--map-location", default=None, help="Rewrite storage device tags: 'cpu', or 'cuda:7=cuda:0,cuda:1=cpu'."
@@ -196,7 +206,7 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
         click.echo(shown_path(rep.output))
 
 
-def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs) -> dict[str, Any]:
+def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> dict[str, Any]:
     """The library's write keywords from the options :func:`_write_options` adds, progress on ``bar``."""
     return {
         "output": output,
@@ -207,6 +217,7 @@ def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jo
         "map_location": map_location,
         "progress": bar.update,
         "jobs": jobs,
+        "link": link,
     }
 
 
@@ -216,7 +227,7 @@ def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jo
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
 def strip_prefix_cmd(
-    checkpoint, prefix, partial, output, in_place, no_backup, force, key, map_location, jobs, as_json
+    checkpoint, prefix, partial, output, in_place, no_backup, force, link, key, map_location, jobs, as_json
 ) -> None:
     """Strip DataParallel/DDP 'module.', torch.compile '_orig_mod.', Lightning 'model.' ... from the keys.
 
@@ -230,7 +241,7 @@ def strip_prefix_cmd(
             checkpoint,
             prefix,
             partial=partial,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -239,7 +250,9 @@ def strip_prefix_cmd(
 @click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
 @_write_options
-def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
+def add_prefix_cmd(
+    checkpoint, prefix, output, in_place, no_backup, force, link, key, map_location, jobs, as_json
+) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
     from ckptfix.rekey import add_prefix_checkpoint
 
@@ -247,7 +260,7 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
         rep = add_prefix_checkpoint(
             checkpoint,
             prefix,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -261,7 +274,7 @@ def add_prefix_cmd(checkpoint, prefix, output, in_place, no_backup, force, key, 
     help="What to match: another checkpoint (.pth/.safetensors) or 'package.module:factory'.",
 )
 @_write_options
-def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_location, jobs, as_json) -> None:
+def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key, map_location, jobs, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
     from ckptfix.rekey import align_checkpoint
 
@@ -269,7 +282,7 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, key, map_l
         res = align_checkpoint(
             checkpoint,
             target,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs),
+            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     r = res.alignment
     if as_json:

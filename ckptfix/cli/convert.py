@@ -58,6 +58,15 @@ from ckptfix.cli.group import cli
     metavar="NAME",
     help="Of tied tensors, store this name (repeatable); default: what transformers keeps.",
 )
+@click.option(
+    "--drop",
+    "drop",
+    multiple=True,
+    metavar="PATTERN",
+    help="Leave out tensors whose name or dotted path matches PATTERN (fnmatch; repeatable). Without it, "
+    "a checkpoint holding tensors the output cannot (quantized packed params, tensors outside the state "
+    "dict) is refused (exit 8).",
+)
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
 @click.option(
     "--restore-wrapper",
@@ -92,6 +101,7 @@ def convert_cmd(
     key: str | None,
     max_shard_size: str | None,
     keep: tuple[str, ...],
+    drop: tuple[str, ...],
     include_optimizer: bool,
     restore_wrapper: bool,
     no_verify: bool,
@@ -138,6 +148,7 @@ def convert_cmd(
             max_shard_size=max_shard_size or None,
             include_optimizer=include_optimizer,
             keep=tuple(keep or ()),
+            drop=tuple(drop or ()),
             restore_wrapper=restore_wrapper,
             allow_globals=tuple(allow_globals or ()),
             trust=trust,
@@ -184,6 +195,12 @@ def _summary(r: Any) -> None:
         info(f"stripped prefixes from {r.renamed} key(s)")
     if r.excluded:
         info(f"excluded: {', '.join(r.excluded)} (pass --include-optimizer to keep optimizer tensors)")
+    if getattr(r, "dropped", None):
+        info(
+            f"dropped on request (--drop): {len(r.dropped)} tensor(s): "
+            + ", ".join(r.dropped[:5])
+            + (" ..." if len(r.dropped) > 5 else "")
+        )
     if r.copied_views:
         info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
     if r.converted:

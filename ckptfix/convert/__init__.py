@@ -66,6 +66,7 @@ def convert(
     jobs: int = 1,
     to: str | None = None,
     shards: int = 1,
+    drop: Sequence[str] = (),
 ) -> ConvertReport:
     """Convert in the direction ``to`` or the paths say.
 
@@ -82,6 +83,7 @@ def convert(
         jobs: tensors (or DCP writer threads) at a time; ``0``: one per CPU.  Same output for any number.
         to: ``"safetensors"``, ``"pt"`` or ``"dcp"``; None: from the paths.
         shards: for DCP output, write as this many ranks would (:func:`ckptfix.dcp.write.convert_to_dcp`).
+        drop: tensors to leave out, by name or path pattern (:func:`convert_to_safetensors`).
 
     A folder a training framework wrote (:mod:`ckptfix.frameworks`) converts its model weights
     (``include_optimizer`` adds its optimizer files' tensors as ``optimizer.<path>``).
@@ -133,6 +135,7 @@ def convert(
         "trust": trust,
         "keep": bool(keep),
         "allow_expand": allow_expand,
+        "drop": bool(drop),
     }
     if to == "dcp" or (to is None and d is not None and d.rstrip("/" + os.sep).endswith(".dcp")):
         from ckptfix.dcp.write import convert_to_dcp
@@ -188,4 +191,5 @@ def convert(
         keep=keep,
         allow_expand=allow_expand,
         jobs=jobs,
+        drop=drop,
     )

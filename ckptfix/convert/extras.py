@@ -36,13 +36,52 @@ _OMIT = object()
 class _Extras:
     """Turns the non-tensor part of a checkpoint into JSON, noting what it cannot represent."""
 
-    def __init__(self, sd_node: Any, report: ConvertReport) -> None:
+    def __init__(self, sd_node: Any, report: ConvertReport, max_nodes: int | None = None) -> None:
         self.sd_node = sd_node
         self.report = report
         self.opt_tensors: list[tuple[str, Any]] = []
+        #: ``(path, tensor)`` of every tensor met outside the state dict that has no place in the output
+        self.unwritten: list[tuple[str, Any]] = []
         self._seen: set[int] = set()
+        if max_nodes is None:
+            from ckptfix.scanner import PickleLimits
+
+            max_nodes = PickleLimits.from_env().max_items
+        self.max_nodes = max_nodes
+        #: values the JSON holds so far, a shared object counted once per place it appears
+        self.nodes = 0
+        #: id -> (JSON of a container already rendered, the values it holds); a shared object is
+        #: rendered once, and its count added again at each further place (JSON repeats it)
+        self._memo: dict[int, tuple[Any, int]] = {}
+        self._keep: list[Any] = []  # keeps memoized sources alive so their ids stay unique
+
+    def _count(self, n: int, path: str) -> None:
+        self.nodes += n
+        if self.nodes > self.max_nodes:
+            from ckptfix.errors import ResourceLimitError
+
+            raise ResourceLimitError(
+                f"the non-tensor entries (at {path or 'the top level'}) expand to more than {self.max_nodes:,} "
+                "values when written out as JSON (one object shared many times over, which JSON must "
+                "repeat); nothing was written. Set CKPTFIX_MAX_PICKLE_ITEMS to a larger count for a "
+                "file you trust, or convert only the weights with --key"
+            )
 
     def value(self, v: Any, path: str, opt: bool = False, depth: int = 0) -> Any:
+        """``v`` as JSON data, or the ``_OMIT`` marker; raises past the node budget (see :meth:`_value`)."""
+        hit = self._memo.get(id(v))
+        if hit is not None:
+            self._count(hit[1], path)
+            return hit[0]
+        before = self.nodes
+        self._count(1, path)
+        r = self._value(v, path, opt, depth)
+        if r is not _OMIT and isinstance(v, (Mapping, list, tuple, set, frozenset)) and id(v) not in self._seen:
+            self._memo[id(v)] = (r, self.nodes - before)
+            self._keep.append(v)
+        return r
+
+    def _value(self, v: Any, path: str, opt: bool = False, depth: int = 0) -> Any:
         """``v`` as JSON data, or the ``_OMIT`` marker (the reason recorded in the report).
 
         Args:
@@ -68,6 +107,7 @@ class _Extras:
                 self.opt_tensors.append((name, v))
                 return {"__tensor__": name}
             self._skip(path, "a tensor outside the state dict")
+            self.unwritten.append((path, v))
             return _OMIT
         if depth > 32 or id(v) in self._seen:
             self._skip(path, "nested too deep or recursive")
@@ -81,7 +121,9 @@ class _Extras:
                 out = {}
                 for k, x in list(v.items()):
                     if not isinstance(k, (str, int, float, bool)) and k is not None:
-                        self._skip(f"{path}.{k!r}" if path else repr(k), f"a {type(k).__name__} key")
+                        sub = f"{path}.{k!r}" if path else repr(k)
+                        self._skip(sub, f"a {type(k).__name__} key")
+                        self.value(x, sub, opt, depth + 1)  # not kept, but the tensors it holds are counted
                         continue
                     sub = f"{path}.{k}" if path else str(k)
                     r = self.value(x, sub, opt, depth + 1)
@@ -148,6 +190,7 @@ def split_checkpoint(
     include_optimizer: bool,
     report: ConvertReport,
     node: Any = None,
+    unwritten: list[tuple[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
     """Everything outside the state dict as JSON, and the optimizer tensors to write.
 
@@ -158,6 +201,8 @@ def split_checkpoint(
         include_optimizer: keep optimizer entries (their tensors become ``optimizer.<path>``).
         report: gets ``excluded``, ``skipped``, ``placeholders`` and ``converted``.
         node: the object holding the state dict, when not ``sd`` itself (it is not repeated in the JSON).
+        unwritten: gets ``(path, tensor)`` of every tensor outside the state dict (and outside an
+            included optimizer) that the output has no place for: the caller refuses or drops them.
 
     Returns:
         ``(extra, optimizer tensors)``: the JSON object of the representable non-tensor entries,
@@ -173,12 +218,16 @@ def split_checkpoint(
                 r = ex.value(v, str(k))
                 if r is not _OMIT:
                     extra[str(k)] = r
+        if unwritten is not None:
+            unwritten += ex.unwritten
         return extra, []
     if not (isinstance(obj, Mapping) or hasattr(obj, "items")) or isinstance(obj, type):
         return extra, []
     for k, v in sd.items():  # non-tensor values inside a nested state dict: no place in the file
         if not is_tensor_like(v):
-            ex._skip(".".join((*key_path, str(k))), f"a non-tensor value inside the state dict ({_kind_of(v)})")
+            path = ".".join((*key_path, str(k)))
+            ex.value(v, path)  # only to find the tensors it holds (ex.unwritten); nothing of it is kept
+            ex._skip(path, f"a non-tensor value inside the state dict ({_kind_of(v)})")
     for k, v in list(obj.items()):
         if is_optimizer_key(k) and k != key_path[0]:
             if not include_optimizer:
@@ -189,6 +238,8 @@ def split_checkpoint(
             r = ex.value(v, str(k))
         if r is not _OMIT:
             extra[str(k)] = r
+    if unwritten is not None:
+        unwritten += ex.unwritten
     return extra, ex.opt_tensors
 
 

@@ -22,10 +22,11 @@ from ckptfix.convert.paths import check_outputs, default_st_output
 from ckptfix.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.convert.write import write_outputs
-from ckptfix.errors import NoTensorsError
+from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import TensorRecord, is_tensor_like
+from ckptfix.placeholders import check_not_partitioned
 from ckptfix.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
 from ckptfix.text import parse_size
 
@@ -50,6 +51,7 @@ def convert_to_safetensors(
     jobs: int = 1,
     optimizer_files: Sequence[str] = (),
     extra_metadata: Mapping[str, Any] | None = None,
+    drop: Sequence[str] = (),
 ) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
 
@@ -72,6 +74,11 @@ def convert_to_safetensors(
             first name is kept, as ``save_pretrained`` does.
         allow_expand: write outputs larger than 4x the input + 64 MiB (expanded, stride-0 views written
             densely); refused otherwise.
+        drop: names or dotted paths (``fnmatch`` patterns; a pattern also matches everything under
+            it) of tensors to leave out.  Any other tensor of the input the output would not hold (a
+            quantized model's packed params, tensors in a list outside the state dict, an EMA copy ...)
+            is refused before anything is written; the report lists what was dropped.  An explicit
+            ``key`` converts that entry only: tensors elsewhere are dropped as asked (and listed).
         jobs: write (and verify) tensors in this many threads (``0``: one per CPU); the output is the
             same bytes whatever the number.  Memory: ``jobs`` x the 8 MiB copy buffer (x4 for DCP chunks).
         optimizer_files: optimizer states saved beside the weights (a Trainer's ``optimizer.pt``,
@@ -144,9 +151,11 @@ def convert_to_safetensors(
             ckptfix_metadata=ckptfix_metadata,
             jobs=jobs,
             extra_metadata=extra_metadata,
+            drop=drop,
         )
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(src, key, allow_globals, trust, report)
+    unwritten: list[tuple[str, Any]] = []
     if source.kind == "optimizer":  # an optimizer.pt on its own: its tensors are all there is
         from ckptfix.convert.extras import optimizer_extras
 
@@ -154,7 +163,13 @@ def convert_to_safetensors(
         source.named = []
     else:
         extra, opt_named = split_checkpoint(
-            source.obj, source.key_path, source.state_dict, include_optimizer, report, node=source.holder
+            source.obj,
+            source.key_path,
+            source.state_dict,
+            include_optimizer,
+            report,
+            node=source.holder,
+            unwritten=unwritten,
         )
     if include_optimizer and optimizer_files:
         from ckptfix.convert.extras import optimizer_extras
@@ -169,7 +184,9 @@ def convert_to_safetensors(
         extra = {**extra_metadata, **extra}
     from ckptfix.hfarch import own_prefixes
 
-    named, order = output_names(source.named, opt_named, strip_prefix, report, own=own_prefixes(src))
+    kept = drop_named(source.named, drop, report)
+    refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # --key: the rest is left on request
+    named, order = output_names(kept, opt_named, strip_prefix, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
@@ -212,6 +229,62 @@ def convert_to_safetensors(
     return report
 
 
+def _dropped(name: str, patterns: Sequence[str]) -> bool:
+    """``name`` matches a ``--drop`` pattern (``fnmatch``), or sits under one (``pattern.``...)."""
+    import fnmatch
+
+    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def drop_named(named: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport) -> list[tuple[str, Any]]:
+    """The state dict's tensors less those ``patterns`` name (recorded in ``report.dropped``)."""
+    if not patterns:
+        return named
+    kept = []
+    for n, v in named:
+        if _dropped(n, patterns):
+            report.dropped.append(n)
+        else:
+            kept.append((n, v))
+    return kept
+
+
+def refuse_unwritten(
+    src: str, unwritten: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport
+) -> None:
+    """Refuse (exit 8, nothing written) when the input holds tensors the output would not, unless dropped on request.
+
+    Raises:
+        UnsupportedError: tensors outside the state dict (and outside an included optimizer) that no
+            ``--drop`` pattern names.
+    """
+    left = []
+    for path, t in unwritten:
+        if _dropped(path, patterns):
+            report.dropped.append(path)
+        else:
+            left.append((path, t))
+    if not left:
+        return
+    quantized = [p for p, t in left if getattr(t, "kind", None) == "quantized" or getattr(t, "is_quantized", False)]
+    names = ", ".join(p for p, _ in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    if quantized:
+        why = (
+            "they are quantized (e.g. torch.ao.quantization.quantize_dynamic's packed qint8 weights and "
+            "their biases), which safetensors has no dtype for; convert the float model before "
+            "quantizing, or keep the .pt"
+        )
+        hint = "*_packed_params*"
+    else:
+        why = "safetensors holds the state dict's tensors (and, with --include-optimizer, the optimizer's)"
+        hint = left[0][0].split(".")[0] + "*"
+    raise UnsupportedError(
+        f"{src}: {len(left)} tensor(s) of the input would be missing from the output: {names}; {why}. "
+        f"Nothing was written. Pass --drop '{hint}' to leave them out on purpose, or --key to convert the "
+        "entry that holds them"
+    )
+
+
 @dataclass
 class _Source:
     """What a conversion reads: the state dict's tensors and the checkpoint around them."""
@@ -245,6 +318,7 @@ def _read_source(
         if key is None:
             require_tensors(cf, src, "convert")
         key_path, sd, kind = locate_state_dict(cf.obj, key)
+    check_not_partitioned(src, cf.obj, sd, "convert")
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     use_torch = any(_needs_torch(v) for _, v in named)

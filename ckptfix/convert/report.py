@@ -27,6 +27,7 @@ class ConvertReport:
         tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
         excluded: top-level optimizer entries left out.
         skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
+        dropped: tensors of the input left out because ``drop`` (``--drop``) asked for it, by name or path.
         placeholders: ``{path: global}`` of placeholders of classes written as plain data.
         converted: ``{path: "was -> now"}`` of values written as plain data.
         stubbed_globals: globals the restricted reader turned into placeholders.
@@ -51,6 +52,7 @@ class ConvertReport:
     tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
     placeholders: dict[str, str] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)

@@ -206,8 +206,12 @@ def convert_dcp(
     meta: DcpMetadata | None = None,
     jobs: int = 1,
     extra_metadata: Mapping[str, Any] | None = None,
+    drop: Sequence[str] = (),
 ) -> ConvertReport:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
+
+    ``drop``: tensors to leave out, as for :func:`ckptfix.convert.convert_to_safetensors`; any other
+    tensor entry outside the state dict (and outside an included optimizer) is refused (exit 8).
 
     Args:
         src: the DCP directory.
@@ -248,9 +252,14 @@ def convert_dcp(
     key_path, sd = cf.state_dict(key)
     report.key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if isinstance(v, TensorRecord)]
-    extra, opt_named = split_checkpoint(cf.obj, key_path, sd, include_optimizer, report)
+    unwritten: list[tuple[str, Any]] = []
+    extra, opt_named = split_checkpoint(cf.obj, key_path, sd, include_optimizer, report, unwritten=unwritten)
     if extra_metadata:
         extra = {**extra_metadata, **extra}
+    from ckptfix.convert.forward import drop_named, refuse_unwritten
+
+    named = drop_named(named, drop, report)
+    refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # no tensor left out silently
     named, _ = output_names(named, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")

@@ -379,10 +379,14 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         CheckpointNotFoundError: no ``.metadata`` in ``path``.
         CorruptCheckpointError: not a pickle of DCP metadata records, or inconsistent records.
         UnsafePickleError: a data file name that leaves the directory.
-        UnsupportedError: transforms (compression), non-strided layouts, unknown dtypes.
+        UnsupportedError: transforms (compression), non-strided layouts, unknown dtypes; ``.metadata``
+            or a data file that is a symlink resolving outside the directory.
     """
+    from ckptfix.containment import check_member
+
     path = os.fspath(path)
     mpath = os.path.join(path, METADATA_NAME)
+    check_member(path, METADATA_NAME, path)
     try:
         size = os.path.getsize(mpath)
         if size > MAX_METADATA_BYTES:
@@ -398,7 +402,10 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         raise CheckpointNotFoundError(f"{path}: no .metadata file; not a DCP checkpoint directory") from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{mpath}: is a directory, not DCP metadata") from None
-    return metadata_from_bytes(data, path)
+    meta = metadata_from_bytes(data, path)
+    for rel in meta.files:  # a data file linking out of the directory is refused, as a sharded index's shard is
+        check_member(path, rel, path)
+    return meta
 
 
 def metadata_from_bytes(data: bytes, path: str, *, ours: bool = False) -> DcpMetadata:

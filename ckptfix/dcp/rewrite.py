@@ -1,7 +1,11 @@
 """Rename a DCP checkpoint's keys (strip-prefix, add-prefix, align) by rewriting ``.metadata`` only.
 
-The tensor data does not change: the new directory gets hard links to the
-source's data files (copies where the file system cannot link), and a new
+The tensor data does not change: the new directory gets copies of the source's
+data files (a reflink where the file system supports it, else an in-kernel
+copy: :func:`ckptfix.atomic.copy_file_data`, near ``cp``'s cost), never storage
+shared with the input: ``torch.distributed.checkpoint.save`` into the output
+reopens ``__0_0.distcp`` with ``"wb"``, which through a hard link would truncate
+the input's file too.  Hard links only with ``link=True`` (``--link``).  A new
 ``.metadata`` in which the keys of ``state_dict_metadata``, the ``fqn`` of
 every ``MetadataIndex`` in ``storage_data`` and ``planner_data`` are renamed;
 it is pickled with the original DCP globals, so torch's ``dcp.load`` reads it.
@@ -20,7 +24,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckptfix.atomic import _os_error, fsync_dir, replace_directory
+from ckptfix.atomic import _os_error, copy_file_data, fsync_dir, replace_directory
+from ckptfix.containment import check_member
 from ckptfix.dcp.meta import (
     METADATA_NAME,
     BytesEntry,
@@ -36,14 +41,18 @@ from ckptfix.formats import find_state_dict
 from ckptfix.pickles import paused_gc
 
 
-def _link_or_copy(src: str, dst: str) -> bool:
-    """Hard-link ``src`` as ``dst``; copy when linking is impossible.  True when linked."""
-    try:
-        os.link(src, dst)
-        return True
-    except OSError:
-        shutil.copyfile(src, dst)
-        return False
+def _link_or_copy(src: str, dst: str, link: bool, fsync: bool = False) -> bool:
+    """Copy ``src`` to ``dst`` (reflink or in-kernel copy); hard-link it instead with ``link``.  True when linked."""
+    if link:
+        try:
+            os.link(src, dst)
+            return True
+        except OSError:
+            pass
+    copy_file_data(src, dst, fsync=fsync)
+    if os.path.getsize(dst) != os.path.getsize(src):
+        raise VerificationError(f"{src}: the file changed size while it was copied; nothing was written")
+    return False
 
 
 def _write_file(path: str, data: bytes, fsync: bool) -> None:
@@ -93,6 +102,7 @@ def rewrite_dcp(
     map_location: str | None = None,
     fsync: bool | None = None,
     suffix: str = "fixed",
+    link: bool = False,
 ) -> Any:
     """Apply a key ``transform`` to a DCP directory's state dict (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
 
@@ -103,6 +113,9 @@ def rewrite_dcp(
         force: replace an existing output directory (only one that holds a DCP checkpoint, or is empty).
         key: where the state dict sits in the saved nesting (found automatically otherwise).
         map_location: DCP data carries no device tags; only ``None``/``"cpu"`` are accepted.
+        link: hard-link the data files instead of copying them (instant, no space; but the output then
+            shares them with the input, so anything later written *into* the output's data files,
+            such as a ``dcp.save`` there, changes the input too).
 
     Returns:
         RewriteReport
@@ -151,12 +164,15 @@ def rewrite_dcp(
     if in_place:
         return _in_place(src, meta, data, fqn_new, rep, backup=backup, fsync=True if fsync is None else fsync)
     out = _output_dir(src, output, suffix, force)
-    linked, copied = _write_directory(src, out, data, meta, fqn_new, bool(fsync))
+    linked, copied = _write_directory(src, out, data, meta, fqn_new, bool(fsync), link)
     rep.output = out
-    rep.notes.append(
-        f"rewrote .metadata only; {linked} data file(s) hard-linked"
-        + (f", {copied} copied (the file system cannot link them)" if copied else "")
-    )
+    if link:
+        rep.notes.append(
+            f"rewrote .metadata only; {linked} data file(s) hard-linked (shared with the input: do not save "
+            "into the output)" + (f", {copied} copied (the file system cannot link them)" if copied else "")
+        )
+    else:
+        rep.notes.append(f"rewrote .metadata only; {copied} data file(s) copied")
     return rep
 
 
@@ -200,9 +216,11 @@ def _output_dir(src: str, output: str | None, suffix: str, force: bool) -> str:
 
 
 def _write_directory(
-    src: str, out: str, data: bytes, meta: DcpMetadata, fqn_new: Mapping[str, str], fsync: bool
+    src: str, out: str, data: bytes, meta: DcpMetadata, fqn_new: Mapping[str, str], fsync: bool, link: bool
 ) -> tuple[int, int]:
-    """A new directory at ``out``: data files hard-linked (or copied), the new ``.metadata``, renamed into place.
+    """A new directory at ``out``: data files copied (hard-linked with ``link``), the new ``.metadata``, renamed in.
+
+    A file of ``src`` that is a symlink resolving outside it is refused (exit 8), never copied or linked.
 
     Returns ``(linked, copied)``.
     """
@@ -218,7 +236,8 @@ def _write_directory(
             fpath = os.path.join(src, fname)
             if fname == METADATA_NAME or fname.endswith((".bak", ".tmp")) or not os.path.isfile(fpath):
                 continue
-            if _link_or_copy(fpath, os.path.join(tmp, fname)):
+            check_member(src, fname, src)
+            if _link_or_copy(fpath, os.path.join(tmp, fname), link, fsync):
                 linked += 1
             else:
                 copied += 1
@@ -250,7 +269,7 @@ def _in_place(
             bak = mpath + ".bak"
             if os.path.lexists(bak):
                 os.unlink(bak)
-            os.link(mpath, bak)
+            os.link(mpath, bak)  # shares nothing once .metadata is replaced by the rename below
             rep.backup = bak
         os.replace(tmp, mpath)
         tmp = ""

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any, Callable
 
+from ckptfix.containment import allowed_roots, inside
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError, UnsupportedError
 from ckptfix.formats.base import (
     MAX_JSON_ENV,
@@ -88,16 +89,8 @@ def index_path(path: str) -> str:
     return path
 
 
-def _allowed_roots(base: str) -> list[str]:
-    roots = [os.path.realpath(base)]
-    parent = os.path.dirname(base)
-    if os.path.basename(parent) == "snapshots":  # Hugging Face hub cache: shards link to ../../blobs/<hash>
-        roots.append(os.path.realpath(os.path.join(os.path.dirname(parent), "blobs")))
-    return roots
-
-
-def _inside(path: str, roots: list[str]) -> bool:
-    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+_allowed_roots = allowed_roots  # one rule for every container: ckptfix.containment
+_inside = inside
 
 
 def shard_file(ipath: str, shard: object) -> str:

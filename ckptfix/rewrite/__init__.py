@@ -72,6 +72,7 @@ def rewrite_checkpoint(
     suffix: str = "fixed",
     progress: Progress | None = None,
     jobs: int = 1,
+    link: bool = False,
 ) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
@@ -90,6 +91,8 @@ def rewrite_checkpoint(
         fsync: flush to disk before the rename (default: on for ``in_place``).
         progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
         jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
+        link: a DCP directory's output hard-links the input's data files instead of copying them
+            (they are then shared: a later save into the output changes the input); refused for other inputs.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -103,7 +106,7 @@ def rewrite_checkpoint(
         VerificationError: the written file did not read back (nothing was replaced).
     """
     with reporting(progress, _input_bytes(src)):
-        if sniff(src) == Format.DCP:  # .metadata rewritten, data files hard-linked: ckptfix.dcp.rewrite
+        if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.dcp.rewrite
             from ckptfix.dcp.rewrite import rewrite_dcp
 
             return rewrite_dcp(
@@ -117,6 +120,11 @@ def rewrite_checkpoint(
                 map_location=map_location,
                 fsync=fsync,
                 suffix=suffix,
+                link=link,
+            )
+        if link:
+            raise UnsupportedError(
+                f"{src}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
             )
         cf = read_checkpoint(src)
         if cf.format == Format.SHARDED:
@@ -184,6 +192,9 @@ def _rewrite_file(
             "load_anywhere it and save the state dict"
         )
     check_str_keys(src, sd)
+    from ckptfix.placeholders import check_not_partitioned
+
+    check_not_partitioned(src, cf.obj, sd, "renaming its keys")
     if cf.format == Format.SAFETENSORS:  # the names ckptfix convert stored once (aliases) are keys too
         sd = stmeta.logical_state_dict(sd, cf.details_as(SafetensorsDetails).metadata)
     new_sd, report = transform(sd)
