@@ -665,7 +665,7 @@ _NO_PICKLE_ROLES = ("trainer-state", "config", "gen-config", "tokenizer")
 
 def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
-    from ckptfix.errors import CkptfixError
+    from ckptfix.errors import CheckpointNotFoundError, CkptfixError, UnsupportedError
 
     acc = _Acc(None)
     targets = ([fw.weights] if fw.weights else []) + [
@@ -681,7 +681,9 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
         try:
             sub = _scan_one(t, limits)
         except CkptfixError as e:
-            if os.path.isdir(t) or _text_file(t):
+            if isinstance(e, UnsupportedError) or t == fw.weights:
+                raise  # a member linking outside the folder, or the weights themselves unreadable: no verdict
+            if isinstance(e, CheckpointNotFoundError) and os.path.isdir(t) or not os.path.isdir(t) and _text_file(t):
                 continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
             acc.errors.append(f"{label}: {e}")
             continue

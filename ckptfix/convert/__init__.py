@@ -121,6 +121,7 @@ def convert(
                 jobs=jobs,
                 to=to,
                 shards=shards,
+                drop=drop,
             )
     d = os.fspath(dst) if dst is not None else None
     if trust:  # a full unpickle is torch's: never silently ignored when torch is missing

@@ -128,6 +128,7 @@ def convert_to_safetensors(
                 keep=keep,
                 allow_expand=allow_expand,
                 jobs=jobs,
+                drop=drop,
             )
             return rep
     dst = os.fspath(dst) if dst is not None else default_st_output(src)
