@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import click
 
-_DEBUG = {"on": False}
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
 @click.version_option(package_name="ckptfix", prog_name="ckptfix")
@@ -22,5 +19,4 @@ def cli(debug: bool) -> None:
     GPUs:         gpus, pick-gpu, doctor
     Training:     train, demo
     """
-    if debug:
-        _DEBUG["on"] = True
+    # --debug is read by ckptfix.cli.main from the arguments (it must know before Click parses them)
