@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import click
 
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
 @click.version_option(package_name="ckptfix", prog_name="ckptfix")
