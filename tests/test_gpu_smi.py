@@ -15,7 +15,7 @@ from ckptfix.errors import DriverMismatchError, DriverNotLoadedError, GpuQueryEr
 from ckptfix.gpu import parse, runner, smi
 from ckptfix.gpu.runner import RunResult
 
-from fakesmi import scenario_runner  # noqa: E402
+from fakesmi import scenario_runner
 
 SAMPLES = Path(__file__).parent / "fixtures" / "nvidia-smi" / "samples"
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"

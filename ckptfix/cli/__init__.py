@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as e:  # an internal bug: still one line unless --debug
+    except Exception as e:  # noqa: BLE001 - an internal bug: still one line unless --debug
         return _internal_error(e, debug)
 
 

@@ -41,7 +41,6 @@ class VisibleSpec:
     entries: tuple[Any, ...] = ()  # ints for "index", str for "uuid"/"mig"
     notes: tuple[str, ...] = ()  # what the parser dropped and why
     emptied_by_duplicate: bool = False
-    stopped_at: str | None = None  # the entry that stopped the list, if any
     read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
 
 
@@ -105,7 +104,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
             if not elem.startswith(prefix):
                 other = "an index" if strtoul_prefix(elem) is not None else "not a " + prefix + " id"
                 note = f"entry {elem!r} is {other} after {prefix} ids: CUDA ignores it and everything after it"
-                return VisibleSpec(value, kind, tuple(seen), (note,), stopped_at=elem)
+                return VisibleSpec(value, kind, tuple(seen), (note,))
             seen.append(elem)
         return VisibleSpec(value, kind, tuple(seen))
     if value.strip() == "":
@@ -128,7 +127,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
             if elem.strip().startswith(("GPU-", "MIG-")):
                 why = "a UUID after indices (CUDA does not mix the two)"
             notes.append(f"entry {elem!r} is {why}: CUDA ignores it and everything after it")
-            return VisibleSpec(value, "index", tuple(ints), tuple(notes), stopped_at=elem, read_as=tuple(read_as))
+            return VisibleSpec(value, "index", tuple(ints), tuple(notes), read_as=tuple(read_as))
         if not elem.strip().isdigit():
             read_as.append(f"entry {elem!r} is read as {x} (CUDA parses entries like strtoul)")
         ints.append(x)
