@@ -485,7 +485,9 @@ def test_pick_gpu_command_gets_each_signal_exactly_once(fake_env, tmp_path, how)
     env = dict(fake_env, FAKE_SMI_SCENARIO="two_free")
     argv = cli_argv("pick-gpu", "-n", "2", "--", sys.executable, "-c", SIGNAL_COUNTER, str(count))
     if how == "timeout":
-        argv = ["timeout", "-s", "TERM", "15"] + argv  # room for a slow start: TERM must reach the command
+        # --foreground: timeout(1) signals only its child (without it, it also signals its own process group, and
+        # the command counts 2 when the two deliveries do not coalesce, as on a loaded machine); 15 s: a slow start
+        argv = ["timeout", "--foreground", "-s", "TERM", "15"] + argv
     p = subprocess.Popen(
         argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
     )
