@@ -31,7 +31,8 @@ Only pages whose inputs changed are run again.  Each run of a page records in
 ``docs/gen_docs.stamps.json`` a hash of its inputs -- its blocks' commands, markers and
 ``file:`` blocks, every ckptfix source file any process of the run imported (logged by an
 import hook, so ``exec`` and killed processes count too), this script, the fake nvidia-smi
-and its scenarios, and the Python, torch, click, safetensors and numpy versions -- and a hash
+and the scenarios its ``gpu=`` blocks replay, and the Python, torch, click, safetensors and
+numpy versions -- and a hash
 of its blocks as shown.  ``--check`` skips a page whose stamp matches both: the blocks were
 produced by real runs of the same commands on the same code.  Change any input (a module the
 page's commands import, a command line, a dependency's version) and the page runs again;
@@ -273,18 +274,29 @@ def _file_sha(rel: str) -> str:
 
 def _common_inputs() -> list[str]:
     """What every page depends on besides its commands and the modules it imports."""
-    fixed = [Path(__file__).resolve(), *sorted(p for p in SMI.rglob("*") if p.is_file())]
     return [
         f"python {platform.python_version()} {platform.machine()}",
         *(f"{d} {_version(d)}" for d in ("torch", "click", "safetensors", "numpy")),
-        *(f"{p.name} {_sha(p.read_bytes())}" for p in fixed),
+        f"gen_docs.py {_sha(Path(__file__).resolve().read_bytes())}",
     ]
+
+
+def _scenario_inputs(blocks: list[Block]) -> list[str]:
+    """The fake nvidia-smi and the recorded scenarios the page's ``gpu=`` blocks replay (not the others)."""
+    names = sorted({b.gpu for b in blocks if b.gpu})
+    if not names:
+        return []
+    files = [SMI / "fake-nvidia-smi.sh"]
+    for name in names:
+        files += sorted(p for p in (SMI / "scenarios" / name).rglob("*") if p.is_file())
+    return [f"{p.relative_to(SMI).as_posix()} {_sha(p.read_bytes()) if p.is_file() else 'missing'}" for p in files]
 
 
 def page_inputs(lines: list[str], blocks: list[Block], sources: list[str]) -> str:
     """The hash of everything a page's run depends on: its blocks' commands, markers and ``file:`` blocks,
-    the ckptfix sources its processes imported, and :func:`_common_inputs`."""
-    parts = list(_common_inputs())
+    the ckptfix sources its processes imported, the nvidia-smi scenarios it replays, and
+    :func:`_common_inputs`."""
+    parts = list(_common_inputs()) + _scenario_inputs(blocks)
     for b in blocks:
         body = lines[b.start + 1 : b.end]
         marker = lines[b.start - 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,17 @@ def test_the_stamps_file_is_not_ignored_by_git():
     """Committed: a fresh clone skips the pages whose stamp matches."""
     p = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "docs/gen_docs.stamps.json"], check=False)
     assert p.returncode == 1
+
+
+def test_only_the_replayed_nvidia_smi_scenarios_count(gen, capsys, tmp_path, monkeypatch):
+    smi = tmp_path / "smi"
+    shutil.copytree(gen.SMI, smi)
+    monkeypatch.setattr(gen, "SMI", smi)
+    page = gen.ROOT / "docs" / "page.md"
+    page.write_text(PAGE.replace("<!-- run: -->", "<!-- run: gpu=two_free -->"))
+    assert _check(gen, capsys, "--stamp")[0] == 0
+    other = next(p for p in (smi / "scenarios").iterdir() if p.name != "two_free")
+    (other / "query-gpu.txt").write_text("changed\n")  # a scenario this page does not replay
+    assert _check(gen, capsys)[1].startswith("gen_docs: 0 page(s) run, 1 unchanged")
+    (smi / "scenarios" / "two_free" / "query-gpu.txt").write_text("changed\n")
+    assert _check(gen, capsys)[1].startswith("gen_docs: 1 page(s) run, 0 unchanged")
