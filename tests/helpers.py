@@ -18,10 +18,12 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import types
 import warnings
 import zipfile
@@ -196,6 +198,30 @@ def run_cli(
     return CliRun(p.returncode, p.stdout, p.stderr, None if not said else said == "True")
 
 
+class CliHang(BaseException):
+    """An in-process ``ckptfix`` run still going after its timeout (a BaseException: ``main()`` does not catch it)."""
+
+
+class _HangAlarm:
+    """SIGALRM after ``timeout`` seconds raises :class:`CliHang` naming the command (main thread only)."""
+
+    def __init__(self, args: tuple[str, ...], timeout: float) -> None:
+        self.old: Any = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def fire(signum: int, frame: Any) -> None:
+            raise CliHang(f"ckptfix {' '.join(args)}: still running after {timeout:g} s (hung?)")
+
+        self.old = signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+
+    def cancel(self) -> None:
+        if self.old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+
+
 def _run_cli_in_process(args: tuple[str, ...], env: dict[str, str], timeout: float, cwd: Path) -> CliRun:
     """``main(args)`` here, with ``os.environ`` set to exactly ``env``, in ``cwd``, stdout and stderr captured."""
     from click.testing import CliRunner
@@ -211,6 +237,7 @@ def _run_cli_in_process(args: tuple[str, ...], env: dict[str, str], timeout: flo
     sys.argv = ["ckptfix", *args]
     with contextlib.suppress(AttributeError, ValueError, OSError):  # the real stderr, even under capsys
         faulthandler.dump_traceback_later(timeout, exit=False, file=sys.__stderr__)
+    alarm = _HangAlarm(args, timeout)
     try:
         with CliRunner().isolation() as (out, err, _):
             try:
@@ -221,6 +248,7 @@ def _run_cli_in_process(args: tuple[str, ...], env: dict[str, str], timeout: flo
             sys.stderr.flush()
             stdout, stderr = out.getvalue(), err.getvalue()
     finally:
+        alarm.cancel()
         faulthandler.cancel_dump_traceback_later()
         sys.argv = saved_argv
         os.chdir(saved_cwd)

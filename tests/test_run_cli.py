@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from ckptfix.cli import main
 
 from helpers import assert_one_line_error, run_cli
@@ -43,3 +45,18 @@ def test_debug_does_not_outlive_its_run(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("Error: "), err
     assert_one_line_error(run_cli("inspect", missing), code)
+
+
+def test_a_hung_in_process_run_fails_and_names_the_command(monkeypatch):
+    import time
+
+    import ckptfix.cli
+
+    import helpers
+
+    def hang(argv):
+        time.sleep(30)
+
+    monkeypatch.setattr(ckptfix.cli, "main", hang)
+    with pytest.raises(helpers.CliHang, match=r"ckptfix inspect x: still running after 0.2 s \(hung\?\)"):
+        run_cli("inspect", "x", timeout=0.2, isolated=False)
