@@ -131,12 +131,20 @@ def _caller_reads_torch_report() -> bool:
     return False
 
 
+# variables ckptfix reads once, when a module is imported (ckptfix/dcp/meta.py, ckptfix/dcp/chunks.py): a run that
+# changes one needs a fresh interpreter to see it
+_IMPORT_TIME_VARS = ("CKPTFIX_DCP_MAX_",)
+
+
 def _needs_interpreter(args: tuple[str, ...], env: Mapping[str, str]) -> bool:
-    """A process command, or a ``PYTHONPATH`` naming a folder this interpreter's ``sys.path`` lacks."""
+    """A process command, a ``PYTHONPATH`` naming a folder this interpreter's ``sys.path`` lacks, or a change to
+    a variable read at import time."""
     command = next((a for a in args if not a.startswith("-")), None)
     here = {os.path.abspath(p or ".") for p in sys.path}
     elsewhere = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) not in here]
-    return command in _PROCESS_COMMANDS or bool(elsewhere)
+    names = {k for k in (*env, *os.environ) if k.startswith(_IMPORT_TIME_VARS)}
+    import_time = any(env.get(k) != os.environ.get(k) for k in names)
+    return command in _PROCESS_COMMANDS or bool(elsewhere) or import_time
 
 
 def run_cli(
@@ -154,7 +162,7 @@ def run_cli(
     A fresh interpreter is used when ``isolated=True``, when the calling test reads ``.torch_imported`` (only
     a new process can say whether torch was imported), and for the commands whose behaviour belongs to the
     process (``pick-gpu``: leases held for the process's life, ``exec``; ``train``, ``demo``) or that set up
-    the interpreter differently (another ``PYTHONPATH``).  Everything
+    the interpreter differently (another ``PYTHONPATH``, a ``CKPTFIX_DCP_MAX_*`` limit read at import).  Everything
     else runs in-process: same exit code, stdout and stderr, without a new interpreter's start-up.
 
     Args:

@@ -35,6 +35,8 @@ def test_a_test_reading_torch_imported_gets_a_fresh_interpreter(tmp_path):
 def test_process_commands_and_another_pythonpath_get_a_fresh_interpreter(tmp_path):
     assert run_cli("pick-gpu", "--help").isolated
     assert run_cli("--version", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]])).isolated
+    assert run_cli("--version", CKPTFIX_DCP_MAX_METADATA="100").isolated  # read when ckptfix.dcp is imported
+    assert not run_cli("--version", CKPTFIX_DEBUG="1").isolated  # read on each run
 
 
 def test_debug_does_not_outlive_its_run(tmp_path, capsys):
