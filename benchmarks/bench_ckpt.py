@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _measure import ckptfix, compare, py, remover, run  # noqa: E402
+from _measure import ckptfix, compare, py, remover, run
 
 
 def make_checkpoint(path: str, size_mb: int, n_tensors: int = 300, legacy: bool = False) -> None:

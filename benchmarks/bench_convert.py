@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import child_env, compare, remover  # noqa: E402
+from _measure import child_env, compare, remover
 
 REFERENCE = r"""
 import sys, torch

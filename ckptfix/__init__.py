@@ -14,7 +14,7 @@ raise :class:`ckptfix.errors.TorchMissingError` (exit code 14) when it is missin
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix._torch import silence_numpy_warning
 
@@ -46,6 +46,28 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
+
+# what type checkers see (`X as X`: an explicit re-export): the names of _LAZY (tests/test_public_api.py checks)
+if TYPE_CHECKING:
+    from ckptfix.convert import convert_from_safetensors as convert_from_safetensors
+    from ckptfix.convert import convert_to_safetensors as convert_to_safetensors
+    from ckptfix.formats import read_checkpoint as read_checkpoint
+    from ckptfix.gpu import choose_gpus as choose_gpus
+    from ckptfix.gpu import pick_gpu as pick_gpu
+    from ckptfix.gpu import visible_gpus as visible_gpus
+    from ckptfix.inspecting import inspect_checkpoint as inspect_checkpoint
+    from ckptfix.inspecting import scan_checkpoint as scan_checkpoint
+    from ckptfix.loading import LoadedCheckpoint as LoadedCheckpoint
+    from ckptfix.loading import load_anywhere as load_anywhere
+    from ckptfix.loading import load_checkpoint as load_checkpoint
+    from ckptfix.prefixes import add_prefix as add_prefix
+    from ckptfix.prefixes import align_state_dict as align_state_dict
+    from ckptfix.prefixes import detect_prefixes as detect_prefixes
+    from ckptfix.prefixes import strip_prefix as strip_prefix
+    from ckptfix.rekey import add_prefix_checkpoint as add_prefix_checkpoint
+    from ckptfix.rekey import align_checkpoint as align_checkpoint
+    from ckptfix.rekey import strip_prefix_checkpoint as strip_prefix_checkpoint
+    from ckptfix.sanitize import sanitize_checkpoint as sanitize_checkpoint
 
 
 def __getattr__(name: str) -> Any:

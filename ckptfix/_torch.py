@@ -19,8 +19,6 @@ False
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
 from types import ModuleType
 
 from ckptfix.errors import TorchMissingError
@@ -42,17 +40,6 @@ def silence_numpy_warning() -> None:
     import warnings
 
     warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
-
-
-def torch_installed() -> bool:
-    """Whether torch can be found, without importing it.
-
-    Returns:
-        True if ``import torch`` would find a module (it may still fail to load).
-    """
-    if "torch" in sys.modules:
-        return sys.modules["torch"] is not None
-    return importlib.util.find_spec("torch") is not None
 
 
 def is_torch_missing(exc: BaseException) -> bool:

@@ -320,7 +320,7 @@ _UNDERFLOW = "unpickling stack underflow"
 CHECK_STEP = 16 << 20  # the stack/memo sizes are checked each time the estimate grows by this much
 
 
-def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:  # noqa: C901
+def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:
     """The opcode walk. ``strict``: stop at the first limit crossed (the reader's pre-flight)."""
     res = ScanResult()
     n = len(buf)

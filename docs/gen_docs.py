@@ -29,13 +29,29 @@ scratch directory, for the blocks below it.  Marker fields:
 
 ``python docs/gen_docs.py`` rewrites the files; ``--check`` rewrites nothing and exits 1
 with a diff when a block no longer matches what the commands print (tests/test_docs.py).
+
+Only pages whose inputs changed are run again.  Each run of a page records in
+``docs/gen_docs.stamps.json`` a hash of its inputs -- its blocks' commands, markers and
+``file:`` blocks, every ckptfix source file any process of the run imported (logged by an
+import hook, so ``exec`` and killed processes count too), this script, the fake nvidia-smi
+and the scenarios its ``gpu=`` blocks replay, and the Python, torch, click, safetensors and
+numpy versions -- and a hash
+of its blocks as shown.  ``--check`` skips a page whose stamp matches both: the blocks were
+produced by real runs of the same commands on the same code.  Change any input (a module the
+page's commands import, a command line, a dependency's version) and the page runs again;
+``--full`` runs every page regardless.  The regeneration (no ``--check``) writes the stamps;
+``--check --stamp`` records the pages that match without rewriting a block.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
+import importlib.metadata
+import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -52,6 +68,30 @@ FILE = re.compile(r"^<!-- file: (?P<name>[\w.-]+) -->\s*$")
 #: always masked: wall-clock figures
 _TRAINED: dict[str, Path | None] = {}
 STEP = "::gen-docs-step::"
+#: what one block may take before it is reported as hung (generous: a loaded machine is slow, not hung)
+BLOCK_TIMEOUT = float(os.environ.get("GEN_DOCS_BLOCK_TIMEOUT", "3600"))
+STAMPS_NAME = "gen_docs.stamps.json"
+#: logs the file of every ckptfix module a process imports (at import: exec and kill lose nothing)
+IMPORT_HOOK = """\
+import os, sys
+from importlib.machinery import PathFinder
+
+
+class _LogCkptfixImports:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "ckptfix" or name.startswith("ckptfix."):
+            spec = PathFinder.find_spec(name, path)
+            if spec is not None and spec.origin:
+                with open(os.environ["GEN_DOCS_IMPORT_LOG"], "a") as f:
+                    f.write(spec.origin + "\\n")
+        return None
+
+
+if os.environ.get("GEN_DOCS_IMPORT_LOG"):
+    sys.meta_path.insert(0, _LogCkptfixImports)
+"""
+_SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
 
 
@@ -101,6 +141,10 @@ class Sandbox:
         exe = self.bin / "ckptfix"
         exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptfix "$@"\n')
         exe.chmod(0o755)
+        self.site = self.root / "site"
+        self.site.mkdir()
+        (self.site / "sitecustomize.py").write_text(IMPORT_HOOK)
+        self.import_log = self.root / "imports.log"
 
     def env(self, gpu: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI"))}
@@ -116,7 +160,8 @@ class Sandbox:
             env.update(FAKE_SMI_DIR=str(SMI / "scenarios"), FAKE_SMI_SCENARIO=gpu)
         env.update(
             PATH=os.pathsep.join(path),
-            PYTHONPATH=str(ROOT),
+            PYTHONPATH=os.pathsep.join([str(self.site), str(ROOT)]),
+            GEN_DOCS_IMPORT_LOG=str(self.import_log),
             COLUMNS="100",
             NO_COLOR="1",
             CKPTFIX_LEASE_DIR=str(self.root / "leases"),
@@ -124,25 +169,48 @@ class Sandbox:
         )
         return env
 
-    def run(self, cmd: str, gpu: str = "") -> str:
-        return self.run_lines([cmd], gpu)[0]
+    def sources(self) -> set[str]:
+        """The ckptfix source files (relative to the repository) the processes run so far imported."""
+        if not self.import_log.exists():
+            return set()
+        out = set()
+        for line in self.import_log.read_text().splitlines():
+            path = Path(line).resolve()
+            if path.is_relative_to(ROOT) and path.is_file():
+                out.add(path.relative_to(ROOT).as_posix())
+        return out
 
-    def run_lines(self, cmds: list[str], gpu: str = "") -> list[str]:
-        """Run ``cmds`` in order in one bash, with no lease taken yet; return what each printed."""
+    def run(self, cmd: str, gpu: str = "", where: str = "") -> str:
+        return self.run_lines([cmd], gpu, where)[0]
+
+    def run_lines(self, cmds: list[str], gpu: str = "", where: str = "") -> list[str]:
+        """Run ``cmds`` in order in one bash, with no lease taken yet; return what each printed.
+
+        A block still running after ``BLOCK_TIMEOUT`` seconds is hung: the error names it (``where``: the
+        page and line), its commands, and what it had printed.
+        """
         shutil.rmtree(self.root / "leases", ignore_errors=True)
         script = []
         for i, cmd in enumerate(cmds):  # the step marker keeps $? of the command for the next line
             script += [cmd, f"__rc=$?; printf '\\n{STEP}{i}\\n'; (exit $__rc)"]
-        p = subprocess.run(
-            ["bash", "-c", "exec 2>&1\n" + "\n".join(script)],
-            cwd=self.dir,
-            env=self.env(gpu),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=600,
-        )
-        out = p.stdout.replace(sys.executable, "python3")
+        try:
+            p = subprocess.run(
+                ["bash", "-c", "exec 2>&1\n" + "\n".join(script)],
+                cwd=self.dir,
+                env=self.env(gpu),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=BLOCK_TIMEOUT,
+            )
+        except subprocess.TimeoutExpired as e:
+            said = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            step = said.count(STEP)
+            raise RuntimeError(
+                f"{where or 'a block'}: still running after {BLOCK_TIMEOUT:g} s (hung?) at command {step + 1} of "
+                f"{len(cmds)}: {cmds[min(step, len(cmds) - 1)]!r}\nit printed:\n{said[-4000:]}"
+            ) from None
+        out = p.stdout.replace(sys.executable, "python3")  # paths are shown as users see them: no rewriting
         out = re.sub(rf"\bon {re.escape(os.uname().nodename)}\b", "on HOST", out)  # lease holders: no machine name
         parts = re.split(rf"\n{STEP}\d+\n", out)
         if len(parts) != len(cmds) + 1:
@@ -153,7 +221,9 @@ class Sandbox:
         if name != "runs" or (self.dir / "runs").exists():
             return
         if _TRAINED.get("runs") is None:  # trained once per run of this script, copied into each file's box
-            self.run("ckptfix train --mode dp --out runs --epochs 1 -q")
+            before = self.sources()
+            self.run("ckptfix train --mode dp --out runs --epochs 1 -q", where="setup=runs")
+            _SETUP_SOURCES.update(self.sources() - before)
             keep = Path(tempfile.mkdtemp(prefix="ckptfix-docs-runs-"))
             shutil.copytree(self.dir / "runs", keep / "runs")
             _TRAINED["runs"] = keep
@@ -164,10 +234,10 @@ class Sandbox:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def render(block_lines: list[str], block: Block, box: Sandbox) -> list[str]:
+def render(block_lines: list[str], block: Block, box: Sandbox, where: str = "") -> list[str]:
     box.setup(block.setup)
     cmds = [line for line in block_lines if line.startswith("$ ")]
-    outs = box.run_lines([c[2:] for c in cmds], block.gpu)
+    outs = box.run_lines([c[2:] for c in cmds], block.gpu, where)
     out: list[str] = []
     for line, text in zip(cmds, outs, strict=True):
         out.append(line)
@@ -186,13 +256,113 @@ def masked(lines: list[str], masks: list[str]) -> list[str]:
     return res
 
 
-def process(path: Path, check: bool) -> list[str]:
+def _sha(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        b = part.encode() if isinstance(part, str) else part
+        h.update(len(b).to_bytes(8, "little") + b)
+    return h.hexdigest()
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _file_sha(rel: str) -> str:
+    p = ROOT / rel
+    return _sha(p.read_bytes()) if p.is_file() else "missing"
+
+
+def _common_inputs() -> list[str]:
+    """What every page depends on besides its commands and the modules it imports."""
+    return [
+        f"python {platform.python_version()} {platform.machine()}",
+        *(f"{d} {_version(d)}" for d in ("torch", "click", "safetensors", "numpy")),
+        f"gen_docs.py {_sha(Path(__file__).resolve().read_bytes())}",
+    ]
+
+
+def _scenario_inputs(blocks: list[Block]) -> list[str]:
+    """The fake nvidia-smi and the recorded scenarios the page's ``gpu=`` blocks replay (not the others)."""
+    names = sorted({b.gpu for b in blocks if b.gpu})
+    if not names:
+        return []
+    files = [SMI / "fake-nvidia-smi.sh"]
+    for name in names:
+        files += sorted(p for p in (SMI / "scenarios" / name).rglob("*") if p.is_file())
+    return [f"{p.relative_to(SMI).as_posix()} {_sha(p.read_bytes()) if p.is_file() else 'missing'}" for p in files]
+
+
+def page_inputs(lines: list[str], blocks: list[Block], sources: list[str]) -> str:
+    """The hash of everything a page's run depends on: its blocks' commands, markers and ``file:`` blocks,
+    the ckptfix sources its processes imported, the nvidia-smi scenarios it replays, and
+    :func:`_common_inputs`."""
+    parts = list(_common_inputs()) + _scenario_inputs(blocks)
+    for b in blocks:
+        body = lines[b.start + 1 : b.end]
+        marker = lines[b.start - 1]
+        parts.append(marker + "\n" + "\n".join(body if b.file else [ln for ln in body if ln.startswith("$ ")]))
+    parts += [f"{rel} {_file_sha(rel)}" for rel in sorted(sources)]
+    return _sha(*parts)
+
+
+def shown(lines: list[str], blocks: list[Block]) -> str:
+    """The hash of a page's blocks as shown (prose around them may change without a rerun)."""
+    return _sha(*("\n".join(lines[b.start - 1 : b.end + 1]) for b in blocks))
+
+
+def stamps_path() -> Path:
+    return ROOT / "docs" / STAMPS_NAME
+
+
+def load_stamps() -> dict[str, dict]:
+    try:
+        doc = json.loads(stamps_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    pages = doc.get("pages") if isinstance(doc, dict) else None
+    return pages if isinstance(pages, dict) else {}
+
+
+def save_stamps(pages: dict[str, dict]) -> None:
+    doc = {
+        "about": "written by docs/gen_docs.py: a page whose inputs and blocks match its stamp is not run again",
+        "pages": dict(sorted(pages.items())),
+    }
+    tmp = stamps_path().with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, stamps_path())
+
+
+def _page_key(path: Path) -> str:
+    path = path.resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
+
+
+def is_current(path: Path, stamp: dict | None) -> bool:
+    """Whether ``path``'s blocks were produced by a run with today's inputs (its stamp matches)."""
+    if not stamp:
+        return False
+    lines = path.read_text().split("\n")
+    blocks = find_blocks(lines)
+    sources = stamp.get("sources")
+    if not isinstance(sources, list):
+        return False
+    return stamp.get("shown") == shown(lines, blocks) and stamp.get("inputs") == page_inputs(lines, blocks, sources)
+
+
+def process(path: Path, check: bool) -> tuple[list[str], dict | None]:
+    """Run ``path``'s blocks; return the diffs of stale blocks and the page's new stamp (None: no blocks)."""
     lines = path.read_text().split("\n")
     blocks = find_blocks(lines)
     if not blocks:
-        return []
+        return [], None
     box = Sandbox()
     problems: list[str] = []
+    uses_setup = False
     try:
         new = list(lines)
         shift = 0
@@ -202,7 +372,8 @@ def process(path: Path, check: bool) -> list[str]:
             if b.file:
                 (box.dir / b.file).write_text("\n".join(body) + "\n")
                 continue
-            fresh = render(body, b, box)
+            uses_setup = uses_setup or bool(b.setup)
+            fresh = render(body, b, box, f"{path.name}:{b.start + 1}")
             if masked(body, b.masks) == masked(fresh, b.masks):
                 continue  # only timings or masked text differ: keep the shown run
             diff = difflib.unified_diff(body, fresh, f"{path.name} (shown)", f"{path.name} (real)", lineterm="")
@@ -211,9 +382,13 @@ def process(path: Path, check: bool) -> list[str]:
             shift += len(fresh) - len(body)
         if not check and new != lines:
             path.write_text("\n".join(new))
+        sources = sorted(box.sources() | (_SETUP_SOURCES if uses_setup else set()))
     finally:
         box.close()
-    return problems
+    final = new if not check else lines
+    final_blocks = find_blocks(final)
+    stamp = {"inputs": page_inputs(final, final_blocks, sources), "shown": shown(final, final_blocks)}
+    return problems, {**stamp, "sources": sources}
 
 
 def doc_files() -> list[Path]:
@@ -223,16 +398,33 @@ def doc_files() -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a block is stale")
+    ap.add_argument("--full", action="store_true", help="run every page, even those whose stamp matches")
+    ap.add_argument("--stamp", action="store_true", help="with --check: record the stamps of the pages that match")
     ap.add_argument("files", nargs="*", type=Path, help="markdown files (default: README.md and docs/)")
     args = ap.parse_args(argv)
+    stamps = load_stamps()
     stale = []
+    ran = skipped = 0
     for f in args.files or doc_files():
-        for p in process(f, args.check):
+        key = _page_key(f)
+        if not args.full and is_current(f, stamps.get(key)):
+            skipped += 1
+            continue
+        problems, stamp = process(f, args.check)
+        ran += stamp is not None
+        for p in problems:
             stale.append(p)
             print(p, file=sys.stderr)
+        if stamp is None or (args.check and problems):
+            stamps.pop(key, None)
+        else:  # regenerated (the page now shows this run), or checked and matching
+            stamps[key] = stamp
     for keep in _TRAINED.values():
         if keep is not None:
             shutil.rmtree(keep, ignore_errors=True)
+    if not args.check or args.stamp:
+        save_stamps(stamps)
+    print(f"gen_docs: {ran} page(s) run, {skipped} unchanged since their stamp (not run)", file=sys.stderr)
     if stale and args.check:
         print(f"{len(stale)} block(s) no longer match: run python docs/gen_docs.py", file=sys.stderr)
         return 1

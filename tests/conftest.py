@@ -29,3 +29,22 @@ def ckpt(tmp_path: Path) -> CkptFactory:
 def session_ckpt(tmp_path_factory: pytest.TempPathFactory) -> CkptFactory:
     """A factory for read-only fixtures shared by several tests (never modify what it builds)."""
     return CkptFactory(tmp_path_factory.mktemp("shared_ckpts"))
+
+
+# --------------------------------------------------------------------------- heavy read-only fixtures, once per run
+
+
+@pytest.fixture(scope="session")
+def fsdp2_gloo_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """An FSDP2 + DTensor DCP checkpoint saved by 2 gloo ranks, and its full state dict (never modify it)."""
+    from heavy import build_fsdp2_gloo_dcp
+
+    return build_fsdp2_gloo_dcp(tmp_path_factory.mktemp("fsdp2_gloo"))
+
+
+@pytest.fixture(scope="session")
+def fsdp_trained_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """``train --mode fsdp`` for one epoch as DCP: (output directory, TrainResult) (never modify it)."""
+    from heavy import build_fsdp_trained_dcp
+
+    return build_fsdp_trained_dcp(tmp_path_factory.mktemp("fsdp_trained"))

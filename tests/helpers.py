@@ -1,8 +1,10 @@
-"""What the tests share: one way to run the CLI (and Python) in a fresh process, a fake nvidia-smi on PATH,
+"""What the tests share: one way to run the CLI (and Python in a fresh process), a fake nvidia-smi on PATH,
 and a factory of tiny checkpoints of every kind (:class:`CkptFactory`, the ``ckpt`` fixture of conftest.py).
 
-``run_cli`` runs ``ckptfix`` like the console script does (``ckptfix.cli.main``) in a new interpreter and also
-reports whether torch ended up imported.  ``fake_smi_env`` builds an environment whose ``nvidia-smi`` is
+``run_cli`` runs ``ckptfix`` like the console script does (``ckptfix.cli.main``): in-process with captured
+streams for ordinary commands, in a new interpreter (which also reports whether torch ended up imported) when
+the test is about the interpreter -- it reads ``.torch_imported``, passes ``isolated=True``, or runs
+``pick-gpu``, ``train`` or ``demo``.  ``fake_smi_env`` builds an environment whose ``nvidia-smi`` is
 tests/fixtures/nvidia-smi/fake-nvidia-smi.sh, replaying a scenario of tests/fixtures/nvidia-smi/scenarios/.
 """
 
@@ -10,14 +12,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
+import functools
 import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import types
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -51,14 +58,26 @@ sys.exit(rc)
 _MACHINE_VARS = ("CUDA_", "CKPTFIX_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "NCCL_", "TORCH_NCCL")
 
 
-@dataclass(frozen=True)
 class CliRun:
-    """One finished ``ckptfix`` run: exit code, stdout, stderr, and whether torch was imported."""
+    """One finished ``ckptfix`` run: exit code, stdout, stderr, and (run in a fresh interpreter) whether torch
+    was imported."""
 
-    rc: int
-    out: str
-    err: str
-    torch_imported: bool | None  # None: the process died before reporting
+    def __init__(self, rc: int, out: str, err: str, torch_imported: bool | None = None, *, isolated: bool = True):
+        self.rc = rc
+        self.out = out
+        self.err = err
+        self.isolated = isolated
+        self._torch = torch_imported  # None: the process died before reporting
+
+    @property
+    def torch_imported(self) -> bool | None:
+        """Whether the command imported torch (a fresh interpreter's answer; ``None`` if it died first)."""
+        if not self.isolated:
+            raise AssertionError(
+                "torch_imported is only known for a run in a fresh interpreter: call run_cli(..., isolated=True) "
+                "(in-process runs share this process's sys.modules, where torch is already imported)"
+            )
+        return self._torch
 
     @property
     def returncode(self) -> int:
@@ -71,6 +90,9 @@ class CliRun:
     @property
     def stderr(self) -> str:
         return self.err
+
+    def __repr__(self) -> str:
+        return f"CliRun(rc={self.rc!r}, out={self.out!r}, err={self.err!r}, isolated={self.isolated})"
 
 
 def cli_argv(*args: str) -> list[str]:
@@ -85,32 +107,87 @@ def cli_argv(*args: str) -> list[str]:
     return [sys.executable, "-c", CLI_PROGRAM, *map(str, args)]
 
 
+# commands whose behaviour belongs to the process: pick-gpu holds leases for the life of the process and
+# execs `-- COMMAND`; train and demo start torchrun and set torch's global state (threads, seeds)
+_PROCESS_COMMANDS = frozenset({"pick-gpu", "train", "demo"})
+_HELPERS = str(Path(__file__).resolve())
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_torch_report(code: types.CodeType) -> bool:
+    """Whether ``code`` (or a function, lambda or comprehension nested in it) reads ``.torch_imported``."""
+    return "torch_imported" in code.co_names or any(
+        _reads_torch_report(c) for c in code.co_consts if isinstance(c, types.CodeType)
+    )
+
+
+def _caller_reads_torch_report() -> bool:
+    """Whether a test function on the stack reads ``.torch_imported`` (it then needs a fresh interpreter)."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename != _HELPERS and _reads_torch_report(f.f_code):
+            return True
+        f = f.f_back
+    return False
+
+
+# variables ckptfix reads once, when a module is imported (ckptfix/dcp/meta.py, ckptfix/dcp/chunks.py): a run that
+# changes one needs a fresh interpreter to see it
+_IMPORT_TIME_VARS = ("CKPTFIX_DCP_MAX_",)
+
+
+def _needs_interpreter(args: tuple[str, ...], env: Mapping[str, str]) -> bool:
+    """A process command, a ``PYTHONPATH`` naming a folder this interpreter's ``sys.path`` lacks, or a change to
+    a variable read at import time."""
+    command = next((a for a in args if not a.startswith("-")), None)
+    here = {os.path.abspath(p or ".") for p in sys.path}
+    elsewhere = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) not in here]
+    names = {k for k in (*env, *os.environ) if k.startswith(_IMPORT_TIME_VARS)}
+    import_time = any(env.get(k) != os.environ.get(k) for k in names)
+    return command in _PROCESS_COMMANDS or bool(elsewhere) or import_time
+
+
 def run_cli(
     *args: str,
     env: Mapping[str, str] | None = None,
     scenario: str | None = None,
     timeout: float = 60,
     cwd: str | Path | None = None,
+    isolated: bool | None = None,
     **extra: str,
 ) -> CliRun:
-    """Run ``ckptfix ARGS`` in a fresh interpreter.
+    """Run ``ckptfix ARGS`` as the console script does: in this process (``main()`` with captured streams), or
+    in a fresh interpreter when the run is about the interpreter.
+
+    A fresh interpreter is used when ``isolated=True``, when the calling test reads ``.torch_imported`` (only
+    a new process can say whether torch was imported), and for the commands whose behaviour belongs to the
+    process (``pick-gpu``: leases held for the process's life, ``exec``; ``train``, ``demo``) or that set up
+    the interpreter differently (another ``PYTHONPATH``, a ``CKPTFIX_DCP_MAX_*`` limit read at import).  Everything
+    else runs in-process: same exit code, stdout and stderr, without a new interpreter's start-up.
 
     Args:
         args: the command line after ``ckptfix``.
         env: the whole environment (default: this process's); e.g. from :func:`fake_smi_env`.
         scenario: the fake nvidia-smi's scenario (``$FAKE_SMI_SCENARIO``).
-        timeout: seconds before the test fails.
+        timeout: seconds before the test fails (a fresh interpreter is killed; an in-process run that is still
+            going dumps every thread's stack to stderr, to show where it hangs).
         cwd: working directory (default: the repository root).
+        isolated: ``True``: a fresh interpreter; ``False``: in-process; ``None``: decide as above.
         extra: more environment variables.
 
     Returns:
         The :class:`CliRun`.
     """
+    args = tuple(map(str, args))
     e = dict(os.environ if env is None else env)
     e.setdefault("PYTHONPATH", str(ROOT))
     if scenario is not None:
         e["FAKE_SMI_SCENARIO"] = scenario
     e.update(extra)
+    if isolated is None:
+        isolated = _needs_interpreter(args, e) or _caller_reads_torch_report()
+    if not isolated:
+        return _run_cli_in_process(args, e, timeout, ROOT if cwd is None else Path(cwd))
     fd, report = tempfile.mkstemp(prefix="ckptfix-torch-report-")
     os.close(fd)
     e["TORCH_REPORT"] = report
@@ -127,6 +204,67 @@ def run_cli(
     finally:
         os.unlink(report)
     return CliRun(p.returncode, p.stdout, p.stderr, None if not said else said == "True")
+
+
+class CliHang(BaseException):
+    """An in-process ``ckptfix`` run still going after its timeout (a BaseException: ``main()`` does not catch it)."""
+
+
+class _HangAlarm:
+    """SIGALRM after ``timeout`` seconds raises :class:`CliHang` naming the command (main thread only)."""
+
+    def __init__(self, args: tuple[str, ...], timeout: float) -> None:
+        self.old: Any = None
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def fire(signum: int, frame: Any) -> None:
+            raise CliHang(f"ckptfix {' '.join(args)}: still running after {timeout:g} s (hung?)")
+
+        self.old = signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+
+    def cancel(self) -> None:
+        if self.old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+
+
+def _run_cli_in_process(args: tuple[str, ...], env: dict[str, str], timeout: float, cwd: Path) -> CliRun:
+    """``main(args)`` here, with ``os.environ`` set to exactly ``env``, in ``cwd``, stdout and stderr captured."""
+    from click.testing import CliRunner
+
+    from ckptfix.cli import main
+
+    env.setdefault("COLUMNS", "80")  # what a fresh interpreter writing to a pipe sees
+    env.setdefault("LINES", "24")
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = ["ckptfix", *args]
+    with contextlib.suppress(AttributeError, ValueError, OSError):  # the real stderr, even under capsys
+        faulthandler.dump_traceback_later(timeout, exit=False, file=sys.__stderr__)
+    alarm = _HangAlarm(args, timeout)
+    try:
+        with CliRunner().isolation() as (out, err, _):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:  # what the console script would exit with
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            stdout, stderr = out.getvalue(), err.getvalue()
+    finally:
+        alarm.cancel()
+        faulthandler.cancel_dump_traceback_later()
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return CliRun(
+        rc, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "backslashreplace"), None, isolated=False
+    )
 
 
 def run_python(

@@ -27,11 +27,11 @@ def _ckptfix(*args: str, stderr_tty: bool = False, **env: str) -> tuple[int, str
     """Run ``python -m ckptfix ARGS``; with ``stderr_tty`` stderr is a pseudo-terminal."""
     cmd = [sys.executable, "-m", "ckptfix", *args]
     if not stderr_tty:
-        p = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
+        p = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=600)
         return p.returncode, p.stdout, p.stderr
     leader, follower = pty.openpty()
     try:
-        p = subprocess.run(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=follower, timeout=60)
+        p = subprocess.run(cmd, env=_env(**env), stdout=subprocess.PIPE, stderr=follower, timeout=600)
         os.close(follower)
         follower = -1
         chunks = []
@@ -122,7 +122,7 @@ def test_debug_shows_the_traceback_of_a_torch_missing_error(tmp_path):
         env=_env(),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
     )
     assert p.returncode == 14
     assert "Traceback" in p.stderr and p.stderr.rstrip().splitlines()[-1].startswith("Error: ckptfix demo needs torch")
@@ -135,7 +135,7 @@ def test_a_missing_module_that_is_not_torch_is_an_internal_error(tmp_path):
         "sys.exit(main(sys.argv[1:]))\n"
     )
     p = subprocess.run(
-        [sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code, "inspect", str(tmp_path)], env=_env(), capture_output=True, text=True, timeout=600
     )
     assert p.returncode == 1 and p.stderr.startswith("Error: internal error: ModuleNotFoundError")
 

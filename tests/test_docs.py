@@ -131,9 +131,13 @@ def test_doctests_run(module):
 
 @pytest.mark.slow
 def test_console_blocks_match_real_runs():
-    """Every marked console block in README.md and docs/ is what the commands print today."""
+    """Every marked console block in README.md and docs/ is what the commands print today.
+
+    Pages whose inputs (commands, the ckptfix sources they import, versions) match their stamp in
+    docs/gen_docs.stamps.json are not run again (tests/test_gen_docs.py).  No wall-clock budget: a loaded
+    machine is slow, not broken; gen_docs.py stops a block that hangs and names it."""
     gen = REPO / "docs" / "gen_docs.py"
-    p = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-4000:]
 
 

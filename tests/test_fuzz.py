@@ -1,15 +1,17 @@
-"""Time-boxed, seeded mutation fuzz: every container, every command, in one bounded subprocess.
+"""Seeded mutation fuzz: every container, every command, in one bounded subprocess.
 
 Small valid files of every container (torch zip, legacy, safetensors, sharded index + .bin shards,
 TorchScript, bare pickle), each holding a payload that would ``touch`` a canary file if unpickled
 for real, are mutated (byte flips, truncations, splices, and for zip archives re-zipped mutations
 of data.pkl with valid CRCs) and run through inspect, scan, strip-prefix, add-prefix, convert and
 load_anywhere in process.  Asserted: only ckptfix's own errors escape (no other exception type, no
-exit 1), no process is ever started (audit hook) and the canary never appears, no mutant takes
-longer than 20 s, and the whole loop stays inside a 3 GiB address-space limit with a bounded peak
-RSS.
+exit 1), no process is ever started (audit hook) and the canary never appears, no mutant hangs
+(a 300 s alarm per call: only a hang, never a slow machine), and the whole loop stays inside a 3 GiB
+address-space limit with a bounded peak RSS.
 
-``CKPTFIX_FUZZ_SECONDS`` (default 40) sets the budget, ``CKPTFIX_FUZZ_SEED`` the seed.
+A fixed number of mutants (``CKPTFIX_FUZZ_MUTANTS``, default 600), not a time box: the same seed
+(``CKPTFIX_FUZZ_SEED``) tests the same mutants on a quiet and on a loaded machine.
+``CKPTFIX_FUZZ_SECONDS`` (default 0) keeps going for that long after them, for a longer local run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-BUDGET_S = float(os.environ.get("CKPTFIX_FUZZ_SECONDS", "40"))
+BUDGET_S = float(os.environ.get("CKPTFIX_FUZZ_SECONDS", "0"))
+MUTANTS = int(os.environ.get("CKPTFIX_FUZZ_MUTANTS", "600"))
 SEED = int(os.environ.get("CKPTFIX_FUZZ_SEED", "20261123"))
 
 
@@ -101,7 +104,7 @@ DRIVER = textwrap.dedent(r"""
     from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
 
     seeds, canary, work = json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
-    budget, seed = float(sys.argv[5]), int(sys.argv[6])
+    budget, seed, mutants = float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
     rng = random.Random(seed)
     spawned = []
     armed = [False]
@@ -184,7 +187,7 @@ DRIVER = textwrap.dedent(r"""
         )
         bad = []
         for name, call in calls:
-            signal.alarm(20)
+            signal.alarm(300)
             try:
                 rv = call()
                 if name in ("strip-prefix", "add-prefix") and rv == 1:
@@ -192,7 +195,7 @@ DRIVER = textwrap.dedent(r"""
             except CkptfixError:
                 pass
             except Hang:
-                bad.append((name, "took over 20 s"))
+                bad.append((name, "still running after 300 s (hung)"))
             except BaseException as e:
                 bad.append((name, "".join(traceback.format_exception_only(type(e), e)).strip()[:500]))
             finally:
@@ -210,9 +213,13 @@ DRIVER = textwrap.dedent(r"""
     limit = 3 << 30
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     armed[0] = True
-    t_end = time.monotonic() + budget
     n = 0
-    while time.monotonic() < t_end:
+    t_end = None
+    while True:
+        if n >= mutants:  # then, with CKPTFIX_FUZZ_SECONDS, keep going that long
+            t_end = time.monotonic() + budget if t_end is None else t_end
+            if time.monotonic() >= t_end:
+                break
         c = rng.choice(sorted(seeds))
         files = seeds[c]
         k = 0 if c != "sharded" else rng.randrange(len(files))
@@ -248,14 +255,15 @@ def test_mutation_fuzz(tmp_path):
     work.mkdir()
     repo = str(Path(__file__).resolve().parents[1])
     r = subprocess.run(
-        [sys.executable, "-c", DRIVER, repo, json.dumps(seeds), canary, str(work), str(BUDGET_S), str(SEED)],
+        [sys.executable, "-c", DRIVER, repo, json.dumps(seeds), canary, str(work)]
+        + [str(BUDGET_S), str(SEED), str(MUTANTS)],
         capture_output=True,
         text=True,
-        timeout=BUDGET_S + 600,
+        timeout=BUDGET_S + 3600,  # only a hang
     )
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert not res["failures"], json.dumps(res["failures"][:5], indent=1)
     assert not res["spawned"] and not os.path.exists(canary)
-    assert res["mutants"] >= 50 and len(res["per_container"]) == len(seeds), res
+    assert res["mutants"] >= MUTANTS and len(res["per_container"]) == len(seeds), res
     assert res["maxrss_mib"] < 1024, res

@@ -20,7 +20,7 @@ from ckptfix.gpu.leases import try_lease
 from ckptfix.gpu.pick import Criteria, parse_size_mib, pick, rank_gpus, selection_env
 from ckptfix.gpu.records import GpuProcess, SmiGpu, VisibleGpu
 
-from fakesmi import scenario_runner  # noqa: E402
+from fakesmi import scenario_runner
 
 SCENARIOS = Path(__file__).parent / "fixtures" / "nvidia-smi" / "scenarios"
 

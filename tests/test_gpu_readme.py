@@ -66,7 +66,7 @@ def shell(tmp_path: Path):
                 f'echo "::cvd {i} ${{CUDA_VISIBLE_DEVICES-<unset>}}"',
             ]
         return subprocess.run(
-            ["bash", "-c", "\n".join(script)], env=env, cwd=work, capture_output=True, text=True, timeout=120
+            ["bash", "-c", "\n".join(script)], env=env, cwd=work, capture_output=True, text=True, timeout=600
         )
 
     return run

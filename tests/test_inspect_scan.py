@@ -236,7 +236,7 @@ _NO_TORCH = textwrap.dedent("""
 
 def _run_no_torch(argvs):
     p = subprocess.run(
-        [sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", _NO_TORCH.format(argvs=argvs)], capture_output=True, text=True, timeout=600
     )
     lines = {
         ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if ln.startswith(("CODES", "TORCH"))
@@ -293,7 +293,7 @@ def test_inspect_importtime_has_no_torch(ckpt):
         [sys.executable, "-X", "importtime", "-m", "ckptfix", "inspect", str(b.path)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=600,
     )
     assert p.returncode == 0, p.stderr
     mods = [ln.rsplit("|", 1)[-1].strip() for ln in p.stderr.splitlines() if ln.startswith("import time:")]

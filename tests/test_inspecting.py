@@ -72,7 +72,7 @@ def test_files_without_tensors(tmp_path, kind):
         except ImportError as e:  # transformers' Trainer needs accelerate
             pytest.skip(str(e))
         torch.save(args, path)
-    p = run_cli("inspect", path, "--json", timeout=120)
+    p = run_cli("inspect", path, "--json", timeout=600)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["tensor_count"] == 0 and doc["state_dict_key"] is None and doc["format"] == "torch-zip"

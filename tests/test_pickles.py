@@ -76,7 +76,7 @@ def _rss_cli(*args: str, env: dict | None = None) -> tuple[int, float, str]:
     e = dict(os.environ)
     e.update(env or {})
     p = subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=120, env=e, cwd=str(REPO)
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=600, env=e, cwd=str(REPO)
     )
     rc, kib = p.stdout.split()
     return int(rc), int(kib) / 1024, p.stderr

@@ -11,7 +11,9 @@ import torch
 from ckptfix.train import TrainConfig, train, verify_probe
 from ckptfix.train.fsdp import ids_to_names, names_to_ids
 
-SMALL = dict(train_samples=256, test_samples=64, quiet=True)
+from heavy import FSDP_SMALL
+
+SMALL = FSDP_SMALL  # what the session fixture fsdp_trained_dcp was trained with
 pytestmark = pytest.mark.slow
 
 
@@ -27,10 +29,10 @@ def test_optimizer_key_mapping():
     assert ids_to_names(ids, names) == sd
 
 
-@pytest.fixture(scope="module")
-def fsdp_dcp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    return out, train(TrainConfig(out=str(out), mode="fsdp", nproc=2, epochs=1, save_format="dcp", **SMALL))
+@pytest.fixture
+def fsdp_dcp(fsdp_trained_dcp):
+    """``train --mode fsdp`` for one epoch, saved as DCP (built once per test run: conftest.py)."""
+    return fsdp_trained_dcp
 
 
 def test_fsdp_writes_a_sharded_dcp(fsdp_dcp):

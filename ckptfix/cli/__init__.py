@@ -18,37 +18,42 @@ import click
 from ckptfix._torch import is_torch_missing, missing_error
 from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
-from ckptfix.cli.group import _DEBUG, CtrlC, cli
+from ckptfix.cli.group import CtrlC, cli
 from ckptfix.errors import CkptfixError, InterruptedByUserError
 
 
-def _debug_wanted() -> bool:
-    return _DEBUG["on"] or os.environ.get("CKPTFIX_DEBUG", "") not in ("", "0")
+def debug_wanted(args: list[str]) -> bool:
+    """Whether this run shows tracebacks: ``--debug`` before any ``--``, or ``CKPTFIX_DEBUG`` set (not 0).
+
+    A function of this run's arguments and environment, not a module global: several ``main()`` calls in one
+    process (tests, embedding) never inherit an earlier call's ``--debug``.
+    """
+    opts = args[: args.index("--")] if "--" in args else args
+    return "--debug" in opts or os.environ.get("CKPTFIX_DEBUG", "") not in ("", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI, turn errors into one line and an exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--debug" in args[: args.index("--") if "--" in args else len(args)]:
-        _DEBUG["on"] = True
+    debug = debug_wanted(args)
     try:
         rv = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
         return int(rv) if isinstance(rv, int) else 0
     except CkptfixError as e:
-        if _debug_wanted():
+        if debug:
             traceback.print_exc()
         error_line(str(e))
         return e.exit_code
     except ModuleNotFoundError as e:  # a command that needs torch, run without it
         if not is_torch_missing(e):
-            return _internal_error(e)
-        if _debug_wanted():
+            return _internal_error(e, debug)
+        if debug:
             traceback.print_exc()
         err = missing_error(_feature(args))
         error_line(str(err))
         return err.exit_code
     except (CtrlC, click.exceptions.Abort, KeyboardInterrupt):
-        if _debug_wanted():
+        if debug:
             traceback.print_exc()
         if sys.stderr.isatty():  # end the terminal's "^C" line
             click.echo(err=True)
@@ -62,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except BrokenPipeError:
         return 0
-    except Exception as e:  # an internal bug: still one line unless --debug
-        return _internal_error(e)
+    except Exception as e:  # noqa: BLE001 - an internal bug: still one line unless --debug
+        return _internal_error(e, debug)
 
 
 def interrupted_error() -> InterruptedByUserError:
@@ -85,8 +90,8 @@ def interrupted_error() -> InterruptedByUserError:
     )
 
 
-def _internal_error(e: BaseException) -> int:
-    if _debug_wanted():
+def _internal_error(e: BaseException, debug: bool) -> int:
+    if debug:
         traceback.print_exc()
     error_line(f"internal error: {type(e).__name__}: {e} (re-run with --debug and report it)")
     return 1

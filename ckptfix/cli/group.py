@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import click
 
-_DEBUG = {"on": False}
 
-
-class CtrlC(Exception):  # noqa: N818 (a signal, not an error: ckptfix.cli.main renders it)
+class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
     """Ctrl-C inside a command, carried past Click (which would print a blank line and "Aborted.")."""
 
 
@@ -36,5 +34,4 @@ def cli(debug: bool) -> None:
     GPUs:         gpus, pick-gpu, doctor
     Training:     train, demo
     """
-    if debug:
-        _DEBUG["on"] = True
+    # --debug is read by ckptfix.cli.main from the arguments (it must know before Click parses them)

@@ -125,7 +125,7 @@ class Files:
             os.close(fd)
         self.fds.clear()
 
-    def __enter__(self) -> Files:  # noqa: PYI034
+    def __enter__(self) -> Files:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,10 +40,6 @@ def _prod(xs: Sequence[int]) -> int:
     return n
 
 
-def _contains(c: Chunk, prefix: tuple[int, ...]) -> bool:
-    return all(o <= i < o + s for i, o, s in zip(prefix, c.offsets, c.sizes, strict=False))
-
-
 class TensorStream:
     """The C-order bytes of one global tensor, produced from its chunks in bounded blocks."""
 

@@ -160,10 +160,6 @@ def _dir_kind(path: str) -> Format:
     )
 
 
-#: the members of a pre-0.4 torch.save tar archive
-TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
-
-
 def _tar_kind(path: str) -> Format:
     """:attr:`Format.TORCH_TAR` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
     import tarfile

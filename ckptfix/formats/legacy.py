@@ -53,7 +53,7 @@ def _load_one(
         raise CorruptCheckpointError(f"{path}: the file ends inside the {what}; it is truncated") from None
     except CkptfixError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any other failure of the unpickler is corruption
         raise CorruptCheckpointError(
             f"{path}: cannot read the {what} ({type(e).__name__}: {e}); the file is corrupt or not a checkpoint"
         ) from None

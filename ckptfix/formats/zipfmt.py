@@ -358,7 +358,7 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any other failure of the unpickler is corruption
         raise CorruptCheckpointError(
             f"{path}: data.pkl cannot be read ({type(e).__name__}: {e}); the checkpoint is corrupt"
         ) from None

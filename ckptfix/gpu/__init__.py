@@ -21,8 +21,18 @@ from ckptfix.gpu.records import GpuProcess, MigDevice, Problem, SmiGpu, SmiSnaps
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, build_view, visible_gpus
 
-if TYPE_CHECKING:
-    from ckptfix.gpu.pick import PickResult
+if TYPE_CHECKING:  # what type checkers see; the same names as _FROM_PICK and _FROM_LEASES (tests/test_public_api.py)
+    from ckptfix.gpu.leases import Lease
+    from ckptfix.gpu.pick import (
+        DEFAULT_LEASE_SECONDS,
+        Criteria,
+        PickResult,
+        Ranked,
+        Rejected,
+        choose_gpus,
+        parse_size_mib,
+        rank_gpus,
+    )
 
 # ckptfix.gpu.pick (and ckptfix.gpu.leases) are imported on first use: `ckptfix gpus` does not need them
 _FROM_PICK = {

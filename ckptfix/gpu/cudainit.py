@@ -48,7 +48,7 @@ def _probe_cuinit(path: str) -> int | None:
     n = ctypes.c_int(0)
     try:
         return int(fn(ctypes.byref(n)))
-    except Exception:  # a foreign library of that name
+    except Exception:  # noqa: BLE001 - a foreign library of that name
         return None
 
 
@@ -75,12 +75,12 @@ def cuda_init_route() -> str | None:
         try:
             if tcuda.is_initialized():
                 return "torch.cuda is initialised (a CUDA tensor, torch.cuda.init(), set_device(), ...)"
-        except Exception:  # a half-imported or stubbed torch
+        except Exception:  # noqa: BLE001 - a half-imported or stubbed torch
             pass
         try:
             if tcuda._is_in_bad_fork():
                 return "this process was forked from one that had initialised CUDA"
-        except Exception:
+        except Exception:  # noqa: BLE001 - a torch without this private hook
             pass
         if getattr(tcuda, "_cached_device_count", None) is not None:
             return "torch.cuda has cached its device count (CUDA was initialised)"

@@ -41,8 +41,8 @@ class VisibleSpec:
     entries: tuple[Any, ...] = ()  # ints for "index", str for "uuid"/"mig"
     notes: tuple[str, ...] = ()  # what the parser dropped and why
     emptied_by_duplicate: bool = False
-    stopped_at: str | None = None  # the entry that stopped the list, if any
     read_as: tuple[str, ...] = ()  # entries CUDA accepts but reads leniently ("1gpu2" is 1): nothing dropped
+    stopped_at: str | None = None  # the entry that stopped the list, if any
     # with emptied_by_duplicate: the entries read up to the repeated one ("0,9,0" -> (0, 9)); an index past the
     # last GPU among them ends the list by NVIDIA's documented rule before the repeat is ever seen
     before_duplicate: tuple[Any, ...] = ()

@@ -118,12 +118,12 @@ def torch_info() -> dict[str, Any]:
         and ``cuda_initialized``.
     """
     try:
-        import torch  # noqa: PLC0415 - the one lazy torch import in ckptfix.gpu
+        import torch  # the one lazy torch import in ckptfix.gpu
     except ImportError as e:
         from ckptfix._torch import is_torch_missing
 
         return {"installed": False, "error": "not installed" if is_torch_missing(e) else str(e)}
-    except Exception as e:  # a broken install (missing .so, ABI mismatch...)
+    except Exception as e:  # noqa: BLE001 - a broken install (missing .so, ABI mismatch...)
         return {"installed": False, "error": f"{type(e).__name__}: {e}"}
     cuda = getattr(torch.version, "cuda", None)
     return {
@@ -141,7 +141,7 @@ def torch_info() -> dict[str, Any]:
 def _safe(fn: Any) -> Any:
     try:
         return fn()
-    except Exception:
+    except Exception:  # noqa: BLE001 - a report never fails on one probe
         return None
 
 
@@ -516,7 +516,7 @@ def doctor_report(
         from ckptfix import __version__
 
         python["ckptfix"] = __version__
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001  # pragma: no cover
         pass
     gpu_error_kind = "no_gpu"
     view: GpuView | None = None

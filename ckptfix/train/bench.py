@@ -33,8 +33,6 @@ from typing import Any, Collection
 from ckptfix.errors import TrainingError
 from ckptfix.train.config import TrainConfig
 
-BENCH_MODES = ("single", "dp", "manual", "ddp", "fsdp")
-
 
 @dataclasses.dataclass
 class BenchRow:

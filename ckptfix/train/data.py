@@ -237,7 +237,7 @@ def load_dataset(path: str) -> Dataset:
                 raw = {k: torch.from_numpy(z[k].copy()) for k in z.files}
         else:
             raw = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TrainingError(
             f"cannot read data file {path}: {e}; expected a .pt (torch.save of a dict) or .npz with "
             "'images' uint8 [N,28,28] and 'labels' int64 [N]"

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(f"[rank {rank}] Error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    except Exception as e:  # a bug or an environment failure: one line for the launcher, traceback in the log
+    except Exception as e:  # noqa: BLE001 - a bug or an environment failure: one line for the launcher, traceback in the log
         import traceback
 
         traceback.print_exc()
