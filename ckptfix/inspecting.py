@@ -576,6 +576,7 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     kind = sniff(path)
     acc = _Acc(_context(kind))
     fmt = _SCANNERS[kind](path, acc, limits) or kind
+    _scan_other_readings(path, kind, acc, limits)
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
 
@@ -595,10 +596,70 @@ def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
 
 
 def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """The pickles torch's tar loader runs first: ``storages`` and ``tensors`` (their opening pickle) and
+    ``pickle`` (the object); the per-storage records that follow are not walked, so never "safe"."""
+    import tarfile
+
+    from ckptfix.formats.sniffing import _Capped
+
+    base = os.path.basename(path)
     acc.unknown(
-        os.path.basename(path),
-        "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
+        base,
+        "a pre-0.4 tar checkpoint: torch.load unpickles one record per storage and tensor; ckptfix scans "
+        "only the first pickle of each member",
     )
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:  # type: ignore[call-overload]
+            for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
+                try:
+                    info = tar.getmember(name)  # the last member of that name, as tar.extract takes it
+                except KeyError:
+                    continue
+                if info.size > limits.max_bytes:
+                    acc.unknown(f"{base}:{name}", f"a {info.size >> 20} MiB member, over the pickle limit")
+                    continue
+                fh = tar.extractfile(info)
+                if fh is None:
+                    continue
+                acc.add_result(f"{base}:{name}", scan_globals(fh.read(limits.max_bytes), limits=limits))
+    except Exception as e:  # noqa: BLE001 - a damaged archive is reported, never a crash
+        acc.errors.append(f"{base}: damaged tar archive ({type(e).__name__}: {e})")
+
+
+def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the ways other readers could read the same bytes (a polyglot): the worst counts.
+
+    A tar or safetensors file whose bytes also start a pickle is scanned as that pickle too; a pickle
+    with a zip archive appended, as that archive.  Only the globals each reading would import count
+    (a reading that fails part way is no finding by itself).
+    """
+    from ckptfix.formats import sniffing
+
+    if not os.path.isfile(path):
+        return
+    base = os.path.basename(path)
+    # (a file opening with PK\x03\x04 fails as a pickle at its first opcode, PERSID, before importing anything)
+    if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
+        with open(path, "rb") as f:
+            _, parts = scan_pickle_sequence(f, limits=limits)
+        for i, r in enumerate(parts):
+            label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
+            acc.add_result(label, ScanResult(pairs=r.pairs, unresolved=r.unresolved))
+        acc.notes.append(
+            f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
+            "pickle.load would unpickle it; both readings were scanned"
+        )
+    if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
+        sub = _Acc(acc.context)
+        with open(path, "rb") as f:
+            _scan_zip(f, f"{base} read as a zip", sub, limits)
+        for g, d in sub.globals.items():
+            acc._add(g, d["class"], d["count"])
+        acc.pickles += sub.pickles
+        acc.notes.append(
+            f"{base}: a zip archive is appended (a polyglot): torch.load reads the start, zip readers "
+            "the archive; both were scanned"
+        )
 
 
 #: how each format is scanned (a scanner that tells the format from what it read returns it)

@@ -119,6 +119,11 @@ def _scan_error(checkpoint: str, r):
     from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
 
     if r.dangerous:
+        if r.format == "torch-tar":  # torch.load runs its members' pickles; ckptfix never loads it
+            return ScanFindingsError(
+                f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}) in a pre-0.4 tar "
+                "checkpoint: do not load this file with torch.load; ckptfix refuses to load it"
+            )
         return ScanFindingsError(
             f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
             "load this file with torch.load(weights_only=False); ckptfix loads it with them "

@@ -26,11 +26,10 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-import struct
 from typing import Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
-from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, zipfmt
+from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -112,16 +111,22 @@ def sniff(path: str) -> Format:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
     with open(path, "rb") as f:
         head = f.read(16)
+    # torch.load's own order (see ckptfix.formats.sniffing): zip magic, then tarfile at offset 0, then a pickle
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
         return zipfmt.zip_kind(path)
+    opens = sniffing.tar_opens(path)
+    if opens:
+        return _tar_kind(path)
+    if opens is None:
+        raise CorruptCheckpointError(
+            f"{path}: starts with a damaged tar header that torch.load's tar reader fails on; not a checkpoint"
+        )
+    if sniffing.safetensors_header_ok(path, max_json_bytes()):
+        return Format.SAFETENSORS
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return legacy.stream_kind(path)
-    if len(head) >= 9:
-        (n,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and 0 < n <= size - 8:
-            return Format.SAFETENSORS
-    if len(head) >= 8 and head[8:9] == b"{":
-        return Format.SAFETENSORS  # header length is wrong: the reader reports it
+    if len(head) >= 9 and head[8:9] == b"{" and not head.lstrip()[:1] == b"{":
+        return Format.SAFETENSORS  # a header whose length or JSON is wrong: the reader says which
     if head.lstrip()[:1] == b"{":
         if sharded.looks_like_index(path):
             return Format.SHARDED
@@ -129,6 +134,8 @@ def sniff(path: str) -> Format:
             f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
             "pass the checkpoint file or a sharded *.index.json"
         )
+    if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
+        return legacy.stream_kind(path)
     with open(path, "rb") as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
@@ -160,12 +167,14 @@ TAR_MEMBERS = frozenset({"sys_info", "pickle", "storages", "tensors"})
 
 
 def _tar_kind(path: str) -> Format:
-    """:attr:`Format.TORCH_TAR` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
+    """:attr:`Format.TORCH_TAR` for a tar archive torch's legacy loader opens: a pre-0.4 torch.save archive
+    (its first member names), or any tar whose bytes also start a pickle (torch reads it as a tar, other
+    readers as a pickle); refused otherwise."""
     import tarfile
 
     names: set[str] = set()
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:  # type: ignore[call-overload]
             for _ in range(16):
                 info = tar.next()
                 if info is None:
@@ -174,6 +183,8 @@ def _tar_kind(path: str) -> Format:
     except (tarfile.TarError, OSError, ValueError, EOFError, UnicodeDecodeError, OverflowError):
         pass
     if "pickle" in names and names & {"storages", "tensors", "sys_info"}:
+        return Format.TORCH_TAR
+    if sniffing.starts_like_pickle(path):
         return Format.TORCH_TAR
     raise CorruptCheckpointError(f"{path}: a tar archive, not a checkpoint; extract it and pass the checkpoint inside")
 
