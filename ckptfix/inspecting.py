@@ -609,7 +609,7 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
         "only the first pickle of each member",
     )
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:  # type: ignore[call-overload]
+        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
             for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
                 try:
                     info = tar.getmember(name)  # the last member of that name, as tar.extract takes it

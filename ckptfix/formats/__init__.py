@@ -174,7 +174,7 @@ def _tar_kind(path: str) -> Format:
 
     names: set[str] = set()
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:  # type: ignore[call-overload]
+        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
             for _ in range(16):
                 info = tar.next()
                 if info is None:

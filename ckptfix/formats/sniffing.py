@@ -89,7 +89,7 @@ def tar_opens(path: str) -> bool | None:
     """
     with open(path, "rb") as f:
         try:
-            with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):  # type: ignore[call-overload]
+            with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):
                 return True
         except tarfile.TarError:
             return False

@@ -88,8 +88,14 @@ def zip_kind(path: str) -> Format:
     with _open_zip(path) as zf:
         try:
             names = zf.namelist()
+            first = min((i.header_offset for i in zf.infolist()), default=0)
         except ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
+    if first != 0:  # zipfile skips data put before an archive; torch's reader (miniz) does not
+        raise CorruptCheckpointError(
+            f"{path}: {first} bytes of other data come before the zip archive (an archive inside another "
+            "file); torch.load cannot read it — not a checkpoint"
+        )
     check_names(path, names)
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return Format.TORCHSCRIPT
