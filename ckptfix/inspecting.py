@@ -235,7 +235,10 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     if cf.format == Format.SAFETENSORS:
         return True, "safetensors holds no pickle"
     if cf.format == Format.TORCHSCRIPT:
-        return True, "torch.load hands TorchScript archives to torch.jit.load"
+        return False, (
+            "a TorchScript archive: torch.load refuses weights_only=True for it (it hands the archive to "
+            "torch.jit.load, which runs its code); load it with torch.jit.load only if you trust it"
+        )
     if cf.format == Format.DCP:
         return False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
     if bad:
@@ -267,6 +270,10 @@ def _notes(
         notes.append(
             "a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
             "the module itself runs its class's code (load_anywhere gives the state dict)"
+        )
+    elif holder == "tensor":
+        notes.append(
+            'one bare tensor (torch.save(tensor)), not a state dict: named "tensor" (convert writes that name)'
         )
     elif holder == "sequence":
         notes.append('a list/tuple holding tensors, not a state dict: each named by its position ("0", "1.2" ...)')
@@ -626,6 +633,39 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
         acc.errors.append(f"{base}: damaged tar archive ({type(e).__name__}: {e})")
 
 
+def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
+    base = os.path.basename(path)
+    with open(path, "rb") as f:
+        _scan_zip(f, base, acc, limits)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            code = [n for n in zf.namelist() if n.endswith(".py")]
+    except Exception:  # noqa: BLE001 - already reported by the scan above
+        code = []
+    acc.notes.append(
+        f"{base}: a torch.package archive (a packaged model with its code): load it with "
+        "torch.package.PackageImporter only if you trust it"
+    )
+    if code:
+        acc.unknown(
+            base,
+            f"{len(code)} packaged Python module(s) ({', '.join(code[:3])}{' ...' if len(code) > 3 else ''}) "
+            "that PackageImporter runs when a pickle imports them",
+        )
+    # PackageImporter resolves a pickle's globals in the package first: a global whose module is packaged
+    # (even one named like collections or torch._utils) imports, so runs, that packaged code
+    packaged = set()
+    for n in code:
+        mod = n.split("/", 1)[1] if "/" in n else n
+        mod = mod[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+        packaged.add(mod)
+    for g, d in list(acc.globals.items()):
+        mod = g.rsplit(".", 1)[0]
+        if any(mod == p or mod.startswith(p + ".") for p in packaged):
+            d["class"] = "dangerous"
+
+
 def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimits) -> None:
     """Scan the ways other readers could read the same bytes (a polyglot): the worst counts.
 
@@ -672,4 +712,5 @@ _SCANNERS: dict[Format, Callable[[str, _Acc, PickleLimits], Format | None]] = {
     Format.SHARDED: _scan_sharded,
     Format.DCP: _scan_dcp,
     Format.TORCH_TAR: _scan_tar,
+    Format.TORCH_PACKAGE: _scan_package,
 }

@@ -165,6 +165,8 @@ def _summary(r: Any) -> None:
         n += f" (+{len(r.aliases)} alias{'es' if len(r.aliases) != 1 else ''})"
     parts = [n, human_bytes(r.bytes), "verified" if r.verified else "not verified", f"{r.seconds:.2f} s"]
     info(f"converted {r.source} ({r.source_format}): " + ", ".join(parts))
+    if getattr(r, "unnamed", ""):
+        info(f"the file holds {r.unnamed}")
     if r.key_path:
         where = "taken from" if r.direction == "to-safetensors" else "put back under"
         info(f"state dict {where} {'/'.join(r.key_path)}")

@@ -54,6 +54,7 @@ class ConvertReport:
     placeholders: dict[str, str] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)
+    unnamed: str = ""  # how tensors saved without names were named (a bare tensor, a list/tuple)
     renamed: int = 0
     optimizer_tensors: int = 0
     bytes: int = 0

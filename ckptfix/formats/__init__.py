@@ -15,6 +15,8 @@ Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` 
 ``sharded``       a ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards), or its directory
 ``dcp``           a ``torch.distributed.checkpoint`` directory
 ``pickle``        a bare pickle with no torch storages
+``torch-package`` a ``torch.package.PackageExporter`` archive (packaged code and pickles): recognised and
+                  scanned, never read
 ``torch-tar``     the pre-0.4 ``torch.save`` tar archive (``sys_info``, ``pickle``, ``storages``,
                   ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
 
@@ -47,6 +49,7 @@ from ckptfix.formats.base import (
     ZipDetails,
     env_mib,
     max_json_bytes,
+    package_message,
     tar_message,
 )
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
@@ -78,6 +81,7 @@ __all__ = [
     "max_json_bytes",
     "read_checkpoint",
     "sniff",
+    "package_message",
     "tar_message",
 ]
 
@@ -222,6 +226,10 @@ def _read_tar(path: str) -> CheckpointFile:
     raise UnsupportedError(tar_message(path))
 
 
+def _read_package(path: str) -> CheckpointFile:
+    raise UnsupportedError(package_message(path))
+
+
 def _read_sharded(path: str) -> CheckpointFile:
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
@@ -236,4 +244,5 @@ _READERS: dict[Format, Callable[[str], CheckpointFile]] = {
     Format.SHARDED: _read_sharded,
     Format.DCP: dcp.read_dcp,
     Format.TORCH_TAR: _read_tar,
+    Format.TORCH_PACKAGE: _read_package,
 }
