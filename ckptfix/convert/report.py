@@ -71,4 +71,6 @@ class ConvertReport:
         d = dict(self.__dict__)
         d["key_path"] = list(self.key_path)
         d["seconds"] = round(self.seconds, 3)
+        if not d["unnamed"]:  # only for a bare tensor or a list/tuple of tensors
+            del d["unnamed"]
         return d
