@@ -10,7 +10,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
@@ -689,6 +689,15 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
             f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
             "pickle.load would unpickle it; both readings were scanned"
         )
+    if kind in (Format.TORCH_ZIP, Format.TORCHSCRIPT, Format.TORCH_PACKAGE):
+        try:
+            tar = sniffing.tar_opens(path)
+        except CkptfixError as e:
+            acc.unknown(base, f"read as a tar archive: {e}")
+            tar = False
+        if tar:  # torch reads the zip; torch before 1.6 (and tarfile) the tar
+            _scan_tar(path, acc, limits)
+            acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
     if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
         sub = _Acc(acc.context)
         with open(path, "rb") as f:

@@ -407,3 +407,61 @@ def test_sniff_bounds_tar_long_name(tmp_path):
     with pytest.raises(CkptfixError):
         sniff(str(p))
     assert os.path.getsize(p) < 4096
+
+
+# --------------------------------------------------------------------------- a zip that is also a tar
+
+
+def zip_tar_polyglot(tar_rest: bytes) -> bytes:
+    """A torch zip whose first 512 bytes are also a valid tar header (member size 0), ``tar_rest`` after it.
+
+    The zip's first member (stored) holds ``tar_rest``; its local header's extra field carries the tar
+    header's fields, so torch.load reads a zip and tarfile reads the tar members in ``tar_rest``.
+    """
+
+    def build(extra: bytes) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as zf:
+            info = zipfile.ZipInfo("archive/junk", date_time=(2020, 1, 1, 0, 0, 0))
+            info.extra = extra
+            zf.writestr(info, tar_rest)
+            for name, data in (
+                ("archive/data.pkl", pickle.dumps({}, protocol=2)),
+                ("archive/byteorder", b"little"),
+                ("archive/version", b"3\n"),
+            ):
+                zf.writestr(zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0)), data)
+        return buf.getvalue()
+
+    name_end = 30 + len("archive/junk")
+    block = struct.pack("<HH", 0xCAFE, 512 - name_end - 4)
+    first = bytearray(build(block + b"\0" * (512 - name_end - 4))[:512])
+    info = tarfile.TarInfo("x")
+    info.size = 0
+    tar = info.tobuf(format=tarfile.USTAR_FORMAT)
+    first[100:512] = tar[100:512]
+    first[148:156] = b" " * 8
+    first[148:156] = b"%06o\0 " % sum(first)
+    data = build(bytes(first[name_end:512]))
+    assert data[:512] == bytes(first)
+    return data
+
+
+def test_zip_tar_polyglot_scans_both_readings(tmp_path):
+    canary, payload = canary_cmd(tmp_path)
+    rest = (
+        tar_member(b"storages", payload)
+        + tar_member(b"tensors", pickle.dumps(0, protocol=2))
+        + tar_member(b"pickle", pickle.dumps({}, protocol=2))
+        + b"\0" * 1024
+    )
+    p = tmp_path / "zt.pt"
+    p.write_bytes(zip_tar_polyglot(rest))
+    with tarfile.open(p) as t:  # a tar to tarfile (and to torch before 1.6) ...
+        assert "storages" in t.getnames()
+    assert torch_branch(p) == "zip"  # ... a zip to torch.load
+    assert_agrees(p)
+    assert sniff(str(p)) == Format.TORCH_ZIP
+    r = scan_checkpoint(p)
+    assert r.verdict == "dangerous" and "os.system" in r.dangerous, r.to_dict()
+    assert not canary.exists()

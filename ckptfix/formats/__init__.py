@@ -125,7 +125,8 @@ def sniff(path: str) -> Format:
         raise CorruptCheckpointError(
             f"{path}: starts with a damaged tar header that torch.load's tar reader fails on; not a checkpoint"
         )
-    if sniffing.safetensors_header_ok(path, max_json_bytes()):
+    # the JSON is parsed here only where the length's bytes also read as PROTO (else the reader checks it)
+    if sniffing.safetensors_header_ok(path, max_json_bytes() if head[:1] == b"\x80" else 0):
         return Format.SAFETENSORS
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return legacy.stream_kind(path)
