@@ -90,7 +90,12 @@ ZIP_EMPTY = b"PK\x05\x06"
 
 
 def sniff(path: str) -> Format:
-    """Say which format ``path`` holds, by content (the first bytes, a zip's member names).
+    """Say which format ``path`` holds, by content, deciding as ``torch.load`` decides and in its order.
+
+    ``PK\x03\x04`` first (a zip: torch, TorchScript or torch.package by member names), then whatever
+    ``tarfile`` opens at offset 0 (a tar checkpoint, even when its bytes also start a pickle), then a
+    valid safetensors header, then a pickle (``PROTO`` 2..5, or protocol 0/1 with no ``PROTO``).  See
+    :mod:`ckptfix.formats.sniffing`; ``scan`` also checks the other readings of a polyglot.
 
     Args:
         path: a file or directory.
