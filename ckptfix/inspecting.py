@@ -10,7 +10,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
@@ -283,7 +283,10 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     if cf.format == Format.SAFETENSORS:
         return True, "safetensors holds no pickle"
     if cf.format == Format.TORCHSCRIPT:
-        return True, "torch.load hands TorchScript archives to torch.jit.load"
+        return False, (
+            "a TorchScript archive: torch.load refuses weights_only=True for it (it hands the archive to "
+            "torch.jit.load, which runs its code); load it with torch.jit.load only if you trust it"
+        )
     if cf.format == Format.DCP:
         return False, "a DCP directory is not a torch.load file (use load_anywhere or dcp.load)"
     if bad:
@@ -332,6 +335,10 @@ def _notes(
             f"an optimizer state ({opt.get('param_groups', '?')} param group(s), {opt.get('state_tensors', '?')} "
             "state tensors), not model weights: load_checkpoint(...).checkpoint is what optimizer.load_state_dict "
             "takes; convert --include-optimizer writes its tensors"
+        )
+    elif holder == "tensor":
+        notes.append(
+            'one bare tensor (torch.save(tensor)), not a state dict: named "tensor" (convert writes that name)'
         )
     elif holder == "sequence":
         notes.append('a list/tuple holding tensors, not a state dict: each named by its position ("0", "1.2" ...)')
@@ -655,6 +662,7 @@ def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
     kind = sniff(path)
     acc = _Acc(_context(kind))
     fmt = _SCANNERS[kind](path, acc, limits) or kind
+    _scan_other_readings(path, kind, acc, limits)
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
 
@@ -739,10 +747,112 @@ def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
 
 
 def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """The pickles torch's tar loader runs first: ``storages`` and ``tensors`` (their opening pickle) and
+    ``pickle`` (the object); the per-storage records that follow are not walked, so never "safe"."""
+    import tarfile
+
+    from ckptfix.formats.sniffing import _Capped
+
+    base = os.path.basename(path)
     acc.unknown(
-        os.path.basename(path),
-        "a pre-0.4 tar checkpoint: torch.load unpickles its members; ckptfix does not scan them",
+        base,
+        "a pre-0.4 tar checkpoint: torch.load unpickles one record per storage and tensor; ckptfix scans "
+        "only the first pickle of each member",
     )
+    try:
+        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
+            for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
+                try:
+                    info = tar.getmember(name)  # the last member of that name, as tar.extract takes it
+                except KeyError:
+                    continue
+                if info.size > limits.max_bytes:
+                    acc.unknown(f"{base}:{name}", f"a {info.size >> 20} MiB member, over the pickle limit")
+                    continue
+                fh = tar.extractfile(info)
+                if fh is None:
+                    continue
+                acc.add_result(f"{base}:{name}", scan_globals(fh.read(limits.max_bytes), limits=limits))
+    except Exception as e:  # noqa: BLE001 - a damaged archive is reported, never a crash
+        acc.errors.append(f"{base}: damaged tar archive ({type(e).__name__}: {e})")
+
+
+def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
+    base = os.path.basename(path)
+    with open(path, "rb") as f:
+        _scan_zip(f, base, acc, limits)
+    try:
+        with zipfile.ZipFile(path) as zf:
+            code = [n for n in zf.namelist() if n.endswith(".py")]
+    except Exception:  # noqa: BLE001 - already reported by the scan above
+        code = []
+    acc.notes.append(
+        f"{base}: a torch.package archive (a packaged model with its code): load it with "
+        "torch.package.PackageImporter only if you trust it"
+    )
+    if code:
+        acc.unknown(
+            base,
+            f"{len(code)} packaged Python module(s) ({', '.join(code[:3])}{' ...' if len(code) > 3 else ''}) "
+            "that PackageImporter runs when a pickle imports them",
+        )
+    # PackageImporter resolves a pickle's globals in the package first: a global whose module is packaged
+    # (even one named like collections or torch._utils) imports, so runs, that packaged code
+    packaged = set()
+    for n in code:
+        mod = n.split("/", 1)[1] if "/" in n else n
+        mod = mod[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+        packaged.add(mod)
+    for g, d in list(acc.globals.items()):
+        mod = g.rsplit(".", 1)[0]
+        if any(mod == p or mod.startswith(p + ".") for p in packaged):
+            d["class"] = "dangerous"
+
+
+def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the ways other readers could read the same bytes (a polyglot): the worst counts.
+
+    A tar or safetensors file whose bytes also start a pickle is scanned as that pickle too; a pickle
+    with a zip archive appended, as that archive.  Only the globals each reading would import count
+    (a reading that fails part way is no finding by itself).
+    """
+    from ckptfix.formats import sniffing
+
+    if not os.path.isfile(path):
+        return
+    base = os.path.basename(path)
+    # (a file opening with PK\x03\x04 fails as a pickle at its first opcode, PERSID, before importing anything)
+    if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
+        with open(path, "rb") as f:
+            _, parts = scan_pickle_sequence(f, limits=limits)
+        for i, r in enumerate(parts):
+            label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
+            acc.add_result(label, ScanResult(pairs=r.pairs, unresolved=r.unresolved))
+        acc.notes.append(
+            f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
+            "pickle.load would unpickle it; both readings were scanned"
+        )
+    if kind in (Format.TORCH_ZIP, Format.TORCHSCRIPT, Format.TORCH_PACKAGE):
+        try:
+            tar = sniffing.tar_opens(path)
+        except CkptfixError as e:
+            acc.unknown(base, f"read as a tar archive: {e}")
+            tar = False
+        if tar:  # torch reads the zip; torch before 1.6 (and tarfile) the tar
+            _scan_tar(path, acc, limits)
+            acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
+    if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
+        sub = _Acc(acc.context)
+        with open(path, "rb") as f:
+            _scan_zip(f, f"{base} read as a zip", sub, limits)
+        for g, d in sub.globals.items():
+            acc._add(g, d["class"], d["count"])
+        acc.pickles += sub.pickles
+        acc.notes.append(
+            f"{base}: a zip archive is appended (a polyglot): torch.load reads the start, zip readers "
+            "the archive; both were scanned"
+        )
 
 
 #: how each format is scanned (a scanner that tells the format from what it read returns it)
@@ -755,4 +865,5 @@ _SCANNERS: dict[Format, Callable[[str, _Acc, PickleLimits], Format | None]] = {
     Format.SHARDED: _scan_sharded,
     Format.DCP: _scan_dcp,
     Format.TORCH_TAR: _scan_tar,
+    Format.TORCH_PACKAGE: _scan_package,
 }

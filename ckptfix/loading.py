@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ckptfix import stmeta
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import Format, ShardedDetails, read_checkpoint, sniff, tar_message
+from ckptfix.formats import Format, ShardedDetails, package_message, read_checkpoint, sniff, tar_message
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.policy import classify_global
 
@@ -433,9 +433,14 @@ def _load_dcp(ld: _Load) -> Any:
     return obj
 
 
+def _load_package(ld: _Load) -> Any:
+    raise UnsupportedError(package_message(ld.path))
+
+
 #: the loader of each format: each returns the whole checkpoint object, torch tensors in it
 _LOADERS: dict[Format, Callable[[_Load], Any]] = {
     Format.TORCH_TAR: _load_tar,
+    Format.TORCH_PACKAGE: _load_package,
     Format.TORCH_ZIP: _load_zip,
     Format.TORCH_LEGACY: _load_legacy,
     Format.PICKLE: _load_pickle,

@@ -299,6 +299,10 @@ def module_state_dict(obj: Any, prefix: str = "", out: dict | None = None, depth
     return out
 
 
+#: the name a bare tensor (``torch.save(tensor)``) is given where a name is needed (convert, inspect)
+BARE_TENSOR_NAME = "tensor"
+
+
 def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...], Mapping[str, Any], str]:
     """Find the tensors of any checkpoint object and name them.
 
@@ -312,11 +316,14 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
         (at the top or under a top-level key), its ``state_dict()`` computed from the placeholders;
         ``"sequence"``: a top-level list/tuple holding tensors (nested lists, tuples and dicts too),
         each named by its path: ``"0"``, ``"1.2"`` ...; ``"optimizer"``: an optimizer's state
-        (:func:`is_optimizer_state`), every tensor named by its path (``"state.0.exp_avg"``).
+        (:func:`is_optimizer_state`), every tensor named by its path (``"state.0.exp_avg"``); ``"tensor"``:
+        one bare tensor (``torch.save(tensor)``), named ``"tensor"``.
 
     Raises:
         KeyConflictError: ``key`` does not exist.  CorruptCheckpointError: no tensors found.
     """
+    if key is None and is_tensor_like(obj):  # torch.save(tensor): one tensor, no name
+        return (), {BARE_TENSOR_NAME: obj}, "tensor"
     if key is None:
         if module_state(obj) is not None and not isinstance(obj, dict):
             msd = module_state_dict(obj)

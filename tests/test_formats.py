@@ -244,8 +244,8 @@ def test_tar_checkpoint_is_its_own_format(tmp_path, capsys):
     canary = tmp_path / "canary"
     p = hostile.tar_checkpoint(tmp_path / "old.pt", hostile.payloads(str(canary))["os.system"])
     assert sniff(str(p)) == "torch-tar"
-    r = scan_checkpoint(p)  # reported, never "safe": torch.load would unpickle its members
-    assert r.verdict == "unknown" and any("tar" in n for n in r.unknown + r.errors + r.notes)
+    r = scan_checkpoint(p)  # never "safe": torch.load would unpickle its members (the object pickle is scanned)
+    assert r.verdict == "dangerous" and any("tar" in n for n in r.unknown + r.errors + r.notes)
     with pytest.raises(UnsupportedError):
         inspect_checkpoint(p)
     for cmd in COMMANDS:

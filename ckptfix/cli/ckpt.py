@@ -135,10 +135,21 @@ def _scan_error(checkpoint: str, r):
     from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
 
     if r.dangerous:
+        if r.format in ("torch-tar", "torch-package"):  # ckptfix never loads these
+            what = "a pre-0.4 tar checkpoint" if r.format == "torch-tar" else "a torch.package archive"
+            return ScanFindingsError(
+                f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}) in {what}: they run code "
+                "when the file is loaded (torch.load, PackageImporter); load it only if you trust it"
+            )
         return ScanFindingsError(
             f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
             "load this file with torch.load(weights_only=False); ckptfix loads it with them "
             "stubbed"
+        )
+    if r.unknown and r.format in ("torch-tar", "torch-package"):
+        return ScanFindingsError(
+            f"{len(r.unknown)} global(s) or record(s) the scan cannot clear ({', '.join(r.unknown[:3])}); "
+            "load the file only if you trust it (ckptfix does not load this format)"
         )
     if r.unknown:
         return ScanFindingsError(

@@ -180,6 +180,8 @@ def _summary(r: Any) -> None:
     from ckptfix.display import shown_path
 
     info(f"converted {shown_path(r.source)} ({r.source_format}): " + ", ".join(parts))
+    if getattr(r, "unnamed", ""):
+        info(f"the file holds {r.unnamed}")
     if r.key_path:
         where = "taken from" if r.direction == "to-safetensors" else "put back under"
         info(f"state dict {where} {'/'.join(r.key_path)}")

@@ -319,6 +319,12 @@ def _read_source(
         if key is None:
             require_tensors(cf, src, "convert")
         key_path, sd, kind = locate_state_dict(cf.obj, key)
+        if kind in ("tensor", "sequence"):
+            report.unnamed = (
+                'one bare tensor (torch.save(tensor)), named "tensor"'
+                if kind == "tensor"
+                else 'a list/tuple of tensors, each named by its position ("0", "1", "1.2" ...)'
+            )
     check_not_partitioned(src, cf.obj, sd, "convert")
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]

@@ -56,6 +56,7 @@ class ConvertReport:
     placeholders: dict[str, str] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)
+    unnamed: str = ""  # how tensors saved without names were named (a bare tensor, a list/tuple)
     renamed: int = 0
     optimizer_tensors: int = 0
     bytes: int = 0
@@ -72,4 +73,6 @@ class ConvertReport:
         d = dict(self.__dict__)
         d["key_path"] = list(self.key_path)
         d["seconds"] = round(self.seconds, 3)
+        if not d["unnamed"]:  # only for a bare tensor or a list/tuple of tensors
+            del d["unnamed"]
         return d

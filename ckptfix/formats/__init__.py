@@ -15,6 +15,8 @@ Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` 
 ``sharded``       a ``*.index.json`` with a ``weight_map`` (``.bin`` or ``.safetensors`` shards), or its directory
 ``dcp``           a ``torch.distributed.checkpoint`` directory
 ``pickle``        a bare pickle with no torch storages
+``torch-package`` a ``torch.package.PackageExporter`` archive (packaged code and pickles): recognised and
+                  scanned, never read
 ``torch-tar``     the pre-0.4 ``torch.save`` tar archive (``sys_info``, ``pickle``, ``storages``,
                   ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
 
@@ -26,11 +28,10 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-import struct
 from typing import Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
-from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, zipfmt
+from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -48,6 +49,7 @@ from ckptfix.formats.base import (
     ZipDetails,
     env_mib,
     max_json_bytes,
+    package_message,
     tar_message,
 )
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
@@ -79,6 +81,7 @@ __all__ = [
     "max_json_bytes",
     "read_checkpoint",
     "sniff",
+    "package_message",
     "tar_message",
 ]
 
@@ -87,7 +90,12 @@ ZIP_EMPTY = b"PK\x05\x06"
 
 
 def sniff(path: str) -> Format:
-    """Say which format ``path`` holds, by content (the first bytes, a zip's member names).
+    """Say which format ``path`` holds, by content, deciding as ``torch.load`` decides and in its order.
+
+    ``PK\x03\x04`` first (a zip: torch, TorchScript or torch.package by member names), then whatever
+    ``tarfile`` opens at offset 0 (a tar checkpoint, even when its bytes also start a pickle), then a
+    valid safetensors header, then a pickle (``PROTO`` 2..5, or protocol 0/1 with no ``PROTO``).  See
+    :mod:`ckptfix.formats.sniffing`; ``scan`` also checks the other readings of a polyglot.
 
     Args:
         path: a file or directory.
@@ -112,16 +120,23 @@ def sniff(path: str) -> Format:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
     with open(path, "rb") as f:
         head = f.read(16)
+    # torch.load's own order (see ckptfix.formats.sniffing): zip magic, then tarfile at offset 0, then a pickle
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
         return zipfmt.zip_kind(path)
+    opens = sniffing.tar_opens(path)
+    if opens:
+        return _tar_kind(path)
+    if opens is None:
+        raise CorruptCheckpointError(
+            f"{path}: starts with a damaged tar header that torch.load's tar reader fails on; not a checkpoint"
+        )
+    # the JSON is parsed here only where the length's bytes also read as PROTO (else the reader checks it)
+    if sniffing.safetensors_header_ok(path, max_json_bytes() if head[:1] == b"\x80" else 0):
+        return Format.SAFETENSORS
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         return legacy.stream_kind(path)
-    if len(head) >= 9:
-        (n,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and 0 < n <= size - 8:
-            return Format.SAFETENSORS
-    if len(head) >= 8 and head[8:9] == b"{":
-        return Format.SAFETENSORS  # header length is wrong: the reader reports it
+    if len(head) >= 9 and head[8:9] == b"{" and not head.lstrip()[:1] == b"{":
+        return Format.SAFETENSORS  # a header whose length or JSON is wrong: the reader says which
     if head.lstrip()[:1] == b"{":
         if sharded.looks_like_index(path):
             return Format.SHARDED
@@ -129,6 +144,8 @@ def sniff(path: str) -> Format:
             f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
             "pass the checkpoint file or a sharded *.index.json"
         )
+    if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
+        return legacy.stream_kind(path)
     with open(path, "rb") as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
@@ -161,12 +178,14 @@ def _dir_kind(path: str) -> Format:
 
 
 def _tar_kind(path: str) -> Format:
-    """:attr:`Format.TORCH_TAR` for a pre-0.4 torch.save tar archive (its first few member names), else refuse."""
+    """:attr:`Format.TORCH_TAR` for a tar archive torch's legacy loader opens: a pre-0.4 torch.save archive
+    (its first member names), or any tar whose bytes also start a pickle (torch reads it as a tar, other
+    readers as a pickle); refused otherwise."""
     import tarfile
 
     names: set[str] = set()
     try:
-        with tarfile.open(path, mode="r:") as tar:
+        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
             for _ in range(16):
                 info = tar.next()
                 if info is None:
@@ -175,6 +194,8 @@ def _tar_kind(path: str) -> Format:
     except (tarfile.TarError, OSError, ValueError, EOFError, UnicodeDecodeError, OverflowError):
         pass
     if "pickle" in names and names & {"storages", "tensors", "sys_info"}:
+        return Format.TORCH_TAR
+    if sniffing.starts_like_pickle(path):
         return Format.TORCH_TAR
     raise CorruptCheckpointError(f"{path}: a tar archive, not a checkpoint; extract it and pass the checkpoint inside")
 
@@ -212,6 +233,10 @@ def _read_tar(path: str) -> CheckpointFile:
     raise UnsupportedError(tar_message(path))
 
 
+def _read_package(path: str) -> CheckpointFile:
+    raise UnsupportedError(package_message(path))
+
+
 def _read_sharded(path: str) -> CheckpointFile:
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
@@ -226,4 +251,5 @@ _READERS: dict[Format, Callable[[str], CheckpointFile]] = {
     Format.SHARDED: _read_sharded,
     Format.DCP: dcp.read_dcp,
     Format.TORCH_TAR: _read_tar,
+    Format.TORCH_PACKAGE: _read_package,
 }

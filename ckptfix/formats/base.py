@@ -33,6 +33,7 @@ class Format(str, Enum):
     DCP = "dcp"  # a torch.distributed.checkpoint directory
     PICKLE = "pickle"  # a bare pickle with no torch storages
     TORCH_TAR = "torch-tar"  # pre-0.4 torch.save tar archive: recognised, never read
+    TORCH_PACKAGE = "torch-package"  # torch.package.PackageExporter archive (code + pickles): scanned, never read
 
     def __str__(self) -> str:
         return self.value
@@ -82,6 +83,23 @@ def max_json_bytes() -> int:
         ResourceLimitError: the environment variable is not a positive number.
     """
     return env_mib(MAX_JSON_ENV, DEFAULT_MAX_JSON_MB)
+
+
+def package_message(path: str) -> str:
+    """What a ``torch.package`` archive is and how to load it (used by every command that reads it).
+
+    Args:
+        path: the archive.
+
+    Returns:
+        The one-line message for the :class:`~ckptfix.errors.UnsupportedError`.
+    """
+    return (
+        f"{path}: a torch.package archive (torch.package.PackageExporter): a packaged model with its own "
+        "Python code, not a torch.save checkpoint; `ckptfix scan` checks its pickles. Only if you trust it: "
+        "torch.package.PackageImporter(path).load_pickle(package, resource) (runs the packaged code), then "
+        "save the state dict with torch.save"
+    )
 
 
 def tar_message(path: str) -> str:

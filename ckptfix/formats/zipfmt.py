@@ -80,7 +80,8 @@ def zip_kind(path: str) -> Format:
         path: a zip file.
 
     Returns:
-        :attr:`Format.TORCHSCRIPT` (a ``code/`` folder or ``constants.pkl``) or :attr:`Format.TORCH_ZIP`.
+        :attr:`Format.TORCHSCRIPT` (a ``code/`` folder or ``constants.pkl``), :attr:`Format.TORCH_PACKAGE`
+        (``.data/version`` and ``.data/extern_modules``: a ``torch.package`` archive) or :attr:`Format.TORCH_ZIP`.
 
     Raises:
         CorruptCheckpointError: a damaged archive, ambiguous member names, or no ``data.pkl``.
@@ -88,9 +89,18 @@ def zip_kind(path: str) -> Format:
     with _open_zip(path) as zf:
         try:
             names = zf.namelist()
+            first = min((i.header_offset for i in zf.infolist()), default=0)
         except ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
+    if first != 0:  # zipfile skips data put before an archive; torch's reader (miniz) does not
+        raise CorruptCheckpointError(
+            f"{path}: {first} bytes of other data come before the zip archive (an archive inside another "
+            "file); torch.load cannot read it — not a checkpoint"
+        )
     check_names(path, names)
+    root = names[0].split("/", 1)[0] + "/" if names and "/" in names[0] else ""
+    if root + "constants.pkl" not in names and {root + ".data/version", root + ".data/extern_modules"} <= set(names):
+        return Format.TORCH_PACKAGE  # torch.package.PackageExporter (torch.load finds no data.pkl in it)
     if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
         return Format.TORCHSCRIPT
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):

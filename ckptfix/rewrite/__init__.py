@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 
 from ckptfix import stmeta
-from ckptfix.errors import UnsupportedError
+from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
 from ckptfix.progress import Progress, reporting
 from ckptfix.rewrite.location import parse_map_location, relocate
@@ -184,8 +184,16 @@ def _rewrite_file(
     if key is None and cf.format != Format.SAFETENSORS:
         require_tensors(cf, src, "rename")
     key_path, sd, holder = locate_state_dict(cf.obj, key)
+    if holder in ("tensor", "sequence"):
+        what = "one bare tensor (torch.save(tensor))" if holder == "tensor" else "a list/tuple of tensors"
+        raise NoTensorsError(
+            f"{src}: {what}, not a state dict: its tensors have no names, so there are no keys to "
+            "rename; ckptfix convert names them ("
+            + ('"tensor"' if holder == "tensor" else '"0", "1", ...')
+            + ") and load_anywhere reads them"
+        )
     if holder != "mapping":
-        what = "a whole pickled nn.Module" if holder == "module" else "a list of tensors"
+        what = "a whole pickled nn.Module"
         raise UnsupportedError(
             f"{src}: {what}, not a state dict, so there are no keys to rename in the file; "
             "convert it (ckptfix convert, which names its tensors as state_dict() does) or "
