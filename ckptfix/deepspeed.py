@@ -35,7 +35,7 @@ import sys
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping
 
 from ckptfix.convert.items import CHUNK, Fds, Item
 from ckptfix.convert.report import ConvertReport, Progress
@@ -466,8 +466,14 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
             continue
         path, off, numel, dt = _pieces(rec, mf, f"buffer {name!r}")
         tensors.append(
-            ZeroTensor(str(name), dt, tuple(rec.shape), [Piece(path, off, numel * ELEMENT_SIZE[dt])], "buffer",
-                       upcast=dt in _FLOAT and dt != "float32")
+            ZeroTensor(
+                str(name),
+                dt,
+                tuple(rec.shape),
+                [Piece(path, off, numel * ELEMENT_SIZE[dt])],
+                "buffer",
+                upcast=dt in _FLOAT and dt != "float32",
+            )
         )
     zc.train_dtype = _train_dtype(msd, dtypes)
     # frozen parameters
@@ -488,7 +494,9 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
                 flat.add(path, off, numel)
             assert flat is not None
             if flat.numel < n:
-                raise CorruptCheckpointError(f"{zc.tag_dir}: frozen parameter {name!r} has {flat.numel} of {n} elements")
+                raise CorruptCheckpointError(
+                    f"{zc.tag_dir}: frozen parameter {name!r} has {flat.numel} of {n} elements"
+                )
             tensors.append(ZeroTensor(str(name), flat.dtype, shape, flat.take(0, n), "frozen"))
     groups = msd["param_shapes"]
     if not isinstance(groups, list):
@@ -772,10 +780,10 @@ def _convert_py(data: bytes, src: str, dst: str) -> bytes:
         return bytes(out)
     if dst == "bfloat16":
         us = struct.unpack(f"<{len(vals)}I", struct.pack(f"<{len(vals)}f", *vals))
-        return struct.pack(
-            f"<{len(us)}H",
-            *(0x7FC0 if v != v else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u, v in zip(us, vals, strict=True)),
+        halves = (
+            0x7FC0 if v != v else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u, v in zip(us, vals, strict=True)
         )
+        return struct.pack(f"<{len(us)}H", *halves)
     raise UnsupportedError(f"cannot convert {src} to {dst}")
 
 

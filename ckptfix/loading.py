@@ -481,12 +481,49 @@ def load_checkpoint(
     """
     require_torch("load_anywhere (loading tensors)")
     path = os.fspath(path)
+    framework = _framework_dir(path, map_location, model) if os.path.isdir(path) and key is None else None
+    if framework is not None:
+        return framework
     fmt = sniff(path)
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
     ld = _Load(path, map_location, allow_globals, trust, mmap)
     obj = _LOADERS[fmt](ld)
     return _found(ld, fmt, obj, key, model)
+
+
+def _framework_dir(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
+    """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
+    from ckptfix.dcp.hfstorage import find_hf_storage, hf_storage_state_dict
+    from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
+
+    zc = find_zero_checkpoint(path)
+    hf = find_hf_storage(path) if zc is None else None
+    if zc is not None:
+        sd: dict = zero_state_dict(zc)
+        fmt = f"deepspeed-zero{zc.stage}"
+    elif hf is not None:
+        sd = collections.OrderedDict(hf_storage_state_dict(hf))
+        fmt = "hf-storage-dcp"
+    else:
+        return None
+    target = _simple_target(map_location) if map_location not in (None, "cpu") else "cpu"
+    if target != "cpu":
+        moved: dict[int, Any] = {}
+        for k, v in sd.items():  # shared parameters stay shared
+            sd[k] = moved.setdefault(id(v), v.to(target))
+    alignment = None
+    if model is not None:
+        from ckptfix.prefixes import align_state_dict
+
+        sd, alignment = align_state_dict(sd, model)
+    return LoadedCheckpoint(
+        path=path,
+        state_dict=sd,
+        checkpoint=sd,
+        format=fmt,  # type: ignore[arg-type]  # a framework layout, not a file Format
+        alignment=alignment,
+    )
 
 
 def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
