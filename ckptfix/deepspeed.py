@@ -748,7 +748,7 @@ def _convert_np(np: Any, data: Any, src: str, dst: str) -> bytes:
     if dst == "bfloat16":
         u = a.view("<u4")
         r = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype("<u2")
-        r[np.isnan(a)] = 0x7FC0
+        r[np.isnan(a)] = 0xFFFF  # what torch's (vectorised) CPU kernel writes for any NaN
         return bytes(r.tobytes())
     raise UnsupportedError(f"cannot convert {src} to {dst}")
 
@@ -781,7 +781,7 @@ def _convert_py(data: bytes, src: str, dst: str) -> bytes:
     if dst == "bfloat16":
         us = struct.unpack(f"<{len(vals)}I", struct.pack(f"<{len(vals)}f", *vals))
         halves = (
-            0x7FC0 if v != v else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u, v in zip(us, vals, strict=True)
+            0xFFFF if v != v else ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF for u, v in zip(us, vals, strict=True)
         )
         return struct.pack(f"<{len(us)}H", *halves)
     raise UnsupportedError(f"cannot convert {src} to {dst}")
