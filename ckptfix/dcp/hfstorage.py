@@ -86,6 +86,9 @@ def find_hf_storage(path: str | os.PathLike) -> HfStorageCheckpoint | None:
     Returns:
         The checkpoint (not read yet), or None: not a directory, a ``.metadata`` present (a
         FileSystemWriter DCP folder), or no ``shard-*-model-*-of-*.safetensors`` files.
+
+    Raises:
+        CorruptCheckpointError: a gap in the shard numbers (a rank's file is missing).
     """
     p = os.fspath(path)
     if not os.path.isdir(p) or os.path.exists(os.path.join(p, ".metadata")):
@@ -97,6 +100,13 @@ def find_hf_storage(path: str | os.PathLike) -> HfStorageCheckpoint | None:
             found.append(((int(m.group(1)), int(m.group(2))), os.path.join(p, n)))
     if not found:
         return None
+    shards = sorted({s for (s, _), _ in found})
+    if shards != list(range(1, len(shards) + 1)):
+        missing = sorted(set(range(1, shards[-1] + 1)) - set(shards))
+        raise CorruptCheckpointError(
+            f"{p}: shard(s) {', '.join(f'{m:05d}' for m in missing)} of a HuggingFaceStorageWriter checkpoint are "
+            "missing (shard-NNNNN-model-*.safetensors, one per rank); copy every file the ranks wrote"
+        )
     return HfStorageCheckpoint(p, [f for _, f in sorted(found)])
 
 
@@ -153,7 +163,7 @@ def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
             else:
                 t.shape = [max(a, s + o) for a, s, o in zip(t.shape, shape, offs, strict=True)]
             t.chunks.append(_Chunk(f, start + b, offs, shape))
-    for t in tensors.values():
+    for t in tensors.values():  # (a missing *last* shard cannot be told from the files: torch has no index)
         covered = sum(math.prod(c.sizes) for c in t.chunks)
         if covered < math.prod(t.shape):
             raise CorruptCheckpointError(
