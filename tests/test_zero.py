@@ -265,3 +265,49 @@ def test_inputs_never_modified(tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
     convert_zero(find_zero_checkpoint(d), tmp_path / "o.safetensors", dtype="bf16")
     assert before == {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _synthetic(out: Path, fp32_bytes: int, world: int, stage: int) -> None:
+    """A checkpoint in DeepSpeed's layout from benchmarks/bench_zero.py's generator (checked against the fixtures)."""
+    pytest.importorskip("torch")
+    src = (Path(__file__).parents[1] / "benchmarks" / "bench_zero.py").read_text()
+    gen = src.split("GEN = r'''", 1)[1].split("'''", 1)[0].split("if __name__")[0]
+    ns: dict = {}
+    exec(gen, ns)  # noqa: S102 - our own generator
+    ns["model_groups"].__globals__["torch"].manual_seed(0)
+    groups, buffers = ns["model_groups"](fp32_bytes)
+    ns["save"](str(out), groups, buffers, world, stage, adam=False)
+
+
+@pytest.mark.parametrize("stage,world", [(2, 4), (3, 2)])
+def test_peak_rss_is_flat(stage: int, world: int, tmp_path: Path) -> None:
+    """A ~120 MB model: the conversion's peak RSS stays under 100 MiB (no partition is read whole).
+
+    Measured as the child's VmHWM (per address space, so not inherited from this process as ru_maxrss is).
+    """
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs /proc")
+    src = tmp_path / "ckpt"
+    _synthetic(src, 160 << 20, world, stage)
+    out = tmp_path / "m.safetensors"
+    code = (
+        "import sys; from ckptfix.cli import run; sys.argv = ['ckptfix'] + sys.argv[1:]\n"
+        "try:\n    run()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(src), "-o", str(out), "--quiet"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert out.stat().st_size > 100 << 20
+    assert int(p.stdout.split()[-1]) / 1024 < 100, p.stdout
