@@ -198,11 +198,22 @@ def _zero_files(d: str) -> tuple[list[str], list[str]]:
     return [os.path.join(d, n) for n in model], [os.path.join(d, n) for n in optim]
 
 
+def _tags(p: str) -> list[str]:
+    """The subfolders of ``p`` that hold ZeRO optimizer partitions, in natural order."""
+    try:
+        names = os.listdir(p)
+    except OSError:
+        return []
+    return sorted(
+        (n for n in names if os.path.isdir(os.path.join(p, n)) and _zero_files(os.path.join(p, n))[1]), key=_natural
+    )
+
+
 def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> ZeroCheckpoint | None:
     """Recognise a DeepSpeed ZeRO checkpoint folder (cheap: names only; nothing is unpickled).
 
     ``path`` may be the folder ``engine.save_checkpoint`` was given (``latest`` names the tag, unless
-    ``tag`` says otherwise) or a tag folder (``global_stepN/``) itself.
+    ``tag`` says otherwise; without ``latest``, its only tag folder) or a tag folder (``global_stepN/``) itself.
 
     Args:
         path: a directory.
@@ -213,7 +224,7 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
 
     Raises:
         CheckpointNotFoundError: ``latest`` (or ``tag``) names a folder that does not exist or holds no
-            ZeRO partitions.
+            ZeRO partitions; no ``latest`` and several tag folders.
     """
     p = os.fspath(path)
     if not os.path.isdir(p):
@@ -224,6 +235,14 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
         if optim and model:
             return ZeroCheckpoint(p, os.path.basename(os.path.abspath(p)), p, model, optim)
         if not os.path.isfile(latest):
+            tags = _tags(p)
+            if len(tags) == 1:  # no 'latest' (deleted, or not copied) but one tag folder: that one
+                return find_zero_checkpoint(p, tags[0])
+            if tags:
+                raise CheckpointNotFoundError(
+                    f"{p}: a DeepSpeed checkpoint folder without a 'latest' file and {len(tags)} tags "
+                    f"({', '.join(tags[:8])}{' ...' if len(tags) > 8 else ''}); pick one with --tag"
+                )
             return None
         try:
             with open(latest, encoding="utf-8", errors="replace") as f:
@@ -233,7 +252,7 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
         if not tag or "\n" in tag or len(tag) > 255:
             return None
         if not os.path.isdir(os.path.join(p, tag)):
-            tags = sorted((n for n in os.listdir(p) if _zero_files(os.path.join(p, n))[1]), key=_natural)
+            tags = _tags(p)
             have = f"; tags present: {', '.join(tags)} (pick one with --tag)" if tags else ""
             raise CheckpointNotFoundError(
                 f"{p}: 'latest' names tag {tag!r} but {os.path.join(p, tag)} does not exist (an interrupted or "

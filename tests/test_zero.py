@@ -248,6 +248,17 @@ def test_latest_names_missing_tag(tmp_path: Path) -> None:
     assert "global_step7" in msg and "global_step2" in msg  # names what is there
 
 
+def test_no_latest(tmp_path: Path) -> None:
+    d = _copy("zero2_fp32", tmp_path)
+    (d / "latest").unlink()
+    zc = find_zero_checkpoint(d)
+    assert zc is not None and zc.tag == "global_step2"
+    shutil.copytree(d / "global_step2", d / "global_step4")
+    with pytest.raises(CheckpointNotFoundError, match="--tag"):
+        find_zero_checkpoint(d)
+    assert find_zero_checkpoint(d, tag="global_step4").tag == "global_step4"
+
+
 def test_tag_dtype_refused_elsewhere(tmp_path: Path) -> None:
     from ckptfix.convert import convert
 
