@@ -684,6 +684,7 @@ def summary(zc: ZeroCheckpoint) -> dict[str, Any]:
         "params": len(params),
         "param_values": sum(t.numel for t in params),
         "param_bytes": sum(t.nbytes for t in params),
+        "frozen": sum(t.kind == "frozen" for t in zc.tensors),
         "buffers": len(zc.tensors) - len(params),
         "files": len(zc.model_files) + len(zc.optim_files),
         "partition_bytes": sum(os.path.getsize(f) for f in zc.optim_files),
@@ -709,8 +710,8 @@ def describe(zc: ZeroCheckpoint) -> list[tuple[str, str]]:
         ("training", f"{s['train_dtype']} (fp32 master weights in the optimizer partitions)"),
         (
             "weights",
-            f"{s['params']} parameters, {s['param_values']:,} values, {human_bytes(s['param_bytes'])} fp32; "
-            f"{s['buffers']} buffer(s)",
+            f"{s['params']} parameters ({s['frozen']} frozen), {s['param_values']:,} values, "
+            f"{human_bytes(s['param_bytes'])}; {s['buffers']} buffer(s)",
         ),
         ("shared", shared),
     ]

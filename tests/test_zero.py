@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO consolidation (ckptfix.deepspeed) against what DeepSpeed's own zero_to_fp32 returned.
 
 The fixtures under tests/fixtures/frameworks/deepspeed/ were written by deepspeed 0.19.8 on CPU (2 gloo ranks,
-ZeRO 1/2/3, fp32 and bf16; tests/fixtures/frameworks/make_deepspeed.py); ``expected.safetensors`` beside each is
-what ``get_fp32_state_dict_from_zero_checkpoint`` returned.  deepspeed is not needed here.
+ZeRO 1/2/3, fp32 and bf16, and 2/3 with a frozen weight; tests/fixtures/frameworks/make_deepspeed.py);
+``expected.safetensors`` beside each is what ``get_fp32_state_dict_from_zero_checkpoint`` returned.
+deepspeed is not needed here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,16 @@ from ckptfix.errors import (
 from helpers import run_cli
 
 FIX = Path(__file__).parent / "fixtures" / "frameworks" / "deepspeed"
-CASES = ["zero1_fp32", "zero1_bf16", "zero2_fp32", "zero2_bf16", "zero3_fp32", "zero3_bf16"]
+CASES = [
+    "zero1_fp32",
+    "zero1_bf16",
+    "zero2_fp32",
+    "zero2_bf16",
+    "zero3_fp32",
+    "zero3_bf16",
+    "zero2_frozen",
+    "zero3_frozen",
+]
 
 
 def _expected(case: str) -> tuple[dict, dict]:
@@ -162,6 +172,14 @@ def test_describe_and_summary() -> None:
     assert s["params"] == 6 and s["param_values"] == 171 and s["param_bytes"] == 684 and s["buffers"] == 2
     lines = dict(describe(zc))
     assert "ZeRO stage 3" in lines["framework"] and lines["shared"] == "head.weight -> embed.weight"
+
+
+@pytest.mark.parametrize("case", ["zero2_frozen", "zero3_frozen"])
+def test_frozen_weights_come_from_the_model_states(case: str) -> None:
+    zc = read_zero_checkpoint(find_zero_checkpoint(FIX / case))
+    kinds = {t.name: t.kind for t in zc.tensors}
+    assert kinds["back.weight"] == "frozen" and summary(zc)["frozen"] == 1
+    assert all(p.path.endswith("_model_states.pt") for t in zc.tensors if t.kind == "frozen" for p in t.pieces)
 
 
 def test_stage12_params_span_ranks() -> None:
