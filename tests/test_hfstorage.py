@@ -71,6 +71,13 @@ def test_uncovered_rows_are_refused(tmp_path: Path) -> None:
         find_hf_storage(d)
 
 
+def test_describe() -> None:
+    from ckptfix.dcp.hfstorage import describe
+
+    lines = dict(describe(find_hf_storage(FIX / "run")))
+    assert lines["shards"].startswith("2 file(s)") and lines["weights"].startswith("7 tensors")
+
+
 def test_not_hf_storage() -> None:
     assert find_hf_storage(FIX / "expected") is None
     assert find_hf_storage(EXPECTED) is None

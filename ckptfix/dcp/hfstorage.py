@@ -30,7 +30,14 @@ from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.pickles import ELEMENT_SIZE
 
-__all__ = ["HfStorageCheckpoint", "find_hf_storage", "read_hf_storage", "convert_hf_storage", "hf_storage_state_dict"]
+__all__ = [
+    "HfStorageCheckpoint",
+    "find_hf_storage",
+    "read_hf_storage",
+    "describe",
+    "convert_hf_storage",
+    "hf_storage_state_dict",
+]
 
 _SHARD_RE = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
@@ -198,6 +205,33 @@ def _merged_order(orders: list[list[str]]) -> list[str]:
             else:
                 pos = {m: k for k, m in enumerate(out)}
     return out
+
+
+def describe(hf: HfStorageCheckpoint) -> list[tuple[str, str]]:
+    """Lines for ``inspect FOLDER``: ``(label, text)`` pairs (reads the headers on demand).
+
+    Args:
+        hf: from :func:`find_hf_storage`.
+
+    Returns:
+        framework, shards, weights.
+    """
+    from ckptfix.text import human_bytes
+
+    read_hf_storage(hf)
+    dtypes: dict[str, int] = {}
+    for t in hf.tensors:
+        dtypes[ST_TO_DTYPE[t.st_dtype]] = dtypes.get(ST_TO_DTYPE[t.st_dtype], 0) + 1
+    n = sum(math.prod(t.shape) for t in hf.tensors)
+    return [
+        ("framework", "torch DCP, HuggingFaceStorageWriter(save_distributed=True): one shard per rank"),
+        ("shards", f"{len(hf.files)} file(s), {human_bytes(sum(os.path.getsize(f) for f in hf.files))}"),
+        (
+            "weights",
+            f"{len(hf.tensors)} tensors, {n:,} values, {human_bytes(sum(t.nbytes for t in hf.tensors))}; "
+            + ", ".join(f"{d} x{c}" for d, c in sorted(dtypes.items())),
+        ),
+    ]
 
 
 def _runs(t: _Tensor, c: _Chunk) -> Iterator[tuple[int, int, int]]:
