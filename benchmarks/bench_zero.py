@@ -22,7 +22,9 @@ Side by side (interleaved; the order of the two tools alternates round by round;
 peak RSS from ``wait4``):
 
 * ``ckptfix convert DIR -o model.safetensors --quiet`` (streaming, verified);
-* ``python -c "zero_to_fp32.convert_zero_checkpoint_to_state_dict(DIR, OUT, safe_serialization=True)"``.
+* ``python -c "zero_to_fp32.convert_zero_checkpoint_to_state_dict(DIR, OUT, safe_serialization=True)"``;
+* ``python -c "import deepspeed.utils.zero_to_fp32"`` (the reference's import alone, reported so the ratio
+  can also be read without it).
 
 Both outputs are then compared tensor by tensor (ties resolved through ckptfix's aliases).
 """
@@ -237,6 +239,7 @@ def bench(workdir: str, size: int, ranks: int, stage: int, repeat: int, ds_pytho
     cases = {
         "ckptfix": ([ds_python, "-m", "ckptfix", "convert", src, "-o", out, "--quiet"], _rm(out)),
         "zero_to_fp32": ([ds_python, "-c", REFERENCE, src, ref_out], _rm(ref_out)),
+        "import only": ([ds_python, "-c", "import deepspeed.utils.zero_to_fp32"], None),
     }
     env = child_env({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "2"})
     walls: dict[str, list[float]] = {k: [] for k in cases}
@@ -245,7 +248,8 @@ def bench(workdir: str, size: int, ranks: int, stage: int, repeat: int, ds_pytho
     for i in range(repeat):
         for name in names if i % 2 == 0 else names[::-1]:  # alternate who goes first
             argv, before = cases[name]
-            before()
+            if before is not None:
+                before()
             os.sync()
             t, r = measure(argv, env)
             walls[name].append(t)
@@ -267,7 +271,9 @@ def bench(workdir: str, size: int, ranks: int, stage: int, repeat: int, ds_pytho
         "zero_to_fp32_best_s": round(best["zero_to_fp32"], 3),
         "zero_to_fp32_median_s": round(med["zero_to_fp32"], 3),
         "zero_to_fp32_rss_mib": round(rss["zero_to_fp32"], 1),
+        "zero_to_fp32_import_s": round(best["import only"], 3),
         "time_ratio_best": round(best["ckptfix"] / best["zero_to_fp32"], 2),
+        "time_ratio_minus_import": round(best["ckptfix"] / max(1e-3, best["zero_to_fp32"] - best["import only"]), 2),
         "time_ratio_median": round(med["ckptfix"] / med["zero_to_fp32"], 2),
         "rss_ratio": round(rss["ckptfix"] / rss["zero_to_fp32"], 3),
         "identical": identical,
@@ -315,7 +321,8 @@ def main() -> None:
                             f"(median {row['ckptfix_median_s']:.2f}) {row['ckptfix_rss_mib']:.0f} MiB | zero_to_fp32 "
                             f"{row['zero_to_fp32_best_s']:.2f} s (median {row['zero_to_fp32_median_s']:.2f}) "
                             f"{row['zero_to_fp32_rss_mib']:.0f} MiB | time x{row['time_ratio_best']} "
-                            f"rss x{row['rss_ratio']} identical={row['identical']}",
+                            f"rss x{row['rss_ratio']} identical={row['identical']} | deepspeed import alone "
+                            f"{row['zero_to_fp32_import_s']:.2f} s: time x{row['time_ratio_minus_import']} without it",
                             flush=True,
                         )
         if a.json:
