@@ -446,7 +446,7 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
             "a rank did not finish saving, or a file was not copied; copy the missing file(s) from where training "
             "saved them"
         )
-    if stage not in (1, 2, 3):
+    if stage not in (0, 1, 2, 3):  # 0: DeepSpeed's BF16_Optimizer without ZeRO, laid out as 1/2 (as zero_to_fp32)
         raise UnsupportedError(f"{zc.tag_dir}: ZeRO stage {stage!r}; only stages 1, 2 and 3 hold fp32 partitions")
 
     # model states: stage 3 has one per rank, stage 1/2 one (mp_rank_00)

@@ -340,3 +340,13 @@ def test_peak_rss_is_flat(stage: int, world: int, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert out.stat().st_size > 100 << 20
     assert int(p.stdout.split()[-1]) / 1024 < 100, p.stdout
+
+
+def test_convert_json_matches_schema(tmp_path: Path) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).parents[1] / "docs" / "schemas" / "convert.schema.json").read_text())
+    r = run_cli("convert", str(FIX / "zero1_bf16"), "-o", str(tmp_path / "m.safetensors"), "--json", "--dtype", "bf16")
+    assert r.rc == 0, r.err
+    doc = json.loads(r.out)
+    jsonschema.Draft202012Validator(schema).validate(doc)
+    assert doc["source_format"] == "deepspeed-zero1" and doc["aliases"] == {"head.weight": "embed.weight"}
