@@ -176,13 +176,18 @@ class ZeroCheckpoint:
         return order
 
     def aliases(self) -> dict[str, str]:
-        """``{tied name: stored name}`` of the shared parameters whose target exists (as zero_to_fp32 applies them)."""
+        """``{tied name: stored name}`` of the shared parameters whose target exists (as zero_to_fp32 applies them:
+        ``state_dict[tied] = state_dict[stored]``, in order)."""
         stored = {t.name for t in self.tensors}
         out: dict[str, str] = {}
         for alias, target in self.shared:
-            if target in stored or target in out:
-                out[alias] = out.get(target, target)
-        return {a: t for a, t in out.items() if a != t}
+            if alias == target:
+                continue
+            if target in out:
+                out[alias] = out[target]
+            elif target in stored:
+                out[alias] = target
+        return {a: t for a, t in out.items() if a != t and t not in out}
 
 
 # --------------------------------------------------------------------------- finding
@@ -846,7 +851,10 @@ class _ZeroItem(Item):
 
 def _items(zc: ZeroCheckpoint, dtype: str | None) -> list[Item]:
     items: list[Item] = []
+    aliased = zc.aliases()
     for t in zc.tensors:
+        if t.name in aliased:  # zero_to_fp32 overwrites it with the shared tensor: stored once, as an alias
+            continue
         od = t.out_dtype(dtype)
         nbytes = t.numel * ELEMENT_SIZE[od]
         if od == t.dtype and len(t.pieces) == 1:
