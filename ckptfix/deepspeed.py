@@ -47,6 +47,7 @@ from ckptfix.errors import (
     ZeroIncompleteError,
     ZeroMismatchError,
 )
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord
 
 __all__ = [
@@ -322,8 +323,10 @@ def _pieces(rec: Any, path: str, what: str) -> tuple[str, int, int, str]:
     """(file, byte offset, element count, dtype) of a contiguous tensor record whose bytes are in ``path``."""
     if not isinstance(rec, TensorRecord) or rec.storage is None or rec.storage.file_offset is None:
         raise CorruptCheckpointError(f"{path}: {what} is not a tensor stored in the file; the checkpoint is corrupt")
-    if not rec.is_contiguous() or len(rec.shape) > 1 and rec.numel and rec.stride[-1] != 1:
+    if not rec.is_contiguous():
         raise UnsupportedError(f"{path}: {what} is a strided view; DeepSpeed writes flat partitions")
+    if rec.dtype not in DTYPE_TO_ST or rec.offset < 0:
+        raise UnsupportedError(f"{path}: {what} is a {rec.dtype} tensor at offset {rec.offset}; not a ZeRO partition")
     es = rec.element_size
     start = rec.storage.file_offset + rec.offset * es
     if rec.storage.nbytes is not None and (rec.offset + rec.numel) * es > rec.storage.nbytes:
@@ -508,6 +511,8 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
         if stage <= 2:
             rec = (msd.get("frozen_param_fragments") or {}).get(name)
             path, off, numel, dt = _pieces(rec, mf, f"frozen parameter {name!r}")
+            if numel < n:
+                raise CorruptCheckpointError(f"{mf}: frozen parameter {name!r} has {numel} of {n} elements")
             tensors.append(ZeroTensor(str(name), dt, shape, [Piece(path, off, n * ELEMENT_SIZE[dt])], "frozen"))
         else:
             flat: _Flat | None = None
