@@ -350,3 +350,24 @@ def test_convert_json_matches_schema(tmp_path: Path) -> None:
     doc = json.loads(r.out)
     jsonschema.Draft202012Validator(schema).validate(doc)
     assert doc["source_format"] == "deepspeed-zero1" and doc["aliases"] == {"head.weight": "embed.weight"}
+
+
+@pytest.mark.parametrize("case", ["zero2_fp32", "zero3_fp32"])
+def test_shapes_larger_than_the_partitions_are_refused(case: str, tmp_path: Path) -> None:
+    """A hostile param_shapes (10^18 elements) fails on the layout check, before any allocation or write."""
+    from ckptfix.formats import read_checkpoint
+    from ckptfix.formats.zipfmt import rewrite_zip
+    from ckptfix.pickles import dumps
+
+    d = _copy(case, tmp_path)
+    g = d / "global_step2"
+    for f in sorted(g.glob("*model_states.pt")):
+        cf = read_checkpoint(str(f))
+        cf.obj["param_shapes"][0]["embed.weight"] = (10**9, 10**9)
+        tmp = f.with_suffix(".new")
+        with open(tmp, "wb") as fp:
+            rewrite_zip(cf, dumps(cf.obj), fp)
+        tmp.replace(f)
+    with pytest.raises(CorruptCheckpointError, match="embed.weight"):
+        read_zero_checkpoint(find_zero_checkpoint(d))
+    _cli_fails(d, tmp_path, CorruptCheckpointError.exit_code)
