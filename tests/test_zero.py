@@ -371,3 +371,18 @@ def test_shapes_larger_than_the_partitions_are_refused(case: str, tmp_path: Path
     with pytest.raises(CorruptCheckpointError, match="embed.weight"):
         read_zero_checkpoint(find_zero_checkpoint(d))
     _cli_fails(d, tmp_path, CorruptCheckpointError.exit_code)
+
+
+def test_sharded_output(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    exp, meta = _expected("zero3_bf16")
+    out = tmp_path / "model.safetensors"
+    r = convert_zero(find_zero_checkpoint(FIX / "zero3_bf16"), out, max_shard_size=200)
+    assert r.index and len(r.outputs) > 1
+    got: dict = {}
+    for f in r.outputs:
+        got.update(load_file(f))
+    assert set(got) == set(meta["keys"]) - {"head.weight"}
+    for k, v in got.items():
+        assert _same(v, exp[k]), k
