@@ -511,7 +511,9 @@ def _framework_dir(path: str, map_location: MapLocation, model: Any) -> LoadedCh
     if target != "cpu":
         moved: dict[int, Any] = {}
         for k, v in sd.items():  # shared parameters stay shared
-            sd[k] = moved.setdefault(id(v), v.to(target))
+            if id(v) not in moved:
+                moved[id(v)] = v.to(target)
+            sd[k] = moved[id(v)]
     alignment = None
     if model is not None:
         from ckptfix.prefixes import align_state_dict
