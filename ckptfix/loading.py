@@ -481,6 +481,9 @@ def load_checkpoint(
     """
     require_torch("load_anywhere (loading tensors)")
     path = os.fspath(path)
+    from ckptfix.dcp.hfstorage import refuse_single_shard
+
+    refuse_single_shard(path)
     framework = _framework_dir(path, map_location, model) if os.path.isdir(path) and key is None else None
     if framework is not None:
         return framework

@@ -78,6 +78,20 @@ def test_describe() -> None:
     assert lines["shards"].startswith("2 file(s)") and lines["weights"].startswith("7 tensors")
 
 
+def test_one_shard_alone_is_refused(tmp_path: Path) -> None:
+    """Before: convert/load_anywhere of one shard gave a silently partial model (this rank's chunks only)."""
+    shard = FIX / "run" / "shard-00001-model-00001-of-00001.safetensors"
+    out = tmp_path / "o.safetensors"
+    r = run_cli("convert", str(shard), "-o", str(out))
+    assert r.rc == 8 and "pass the folder" in r.err and not out.exists()
+    pytest.importorskip("torch")
+    from ckptfix import load_anywhere
+    from ckptfix.errors import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="pass the folder"):
+        load_anywhere(shard)
+
+
 def test_not_hf_storage() -> None:
     assert find_hf_storage(FIX / "expected") is None
     assert find_hf_storage(EXPECTED) is None

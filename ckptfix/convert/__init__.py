@@ -177,6 +177,10 @@ def _framework_convert(
     Returns None for any other input (``--tag``/``--dtype`` are then refused).
     """
     s = os.fspath(src)
+    if not os.path.isdir(s):
+        from ckptfix.dcp.hfstorage import refuse_single_shard
+
+        refuse_single_shard(s)
     if os.path.isdir(s):
         from ckptfix.deepspeed import convert_zero, find_zero_checkpoint
 

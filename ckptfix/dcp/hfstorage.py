@@ -35,6 +35,7 @@ __all__ = [
     "find_hf_storage",
     "read_hf_storage",
     "describe",
+    "refuse_single_shard",
     "convert_hf_storage",
     "hf_storage_state_dict",
 ]
@@ -115,6 +116,30 @@ def find_hf_storage(path: str | os.PathLike) -> HfStorageCheckpoint | None:
             "missing (shard-NNNNN-model-*.safetensors, one per rank); copy every file the ranks wrote"
         )
     return HfStorageCheckpoint(p, [f for _, f in sorted(found)])
+
+
+def refuse_single_shard(path: str | os.PathLike) -> None:
+    """Refuse one rank's ``shard-*-model-*.safetensors`` on its own: it holds only that rank's chunks.
+
+    Args:
+        path: any input path (only a file named like a shard, with ``DCP_SHARDING_INFO``, is refused).
+
+    Raises:
+        UnsupportedError: naming the folder to pass instead.
+    """
+    p = os.fspath(path)
+    if not _SHARD_RE.match(os.path.basename(p)) or not os.path.isfile(p):
+        return
+    try:
+        header, _ = read_header(p)
+    except CorruptCheckpointError:
+        return
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict) and SHARDING_KEY in meta:
+        raise UnsupportedError(
+            f"{p}: one rank's shard of a torch HuggingFaceStorageWriter checkpoint (only its chunks of the tensors); "
+            f"pass the folder to get the whole model: {os.path.dirname(os.path.abspath(p))}"
+        )
 
 
 def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
