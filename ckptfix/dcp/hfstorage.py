@@ -8,9 +8,11 @@ the rank's state-dict order) saying where each chunk sits in the full tensor.  T
 consolidate_safetensors_files`` writes for a one-file mapping (``model-00001-of-00001.safetensors``),
 byte for byte: its header is ``json.dumps`` of ``{fqn: {"shape", "dtype", "data_offsets"}}`` in the mapping's
 order (no ``__metadata__``, no padding), each full shape the largest ``offset + size`` over the chunks,
-elements no chunk covers zero.  The fqn order is the order the fqns first appear in the shards'
-``DCP_SHARDING_INFO`` (shard 1 first), which is the state-dict order the writer saw -- the mapping
-``HuggingFaceStorageWriter(enable_consolidation=True)`` uses.  Each chunk's bytes are copied in the
+elements no chunk covers zero.  The fqn order is the state-dict order the ranks recorded: every shard's
+``DCP_SHARDING_INFO`` order merged (shard 1 first; a replicated tensor only one rank wrote keeps its place),
+i.e. ``consolidate_safetensors_files(dir, out, {fqn: 1 for fqn in state_dict})``.  (The writer's own
+``enable_consolidation=True`` orders by its global metadata instead, which can put such a tensor last; the
+tensors are the same.)  Each chunk's bytes are copied in the
 largest runs that are contiguous in both files (whole chunks for row-wise sharding); memory is one
 8 MiB buffer.
 """
