@@ -123,6 +123,18 @@ class PartitionedCheckpointError(UnsupportedError):
     exit_code = 17
 
 
+class ZeroIncompleteError(CkptfixError, FileNotFoundError):
+    """A DeepSpeed ZeRO checkpoint lacks a rank's partition (a rank did not finish saving, or was not copied)."""
+
+    exit_code = 18
+
+
+class ZeroMismatchError(CkptfixError, ValueError):
+    """A DeepSpeed ZeRO folder mixes partitions of different runs (world sizes, stages, groups)."""
+
+    exit_code = 19
+
+
 class GpuToolingError(CkptfixError, FileNotFoundError):
     """``nvidia-smi`` is missing or cannot be run."""
 

@@ -628,3 +628,149 @@ def load_folder(r: Resolved, **kw: Any) -> Any:
     from ckptfix.loading import load_file
 
     return load_file(r.require_weights(), **kw)
+
+
+# --------------------------------------------------------------------------- consolidated layouts
+# DeepSpeed ZeRO (ckptfix.deepspeed) and torch's HuggingFaceStorageWriter (ckptfix.dcp.hfstorage): the model
+# is not in one file but spread over partitions; inspect reads their records, convert/load consolidate them.
+
+
+def _detect_zero(folder: str, names: list[str]) -> Resolved | None:
+    """A DeepSpeed ``ckpt_dir`` (``latest`` -> ``global_stepN/``) or a tag folder of ZeRO partitions."""
+    if not ("latest" in names or any(n.startswith("global_step") or n.endswith("_optim_states.pt") for n in names)):
+        return None
+    if _weights_in(folder, names) is not None:
+        return None  # a Trainer checkpoint-N saved with DeepSpeed that also holds the model: that layout reads it
+    from ckptfix.deepspeed import find_zero_checkpoint
+
+    zc = find_zero_checkpoint(folder)
+    if zc is None:
+        return None
+    tag = os.path.relpath(zc.tag_dir, folder)
+    skip = tuple(n for n in (tag, "latest") if n != ".")
+    files = [
+        f for f in _others(folder, names, None, skip) if not f.file.endswith(("_optim_states.pt", "_model_states.pt"))
+    ]
+    return Resolved(folder, _BY_NAME["deepspeed-zero"], zc.tag_dir, files, {"checkpoint": zc})
+
+
+def _detect_hf_storage(folder: str, names: list[str]) -> Resolved | None:
+    """torch's ``HuggingFaceStorageWriter`` output: ``shard-NNNNN-model-*-of-*.safetensors``, no ``.metadata``."""
+    if ".metadata" in names or not any(n.startswith("shard-") and n.endswith(".safetensors") for n in names):
+        return None
+    from ckptfix.dcp.hfstorage import find_hf_storage
+
+    hf = find_hf_storage(folder)
+    if hf is None:
+        return None
+    shards = tuple(os.path.basename(f) for f in hf.files)
+    return Resolved(
+        folder, _BY_NAME["hf-storage-dcp"], folder, _others(folder, names, None, shards), {"checkpoint": hf}
+    )
+
+
+def _inspect_consolidated(r: Resolved, key: str | None = None) -> Any:
+    """inspect of a ZeRO / HF-writer folder: the consolidated state dict's records (nothing unpickled twice)."""
+    from collections import Counter
+
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.formats.base import Format
+    from ckptfix.inspecting import InspectReport, _prefix_counts
+
+    if key is not None:
+        raise UnsupportedError(f"{r.path}: --key does not apply to a {r.layout.framework} folder (one model in it)")
+    c = r.extra["checkpoint"]
+    if r.layout.name == "deepspeed-zero":
+        from ckptfix.deepspeed import describe as zero_lines
+        from ckptfix.deepspeed import read_zero_checkpoint
+
+        read_zero_checkpoint(c)
+        lines = zero_lines(c)
+        recs = [(t.name, t.out_dtype(None), t.numel, t.numel * _elsize(t.out_dtype(None))) for t in c.tensors]
+        aliases = c.aliases()
+        files = c.model_files + c.optim_files
+        fmt = Format.TORCH_ZIP
+    else:
+        from ckptfix.dcp.hfstorage import describe as hf_lines
+        from ckptfix.dcp.hfstorage import read_hf_storage
+        from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
+
+        read_hf_storage(c)
+        lines = hf_lines(c)
+        recs = [(t.name, ST_TO_DTYPE[t.st_dtype], t.nbytes // t.element_size, t.nbytes) for t in c.tensors]
+        aliases, files, fmt = {}, c.files, Format.SAFETENSORS
+    by_name = {n: (d, v, b) for n, d, v, b in recs}
+    names = [n for n, *_ in recs] + [a for a in aliases if a not in by_name]
+    full = [by_name[aliases.get(n, n)] for n in names]
+    shared = [[t, *sorted(a for a, x in aliases.items() if x == t)] for t in dict.fromkeys(aliases.values())]
+    describe_files(r)
+    fw = r.to_dict()
+    relabel = {"framework": "layout", "weights": "model"}  # the generic lines already say framework/weights
+    fw["details"] = [[relabel.get(label, label), text] for label, text in lines]
+    return InspectReport(
+        path=r.path,
+        format=fmt,
+        file_size=sum(os.path.getsize(f) for f in files),
+        state_dict_key=[],
+        tensor_count=len(names),
+        parameter_count=sum(v for _, v, _ in full),
+        unique_parameter_count=sum(v for _, v, _ in by_name.values()),
+        total_bytes=sum(b for *_, b in full),
+        unique_bytes=sum(b for *_, b in by_name.values()),
+        storage_bytes=sum(b for *_, b in by_name.values()),
+        dtypes=dict(Counter(d for d, _, _ in full)),
+        locations={},
+        prefixes=_prefix_counts(names),
+        shared=shared,
+        non_tensor_entries={},
+        globals={},
+        stubbed_globals=[],
+        # DeepSpeed pickles its own classes (ZeroStageEnum, LossScaler) beside the tensors: torch's weights-only
+        # unpickler refuses its files, ckptfix reads the tensors without unpickling; scan lists every global
+        weights_only_ok=fmt == Format.SAFETENSORS,
+        weights_only_reason=(
+            f"safetensors shards ({len(files)} file(s)): no pickle"
+            if fmt == Format.SAFETENSORS
+            else f"its {len(files)} files pickle DeepSpeed classes torch.load(weights_only=True) refuses; ckptfix "
+            "reads the tensors without unpickling (`ckptfix scan` lists every global)"
+        ),
+        notes=[f"{r.layout.framework}: `ckptfix convert {r.path} -o model.safetensors` writes this state dict"],
+        framework=fw,
+    )
+
+
+def _elsize(dtype: str) -> int:
+    from ckptfix.pickles import ELEMENT_SIZE
+
+    return ELEMENT_SIZE[dtype]
+
+
+def _convert_consolidated(r: Resolved, dst: str | None, **kw: Any) -> Any:
+    from ckptfix.convert import convert
+
+    return convert(r.path, dst, **kw)  # convert() consolidates these folders first (--tag, --dtype)
+
+
+def _load_consolidated(r: Resolved, **kw: Any) -> Any:
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.loading import load_consolidated_folder
+
+    if kw.get("key") is not None:
+        raise UnsupportedError(f"{r.path}: key= does not apply to a {r.layout.framework} folder (one model in it)")
+    return load_consolidated_folder(r.path, kw.get("map_location", "cpu"), kw.get("model"))
+
+
+register(
+    Layout(
+        "deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.19.8", _detect_zero, weight_hint=("latest", "global_stepN/"),
+        inspect=_inspect_consolidated, convert=_convert_consolidated, load=_load_consolidated,
+    )
+)  # fmt: skip
+register(
+    Layout(
+        "hf-storage-dcp", "torch HuggingFaceStorageWriter", "torch 2.13.0", _detect_hf_storage,
+        weight_hint=("shard-NNNNN-model-*-of-*.safetensors",),
+        inspect=_inspect_consolidated, convert=_convert_consolidated, load=_load_consolidated,
+    ),
+    before="hf-model",
+)  # fmt: skip

@@ -498,6 +498,12 @@ def load_checkpoint(
         "trust": trust,
         "mmap": mmap,
     }
+    from ckptfix.dcp.hfstorage import refuse_single_shard
+
+    refuse_single_shard(path)
+    framework = load_consolidated_folder(path, map_location, model) if os.path.isdir(path) and key is None else None
+    if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated
+        return framework
     if os.path.isdir(path):
         from ckptfix.frameworks import load_folder, resolve
 
@@ -533,6 +539,42 @@ def load_file(
     ld = _Load(path, map_location, allow_globals, trust, mmap)
     obj = _LOADERS[fmt](ld)
     return _found(ld, fmt, obj, key, model)
+
+
+def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
+    """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
+    from ckptfix.dcp.hfstorage import find_hf_storage, hf_storage_state_dict
+    from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
+
+    zc = find_zero_checkpoint(path)
+    hf = find_hf_storage(path) if zc is None else None
+    if zc is not None:
+        sd: dict = zero_state_dict(zc)
+        fmt = f"deepspeed-zero{zc.stage}"
+    elif hf is not None:
+        sd = collections.OrderedDict(hf_storage_state_dict(hf))
+        fmt = "hf-storage-dcp"
+    else:
+        return None
+    target = _simple_target(map_location) if map_location not in (None, "cpu") else "cpu"
+    if target != "cpu":
+        moved: dict[int, Any] = {}
+        for k, v in sd.items():  # shared parameters stay shared
+            if id(v) not in moved:
+                moved[id(v)] = v.to(target)
+            sd[k] = moved[id(v)]
+    alignment = None
+    if model is not None:
+        from ckptfix.prefixes import align_state_dict
+
+        sd, alignment = align_state_dict(sd, model)
+    return LoadedCheckpoint(
+        path=path,
+        state_dict=sd,
+        checkpoint=sd,
+        format=fmt,  # type: ignore[arg-type]  # a framework layout, not a file Format
+        alignment=alignment,
+    )
 
 
 def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:

@@ -65,6 +65,8 @@ def _framework_lines(fw: dict | None) -> list[str]:
     if not fw:
         return []
     out = [f"  framework     {fw['framework']} ({fw['layout']}; checked with {fw['checked_versions']})"]
+    for label, text in fw.get("details", []):  # a consolidated layout's own lines (ZeRO stage, ranks ...)
+        out.append(f"  {label:<13} {text}")
     if fw.get("weights") is not None:
         out.append(f"  weights       {fw['weights']}")
     for f in fw.get("files", []):

@@ -88,6 +88,18 @@ from ckptfix.cli.group import cli
     is_flag=True,
     help="Write outputs over 4x the input + 64 MiB (expanded / stride-0 tensors written densely).",
 )
+@click.option(
+    "--tag",
+    default=None,
+    metavar="TAG",
+    help="DeepSpeed ZeRO folder: the tag to consolidate (e.g. global_step14) instead of what 'latest' names.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default=None,
+    help="DeepSpeed ZeRO folder: write the floating tensors in this dtype (default fp32, as zero_to_fp32).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(
@@ -109,6 +121,8 @@ def convert_cmd(
     allow_globals: tuple[str, ...],
     trust: bool,
     allow_expand: bool,
+    tag: str | None,
+    dtype: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -122,6 +136,7 @@ def convert_cmd(
     ckptfix convert model.safetensors -o ckpt.pth --restore-wrapper   # epoch, ... too
     ckptfix convert run.dcp -o model.safetensors --jobs 4
     ckptfix convert model.safetensors -o start.dcp --shards 4  # DCP as 4 ranks (torch)
+    ckptfix convert ds_ckpt/ -o model.safetensors  # DeepSpeed ZeRO 1/2/3 ('latest'; --tag, --dtype bf16)
 
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
@@ -156,6 +171,8 @@ def convert_cmd(
             jobs=jobs,
             to=to,
             shards=shards,
+            tag=tag,
+            dtype=dtype,
         )
     finally:
         bar.close()

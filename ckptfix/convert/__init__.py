@@ -18,7 +18,7 @@ is :mod:`ckptfix.statedict`.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any, Sequence
 
 from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.convert.header import safetensors_header
@@ -67,6 +67,8 @@ def convert(
     to: str | None = None,
     shards: int = 1,
     drop: Sequence[str] = (),
+    tag: str | None = None,
+    dtype: str | None = None,
 ) -> ConvertReport:
     """Convert in the direction ``to`` or the paths say.
 
@@ -84,9 +86,13 @@ def convert(
         to: ``"safetensors"``, ``"pt"`` or ``"dcp"``; None: from the paths.
         shards: for DCP output, write as this many ranks would (:func:`ckptfix.dcp.write.convert_to_dcp`).
         drop: tensors to leave out, by name or path pattern (:func:`convert_to_safetensors`).
+        tag: a DeepSpeed ZeRO folder: the tag (``global_step14``) to consolidate instead of ``latest``'s.
+        dtype: a DeepSpeed ZeRO folder: ``bf16``/``fp16``/``fp32`` for the floating tensors written.
 
     A folder a training framework wrote (:mod:`ckptfix.frameworks`) converts its model weights
-    (``include_optimizer`` adds its optimizer files' tensors as ``optimizer.<path>``).
+    (``include_optimizer`` adds its optimizer files' tensors as ``optimizer.<path>``); a DeepSpeed
+    ZeRO folder and torch's HuggingFaceStorageWriter output are consolidated (:mod:`ckptfix.deepspeed`,
+    :mod:`ckptfix.dcp.hfstorage`).
 
     Returns:
         A :class:`ConvertReport`.
@@ -96,6 +102,15 @@ def convert(
         UnsupportedError: an option of the other direction was given.  Otherwise as
             :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
     """
+    framework = _framework_convert(
+        src, os.fspath(dst) if dst is not None else None, tag=tag, dtype=dtype, verify=verify, force=force,
+        fsync=fsync, progress=progress, max_shard_size=max_shard_size, ckptfix_metadata=ckptfix_metadata, jobs=jobs,
+        others={"key": key is not None, "include_optimizer": include_optimizer, "keep": bool(keep),
+                "restore_wrapper": restore_wrapper, "shards": shards != 1, "to": to not in (None, "safetensors"),
+                "drop": bool(drop)},
+    )  # fmt: skip
+    if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated, streaming
+        return framework
     if os.path.isdir(src):
         from ckptfix.frameworks import convert_folder, resolve
 
@@ -194,3 +209,48 @@ def convert(
         jobs=jobs,
         drop=drop,
     )
+
+
+def _framework_convert(
+    src: str | os.PathLike, d: str | None, *, tag: str | None, dtype: str | None, others: dict[str, bool], **kw: Any
+) -> ConvertReport | None:
+    """A DeepSpeed ZeRO folder (``--tag``, ``--dtype``) or torch HF-writer DCP folder: its consolidated model.
+
+    Returns None for any other input (``--tag``/``--dtype`` are then refused).
+    """
+    s = os.fspath(src)
+    if not os.path.isdir(s):
+        from ckptfix.dcp.hfstorage import refuse_single_shard
+
+        refuse_single_shard(s)
+    if os.path.isdir(s):
+        from ckptfix.deepspeed import convert_zero, find_zero_checkpoint
+
+        zc = find_zero_checkpoint(s, tag)
+        if zc is not None:
+            _refuse(others, "a DeepSpeed ZeRO checkpoint")
+            if d is not None and d.rstrip("/" + os.sep).endswith(".dcp"):
+                raise UnsupportedError(
+                    "a DeepSpeed ZeRO checkpoint is consolidated to safetensors; pass -o NAME.safetensors"
+                )
+            return convert_zero(zc, d, dtype=dtype, **kw)
+        from ckptfix.dcp.hfstorage import convert_hf_storage, find_hf_storage
+
+        hf = find_hf_storage(s)
+        if hf is not None and tag is None:
+            _refuse(others, "a torch HuggingFaceStorageWriter checkpoint")
+            if dtype is not None:
+                raise UnsupportedError("--dtype applies to DeepSpeed ZeRO checkpoints")
+            return convert_hf_storage(hf, d, **kw)
+    if tag is not None or dtype is not None:
+        raise UnsupportedError(
+            f"{s}: --tag and --dtype apply to DeepSpeed ZeRO checkpoint folders (with a 'latest' file or "
+            "*_optim_states.pt partitions); this is not one"
+        )
+    return None
+
+
+def _refuse(others: dict[str, bool], what: str) -> None:
+    used = sorted(k for k, v in others.items() if v)
+    if used:
+        raise UnsupportedError(f"options {used} do not apply to {what} (its model is written as safetensors)")

@@ -1,0 +1,438 @@
+"""torch's ``HuggingFaceStorageWriter`` output (``save_distributed=True``): consolidated, streamed, torch-free.
+
+Each rank writes ``shard-<rank+1>-model-<i>-of-<n>.safetensors``: a safetensors file whose tensors are that
+rank's chunks, with ``__metadata__["DCP_SHARDING_INFO"]`` (JSON ``{fqn: {"saved_offsets": [...]}}``, in
+the rank's state-dict order) saying where each chunk sits in the full tensor.  There is no ``.metadata``.
+
+:func:`convert_hf_storage` writes what ``torch.distributed.checkpoint._consolidate_hf_safetensors.
+consolidate_safetensors_files`` writes for a one-file mapping (``model-00001-of-00001.safetensors``),
+byte for byte: its header is ``json.dumps`` of ``{fqn: {"shape", "dtype", "data_offsets"}}`` in the mapping's
+order (no ``__metadata__``, no padding), each full shape the largest ``offset + size`` over the chunks,
+elements no chunk covers zero.  The fqn order is the state-dict order the ranks recorded: every shard's
+``DCP_SHARDING_INFO`` order merged (shard 1 first; a replicated tensor only one rank wrote keeps its place),
+i.e. ``consolidate_safetensors_files(dir, out, {fqn: 1 for fqn in state_dict})``.  (The writer's own
+``enable_consolidation=True`` orders by its global metadata instead, which can put such a tensor last; the
+tensors are the same.)  Each chunk's bytes are copied in the
+largest runs that are contiguous in both files (whole chunks for row-wise sharding); memory is one
+8 MiB buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.errors import CorruptCheckpointError, UnsupportedError
+from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
+from ckptfix.pickles import ELEMENT_SIZE
+
+__all__ = [
+    "HfStorageCheckpoint",
+    "find_hf_storage",
+    "read_hf_storage",
+    "describe",
+    "refuse_single_shard",
+    "convert_hf_storage",
+    "hf_storage_state_dict",
+]
+
+_SHARD_RE = re.compile(r"shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+_BUF = 8 << 20
+
+
+@dataclass
+class _Chunk:
+    path: str
+    data_offset: int  # absolute file offset of the chunk's bytes
+    offsets: list[int]
+    sizes: list[int]
+
+
+@dataclass
+class _Tensor:
+    name: str
+    st_dtype: str
+    shape: list[int]
+    chunks: list[_Chunk] = field(default_factory=list)
+
+    @property
+    def element_size(self) -> int:
+        return ELEMENT_SIZE[ST_TO_DTYPE[self.st_dtype]]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.element_size
+
+
+@dataclass
+class HfStorageCheckpoint:
+    """A folder of ``HuggingFaceStorageWriter`` shards (:func:`find_hf_storage`).
+
+    Attributes:
+        path: the folder.
+        files: the shard files, in (shard, model file) order.
+        tensors: filled by :func:`read_hf_storage`, in consolidation order.
+    """
+
+    path: str
+    files: list[str]
+    tensors: list[_Tensor] = field(default_factory=list)
+    read: bool = False
+
+
+def find_hf_storage(path: str | os.PathLike) -> HfStorageCheckpoint | None:
+    """Recognise a folder written by ``HuggingFaceStorageWriter(save_distributed=True)`` (names only).
+
+    Args:
+        path: a directory.
+
+    Returns:
+        The checkpoint (not read yet), or None: not a directory, a ``.metadata`` present (a
+        FileSystemWriter DCP folder), or no ``shard-*-model-*-of-*.safetensors`` files.
+
+    Raises:
+        CorruptCheckpointError: a gap in the shard numbers (a rank's file is missing).
+    """
+    p = os.fspath(path)
+    if not os.path.isdir(p) or os.path.exists(os.path.join(p, ".metadata")):
+        return None
+    found = []
+    for n in os.listdir(p):
+        m = _SHARD_RE.match(n)
+        if m:
+            found.append(((int(m.group(1)), int(m.group(2))), os.path.join(p, n)))
+    if not found:
+        return None
+    shards = sorted({s for (s, _), _ in found})
+    if shards != list(range(1, len(shards) + 1)):
+        missing = sorted(set(range(1, shards[-1] + 1)) - set(shards))
+        raise CorruptCheckpointError(
+            f"{p}: shard(s) {', '.join(f'{m:05d}' for m in missing)} of a HuggingFaceStorageWriter checkpoint are "
+            "missing (shard-NNNNN-model-*.safetensors, one per rank); copy every file the ranks wrote"
+        )
+    return HfStorageCheckpoint(p, [f for _, f in sorted(found)])
+
+
+def refuse_single_shard(path: str | os.PathLike) -> None:
+    """Refuse one rank's ``shard-*-model-*.safetensors`` on its own: it holds only that rank's chunks.
+
+    Args:
+        path: any input path (only a file named like a shard, with ``DCP_SHARDING_INFO``, is refused).
+
+    Raises:
+        UnsupportedError: naming the folder to pass instead.
+    """
+    p = os.fspath(path)
+    if not _SHARD_RE.match(os.path.basename(p)) or not os.path.isfile(p):
+        return
+    try:
+        header, _ = read_header(p)
+    except CorruptCheckpointError:
+        return
+    meta = header.get("__metadata__")
+    if isinstance(meta, dict) and SHARDING_KEY in meta:
+        raise UnsupportedError(
+            f"{p}: one rank's shard of a torch HuggingFaceStorageWriter checkpoint (only its chunks of the tensors); "
+            f"pass the folder to get the whole model: {os.path.dirname(os.path.abspath(p))}"
+        )
+
+
+def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
+    """Read every shard's header; lay out the full tensors and their chunks.
+
+    Args:
+        hf: from :func:`find_hf_storage`.
+
+    Returns:
+        ``hf`` with ``tensors`` filled.
+
+    Raises:
+        CorruptCheckpointError: a shard without ``DCP_SHARDING_INFO``, chunks that disagree on dtype or
+            rank, chunks that do not cover a tensor (a shard file is missing), a truncated shard.
+    """
+    if hf.read:
+        return hf
+    tensors: dict[str, _Tensor] = {}
+    orders: list[list[str]] = []
+    for f in hf.files:
+        header, start = read_header(f)
+        meta = header.pop("__metadata__", None) or {}
+        raw = meta.get(SHARDING_KEY) if isinstance(meta, dict) else None
+        if not isinstance(raw, str):
+            raise CorruptCheckpointError(
+                f"{f}: no {SHARDING_KEY} in its metadata; not written by torch's HuggingFaceStorageWriter"
+            )
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            raise CorruptCheckpointError(f"{f}: {SHARDING_KEY} is not JSON; the shard is corrupt") from None
+        size = os.path.getsize(f)
+        if not isinstance(info, dict):
+            raise CorruptCheckpointError(f"{f}: {SHARDING_KEY} is not a JSON object; the shard is corrupt")
+        orders.append([str(n) for n in info])
+        for name, ent in info.items():
+            h = header.get(name)
+            if not isinstance(h, dict) or not isinstance(ent, dict):
+                raise CorruptCheckpointError(f"{f}: {SHARDING_KEY} names {name!r}, which the file does not hold")
+            dtype, shape, offs = h.get("dtype"), list(h.get("shape", ())), list(ent.get("saved_offsets", ()))
+            if dtype not in ST_TO_DTYPE or ST_TO_DTYPE[dtype] not in ELEMENT_SIZE:
+                raise UnsupportedError(f"{f}: tensor {name!r} has dtype {dtype!r}, which ckptfix cannot consolidate")
+            if len(offs) != len(shape) or not all(isinstance(x, int) and x >= 0 for x in offs + shape):
+                raise CorruptCheckpointError(f"{f}: tensor {name!r}: offsets {offs} do not fit shape {shape}")
+            b, e = h.get("data_offsets", (0, 0))
+            if start + e > size:
+                raise CorruptCheckpointError(f"{f}: tensor {name!r} runs past the end of the file (truncated?)")
+            t = tensors.get(name)
+            if t is None:
+                t = tensors[name] = _Tensor(name, dtype, [s + o for s, o in zip(shape, offs, strict=True)])
+            elif t.st_dtype != dtype or len(t.shape) != len(shape):
+                raise CorruptCheckpointError(f"{f}: chunks of {name!r} disagree on dtype or rank")
+            else:
+                t.shape = [max(a, s + o) for a, s, o in zip(t.shape, shape, offs, strict=True)]
+            t.chunks.append(_Chunk(f, start + b, offs, shape))
+    for t in tensors.values():  # (a missing *last* shard cannot be told from the files: torch has no index)
+        covered = sum(math.prod(c.sizes) for c in t.chunks)
+        if covered < math.prod(t.shape):
+            raise CorruptCheckpointError(
+                f"{hf.path}: tensor {t.name!r} ({t.shape}) is covered by {covered} of {math.prod(t.shape)} elements: "
+                "a shard file is missing; copy every shard-*-model-*.safetensors the ranks wrote"
+            )
+    hf.tensors = [tensors[n] for n in _merged_order(orders)]
+    hf.read = True
+    return hf
+
+
+def _merged_order(orders: list[list[str]]) -> list[str]:
+    """One order that keeps every shard's order: a name first seen in a later shard goes right after its
+    predecessor there, else right before its successor (a replicated tensor is written by one rank only,
+    and sits in that rank's list at its state-dict place)."""
+    out: list[str] = []
+    pos: dict[str, int] = {}
+    for seq in orders:
+        for i, n in enumerate(seq):
+            if n in pos:
+                continue
+            at = len(out)
+            if i > 0:
+                at = pos[seq[i - 1]] + 1
+            else:
+                nxt = next((m for m in seq if m in pos), None)
+                if nxt is not None:
+                    at = pos[nxt]
+            out.insert(at, n)
+            if at == len(out) - 1:
+                pos[n] = at
+            else:
+                pos = {m: k for k, m in enumerate(out)}
+    return out
+
+
+def describe(hf: HfStorageCheckpoint) -> list[tuple[str, str]]:
+    """Lines for ``inspect FOLDER``: ``(label, text)`` pairs (reads the headers on demand).
+
+    Args:
+        hf: from :func:`find_hf_storage`.
+
+    Returns:
+        framework, shards, weights.
+    """
+    from ckptfix.text import human_bytes
+
+    read_hf_storage(hf)
+    dtypes: dict[str, int] = {}
+    for t in hf.tensors:
+        dtypes[ST_TO_DTYPE[t.st_dtype]] = dtypes.get(ST_TO_DTYPE[t.st_dtype], 0) + 1
+    n = sum(math.prod(t.shape) for t in hf.tensors)
+    return [
+        ("framework", "torch DCP, HuggingFaceStorageWriter(save_distributed=True): one shard per rank"),
+        ("shards", f"{len(hf.files)} file(s), {human_bytes(sum(os.path.getsize(f) for f in hf.files))}"),
+        (
+            "weights",
+            f"{len(hf.tensors)} tensors, {n:,} values, {human_bytes(sum(t.nbytes for t in hf.tensors))}; "
+            + ", ".join(f"{d} x{c}" for d, c in sorted(dtypes.items())),
+        ),
+    ]
+
+
+def _runs(t: _Tensor, c: _Chunk) -> Iterator[tuple[int, int, int]]:
+    """(source byte offset, destination byte offset in the tensor, bytes) of the chunk's contiguous runs."""
+    es = t.element_size
+    full, sizes, offs = t.shape, c.sizes, c.offsets
+    nd = len(full)
+    if nd == 0 or math.prod(sizes) == 0:
+        if nd == 0:
+            yield c.data_offset, 0, es
+        return
+    # j: the first dim from which the chunk is contiguous in the full tensor
+    j = nd - 1
+    while j > 0 and sizes[j:] == full[j:]:
+        j -= 1
+    if sizes[j + 1 :] != full[j + 1 :]:
+        j += 1  # pragma: no cover - defensive
+    stride = [math.prod(full[d + 1 :]) for d in range(nd)]
+    run = math.prod(sizes[j:])
+    outer = sizes[:j]
+    n_runs = math.prod(outer)
+    idx = [0] * j
+    for r in range(n_runs):
+        dst = sum((idx[d] + offs[d]) * stride[d] for d in range(j)) + offs[j] * stride[j]
+        yield c.data_offset + r * run * es, dst * es, run * es
+        for d in range(j - 1, -1, -1):
+            idx[d] += 1
+            if idx[d] < outer[d]:
+                break
+            idx[d] = 0
+
+
+def _header(hf: HfStorageCheckpoint) -> tuple[bytes, list[int]]:
+    meta: dict[str, Any] = {}
+    begins = []
+    pos = 0
+    for t in hf.tensors:
+        meta[t.name] = {"shape": t.shape, "dtype": t.st_dtype, "data_offsets": [pos, pos + t.nbytes]}
+        begins.append(pos)
+        pos += t.nbytes
+    body = json.dumps(meta).encode("utf-8")
+    return len(body).to_bytes(8, "little") + body, begins
+
+
+def convert_hf_storage(
+    hf: HfStorageCheckpoint,
+    dst: str | os.PathLike | None = None,
+    *,
+    verify: bool = True,
+    force: bool = False,
+    fsync: bool = False,
+    progress: Progress | None = None,
+    max_shard_size: int | str | None = None,
+    ckptfix_metadata: bool = True,
+    jobs: int = 1,
+) -> ConvertReport:
+    """Consolidate into one safetensors file, byte-identical to torch's ``consolidate_safetensors_files``.
+
+    Args:
+        hf: from :func:`find_hf_storage`.
+        dst: the output (default ``<folder>.safetensors``).
+        verify: compare every run read back, and re-read the header, before the rename.
+        force: replace an existing output.
+        fsync: flush the file and its directory.
+        progress: ``progress(done_bytes, total_bytes)``.
+        max_shard_size: refused (torch's layout is one file here).
+        ckptfix_metadata, jobs: accepted for the common signature; torch's header has no metadata.
+
+    Returns:
+        A :class:`~ckptfix.convert.report.ConvertReport` (``source_format`` ``hf-storage-dcp``).
+    """
+    from ckptfix.atomic import _os_error, fsync_dir
+    from ckptfix.convert.paths import check_outputs, default_st_output, temp_for
+    from ckptfix.convert.write import _written_equal
+    from ckptfix.errors import VerificationError
+    from ckptfix.formats.zipfmt import pwrite_all
+
+    t0 = time.perf_counter()
+    if max_shard_size:
+        raise UnsupportedError("--max-shard-size: a HuggingFaceStorageWriter folder is consolidated into one file")
+    d = os.fspath(dst) if dst is not None else default_st_output(hf.path)
+    check_outputs([d], hf.path, force)
+    read_hf_storage(hf)
+    header, begins = _header(hf)
+    total = sum(t.nbytes for t in hf.tensors)
+    report = ConvertReport(source=hf.path, outputs=[d], source_format="hf-storage-dcp")
+    tmp = temp_for(d)
+    fds: dict[str, int] = {}
+    buf = bytearray(_BUF)
+    view = memoryview(buf)
+    done = 0
+    try:
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            pwrite_all(fd, header, 0)
+            os.ftruncate(fd, len(header) + total)  # elements no chunk covers read as zeros, as torch's bytearray
+            for t, begin in zip(hf.tensors, begins, strict=True):
+                base = len(header) + begin
+                for c in t.chunks:
+                    src = fds.get(c.path)
+                    if src is None:
+                        src = fds[c.path] = os.open(c.path, os.O_RDONLY)
+                    for s_off, d_off, n in _runs(t, c):
+                        while n > 0:
+                            k = min(n, _BUF)
+                            if os.preadv(src, [view[:k]], s_off) != k:
+                                raise CorruptCheckpointError(f"{c.path}: ends inside tensor {t.name!r} (truncated?)")
+                            pwrite_all(fd, view[:k], base + d_off)
+                            if verify and not _written_equal(fd, base + d_off, buf, k):
+                                raise VerificationError(f"{d}: tensor {t.name!r} does not read back as written")
+                            s_off, d_off, n = s_off + k, d_off + k, n - k
+                            done += k
+                            if progress:
+                                progress(done, total)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if verify:
+            with open(tmp, "rb") as f:
+                if f.read(len(header)) != header or os.path.getsize(tmp) != len(header) + total:
+                    raise VerificationError(f"{d}: the written header does not read back; the output was removed")
+            report.verified = True
+        try:
+            os.replace(tmp, d)
+        except OSError as e:
+            raise _os_error(e, d) from None
+        tmp = ""
+        if fsync:
+            fsync_dir(d)
+    finally:
+        for x in fds.values():
+            os.close(x)
+        if tmp:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    report.tensors = len(hf.tensors)
+    report.bytes = total
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def hf_storage_state_dict(hf: HfStorageCheckpoint) -> dict[str, Any]:
+    """The consolidated tensors as torch tensors (for ``load_anywhere``).  Needs torch.
+
+    Args:
+        hf: from :func:`find_hf_storage`.
+
+    Returns:
+        name -> CPU tensor, in consolidation order.
+    """
+    from ckptfix._torch import require_torch
+
+    torch = require_torch("load_anywhere on a HuggingFaceStorageWriter folder")
+    read_hf_storage(hf)
+    sd: dict[str, Any] = {}
+    fds: dict[str, int] = {}
+    try:
+        for t in hf.tensors:
+            buf = bytearray(t.nbytes)
+            view = memoryview(buf)
+            for c in t.chunks:
+                src = fds.get(c.path)
+                if src is None:
+                    src = fds[c.path] = os.open(c.path, os.O_RDONLY)
+                for s_off, d_off, n in _runs(t, c):
+                    if os.preadv(src, [view[d_off : d_off + n]], s_off) != n:
+                        raise CorruptCheckpointError(f"{c.path}: ends inside tensor {t.name!r} (truncated?)")
+            dt = getattr(torch, ST_TO_DTYPE[t.st_dtype])
+            flat = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
+            sd[t.name] = flat.view(t.shape)
+    finally:
+        for x in fds.values():
+            os.close(x)
+    return sd
