@@ -295,21 +295,20 @@ def test_refuses_to_overwrite_without_force(tied, tmp_path):
 
 def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
     src, _ = tied
-    real = convert_write.pwrite_all
+    real = convert_write.copy_range
 
-    def flip(fd, data, off):  # the disk "loses" a bit of every tensor chunk
-        n = real(fd, data, off)
-        if off > 0:
-            c = os.pread(fd, 1, off + n - 1)
-            os.pwrite(fd, bytes([c[0] ^ 0x40]), off + n - 1)
-        return n
+    def flip(src_fd, src_off, fd, off, size, *a, **k):  # the disk "loses" a bit of every tensor copied
+        got = real(src_fd, src_off, fd, off, size, *a, **k)
+        c = os.pread(fd, 1, off + size - 1)
+        os.pwrite(fd, bytes([c[0] ^ 0x40]), off + size - 1)
+        return got
 
-    monkeypatch.setattr(convert_write, "pwrite_all", flip)
+    monkeypatch.setattr(convert_write, "copy_range", flip)
     with pytest.raises(VerificationError, match="differs") as e:
         convert_to_safetensors(src)
     assert str(e.value).startswith(str(tmp_path / "model.safetensors") + ":")  # the output asked for, not a temp
     assert files_in(tmp_path) == ["model.pth"]
-    # --no-verify would have kept it (and copies in the kernel, not through pwrite_all)
+    # --no-verify would have kept it
     convert_to_safetensors(src, verify=False)
     assert files_in(tmp_path) == ["model.pth", "model.safetensors"]
 
@@ -337,7 +336,7 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, veri
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_write, "pwrite_all" if verify else "copy_range", boom)
+    monkeypatch.setattr(convert_write, "copy_range", boom)
     with pytest.raises(KeyboardInterrupt):
         convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]

@@ -33,6 +33,7 @@ class Item:
     rec: TensorRecord | None = None  # ... or a strided view to gather ...
     tensor: Any = None  # ... or a torch tensor
     begin: int = 0  # data offset in the output, filled by the planner
+    crc: int | None = None  # CRC-32 of the byte range, when the source stores one (verification reads back once)
 
     @property
     def st_dtype(self) -> str:

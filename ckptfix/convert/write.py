@@ -1,9 +1,12 @@
-"""Writing safetensors files with verification inline, and the atomic rename of every output.
+"""Writing safetensors files with one-pass verification, and the atomic rename of every output.
 
-Verification happens right after each chunk is written, while its source bytes are still in our
-buffer: the written pages are mapped (no copy) and ``memcmp``-ed against it.  Together with the
-structural check of the header read back, that proves every byte of the file equals the source,
-at the cost of one extra pass over memory instead of re-reading both files.
+A tensor that is a byte range of a source file is copied in the kernel
+(:func:`ckptfix.fileio.copy_range`: reflink, ``copy_file_range`` ...); verification then reads the
+written range back once and checks it against the CRC-32 the source stores for those bytes (a
+torch zip member covering exactly the tensor), or against the source range read back beside it.
+With ``fsync`` the read-back follows the flush and the range's cached pages are dropped first, so
+the bytes compared come from the device.  Gathered views and torch tensors are compared chunk by
+chunk while their bytes are still in our buffer.
 """
 
 from __future__ import annotations
@@ -12,35 +15,36 @@ import contextlib
 import functools
 import json
 import os
-import threading
 from typing import Iterator, Mapping, Sequence
 
 from ckptfix.atomic import _os_error, fsync_dir
 from ckptfix.convert.header import layout, safetensors_header, shard
-from ckptfix.convert.items import CHUNK, Fds, Item
+from ckptfix.convert.items import Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
+from ckptfix.fileio import copy_range, pwrite_all, verify_crc, verify_equal
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
-from ckptfix.formats.zipfmt import copy_range, pwrite_all
 from ckptfix.parallel import Tally, run_tasks
+
+#: bytes per in-kernel copy call: progress moves within a big tensor
+STEP = 8 << 20
 
 
 class Writer:
-    """Writes safetensors files; with ``verify`` every chunk is read back from the file and compared.
+    """Writes safetensors files; with ``verify`` every byte written is read back once and checked.
 
-    Verification happens right after each chunk is written, while its source bytes are still in
-    our buffer: the written pages are mapped (no copy) and ``memcmp``-ed against it.  Together with
-    the structural check in :meth:`check` (header read back, offsets tiling the data section
-    exactly, file size), that proves every byte of the file equals the source, at the cost of one
-    extra pass over memory instead of re-reading both files.
+    A copied range is checked against the CRC-32 its source stores, else against the source range
+    (:func:`ckptfix.fileio.verify_crc`, :func:`~ckptfix.fileio.verify_equal`); a gathered chunk
+    against the buffer it was written from.  Together with the structural check in :meth:`check`
+    (header read back, offsets tiling the data section exactly, file size), that proves every byte
+    of the file equals the source.
     """
 
     def __init__(self, total: int, progress: Progress | None, verify: bool) -> None:
         self.tally = Tally(progress, total)
         self.verify = verify
         self.fds = Fds()
-        self._local = threading.local()  # one copy buffer per thread
 
     def tick(self, n: int) -> None:
         """Count ``n`` bytes done and report progress (thread-safe).
@@ -72,17 +76,33 @@ class Writer:
         try:
             pwrite_all(fd, header, 0)
             base = len(header)
-            run_tasks([functools.partial(self._item, it, fd, base, path) for it in items], jobs)
+            # without fsync a copied range is read back right away (still in the page cache); with it, once
+            # flushed, from the device
+            inline = self.verify and not fsync
+            run_tasks([functools.partial(self._item, it, fd, base, path, inline) for it in items], jobs)
             if fsync:
                 os.fsync(fd)
+                if self.verify:
+                    copied = [it for it in items if it.path is not None]
+                    run_tasks(
+                        [functools.partial(self._check_copy, it, fd, base + it.begin, path, True) for it in copied],
+                        jobs,
+                    )
         finally:
             os.close(fd)
 
-    def _item(self, it: Item, fd: int, base: int, path: str) -> None:
+    def _item(self, it: Item, fd: int, base: int, path: str, inline: bool) -> None:
         """One item's bytes at its offset in ``path`` (open as ``fd``)."""
         pos = base + it.begin
         if it.path is not None:
-            self._copy(it, fd, pos, path)
+            src = self.fds.get(it.path)
+            for at in range(0, it.nbytes, STEP):  # in steps, so that progress moves within a big tensor
+                n = min(STEP, it.nbytes - at)
+                copy_range(src, it.offset + at, fd, pos + at, n)
+                self.tick(n // 2 if self.verify else n)
+            if self.verify:
+                if inline:
+                    self._check_copy(it, fd, pos, path)
             return
         for chunk in it.chunks(self.fds):
             n = pwrite_all(fd, chunk, pos)
@@ -93,29 +113,26 @@ class Writer:
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
-    def _copy(self, it: Item, fd: int, pos: int, path: str) -> None:
-        """A contiguous byte range of a source file -> the output ``path`` (open as ``fd``) at ``pos``."""
-        src = self.fds.get(it.path)  # type: ignore[arg-type]
-        if not self.verify:
-            copy_range(src, it.offset, fd, pos, it.nbytes)
-            self.tick(it.nbytes)
-            return
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        off, left, start = it.offset, it.nbytes, pos
-        while left > 0:
-            n = min(left, len(buf))
-            if os.preadv(src, [view[:n]], off) != n:
-                raise CorruptCheckpointError(f"{it.path}: file ended inside tensor {it.name!r} (truncated?)")
-            pwrite_all(fd, view[:n], pos)
-            if not _written_equal(fd, pos, buf, n):
-                raise _differs(path, it, pos - start)
-            off += n
-            pos += n
-            left -= n
-            self.tick(n)
+    def _check_copy(self, it: Item, fd: int, pos: int, path: str, from_device: bool = False) -> None:
+        """Read a copied range back once: against the source's CRC-32 where it stores one, else the source."""
+        if it.crc is not None:
+            at = verify_crc(fd, pos, it.nbytes, it.crc, from_device=from_device)
+            if at is not None:
+                # the output or the source: tell which by comparing the two (rare, so the cost does not matter)
+                src = self.fds.get(it.path)  # type: ignore[arg-type]
+                at = verify_equal(src, it.offset, fd, pos, it.nbytes)
+                if at is None:
+                    raise CorruptCheckpointError(
+                        f"{it.path}: tensor {it.name!r} does not match the CRC-32 its zip record stores; "
+                        "the source file is damaged — re-copy it (or re-save it from where it was made)"
+                    )
+                raise _differs(path, it, at)
+        else:
+            src = self.fds.get(it.path)  # type: ignore[arg-type]
+            at = verify_equal(src, it.offset, fd, pos, it.nbytes, from_device=from_device)
+            if at is not None:
+                raise _differs(path, it, at)
+        self.tick(it.nbytes - sum(min(STEP, it.nbytes - a) // 2 for a in range(0, it.nbytes, STEP)))
 
     def check(self, path: str, items: list[Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size.
