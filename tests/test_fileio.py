@@ -1,0 +1,301 @@
+"""ckptfix.fileio: every copy path (forced by monkeypatching), odd offsets, short copies, EXDEV, verification."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import pytest
+
+from ckptfix import fileio
+from ckptfix.errors import CorruptCheckpointError, OutputError
+
+SIZE = 3 * fileio.FOLIO + 12345
+
+
+@pytest.fixture
+def files(tmp_path):
+    data = os.urandom(SIZE)
+    src = tmp_path / "src.bin"
+    src.write_bytes(data)
+    dst = tmp_path / "dst.bin"
+    dst.write_bytes(b"")
+    s = os.open(src, os.O_RDONLY)
+    d = os.open(dst, os.O_RDWR)
+    yield data, s, d, dst
+    os.close(s)
+    os.close(d)
+
+
+def _refuse(err: int):
+    def f(*a, **k):
+        raise OSError(err, os.strerror(err))
+
+    return f
+
+
+def _check(data: bytes, dst, src_off: int, dst_off: int, size: int) -> None:
+    got = dst.read_bytes()
+    assert got[dst_off : dst_off + size] == data[src_off : src_off + size]
+
+
+@pytest.mark.parametrize(
+    ("src_off", "dst_off", "size"),
+    [
+        (0, 0, SIZE),
+        (1, 0, SIZE - 1),
+        (13, 4099, SIZE - 13),
+        (fileio.FOLIO - 1, 7, 2 * fileio.FOLIO + 3),
+        (64, 8 + 4096, 100_000),
+        (SIZE - 1, 3, 1),
+    ],
+)
+def test_kernel_copy_takes_any_offsets(files, src_off, dst_off, size, monkeypatch):
+    data, s, d, dst = files
+    used = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: used.append(a) or real(*a))
+    monkeypatch.setattr(fileio, "_buffered", _refuse(errno.EFAULT))  # never the user-space buffer
+    assert fileio.copy_range(s, src_off, d, dst_off, size) == 0
+    _check(data, dst, src_off, dst_off, size)
+    assert used
+
+
+def test_short_copies_are_continued(files, monkeypatch):
+    data, s, d, dst = files
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda a, b, n, so, do: real(a, b, min(n, 1000), so, do))
+    fileio.copy_range(s, 5, d, 11, SIZE - 5)
+    _check(data, dst, 5, 11, SIZE - 5)
+
+
+@pytest.mark.parametrize("err", [errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_refused_kernel_copy_falls_back_to_sendfile(files, monkeypatch, err):
+    data, s, d, dst = files
+    sent = []
+    real = os.sendfile
+    monkeypatch.setattr(os, "copy_file_range", _refuse(err))
+    monkeypatch.setattr(os, "sendfile", lambda *a: sent.append(a) or real(*a))
+    fileio.copy_range(s, 3, d, 17, SIZE - 3)
+    _check(data, dst, 3, 17, SIZE - 3)
+    assert sent
+    assert os.lseek(d, 0, os.SEEK_CUR) == 0  # the caller's descriptor keeps its file position
+
+
+def test_fallback_is_per_call_not_per_file(files, monkeypatch):
+    data, s, d, dst = files
+    calls = []
+    real = os.copy_file_range
+
+    def once(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", once)
+    fileio.copy_range(s, 0, d, 0, 1000)
+    fileio.copy_range(s, 1000, d, 1000, SIZE - 1000)
+    _check(data, dst, 0, 0, SIZE)
+    assert len(calls) >= 2  # the second copy tried the kernel again
+
+
+def test_last_fallback_is_pread_pwrite(files, monkeypatch):
+    data, s, d, dst = files
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
+    fileio.copy_range(s, 9, d, 2, SIZE - 9)
+    _check(data, dst, 9, 2, SIZE - 9)
+    monkeypatch.delattr(os, "copy_file_range")
+    monkeypatch.delattr(os, "sendfile")
+    fileio.copy_range(s, 0, d, 0, SIZE)
+    _check(data, dst, 0, 0, SIZE)
+
+
+def test_kernel_copy_that_stops_midway_is_finished_another_way(files, monkeypatch):
+    data, s, d, dst = files
+    real = os.copy_file_range
+    state = {"n": 0}
+
+    def half(*a):
+        state["n"] += 1
+        if state["n"] > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", half)
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
+    fileio.copy_range(s, 100, d, 0, SIZE - 100)
+    _check(data, dst, 100, 0, SIZE - 100)
+
+
+def test_crc_copy_returns_the_crc(files):
+    data, s, d, dst = files
+    assert fileio.copy_range(s, 7, d, 0, SIZE - 7, crc=True) == zlib.crc32(data[7:]) & 0xFFFFFFFF
+    _check(data, dst, 7, 0, SIZE - 7)
+
+
+def test_source_ending_early_is_corruption(files, monkeypatch):
+    _, s, d, _ = files
+    with pytest.raises(CorruptCheckpointError, match="ended early"):
+        fileio.copy_range(s, SIZE - 10, d, 0, 100)
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
+    with pytest.raises(CorruptCheckpointError, match="ended early"):
+        fileio.copy_range(s, SIZE - 10, d, 0, 100, crc=True)
+
+
+def test_full_disk_is_an_output_error(files, monkeypatch):
+    _, s, d, _ = files
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.ENOSPC))
+    with pytest.raises(OutputError, match="no space"):
+        fileio.copy_range(s, 0, d, 0, 100)
+    monkeypatch.setattr(os, "pwrite", _refuse(errno.ENOSPC))
+    with pytest.raises(OutputError, match="no space"):
+        fileio.pwrite_all(d, b"x", 0)
+
+
+def test_reflink_is_tried_on_aligned_ranges_only(files, monkeypatch):
+    data, s, d, dst = files
+    seen = []
+    monkeypatch.setattr(fileio, "reflink_range", lambda *a: seen.append(a) or False)
+    fileio.copy_range(s, 1, d, 0, SIZE - 1)
+    assert not seen  # the source offset is not on a block
+    fileio.copy_range(s, 0, d, 0, SIZE)
+    blk = fileio._block_size(d)
+    assert seen == [(s, 0, d, 0, SIZE - SIZE % blk)]
+    _check(data, dst, 0, 0, SIZE)
+    seen.clear()
+    fileio.copy_range(s, 0, d, 0, SIZE, reflink=False)
+    assert not seen
+
+
+def test_reflink_success_copies_only_the_tail(files, monkeypatch):
+    data, s, d, dst = files
+    blk = fileio._block_size(d)
+    body = SIZE - SIZE % blk
+
+    def fake_clone(src_fd, so, dst_fd, do, n):  # what a reflink leaves behind: the same bytes
+        os.pwrite(dst_fd, os.pread(src_fd, n, so), do)
+        return True
+
+    copied = []
+    real = os.copy_file_range
+    monkeypatch.setattr(fileio, "reflink_range", fake_clone)
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(a[2]) or real(*a))
+    fileio.copy_range(s, 0, d, 0, SIZE)
+    _check(data, dst, 0, 0, SIZE)
+    assert sum(copied) == SIZE - body
+
+
+def test_real_reflink_refusal_is_quiet(files):
+    _, s, d, _ = files
+    fileio.reflink_range(s, 0, d, 0, 4096)  # cloned or refused, never raises
+    assert fileio.reflink_range(s, 0, d, 0, 0) is False
+
+
+def test_verification_catches_a_corrupted_byte(files):
+    data, s, d, dst = files
+    fileio.copy_range(s, 5, d, 3, SIZE - 5)
+    crc = zlib.crc32(data[5:]) & 0xFFFFFFFF
+    assert fileio.verify_crc(d, 3, SIZE - 5, crc) is None
+    assert fileio.verify_equal(s, 5, d, 3, SIZE - 5) is None
+    assert fileio.verify_equal(s, 5, d, 3, SIZE - 5, from_device=True) is None
+    at = 2 * fileio.READBACK + 17 if SIZE > 2 * fileio.READBACK + 20 else SIZE // 2
+    b = os.pread(d, 1, 3 + at)
+    os.pwrite(d, bytes([b[0] ^ 1]), 3 + at)
+    assert fileio.verify_crc(d, 3, SIZE - 5, crc) is not None
+    where = fileio.verify_equal(s, 5, d, 3, SIZE - 5)
+    assert where is not None and where <= at < where + fileio.READBACK
+
+
+def test_verification_catches_a_short_output(files):
+    data, s, d, dst = files
+    fileio.copy_range(s, 0, d, 0, 1000)
+    assert fileio.verify_equal(s, 0, d, 0, 2000) == 0
+    assert fileio.verify_crc(d, 0, 2000, zlib.crc32(data[:2000])) is not None
+
+
+def test_crc_range_from_device(files):
+    data, s, _, _ = files
+    assert fileio.crc_range(s, 1, 5000, from_device=True) == zlib.crc32(data[1:5001]) & 0xFFFFFFFF
+    assert fileio.crc_range(s, 0, 0) == 0
+
+
+def test_fileio_imports_neither_torch_nor_the_formats():
+    import subprocess
+    import sys
+
+    code = "import sys, ckptfix.fileio; print([m for m in ('torch', 'ckptfix.formats', 'click') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _zip_with_tensor(tmp_path):
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "m.pth"
+    torch.save({"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}, src)
+    from ckptfix.formats import read_checkpoint
+
+    rec = read_checkpoint(str(src)).obj["w"]
+    return src, rec.storage
+
+
+def test_convert_checks_the_zip_crc_and_names_a_damaged_source(tmp_path):
+    from ckptfix.convert import convert_to_safetensors
+
+    src, st = _zip_with_tensor(tmp_path)
+    assert st.crc is not None
+    convert_to_safetensors(src, tmp_path / "ok.safetensors")
+    raw = bytearray(src.read_bytes())
+    raw[st.file_offset + 1000] ^= 0x10  # bit rot in the source: its zip CRC no longer matches
+    src.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        convert_to_safetensors(src, tmp_path / "bad.safetensors")
+    assert not (tmp_path / "bad.safetensors").exists()
+    convert_to_safetensors(src, tmp_path / "unchecked.safetensors", verify=False)
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_convert_catches_a_byte_lost_on_the_way(tmp_path, monkeypatch, fsync):
+    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.convert import write as convert_write
+    from ckptfix.errors import VerificationError
+
+    src, _ = _zip_with_tensor(tmp_path)
+    real = convert_write.copy_range
+
+    def lossy(s, so, d, do, n, *a, **k):
+        got = real(s, so, d, do, n, *a, **k)
+        if n > 100_000:
+            os.pwrite(d, b"\x7f", do + n // 2)
+        return got
+
+    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    with pytest.raises(VerificationError, match="differs"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors", fsync=fsync)
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_convert_of_safetensors_verifies_against_the_source(tmp_path, monkeypatch):
+    from safetensors.numpy import save_file
+
+    np = pytest.importorskip("numpy")
+    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.convert import write as convert_write
+    from ckptfix.errors import VerificationError
+
+    src = tmp_path / "in.safetensors"
+    save_file({"a": np.arange(200_000, dtype=np.float32), "b": np.ones(3, dtype=np.float16)}, str(src))
+    convert_to_safetensors(src, tmp_path / "ok.safetensors")
+    real = convert_write.copy_range
+
+    def lossy(s, so, d, do, n, *a, **k):
+        got = real(s, so, d, do, n, *a, **k)
+        if n > 100_000:
+            os.pwrite(d, b"\x7f", do + 5)
+        return got
+
+    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    with pytest.raises(VerificationError, match="near byte 0"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors")
