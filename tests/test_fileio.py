@@ -299,3 +299,68 @@ def test_convert_of_safetensors_verifies_against_the_source(tmp_path, monkeypatc
     monkeypatch.setattr(convert_write, "copy_range", lossy)
     with pytest.raises(VerificationError, match="near byte 0"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
+
+
+def _dcp(tmp_path):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch.distributed.checkpoint")
+    from test_dcp import grid, write_dcp
+
+    rows = torch.arange(40 * 300, dtype=torch.float32).reshape(40, 300)
+    cols = torch.arange(6 * 50, dtype=torch.float32).reshape(6, 50)
+    d = write_dcp(
+        tmp_path / "ckpt",
+        [
+            (("model", "rows"), rows, grid((40, 300), {0: [7, 30]})),  # row shards: copied in the kernel
+            (("model", "cols"), cols, grid((6, 50), {1: [20]})),  # column shards: assembled
+            (("model", "scalar"), torch.tensor(3.5), [((), ())]),
+        ],
+    )
+    return d, {"rows": rows, "cols": cols, "scalar": torch.tensor(3.5)}
+
+
+def test_dcp_row_shards_are_byte_ranges_with_their_crc(tmp_path):
+    from ckptfix.dcp.chunks import Files
+    from ckptfix.dcp.consolidate import DcpItem, _row_ranges
+    from ckptfix.dcp.meta import read_metadata
+
+    d, _ = _dcp(tmp_path)
+    meta = read_metadata(str(d))
+    with Files(str(d)) as files:
+        r = _row_ranges(files, meta.entries["model.rows"])
+        assert r is not None and [n for _, _, n, _ in r] == [7 * 300 * 4, 23 * 300 * 4, 10 * 300 * 4]
+        assert all(crc is not None for *_, crc in r)
+        assert _row_ranges(files, meta.entries["model.cols"]) is None
+        e = meta.entries["model.scalar"]
+        assert DcpItem("s", e.dtype, (), e.nbytes, entry=e, files=files).ranges() is not None
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_dcp_consolidation_copies_in_the_kernel_and_verifies(tmp_path, monkeypatch, fsync):
+    from safetensors.torch import load_file
+
+    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.convert import write as convert_write
+    from ckptfix.errors import VerificationError
+
+    d, want = _dcp(tmp_path)
+    copied = []
+    real = convert_write.copy_range
+    monkeypatch.setattr(convert_write, "copy_range", lambda *a, **k: copied.append(a[4]) or real(*a, **k))
+    out = tmp_path / "o.safetensors"
+    convert_to_safetensors(d, out, fsync=fsync, jobs=2)
+    got = load_file(out)
+    for k, v in want.items():
+        assert got[k].equal(v)
+    assert sum(copied) == (40 * 300 + 1) * 4  # the row-sharded tensor and the scalar, not the column shards
+
+    def lossy(s, so, fd, do, n, *a, **k):
+        r = real(s, so, fd, do, n, *a, **k)
+        if n > 1000:
+            os.pwrite(fd, b"\x01", do + n - 1)
+        return r
+
+    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    with pytest.raises(VerificationError, match="differs"):
+        convert_to_safetensors(d, tmp_path / "bad.safetensors", fsync=fsync)
+    assert not (tmp_path / "bad.safetensors").exists()

@@ -19,6 +19,9 @@ from ckptfix.pickles import TensorRecord
 #: bytes per chunk read, gathered or compared
 CHUNK = 8 << 20
 
+#: a byte range of a source file: ``(path, offset, nbytes, crc or None)``
+Range = tuple[str, int, int, "int | None"]
+
 
 @dataclass
 class Item:
@@ -43,6 +46,17 @@ class Item:
             ``"F32"``, ``"BF16"`` ...
         """
         return DTYPE_TO_ST[self.dtype]
+
+    def ranges(self) -> list[Range] | None:
+        """The item's bytes as byte ranges of source files, in order (copied in the kernel), or None.
+
+        Returns:
+            ``[(path, offset, nbytes, crc)]`` (``crc``: the CRC-32 the source stores for exactly
+            that range, or None); None when the bytes must be gathered (:meth:`chunks`).
+        """
+        if self.path is None:
+            return None
+        return [(self.path, self.offset, self.nbytes, self.crc)]
 
     def chunks(self, fds: Fds) -> Iterator[bytes | bytearray | memoryview]:
         """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.

@@ -83,26 +83,27 @@ class Writer:
             if fsync:
                 os.fsync(fd)
                 if self.verify:
-                    copied = [it for it in items if it.path is not None]
-                    run_tasks(
-                        [functools.partial(self._check_copy, it, fd, base + it.begin, path, True) for it in copied],
-                        jobs,
-                    )
+                    copied = [it for it in items if it.ranges() is not None]
+                    run_tasks([functools.partial(self._check_ranges, it, fd, base, path, True) for it in copied], jobs)
         finally:
             os.close(fd)
 
     def _item(self, it: Item, fd: int, base: int, path: str, inline: bool) -> None:
         """One item's bytes at its offset in ``path`` (open as ``fd``)."""
         pos = base + it.begin
-        if it.path is not None:
-            src = self.fds.get(it.path)
-            for at in range(0, it.nbytes, STEP):  # in steps, so that progress moves within a big tensor
-                n = min(STEP, it.nbytes - at)
-                copy_range(src, it.offset + at, fd, pos + at, n)
-                self.tick(n // 2 if self.verify else n)
-            if self.verify:
-                if inline:
-                    self._check_copy(it, fd, pos, path)
+        ranges = it.ranges()
+        if ranges is not None:
+            for src_path, off, size, _ in ranges:
+                src = self.fds.get(src_path)
+                for at in range(0, size, STEP):  # in steps, so that progress moves within a big tensor
+                    n = min(STEP, size - at)
+                    copy_range(src, off + at, fd, pos + at, n)
+                    self.tick(n // 2 if self.verify else n)
+                pos += size
+            if pos != base + it.begin + it.nbytes:
+                raise CorruptCheckpointError(f"tensor {it.name!r}: {pos - base - it.begin} bytes, expected {it.nbytes}")
+            if inline:
+                self._check_ranges(it, fd, base, path)
             return
         for chunk in it.chunks(self.fds):
             n = pwrite_all(fd, chunk, pos)
@@ -113,26 +114,27 @@ class Writer:
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
-    def _check_copy(self, it: Item, fd: int, pos: int, path: str, from_device: bool = False) -> None:
-        """Read a copied range back once: against the source's CRC-32 where it stores one, else the source."""
-        if it.crc is not None:
-            at = verify_crc(fd, pos, it.nbytes, it.crc, from_device=from_device)
-            if at is not None:
-                # the output or the source: tell which by comparing the two (rare, so the cost does not matter)
-                src = self.fds.get(it.path)  # type: ignore[arg-type]
-                at = verify_equal(src, it.offset, fd, pos, it.nbytes)
-                if at is None:
-                    raise CorruptCheckpointError(
-                        f"{it.path}: tensor {it.name!r} does not match the CRC-32 its zip record stores; "
-                        "the source file is damaged — re-copy it (or re-save it from where it was made)"
-                    )
-                raise _differs(path, it, at)
-        else:
-            src = self.fds.get(it.path)  # type: ignore[arg-type]
-            at = verify_equal(src, it.offset, fd, pos, it.nbytes, from_device=from_device)
-            if at is not None:
-                raise _differs(path, it, at)
-        self.tick(it.nbytes - sum(min(STEP, it.nbytes - a) // 2 for a in range(0, it.nbytes, STEP)))
+    def _check_ranges(self, it: Item, fd: int, base: int, path: str, from_device: bool = False) -> None:
+        """Read an item's copied ranges back once: against the CRC-32 the source stores, else the source."""
+        pos = base + it.begin
+        for src_path, off, size, crc in it.ranges() or ():
+            if crc is not None:
+                at = verify_crc(fd, pos, size, crc, from_device=from_device)
+                if at is not None:
+                    # the output or the source? comparing the two tells (rare, so the cost does not matter)
+                    at = verify_equal(self.fds.get(src_path), off, fd, pos, size)
+                    if at is None:
+                        raise CorruptCheckpointError(
+                            f"{src_path}: tensor {it.name!r} does not match the CRC-32 its zip record stores; "
+                            "the source file is damaged — re-copy it (or re-save it from where it was made)"
+                        )
+                    raise _differs(path, it, pos - base - it.begin + at)
+            else:
+                at = verify_equal(self.fds.get(src_path), off, fd, pos, size, from_device=from_device)
+                if at is not None:
+                    raise _differs(path, it, pos - base - it.begin + at)
+            self.tick(size - sum(min(STEP, size - a) // 2 for a in range(0, size, STEP)))
+            pos += size
 
     def check(self, path: str, items: list[Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size.
