@@ -16,9 +16,8 @@ import traceback
 import click
 
 from ckptfix._torch import is_torch_missing, missing_error
-from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
-from ckptfix.cli.group import _DEBUG, cli
+from ckptfix.cli.group import _DEBUG, COMMAND_MODULES, cli
 from ckptfix.errors import CkptfixError
 
 
@@ -74,7 +73,7 @@ def _internal_error(e: BaseException) -> int:
 def _feature(args: list[str]) -> str:
     """'ckptfix <command>' for the command in ``args`` (what a torch-missing error names)."""
     cmd = next((a for a in args if not a.startswith("-")), None)
-    return f"ckptfix {cmd}" if cmd in cli.commands else "this command"
+    return f"ckptfix {cmd}" if cmd in COMMAND_MODULES else "this command"
 
 
 def run() -> None:

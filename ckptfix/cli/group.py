@@ -6,12 +6,67 @@ them to register the commands), so the CLI's import graph has no cycle.
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 _DEBUG = {"on": False}
 
+#: which module defines each command: only the one run is imported (start-up of ``gpus``, ``inspect``...)
+COMMAND_MODULES = {
+    "inspect": "ckptfix.cli.ckpt",
+    "scan": "ckptfix.cli.ckpt",
+    "strip-prefix": "ckptfix.cli.ckpt",
+    "add-prefix": "ckptfix.cli.ckpt",
+    "align": "ckptfix.cli.ckpt",
+    "sanitize": "ckptfix.cli.ckpt",
+    "convert": "ckptfix.cli.convert",
+    "gpus": "ckptfix.cli.gpu",
+    "pick-gpu": "ckptfix.cli.gpu",
+    "doctor": "ckptfix.cli.gpu",
+    "train": "ckptfix.cli.train",
+    "demo": "ckptfix.cli.demo",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+class LazyGroup(click.Group):
+    """A group whose command modules are imported when a command is looked up, not at start-up."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """The command, importing the module that defines it first.
+
+        Args:
+            ctx: the Click context.
+            cmd_name: the command's name.
+
+        Returns:
+            The command, or None for an unknown name.
+        """
+        mod = COMMAND_MODULES.get(cmd_name)
+        if mod is not None and cmd_name not in self.commands:
+            importlib.import_module(mod)  # registers its commands on ``cli``
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """Every command's name (``--help``: imports every command module).
+
+        Args:
+            ctx: the Click context.
+
+        Returns:
+            The names, sorted.
+        """
+        load_all()
+        return super().list_commands(ctx)
+
+
+def load_all() -> None:
+    """Import every command module (what ``--help`` and the docs need)."""
+    for mod in dict.fromkeys(COMMAND_MODULES.values()):
+        importlib.import_module(mod)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
 @click.version_option(package_name="ckptfix", prog_name="ckptfix")
 def cli(debug: bool) -> None:
