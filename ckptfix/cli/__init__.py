@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import click
 
@@ -35,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
         return int(rv) if isinstance(rv, int) else 0
     except CkptfixError as e:
         if _debug_wanted():
-            traceback.print_exc()
+            _print_traceback()
         error_line(str(e))
         return e.exit_code
     except ModuleNotFoundError as e:  # a command that needs torch, run without it
         if not is_torch_missing(e):
             return _internal_error(e)
         if _debug_wanted():
-            traceback.print_exc()
+            _print_traceback()
         err = missing_error(_feature(args))
         error_line(str(err))
         return err.exit_code
@@ -63,9 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         return _internal_error(e)
 
 
+def _print_traceback() -> None:
+    import traceback  # only with --debug: kept off every command's start-up
+
+    traceback.print_exc()
+
+
 def _internal_error(e: BaseException) -> int:
     if _debug_wanted():
-        traceback.print_exc()
+        _print_traceback()
     error_line(f"internal error: {type(e).__name__}: {e} (re-run with --debug and report it)")
     return 1
 
