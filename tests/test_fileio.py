@@ -57,16 +57,32 @@ def test_kernel_copy_takes_any_offsets(files, src_off, dst_off, size, monkeypatc
     real = os.copy_file_range
     monkeypatch.setattr(os, "copy_file_range", lambda *a: used.append(a) or real(*a))
     monkeypatch.setattr(fileio, "_buffered", _refuse(errno.EFAULT))  # never the user-space buffer
-    assert fileio.copy_range(s, src_off, d, dst_off, size) == 0
+    assert fileio.copy_range(s, src_off, d, dst_off, size, kernel="any") == 0
     _check(data, dst, src_off, dst_off, size)
     assert used
+
+
+@pytest.mark.parametrize(
+    ("src_off", "dst_off", "kernel"), [(0, 0, True), (13, 13 + 2 * fileio.FOLIO, True), (13, 0, False)]
+)
+def test_by_default_the_kernel_copies_congruent_offsets_only(files, monkeypatch, src_off, dst_off, kernel):
+    data, s, d, dst = files
+    used = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: used.append(a) or real(*a))
+    fileio.copy_range(s, src_off, d, dst_off, 50_000)
+    _check(data, dst, src_off, dst_off, 50_000)
+    assert bool(used) == kernel == fileio.in_kernel(src_off, dst_off)
+    used.clear()
+    fileio.copy_range(s, src_off, d, dst_off, 50_000, kernel="never")
+    assert not used
 
 
 def test_short_copies_are_continued(files, monkeypatch):
     data, s, d, dst = files
     real = os.copy_file_range
     monkeypatch.setattr(os, "copy_file_range", lambda a, b, n, so, do: real(a, b, min(n, 1000), so, do))
-    fileio.copy_range(s, 5, d, 11, SIZE - 5)
+    fileio.copy_range(s, 5, d, 11, SIZE - 5, kernel="any")
     _check(data, dst, 5, 11, SIZE - 5)
 
 
@@ -77,7 +93,7 @@ def test_refused_kernel_copy_falls_back_to_sendfile(files, monkeypatch, err):
     real = os.sendfile
     monkeypatch.setattr(os, "copy_file_range", _refuse(err))
     monkeypatch.setattr(os, "sendfile", lambda *a: sent.append(a) or real(*a))
-    fileio.copy_range(s, 3, d, 17, SIZE - 3)
+    fileio.copy_range(s, 3, d, 17, SIZE - 3, kernel="any")
     _check(data, dst, 3, 17, SIZE - 3)
     assert sent
     assert os.lseek(d, 0, os.SEEK_CUR) == 0  # the caller's descriptor keeps its file position
@@ -95,8 +111,8 @@ def test_fallback_is_per_call_not_per_file(files, monkeypatch):
         return real(*a)
 
     monkeypatch.setattr(os, "copy_file_range", once)
-    fileio.copy_range(s, 0, d, 0, 1000)
-    fileio.copy_range(s, 1000, d, 1000, SIZE - 1000)
+    fileio.copy_range(s, 0, d, 0, 1000, kernel="any")
+    fileio.copy_range(s, 1000, d, 1000, SIZE - 1000, kernel="any")
     _check(data, dst, 0, 0, SIZE)
     assert len(calls) >= 2  # the second copy tried the kernel again
 
@@ -105,7 +121,7 @@ def test_last_fallback_is_pread_pwrite(files, monkeypatch):
     data, s, d, dst = files
     monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
     monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
-    fileio.copy_range(s, 9, d, 2, SIZE - 9)
+    fileio.copy_range(s, 9, d, 2, SIZE - 9, kernel="any")
     _check(data, dst, 9, 2, SIZE - 9)
     monkeypatch.delattr(os, "copy_file_range")
     monkeypatch.delattr(os, "sendfile")
@@ -126,7 +142,7 @@ def test_kernel_copy_that_stops_midway_is_finished_another_way(files, monkeypatc
 
     monkeypatch.setattr(os, "copy_file_range", half)
     monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
-    fileio.copy_range(s, 100, d, 0, SIZE - 100)
+    fileio.copy_range(s, 100, d, 0, SIZE - 100, kernel="any")
     _check(data, dst, 100, 0, SIZE - 100)
 
 
@@ -138,8 +154,9 @@ def test_crc_copy_returns_the_crc(files):
 
 def test_source_ending_early_is_corruption(files, monkeypatch):
     _, s, d, _ = files
-    with pytest.raises(CorruptCheckpointError, match="ended early"):
-        fileio.copy_range(s, SIZE - 10, d, 0, 100)
+    for kernel in ("any", "never"):
+        with pytest.raises(CorruptCheckpointError, match="ended early"):
+            fileio.copy_range(s, SIZE - 10, d, 0, 100, kernel=kernel)
     monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
     with pytest.raises(CorruptCheckpointError, match="ended early"):
         fileio.copy_range(s, SIZE - 10, d, 0, 100, crc=True)
@@ -231,6 +248,33 @@ def test_fileio_imports_neither_torch_nor_the_formats():
     assert out.strip() == "[]"
 
 
+def _lossy(monkeypatch, min_size: int = 1000) -> None:
+    """The disk "loses" a byte of every tensor write of ``min_size`` bytes or more, whichever way it is copied."""
+    from ckptfix.convert import write as convert_write
+
+    real_write, real_copy = fileio.pwrite_all, fileio.copy_range
+
+    def flip(fd, at):
+        c = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([c[0] ^ 0x5A]), at)
+
+    def write(fd, data, off):
+        n = real_write(fd, data, off)
+        if n >= min_size and off > 0:  # not the header
+            flip(fd, off)
+        return n
+
+    def copy(s, so, fd, do, n, *a, **k):
+        got = real_copy(s, so, fd, do, n, *a, **k)
+        if n >= min_size:
+            flip(fd, do + n - 1)
+        return got
+
+    monkeypatch.setattr(fileio, "pwrite_all", write)
+    monkeypatch.setattr(fileio, "copy_range", copy)
+    monkeypatch.setattr(convert_write, "copy_range", copy)
+
+
 def _zip_with_tensor(tmp_path):
     torch = pytest.importorskip("torch")
     src = tmp_path / "m.pth"
@@ -259,19 +303,10 @@ def test_convert_checks_the_zip_crc_and_names_a_damaged_source(tmp_path):
 @pytest.mark.parametrize("fsync", [False, True])
 def test_convert_catches_a_byte_lost_on_the_way(tmp_path, monkeypatch, fsync):
     from ckptfix.convert import convert_to_safetensors
-    from ckptfix.convert import write as convert_write
     from ckptfix.errors import VerificationError
 
     src, _ = _zip_with_tensor(tmp_path)
-    real = convert_write.copy_range
-
-    def lossy(s, so, d, do, n, *a, **k):
-        got = real(s, so, d, do, n, *a, **k)
-        if n > 100_000:
-            os.pwrite(d, b"\x7f", do + n // 2)
-        return got
-
-    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    _lossy(monkeypatch, 100_000)
     with pytest.raises(VerificationError, match="differs"):
         convert_to_safetensors(src, tmp_path / "o.safetensors", fsync=fsync)
     assert not (tmp_path / "o.safetensors").exists()
@@ -282,21 +317,12 @@ def test_convert_of_safetensors_verifies_against_the_source(tmp_path, monkeypatc
 
     np = pytest.importorskip("numpy")
     from ckptfix.convert import convert_to_safetensors
-    from ckptfix.convert import write as convert_write
     from ckptfix.errors import VerificationError
 
     src = tmp_path / "in.safetensors"
     save_file({"a": np.arange(200_000, dtype=np.float32), "b": np.ones(3, dtype=np.float16)}, str(src))
     convert_to_safetensors(src, tmp_path / "ok.safetensors")
-    real = convert_write.copy_range
-
-    def lossy(s, so, d, do, n, *a, **k):
-        got = real(s, so, d, do, n, *a, **k)
-        if n > 100_000:
-            os.pwrite(d, b"\x7f", do + 5)
-        return got
-
-    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    _lossy(monkeypatch, 100_000)
     with pytest.raises(VerificationError, match="near byte 0"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
 
@@ -336,7 +362,7 @@ def test_dcp_row_shards_are_byte_ranges_with_their_crc(tmp_path):
 
 
 @pytest.mark.parametrize("fsync", [False, True])
-def test_dcp_consolidation_copies_in_the_kernel_and_verifies(tmp_path, monkeypatch, fsync):
+def test_dcp_consolidation_copies_ranges_and_verifies(tmp_path, monkeypatch, fsync):
     from safetensors.torch import load_file
 
     from ckptfix.convert import convert_to_safetensors
@@ -345,8 +371,9 @@ def test_dcp_consolidation_copies_in_the_kernel_and_verifies(tmp_path, monkeypat
 
     d, want = _dcp(tmp_path)
     copied = []
-    real = convert_write.copy_range
-    monkeypatch.setattr(convert_write, "copy_range", lambda *a, **k: copied.append(a[4]) or real(*a, **k))
+    for name in ("copy_range", "copy_checked"):  # without fsync each range is copied and checked in one go
+        real = getattr(convert_write, name)
+        monkeypatch.setattr(convert_write, name, lambda *a, _real=real, **k: copied.append(a[4]) or _real(*a, **k))
     out = tmp_path / "o.safetensors"
     convert_to_safetensors(d, out, fsync=fsync, jobs=2)
     got = load_file(out)
@@ -354,13 +381,37 @@ def test_dcp_consolidation_copies_in_the_kernel_and_verifies(tmp_path, monkeypat
         assert got[k].equal(v)
     assert sum(copied) == (40 * 300 + 1) * 4  # the row-sharded tensor and the scalar, not the column shards
 
-    def lossy(s, so, fd, do, n, *a, **k):
-        r = real(s, so, fd, do, n, *a, **k)
-        if n > 1000:
-            os.pwrite(fd, b"\x01", do + n - 1)
-        return r
-
-    monkeypatch.setattr(convert_write, "copy_range", lossy)
+    _lossy(monkeypatch)
     with pytest.raises(VerificationError, match="differs"):
         convert_to_safetensors(d, tmp_path / "bad.safetensors", fsync=fsync)
     assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.parametrize("kernel", ["congruent", "any", "never"])
+@pytest.mark.parametrize("with_crc", [False, True])
+def test_copy_checked_reads_each_piece_back(files, monkeypatch, kernel, with_crc):
+    data, s, d, dst = files
+    src_off, dst_off, size = 3, 3 + fileio.FOLIO * (kernel != "never"), SIZE - 3
+    crc = zlib.crc32(data[src_off:]) & 0xFFFFFFFF if with_crc else None
+    seen = []
+    assert fileio.copy_checked(s, src_off, d, dst_off, size, crc, kernel=kernel, progress=seen.append) is None
+    _check(data, dst, src_off, dst_off, size)
+    assert sum(seen) == size
+    _lossy(monkeypatch)
+    at = fileio.copy_checked(s, src_off, d, dst_off, size, crc, kernel=kernel)
+    assert at is not None and (with_crc or at < size)
+    if crc is not None:  # a source that does not match its stored CRC is caught the same way
+        monkeypatch.undo()
+        assert fileio.copy_checked(s, src_off, d, dst_off, size, crc ^ 1, kernel=kernel) == 0
+
+
+def test_buffers_are_reused_per_thread():
+    import threading
+
+    a = fileio._buffers()
+    assert fileio._buffers() is a
+    other = []
+    t = threading.Thread(target=lambda: other.append(fileio._buffers()))
+    t.start()
+    t.join()
+    assert other[0][0] is not a[0]

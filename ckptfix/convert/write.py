@@ -23,7 +23,7 @@ from ckptfix.convert.items import Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
-from ckptfix.fileio import copy_range, pwrite_all, verify_crc, verify_equal
+from ckptfix.fileio import copy_checked, copy_range, pwrite_all, verify_crc, verify_equal
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
 from ckptfix.parallel import Tally, run_tasks
 
@@ -93,17 +93,20 @@ class Writer:
         pos = base + it.begin
         ranges = it.ranges()
         if ranges is not None:
-            for src_path, off, size, _ in ranges:
+            for src_path, off, size, crc in ranges:
                 src = self.fds.get(src_path)
-                for at in range(0, size, STEP):  # in steps, so that progress moves within a big tensor
-                    n = min(STEP, size - at)
-                    copy_range(src, off + at, fd, pos + at, n)
-                    self.tick(n // 2 if self.verify else n)
+                if inline:  # copied and read back piece by piece, while each piece is still in the CPU caches
+                    at = copy_checked(src, off, fd, pos, size, crc, progress=self.tick)
+                    if at is not None:
+                        self._mismatch(it, src_path, off, fd, pos, size, crc, path, pos - base - it.begin, at)
+                else:
+                    for at in range(0, size, STEP):  # in steps, so that progress moves within a big tensor
+                        n = min(STEP, size - at)
+                        copy_range(src, off + at, fd, pos + at, n)
+                        self.tick(n // 2 if self.verify else n)
                 pos += size
             if pos != base + it.begin + it.nbytes:
                 raise CorruptCheckpointError(f"tensor {it.name!r}: {pos - base - it.begin} bytes, expected {it.nbytes}")
-            if inline:
-                self._check_ranges(it, fd, base, path)
             return
         for chunk in it.chunks(self.fds):
             n = pwrite_all(fd, chunk, pos)
@@ -115,26 +118,45 @@ class Writer:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
     def _check_ranges(self, it: Item, fd: int, base: int, path: str, from_device: bool = False) -> None:
-        """Read an item's copied ranges back once: against the CRC-32 the source stores, else the source."""
+        """Read an item's copied ranges back once (after the fsync): against the source's CRC-32, else the source."""
         pos = base + it.begin
         for src_path, off, size, crc in it.ranges() or ():
             if crc is not None:
                 at = verify_crc(fd, pos, size, crc, from_device=from_device)
-                if at is not None:
-                    # the output or the source? comparing the two tells (rare, so the cost does not matter)
-                    at = verify_equal(self.fds.get(src_path), off, fd, pos, size)
-                    if at is None:
-                        raise CorruptCheckpointError(
-                            f"{src_path}: tensor {it.name!r} does not match the CRC-32 its zip record stores; "
-                            "the source file is damaged — re-copy it (or re-save it from where it was made)"
-                        )
-                    raise _differs(path, it, pos - base - it.begin + at)
             else:
                 at = verify_equal(self.fds.get(src_path), off, fd, pos, size, from_device=from_device)
-                if at is not None:
-                    raise _differs(path, it, pos - base - it.begin + at)
+            if at is not None:
+                self._mismatch(it, src_path, off, fd, pos, size, crc, path, pos - base - it.begin, at)
             self.tick(size - sum(min(STEP, size - a) // 2 for a in range(0, size, STEP)))
             pos += size
+
+    def _mismatch(
+        self,
+        it: Item,
+        src_path: str,
+        off: int,
+        fd: int,
+        pos: int,
+        size: int,
+        crc: int | None,
+        path: str,
+        rel: int,
+        at: int,
+    ) -> None:
+        """Raise for a range that did not read back right: a damaged source (its CRC-32 fails) or a bad output.
+
+        ``rel`` is where the range starts in the tensor, ``at`` where in the range the check failed.
+        """
+        if crc is not None:
+            # the output or the source? comparing the two tells (rare, so the cost does not matter)
+            diff = verify_equal(self.fds.get(src_path), off, fd, pos, size)
+            if diff is None:
+                raise CorruptCheckpointError(
+                    f"{src_path}: tensor {it.name!r} does not match the CRC-32 its zip record stores; "
+                    "the source file is damaged — re-copy it (or re-save it from where it was made)"
+                )
+            at = diff
+        raise _differs(path, it, rel + at)
 
     def check(self, path: str, items: list[Item], metadata: Mapping[str, str] | None) -> None:
         """Re-read the written file's header: dtype, shape and offsets of every tensor, metadata, size.
