@@ -294,8 +294,9 @@ def test_convert_checks_the_zip_crc_and_names_a_damaged_source(tmp_path):
     raw = bytearray(src.read_bytes())
     raw[st.file_offset + 1000] ^= 0x10  # bit rot in the source: its zip CRC no longer matches
     src.write_bytes(raw)
-    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
-        convert_to_safetensors(src, tmp_path / "bad.safetensors")
+    convert_to_safetensors(src, tmp_path / "compared.safetensors")  # without fsync: compared with the source
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):  # after an fsync: the stored CRC-32
+        convert_to_safetensors(src, tmp_path / "bad.safetensors", fsync=True)
     assert not (tmp_path / "bad.safetensors").exists()
     convert_to_safetensors(src, tmp_path / "unchecked.safetensors", verify=False)
 
