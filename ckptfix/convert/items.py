@@ -93,6 +93,8 @@ class Fds:
         fd = self.fds.get(path)
         if fd is None:  # two threads may race here: one descriptor is kept, the other closed
             new = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # read in file order: a larger readahead window for a cold input
+                os.posix_fadvise(new, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             fd = self.fds.setdefault(path, new)
             if fd != new:
                 os.close(new)

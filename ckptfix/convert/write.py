@@ -79,7 +79,10 @@ class Writer:
             # without fsync a copied range is read back right away (still in the page cache); with it, once
             # flushed, from the device
             inline = self.verify and not fsync
-            run_tasks([functools.partial(self._item, it, fd, base, path, inline) for it in items], jobs)
+            # in the order of the source bytes (the output's layout is fixed already): a cold input is then read
+            # sequentially, with the kernel's readahead, as cp reads it
+            order = sorted(items, key=_source_order)
+            run_tasks([functools.partial(self._item, it, fd, base, path, inline) for it in order], jobs)
             if fsync:
                 os.fsync(fd)
                 if self.verify:
@@ -197,6 +200,14 @@ class Writer:
             end += it.nbytes
         if os.path.getsize(path) != start + end:
             raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
+
+
+def _source_order(it: Item) -> tuple[int, str, int]:
+    """Sort key: copied ranges by source file and offset, then the items gathered or built by torch."""
+    ranges = it.ranges()
+    if not ranges:
+        return (1, "", 0)
+    return (0, ranges[0][0], ranges[0][1])
 
 
 def _differs(path: str, it: Item, at: int) -> VerificationError:
