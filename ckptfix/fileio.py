@@ -292,6 +292,20 @@ def _buffers() -> tuple[bytearray, bytearray]:
     return bufs
 
 
+#: bytes of the source asked for ahead of the copy (``POSIX_FADV_WILLNEED``): a cold input's next
+#: reads are under way while this piece is written
+AHEAD = 8 << 20
+
+
+def _ahead(fd: int, off: int, end: int) -> None:
+    """Ask the kernel to start reading ``[off, min(off + AHEAD, end))`` of ``fd`` (no-op where unsupported)."""
+    if off < end and hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, off, min(AHEAD, end - off), os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+
 def _read(fd: int, view: memoryview, off: int) -> int:
     """Fill ``view`` from ``off`` (a short read is continued); fewer bytes only at the end of the file."""
     done = os.preadv(fd, [view], off)
@@ -308,8 +322,11 @@ def _buffered(src_fd: int, so: int, dst_fd: int, do: int, size: int, crc: bool =
     buf = memoryview(_buffers()[0])
     checksum = 0
     done = 0
+    _ahead(src_fd, so, so + size)
     while done < size:
         want = min(size - done, len(buf))
+        if (done + want) % AHEAD < want:  # crossing into the next window: ask for the one after it
+            _ahead(src_fd, so + done + AHEAD, so + size)
         n = _read(src_fd, buf[:want], so + done)
         if n == 0:
             raise _ended()
@@ -377,8 +394,11 @@ def copy_checked(
     buf, back = memoryview(raw), memoryview(raw_back)
     checksum = 0
     done = 0
+    _ahead(src_fd, src_off, src_off + size)
     while done < size:
         want = min(size - done, len(buf))
+        if (done + want) % AHEAD < want:  # crossing into the next window: ask for the one after it
+            _ahead(src_fd, src_off + done + AHEAD, src_off + size)
         n = _read(src_fd, buf[:want], src_off + done)
         if n == 0:
             raise _ended()
