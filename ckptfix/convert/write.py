@@ -96,15 +96,15 @@ class Writer:
         pos = base + it.begin
         ranges = it.ranges()
         if ranges is not None:
-            for src_path, off, size, crc in ranges:
+            for src_path, off, size, _crc in ranges:
                 src = self.fds.get(src_path)
                 if inline:
                     # copied and read back piece by piece, each compared with the source piece still in the
                     # buffer: measured cheaper than a CRC-32 of the piece (memcmp runs ~3x faster than zlib's
                     # CRC), so the stored CRC is used by the check after an fsync, where it saves a device read
                     at = copy_checked(src, off, fd, pos, size, None, progress=self.tick)
-                    if at is not None:
-                        self._mismatch(it, src_path, off, fd, pos, size, crc, path, pos - base - it.begin, at)
+                    if at is not None:  # compared with the source, not a CRC: the output is wrong
+                        self._mismatch(it, src_path, off, fd, pos, size, None, path, pos - base - it.begin, at)
                 else:
                     for at in range(0, size, STEP):  # in steps, so that progress moves within a big tensor
                         n = min(STEP, size - at)

@@ -1,7 +1,10 @@
 """Consolidate a DCP directory into safetensors, streaming, without torch.
 
-Each output tensor is produced in output order from its chunks, through a
-bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
+A tensor whose chunks are whole row blocks (FSDP's ``Shard(0)``, replication) is
+the chunks' bytes end to end: :meth:`DcpItem.ranges` hands them to the writer as
+byte ranges of the ``.distcp`` files, copied and verified like any other range
+(:mod:`ckptfix.fileio`).  Any other tensor is produced in output order from its
+chunks, through a bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
 dimensions (row sharding, replication) is a contiguous range of the tensor
 and is copied in row groups; otherwise (column sharding, any chunk offsets)
 a group of rows is assembled from the chunks' runs and written at once.  No
