@@ -211,6 +211,28 @@ def copy_range(
     return 0
 
 
+def copy_file_data(src_fd: int, dst_fd: int) -> int:
+    """Copy a whole file's bytes into another (offsets 0 to 0: a reflink, else ``copy_file_range`` as ``cp`` does).
+
+    For callers that copy whole files (a DCP data file that cannot be hard-linked): the same
+    primitive and fallbacks as :func:`copy_range`.
+
+    Args:
+        src_fd: the source, read from offset 0 to its current size.
+        dst_fd: the destination, written from offset 0 (positional writes; its file position is untouched).
+
+    Returns:
+        The number of bytes copied.
+
+    Raises:
+        OutputError: the output device is full, or the write failed.
+        CorruptCheckpointError: the source shrank while being copied.
+    """
+    size = os.fstat(src_fd).st_size
+    copy_range(src_fd, 0, dst_fd, 0, size)
+    return size
+
+
 def in_kernel(src_off: int, dst_off: int, kernel: str = "congruent") -> bool:
     """Whether :func:`copy_range` copies these offsets in the kernel (else through a user buffer).
 
@@ -359,7 +381,7 @@ def copy_checked(
     Args:
         src_fd: the source.
         src_off: where the range starts in the source.
-        dst_fd: the output.
+        dst_fd: the output, open for reading too (the written pieces are read back through it).
         dst_off: where it goes.
         size: its length.
         expected_crc: the CRC-32 the source stores for exactly this range, or None.

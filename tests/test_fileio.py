@@ -416,3 +416,21 @@ def test_buffers_are_reused_per_thread():
     t.start()
     t.join()
     assert other[0][0] is not a[0]
+
+
+def test_copy_file_data_copies_a_whole_file(files, tmp_path, monkeypatch):
+    data, s, d, dst = files
+    assert fileio.copy_file_data(s, d) == SIZE
+    assert dst.read_bytes() == data
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    e = os.open(empty, os.O_RDONLY)
+    try:
+        assert fileio.copy_file_data(e, d) == 0
+    finally:
+        os.close(e)
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))  # across file systems: still copied
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
+    os.ftruncate(d, 0)
+    assert fileio.copy_file_data(s, d) == SIZE
+    assert dst.read_bytes() == data
