@@ -277,63 +277,7 @@ def atomic_output(
 
 
 #: ``FICLONE`` (``_IOW(0x94, 9, int)``): share the source's extents copy-on-write (btrfs, XFS, bcachefs ...)
-_FICLONE = 0x40049409
-#: bytes asked of one copy_file_range/sendfile call (the kernel may move fewer)
-_COPY_CHUNK = 1 << 30
-
-
-def _reflink(src_fd: int, dst_fd: int) -> bool:
-    """Clone ``src_fd``'s data into the empty ``dst_fd`` copy-on-write; False where the file system cannot."""
-    try:
-        fcntl.ioctl(dst_fd, _FICLONE, src_fd)
-        return True
-    except OSError:
-        return False
-
-
-def _copy_range(src_fd: int, dst_fd: int, size: int) -> None:
-    """Copy ``size`` bytes from offset 0 in the kernel: copy_file_range, else sendfile, else read/write.
-
-    Each call falls back on its own (a file system may refuse copy_file_range across mounts, or
-    sendfile to a regular file on an old kernel); the copy resumes where the previous call stopped.
-    """
-    done = 0
-    mode = "cfr" if hasattr(os, "copy_file_range") else "sendfile"
-    while done < size:
-        want = min(_COPY_CHUNK, size - done)
-        n = 0
-        if mode == "cfr":
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, want, done, done)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM):
-                    raise
-                mode = "sendfile"
-                continue
-        elif mode == "sendfile":
-            try:
-                os.lseek(dst_fd, done, os.SEEK_SET)
-                n = os.sendfile(dst_fd, src_fd, done, want)
-            except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-                    raise
-                mode = "rw"
-                continue
-        else:
-            buf = os.pread(src_fd, min(want, 8 << 20), done)
-            view = memoryview(buf)
-            off = done
-            while view:
-                w = os.pwrite(dst_fd, view, off)
-                view = view[w:]
-                off += w
-            n = len(buf)
-        if n == 0:  # the source shrank under us: copy what is there, the caller's verification decides
-            break
-        done += n
-
-
-def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> str:
+def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> None:
     """Copy ``src`` to the new file ``dst`` without ever sharing storage the way a hard link does.
 
     A reflink (``FICLONE``) where the file system supports it (instant; the blocks are shared
@@ -346,9 +290,6 @@ def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> str:
         dst: the new file.
         fsync: flush ``dst``'s data before returning.
 
-    Returns:
-        How it was copied: ``"reflink"`` or ``"copy"``.
-
     Raises:
         OSError: either file cannot be opened, read or written (``dst`` is removed again).
     """
@@ -357,9 +298,9 @@ def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> str:
         st = os.fstat(sfd)
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) or 0o644)
         try:
-            how = "reflink" if st.st_size and _reflink(sfd, dfd) else "copy"
-            if how == "copy":
-                _copy_range(sfd, dfd, st.st_size)
+            from ckptfix.fileio import copy_file_data as copy_fd  # reflink, else in-kernel, per-call fallbacks
+
+            copy_fd(sfd, dfd)
             if fsync:
                 os.fsync(dfd)
         except BaseException:
@@ -370,7 +311,6 @@ def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> str:
         os.close(dfd)
     finally:
         os.close(sfd)
-    return how
 
 
 def backup_name(path: str) -> str:

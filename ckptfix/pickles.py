@@ -151,6 +151,7 @@ class StorageRecord:
     file_offset: int | None = None  # absolute byte offset of the data in `source`
     nbytes: int | None = None
     source: str | None = None  # the file that holds the bytes
+    crc: int | None = None  # CRC-32 of exactly these bytes, when the container stores one (a zip member's)
 
     @property
     def element_size(self) -> int:

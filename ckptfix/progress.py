@@ -1,6 +1,6 @@
 """Progress of long byte copies, reported to whoever asked (a CLI progress bar, a script's callback).
 
-The copy loops deep inside the writers (:func:`ckptfix.formats.zipfmt.copy_range`) call
+The copy loops deep inside the writers (:func:`ckptfix.fileio.copy_range`) call
 :func:`advance` after each step; :func:`reporting` routes those calls, for the duration of one
 library call, to a ``progress(done_bytes, total_bytes)`` callback.  Nothing is reported (and
 nothing costs more than one context-variable lookup per step) when no one asked.  The count is

@@ -295,21 +295,32 @@ def test_refuses_to_overwrite_without_force(tied, tmp_path):
 
 def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
     src, _ = tied
-    real = convert_write.pwrite_all
+    from ckptfix import fileio
 
-    def flip(fd, data, off):  # the disk "loses" a bit of every tensor chunk
-        n = real(fd, data, off)
+    real_write, real_copy = fileio.pwrite_all, fileio.copy_range
+
+    def flip(fd, off, n):  # the disk "loses" a bit of every tensor written
+        c = os.pread(fd, 1, off + n - 1)
+        os.pwrite(fd, bytes([c[0] ^ 0x40]), off + n - 1)
+
+    def write(fd, data, off):
+        n = real_write(fd, data, off)
         if off > 0:
-            c = os.pread(fd, 1, off + n - 1)
-            os.pwrite(fd, bytes([c[0] ^ 0x40]), off + n - 1)
+            flip(fd, off, n)
         return n
 
-    monkeypatch.setattr(convert_write, "pwrite_all", flip)
+    def copy(s, so, fd, do, n, *a, **k):
+        got = real_copy(s, so, fd, do, n, *a, **k)
+        flip(fd, do, n)
+        return got
+
+    monkeypatch.setattr(fileio, "pwrite_all", write)
+    monkeypatch.setattr(fileio, "copy_range", copy)
     with pytest.raises(VerificationError, match="differs") as e:
         convert_to_safetensors(src)
     assert str(e.value).startswith(str(tmp_path / "model.safetensors") + ":")  # the output asked for, not a temp
     assert files_in(tmp_path) == ["model.pth"]
-    # --no-verify would have kept it (and copies in the kernel, not through pwrite_all)
+    # --no-verify would have kept it
     convert_to_safetensors(src, verify=False)
     assert files_in(tmp_path) == ["model.pth", "model.safetensors"]
 
@@ -337,7 +348,8 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, veri
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_write, "pwrite_all" if verify else "copy_range", boom)
+    monkeypatch.setattr(convert_write, "copy_range", boom)
+    monkeypatch.setattr(convert_write, "copy_checked", boom)
     with pytest.raises(KeyboardInterrupt):
         convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]

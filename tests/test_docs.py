@@ -15,6 +15,7 @@ import click
 import pytest
 
 from ckptfix.cli import cli, main
+from ckptfix.cli.group import load_all
 from ckptfix.errors import all_error_classes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ ERRORS = {(int(c.exit_code), c.__name__) for c in all_error_classes()}
 
 
 def _commands(group: click.Group = cli, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    load_all()  # the command modules are imported lazily
     out = []
     for name, cmd in sorted(group.commands.items()):
         out.append(prefix + (name,))

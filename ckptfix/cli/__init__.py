@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 
 import click
 
 from ckptfix._torch import is_torch_missing, missing_error
-from ckptfix.cli import ckpt, convert, demo, gpu, train  # noqa: F401  (importing registers their commands)
 from ckptfix.cli._common import error_line
-from ckptfix.cli.group import CtrlC, cli
+from ckptfix.cli.group import COMMAND_MODULES, CtrlC, cli
 from ckptfix.errors import CkptfixError, InterruptedByUserError
 
 
@@ -41,20 +39,20 @@ def main(argv: list[str] | None = None) -> int:
         return int(rv) if isinstance(rv, int) else 0
     except CkptfixError as e:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         error_line(str(e))
         return e.exit_code
     except ModuleNotFoundError as e:  # a command that needs torch, run without it
         if not is_torch_missing(e):
             return _internal_error(e, debug)
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         err = missing_error(_feature(args))
         error_line(str(err))
         return err.exit_code
     except (CtrlC, click.exceptions.Abort, KeyboardInterrupt):
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         if sys.stderr.isatty():  # end the terminal's "^C" line
             click.echo(err=True)
         stop = interrupted_error()
@@ -90,9 +88,15 @@ def interrupted_error() -> InterruptedByUserError:
     )
 
 
+def _print_traceback() -> None:
+    import traceback  # only with --debug: kept off every command's start-up
+
+    traceback.print_exc()
+
+
 def _internal_error(e: BaseException, debug: bool) -> int:
     if debug:
-        traceback.print_exc()
+        _print_traceback()
     error_line(f"internal error: {type(e).__name__}: {e} (re-run with --debug and report it)")
     return 1
 
@@ -100,7 +104,7 @@ def _internal_error(e: BaseException, debug: bool) -> int:
 def _feature(args: list[str]) -> str:
     """'ckptfix <command>' for the command in ``args`` (what a torch-missing error names)."""
     cmd = next((a for a in args if not a.startswith("-")), None)
-    return f"ckptfix {cmd}" if cmd in cli.commands else "this command"
+    return f"ckptfix {cmd}" if cmd in COMMAND_MODULES else "this command"
 
 
 def run() -> None:

@@ -7,7 +7,6 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import IO, Any, Callable
@@ -26,6 +25,8 @@ def json_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def emit_json(obj: Any) -> None:
     """Write one JSON document to stdout (data), nothing else."""
+    import json  # only for --json: kept off start-up
+
     click.echo(json.dumps(obj, indent=2, sort_keys=False, default=_json_default))
 
 

@@ -19,6 +19,9 @@ from ckptfix.pickles import TensorRecord
 #: bytes per chunk read, gathered or compared
 CHUNK = 8 << 20
 
+#: a byte range of a source file: ``(path, offset, nbytes, crc or None)``
+Range = tuple[str, int, int, "int | None"]
+
 
 @dataclass
 class Item:
@@ -33,6 +36,7 @@ class Item:
     rec: TensorRecord | None = None  # ... or a strided view to gather ...
     tensor: Any = None  # ... or a torch tensor
     begin: int = 0  # data offset in the output, filled by the planner
+    crc: int | None = None  # CRC-32 of the byte range, when the source stores one (verification reads back once)
 
     @property
     def st_dtype(self) -> str:
@@ -42,6 +46,17 @@ class Item:
             ``"F32"``, ``"BF16"`` ...
         """
         return DTYPE_TO_ST[self.dtype]
+
+    def ranges(self) -> list[Range] | None:
+        """The item's bytes as byte ranges of source files, in order (copied in the kernel), or None.
+
+        Returns:
+            ``[(path, offset, nbytes, crc)]`` (``crc``: the CRC-32 the source stores for exactly
+            that range, or None); None when the bytes must be gathered (:meth:`chunks`).
+        """
+        if self.path is None:
+            return None
+        return [(self.path, self.offset, self.nbytes, self.crc)]
 
     def chunks(self, fds: Fds) -> Iterator[bytes | bytearray | memoryview]:
         """The bytes of a gathered view or a torch tensor, C-contiguous, in bounded chunks.
@@ -78,6 +93,8 @@ class Fds:
         fd = self.fds.get(path)
         if fd is None:  # two threads may race here: one descriptor is kept, the other closed
             new = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # read in file order: a larger readahead window for a cold input
+                os.posix_fadvise(new, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             fd = self.fds.setdefault(path, new)
             if fd != new:
                 os.close(new)

@@ -113,7 +113,9 @@ def plan_records(
         assert st is not None and st.file_offset is not None
         if rec.is_contiguous() or rec.numel <= 1:
             offset = st.file_offset + rec.offset * rec.element_size
-            items.append(Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, path=st.source, offset=offset))
+            whole = rec.offset == 0 and rec.nbytes == st.nbytes  # the storage's stored CRC-32 is this tensor's
+            crc = st.crc if whole else None
+            items.append(Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, path=st.source, offset=offset, crc=crc))
         else:
             items.append(Item(name, rec.dtype, tuple(rec.shape), rec.nbytes, rec=rec))
     return items, views

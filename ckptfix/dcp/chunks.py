@@ -141,6 +141,7 @@ class ChunkData:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     element_size: int
+    crc: int | None = None  # CRC-32 of the chunk's bytes when its zip record holds exactly them
 
     def contiguous(self) -> bool:
         """Are the chunk's bytes in C order?
@@ -263,7 +264,15 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
             f"{what}: its bytes run past the end of the chunk record (truncated file, "
             "or .metadata from a different run)"
         )
-    return ChunkData(loc.relative_path, loc.offset + start + obj.offset * es, tuple(obj.shape), tuple(obj.stride), es)
+    whole = obj.offset == 0 and need == info.file_size and is_c_contiguous(tuple(obj.shape), tuple(obj.stride))
+    return ChunkData(
+        loc.relative_path,
+        loc.offset + start + obj.offset * es,
+        tuple(obj.shape),
+        tuple(obj.stride),
+        es,
+        info.CRC if whole else None,
+    )
 
 
 def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[str]]:

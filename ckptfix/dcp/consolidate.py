@@ -1,7 +1,10 @@
 """Consolidate a DCP directory into safetensors, streaming, without torch.
 
-Each output tensor is produced in output order from its chunks, through a
-bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
+A tensor whose chunks are whole row blocks (FSDP's ``Shard(0)``, replication) is
+the chunks' bytes end to end: :meth:`DcpItem.ranges` hands them to the writer as
+byte ranges of the ``.distcp`` files, copied and verified like any other range
+(:mod:`ckptfix.fileio`).  Any other tensor is produced in output order from its
+chunks, through a bounded buffer (:data:`BLOCK_BYTES`): a chunk that covers whole trailing
 dimensions (row sharding, replication) is a contiguous range of the tensor
 and is copied in row groups; otherwise (column sharding, any chunk offsets)
 a group of rows is assembled from the chunks' runs and written at once.  No
@@ -13,6 +16,7 @@ sources, and lays the file out exactly as ``safetensors.torch.save_file``.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.convert.extras import split_checkpoint
-from ckptfix.convert.items import Item, check_dtype
+from ckptfix.convert.items import Item, Range, check_dtype
 from ckptfix.convert.plan import output_names
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.convert.write import write_outputs
@@ -173,6 +177,21 @@ class DcpItem(Item):
 
     entry: Any = None
     files: Any = None
+    _ranges: Any = None
+
+    def ranges(self) -> list[Range] | None:
+        """The tensor as byte ranges of the ``.distcp`` files, when its chunks are whole row blocks in C order.
+
+        Row sharding (FSDP, DDP replication, any chunk that spans every dimension but the first)
+        makes the global tensor the chunks' bytes end to end, in order of their first offset:
+        each is then copied in the kernel like any other range.
+
+        Returns:
+            ``[(path, offset, nbytes, crc)]`` or None (the chunks are assembled block by block).
+        """
+        if self._ranges is None:
+            self._ranges = _row_ranges(self.files, self.entry) or []
+        return self._ranges or None
 
     def chunks(self, fds: Any) -> Iterator[bytes | bytearray | memoryview]:
         """The tensor's bytes, C-contiguous, assembled block by block from its chunks.
@@ -184,6 +203,31 @@ class DcpItem(Item):
             An iterator of blocks of at most :data:`BLOCK_BYTES`.
         """
         yield from TensorStream(self.files, self.entry)
+
+
+def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
+    """The byte ranges of ``e``'s chunks, when they are whole C-order row blocks tiling dimension 0."""
+    if e.numel == 0:
+        return None
+    shape = tuple(e.shape)
+    parts = [(c, i) for i, c in enumerate(e.chunks) if c.numel]
+    if any(tuple(c.sizes[1:]) != shape[1:] for c, _ in parts):
+        return None
+    parts.sort(key=lambda p: p[0].offsets[0] if shape else 0)
+    out: list[Range] = []
+    row = 0
+    for c, i in parts:
+        if shape and c.offsets[0] != row:
+            return None
+        cd = locate_chunk(files, e, i)
+        if not cd.contiguous():
+            return None
+        n = c.numel * e.element_size
+        out.append((os.path.join(files.root, cd.rel), cd.data_offset, n, cd.crc))
+        row += c.sizes[0] if shape else 1
+    if (shape and row != shape[0]) or (not shape and len(out) != 1):
+        return None
+    return out
 
 
 def convert_dcp(

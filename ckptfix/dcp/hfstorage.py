@@ -334,7 +334,7 @@ def convert_hf_storage(
     from ckptfix.convert.paths import check_outputs, default_st_output, temp_for
     from ckptfix.convert.write import _written_equal
     from ckptfix.errors import VerificationError
-    from ckptfix.formats.zipfmt import pwrite_all
+    from ckptfix.fileio import pwrite_all
 
     t0 = time.perf_counter()
     if max_shard_size:

@@ -13,7 +13,6 @@ through Python.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import struct
@@ -21,10 +20,10 @@ import zipfile
 import zlib
 from typing import Any, BinaryIO
 
-from ckptfix.errors import CorruptCheckpointError, OutputError, ResourceLimitError, UnsupportedError
+from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
+from ckptfix.fileio import FOLIO, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
-from ckptfix.progress import advance
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
 
 ALIGN = 64
@@ -426,6 +425,7 @@ def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) ->
             f"{rec.dtype} elements ({es} bytes each); the checkpoint is corrupt"
         )
     rec.file_offset, rec.nbytes, rec.source = m.data_offset, need, path
+    rec.crc = m.crc if need == m.size else None  # the member's CRC covers exactly the storage's bytes
 
 
 # --------------------------------------------------------------------------- TorchScript
@@ -643,100 +643,6 @@ class AlignedZipWriter:
         else:
             self.fp.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, n, n, cd_size, cd_start, 0))
         self.fp.flush()
-
-
-#: the kernel's page cache works in large folios (up to 64 KiB and more): ``copy_file_range`` between
-#: offsets that sit at the same place within 64 KiB moves whole folios; shifted by anything else (even
-#: a whole 4 KiB page) it splits every one and runs ~1.4x slower than ``cp`` -- no faster than a
-#: plain read+write through a buffer, which is then what copy_range does.
-FOLIO = 64 << 10
-
-
-def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int, crc: bool = False) -> int:
-    """Copy bytes between files, as fast as ``cp``, without holding them in Python objects.
-
-    In the kernel (``copy_file_range``, what ``cp`` uses) when both offsets are congruent modulo
-    :data:`FOLIO` (the first call then brings them to a folio boundary); otherwise through one
-    reused 8 MiB buffer.  With ``crc`` the bytes always pass through the buffer and their CRC-32
-    is returned (one read of the source for both); otherwise 0 is returned.
-
-    Args:
-        src_fd: the source file descriptor.
-        src_off: where to read from.
-        dst_fd: the destination file descriptor.
-        dst_off: where to write to.
-        size: how many bytes.
-        crc: also compute the bytes' CRC-32.
-
-    Returns:
-        The CRC-32 with ``crc``, else 0.
-
-    Raises:
-        OutputError: the output device is full.
-        CorruptCheckpointError: the source ends early.
-    """
-    remaining = size
-    so, do = src_off, dst_off
-    fast = hasattr(os, "copy_file_range") and (src_off - dst_off) % FOLIO == 0 and not crc
-    buf: memoryview | None = None
-    checksum = 0
-    while remaining > 0:
-        if fast:
-            step = min(remaining, (FOLIO - so % FOLIO) if so % FOLIO else 1 << 26)  # 64 MiB: progress steps
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, step, so, do)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise OutputError(
-                        "no space left on the output device; free some space or write elsewhere with -o"
-                    ) from None
-                fast = False  # e.g. EXDEV on old kernels, or a file system without it
-                continue
-            if n == 0:
-                raise CorruptCheckpointError("the source file ended early while copying a tensor (truncated?)")
-        else:
-            if buf is None:
-                buf = memoryview(bytearray(min(size, 8 << 20)))
-            want = min(remaining, len(buf))
-            n = os.preadv(src_fd, [buf[:want]], so)
-            if n == 0:
-                raise CorruptCheckpointError("the source file ended early while copying a tensor (truncated?)")
-            if crc:
-                checksum = zlib.crc32(buf[:n], checksum)
-            pwrite_all(dst_fd, buf[:n], do)
-        so += n
-        do += n
-        remaining -= n
-        advance(n)
-    return checksum & 0xFFFFFFFF
-
-
-def pwrite_all(fd: int, data: bytes | bytearray | memoryview, off: int) -> int:
-    """Write all of ``data`` at ``off`` of ``fd``.
-
-    Args:
-        fd: the file descriptor.
-        data: the bytes.
-        off: the file offset.
-
-    Returns:
-        The number of bytes written (all of them).
-
-    Raises:
-        OutputError: the disk is full, or the write failed.
-    """
-    data = memoryview(data).cast("B")
-    done = 0
-    while done < len(data):
-        try:
-            done += os.pwrite(fd, data[done:], off + done)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise OutputError(
-                    "no space left on the output device; free some space or write elsewhere with -o"
-                ) from None
-            raise OutputError(f"cannot write the output: {e}") from None
-    return done
 
 
 def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:

@@ -9,9 +9,10 @@ from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.errors import KeyConflictError, UnsupportedError
+from ckptfix.fileio import FOLIO, copy_range
 from ckptfix.formats import CheckpointFile, Format, LegacyDetails, SafetensorsDetails, ZipDetails
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
-from ckptfix.formats.zipfmt import FOLIO, AlignedZipWriter, _read_member, copy_range, rewrite_zip
+from ckptfix.formats.zipfmt import AlignedZipWriter, _read_member, rewrite_zip
 from ckptfix.pickles import dumps
 from ckptfix.rewrite.output import write_atomic
 from ckptfix.rewrite.verify import check_written
