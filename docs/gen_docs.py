@@ -91,6 +91,17 @@ class _LogCkptfixImports:
 if os.environ.get("GEN_DOCS_IMPORT_LOG"):
     sys.meta_path.insert(0, _LogCkptfixImports)
 """
+FIXTURES = ROOT / "tests" / "fixtures" / "frameworks"
+#: ``setup=frameworks``: fixture -> the name it has in the page's directory
+FRAMEWORK_FOLDERS = {
+    "trainer/checkpoint-2": "checkpoint-2",
+    "accelerate": "accelerate_state",
+    "deepspeed/zero3_fp32": "ds_ckpt",
+    "hfstorage/run": "hf_writer.dcp",
+    "lightning_dcp": "lightning_fsdp",
+    "lightning.ckpt": "lightning.ckpt",
+    "hf_llama_bin": "llama",
+}
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
 
@@ -218,6 +229,9 @@ class Sandbox:
         return [part.removesuffix("\n") for part in parts[:-1]]
 
     def setup(self, name: str) -> None:
+        if name == "frameworks":
+            self.frameworks()
+            return
         if name != "runs" or (self.dir / "runs").exists():
             return
         if _TRAINED.get("runs") is None:  # trained once per run of this script, copied into each file's box
@@ -229,6 +243,20 @@ class Sandbox:
             _TRAINED["runs"] = keep
         else:
             shutil.copytree(_TRAINED["runs"] / "runs", self.dir / "runs")
+
+    def frameworks(self) -> None:
+        """``setup=frameworks``: folders the frameworks wrote (tests/fixtures/frameworks), as users hold them."""
+        for src, dst in FRAMEWORK_FOLDERS.items():
+            to = self.dir / dst
+            if to.exists():
+                continue
+            if (FIXTURES / src).is_dir():
+                shutil.copytree(FIXTURES / src, to, ignore=shutil.ignore_patterns("expected*", "VERSIONS", "make*.py"))
+            else:
+                shutil.copy(FIXTURES / src, to)
+            for f in sorted((FIXTURES / src).rglob("*")) if (FIXTURES / src).is_dir() else [FIXTURES / src]:
+                if f.is_file():
+                    _SETUP_SOURCES.add(f.relative_to(ROOT).as_posix())
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
