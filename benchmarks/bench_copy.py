@@ -41,7 +41,7 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import child_env, ckptfix, measure  # noqa: E402
+from _measure import child_env, ckptfix, measure
 
 MAKE_GPT2 = r"""
 import sys, torch

@@ -141,6 +141,8 @@ def torch_truth(path: str) -> tuple[Any, str]:
         return load_file(path), "safetensors.load_file"
     if kind == "torchscript":
         return dict(torch.jit.load(path, map_location="cpu").state_dict()), "torch.jit.load"
+    if kind == "torch-package":  # loading it means importing the package's own code: never done here
+        return None, "torch.package (not loaded: PackageImporter runs the packaged code)"
     with stand_ins() as f, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         obj = torch.load(path, map_location="cpu", weights_only=False)
@@ -163,6 +165,8 @@ def truth_state_dict(obj: Any, key_path: Any) -> dict:
     import torch
 
     node = at(obj, key_path)
+    if isinstance(node, torch.Tensor):  # torch.save(tensor): one tensor, named "tensor"
+        return {"tensor": node}
     if isinstance(node, torch.nn.Module):
         return dict(node.state_dict())
     if isinstance(node, StandIn) and "_modules" in vars(node):
@@ -381,6 +385,8 @@ def check(e: Entry, cache: str, work: str) -> Result:
     r = Result(e)
     path = fetch(e, cache)
     truth, r.truth = torch_truth(path)
+    if truth is None:  # a torch.package archive: ckptfix names it and refuses to load it; scan reads its pickles
+        return _check_package(r, path, t0)
     lc = load_checkpoint(path)
     r.format = lc.format
     no_tensors = not lc.state_dict
@@ -410,6 +416,12 @@ def check(e: Entry, cache: str, work: str) -> Result:
     # convert
     out = os.path.join(d, "c.safetensors")
     p = _cli("convert", path, "-o", out, "--json")
+    refused = ""
+    if p.returncode == 8 and "would be missing from the output" in p.stderr and lc.key_path:
+        # tensors outside the state dict (a Lightning checkpoint's metric buffers ...): refused, nothing
+        # dropped silently; an explicit --key says the rest may stay behind
+        refused = " (refused without --key: tensors outside the state dict)"
+        p = _cli("convert", path, "-o", out, "--json", "--key", "/".join(map(str, lc.key_path)))
     if no_tensors:
         r.results["convert"] = "n/a (no tensors, exit 13)" if p.returncode == 13 else f"FAIL: exit {p.returncode}"
     elif p.returncode != 0:
@@ -426,7 +438,9 @@ def check(e: Entry, cache: str, work: str) -> Result:
             load_anywhere(out), want, "load_anywhere(converted)"
         )
         r.results["convert"] = (
-            "ok" + (f" ({len(doc['aliases'])} tied)" if doc["aliases"] else "") if why is None else f"FAIL: {why}"
+            "ok" + (f" ({len(doc['aliases'])} tied)" if doc["aliases"] else "") + refused
+            if why is None
+            else f"FAIL: {why}"
         )
 
     # prefix
@@ -443,8 +457,8 @@ def check(e: Entry, cache: str, work: str) -> Result:
     elif holder != "mapping":
         p = _cli("add-prefix", path, "--prefix", "rw.", "-o", os.path.join(d, "a" + ext))
         r.results["prefix"] = (
-            f"n/a ({holder}: no keys to rename, exit 8)"
-            if p.returncode == 8
+            f"n/a ({holder}: no keys to rename, exit {p.returncode})"
+            if p.returncode in (8, 13)
             else f"FAIL: exit {p.returncode}: {_err(p)}"
         )
     else:
@@ -491,6 +505,26 @@ def check(e: Entry, cache: str, work: str) -> Result:
             except Exception as ex:  # noqa: BLE001
                 r.results["sanitize"] = f"FAIL: weights_only load: {type(ex).__name__}: {ex}"[:240]
     shutil.rmtree(d, ignore_errors=True)
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def _check_package(r: Result, path: str, t0: float) -> Result:
+    """A torch.package archive: inspect names it (exit 8, no loading), scan reads every pickle (never "safe")."""
+    r.format, r.tensors = "torch-package", 0
+    p = _cli("inspect", path, "--json")
+    r.results["inspect"] = (
+        "ok (refused: torch.package, exit 8)"
+        if p.returncode == 8 and "torch.package" in p.stderr
+        else f"FAIL: exit {p.returncode}: {_err(p)}"
+    )
+    p = _cli("scan", path, "--json")
+    verdict = json.loads(p.stdout).get("verdict") if p.stdout.strip().startswith("{") else None
+    r.results["load"] = (
+        f"ok (scan: {verdict}, exit 11)" if p.returncode == 11 else f"FAIL: scan exit {p.returncode}: {_err(p)}"
+    )
+    for c in ("convert", "prefix", "sanitize"):
+        r.results[c] = "n/a (torch.package: code, not a checkpoint)"
     r.seconds = time.perf_counter() - t0
     return r
 

@@ -55,7 +55,7 @@ def _expected(case: str) -> tuple[dict, dict]:
     return load_file(str(FIX / case / "expected.safetensors")), json.loads((FIX / case / "expected.json").read_text())
 
 
-def _same(a, b) -> bool:  # noqa: ANN001 - bit for bit, dtype and shape
+def _same(a, b) -> bool:
     import torch
 
     return (
@@ -305,7 +305,7 @@ def _synthetic(out: Path, fp32_bytes: int, world: int, stage: int) -> None:
     src = (Path(__file__).parents[1] / "benchmarks" / "bench_zero.py").read_text()
     gen = src.split("GEN = r'''", 1)[1].split("'''", 1)[0].split("if __name__")[0]
     ns: dict = {}
-    exec(gen, ns)  # noqa: S102 - our own generator
+    exec(gen, ns)
     ns["model_groups"].__globals__["torch"].manual_seed(0)
     groups, buffers = ns["model_groups"](fp32_bytes)
     ns["save"](str(out), groups, buffers, world, stage, adam=False)
