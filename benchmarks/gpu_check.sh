@@ -5,7 +5,7 @@
 # DDP over nccl with SyncBatchNorm, FSDP2 DCP, hand-written all-reduce, torch.compile/inductor),
 # loads each CUDA checkpoint on a CPU-only view with load_anywhere, and runs the `gpu`-marked tests.
 # Small CUDA checkpoints come back as cuda_ckpts.tar.gz (fixtures for tests/fixtures/cuda/), every log as logs.tgz.
-# Run there as: OUT=$OUT timeout 460 bash benchmarks/gpu_check.sh   (about 400 s on an H200)
+# Run there as: OUT=$OUT timeout 460 bash benchmarks/gpu_check.sh   (about 400 s on an H200; GPU_CHECK_QUICK=1: 90 s)
 set -u
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
@@ -46,6 +46,16 @@ step pick_gpu_json $CK pick-gpu --json --lease 0
 step pick_gpu_exec $CK pick-gpu --lease 0 -- $PY -c "import os,torch;print(os.environ['CUDA_VISIBLE_DEVICES'], torch.cuda.device_count(), torch.cuda.get_device_properties(0).uuid)"
 step doctor $CK doctor
 step doctor_json $CK doctor --json
+if [ -n "${GPU_CHECK_QUICK:-}" ]; then  # the GPU commands and the gpu-marked tests only (about 90 s)
+    step pytest_gpu $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_real.py tests/test_cuda_fixtures.py
+    step gpus_watch timeout -s INT 3 $CK gpus --watch 1
+    step pick_gpu_exclude $CK pick-gpu --lease 0 --exclude 0
+    step pick_gpu_maxtemp $CK pick-gpu --lease 0 --max-temp 90 --max-power 650 --json
+    step sigpipe $CK pick-gpu --lease 0 -- sh -c 'yes | head -1'
+    cat "$OUT/summary.txt"
+    (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
+    exit 0
+fi
 R=$W/runs
 step train_single $CK train --mode single --device cuda --out $R --epochs 2 -q
 step train_single_amp $CK train --mode single --device cuda --amp --out $R --epochs 1 -q
