@@ -9,7 +9,9 @@ import pytest
 
 from helpers import fake_smi_env, run_cli
 
-SHOW = "grep -E '^Sig(Ign|Blk):' /proc/$$/status"
+# read by the exec'd process itself (grep, through `exec`): a shell that forks would show its own mask while it
+# waits (dash blocks every signal around fork and wait), which says nothing about what pick-gpu handed over
+SHOW = "exec grep -E '^Sig(Ign|Blk):' /proc/self/status"
 
 
 @pytest.fixture
