@@ -1,0 +1,138 @@
+"""Framework folders from someone else: hostile sidecars, symlinks, lying or broken config files.
+
+Each test builds its hostile folder at test time from the framework-written fixtures in
+tests/fixtures/frameworks/ (nothing hostile is committed).  Promises checked: no code from the folder
+runs, ``scan`` never says "safe" for a pickle torch.load or a tokenizer would unpickle, a bad folder
+gets one ``Error:`` line with a distinct exit code (no internal error), and nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+
+FW = Path(__file__).resolve().parent / "fixtures" / "frameworks"
+
+
+class _Payload:
+    """Pickles to ``os.system("touch MARKER")``: never unpickled by the tests or by ckptfix."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _plant(path: Path, marker: Path, protocol: int = 2) -> None:
+    path.write_bytes(pickle.dumps(_Payload(marker), protocol=protocol))
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / "folder"
+    shutil.copytree(FW / name, dst)
+    return dst
+
+
+def _scan_flags(folder: Path, marker: Path) -> None:
+    p = run_cli("scan", str(folder), "--json")
+    assert p.returncode == 11, (p.stdout, p.stderr)
+    assert "system" in p.stdout  # the payload's global is named
+    assert "Traceback" not in p.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+def test_scan_flags_old_protocol_pickle_sidecar(tmp_path: Path, protocol: int) -> None:
+    """A protocol-0 pickle looks like text: it must be scanned, not skipped as a text file."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    marker = tmp_path / "MARK"
+    for n in ("training_args.bin", "rng_state.pth", "optimizer.pt", "scheduler.pt"):
+        (d / n).unlink()
+    _plant(d / "rng_state.pth", marker, protocol)
+    _scan_flags(d, marker)
+
+
+def test_scan_flags_pickled_vocab(tmp_path: Path) -> None:
+    """``vocab.pkl`` (TransfoXL-style tokenizers unpickle it) is a pickle, whatever its role."""
+    d = _copy("hf_llama_bin", tmp_path)
+    marker = tmp_path / "MARK"
+    _plant(d / "vocab.pkl", marker)
+    _scan_flags(d, marker)
+
+
+def test_scan_flags_bin_weights_beside_safetensors(tmp_path: Path) -> None:
+    """A ``pytorch_model.bin`` beside ``model.safetensors`` is loaded with ``use_safetensors=False``: scan it."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    marker = tmp_path / "MARK"
+    for n in ("training_args.bin", "rng_state.pth", "optimizer.pt", "scheduler.pt"):
+        (d / n).unlink()
+    _plant(d / "pytorch_model.bin", marker)
+    _scan_flags(d, marker)
+
+
+def test_scan_flags_shard_not_in_index(tmp_path: Path) -> None:
+    """A shard-named file the index does not name is still a pickle in the folder."""
+    d = _copy("hf_gpt2_sharded", tmp_path)
+    marker = tmp_path / "MARK"
+    _plant(d / "pytorch_model-00001-of-00009.bin", marker)
+    _scan_flags(d, marker)
+
+
+def test_scan_does_not_follow_symlinked_dir_outside(tmp_path: Path) -> None:
+    """A sub-folder symlink to ``/usr`` is not walked (unbounded, and not the folder's own files)."""
+    d = _copy("accelerate", tmp_path)
+    os.symlink("/usr", d / "sub")
+    p = run_cli("scan", str(d), timeout=120)
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode in (0, 11), p.stderr
+    assert "/usr" in p.stdout + p.stderr  # it says what it did not follow
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+@pytest.mark.parametrize("name", ["config.json", "trainer_state.json", "optimizer.pt"])
+def test_fifo_in_folder_does_not_hang(tmp_path: Path, name: str) -> None:
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    (d / name).unlink()
+    os.mkfifo(d / name)
+    for cmd in ("inspect", "scan"):
+        p = run_cli(cmd, str(d), timeout=60)
+        assert "internal error" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("name", ["config.json", "trainer_state.json"])
+def test_deeply_nested_json_is_no_internal_error(tmp_path: Path, name: str) -> None:
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    (d / name).write_text("[" * 200_000, encoding="utf-8")
+    for args in (("inspect", str(d)), ("convert", str(d), "-o", str(tmp_path / "o.safetensors"))):
+        p = run_cli(*args)
+        assert p.returncode == 0, p.stderr  # the weights are fine; the JSON is described as unreadable
+        assert "internal error" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_marker_never_written(tmp_path: Path) -> None:
+    """Every command on a folder full of payloads: nothing runs."""
+    d = _copy("accelerate", tmp_path)
+    marker = tmp_path / "MARK"
+    for n in os.listdir(d):
+        if n.endswith((".pkl", ".bin")) and n != "model.safetensors":
+            _plant(d / n, marker)
+    for args in (
+        ("inspect", str(d)),
+        ("scan", str(d)),
+        ("convert", str(d), "-o", str(tmp_path / "o.safetensors"), "--include-optimizer"),
+    ):
+        p = run_cli(*args)
+        assert "Traceback" not in p.stderr, p.stderr
+    code = f"import ckptfix; ckptfix.load_anywhere({str(d)!r})"
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(FW.parents[2])})
+    assert not marker.exists()
