@@ -180,12 +180,22 @@ class Layout:
 
 
 def _size(p: str) -> int:
+    """Bytes of a file, or of the regular files under a folder (a link to a folder is not walked)."""
+    if os.path.islink(p) and os.path.isdir(p):
+        return 0  # may point anywhere (``/``): not this folder's own bytes
     if os.path.isdir(p):
         total = 0
         for root, _, files in os.walk(p):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(root, f)).st_size
+                except OSError:
+                    pass
         return total
-    return os.path.getsize(p)
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0  # a dangling link
 
 
 def _weights_in(folder: str, names: list[str]) -> str | None:
@@ -396,10 +406,14 @@ def describe_file(path: str, role: str) -> tuple[str, dict[str, Any]]:
     Returns:
         ``(summary, details)``; a file that cannot be read is described, never raised.
     """
+    if not os.path.isdir(path) and not os.path.isfile(path):
+        return "not a regular file (a FIFO, device or dangling link); not read", {}
     try:
         return _describe(path, role)
     except CkptfixError as e:
         return f"unreadable ({e})", {"error": str(e)}
+    except RecursionError:
+        return "unreadable (nested too deeply)", {"error": "nested too deeply"}
     except (OSError, ValueError) as e:
         return f"unreadable ({type(e).__name__}: {e})", {"error": str(e)}
 
