@@ -616,6 +616,10 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     finally:
         _NESTED.reset(token)
     rep.source = r.path
+    for m in r.of_role("model"):  # accelerate's second model: its own file, its own conversion
+        rep.not_converted[os.path.basename(m)] = (
+            f"another model in the folder; convert it on its own: ckptfix convert {m}"
+        )
     return rep
 
 

@@ -140,3 +140,20 @@ def test_marker_never_written(tmp_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(FW.parents[2])}
     )
     assert not marker.exists()
+
+
+def test_convert_names_second_model_it_leaves_out(tmp_path: Path) -> None:
+    """accelerate with two models (``model_1.safetensors``): convert writes the first and says the second is left."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = _copy("accelerate", tmp_path)
+    save_file({"w": torch.ones(2, 2)}, str(d / "model_1.safetensors"))
+    out = tmp_path / "o.safetensors"
+    p = run_cli("convert", str(d), "-o", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(p.stdout)
+    assert "model_1.safetensors" in rep["not_converted"]
+    p = run_cli("convert", str(d), "-o", str(tmp_path / "o2.safetensors"))
+    assert p.returncode == 0 and "model_1.safetensors" in p.stderr, p.stderr  # the text report warns too
+    assert "w" not in load_file(str(out))

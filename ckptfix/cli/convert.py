@@ -180,6 +180,8 @@ def _summary(r: Any) -> None:
         info(f"stripped prefixes from {r.renamed} key(s)")
     if r.excluded:
         info(f"excluded: {', '.join(r.excluded)} (pass --include-optimizer to keep optimizer tensors)")
+    for f, why in getattr(r, "not_converted", {}).items():
+        warn(f"not converted: {f} ({why})")
     if r.copied_views:
         info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
     if r.converted:

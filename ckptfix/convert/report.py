@@ -26,6 +26,7 @@ class ConvertReport:
         copied_views: views of a shared storage written as copies.
         tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
         excluded: top-level optimizer entries left out.
+        not_converted: ``{file: why}`` of a framework folder's other models left out (accelerate's ``model_1``).
         skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
         placeholders: ``{path: global}`` of placeholders of classes written as plain data.
         converted: ``{path: "was -> now"}`` of values written as plain data.
@@ -50,6 +51,7 @@ class ConvertReport:
     copied_views: list[str] = field(default_factory=list)
     tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
+    not_converted: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     placeholders: dict[str, str] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
