@@ -671,11 +671,13 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
         if not os.path.isdir(t) and not os.path.isfile(t):
             acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
             continue
-        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
+        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
             continue
         try:
             sub = _scan_one(t, limits)
         except CkptfixError as e:
+            if t == fw.weights:
+                raise  # the folder's own weights: as if the user had scanned them alone (never skipped)
             bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
             if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
                 sub = bare

@@ -157,3 +157,44 @@ def test_convert_names_second_model_it_leaves_out(tmp_path: Path) -> None:
     p = run_cli("convert", str(d), "-o", str(tmp_path / "o2.safetensors"))
     assert p.returncode == 0 and "model_1.safetensors" in p.stderr, p.stderr  # the text report warns too
     assert "w" not in load_file(str(out))
+
+
+def _break_index(d: Path, how: str) -> None:
+    idx = d / "model.safetensors.index.json"
+    if how == "missing":
+        (d / "model-00002-of-00002.safetensors").unlink()
+    elif how == "outside":
+        doc = json.loads(idx.read_text(encoding="utf-8"))
+        doc["weight_map"][next(iter(doc["weight_map"]))] = "../../etc/passwd"
+        idx.write_text(json.dumps(doc), encoding="utf-8")
+    elif how == "link":
+        (d / "model-00002-of-00002.safetensors").unlink()
+        os.symlink("/etc/passwd", d / "model-00002-of-00002.safetensors")
+    elif how == "text":
+        idx.write_text("nope\n", encoding="utf-8")
+    elif how == "deep":
+        idx.write_text('{"weight_map":' + "[" * 100_000, encoding="utf-8")
+
+
+@pytest.mark.parametrize("how", ["missing", "outside", "link", "text", "deep"])
+def test_scan_folder_with_broken_index_is_never_safe(tmp_path: Path, how: str) -> None:
+    """The folder's own weights failing to scan is an error (as for the index alone), not a skipped text file."""
+    d = _copy("hf_gpt2_sharded", tmp_path)
+    _break_index(d, how)
+    alone = run_cli("scan", str(d / "model.safetensors.index.json"))
+    p = run_cli("scan", str(d))
+    assert p.returncode != 0 and p.returncode == alone.returncode, (p.stdout, p.stderr, alone.stderr)
+    assert p.stderr.startswith("Error:") and "Traceback" not in p.stderr and "internal error" not in p.stderr
+
+
+def test_scan_sharded_bin_folder_scans_its_shards(tmp_path: Path) -> None:
+    """A ``save_pretrained`` folder of ``.bin`` shards + ``pytorch_model.bin.index.json``: the index is the
+    weights, so its shards are scanned (the index is JSON, but not a file to skip)."""
+    d = tmp_path / "folder"
+    d.mkdir()
+    marker = tmp_path / "MARK"
+    shutil.copy(FW / "hf_llama_bin" / "config.json", d / "config.json")
+    _plant(d / "pytorch_model-00001-of-00001.bin", marker)
+    idx = {"metadata": {}, "weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps(idx), encoding="utf-8")
+    _scan_flags(d, marker)
