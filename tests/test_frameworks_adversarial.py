@@ -198,3 +198,39 @@ def test_scan_sharded_bin_folder_scans_its_shards(tmp_path: Path) -> None:
     idx = {"metadata": {}, "weight_map": {"w": "pytorch_model-00001-of-00001.bin"}}
     (d / "pytorch_model.bin.index.json").write_text(json.dumps(idx), encoding="utf-8")
     _scan_flags(d, marker)
+
+
+def _odd_optimizer(tmp_path: Path, state: dict) -> Path:
+    import torch
+
+    d = _copy("accelerate", tmp_path)
+    torch.save({"state": state, "param_groups": [{"params": list(state)}]}, str(d / "optimizer.bin"))
+    return d
+
+
+def test_include_optimizer_name_collision_is_a_key_conflict(tmp_path: Path) -> None:
+    """State keys ``1`` and ``"1"`` (or ``"a.b"`` + ``exp_avg`` and ``"a"`` + ``"b.exp_avg"``) flatten to one name."""
+    import torch
+
+    for i, state in enumerate(
+        (
+            {1: {"m": torch.ones(2)}, "1": {"m": torch.ones(3)}},
+            {"a.b": {"exp_avg": torch.ones(2)}, "a": {"b.exp_avg": torch.zeros(2)}},
+        )
+    ):
+        d = _odd_optimizer(tmp_path / str(i), state)
+        out = tmp_path / f"o{i}.safetensors"
+        p = run_cli("convert", str(d), "-o", str(out), "--include-optimizer")
+        assert p.returncode == 6, p.stderr  # KeyConflictError, before anything is written
+        assert p.stderr.startswith("Error:") and "collide" in p.stderr
+        assert not out.exists()
+
+
+def test_include_optimizer_tensors_under_tuple_keys_are_not_dropped_silently(tmp_path: Path) -> None:
+    import torch
+
+    d = _odd_optimizer(tmp_path, {(0, 1): {"exp_avg": torch.ones(2)}})
+    out = tmp_path / "o.safetensors"
+    p = run_cli("convert", str(d), "-o", str(out), "--include-optimizer")
+    assert p.returncode == 8, p.stderr  # UnsupportedError: tensors ckptfix cannot name
+    assert "tuple" in p.stderr and not out.exists()
