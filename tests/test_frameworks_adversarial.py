@@ -234,3 +234,21 @@ def test_include_optimizer_tensors_under_tuple_keys_are_not_dropped_silently(tmp
     p = run_cli("convert", str(d), "-o", str(out), "--include-optimizer")
     assert p.returncode == 8, p.stderr  # UnsupportedError: tensors ckptfix cannot name
     assert "tuple" in p.stderr and not out.exists()
+
+
+def test_load_optimizer_with_odd_keys_keeps_every_tensor(tmp_path: Path) -> None:
+    """load_anywhere / inspect of an optimizer file: float and None state keys are named, colliding keys refused."""
+    import torch
+
+    from ckptfix import load_anywhere
+    from ckptfix.errors import KeyConflictError
+
+    p = tmp_path / "f.bin"
+    torch.save({"state": {0.5: {"m": torch.ones(2)}, None: {"m": torch.zeros(1)}}, "param_groups": []}, str(p))
+    assert sorted(load_anywhere(str(p))) == ["state.0.5.m", "state.None.m"]
+    q = tmp_path / "c.bin"
+    torch.save({"state": {1: {"m": torch.ones(2)}, "1": {"m": torch.ones(3)}}, "param_groups": []}, str(q))
+    with pytest.raises(KeyConflictError):
+        load_anywhere(str(q))
+    r = run_cli("inspect", str(q))
+    assert r.returncode == 6 and r.stderr.startswith("Error:"), r.stderr
