@@ -590,6 +590,7 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
 
     weights = r.require_weights()
     dst = dst if dst is not None else default_output(r)
+    _refuse_input_file(r, dst, kw.get("force", False))
     to = kw.get("to")
     if to is None:  # the paths decide, as for a file: the default output is always .safetensors
         if dst.rstrip("/" + os.sep).endswith(".dcp"):
@@ -621,6 +622,18 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
             f"another model in the folder; convert it on its own: ckptfix convert {m}"
         )
     return rep
+
+
+def _refuse_input_file(r: Resolved, dst: str, force: bool) -> None:
+    """An output that would replace a file of the input folder (its config.json, an optimizer file ...)."""
+    from ckptfix.errors import OutputError
+
+    real, root = os.path.realpath(dst), os.path.realpath(r.path)
+    if os.path.lexists(dst) and not os.path.isdir(dst) and real.startswith(root + os.sep):
+        raise OutputError(
+            f"{dst}: a file of the input folder {r.path}{' (--force does not apply)' if force else ''}; "
+            "choose an output outside it with -o"
+        )
 
 
 def meta_extras(path: str) -> dict[str, Any]:

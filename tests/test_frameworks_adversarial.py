@@ -252,3 +252,14 @@ def test_load_optimizer_with_odd_keys_keeps_every_tensor(tmp_path: Path) -> None
         load_anywhere(str(q))
     r = run_cli("inspect", str(q))
     assert r.returncode == 6 and r.stderr.startswith("Error:"), r.stderr
+
+
+@pytest.mark.parametrize("name", ["config.json", "trainer_state.json", "optimizer.pt", "rng_state.pth"])
+def test_convert_never_overwrites_a_file_of_the_input_folder(tmp_path: Path, name: str) -> None:
+    """``-o FOLDER/config.json --force``: the folder is the input (its config.json decides ties), so refused."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    before = (d / name).read_bytes()
+    p = run_cli("convert", str(d), "-o", str(d / name), "--force")
+    assert p.returncode == 9, p.stderr  # OutputError
+    assert p.stderr.startswith("Error:") and "input" in p.stderr
+    assert (d / name).read_bytes() == before
