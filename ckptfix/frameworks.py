@@ -245,7 +245,7 @@ def _detect_accelerate(folder: str, names: list[str]) -> Resolved | None:
 
 def _detect_lightning_dcp(folder: str, names: list[str]) -> Resolved | None:
     """Lightning ModelParallel / FSDP (``state_dict_type="sharded"``): a DCP directory plus ``meta.pt``."""
-    if ".metadata" not in names or "meta.pt" not in names:
+    if ".metadata" not in names or "meta.pt" not in names or not os.path.isfile(os.path.join(folder, ".metadata")):
         return None
     return Resolved(folder, _BY_NAME["lightning-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
 
@@ -256,8 +256,8 @@ def _dcp_files(names: list[str]) -> tuple[str, ...]:
 
 def _detect_dcp(folder: str, names: list[str]) -> Resolved | None:
     """torch ``dcp.save`` with the ``FileSystemWriter``: ``.metadata`` + ``__R_I.distcp`` files."""
-    if ".metadata" not in names:
-        return None
+    if ".metadata" not in names or not os.path.isfile(os.path.join(folder, ".metadata")):
+        return None  # a ``.metadata`` folder (IDEs, dvc) is no DCP metadata
     return Resolved(folder, _BY_NAME["torch-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
 
 
@@ -564,6 +564,28 @@ def inspect_folder(r: Resolved, key: str | None = None) -> Any:
 
 def _optimizer_files(r: Resolved) -> list[str]:
     return [p for p in r.of_role("optimizer") if os.path.isfile(p)]
+
+
+def checkpoint_subfolders(folder: str) -> list[str]:
+    """The sub-folders of ``folder`` that are framework folders (Trainer's ``output_dir``), newest first.
+
+    Args:
+        folder: a directory that is no checkpoint itself.
+
+    Returns:
+        Their names, the highest trailing number (``checkpoint-1000``) first.
+    """
+    try:
+        subs = [n for n in os.listdir(folder) if not n.startswith(".") and os.path.isdir(os.path.join(folder, n))]
+    except OSError:
+        return []
+    found = [n for n in subs[:1000] if resolve(os.path.join(folder, n)) is not None]
+
+    def newest(n: str) -> tuple[int, str]:
+        m = re.search(r"(\d+)$", n)
+        return (-int(m.group(1)) if m else 0, n)
+
+    return sorted(found, key=newest)
 
 
 def default_output(r: Resolved) -> str:

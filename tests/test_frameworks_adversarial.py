@@ -263,3 +263,24 @@ def test_convert_never_overwrites_a_file_of_the_input_folder(tmp_path: Path, nam
     assert p.returncode == 9, p.stderr  # OutputError
     assert p.stderr.startswith("Error:") and "input" in p.stderr
     assert (d / name).read_bytes() == before
+
+
+def test_stray_metadata_folder_does_not_hide_a_trainer_folder(tmp_path: Path) -> None:
+    """A ``.metadata`` *folder* (IDEs, dvc) is no DCP metadata file: the Trainer layout still wins."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    (d / ".metadata").mkdir()
+    p = run_cli("inspect", str(d), "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["framework"]["layout"] == "hf-trainer"
+
+
+def test_output_dir_of_checkpoints_names_them(tmp_path: Path) -> None:
+    """Trainer's ``output_dir`` (``checkpoint-500/``, ``checkpoint-1000/``): the message names the sub-folders."""
+    out = tmp_path / "out"
+    for n in (500, 1000):
+        shutil.copytree(FW / "trainer" / "checkpoint-2", out / f"checkpoint-{n}")
+    for cmd in ("inspect", "scan", "convert"):
+        p = run_cli(cmd, str(out))
+        assert p.returncode == 3, p.stderr
+        assert "checkpoint-1000" in p.stderr and "checkpoint-500" in p.stderr, p.stderr
+        assert p.stderr.index("checkpoint-1000") < p.stderr.index("checkpoint-500")  # the newest first
