@@ -208,16 +208,31 @@ def _weights_in(folder: str, names: list[str]) -> str | None:
 def _others(folder: str, names: list[str], weights: str | None, skip: tuple[str, ...] = ()) -> list[FolderFile]:
     """Every entry of the folder but the weights (and shards an index names), each with its role."""
     wname = os.path.basename(weights) if weights else None
+    shards = _index_shards(weights) if weights and weights.endswith(".index.json") else set()
     out = []
     for n in names:
         if n == wname or n in skip or n.startswith("."):
             continue
         role = file_role(n)
         if role == "weights" and wname is not None:
-            continue  # shards of the index, or the other weight format beside the chosen one
+            if n in shards:
+                continue  # read through the index
+            role = "weights-unused"  # the other format beside the chosen one, a shard the index does not name
         p = os.path.join(folder, n)
         out.append(FolderFile(n, role or ("folder" if os.path.isdir(p) else "other"), _size(p)))
     return out
+
+
+def _index_shards(index: str) -> set[str]:
+    """The shard names an index lists (empty when it cannot be read: reading the weights reports that)."""
+    try:
+        if os.path.getsize(index) > 64 << 20:
+            return set()
+        with open(index, encoding="utf-8") as f:
+            wm = json.load(f).get("weight_map")
+        return {v for v in wm.values() if isinstance(v, str)} if isinstance(wm, dict) else set()
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return set()
 
 
 def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
@@ -642,6 +657,11 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     for m in r.of_role("model"):  # accelerate's second model: its own file, its own conversion
         rep.not_converted[os.path.basename(m)] = (
             f"another model in the folder; convert it on its own: ckptfix convert {m}"
+        )
+    for m in r.of_role("weights-unused"):
+        rep.not_converted[os.path.basename(m)] = (
+            f"weights beside {os.path.basename(weights)}, which from_pretrained prefers; convert it on its own: "
+            f"ckptfix convert {m}"
         )
     return rep
 

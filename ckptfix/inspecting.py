@@ -654,15 +654,11 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     from ckptfix.errors import CkptfixError
 
     acc = _Acc(None)
-    targets = (
-        ([fw.weights] if fw.weights else [])
-        + [
-            os.path.join(fw.path, f.file)
-            for f in fw.files
-            if f.role not in _NO_PICKLE_ROLES or (f.role == "tokenizer" and f.file.endswith(_PICKLE_EXTS))
-        ]
-        + _other_weight_files(fw)
-    )
+    targets = ([fw.weights] if fw.weights else []) + [
+        os.path.join(fw.path, f.file)
+        for f in fw.files
+        if f.role not in _NO_PICKLE_ROLES or (f.role == "tokenizer" and f.file.endswith(_PICKLE_EXTS))
+    ]
     targets = _expand_dirs(targets, fw.path, acc)
     fmt = Format.PICKLE
     scanned = 0
@@ -704,27 +700,6 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
 
 #: names a tokenizer (or anything) unpickles: a tokenizer-role file with one is scanned (TransfoXL's vocab.pkl)
 _PICKLE_EXTS = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")
-
-
-def _other_weight_files(fw: Any) -> list[str]:
-    """Weight-named files beside the chosen weights (``pytorch_model.bin`` beside ``model.safetensors``, shards
-    the index does not name): transformers loads them with other options, so scan treats them as pickles too."""
-    from ckptfix.frameworks import file_role
-
-    covered = {os.path.realpath(fw.weights)} if fw.weights else set()
-    if fw.weights and fw.weights.endswith(".index.json"):
-        from ckptfix.formats.sharded import load_index
-
-        try:
-            covered |= {os.path.realpath(p) for p in load_index(fw.weights).shards.values()}
-        except CkptfixError:
-            pass  # the weights' own scan reports the broken index
-    out = []
-    for n in sorted(os.listdir(fw.path)):
-        p = os.path.join(fw.path, n)
-        if file_role(n) == "weights" and os.path.realpath(p) not in covered and not n.endswith(".json"):
-            out.append(p)
-    return out
 
 
 def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:

@@ -284,3 +284,18 @@ def test_output_dir_of_checkpoints_names_them(tmp_path: Path) -> None:
         assert p.returncode == 3, p.stderr
         assert "checkpoint-1000" in p.stderr and "checkpoint-500" in p.stderr, p.stderr
         assert p.stderr.index("checkpoint-1000") < p.stderr.index("checkpoint-500")  # the newest first
+
+
+def test_unused_weight_files_are_listed_and_named_by_convert(tmp_path: Path) -> None:
+    """A ``pytorch_model.bin`` beside ``model.safetensors`` (which wins, as in from_pretrained): inspect lists it,
+    convert says it was not converted, scan scans it once."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    shutil.copy(FW / "hf_llama_bin" / "pytorch_model.bin", d / "pytorch_model.bin")
+    p = run_cli("inspect", str(d), "--json")
+    files = {f["file"]: f["role"] for f in json.loads(p.stdout)["framework"]["files"]}
+    assert files.get("pytorch_model.bin") == "weights-unused", files
+    p = run_cli("convert", str(d), "-o", str(tmp_path / "o.safetensors"), "--json")
+    assert "pytorch_model.bin" in json.loads(p.stdout)["not_converted"]
+    p = run_cli("scan", str(d), "--json")
+    pickles = json.loads(p.stdout)["pickles"]
+    assert sum(q.startswith("pytorch_model.bin") for q in pickles) == 1, pickles
