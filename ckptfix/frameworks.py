@@ -625,7 +625,7 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     from ckptfix.convert import convert
     from ckptfix.convert.reverse import is_safetensors_input
 
-    weights = r.require_weights()
+    weights = _check_inside(r, r.require_weights())
     dst = dst if dst is not None else default_output(r)
     _refuse_input_file(r, dst, kw.get("force", False))
     to = kw.get("to")
@@ -645,8 +645,8 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
 
             extra: dict[str, Any] = {}
             if kw.get("include_optimizer") and os.path.isfile(weights):
-                extra["optimizer_files"] = _optimizer_files(r)
-            meta = r.of_role("meta")
+                extra["optimizer_files"] = [_check_inside(r, p) for p in _optimizer_files(r)]
+            meta = [_check_inside(r, p) for p in r.of_role("meta")]
             if meta:
                 extra["extra_metadata"] = meta_extras(meta[0])
             rest = {k: v for k, v in kw.items() if k not in ("to", "restore_wrapper", "shards")}
@@ -664,6 +664,24 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
             f"ckptfix convert {m}"
         )
     return rep
+
+
+def _check_inside(r: Resolved, path: str) -> str:
+    """``path`` (a file convert or load reads from the folder), refused if it links outside the folder.
+
+    The Hugging Face hub cache (``snapshots/<rev>/x -> ../../blobs/<hash>``) is allowed, as for a sharded
+    index's shards: a folder from someone else must not make ``convert`` copy a file of yours into an output.
+    """
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.formats.sharded import _allowed_roots, _inside
+
+    real = os.path.realpath(path)
+    if not _inside(real, _allowed_roots(os.path.abspath(r.path))):
+        raise UnsupportedError(
+            f"{path}: a link to {real}, outside the folder {r.path}; refused "
+            "(copy the file into the folder, or pass the file itself)"
+        )
+    return path
 
 
 def _refuse_input_file(r: Resolved, dst: str, force: bool) -> None:
@@ -700,4 +718,4 @@ def load_folder(r: Resolved, **kw: Any) -> Any:
         return handler(r, **kw)
     from ckptfix.loading import load_file
 
-    return load_file(r.require_weights(), **kw)
+    return load_file(_check_inside(r, r.require_weights()), **kw)

@@ -299,3 +299,38 @@ def test_unused_weight_files_are_listed_and_named_by_convert(tmp_path: Path) -> 
     p = run_cli("scan", str(d), "--json")
     pickles = json.loads(p.stdout)["pickles"]
     assert sum(q.startswith("pytorch_model.bin") for q in pickles) == 1, pickles
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
+def test_links_out_of_the_folder_are_not_converted(tmp_path: Path, name: str) -> None:
+    """A folder from someone else whose ``model.safetensors`` / ``optimizer.pt`` links to a file of yours:
+    convert must not copy that file's tensors into an output (as for a sharded index's shards)."""
+    d = _copy("trainer/checkpoint-2", tmp_path)
+    private = tmp_path / "private"
+    private.mkdir()
+    shutil.move(str(d / name), private / name)
+    os.symlink(private / name, d / name)
+    out = tmp_path / "o.safetensors"
+    p = run_cli("convert", str(d), "-o", str(out), "--include-optimizer")
+    assert p.returncode == 8, p.stderr  # UnsupportedError, as for a shard linking outside its index's folder
+    assert p.stderr.startswith("Error:") and "outside" in p.stderr and not out.exists()
+    if name == "model.safetensors":
+        from ckptfix import load_anywhere
+        from ckptfix.errors import UnsupportedError
+
+        with pytest.raises(UnsupportedError):
+            load_anywhere(str(d))
+
+
+def test_hub_cache_snapshot_links_are_followed(tmp_path: Path) -> None:
+    """The Hugging Face hub cache links every file of ``snapshots/<rev>/`` to ``../../blobs/<hash>``: allowed."""
+    src = FW / "hf_llama_bin"
+    snap = tmp_path / "models--x" / "snapshots" / "abc"
+    blobs = tmp_path / "models--x" / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for i, n in enumerate(sorted(os.listdir(src))):
+        shutil.copy(src / n, blobs / f"h{i}")
+        os.symlink(Path("..") / ".." / "blobs" / f"h{i}", snap / n)
+    p = run_cli("convert", str(snap), "-o", str(tmp_path / "o.safetensors"))
+    assert p.returncode == 0, p.stderr
