@@ -26,7 +26,8 @@ class ConvertReport:
         copied_views: views of a shared storage written as copies.
         tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
         excluded: top-level optimizer entries left out.
-        not_converted: ``{file: why}`` of a framework folder's other models left out (accelerate's ``model_1``).
+        not_converted: ``{file: why}`` of a framework folder's other weight files left out (accelerate's
+            ``model_1``); in ``to_dict()`` only when not empty.
         skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
         placeholders: ``{path: global}`` of placeholders of classes written as plain data.
         converted: ``{path: "was -> now"}`` of values written as plain data.
@@ -70,6 +71,8 @@ class ConvertReport:
             Every field, ``key_path`` as a list and ``seconds`` rounded to milliseconds.
         """
         d = dict(self.__dict__)
+        if not d["not_converted"]:
+            del d["not_converted"]  # only a framework folder's report has it
         d["key_path"] = list(self.key_path)
         d["seconds"] = round(self.seconds, 3)
         return d
