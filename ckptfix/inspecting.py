@@ -672,11 +672,11 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
         try:
             sub = _scan_one(t, limits)
         except CkptfixError as e:
-            if t == fw.weights:
-                raise  # the folder's own weights: as if the user had scanned them alone (never skipped)
             bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
             if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
                 sub = bare
+            elif t == fw.weights:
+                raise  # the folder's own weights: as if the user had scanned them alone (never skipped)
             elif os.path.isdir(t) or _text_file(t):
                 continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
             else:

@@ -334,3 +334,11 @@ def test_hub_cache_snapshot_links_are_followed(tmp_path: Path) -> None:
         os.symlink(Path("..") / ".." / "blobs" / f"h{i}", snap / n)
     p = run_cli("convert", str(snap), "-o", str(tmp_path / "o.safetensors"))
     assert p.returncode == 0, p.stderr
+
+
+def test_scan_flags_old_protocol_pickle_as_the_weights(tmp_path: Path) -> None:
+    d = _copy("hf_llama_bin", tmp_path)
+    marker = tmp_path / "MARK"
+    (d / "model.safetensors").unlink(missing_ok=True)
+    _plant(d / "pytorch_model.bin", marker, protocol=0)
+    _scan_flags(d, marker)
