@@ -180,12 +180,22 @@ class Layout:
 
 
 def _size(p: str) -> int:
+    """Bytes of a file, or of the regular files under a folder (a link to a folder is not walked)."""
+    if os.path.islink(p) and os.path.isdir(p):
+        return 0  # may point anywhere (``/``): not this folder's own bytes
     if os.path.isdir(p):
         total = 0
         for root, _, files in os.walk(p):
-            total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(root, f)).st_size
+                except OSError:
+                    pass
         return total
-    return os.path.getsize(p)
+    try:
+        return os.path.getsize(p)
+    except OSError:
+        return 0  # a dangling link
 
 
 def _weights_in(folder: str, names: list[str]) -> str | None:
@@ -198,16 +208,31 @@ def _weights_in(folder: str, names: list[str]) -> str | None:
 def _others(folder: str, names: list[str], weights: str | None, skip: tuple[str, ...] = ()) -> list[FolderFile]:
     """Every entry of the folder but the weights (and shards an index names), each with its role."""
     wname = os.path.basename(weights) if weights else None
+    shards = _index_shards(weights) if weights and weights.endswith(".index.json") else set()
     out = []
     for n in names:
         if n == wname or n in skip or n.startswith("."):
             continue
         role = file_role(n)
         if role == "weights" and wname is not None:
-            continue  # shards of the index, or the other weight format beside the chosen one
+            if n in shards:
+                continue  # read through the index
+            role = "weights-unused"  # the other format beside the chosen one, a shard the index does not name
         p = os.path.join(folder, n)
         out.append(FolderFile(n, role or ("folder" if os.path.isdir(p) else "other"), _size(p)))
     return out
+
+
+def _index_shards(index: str) -> set[str]:
+    """The shard names an index lists (empty when it cannot be read: reading the weights reports that)."""
+    try:
+        if os.path.getsize(index) > 64 << 20:
+            return set()
+        with open(index, encoding="utf-8") as f:
+            wm = json.load(f).get("weight_map")
+        return {v for v in wm.values() if isinstance(v, str)} if isinstance(wm, dict) else set()
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return set()
 
 
 def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
@@ -235,7 +260,7 @@ def _detect_accelerate(folder: str, names: list[str]) -> Resolved | None:
 
 def _detect_lightning_dcp(folder: str, names: list[str]) -> Resolved | None:
     """Lightning ModelParallel / FSDP (``state_dict_type="sharded"``): a DCP directory plus ``meta.pt``."""
-    if ".metadata" not in names or "meta.pt" not in names:
+    if ".metadata" not in names or "meta.pt" not in names or not os.path.isfile(os.path.join(folder, ".metadata")):
         return None
     return Resolved(folder, _BY_NAME["lightning-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
 
@@ -246,8 +271,8 @@ def _dcp_files(names: list[str]) -> tuple[str, ...]:
 
 def _detect_dcp(folder: str, names: list[str]) -> Resolved | None:
     """torch ``dcp.save`` with the ``FileSystemWriter``: ``.metadata`` + ``__R_I.distcp`` files."""
-    if ".metadata" not in names:
-        return None
+    if ".metadata" not in names or not os.path.isfile(os.path.join(folder, ".metadata")):
+        return None  # a ``.metadata`` folder (IDEs, dvc) is no DCP metadata
     return Resolved(folder, _BY_NAME["torch-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
 
 
@@ -396,10 +421,14 @@ def describe_file(path: str, role: str) -> tuple[str, dict[str, Any]]:
     Returns:
         ``(summary, details)``; a file that cannot be read is described, never raised.
     """
+    if not os.path.isdir(path) and not os.path.isfile(path):
+        return "not a regular file (a FIFO, device or dangling link); not read", {}
     try:
         return _describe(path, role)
     except CkptfixError as e:
         return f"unreadable ({e})", {"error": str(e)}
+    except RecursionError:
+        return "unreadable (nested too deeply)", {"error": "nested too deeply"}
     except (OSError, ValueError) as e:
         return f"unreadable ({type(e).__name__}: {e})", {"error": str(e)}
 
@@ -552,6 +581,28 @@ def _optimizer_files(r: Resolved) -> list[str]:
     return [p for p in r.of_role("optimizer") if os.path.isfile(p)]
 
 
+def checkpoint_subfolders(folder: str) -> list[str]:
+    """The sub-folders of ``folder`` that are framework folders (Trainer's ``output_dir``), newest first.
+
+    Args:
+        folder: a directory that is no checkpoint itself.
+
+    Returns:
+        Their names, the highest trailing number (``checkpoint-1000``) first.
+    """
+    try:
+        subs = [n for n in os.listdir(folder) if not n.startswith(".") and os.path.isdir(os.path.join(folder, n))]
+    except OSError:
+        return []
+    found = [n for n in subs[:1000] if resolve(os.path.join(folder, n)) is not None]
+
+    def newest(n: str) -> tuple[int, str]:
+        m = re.search(r"(\d+)$", n)
+        return (-int(m.group(1)) if m else 0, n)
+
+    return sorted(found, key=newest)
+
+
 def default_output(r: Resolved) -> str:
     """Where ``convert FOLDER`` writes by default.
 
@@ -574,8 +625,9 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     from ckptfix.convert import convert
     from ckptfix.convert.reverse import is_safetensors_input
 
-    weights = r.require_weights()
+    weights = _check_inside(r, r.require_weights())
     dst = dst if dst is not None else default_output(r)
+    _refuse_input_file(r, dst, kw.get("force", False))
     to = kw.get("to")
     if to is None:  # the paths decide, as for a file: the default output is always .safetensors
         if dst.rstrip("/" + os.sep).endswith(".dcp"):
@@ -593,8 +645,8 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
 
             extra: dict[str, Any] = {}
             if kw.get("include_optimizer") and os.path.isfile(weights):
-                extra["optimizer_files"] = _optimizer_files(r)
-            meta = r.of_role("meta")
+                extra["optimizer_files"] = [_check_inside(r, p) for p in _optimizer_files(r)]
+            meta = [_check_inside(r, p) for p in r.of_role("meta")]
             if meta:
                 extra["extra_metadata"] = meta_extras(meta[0])
             rest = {k: v for k, v in kw.items() if k not in ("to", "restore_wrapper", "shards")}
@@ -602,7 +654,46 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
     finally:
         _NESTED.reset(token)
     rep.source = r.path
+    for m in r.of_role("model"):  # accelerate's second model: its own file, its own conversion
+        rep.not_converted[os.path.basename(m)] = (
+            f"another model in the folder; convert it on its own: ckptfix convert {m}"
+        )
+    for m in r.of_role("weights-unused"):
+        rep.not_converted[os.path.basename(m)] = (
+            f"weights beside {os.path.basename(weights)}, which from_pretrained prefers; convert it on its own: "
+            f"ckptfix convert {m}"
+        )
     return rep
+
+
+def _check_inside(r: Resolved, path: str) -> str:
+    """``path`` (a file convert or load reads from the folder), refused if it links outside the folder.
+
+    The Hugging Face hub cache (``snapshots/<rev>/x -> ../../blobs/<hash>``) is allowed, as for a sharded
+    index's shards: a folder from someone else must not make ``convert`` copy a file of yours into an output.
+    """
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.formats.sharded import _allowed_roots, _inside
+
+    real = os.path.realpath(path)
+    if not _inside(real, _allowed_roots(os.path.abspath(r.path))):
+        raise UnsupportedError(
+            f"{path}: a link to {real}, outside the folder {r.path}; refused "
+            "(copy the file into the folder, or pass the file itself)"
+        )
+    return path
+
+
+def _refuse_input_file(r: Resolved, dst: str, force: bool) -> None:
+    """An output that would replace a file of the input folder (its config.json, an optimizer file ...)."""
+    from ckptfix.errors import OutputError
+
+    real, root = os.path.realpath(dst), os.path.realpath(r.path)
+    if os.path.lexists(dst) and not os.path.isdir(dst) and real.startswith(root + os.sep):
+        raise OutputError(
+            f"{dst}: a file of the input folder {r.path}{' (--force does not apply)' if force else ''}; "
+            "choose an output outside it with -o"
+        )
 
 
 def meta_extras(path: str) -> dict[str, Any]:
@@ -627,7 +718,7 @@ def load_folder(r: Resolved, **kw: Any) -> Any:
         return handler(r, **kw)
     from ckptfix.loading import load_file
 
-    return load_file(r.require_weights(), **kw)
+    return load_file(_check_inside(r, r.require_weights()), **kw)
 
 
 # --------------------------------------------------------------------------- consolidated layouts

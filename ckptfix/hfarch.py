@@ -119,7 +119,7 @@ def read_config(src: str | os.PathLike) -> dict[str, Any] | None:
             return None
         with open(cfg, encoding="utf-8") as f:
             doc = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -677,24 +677,33 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
 
     acc = _Acc(None)
     targets = ([fw.weights] if fw.weights else []) + [
-        os.path.join(fw.path, f.file) for f in fw.files if f.role not in _NO_PICKLE_ROLES
+        os.path.join(fw.path, f.file)
+        for f in fw.files
+        if f.role not in _NO_PICKLE_ROLES or (f.role == "tokenizer" and f.file.endswith(_PICKLE_EXTS))
     ]
-    targets = _expand_dirs(targets, fw.path)
+    targets = _expand_dirs(targets, fw.path, acc)
     fmt = Format.PICKLE
     scanned = 0
     for t in targets:
         label = os.path.relpath(t, fw.path) if t != fw.path else "."
-        if not os.path.isdir(t) and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
+        if not os.path.isdir(t) and not os.path.isfile(t):
+            acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
+            continue
+        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
             continue
         try:
             sub = _scan_one(t, limits)
         except CkptfixError as e:
-            if isinstance(e, UnsupportedError) or t == fw.weights:
-                raise  # a member linking outside the folder, or the weights themselves unreadable: no verdict
-            if isinstance(e, CheckpointNotFoundError) and os.path.isdir(t) or not os.path.isdir(t) and _text_file(t):
+            bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
+            if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
+                sub = bare
+            elif isinstance(e, UnsupportedError) or t == fw.weights:
+                raise  # a member linking outside the folder, or the weights themselves: as if scanned alone
+            elif isinstance(e, CheckpointNotFoundError) and os.path.isdir(t) or not os.path.isdir(t) and _text_file(t):
                 continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
-            acc.errors.append(f"{label}: {e}")
-            continue
+            else:
+                acc.errors.append(f"{label}: {e}")
+                continue
         if t == fw.weights:
             fmt = sub.format
         acc.merge(label, sub)
@@ -711,6 +720,22 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     )
 
 
+#: names a tokenizer (or anything) unpickles: a tokenizer-role file with one is scanned (TransfoXL's vocab.pkl)
+_PICKLE_EXTS = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
+    """The scan of a file that is a complete pickle sequence (or names any global), else None."""
+    acc = _Acc(None)
+    try:
+        _scan_legacy(path, acc, limits)
+    except (CkptfixError, OSError, ValueError):
+        return None
+    if acc.errors and not any(not g.startswith("<") for g in acc.globals):
+        return None
+    return ScanReport(path=path, format=Format.PICKLE, pickles=acc.pickles, globals=acc.globals, errors=acc.errors)
+
+
 def _text_file(path: str) -> bool:
     from ckptfix.formats import _looks_like_text
 
@@ -718,17 +743,26 @@ def _text_file(path: str) -> bool:
         return _looks_like_text(f.read(512))
 
 
-def _expand_dirs(targets: list[str], root: str, depth: int = 3) -> list[str]:
-    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them."""
+def _expand_dirs(targets: list[str], root: str, acc: "_Acc", depth: int = 3) -> list[str]:
+    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them.
+
+    A sub-folder that is a link resolving outside ``root`` is not walked (it is not the folder's own,
+    and may be ``/``); a note says so.
+    """
     out: list[str] = []
+    real_root = os.path.realpath(root)
     for t in targets:
         if t == root or not os.path.isdir(t):
             out.append(t)
             continue
+        real = os.path.realpath(t)
+        if os.path.islink(t) and not (real + os.sep).startswith(real_root + os.sep):
+            acc.notes.append(f"{os.path.relpath(t, root)}: a link to a folder outside it ({real}); not followed")
+            continue
         if os.path.isfile(os.path.join(t, ".metadata")) or any(n.endswith(".index.json") for n in os.listdir(t)):
             out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
         elif depth > 0:
-            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, depth - 1)
+            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, acc, depth - 1)
     return out
 
 

@@ -410,20 +410,30 @@ def flatten_containers(obj: Any, prefix: str = "", out: dict | None = None, dept
         prefix, out, depth: used by the recursion.
 
     Returns:
-        name -> tensor, in container order (32 levels deep at most).
+        name -> tensor, in container order (32 levels deep at most); a key that is no string is named by
+        ``str`` (``0.5``, ``None``) or, for other types, ``repr`` (``(0, 1)``).
+
+    Raises:
+        KeyConflictError: two tensors get one name (keys ``1`` and ``"1"``; ``"a.b"`` and ``"a"`` + ``"b"``).
     """
     out = {} if out is None else out
     if depth > 32:
         return out
     if is_tensor_like(obj):
-        out[prefix.rstrip(".")] = obj
+        name = prefix.rstrip(".")
+        if name in out:
+            raise KeyConflictError(
+                f"two tensors are both named {name!r} (keys that differ only in type or in dots); "
+                "use load_checkpoint(path).checkpoint for the object itself"
+            )
+        out[name] = obj
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             flatten_containers(v, f"{prefix}{i}.", out, depth + 1)
     elif isinstance(obj, Mapping):
         for k, v in obj.items():
-            if isinstance(k, (str, int)):
-                flatten_containers(v, f"{prefix}{k}.", out, depth + 1)
+            kk = k if isinstance(k, str) else str(k) if isinstance(k, (int, float)) or k is None else repr(k)
+            flatten_containers(v, f"{prefix}{kk}.", out, depth + 1)
     return out
 
 

@@ -220,6 +220,8 @@ def _summary(r: Any) -> None:
             + ", ".join(r.dropped[:5])
             + (" ..." if len(r.dropped) > 5 else "")
         )
+    for f, why in getattr(r, "not_converted", {}).items():
+        warn(f"not converted: {f} ({why})")
     if r.copied_views:
         info(f"{len(r.copied_views)} view(s) sharing a storage written as separate copies")
     if r.converted:

@@ -315,11 +315,18 @@ def output_names(
             "the state dict has a tensor named '__metadata__', which safetensors reserves for "
             "its metadata; rename it before converting"
         )
+    seen_opt: set[str] = set()
     for n, _ in opt_named:
         if n in taken:
             raise KeyConflictError(
                 f"optimizer tensor {n!r} collides with a state-dict key; convert without --include-optimizer"
             )
+        if n in seen_opt:  # two optimizer entries flatten to one name (state keys 1 and "1"; "a.b" and "a"+"b")
+            raise KeyConflictError(
+                f"two optimizer tensors collide as {n!r} (keys that differ only in type or in dots); "
+                "convert without --include-optimizer"
+            )
+        seen_opt.add(n)
     for n, _ in [*named, *opt_named]:
         if not n.isascii():
             try:

@@ -26,6 +26,8 @@ class ConvertReport:
         copied_views: views of a shared storage written as copies.
         tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
         excluded: top-level optimizer entries left out.
+        not_converted: ``{file: why}`` of a framework folder's other weight files left out (accelerate's
+            ``model_1``); in ``to_dict()`` only when not empty.
         skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
         dropped: tensors of the input left out because ``drop`` (``--drop``) asked for it, by name or path.
         placeholders: ``{path: global}`` of placeholders of classes written as plain data.
@@ -51,6 +53,7 @@ class ConvertReport:
     copied_views: list[str] = field(default_factory=list)
     tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
+    not_converted: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
     placeholders: dict[str, str] = field(default_factory=dict)
@@ -71,6 +74,8 @@ class ConvertReport:
             Every field, ``key_path`` as a list and ``seconds`` rounded to milliseconds.
         """
         d = dict(self.__dict__)
+        if not d["not_converted"]:
+            del d["not_converted"]  # only a framework folder's report has it
         d["key_path"] = list(self.key_path)
         d["seconds"] = round(self.seconds, 3)
         if not d["unnamed"]:  # only for a bare tensor or a list/tuple of tensors

@@ -165,12 +165,13 @@ def _dir_kind(path: str) -> Format:
     names = sorted(os.listdir(path))
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
-    from ckptfix.frameworks import is_sidecar_name
+    from ckptfix.frameworks import checkpoint_subfolders, is_sidecar_name
 
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
     cands.sort(key=lambda n: is_sidecar_name(n) or n.endswith(".probe.pt"))
+    cands = [f"{n}/" for n in checkpoint_subfolders(path)] + cands  # Trainer's output_dir: checkpoint-N/
     hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
