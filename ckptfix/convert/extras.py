@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from ckptfix.convert.report import ConvertReport
 from ckptfix.pickles import Stub, global_name, is_tensor_like
 from ckptfix.sanitize import _LOSSY, Plainer, normalise_global
-from ckptfix.statedict import module_state
+from ckptfix.statedict import contains_tensors, module_state
 
 _OPTIMIZER_KEYS = ("opt", "opt_state", "opt_state_dict")
 
@@ -121,6 +121,13 @@ class _Extras:
                 out = {}
                 for k, x in list(v.items()):
                     if not isinstance(k, (str, int, float, bool)) and k is not None:
+                        if opt and contains_tensors(x):  # optimizer tensors nobody could name: refuse, never drop
+                            from ckptfix.errors import UnsupportedError
+
+                            raise UnsupportedError(
+                                f"{path}: optimizer tensors under a {type(k).__name__} key ({k!r}), which a tensor "
+                                "name cannot hold; convert without --include-optimizer"
+                            )
                         sub = f"{path}.{k!r}" if path else repr(k)
                         self._skip(sub, f"a {type(k).__name__} key")
                         self.value(x, sub, opt, depth + 1)  # not kept, but the tensors it holds are counted
