@@ -38,11 +38,27 @@ import errno
 import os
 import struct
 import threading
+import zipfile
 import zlib
 from typing import Callable
 
 from ckptfix.errors import CorruptCheckpointError, OutputError
 from ckptfix.progress import advance
+
+#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``); the zip format
+#: (:mod:`ckptfix.formats.zipfmt`) and the DCP chunk reader (:mod:`ckptfix.dcp.chunks`) both catch it
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    struct.error,
+    EOFError,
+    NotImplementedError,
+    zlib.error,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
 
 #: the kernel's page cache works in large folios (64 KiB and more): ``copy_file_range`` between offsets
 #: that sit at the same place within 64 KiB moves whole folios (as fast as ``cp``); other offsets are

@@ -24,9 +24,14 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ckptfix.errors import CkptfixError, NoModelWeightsError
+
+if TYPE_CHECKING:  # the operations sit above this table; it names their results only for type checkers
+    from ckptfix.convert.report import ConvertReport
+    from ckptfix.inspecting import InspectReport
+    from ckptfix.loading import LoadedCheckpoint
 
 # --------------------------------------------------------------------------- file roles
 
@@ -560,7 +565,7 @@ def identify_object(obj: Any) -> dict[str, str] | None:
 # --------------------------------------------------------------------------- default handlers
 
 
-def inspect_folder(r: Resolved, key: str | None = None) -> Any:
+def inspect_folder(r: Resolved, key: str | None = None) -> InspectReport:
     """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file)."""
     handler = r.layout.inspect
     if handler is not None:
@@ -617,7 +622,7 @@ def default_output(r: Resolved) -> str:
     return beside(r.path, ".safetensors")
 
 
-def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> Any:
+def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
     """``convert FOLDER``: the model weights (and, with ``include_optimizer``, the optimizer files)."""
     handler = r.layout.convert
     if handler is not None:
@@ -711,7 +716,7 @@ def meta_extras(path: str) -> dict[str, Any]:
     return plain_extras(read_checkpoint(path).obj)
 
 
-def load_folder(r: Resolved, **kw: Any) -> Any:
+def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
     """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
     handler = r.layout.load
     if handler is not None:
@@ -722,7 +727,7 @@ def load_folder(r: Resolved, **kw: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- consolidated layouts
-# DeepSpeed ZeRO (ckptfix.deepspeed) and torch's HuggingFaceStorageWriter (ckptfix.dcp.hfstorage): the model
+# DeepSpeed ZeRO (ckptfix.deepspeed) and torch's HuggingFaceStorageWriter (ckptfix.formats.hfstorage): the model
 # is not in one file but spread over partitions; inspect reads their records, convert/load consolidate them.
 
 
@@ -749,7 +754,7 @@ def _detect_hf_storage(folder: str, names: list[str]) -> Resolved | None:
     """torch's ``HuggingFaceStorageWriter`` output: ``shard-NNNNN-model-*-of-*.safetensors``, no ``.metadata``."""
     if ".metadata" in names or not any(n.startswith("shard-") and n.endswith(".safetensors") for n in names):
         return None
-    from ckptfix.dcp.hfstorage import find_hf_storage
+    from ckptfix.formats.hfstorage import find_hf_storage
 
     hf = find_hf_storage(folder)
     if hf is None:
@@ -782,8 +787,8 @@ def _inspect_consolidated(r: Resolved, key: str | None = None) -> Any:
         files = c.model_files + c.optim_files
         fmt = Format.TORCH_ZIP
     else:
-        from ckptfix.dcp.hfstorage import describe as hf_lines
-        from ckptfix.dcp.hfstorage import read_hf_storage
+        from ckptfix.formats.hfstorage import describe as hf_lines
+        from ckptfix.formats.hfstorage import read_hf_storage
         from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
 
         read_hf_storage(c)

@@ -498,7 +498,7 @@ def load_checkpoint(
         "trust": trust,
         "mmap": mmap,
     }
-    from ckptfix.dcp.hfstorage import refuse_single_shard
+    from ckptfix.formats.hfstorage import refuse_single_shard
 
     refuse_single_shard(path)
     framework = load_consolidated_folder(path, map_location, model) if os.path.isdir(path) and key is None else None
@@ -543,8 +543,8 @@ def load_file(
 
 def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
     """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
-    from ckptfix.dcp.hfstorage import find_hf_storage, hf_storage_state_dict
     from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
+    from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict
 
     zc = find_zero_checkpoint(path)
     hf = find_hf_storage(path) if zc is None else None

@@ -306,7 +306,7 @@ def test_directory_outputs_say_permission_denied_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
-    from ckptfix.dcp.write import convert_to_dcp
+    from ckptfix.convert.dcp_out import convert_to_dcp
 
     torch.save({"a": torch.zeros(2)}, tmp_path / "n.pt")
     from ckptfix.convert import convert

@@ -505,7 +505,7 @@ def test_dcp_directory_input(tmp_path):
         sd, storage_writer=dcp.FileSystemWriter(str(d))
     )
     r = convert_to_safetensors(d, tmp_path / "dcp.safetensors")
-    assert not r.used_torch and r.verified  # streamed from the chunks (ckptfix.dcp.consolidate)
+    assert not r.used_torch and r.verified  # streamed from the chunks (ckptfix.convert.dcp_in)
     raw = load_file(tmp_path / "dcp.safetensors")
     for k, v in sd.items():
         assert_same(raw[k], v)

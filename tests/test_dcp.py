@@ -207,7 +207,7 @@ def _save_file_bytes(tmp_path: Path, sd: dict[str, torch.Tensor]) -> bytes:
 @pytest.mark.parametrize("block", [None, 16, 1])
 @pytest.mark.parametrize("name", sorted(n for n in LAYOUTS if n != "empty"))
 def test_convert_byte_identical_to_save_file(tmp_path, monkeypatch, name, block):
-    from ckptfix.dcp import consolidate
+    from ckptfix.convert import dcp_in as consolidate
 
     if block:  # tiny blocks force row groups, per-row recursion and run assembly
         monkeypatch.setattr(consolidate, "BLOCK_BYTES", block)

@@ -1,4 +1,4 @@
-"""ckptfix.dcp.write: safetensors -> a DCP directory that torch's dcp.load and ckptfix's reader both read."""
+"""ckptfix.convert.dcp_out: safetensors -> a DCP directory that torch's dcp.load and ckptfix's reader both read."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ckptfix import load_anywhere
 from ckptfix.convert import convert
-from ckptfix.dcp.write import default_dcp_output
+from ckptfix.convert.dcp_out import default_dcp_output
 from ckptfix.errors import OutputError, UnsupportedError
 
 from helpers import assert_one_line_error, run_cli
@@ -146,7 +146,7 @@ def test_cli(tmp_path):
 
 
 def test_a_bad_read_back_leaves_nothing(tmp_path, monkeypatch):
-    from ckptfix.dcp import consolidate
+    from ckptfix.convert import dcp_in as consolidate
     from ckptfix.errors import VerificationError
 
     src = tmp_path / "m.safetensors"

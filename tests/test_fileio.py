@@ -347,8 +347,8 @@ def _dcp(tmp_path):
 
 
 def test_dcp_row_shards_are_byte_ranges_with_their_crc(tmp_path):
+    from ckptfix.convert.dcp_in import DcpItem, _row_ranges
     from ckptfix.dcp.chunks import Files
-    from ckptfix.dcp.consolidate import DcpItem, _row_ranges
     from ckptfix.dcp.meta import read_metadata
 
     d, _ = _dcp(tmp_path)

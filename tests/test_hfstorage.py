@@ -1,4 +1,4 @@
-"""torch's HuggingFaceStorageWriter output (ckptfix.dcp.hfstorage), against torch's consolidate_safetensors_files.
+"""torch's HuggingFaceStorageWriter output (formats/hfstorage, convert/hfstorage) against torch's consolidation.
 
 The fixture (tests/fixtures/frameworks/hfstorage/, tests/fixtures/frameworks/make_hfstorage.py) was written by
 torch 2.13 with 2 gloo ranks: row- and column-sharded, replicated (written by rank 1 only), 3-d and bf16 DTensors.
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptfix.dcp.hfstorage import _merged_order, convert_hf_storage, find_hf_storage, read_hf_storage
+from ckptfix.convert.hfstorage import convert_hf_storage
 from ckptfix.errors import CorruptCheckpointError
+from ckptfix.formats.hfstorage import _merged_order, find_hf_storage, read_hf_storage
 
 from helpers import run_cli
 
@@ -72,7 +73,7 @@ def test_uncovered_rows_are_refused(tmp_path: Path) -> None:
 
 
 def test_describe() -> None:
-    from ckptfix.dcp.hfstorage import describe
+    from ckptfix.formats.hfstorage import describe
 
     lines = dict(describe(find_hf_storage(FIX / "run")))
     assert lines["shards"].startswith("2 file(s)") and lines["weights"].startswith("7 tensors")

@@ -77,7 +77,7 @@ def test_no_os_link_outside_backups():
         for line in p.read_text().splitlines():
             if "os.link(" in line:
                 hits.append(f"{p.relative_to(root)}:{line.strip()}")
-    allowed = {"atomic.py", "dcp/rewrite.py"}
+    allowed = {"atomic.py", "rewrite/dcp.py"}
     assert all(h.split(":")[0] in allowed for h in hits), hits
     assert len(hits) == 3, hits
 

@@ -107,7 +107,7 @@ def _dcp(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_dcp_consolidation_same_bytes_for_any_jobs(tmp_path, monkeypatch):
-    from ckptfix.dcp import consolidate
+    from ckptfix.convert import dcp_in as consolidate
 
     monkeypatch.setattr(consolidate, "BLOCK_BYTES", 256)  # many blocks per tensor, interleaved between threads
     d, ref = _dcp(tmp_path)

@@ -458,7 +458,7 @@ def test_explicit_prefix_no_key_has(ckpt):
 
 
 def test_non_writable_formats_refused(ckpt, capsys):
-    for b in (ckpt.torchscript(),):  # DCP directories are renamed by ckptfix.dcp.rewrite (tests/test_dcp.py)
+    for b in (ckpt.torchscript(),):  # DCP directories are renamed by ckptfix.rewrite.dcp (tests/test_dcp.py)
         rc, out, err = _cli(capsys, "strip-prefix", b.path)
         assert rc == 8, (b.path, err)
 

@@ -9,7 +9,10 @@ One concern per module:
 * :mod:`~ckptfix.convert.items`: where each tensor's bytes come from (byte ranges, strided views);
 * :mod:`~ckptfix.convert.header`, :mod:`~ckptfix.convert.write`, :mod:`~ckptfix.convert.paths`:
   the safetensors layout, writing with inline verification, output names;
-* :mod:`~ckptfix.convert.report`: :class:`ConvertReport`.
+* :mod:`~ckptfix.convert.report`: :class:`ConvertReport`;
+* :mod:`~ckptfix.convert.dcp_in`: a DCP directory -> safetensors, streamed from its chunks;
+* :mod:`~ckptfix.convert.dcp_out`: safetensors -> a DCP directory (through torch's writer);
+* :mod:`~ckptfix.convert.hfstorage`: a ``HuggingFaceStorageWriter`` folder -> one safetensors file.
 
 The ``ckptfix.*`` metadata format is :mod:`ckptfix.stmeta`; finding the state dict in a checkpoint
 is :mod:`ckptfix.statedict`.
@@ -84,7 +87,7 @@ def convert(
         restore_wrapper: as for :func:`convert_from_safetensors`.
         jobs: tensors (or DCP writer threads) at a time; ``0``: one per CPU.  Same output for any number.
         to: ``"safetensors"``, ``"pt"`` or ``"dcp"``; None: from the paths.
-        shards: for DCP output, write as this many ranks would (:func:`ckptfix.dcp.write.convert_to_dcp`).
+        shards: for DCP output, write as this many ranks would (:func:`ckptfix.convert.dcp_out.convert_to_dcp`).
         drop: tensors to leave out, by name or path pattern (:func:`convert_to_safetensors`).
         tag: a DeepSpeed ZeRO folder: the tag (``global_step14``) to consolidate instead of ``latest``'s.
         dtype: a DeepSpeed ZeRO folder: ``bf16``/``fp16``/``fp32`` for the floating tensors written.
@@ -92,7 +95,7 @@ def convert(
     A folder a training framework wrote (:mod:`ckptfix.frameworks`) converts its model weights
     (``include_optimizer`` adds its optimizer files' tensors as ``optimizer.<path>``); a DeepSpeed
     ZeRO folder and torch's HuggingFaceStorageWriter output are consolidated (:mod:`ckptfix.deepspeed`,
-    :mod:`ckptfix.dcp.hfstorage`).
+    :mod:`ckptfix.convert.hfstorage`).
 
     Returns:
         A :class:`ConvertReport`.
@@ -154,7 +157,7 @@ def convert(
         "drop": bool(drop),
     }
     if to == "dcp" or (to is None and d is not None and d.rstrip("/" + os.sep).endswith(".dcp")):
-        from ckptfix.dcp.write import convert_to_dcp
+        from ckptfix.convert.dcp_out import convert_to_dcp
 
         given: dict[str, bool] = {k: v for k, v in to_safetensors_only.items() if v}
         if restore_wrapper:
@@ -220,7 +223,7 @@ def _framework_convert(
     """
     s = os.fspath(src)
     if not os.path.isdir(s):
-        from ckptfix.dcp.hfstorage import refuse_single_shard
+        from ckptfix.formats.hfstorage import refuse_single_shard
 
         refuse_single_shard(s)
     if os.path.isdir(s):
@@ -234,7 +237,8 @@ def _framework_convert(
                     "a DeepSpeed ZeRO checkpoint is consolidated to safetensors; pass -o NAME.safetensors"
                 )
             return convert_zero(zc, d, dtype=dtype, **kw)
-        from ckptfix.dcp.hfstorage import convert_hf_storage, find_hf_storage
+        from ckptfix.convert.hfstorage import convert_hf_storage
+        from ckptfix.formats.hfstorage import find_hf_storage
 
         hf = find_hf_storage(s)
         if hf is not None and tag is None:

@@ -6,7 +6,7 @@ member, legacy stream, safetensors or ``.bin`` shard), so a contiguous tensor is
 from the source into the output with ``copy_file_range``; a strided view is gathered from just
 its span of bytes.  Inputs whose tensors torch code builds go through
 :func:`ckptfix.loading.load_checkpoint`; DCP directories are streamed from their chunks by
-:mod:`ckptfix.dcp.consolidate`.  The metadata written is described in :mod:`ckptfix.stmeta`.
+:mod:`ckptfix.convert.dcp_in`.  The metadata written is described in :mod:`ckptfix.stmeta`.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def convert_to_safetensors(
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     if not max_shard_size:
         check_outputs([dst], src, force)  # fail before any reading
-    if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.dcp.consolidate
-        from ckptfix.dcp.consolidate import convert_dcp
+    if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.convert.dcp_in
+        from ckptfix.convert.dcp_in import convert_dcp
 
         return convert_dcp(
             src,

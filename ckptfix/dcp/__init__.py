@@ -1,4 +1,4 @@
-"""``torch.distributed.checkpoint`` (DCP) directories, read, assembled and rewritten without torch's reader.
+"""``torch.distributed.checkpoint`` (DCP) directories, read and assembled without torch's reader.
 
 A DCP directory holds a pickled ``.metadata`` (global shape, dtype and chunks
 of every tensor, and where each chunk's bytes are) and per-rank ``.distcp``
@@ -10,8 +10,11 @@ files.  Nothing here hands the directory to torch's ``FileSystemReader``:
 * :mod:`ckptfix.dcp.chunks` locates each chunk's bytes (a small ``torch.save``
   archive at a byte range of a ``.distcp`` file) without torch.
 * :mod:`ckptfix.dcp.assemble` builds full torch tensors for ``load_anywhere``.
-* :mod:`ckptfix.dcp.consolidate` streams a DCP directory into safetensors.
-* :mod:`ckptfix.dcp.rewrite` renames keys by rewriting ``.metadata`` only.
+
+This package is the format's reader only; it imports nothing above :mod:`ckptfix.pickles` and
+:mod:`ckptfix.fileio`.  The operations on DCP directories live with their kind:
+:mod:`ckptfix.convert.dcp_in` streams a DCP directory into safetensors, :mod:`ckptfix.convert.dcp_out`
+writes one from safetensors, :mod:`ckptfix.rewrite.dcp` renames keys by rewriting ``.metadata`` only.
 """
 
 from ckptfix.dcp.meta import DcpMetadata, read_metadata

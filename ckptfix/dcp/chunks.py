@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from ckptfix.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
-from ckptfix.formats.zipfmt import ZIP_ERRORS
+from ckptfix.fileio import ZIP_ERRORS
 from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
 #: a tensor chunk's ``data.pkl`` is a few hundred bytes; anything this large is not one

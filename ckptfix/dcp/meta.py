@@ -687,7 +687,7 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
 # --------------------------------------------------------------------------- writing
 
 
-def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Any:
+def rename_metadata(meta: DcpMetadata, rename: dict[tuple, tuple]) -> Stub:
     """A new placeholder tree with entries moved to new key paths (``old path -> new path``).
 
     Renames keys in ``state_dict_metadata``, the ``fqn`` of every ``MetadataIndex`` in

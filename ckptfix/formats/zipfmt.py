@@ -21,7 +21,7 @@ import zlib
 from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.fileio import FOLIO, copy_range
+from ckptfix.fileio import FOLIO, ZIP_ERRORS, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
@@ -42,21 +42,6 @@ def max_pickle_bytes() -> int:
         ResourceLimitError: the environment variable is not a positive number.
     """
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
-
-
-#: what zipfile raises on damaged archives (beyond BadZipFile)
-ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    OSError,
-    ValueError,
-    struct.error,
-    EOFError,
-    NotImplementedError,
-    zlib.error,
-    KeyError,
-    IndexError,
-    OverflowError,
-)
 
 
 def _open_zip(path: str) -> zipfile.ZipFile:

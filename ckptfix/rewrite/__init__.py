@@ -17,7 +17,7 @@ hyper-parameters), storage sharing, dtypes and location tags are preserved;
 Modules: :mod:`~ckptfix.rewrite.writers` (writing a file back), :mod:`~ckptfix.rewrite.verify`
 (reading it back before the rename), :mod:`~ckptfix.rewrite.output` (paths, atomic write),
 :mod:`~ckptfix.rewrite.sharded` (an index and its shards), :mod:`~ckptfix.rewrite.location`
-(``--map-location``), :mod:`~ckptfix.rewrite.report`; DCP directories: :mod:`ckptfix.dcp.rewrite`.
+(``--map-location``), :mod:`~ckptfix.rewrite.report`; DCP directories: :mod:`ckptfix.rewrite.dcp`.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def rewrite_checkpoint(
         VerificationError: the written file did not read back (nothing was replaced).
     """
     with reporting(progress, _input_bytes(src)):
-        if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.dcp.rewrite
-            from ckptfix.dcp.rewrite import rewrite_dcp
+        if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
+            from ckptfix.rewrite.dcp import rewrite_dcp
 
             return rewrite_dcp(
                 src,

@@ -38,7 +38,10 @@ from ckptfix.dcp.meta import (
 from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
+from ckptfix.formats.dcp import read_dcp
 from ckptfix.pickles import paused_gc
+from ckptfix.rewrite.report import RewriteReport
+from ckptfix.rewrite.report import detail as report_detail
 
 
 def _link_or_copy(src: str, dst: str, link: bool, fsync: bool = False) -> bool:
@@ -103,7 +106,7 @@ def rewrite_dcp(
     fsync: bool | None = None,
     suffix: str = "fixed",
     link: bool = False,
-) -> Any:
+) -> RewriteReport:
     """Apply a key ``transform`` to a DCP directory's state dict (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
 
     Args:
@@ -124,9 +127,6 @@ def rewrite_dcp(
         UnsafePickleError, CorruptCheckpointError: as for reading; KeyConflictError: the rename maps two
         entries to one name; OutputError: the output exists or cannot be written; VerificationError.
     """
-    from ckptfix.formats.dcp import read_dcp
-    from ckptfix.rewrite.report import RewriteReport
-    from ckptfix.rewrite.report import detail as report_detail
 
     src = os.fspath(src).rstrip(os.sep) or os.sep
     meta = read_metadata(src)
@@ -256,8 +256,15 @@ def _write_directory(
 
 
 def _in_place(
-    src: str, meta: DcpMetadata, data: bytes, fqn_new: Mapping[str, str], rep: Any, *, backup: bool, fsync: bool
-) -> Any:
+    src: str,
+    meta: DcpMetadata,
+    data: bytes,
+    fqn_new: Mapping[str, str],
+    rep: RewriteReport,
+    *,
+    backup: bool,
+    fsync: bool,
+) -> RewriteReport:
     mpath = os.path.join(src, METADATA_NAME)
     _verify(src, data, meta, fqn_new)
     fd, tmp = tempfile.mkstemp(prefix=".metadata.", suffix=".tmp", dir=src)

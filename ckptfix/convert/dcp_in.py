@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix.convert.extras import split_checkpoint
+from ckptfix.convert.forward import drop_named, refuse_unwritten
 from ckptfix.convert.items import Item, Range, check_dtype
 from ckptfix.convert.plan import output_names
 from ckptfix.convert.report import ConvertReport, Progress
@@ -31,6 +32,7 @@ from ckptfix.convert.write import write_outputs
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, NoTensorsError
+from ckptfix.formats.dcp import read_dcp
 from ckptfix.pickles import TensorRecord
 
 #: bytes assembled at a time
@@ -280,7 +282,6 @@ def convert_dcp(
             unreferenced ``.distcp`` files.  CheckpointNotFoundError: a missing ``.distcp`` file.
         KeyConflictError, UnsupportedError, OutputError, VerificationError: as for other inputs.
     """
-    from ckptfix.formats.dcp import read_dcp
 
     t0 = time.perf_counter()
     meta = meta or read_metadata(src)
@@ -296,7 +297,6 @@ def convert_dcp(
     extra, opt_named = split_checkpoint(cf.obj, key_path, sd, include_optimizer, report, unwritten=unwritten)
     if extra_metadata:
         extra = {**extra_metadata, **extra}
-    from ckptfix.convert.forward import drop_named, refuse_unwritten
 
     named = drop_named(named, drop, report)
     refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # no tensor left out silently

@@ -22,7 +22,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from ckptfix._torch import require_torch
 from ckptfix.atomic import _os_error, fsync_dir, replace_directory
+from ckptfix.convert.dcp_in import TensorStream
+from ckptfix.convert.report import ConvertReport
+from ckptfix.dcp.chunks import Files
+from ckptfix.dcp.meta import TensorEntry, read_metadata, validate
 from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
 from ckptfix.errors import (
     CkptfixError,
@@ -31,9 +36,14 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
+from ckptfix.formats import sniff
 from ckptfix.formats.base import Format
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
+from ckptfix.formats.sharded import load_index
+from ckptfix.parallel import Tally, resolve_jobs
+from ckptfix.prefixes import strip_prefix_report
 from ckptfix.progress import Progress
+from ckptfix.stmeta import restore as restore_aliases
 
 
 def default_dcp_output(src: str) -> str:
@@ -56,14 +66,10 @@ def default_dcp_output(src: str) -> str:
 
 def _source_files(src: str) -> list[str]:
     """The safetensors files of ``src`` (one file, or every shard of an index)."""
-    from ckptfix.formats import sniff
-
     kind = sniff(src)
     if kind == Format.SAFETENSORS:
         return [src]
     if kind == Format.SHARDED:
-        from ckptfix.formats.sharded import load_index
-
         files = list(dict.fromkeys(load_index(src).shards.values()))
         if all(f.endswith(".safetensors") for f in files):
             return files
@@ -249,9 +255,6 @@ def _save_sharded(sd: dict[str, Any], spans: dict[str, Span], writer: Any, shard
 
 def _verify(out: str, final: str, expected: dict[str, Any], spans: dict[str, Span], torch: Any, progress: Any) -> None:
     """Read ``out`` back through ckptfix's DCP reader: the same names, dtypes, shapes and bytes."""
-    from ckptfix.dcp.chunks import Files
-    from ckptfix.dcp.consolidate import TensorStream
-    from ckptfix.dcp.meta import TensorEntry, read_metadata, validate
 
     def fail(what: str) -> VerificationError:
         return VerificationError(f"{final}: {what} when read back; nothing was written")
@@ -311,7 +314,7 @@ def convert_to_dcp(
     shards: int = 1,
     ckptfix_metadata: bool = True,
     **unsupported: Any,
-) -> Any:
+) -> ConvertReport:
     """Write a safetensors file (or a sharded safetensors index) as a DCP checkpoint directory.
 
     The result loads with ``torch.distributed.checkpoint.load(model.state_dict(), checkpoint_id=dst,
@@ -342,11 +345,6 @@ def convert_to_dcp(
         TorchMissingError: torch is not installed.  VerificationError: the output did not read back
             equal (nothing is left behind).
     """
-    from ckptfix._torch import require_torch
-    from ckptfix.convert.report import ConvertReport
-    from ckptfix.parallel import Tally, resolve_jobs
-    from ckptfix.stmeta import restore as restore_aliases
-
     t0 = time.perf_counter()
     used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), ""))
     if used:
@@ -365,8 +363,6 @@ def convert_to_dcp(
     tensors, spans, metadata, maps, total = _map_tensors(paths, torch)
     sd = restore_aliases(tensors, metadata)  # tied names back, in the recorded order
     if strip_prefix:
-        from ckptfix.prefixes import strip_prefix_report
-
         new_sd, detail = strip_prefix_report(sd, strip_prefix if isinstance(strip_prefix, str) else None)
         report.renamed = sum(1 for a, b in zip(sd, new_sd, strict=False) if a != b)
         sd = dict(new_sd)
