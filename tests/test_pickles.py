@@ -536,7 +536,7 @@ def test_paused_gc_overlapping_threads_leave_the_collector_on(monkeypatch):
             self.enabled = False
 
     fake = FakeGc()
-    monkeypatch.setattr(pk, "gc", fake)
+    monkeypatch.setattr(pk.stub, "gc", fake)  # paused_gc lives in ckptfix.pickles.stub
     first_in, second_pausing, first_done = threading.Event(), threading.Event(), threading.Event()
 
     def first() -> None:
