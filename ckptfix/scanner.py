@@ -18,6 +18,12 @@ The same walk is the pre-flight check of the restricted reader
 (:func:`preflight`): it estimates the memory the unpickled objects take and
 refuses absurd memo indices, over-long counted reads, deep immutable nesting
 and huge integers *before* the C unpickler allocates anything.
+
+Why this module is over 800 lines (the project's limit, docs/architecture.md): :func:`_scan` is
+one function of about 580 lines on purpose.  The opcode loop is inlined (one dispatch over the
+opcode byte in a single frame, the stack, mark stack, memo and counters in local variables), so an
+opcode costs no Python call; split into a function per opcode, every opcode of a multi-GB pickle
+would pay one.  Keep it one function; put new helpers outside the loop.
 """
 
 from __future__ import annotations

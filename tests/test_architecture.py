@@ -1,0 +1,131 @@
+"""The layers of docs/architecture.md, checked on the import graph (every import, in functions too).
+
+An import from a higher layer than the importer's is an upward arrow.  The ones left are pinned in
+KNOWN_UPWARD (debt, each an in-function import): a new one fails here, and removing one means
+deleting its entry.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "ckptfix"
+
+LAYERS = {
+    **dict.fromkeys(
+        ["errors", "text", "progress", "parallel", "fileio", "atomic", "containment", "display", "_torch"], 0
+    ),
+    **dict.fromkeys(["policy", "scanner", "pickles", "placeholders", "statedict"], 1),
+    **dict.fromkeys(["formats", "dcp"], 2),
+    **dict.fromkeys(["prefixes", "stmeta", "hfarch", "inspecting", "loading"], 3),
+    **dict.fromkeys(["convert", "rewrite", "sanitize", "rekey", "deepspeed", "frameworks"], 4),
+    "gpu": 0.5,  # beside the checkpoint side: layer 0 below it, nothing of the checkpoint side above
+    "train": 5,
+    "cli": 6,
+    "__main__": 7,
+}
+
+#: (importer, imported) package pairs that still point up (docs/architecture.md, "Known debt")
+KNOWN_UPWARD = {
+    ("formats", "frameworks"),
+    ("inspecting", "frameworks"),
+    ("inspecting", "sanitize"),
+    ("loading", "deepspeed"),
+    ("loading", "frameworks"),
+}
+
+#: the one package cycle inside a layer (convert() routes folders to handlers that write through convert/)
+KNOWN_CYCLES = [{"convert", "deepspeed", "frameworks"}]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = p
+    return out
+
+
+def _edges() -> set[tuple[str, str, str, str]]:
+    """(importer package, imported package, importer module, imported name) for every ckptfix import."""
+    mods = _modules()
+    out = set()
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    b = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    b = node.module or ""
+                targets = [f"{b}.{a.name}" if f"{b}.{a.name}" in mods else b for a in node.names]
+            for t in targets:
+                name = t
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if not t.startswith("ckptfix") or t == mod:
+                    continue
+                src, dst = mod.split(".")[1:2] or ["ckptfix"], t.split(".")[1:2] or ["ckptfix"]
+                if src != dst and src[0] != "ckptfix":  # the facade (ckptfix/__init__.py) may name anything
+                    out.add((src[0], dst[0], mod, name))
+    return out
+
+
+def test_every_package_has_a_layer():
+    pkgs = {a for a, *_ in _edges()} | {b for _, b, *_ in _edges()}
+    assert pkgs - {"ckptfix"} <= set(LAYERS), sorted(pkgs - {"ckptfix"} - set(LAYERS))
+
+
+def test_arrows_point_down_except_the_known_debt():
+    up = {}
+    for a, b, mod, name in _edges():
+        if b == "ckptfix":  # the facade: only its version string, read by gpu/doctor and train/manifest
+            assert name in ("ckptfix", "ckptfix.__version__") and a in ("gpu", "train"), (mod, name)
+            continue
+        if LAYERS[b] > LAYERS[a]:
+            up.setdefault((a, b), []).append(mod)
+    assert set(up) - KNOWN_UPWARD == set(), {k: v for k, v in up.items() if k not in KNOWN_UPWARD}
+    assert KNOWN_UPWARD - set(up) == set(), "an arrow is gone: delete it from KNOWN_UPWARD"
+
+
+def test_dcp_is_a_reader_below_the_formats():
+    """dcp/ (the DCP format's reader) imports nothing from formats/ or any operation."""
+    bad = [(mod, name) for a, b, mod, name in _edges() if a == "dcp" and LAYERS.get(b, 9) >= 2]
+    assert not bad, bad
+
+
+def test_gpu_and_the_checkpoint_side_do_not_meet():
+    checkpoint_side = {k for k, v in LAYERS.items() if 1 <= v <= 4}
+    assert not [(m, n) for a, b, m, n in _edges() if a == "gpu" and b in checkpoint_side]
+    assert not [(m, n) for a, b, m, n in _edges() if a in checkpoint_side and b == "gpu"]
+
+
+def test_no_package_cycles_in_a_layer_but_the_known_ones():
+    edges: dict[str, set[str]] = {}
+    for a, b, *_ in _edges():
+        if b != "ckptfix" and LAYERS[a] == LAYERS[b]:
+            edges.setdefault(a, set()).add(b)
+
+    def reach(a: str) -> set[str]:
+        seen, todo = set(), [a]
+        while todo:
+            for b in edges.get(todo.pop(), ()):
+                if b not in seen:
+                    seen.add(b)
+                    todo.append(b)
+        return seen
+
+    cycles = []
+    for a in sorted(edges):
+        comp = {a} | {b for b in reach(a) if a in reach(b)}
+        if len(comp) > 1 and comp not in cycles:
+            cycles.append(comp)
+    assert cycles == KNOWN_CYCLES
