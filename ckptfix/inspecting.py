@@ -22,6 +22,7 @@ from ckptfix.pickles import (
     scan_globals,
     scan_pickle_sequence,
 )
+from ckptfix.plaindata import NUMPY_TO_TORCH, dtype_code, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.policy import classify_global, classify_pair, worst
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
@@ -89,21 +90,17 @@ def _describe(v: Any) -> str:
     if isinstance(v, TensorRecord):
         return f"tensor {v.dtype} {list(v.shape)}"
     if isinstance(v, type):
-        from ckptfix.sanitize import normalise_global
-
         name = normalise_global(global_name(v)) if issubclass(v, Stub) else f"{v.__module__}.{v.__qualname__}"
         return f"class {name} (a reference, not an instance)"
     if isinstance(v, Stub):
-        from ckptfix.sanitize import NUMPY_TO_TORCH, _dtype_code, normalise_global
-
         name = normalise_global(global_name(type(v)))
         st = v.state
         if name.endswith("multiarray._reconstruct") and isinstance(st, tuple) and len(st) == 5:
-            code = _dtype_code(st[2]) or "?"
+            code = dtype_code(st[2]) or "?"
             shape = list(st[1]) if isinstance(st[1], tuple) else "?"
             return f"numpy.ndarray {NUMPY_TO_TORCH.get(code, code)} {shape} (placeholder)"
         if name.endswith("multiarray.scalar") and v.args:
-            code = _dtype_code(v.args[0]) or "?"
+            code = dtype_code(v.args[0]) or "?"
             return f"numpy scalar {NUMPY_TO_TORCH.get(code, code)} (placeholder)"
         return f"object {name} (placeholder)"
     if isinstance(v, dict):
@@ -278,8 +275,6 @@ def _non_tensor_entries(cf: CheckpointFile, key_path: tuple[str, ...] | None, sd
 
 def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     """Whether ``torch.load(weights_only=True)`` reads the file, and why; ``bad``: globals it refuses."""
-    from ckptfix.sanitize import _opcodes_weights_only_cannot_read
-
     if cf.format == Format.SAFETENSORS:
         return True, "safetensors holds no pickle"
     if cf.format == Format.TORCHSCRIPT:
@@ -292,7 +287,7 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     if bad:
         return False, f"globals not allowed by weights_only: {', '.join(bad[:5])}" + (" ..." if len(bad) > 5 else "")
     if cf.format in (Format.TORCH_ZIP, Format.TORCH_LEGACY) and (
-        ops := _opcodes_weights_only_cannot_read(cf.path, cf.format)
+        ops := opcodes_weights_only_cannot_read(cf.path, cf.format)
     ):
         return False, (
             f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "

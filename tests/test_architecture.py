@@ -18,7 +18,7 @@ LAYERS = {
     ),
     **dict.fromkeys(["policy", "scanner", "pickles", "placeholders", "statedict"], 1),
     **dict.fromkeys(["formats", "dcp"], 2),
-    **dict.fromkeys(["prefixes", "stmeta", "hfarch", "inspecting", "loading"], 3),
+    **dict.fromkeys(["prefixes", "stmeta", "hfarch", "plaindata", "inspecting", "loading"], 3),
     **dict.fromkeys(["convert", "rewrite", "sanitize", "rekey", "deepspeed", "frameworks"], 4),
     "gpu": 0.5,  # beside the checkpoint side: layer 0 below it, nothing of the checkpoint side above
     "train": 5,
@@ -30,7 +30,6 @@ LAYERS = {
 KNOWN_UPWARD = {
     ("formats", "frameworks"),
     ("inspecting", "frameworks"),
-    ("inspecting", "sanitize"),
     ("loading", "deepspeed"),
     ("loading", "frameworks"),
 }

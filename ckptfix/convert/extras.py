@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ckptfix.convert.report import ConvertReport
 from ckptfix.pickles import Stub, global_name, is_tensor_like
-from ckptfix.sanitize import _LOSSY, Plainer, normalise_global
+from ckptfix.plaindata import LOSSY, Plainer, normalise_global
 from ckptfix.statedict import contains_tensors, module_state
 
 _OPTIMIZER_KEYS = ("opt", "opt_state", "opt_state_dict")
@@ -166,7 +166,7 @@ class _Extras:
             self.report.converted[c.path] = f"{c.was} -> {c.now}"
         for p, why in pl.lossy.items():
             self._skip(p, why)
-        if plain is _LOSSY:
+        if plain is LOSSY:
             return _OMIT
         return self.value(_strip_lossy(plain), path, opt, depth + 1)
 
@@ -184,9 +184,9 @@ def _kind_of(v: Any) -> str:
 def _strip_lossy(v: Any) -> Any:
     """``v`` without the markers of values too large for JSON (already listed in ``skipped``)."""
     if isinstance(v, dict):
-        return {k: _strip_lossy(x) for k, x in v.items() if x is not _LOSSY}
+        return {k: _strip_lossy(x) for k, x in v.items() if x is not LOSSY}
     if isinstance(v, list):
-        return [None if x is _LOSSY else _strip_lossy(x) for x in v]
+        return [None if x is LOSSY else _strip_lossy(x) for x in v]
     return v
 
 
