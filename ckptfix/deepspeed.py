@@ -22,8 +22,10 @@ The layout, as zero_to_fp32.py reads it:
   following each other in every rank's concatenated flat groups.
 
 Each output tensor is thus a list of byte ranges (:class:`Piece`) of the partition files, located with
-ckptfix's zip reader; :func:`convert_zero` copies them straight into a safetensors file (memory: one
-8 MiB buffer) and :func:`zero_state_dict` reads them into torch tensors for ``load_anywhere``.
+ckptfix's zip reader; :func:`ckptfix.convert.zero.convert_zero` copies them straight into a safetensors
+file (memory: one 8 MiB buffer) and :func:`zero_state_dict` reads them into torch tensors for
+``load_anywhere``.  This module is the reader (and the dtype rounding both share); consolidating into
+safetensors is an operation, in :mod:`ckptfix.convert.zero`.
 """
 
 from __future__ import annotations
@@ -32,13 +34,10 @@ import math
 import os
 import re
 import sys
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from ckptfix.convert.items import CHUNK, Fds, Item
-from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import (
     CheckpointNotFoundError,
     CkptfixError,
@@ -47,6 +46,7 @@ from ckptfix.errors import (
     ZeroIncompleteError,
     ZeroMismatchError,
 )
+from ckptfix.fileio import CHUNK, Fds
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord
 
@@ -58,7 +58,9 @@ __all__ = [
     "read_zero_checkpoint",
     "describe",
     "summary",
-    "convert_zero",
+    "read_pieces",
+    "output_dtype",
+    "convert_bytes",
     "zero_state_dict",
     "OUTPUT_DTYPES",
 ]
@@ -820,8 +822,20 @@ def _convert_py(data: bytes, src: str, dst: str) -> bytes:
 # --------------------------------------------------------------------------- writing
 
 
-def _read_pieces(t: ZeroTensor, fds: Fds, chunk: int = CHUNK) -> Iterator[bytes]:
-    """The tensor's source bytes in chunks of at most ``chunk`` bytes (whole elements)."""
+def read_pieces(t: ZeroTensor, fds: Fds, chunk: int = CHUNK) -> Iterator[bytes]:
+    """The tensor's source bytes in chunks of at most ``chunk`` bytes (whole elements).
+
+    Args:
+        t: a tensor of a read :class:`ZeroCheckpoint`.
+        fds: the descriptors to read through.
+        chunk: the most bytes per piece yielded.
+
+    Yields:
+        The bytes of ``t.pieces`` in order.
+
+    Raises:
+        CorruptCheckpointError: a partition file ends inside the tensor.
+    """
     es = ELEMENT_SIZE[t.dtype]
     chunk -= chunk % es
     for p in t.pieces:
@@ -840,115 +854,12 @@ def _read_pieces(t: ZeroTensor, fds: Fds, chunk: int = CHUNK) -> Iterator[bytes]
             left -= n
 
 
-class _ZeroItem(Item):
-    """A tensor made of several byte ranges, or converted to another dtype, streamed in chunks."""
-
-    zt: ZeroTensor | None = None
-
-    def chunks(self, fds: Fds) -> Iterator[bytes | bytearray | memoryview]:
-        assert self.zt is not None
-        src = "float32" if self.zt.upcast else self.zt.dtype
-        for b in _read_pieces(self.zt, fds):
-            if self.zt.upcast:
-                b = bytes(convert_bytes(b, self.zt.dtype, "float32"))
-            yield convert_bytes(b, src, self.dtype)
-
-
-def _items(zc: ZeroCheckpoint, dtype: str | None) -> list[Item]:
-    items: list[Item] = []
-    aliased = zc.aliases()
-    for t in zc.tensors:
-        if t.name in aliased:  # zero_to_fp32 overwrites it with the shared tensor: stored once, as an alias
-            continue
-        od = t.out_dtype(dtype)
-        nbytes = t.numel * ELEMENT_SIZE[od]
-        if od == t.dtype and len(t.pieces) == 1:
-            p = t.pieces[0]
-            items.append(Item(t.name, od, t.shape, nbytes, path=p.path, offset=p.offset))
-        elif od == t.dtype and not t.pieces:
-            items.append(Item(t.name, od, t.shape, 0, tensor=None))
-        else:
-            it = _ZeroItem(t.name, od, t.shape, nbytes)
-            it.zt = t
-            items.append(it)
-    return items
-
-
-def convert_zero(
-    zc: ZeroCheckpoint,
-    dst: str | os.PathLike | None = None,
-    *,
-    dtype: str | None = None,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    progress: Progress | None = None,
-    max_shard_size: int | str | None = None,
-    ckptfix_metadata: bool = True,
-    jobs: int = 1,
-) -> ConvertReport:
-    """Consolidate a ZeRO checkpoint into safetensors: zero_to_fp32's state dict, bit for bit, streamed.
-
-    Tied parameters (``shared_params``) are stored once and recorded as ``ckptfix.aliases``.
-
-    Args:
-        zc: from :func:`find_zero_checkpoint`.
-        dst: the output (default: ``<folder>.safetensors`` next to it).
-        dtype: ``bf16``/``fp16``/``fp32`` (or the long names) for the floating tensors; None keeps fp32.
-        verify, force, fsync, progress, max_shard_size, ckptfix_metadata, jobs: as for
-            :func:`ckptfix.convert.convert_to_safetensors`.
-
-    Returns:
-        A :class:`~ckptfix.convert.report.ConvertReport` (``source_format`` ``deepspeed-zero<stage>``).
+def output_dtype(dtype: str | None) -> str | None:
+    """The ckptfix dtype name of a ``--dtype`` (``bf16`` -> ``bfloat16``); None keeps each tensor's own.
 
     Raises:
-        As :func:`read_zero_checkpoint`; UnsupportedError for an unknown ``dtype``; OutputError,
-        VerificationError as the writer.
+        UnsupportedError: an unknown name.
     """
-    from ckptfix import stmeta
-    from ckptfix.convert.paths import check_outputs, default_st_output
-    from ckptfix.convert.write import write_outputs
-    from ckptfix.text import parse_size
-
-    t0 = time.perf_counter()
-    out_dtype = _out_dtype(dtype)
-    d = os.fspath(dst) if dst is not None else default_st_output(zc.path)
-    shard_limit = parse_size(max_shard_size) if max_shard_size else None
-    if not max_shard_size:
-        check_outputs([d], zc.path, force)
-    read_zero_checkpoint(zc)
-    report = ConvertReport(source=zc.path, outputs=[d], source_format=f"deepspeed-zero{zc.stage}")
-    report.aliases = zc.aliases()
-    if report.aliases:
-        report.tied_rule = "DeepSpeed shared_params"
-    items = _items(zc, out_dtype)
-    metadata = {"format": "pt"}
-    if ckptfix_metadata:
-        metadata = stmeta.encode(
-            source_format=report.source_format,
-            key_path=(),
-            order=zc.names(),
-            aliases=report.aliases,
-            extra=zc.extra,
-        )
-    write_outputs(
-        d,
-        items,
-        metadata,
-        max_shard_size=shard_limit,
-        verify=verify,
-        fsync=fsync,
-        force=force,
-        src=zc.path,
-        progress=progress,
-        report=report,
-        jobs=jobs,
-    )
-    report.seconds = time.perf_counter() - t0
-    return report
-
-
-def _out_dtype(dtype: str | None) -> str | None:
     if dtype is None:
         return None
     name = dtype[6:] if dtype.startswith("torch.") else dtype
@@ -967,7 +878,7 @@ def zero_state_dict(zc: ZeroCheckpoint, dtype: str | None = None) -> OrderedDict
 
     Args:
         zc: from :func:`find_zero_checkpoint`.
-        dtype: as for :func:`convert_zero` (zero_to_fp32's ``to_torch_tensor(..., dtype)``).
+        dtype: as for :func:`ckptfix.convert.zero.convert_zero` (zero_to_fp32's ``to_torch_tensor(..., dtype)``).
 
     Returns:
         name -> CPU ``torch.Tensor``, in zero_to_fp32's order.
@@ -978,7 +889,7 @@ def zero_state_dict(zc: ZeroCheckpoint, dtype: str | None = None) -> OrderedDict
     from ckptfix._torch import require_torch
 
     torch = require_torch("load_anywhere on a DeepSpeed ZeRO checkpoint")
-    out_dtype = _out_dtype(dtype)
+    out_dtype = output_dtype(dtype)
     read_zero_checkpoint(zc)
     fds = Fds()
     sd: OrderedDict[str, Any] = OrderedDict()
@@ -988,7 +899,7 @@ def zero_state_dict(zc: ZeroCheckpoint, dtype: str | None = None) -> OrderedDict
             buf = bytearray(t.numel * ELEMENT_SIZE[od])
             pos = 0
             src = "float32" if t.upcast else t.dtype
-            for b in _read_pieces(t, fds):
+            for b in read_pieces(t, fds):
                 if t.upcast:
                     b = bytes(convert_bytes(b, t.dtype, "float32"))
                 c = convert_bytes(b, src, od)

@@ -559,3 +559,39 @@ def verify_equal(
             return done
         done += want
     return None
+
+
+#: bytes per chunk read, gathered or compared (a tensor streamed through Python: converted, gathered, read back)
+CHUNK = 8 << 20
+
+
+class Fds:
+    """Read-only file descriptors, opened once per path."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        """The read-only descriptor of ``path``, opened on first use.
+
+        Args:
+            path: a source file.
+
+        Returns:
+            The descriptor (closed by :meth:`close`).
+        """
+        fd = self.fds.get(path)
+        if fd is None:  # two threads may race here: one descriptor is kept, the other closed
+            new = os.open(path, os.O_RDONLY)
+            if hasattr(os, "posix_fadvise"):  # read in file order: a larger readahead window for a cold input
+                os.posix_fadvise(new, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            fd = self.fds.setdefault(path, new)
+            if fd != new:
+                os.close(new)
+        return fd
+
+    def close(self) -> None:
+        """Close every descriptor opened."""
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()

@@ -18,8 +18,8 @@ LAYERS = {
     ),
     **dict.fromkeys(["policy", "scanner", "pickles", "placeholders", "statedict"], 1),
     **dict.fromkeys(["formats", "dcp"], 2),
-    **dict.fromkeys(["prefixes", "stmeta", "hfarch", "plaindata", "inspecting", "loading"], 3),
-    **dict.fromkeys(["convert", "rewrite", "sanitize", "rekey", "deepspeed", "frameworks"], 4),
+    **dict.fromkeys(["prefixes", "stmeta", "hfarch", "plaindata", "deepspeed", "inspecting", "loading"], 3),
+    **dict.fromkeys(["convert", "rewrite", "sanitize", "rekey", "frameworks"], 4),
     "gpu": 0.5,  # beside the checkpoint side: layer 0 below it, nothing of the checkpoint side above
     "train": 5,
     "cli": 6,
@@ -30,12 +30,11 @@ LAYERS = {
 KNOWN_UPWARD = {
     ("formats", "frameworks"),
     ("inspecting", "frameworks"),
-    ("loading", "deepspeed"),
     ("loading", "frameworks"),
 }
 
 #: the one package cycle inside a layer (convert() routes folders to handlers that write through convert/)
-KNOWN_CYCLES = [{"convert", "deepspeed", "frameworks"}]
+KNOWN_CYCLES = [{"convert", "frameworks"}]
 
 
 def _modules() -> dict[str, Path]:

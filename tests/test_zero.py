@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from ckptfix.convert.zero import convert_zero
 from ckptfix.deepspeed import (
     convert_bytes,
-    convert_zero,
     describe,
     find_zero_checkpoint,
     read_zero_checkpoint,

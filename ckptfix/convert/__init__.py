@@ -227,7 +227,8 @@ def _framework_convert(
 
         refuse_single_shard(s)
     if os.path.isdir(s):
-        from ckptfix.deepspeed import convert_zero, find_zero_checkpoint
+        from ckptfix.convert.zero import convert_zero
+        from ckptfix.deepspeed import find_zero_checkpoint
 
         zc = find_zero_checkpoint(s, tag)
         if zc is not None:

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
+from ckptfix.fileio import CHUNK, Fds
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.pickles import TensorRecord
-
-#: bytes per chunk read, gathered or compared
-CHUNK = 8 << 20
 
 #: a byte range of a source file: ``(path, offset, nbytes, crc or None)``
 Range = tuple[str, int, int, "int | None"]
@@ -73,38 +71,6 @@ class Item:
             yield from _gather(self.rec, fds)
         elif self.tensor is not None:
             yield from _tensor_chunks(self.tensor)
-
-
-class Fds:
-    """Read-only file descriptors, opened once per path."""
-
-    def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
-
-    def get(self, path: str) -> int:
-        """The read-only descriptor of ``path``, opened on first use.
-
-        Args:
-            path: a source file.
-
-        Returns:
-            The descriptor (closed by :meth:`close`).
-        """
-        fd = self.fds.get(path)
-        if fd is None:  # two threads may race here: one descriptor is kept, the other closed
-            new = os.open(path, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # read in file order: a larger readahead window for a cold input
-                os.posix_fadvise(new, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            fd = self.fds.setdefault(path, new)
-            if fd != new:
-                os.close(new)
-        return fd
-
-    def close(self) -> None:
-        """Close every descriptor opened."""
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
 
 
 #: memoryview formats by element size: a strided run of elements is one C-level slice copy
