@@ -24,8 +24,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ckptfix import stmeta
 from ckptfix._torch import require_torch
+from ckptfix.dcp.assemble import load_dcp
+from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.formats import Format, ShardedDetails, package_message, read_checkpoint, sniff, tar_message
+from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.policy import classify_global
 
@@ -420,8 +423,6 @@ def _load_torchscript(ld: _Load) -> Any:
 
 def _load_dcp(ld: _Load) -> Any:
     """A DCP directory through ckptfix's own reader (:mod:`ckptfix.dcp`), never torch's unrestricted one."""
-    from ckptfix.dcp.assemble import load_dcp
-
     try:
         pmod = None if ld.trust else restricted_pickle_module(ld.allow_globals, ld.stubbed)
         obj = load_dcp(ld.path, device=_simple_target(ld.map_location), pickle_module=pmod)
@@ -498,8 +499,6 @@ def load_checkpoint(
         "trust": trust,
         "mmap": mmap,
     }
-    from ckptfix.formats.hfstorage import refuse_single_shard
-
     refuse_single_shard(path)
     framework = load_consolidated_folder(path, map_location, model) if os.path.isdir(path) and key is None else None
     if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated
@@ -543,9 +542,6 @@ def load_file(
 
 def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
     """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
-    from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
-    from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict
-
     zc = find_zero_checkpoint(path)
     hf = find_hf_storage(path) if zc is None else None
     if zc is not None:

@@ -23,11 +23,16 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from ckptfix.convert.dcp_out import convert_to_dcp
 from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.convert.header import safetensors_header
+from ckptfix.convert.hfstorage import convert_hf_storage
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.convert.reverse import convert_from_safetensors, is_safetensors_input, rebuild_checkpoint
+from ckptfix.convert.zero import convert_zero
+from ckptfix.deepspeed import find_zero_checkpoint
 from ckptfix.errors import UnsupportedError
+from ckptfix.formats.hfstorage import find_hf_storage, refuse_single_shard
 from ckptfix.statedict import contains_tensors, locate_state_dict, module_state_dict
 from ckptfix.stmeta import restore as restore_aliases
 from ckptfix.text import parse_size
@@ -157,8 +162,6 @@ def convert(
         "drop": bool(drop),
     }
     if to == "dcp" or (to is None and d is not None and d.rstrip("/" + os.sep).endswith(".dcp")):
-        from ckptfix.convert.dcp_out import convert_to_dcp
-
         given: dict[str, bool] = {k: v for k, v in to_safetensors_only.items() if v}
         if restore_wrapper:
             given["restore_wrapper"] = True
@@ -223,13 +226,8 @@ def _framework_convert(
     """
     s = os.fspath(src)
     if not os.path.isdir(s):
-        from ckptfix.formats.hfstorage import refuse_single_shard
-
         refuse_single_shard(s)
     if os.path.isdir(s):
-        from ckptfix.convert.zero import convert_zero
-        from ckptfix.deepspeed import find_zero_checkpoint
-
         zc = find_zero_checkpoint(s, tag)
         if zc is not None:
             _refuse(others, "a DeepSpeed ZeRO checkpoint")
@@ -238,9 +236,6 @@ def _framework_convert(
                     "a DeepSpeed ZeRO checkpoint is consolidated to safetensors; pass -o NAME.safetensors"
                 )
             return convert_zero(zc, d, dtype=dtype, **kw)
-        from ckptfix.convert.hfstorage import convert_hf_storage
-        from ckptfix.formats.hfstorage import find_hf_storage
-
         hf = find_hf_storage(s)
         if hf is not None and tag is None:
             _refuse(others, "a torch HuggingFaceStorageWriter checkpoint")

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ckptfix.dcp.assemble import set_element
+from ckptfix.dcp.chunks import Files, read_object
+from ckptfix.dcp.meta import DcpMetadata, TensorEntry, read_metadata, validate
 from ckptfix.errors import CkptfixError
 from ckptfix.formats.base import CheckpointFile, DcpDetails, Format, contiguous_stride
 from ckptfix.pickles import StorageRecord, TensorRecord
-
-if TYPE_CHECKING:
-    from ckptfix.dcp.chunks import Files
-    from ckptfix.dcp.meta import DcpMetadata, TensorEntry
 
 #: non-tensor objects up to this size are decoded for ``inspect`` (restricted reader)
 DECODE_OBJECTS_UP_TO = 1 << 20
@@ -44,10 +43,6 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
         CorruptCheckpointError, CheckpointNotFoundError, UnsafePickleError, UnsupportedError: as
         :func:`ckptfix.dcp.meta.read_metadata`.
     """
-    from ckptfix.dcp.assemble import set_element
-    from ckptfix.dcp.chunks import Files
-    from ckptfix.dcp.meta import TensorEntry, read_metadata, validate
-
     meta = meta or read_metadata(path)
     notes: list[str] = []
     try:
@@ -98,8 +93,6 @@ def _tensor_record(path: str, fqn: str, e: TensorEntry, storages: dict[str, Stor
 
 def _object_value(files: Files, meta: DcpMetadata, fqn: str, e: Any, stubbed: set[str], notes: list[str]) -> Any:
     """A small non-tensor object, decoded by the restricted reader; a larger one, a size marker."""
-    from ckptfix.dcp.chunks import read_object
-
     value: Any = f"<object: {e.location.length if e.location else 0} bytes>"
     if not meta.foreign and e.location is not None and e.location.length <= DECODE_OBJECTS_UP_TO:
         try:

@@ -28,6 +28,7 @@ from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
 from ckptfix.progress import Progress, reporting
+from ckptfix.rewrite.dcp import rewrite_dcp
 from ckptfix.rewrite.location import parse_map_location, relocate
 from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
 from ckptfix.rewrite.report import RewriteReport, Transform, detail
@@ -107,8 +108,6 @@ def rewrite_checkpoint(
     """
     with reporting(progress, _input_bytes(src)):
         if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
-            from ckptfix.rewrite.dcp import rewrite_dcp
-
             return rewrite_dcp(
                 src,
                 transform,
