@@ -179,9 +179,9 @@ class Layout:
     checked: str
     detect: Callable[[str, list[str]], "Resolved | None"]
     weight_hint: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "their *.index.json")
-    inspect: Callable[..., Any] | None = None
-    convert: Callable[..., Any] | None = None
-    load: Callable[..., Any] | None = None
+    inspect: Callable[..., InspectReport] | None = None
+    convert: Callable[..., ConvertReport] | None = None
+    load: Callable[..., Any] | None = None  # -> LoadedCheckpoint (the consolidated loader types None for "not one")
 
 
 def _size(p: str) -> int:
@@ -765,7 +765,7 @@ def _detect_hf_storage(folder: str, names: list[str]) -> Resolved | None:
     )
 
 
-def _inspect_consolidated(r: Resolved, key: str | None = None) -> Any:
+def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
     """inspect of a ZeRO / HF-writer folder: the consolidated state dict's records (nothing unpickled twice)."""
     from collections import Counter
 
@@ -841,13 +841,13 @@ def _elsize(dtype: str) -> int:
     return ELEMENT_SIZE[dtype]
 
 
-def _convert_consolidated(r: Resolved, dst: str | None, **kw: Any) -> Any:
+def _convert_consolidated(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
     from ckptfix.convert import convert
 
     return convert(r.path, dst, **kw)  # convert() consolidates these folders first (--tag, --dtype)
 
 
-def _load_consolidated(r: Resolved, **kw: Any) -> Any:
+def _load_consolidated(r: Resolved, **kw: Any) -> LoadedCheckpoint | None:
     from ckptfix.errors import UnsupportedError
     from ckptfix.loading import load_consolidated_folder
 
