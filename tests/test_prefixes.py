@@ -109,8 +109,14 @@ def test_module_does_not_import_torch():
 
 
 def test_doctests():
-    result = doctest.testmod(prefixes, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 5 and result.failed == 0
+    import ckptfix.prefixes.align
+    import ckptfix.prefixes.rename
+
+    results = [
+        doctest.testmod(m, optionflags=doctest.ELLIPSIS)
+        for m in (prefixes, ckptfix.prefixes.rename, ckptfix.prefixes.align)
+    ]
+    assert sum(r.attempted for r in results) > 5 and sum(r.failed for r in results) == 0
 
 
 def test_constants():

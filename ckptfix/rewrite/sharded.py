@@ -13,7 +13,7 @@ from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict
 from ckptfix.parallel import run_tasks
-from ckptfix.prefixes import _rekey_metadata
+from ckptfix.prefixes.rename import rekey_metadata
 from ckptfix.rewrite.location import relocate
 from ckptfix.rewrite.report import RewriteReport, Transform, detail
 from ckptfix.rewrite.writers import check_str_keys, check_writable, format_out, write_file
@@ -197,7 +197,7 @@ def _write_shards(
             new_ssd[rename.get(k, k)] = v
         meta = getattr(ssd, "_metadata", None)
         if isinstance(meta, dict):  # module paths follow their tensors' renames
-            new_ssd._metadata = _rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))
+            new_ssd._metadata = rekey_metadata(meta, lambda probe: _rename_module_probe(probe, modules))
         dst = os.path.join(out_dir, name)
         write_file(scf, key_path, new_ssd, dst, fsync=fsync, rename=rename, what=dst)
         written.append(dst)
