@@ -7,6 +7,7 @@ Every hostile file is generated here at test time.
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -513,3 +514,37 @@ def test_link_is_refused_for_single_files(tmp_path, capsys):
     torch.save({"module.w": torch.ones(2)}, p)
     assert main(["strip-prefix", str(p), "--link", "-o", str(tmp_path / "o.pt")]) == 8
     assert "DCP directories only" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- from the second adversarial pass
+
+
+@pytest.mark.parametrize("extra", ["tensor_key", "tuple_key"])
+def test_tensor_used_as_a_dict_key_is_not_dropped_behind_exit_0(tmp_path, capsys, extra):
+    t = torch.arange(3)
+    key = t if extra == "tensor_key" else (1, t)
+    src = tmp_path / "k.pt"
+    torch.save({"w": torch.ones(2), "m": {key: 1}}, src)
+    out = tmp_path / "k.safetensors"
+    assert main(["convert", str(src), "-o", str(out)]) == 8
+    assert "would be missing" in capsys.readouterr().err and not out.exists()
+
+
+def test_force_never_replaces_a_file_the_input_is_made_of(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "sharded"
+    d.mkdir()
+    save_file({"a": torch.ones(2)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(d / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    for src in (d, d / "model.safetensors.index.json"):
+        for target in ("model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+            assert main(["convert", str(src), "-o", str(d / target), "--force"]) == 9
+            assert "Error" not in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
