@@ -548,3 +548,67 @@ def test_force_never_replaces_a_file_the_input_is_made_of(tmp_path, capsys):
             assert main(["convert", str(src), "-o", str(d / target), "--force"]) == 9
             assert "Error" not in capsys.readouterr().out
     assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def _legacy_with_payload_first(tmp_path: Path) -> Path:
+    import io
+    import pickle
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(3)}, plain, _use_new_zipfile_serialization=False)
+    data = plain.read_bytes()
+    f = io.BytesIO(data)
+    pickle.Unpickler(f).load()  # the magic number's pickle
+    magic, rest = data[: f.tell()], data[f.tell() :]
+    # os.system('true'), its result popped, then the real magic number: torch runs it and reads on
+    payload = b"cos\nsystem\n(S'true'\ntR0"
+    hostile = tmp_path / "legacy_payload_in_magic.pt"
+    hostile.write_bytes(magic[:2] + payload + magic[2:] + rest)
+    return hostile
+
+
+def test_inspect_and_sanitize_see_a_payload_in_a_legacy_header_pickle(tmp_path, capsys):
+    src = _legacy_with_payload_first(tmp_path)
+    before = src.read_bytes()
+    assert main(["inspect", str(src)]) == 0
+    assert "weights_only  FAILS" in capsys.readouterr().out
+    out = tmp_path / "clean.pt"
+    assert main(["sanitize", str(src), "-o", str(out)]) == 0  # written without the header pickles
+    assert torch.load(out, weights_only=True)["w"].equal(torch.ones(3))
+    assert src.read_bytes() == before
+
+
+def _st_pickle_polyglot(path: Path) -> None:
+    """A valid safetensors file that is also a protocol-0 pickle calling os.system (the second adversarial pass's
+    construction): bytes 0..7 are LONG1 over the length field, the JSON swallows itself, the data is the payload."""
+    import struct
+
+    pl = b"cos\nsystem\n(Vtrue\ntR."
+    n = 0x8A + 8 * 256
+
+    def js(pad: int) -> str:
+        return '{"0V%s":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]\n}}' % ("A" * pad, len(pl), len(pl))
+
+    body = js(n - len(js(0)))
+    assert len(body) == n
+    data = bytes([0x8A, 8]) + b"\0" * 6 + body.encode() + pl
+    assert struct.unpack("<Q", data[:8])[0] == n
+    path.write_bytes(data)
+
+
+def test_a_safetensors_pickle_polyglot_is_never_weights_only_ok(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    p = tmp_path / "poly.safetensors"
+    _st_pickle_polyglot(p)
+    assert (
+        load_file(str(p))[
+            "0V" + "A" * (0x8A + 8 * 256 - len('{"0V":{"dtype":"U8","shape":[21],"data_offsets":[0,21]\n}}'))
+        ].numel()
+        == 21
+    )
+    assert main(["inspect", str(p)]) == 0
+    assert "weights_only  FAILS" in capsys.readouterr().out
+    assert main(["scan", str(p)]) == 11
+    assert main(["sanitize", str(p), "-o", str(tmp_path / "s.pt")]) == 8
+    assert "polyglot" in capsys.readouterr().err
