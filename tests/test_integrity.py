@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -612,3 +614,37 @@ def test_a_safetensors_pickle_polyglot_is_never_weights_only_ok(tmp_path, capsys
     assert main(["scan", str(p)]) == 11
     assert main(["sanitize", str(p), "-o", str(tmp_path / "s.pt")]) == 8
     assert "polyglot" in capsys.readouterr().err
+
+
+def test_a_zip_holding_a_second_archive_is_refused_as_torch_refuses_it(tmp_path, capsys):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    p = tmp_path / "two.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as a, zipfile.ZipFile(p, "w") as z:
+        for info in a.infolist():
+            z.writestr(info, a.read(info))
+        z.writestr("zzz/data.pkl", a.read(next(n for n in a.namelist() if n.endswith("/data.pkl"))))
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(p, weights_only=True)
+    assert main(["inspect", str(p)]) == 4
+    assert "outside the archive folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ulimit -v and sparse files")
+def test_scan_of_a_file_larger_than_the_address_space_is_no_internal_error(tmp_path):
+    p = tmp_path / "sparse.pt"
+    with open(p, "wb") as f:
+        f.write(b"\x80\x02")
+        f.truncate(20 << 30)  # sparse: no disk used
+    r = subprocess.run(
+        ["bash", "-c", f'ulimit -v 3000000; exec "{sys.executable}" -m ckptfix scan "{p}"'],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert r.returncode in (4, 11, 12), r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr
