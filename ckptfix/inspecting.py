@@ -276,6 +276,12 @@ def _non_tensor_entries(cf: CheckpointFile, key_path: tuple[str, ...] | None, sd
 def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     """Whether ``torch.load(weights_only=True)`` reads the file, and why; ``bad``: globals it refuses."""
     if cf.format == Format.SAFETENSORS:
+        other = scan_unsafe(cf.path)
+        if other:  # a polyglot: torch.load unpickles the same bytes (and runs what they name)
+            return False, (
+                f"the file is also a pickle torch.load would unpickle, naming {', '.join(other[:3])}: read it only "
+                "with safetensors (safetensors.torch.load_file) or `ckptfix convert` it"
+            )
         return True, "safetensors holds no pickle"
     if cf.format == Format.TORCHSCRIPT:
         return False, (
@@ -293,7 +299,36 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
             f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
         )
+    other = [g for g in scan_unsafe(cf.path) if g not in bad]
+    if other:  # another pickle of the file (a legacy stream's magic/protocol/sys-info/keys) or another reading
+        return False, (
+            f"the file's other pickles name globals weights_only refuses: {', '.join(other[:5])}"
+            + (" ..." if len(other) > 5 else "")
+            + " (`ckptfix scan` lists them; `ckptfix sanitize` writes the checkpoint without them)"
+        )
     return True, "only globals torch's weights-only unpickler allows"
+
+
+def scan_unsafe(path: str) -> list[str]:
+    """The dangerous and unknown globals of every pickle and every reading of the file (what ``scan`` reports).
+
+    ``torch.load`` unpickles more than the pickle holding the state dict (a legacy stream's header pickles,
+    a polyglot's other reading), so a weights-only verdict must consider them all.
+
+    Args:
+        path: a checkpoint file.
+
+    Returns:
+        The globals (dangerous first), empty when scan says safe.  A file scan cannot read gives ``[]``
+        (its reader's own error is what the caller reports).
+    """
+    from ckptfix.errors import CkptfixError
+
+    try:
+        rep = scan_checkpoint(path)
+    except CkptfixError:
+        return []
+    return rep.dangerous + rep.unknown
 
 
 def _partitioned(cf: CheckpointFile, sd: Mapping[str, Any], tensors: Mapping[str, Any]) -> list[str]:

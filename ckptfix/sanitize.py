@@ -140,6 +140,14 @@ def sanitize_checkpoint(
 def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
     """Raise UnsupportedError unless ``cf`` is a single torch.save file (zip or legacy)."""
     if cf.format == Format.SAFETENSORS:
+        from ckptfix.inspecting import scan_unsafe
+
+        other = scan_unsafe(src)
+        if other:
+            raise UnsupportedError(
+                f"{src}: a safetensors file that is also a pickle naming {', '.join(other[:3])} (a polyglot): "
+                "torch.load would run it; read it only with safetensors.torch.load_file, or `ckptfix convert` it"
+            )
         raise UnsupportedError(
             f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
         )
@@ -182,6 +190,15 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
     before = _unsafe_globals(cf.globals_seen)
     rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
     rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
+    if not before:  # the state dict's pickle is clean: the file's other pickles (a legacy stream's header ...)?
+        from ckptfix.inspecting import scan_unsafe
+
+        if other := scan_unsafe(src):
+            before = other
+            rep.globals_before = before
+            rep.notes.append(
+                f"the file's other pickles name {', '.join(other[:3])}: the output holds the checkpoint without them"
+            )
     bad_ops = [] if before else opcodes_weights_only_cannot_read(src, cf.format)
     if not before and not bad_ops:  # torch.load(weights_only=True) reads legacy files too
         rep.notes.append("nothing to change; no file written")

@@ -270,9 +270,17 @@ def _as_buffer(data: Any) -> tuple[Any, int, BinaryIO | None, Any]:
         size = os.fstat(fd).st_size
         if size == 0 or start >= size:
             return b"", 0, f, None
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, MemoryError):  # no address space for the file (ulimit -v, 32-bit): read what is needed
+            f.seek(start)
+            return f.read(min(size - start, _NO_MAP_READ)), 0, f, None
         return mm, start, f, mm
     return f.read(), 0, f, None
+
+
+#: without a memory map (the file does not fit the address space), at most this much of it is scanned
+_NO_MAP_READ = 256 << 20
 
 
 def scan_globals(

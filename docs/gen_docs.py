@@ -221,7 +221,9 @@ class Sandbox:
                 f"{where or 'a block'}: still running after {BLOCK_TIMEOUT:g} s (hung?) at command {step + 1} of "
                 f"{len(cmds)}: {cmds[min(step, len(cmds) - 1)]!r}\nit printed:\n{said[-4000:]}"
             ) from None
-        out = p.stdout.replace(sys.executable, "python3")  # paths are shown as users see them: no rewriting
+        out = p.stdout.replace(sys.executable, "python3")  # paths are shown as users see them: no rewriting,
+        # except the private lease directory, shown as the default one (/tmp/ckptfix-leases-<uid>)
+        out = out.replace(str(self.root / "leases"), f"/tmp/ckptfix-leases-{os.getuid()}")
         out = re.sub(rf"\bon {re.escape(os.uname().nodename)}\b", "on HOST", out)  # lease holders: no machine name
         parts = re.split(rf"\n{STEP}\d+\n", out)
         if len(parts) != len(cmds) + 1:

@@ -7,7 +7,10 @@ Every hostile file is generated here at test time.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -513,3 +516,135 @@ def test_link_is_refused_for_single_files(tmp_path, capsys):
     torch.save({"module.w": torch.ones(2)}, p)
     assert main(["strip-prefix", str(p), "--link", "-o", str(tmp_path / "o.pt")]) == 8
     assert "DCP directories only" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- from the second adversarial pass
+
+
+@pytest.mark.parametrize("extra", ["tensor_key", "tuple_key"])
+def test_tensor_used_as_a_dict_key_is_not_dropped_behind_exit_0(tmp_path, capsys, extra):
+    t = torch.arange(3)
+    key = t if extra == "tensor_key" else (1, t)
+    src = tmp_path / "k.pt"
+    torch.save({"w": torch.ones(2), "m": {key: 1}}, src)
+    out = tmp_path / "k.safetensors"
+    assert main(["convert", str(src), "-o", str(out)]) == 8
+    assert "would be missing" in capsys.readouterr().err and not out.exists()
+
+
+def test_force_never_replaces_a_file_the_input_is_made_of(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    d = tmp_path / "sharded"
+    d.mkdir()
+    save_file({"a": torch.ones(2)}, str(d / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(2)}, str(d / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {},
+        "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"},
+    }
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    for src in (d, d / "model.safetensors.index.json"):
+        for target in ("model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+            assert main(["convert", str(src), "-o", str(d / target), "--force"]) == 9
+            assert "Error" not in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def _legacy_with_payload_first(tmp_path: Path) -> Path:
+    import io
+    import pickle
+
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(3)}, plain, _use_new_zipfile_serialization=False)
+    data = plain.read_bytes()
+    f = io.BytesIO(data)
+    pickle.Unpickler(f).load()  # the magic number's pickle
+    magic, rest = data[: f.tell()], data[f.tell() :]
+    # os.system('true'), its result popped, then the real magic number: torch runs it and reads on
+    payload = b"cos\nsystem\n(S'true'\ntR0"
+    hostile = tmp_path / "legacy_payload_in_magic.pt"
+    hostile.write_bytes(magic[:2] + payload + magic[2:] + rest)
+    return hostile
+
+
+def test_inspect_and_sanitize_see_a_payload_in_a_legacy_header_pickle(tmp_path, capsys):
+    src = _legacy_with_payload_first(tmp_path)
+    before = src.read_bytes()
+    assert main(["inspect", str(src)]) == 0
+    assert "weights_only  FAILS" in capsys.readouterr().out
+    out = tmp_path / "clean.pt"
+    assert main(["sanitize", str(src), "-o", str(out)]) == 0  # written without the header pickles
+    assert torch.load(out, weights_only=True)["w"].equal(torch.ones(3))
+    assert src.read_bytes() == before
+
+
+def _st_pickle_polyglot(path: Path) -> None:
+    """A valid safetensors file that is also a protocol-0 pickle calling os.system (the second adversarial pass's
+    construction): bytes 0..7 are LONG1 over the length field, the JSON swallows itself, the data is the payload."""
+    import struct
+
+    pl = b"cos\nsystem\n(Vtrue\ntR."
+    n = 0x8A + 8 * 256
+
+    def js(pad: int) -> str:
+        return '{"0V%s":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]\n}}' % ("A" * pad, len(pl), len(pl))
+
+    body = js(n - len(js(0)))
+    assert len(body) == n
+    data = bytes([0x8A, 8]) + b"\0" * 6 + body.encode() + pl
+    assert struct.unpack("<Q", data[:8])[0] == n
+    path.write_bytes(data)
+
+
+def test_a_safetensors_pickle_polyglot_is_never_weights_only_ok(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    p = tmp_path / "poly.safetensors"
+    _st_pickle_polyglot(p)
+    assert (
+        load_file(str(p))[
+            "0V" + "A" * (0x8A + 8 * 256 - len('{"0V":{"dtype":"U8","shape":[21],"data_offsets":[0,21]\n}}'))
+        ].numel()
+        == 21
+    )
+    assert main(["inspect", str(p)]) == 0
+    assert "weights_only  FAILS" in capsys.readouterr().out
+    assert main(["scan", str(p)]) == 11
+    assert main(["sanitize", str(p), "-o", str(tmp_path / "s.pt")]) == 8
+    assert "polyglot" in capsys.readouterr().err
+
+
+def test_a_zip_holding_a_second_archive_is_refused_as_torch_refuses_it(tmp_path, capsys):
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3)}, buf)
+    p = tmp_path / "two.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as a, zipfile.ZipFile(p, "w") as z:
+        for info in a.infolist():
+            z.writestr(info, a.read(info))
+        z.writestr("zzz/data.pkl", a.read(next(n for n in a.namelist() if n.endswith("/data.pkl"))))
+    with pytest.raises(RuntimeError, match="not in a subdirectory"):
+        torch.load(p, weights_only=True)
+    assert main(["inspect", str(p)]) == 4
+    assert "outside the archive folder" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ulimit -v and sparse files")
+def test_scan_of_a_file_larger_than_the_address_space_is_no_internal_error(tmp_path):
+    p = tmp_path / "sparse.pt"
+    with open(p, "wb") as f:
+        f.write(b"\x80\x02")
+        f.truncate(20 << 30)  # sparse: no disk used
+    r = subprocess.run(
+        ["bash", "-c", f'ulimit -v 3000000; exec "{sys.executable}" -m ckptfix scan "{p}"'],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert r.returncode in (4, 11, 12), r.stderr
+    assert "internal error" not in r.stderr and "Traceback" not in r.stderr

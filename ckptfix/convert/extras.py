@@ -121,7 +121,7 @@ class _Extras:
                 out = {}
                 for k, x in list(v.items()):
                     if not isinstance(k, (str, int, float, bool)) and k is not None:
-                        if opt and contains_tensors(x):  # optimizer tensors nobody could name: refuse, never drop
+                        if opt and (contains_tensors(x) or contains_tensors(k)):  # nobody could name them: refuse
                             from ckptfix.errors import UnsupportedError
 
                             raise UnsupportedError(
@@ -130,6 +130,8 @@ class _Extras:
                             )
                         sub = f"{path}.{k!r}" if path else repr(k)
                         self._skip(sub, f"a {type(k).__name__} key")
+                        if contains_tensors(k):  # a tensor used as a key ({tensor(3): 1}) is held too: counted
+                            self.value(k, sub + ".<key>", False, depth + 1)
                         self.value(x, sub, opt, depth + 1)  # not kept, but the tensors it holds are counted
                         continue
                     sub = f"{path}.{k}" if path else str(k)

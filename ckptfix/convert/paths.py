@@ -83,7 +83,7 @@ def check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
             directory is missing or not writable.
     """
     for p in paths:
-        if same_file(p, src):
+        if same_file(p, src) or _is_part_of(p, src):
             raise OutputError(output_is_input(p))
         if os.path.isdir(p):
             raise OutputError(f"{p}: is a directory; pass a file name with -o")
@@ -96,6 +96,28 @@ def check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
             raise OutputError(missing_directory(d))
         if not os.access(d, os.W_OK):
             raise OutputError(permission_denied(d))
+
+
+def _is_part_of(p: str, src: str) -> bool:
+    """Whether the existing file ``p`` is one the input is made of: a file inside the input folder (DCP, sharded,
+    a framework's), or a shard or the index of a sharded input.  ``--force`` never replaces those."""
+    if not os.path.lexists(p):
+        return False
+    real = os.path.realpath(p)
+    if os.path.isdir(src):
+        return real.startswith(os.path.realpath(src).rstrip(os.sep) + os.sep)
+    if src.endswith(".index.json"):
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(src)))
+        if os.path.dirname(real) != folder:
+            return False
+        try:
+            from ckptfix.formats.sharded import load_index
+
+            shards = {os.path.realpath(f) for f in load_index(src).shards.values()}
+        except Exception:  # noqa: BLE001 - an unreadable index: any file beside it may be a shard
+            return True
+        return real in shards
+    return False
 
 
 def temp_for(final: str) -> str:

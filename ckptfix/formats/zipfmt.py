@@ -215,6 +215,12 @@ def torch_root(path: str, names: list[str]) -> str:
                 f"{root or './'!r}; torch would read another record than ckptfix — the "
                 "file is corrupt or crafted"
             )
+    if root and (stray := next((n for n in names if not n.startswith(root)), None)) is not None:
+        # torch's reader refuses it ("file in archive is not in a subdirectory"): a second archive inside
+        raise CorruptCheckpointError(
+            f"{path}: the entry {stray!r} is outside the archive folder {root!r}; torch refuses such a file "
+            "(a second archive hidden in the zip?) — the file is corrupt or crafted"
+        )
     return root
 
 
