@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
+from ckptfix.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
     PickleLimits,
@@ -144,8 +145,6 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         NoModelWeightsError: a framework folder without model weights.
     """
     if os.path.isdir(path):
-        from ckptfix.frameworks import inspect_folder, resolve
-
         fw = resolve(path)
         if fw is not None:
             rep: InspectReport = inspect_folder(fw, key)
@@ -163,7 +162,6 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
     Returns:
         The :class:`InspectReport`.
     """
-    from ckptfix.frameworks import identify_object
     from ckptfix.hfarch import own_prefixes
 
     cf = read_checkpoint(path)
@@ -358,8 +356,6 @@ def _notes(
             "the module itself runs its class's code (load_anywhere gives the state dict)"
         )
     elif holder == "optimizer":
-        from ckptfix.frameworks import optimizer_summary
-
         opt = optimizer_summary(cf.obj) or {}
         notes.append(
             f"an optimizer state ({opt.get('param_groups', '?')} param group(s), {opt.get('state_tensors', '?')} "
@@ -378,6 +374,102 @@ def _notes(
             "load_checkpoint(...).checkpoint, or make it weights_only-loadable with ckptfix sanitize"
         )
     return notes
+
+
+# --------------------------------------------------------------------------- framework folders
+
+
+def inspect_folder(r: Resolved, key: str | None = None) -> InspectReport:
+    """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file)."""
+    handler = r.layout.inspect
+    if handler is not None:
+        rep: InspectReport = handler(r, key)
+        return rep
+    if r.layout.consolidated:
+        return _inspect_consolidated(r, key)
+    weights = r.require_weights()
+    rep = inspect_file(weights, key)
+    describe_files(r)
+    rep.framework = r.to_dict()
+    meta = next((f for f in r.files if f.role == "meta"), None)
+    if meta is not None and meta.details:
+        rep.framework["lightning_meta"] = meta.details
+    return rep
+
+
+def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
+    """inspect of a ZeRO / HF-writer folder: the consolidated state dict's records (nothing unpickled twice)."""
+    from collections import Counter
+
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.formats.base import Format
+
+    if key is not None:
+        raise UnsupportedError(f"{r.path}: --key does not apply to a {r.layout.framework} folder (one model in it)")
+    c = r.extra["checkpoint"]
+    if r.layout.name == "deepspeed-zero":
+        from ckptfix.deepspeed import describe as zero_lines
+        from ckptfix.deepspeed import read_zero_checkpoint
+
+        read_zero_checkpoint(c)
+        lines = zero_lines(c)
+        recs = [(t.name, t.out_dtype(None), t.numel, t.numel * _elsize(t.out_dtype(None))) for t in c.tensors]
+        aliases = c.aliases()
+        files = c.model_files + c.optim_files
+        fmt = Format.TORCH_ZIP
+    else:
+        from ckptfix.formats.hfstorage import describe as hf_lines
+        from ckptfix.formats.hfstorage import read_hf_storage
+        from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
+
+        read_hf_storage(c)
+        lines = hf_lines(c)
+        recs = [(t.name, ST_TO_DTYPE[t.st_dtype], t.nbytes // t.element_size, t.nbytes) for t in c.tensors]
+        aliases, files, fmt = {}, c.files, Format.SAFETENSORS
+    by_name = {n: (d, v, b) for n, d, v, b in recs}
+    names = [n for n, *_ in recs] + [a for a in aliases if a not in by_name]
+    full = [by_name[aliases.get(n, n)] for n in names]
+    shared = [[t, *sorted(a for a, x in aliases.items() if x == t)] for t in dict.fromkeys(aliases.values())]
+    describe_files(r)
+    fw = r.to_dict()
+    relabel = {"framework": "layout", "weights": "model"}  # the generic lines already say framework/weights
+    fw["details"] = [[relabel.get(label, label), text] for label, text in lines]
+    return InspectReport(
+        path=r.path,
+        format=fmt,
+        file_size=sum(os.path.getsize(f) for f in files),
+        state_dict_key=[],
+        tensor_count=len(names),
+        parameter_count=sum(v for _, v, _ in full),
+        unique_parameter_count=sum(v for _, v, _ in by_name.values()),
+        total_bytes=sum(b for *_, b in full),
+        unique_bytes=sum(b for *_, b in by_name.values()),
+        storage_bytes=sum(b for *_, b in by_name.values()),
+        dtypes=dict(Counter(d for d, _, _ in full)),
+        locations={},
+        prefixes=_prefix_counts(names),
+        shared=shared,
+        non_tensor_entries={},
+        globals={},
+        stubbed_globals=[],
+        # DeepSpeed pickles its own classes (ZeroStageEnum, LossScaler) beside the tensors: torch's weights-only
+        # unpickler refuses its files, ckptfix reads the tensors without unpickling; scan lists every global
+        weights_only_ok=fmt == Format.SAFETENSORS,
+        weights_only_reason=(
+            f"safetensors shards ({len(files)} file(s)): no pickle"
+            if fmt == Format.SAFETENSORS
+            else f"its {len(files)} files pickle DeepSpeed classes torch.load(weights_only=True) refuses; ckptfix "
+            "reads the tensors without unpickling (`ckptfix scan` lists every global)"
+        ),
+        notes=[f"{r.layout.framework}: `ckptfix convert {r.path} -o model.safetensors` writes this state dict"],
+        framework=fw,
+    )
+
+
+def _elsize(dtype: str) -> int:
+    from ckptfix.pickles import ELEMENT_SIZE
+
+    return ELEMENT_SIZE[dtype]
 
 
 # --------------------------------------------------------------------------- scan
@@ -680,8 +772,6 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
     if os.path.isdir(path):
-        from ckptfix.frameworks import resolve
-
         fw = resolve(path)
         if fw is not None:
             return _scan_folder(fw, limits)

@@ -20,7 +20,7 @@ import pickle
 import types
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, cast
 
 from ckptfix import stmeta
 from ckptfix._torch import require_torch
@@ -29,6 +29,7 @@ from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.formats import Format, ShardedDetails, package_message, read_checkpoint, sniff, tar_message
 from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
+from ckptfix.layouts import Resolved, check_inside, resolve
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.policy import classify_global
 
@@ -504,8 +505,6 @@ def load_checkpoint(
     if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated
         return framework
     if os.path.isdir(path):
-        from ckptfix.frameworks import load_folder, resolve
-
         fw = resolve(path)
         if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
             lc: LoadedCheckpoint = load_folder(fw, **kw)
@@ -659,3 +658,26 @@ def is_stub(obj: Any) -> bool:
         True for a placeholder.
     """
     return isinstance(obj, Stub)
+
+
+# --------------------------------------------------------------------------- framework folders
+
+
+def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
+    """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
+    handler = r.layout.load
+    if handler is not None:
+        lc: LoadedCheckpoint = handler(r, **kw)
+        return lc
+    if r.layout.consolidated:
+        # None only where the partitions went away since resolve() found them (as before the split)
+        return cast(LoadedCheckpoint, _load_consolidated(r, **kw))
+    return load_file(check_inside(r, r.require_weights()), **kw)
+
+
+def _load_consolidated(r: Resolved, **kw: Any) -> LoadedCheckpoint | None:
+    from ckptfix.errors import UnsupportedError
+
+    if kw.get("key") is not None:
+        raise UnsupportedError(f"{r.path}: key= does not apply to a {r.layout.framework} folder (one model in it)")
+    return load_consolidated_folder(r.path, kw.get("map_location", "cpu"), kw.get("model"))

@@ -42,6 +42,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, ZipDetails
 from ckptfix.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read

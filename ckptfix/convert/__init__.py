@@ -120,7 +120,7 @@ def convert(
     if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated, streaming
         return framework
     if os.path.isdir(src):
-        from ckptfix.frameworks import convert_folder, resolve
+        from ckptfix.convert.folders import convert_folder, resolve
 
         fw = resolve(src)
         if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)

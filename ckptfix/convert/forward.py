@@ -106,7 +106,7 @@ def convert_to_safetensors(
     t0 = time.perf_counter()
     src = os.fspath(src)
     if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
-        from ckptfix.frameworks import convert_folder, resolve
+        from ckptfix.convert.folders import convert_folder, resolve
 
         fw = resolve(src)
         if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights

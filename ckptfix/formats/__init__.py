@@ -52,6 +52,7 @@ from ckptfix.formats.base import (
     package_message,
     tar_message,
 )
+from ckptfix.formats.roles import is_sidecar_name
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
 
@@ -80,6 +81,7 @@ __all__ = [
     "iter_tensors",
     "max_json_bytes",
     "read_checkpoint",
+    "register_subfolder_lister",
     "sniff",
     "package_message",
     "tar_message",
@@ -165,17 +167,32 @@ def _dir_kind(path: str) -> Format:
     names = sorted(os.listdir(path))
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
-    from ckptfix.frameworks import checkpoint_subfolders, is_sidecar_name
-
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
     cands.sort(key=lambda n: is_sidecar_name(n) or n.endswith(".probe.pt"))
-    cands = [f"{n}/" for n in checkpoint_subfolders(path)] + cands  # Trainer's output_dir: checkpoint-N/
+    cands = [f"{n}/" for n in _SUBFOLDERS[0](path)] + cands  # Trainer's output_dir: checkpoint-N/
     hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
     )
+
+
+#: the sub-folders of a folder with no checkpoint in it that are framework folders (Trainer's ``output_dir``:
+#: ``checkpoint-N/``), for its "pass one of them" list.  Telling a framework folder is the layouts' job, a layer
+#: above the formats: :mod:`ckptfix.layouts` registers its lister when imported (a registration point, not an
+#: import that points up); until then, none.
+_SUBFOLDERS: list[Callable[[str], list[str]]] = [lambda folder: []]
+
+
+def register_subfolder_lister(lister: Callable[[str], list[str]]) -> None:
+    """Set how :func:`sniff` finds the framework sub-folders of a directory with no checkpoint in it.
+
+    Args:
+        lister: ``lister(folder)`` -> the names of its sub-folders that are checkpoints, most likely first
+            (:func:`ckptfix.layouts.checkpoint_subfolders`).
+    """
+    _SUBFOLDERS[0] = lister
 
 
 def _tar_kind(path: str) -> Format:

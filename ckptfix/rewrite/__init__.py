@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 
+import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
