@@ -27,8 +27,9 @@ from ckptfix._torch import require_torch
 from ckptfix.dcp.assemble import load_dcp
 from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import Format, ShardedDetails, package_message, read_checkpoint, sniff, tar_message
+from ckptfix.formats import Format, ShardedDetails, read_checkpoint, sniff, tar_message
 from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
+from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.layouts import Resolved, check_inside, resolve
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.policy import classify_global
@@ -435,22 +436,21 @@ def _load_dcp(ld: _Load) -> Any:
     return obj
 
 
-def _load_package(ld: _Load) -> Any:
-    raise UnsupportedError(package_message(ld.path))
-
-
-#: the loader of each format: each returns the whole checkpoint object, torch tensors in it
-_LOADERS: dict[Format, Callable[[_Load], Any]] = {
-    Format.TORCH_TAR: _load_tar,
-    Format.TORCH_PACKAGE: _load_package,
-    Format.TORCH_ZIP: _load_zip,
-    Format.TORCH_LEGACY: _load_legacy,
-    Format.PICKLE: _load_pickle,
-    Format.SAFETENSORS: _load_safetensors,
-    Format.SHARDED: _load_sharded,
-    Format.TORCHSCRIPT: _load_torchscript,
-    Format.DCP: _load_dcp,
-}
+#: the loader of each format: each returns the whole checkpoint object, torch tensors in it (torch-package:
+#: refused in its registry entry)
+implement_all(
+    "load",
+    {
+        Format.TORCH_TAR: _load_tar,
+        Format.TORCH_ZIP: _load_zip,
+        Format.TORCH_LEGACY: _load_legacy,
+        Format.PICKLE: _load_pickle,
+        Format.SAFETENSORS: _load_safetensors,
+        Format.SHARDED: _load_sharded,
+        Format.TORCHSCRIPT: _load_torchscript,
+        Format.DCP: _load_dcp,
+    },
+)
 
 
 def load_checkpoint(
@@ -535,7 +535,7 @@ def load_file(
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
     ld = _Load(path, map_location, allow_globals, trust, mmap)
-    obj = _LOADERS[fmt](ld)
+    obj = dispatch(fmt, "load", path)(ld)
     return _found(ld, fmt, obj, key, model)
 
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
-from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, sniffing, zipfmt
+from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptfix.formats import dcp, legacy, registry, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -244,30 +244,24 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         ResourceLimitError: metadata or pickles over the configured limits.
     """
     path = os.fspath(path)
-    return _READERS[sniff(path)](path)
-
-
-def _read_tar(path: str) -> CheckpointFile:
-    raise UnsupportedError(tar_message(path))
-
-
-def _read_package(path: str) -> CheckpointFile:
-    raise UnsupportedError(package_message(path))
+    cf: CheckpointFile = registry.dispatch(sniff(path), "read", path)(path)
+    return cf
 
 
 def _read_sharded(path: str) -> CheckpointFile:
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
 
-#: the reader of each format
-_READERS: dict[Format, Callable[[str], CheckpointFile]] = {
-    Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
-    Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
-    Format.TORCH_LEGACY: legacy.read_pickle_stream,
-    Format.PICKLE: legacy.read_pickle_stream,
-    Format.SAFETENSORS: safetensors_fmt.read_safetensors,
-    Format.SHARDED: _read_sharded,
-    Format.DCP: dcp.read_dcp,
-    Format.TORCH_TAR: _read_tar,
-    Format.TORCH_PACKAGE: _read_package,
-}
+# the reader of each format (torch-tar and torch-package: refused in their registry entries)
+registry.implement_all(
+    "read",
+    {
+        Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
+        Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
+        Format.TORCH_LEGACY: legacy.read_pickle_stream,
+        Format.PICKLE: legacy.read_pickle_stream,
+        Format.SAFETENSORS: safetensors_fmt.read_safetensors,
+        Format.SHARDED: _read_sharded,
+        Format.DCP: dcp.read_dcp,
+    },
+)

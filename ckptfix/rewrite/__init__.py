@@ -28,6 +28,7 @@ import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for s
 from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
+from ckptfix.formats.registry import implement_all
 from ckptfix.progress import Progress, reporting
 from ckptfix.rewrite.dcp import rewrite_dcp
 from ckptfix.rewrite.location import parse_map_location, relocate
@@ -243,3 +244,11 @@ def _rewrite_file(
     )
     rep.output = src if in_place else dst
     return rep
+
+
+# the format registry's rewrite entries (ckptfix.formats.registry): rewrite() routes DCP directories to
+# rewrite_dcp, sharded indexes to rewrite_sharded and the formats writers.WRITABLE names to _rewrite_file; the
+# others are refused in their entries, with check_writable's message (tests/test_registry.py pins both)
+implement_all(
+    "rewrite", {**dict.fromkeys(WRITABLE, _rewrite_file), Format.SHARDED: rewrite_sharded, Format.DCP: rewrite_dcp}
+)

@@ -1,0 +1,28 @@
+"""What ``convert FILE`` (to safetensors) reads each format with: its entries in the format registry.
+
+:func:`ckptfix.convert.forward.convert_to_safetensors` reads any format :func:`~ckptfix.formats.read_checkpoint`
+reads, and hands a DCP directory to :func:`ckptfix.convert.dcp_in.convert_dcp`, which streams its chunks
+(``convert_to_safetensors`` routes; this module records the routing in
+:data:`ckptfix.formats.registry.FORMATS`, and ``tests/test_registry.py`` pins the two together).  The
+pre-0.4 tar archive and torch.package archives are refused in their entries (their readers refuse).
+"""
+
+from __future__ import annotations
+
+from ckptfix.convert.dcp_in import convert_dcp
+from ckptfix.convert.forward import convert_to_safetensors
+from ckptfix.formats.base import Format
+from ckptfix.formats.registry import implement, implement_all
+
+#: the formats convert_to_safetensors reads through read_checkpoint
+READ_WHOLE = (
+    Format.TORCH_ZIP,
+    Format.TORCH_LEGACY,
+    Format.TORCHSCRIPT,
+    Format.SAFETENSORS,
+    Format.SHARDED,
+    Format.PICKLE,
+)
+
+implement_all("convert", dict.fromkeys(READ_WHOLE, convert_to_safetensors))
+implement(Format.DCP, "convert", convert_dcp)

@@ -1,0 +1,150 @@
+"""The format registry (ckptfix.formats.registry): every format has every capability, or refuses it.
+
+Also the folder layouts' registration point in formats/ (a Trainer output_dir's checkpoint-N/ sub-folders in
+sniff's "pass one of them" message), reached from the entry points in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tarfile
+import types
+from pathlib import Path
+
+import pytest
+
+from ckptfix.errors import UnsupportedError
+from ckptfix.formats import Format, package_message, read_checkpoint, sniff, tar_message
+from ckptfix.formats.registry import (
+    CAPABILITIES,
+    CAPABILITY_MODULES,
+    FORMATS,
+    Refused,
+    dispatch,
+    implement,
+    missing,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FW = ROOT / "tests" / "fixtures" / "frameworks"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_capability_module():
+    for mod in CAPABILITY_MODULES.values():
+        importlib.import_module(mod)
+
+
+def test_every_format_has_one_entry():
+    assert set(FORMATS) == set(Format)
+    assert all(spec.format == fmt and spec.what for fmt, spec in FORMATS.items())
+    assert set(CAPABILITY_MODULES) == set(CAPABILITIES)
+
+
+def test_every_capability_is_implemented_or_refused():
+    assert missing() == [], "give each a function (registry.implement) or a Refused in registry.FORMATS"
+    for fmt, spec in FORMATS.items():
+        for cap in CAPABILITIES:
+            entry = spec.get(cap)
+            assert callable(entry) or isinstance(entry, Refused), (fmt, cap, entry)
+            if isinstance(entry, Refused):  # a refusal says why and what to do instead, for the path
+                msg = entry.message("x.pt")
+                assert msg.startswith("x.pt: ") and "\n" not in msg and ";" in msg, (fmt, cap, msg)
+
+
+def test_what_is_refused():
+    refused = {(f.value, c) for f, s in FORMATS.items() for c in CAPABILITIES if isinstance(s.get(c), Refused)}
+    assert refused == {
+        ("torch-tar", "read"),
+        ("torch-tar", "convert"),
+        ("torch-tar", "rewrite"),
+        ("torch-package", "read"),
+        ("torch-package", "load"),
+        ("torch-package", "convert"),
+        ("torch-package", "rewrite"),
+        ("torchscript", "rewrite"),
+        ("pickle", "rewrite"),
+    }
+
+
+def test_the_rewrite_entries_are_the_routing_of_rewrite():
+    import ckptfix.rewrite as rw
+    from ckptfix.rewrite.dcp import rewrite_dcp
+    from ckptfix.rewrite.sharded import rewrite_sharded
+    from ckptfix.rewrite.writers import WRITABLE, check_writable
+
+    for fmt in WRITABLE:
+        assert FORMATS[fmt].rewrite is rw._rewrite_file
+    assert FORMATS[Format.SHARDED].rewrite is rewrite_sharded and FORMATS[Format.DCP].rewrite is rewrite_dcp
+    for fmt in (Format.TORCHSCRIPT, Format.PICKLE):  # the refusal is check_writable's own message
+        entry = FORMATS[fmt].rewrite
+        assert isinstance(entry, Refused)
+        with pytest.raises(UnsupportedError) as e:
+            check_writable(types.SimpleNamespace(format=fmt, path="x.pt"))  # type: ignore[arg-type]
+        assert str(e.value) == entry.message("x.pt")
+
+
+def test_the_convert_entries_are_the_routing_of_convert():
+    from ckptfix.convert.dcp_in import convert_dcp
+    from ckptfix.convert.forward import convert_to_safetensors
+
+    assert FORMATS[Format.DCP].convert is convert_dcp
+    readable = [f for f in Format if callable(FORMATS[f].read) and f != Format.DCP]
+    assert all(FORMATS[f].convert is convert_to_safetensors for f in readable)
+    for fmt in Format:  # what cannot be read cannot be converted, with the same message
+        if isinstance(FORMATS[fmt].read, Refused):
+            assert FORMATS[fmt].convert == FORMATS[fmt].read
+
+
+def test_refusals_are_the_formats_messages(tmp_path):
+    p = tmp_path / "old.pt"
+    with tarfile.open(p, "w") as tar:
+        for name in ("sys_info", "pickle", "storages", "tensors"):
+            f = tmp_path / name
+            f.write_bytes(b"\x80\x02K\x01.")
+            tar.add(f, arcname=name)
+    assert sniff(str(p)) == Format.TORCH_TAR
+    with pytest.raises(UnsupportedError) as e:
+        read_checkpoint(p)
+    assert str(e.value) == tar_message(str(p))
+    with pytest.raises(UnsupportedError) as e:
+        dispatch(Format.TORCH_PACKAGE, "load", "m.pt")
+    assert str(e.value) == package_message("m.pt")
+
+
+def test_registering_twice_or_nothing(monkeypatch):
+    with pytest.raises(ValueError):
+        implement(Format.TORCH_ZIP, "scan", lambda *a: None)
+    with pytest.raises(ValueError):
+        implement(Format.TORCH_TAR, "read", lambda p: None)  # a refusal is decided in the entry, once
+    with pytest.raises(KeyError):
+        FORMATS[Format.DCP].get("sing")
+    monkeypatch.setattr(FORMATS[Format.DCP], "scan", None)
+    with pytest.raises(LookupError, match="ckptfix.scanning"):
+        dispatch(Format.DCP, "scan", "d")
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "from ckptfix import read_checkpoint as f",
+        "from ckptfix import strip_prefix_checkpoint as f",
+        "from ckptfix.rekey import strip_prefix_checkpoint as f",
+        "from ckptfix.inspecting import inspect_checkpoint as f",
+    ],
+)
+def test_an_output_dir_names_its_checkpoint_folders_from_every_entry(tmp_path, code):
+    """formats/ cannot import the layouts (they sit above it): they register the sub-folder lister on import."""
+    out = tmp_path / "out"
+    ck = out / "checkpoint-7"
+    ck.mkdir(parents=True)
+    for f in (FW / "hf_llama_bin").iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (ck / "trainer_state.json").write_text('{"global_step": 7}')
+    prog = f"{code}\ntry:\n    f({str(out)!r})\nexcept Exception as e:\n    print(e)\n"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env, timeout=300)
+    assert "it holds checkpoint-7/: pass one of them" in r.stdout, (r.stdout, r.stderr)
