@@ -138,6 +138,40 @@ def test_no_package_level_strongly_connected_component():
     assert _components(edges) == []
 
 
+def _module_edges() -> dict[str, set[str]]:
+    """importer module -> imported modules (in functions too), the facade left out."""
+    mods = _modules()
+    out: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[: len(base) - node.level + 1]
+                    b = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    b = node.module or ""
+                targets = [f"{b}.{a.name}" if f"{b}.{a.name}" in mods else b for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t.startswith("ckptfix.") and mod != "ckptfix" and t != mod:
+                    out.setdefault(mod, set()).add(t)
+    return out
+
+
+def test_module_cycles_stay_inside_one_package():
+    """A cycle of modules (counting in-function imports) never spans packages (it did: formats, inspecting,
+    loading, deepspeed, frameworks and convert/ were one); inside convert/ the router and its directions
+    still call each other."""
+    comps = _components(_module_edges())
+    assert [c for c in comps if len({m.split(".")[1] for m in c}) > 1] == []
+
+
 def test_the_folder_hint_is_registered_from_above():
     """formats/ lists a folder's Trainer sub-folders through the hook ckptfix.layouts fills when imported."""
     import ckptfix.formats as formats
