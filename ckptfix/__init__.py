@@ -74,8 +74,8 @@ def __getattr__(name: str) -> Any:
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'ckptfix' has no attribute {name!r}")
-    if not mod.startswith("ckptfix.gpu"):  # the folder layouts register sniff's checkpoint-N/ hint (ckptfix.formats)
-        importlib.import_module("ckptfix.layouts")
+    if mod in ("ckptfix.formats", "ckptfix.convert"):  # read a folder: ckptfix.layouts registers the checkpoint-N/
+        importlib.import_module("ckptfix.layouts")  # hint of formats.sniff (the others import it themselves)
     value = getattr(importlib.import_module(mod), name)
     globals()[name] = value
     return value
