@@ -254,18 +254,18 @@ NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_framework
 def register(layout: Layout, *, before: str | None = None) -> None:
     """Add a layout to :data:`LAYOUTS` (before the entry named ``before``, else before the generic ones).
 
-    DeepSpeed ZeRO (``ckptfix/deepspeed.py``) is added this way, at the bottom of this module.  A layout
-    registered from above may bring its own handlers (the default ones read ``Resolved.weights``, or
-    consolidate the partitions with ``consolidated=True``)::
+    DeepSpeed ZeRO and torch's HuggingFaceStorageWriter are added this way, at the bottom of this module
+    (``consolidated=True``: inspect, convert and load consolidate their partitions).  A layout registered
+    from above (a plugin) may bring its own handlers instead; the default ones read ``Resolved.weights``::
 
-        def _detect_zero(folder, names):          # names: the folder's entries, sorted
-            if "latest" not in names and not any(n.startswith("global_step") for n in names):
+        def _detect_mine(folder, names):          # names: the folder's entries, sorted
+            if "my_state.json" not in names:
                 return None
-            tag_dir = find_zero_checkpoint(folder)  # raises for a broken one: the user sees that error
-            return Resolved(folder, LAYOUT, tag_dir, _others(folder, names, None, (os.path.basename(tag_dir),)))
+            w = os.path.join(folder, "weights.pt")
+            return Resolved(folder, LAYOUT, w if "weights.pt" in names else None, [])
 
-        LAYOUT = Layout("deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.16", _detect_zero,
-                        weight_hint=("latest", "global_stepN/"),
+        LAYOUT = Layout("my-framework", "My framework", "my-framework 1.0", _detect_mine,
+                        weight_hint=("weights.pt",),
                         inspect=lambda r, key: ...,             # -> InspectReport (set .framework = r.to_dict())
                         convert=lambda r, dst, **kw: ...,       # convert()'s keywords -> ConvertReport
                         load=lambda r, **kw: ...)               # load_checkpoint()'s keywords -> LoadedCheckpoint
