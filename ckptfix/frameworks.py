@@ -307,7 +307,7 @@ _NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_framewor
 def register(layout: Layout, *, before: str | None = None) -> None:
     """Add a layout to :data:`LAYOUTS` (before the entry named ``before``, else before the generic ones).
 
-    Adding DeepSpeed ZeRO (``ckptfix/deepspeed.py``) is one call, or one line in :data:`LAYOUTS`::
+    Adding DeepSpeed ZeRO (``ckptfix/deepspeed/``) is one call, or one line in :data:`LAYOUTS`::
 
         def _detect_zero(folder, names):          # names: the folder's entries, sorted
             if "latest" not in names and not any(n.startswith("global_step") for n in names):
