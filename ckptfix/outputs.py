@@ -191,29 +191,31 @@ def given_fields(obj: Any, skip: Iterable[str] = ()) -> list[str]:
 
 
 def flag_of(obj: Any, name: str) -> str:
-    """``--max-shard-size (max_shard_size)``: how a message names a field, for CLI and library users alike.
+    """The command-line spelling of a field (``--max-shard-size``); ``name=`` for one the CLI does not offer.
 
     Args:
         obj: the dataclass (instance or class) the field belongs to.
         name: the field name.
 
     Returns:
-        The flag and, when it differs, the keyword.
+        The flag.
     """
     flag = next((f.metadata.get("flag", "") for f in dataclasses.fields(obj) if f.name == name), "")
-    if not flag or flag == f"{name}=":
-        return f"{name}="
-    return f"{flag} ({name})"
+    return flag or f"{name}="
 
 
-def refuse_given(obj: Any, names: Iterable[str], what: str, fix: str = "") -> None:
+def refuse_given(obj: Any, names: Iterable[str], what: str, where: str = "", why: str = "") -> None:
     """Raise one :class:`OptionNotApplicableError` for the fields ``names`` of ``obj`` (none: return).
+
+    The message: ``--shards applies to DCP output ..., not to conversion to safetensors; drop it
+    (keyword shards=)``, or without ``where``: ``--link does not apply to sanitize; drop it ...``.
 
     Args:
         obj: the options object.
         names: the fields given that do not apply.
         what: what they do not apply to (``"conversion back to torch"``).
-        fix: where they do apply, or what to do instead; default: drop them.
+        where: what they do apply to, if anything.
+        why: a reason, said after ``what``.
 
     Raises:
         OptionNotApplicableError: when ``names`` is not empty.
@@ -221,8 +223,13 @@ def refuse_given(obj: Any, names: Iterable[str], what: str, fix: str = "") -> No
     names = list(names)
     if not names:
         return
-    shown = ", ".join(flag_of(obj, n) for n in names)
-    verb = "does" if len(names) == 1 else "do"
-    raise OptionNotApplicableError(
-        f"{shown} {verb} not apply to {what}; {fix or 'drop ' + ('it' if len(names) == 1 else 'them')}"
-    )
+    one = len(names) == 1
+    flags = [flag_of(obj, n) for n in names]
+    keywords = [f"{n}=" for n, f in zip(names, flags, strict=True) if f != f"{n}="]
+    head = " and ".join(flags)
+    if where:
+        head += f" {'applies' if one else 'apply'} to {where}, not to {what}"
+    else:
+        head += f" {'does' if one else 'do'} not apply to {what}"
+    tail = f" (keyword{'' if len(keywords) == 1 else 's'} {', '.join(keywords)})" if keywords else ""
+    raise OptionNotApplicableError(f"{head}{': ' + why if why else ''}; drop {'it' if one else 'them'}{tail}")

@@ -158,13 +158,8 @@ def refuse_inapplicable(direction: str, out: OutputOptions, options: ConvertOpti
     for obj, applies in ((out, OUTPUT_APPLIES), (options, _APPLIES)):
         bad = [n for n in obj.given() if n != "to" and direction not in applies.get(n, ())]
         places = sorted({d for n in bad for d in applies.get(n, ())}, key=DIRECTIONS.index)
-        it, applies_ = ("it", "it applies") if len(bad) == 1 else ("them", "they apply")
-        fix = (
-            f"drop {it}; {applies_} to " + " and ".join(_WHERE[d] for d in places)
-            if places
-            else f"drop {it}; a conversion always writes a new output (-o chooses where) and never replaces its input"
-        )
-        refuse_given(obj, bad, _WHERE[direction], fix)
+        why = "" if places else "a conversion always writes a new output (-o chooses where), never replacing its input"
+        refuse_given(obj, bad, _WHERE[direction], " and ".join(_WHERE[d] for d in places), why)
 
 
 def keywords_of(out: OutputOptions, options: ConvertOptions) -> dict[str, Any]:
