@@ -23,6 +23,7 @@ from ckptfix.outputs import OutputOptions
 from ckptfix.rekey import add_prefix_checkpoint, strip_prefix_checkpoint
 from ckptfix.rewrite import rewrite_checkpoint
 from ckptfix.sanitize import sanitize_checkpoint
+
 from helpers import assert_one_line_error, run_cli
 
 FIX = Path(__file__).parent / "fixtures" / "frameworks" / "deepspeed"
