@@ -95,11 +95,7 @@ def add_prefix_checkpoint(
     Args:
         src: checkpoint file or sharded index (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
         prefix: the prefix, e.g. ``"module."`` (a missing trailing ``"."`` is added).
-        outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
-            ``keywords``: ``output`` (default: next to ``src``), ``in_place`` (replace ``src`` atomically,
-            keeping ``src.bak`` unless ``backup=False``), ``force``, ``key`` (where the state dict sits, e.g.
-            ``"model/state_dict"``), ``map_location``, ``progress``, ``jobs``, ``link`` (for a DCP
-            directory, hard-link its data files): see :func:`ckptfix.rewrite.rewrite_checkpoint`.
+        outputs: where and how to write, or its fields as ``keywords``: as for :func:`strip_prefix_checkpoint`.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` holds ``summary``, ``prefix`` and ``keys``.
@@ -181,11 +177,7 @@ def align_checkpoint(
         src: checkpoint file or sharded index (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
         target: a spec for :func:`load_align_target` (a checkpoint path or ``"package.module:factory"``),
             or what :func:`~ckptfix.prefixes.align_state_dict` takes (a module, a state dict, key names).
-        outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
-            ``keywords``: ``output`` (default: next to ``src``), ``in_place`` (replace ``src`` atomically,
-            keeping ``src.bak`` unless ``backup=False``), ``force``, ``key`` (where the state dict sits, e.g.
-            ``"model/state_dict"``), ``map_location``, ``progress``, ``jobs``, ``link`` (for a DCP
-            directory, hard-link its data files): see :func:`ckptfix.rewrite.rewrite_checkpoint`.
+        outputs: where and how to write, or its fields as ``keywords``: as for :func:`strip_prefix_checkpoint`.
 
     Returns:
         An :class:`AlignResult`.
@@ -227,7 +219,7 @@ def _check_fit(sd: Mapping[str, Any], report: AlignmentReport) -> None:
         raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
 
 
-def load_align_target(spec: str) -> Any:
+def load_align_target(spec: str) -> object:
     """What ``align --to SPEC`` aligns to: another checkpoint's state dict, or a model built by a factory.
 
     Args:

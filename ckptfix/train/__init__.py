@@ -21,9 +21,12 @@ Importing this package does not import torch; :func:`train`, :func:`bench` and
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.train.config import MODES, SAVE_FORMATS, SAVE_STYLES, TrainConfig, TrainResult
+
+if TYPE_CHECKING:
+    from ckptfix.train.bench import BenchRow
 
 __all__ = [
     "MODES",
@@ -56,7 +59,7 @@ def train(config: TrainConfig, **overrides: Any) -> TrainResult:
     return _train(config, **overrides)
 
 
-def bench(**kwargs: Any) -> Any:
+def bench(**kwargs: Any) -> list[BenchRow]:
     """Time single / dp / manual / ddp / fsdp (+amp); see :func:`ckptfix.train.bench.bench`.
 
     Args:
