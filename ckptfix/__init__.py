@@ -40,6 +40,8 @@ _LAZY = {
     "convert_to_safetensors": "ckptfix.convert",
     "convert_from_safetensors": "ckptfix.convert",
     "sanitize_checkpoint": "ckptfix.sanitize",
+    "OutputOptions": "ckptfix.outputs",
+    "ConvertOptions": "ckptfix.convert",
     "visible_gpus": "ckptfix.gpu",
     "pick_gpu": "ckptfix.gpu",
     "choose_gpus": "ckptfix.gpu",
@@ -49,6 +51,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 # what type checkers see (`X as X`: an explicit re-export): the names of _LAZY (tests/test_public_api.py checks)
 if TYPE_CHECKING:
+    from ckptfix.convert import ConvertOptions as ConvertOptions
     from ckptfix.convert import convert_from_safetensors as convert_from_safetensors
     from ckptfix.convert import convert_to_safetensors as convert_to_safetensors
     from ckptfix.formats import read_checkpoint as read_checkpoint
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
     from ckptfix.loading import LoadedCheckpoint as LoadedCheckpoint
     from ckptfix.loading import load_anywhere as load_anywhere
     from ckptfix.loading import load_checkpoint as load_checkpoint
+    from ckptfix.outputs import OutputOptions as OutputOptions
     from ckptfix.prefixes import add_prefix as add_prefix
     from ckptfix.prefixes import align_state_dict as align_state_dict
     from ckptfix.prefixes import detect_prefixes as detect_prefixes

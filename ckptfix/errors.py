@@ -123,6 +123,16 @@ class PartitionedCheckpointError(UnsupportedError):
     exit_code = 17
 
 
+class OptionNotApplicableError(UnsupportedError):
+    """An option was given that the operation, or the direction a conversion takes, does not use (nothing written).
+
+    The message names the option and where it applies; drop it, or pick the output it is for.  A
+    subclass of :class:`UnsupportedError` with its own code.
+    """
+
+    exit_code = 32
+
+
 class ZeroIncompleteError(CkptfixError, FileNotFoundError):
     """A DeepSpeed ZeRO checkpoint lacks a rank's partition (a rank did not finish saving, or was not copied)."""
 

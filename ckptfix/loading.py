@@ -67,7 +67,7 @@ class LoadedCheckpoint:
     def __getitem__(self, key: str) -> Any:
         return self.checkpoint[key]
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> object:
         """An entry of the whole checkpoint (``lc.get("epoch")``), as ``dict.get``.
 
         Args:

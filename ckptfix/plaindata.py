@@ -185,7 +185,7 @@ class Plainer:
 
     # ---------------------------------------------------------------- entry point
 
-    def convert(self, v: Any, path: str = "", depth: int = 0) -> Any:
+    def convert(self, v: Any, path: str = "", depth: int = 0) -> object:
         """The plain-data form of ``v`` (``v`` itself when it is already plain).
 
         Args:

@@ -20,12 +20,15 @@ import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import AlignmentError, CheckpointNotFoundError, KeyConflictError
+from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.prefixes import AlignmentReport, add_prefix, align_state_dict, strip_prefix_report
-from ckptfix.progress import Progress
 from ckptfix.rewrite import RewriteReport, rewrite_checkpoint
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "MIN_FIT",
@@ -45,15 +48,8 @@ def strip_prefix_checkpoint(
     prefix: str | None = None,
     *,
     partial: bool = False,
-    output: str | None = None,
-    in_place: bool = False,
-    backup: bool = True,
-    force: bool = False,
-    key: str | None = None,
-    map_location: str | None = None,
-    progress: Progress | None = None,
-    jobs: int = 1,
-    link: bool = False,
+    outputs: OutputOptions | None = None,
+    **keywords: Unpack[OutputKeywords],
 ) -> RewriteReport:
     """Strip wrapper prefixes from the state-dict keys of ``src`` (default output ``<stem>.stripped<ext>``).
 
@@ -62,15 +58,11 @@ def strip_prefix_checkpoint(
         prefix: strip exactly this prefix; ``None`` strips every wrapper layer all keys carry
             (:func:`ckptfix.prefixes.strip_prefix`).
         partial: with ``prefix=None``, also strip wrapper prefixes only some keys carry.
-        output: where to write (default: next to ``src``).
-        in_place: replace ``src`` atomically, keeping ``src.bak`` unless ``backup=False``.
-        backup: with ``in_place``, keep the original as ``src.bak``.
-        force: overwrite an existing ``output``.
-        key: where the state dict sits, e.g. ``"model/state_dict"`` (found automatically otherwise).
-        map_location: rewrite storage device tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
-        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
-        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
-        link: for a DCP directory, hard-link its data files into the output instead of copying them.
+        outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
+            ``keywords``: ``output`` (default: next to ``src``), ``in_place`` (replace ``src`` atomically,
+            keeping ``src.bak`` unless ``backup=False``), ``force``, ``key`` (where the state dict sits, e.g.
+            ``"model/state_dict"``), ``map_location``, ``progress``, ``jobs``, ``link`` (for a DCP
+            directory, hard-link its data files): see :func:`ckptfix.rewrite.rewrite_checkpoint`.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` is the
@@ -87,16 +79,7 @@ def strip_prefix_checkpoint(
     return rewrite_checkpoint(
         src,
         lambda sd: strip_prefix_report(sd, prefix, partial=partial, own=own),
-        output=output,
-        in_place=in_place,
-        backup=backup,
-        force=force,
-        key=key,
-        map_location=map_location,
-        suffix="stripped",
-        progress=progress,
-        jobs=jobs,
-        link=link,
+        outputs=OutputOptions.build(outputs, keywords).named("stripped"),
     )
 
 
@@ -104,30 +87,15 @@ def add_prefix_checkpoint(
     src: str,
     prefix: str,
     *,
-    output: str | None = None,
-    in_place: bool = False,
-    backup: bool = True,
-    force: bool = False,
-    key: str | None = None,
-    map_location: str | None = None,
-    progress: Progress | None = None,
-    jobs: int = 1,
-    link: bool = False,
+    outputs: OutputOptions | None = None,
+    **keywords: Unpack[OutputKeywords],
 ) -> RewriteReport:
     """Put ``prefix`` in front of every state-dict key of ``src`` (default output ``<stem>.prefixed<ext>``).
 
     Args:
         src: checkpoint file or sharded index (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
         prefix: the prefix, e.g. ``"module."`` (a missing trailing ``"."`` is added).
-        output: where to write (default: next to ``src``).
-        in_place: replace ``src`` atomically, keeping ``src.bak`` unless ``backup=False``.
-        backup: with ``in_place``, keep the original as ``src.bak``.
-        force: overwrite an existing ``output``.
-        key: where the state dict sits (found automatically otherwise).
-        map_location: rewrite storage device tags.
-        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
-        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
-        link: for a DCP directory, hard-link its data files into the output instead of copying them.
+        outputs: where and how to write, or its fields as ``keywords``: as for :func:`strip_prefix_checkpoint`.
 
     Returns:
         The :class:`~ckptfix.rewrite.RewriteReport`; ``detail`` holds ``summary``, ``prefix`` and ``keys``.
@@ -144,16 +112,7 @@ def add_prefix_checkpoint(
     return rewrite_checkpoint(
         src,
         transform,
-        output=output,
-        in_place=in_place,
-        backup=backup,
-        force=force,
-        key=key,
-        map_location=map_location,
-        suffix="prefixed",
-        progress=progress,
-        jobs=jobs,
-        link=link,
+        outputs=OutputOptions.build(outputs, keywords).named("prefixed"),
     )
 
 
@@ -204,15 +163,8 @@ def align_checkpoint(
     src: str,
     target: Any,
     *,
-    output: str | None = None,
-    in_place: bool = False,
-    backup: bool = True,
-    force: bool = False,
-    key: str | None = None,
-    map_location: str | None = None,
-    progress: Progress | None = None,
-    jobs: int = 1,
-    link: bool = False,
+    outputs: OutputOptions | None = None,
+    **keywords: Unpack[OutputKeywords],
 ) -> AlignResult:
     """Rename the state-dict keys of ``src`` to match ``target`` (default output ``<stem>.aligned<ext>``).
 
@@ -225,15 +177,7 @@ def align_checkpoint(
         src: checkpoint file or sharded index (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
         target: a spec for :func:`load_align_target` (a checkpoint path or ``"package.module:factory"``),
             or what :func:`~ckptfix.prefixes.align_state_dict` takes (a module, a state dict, key names).
-        output: where to write (default: next to ``src``).
-        in_place: replace ``src`` atomically, keeping ``src.bak`` unless ``backup=False``.
-        backup: with ``in_place``, keep the original as ``src.bak``.
-        force: overwrite an existing ``output``.
-        key: where the state dict sits (found automatically otherwise).
-        map_location: rewrite storage device tags.
-        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied.
-        jobs: shards of a sharded index written at a time (``0``: one per CPU); same output for any number.
-        link: for a DCP directory, hard-link its data files into the output instead of copying them.
+        outputs: where and how to write, or its fields as ``keywords``: as for :func:`strip_prefix_checkpoint`.
 
     Returns:
         An :class:`AlignResult`.
@@ -257,16 +201,7 @@ def align_checkpoint(
     rep = rewrite_checkpoint(
         src,
         transform,
-        output=output,
-        in_place=in_place,
-        backup=backup,
-        force=force,
-        key=key,
-        map_location=map_location,
-        suffix="aligned",
-        progress=progress,
-        jobs=jobs,
-        link=link,
+        outputs=OutputOptions.build(outputs, keywords).named("aligned"),
     )
     return AlignResult(rep, reports[-1])
 
@@ -284,7 +219,7 @@ def _check_fit(sd: Mapping[str, Any], report: AlignmentReport) -> None:
         raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
 
 
-def load_align_target(spec: str) -> Any:
+def load_align_target(spec: str) -> object:
     """What ``align --to SPEC`` aligns to: another checkpoint's state dict, or a model built by a factory.
 
     Args:

@@ -45,11 +45,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, ZipDetails
+from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.policy import classify_global
-from ckptfix.progress import Progress, reporting
+from ckptfix.progress import reporting
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from ckptfix.formats import CheckpointFile
 
 __all__ = ["sanitize_checkpoint", "SanitizeReport", "Plainer", "normalise_global", "Change"]
@@ -106,20 +109,19 @@ def sanitize_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
     *,
-    in_place: bool = False,
-    force: bool = False,
-    backup: bool = True,
-    progress: Progress | None = None,
+    outputs: OutputOptions | None = None,
+    **keywords: Unpack[OutputKeywords],
 ) -> SanitizeReport:
     """Rewrite ``src`` so that plain ``torch.load(path, weights_only=True)`` loads it.
 
     Args:
         src: a torch checkpoint (zip or legacy format; Lightning ``.ckpt``, ``training_args.bin`` ...).
-        dst: where to write (default ``<stem>.sanitized<ext>`` next to ``src``).
-        in_place: replace ``src`` itself (temp file, fsync, rename), keeping ``src.bak`` unless ``backup=False``.
-        force: overwrite an existing ``dst``.
-        backup: with ``in_place``, keep the original as ``src.bak``.
-        progress: ``progress(done_bytes, total_bytes)``; called once the storages are copied.
+        dst: where to write (default ``<stem>.sanitized<ext>`` next to ``src``); overrides ``outputs.output``.
+        outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
+            ``keywords``; sanitize uses ``output``, ``in_place`` (replace ``src`` itself: temp file,
+            fsync, rename, keeping ``src.bak`` unless ``backup=False``), ``backup``, ``force`` (overwrite
+            an existing output), ``fsync`` and ``progress`` (``progress(done_bytes, total_bytes)``,
+            called once the storages are copied).
 
     Returns:
         SanitizeReport: every object that became plain data (path, what it was, what it is now);
@@ -131,11 +133,14 @@ def sanitize_checkpoint(
         OutputError: ``dst`` exists without ``force``, is the input, or cannot be written.
         VerificationError: the written file names a global outside the allowlist or does not read
             back; nothing is replaced.
+        OptionNotApplicableError: an option sanitize does not use (``key``, ``jobs`` ...).
     """
+    o = OutputOptions.build(outputs, keywords).with_output(dst).named("sanitized")
+    o.refuse(SANITIZE_USES, "sanitize (it rewrites one whole torch.save file and always reads it back)")
     src = os.fspath(src)
     size = os.path.getsize(src) if os.path.isfile(src) else 0
-    with reporting(progress, size):
-        return _sanitize(src, dst, in_place=in_place, force=force, backup=backup)
+    with reporting(o.progress, size):
+        return _sanitize(src, o)
 
 
 def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
@@ -180,7 +185,11 @@ def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
     return new_key
 
 
-def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force: bool, backup: bool) -> SanitizeReport:
+#: the :class:`~ckptfix.outputs.OutputOptions` fields sanitize uses
+SANITIZE_USES = frozenset(("output", "in_place", "backup", "force", "fsync", "suffix", "progress"))
+
+
+def _sanitize(src: str, outputs: OutputOptions) -> SanitizeReport:
     from ckptfix.formats import iter_tensors, read_checkpoint
     from ckptfix.rewrite.output import prepare_output, write_atomic
     from ckptfix.rewrite.verify import check_written
@@ -218,15 +227,8 @@ def _sanitize(src: str, dst: str | os.PathLike | None, *, in_place: bool, force:
     rep.changed = True
     if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    dst_path, fsync = prepare_output(
-        src,
-        os.fspath(dst) if dst is not None else None,
-        in_place=in_place,
-        force=force,
-        suffix="sanitized",
-        fmt_out="torch-zip",
-        notes=rep.notes,
-    )
+    in_place, backup = outputs.in_place, outputs.backup
+    dst_path, fsync = prepare_output(src, outputs, fmt_out="torch-zip", notes=rep.notes)
 
     def write(f: Any) -> None:
         write_checkpoint_zip(cf, obj, f, new_storages=pl.new_storages)

@@ -20,10 +20,13 @@ import pytest
 import torch
 
 from ckptfix.errors import TrainingError
-from ckptfix.train import TrainConfig, compare_manual_to_single, read_manifest, train, verify_probe
+from ckptfix.train import TrainConfig, read_manifest, train, verify_probe
 from ckptfix.train.data import load_dataset, probe_batch, save_dataset, synthetic_dataset
 from ckptfix.train.manual import naive_all_reduce, ring_all_reduce
 from ckptfix.train.models import build_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from train_compare import compare_manual_to_single  # a harness, not in the wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(train_samples=512, test_samples=256, quiet=True)

@@ -4,13 +4,19 @@ scatter-style split), checked against torch itself."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ckptfix.train import TrainConfig, compare_manual_to_single, train
+from ckptfix.train import TrainConfig, train
 from ckptfix.train.manual import scatter_sizes
 from ckptfix.train.models import TutorialLeNet, build_model, tutorial_forward
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from train_compare import compare_manual_to_single  # a harness, not in the wheel
 
 SMALL = dict(train_samples=512, test_samples=128, quiet=True)
 

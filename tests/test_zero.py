@@ -137,7 +137,7 @@ def test_half_rounding_matches_torch() -> None:
 def test_pure_python_conversion_matches_numpy() -> None:
     import struct
 
-    from ckptfix.deepspeed import _convert_np, _convert_py
+    from ckptfix.deepspeed.rounding import _convert_np, _convert_py
 
     np = pytest.importorskip("numpy")
     vals = [0.0, -0.0, 1.0, 1.00390625, 3.0e38, -3.0e38, 7e4, 65520.0, 1e-8, float("inf"), float("nan"), -2.5]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
+
+if TYPE_CHECKING:
+    from ckptfix.outputs import OutputOptions
 
 
 def _fmt_counts(d: dict) -> str:
@@ -219,19 +222,21 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
         click.echo(shown_path(rep.output))
 
 
-def _write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> dict[str, Any]:
-    """The library's write keywords from the options :func:`_write_options` adds, progress on ``bar``."""
-    return {
-        "output": output,
-        "in_place": in_place,
-        "backup": not no_backup,
-        "force": force,
-        "key": key,
-        "map_location": map_location,
-        "progress": bar.update,
-        "jobs": jobs,
-        "link": link,
-    }
+def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> OutputOptions:
+    """The library's :class:`~ckptfix.outputs.OutputOptions` from the options :func:`_write_options` adds."""
+    from ckptfix.outputs import OutputOptions
+
+    return OutputOptions(
+        output=output,
+        in_place=in_place,
+        backup=not no_backup,
+        force=force,
+        key=key,
+        map_location=map_location,
+        progress=bar.update,
+        jobs=jobs,
+        link=link,
+    )
 
 
 @cli.command("strip-prefix")
@@ -254,7 +259,7 @@ def strip_prefix_cmd(
             checkpoint,
             prefix,
             partial=partial,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
+            outputs=_outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -273,7 +278,7 @@ def add_prefix_cmd(
         rep = add_prefix_checkpoint(
             checkpoint,
             prefix,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
+            outputs=_outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     _render_rewrite(rep, as_json, rep.detail.get("summary"))
 
@@ -295,7 +300,7 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key,
         res = align_checkpoint(
             checkpoint,
             target,
-            **_write_kwargs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
+            outputs=_outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link),
         )
     r = res.alignment
     if as_json:
@@ -335,12 +340,14 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     what became what.
     """
     from ckptfix.cli._common import info
+    from ckptfix.outputs import OutputOptions
     from ckptfix.sanitize import sanitize_checkpoint
 
     with ProgressBar("sanitizing", enabled=not as_json) as bar:
-        rep = sanitize_checkpoint(
-            checkpoint, output, in_place=in_place, force=force, backup=not no_backup, progress=bar.update
+        outputs = OutputOptions(
+            output=output, in_place=in_place, force=force, backup=not no_backup, progress=bar.update
         )
+        rep = sanitize_checkpoint(checkpoint, outputs=outputs)
     if as_json:
         emit_json(rep.to_dict())
         return

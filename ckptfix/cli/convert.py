@@ -141,7 +141,7 @@ def convert_cmd(
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
     """
-    from ckptfix.convert import convert, parse_size
+    from ckptfix.convert import ConvertOptions, OutputOptions, convert, parse_size
 
     if max_shard_size is not None:
         try:
@@ -150,30 +150,26 @@ def convert_cmd(
             raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
 
     bar = ProgressBar("converting", enabled=not quiet and not as_json)
-    try:
-        report = convert(
-            src,
-            output,
-            verify=not no_verify,
-            force=force,
-            fsync=fsync,
-            progress=bar.update,
-            key=key,
-            strip_prefix=bool(strip),
-            max_shard_size=max_shard_size or None,
-            include_optimizer=include_optimizer,
-            keep=tuple(keep or ()),
-            drop=tuple(drop or ()),
-            restore_wrapper=restore_wrapper,
-            allow_globals=tuple(allow_globals or ()),
-            trust=trust,
-            allow_expand=allow_expand,
-            jobs=jobs,
-            to=to,
-            shards=shards,
-            tag=tag,
-            dtype=dtype,
-        )
+    outputs = OutputOptions(
+        output=output, force=force, fsync=fsync, verify=not no_verify, jobs=jobs, key=key, progress=bar.update
+    )
+    options = ConvertOptions(
+        to=to,
+        strip_prefix=bool(strip),
+        max_shard_size=max_shard_size or None,
+        include_optimizer=include_optimizer,
+        allow_globals=tuple(allow_globals or ()),
+        trust=trust,
+        keep=tuple(keep or ()),
+        allow_expand=allow_expand,
+        drop=tuple(drop or ()),
+        restore_wrapper=restore_wrapper,
+        shards=shards,
+        tag=tag,
+        dtype=dtype,
+    )
+    try:  # an option the direction taken does not use is refused (exit 32), nothing written
+        report = convert(src, outputs=outputs, options=options)
     finally:
         bar.close()
     if as_json:

@@ -26,14 +26,17 @@ from ckptfix import stmeta
 from ckptfix.convert.extras import split_checkpoint
 from ckptfix.convert.forward import drop_named, refuse_unwritten
 from ckptfix.convert.items import Item, Range, check_dtype
+from ckptfix.convert.options import ConvertOptions
 from ckptfix.convert.plan import output_names
-from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import write_outputs
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, ndindex, read_block
 from ckptfix.dcp.meta import Chunk, DcpMetadata, TensorEntry, read_metadata, validate
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, NoTensorsError
 from ckptfix.formats.dcp import read_dcp
+from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import TensorRecord
+from ckptfix.text import parse_size
 
 #: bytes assembled at a time
 BLOCK_BYTES = 8 << 20
@@ -235,20 +238,11 @@ def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
 def convert_dcp(
     src: str,
     dst: str,
+    outputs: OutputOptions,
+    options: ConvertOptions,
     *,
-    key: str | None = None,
-    strip_prefix: bool | str | None = False,
-    max_shard_size: int | None = None,
-    include_optimizer: bool = False,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    progress: Progress | None = None,
-    ckptfix_metadata: bool = True,
     meta: DcpMetadata | None = None,
-    jobs: int = 1,
     extra_metadata: Mapping[str, Any] | None = None,
-    drop: Sequence[str] = (),
 ) -> ConvertReport:
     """Write a DCP directory's state dict as safetensors (called by :func:`ckptfix.convert.convert_to_safetensors`).
 
@@ -258,15 +252,11 @@ def convert_dcp(
     Args:
         src: the DCP directory.
         dst: the output file (the shards' base name when sharded).
-        key: where the state dict sits in the saved nesting (found automatically otherwise).
-        strip_prefix: strip wrapper prefixes (``True``) or exactly this prefix.
-        max_shard_size: bytes per shard (already parsed), or None for one file.
-        include_optimizer: also write optimizer tensors as ``optimizer.<dotted path>``.
-        verify: compare every block as written and re-read every header before the rename.
-        force: overwrite existing outputs.
-        fsync: flush files and directory before returning.
-        progress: ``progress(done_bytes, total_bytes)``.
-        ckptfix_metadata: write the ``ckptfix.*`` metadata (:mod:`ckptfix.stmeta`).
+        outputs: ``key`` (where the state dict sits in the saved nesting), ``verify`` (compare every
+            block as written and re-read every header before the rename), ``force``, ``fsync``,
+            ``progress``, ``jobs`` (see below).
+        options: ``strip_prefix``, ``max_shard_size``, ``include_optimizer``, ``ckptfix_metadata``
+            (write the ``ckptfix.*`` metadata, :mod:`ckptfix.stmeta`), ``drop``.
         meta: the directory's metadata, when already read.
         extra_metadata: plain data to keep in the metadata beside the checkpoint's own (a Lightning
             ``meta.pt``: epoch, global_step, hyper_parameters); the checkpoint's entries win.
@@ -284,6 +274,13 @@ def convert_dcp(
     """
 
     t0 = time.perf_counter()
+    key, verify, force, fsync, progress, jobs = (
+        outputs.key, outputs.verify, outputs.force, bool(outputs.fsync), outputs.progress, outputs.jobs
+    )  # fmt: skip
+    strip_prefix, include_optimizer, ckptfix_metadata, drop = (
+        options.strip_prefix, options.include_optimizer, options.ckptfix_metadata, options.drop
+    )  # fmt: skip
+    max_shard_size = parse_size(options.max_shard_size) if options.max_shard_size else None
     meta = meta or read_metadata(src)
     meta.check_safe()
     validate(meta)

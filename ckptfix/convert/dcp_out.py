@@ -20,11 +20,12 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix._torch import require_torch
 from ckptfix.atomic import _os_error, fsync_dir, replace_directory
 from ckptfix.convert.dcp_in import TensorStream
+from ckptfix.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.convert.report import ConvertReport
 from ckptfix.dcp.chunks import Files
 from ckptfix.dcp.meta import TensorEntry, read_metadata, validate
@@ -40,10 +41,13 @@ from ckptfix.formats import sniff
 from ckptfix.formats.base import Format
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.formats.sharded import load_index
+from ckptfix.outputs import OutputOptions
 from ckptfix.parallel import Tally, resolve_jobs
 from ckptfix.prefixes import strip_prefix_report
-from ckptfix.progress import Progress
 from ckptfix.stmeta import restore as restore_aliases
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def default_dcp_output(src: str) -> str:
@@ -305,15 +309,9 @@ def convert_to_dcp(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
     *,
-    strip_prefix: bool | str | None = False,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    progress: Progress | None = None,
-    jobs: int = 1,
-    shards: int = 1,
-    ckptfix_metadata: bool = True,
-    **unsupported: Any,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> ConvertReport:
     """Write a safetensors file (or a sharded safetensors index) as a DCP checkpoint directory.
 
@@ -323,7 +321,9 @@ def convert_to_dcp(
 
     Args:
         src: a ``.safetensors`` file or ``*.safetensors.index.json`` (or its directory).
-        dst: the output directory (default: ``src`` with ``.dcp``).
+        dst: the output directory (default: ``src`` with ``.dcp``); overrides ``outputs.output``.
+        outputs, options, keywords: :class:`~ckptfix.outputs.OutputOptions` and
+            :class:`~ckptfix.convert.options.ConvertOptions`, or their fields as keywords; the ones that apply:
         strip_prefix: ``True`` strips wrapper prefixes (``module.`` ...); a string strips that one.
         verify: read the written checkpoint back (ckptfix's DCP reader) and compare every byte.
         force: replace an existing output (only a DCP directory, or an empty one).
@@ -334,25 +334,27 @@ def convert_to_dcp(
             split along dim 0 (ceil division, as FSDP does; tensors with fewer rows than ranks and scalars
             are written whole by rank 0).
         ckptfix_metadata: unused here (DCP has no place for it); accepted for symmetry with the other direction.
-        unsupported: options of the safetensors direction; refused when set.
 
     Returns:
         A ``ConvertReport`` with ``direction="to-dcp"``.
 
     Raises:
-        UnsupportedError: a non-safetensors input, a dtype torch lacks, or an option that only applies to
-            writing safetensors.  OutputError: the output exists (without ``force``) or cannot be written.
+        UnsupportedError: a non-safetensors input, or a dtype torch lacks.  OptionNotApplicableError: an
+            option that only applies to another direction (writing safetensors ...).  OutputError: the
+            output exists (without ``force``) or cannot be written.
         TorchMissingError: torch is not installed.  VerificationError: the output did not read back
             equal (nothing is left behind).
     """
     t0 = time.perf_counter()
-    used = sorted(k for k, v in unsupported.items() if v not in (None, False, (), ""))
-    if used:
-        raise UnsupportedError(f"options {used} do not apply to conversion to DCP (a safetensors input)")
+    o, c = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("dcp", o, c)
+    strip_prefix, verify, force, fsync, progress, jobs, shards = (
+        c.strip_prefix, o.verify, o.force, bool(o.fsync), o.progress, o.jobs, c.shards
+    )  # fmt: skip
     if shards < 1:
         raise UnsupportedError(f"--shards {shards}: pass a number of ranks, 1 or more")
     src = os.fspath(src)
-    out = os.fspath(dst).rstrip("/" + os.sep) if dst is not None else default_dcp_output(src)
+    out = o.output.rstrip("/" + os.sep) if o.output is not None else default_dcp_output(src)
     paths = _source_files(src)
     _check_output(out, src, force)
     torch = require_torch("convert to DCP")

@@ -14,51 +14,48 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckptfix import stmeta
 from ckptfix.convert.extras import split_checkpoint
+from ckptfix.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
 from ckptfix.convert.paths import check_outputs, default_st_output
 from ckptfix.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
-from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import write_outputs
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
+from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import TensorRecord, is_tensor_like
 from ckptfix.placeholders import check_not_partitioned
 from ckptfix.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
 from ckptfix.text import parse_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def convert_to_safetensors(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
     *,
-    key: str | None = None,
-    strip_prefix: bool | str | None = False,
-    max_shard_size: int | str | None = None,
-    include_optimizer: bool = False,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    allow_globals: Sequence[str] = (),
-    trust: bool = False,
-    progress: Progress | None = None,
-    ckptfix_metadata: bool = True,
-    keep: Sequence[str] = (),
-    allow_expand: bool = False,
-    jobs: int = 1,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
     optimizer_files: Sequence[str] = (),
     extra_metadata: Mapping[str, Any] | None = None,
-    drop: Sequence[str] = (),
+    **keywords: Unpack[ConvertKeywords],
 ) -> ConvertReport:
     """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
+
+    The options are :class:`~ckptfix.outputs.OutputOptions` (``outputs``) and
+    :class:`~ckptfix.convert.options.ConvertOptions` (``options``), or any of their fields as keywords
+    (``convert_to_safetensors(src, dst, key="model", force=True)``); the ones that apply here:
 
     Args:
         src: the checkpoint: a torch zip or legacy file, safetensors, TorchScript, a sharded index
             (or its folder) or a DCP directory.
-        dst: the output (default: next to ``src``, see below).
+        dst: the output (default: next to ``src``, see below); overrides ``outputs.output``.
         key: where the state dict is (``"model"``, ``"model/state_dict"``); found automatically otherwise.
         strip_prefix: ``True`` strips wrapper prefixes (``module.``, ``_orig_mod.`` ...); a string strips that one.
         max_shard_size: ``"5GB"`` (decimal) or bytes: write ``stem-0000k-of-0000N.safetensors`` + an index.
@@ -100,79 +97,48 @@ def convert_to_safetensors(
     Raises:
         OutputError: the output exists (without ``force``), is the input, or cannot be written.
         UnsupportedError: a tensor whose dtype/kind safetensors cannot hold (named in the message).
+        OptionNotApplicableError: an option of another direction (``restore_wrapper``, ``shards``, ``tag`` ...).
         VerificationError: the written file does not read back identical; nothing is left behind.
         ResourceLimitError: the output would be over 4x the input + 64 MiB (without ``allow_expand``).
     """
     t0 = time.perf_counter()
+    o, c = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("safetensors", o, c)
     src = os.fspath(src)
     if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
         from ckptfix.convert.folders import convert_folder, resolve
 
         fw = resolve(src)
         if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights
-            rep: ConvertReport = convert_folder(
-                fw,
-                os.fspath(dst) if dst is not None else None,
-                to="safetensors",
-                key=key,
-                strip_prefix=strip_prefix,
-                max_shard_size=max_shard_size,
-                include_optimizer=include_optimizer,
-                verify=verify,
-                force=force,
-                fsync=fsync,
-                allow_globals=allow_globals,
-                trust=trust,
-                progress=progress,
-                ckptfix_metadata=ckptfix_metadata,
-                keep=keep,
-                allow_expand=allow_expand,
-                jobs=jobs,
-                drop=drop,
-            )
+            rep: ConvertReport = convert_folder(fw, o.output, **{**keywords_of(o, c), "to": "safetensors"})
             return rep
-    dst = os.fspath(dst) if dst is not None else default_st_output(src)
-    shard_limit = parse_size(max_shard_size) if max_shard_size else None
-    if not max_shard_size:
-        check_outputs([dst], src, force)  # fail before any reading
+    dst = o.output if o.output is not None else default_st_output(src)
+    shard_limit = parse_size(c.max_shard_size) if c.max_shard_size else None
+    if not c.max_shard_size:
+        check_outputs([dst], src, o.force)  # fail before any reading
     if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.convert.dcp_in
         from ckptfix.convert.dcp_in import convert_dcp
 
-        return convert_dcp(
-            src,
-            dst,
-            key=key,
-            strip_prefix=strip_prefix,
-            max_shard_size=shard_limit,
-            include_optimizer=include_optimizer,
-            verify=verify,
-            force=force,
-            fsync=fsync,
-            progress=progress,
-            ckptfix_metadata=ckptfix_metadata,
-            jobs=jobs,
-            extra_metadata=extra_metadata,
-            drop=drop,
-        )
+        return convert_dcp(src, dst, o, c, extra_metadata=extra_metadata)
     report = ConvertReport(source=src, outputs=[dst])
-    source = _read_source(src, key, allow_globals, trust, report)
+    source = _read_source(src, o.key, c.allow_globals, c.trust, report)
     unwritten: list[tuple[str, Any]] = []
     if source.kind == "optimizer":  # an optimizer.pt on its own: its tensors are all there is
         from ckptfix.convert.extras import optimizer_extras
 
-        extra, opt_named = optimizer_extras(src, source.obj, include_optimizer, report, "optimizer")
+        extra, opt_named = optimizer_extras(src, source.obj, c.include_optimizer, report, "optimizer")
         source.named = []
     else:
         extra, opt_named = split_checkpoint(
             source.obj,
             source.key_path,
             source.state_dict,
-            include_optimizer,
+            c.include_optimizer,
             report,
             node=source.holder,
             unwritten=unwritten,
         )
-    if include_optimizer and optimizer_files:
+    if c.include_optimizer and optimizer_files:
         from ckptfix.convert.extras import optimizer_extras
 
         for of in optimizer_files:
@@ -185,25 +151,25 @@ def convert_to_safetensors(
         extra = {**extra_metadata, **extra}
     from ckptfix.hfarch import own_prefixes
 
-    kept = drop_named(source.named, drop, report)
-    refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # --key: the rest is left on request
-    named, order = output_names(kept, opt_named, strip_prefix, report, own=own_prefixes(src))
+    kept = drop_named(source.named, c.drop, report)
+    refuse_unwritten(src, unwritten, c.drop if o.key is None else ("*",), report)  # --key: the rest is left on request
+    named, order = output_names(kept, opt_named, c.strip_prefix, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
             "`ckptfix inspect` shows what the file holds"
         )
-    tied = tied_names(named, order, keep, src, bool(strip_prefix))
+    tied = tied_names(named, order, c.keep, src, bool(c.strip_prefix))
     views: dict[str, dict[str, Any]] = {}
     if source.use_torch:
         items = plan_tensors(named, report, tied)
     else:
         items, views = plan_records(named, report, tied)
-        check_expansion(items, source.file_size, allow_expand)
+        check_expansion(items, source.file_size, c.allow_expand)
     if report.aliases:
         report.tied_rule = "--keep" if tied.used_keep else tied.source
     metadata = {"format": "pt"}
-    if ckptfix_metadata:
+    if c.ckptfix_metadata:
         metadata = stmeta.encode(
             source_format=source.format,
             key_path=source.key_path,
@@ -218,13 +184,13 @@ def convert_to_safetensors(
         items,
         metadata,
         max_shard_size=shard_limit,
-        verify=verify,
-        fsync=fsync,
-        force=force,
+        verify=o.verify,
+        fsync=bool(o.fsync),
+        force=o.force,
         src=src,
-        progress=progress,
+        progress=o.progress,
         report=report,
-        jobs=jobs,
+        jobs=o.jobs,
     )
     report.seconds = time.perf_counter() - t0
     return report

@@ -22,15 +22,20 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.atomic import _os_error, fsync_dir
+from ckptfix.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.convert.paths import check_outputs, default_st_output, temp_for
-from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import _written_equal
-from ckptfix.errors import CorruptCheckpointError, UnsupportedError, VerificationError
+from ckptfix.errors import CorruptCheckpointError, VerificationError
 from ckptfix.fileio import pwrite_all
 from ckptfix.formats.hfstorage import HfStorageCheckpoint, chunk_runs, read_hf_storage
+from ckptfix.outputs import OutputOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["convert_hf_storage"]
 
@@ -53,33 +58,32 @@ def convert_hf_storage(
     hf: HfStorageCheckpoint,
     dst: str | os.PathLike | None = None,
     *,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    progress: Progress | None = None,
-    max_shard_size: int | str | None = None,
-    ckptfix_metadata: bool = True,
-    jobs: int = 1,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> ConvertReport:
     """Consolidate into one safetensors file, byte-identical to torch's ``consolidate_safetensors_files``.
 
     Args:
         hf: from :func:`~ckptfix.formats.hfstorage.find_hf_storage`.
-        dst: the output (default ``<folder>.safetensors``).
+        dst: the output (default ``<folder>.safetensors``); overrides ``outputs.output``.
+        outputs, options, keywords: :class:`~ckptfix.outputs.OutputOptions` and
+            :class:`~ckptfix.convert.options.ConvertOptions`, or their fields as keywords; the ones that apply:
         verify: compare every run read back, and re-read the header, before the rename.
         force: replace an existing output.
         fsync: flush the file and its directory.
         progress: ``progress(done_bytes, total_bytes)``.
-        max_shard_size: refused (torch's layout is one file here).
         ckptfix_metadata, jobs: accepted for the common signature; torch's header has no metadata.
+        (``max_shard_size`` is refused: torch's layout is one file here.)
 
     Returns:
         A :class:`~ckptfix.convert.report.ConvertReport` (``source_format`` ``hf-storage-dcp``).
     """
     t0 = time.perf_counter()
-    if max_shard_size:
-        raise UnsupportedError("--max-shard-size: a HuggingFaceStorageWriter folder is consolidated into one file")
-    d = os.fspath(dst) if dst is not None else default_st_output(hf.path)
+    outs, opts = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("hfstorage", outs, opts)
+    verify, force, fsync, progress = outs.verify, outs.force, bool(outs.fsync), outs.progress
+    d = outs.output if outs.output is not None else default_st_output(hf.path)
     check_outputs([d], hf.path, force)
     read_hf_storage(hf)
     header, begins = _header(hf)

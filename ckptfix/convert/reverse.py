@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ckptfix import stmeta
 from ckptfix._torch import require_torch
 from ckptfix.atomic import fsync_dir
 from ckptfix.convert.extras import is_optimizer_key
+from ckptfix.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.convert.paths import check_outputs, default_output, temp_for
-from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.report import ConvertReport
 from ckptfix.errors import (
     CheckpointNotFoundError,
     CkptfixError,
@@ -26,7 +27,11 @@ from ckptfix.errors import (
 )
 from ckptfix.formats import Format, sniff
 from ckptfix.formats.sharded import load_index
+from ckptfix.outputs import OutputOptions
 from ckptfix.statedict import at_path
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 def rebuild_checkpoint(
@@ -119,11 +124,9 @@ def convert_from_safetensors(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
     *,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    restore_wrapper: bool = False,
-    progress: Progress | None = None,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> ConvertReport:
     """Write a ``.safetensors`` file (or sharded index) as one torch zip checkpoint, aliases restored.
 
@@ -132,7 +135,9 @@ def convert_from_safetensors(
 
     Args:
         src: a ``.safetensors`` file, or a sharded index (or its folder) of safetensors shards.
-        dst: the output (default: ``<stem>.pth`` next to ``src``).
+        dst: the output (default: ``<stem>.pth`` next to ``src``); overrides ``outputs.output``.
+        outputs, options, keywords: :class:`~ckptfix.outputs.OutputOptions` and
+            :class:`~ckptfix.convert.options.ConvertOptions`, or their fields as keywords; the ones that apply:
         verify: load the written file back (``weights_only=True``) and compare every tensor and alias.
         force: overwrite an existing output.
         fsync: flush the file and its directory before returning.
@@ -149,11 +154,14 @@ def convert_from_safetensors(
         CorruptCheckpointError, CheckpointNotFoundError: an invalid file or a missing shard.
         VerificationError: the written file does not load back identical; it was removed.
     """
+    o, c = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("pt", o, c)
+    verify, force, fsync, progress, restore_wrapper = o.verify, o.force, bool(o.fsync), o.progress, c.restore_wrapper
     torch = require_torch("converting safetensors back to .pth")
 
     t0 = time.perf_counter()
     src = os.fspath(src)
-    dst = os.fspath(dst) if dst is not None else default_output(src, ".pth")
+    dst = o.output if o.output is not None else default_output(src, ".pth")
     report = ConvertReport(source=src, outputs=[dst], direction="to-torch")
     check_outputs([dst], src, force)
     sd, meta, kind = _read_safetensors_sd(src)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ckptfix import stmeta
 from ckptfix.convert.items import Item
+from ckptfix.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.convert.paths import check_outputs, default_st_output
-from ckptfix.convert.report import ConvertReport, Progress
+from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import write_outputs
 from ckptfix.deepspeed import (
     ZeroCheckpoint,
@@ -25,8 +26,12 @@ from ckptfix.deepspeed import (
     read_zero_checkpoint,
 )
 from ckptfix.fileio import Fds
+from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import ELEMENT_SIZE
 from ckptfix.text import parse_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["convert_zero"]
 
@@ -69,14 +74,9 @@ def convert_zero(
     zc: ZeroCheckpoint,
     dst: str | os.PathLike | None = None,
     *,
-    dtype: str | None = None,
-    verify: bool = True,
-    force: bool = False,
-    fsync: bool = False,
-    progress: Progress | None = None,
-    max_shard_size: int | str | None = None,
-    ckptfix_metadata: bool = True,
-    jobs: int = 1,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> ConvertReport:
     """Consolidate a ZeRO checkpoint into safetensors: zero_to_fp32's state dict, bit for bit, streamed.
 
@@ -84,7 +84,9 @@ def convert_zero(
 
     Args:
         zc: from :func:`~ckptfix.deepspeed.find_zero_checkpoint`.
-        dst: the output (default: ``<folder>.safetensors`` next to it).
+        dst: the output (default: ``<folder>.safetensors`` next to it); overrides ``outputs.output``.
+        outputs, options, keywords: :class:`~ckptfix.outputs.OutputOptions` and
+            :class:`~ckptfix.convert.options.ConvertOptions`, or their fields as keywords; the ones that apply:
         dtype: ``bf16``/``fp16``/``fp32`` (or the long names) for the floating tensors; None keeps fp32.
         verify, force, fsync, progress, max_shard_size, ckptfix_metadata, jobs: as for
             :func:`ckptfix.convert.convert_to_safetensors`.
@@ -97,11 +99,14 @@ def convert_zero(
         VerificationError as the writer.
     """
     t0 = time.perf_counter()
-    out_dtype = output_dtype(dtype)
-    d = os.fspath(dst) if dst is not None else default_st_output(zc.path)
+    o, c = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("zero", o, c)
+    max_shard_size, ckptfix_metadata = c.max_shard_size, c.ckptfix_metadata
+    out_dtype = output_dtype(c.dtype)
+    d = o.output if o.output is not None else default_st_output(zc.path)
     shard_limit = parse_size(max_shard_size) if max_shard_size else None
     if not max_shard_size:
-        check_outputs([d], zc.path, force)
+        check_outputs([d], zc.path, o.force)
     read_zero_checkpoint(zc)
     report = ConvertReport(source=zc.path, outputs=[d], source_format=f"deepspeed-zero{zc.stage}")
     report.aliases = zc.aliases()
@@ -122,13 +127,13 @@ def convert_zero(
         items,
         metadata,
         max_shard_size=shard_limit,
-        verify=verify,
-        fsync=fsync,
-        force=force,
+        verify=o.verify,
+        fsync=bool(o.fsync),
+        force=o.force,
         src=zc.path,
-        progress=progress,
+        progress=o.progress,
         report=report,
-        jobs=jobs,
+        jobs=o.jobs,
     )
     report.seconds = time.perf_counter() - t0
     return report

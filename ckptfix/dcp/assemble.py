@@ -17,11 +17,14 @@ import io
 import itertools
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.dcp.chunks import ChunkData, Files, locate_chunk, raw_object_bytes, read_block
 from ckptfix.dcp.meta import BytesEntry, DcpMetadata, TensorEntry, read_metadata, validate
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 #: bytes of chunk data staged at a time for chunks that are not a contiguous range of their tensor
 STAGE_BYTES = 64 << 20
@@ -73,7 +76,7 @@ def _read_into(fd: int, view: memoryview, off: int, what: str) -> None:
         done += n
 
 
-def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str = "") -> Any:
+def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str = "") -> torch.Tensor:
     """One global tensor, built from its chunks (CPU).
 
     Args:

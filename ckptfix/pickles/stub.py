@@ -154,7 +154,7 @@ class Stub:
         return self._kwargs
 
     @property
-    def state(self) -> Any:
+    def state(self) -> object:
         """What ``BUILD`` passed (``__setstate__``'s argument, a ``__dict__``, ...); None without ``BUILD``."""
         return self._state
 

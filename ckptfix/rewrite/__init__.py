@@ -23,13 +23,15 @@ Modules: :mod:`~ckptfix.rewrite.writers` (writing a file back), :mod:`~ckptfix.r
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
 from ckptfix.formats.registry import implement_all
-from ckptfix.progress import Progress, reporting
+from ckptfix.outputs import OutputKeywords, OutputOptions
+from ckptfix.progress import reporting
 from ckptfix.rewrite.dcp import rewrite_dcp
 from ckptfix.rewrite.location import parse_map_location, relocate
 from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
@@ -46,8 +48,12 @@ from ckptfix.rewrite.writers import (
 )
 from ckptfix.statedict import locate_state_dict, require_tensors
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
     "rewrite_checkpoint",
+    "REWRITE_USES",
     "RewriteReport",
     "Transform",
     "WRITABLE",
@@ -61,21 +67,18 @@ __all__ = [
 ]
 
 
+#: the :class:`~ckptfix.outputs.OutputOptions` fields a rewrite uses (it always reads its output back)
+REWRITE_USES = frozenset(
+    ("output", "in_place", "backup", "force", "fsync", "suffix", "jobs", "progress", "key", "map_location", "link")
+)
+
+
 def rewrite_checkpoint(
     src: str,
     transform: Transform,
     *,
-    output: str | None = None,
-    in_place: bool = False,
-    backup: bool = True,
-    force: bool = False,
-    key: str | None = None,
-    map_location: str | None = None,
-    fsync: bool | None = None,
-    suffix: str = "fixed",
-    progress: Progress | None = None,
-    jobs: int = 1,
-    link: bool = False,
+    outputs: OutputOptions | None = None,
+    **keywords: Unpack[OutputKeywords],
 ) -> RewriteReport:
     """Apply ``transform`` to the state dict of ``src`` and write the result atomically.
 
@@ -83,19 +86,23 @@ def rewrite_checkpoint(
         src: checkpoint file (torch zip, legacy, Lightning ``.ckpt`` or safetensors), or a sharded
             ``*.index.json`` (or its directory) whose shards are any of those.
         transform: state dict -> (renamed state dict, report); must raise to refuse (collisions).
-        output: where to write; default ``<stem>.<suffix><ext>`` next to ``src``.  For a sharded
-            input, a directory (default ``<dir>.<suffix>`` beside the shards' directory) that gets
-            the rewritten shards and index under their own names.
-        in_place: replace ``src`` itself (temp file + fsync + rename), keeping ``src.bak`` unless
-            ``backup=False``.  Not for sharded inputs (several files cannot be replaced atomically).
-        force: overwrite an existing ``output``.
-        key: where the state dict sits (found automatically otherwise).
-        map_location: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
-        fsync: flush to disk before the rename (default: on for ``in_place``).
-        progress: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
-        jobs: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
-        link: a DCP directory's output hard-links the input's data files instead of copying them
-            (they are then shared: a later save into the output changes the input); refused for other inputs.
+        outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
+            ``keywords``; a rewrite uses:
+
+            * ``output``: where to write; default ``<stem>.<suffix><ext>`` next to ``src``.  For a sharded
+              input, a directory (default ``<dir>.<suffix>`` beside the shards' directory) that gets
+              the rewritten shards and index under their own names.
+            * ``in_place``: replace ``src`` itself (temp file + fsync + rename), keeping ``src.bak`` unless
+              ``backup=False``.  Not for sharded inputs (several files cannot be replaced atomically).
+            * ``force``: overwrite an existing ``output``.
+            * ``key``: where the state dict sits (found automatically otherwise).
+            * ``map_location``: rewrite storage location tags (``"cpu"`` or ``"cuda:7=cuda:0,..."``).
+            * ``fsync``: flush to disk before the rename (default: on for ``in_place``).
+            * ``suffix``: the default output's word (default ``"fixed"``).
+            * ``progress``: ``progress(done_bytes, total_bytes)`` as tensor data is copied (total: the input's size).
+            * ``jobs``: shards of a sharded index rewritten at a time (``0``: one per CPU); same output for any number.
+            * ``link``: a DCP directory's output hard-links the input's data files instead of copying them
+              (they are then shared: a later save into the output changes the input); refused for other inputs.
 
     Returns:
         RewriteReport (``output`` is None when nothing needed to change).
@@ -106,53 +113,22 @@ def rewrite_checkpoint(
         NoTensorsError: the file holds no state dict.
         OutputError: the output exists (without ``force``), is the input, or cannot be written.
         UnsupportedError: TorchScript, or ``in_place`` on a sharded index.
+        OptionNotApplicableError: ``verify=False`` (a rewrite always reads its output back).
         VerificationError: the written file did not read back (nothing was replaced).
     """
-    with reporting(progress, _input_bytes(src)):
+    o = OutputOptions.build(outputs, keywords).named("fixed")
+    o.refuse(REWRITE_USES, "renaming keys (a rewrite always reads its output back before the rename)")
+    with reporting(o.progress, _input_bytes(src)):
         if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
-            return rewrite_dcp(
-                src,
-                transform,
-                output=output,
-                in_place=in_place,
-                backup=backup,
-                force=force,
-                key=key,
-                map_location=map_location,
-                fsync=fsync,
-                suffix=suffix,
-                link=link,
-            )
-        if link:
+            return rewrite_dcp(src, transform, o)
+        if o.link:
             raise UnsupportedError(
                 f"{src}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
             )
         cf = read_checkpoint(src)
         if cf.format == Format.SHARDED:
-            return rewrite_sharded(
-                cf,
-                transform,
-                output=output,
-                in_place=in_place,
-                force=force,
-                key=key,
-                map_location=map_location,
-                fsync=bool(fsync),
-                suffix=suffix,
-                jobs=jobs,
-            )
-        return _rewrite_file(
-            cf,
-            transform,
-            output=output,
-            in_place=in_place,
-            backup=backup,
-            force=force,
-            key=key,
-            map_location=map_location,
-            fsync=fsync,
-            suffix=suffix,
-        )
+            return rewrite_sharded(cf, transform, o)
+        return _rewrite_file(cf, transform, o)
 
 
 def _input_bytes(src: str) -> int:
@@ -166,21 +142,12 @@ def _input_bytes(src: str) -> int:
         return 0
 
 
-def _rewrite_file(
-    cf: CheckpointFile,
-    transform: Transform,
-    *,
-    output: str | None,
-    in_place: bool,
-    backup: bool,
-    force: bool,
-    key: str | None,
-    map_location: str | None,
-    fsync: bool | None,
-    suffix: str,
-) -> RewriteReport:
+def _rewrite_file(cf: CheckpointFile, transform: Transform, outputs: OutputOptions) -> RewriteReport:
     """One torch zip, legacy or safetensors file: its state dict renamed, everything else kept."""
     src = cf.path
+    output, in_place, backup, key, map_location = (
+        outputs.output, outputs.in_place, outputs.backup, outputs.key, outputs.map_location
+    )  # fmt: skip
     check_writable(cf)
     if key is None and cf.format != Format.SAFETENSORS:
         require_tensors(cf, src, "rename")
@@ -229,9 +196,7 @@ def _rewrite_file(
         rep.notes.append("nothing to change; the output is an unchanged copy")
     if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
-    dst, fsync_out = prepare_output(
-        src, output, in_place=in_place, force=force, suffix=suffix, fmt_out=fmt_out, notes=rep.notes, fsync=fsync
-    )
+    dst, fsync_out = prepare_output(src, outputs, fmt_out=fmt_out, notes=rep.notes)
     rep.backup = write_file(
         cf,
         key_path,

@@ -39,6 +39,7 @@ from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
 from ckptfix.formats import find_state_dict
 from ckptfix.formats.dcp import read_dcp
+from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import paused_gc
 from ckptfix.rewrite.report import RewriteReport
 from ckptfix.rewrite.report import detail as report_detail
@@ -96,29 +97,21 @@ def _verify(path: str, data: bytes, old: DcpMetadata, fqn_new: Mapping[str, str]
 def rewrite_dcp(
     src: str,
     transform: Callable[[Mapping[str, Any]], Any],
-    *,
-    output: str | None = None,
-    in_place: bool = False,
-    backup: bool = True,
-    force: bool = False,
-    key: str | None = None,
-    map_location: str | None = None,
-    fsync: bool | None = None,
-    suffix: str = "fixed",
-    link: bool = False,
+    outputs: OutputOptions,
 ) -> RewriteReport:
     """Apply a key ``transform`` to a DCP directory's state dict (see :func:`ckptfix.rewrite.rewrite_checkpoint`).
 
     Args:
         src: the DCP directory.
         transform: state dict -> (renamed state dict, report); must rename keys one to one.
-        output: the new directory (default ``<src>.<suffix>``); ``in_place`` replaces ``src/.metadata`` instead.
-        force: replace an existing output directory (only one that holds a DCP checkpoint, or is empty).
-        key: where the state dict sits in the saved nesting (found automatically otherwise).
-        map_location: DCP data carries no device tags; only ``None``/``"cpu"`` are accepted.
-        link: hard-link the data files instead of copying them (instant, no space; but the output then
-            shares them with the input, so anything later written *into* the output's data files,
-            such as a ``dcp.save`` there, changes the input too).
+        outputs: ``output`` (the new directory, default ``<src>.<suffix>``; ``in_place`` replaces
+            ``src/.metadata`` instead, keeping a backup unless ``backup=False``), ``force`` (replace an
+            existing output directory: only one that holds a DCP checkpoint, or is empty), ``key`` (where
+            the state dict sits in the saved nesting), ``map_location`` (DCP data carries no device tags;
+            only ``None``/``"cpu"`` are accepted), ``fsync``, ``suffix``, and ``link``: hard-link the
+            data files instead of copying them (instant, no space; but the output then shares them
+            with the input, so anything later written *into* the output's data files, such as a
+            ``dcp.save`` there, changes the input too).
 
     Returns:
         RewriteReport
@@ -128,6 +121,10 @@ def rewrite_dcp(
         entries to one name; OutputError: the output exists or cannot be written; VerificationError.
     """
 
+    output, in_place, backup, force, key, map_location = (
+        outputs.output, outputs.in_place, outputs.backup, outputs.force, outputs.key, outputs.map_location
+    )  # fmt: skip
+    fsync, suffix, link = outputs.fsync, outputs.suffix or "fixed", outputs.link
     src = os.fspath(src).rstrip(os.sep) or os.sep
     meta = read_metadata(src)
     meta.check_safe()

@@ -9,6 +9,7 @@ from ckptfix.atomic import atomic_output, make_backup, same_file
 from ckptfix.display import already_exists, output_is_input
 from ckptfix.errors import OutputError
 from ckptfix.formats.base import Format
+from ckptfix.outputs import OutputOptions
 
 
 def default_output(src: str, suffix: str, fmt_out: str) -> str:
@@ -28,27 +29,18 @@ def default_output(src: str, suffix: str, fmt_out: str) -> str:
     return f"{base}.{suffix}{ext or '.pt'}"
 
 
-def prepare_output(
-    src: str,
-    output: str | None,
-    *,
-    in_place: bool,
-    force: bool,
-    suffix: str,
-    fmt_out: str,
-    notes: list[str],
-    fsync: bool | None = None,
-) -> tuple[str, bool]:
+def prepare_output(src: str, outputs: OutputOptions, *, fmt_out: str, notes: list[str]) -> tuple[str, bool]:
     """(the path to write, whether to fsync) for a rewrite of ``src``; refuses outputs that would lose data.
 
     With ``in_place`` the file a symlink points to is the target (the link stays a link) and fsync is
     on by default; a hard-linked input gets a note (its other names keep the old contents).
 
     Args:
-        src, output, in_place, force: as the rewrite commands take them.
-        suffix, fmt_out: for the default name ``<stem>.<suffix><ext>``.
+        src: the input.
+        outputs: ``output``, ``in_place``, ``force``, ``suffix`` (the default name ``<stem>.<suffix><ext>``)
+            and ``fsync`` (None: on for ``in_place``).
+        fmt_out: the output format, for the default name's extension.
         notes: the report's notes, appended to.
-        fsync: explicit choice (default: on for ``in_place``).
 
     Returns:
         ``(path, fsync)``.
@@ -56,7 +48,8 @@ def prepare_output(
     Raises:
         OutputError: the output is the input (without ``in_place``), a directory, or exists without ``force``.
     """
-    if in_place:
+    output, force, suffix, fsync = outputs.output, outputs.force, outputs.suffix or "fixed", outputs.fsync
+    if outputs.in_place:
         dst = os.path.realpath(src)
         links = os.stat(dst).st_nlink
         if links > 1:

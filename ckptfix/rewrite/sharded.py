@@ -12,6 +12,7 @@ from ckptfix.atomic import _os_error, atomic_output
 from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict
+from ckptfix.outputs import OutputOptions
 from ckptfix.parallel import run_tasks
 from ckptfix.prefixes.rename import rekey_metadata
 from ckptfix.rewrite.location import relocate
@@ -22,29 +23,18 @@ from ckptfix.rewrite.writers import check_str_keys, check_writable, format_out, 
 def rewrite_sharded(
     cf: CheckpointFile,
     transform: Transform,
-    *,
-    output: str | None,
-    in_place: bool,
-    force: bool,
-    key: str | None,
-    map_location: str | None,
-    fsync: bool,
-    suffix: str,
-    jobs: int = 1,
+    outputs: OutputOptions,
 ) -> RewriteReport:
     """Rename across every shard of an index, writing the shards and the index (last) to a new directory.
 
     Args:
         cf: the index read from disk (``extra["shards"]`` holds each shard).
         transform: state dict -> (renamed state dict, report); must rename one to one.
-        output: the new directory (default ``<dir>.<suffix>`` beside the shards' directory).
-        in_place: refused (several files cannot be replaced atomically).
-        force: write into a directory that already holds files of these names.
-        key: refused (the weight map is the state dict).
-        map_location: re-tag the shards' storages.
-        fsync: flush every file.
-        suffix: for the default directory name.
-        jobs: shards written at a time (``0``: one per CPU); the same files for any number.
+        outputs: ``output`` (the new directory; default ``<dir>.<suffix>`` beside the shards' directory),
+            ``in_place`` (refused: several files cannot be replaced atomically), ``force`` (write into a
+            directory that already holds files of these names), ``key`` (refused: the weight map is the
+            state dict), ``map_location`` (re-tag the shards' storages), ``fsync`` (flush every file),
+            ``suffix``, ``jobs`` (shards written at a time; ``0``: one per CPU; the same files for any number).
 
     Returns:
         RewriteReport (``output``: the new index; None when nothing needed to change).
@@ -56,6 +46,10 @@ def rewrite_sharded(
         KeyConflictError, VerificationError: as for one file; nothing is left behind.
     """
     ipath = cf.path
+    output, in_place, force, key, map_location = (
+        outputs.output, outputs.in_place, outputs.force, outputs.key, outputs.map_location
+    )  # fmt: skip
+    fsync, suffix, jobs = bool(outputs.fsync), outputs.suffix or "fixed", outputs.jobs
     if in_place:
         raise UnsupportedError(
             f"{ipath}: a sharded checkpoint is several files and cannot be replaced atomically "

@@ -8,21 +8,25 @@ that produce the checkpoints ckptfix is about (``module.``, ``_orig_mod.``, DCP,
 The modules, bottom up: :mod:`~ckptfix.train.config` (choices, defaults, options; no torch),
 :mod:`~ckptfix.train.data`, :mod:`~ckptfix.train.models`, :mod:`~ckptfix.train.devices`,
 :mod:`~ckptfix.train.probe`, :mod:`~ckptfix.train.saving`, :mod:`~ckptfix.train.manifest`
-(``checkpoints.json``), :mod:`~ckptfix.train.resume`; the modes' machinery
+(``checkpoints.json``), :mod:`~ckptfix.train.resume` (and :func:`verify_probe`); the modes' machinery
 :mod:`~ckptfix.train.manual` and :mod:`~ckptfix.train.fsdp`; :mod:`~ckptfix.train.run` (one run);
 :mod:`~ckptfix.train.ddp` (torchrun launcher and worker); :mod:`~ckptfix.train.entry` (what
-``ckptfix train`` calls); :mod:`~ckptfix.train.bench`, :mod:`~ckptfix.train.compare` and
-:mod:`~ckptfix.train.demo` on top.
+``ckptfix train`` calls); :mod:`~ckptfix.train.bench` (``ckptfix train --bench``) and :mod:`~ckptfix.train.demo` on top.
+The harness comparing ``manual`` with ``single`` training is ``benchmarks/train_compare.py``
+(not in the wheel).
 
-Importing this package does not import torch; :func:`train`, :func:`bench`,
-:func:`compare_manual_to_single` and :func:`verify_probe` import it when called.
+Importing this package does not import torch; :func:`train`, :func:`bench` and
+:func:`verify_probe` import it when called.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.train.config import MODES, SAVE_FORMATS, SAVE_STYLES, TrainConfig, TrainResult
+
+if TYPE_CHECKING:
+    from ckptfix.train.bench import BenchRow
 
 __all__ = [
     "MODES",
@@ -32,7 +36,6 @@ __all__ = [
     "TrainResult",
     "train",
     "bench",
-    "compare_manual_to_single",
     "verify_probe",
     "read_manifest",
 ]
@@ -56,7 +59,7 @@ def train(config: TrainConfig, **overrides: Any) -> TrainResult:
     return _train(config, **overrides)
 
 
-def bench(**kwargs: Any) -> Any:
+def bench(**kwargs: Any) -> list[BenchRow]:
     """Time single / dp / manual / ddp / fsdp (+amp); see :func:`ckptfix.train.bench.bench`.
 
     Args:
@@ -73,27 +76,8 @@ def bench(**kwargs: Any) -> Any:
     return _bench(**kwargs)
 
 
-def compare_manual_to_single(replicas: int = 2, *, out: str | None = None, **config: Any) -> dict[str, Any]:
-    """Train ``manual`` and ``single`` on the same batches; see :func:`ckptfix.train.compare.compare_manual_to_single`.
-
-    Args:
-        replicas: Replicas of the manual run.
-        out: Where both runs write (default: a temp directory).
-        **config: More TrainConfig fields.
-
-    Returns:
-        The per-key and worst weight differences, and both results.
-
-    Raises:
-        TrainingError: a run fails.
-    """
-    from ckptfix.train.compare import compare_manual_to_single as _cmp
-
-    return _cmp(replicas, out=out, **config)
-
-
 def verify_probe(entry: dict[str, Any], out_dir: str, state_dict: Any = None) -> dict[str, Any]:
-    """Prove a restored model matches a checkpoints.json entry; see :func:`ckptfix.train.compare.verify_probe`.
+    """Prove a restored model matches a checkpoints.json entry; see :func:`ckptfix.train.resume.verify_probe`.
 
     Args:
         entry: One ``checkpoints.json`` entry.
@@ -106,7 +90,7 @@ def verify_probe(entry: dict[str, Any], out_dir: str, state_dict: Any = None) ->
     Raises:
         CkptfixError: the checkpoint cannot be loaded.
     """
-    from ckptfix.train.compare import verify_probe as _verify
+    from ckptfix.train.resume import verify_probe as _verify
 
     return _verify(entry, out_dir, state_dict)
 

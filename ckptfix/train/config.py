@@ -272,7 +272,7 @@ class TrainResult:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def default(name: str) -> Any:
+def default(name: str) -> object:
     """The default of the :class:`TrainConfig` field ``name`` (what ``ckptfix train`` shows).
 
     Args:

@@ -1,7 +1,7 @@
 """The probe: the model's output on a fixed batch, computed so that equal weights give equal bits.
 
 Every saved epoch records this output (in ``checkpoints.json`` and a ``.probe.pt`` sidecar);
-:mod:`ckptfix.train.compare` recomputes it on restored weights to prove a restoration exact.
+:func:`ckptfix.train.resume.verify_probe` recomputes it on restored weights to prove a restoration exact.
 """
 
 from __future__ import annotations

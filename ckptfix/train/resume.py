@@ -1,14 +1,19 @@
-"""``--resume``: loading a checkpoint of any mode or format into the model, and its optimizer state."""
+"""``--resume``: loading a checkpoint of any mode or format into the model, and its optimizer state;
+:func:`verify_probe`: proving that weights restored from a checkpoint reproduce the recorded probe output."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
+import torch
 from torch import nn
 
 from ckptfix.errors import TrainingError
 from ckptfix.train.config import TrainConfig
+from ckptfix.train.models import build_model
+from ckptfix.train.probe import probe_output, tensor_sha256
 
 # argparse.Namespace is what `args` becomes with --namespace-args: harmless, so resume allows it.
 ALLOW_GLOBALS = (argparse.Namespace,)
@@ -79,3 +84,43 @@ def load_resume(cfg: TrainConfig, base: nn.Module) -> tuple[dict[str, Any], str]
             f"pass --epochs {done + 1} or more to train further"
         )
     return ckpt, str(getattr(lc, "format", "?"))
+
+
+def verify_probe(
+    entry: dict[str, Any],
+    out_dir: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Prove that weights restore the model exactly: rebuild it, run the probe, compare.
+
+    Args:
+        entry: One ``checkpoints.json`` entry.
+        out_dir: The directory holding the manifest (entries' paths are relative to it).
+        state_dict: The weights to check; without it the entry's checkpoint is loaded through
+            :func:`ckptfix.loading.load_checkpoint` (``model=`` aligns the keys).
+
+    Returns:
+        ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
+
+    Raises:
+        CkptfixError: the checkpoint cannot be loaded.
+        RuntimeError: the weights do not fit the model (``load_state_dict``).
+    """
+    probe = entry["probe"]
+    side = torch.load(os.path.join(out_dir, probe["file"]), map_location="cpu", weights_only=True)
+    model = build_model(entry["model"], 0)
+    if state_dict is None:
+        from ckptfix.loading import load_checkpoint
+
+        lc = load_checkpoint(
+            os.path.join(out_dir, entry["path"]), map_location="cpu", model=model, allow_globals=ALLOW_GLOBALS
+        )
+        state_dict = lc.state_dict
+    model.load_state_dict(state_dict)
+    got = probe_output(model, side["input"])
+    want = side["output"]
+    return {
+        "exact": bool(torch.equal(got, want)),
+        "max_abs_diff": float((got.double() - want.double()).abs().max()),
+        "sha256_ok": tensor_sha256(got) == probe["output_sha256"],
+    }

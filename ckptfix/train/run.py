@@ -16,7 +16,7 @@ import copy
 import os
 import sys
 import time
-from typing import Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from ckptfix.train.models import build_model, has_batchnorm
 from ckptfix.train.probe import probe_output, tensor_sha256
 from ckptfix.train.resume import int_optimizer_keys, load_resume
 from ckptfix.train.saving import atomic_torch_save, expected_prefix, remove_outputs, save_dcp
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
 
 
 def _log_to_stderr(msg: str) -> None:
@@ -273,7 +276,7 @@ class Run:
 
     # -- data ----------------------------------------------------------------
 
-    def train_loader(self, epoch: int) -> Any:
+    def train_loader(self, epoch: int) -> DataLoader[tuple[torch.Tensor, ...]]:
         """This epoch's batches: a seeded shuffle (ddp/fsdp: ``DistributedSampler`` with ``set_epoch``).
 
         Args:
@@ -315,7 +318,7 @@ class Run:
 
     # -- one step ------------------------------------------------------------
 
-    def autocast(self) -> Any:
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The forward pass's autocast context (a no-op without ``--amp``).
 
         Returns:

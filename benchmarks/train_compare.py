@@ -1,5 +1,11 @@
-"""Comparisons that prove the trainer right: restored weights reproduce the recorded probe output
-bit for bit, and the hand-written data parallelism matches single-device training.
+"""A harness that proves the trainer right: the hand-written data parallelism (``ckptfix train --mode
+manual``) matches single-device training on the same batches and seed.
+
+Not shipped in the wheel (it trains two models to compare them); the tests and
+docs/sections/train.md use it from here.  Proving a restored model exact is
+:func:`ckptfix.train.verify_probe`, which ships.
+
+    python benchmarks/train_compare.py [REPLICAS]
 """
 
 from __future__ import annotations
@@ -9,50 +15,6 @@ import tempfile
 from typing import Any
 
 import torch
-
-from ckptfix.train.models import build_model
-from ckptfix.train.probe import probe_output, tensor_sha256
-from ckptfix.train.resume import ALLOW_GLOBALS
-
-
-def verify_probe(
-    entry: dict[str, Any],
-    out_dir: str,
-    state_dict: dict[str, torch.Tensor] | None = None,
-) -> dict[str, Any]:
-    """Prove that weights restore the model exactly: rebuild it, run the probe, compare.
-
-    Args:
-        entry: One ``checkpoints.json`` entry.
-        out_dir: The directory holding the manifest (entries' paths are relative to it).
-        state_dict: The weights to check; without it the entry's checkpoint is loaded through
-            :func:`ckptfix.loading.load_checkpoint` (``model=`` aligns the keys).
-
-    Returns:
-        ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
-
-    Raises:
-        CkptfixError: the checkpoint cannot be loaded.
-        RuntimeError: the weights do not fit the model (``load_state_dict``).
-    """
-    probe = entry["probe"]
-    side = torch.load(os.path.join(out_dir, probe["file"]), map_location="cpu", weights_only=True)
-    model = build_model(entry["model"], 0)
-    if state_dict is None:
-        from ckptfix.loading import load_checkpoint
-
-        lc = load_checkpoint(
-            os.path.join(out_dir, entry["path"]), map_location="cpu", model=model, allow_globals=ALLOW_GLOBALS
-        )
-        state_dict = lc.state_dict
-    model.load_state_dict(state_dict)
-    got = probe_output(model, side["input"])
-    want = side["output"]
-    return {
-        "exact": bool(torch.equal(got, want)),
-        "max_abs_diff": float((got.double() - want.double()).abs().max()),
-        "sha256_ok": tensor_sha256(got) == probe["output_sha256"],
-    }
 
 
 def compare_manual_to_single(
@@ -108,3 +70,10 @@ def compare_manual_to_single(
     finally:
         if tmp is not None:
             tmp.cleanup()
+
+
+if __name__ == "__main__":
+    import sys
+
+    r = compare_manual_to_single(int(sys.argv[1]) if len(sys.argv) > 1 else 2, epochs=1)
+    print(f"manual ({r['replicas']} replicas) vs single: max |dw| = {r['max_abs_diff']:.3g} at {r['worst_key']}")
