@@ -269,7 +269,7 @@ def _non_tensor_entries(cf: CheckpointFile, key_path: tuple[str, ...] | None, sd
 def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     """Whether ``torch.load(weights_only=True)`` reads the file, and why; ``bad``: globals it refuses."""
     if cf.format == Format.SAFETENSORS:
-        other = scan_unsafe(cf.path)
+        other = scan_unsafe(cf.input)
         if other:  # a polyglot: torch.load unpickles the same bytes (and runs what they name)
             return False, (
                 f"the file is also a pickle torch.load would unpickle, naming {', '.join(other[:3])}: read it only "
@@ -292,7 +292,7 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
             f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
             "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
         )
-    other = [g for g in scan_unsafe(cf.path) if g not in bad]
+    other = [g for g in scan_unsafe(cf.input) if g not in bad]
     if other:  # another pickle of the file (a legacy stream's magic/protocol/sys-info/keys) or another reading
         return False, (
             f"the file's other pickles name globals weights_only refuses: {', '.join(other[:5])}"

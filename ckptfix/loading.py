@@ -27,7 +27,7 @@ from ckptfix._torch import require_torch
 from ckptfix.dcp.assemble import load_dcp
 from ckptfix.deepspeed import find_zero_checkpoint, zero_state_dict
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.formats import Format, ShardedDetails, read_checkpoint, sniff, tar_message
+from ckptfix.formats import Format, Input, ShardedDetails, classify, read_checkpoint, tar_message
 from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
 from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.layouts import Resolved, check_inside, resolve
@@ -325,6 +325,7 @@ class _Load:
     allow_globals: Iterable[Any]
     trust: bool
     mmap: bool | None
+    format: Format | None = None  # what the entry point classified (the loaders' read_checkpoint does not sniff)
     tags: collections.Counter[str] = field(default_factory=collections.Counter)
     remapped: dict[str, str] = field(default_factory=dict)
     stubbed: set[str] = field(default_factory=set)
@@ -360,19 +361,19 @@ def _load_tar(ld: _Load) -> Any:
 
 def _load_zip(ld: _Load) -> Any:
     restore = ld.restore()  # a map_location naming a device this machine lacks is refused first
-    read_checkpoint(ld.path)  # names, record sizes and limits checked before torch maps anything
+    read_checkpoint(ld.path, ld.format)  # names, record sizes and limits checked before torch maps anything
     return ld.torch_load(restore, mmap=ld.mmap if ld.mmap is not None else True)
 
 
 def _load_legacy(ld: _Load) -> Any:
     restore = ld.restore()
-    read_checkpoint(ld.path)  # truncated or damaged storages refused before torch reads them
+    read_checkpoint(ld.path, ld.format)  # truncated or damaged storages refused before torch reads them
     return ld.torch_load(restore, mmap=False)
 
 
 def _load_pickle(ld: _Load) -> Any:
     ld.restore()  # map_location is checked as for any torch file
-    read_checkpoint(ld.path)
+    read_checkpoint(ld.path, ld.format)
     with open(ld.path, "rb") as f:
         if ld.trust:
             return pickle.load(f)  # explicitly trusted
@@ -384,7 +385,7 @@ def _load_safetensors(ld: _Load) -> Any:
     from safetensors.torch import load_file
 
     dev = _simple_target(ld.map_location)
-    read_checkpoint(ld.path)  # the header's limits and checks, as in every other command
+    read_checkpoint(ld.path, ld.format)  # the header's limits and checks, as in every other command
     try:
         with safe_open(ld.path, framework="pt") as f:
             ld.metadata.update(f.metadata() or {})
@@ -397,11 +398,13 @@ def _load_safetensors(ld: _Load) -> Any:
 
 
 def _load_sharded(ld: _Load) -> Any:
-    cf = read_checkpoint(ld.path)  # validates the index, every shard's name and contents
-    idx = cf.details_as(ShardedDetails).index
+    cf = read_checkpoint(ld.path, ld.format)  # validates the index, every shard's name and contents
+    details = cf.details_as(ShardedDetails)
+    idx = details.index
     merged: dict[str, Any] = collections.OrderedDict()
     for shard, shard_path in idx.shards.items():
-        sub = load_checkpoint(shard_path, ld.map_location, allow_globals=ld.allow_globals, trust=ld.trust, mmap=ld.mmap)
+        one = Input(shard_path, details.shards[shard].format)  # sniffed once, by read_checkpoint
+        sub = load_checkpoint(one, ld.map_location, allow_globals=ld.allow_globals, trust=ld.trust, mmap=ld.mmap)
         ld.tags.update(sub.locations)
         ld.remapped.update(sub.remapped)
         ld.stubbed.update(sub.stubbed_globals)
@@ -413,7 +416,7 @@ def _load_sharded(ld: _Load) -> Any:
 
 
 def _load_torchscript(ld: _Load) -> Any:
-    cf = read_checkpoint(ld.path)
+    cf = read_checkpoint(ld.path, ld.format)
     for st in cf.storages.values():
         ld.tags[st.location] += 1
     dev = _simple_target(ld.map_location)
@@ -491,7 +494,7 @@ def load_checkpoint(
         NoModelWeightsError: a framework folder without model weights.
     """
     require_torch("load_anywhere (loading tensors)")
-    path = os.fspath(path)
+    given, path = path, os.fspath(path)
     kw: dict[str, Any] = {
         "map_location": map_location,
         "key": key,
@@ -509,7 +512,7 @@ def load_checkpoint(
         if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
             lc: LoadedCheckpoint = load_folder(fw, **kw)
             return lc
-    return load_file(path, **kw)
+    return load_file(given, **kw)
 
 
 def load_file(
@@ -530,11 +533,11 @@ def load_file(
     Returns:
         LoadedCheckpoint.
     """
-    path = os.fspath(path)
-    fmt = sniff(path)
+    inp = classify(path)  # the one sniff (none when the caller passed an Input)
+    path, fmt = inp.path, inp.format
     if trust:
         warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
-    ld = _Load(path, map_location, allow_globals, trust, mmap)
+    ld = _Load(path, map_location, allow_globals, trust, mmap, fmt)
     obj = dispatch(fmt, "load", path)(ld)
     return _found(ld, fmt, obj, key, model)
 

@@ -137,7 +137,6 @@ def sanitize_checkpoint(
     """
     o = OutputOptions.build(outputs, keywords).with_output(dst).named("sanitized")
     o.refuse(SANITIZE_USES, "sanitize (it rewrites one whole torch.save file and always reads it back)")
-    src = os.fspath(src)
     size = os.path.getsize(src) if os.path.isfile(src) else 0
     with reporting(o.progress, size):
         return _sanitize(src, o)
@@ -148,7 +147,7 @@ def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
     if cf.format == Format.SAFETENSORS:
         from ckptfix.inspecting import scan_unsafe
 
-        other = scan_unsafe(src)
+        other = scan_unsafe(cf.input)  # what was read, not sniffed again
         if other:
             raise UnsupportedError(
                 f"{src}: a safetensors file that is also a pickle naming {', '.join(other[:3])} (a polyglot): "
@@ -189,13 +188,14 @@ def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
 SANITIZE_USES = frozenset(("output", "in_place", "backup", "force", "fsync", "suffix", "progress"))
 
 
-def _sanitize(src: str, outputs: OutputOptions) -> SanitizeReport:
+def _sanitize(given: str | os.PathLike, outputs: OutputOptions) -> SanitizeReport:
     from ckptfix.formats import iter_tensors, read_checkpoint
     from ckptfix.rewrite.output import prepare_output, write_atomic
     from ckptfix.rewrite.verify import check_written
     from ckptfix.rewrite.writers import write_checkpoint_zip
 
-    cf = read_checkpoint(src)
+    src = os.fspath(given)
+    cf = read_checkpoint(given)  # the one sniff (none for an Input)
     _refuse_unsupported(cf, src)
     before = _unsafe_globals(cf.globals_seen)
     rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
@@ -203,7 +203,7 @@ def _sanitize(src: str, outputs: OutputOptions) -> SanitizeReport:
     if not before:  # the state dict's pickle is clean: the file's other pickles (a legacy stream's header ...)?
         from ckptfix.inspecting import scan_unsafe
 
-        if other := scan_unsafe(src):
+        if other := scan_unsafe(cf.input):
             before = other
             rep.globals_before = before
             rep.notes.append(

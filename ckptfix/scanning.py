@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
-from ckptfix.formats import Format, read_checkpoint, sniff
+from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.layouts import resolve
 from ckptfix.pickles import (
@@ -31,14 +31,15 @@ from ckptfix.policy import classify_pair, worst
 SCAN_SCHEMA = "ckptfix.scan/1"
 
 
-def scan_unsafe(path: str) -> list[str]:
+def scan_unsafe(path: str | Input) -> list[str]:
     """The dangerous and unknown globals of every pickle and every reading of the file (what ``scan`` reports).
 
     ``torch.load`` unpickles more than the pickle holding the state dict (a legacy stream's header pickles,
     a polyglot's other reading), so a weights-only verdict must consider them all.
 
     Args:
-        path: a checkpoint file.
+        path: a checkpoint file, or its :class:`~ckptfix.formats.Input` (``cf.input`` of the file read: not
+            sniffed again).
 
     Returns:
         The globals (dangerous first), empty when scan says safe.  A file scan cannot read gives ``[]``
@@ -208,8 +209,9 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
 
     idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
     for shard, sp in idx.shards.items():
-        check_shard_kind(idx, shard, sniff(sp))
-        acc.merge(shard, scan_checkpoint(sp, limits=limits))
+        kind = sniff(sp)
+        check_shard_kind(idx, shard, kind)
+        acc.merge(shard, scan_checkpoint(Input(sp, kind), limits=limits))
     return Format.SHARDED
 
 
@@ -326,7 +328,7 @@ def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> Non
             acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
 
 
-def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = None) -> ScanReport:
+def scan_checkpoint(path: str | os.PathLike | Input, *, limits: PickleLimits | None = None) -> ScanReport:
     """List every global the checkpoint's pickles reference and classify each, reading opcodes only.
 
     Every pickle ``torch.load`` (or ``dcp.load``) would unpickle is scanned: ``data.pkl`` (and
@@ -336,7 +338,8 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     unknown global (``<...>``), so the verdict is never "safe" for it.
 
     Args:
-        path: a checkpoint file, sharded index (or its directory) or DCP directory.
+        path: a checkpoint file, sharded index (or its directory) or DCP directory; or its
+            :class:`~ckptfix.formats.Input` (:func:`~ckptfix.formats.classify`: not sniffed again).
         limits: resource limits (default: from ``CKPTFIX_MAX_PICKLE_*``).
 
     Returns:
@@ -347,17 +350,17 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
         CorruptCheckpointError: a file that is no checkpoint at all.
         UnsupportedError: a pre-0.4 tar checkpoint (it runs pickles ckptfix cannot scan as one archive).
     """
-    path = os.fspath(path)
+    given, path = path, os.fspath(path)
     limits = limits or PickleLimits.from_env()
     if os.path.isdir(path):
         fw = resolve(path)
         if fw is not None:
             return _scan_folder(fw, limits)
-    return _scan_one(path, limits)
+    return _scan_one(classify(given), limits)
 
 
-def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
-    kind = sniff(path)
+def _scan_one(inp: Input, limits: PickleLimits) -> ScanReport:
+    path, kind = inp.path, inp.format
     acc = _Acc(_context(kind))
     fmt = dispatch(kind, "scan", path)(path, acc, limits) or kind
     _scan_other_readings(path, kind, acc, limits)
@@ -390,7 +393,7 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
         if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
             continue
         try:
-            sub = _scan_one(t, limits)
+            sub = _scan_one(classify(t), limits)
         except CkptfixError as e:
             bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
             if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
@@ -485,7 +488,7 @@ def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
 
 
 def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
-    read_checkpoint(path)  # validates the JSON header; no pickle inside
+    read_checkpoint(path, Format.SAFETENSORS)  # validates the JSON header; no pickle inside
 
 
 def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:

@@ -34,6 +34,7 @@ from ckptfix.convert.reverse import convert_from_safetensors, is_safetensors_inp
 from ckptfix.convert.zero import convert_zero
 from ckptfix.deepspeed import find_zero_checkpoint
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
+from ckptfix.formats import Input, classify_or_none
 from ckptfix.formats.hfstorage import find_hf_storage, refuse_single_shard
 from ckptfix.outputs import OutputOptions
 from ckptfix.statedict import contains_tensors, locate_state_dict, module_state_dict
@@ -62,7 +63,7 @@ __all__ = [
 
 
 def convert(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Input,
     dst: str | os.PathLike | None = None,
     *,
     outputs: OutputOptions | None = None,
@@ -77,8 +78,11 @@ def convert(
     :func:`~ckptfix.convert.dcp_out.convert_to_dcp`; safetensors in and a non-safetensors ``dst`` (or
     none, or ``to="pt"``) -> :func:`convert_from_safetensors`; anything else -> :func:`convert_to_safetensors`.
 
+    The input is classified once, here (:func:`~ckptfix.formats.classify`): the direction is decided from
+    its format and the entry point gets the :class:`~ckptfix.formats.Input`, so nothing below sniffs it again.
+
     Args:
-        src: the input checkpoint.
+        src: the input checkpoint (or its :class:`~ckptfix.formats.Input`).
         dst: the output (default: next to ``src``); overrides ``outputs.output``.
         outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`: ``force``, ``fsync``,
             ``verify``, ``jobs``, ``progress``, ``key``).
@@ -125,26 +129,29 @@ def convert(
             fw = resolve(s)
             if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
                 return convert_folder(fw, o.output, **keywords_of(o, c))
-    direction = _direction(s, o.output, c.to)
+    inp = classify_or_none(src)  # the one sniff; an input that does not classify fails in its entry point
+    direction = _direction(inp or s, o.output, c.to)
     refuse_inapplicable(direction, o, c)
     if c.trust:  # a full unpickle is torch's: never silently ignored when torch is missing
         from ckptfix._torch import require_torch
 
         require_torch("--trust")
+    given = inp or s  # an input that did not classify goes down as a path: its entry point reports the error
     if direction == "dcp":
-        return convert_to_dcp(s, outputs=o, options=c)
+        return convert_to_dcp(given, outputs=o, options=c)
     if direction == "pt":
-        return convert_from_safetensors(s, outputs=o, options=c)
-    return convert_to_safetensors(s, outputs=o, options=c)
+        return convert_from_safetensors(given, outputs=o, options=c)
+    return convert_to_safetensors(given, outputs=o, options=c)
 
 
-def _direction(src: str, dst: str | None, to: str | None) -> str:
-    """``dcp``, ``pt`` or ``safetensors``: what ``to`` says, else what the paths say."""
+def _direction(src: str | Input, dst: str | None, to: str | None) -> str:
+    """``dcp``, ``pt`` or ``safetensors``: what ``to`` says, else what the input and the paths say."""
     if to == "dcp" or (to is None and dst is not None and dst.rstrip("/" + os.sep).endswith(".dcp")):
         return "dcp"
-    if to == "pt" and not is_safetensors_input(src):
+    st_in = is_safetensors_input(src) if to in ("pt", None) else False  # one look, from the Input's format
+    if to == "pt" and not st_in:
         raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
-    if to == "pt" or (to is None and is_safetensors_input(src) and (dst is None or not dst.endswith(".safetensors"))):
+    if to == "pt" or (to is None and st_in and (dst is None or not dst.endswith(".safetensors"))):
         return "pt"
     return "safetensors"
 

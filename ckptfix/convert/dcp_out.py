@@ -37,7 +37,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
-from ckptfix.formats import sniff
+from ckptfix.formats import Input, classify
 from ckptfix.formats.base import Format
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.formats.sharded import load_index
@@ -68,9 +68,9 @@ def default_dcp_output(src: str) -> str:
     return os.path.join(os.path.dirname(s), base + ".dcp")
 
 
-def _source_files(src: str) -> list[str]:
-    """The safetensors files of ``src`` (one file, or every shard of an index)."""
-    kind = sniff(src)
+def _source_files(inp: Input) -> list[str]:
+    """The safetensors files of ``inp`` (one file, or every shard of an index)."""
+    src, kind = inp.path, inp.format
     if kind == Format.SAFETENSORS:
         return [src]
     if kind == Format.SHARDED:
@@ -353,9 +353,9 @@ def convert_to_dcp(
     )  # fmt: skip
     if shards < 1:
         raise UnsupportedError(f"--shards {shards}: pass a number of ranks, 1 or more")
-    src = os.fspath(src)
+    given, src = src, os.fspath(src)
     out = o.output.rstrip("/" + os.sep) if o.output is not None else default_dcp_output(src)
-    paths = _source_files(src)
+    paths = _source_files(classify(given))  # the router's Input, or the one sniff here
     _check_output(out, src, force)
     torch = require_torch("convert to DCP")
     import torch.distributed.checkpoint as dcp

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ckptfix.convert.report import ConvertReport
+from ckptfix.formats import classify_or_none
 from ckptfix.layouts import NESTED, Resolved, check_inside, resolve
 
 __all__ = ["convert_folder", "default_output", "meta_extras", "resolve"]
@@ -48,20 +49,21 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
     from ckptfix.convert.reverse import is_safetensors_input
 
     weights = check_inside(r, r.require_weights())
+    given = classify_or_none(weights) or weights  # classified once: the conversion below does not sniff again
     dst = dst if dst is not None else default_output(r)
     _refuse_input_file(r, dst, kw.get("force", False))
     to = kw.get("to")
     if to is None:  # the paths decide, as for a file: the default output is always .safetensors
         if dst.rstrip("/" + os.sep).endswith(".dcp"):
             to = "dcp"
-        elif is_safetensors_input(weights) and not dst.endswith(".safetensors"):
+        elif is_safetensors_input(given) and not dst.endswith(".safetensors"):
             to = "pt"
         else:
             to = "safetensors"
     token = NESTED.set(True)  # the weights may be the folder itself (DCP): read it as a plain checkpoint now
     try:
         if to != "safetensors" or kw.get("restore_wrapper") or kw.get("shards", 1) != 1:
-            rep = convert(weights, dst, **kw)  # the other directions, and the refusals of misplaced options
+            rep = convert(given, dst, **kw)  # the other directions, and the refusals of misplaced options
         else:
             from ckptfix.convert.forward import convert_to_safetensors
 
@@ -72,7 +74,7 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
             if meta:
                 extra["extra_metadata"] = meta_extras(meta[0])
             rest = {k: v for k, v in kw.items() if k not in ("to", "restore_wrapper", "shards")}
-            rep = convert_to_safetensors(weights, dst, **rest, **extra)
+            rep = convert_to_safetensors(given, dst, **rest, **extra)
     finally:
         NESTED.reset(token)
     rep.source = r.path

@@ -24,7 +24,7 @@ from ckptfix.convert.plan import check_expansion, output_names, plan_records, pl
 from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import write_outputs
 from ckptfix.errors import NoTensorsError, UnsupportedError
-from ckptfix.formats import Format, read_checkpoint, sniff
+from ckptfix.formats import Format, Input, classify, read_checkpoint
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import TensorRecord, is_tensor_like
@@ -104,7 +104,7 @@ def convert_to_safetensors(
     t0 = time.perf_counter()
     o, c = options_of(dst, outputs, options, keywords)
     refuse_inapplicable("safetensors", o, c)
-    src = os.fspath(src)
+    given, src = src, os.fspath(src)
     if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
         from ckptfix.convert.folders import convert_folder, resolve
 
@@ -116,12 +116,13 @@ def convert_to_safetensors(
     shard_limit = parse_size(c.max_shard_size) if c.max_shard_size else None
     if not c.max_shard_size:
         check_outputs([dst], src, o.force)  # fail before any reading
-    if sniff(src) == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.convert.dcp_in
+    inp = classify(given)  # the router's Input, or the one sniff here: the reads below take its format
+    if inp.format == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.convert.dcp_in
         from ckptfix.convert.dcp_in import convert_dcp
 
         return convert_dcp(src, dst, o, c, extra_metadata=extra_metadata)
     report = ConvertReport(source=src, outputs=[dst])
-    source = _read_source(src, o.key, c.allow_globals, c.trust, report)
+    source = _read_source(inp, o.key, c.allow_globals, c.trust, report)
     unwritten: list[tuple[str, Any]] = []
     if source.kind == "optimizer":  # an optimizer.pt on its own: its tensors are all there is
         from ckptfix.convert.extras import optimizer_extras
@@ -268,10 +269,11 @@ class _Source:
 
 
 def _read_source(
-    src: str, key: str | None, allow_globals: Sequence[str], trust: bool, report: ConvertReport
+    inp: Input, key: str | None, allow_globals: Sequence[str], trust: bool, report: ConvertReport
 ) -> _Source:
-    """Read ``src`` torch-free; through torch only when some tensor's bytes are not a byte range of the file."""
-    cf = read_checkpoint(src)
+    """Read ``inp`` torch-free; through torch only when some tensor's bytes are not a byte range of the file."""
+    src = inp.path
+    cf = read_checkpoint(inp)
     report.source_format = cf.format
     report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
     obj = cf.obj
@@ -298,7 +300,7 @@ def _read_source(
     if use_torch:
         from ckptfix.loading import load_checkpoint
 
-        lc = load_checkpoint(src, "cpu", key=key, allow_globals=tuple(allow_globals), trust=trust)
+        lc = load_checkpoint(inp, "cpu", key=key, allow_globals=tuple(allow_globals), trust=trust)
         report.used_torch = True
         report.key_path = key_path = tuple(lc.key_path)
         sd = lc.state_dict

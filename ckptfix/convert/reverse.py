@@ -25,7 +25,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
-from ckptfix.formats import Format, sniff
+from ckptfix.formats import Format, Input, classify
 from ckptfix.formats.sharded import load_index
 from ckptfix.outputs import OutputOptions
 from ckptfix.statedict import at_path
@@ -85,11 +85,11 @@ def rebuild_checkpoint(
     return obj, key_path
 
 
-def _read_safetensors_sd(src: str) -> tuple[dict[str, Any], dict[str, str], str]:
+def _read_safetensors_sd(inp: Input) -> tuple[dict[str, Any], dict[str, str], str]:
     """(state dict, metadata, format) of a .safetensors file or a sharded safetensors index, via safetensors."""
     from safetensors import safe_open
 
-    kind = sniff(src)
+    src, kind = inp.path, inp.format
     if kind == Format.SAFETENSORS:
         files = [src]
     elif kind == Format.SHARDED:
@@ -160,11 +160,11 @@ def convert_from_safetensors(
     torch = require_torch("converting safetensors back to .pth")
 
     t0 = time.perf_counter()
-    src = os.fspath(src)
+    given, src = src, os.fspath(src)
     dst = o.output if o.output is not None else default_output(src, ".pth")
     report = ConvertReport(source=src, outputs=[dst], direction="to-torch")
     check_outputs([dst], src, force)
-    sd, meta, kind = _read_safetensors_sd(src)
+    sd, meta, kind = _read_safetensors_sd(classify(given))  # the router's Input, or the one sniff here
     report.source_format = kind
     out = stmeta.restore(sd, meta)
     report.aliases = stmeta.aliases(meta, sd)
@@ -239,20 +239,20 @@ def _verify_torch_output(tmp: str, dst: str, out: Mapping[str, Any], report: Con
     report.verified = True
 
 
-def is_safetensors_input(src: str | os.PathLike) -> bool:
+def is_safetensors_input(src: str | os.PathLike | Input) -> bool:
     """Is ``src`` a ``.safetensors`` file or an index whose shards are safetensors?
 
     Args:
-        src: any path.
+        src: any path, or its :class:`~ckptfix.formats.Input` (not sniffed again).
 
     Returns:
         True for safetensors inputs; False for anything else, unreadable paths included.
     """
-    src = os.fspath(src)
     try:
-        kind = sniff(src)
+        inp = classify(src)
     except CkptfixError:
         return False
+    src, kind = inp.path, inp.format
     if kind == Format.SAFETENSORS:
         return True
     if kind == Format.SHARDED:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
 from ckptfix.formats import dcp, legacy, registry, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
@@ -39,6 +39,7 @@ from ckptfix.formats.base import (
     DcpDetails,
     Details,
     Format,
+    Input,
     LegacyDetails,
     Member,
     PickleDetails,
@@ -64,6 +65,7 @@ __all__ = [
     "DcpDetails",
     "Details",
     "Format",
+    "Input",
     "LegacyDetails",
     "Member",
     "PickleDetails",
@@ -80,6 +82,8 @@ __all__ = [
     "is_tensor_like",
     "iter_tensors",
     "max_json_bytes",
+    "classify",
+    "classify_or_none",
     "read_checkpoint",
     "register_subfolder_lister",
     "sniff",
@@ -228,11 +232,41 @@ def _looks_like_text(block: bytes) -> bool:
     return all(b >= 9 for b in block)
 
 
-def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
+def classify(src: str | os.PathLike | Input) -> Input:
+    """Open and classify a checkpoint once, at the entry point: the :class:`Input` that is passed down.
+
+    Args:
+        src: a path (sniffed here, once), or an :class:`Input` (returned as it is: never sniffed again).
+
+    Returns:
+        The :class:`Input`: the path, its :class:`Format`, and a file's size.
+
+    Raises:
+        As :func:`sniff`.
+    """
+    if isinstance(src, Input):
+        return src
+    path = os.fspath(src)
+    fmt = sniff(path)
+    return Input(path, fmt, os.path.getsize(path) if os.path.isfile(path) else None)
+
+
+def classify_or_none(src: str | os.PathLike | Input) -> Input | None:
+    """:func:`classify`, or None where it raises: for a router that decides from the format and lets the entry
+    point it routes to report the error after its own checks (an existing output, an option it refuses)."""
+    try:
+        return classify(src)
+    except CkptfixError:
+        return None
+
+
+def read_checkpoint(path: str | os.PathLike | Input, fmt: Format | None = None) -> CheckpointFile:
     """Read any supported checkpoint without torch and without running pickle code.
 
     Args:
-        path: a checkpoint file, a sharded index (or its directory) or a DCP directory.
+        path: a checkpoint file, a sharded index (or its directory) or a DCP directory; or its :class:`Input`
+            (:func:`classify`), whose format is not sniffed again.
+        fmt: the format, when the caller already knows it (not sniffed again); None: :func:`sniff` it.
 
     Returns:
         The :class:`CheckpointFile`, its :attr:`~CheckpointFile.details` typed per format.
@@ -243,8 +277,12 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         UnsupportedError: a format ckptfix cannot read without torch (a pre-0.4 tar archive).
         ResourceLimitError: metadata or pickles over the configured limits.
     """
+    if isinstance(path, Input):
+        fmt = path.format if fmt is None else fmt
     path = os.fspath(path)
-    cf: CheckpointFile = registry.dispatch(sniff(path), "read", path)(path)
+    if fmt is None:
+        fmt = sniff(path)
+    cf: CheckpointFile = registry.dispatch(fmt, "read", path)(path)
     return cf
 
 

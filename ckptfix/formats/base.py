@@ -272,6 +272,31 @@ Details = Union[
 D = TypeVar("D", bound=Details)
 
 
+@dataclass(frozen=True)
+class Input:
+    """A checkpoint path classified once, at the entry point, and passed down: nothing below re-sniffs it.
+
+    :func:`ckptfix.formats.classify` builds it (one :func:`~ckptfix.formats.sniff`); every function that takes
+    a checkpoint path also takes an ``Input`` (it is an ``os.PathLike``), and the ones that would sniff use
+    its :attr:`format` instead.  ``str(input)`` is the path, so messages read as for a path.
+
+    Attributes:
+        path: the file or directory, as given.
+        format: what it holds (what :func:`~ckptfix.formats.sniff` said, or the reader read).
+        size: the file's size in bytes; None for a directory or a sharded checkpoint (several files).
+    """
+
+    path: str
+    format: Format
+    size: int | None = None
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __str__(self) -> str:
+        return self.path
+
+
 @dataclass(eq=False)
 class CheckpointFile:
     """A checkpoint read without torch: object graph, storages, provenance.
@@ -297,6 +322,11 @@ class CheckpointFile:
     file_size: int = 0
     details: Details | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def input(self) -> Input:
+        """This checkpoint as an :class:`Input` (its path and format, as read: nothing to sniff again)."""
+        return Input(self.path, self.format, None if self.format in (Format.DCP, Format.SHARDED) else self.file_size)
 
     @property
     def state_root(self) -> Any:

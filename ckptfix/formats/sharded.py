@@ -188,13 +188,15 @@ def load_index(path: str) -> ShardIndex:
     return ShardIndex(path=ipath, doc=doc, weight_map=dict(weight_map), shards=shards)
 
 
-def read_index(path: str, *, sniff: Callable[[str], Format], read: Callable[[str], CheckpointFile]) -> CheckpointFile:
+def read_index(
+    path: str, *, sniff: Callable[[str], Format], read: Callable[[str, Format], CheckpointFile]
+) -> CheckpointFile:
     """Read every shard (without torch) and merge the tensors named in the weight map.
 
     Args:
         path: the ``*.index.json`` or its directory.
         sniff: tells a shard's format (:func:`ckptfix.formats.sniff`).
-        read: reads one shard (:func:`ckptfix.formats.read_checkpoint`).
+        read: reads one shard, given its format (:func:`ckptfix.formats.read_checkpoint`): each shard is sniffed once.
 
     Returns:
         A :class:`CheckpointFile`: tensor name -> record, every shard's storages as
@@ -208,8 +210,9 @@ def read_index(path: str, *, sniff: Callable[[str], Format], read: Callable[[str
     ipath = idx.path
     shards: dict[str, CheckpointFile] = {}
     for shard, sp in idx.shards.items():
-        check_shard_kind(idx, shard, sniff(sp))
-        shards[shard] = read(sp)
+        kind = sniff(sp)
+        check_shard_kind(idx, shard, kind)
+        shards[shard] = read(sp, kind)
     obj: dict[str, Any] = {}
     storages: dict[str, StorageRecord] = {}
     globals_seen: dict[str, int] = {}

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
-from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, read_checkpoint, sniff
+from ckptfix.formats import CheckpointFile, Format, Input, SafetensorsDetails, classify, read_checkpoint
 from ckptfix.formats.registry import implement_all
 from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.progress import reporting
@@ -74,7 +74,7 @@ REWRITE_USES = frozenset(
 
 
 def rewrite_checkpoint(
-    src: str,
+    src: str | Input,
     transform: Transform,
     *,
     outputs: OutputOptions | None = None,
@@ -84,7 +84,8 @@ def rewrite_checkpoint(
 
     Args:
         src: checkpoint file (torch zip, legacy, Lightning ``.ckpt`` or safetensors), or a sharded
-            ``*.index.json`` (or its directory) whose shards are any of those.
+            ``*.index.json`` (or its directory) whose shards are any of those; or its
+            :class:`~ckptfix.formats.Input` (:func:`~ckptfix.formats.classify`: not sniffed again).
         transform: state dict -> (renamed state dict, report); must raise to refuse (collisions).
         outputs: where and how to write (:class:`~ckptfix.outputs.OutputOptions`), or its fields as
             ``keywords``; a rewrite uses:
@@ -118,14 +119,16 @@ def rewrite_checkpoint(
     """
     o = OutputOptions.build(outputs, keywords).named("fixed")
     o.refuse(REWRITE_USES, "renaming keys (a rewrite always reads its output back before the rename)")
+    given, src = src, os.fspath(src)
     with reporting(o.progress, _input_bytes(src)):
-        if sniff(src) == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
+        inp = classify(given)  # the one sniff: the reads below take its format
+        if inp.format == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
             return rewrite_dcp(src, transform, o)
         if o.link:
             raise UnsupportedError(
                 f"{src}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
             )
-        cf = read_checkpoint(src)
+        cf = read_checkpoint(inp)
         if cf.format == Format.SHARDED:
             return rewrite_sharded(cf, transform, o)
         return _rewrite_file(cf, transform, o)
