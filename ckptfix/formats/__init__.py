@@ -248,7 +248,8 @@ def classify(src: str | os.PathLike | Input) -> Input:
         return src
     path = os.fspath(src)
     fmt = sniff(path)
-    return Input(path, fmt, os.path.getsize(path) if os.path.isfile(path) else None)
+    several = fmt in (Format.DCP, Format.SHARDED)
+    return Input(path, fmt, os.path.getsize(path) if not several and os.path.isfile(path) else None)
 
 
 def classify_or_none(src: str | os.PathLike | Input) -> Input | None:

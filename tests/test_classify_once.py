@@ -1,0 +1,187 @@
+"""Each entry point classifies its input once and passes the typed result down (issue #24, "data walks back and forth").
+
+``ckptfix.formats.sniff`` is replaced, in every ckptfix module that holds it, by a counter per path: an entry
+point may sniff its input exactly once (``classify`` at the entry), each file it reads of a sharded checkpoint
+once, and nothing else.  A written output read back for verification is another file (not counted here).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+import ckptfix.convert
+import ckptfix.formats as formats
+import ckptfix.inspecting
+import ckptfix.loading
+import ckptfix.rekey
+import ckptfix.sanitize
+import ckptfix.scanning
+from ckptfix.errors import CheckpointNotFoundError, OutputError, UnsupportedError
+from ckptfix.formats import Format, Input, classify, classify_or_none, read_checkpoint
+
+from helpers import CkptFactory, tiny_model
+
+
+class Sniffs(collections.Counter):
+    """path (real) -> how many times ``sniff`` looked at it."""
+
+    def of(self, path: str | os.PathLike) -> int:
+        return self[os.path.realpath(path)]
+
+    def others(self, *paths: str | os.PathLike) -> dict[str, int]:
+        """Counts for paths other than ``paths`` and temporary outputs (``.ckptfix-*.tmp`` read back)."""
+        skip = {os.path.realpath(p) for p in paths}
+        return {p: n for p, n in self.items() if p not in skip and ".ckptfix-" not in os.path.basename(p)}
+
+
+@pytest.fixture
+def sniffs(monkeypatch: pytest.MonkeyPatch) -> Sniffs:
+    real = formats.sniff
+    calls = Sniffs()
+
+    def counting(path: str) -> Format:
+        calls[os.path.realpath(os.fspath(path))] += 1
+        return real(path)
+
+    patched = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ckptfix") and getattr(mod, "sniff", None) is real:
+            monkeypatch.setattr(mod, "sniff", counting)
+            patched.append(name)
+    assert "ckptfix.formats" in patched
+    return calls
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One read-only input of each kind (never modified: every output goes to the test's tmp_path)."""
+    f = CkptFactory(tmp_path_factory.mktemp("classify_once"))
+    return {
+        "zip": f.dataparallel("dp.pt"),
+        "legacy": f.dataparallel("dp_legacy.pt", legacy=True),
+        "safetensors": f.safetensors("model.safetensors", prefix="module."),
+        "sharded-bin": f.sharded_bin("hf_bin", prefix="module."),
+        "sharded-st": f.sharded_safetensors("hf_st", prefix="module."),
+        "dcp": f.dcp("dcp_ckpt"),
+    }
+
+
+FILES = ("zip", "legacy", "safetensors")
+SHARDED = ("sharded-bin", "sharded-st")
+ALL = FILES + SHARDED + ("dcp",)
+
+
+def _check(sniffs: Sniffs, built: Any) -> None:
+    """The input sniffed once; each shard of a sharded input at most once (safetensors' own reader opens the
+    shards of a safetensors index converted back to .pth: none); nothing else."""
+    assert sniffs.of(built.path) == 1, dict(sniffs)
+    shards = [Path(built.extra["dir"]) / s for s in built.extra.get("shards", [])]
+    for s in shards:
+        assert sniffs.of(s) <= 1, (s, dict(sniffs))
+    assert sniffs.others(built.path, *shards) == {}
+
+
+def _out(tmp_path: Path, built: Any, suffix: str) -> str:
+    """An output path in tmp_path (a directory for sharded/DCP rewrites)."""
+    if suffix == "same":
+        suffix = "" if "shards" in built.extra or os.path.isdir(built.path) else os.path.splitext(built.path)[1]
+    return str(tmp_path / f"out{suffix}")
+
+
+#: the keys of the model the inputs were saved from (align's target)
+MODEL_KEYS = list(tiny_model().state_dict())
+
+ENTRIES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any], str]] = {
+    # name: (input kinds, call(src, out), output suffix)
+    "convert": (ALL, lambda s, o: ckptfix.convert.convert(s, o), ".safetensors"),
+    "convert-to-pt": (("safetensors", "sharded-st"), lambda s, o: ckptfix.convert.convert(s, o), ".pt"),
+    "convert-to-pt-explicit": (("safetensors",), lambda s, o: ckptfix.convert.convert(s, o, to="pt"), ".pth"),
+    "inspect": (FILES + ("dcp",), lambda s, o: ckptfix.inspecting.inspect_checkpoint(s), ""),
+    "scan": (ALL, lambda s, o: ckptfix.scanning.scan_checkpoint(s), ""),
+    "load_checkpoint": (ALL, lambda s, o: ckptfix.loading.load_checkpoint(s), ""),
+    "strip-prefix": (ALL, lambda s, o: ckptfix.rekey.strip_prefix_checkpoint(s, output=o), "same"),
+    "add-prefix": (FILES + SHARDED, lambda s, o: ckptfix.rekey.add_prefix_checkpoint(s, "x.", output=o), "same"),
+    "align": (
+        FILES,
+        lambda s, o: ckptfix.rekey.align_checkpoint(s, MODEL_KEYS, output=o),
+        "same",
+    ),
+    "sanitize": (("zip", "legacy"), lambda s, o: ckptfix.sanitize.sanitize_checkpoint(s, o, force=True), ".pt"),
+}
+
+CASES = [pytest.param(entry, kind, id=f"{entry}-{kind}") for entry, (kinds, _, _) in ENTRIES.items() for kind in kinds]
+
+
+@pytest.mark.parametrize("entry,kind", CASES)
+def test_each_entry_point_sniffs_its_input_once(
+    entry: str, kind: str, inputs: dict[str, Any], sniffs: Sniffs, tmp_path: Path
+) -> None:
+    kinds, call, suffix = ENTRIES[entry]
+    built = inputs[kind]
+    call(str(built.path), _out(tmp_path, built, suffix))
+    _check(sniffs, built)
+
+
+@pytest.mark.parametrize("kind", SHARDED)
+def test_inspect_of_a_sharded_checkpoint_sniffs_each_file_once_per_pass(
+    kind: str, inputs: dict[str, Any], sniffs: Sniffs
+) -> None:
+    """inspect reads the shards (the reader) and scans their pickles (the weights-only verdict): the index
+    is sniffed once, each shard once by each pass over it."""
+    built = inputs[kind]
+    ckptfix.inspecting.inspect_checkpoint(str(built.path))
+    assert sniffs.of(built.path) == 1, dict(sniffs)
+    for s in built.extra["shards"]:
+        assert sniffs.of(Path(built.extra["dir"]) / s) <= 2, dict(sniffs)
+
+
+def test_an_input_passed_down_is_never_sniffed(inputs: dict[str, Any], sniffs: Sniffs, tmp_path: Path) -> None:
+    """A caller that classified already passes the Input: no entry point sniffs it again."""
+    inp = classify(str(inputs["zip"].path))
+    assert sniffs.of(inp.path) == 1
+    read_checkpoint(inp)
+    ckptfix.scanning.scan_checkpoint(inp)
+    ckptfix.loading.load_checkpoint(inp)
+    ckptfix.convert.convert(inp, str(tmp_path / "a.safetensors"))
+    ckptfix.rekey.strip_prefix_checkpoint(inp, output=str(tmp_path / "a.pt"))
+    ckptfix.sanitize.sanitize_checkpoint(inp, str(tmp_path / "b.pt"))
+    assert sniffs.of(inp.path) == 1, dict(sniffs)
+
+
+def test_input_is_a_path(inputs: dict[str, Any]) -> None:
+    p = str(inputs["zip"].path)
+    inp = classify(p)
+    assert inp == Input(p, Format.TORCH_ZIP, os.path.getsize(p))
+    assert os.fspath(inp) == str(inp) == p and f"{inp}: x" == f"{p}: x"
+    assert classify(inp) is inp
+    assert read_checkpoint(p).input == inp
+    d = classify(str(inputs["dcp"].path))
+    assert d.format == Format.DCP and d.size is None
+    s = classify(str(inputs["sharded-st"].path))
+    assert s.format == Format.SHARDED and s.size is None
+
+
+def test_read_checkpoint_takes_the_format_it_is_told(inputs: dict[str, Any], sniffs: Sniffs) -> None:
+    p = str(inputs["safetensors"].path)
+    assert read_checkpoint(p, Format.SAFETENSORS).format == Format.SAFETENSORS
+    assert sniffs.of(p) == 0
+
+
+def test_errors_are_unchanged_by_the_router(tmp_path: Path, inputs: dict[str, Any]) -> None:
+    """convert classifies first but reports a bad input where its entry point did: after its own checks."""
+    missing = str(tmp_path / "missing.pt")
+    assert classify_or_none(missing) is None
+    with pytest.raises(CheckpointNotFoundError, match="no such file"):
+        ckptfix.convert.convert(missing, str(tmp_path / "o.safetensors"))
+    taken = tmp_path / "taken.safetensors"
+    taken.write_bytes(b"x")
+    with pytest.raises(OutputError):  # the existing output is reported first, as before
+        ckptfix.convert.convert(missing, str(taken))
+    with pytest.raises(UnsupportedError, match="not a safetensors file"):
+        ckptfix.convert.convert(str(inputs["zip"].path), str(tmp_path / "o.pt"), to="pt")
