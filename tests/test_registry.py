@@ -72,13 +72,11 @@ def test_what_is_refused():
 
 def test_the_rewrite_entries_are_the_routing_of_rewrite():
     import ckptfix.rewrite as rw
-    from ckptfix.rewrite.dcp import rewrite_dcp
-    from ckptfix.rewrite.sharded import rewrite_sharded
     from ckptfix.rewrite.writers import WRITABLE, check_writable
 
     for fmt in WRITABLE:
-        assert FORMATS[fmt].rewrite is rw._rewrite_file
-    assert FORMATS[Format.SHARDED].rewrite is rewrite_sharded and FORMATS[Format.DCP].rewrite is rewrite_dcp
+        assert FORMATS[fmt].rewrite is rw.rewrite_file
+    assert FORMATS[Format.SHARDED].rewrite is rw.rewrite_index and FORMATS[Format.DCP].rewrite is rw.rewrite_directory
     for fmt in (Format.TORCHSCRIPT, Format.PICKLE):  # the refusal is check_writable's own message
         entry = FORMATS[fmt].rewrite
         assert isinstance(entry, Refused)

@@ -23,13 +23,13 @@ Modules: :mod:`~ckptfix.rewrite.writers` (writing a file back), :mod:`~ckptfix.r
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix import stmeta
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import CheckpointFile, Format, Input, SafetensorsDetails, classify, read_checkpoint
-from ckptfix.formats.registry import implement_all
+from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.progress import reporting
 from ckptfix.rewrite.dcp import rewrite_dcp
@@ -71,6 +71,10 @@ __all__ = [
 REWRITE_USES = frozenset(
     ("output", "in_place", "backup", "force", "fsync", "suffix", "jobs", "progress", "key", "map_location", "link")
 )
+
+#: a format's ``rewrite`` entry in the format registry (:func:`rewrite_checkpoint` routes through it):
+#: ``(input, transform, outputs) -> report``
+Rewrite = Callable[[Input, Transform, OutputOptions], RewriteReport]
 
 
 def rewrite_checkpoint(
@@ -122,16 +126,32 @@ def rewrite_checkpoint(
     given, src = src, os.fspath(src)
     with reporting(o.progress, _input_bytes(src)):
         inp = classify(given)  # the one sniff: the reads below take its format
-        if inp.format == Format.DCP:  # .metadata rewritten, data files copied: ckptfix.rewrite.dcp
-            return rewrite_dcp(src, transform, o)
-        if o.link:
-            raise UnsupportedError(
-                f"{src}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
-            )
-        cf = read_checkpoint(inp)
-        if cf.format == Format.SHARDED:
-            return rewrite_sharded(cf, transform, o)
-        return _rewrite_file(cf, transform, o)
+        rewrite: Rewrite = dispatch(inp.format, "rewrite", src)  # the format registry's entry, or its refusal
+        return rewrite(inp, transform, o)
+
+
+def rewrite_directory(inp: Input, transform: Transform, outputs: OutputOptions) -> RewriteReport:
+    """The ``rewrite`` of a DCP directory: ``.metadata`` rewritten, data files copied (:mod:`ckptfix.rewrite.dcp`)."""
+    return rewrite_dcp(inp.path, transform, outputs)
+
+
+def rewrite_index(inp: Input, transform: Transform, outputs: OutputOptions) -> RewriteReport:
+    """The ``rewrite`` of a sharded index: every shard and the index (:mod:`ckptfix.rewrite.sharded`)."""
+    _refuse_link(inp, outputs)
+    return rewrite_sharded(read_checkpoint(inp), transform, outputs)
+
+
+def rewrite_file(inp: Input, transform: Transform, outputs: OutputOptions) -> RewriteReport:
+    """The ``rewrite`` of one torch zip, legacy or safetensors file (:data:`~ckptfix.rewrite.writers.WRITABLE`)."""
+    _refuse_link(inp, outputs)
+    return _rewrite_file(read_checkpoint(inp), transform, outputs)
+
+
+def _refuse_link(inp: Input, outputs: OutputOptions) -> None:
+    if outputs.link:
+        raise UnsupportedError(
+            f"{inp}: --link applies to DCP directories only (a rename of any other checkpoint writes new files)"
+        )
 
 
 def _input_bytes(src: str) -> int:
@@ -214,9 +234,9 @@ def _rewrite_file(cf: CheckpointFile, transform: Transform, outputs: OutputOptio
     return rep
 
 
-# the format registry's rewrite entries (ckptfix.formats.registry): rewrite() routes DCP directories to
-# rewrite_dcp, sharded indexes to rewrite_sharded and the formats writers.WRITABLE names to _rewrite_file; the
-# others are refused in their entries, with check_writable's message (tests/test_registry.py pins both)
+# the format registry's rewrite entries (ckptfix.formats.registry), through which rewrite_checkpoint routes: DCP
+# directories to rewrite_directory, sharded indexes to rewrite_index and the formats writers.WRITABLE names to
+# rewrite_file; the others are refused in their entries, with check_writable's message (tests/test_registry.py)
 implement_all(
-    "rewrite", {**dict.fromkeys(WRITABLE, _rewrite_file), Format.SHARDED: rewrite_sharded, Format.DCP: rewrite_dcp}
+    "rewrite", {**dict.fromkeys(WRITABLE, rewrite_file), Format.SHARDED: rewrite_index, Format.DCP: rewrite_directory}
 )
