@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from ckptfix.convert import sources  # noqa: F401  (fills the registry's convert entries: convert_to_safetensors routes)
 from ckptfix.convert.dcp_out import convert_to_dcp
 from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.convert.header import safetensors_header

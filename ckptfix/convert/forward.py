@@ -25,6 +25,7 @@ from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.write import write_outputs
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import Format, Input, classify, read_checkpoint
+from ckptfix.formats.registry import dispatch
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.outputs import OutputOptions
 from ckptfix.pickles import TensorRecord, is_tensor_like
@@ -117,10 +118,10 @@ def convert_to_safetensors(
     if not c.max_shard_size:
         check_outputs([dst], src, o.force)  # fail before any reading
     inp = classify(given)  # the router's Input, or the one sniff here: the reads below take its format
-    if inp.format == Format.DCP:  # streamed from the chunks, torch-free: ckptfix.convert.dcp_in
-        from ckptfix.convert.dcp_in import convert_dcp
-
-        return convert_dcp(src, dst, o, c, extra_metadata=extra_metadata)
+    streamed = dispatch(inp.format, "convert", src)  # the registry's entry (ckptfix.convert.sources), or its refusal
+    if streamed is not convert_to_safetensors:  # a format with its own converter (DCP: streamed from its chunks)
+        rep_: ConvertReport = streamed(src, dst, o, c, extra_metadata=extra_metadata)
+        return rep_
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(inp, o.key, c.allow_globals, c.trust, report)
     unwritten: list[tuple[str, Any]] = []

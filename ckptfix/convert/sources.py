@@ -1,10 +1,13 @@
 """What ``convert FILE`` (to safetensors) reads each format with: its entries in the format registry.
 
 :func:`ckptfix.convert.forward.convert_to_safetensors` reads any format :func:`~ckptfix.formats.read_checkpoint`
-reads, and hands a DCP directory to :func:`ckptfix.convert.dcp_in.convert_dcp`, which streams its chunks
-(``convert_to_safetensors`` routes; this module records the routing in
-:data:`ckptfix.formats.registry.FORMATS`, and ``tests/test_registry.py`` pins the two together).  The
-pre-0.4 tar archive and torch.package archives are refused in their entries (their readers refuse).
+reads, and hands a DCP directory to :func:`ckptfix.convert.dcp_in.convert_dcp`, which streams its chunks.
+``convert_to_safetensors`` routes through these entries of :data:`ckptfix.formats.registry.FORMATS`
+(``registry.dispatch(format, "convert", path)``; ``tests/test_registry.py`` pins them): an entry that is not
+``convert_to_safetensors`` itself is a format's own converter, called as ``entry(src, dst, outputs, options,
+extra_metadata=...)``.  The pre-0.4 tar archive and torch.package archives are refused in their entries (as
+their readers refuse).  :mod:`ckptfix.convert` imports this module, so the entries are in place before
+``convert_to_safetensors`` runs.
 """
 
 from __future__ import annotations
