@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import ckptfix.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, ZipDetails
+from ckptfix.formats.registry import dispatch, implement, implement_all
 from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.policy import classify_global
@@ -142,29 +143,17 @@ def sanitize_checkpoint(
         return _sanitize(src, o)
 
 
-def _refuse_unsupported(cf: CheckpointFile, src: str) -> None:
-    """Raise UnsupportedError unless ``cf`` is a single torch.save file (zip or legacy)."""
-    if cf.format == Format.SAFETENSORS:
-        from ckptfix.inspecting import scan_unsafe
+def _refuse_safetensors(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
+    """The ``sanitize`` entry of safetensors: it holds no pickle, or it is a polyglot torch.load would run."""
+    from ckptfix.inspecting import scan_unsafe
 
-        other = scan_unsafe(cf.input)  # what was read, not sniffed again
-        if other:
-            raise UnsupportedError(
-                f"{src}: a safetensors file that is also a pickle naming {', '.join(other[:3])} (a polyglot): "
-                "torch.load would run it; read it only with safetensors.torch.load_file, or `ckptfix convert` it"
-            )
+    other = scan_unsafe(cf.input)  # what was read, not sniffed again
+    if other:
         raise UnsupportedError(
-            f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns"
+            f"{src}: a safetensors file that is also a pickle naming {', '.join(other[:3])} (a polyglot): "
+            "torch.load would run it; read it only with safetensors.torch.load_file, or `ckptfix convert` it"
         )
-    if cf.format not in (Format.TORCH_ZIP, Format.TORCH_LEGACY, Format.PICKLE):
-        raise UnsupportedError(
-            f"{src}: {cf.format} checkpoints cannot be sanitized; sanitize a single torch.save "
-            "file (convert sharded/DCP inputs with ckptfix convert instead)"
-        )
-    if cf.format == Format.PICKLE:
-        raise UnsupportedError(
-            f"{src}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what you need"
-        )
+    raise UnsupportedError(f"{src}: a safetensors file holds no pickle; it already loads without weights_only concerns")
 
 
 def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
@@ -188,15 +177,26 @@ def _storage_key_allocator(cf: CheckpointFile) -> Callable[[], str]:
 SANITIZE_USES = frozenset(("output", "in_place", "backup", "force", "fsync", "suffix", "progress"))
 
 
+#: a format's ``sanitize`` entry in the format registry: ``(checkpoint read, src, outputs) -> report``
+Sanitize = Callable[["CheckpointFile", str, OutputOptions], "SanitizeReport"]
+
+
 def _sanitize(given: str | os.PathLike, outputs: OutputOptions) -> SanitizeReport:
-    from ckptfix.formats import iter_tensors, read_checkpoint
+    from ckptfix.formats import read_checkpoint
+
+    src = os.fspath(given)
+    cf = read_checkpoint(given)  # the one sniff (none for an Input)
+    sanitize: Sanitize = dispatch(cf.format, "sanitize", src)  # the format registry's entry, or its refusal
+    return sanitize(cf, src, outputs)
+
+
+def _sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
+    """The ``sanitize`` entry of a torch.save file (zip or legacy): its pickle rewritten as plain data."""
+    from ckptfix.formats import iter_tensors
     from ckptfix.rewrite.output import prepare_output, write_atomic
     from ckptfix.rewrite.verify import check_written
     from ckptfix.rewrite.writers import write_checkpoint_zip
 
-    src = os.fspath(given)
-    cf = read_checkpoint(given)  # the one sniff (none for an Input)
-    _refuse_unsupported(cf, src)
     before = _unsafe_globals(cf.globals_seen)
     rep = SanitizeReport(source=src, output=None, format_in=cf.format, globals_before=before)
     rep.tensors = sum(1 for _ in iter_tensors(cf.obj, depth=64))
@@ -243,3 +243,10 @@ def _sanitize(given: str | os.PathLike, outputs: OutputOptions) -> SanitizeRepor
     rep.verified = True
     rep.output = src if in_place else dst_path
     return rep
+
+
+# the format registry's sanitize entries (ckptfix.formats.registry), through which sanitize_checkpoint routes: torch
+# zip and legacy files are rewritten; safetensors refuses (naming a polyglot's globals); the other formats are
+# refused in their entries
+implement_all("sanitize", dict.fromkeys((Format.TORCH_ZIP, Format.TORCH_LEGACY), _sanitize_file))
+implement(Format.SAFETENSORS, "sanitize", _refuse_safetensors)

@@ -67,6 +67,12 @@ def test_what_is_refused():
         ("torch-package", "rewrite"),
         ("torchscript", "rewrite"),
         ("pickle", "rewrite"),
+        ("torch-tar", "sanitize"),
+        ("torch-package", "sanitize"),
+        ("torchscript", "sanitize"),
+        ("sharded", "sanitize"),
+        ("dcp", "sanitize"),
+        ("pickle", "sanitize"),
     }
 
 

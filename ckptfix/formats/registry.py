@@ -22,6 +22,7 @@ scan        every global its pickles reference (``scan``)          ``ckptfix.sca
 load        tensors with torch (``load_checkpoint``)               ``ckptfix.loading``
 convert     to safetensors (``convert FILE``)                      ``ckptfix.convert.sources``
 rewrite     keys renamed in place of the file (``strip-prefix``)   ``ckptfix.rewrite``
+sanitize    rewritten for ``torch.load(weights_only=True)``        ``ckptfix.sanitize``
 ==========  =====================================================  ==========================
 """
 
@@ -34,7 +35,7 @@ from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, package_message, tar_message
 
 #: every capability a format has or refuses, in the order the docs list them
-CAPABILITIES = ("read", "scan", "load", "convert", "rewrite")
+CAPABILITIES = ("read", "scan", "load", "convert", "rewrite", "sanitize")
 
 #: the module whose import registers each capability's functions
 CAPABILITY_MODULES = {
@@ -43,6 +44,7 @@ CAPABILITY_MODULES = {
     "load": "ckptfix.loading",
     "convert": "ckptfix.convert.sources",
     "rewrite": "ckptfix.rewrite",
+    "sanitize": "ckptfix.sanitize",
 }
 
 
@@ -72,7 +74,7 @@ class FormatSpec:
     Attributes:
         format: the format.
         what: what it is, in words.
-        read, scan, load, convert, rewrite: each a function (see :data:`CAPABILITIES` for what it takes)
+        read, scan, load, convert, rewrite, sanitize: each a function (see :data:`CAPABILITIES` for what it takes)
             or a :class:`Refused`.
     """
 
@@ -83,6 +85,7 @@ class FormatSpec:
     load: Capability = None
     convert: Capability = None
     rewrite: Capability = None
+    sanitize: Capability = None
 
     def get(self, capability: str) -> Capability:
         """The entry for ``capability`` (one of :data:`CAPABILITIES`)."""
@@ -101,6 +104,15 @@ def _refused_rewrite(fmt: Format) -> Refused:
     )
 
 
+def _refused_sanitize(fmt: Format) -> Refused:
+    return Refused(
+        lambda path: (
+            f"{path}: {fmt} checkpoints cannot be sanitized; sanitize a single torch.save "
+            "file (convert sharded/DCP inputs with ckptfix convert instead)"
+        )
+    )
+
+
 _TAR = Refused(tar_message)
 _PACKAGE = Refused(package_message)
 
@@ -110,17 +122,37 @@ FORMATS: dict[Format, FormatSpec] = {
     for spec in [
         FormatSpec(Format.TORCH_ZIP, "torch.save since 1.6"),
         FormatSpec(Format.TORCH_LEGACY, "torch.save(..., _use_new_zipfile_serialization=False)"),
-        FormatSpec(Format.TORCHSCRIPT, "torch.jit.save archive", rewrite=_refused_rewrite(Format.TORCHSCRIPT)),
+        FormatSpec(
+            Format.TORCHSCRIPT,
+            "torch.jit.save archive",
+            rewrite=_refused_rewrite(Format.TORCHSCRIPT),
+            sanitize=_refused_sanitize(Format.TORCHSCRIPT),
+        ),
         FormatSpec(Format.SAFETENSORS, "a .safetensors file"),
-        FormatSpec(Format.SHARDED, "a *.index.json with a weight_map, or its directory"),
-        FormatSpec(Format.DCP, "a torch.distributed.checkpoint directory"),
-        FormatSpec(Format.PICKLE, "a bare pickle with no torch storages", rewrite=_refused_rewrite(Format.PICKLE)),
+        FormatSpec(
+            Format.SHARDED,
+            "a *.index.json with a weight_map, or its directory",
+            sanitize=_refused_sanitize(Format.SHARDED),
+        ),
+        FormatSpec(Format.DCP, "a torch.distributed.checkpoint directory", sanitize=_refused_sanitize(Format.DCP)),
+        FormatSpec(
+            Format.PICKLE,
+            "a bare pickle with no torch storages",
+            rewrite=_refused_rewrite(Format.PICKLE),
+            sanitize=Refused(
+                lambda path: (
+                    f"{path}: a bare pickle, not a torch.save file; load it with load_anywhere and torch.save what "
+                    "you need"
+                )
+            ),
+        ),
         FormatSpec(
             Format.TORCH_TAR,
             "the pre-0.4 torch.save tar archive: recognised and scanned, never read",
             read=_TAR,
             convert=_TAR,
             rewrite=_TAR,
+            sanitize=_TAR,
         ),
         FormatSpec(
             Format.TORCH_PACKAGE,
@@ -129,6 +161,7 @@ FORMATS: dict[Format, FormatSpec] = {
             load=_PACKAGE,
             convert=_PACKAGE,
             rewrite=_PACKAGE,
+            sanitize=_PACKAGE,
         ),
     ]
 }
