@@ -22,6 +22,7 @@ import ckptfix.loading
 import ckptfix.rekey
 import ckptfix.sanitize
 import ckptfix.scanning
+from ckptfix.convert.report import ConvertReport
 from ckptfix.errors import CheckpointNotFoundError, OutputError, UnsupportedError
 from ckptfix.formats import Format, Input, classify, classify_or_none, read_checkpoint
 
@@ -101,6 +102,7 @@ ENTRIES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any], str]] = {
     # name: (input kinds, call(src, out), output suffix)
     "convert": (ALL, lambda s, o: ckptfix.convert.convert(s, o), ".safetensors"),
     "convert-to-pt": (("safetensors", "sharded-st"), lambda s, o: ckptfix.convert.convert(s, o), ".pt"),
+    "convert-to-dcp": (("safetensors", "sharded-st"), lambda s, o: ckptfix.convert.convert(s, o), ".dcp"),
     "convert-to-pt-explicit": (("safetensors",), lambda s, o: ckptfix.convert.convert(s, o, to="pt"), ".pth"),
     "inspect": (FILES + ("dcp",), lambda s, o: ckptfix.inspecting.inspect_checkpoint(s), ""),
     "scan": (ALL, lambda s, o: ckptfix.scanning.scan_checkpoint(s), ""),
@@ -185,3 +187,52 @@ def test_errors_are_unchanged_by_the_router(tmp_path: Path, inputs: dict[str, An
         ckptfix.convert.convert(missing, str(taken))
     with pytest.raises(UnsupportedError, match="not a safetensors file"):
         ckptfix.convert.convert(str(inputs["zip"].path), str(tmp_path / "o.pt"), to="pt")
+
+
+# --------------------------------------------------------------------------- the registry is the one place
+
+
+def test_rewrite_convert_and_sanitize_route_through_the_registry(
+    inputs: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing a format's entry changes what the entry point does for it: the routers hold no format branch."""
+    from ckptfix.formats.registry import FORMATS, Refused
+
+    seen: list[tuple[str, Any]] = []
+
+    def fake(name: str) -> Callable[..., Any]:
+        def entry(*args: Any, **kw: Any) -> Any:
+            seen.append((name, args[0]))
+            return ConvertReport(source=name, outputs=[]) if name == "convert" else name
+
+        return entry
+
+    monkeypatch.setattr(FORMATS[Format.TORCH_ZIP], "rewrite", fake("rewrite"))
+    monkeypatch.setattr(FORMATS[Format.DCP], "convert", fake("convert"))
+    monkeypatch.setattr(FORMATS[Format.TORCH_LEGACY], "sanitize", fake("sanitize"))
+    zp, dcp, legacy = (str(inputs[k].path) for k in ("zip", "dcp", "legacy"))
+    assert ckptfix.rekey.strip_prefix_checkpoint(zp, output=str(tmp_path / "a.pt")) == "rewrite"
+    ckptfix.convert.convert_to_safetensors(dcp, str(tmp_path / "d.safetensors"))  # a framework folder's report
+    assert ckptfix.sanitize.sanitize_checkpoint(legacy, str(tmp_path / "l.pt")) == "sanitize"
+    assert seen[0] == ("rewrite", classify(zp)) and seen[1] == ("convert", dcp) and seen[2][0] == "sanitize"
+    monkeypatch.setattr(FORMATS[Format.TORCH_ZIP], "sanitize", Refused(lambda p: f"{p}: refused here; do X"))
+    with pytest.raises(UnsupportedError, match=r"refused here; do X$"):
+        ckptfix.sanitize.sanitize_checkpoint(zp, str(tmp_path / "z.pt"))
+    assert not (tmp_path / "z.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("sharded-bin", "sharded checkpoints cannot be sanitized; sanitize a single torch.save file"),
+        ("dcp", "dcp checkpoints cannot be sanitized; sanitize a single torch.save file"),
+        ("safetensors", "a safetensors file holds no pickle; it already loads without weights_only concerns"),
+    ],
+)
+def test_sanitize_refusals_name_the_input_as_given(
+    kind: str, message: str, inputs: dict[str, Any], tmp_path: Path
+) -> None:
+    src = str(inputs[kind].extra.get("dir", inputs[kind].path))  # a sharded checkpoint by its folder
+    with pytest.raises(UnsupportedError) as e:
+        ckptfix.sanitize.sanitize_checkpoint(src, str(tmp_path / "o.pt"))
+    assert str(e.value).startswith(f"{src}: {message}")
