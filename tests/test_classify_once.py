@@ -175,12 +175,14 @@ def test_read_checkpoint_takes_the_format_it_is_told(inputs: dict[str, Any], sni
     assert sniffs.of(p) == 0
 
 
-def test_errors_are_unchanged_by_the_router(tmp_path: Path, inputs: dict[str, Any]) -> None:
+def test_errors_are_unchanged_by_the_router(tmp_path: Path, inputs: dict[str, Any], sniffs: Sniffs) -> None:
     """convert classifies first but reports a bad input where its entry point did: after its own checks."""
     missing = str(tmp_path / "missing.pt")
     assert classify_or_none(missing) is None
+    sniffs.clear()
     with pytest.raises(CheckpointNotFoundError, match="no such file"):
         ckptfix.convert.convert(missing, str(tmp_path / "o.safetensors"))
+    assert sniffs.of(missing) == 2  # the router's classification, and the entry point's, which reports it
     taken = tmp_path / "taken.safetensors"
     taken.write_bytes(b"x")
     with pytest.raises(OutputError):  # the existing output is reported first, as before

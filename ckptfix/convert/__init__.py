@@ -131,7 +131,7 @@ def convert(
             if fw is not None:  # a framework's folder: its model weights (ckptfix.frameworks)
                 return convert_folder(fw, o.output, **keywords_of(o, c))
     inp = classify_or_none(src)  # the one sniff; an input that does not classify fails in its entry point
-    direction = _direction(inp or s, o.output, c.to)
+    direction = _direction(inp, s, o.output, c.to)
     refuse_inapplicable(direction, o, c)
     if c.trust:  # a full unpickle is torch's: never silently ignored when torch is missing
         from ckptfix._torch import require_torch
@@ -145,11 +145,12 @@ def convert(
     return convert_to_safetensors(given, outputs=o, options=c)
 
 
-def _direction(src: str | Input, dst: str | None, to: str | None) -> str:
-    """``dcp``, ``pt`` or ``safetensors``: what ``to`` says, else what the input and the paths say."""
+def _direction(inp: Input | None, src: str, dst: str | None, to: str | None) -> str:
+    """``dcp``, ``pt`` or ``safetensors``: what ``to`` says, else what the input (None: it did not classify) and
+    the paths say."""
     if to == "dcp" or (to is None and dst is not None and dst.rstrip("/" + os.sep).endswith(".dcp")):
         return "dcp"
-    st_in = is_safetensors_input(src) if to in ("pt", None) else False  # one look, from the Input's format
+    st_in = inp is not None and to in ("pt", None) and is_safetensors_input(inp)  # from the Input's format
     if to == "pt" and not st_in:
         raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
     if to == "pt" or (to is None and st_in and (dst is None or not dst.endswith(".safetensors"))):
