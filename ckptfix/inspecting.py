@@ -123,7 +123,8 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     """Summarise a checkpoint without loading tensor data and without running any pickle code.
 
     Args:
-        path: any checkpoint ckptfix reads (torch zip/legacy, safetensors, sharded index, DCP, TorchScript).
+        path: any checkpoint ckptfix reads (torch zip/legacy, safetensors, sharded index, DCP, TorchScript), or
+            its :class:`~ckptfix.formats.Input` (not sniffed again).
         key: where the state dict sits (found automatically otherwise).
 
     Returns:

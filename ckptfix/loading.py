@@ -469,7 +469,8 @@ def load_checkpoint(
     """Load a whole checkpoint and find its state dict.
 
     Args:
-        path: a file or directory in any supported format (detected by content).
+        path: a file or directory in any supported format (detected by content, once), or its
+            :class:`~ckptfix.formats.Input` (:func:`~ckptfix.formats.classify`: not sniffed again).
         map_location: as for ``torch.load`` (str, device, dict, callable), plus ``"auto"``
             (``cuda:$LOCAL_RANK`` / ``cuda:0`` / ``cpu``) and ``None`` (keep the saved devices where they
             exist here).  Storages tagged for a device this machine lacks are loaded on ``cuda:0``, or on

@@ -148,6 +148,7 @@ def test_an_input_passed_down_is_never_sniffed(inputs: dict[str, Any], sniffs: S
     inp = classify(str(inputs["zip"].path))
     assert sniffs.of(inp.path) == 1
     read_checkpoint(inp)
+    ckptfix.inspecting.inspect_checkpoint(inp)
     ckptfix.scanning.scan_checkpoint(inp)
     ckptfix.loading.load_checkpoint(inp)
     ckptfix.convert.convert(inp, str(tmp_path / "a.safetensors"))

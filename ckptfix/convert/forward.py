@@ -120,8 +120,8 @@ def convert_to_safetensors(
     inp = classify(given)  # the router's Input, or the one sniff here: the reads below take its format
     streamed = dispatch(inp.format, "convert", src)  # the registry's entry (ckptfix.convert.sources), or its refusal
     if streamed is not convert_to_safetensors:  # a format with its own converter (DCP: streamed from its chunks)
-        rep_: ConvertReport = streamed(src, dst, o, c, extra_metadata=extra_metadata)
-        return rep_
+        done: ConvertReport = streamed(src, dst, o, c, extra_metadata=extra_metadata)
+        return done
     report = ConvertReport(source=src, outputs=[dst])
     source = _read_source(inp, o.key, c.allow_globals, c.trust, report)
     unwritten: list[tuple[str, Any]] = []

@@ -126,7 +126,12 @@ def rewrite_checkpoint(
     given, src = src, os.fspath(src)
     with reporting(o.progress, _input_bytes(src)):
         inp = classify(given)  # the one sniff: the reads below take its format
-        rewrite: Rewrite = dispatch(inp.format, "rewrite", src)  # the format registry's entry, or its refusal
+        try:
+            rewrite: Rewrite = dispatch(inp.format, "rewrite", src)  # the format registry's entry, or its refusal
+        except UnsupportedError:  # refused, but a damaged file is reported as damaged (exit 4): read it first
+            _refuse_link(inp, o)
+            read_checkpoint(inp)
+            raise
         return rewrite(inp, transform, o)
 
 
