@@ -26,7 +26,7 @@ from ckptfix.convert.report import ConvertReport
 from ckptfix.errors import CheckpointNotFoundError, OutputError, UnsupportedError
 from ckptfix.formats import Format, Input, classify, classify_or_none, read_checkpoint
 
-from helpers import CkptFactory, tiny_model
+from helpers import CkptFactory, run_cli, tiny_model
 
 
 class Sniffs(collections.Counter):
@@ -127,6 +127,27 @@ def test_each_entry_point_sniffs_its_input_once(
     kinds, call, suffix = ENTRIES[entry]
     built = inputs[kind]
     call(str(built.path), _out(tmp_path, built, suffix))
+    _check(sniffs, built)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("convert", "{src}", "-o", "{tmp}/o.safetensors"),
+        ("inspect", "{src}"),
+        ("scan", "{src}"),
+        ("strip-prefix", "{src}", "-o", "{tmp}/o.pt"),
+        ("sanitize", "{src}", "-o", "{tmp}/o.pt"),
+    ],
+    ids=lambda a: a[0],
+)
+def test_each_command_sniffs_its_input_once(
+    argv: tuple[str, ...], inputs: dict[str, Any], sniffs: Sniffs, tmp_path: Path
+) -> None:
+    """The commands make one library call each: the input is classified once, in it."""
+    built = inputs["zip"]
+    r = run_cli(*(a.format(src=built.path, tmp=tmp_path) for a in argv), isolated=False)
+    assert r.returncode == 0, r.stderr
     _check(sniffs, built)
 
 
