@@ -6,6 +6,9 @@
 every storage with the byte range that holds it, and what the pickle(s)
 referenced.  Nothing here imports torch or reads tensor bytes.
 
+An entry point classifies its input once, :func:`classify` (one :func:`sniff`), and passes the
+:class:`Input` down: ``read_checkpoint(input)`` (or ``read_checkpoint(path, fmt)``) does not sniff again.
+
 Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` records):
 
 ``torch-zip``     ``torch.save`` since 1.6 (any archive root folder name)
