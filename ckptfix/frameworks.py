@@ -20,7 +20,6 @@ Nothing here imports torch; the sidecar summaries read pickles with the restrict
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -233,6 +232,8 @@ def _index_shards(index: str) -> set[str]:
     try:
         if os.path.getsize(index) > 64 << 20:
             return set()
+        import json  # here, not at the top: start-up of inspect/scan
+
         with open(index, encoding="utf-8") as f:
             wm = json.load(f).get("weight_map")
         return {v for v in wm.values() if isinstance(v, str)} if isinstance(wm, dict) else set()
@@ -446,6 +447,8 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
     if path.endswith(".json"):
         if os.path.getsize(path) > 4 << 20:
             return "JSON, not read (over 4 MiB)", {}
+        import json  # here, not at the top: start-up of inspect/scan
+
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
         if not isinstance(doc, dict):

@@ -28,10 +28,10 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
-from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, sniffing, zipfmt
+from ckptfix.formats import legacy, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -54,6 +54,9 @@ from ckptfix.formats.base import (
 )
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
+
+if TYPE_CHECKING:
+    from ckptfix.formats import dcp as dcp
 
 __all__ = [
     "DEFAULT_MAX_JSON_MB",
@@ -238,6 +241,21 @@ def _read_package(path: str) -> CheckpointFile:
     raise UnsupportedError(package_message(path))
 
 
+def _read_dcp(path: str) -> CheckpointFile:
+    from ckptfix.formats.dcp import read_dcp  # the DCP reader (and ckptfix.dcp) only for a DCP directory: start-up
+
+    return read_dcp(path)
+
+
+def __getattr__(name: str) -> Any:
+    """``ckptfix.formats.dcp``, imported on first use (kept off the start-up of ``inspect`` / ``scan``)."""
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module("ckptfix.formats.dcp")
+    raise AttributeError(f"module 'ckptfix.formats' has no attribute {name!r}")
+
+
 def _read_sharded(path: str) -> CheckpointFile:
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
@@ -250,7 +268,7 @@ _READERS: dict[Format, Callable[[str], CheckpointFile]] = {
     Format.PICKLE: legacy.read_pickle_stream,
     Format.SAFETENSORS: safetensors_fmt.read_safetensors,
     Format.SHARDED: _read_sharded,
-    Format.DCP: dcp.read_dcp,
+    Format.DCP: _read_dcp,
     Format.TORCH_TAR: _read_tar,
     Format.TORCH_PACKAGE: _read_package,
 }

@@ -19,7 +19,6 @@ that ``scan`` checks each one and reports the worst.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import struct
@@ -141,6 +140,8 @@ def safetensors_header_ok(path: str, max_json: int) -> bool:
         f.seek(8)
         raw = f.read(n)
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         obj = json.loads(raw)
     except (ValueError, RecursionError):
         return False
