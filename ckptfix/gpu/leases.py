@@ -25,10 +25,10 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import OutputError
 
 __all__ = [
