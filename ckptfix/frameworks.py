@@ -22,9 +22,10 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, NoModelWeightsError
 
 if TYPE_CHECKING:  # the operations sit above this table; it names their results only for type checkers

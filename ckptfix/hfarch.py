@@ -18,8 +18,10 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from ckptfix._dataclass import dataclass
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ import io
 import os
 import struct
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from typing import Any, Callable, Mapping
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
