@@ -3,13 +3,15 @@
 :func:`dataclasses.dataclass` compiles source code for each method it adds, one ``exec`` per method
 (Python 3.11: ``__init__``, ``__repr__``, ``__eq__``, and for a frozen class ``__setattr__``,
 ``__delattr__``, ``__hash__``): about a quarter of a millisecond per class, paid by every command that
-imports the class.  This decorator lets the standard one build ``__init__`` (and a frozen class's
-``__setattr__`` / ``__delattr__``), and adds ``__repr__``, ``__eq__`` and ``__hash__`` as closures over
-the field names, compiled once with this module: the same results as the generated ones (the same
-text, the same tuple comparison and hash, the same ``NotImplemented`` for another class, ``...`` for a
-recursive repr, the same hash rules), about half the cost.  The class is a real dataclass
-(:func:`dataclasses.fields`, :func:`~dataclasses.replace`, :func:`~dataclasses.asdict` work); only
-``__dataclass_params__`` says ``repr=False, eq=False``.  ``order=True`` or ``unsafe_hash=True`` go to the
+imports the class.  This decorator lets the standard one build ``__init__`` only, and adds the others as
+closures over the field names, compiled once with this module.  They do what the generated ones do: the
+same repr text (``...`` for a recursive one), the same tuple comparison and hash, ``NotImplemented`` for
+another class, the same hash rules, :class:`dataclasses.FrozenInstanceError` on assigning or deleting a
+field of a frozen instance (its ``__init__`` assigns each field once, through ``__setattr__``).  A frozen
+class with a dataclass base, ``__slots__``, an ``init=False`` field or its own ``__init__`` /
+``__setattr__`` / ``__delattr__`` gets the standard frozen methods.  The class is a real dataclass
+(:func:`dataclasses.fields`, :func:`~dataclasses.replace`, :func:`~dataclasses.asdict` work; its
+``__dataclass_params__`` say what was asked for).  ``order=True`` or ``unsafe_hash=True`` go to the
 standard decorator unchanged.
 """
 
@@ -75,6 +77,54 @@ def _make_hash(cls: type, names: tuple[str, ...]) -> Any:
     return _qualify(cls, __hash__)
 
 
+def _make_frozen(owner: type, names: tuple[str, ...]) -> tuple[Any, Any]:
+    """``__setattr__`` / ``__delattr__`` of a frozen class whose ``__init__`` assigns each field once."""
+    fields = frozenset(names)
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if type(self) is owner or name in fields:
+            if name in fields and name not in self.__dict__:  # the __init__ setting it (the only first time)
+                object.__setattr__(self, name, value)
+                return
+            raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+        super(owner, self).__setattr__(name, value)  # type: ignore[arg-type]
+
+    def __delattr__(self: Any, name: str) -> None:
+        if type(self) is owner or name in fields:
+            raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+        super(owner, self).__delattr__(name)  # type: ignore[arg-type]
+
+    return _qualify(owner, __setattr__), _qualify(owner, __delattr__)
+
+
+def _own_frozen(cls: type, init: bool, slots: bool) -> bool:
+    """Whether a frozen class can take :func:`_make_frozen`'s methods: its generated ``__init__`` sets every
+    field (no ``init=False`` field, no own ``__init__``), it has a ``__dict__`` and no dataclass base (whose
+    frozen rules dataclasses checks)."""
+    d = cls.__dict__
+    return (
+        init
+        and not slots
+        and not {"__slots__", "__init__", "__setattr__", "__delattr__"} & d.keys()
+        and not any(isinstance(v, dataclasses.Field) and not v.init for v in d.values())
+        and not any(hasattr(b, "__dataclass_fields__") for b in cls.__mro__[1:])
+    )
+
+
+def _set_params(cls: type, **actual: bool) -> None:
+    """``__dataclass_params__`` as the standard decorator would have set it (the flags asked for)."""
+    p = cls.__dataclass_params__  # type: ignore[attr-defined]
+    try:
+        q = object.__new__(type(p))
+        for name in type(p).__slots__:
+            object.__setattr__(q, name, getattr(p, name))
+        for name, value in actual.items():
+            object.__setattr__(q, name, value)
+    except (AttributeError, TypeError):  # another Python's params: left as they are
+        return
+    cls.__dataclass_params__ = q  # type: ignore[attr-defined]
+
+
 def _process(
     cls: type,
     *,
@@ -92,13 +142,14 @@ def _process(
     own_eq = eq and "__eq__" not in cls.__dict__
     class_hash = cls.__dict__.get("__hash__", dataclasses.MISSING)
     has_explicit_hash = not (class_hash is dataclasses.MISSING or (class_hash is None and "__eq__" in cls.__dict__))
+    own_frozen = frozen and _own_frozen(cls, init, slots)
     extra = {"weakref_slot": True} if weakref_slot else {}  # (a parameter from Python 3.11)
     cls = dataclasses.dataclass(
         cls,
         init=init,
         repr=False,
         eq=False,
-        frozen=frozen,
+        frozen=frozen and not own_frozen,
         match_args=match_args,
         kw_only=kw_only,
         slots=slots,
@@ -115,6 +166,9 @@ def _process(
             cls.__hash__ = _make_hash(cls, names)  # type: ignore[method-assign]
         else:
             cls.__hash__ = None  # type: ignore[assignment]
+    if own_frozen:
+        cls.__setattr__, cls.__delattr__ = _make_frozen(cls, tuple(f.name for f in fields))  # type: ignore[method-assign]
+    _set_params(cls, repr=repr, eq=eq, frozen=frozen)
     return cls
 
 

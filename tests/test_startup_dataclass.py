@@ -152,3 +152,83 @@ def test_slots_kw_only_inheritance_and_order():
         @fast(frozen=False)
         class Thawed(Base):  # dataclasses' own rule: no non-frozen class from a frozen one
             z: int = 0
+
+
+def test_frozen_instances_stay_frozen_and_params_say_what_was_asked():
+    @fast(frozen=True)
+    class F:
+        x: int
+        y: list = field(default_factory=list)
+
+        def __post_init__(self) -> None:
+            object.__setattr__(self, "extra", 1)  # what frozen classes do in __post_init__
+
+    class Sub(F):  # not a dataclass: may have attributes of its own
+        pass
+
+    f = F(1)
+    for attempt in (lambda: setattr(f, "x", 2), lambda: setattr(f, "y", []), lambda: setattr(f, "new", 1)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            attempt()
+    for name in ("x", "extra", "new"):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            delattr(f, name)
+    assert (f.x, f.y, f.extra) == (1, [], 1)
+    s = Sub(2)
+    s.new = 3
+    del s.new
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.x = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del s.x
+    for std, ours in [(dataclasses.dataclass(frozen=True), fast(frozen=True)), (dataclasses.dataclass, fast)]:
+
+        class A:
+            x: int
+
+        class B:
+            x: int
+
+        assert repr(std(A).__dataclass_params__) == repr(ours(B).__dataclass_params__)
+
+
+def test_frozen_classes_the_closures_cannot_serve_keep_the_standard_methods():
+    @fast(frozen=True)
+    class Late:
+        x: int
+        y: int = field(init=False, default=0)  # not set by __init__: a first assignment must still fail
+
+    @fast(frozen=True)
+    class Base:
+        x: int
+
+    @fast(frozen=True)
+    class Child(Base):
+        y: int = 0
+
+    for obj, name in ((Late(1), "y"), (Child(1), "y"), (Child(1), "x")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 5)
+    with pytest.raises(TypeError):
+
+        @fast(frozen=True)
+        class Own:
+            x: int
+
+            def __setattr__(self, name: str, value: object) -> None:
+                pass
+
+
+def test_real_records_pickle_copy_and_replace():
+    import copy
+    import pickle
+
+    from ckptfix.gpu.records import GpuProcess, SmiGpu
+
+    g = SmiGpu(0, uuid="GPU-1", processes=(GpuProcess("GPU-1", 7, "python", 100),))
+    assert pickle.loads(pickle.dumps(g)) == g == copy.deepcopy(g) == copy.copy(g)
+    assert hash(pickle.loads(pickle.dumps(g))) == hash(g)
+    h = dataclasses.replace(g, index=1)
+    assert h.index == 1 and h != g and g.index == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.index = 3  # type: ignore[misc]
