@@ -35,9 +35,10 @@ import io
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, BinaryIO
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
 
 HIGHEST_PROTOCOL = 5

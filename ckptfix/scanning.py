@@ -12,9 +12,10 @@ import io
 import os
 import struct
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import Format, read_checkpoint, sniff
 from ckptfix.formats.registry import dispatch, implement_all

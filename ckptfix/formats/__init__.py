@@ -28,10 +28,10 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ckptfix.formats import dcp, legacy, registry, safetensors_fmt, sharded, sniffing, zipfmt
+from ckptfix.formats import registry, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -55,6 +55,12 @@ from ckptfix.formats.base import (
 from ckptfix.formats.roles import is_sidecar_name
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
+
+if TYPE_CHECKING:
+    from ckptfix.formats import dcp as dcp
+    from ckptfix.formats import legacy as legacy
+    from ckptfix.formats import safetensors_fmt as safetensors_fmt
+    from ckptfix.formats import sharded as sharded
 
 __all__ = [
     "DEFAULT_MAX_JSON_MB",
@@ -136,10 +142,14 @@ def sniff(path: str) -> Format:
     if sniffing.safetensors_header_ok(path, max_json_bytes() if head[:1] == b"\x80" else 0):
         return Format.SAFETENSORS
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        from ckptfix.formats import legacy
+
         return legacy.stream_kind(path)
     if len(head) >= 9 and head[8:9] == b"{" and not head.lstrip()[:1] == b"{":
         return Format.SAFETENSORS  # a header whose length or JSON is wrong: the reader says which
     if head.lstrip()[:1] == b"{":
+        from ckptfix.formats import sharded
+
         if sharded.looks_like_index(path):
             return Format.SHARDED
         raise CorruptCheckpointError(
@@ -147,6 +157,8 @@ def sniff(path: str) -> Format:
             "pass the checkpoint file or a sharded *.index.json"
         )
     if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
+        from ckptfix.formats import legacy
+
         return legacy.stream_kind(path)
     with open(path, "rb") as f:
         block = f.read(512)
@@ -248,7 +260,40 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
     return cf
 
 
+def _read_dcp(path: str) -> CheckpointFile:
+    from ckptfix.formats.dcp import read_dcp  # the DCP reader (and ckptfix.dcp) only for a DCP directory: start-up
+
+    return read_dcp(path)
+
+
+def _read_pickle_stream(path: str) -> CheckpointFile:
+    from ckptfix.formats.legacy import read_pickle_stream
+
+    return read_pickle_stream(path)
+
+
+def _read_safetensors(path: str) -> CheckpointFile:
+    from ckptfix.formats.safetensors_fmt import read_safetensors
+
+    return read_safetensors(path)
+
+
+#: the readers imported on first use (each format's own; a torch zip's inspect/scan needs none of them: start-up)
+_LAZY_SUBMODULES = frozenset({"dcp", "legacy", "safetensors_fmt", "sharded"})
+
+
+def __getattr__(name: str) -> Any:
+    """``ckptfix.formats.dcp`` / ``legacy`` / ``safetensors_fmt`` / ``sharded``, imported on first use."""
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"ckptfix.formats.{name}")
+    raise AttributeError(f"module 'ckptfix.formats' has no attribute {name!r}")
+
+
 def _read_sharded(path: str) -> CheckpointFile:
+    from ckptfix.formats import sharded
+
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
 
@@ -258,10 +303,10 @@ registry.implement_all(
     {
         Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
         Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
-        Format.TORCH_LEGACY: legacy.read_pickle_stream,
-        Format.PICKLE: legacy.read_pickle_stream,
-        Format.SAFETENSORS: safetensors_fmt.read_safetensors,
+        Format.TORCH_LEGACY: _read_pickle_stream,
+        Format.PICKLE: _read_pickle_stream,
+        Format.SAFETENSORS: _read_safetensors,
         Format.SHARDED: _read_sharded,
-        Format.DCP: dcp.read_dcp,
+        Format.DCP: _read_dcp,
     },
 )

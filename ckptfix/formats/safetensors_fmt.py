@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from typing import Any
@@ -82,6 +81,8 @@ def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any]
             )
         raw = f.read(n)
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(

@@ -8,7 +8,6 @@ Hugging Face hub cache layout, ``snapshots/<rev>/x -> ../../blobs/<hash>``, is a
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
@@ -43,6 +42,8 @@ def looks_like_index(path: str) -> bool:
     if size > len(text):
         return b'"weight_map"' in text
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         doc = json.loads(text)
     except (ValueError, RecursionError):
         return False
@@ -165,6 +166,8 @@ def load_index(path: str) -> ShardIndex:
         )
     try:
         with open(ipath, "rb") as f:
+            import json  # here, not at the top: start-up of inspect/scan
+
             doc = json.loads(f.read().decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (not JSON); the file is corrupt") from None

@@ -19,11 +19,9 @@ that ``scan`` checks each one and reports the worst.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 import struct
-import tarfile
 from typing import Any
 
 from ckptfix.errors import ResourceLimitError
@@ -88,6 +86,11 @@ def tar_opens(path: str) -> bool | None:
         ResourceLimitError: a tar header whose size field asks for more than 16 MiB in one read.
     """
     with open(path, "rb") as f:
+        if _bad_tar_checksum(f.read(512)):  # tarfile's ReadError, known without importing tarfile (start-up)
+            return False
+        f.seek(0)
+        import tarfile
+
         try:
             with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):
                 return True
@@ -97,6 +100,29 @@ def tar_opens(path: str) -> bool | None:
             raise
         except Exception:  # noqa: BLE001 - torch lets any other error through: the load fails
             return None
+
+
+def _bad_tar_checksum(block: bytes) -> bool:
+    """Whether ``tarfile`` refuses ``block`` (a file's first 512 bytes) as the first header, raising ``ReadError``.
+
+    The checks of ``tarfile.TarInfo.frombuf`` before anything else is read: a short block (empty or
+    truncated header), or a checksum field that does not hold the block's checksum (``nti`` of bytes
+    148-156 is not octal, or equals neither the unsigned nor the signed sum).  An all-zero block (tarfile
+    opens an empty archive) and a base-256 checksum field are left to tarfile itself.
+    """
+    if len(block) < 512:
+        return True
+    if block.count(0) == 512 or block[148] in (0o200, 0o377):
+        return False
+    try:
+        field = block[148:156].split(b"\0", 1)[0].decode("ascii")
+        chksum = int(field.strip() or "0", 8)
+    except ValueError:  # UnicodeDecodeError too
+        return True
+    rest = block[:148] + block[156:512]
+    unsigned = 256 + sum(rest)
+    signed = unsigned - 256 * sum(1 for b in rest if b >= 128)
+    return chksum not in (unsigned, signed)
 
 
 def torch_branch(path: str) -> str:
@@ -141,6 +167,8 @@ def safetensors_header_ok(path: str, max_json: int) -> bool:
         f.seek(8)
         raw = f.read(n)
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         obj = json.loads(raw)
     except (ValueError, RecursionError):
         return False

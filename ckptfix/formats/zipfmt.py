@@ -421,9 +421,10 @@ def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) ->
 
 # --------------------------------------------------------------------------- TorchScript
 
-_CLASS_RE = re.compile(r"class[ \t]+(\w+)[ \t]*\(")
-_LIST_START_RE = re.compile(r"[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*\[")
-_QUOTED_RE = re.compile(r'"([^"\n]*)"')
+#: the patterns of TorchScript code (compiled when an archive has code: a torch zip's start-up has none)
+_CLASS_RE = r"class[ \t]+(\w+)[ \t]*\("
+_LIST_START_RE = r"[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*\["
+_QUOTED_RE = r'"([^"\n]*)"'
 
 
 def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[list[str], list[str]]]:
@@ -432,6 +433,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
     One pass over the lines of each file (linear time whatever the input: an unclosed
     ``__parameters__ = [`` list runs to the end of its class once, it is never re-scanned).
     """
+    class_re, list_start_re, quoted_re = re.compile(_CLASS_RE), re.compile(_LIST_START_RE), re.compile(_QUOTED_RE)
     out: dict[str, tuple[list[str], list[str]]] = {}
     for name, text in code_files.items():
         mod = name[len(root) + len("code/") : -3].replace("/", ".")
@@ -440,7 +442,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
         for line in text.split("\n"):
             if line and not line[:1].isspace():
                 collecting = None  # a list never runs past its class
-                m = _CLASS_RE.match(line)
+                m = class_re.match(line)
                 if m:
                     current = out[f"{mod}.{m.group(1)}"] = ([], [])
                 continue
@@ -448,13 +450,13 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
                 continue
             rest = line
             if collecting is None:
-                m = _LIST_START_RE.match(line)
+                m = list_start_re.match(line)
                 if not m:
                     continue
                 collecting = current[0] if m.group(1) == "__parameters__" else current[1]
                 rest = line[m.end() :]
             end = rest.find("]")
-            collecting.extend(_QUOTED_RE.findall(rest if end < 0 else rest[:end]))
+            collecting.extend(quoted_re.findall(rest if end < 0 else rest[:end]))
             if end >= 0:
                 collecting = None
     return out
