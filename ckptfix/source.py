@@ -12,7 +12,6 @@ missing is :class:`~ckptfix.errors.RemoteDriverMissingError` (exit 45) with the 
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any, BinaryIO, Iterator
 
@@ -132,24 +131,9 @@ def _truncated(name: str, n: int, off: int, size: int) -> CorruptCheckpointError
     )
 
 
-class _CountingFile(io.FileIO):
-    """A local file object that adds what it reads to a :class:`Stats` (only made when one is active)."""
-
-    stats: Stats
-
-    def read(self, n: int | None = -1) -> bytes:
-        data = super().read(n)
-        self.stats.add(nbytes=len(data or b""), requests=1)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        k = super().readinto(b)
-        self.stats.add(nbytes=k or 0, requests=1)
-        return k or 0
-
-
 class LocalSource(Source):
-    """A local file: one read-only descriptor, ``os.pread``."""
+    """A local file: one read-only descriptor, ``os.pread`` (not counted in :class:`Stats`: those count what
+    goes over the network)."""
 
     def __init__(self, path: str | os.PathLike[str], *, stats: Stats | None = None) -> None:
         self.name = os.fspath(path)
@@ -161,8 +145,6 @@ class LocalSource(Source):
         except OSError:
             os.close(self.fd)
             raise
-        if stats is not None:
-            stats.add(files=1)
 
     def pread(self, n: int, off: int) -> bytes:
         if n < 0 or off < 0:
@@ -178,8 +160,6 @@ class LocalSource(Source):
                 parts.append(more)
                 got += len(more)
             data = b"".join(parts)
-        if self.stats is not None:
-            self.stats.add(nbytes=n, requests=1)
         return data
 
     def readinto(self, view: memoryview, off: int) -> int:
@@ -190,16 +170,10 @@ class LocalSource(Source):
             if k <= 0:
                 raise _truncated(self.name, len(view), off, self.size)
             done += k
-        if self.stats is not None:
-            self.stats.add(nbytes=done, requests=1)
         return done
 
     def fileobj(self) -> BinaryIO:
-        if self.stats is None:
-            return open(self.name, "rb")
-        f = _CountingFile(self.name, "r")
-        f.stats = self.stats
-        return io.BufferedReader(f)
+        return open(self.name, "rb")
 
     def close(self) -> None:
         if self.fd >= 0:
