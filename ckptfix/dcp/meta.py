@@ -647,18 +647,18 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
     if not check_files:
         return sizes
     for rel in meta.files:
-        p = os.path.join(meta.path, rel)
+        p = source.join(meta.path, rel)
         try:
-            if not os.path.isfile(p):
+            if not source.isfile(p):
                 raise FileNotFoundError(p)
-            sizes[rel] = os.path.getsize(p)
+            sizes[rel] = source.getsize(p)
         except OSError:
             raise CheckpointNotFoundError(
                 f"{meta.path}: data file {rel} is missing (the metadata references it); "
                 "copy the whole checkpoint directory"
             ) from None
     listed = set(meta.files)
-    extra = sorted(n for n in os.listdir(meta.path) if n.endswith(".distcp") and n not in listed)
+    extra = sorted(n for n in source.listdir(meta.path) if n.endswith(".distcp") and n not in listed)
     if extra:
         raise CorruptCheckpointError(
             f"{meta.path}: {', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not "
