@@ -22,7 +22,6 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from helpers import CkptFactory, run_cli  # noqa: E402
 from rangeserver import RangeServer, serving  # noqa: E402
 
 from ckptfix import source  # noqa: E402
@@ -38,6 +37,8 @@ from ckptfix.errors import (  # noqa: E402
 from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint  # noqa: E402
 from ckptfix.remote import file as rfile  # noqa: E402
 from ckptfix.remote.stats import Stats, collect  # noqa: E402
+
+from helpers import CkptFactory, run_cli  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -267,6 +268,9 @@ def test_denied_and_missing_are_typed_one_line_errors(srv: RangeServer, kind: st
     p = run_cli("inspect", f"{srv.url}/plain.pt")
     assert p.returncode == code, p.stderr
     assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1
+    srv.fault(kind, "/plain.pt", method="HEAD")
+    with pytest.raises(RemoteAccessDeniedError if kind == "403" else RemoteNotFoundError):
+        source.open_source(f"{srv.url}/plain.pt")
     p = run_cli("scan", f"{srv.url}/nothing-here.pt")
     assert p.returncode == 40, p.stderr
     assert p.stderr.count("\n") == 1
