@@ -12,6 +12,8 @@ missing is :class:`~ckptfix.errors.RemoteDriverMissingError` (exit 45) with the 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
@@ -27,11 +29,13 @@ __all__ = [
     "dirname",
     "exists",
     "getsize",
+    "is_metadata_only",
     "is_url",
     "isdir",
     "isfile",
     "join",
     "listdir",
+    "metadata_only",
     "open_file",
     "open_source",
     "session",
@@ -236,6 +240,35 @@ def _remote_file(url: str, st: Stats | None) -> Any:
         st.files_open[url] = rf
         st.probed[url] = "file"
     return rf
+
+
+_METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_metadata_only", default=False)
+
+
+@contextlib.contextmanager
+def metadata_only() -> Iterator[None]:
+    """Within the block, readers of a remote file skip checks that need the bytes next to each tensor record (a
+    zip's local headers of tensor records, a legacy stream's per-storage counts): what ``inspect`` of a URL needs
+    is the zip's central directory and ``data.pkl`` (issue #26: a handful of requests).  Only for callers whose
+    result never reads tensor bytes (the records' offsets are then unverified: -1 for a zip's records).
+    """
+    token = _METADATA_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _METADATA_ONLY.reset(token)
+
+
+def is_metadata_only(path: str | os.PathLike[str]) -> bool:
+    """Whether a reader of ``path`` may skip the per-record checks (a URL inside :func:`metadata_only`).
+
+    Args:
+        path: the file being read.
+
+    Returns:
+        True for a URL inside :func:`metadata_only`.
+    """
+    return _METADATA_ONLY.get() and is_url(path)
 
 
 def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> Source:

@@ -159,8 +159,9 @@ def test_inspect_and_scan_read_little(srv: RangeServer, tree: Path, name: str) -
         assert sent < 1 << 20, (fn.__name__, sent)
         assert st.bytes_read == sent
         assert st.requests == len(hits)
-        # the size/ETag request, head, tail and (zip) the local headers of records > 1 MiB apart, in parallel
-        assert len(hits) <= 30, [(h.method, h.range) for h in hits]
+        # the size/ETag request, the head, the tail (zip directory, safetensors header) and for a legacy stream
+        # the object pickle: no request per tensor record
+        assert len(hits) <= 5, [(h.method, h.range) for h in hits]
 
 
 def test_cli_stats_line_and_json(srv: RangeServer) -> None:
