@@ -432,3 +432,65 @@ def test_inputs_are_never_modified(tree: Path, srv: RangeServer) -> None:
     assert before == {p: p.stat().st_mtime_ns for p in tree.rglob("*") if p.is_file()}
     assert not shutil.which("nonexistent-binary-rcore")
     assert os.listdir(tree)
+
+
+# --------------------------------------------------------------------------- S3 (moto's server, when installed)
+
+
+@pytest.fixture(scope="module")
+def s3(tree: Path):
+    """A moto S3 server on a free local port with bucket ``rcore`` holding the served files (torn down after)."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    mp = pytest.MonkeyPatch()
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "FSSPEC_S3_ENDPOINT_URL": endpoint,
+    }.items():
+        mp.setenv(k, v)
+    mp.setitem(fsspec.config.conf, "s3", {"endpoint_url": endpoint})
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    fs.mkdir("rcore")
+    for name in ("plain.pt", "big.pt", "big_legacy.pt", "model.safetensors"):
+        fs.put(str(tree / name), f"rcore/{name}")
+    fs.put(str(tree / "hf_st"), "rcore/hf_st", recursive=True)
+    try:
+        yield fs
+    finally:
+        mp.undo()
+        srv.stop()
+
+
+@pytest.mark.parametrize("name", ["plain.pt", "big.pt", "big_legacy.pt", "model.safetensors", "hf_st"])
+def test_s3_inspect_and_scan_equal_local_and_read_little(tree: Path, s3: Any, name: str) -> None:
+    for fn in (inspect_checkpoint, scan_checkpoint):
+        with collect() as st:
+            got = _norm(fn(f"s3://rcore/{name}").to_dict(), "s3://rcore")
+        assert got == _norm(fn(str(tree / name)).to_dict(), str(tree)), (fn.__name__, name)
+        assert st.bytes_read < 1 << 20
+
+
+def test_s3_object_replaced_mid_read_is_44(tree: Path, s3: Any) -> None:
+    s3.put(str(tree / "big.pt"), "rcore/replaced.pt")
+    with source.open_source("s3://rcore/replaced.pt") as src:
+        assert src.etag
+        src.pread(16, 0)
+        s3.put(str(tree / "big_legacy.pt"), "rcore/replaced.pt")  # a new version under the same key
+        with pytest.raises(RemoteChangedError):
+            src.pread(16, 30_000_000)
+
+
+def test_s3_missing_object_and_bucket_are_40(s3: Any) -> None:
+    for url in ("s3://rcore/none.pt", "s3://no-such-bucket-rcore/none.pt"):
+        p = run_cli("inspect", url)
+        assert p.returncode == 40, p.stderr
+        assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1

@@ -290,6 +290,57 @@ class _FsBackend:
         return bytes(data)
 
 
+class _S3Backend(_FsBackend):
+    """S3 (s3fs): ``GetObject`` with a ``Range`` and ``If-Match`` (the ETag read at open), the ETag of every answer
+    checked, as over HTTP."""
+
+    def _map_s3(self, e: BaseException) -> Exception:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        code = str(getattr(cause, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("PreconditionFailed", "412"):
+            return RemoteChangedError(
+                f"{self.name}: the object changed while it was read (its ETag no longer matches); run the command again"
+            )
+        if code in ("SlowDown", "503", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
+            return Transient(f"S3 {code}", throttled=True)
+        if code in ("InternalError", "500", "ServiceUnavailable"):
+            return Transient(f"S3 {code}")
+        return self._map(e)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(self.path)
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if self.etag:
+            kw["IfMatch"] = self.etag
+        if version:
+            kw["VersionId"] = version
+
+        async def get() -> tuple[str | None, bytes]:
+            resp = await self.fs._call_s3("get_object", **kw)
+            body = resp["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return resp.get("ETag"), data
+
+        try:
+            etag, data = sync(self.fs.loop, get)
+        except CkptfixError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map_s3(e) from None
+        if self.etag is not None and etag is not None and etag != self.etag:
+            raise RemoteChangedError(
+                f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); run the command again"
+            )
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)
+
+
 class RemoteFile:
     """A remote object read by byte ranges (see the module's description for the policy).
 
@@ -316,6 +367,8 @@ class RemoteFile:
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         if "http" in protocols or "https" in protocols:
             self._backend: Any = _HttpBackend(fs, path, url)
+        elif ("s3" in protocols or "s3a" in protocols) and hasattr(fs, "_call_s3"):
+            self._backend = _S3Backend(fs, path, url)
         else:
             self._backend = _FsBackend(fs, path, url)
         self.fs = fs
@@ -342,6 +395,10 @@ class RemoteFile:
         for attempt in range(n + 1):
             try:
                 out = fn(*args)
+            except CkptfixError:  # a typed answer (changed, not found, denied): the request counts, no retry
+                if self.stats is not None:
+                    self.stats.add(requests=1)
+                raise
             except Transient as e:
                 last = e
                 if self.stats is not None:
