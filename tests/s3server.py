@@ -70,7 +70,9 @@ class _Middleware:
         with srv._lock:
             srv.requests += 1
             srv.by_method[environ.get("REQUEST_METHOD", "?")] += 1
-            srv.log.append((environ.get("REQUEST_METHOD", "?"), environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", ""), environ.get("HTTP_RANGE", "")))
+            srv.log.append(
+                tuple(environ.get(k, "") for k in ("REQUEST_METHOD", "PATH_INFO", "QUERY_STRING", "HTTP_RANGE"))  # type: ignore[arg-type]
+            )
         if srv.latency:
             time.sleep(srv.latency)
         fault = srv.fault
@@ -89,7 +91,8 @@ class _Middleware:
                 b"<Message>injected fault</Message></Error>"
             )
             reason = {500: "Internal Server Error", 503: "Slow Down", 403: "Forbidden"}.get(status, "Error")
-            start_response(f"{status} {reason}", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
+            headers = [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
+            start_response(f"{status} {reason}", headers)
             return [body]
         return self._count(self.app(environ, start_response))
 

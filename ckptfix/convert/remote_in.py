@@ -203,7 +203,7 @@ def copy_remote(
             if not fut.cancelled():
                 try:
                     fut.result()
-                except BaseException:  # noqa: BLE001, S110 (the first error is the one raised)
+                except BaseException:  # noqa: BLE001 (the first error is the one raised)
                     pass
             budget.give()
         raise

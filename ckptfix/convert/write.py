@@ -134,8 +134,9 @@ class Writer:
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
-    def _remote(self, it: Item, url: str, off: int, size: int, crc: int | None, fd: int, pos: int, path: str,
-                base: int) -> None:
+    def _remote(
+        self, it: Item, url: str, off: int, size: int, crc: int | None, fd: int, pos: int, path: str, base: int
+    ) -> None:
         """One range of a remote source: pieces fetched in parallel, written in order, each compared as written."""
         if self.sources is None:
             with _SOURCES_LOCK:

@@ -1,11 +1,12 @@
 """Writing to object storage: a verified local file committed under a URL, all or nothing (issue #26).
 
 Every output ckptfix writes is verified in a local temp file first (:mod:`ckptfix.atomic`,
-:mod:`ckptfix.convert.write`); :func:`commit_file` then uploads it (the S3 client checksums every part it sends).  S3 (s3fs) uploads a big file as a
-multipart upload, which the store makes visible under the key only when it is *completed*; any failure
-aborts it, so no part and no partial object is ever left under the final name.  A small file is one
-``PUT``, atomic too.  After the upload the object's size is compared with the local file (an ETag is not: with
-SSE-KMS it is no MD5): a mismatch removes the object and raises :class:`~ckptfix.errors.RemoteWriteError` (exit 46).
+:mod:`ckptfix.convert.write`); :func:`commit_file` then uploads it (the S3 client checksums every part
+it sends).  S3 (s3fs) uploads a big file as a multipart upload, which the store makes visible under the
+key only when it is *completed*; any failure aborts it, so no part and no partial object is ever left
+under the final name.  A small file is one ``PUT``, atomic too.  After the upload the object's size is
+compared with the local file's (its ETag is not: with SSE-KMS it is no MD5): a mismatch removes the
+object and raises :class:`~ckptfix.errors.RemoteWriteError` (exit 46).
 
 fsspec is imported inside functions only (``import ckptfix`` never needs it).
 """
@@ -134,5 +135,5 @@ def _check_uploaded(fs: Any, path: str, url: str, size: int) -> None:
 def _remove(fs: Any, path: str) -> None:
     try:
         fs.rm_file(path)
-    except Exception:  # noqa: BLE001, S110 (best effort: the error raised next says what happened)
+    except Exception:  # noqa: BLE001 (best effort: the error raised next says what happened)
         pass
