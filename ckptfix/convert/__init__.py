@@ -222,6 +222,8 @@ def convert(
 
 
 def _is_url(path: str) -> bool:
+    if "://" not in path:
+        return False
     from ckptfix.source import is_url
 
     return is_url(path)

@@ -16,7 +16,6 @@ sources, and lays the file out exactly as ``safetensors.torch.save_file``.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -225,7 +224,7 @@ def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
         if not cd.contiguous():
             return None
         n = c.numel * e.element_size
-        out.append((os.path.join(files.root, cd.rel), cd.data_offset, n, cd.crc))
+        out.append((files.path(cd.rel), cd.data_offset, n, cd.crc))
         row += c.sizes[0] if shape else 1
     if (shape and row != shape[0]) or (not shape and len(out) != 1):
         return None

@@ -64,8 +64,14 @@ def flat_range(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[in
     return first, first + n
 
 
-def _read_into(fd: int, view: memoryview, off: int, what: str) -> None:
+def _read_into(fd: Any, view: memoryview, off: int, what: str) -> None:
     done = 0
+    if not isinstance(fd, int):  # a remote Source (a DCP folder at a URL): one range read
+        data = fd.pread(len(view), off)
+        if len(data) != len(view):
+            raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
+        view[:] = data
+        return
     while done < len(view):
         n = os.preadv(fd, [view[done:]], off + done)
         if n <= 0:
