@@ -14,7 +14,20 @@ PKG = Path(__file__).resolve().parents[1] / "ckptfix"
 
 LAYERS = {
     **dict.fromkeys(
-        ["errors", "text", "progress", "parallel", "fileio", "atomic", "containment", "display", "_torch"], 0
+        [
+            "errors",
+            "text",
+            "progress",
+            "parallel",
+            "fileio",
+            "atomic",
+            "containment",
+            "display",
+            "_torch",
+            "source",
+            "remote",
+        ],
+        0,
     ),
     **dict.fromkeys(["policy", "scanner", "pickles", "placeholders", "statedict"], 1),
     **dict.fromkeys(["formats", "dcp"], 2),

@@ -1,0 +1,435 @@
+"""The one file-access abstraction for inputs, local or remote: :class:`Source` and the folder helpers.
+
+``open_source(path)`` gives a local file (a thin wrapper of a descriptor: ``os.pread``; ``local_path`` is set so
+that the fd / mmap / ``copy_file_range`` fast paths keep using the path) or a remote object
+(:class:`ckptfix.remote.file.RemoteFile`: byte ranges through fsspec, read-ahead, cache, retries, ETag
+pinning) behind the same methods.  :func:`listdir`, :func:`isdir`, :func:`exists` and :func:`join` do the same
+for folders (DCP folders, sharded indexes' siblings, framework folders).
+
+Nothing here imports fsspec at module level: ``import ckptfix`` never needs it, and a URL whose driver is
+missing is :class:`~ckptfix.errors.RemoteDriverMissingError` (exit 45) with the pip line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any, BinaryIO, Iterator
+
+from ckptfix.errors import CorruptCheckpointError
+from ckptfix.remote import url as _urls
+from ckptfix.remote.stats import Stats, active
+
+__all__ = ["Source", "LocalSource", "RemoteSource", "open_source", "is_url", "listdir", "isdir", "exists", "join"]
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a remote URL (``s3://``, ``gs://``, ``gcs://``, ``az://``, ``abfs://``, ``hf://``,
+    ``http(s)://``, ``memory://``).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        True for a URL.
+    """
+    return _urls.is_url(path)
+
+
+class Source:
+    """A readable file: local (fd + pread) or remote (fsspec, ranges).  A context manager."""
+
+    #: the path or URL as the user gave it (for messages)
+    name: str
+    #: its size in bytes
+    size: int
+    #: set for local files: the fd / mmap / copy_file_range fast paths keep using it
+    local_path: str | None = None
+
+    def pread(self, n: int, off: int) -> bytes:
+        """Exactly ``n`` bytes at ``off``.
+
+        Args:
+            n: how many bytes.
+            off: where.
+
+        Returns:
+            The bytes.
+
+        Raises:
+            CorruptCheckpointError: the file ends before ``off + n`` (truncated).
+        """
+        raise NotImplementedError
+
+    def readinto(self, view: memoryview, off: int) -> int:
+        """Fill ``view`` with the bytes at ``off``.
+
+        Args:
+            view: a writable buffer.
+            off: where.
+
+        Returns:
+            ``len(view)`` (all of it, or an error).
+        """
+        view = memoryview(view).cast("B")
+        view[:] = self.pread(len(view), off)
+        return len(view)
+
+    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
+        """The bytes of ``(offset, length)`` ranges, in the order given (remote: coalesced, ``jobs`` parallel).
+
+        Args:
+            ranges: ``(offset, length)`` pairs.
+            jobs: parallel requests.
+
+        Yields:
+            ``(offset, data)`` per range.
+        """
+        for off, n in ranges:
+            yield off, self.pread(n, off)
+
+    def fileobj(self) -> BinaryIO:
+        """A new seekable read-only file object over the file (for zipfile, tarfile, json.load); close it after use.
+
+        Returns:
+            The file object.
+        """
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the descriptor or the cache."""
+
+    def __enter__(self) -> Source:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, size={self.size})"
+
+
+def _truncated(name: str, n: int, off: int, size: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{name}: a read of {n:,} bytes at offset {off:,} runs past the end of the file ({size:,} bytes): "
+        "the file is truncated or damaged"
+    )
+
+
+class _CountingFile(io.FileIO):
+    """A local file object that adds what it reads to a :class:`Stats` (only made when one is active)."""
+
+    stats: Stats
+
+    def read(self, n: int | None = -1) -> bytes:
+        data = super().read(n)
+        self.stats.add(nbytes=len(data or b""), requests=1)
+        return data
+
+    def readinto(self, b: Any) -> int:
+        k = super().readinto(b)
+        self.stats.add(nbytes=k or 0, requests=1)
+        return k or 0
+
+
+class LocalSource(Source):
+    """A local file: one read-only descriptor, ``os.pread``."""
+
+    def __init__(self, path: str | os.PathLike[str], *, stats: Stats | None = None) -> None:
+        self.name = os.fspath(path)
+        self.local_path = self.name
+        self.stats = stats
+        self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        try:
+            self.size = os.fstat(self.fd).st_size
+        except OSError:
+            os.close(self.fd)
+            raise
+        if stats is not None:
+            stats.add(files=1)
+
+    def pread(self, n: int, off: int) -> bytes:
+        if n < 0 or off < 0:
+            raise _truncated(self.name, n, off, self.size)
+        data = os.pread(self.fd, n, off)
+        if len(data) < n:  # a short pread of a regular file: keep reading (rare), or the file ended
+            parts = [data]
+            got = len(data)
+            while got < n:
+                more = os.pread(self.fd, n - got, off + got)
+                if not more:
+                    raise _truncated(self.name, n, off, self.size)
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        if self.stats is not None:
+            self.stats.add(nbytes=n, requests=1)
+        return data
+
+    def readinto(self, view: memoryview, off: int) -> int:
+        view = memoryview(view).cast("B")
+        done = 0
+        while done < len(view):
+            k = os.preadv(self.fd, [view[done:]], off + done)
+            if k <= 0:
+                raise _truncated(self.name, len(view), off, self.size)
+            done += k
+        if self.stats is not None:
+            self.stats.add(nbytes=done, requests=1)
+        return done
+
+    def fileobj(self) -> BinaryIO:
+        if self.stats is None:
+            return open(self.name, "rb")
+        f = _CountingFile(self.name, "r")
+        f.stats = self.stats
+        return io.BufferedReader(f)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class RemoteSource(Source):
+    """A remote object: :class:`ckptfix.remote.file.RemoteFile` behind the Source methods."""
+
+    def __init__(self, url: str, *, stats: Stats | None = None, fs: Any = None) -> None:
+        from ckptfix.remote.file import RemoteFile
+
+        self.rf = RemoteFile(url, stats=stats, fs=fs)
+        self.name = url
+        self.size = self.rf.size
+        self.local_path = None
+        self.stats = stats
+
+    @property
+    def etag(self) -> str | None:
+        """The version pinned at open (ETag, version id...), or None where the store reports none."""
+        return self.rf.etag
+
+    def pread(self, n: int, off: int) -> bytes:
+        return self.rf.pread(n, off)
+
+    def readinto(self, view: memoryview, off: int, jobs: int = 1) -> int:
+        return self.rf.readinto(view, off, jobs=jobs)
+
+    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
+        return self.rf.read_ranges(ranges, jobs=jobs)
+
+    def fileobj(self) -> BinaryIO:
+        return self.rf.fileobj()  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.rf.close()
+
+
+def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> Source:
+    """Open a local file or a remote object for positional reads.
+
+    Args:
+        path: a local path or a URL (see :func:`is_url`).
+        stats: counters to add to; None: the collector :func:`ckptfix.remote.stats.collect` made active, if any.
+
+    Returns:
+        A :class:`LocalSource` or a :class:`RemoteSource` (close it, or use it as a context manager).
+
+    Raises:
+        OSError: a local file cannot be opened (as ``open`` raises it).
+        RemoteNotFoundError: no such remote object (exit 40).
+        RemoteAccessDeniedError: the store refused (exit 41).
+        RemoteUnavailableError: the store failed after every retry (exit 43).
+        RemoteDriverMissingError: the URL's fsspec driver is not installed (exit 45).
+    """
+    st = stats if stats is not None else active()
+    if is_url(path):
+        return RemoteSource(os.fspath(path), stats=st)
+    return LocalSource(path, stats=st)
+
+
+# -- folders ----------------------------------------------------------------------------------------
+
+
+def _remote_map(url: str, e: BaseException) -> BaseException:
+    from ckptfix.errors import RemoteAccessDeniedError, RemoteNotFoundError, RemoteUnavailableError
+
+    if isinstance(e, FileNotFoundError):
+        return RemoteNotFoundError(f"{url}: no such object or folder; check the URL")
+    if isinstance(e, PermissionError):
+        return RemoteAccessDeniedError(f"{url}: access denied ({e}); check your credentials and permissions")
+    return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
+
+
+def _http(url: str) -> bool:
+    return (_urls.scheme(url) or "") in ("http", "https")
+
+
+def _http_head(url: str) -> tuple[int, str]:
+    """HTTP ``HEAD`` (redirects followed): (status, final URL)."""
+    from fsspec.asyn import sync
+
+    fs, _ = _urls.filesystem(url)
+
+    async def head() -> tuple[int, str]:
+        session = await fs.set_session()
+        async with session.head(url, allow_redirects=True, headers={"Accept-Encoding": "identity"}) as r:
+            return r.status, str(r.url)
+
+    try:
+        return sync(fs.loop, head)
+    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+        raise _remote_map(url, e) from None
+
+
+def isdir(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder (local, or a remote prefix / an HTTP folder URL).
+
+    Over HTTP a folder is a URL that ends with ``/`` or that the server redirects to one (as Python's
+    ``http.server`` and most listings do); nothing is downloaded to decide.
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        True for a folder.
+    """
+    if not is_url(path):
+        return os.path.isdir(path)
+    url = os.fspath(path)
+    if _http(url):
+        if url.split("?", 1)[0].endswith("/"):
+            return True
+        status, final = _http_head(url)
+        return status < 400 and final.split("?", 1)[0].endswith("/")
+    fs, p = _urls.filesystem(url)
+    try:
+        return bool(fs.isdir(p))
+    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+        raise _remote_map(url, e) from None
+
+
+def exists(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` exists (a file or a folder, local or remote).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        True when it exists.
+    """
+    if not is_url(path):
+        return os.path.exists(path)
+    url = os.fspath(path)
+    if _http(url):
+        status, _ = _http_head(url)
+        if status in (401, 403):
+            raise _remote_map(url, PermissionError(f"HTTP {status}"))
+        return status < 400
+    fs, p = _urls.filesystem(url)
+    try:
+        return bool(fs.exists(p))
+    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+        raise _remote_map(url, e) from None
+
+
+def listdir(path: str | os.PathLike[str]) -> list[str]:
+    """The names in a folder (local, a remote prefix, or an HTTP folder's link listing), sorted.
+
+    Args:
+        path: a folder's path or URL.
+
+    Returns:
+        Names (not paths); sub-folders without their trailing ``/``.
+
+    Raises:
+        RemoteNotFoundError: no such remote folder.
+    """
+    if not is_url(path):
+        return sorted(os.listdir(path))
+    url = os.fspath(path)
+    fs, p = _urls.filesystem(url)
+    if _http(url):
+        p = url if url.endswith("/") else url + "/"
+    try:
+        entries = fs.ls(p, detail=False)
+    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+        raise _remote_map(url, e) from None
+    names = set()
+    base = p.rstrip("/")
+    for entry in entries:
+        name = str(entry).rstrip("/")
+        if _http(url):
+            if not name.startswith(base + "/"):
+                continue  # a link out of the folder (parent, other hosts)
+            name = name[len(base) + 1 :]
+            if "/" in name or not name or name.startswith("?"):
+                continue
+            name = _unquote(name)
+        else:
+            name = name.rsplit("/", 1)[-1]
+        names.add(name)
+    return sorted(names)
+
+
+def _unquote(name: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(name)
+
+
+def join(path: str | os.PathLike[str], *names: str) -> str:
+    """``os.path.join`` for local paths, ``/``-joined segments for URLs.
+
+    Args:
+        path: a folder's path or URL.
+        *names: names below it.
+
+    Returns:
+        The joined path or URL.
+    """
+    if is_url(path):
+        return _urls.join(os.fspath(path), *names)
+    return os.path.join(os.fspath(path), *names)
+
+
+def basename(path: str | os.PathLike[str]) -> str:
+    """The last component of a path or URL.
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        Its name.
+    """
+    if is_url(path):
+        return _urls.basename(os.fspath(path))
+    return os.path.basename(os.fspath(path).rstrip(os.sep))
+
+
+def dirname(path: str | os.PathLike[str]) -> str:
+    """The folder holding a path or URL.
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        Its folder.
+    """
+    if is_url(path):
+        return _urls.parent(os.fspath(path))
+    return os.path.dirname(os.fspath(path))
+
+
+def getsize(path: str | os.PathLike[str]) -> int:
+    """The size of a file or remote object (one request for a URL).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        Its size in bytes.
+    """
+    if not is_url(path):
+        return os.path.getsize(path)
+    with open_source(path) as src:
+        return src.size
