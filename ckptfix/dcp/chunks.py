@@ -34,7 +34,7 @@ MAX_GATHER_SPAN = int(os.environ.get("CKPTFIX_DCP_MAX_GATHER", str(256 << 20)))
 class FileWindow(io.RawIOBase):
     """A read-only, seekable window ``[start, start + length)`` of an open file descriptor (``pread`` only)."""
 
-    def __init__(self, fd: Any, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int) -> None:
         super().__init__()
         self.fd, self.start, self.length, self.pos = fd, start, length, 0
 
@@ -92,46 +92,21 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(b), self.length - self.pos))
         if n == 0:
             return 0
-        data = _pread(self.fd, n, self.start + self.pos)
+        data = os.pread(self.fd, n, self.start + self.pos)
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
 
-def _pread(fd: Any, n: int, off: int) -> bytes:
-    """``os.pread`` of a descriptor, or up to ``n`` bytes at ``off`` of a remote Source (a DCP folder at a URL)."""
-    if isinstance(fd, int):
-        return os.pread(fd, n, off)
-    return fd.pread(max(0, min(n, fd.size - off)), off) if off < fd.size else b""
-
-
 class Files:
-    """Read-only descriptors of a DCP directory's data files, opened once each.
-
-    A directory at a URL (``s3://bucket/run.dcp``) gives each data file as a remote
-    :class:`~ckptfix.source.Source` instead of a descriptor (``_pread`` reads either).
-    """
+    """Read-only descriptors of a DCP directory's data files, opened once each."""
 
     def __init__(self, root: str) -> None:
         self.root = root
-        self.fds: dict[str, Any] = {}
-        self.remote = "://" in root and _is_url(root)
+        self.fds: dict[str, int] = {}
 
-    def path(self, rel: str) -> str:
-        """A data file's path (a URL for a remote directory).
-
-        Args:
-            rel: the file's path relative to the directory.
-
-        Returns:
-            The path or URL.
-        """
-        if self.remote:
-            return self.root.rstrip("/") + "/" + rel
-        return os.path.join(self.root, rel)
-
-    def fd(self, rel: str) -> Any:
-        """The read-only descriptor of a data file (a remote Source for a URL), opened on first use.
+    def fd(self, rel: str) -> int:
+        """The read-only descriptor of a data file, opened on first use.
 
         Args:
             rel: the file's path relative to the directory.
@@ -141,21 +116,13 @@ class Files:
         """
         fd = self.fds.get(rel)
         if fd is None:
-            if self.remote:
-                from ckptfix.source import open_source
-
-                fd = self.fds[rel] = open_source(self.path(rel))
-            else:
-                fd = self.fds[rel] = os.open(os.path.join(self.root, rel), os.O_RDONLY)
+            fd = self.fds[rel] = os.open(os.path.join(self.root, rel), os.O_RDONLY)
         return fd
 
     def close(self) -> None:
         """Close every descriptor opened."""
         for fd in self.fds.values():
-            if isinstance(fd, int):
-                os.close(fd)
-            else:
-                fd.close()
+            os.close(fd)
         self.fds.clear()
 
     def __enter__(self) -> Files:
@@ -185,12 +152,6 @@ class ChunkData:
         return is_c_contiguous(self.shape, self.stride)
 
 
-def _is_url(path: str) -> bool:
-    from ckptfix.source import is_url
-
-    return is_url(path)
-
-
 def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.ZipFile, FileWindow, bytes, str]:
     fd = files.fd(loc.relative_path)
     win = FileWindow(fd, loc.offset, loc.length)
@@ -214,7 +175,7 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
     except (CorruptCheckpointError, ResourceLimitError):
         raise
     except ZIP_ERRORS as e:
-        head = _pread(fd, 9, 0)
+        head = os.pread(fd, 9, 0)
         if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
             raise UnsupportedError(
                 f"{what}: {loc.relative_path} is a safetensors file (DCP's safetensors "
@@ -291,7 +252,7 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
         raise CorruptCheckpointError(f"{what}: storage record {name} is missing from the chunk archive") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise UnsupportedError(f"{what}: a compressed storage record; DCP writes them uncompressed")
-    hdr = _pread(files.fd(loc.relative_path), 30, loc.offset + info.header_offset)
+    hdr = os.pread(files.fd(loc.relative_path), 30, loc.offset + info.header_offset)
     if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{what}: damaged archive entry {name}; the chunk is corrupt")
     nlen, elen = struct.unpack("<HH", hdr[26:30])
@@ -362,7 +323,7 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
             f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
             "set CKPTFIX_DCP_MAX_OBJECT to read it"
         )
-    data = _pread(files.fd(loc.relative_path), loc.length, loc.offset)
+    data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"object {e.fqn!r}: file {loc.relative_path} ended early (truncated?)")
     return data
@@ -371,8 +332,8 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
 # --------------------------------------------------------------------------- reading blocks of a chunk
 
 
-def _pread_exact(fd: Any, n: int, off: int, what: str) -> bytes:
-    data = _pread(fd, n, off)
+def _pread_exact(fd: int, n: int, off: int, what: str) -> bytes:
+    data = os.pread(fd, n, off)
     if len(data) != n:
         raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
     return data
@@ -434,9 +395,6 @@ def read_block(
             return _pread_exact(fd, n, cd.data_offset + base * es, what)
         buf = into(n)
         view, done = memoryview(buf), 0
-        if not isinstance(fd, int):  # a remote Source: one range read
-            view[:n] = _pread_exact(fd, n, cd.data_offset + base * es, what)
-            done = n
         while done < n:
             k = os.preadv(fd, [view[done:]], cd.data_offset + base * es + done)
             if k <= 0:
