@@ -10,6 +10,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
+from ckptfix import source
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint, sniff
 from ckptfix.pickles import (
@@ -143,14 +144,15 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         KeyConflictError: ``key`` does not exist.
         NoModelWeightsError: a framework folder without model weights.
     """
-    if os.path.isdir(path):
+    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         from ckptfix.frameworks import inspect_folder, resolve
 
         fw = resolve(path)
         if fw is not None:
             rep: InspectReport = inspect_folder(fw, key)
             return rep
-    return inspect_file(path, key)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole inspection
+        return inspect_file(path, key)
 
 
 def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectReport:
@@ -168,7 +170,7 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
 
     cf = read_checkpoint(path)
     key_path, sd, holder = _locate(cf, key)
-    own = own_prefixes(path)
+    own = {} if source.is_url(path) else own_prefixes(path)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     distinct = _distinct(tensors)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}
@@ -523,7 +525,7 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
 
 def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
     legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
     names = ["magic number", "protocol version", "system info", "checkpoint object", "storage keys"]
@@ -546,14 +548,14 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
     from ckptfix.containment import check_member
 
-    meta = os.path.join(path, ".metadata")
+    meta = source.join(path, ".metadata")
     check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
-    with open(meta, "rb") as f:
+    with source.open_file(meta) as f:
         acc.add_result(".metadata", scan_globals(f, limits=limits))
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".distcp") and os.path.isfile(os.path.join(path, name)):
+    for name in source.listdir(path):
+        if name.endswith(".distcp") and source.isfile(source.join(path, name)):
             check_member(path, name, path)
-            _scan_distcp(os.path.join(path, name), name, acc, limits)
+            _scan_distcp(source.join(path, name), name, acc, limits)
 
 
 class _Slice(io.RawIOBase):
@@ -635,8 +637,8 @@ def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> Non
     (tensors written raw, or anything else) cannot be told apart from a pickle that
     ``dcp.load`` would hand to ``torch.load``, and make the verdict unknown.
     """
-    size = os.path.getsize(fpath)
-    with open(fpath, "rb") as f:
+    size = source.getsize(fpath)
+    with source.open_file(fpath) as f:
         pos = 0
         for e in _find_all(f, size, b"PK\x05\x06", 0):
             if e < pos:
@@ -679,13 +681,14 @@ def scan_checkpoint(path: str | os.PathLike, *, limits: PickleLimits | None = No
     """
     path = os.fspath(path)
     limits = limits or PickleLimits.from_env()
-    if os.path.isdir(path):
+    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         from ckptfix.frameworks import resolve
 
         fw = resolve(path)
         if fw is not None:
             return _scan_folder(fw, limits)
-    return _scan_one(path, limits)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole scan
+        return _scan_one(path, limits)
 
 
 def _scan_one(path: str, limits: PickleLimits) -> ScanReport:
@@ -802,7 +805,7 @@ def _context(fmt: Format) -> str | None:
 
 
 def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         _scan_zip(f, os.path.basename(path), acc, limits)
 
 
@@ -824,7 +827,7 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
         "only the first pickle of each member",
     )
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
+        with source.open_file(path) as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
             for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
                 try:
                     info = tar.getmember(name)  # the last member of that name, as tar.extract takes it
@@ -844,10 +847,10 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
 def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
     base = os.path.basename(path)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         _scan_zip(f, base, acc, limits)
     try:
-        with zipfile.ZipFile(path) as zf:
+        with source.open_file(path) as f, zipfile.ZipFile(f) as zf:
             code = [n for n in zf.namelist() if n.endswith(".py")]
     except Exception:  # noqa: BLE001 - already reported by the scan above
         code = []
@@ -883,12 +886,12 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
     """
     from ckptfix.formats import sniffing
 
-    if not os.path.isfile(path):
+    if not source.isfile(path):
         return
     base = os.path.basename(path)
     # (a file opening with PK\x03\x04 fails as a pickle at its first opcode, PERSID, before importing anything)
     if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
-        with open(path, "rb") as f:
+        with source.open_file(path) as f:
             _, parts = scan_pickle_sequence(f, limits=limits)
         for i, r in enumerate(parts):
             label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
@@ -908,7 +911,7 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
             acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
     if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
         sub = _Acc(acc.context)
-        with open(path, "rb") as f:
+        with source.open_file(path) as f:
             _scan_zip(f, f"{base} read as a zip", sub, limits)
         for g, d in sub.globals.items():
             acc._add(g, d["class"], d["count"])

@@ -18,9 +18,25 @@ from typing import Any, BinaryIO, Iterator
 
 from ckptfix.errors import CorruptCheckpointError
 from ckptfix.remote import url as _urls
-from ckptfix.remote.stats import Stats, active
+from ckptfix.remote.stats import Stats, active, session
 
-__all__ = ["Source", "LocalSource", "RemoteSource", "open_source", "is_url", "listdir", "isdir", "exists", "join"]
+__all__ = [
+    "LocalSource",
+    "RemoteSource",
+    "Source",
+    "basename",
+    "dirname",
+    "exists",
+    "getsize",
+    "is_url",
+    "isdir",
+    "isfile",
+    "join",
+    "listdir",
+    "open_file",
+    "open_source",
+    "session",
+]
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
@@ -194,10 +210,12 @@ class LocalSource(Source):
 class RemoteSource(Source):
     """A remote object: :class:`ckptfix.remote.file.RemoteFile` behind the Source methods."""
 
-    def __init__(self, url: str, *, stats: Stats | None = None, fs: Any = None) -> None:
+    def __init__(self, url: str, *, stats: Stats | None = None, fs: Any = None, rf: Any = None) -> None:
         from ckptfix.remote.file import RemoteFile
 
-        self.rf = RemoteFile(url, stats=stats, fs=fs)
+        #: shared with the session (closed when it ends), or this Source's own
+        self.shared = rf is not None
+        self.rf = rf if rf is not None else RemoteFile(url, stats=stats, fs=fs)
         self.name = url
         self.size = self.rf.size
         self.local_path = None
@@ -218,10 +236,32 @@ class RemoteSource(Source):
         return self.rf.read_ranges(ranges, jobs=jobs)
 
     def fileobj(self) -> BinaryIO:
-        return self.rf.fileobj()  # type: ignore[return-value]
+        return self.rf.fileobj()
 
     def close(self) -> None:
-        self.rf.close()
+        if not self.shared:
+            self.rf.close()
+
+
+def _remote_file(url: str, st: Stats | None) -> Any:
+    """The session's RemoteFile for ``url`` (opened once per session), or None outside a session."""
+    if st is None:
+        return None
+    rf = st.files_open.get(url)
+    if rf is None:
+        from ckptfix.remote.file import RemoteFile
+
+        try:
+            rf = RemoteFile(url, stats=st)
+        except IsADirectoryError:
+            st.probed[url] = "dir"
+            raise
+        except FileNotFoundError:
+            st.probed[url] = None
+            raise
+        st.files_open[url] = rf
+        st.probed[url] = "file"
+    return rf
 
 
 def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> Source:
@@ -243,8 +283,65 @@ def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> 
     """
     st = stats if stats is not None else active()
     if is_url(path):
-        return RemoteSource(os.fspath(path), stats=st)
+        url = os.fspath(path)
+        return RemoteSource(url, stats=st, rf=_remote_file(url, st))
     return LocalSource(path, stats=st)
+
+
+def open_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """``open(path, "rb")`` for a local path (the same file object as before), a seekable read-only file
+    object over the remote object for a URL (shared cache within a session).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        A binary file object; close it (or use ``with``).
+    """
+    if not is_url(path):
+        return open(path, "rb")
+    src = open_source(path)
+    return src.fileobj()
+
+
+def _probe(url: str) -> str | None:
+    """What ``url`` is: ``"file"``, ``"dir"`` or None (absent); one request, remembered in the session."""
+    st = active()
+    if st is not None and url in st.probed:
+        return st.probed[url]
+    from ckptfix.errors import RemoteNotFoundError
+
+    kind: str | None
+    try:
+        with open_source(url):
+            kind = "file"
+    except IsADirectoryError:
+        kind = "dir"
+    except RemoteNotFoundError:
+        kind = None
+        if not _http(url):  # an object store: a "folder" is a prefix with objects under it
+            fs, p = _urls.filesystem(url)
+            try:
+                kind = "dir" if fs.isdir(p) else None
+            except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+                raise _remote_map(url, e) from None
+    if st is not None:
+        st.probed[url] = kind
+    return kind
+
+
+def isfile(path: str | os.PathLike[str]) -> bool:
+    """``os.path.isfile`` for local paths; for a URL, whether it names an object (not a folder).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        True for a file.
+    """
+    if not is_url(path):
+        return os.path.isfile(path)
+    return _probe(os.fspath(path)) == "file"
 
 
 # -- folders ----------------------------------------------------------------------------------------
@@ -264,25 +361,8 @@ def _http(url: str) -> bool:
     return (_urls.scheme(url) or "") in ("http", "https")
 
 
-def _http_head(url: str) -> tuple[int, str]:
-    """HTTP ``HEAD`` (redirects followed): (status, final URL)."""
-    from fsspec.asyn import sync
-
-    fs, _ = _urls.filesystem(url)
-
-    async def head() -> tuple[int, str]:
-        session = await fs.set_session()
-        async with session.head(url, allow_redirects=True, headers={"Accept-Encoding": "identity"}) as r:
-            return r.status, str(r.url)
-
-    try:
-        return sync(fs.loop, head)
-    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
-        raise _remote_map(url, e) from None
-
-
 def isdir(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a folder (local, or a remote prefix / an HTTP folder URL).
+    """Whether ``path`` is a folder (local, a remote prefix, or an HTTP folder URL).
 
     Over HTTP a folder is a URL that ends with ``/`` or that the server redirects to one (as Python's
     ``http.server`` and most listings do); nothing is downloaded to decide.
@@ -296,16 +376,9 @@ def isdir(path: str | os.PathLike[str]) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
     url = os.fspath(path)
-    if _http(url):
-        if url.split("?", 1)[0].endswith("/"):
-            return True
-        status, final = _http_head(url)
-        return status < 400 and final.split("?", 1)[0].endswith("/")
-    fs, p = _urls.filesystem(url)
-    try:
-        return bool(fs.isdir(p))
-    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
-        raise _remote_map(url, e) from None
+    if _http(url) and url.split("?", 1)[0].endswith("/"):
+        return True
+    return _probe(url) == "dir"
 
 
 def exists(path: str | os.PathLike[str]) -> bool:
@@ -320,16 +393,9 @@ def exists(path: str | os.PathLike[str]) -> bool:
     if not is_url(path):
         return os.path.exists(path)
     url = os.fspath(path)
-    if _http(url):
-        status, _ = _http_head(url)
-        if status in (401, 403):
-            raise _remote_map(url, PermissionError(f"HTTP {status}"))
-        return status < 400
-    fs, p = _urls.filesystem(url)
-    try:
-        return bool(fs.exists(p))
-    except Exception as e:  # noqa: BLE001 - mapped to the typed errors
-        raise _remote_map(url, e) from None
+    if _http(url) and url.split("?", 1)[0].endswith("/"):
+        return True
+    return _probe(url) is not None
 
 
 def listdir(path: str | os.PathLike[str]) -> list[str]:

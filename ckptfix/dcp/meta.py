@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.pickles import (
     ELEMENT_SIZE,
@@ -385,10 +386,10 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
     from ckptfix.containment import check_member
 
     path = os.fspath(path)
-    mpath = os.path.join(path, METADATA_NAME)
+    mpath = source.join(path, METADATA_NAME)
     check_member(path, METADATA_NAME, path)
     try:
-        size = os.path.getsize(mpath)
+        size = source.getsize(mpath)
         if size > MAX_METADATA_BYTES:
             from ckptfix.errors import ResourceLimitError
 
@@ -396,7 +397,7 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
                 f"{mpath}: {size} bytes of DCP metadata is over the {MAX_METADATA_BYTES}-byte "
                 "limit; set CKPTFIX_DCP_MAX_METADATA to read it"
             )
-        with open(mpath, "rb") as f:
+        with source.open_file(mpath) as f:
             data = f.read()
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no .metadata file; not a DCP checkpoint directory") from None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedError
 from ckptfix.formats import dcp, legacy, safetensors_fmt, sharded, sniffing, zipfmt
 from ckptfix.formats.base import (
@@ -111,14 +112,14 @@ def sniff(path: str) -> Format:
             weight map, a zip without ``data.pkl``, a tar archive that is not torch's).
         ResourceLimitError: a zip whose small records inflate past ``CKPTFIX_MAX_PICKLE_MB``.
     """
-    if not os.path.exists(path):
+    if not source.exists(path):
         raise CheckpointNotFoundError(f"{path}: no such file or directory; check the path")
-    if os.path.isdir(path):
+    if source.isdir(path):
         return _dir_kind(path)
-    size = os.path.getsize(path)
+    size = source.getsize(path)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         head = f.read(16)
     # torch.load's own order (see ckptfix.formats.sniffing): zip magic, then tarfile at offset 0, then a pickle
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
@@ -146,7 +147,7 @@ def sniff(path: str) -> Format:
         )
     if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
         return legacy.stream_kind(path)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
         return _tar_kind(path)
@@ -160,11 +161,15 @@ def sniff(path: str) -> Format:
 
 def _dir_kind(path: str) -> Format:
     """A DCP directory (``.metadata``) or a directory holding a ``*.index.json``; refused otherwise."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if source.isfile(source.join(path, ".metadata")):
         return Format.DCP
-    names = sorted(os.listdir(path))
+    names = source.listdir(path)
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
+    if source.is_url(path):
+        raise CheckpointNotFoundError(
+            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); pass a checkpoint's URL"
+        )
     from ckptfix.frameworks import checkpoint_subfolders, is_sidecar_name
 
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
@@ -186,7 +191,7 @@ def _tar_kind(path: str) -> Format:
 
     names: set[str] = set()
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
+        with source.open_file(path) as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
             for _ in range(16):
                 info = tar.next()
                 if info is None:
@@ -227,7 +232,8 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         ResourceLimitError: metadata or pickles over the configured limits.
     """
     path = os.fspath(path)
-    return _READERS[sniff(path)](path)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole read
+        return _READERS[sniff(path)](path)
 
 
 def _read_tar(path: str) -> CheckpointFile:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import struct
 import tarfile
 from typing import Any
 
+from ckptfix import source
 from ckptfix.errors import ResourceLimitError
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -87,7 +87,7 @@ def tar_opens(path: str) -> bool | None:
     Raises:
         ResourceLimitError: a tar header whose size field asks for more than 16 MiB in one read.
     """
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         try:
             with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):
                 return True
@@ -109,7 +109,7 @@ def torch_branch(path: str) -> str:
         ``zip`` (``PK\\x03\\x04`` first), ``tar`` (tarfile opens it), ``tar-error`` (tarfile raises an
         error torch does not catch), else ``pickle``.
     """
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         if f.read(4) == ZIP_MAGIC:
             return "zip"
     opens = tar_opens(path)
@@ -128,8 +128,8 @@ def safetensors_header_ok(path: str, max_json: int) -> bool:
     Returns:
         True for a safetensors header.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.getsize(path)
+    with source.open_file(path) as f:
         head = f.read(9)
         if len(head) < 9 or head[8:9] != b"{":
             return False
@@ -163,8 +163,8 @@ def starts_like_pickle(path: str, limit: int = 1 << 20) -> bool:
     """
     from ckptfix.scanner import PickleLimits, scan_globals
 
-    with open(path, "rb") as f:
-        head = f.read(limit)
+    with source.open_file(path) as f:
+        head = f.read(min(limit, source.getsize(path)))
     if _PROTO.match(head):
         return True
     if not head:
@@ -188,6 +188,12 @@ def zip_appended(path: str) -> bool:
     import zipfile
 
     try:
+        if source.is_url(path):
+            with source.open_file(path) as f:
+                if not zipfile.is_zipfile(f):
+                    return False
+                with zipfile.ZipFile(f) as zf:
+                    return any(n.endswith(".pkl") for n in zf.namelist())
         if not zipfile.is_zipfile(path):
             return False
         with zipfile.ZipFile(path) as zf:

@@ -172,6 +172,9 @@ class _HttpBackend:
         async with session.head(self.url, headers=headers, allow_redirects=True, timeout=self._timeout()) as r:
             status = r.status
             h = r.headers
+            final = str(r.url).split("?", 1)[0]
+            if status < 300 and final.endswith("/") and not self.url.split("?", 1)[0].endswith("/"):
+                raise IsADirectoryError(self.name)  # a folder URL the server redirected to its listing
             if status in (405, 501):  # no HEAD: one byte of GET tells the size
                 return await self._info_get()
             if status >= 300:
@@ -540,13 +543,14 @@ class RemoteFile:
             return out
         return self._fetch(s, e)
 
-    def fileobj(self) -> RemoteFileObj:
+    def fileobj(self) -> RemoteBufferedReader:
         """A seekable read-only file object over the object (for :mod:`zipfile`, :mod:`tarfile`, ``json.load``).
 
         Returns:
-            A new file object (its own position) sharing this file's cache.
+            A new buffered file object (its own position, a 64 KiB buffer so that the C unpickler's small
+            reads stay cheap) sharing this file's cache.
         """
-        return RemoteFileObj(self)
+        return RemoteBufferedReader(RemoteFileObj(self), 64 * KiB)
 
     def close(self) -> None:
         """Drop the cache."""
@@ -564,6 +568,9 @@ class RemoteFile:
 
 class RemoteFileObj(io.RawIOBase):
     """A file object over a :class:`RemoteFile`: reads at the position, short only at the end."""
+
+    #: tells the scanner (:mod:`ckptfix.scanner`) to read windows instead of memory-mapping or reading it all
+    remote = True
 
     def __init__(self, rf: RemoteFile) -> None:
         super().__init__()
@@ -615,3 +622,15 @@ class RemoteFileObj(io.RawIOBase):
     @property
     def size(self) -> int:
         return self.rf.size
+
+
+class RemoteBufferedReader(io.BufferedReader):
+    """:class:`io.BufferedReader` over a :class:`RemoteFileObj`, with ``remote``/``size`` for the scanner."""
+
+    #: tells the scanner (:mod:`ckptfix.scanner`) to read windows instead of memory-mapping or reading it all
+    remote = True
+
+    @property
+    def size(self) -> int:
+        """The object's size."""
+        return int(self.raw.size)  # type: ignore[attr-defined]

@@ -27,6 +27,10 @@ class Stats:
     #: files (objects) opened
     files: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    #: the session's open remote files by URL (:func:`ckptfix.source.open_source` shares them) and what
+    #: probing a URL found ("file", "dir" or None): one request per URL and command, one pinned version
+    files_open: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    probed: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, *, nbytes: int = 0, requests: int = 0, retries: int = 0, files: int = 0) -> None:
         """Add to the counters.
@@ -96,3 +100,25 @@ def collect(stats: Stats | None = None) -> Iterator[Stats]:
     finally:
         with _ACTIVE_LOCK:
             _ACTIVE.remove(st)
+            last = st not in _ACTIVE
+        if last:
+            for rf in list(st.files_open.values()):
+                rf.close()
+            st.files_open.clear()
+            st.probed.clear()
+
+
+@contextlib.contextmanager
+def session() -> Iterator[Stats]:
+    """The active collector if there is one, else a new one for the block (library entry points use it, so
+    that one call opens each remote object once, whoever else opens it below).
+
+    Yields:
+        The collector.
+    """
+    st = active()
+    if st is not None:
+        yield st
+        return
+    with collect() as st:
+        yield st
