@@ -318,7 +318,8 @@ def convert_dcp(
     try:
         for rel in meta.files:  # opened once, before any worker thread asks (errors are reported where used)
             with contextlib.suppress(OSError):
-                files.fd(rel)
+                if files.source(rel) is None:  # a remote folder: its Source, opened (ETag pinned) here
+                    files.fd(rel)
         for name, rec in named:
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]

@@ -106,7 +106,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
         what = f"{where}tensor {e.fqn!r} chunk {list(c.offsets)}"
         fr = flat_range(e.shape, c.offsets, c.sizes)
         if fr is not None and cd.contiguous():
-            _read_into(files.fd(cd.rel), mv[fr[0] * es : fr[1] * es], cd.data_offset, what)
+            _read_into(files.source(cd.rel) or files.fd(cd.rel), mv[fr[0] * es : fr[1] * es], cd.data_offset, what)
             continue
         row = c.numel // c.sizes[0] * es
         step = max(1, STAGE_BYTES // max(1, row))  # rows per staging block
