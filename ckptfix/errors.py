@@ -241,6 +241,12 @@ class RemoteDriverMissingError(CkptfixError, ImportError):
     exit_code = 45
 
 
+class RemoteWriteError(CkptfixError, OSError):
+    """Writing to object storage failed (``-o s3://...``): the upload was aborted, nothing is left under the name."""
+
+    exit_code = 46
+
+
 class InterruptedByUserError(CkptfixError, KeyboardInterrupt):
     """Interrupted (Ctrl-C, SIGINT): finished outputs are kept, unfinished temp files removed; nothing else written."""
 

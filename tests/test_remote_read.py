@@ -22,8 +22,6 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from rangeserver import RangeServer, serving  # noqa: E402
-
 from ckptfix import source  # noqa: E402
 from ckptfix.errors import (  # noqa: E402
     CorruptCheckpointError,
@@ -39,6 +37,7 @@ from ckptfix.remote import file as rfile  # noqa: E402
 from ckptfix.remote.stats import Stats, collect  # noqa: E402
 
 from helpers import CkptFactory, run_cli  # noqa: E402
+from rangeserver import RangeServer, serving  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

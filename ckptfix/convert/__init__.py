@@ -110,6 +110,11 @@ def convert(
         UnsupportedError: an option of the other direction was given.  Otherwise as
             :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
     """
+    if dst is not None and _is_url(os.fspath(dst)):  # an object store: converted and verified locally, then uploaded
+        args = dict(locals())
+        from ckptfix.convert.remote_out import convert_to_url
+
+        return convert_to_url(convert, args)
     framework = _framework_convert(
         src, os.fspath(dst) if dst is not None else None, tag=tag, dtype=dtype, verify=verify, force=force,
         fsync=fsync, progress=progress, max_shard_size=max_shard_size, ckptfix_metadata=ckptfix_metadata, jobs=jobs,
@@ -215,6 +220,14 @@ def convert(
         jobs=jobs,
         drop=drop,
     )
+
+
+def _is_url(path: str) -> bool:
+    if "://" not in path:
+        return False
+    from ckptfix.source import is_url
+
+    return is_url(path)
 
 
 def _framework_convert(

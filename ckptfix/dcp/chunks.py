@@ -279,7 +279,11 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
         raise CorruptCheckpointError(f"{what}: storage record {name} is missing from the chunk archive") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise UnsupportedError(f"{what}: a compressed storage record; DCP writes them uncompressed")
-    hdr = os.pread(files.fd(loc.relative_path), 30, loc.offset + info.header_offset)
+    src = files.source(loc.relative_path)
+    at = loc.offset + info.header_offset
+    hdr = (
+        os.pread(files.fd(loc.relative_path), 30, at) if src is None else src.pread(max(0, min(30, src.size - at)), at)
+    )
     if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{what}: damaged archive entry {name}; the chunk is corrupt")
     nlen, elen = struct.unpack("<HH", hdr[26:30])
@@ -350,7 +354,11 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
             f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
             "set CKPTFIX_DCP_MAX_OBJECT to read it"
         )
-    data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
+    src = files.source(loc.relative_path)
+    if src is not None:  # a remote folder: one range read (a short object is caught below)
+        data = src.pread(max(0, min(loc.length, src.size - loc.offset)), loc.offset)
+    else:
+        data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"object {e.fqn!r}: file {loc.relative_path} ended early (truncated?)")
     return data
@@ -359,7 +367,11 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
 # --------------------------------------------------------------------------- reading blocks of a chunk
 
 
-def _pread_exact(fd: int, n: int, off: int, what: str) -> bytes:
+def _pread_exact(fd: Any, n: int, off: int, what: str) -> bytes:
+    if not isinstance(fd, int):  # a remote Source
+        if off + n > fd.size:
+            raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
+        return bytes(fd.pread(n, off))
     data = os.pread(fd, n, off)
     if len(data) != n:
         raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
@@ -406,7 +418,8 @@ def read_block(
         CorruptCheckpointError: the file ends inside the chunk.
         UnsupportedError: a chunk layout that cannot be gathered.
     """
-    fd = files.fd(cd.rel)
+    remote = files.source(cd.rel)
+    fd: Any = files.fd(cd.rel) if remote is None else remote  # a remote folder: its Source instead of a descriptor
     es = cd.element_size
     d = len(prefix)
     shape, stride = cd.shape, cd.stride
@@ -422,6 +435,9 @@ def read_block(
             return _pread_exact(fd, n, cd.data_offset + base * es, what)
         buf = into(n)
         view, done = memoryview(buf), 0
+        if remote is not None:  # one range read
+            view[:n] = _pread_exact(remote, n, cd.data_offset + base * es, what)
+            done = n
         while done < n:
             k = os.preadv(fd, [view[done:]], cd.data_offset + base * es + done)
             if k <= 0:
