@@ -52,7 +52,6 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
         _with_stats(show_stats, doc, st)
         emit_json(doc)
         return
-    _with_stats(show_stats, None, st)
     if r.state_dict_key is None:
         state = "no tensors (a valid torch file: arguments, scheduler or other state)"
     else:
@@ -85,6 +84,7 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
             click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
+    _with_stats(show_stats, None, st)
 
 
 def _framework_lines(fw: dict | None) -> list[str]:
