@@ -213,6 +213,10 @@ class RemoteSource(Source):
     def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
         return self.rf.read_ranges(ranges, jobs=jobs)
 
+    def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
+        """Bring ranges into the cache ahead of many small reads (see :meth:`RemoteFile.prefetch`)."""
+        self.rf.prefetch(ranges, jobs)
+
     def fileobj(self) -> BinaryIO:
         return self.rf.fileobj()
 

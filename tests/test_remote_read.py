@@ -78,6 +78,13 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from safetensors.torch import save_file
 
     save_file(big, str(root / "big.safetensors"))
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({k: big[k] for k in list(big)[:12]}, checkpoint_id=str(root / "big_dcp"), no_dist=True)
     return root
 
 
@@ -122,6 +129,7 @@ LOCAL_VS_REMOTE = [
     "big.pt",
     "big_legacy.pt",
     "big.safetensors",
+    "big_dcp",
 ]
 
 
@@ -132,11 +140,11 @@ def test_inspect_and_scan_of_a_url_equal_the_local_run(tree: Path, srv: RangeSer
     for fn in (inspect_checkpoint, scan_checkpoint):
         want = _norm(fn(local).to_dict(), str(tree))
         got = _norm(fn(url).to_dict(), srv.url)
-        if name == "dcp_ckpt" and fn is inspect_checkpoint:
+        if name in ("dcp_ckpt", "big_dcp") and fn is inspect_checkpoint:
             # a local DCP folder also names its framework layout (ckptfix.frameworks reads local folders only)
             assert want.pop("framework")["framework"] == "torch.distributed.checkpoint"
             assert got.pop("framework") is None
-        if name == "dcp_ckpt" and fn is scan_checkpoint:
+        if name in ("dcp_ckpt", "big_dcp") and fn is scan_checkpoint:
             assert want.pop("notes") == [
                 "torch.distributed.checkpoint folder (torch-dcp): 1 checkpoint file(s) scanned"
             ]
@@ -161,6 +169,20 @@ def test_inspect_and_scan_read_little(srv: RangeServer, tree: Path, name: str) -
         # the size/ETag request, the head, the tail (zip directory, safetensors header) and for a legacy stream
         # the object pickle: no request per tensor record
         assert len(hits) <= 5, [(h.method, h.range) for h in hits]
+
+
+def test_scan_of_a_remote_dcp_folder_reads_the_items_ends_not_the_tensors(srv: RangeServer, tree: Path) -> None:
+    """A DCP folder at a URL: .metadata says where each item lies; only each item's ends are fetched."""
+    size = sum(p.stat().st_size for p in (tree / "big_dcp").iterdir())
+    assert size > 20 << 20
+    with collect() as st:
+        rep = scan_checkpoint(f"{srv.url}/big_dcp")
+    assert rep.verdict == "safe"
+    assert st.bytes_read < 1 << 20, st.line()
+    assert st.requests <= 30, st.line()  # about one (parallel) request per item boundary, never the whole file
+    with collect() as st:
+        inspect_checkpoint(f"{srv.url}/big_dcp")
+    assert st.bytes_read < 256 << 10 and st.requests <= 6, st.line()
 
 
 def test_cli_stats_line_and_json(srv: RangeServer) -> None:

@@ -66,7 +66,7 @@ PART = 8 * MiB
 #: what the window cache holds at most (e.g. 16 windows of 4 MiB)
 CACHE_BYTES = 64 * MiB
 #: the cache's unit: fetched ranges are kept as aligned blocks of this size
-BLOCK = 64 * KiB
+BLOCK = 16 * KiB
 
 
 def _env_float(name: str, default: float) -> float:
@@ -629,6 +629,38 @@ class RemoteFile:
                 off, n = ranges[pos]
                 yield off, got.pop(pos)
                 pos += 1
+
+    def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
+        """Bring ``(offset, length)`` ranges into the cache ahead of many small reads (coalesced, ``jobs`` requests at
+        once), up to half the cache; what does not fit is simply read later.
+
+        Args:
+            ranges: ``(offset, length)`` pairs.
+            jobs: parallel requests.
+        """
+        want: list[tuple[int, int]] = []
+        budget = CACHE_BYTES // 2
+        for off, n in sorted(ranges):
+            off, end = max(0, off) // BLOCK * BLOCK, min(self.size, off + n)
+            end = min(self.size, -(-end // BLOCK) * BLOCK)
+            if end <= off or self._lookup(off, end - off) is not None:
+                continue
+            if want and off - want[-1][1] <= GAP and end - want[-1][0] <= MAX_REQUEST:
+                want[-1] = (want[-1][0], max(want[-1][1], end))
+            else:
+                want.append((off, end))
+            budget -= end - off
+            if budget <= 0:
+                break
+        if not want:
+            return
+
+        def one(r: tuple[int, int]) -> None:
+            self._store(r[0], self._fetch(*r))
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(want)))) as ex:
+            for f in [ex.submit(one, r) for r in want]:
+                f.result()
 
     def _group(self, s: int, e: int, jobs: int) -> bytes:
         hit = self._lookup(s, e - s)
