@@ -515,3 +515,16 @@ def test_s3_missing_object_and_bucket_are_40(s3: Any) -> None:
         p = run_cli("inspect", url)
         assert p.returncode == 40, p.stderr
         assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1
+
+
+def test_local_reads_never_import_fsspec(tree: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint; "
+        f"inspect_checkpoint({str(tree / 'plain.pt')!r}); scan_checkpoint({str(tree / 'legacy_dp.pt')!r}); "
+        "print('fsspec' in sys.modules, 'aiohttp' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]
