@@ -17,7 +17,7 @@ import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.remote import url as _urls
 from ckptfix.remote.stats import Stats, active, session
 
@@ -365,6 +365,8 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
         return RemoteNotFoundError(f"{url}: no such object or folder; check the URL")
     if isinstance(e, PermissionError):
         return RemoteAccessDeniedError(f"{url}: access denied ({e}); check your credentials and permissions")
+    if isinstance(e, CkptfixError):
+        return e
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
 
 

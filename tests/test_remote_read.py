@@ -528,3 +528,19 @@ def test_local_reads_never_import_fsspec(tree: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_drivers_client_errors_are_retried_then_unavailable(mem: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf:// (httpx), gs:// ... raise their HTTP client's own errors, not OSError: still typed, never "internal"."""
+    ConnectError = type("ConnectError", (Exception,), {"__module__": "httpx"})
+    calls = []
+
+    def boom(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise ConnectError("Name or service not known")
+
+    fs = fsspec.filesystem("memory")
+    with monkeypatch.context() as m, pytest.raises(RemoteUnavailableError, match="ConnectError") as ei:
+        m.setattr(type(fs), "info", boom)
+        source.open_source("memory://rcore-test/blob.bin")
+    assert ei.value.exit_code == 43 and len(calls) == 4  # 1 + CKPTFIX_REMOTE_RETRIES=3

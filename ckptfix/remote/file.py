@@ -239,6 +239,22 @@ class _HttpBackend:
         return data
 
 
+#: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
+_CLIENT_MODULES = frozenset(
+    {
+        "httpx",
+        "httpcore",
+        "requests",
+        "urllib3",
+        "aiohttp",
+        "botocore",
+        "aiobotocore",
+        "huggingface_hub",
+        "google",
+        "azure",
+    }
+)
+
 #: fsspec info keys that identify an object's version, most specific first
 _VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "content_md5", "last_commit")
 
@@ -268,6 +284,16 @@ class _FsBackend:
             return Transient(text, throttled=True)
         if isinstance(e, (OSError, ConnectionError, TimeoutError)):
             return Transient(f"{type(e).__name__}: {e}")
+        kind = type(e).__name__
+        top = type(e).__module__.split(".")[0]
+        if top in _CLIENT_MODULES or top.startswith("httpx") or any(w in kind for w in ("Connect", "Timeout", "HTTP")):
+            if "NotFound" in kind:
+                return RemoteNotFoundError(f"{self.name}: no such object ({kind}); check the URL")
+            if any(w in kind for w in ("Auth", "Forbidden", "Permission", "Gated", "Denied")):
+                return RemoteAccessDeniedError(
+                    f"{self.name}: access denied ({kind}: {e}); check your credentials and the object's permissions"
+                )
+            return Transient(f"{kind}: {e}")
         return e  # type: ignore[return-value]
 
     def info(self) -> tuple[int, str | None]:
@@ -412,11 +438,11 @@ class RemoteFile:
         assert last is not None
         if last.throttled:
             raise RemoteThrottledError(
-                f"{self.name}: the store is throttling requests ({last}) after {n} retries; "
+                f"{self.name}: the store is throttling requests ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
                 "wait and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
             )
         raise RemoteUnavailableError(
-            f"{self.name}: the store failed ({last}) after {n} retries; "
+            f"{self.name}: the store failed ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
             "check the network and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
         )
 
