@@ -243,13 +243,13 @@ def test_a_large_read_goes_in_parallel_parts_and_survives_a_drop(tree: Path, srv
     assert len(parts) >= 6  # 8 MiB parts
 
 
-def test_persistent_failure_is_unavailable_then_throttled(srv: RangeServer) -> None:
+def test_persistent_5xx_is_unavailable_and_persistent_429_throttled(srv: RangeServer) -> None:
     with source.open_source(f"{srv.url}/big.pt") as src:
         srv.fault("500", "/big.pt", count=10)
         with pytest.raises(RemoteUnavailableError, match="after 3 retries"):
             src.pread(10, 30_000_000)
         srv.reset()
-        srv.fault("503", "/big.pt", count=10)
+        srv.fault("429", "/big.pt", count=10)
         with pytest.raises(RemoteThrottledError) as ei:
             src.pread(10, 31_000_000)
     assert ei.value.exit_code == 42

@@ -119,8 +119,6 @@ def _http_status(name: str, status: int, reason: str = "") -> Exception:
         return RemoteChangedError(f"{name}: the object changed while it was read (HTTP 412); run the command again")
     if status == 429:
         return Transient(f"HTTP 429 {reason}".strip(), throttled=True)
-    if status == 503:
-        return Transient(f"HTTP 503 {reason}".strip(), throttled=True)
     if status >= 500 or status == 408:
         return Transient(f"HTTP {status} {reason}".strip())
     return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
