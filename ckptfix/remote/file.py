@@ -693,6 +693,8 @@ class RemoteFile:
         hit = self._lookup(s, e - s)
         if hit is not None:
             return hit
+        if e - s < DIRECT:  # through the cache: only the blocks missing are fetched
+            return self.pread(e - s, s)
         if e - s > PART:
             out = self._fetch_parts(s, e - s, 1)
             assert out is not None
