@@ -580,3 +580,15 @@ def test_random_reads_under_random_faults_are_right_or_typed(tree: Path, srv: Ra
                 errors += 1
             srv.reset()
     assert right > 30 and right + errors == 60
+
+
+def test_a_stalled_answer_times_out_and_is_retried(
+    tree: Path, srv: RangeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stops sending mid-body: the read times out (CKPTFIX_REMOTE_TIMEOUT) and is retried, no hang."""
+    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "1")
+    data = _bytes_of(tree, "big.pt")
+    with collect() as st, source.open_source(f"{srv.url}/big.pt") as src:
+        srv.fault("stall", "/big.pt")
+        assert src.pread(50_000, 25_000_000) == data[25_000_000:25_050_000]
+    assert st.retries == 1

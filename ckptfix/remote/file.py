@@ -257,7 +257,7 @@ _CLIENT_MODULES = frozenset(
 )
 
 #: fsspec info keys that identify an object's version, most specific first
-_VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "content_md5", "last_commit")
+_VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "blob_id", "md5Hash", "content_md5")
 
 
 class _FsBackend:
