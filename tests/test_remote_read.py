@@ -592,3 +592,10 @@ def test_a_stalled_answer_times_out_and_is_retried(
         srv.fault("stall", "/big.pt")
         assert src.pread(50_000, 25_000_000) == data[25_000_000:25_050_000]
     assert st.retries == 1
+
+
+def test_retry_after_is_read_in_seconds_and_capped() -> None:
+    assert rfile._retry_after({"Retry-After": "3"}) == 3.0
+    assert rfile._retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
+    assert rfile._retry_after({}) is None
+    assert rfile.MAX_RETRY_AFTER <= 60

@@ -105,9 +105,23 @@ def timeout() -> float:
 class Transient(Exception):
     """A failure worth retrying (internal: it never leaves this module)."""
 
-    def __init__(self, message: str, *, throttled: bool = False) -> None:
+    def __init__(self, message: str, *, throttled: bool = False, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.throttled = throttled
+        #: seconds the server asked to wait (``Retry-After``), honoured up to :data:`MAX_RETRY_AFTER`
+        self.retry_after = retry_after
+
+
+#: the longest ``Retry-After`` honoured (seconds); longer ones wait this long
+MAX_RETRY_AFTER = 20.0
+
+
+def _retry_after(headers: Any) -> float | None:
+    """Seconds from a ``Retry-After`` header given in seconds (an HTTP date is ignored: the backoff applies)."""
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except (TypeError, ValueError, AttributeError):
+        return None
 
 
 def _http_status(name: str, status: int, reason: str = "") -> Exception:
@@ -217,7 +231,10 @@ class _HttpBackend:
                         f"{self.name}: the server ignored a range request (HTTP 200 instead of 206); "
                         "download the file and run the command on the local copy"
                     )
-                raise _http_status(self.name, r.status, r.reason or "")
+                err = _http_status(self.name, r.status, r.reason or "")
+                if isinstance(err, Transient):
+                    err.retry_after = _retry_after(r.headers)
+                raise err
             etag = r.headers.get("ETag")
             if self.etag is not None and etag is not None and etag != self.etag:
                 raise RemoteChangedError(
@@ -431,7 +448,10 @@ class RemoteFile:
                 if self.stats is not None:
                     self.stats.add(requests=1, retries=1 if attempt < n else 0)
                 if attempt < n:
-                    time.sleep(backoff(attempt))
+                    wait = backoff(attempt)
+                    if e.retry_after is not None:  # the server said when: at least that (capped)
+                        wait = max(wait, min(e.retry_after, MAX_RETRY_AFTER))
+                    time.sleep(wait)
                 continue
             if self.stats is not None:
                 self.stats.add(requests=1, nbytes=len(out) if isinstance(out, (bytes, bytearray)) else 0)
