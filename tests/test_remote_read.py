@@ -599,3 +599,11 @@ def test_retry_after_is_read_in_seconds_and_capped() -> None:
     assert rfile._retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
     assert rfile._retry_after({}) is None
     assert rfile.MAX_RETRY_AFTER <= 60
+
+
+def test_no_credentials_is_access_denied_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("s3fs")
+    NoCredentialsError = type("NoCredentialsError", (Exception,), {"__module__": "botocore.exceptions"})
+    err = rfile._FsBackend(None, "bkt/x.pt", "s3://bkt/x.pt")._map(NoCredentialsError("Unable to locate credentials"))
+    assert isinstance(err, RemoteAccessDeniedError) and err.exit_code == 41
+    assert "AWS_ACCESS_KEY_ID" in str(err) and "\n" not in str(err)

@@ -141,6 +141,21 @@ def _http_status(name: str, status: int, reason: str = "") -> Exception:
     return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
 
 
+def no_credentials(name: str, e: BaseException) -> RemoteAccessDeniedError:
+    """The error for a store that found no credentials to sign with (botocore's ``NoCredentialsError`` ...)."""
+    hint = _CREDENTIALS.get(urls.SCHEMES.get(urls.scheme(name) or "", ("",))[0], "configure the store's credentials")
+    return RemoteAccessDeniedError(f"{name}: no credentials for this store ({type(e).__name__}); {hint}")
+
+
+#: how to give each store credentials (by fsspec protocol)
+_CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+    "gcs": "run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS",
+    "abfs": "run az login, or set AZURE_STORAGE_CONNECTION_STRING",
+    "hf": "run huggingface-cli login, or set HF_TOKEN",
+}
+
+
 class _HttpBackend:
     """Range requests over fsspec's aiohttp session, with ``If-Match`` and a check of every response."""
 
@@ -303,6 +318,8 @@ class _FsBackend:
         if isinstance(e, (OSError, ConnectionError, TimeoutError)):
             return Transient(f"{type(e).__name__}: {e}")
         kind = type(e).__name__
+        if "Credential" in kind or "NoAuth" in kind:
+            return no_credentials(self.name, e)
         top = type(e).__module__.split(".")[0]
         if top in _CLIENT_MODULES or top.startswith("httpx") or any(w in kind for w in ("Connect", "Timeout", "HTTP")):
             if "NotFound" in kind:
