@@ -368,7 +368,7 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
     if isinstance(e, CkptfixError):
         return e
     if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
-        from ckptfix.remote.file import no_credentials
+        from ckptfix.remote.backends import no_credentials
 
         return no_credentials(url, e)
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
