@@ -607,3 +607,15 @@ def test_no_credentials_is_access_denied_with_the_fix(monkeypatch: pytest.Monkey
     err = rfile._FsBackend(None, "bkt/x.pt", "s3://bkt/x.pt")._map(NoCredentialsError("Unable to locate credentials"))
     assert isinstance(err, RemoteAccessDeniedError) and err.exit_code == 41
     assert "AWS_ACCESS_KEY_ID" in str(err) and "\n" not in str(err)
+
+
+def test_a_second_open_that_finds_another_version_is_44_once(srv: RangeServer) -> None:
+    """A reader that opens the object again (a convert's tensor copy after its header read) must not mix versions."""
+    url = f"{srv.url}/plain.pt"
+    with source.open_source(url) as src:
+        src.pread(8, 0)
+    srv.version += 1  # the object is replaced between the two opens
+    with pytest.raises(RemoteChangedError, match="since this process first read it"):
+        source.open_source(url)
+    with source.open_source(url) as src:  # running it again starts from the new version
+        assert src.pread(2, 0) == b"PK"

@@ -16,7 +16,9 @@ Tuned for stores where a request costs tens of milliseconds and bytes are cheap:
   :class:`~ckptfix.errors.RemoteThrottledError`;
 * **ETag pinning**: the ETag read at open is sent as ``If-Match`` on every HTTP range request and checked on
   every response (with the object's total size from ``Content-Range``): a change is
-  :class:`~ckptfix.errors.RemoteChangedError`, never a read that mixes two versions.
+  :class:`~ckptfix.errors.RemoteChangedError`, never a read that mixes two versions.  The version also stays
+  pinned for :data:`PIN_SECONDS` after the URL's last open in the process: a reader that opens the object again
+  (the tensor copy after the header read) and finds another version gets the same error.
 
 Environment: ``CKPTFIX_REMOTE_RETRIES`` (default 5), ``CKPTFIX_REMOTE_BACKOFF`` (first backoff in seconds,
 default 0.25), ``CKPTFIX_REMOTE_TIMEOUT`` (seconds without data before a request counts as failed, default 60).
@@ -34,6 +36,7 @@ from typing import Any, Iterator
 from ckptfix.errors import (
     CkptfixError,
     CorruptCheckpointError,
+    RemoteChangedError,
     RemoteThrottledError,
     RemoteUnavailableError,
 )
@@ -79,6 +82,36 @@ CACHE_BYTES = 64 * MiB
 BLOCK = 16 * KiB
 
 
+#: a version seen at open stays pinned this long (seconds since the URL's last open in this process): a later open of
+#: the same URL that finds another version (a convert's header read, then its tensor copy) is an error, not a mix
+PIN_SECONDS = 60.0
+_PINS_MAX = 256
+_PINS: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+_PINS_LOCK = threading.Lock()
+
+
+def _check_pin(url: str, etag: str | None) -> None:
+    """Pin ``etag`` for ``url``; raise :class:`RemoteChangedError` if another version was pinned moments ago."""
+    if etag is None:
+        return
+    now = time.monotonic()
+    with _PINS_LOCK:
+        old = _PINS.pop(url, None)
+        if old is not None and old[0] != etag and now - old[1] <= PIN_SECONDS:
+            raise RemoteChangedError(  # not re-pinned: running the command again starts from the new version
+                f"{url}: the object changed since this process first read it (ETag {old[0]} -> {etag}); "
+                "run the command again"
+            )
+        _PINS[url] = (etag, now)
+        while len(_PINS) > _PINS_MAX:
+            _PINS.popitem(last=False)
+
+
+def _unpin(url: str) -> None:
+    with _PINS_LOCK:
+        _PINS.pop(url, None)
+
+
 class RemoteFile:
     """A remote object read by byte ranges (see the module's description for the policy).
 
@@ -116,6 +149,7 @@ class RemoteFile:
         self.etag: str | None = etag
         self._backend.size = size
         self._backend.etag = etag
+        _check_pin(url, etag)
         if stats is not None:
             stats.add(files=1)
         self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # block number -> bytes
@@ -133,9 +167,11 @@ class RemoteFile:
         for attempt in range(n + 1):
             try:
                 out = fn(*args)
-            except CkptfixError:  # a typed answer (changed, not found, denied): the request counts, no retry
+            except CkptfixError as e:  # a typed answer (changed, not found, denied): the request counts, no retry
                 if self.stats is not None:
                     self.stats.add(requests=1)
+                if isinstance(e, RemoteChangedError):
+                    _unpin(self.name)  # the next open starts from the new version
                 raise
             except Transient as e:
                 last = e
