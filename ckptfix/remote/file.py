@@ -107,9 +107,17 @@ def _check_pin(url: str, etag: str | None) -> None:
             _PINS.popitem(last=False)
 
 
-def _unpin(url: str) -> None:
+def forget_version(url: str) -> None:
+    """Forget the version pinned for ``url`` (call it after this process wrote the object itself).
+
+    Args:
+        url: the object's URL.
+    """
     with _PINS_LOCK:
         _PINS.pop(url, None)
+
+
+_unpin = forget_version
 
 
 class RemoteFile:
