@@ -45,6 +45,7 @@ def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTFIX_REMOTE_BACKOFF", "0")
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "3")
     monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "20")
+    rfile._PINS.clear()  # the served files' versions go back to 0 between tests: no pin carried over
 
 
 # --------------------------------------------------------------------------- the files served
