@@ -26,6 +26,8 @@ LAYERS = {
             "outputs",
             "_torch",
             "_dataclass",
+            "source",
+            "remote",
         ],
         0,
     ),

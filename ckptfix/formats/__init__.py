@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ckptfix.formats import registry, sniffing, zipfmt
 from ckptfix.formats.base import (
@@ -119,14 +120,18 @@ def sniff(path: str) -> Format:
             weight map, a zip without ``data.pkl``, a tar archive that is not torch's).
         ResourceLimitError: a zip whose small records inflate past ``CKPTFIX_MAX_PICKLE_MB``.
     """
-    if not os.path.exists(path):
+    if not source.exists(path):
+        if source.is_url(path):
+            from ckptfix.errors import RemoteNotFoundError
+
+            raise RemoteNotFoundError(f"{path}: no such object or folder; check the URL")
         raise CheckpointNotFoundError(f"{path}: no such file or directory; check the path")
-    if os.path.isdir(path):
+    if source.isdir(path):
         return _dir_kind(path)
-    size = os.path.getsize(path)
+    size = source.getsize(path)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         head = f.read(16)
     # torch.load's own order (see ckptfix.formats.sniffing): zip magic, then tarfile at offset 0, then a pickle
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
@@ -160,7 +165,7 @@ def sniff(path: str) -> Format:
         from ckptfix.formats import legacy
 
         return legacy.stream_kind(path)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
         return _tar_kind(path)
@@ -174,11 +179,15 @@ def sniff(path: str) -> Format:
 
 def _dir_kind(path: str) -> Format:
     """A DCP directory (``.metadata``) or a directory holding a ``*.index.json``; refused otherwise."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if source.isfile(source.join(path, ".metadata")):
         return Format.DCP
-    names = sorted(os.listdir(path))
+    names = source.listdir(path)
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
+    if source.is_url(path):
+        raise CheckpointNotFoundError(
+            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); pass a checkpoint's URL"
+        )
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
@@ -215,7 +224,7 @@ def _tar_kind(path: str) -> Format:
 
     names: set[str] = set()
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
+        with source.open_file(path) as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
             for _ in range(16):
                 info = tar.next()
                 if info is None:
@@ -256,7 +265,8 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointFile:
         ResourceLimitError: metadata or pickles over the configured limits.
     """
     path = os.fspath(path)
-    cf: CheckpointFile = registry.dispatch(sniff(path), "read", path)(path)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole read
+        cf: CheckpointFile = registry.dispatch(sniff(path), "read", path)(path)
     return cf
 
 
