@@ -6,7 +6,9 @@ Usage::
     python benchmarks/bench_startup.py [-n 21]
 
 Whole-process wall time, interleaved round after round (order reversed every other round), best and
-median of ``-n``; the 1-minute load average is recorded.  ``inspect`` and ``scan`` read a small
+median of ``-n``; the 1-minute load average is recorded.  The process's CPU time (user + system, its
+children's included) is printed beside it: on a loaded machine the wall time also counts the waits for
+a core, the CPU time much less.  ``inspect`` and ``scan`` read a small
 ``torch.save`` checkpoint (made once, torch-free afterwards); ``gpus`` and ``pick-gpu`` ask the
 instant fake ``nvidia-smi`` of the tests (as ``bench_gpu.py``), so what is measured is the
 interpreter, the imports and ckptfix's own work.  Target (issue 25): each at or under 1.4x
@@ -22,10 +24,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import child_env, measure
+from _measure import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FIX = ROOT / "tests" / "fixtures" / "nvidia-smi"
@@ -73,19 +76,39 @@ def main() -> None:
         for argv in cases.values():  # .pyc files and page cache
             subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
         walls: dict[str, list[float]] = {k: [] for k in cases}
+        cpus: dict[str, list[float]] = {k: [] for k in cases}
         loads = []
         names = list(cases)
         for r in range(a.n):
             for name in names if r % 2 == 0 else names[::-1]:
                 loads.append(os.getloadavg()[0])
-                walls[name].append(measure(cases[name], env)[0])
-    base_best, base_med = min(walls["import click"]), statistics.median(walls["import click"])
+                wall, cpu = _run(cases[name], env)
+                walls[name].append(wall)
+                cpus[name].append(cpu)
     print(f"best / median of {a.n}, order alternated, loadavg {min(loads):.1f}-{max(loads):.1f}")
-    for name, v in walls.items():
-        best, med = min(v), statistics.median(v)
-        print(
-            f"{name:14} {best * 1000:7.1f} / {med * 1000:7.1f} ms   {best / base_best:5.2f}x / {med / base_med:5.2f}x"
-        )
+    print(f"{'':14} {'wall ms':>17} {'ratio':>15}   {'CPU ms':>17} {'ratio':>15}")
+    for name in cases:
+        cols = []
+        for d in (walls, cpus):
+            v, base = d[name], d["import click"]
+            best, med = min(v), statistics.median(v)
+            cols.append(
+                f"{best * 1000:7.1f} / {med * 1000:7.1f}   "
+                f"{best / min(base):5.2f}x / {med / statistics.median(base):5.2f}x"
+            )
+        print(f"{name:14} " + "   ".join(cols))
+
+
+def _run(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one run of ``argv``; exits the benchmark if it fails."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    err = p.stderr.read().decode() if p.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"benchmark command failed: {' '.join(argv)}\n{err[-2000:]}")
+    return wall, ru.ru_utime + ru.ru_stime
 
 
 if __name__ == "__main__":

@@ -212,6 +212,51 @@ class DemoFailedError(CkptfixError, RuntimeError):
     exit_code = 31
 
 
+class RemoteNotFoundError(CheckpointNotFoundError):
+    """A remote object (``s3://``, ``gs://``, ``https://`` ...) does not exist: a wrong bucket, key or URL.
+
+    A subclass of :class:`CheckpointNotFoundError` (so of ``FileNotFoundError``) with its own code.
+    """
+
+    exit_code = 40
+
+
+class RemoteAccessDeniedError(CkptfixError, PermissionError):
+    """The store refused the request (HTTP 401/403, S3 ``AccessDenied``): credentials or permissions."""
+
+    exit_code = 41
+
+
+class RemoteThrottledError(CkptfixError, ConnectionError):
+    """The store kept throttling the requests (HTTP 429, S3 ``SlowDown``) after every retry."""
+
+    exit_code = 42
+
+
+class RemoteUnavailableError(CkptfixError, ConnectionError):
+    """The store could not be reached or kept failing (connection errors, 5xx, short reads) after every retry."""
+
+    exit_code = 43
+
+
+class RemoteChangedError(CkptfixError, RuntimeError):
+    """The remote object changed while it was being read (its ETag or size changed): nothing mixed is used."""
+
+    exit_code = 44
+
+
+class RemoteDriverMissingError(CkptfixError, ImportError):
+    """A URL needs an fsspec driver that is not installed (``pip install "ckptfix[remote]"``, ``pip install gcsfs``)."""
+
+    exit_code = 45
+
+
+class RemoteWriteError(CkptfixError, OSError):
+    """Writing to object storage failed (``-o s3://...``): the upload was aborted, nothing is left under the name."""
+
+    exit_code = 46
+
+
 class InterruptedByUserError(CkptfixError, KeyboardInterrupt):
     """Interrupted (Ctrl-C, SIGINT): finished outputs are kept, unfinished temp files removed; nothing else written."""
 

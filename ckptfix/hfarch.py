@@ -17,10 +17,11 @@ Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
+
+from ckptfix._dataclass import dataclass
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ def read_config(src: str | os.PathLike) -> dict[str, Any] | None:
     try:
         if not os.path.isfile(cfg) or os.path.getsize(cfg) > MAX_CONFIG_BYTES:
             return None
+        import json  # here, not at the top: start-up of inspect/scan
+
         with open(cfg, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from typing import Any, Mapping
 
+from ckptfix import source
+from ckptfix._dataclass import dataclass
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint
 from ckptfix.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve
 from ckptfix.pickles import (
@@ -140,12 +142,14 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         KeyConflictError: ``key`` does not exist.
         NoModelWeightsError: a framework folder without model weights.
     """
-    if os.path.isdir(path):
+    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         fw = resolve(path)
         if fw is not None:
             rep: InspectReport = inspect_folder(fw, key)
             return rep
-    return inspect_file(path, key)
+    # a remote object is opened once (one pinned version) for the whole inspection, and only its metadata is read
+    with source.session(), source.metadata_only():
+        return inspect_file(path, key)
 
 
 def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectReport:
@@ -162,7 +166,7 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
 
     cf = read_checkpoint(path)
     key_path, sd, holder = _locate(cf, key)
-    own = own_prefixes(path)
+    own = {} if source.is_url(path) else own_prefixes(path)
     tensors = {k: v for k, v in sd.items() if is_tensor_like(v)}
     distinct = _distinct(tensors)
     sd_storages = {id(t.storage): t.storage for t in tensors.values() if t.storage is not None}

@@ -26,12 +26,12 @@ Nothing here imports torch; the sidecar summaries read pickles with the restrict
 from __future__ import annotations
 
 import contextvars
-import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Callable, Mapping
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, NoModelWeightsError
 from ckptfix.formats import register_subfolder_lister
 from ckptfix.formats.roles import WEIGHT_NAMES, file_role
@@ -181,6 +181,8 @@ def _index_shards(index: str) -> set[str]:
         if os.path.getsize(index) > 64 << 20:
             return set()
         with open(index, encoding="utf-8") as f:
+            import json  # here, not at the top: start-up of inspect/scan
+
             wm = json.load(f).get("weight_map")
         return {v for v in wm.values() if isinstance(v, str)} if isinstance(wm, dict) else set()
     except (OSError, ValueError, RecursionError, AttributeError):
@@ -396,6 +398,8 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
         if os.path.getsize(path) > 4 << 20:
             return "JSON, not read (over 4 MiB)", {}
         with open(path, encoding="utf-8") as f:
+            import json  # here, not at the top: start-up of inspect/scan
+
             doc = json.load(f)
         if not isinstance(doc, dict):
             return "JSON", {}

@@ -257,6 +257,16 @@ def _torch_load(
 ) -> Any:
     import torch
 
+    if _is_remote(path):  # a URL: torch reads a seekable file object of range requests (no local copy, no mmap)
+        from ckptfix.source import open_source
+
+        with open_source(path) as src, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f = src.fileobj()
+            if trust:
+                return torch.load(f, map_location=restore, weights_only=False)
+            mod = restricted_pickle_module(allow_globals, stubbed)
+            return torch.load(f, map_location=restore, weights_only=False, pickle_module=mod)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if trust:
@@ -265,12 +275,56 @@ def _torch_load(
         return torch.load(path, map_location=restore, mmap=mmap, weights_only=False, pickle_module=mod)
 
 
+def _is_remote(path: str) -> bool:
+    if "://" not in path:
+        return False
+    from ckptfix.source import is_url
+
+    return is_url(path)
+
+
+def _materialize_remote(records: Mapping[str, Any], device: str, url: str) -> dict:
+    """:func:`_materialize` of a URL: each storage's byte range read once (range requests), no local copy."""
+    import torch
+
+    from ckptfix.source import open_source
+
+    out: dict[str, Any] = {}
+    bases: dict[int, Any] = {}
+    with open_source(url) as src:
+        for name, rec in records.items():
+            st = rec.storage
+            if rec.kind != "dense" or st is None or st.file_offset is None:
+                raise UnsupportedError(f"{url}: tensor {name!r} ({rec.kind}) cannot be materialised; use --trust")
+            dtype = getattr(torch, rec.dtype)
+            base = bases.get(id(st))
+            if base is None:
+                data = bytearray(src.pread(st.nbytes, st.file_offset)) if st.nbytes else bytearray()
+                if len(data) != st.nbytes:
+                    raise CorruptCheckpointError(f"{url}: the object ended inside tensor {name!r} (truncated?)")
+                raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                base = raw.view(dtype)
+                bases[id(st)] = base
+            try:
+                t = base.as_strided(rec.shape, rec.stride, rec.offset)
+            except RuntimeError as e:
+                raise CorruptCheckpointError(
+                    f"{url}: tensor {name!r} does not fit its storage ({e}); the file is corrupt"
+                ) from None
+            if device != "cpu":
+                t = t.to(device)
+            out[name] = t
+    return out
+
+
 def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
     """Turn TensorRecords (byte ranges of ``path``) into torch tensors, one copied buffer per storage."""
     import mmap as _mmap
 
     import torch
 
+    if _is_remote(path):
+        return _materialize_remote(records, device, path)
     out: dict[str, Any] = {}
     with open(path, "rb") as f:
         mm = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
@@ -374,10 +428,26 @@ def _load_legacy(ld: _Load) -> Any:
 def _load_pickle(ld: _Load) -> Any:
     ld.restore()  # map_location is checked as for any torch file
     read_checkpoint(ld.path, ld.format)
-    with open(ld.path, "rb") as f:
+    with _open_binary(ld.path) as f:
         if ld.trust:
             return pickle.load(f)  # explicitly trusted
         return restricted_pickle_module(ld.allow_globals, ld.stubbed).load(f)
+
+
+def _open_binary(path: str) -> Any:
+    """``open(path, "rb")``, or a URL's seekable file object of range requests (a context manager either way)."""
+    if _is_remote(path):
+        import contextlib
+
+        from ckptfix.source import open_source
+
+        @contextlib.contextmanager
+        def remote() -> Any:
+            with open_source(path) as src:
+                yield src.fileobj()
+
+        return remote()
+    return open(path, "rb")
 
 
 def _load_safetensors(ld: _Load) -> Any:
@@ -385,7 +455,13 @@ def _load_safetensors(ld: _Load) -> Any:
     from safetensors.torch import load_file
 
     dev = _simple_target(ld.map_location)
-    read_checkpoint(ld.path, ld.format)  # the header's limits and checks, as in every other command
+    cf = read_checkpoint(ld.path, ld.format)  # the header's limits and checks, as in every other command
+    if _is_remote(ld.path):  # each tensor's byte range read once: no local copy of the file
+        ld.metadata.update(_st_metadata(cf))
+        obj = _materialize_remote(cf.obj, dev, ld.path)
+        obj = stmeta.restore(obj, ld.metadata)
+        ld.tags["cpu"] = len(obj)
+        return obj
     try:
         with safe_open(ld.path, framework="pt") as f:
             ld.metadata.update(f.metadata() or {})
@@ -395,6 +471,17 @@ def _load_safetensors(ld: _Load) -> Any:
     obj = stmeta.restore(obj, ld.metadata)
     ld.tags["cpu"] = len(obj)
     return obj
+
+
+def _st_metadata(cf: Any) -> dict[str, Any]:
+    """A safetensors file's ``__metadata__`` as its reader recorded it."""
+    details = getattr(cf, "details", None)
+    for attr in ("metadata", "st_metadata"):
+        got = getattr(details, attr, None) if details is not None else None
+        if isinstance(got, dict):
+            return dict(got)
+    got = getattr(cf, "metadata", None)
+    return dict(got) if isinstance(got, dict) else {}
 
 
 def _load_sharded(ld: _Load) -> Any:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import codecs
 import collections
 import pickle
-from dataclasses import dataclass
 from typing import Any, Callable, Literal
+
+from ckptfix._dataclass import dataclass
 
 #: what :func:`classify_global` says of a global
 Verdict = Literal["safe", "unknown", "dangerous"]

@@ -35,9 +35,10 @@ import io
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, BinaryIO
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
 
 HIGHEST_PROTOCOL = 5
@@ -282,6 +283,31 @@ def _as_buffer(data: Any) -> tuple[Any, int, BinaryIO | None, Any]:
 #: without a memory map (the file does not fit the address space), at most this much of it is scanned
 _NO_MAP_READ = 256 << 20
 
+#: the first window a pickle in a remote file is scanned in; it grows 4x while the scan runs off its end
+_REMOTE_WINDOW = 64 << 10
+
+
+def _scan_remote(f: Any, limits: PickleLimits, scan: Any) -> ScanResult:
+    """Scan one pickle of a remote file (:class:`ckptfix.remote.file.RemoteFileObj`) at its position.
+
+    No memory map there: the bytes from the position are fetched in a window that grows 4x while the
+    scan runs off its end (a linear scan, so at most ~1.3x the work of one pass), up to the pickle
+    limit (``CKPTFIX_MAX_PICKLE_MB``): what is transferred is about the pickle, not the file.  The file
+    is left just past ``STOP``.
+    """
+    start = f.tell()
+    left = max(0, f.size - start)
+    w = _REMOTE_WINDOW
+    while True:
+        n = min(w, left, limits.max_bytes + 1)
+        f.seek(start)
+        res: ScanResult = scan(f.read(n))
+        if res.error and "truncated" in res.error and n < left and n <= limits.max_bytes:
+            w *= 4
+            continue
+        f.seek(start + res.end)
+        return res
+
 
 def scan_globals(
     data: bytes | bytearray | memoryview | BinaryIO, *, limits: PickleLimits | None = None, strict_limits: bool = False
@@ -306,6 +332,11 @@ def scan_globals(
         ResourceLimitError: only with ``strict_limits``.
     """
     limits = limits or PickleLimits.from_env()
+    if getattr(data, "remote", False):  # a remote file: growing windows, not the whole object
+        res = _scan_remote(data, limits, lambda b: _scan(b, 0, limits, strict_limits))
+        if strict_limits and res.limit_error:
+            raise ResourceLimitError(res.limit_error)
+        return res
     buf, start, f, closer = _as_buffer(data)
     try:
         res = _scan(buf, start, limits, strict_limits)
@@ -949,6 +980,17 @@ def scan_pickle_sequence(
         (merged result, the result of each pickle scanned, in order).
     """
     limits = limits or PickleLimits.from_env()
+    if getattr(data, "remote", False):  # a remote file: each pickle in growing windows
+        rf: Any = data
+        merged, found = ScanResult(), list[ScanResult]()
+        while len(found) < max_pickles and rf.tell() < rf.size:
+            r = _scan_remote(rf, limits, lambda b: _scan(b, 0, limits))
+            found.append(r)
+            merged.merge(r)
+            merged.end += r.end
+            if r.error or len(found) == 1 and not r.value_unknown and r.value != LEGACY_MAGIC_NUMBER:
+                break
+        return merged, found
     buf, start, f, closer = _as_buffer(data)
     total = ScanResult()
     parts: list[ScanResult] = []

@@ -12,9 +12,11 @@ import io
 import os
 import struct
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from ckptfix import source
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.registry import dispatch, implement_all
@@ -194,7 +196,7 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
 
 def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
     legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
     names = ["magic number", "protocol version", "system info", "checkpoint object", "storage keys"]
@@ -218,14 +220,73 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
 def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
     from ckptfix.containment import check_member
 
-    meta = os.path.join(path, ".metadata")
+    meta = source.join(path, ".metadata")
     check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
-    with open(meta, "rb") as f:
+    with source.open_file(meta) as f:
         acc.add_result(".metadata", scan_globals(f, limits=limits))
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".distcp") and os.path.isfile(os.path.join(path, name)):
+    spans = _remote_spans(path, acc) if source.is_url(path) else None
+    for name in source.listdir(path):
+        if name.endswith(".distcp") and source.isfile(source.join(path, name)):
             check_member(path, name, path)
-            _scan_distcp(os.path.join(path, name), name, acc, limits)
+            if spans is not None:
+                _scan_distcp_spans(source.join(path, name), name, spans.get(name, []), acc, limits)
+            else:
+                _scan_distcp(source.join(path, name), name, acc, limits)
+
+
+def _remote_spans(path: str, acc: _Acc) -> dict[str, list[tuple[int, int]]] | None:
+    """For a DCP folder at a URL: where ``.metadata`` says each item lies, per data file (None: unreadable
+    metadata; the data files are then searched whole, as local ones are)."""
+    from ckptfix.dcp.meta import BytesEntry, read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except CkptfixError:
+        return None
+    out: dict[str, list[tuple[int, int]]] = {}
+    for e in meta.entries.values():
+        locs = [e.location] if isinstance(e, BytesEntry) else list(getattr(e, "locations", []))
+        for loc in locs:
+            if loc is not None:
+                out.setdefault(loc.relative_path, []).append((loc.offset, loc.length))
+    return out
+
+
+def _scan_distcp_spans(fpath: str, label: str, spans: list[tuple[int, int]], acc: _Acc, limits: PickleLimits) -> None:
+    """:func:`_scan_distcp` for a remote data file: archives are looked for where ``.metadata`` puts the items
+    (an end record at the end of each item), instead of searching every byte; the ends and starts of the items
+    are fetched together first.  Bytes in no archive found are reported exactly as by the local search."""
+    size = source.getsize(fpath)
+    spans = sorted(set(spans))
+    with source.open_source(fpath) as src:
+        pre = getattr(src, "prefetch", None)
+        if pre is not None:
+            k = 16 << 10  # an item's local header and data.pkl, and its central directory and end record
+            pre([(o, min(n, k)) for o, n in spans] + [(max(o, o + n - k), min(n, k)) for o, n in spans])
+    # unbuffered: a buffer would read 64 KiB past each small read, beyond what was fetched
+    with source.open_file(fpath) as buffered:
+        f = getattr(buffered, "raw", buffered)
+        pos = 0
+        for off, length in spans:
+            e = off + length - 22
+            if off < pos or length < 22 or off + length > size:
+                continue
+            f.seek(e)
+            if f.read(4) != b"PK\x05\x06":
+                continue
+            bounds = _archive_bounds(f, e, size)
+            if bounds is None or bounds[0] < pos:
+                continue
+            start, end = bounds
+            f.seek(start)
+            if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
+                continue
+            if start > pos:
+                acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
+            _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
+            pos = end
+        if pos < size:
+            acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
 
 
 class _Slice(io.RawIOBase):
@@ -307,8 +368,8 @@ def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> Non
     (tensors written raw, or anything else) cannot be told apart from a pickle that
     ``dcp.load`` would hand to ``torch.load``, and make the verdict unknown.
     """
-    size = os.path.getsize(fpath)
-    with open(fpath, "rb") as f:
+    size = source.getsize(fpath)
+    with source.open_file(fpath) as f:
         pos = 0
         for e in _find_all(f, size, b"PK\x05\x06", 0):
             if e < pos:
@@ -352,11 +413,12 @@ def scan_checkpoint(path: str | os.PathLike | Input, *, limits: PickleLimits | N
     """
     given, path = path, os.fspath(path)
     limits = limits or PickleLimits.from_env()
-    if os.path.isdir(path):
+    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         fw = resolve(path)
         if fw is not None:
             return _scan_folder(fw, limits)
-    return _scan_one(classify(given), limits)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole scan
+        return _scan_one(classify(given), limits)
 
 
 def _scan_one(inp: Input, limits: PickleLimits) -> ScanReport:
@@ -483,7 +545,7 @@ _context = global_context
 
 
 def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         _scan_zip(f, os.path.basename(path), acc, limits)
 
 
@@ -505,7 +567,7 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
         "only the first pickle of each member",
     )
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
+        with source.open_file(path) as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
             for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
                 try:
                     info = tar.getmember(name)  # the last member of that name, as tar.extract takes it
@@ -525,10 +587,10 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
 def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
     base = os.path.basename(path)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         _scan_zip(f, base, acc, limits)
     try:
-        with zipfile.ZipFile(path) as zf:
+        with source.open_file(path) as f, zipfile.ZipFile(f) as zf:
             code = [n for n in zf.namelist() if n.endswith(".py")]
     except Exception:  # noqa: BLE001 - already reported by the scan above
         code = []
@@ -564,12 +626,12 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
     """
     from ckptfix.formats import sniffing
 
-    if not os.path.isfile(path):
+    if not source.isfile(path):
         return
     base = os.path.basename(path)
     # (a file opening with PK\x03\x04 fails as a pickle at its first opcode, PERSID, before importing anything)
     if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
-        with open(path, "rb") as f:
+        with source.open_file(path) as f:
             _, parts = scan_pickle_sequence(f, limits=limits)
         for i, r in enumerate(parts):
             label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
@@ -589,7 +651,7 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
             acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
     if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
         sub = _Acc(acc.context)
-        with open(path, "rb") as f:
+        with source.open_file(path) as f:
             _scan_zip(f, f"{base} read as a zip", sub, limits)
         for g, d in sub.globals.items():
             acc._add(g, d["class"], d["count"])

@@ -22,6 +22,9 @@ scratch directory, for the blocks below it.  Marker fields:
 
 - ``setup=runs``: the scratch directory holds ``runs/`` from
   ``ckptfix train --mode dp --out runs --epochs 1`` (trained once per run of this script);
+- ``setup=s3``: a local S3 server (moto, ``tests/s3server.py``) runs for the page, the shell has its
+  endpoint and dummy credentials in ``AWS_*``, and bucket ``ckptfix-docs`` holds ``tests/fixtures/ckpt``
+  (``s3://ckptfix-docs/ddp.pth`` ...) (docs/remote.md);
 - ``gpu=SCENARIO``: a recorded nvidia-smi (``tests/fixtures/nvidia-smi/scenarios/SCENARIO``)
   is first on PATH; without it no nvidia-smi is;
 - ``mask=REGEX`` (repeatable): text that differs from machine to machine or run to run
@@ -156,6 +159,7 @@ class Sandbox:
         self.site.mkdir()
         (self.site / "sitecustomize.py").write_text(IMPORT_HOOK)
         self.import_log = self.root / "imports.log"
+        self.extra_env: dict[str, str] = {}
 
     def env(self, gpu: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA_", "CKPTFIX_", "FAKE_SMI"))}
@@ -178,6 +182,7 @@ class Sandbox:
             CKPTFIX_LEASE_DIR=str(self.root / "leases"),
             PYTHONHASHSEED="0",
         )
+        env.update(self.extra_env)
         return env
 
     def sources(self) -> set[str]:
@@ -234,6 +239,9 @@ class Sandbox:
         if name == "frameworks":
             self.frameworks()
             return
+        if name == "s3":
+            self.extra_env = s3_server().env()
+            return
         if name != "runs" or (self.dir / "runs").exists():
             return
         if _TRAINED.get("runs") is None:  # trained once per run of this script, copied into each file's box
@@ -262,6 +270,30 @@ class Sandbox:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+_S3: list = []  # the local S3 server of ``setup=s3`` (one per run of this script)
+
+
+def s3_server():
+    """``setup=s3``: moto's S3 server (started once, stopped at exit), bucket ``ckptfix-docs`` = tests/fixtures/ckpt."""
+    if not _S3:
+        import atexit
+
+        sys.path.insert(0, str(ROOT / "tests"))
+        from s3server import S3Server
+
+        srv = S3Server(bucket="ckptfix-docs").start()
+        atexit.register(srv.stop)
+        for f in sorted((ROOT / "tests" / "fixtures" / "ckpt").iterdir()):
+            if f.name.startswith("make_"):
+                continue
+            srv.upload(f, f.name)
+            _SETUP_SOURCES.update(
+                p.relative_to(ROOT).as_posix() for p in ([f] if f.is_file() else sorted(f.rglob("*"))) if p.is_file()
+            )
+        _S3.append(srv)
+    return _S3[0]
 
 
 def render(block_lines: list[str], block: Block, box: Sandbox, where: str = "") -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import CkptFactory
+from s3server import s3, s3_server  # noqa: F401 (moto's S3 server fixtures for the remote tests, issue #26)
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:

@@ -14,7 +14,21 @@ PKG = Path(__file__).resolve().parents[1] / "ckptfix"
 
 LAYERS = {
     **dict.fromkeys(
-        ["errors", "text", "progress", "parallel", "fileio", "atomic", "containment", "display", "outputs", "_torch"],
+        [
+            "errors",
+            "text",
+            "progress",
+            "parallel",
+            "fileio",
+            "atomic",
+            "containment",
+            "display",
+            "outputs",
+            "_torch",
+            "_dataclass",
+            "source",
+            "remote",
+        ],
         0,
     ),
     **dict.fromkeys(["policy", "scanner", "pickles", "placeholders", "statedict"], 1),

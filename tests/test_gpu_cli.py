@@ -621,8 +621,13 @@ def test_pick_gpu_wait_times_out_with_own_exit_code(fake_env):
 
 def test_pick_gpu_wait_succeeds_when_gpu_frees(fake_env, tmp_path):
     # a scenario directory whose content flips from busy to released while we wait
+    # (scen/flip is a symlink swapped in one os.replace: the fake nvidia-smi never reads a half-copied or
+    # half-flipped scenario, which made this test flaky when the files were overwritten one by one)
     scen = tmp_path / "scen"
-    shutil.copytree(SCENARIOS / "h200_busy", scen / "flip")
+    shutil.copytree(SCENARIOS / "h200_busy", tmp_path / "busy")
+    shutil.copytree(SCENARIOS / "h200_after_release", tmp_path / "released")
+    scen.mkdir()
+    (scen / "flip").symlink_to(tmp_path / "busy", target_is_directory=True)
     env = dict(fake_env, FAKE_SMI_DIR=str(scen), FAKE_SMI_SCENARIO="flip")
     p = subprocess.Popen(
         cli_argv("pick-gpu", "--min-free", "100GiB", "--wait", "30", "--interval", "0.2"),
@@ -633,8 +638,8 @@ def test_pick_gpu_wait_succeeds_when_gpu_frees(fake_env, tmp_path):
         cwd=ROOT,
     )
     time.sleep(1.0)
-    for f in ("query-gpu.txt", "apps.txt"):
-        shutil.copy(SCENARIOS / "h200_after_release" / f, scen / "flip" / f)
+    (scen / "flip.new").symlink_to(tmp_path / "released", target_is_directory=True)
+    os.replace(scen / "flip.new", scen / "flip")
     out, err = p.communicate(timeout=600)
     assert p.returncode == 0, err
     assert out.strip() == H200_FREE

@@ -100,6 +100,12 @@ from ckptfix.cli.group import cli
     default=None,
     help="DeepSpeed ZeRO folder: write the floating tensors in this dtype (default fp32, as zero_to_fp32).",
 )
+@click.option(
+    "--stats",
+    "show_stats",
+    is_flag=True,
+    help='Print the bytes read and requests made (a URL input) to stderr; --json gains a "stats" object.',
+)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @json_option
 def convert_cmd(
@@ -125,6 +131,7 @@ def convert_cmd(
     dtype: str | None,
     quiet: bool,
     as_json: bool,
+    show_stats: bool = False,
 ) -> None:
     """Convert SRC to safetensors without loading it (or a .safetensors back to .pth).
 
@@ -137,6 +144,8 @@ def convert_cmd(
     ckptfix convert run.dcp -o model.safetensors --jobs 4
     ckptfix convert model.safetensors -o start.dcp --shards 4  # DCP as 4 ranks (torch)
     ckptfix convert ds_ckpt/ -o model.safetensors  # DeepSpeed ZeRO 1/2/3 ('latest'; --tag, --dtype bf16)
+    ckptfix convert s3://bucket/run/model.pt -o model.safetensors --jobs 8 --stats
+    ckptfix convert model.pt -o s3://bucket/model.safetensors   # verified locally, then uploaded
 
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
@@ -148,6 +157,8 @@ def convert_cmd(
             parse_size(max_shard_size)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
+
+    import contextlib
 
     bar = ProgressBar("converting", enabled=not quiet and not as_json)
     outputs = OutputOptions(
@@ -168,12 +179,24 @@ def convert_cmd(
         tag=tag,
         dtype=dtype,
     )
+    stats: Any = None
+    counting: Any = contextlib.nullcontext()
+    if show_stats:
+        from ckptfix.remote.stats import collect
+
+        counting = collect()
     try:  # an option the direction taken does not use is refused (exit 32), nothing written
-        report = convert(src, outputs=outputs, options=options)
+        with counting as stats:
+            report = convert(src, outputs=outputs, options=options)
     finally:
         bar.close()
+    if stats is not None:
+        click.echo(stats.line(), err=True)
     if as_json:
-        emit_json(report.to_dict())
+        doc = report.to_dict()
+        if stats is not None:
+            doc["stats"] = stats.to_json()
+        emit_json(doc)
         return
     if not quiet:
         from ckptfix.display import shown_path

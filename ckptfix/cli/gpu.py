@@ -8,7 +8,6 @@ library call).
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -312,6 +311,8 @@ def _watch_gpus(every: float, timeout: float) -> None:
 def _export_failure(export: bool, code: int) -> None:
     """``eval "$(ckptfix pick-gpu --export)"`` must not quietly set nothing: the eval'd code fails too."""
     if export:
+        import shlex  # here, not at the top: start-up of gpus / pick-gpu
+
         msg = shlex.quote(f"ckptfix pick-gpu: nothing picked, CUDA_VISIBLE_DEVICES unchanged (exit {code})")
         click.echo(f"echo {msg} >&2; (exit {code})")
 
@@ -337,6 +338,8 @@ def _render_pick(result: PickResult, *, export: bool, as_json: bool, command: bo
     if as_json:
         emit_json(result.to_dict())
     elif export:
+        import shlex
+
         line = (
             f"export CUDA_VISIBLE_DEVICES={shlex.quote(env['CUDA_VISIBLE_DEVICES'])}; "
             f"export CUDA_DEVICE_ORDER={env['CUDA_DEVICE_ORDER']}"
@@ -388,6 +391,8 @@ def _exec_with(command: tuple[str, ...], env_update: dict[str, str], fds: list[i
     the exit status, and the lease ends when the last holder of the descriptor (the command) exits.
     Returns only when the exec failed (127 not found, 126 not executable).
     """
+    import shlex
+
     info(f"running: {shlex.join(command)}  (CUDA_VISIBLE_DEVICES={env_update['CUDA_VISIBLE_DEVICES']})")
     os.environ.update(env_update)
     for fd in fds:

@@ -21,6 +21,7 @@ is :mod:`ckptfix.statedict`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -112,6 +113,13 @@ def convert(
             or written).  Otherwise as the entry point the input goes to.
     """
     o, c = options_of(dst, outputs, options, keywords)
+    if o.output is not None and _is_url(o.output):  # an object store: converted and verified locally, then uploaded
+        from ckptfix.convert.remote_out import convert_to_url
+
+        def run(dst: str, force: bool, **_: object) -> ConvertReport:
+            return convert(src, dst, outputs=dataclasses.replace(o, force=force), options=c)
+
+        return convert_to_url(run, {"dst": o.output, "force": o.force, "to": c.to})
     s = os.fspath(src)
     if not os.path.isdir(s):
         refuse_single_shard(s)
@@ -165,3 +173,11 @@ def _refuse_other_formats(o: OutputOptions, c: ConvertOptions, what: str) -> Non
         raise OptionNotApplicableError(
             f"{shown}: {what} is consolidated to safetensors; pass -o NAME.safetensors (or no -o)"
         )
+
+
+def _is_url(path: str) -> bool:
+    if "://" not in path:
+        return False
+    from ckptfix.source import is_url
+
+    return is_url(path)

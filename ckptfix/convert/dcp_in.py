@@ -228,11 +228,21 @@ def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
         if not cd.contiguous():
             return None
         n = c.numel * e.element_size
-        out.append((os.path.join(files.root, cd.rel), cd.data_offset, n, cd.crc))
+        out.append((_data_path(files.root, cd.rel), cd.data_offset, n, cd.crc))
         row += c.sizes[0] if shape else 1
     if (shape and row != shape[0]) or (not shape and len(out) != 1):
         return None
     return out
+
+
+def _data_path(root: str, rel: str) -> str:
+    """A data file's path: joined as a URL for a DCP folder in object storage (its ranges are then read remotely)."""
+    if "://" in root:
+        from ckptfix import source
+
+        if source.is_url(root):
+            return source.join(root, rel)
+    return os.path.join(root, rel)
 
 
 def convert_dcp(
@@ -305,7 +315,8 @@ def convert_dcp(
     try:
         for rel in meta.files:  # opened once, before any worker thread asks (errors are reported where used)
             with contextlib.suppress(OSError):
-                files.fd(rel)
+                if files.source(rel) is None:  # a remote folder: its Source, opened (ETag pinned) here
+                    files.fd(rel)
         for name, rec in named:
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
+from ckptfix.convert.remote_in import is_remote
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.fileio import CHUNK, Fds
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
@@ -172,16 +173,27 @@ def _gather(rec: TensorRecord, fds: Fds) -> Iterator[bytes | bytearray]:
     first, end = rec.span()
     st = rec.storage
     assert st is not None and st.source is not None and st.file_offset is not None
-    fd = fds.get(st.source)
     start = st.file_offset + first * es
     length = (end - first) * es
+    spool = None
+    if is_remote(st.source):  # a URL: its span spooled to a private temp file (flat memory), mapped like a local one
+        from ckptfix.convert.remote_in import spool_range
+
+        spool = spool_range(st.source, start, length)
+        fd, start = spool.fileno(), 0
+    else:
+        fd = fds.get(st.source)
     if os.fstat(fd).st_size < start + length:
         raise CorruptCheckpointError(f"{st.source}: file ended inside storage {st.key!r} (truncated?)")
     shape, stride = _simplify(rec.shape, rec.stride)
     if len(shape) == 1:
         shape, stride = [1] + shape, [0] + stride
     base = start - start % mmap.ALLOCATIONGRANULARITY
-    mm = mmap.mmap(fd, start + length - base, offset=base, prot=mmap.PROT_READ)
+    try:
+        mm = mmap.mmap(fd, start + length - base, offset=base, prot=mmap.PROT_READ)
+    finally:
+        if spool is not None:  # the mapping keeps the pages; the file is gone once closed
+            spool.close()
     raw = memoryview(mm)
     src = raw[start - base : start - base + length].cast(fmt)
     pending: list[bytes | bytearray] = []

@@ -15,12 +15,14 @@ import contextlib
 import functools
 import json
 import os
+import threading
 from typing import Iterator, Mapping, Sequence
 
 from ckptfix.atomic import _os_error, fsync_dir, note_finished
 from ckptfix.convert.header import layout, safetensors_header, shard
 from ckptfix.convert.items import Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
+from ckptfix.convert.remote_in import Sources, copy_remote, is_remote
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
 from ckptfix.fileio import copy_checked, copy_range, pwrite_all, verify_crc, verify_equal
@@ -29,6 +31,8 @@ from ckptfix.parallel import Tally, run_tasks
 
 #: bytes per in-kernel copy call: progress moves within a big tensor
 STEP = 8 << 20
+
+_SOURCES_LOCK = threading.Lock()
 
 
 class Writer:
@@ -45,6 +49,8 @@ class Writer:
         self.tally = Tally(progress, total)
         self.verify = verify
         self.fds = Fds()
+        self.sources: Sources | None = None  # remote inputs (URLs), opened on first use
+        self.jobs = 1
 
     def tick(self, n: int) -> None:
         """Count ``n`` bytes done and report progress (thread-safe).
@@ -71,6 +77,7 @@ class Writer:
             CorruptCheckpointError: a source ended early or gave the wrong number of bytes.
         """
         header = safetensors_header(items, metadata)
+        self.jobs = jobs
         # no O_TRUNC: the temp file is new and empty, and truncating makes ext4 flush it on close (auto_da_alloc)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -97,6 +104,10 @@ class Writer:
         ranges = it.ranges()
         if ranges is not None:
             for src_path, off, size, _crc in ranges:
+                if is_remote(src_path):  # a URL: streamed in range requests, checked as received (remote_in)
+                    self._remote(it, src_path, off, size, _crc, fd, pos, path, base)
+                    pos += size
+                    continue
                 src = self.fds.get(src_path)
                 if inline:
                     # copied and read back piece by piece, each compared with the source piece still in the
@@ -123,12 +134,37 @@ class Writer:
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
+    def _remote(
+        self, it: Item, url: str, off: int, size: int, crc: int | None, fd: int, pos: int, path: str, base: int
+    ) -> None:
+        """One range of a remote source: pieces fetched in parallel, written in order, each compared as written."""
+        if self.sources is None:
+            with _SOURCES_LOCK:
+                if self.sources is None:
+                    self.sources = Sources(self.jobs)
+
+        def write(data: bytes, at: int) -> None:
+            n = pwrite_all(fd, data, pos + at)
+            if self.verify and not _written_equal(fd, pos + at, data, n):
+                raise _differs(path, it, pos + at - base - it.begin)
+
+        copy_remote(self.sources, url, off, size, crc, write, name=it.name, tick=self.tick)
+
+    def close(self) -> None:
+        """Close the source files and remote sources opened."""
+        self.fds.close()
+        if self.sources is not None:
+            self.sources.close()
+            self.sources = None
+
     def _check_ranges(self, it: Item, fd: int, base: int, path: str, from_device: bool = False) -> None:
         """Read an item's copied ranges back once (after the fsync): against the source's CRC-32, else the source."""
         pos = base + it.begin
         for src_path, off, size, crc in it.ranges() or ():
             if crc is not None:
                 at = verify_crc(fd, pos, size, crc, from_device=from_device)
+            elif is_remote(src_path):  # compared with the bytes received as they were written
+                at = None
             else:
                 at = verify_equal(self.fds.get(src_path), off, fd, pos, size, from_device=from_device)
             if at is not None:
@@ -153,7 +189,7 @@ class Writer:
 
         ``rel`` is where the range starts in the tensor, ``at`` where in the range the check failed.
         """
-        if crc is not None:
+        if crc is not None and not is_remote(src_path):
             # the output or the source? comparing the two tells (rare, so the cost does not matter)
             diff = verify_equal(self.fds.get(src_path), off, fd, pos, size)
             if diff is None:
@@ -326,7 +362,7 @@ def write_outputs(
         if fsync:
             fsync_dir(dst)
     finally:
-        w.fds.close()
+        w.close()
         for tmp in temps:
             try:
                 os.unlink(tmp)

@@ -67,8 +67,14 @@ def flat_range(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[in
     return first, first + n
 
 
-def _read_into(fd: int, view: memoryview, off: int, what: str) -> None:
+def _read_into(fd: Any, view: memoryview, off: int, what: str) -> None:
     done = 0
+    if not isinstance(fd, int):  # a remote Source (a DCP folder at a URL): one range read
+        data = fd.pread(len(view), off)
+        if len(data) != len(view):
+            raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
+        view[:] = data
+        return
     while done < len(view):
         n = os.preadv(fd, [view[done:]], off + done)
         if n <= 0:
@@ -103,7 +109,7 @@ def assemble_tensor(files: Files, e: TensorEntry, torch_dtype: Any, where: str =
         what = f"{where}tensor {e.fqn!r} chunk {list(c.offsets)}"
         fr = flat_range(e.shape, c.offsets, c.sizes)
         if fr is not None and cd.contiguous():
-            _read_into(files.fd(cd.rel), mv[fr[0] * es : fr[1] * es], cd.data_offset, what)
+            _read_into(files.source(cd.rel) or files.fd(cd.rel), mv[fr[0] * es : fr[1] * es], cd.data_offset, what)
             continue
         row = c.numel // c.sizes[0] * es
         step = max(1, STAGE_BYTES // max(1, row))  # rows per staging block

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ckptfix import source
 from ckptfix.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
 from ckptfix.fileio import ZIP_ERRORS
@@ -34,9 +35,10 @@ MAX_GATHER_SPAN = int(os.environ.get("CKPTFIX_DCP_MAX_GATHER", str(256 << 20)))
 class FileWindow(io.RawIOBase):
     """A read-only, seekable window ``[start, start + length)`` of an open file descriptor (``pread`` only)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, fd: int, start: int, length: int, src: source.Source | None = None) -> None:
         super().__init__()
         self.fd, self.start, self.length, self.pos = fd, start, length, 0
+        self.src = src  # a remote file: read through it instead of the descriptor
 
     def readable(self) -> bool:
         """The window can be read.
@@ -92,7 +94,11 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(b), self.length - self.pos))
         if n == 0:
             return 0
-        data = os.pread(self.fd, n, self.start + self.pos)
+        if self.src is not None:
+            n = max(0, min(n, self.src.size - self.start - self.pos))
+            data = self.src.pread(n, self.start + self.pos)
+        else:
+            data = os.pread(self.fd, n, self.start + self.pos)
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -104,6 +110,23 @@ class Files:
     def __init__(self, root: str) -> None:
         self.root = root
         self.fds: dict[str, int] = {}
+        self.sources: dict[str, source.Source] = {}
+
+    def source(self, rel: str) -> source.Source | None:
+        """A remote data file (opened on first use), or None when the directory is local (use :meth:`fd`).
+
+        Args:
+            rel: the file's path relative to the directory.
+
+        Returns:
+            The :class:`~ckptfix.source.Source` (closed by :meth:`close`), or None.
+        """
+        if not source.is_url(self.root):
+            return None
+        src = self.sources.get(rel)
+        if src is None:
+            src = self.sources[rel] = source.open_source(source.join(self.root, rel))
+        return src
 
     def fd(self, rel: str) -> int:
         """The read-only descriptor of a data file, opened on first use.
@@ -124,6 +147,9 @@ class Files:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        for src in self.sources.values():
+            src.close()
+        self.sources.clear()
 
     def __enter__(self) -> Files:
         return self
@@ -153,8 +179,9 @@ class ChunkData:
 
 
 def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.ZipFile, FileWindow, bytes, str]:
-    fd = files.fd(loc.relative_path)
-    win = FileWindow(fd, loc.offset, loc.length)
+    src = files.source(loc.relative_path)
+    fd = files.fd(loc.relative_path) if src is None else -1
+    win = FileWindow(fd, loc.offset, loc.length, src)
     try:
         zf = zipfile.ZipFile(win)
         names = zf.namelist()
@@ -175,7 +202,7 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
     except (CorruptCheckpointError, ResourceLimitError):
         raise
     except ZIP_ERRORS as e:
-        head = os.pread(fd, 9, 0)
+        head = os.pread(fd, 9, 0) if src is None else src.pread(min(9, src.size), 0)
         if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
             raise UnsupportedError(
                 f"{what}: {loc.relative_path} is a safetensors file (DCP's safetensors "
@@ -252,7 +279,11 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
         raise CorruptCheckpointError(f"{what}: storage record {name} is missing from the chunk archive") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise UnsupportedError(f"{what}: a compressed storage record; DCP writes them uncompressed")
-    hdr = os.pread(files.fd(loc.relative_path), 30, loc.offset + info.header_offset)
+    src = files.source(loc.relative_path)
+    at = loc.offset + info.header_offset
+    hdr = (
+        os.pread(files.fd(loc.relative_path), 30, at) if src is None else src.pread(max(0, min(30, src.size - at)), at)
+    )
     if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{what}: damaged archive entry {name}; the chunk is corrupt")
     nlen, elen = struct.unpack("<HH", hdr[26:30])
@@ -323,7 +354,11 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
             f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
             "set CKPTFIX_DCP_MAX_OBJECT to read it"
         )
-    data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
+    src = files.source(loc.relative_path)
+    if src is not None:  # a remote folder: one range read (a short object is caught below)
+        data = src.pread(max(0, min(loc.length, src.size - loc.offset)), loc.offset)
+    else:
+        data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
     if len(data) != loc.length:
         raise CorruptCheckpointError(f"object {e.fqn!r}: file {loc.relative_path} ended early (truncated?)")
     return data
@@ -332,7 +367,11 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
 # --------------------------------------------------------------------------- reading blocks of a chunk
 
 
-def _pread_exact(fd: int, n: int, off: int, what: str) -> bytes:
+def _pread_exact(fd: Any, n: int, off: int, what: str) -> bytes:
+    if not isinstance(fd, int):  # a remote Source
+        if off + n > fd.size:
+            raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
+        return bytes(fd.pread(n, off))
     data = os.pread(fd, n, off)
     if len(data) != n:
         raise CorruptCheckpointError(f"{what}: the file ended inside the chunk (truncated?)")
@@ -379,7 +418,8 @@ def read_block(
         CorruptCheckpointError: the file ends inside the chunk.
         UnsupportedError: a chunk layout that cannot be gathered.
     """
-    fd = files.fd(cd.rel)
+    remote = files.source(cd.rel)
+    fd: Any = files.fd(cd.rel) if remote is None else remote  # a remote folder: its Source instead of a descriptor
     es = cd.element_size
     d = len(prefix)
     shape, stride = cd.shape, cd.stride
@@ -395,6 +435,9 @@ def read_block(
             return _pread_exact(fd, n, cd.data_offset + base * es, what)
         buf = into(n)
         view, done = memoryview(buf), 0
+        if remote is not None:  # one range read
+            view[:n] = _pread_exact(remote, n, cd.data_offset + base * es, what)
+            done = n
         while done < n:
             k = os.preadv(fd, [view[done:]], cd.data_offset + base * es + done)
             if k <= 0:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
 from ckptfix.pickles import (
     ELEMENT_SIZE,
@@ -385,10 +387,10 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
     from ckptfix.containment import check_member
 
     path = os.fspath(path)
-    mpath = os.path.join(path, METADATA_NAME)
+    mpath = source.join(path, METADATA_NAME)
     check_member(path, METADATA_NAME, path)
     try:
-        size = os.path.getsize(mpath)
+        size = source.getsize(mpath)
         if size > MAX_METADATA_BYTES:
             from ckptfix.errors import ResourceLimitError
 
@@ -396,7 +398,7 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
                 f"{mpath}: {size} bytes of DCP metadata is over the {MAX_METADATA_BYTES}-byte "
                 "limit; set CKPTFIX_DCP_MAX_METADATA to read it"
             )
-        with open(mpath, "rb") as f:
+        with source.open_file(mpath) as f:
             data = f.read()
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no .metadata file; not a DCP checkpoint directory") from None
@@ -645,19 +647,24 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
     sizes: dict[str, int] = {}
     if not check_files:
         return sizes
+    remote = _remote_sizes(meta.path) if "://" in os.fspath(meta.path) else None  # a folder at a URL: one listing
     for rel in meta.files:
-        p = os.path.join(meta.path, rel)
+        p = source.join(meta.path, rel)
         try:
+            if remote is not None:
+                sizes[rel] = remote[rel]
+                continue
             if not os.path.isfile(p):
                 raise FileNotFoundError(p)
             sizes[rel] = os.path.getsize(p)
-        except OSError:
+        except (OSError, KeyError):
             raise CheckpointNotFoundError(
                 f"{meta.path}: data file {rel} is missing (the metadata references it); "
                 "copy the whole checkpoint directory"
             ) from None
     listed = set(meta.files)
-    extra = sorted(n for n in os.listdir(meta.path) if n.endswith(".distcp") and n not in listed)
+    names = remote if remote is not None else os.listdir(meta.path)
+    extra = sorted(n for n in names if n.endswith(".distcp") and n not in listed)
     if extra:
         raise CorruptCheckpointError(
             f"{meta.path}: {', '.join(extra[:3])} {'is' if len(extra) == 1 else 'are'} not "
@@ -682,6 +689,36 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
                     ".metadata from a different run)"
                 )
     return sizes
+
+
+def _remote_sizes(url: str) -> dict[str, int] | None:
+    """``{name: size}`` of the files in a DCP folder at a URL (one listing request), or None for a local path.
+
+    Raises:
+        RemoteNotFoundError, RemoteAccessDeniedError, RemoteUnavailableError: as the store answers.
+    """
+    if not source.is_url(url):
+        return None
+    if url.startswith(("http://", "https://")):  # no sizes in an HTTP listing: each file's own size
+        out = {}
+        for name in source.listdir(url):
+            with contextlib.suppress(CheckpointNotFoundError), source.open_source(source.join(url, name)) as src:
+                out[name] = src.size
+        return out
+    from ckptfix.remote.url import filesystem
+
+    fs, p = filesystem(url)
+    try:
+        entries = fs.ls(p.rstrip("/"), detail=True)
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # noqa: BLE001 (the store's own errors: mapped to the typed ones by the Source layer)
+        raise source._remote_map(url, e) from None
+    return {
+        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0)
+        for e in entries
+        if e.get("type", "file") == "file"
+    }
 
 
 # --------------------------------------------------------------------------- writing

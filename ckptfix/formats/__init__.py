@@ -31,10 +31,11 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
-from ckptfix.formats import dcp, legacy, registry, safetensors_fmt, sharded, sniffing, zipfmt
+from ckptfix.formats import registry, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
     MAX_JSON_ENV,
@@ -59,6 +60,12 @@ from ckptfix.formats.base import (
 from ckptfix.formats.roles import is_sidecar_name
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
 from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
+
+if TYPE_CHECKING:
+    from ckptfix.formats import dcp as dcp
+    from ckptfix.formats import legacy as legacy
+    from ckptfix.formats import safetensors_fmt as safetensors_fmt
+    from ckptfix.formats import sharded as sharded
 
 __all__ = [
     "DEFAULT_MAX_JSON_MB",
@@ -120,14 +127,18 @@ def sniff(path: str) -> Format:
             weight map, a zip without ``data.pkl``, a tar archive that is not torch's).
         ResourceLimitError: a zip whose small records inflate past ``CKPTFIX_MAX_PICKLE_MB``.
     """
-    if not os.path.exists(path):
+    if not source.exists(path):
+        if source.is_url(path):
+            from ckptfix.errors import RemoteNotFoundError
+
+            raise RemoteNotFoundError(f"{path}: no such object or folder; check the URL")
         raise CheckpointNotFoundError(f"{path}: no such file or directory; check the path")
-    if os.path.isdir(path):
+    if source.isdir(path):
         return _dir_kind(path)
-    size = os.path.getsize(path)
+    size = source.getsize(path)
     if size == 0:
         raise CorruptCheckpointError(f"{path}: the file is empty (0 bytes); the save was probably interrupted")
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         head = f.read(16)
     # torch.load's own order (see ckptfix.formats.sniffing): zip magic, then tarfile at offset 0, then a pickle
     if head.startswith(ZIP_MAGIC) or head.startswith(ZIP_EMPTY):
@@ -143,10 +154,14 @@ def sniff(path: str) -> Format:
     if sniffing.safetensors_header_ok(path, max_json_bytes() if head[:1] == b"\x80" else 0):
         return Format.SAFETENSORS
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
+        from ckptfix.formats import legacy
+
         return legacy.stream_kind(path)
     if len(head) >= 9 and head[8:9] == b"{" and not head.lstrip()[:1] == b"{":
         return Format.SAFETENSORS  # a header whose length or JSON is wrong: the reader says which
     if head.lstrip()[:1] == b"{":
+        from ckptfix.formats import sharded
+
         if sharded.looks_like_index(path):
             return Format.SHARDED
         raise CorruptCheckpointError(
@@ -154,8 +169,10 @@ def sniff(path: str) -> Format:
             "pass the checkpoint file or a sharded *.index.json"
         )
     if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
+        from ckptfix.formats import legacy
+
         return legacy.stream_kind(path)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         block = f.read(512)
     if len(block) >= 262 and block[257:262] == b"ustar":
         return _tar_kind(path)
@@ -169,11 +186,15 @@ def sniff(path: str) -> Format:
 
 def _dir_kind(path: str) -> Format:
     """A DCP directory (``.metadata``) or a directory holding a ``*.index.json``; refused otherwise."""
-    if os.path.isfile(os.path.join(path, ".metadata")):
+    if source.isfile(source.join(path, ".metadata")):
         return Format.DCP
-    names = sorted(os.listdir(path))
+    names = source.listdir(path)
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
+    if source.is_url(path):
+        raise CheckpointNotFoundError(
+            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); pass a checkpoint's URL"
+        )
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
@@ -210,7 +231,7 @@ def _tar_kind(path: str) -> Format:
 
     names: set[str] = set()
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
+        with source.open_file(path) as f, tarfile.open(fileobj=sniffing._Capped(f), mode="r:") as tar:
             for _ in range(16):
                 info = tar.next()
                 if info is None:
@@ -284,13 +305,47 @@ def read_checkpoint(path: str | os.PathLike | Input, fmt: Format | None = None) 
     if isinstance(path, Input):
         fmt = path.format if fmt is None else fmt
     path = os.fspath(path)
-    if fmt is None:
-        fmt = sniff(path)
-    cf: CheckpointFile = registry.dispatch(fmt, "read", path)(path)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole read
+        if fmt is None:
+            fmt = sniff(path)
+        cf: CheckpointFile = registry.dispatch(fmt, "read", path)(path)
     return cf
 
 
+def _read_dcp(path: str) -> CheckpointFile:
+    from ckptfix.formats.dcp import read_dcp  # the DCP reader (and ckptfix.dcp) only for a DCP directory: start-up
+
+    return read_dcp(path)
+
+
+def _read_pickle_stream(path: str) -> CheckpointFile:
+    from ckptfix.formats.legacy import read_pickle_stream
+
+    return read_pickle_stream(path)
+
+
+def _read_safetensors(path: str) -> CheckpointFile:
+    from ckptfix.formats.safetensors_fmt import read_safetensors
+
+    return read_safetensors(path)
+
+
+#: the readers imported on first use (each format's own; a torch zip's inspect/scan needs none of them: start-up)
+_LAZY_SUBMODULES = frozenset({"dcp", "legacy", "safetensors_fmt", "sharded"})
+
+
+def __getattr__(name: str) -> Any:
+    """``ckptfix.formats.dcp`` / ``legacy`` / ``safetensors_fmt`` / ``sharded``, imported on first use."""
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"ckptfix.formats.{name}")
+    raise AttributeError(f"module 'ckptfix.formats' has no attribute {name!r}")
+
+
 def _read_sharded(path: str) -> CheckpointFile:
+    from ckptfix.formats import sharded
+
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
 
 
@@ -300,10 +355,10 @@ registry.implement_all(
     {
         Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
         Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
-        Format.TORCH_LEGACY: legacy.read_pickle_stream,
-        Format.PICKLE: legacy.read_pickle_stream,
-        Format.SAFETENSORS: safetensors_fmt.read_safetensors,
+        Format.TORCH_LEGACY: _read_pickle_stream,
+        Format.PICKLE: _read_pickle_stream,
+        Format.SAFETENSORS: _read_safetensors,
         Format.SHARDED: _read_sharded,
-        Format.DCP: dcp.read_dcp,
+        Format.DCP: _read_dcp,
     },
 )

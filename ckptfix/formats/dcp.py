@@ -11,10 +11,10 @@ with their global dtype and shape (their bytes are spread over chunks: see
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Any
 
+from ckptfix import source
 from ckptfix.dcp.assemble import set_element
 from ckptfix.dcp.chunks import Files, read_object
 from ckptfix.dcp.meta import DcpMetadata, TensorEntry, read_metadata, validate
@@ -84,7 +84,7 @@ def read_dcp(path: str, meta: Any = None) -> CheckpointFile:
 
 def _tensor_record(path: str, fqn: str, e: TensorEntry, storages: dict[str, StorageRecord]) -> TensorRecord:
     """A record for a DCP tensor (global dtype and shape, contiguous); its storage is added to ``storages``."""
-    src = os.path.join(path, e.locations[0].relative_path) if e.locations else path
+    src = source.join(path, e.locations[0].relative_path) if e.locations else path
     rec = StorageRecord(key=fqn, dtype=e.dtype, location="cpu", numel=e.numel, source=src)
     rec.nbytes = e.nbytes
     storages[fqn] = rec
@@ -105,8 +105,8 @@ def _object_value(files: Files, meta: DcpMetadata, fqn: str, e: Any, stubbed: se
 
 def _dir_size(path: str) -> int:
     """Bytes of the files directly in ``path``."""
-    files = (os.path.join(path, n) for n in os.listdir(path))
-    return sum(os.path.getsize(p) for p in files if os.path.isfile(p))
+    files = (source.join(path, n) for n in source.listdir(path))
+    return sum(source.getsize(p) for p in files if source.isfile(p))
 
 
 def _summary(meta: DcpMetadata) -> dict[str, Any]:

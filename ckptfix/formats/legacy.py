@@ -9,10 +9,10 @@ so the storage table is built by seeking, never reading tensor data.
 
 from __future__ import annotations
 
-import os
 import struct
 from typing import Any, BinaryIO
 
+from ckptfix import source
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats.base import CheckpointFile, Format, LegacyDetails, PickleDetails
 from ckptfix.pickles import RecordingUnpickler, StorageRecord
@@ -34,7 +34,7 @@ def stream_kind(path: str) -> Format:
         :attr:`Format.TORCH_LEGACY` when the first pickle is the magic number, else :attr:`Format.PICKLE`
         (whose reader reports a damaged pickle).
     """
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         head = f.read(_MAGIC_PICKLE_MAX)
     try:
         first = RecordingUnpickler.for_bytes(head, legacy=True).load()
@@ -62,14 +62,18 @@ def _load_one(
 def _place_storages(f: BinaryIO, path: str, size: int, keys: list[Any], storages: dict[str, StorageRecord]) -> None:
     """Give each storage its byte range: after the key list, in its order, a count then the bytes."""
     pos = f.tell()
+    counts = _remote_counts(f, path, size, pos, keys, storages)
     for key in keys:
         rec = storages.get(str(key))
         if rec is None:
             raise CorruptCheckpointError(f"{path}: storage {key!r} is listed but never used")
         if pos + 8 > size:
             raise CorruptCheckpointError(f"{path}: the file ends before storage {key!r}; it is truncated")
-        f.seek(pos)
-        (numel,) = struct.unpack("<q", f.read(8))
+        if counts is not None and pos in counts:
+            (numel,) = struct.unpack("<q", counts[pos])
+        else:
+            f.seek(pos)
+            (numel,) = struct.unpack("<q", f.read(8))
         nbytes = numel * rec.element_size
         if numel < 0:
             raise CorruptCheckpointError(f"{path}: storage {key!r} has a negative size ({numel}); the file is corrupt")
@@ -79,6 +83,28 @@ def _place_storages(f: BinaryIO, path: str, size: int, keys: list[Any], storages
         pos += 8 + nbytes
         if pos > size:
             raise CorruptCheckpointError(f"{path}: the file ends inside storage {key!r}; it is truncated")
+
+
+def _remote_counts(
+    f: BinaryIO, path: str, size: int, pos: int, keys: list[Any], storages: dict[str, StorageRecord]
+) -> dict[int, bytes] | None:
+    """For a remote file, the 8-byte counts where the pickle's sizes say the storages start, read in a few
+    coalesced parallel requests (each is checked again by the caller; a count elsewhere is read alone);
+    None for a local file."""
+    if not getattr(f, "remote", False):
+        return None
+    offs: list[tuple[int, int]] = []
+    for key in keys:
+        rec = storages.get(str(key))
+        numel = rec.numel if rec is not None else None
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0 or pos + 8 > size:
+            break
+        offs.append((pos, 8))
+        pos += 8 + numel * rec.element_size  # type: ignore[union-attr]
+    if source.is_metadata_only(path):  # inspect of a URL: the counts the pickle declares, not read
+        return {o: struct.pack("<q", storages[str(k)].numel) for (o, _), k in zip(offs, keys, strict=False)}
+    with source.open_source(path) as src:
+        return dict(src.read_ranges(offs, jobs=16))
 
 
 def read_pickle_stream(path: str) -> CheckpointFile:
@@ -96,8 +122,8 @@ def read_pickle_stream(path: str) -> CheckpointFile:
             protocol, a big-endian file.
         UnsafePickleError, ResourceLimitError: as the restricted reader.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.getsize(path)
+    with source.open_file(path) as f:
         first, up0 = _load_one(f, path, "first pickle")
         if first != MAGIC_NUMBER:
             # a bare pickle (pickle.dump of a dict of tensors is not loadable by torch, but a dict of numbers is)

@@ -17,23 +17,33 @@ WEIGHT_NAMES = (
     "pytorch_model.bin",
 )
 
-#: (pattern, role) for every other file a framework writes; the first match names the role
-_ROLES: list[tuple[re.Pattern[str], str]] = [
-    (re.compile(r"optimizer(_\d+)?\.(pt|bin)|.*_optim_states\.pt"), "optimizer"),
-    (re.compile(r"scheduler(_\d+)?\.(pt|bin)"), "scheduler"),
-    (re.compile(r"rng_state(_\d+)?\.pth|random_states_\d+\.pkl"), "rng"),
-    (re.compile(r"training_args\.bin"), "args"),
-    (re.compile(r"trainer_state\.json"), "trainer-state"),
-    (re.compile(r"config\.json"), "config"),
-    (re.compile(r"generation_config\.json"), "gen-config"),
-    (re.compile(r"sampler(_\d+)?\.bin"), "sampler"),
-    (re.compile(r"scaler\.pt"), "scaler"),
-    (re.compile(r"custom_checkpoint_\d+\.pkl"), "custom"),
-    (re.compile(r"meta\.pt"), "meta"),
-    (re.compile(r"model_\d+\.safetensors|pytorch_model_\d+\.bin"), "model"),
-    (re.compile(r"(tokenizer|special_tokens_map|vocab|merges|added_tokens|chat_template).*"), "tokenizer"),
-    (re.compile(r"README\.md|\.gitattributes|adapter_config\.json"), "other"),
-]
+#: (pattern, role) for every other file a framework writes; the first match names the role (compiled on first
+#: use: importing this module is on the start-up of ``inspect``)
+_ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
+    (r"optimizer(_\d+)?\.(pt|bin)|.*_optim_states\.pt", "optimizer"),
+    (r"scheduler(_\d+)?\.(pt|bin)", "scheduler"),
+    (r"rng_state(_\d+)?\.pth|random_states_\d+\.pkl", "rng"),
+    (r"training_args\.bin", "args"),
+    (r"trainer_state\.json", "trainer-state"),
+    (r"config\.json", "config"),
+    (r"generation_config\.json", "gen-config"),
+    (r"sampler(_\d+)?\.bin", "sampler"),
+    (r"scaler\.pt", "scaler"),
+    (r"custom_checkpoint_\d+\.pkl", "custom"),
+    (r"meta\.pt", "meta"),
+    (r"model_\d+\.safetensors|pytorch_model_\d+\.bin", "model"),
+    (r"(tokenizer|special_tokens_map|vocab|merges|added_tokens|chat_template).*", "tokenizer"),
+    (r"README\.md|\.gitattributes|adapter_config\.json", "other"),
+)
+_ROLES: list[tuple[re.Pattern[str], str]] | None = None
+
+
+def _roles() -> list[tuple[re.Pattern[str], str]]:
+    global _ROLES
+    if _ROLES is None:  # (a whole list assigned at once: a thread never sees part of it)
+        _ROLES = [(re.compile(p), role) for p, role in _ROLE_PATTERNS]
+    return _ROLES
+
 
 #: the roles whose files are training state around the weights (listed after real checkpoints)
 SIDECAR_ROLES = frozenset({"optimizer", "scheduler", "rng", "args", "sampler", "scaler", "custom", "meta"})
@@ -51,7 +61,7 @@ def file_role(name: str) -> str | None:
     """
     if name in WEIGHT_NAMES or re.fullmatch(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)", name):
         return "weights"
-    for pat, role in _ROLES:
+    for pat, role in _roles():
         if pat.fullmatch(name):
             return role
     return None

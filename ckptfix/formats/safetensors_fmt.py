@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
 import struct
 from typing import Any
 
+from ckptfix import source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
 from ckptfix.formats.base import (
     MAX_JSON_ENV,
@@ -58,8 +57,8 @@ def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any]
         CorruptCheckpointError: a header that is truncated, not JSON, nested too deep or not an object.
         ResourceLimitError: a header over ``CKPTFIX_MAX_JSON_MB`` (default 32 MiB).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.getsize(path)
+    with source.open_file(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise CorruptCheckpointError(f"{path}: too short for a safetensors file")
@@ -82,6 +81,8 @@ def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any]
             )
         raw = f.read(n)
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         header = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptCheckpointError(
@@ -171,7 +172,7 @@ def read_safetensors(path: str) -> CheckpointFile:
         ResourceLimitError: a header over ``CKPTFIX_MAX_JSON_MB``.
     """
     header, start = read_header(path)
-    size = os.path.getsize(path)
+    size = source.getsize(path)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CorruptCheckpointError(f"{path}: __metadata__ must be a str->str object; the file is corrupt")

@@ -8,12 +8,18 @@ Hugging Face hub cache layout, ``snapshots/<rev>/x -> ../../blobs/<hash>``, is a
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
+from ckptfix import source
 from ckptfix.containment import allowed_roots, inside
-from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, ResourceLimitError, UnsupportedError
+from ckptfix.errors import (
+    CheckpointNotFoundError,
+    CkptfixError,
+    CorruptCheckpointError,
+    ResourceLimitError,
+    UnsupportedError,
+)
 from ckptfix.formats.base import (
     MAX_JSON_ENV,
     CheckpointFile,
@@ -37,12 +43,14 @@ def looks_like_index(path: str) -> bool:
         True for an object with a ``weight_map`` key, and for a file too large to parse that
         mentions one (:func:`load_index` then refuses it with the size limit).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.getsize(path)
+    with source.open_file(path) as f:
         text = f.read(min(size, max_json_bytes()))
     if size > len(text):
         return b'"weight_map"' in text
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         doc = json.loads(text)
     except (ValueError, RecursionError):
         return False
@@ -79,13 +87,13 @@ def index_path(path: str) -> str:
         CorruptCheckpointError: the directory holds several indexes.
         CheckpointNotFoundError: the directory holds none.
     """
-    if os.path.isdir(path):
-        idx = sorted(n for n in os.listdir(path) if n.endswith(".index.json"))
+    if source.isdir(path):
+        idx = sorted(n for n in source.listdir(path) if n.endswith(".index.json"))
         if len(idx) > 1:
             raise CorruptCheckpointError(f"{path}: several *.index.json files ({', '.join(idx)}); pass one")
         if not idx:
             raise CheckpointNotFoundError(f"{path}: no *.index.json in this directory; pass the checkpoint file")
-        return os.path.join(path, idx[0])
+        return source.join(path, idx[0])
     return path
 
 
@@ -119,6 +127,16 @@ def shard_file(ipath: str, shard: object) -> str:
             f"{ipath}: shard {shard!r} points outside the index's directory; refused "
             "(shard names must be files next to the index)"
         )
+    if source.is_url(ipath):  # next to a remote index: no links to follow, the same name checks
+        sp = source.join(source.dirname(ipath), shard)
+        if shard.endswith(".index.json"):
+            raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is an index itself; the index is corrupt")
+        if not source.isfile(sp):
+            raise CheckpointNotFoundError(
+                f"{ipath}: shard {shard!r} is listed in the index but missing next to it ({sp}); "
+                "upload every shard next to the index"
+            )
+        return sp
     sp = os.path.join(base, shard)
     if not os.path.isfile(sp):
         raise CheckpointNotFoundError(
@@ -154,7 +172,9 @@ def load_index(path: str) -> ShardIndex:
     """
     ipath = index_path(path)
     try:
-        size = os.path.getsize(ipath)
+        size = source.getsize(ipath)
+    except CkptfixError:  # a remote index: its own typed error (not found, access denied ...)
+        raise
     except OSError as e:
         raise CheckpointNotFoundError(f"{ipath}: cannot read the index ({e.strerror})") from None
     limit = max_json_bytes()
@@ -164,7 +184,9 @@ def load_index(path: str) -> ShardIndex:
             f"metadata (a real index is a few MB); if you trust it, raise {MAX_JSON_ENV}=<MiB>"
         )
     try:
-        with open(ipath, "rb") as f:
+        with source.open_file(ipath) as f:
+            import json  # here, not at the top: start-up of inspect/scan
+
             doc = json.loads(f.read().decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise CorruptCheckpointError(f"{ipath}: not a valid sharded index (not JSON); the file is corrupt") from None

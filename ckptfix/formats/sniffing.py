@@ -19,13 +19,11 @@ that ``scan`` checks each one and reports the worst.
 from __future__ import annotations
 
 import io
-import json
-import os
 import re
 import struct
-import tarfile
 from typing import Any
 
+from ckptfix import source
 from ckptfix.errors import ResourceLimitError
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -87,7 +85,12 @@ def tar_opens(path: str) -> bool | None:
     Raises:
         ResourceLimitError: a tar header whose size field asks for more than 16 MiB in one read.
     """
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
+        if _bad_tar_checksum(f.read(512)):  # tarfile's ReadError, known without importing tarfile (start-up)
+            return False
+        f.seek(0)
+        import tarfile
+
         try:
             with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):
                 return True
@@ -97,6 +100,29 @@ def tar_opens(path: str) -> bool | None:
             raise
         except Exception:  # noqa: BLE001 - torch lets any other error through: the load fails
             return None
+
+
+def _bad_tar_checksum(block: bytes) -> bool:
+    """Whether ``tarfile`` refuses ``block`` (a file's first 512 bytes) as the first header, raising ``ReadError``.
+
+    The checks of ``tarfile.TarInfo.frombuf`` before anything else is read: a short block (empty or
+    truncated header), or a checksum field that does not hold the block's checksum (``nti`` of bytes
+    148-156 is not octal, or equals neither the unsigned nor the signed sum).  An all-zero block (tarfile
+    opens an empty archive) and a base-256 checksum field are left to tarfile itself.
+    """
+    if len(block) < 512:
+        return True
+    if block.count(0) == 512 or block[148] in (0o200, 0o377):
+        return False
+    try:
+        field = block[148:156].split(b"\0", 1)[0].decode("ascii")
+        chksum = int(field.strip() or "0", 8)
+    except ValueError:  # UnicodeDecodeError too
+        return True
+    rest = block[:148] + block[156:512]
+    unsigned = 256 + sum(rest)
+    signed = unsigned - 256 * sum(1 for b in rest if b >= 128)
+    return chksum not in (unsigned, signed)
 
 
 def torch_branch(path: str) -> str:
@@ -109,7 +135,7 @@ def torch_branch(path: str) -> str:
         ``zip`` (``PK\\x03\\x04`` first), ``tar`` (tarfile opens it), ``tar-error`` (tarfile raises an
         error torch does not catch), else ``pickle``.
     """
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
         if f.read(4) == ZIP_MAGIC:
             return "zip"
     opens = tar_opens(path)
@@ -128,8 +154,8 @@ def safetensors_header_ok(path: str, max_json: int) -> bool:
     Returns:
         True for a safetensors header.
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = source.getsize(path)
+    with source.open_file(path) as f:
         head = f.read(9)
         if len(head) < 9 or head[8:9] != b"{":
             return False
@@ -141,6 +167,8 @@ def safetensors_header_ok(path: str, max_json: int) -> bool:
         f.seek(8)
         raw = f.read(n)
     try:
+        import json  # here, not at the top: start-up of inspect/scan
+
         obj = json.loads(raw)
     except (ValueError, RecursionError):
         return False
@@ -163,8 +191,16 @@ def starts_like_pickle(path: str, limit: int = 1 << 20) -> bool:
     """
     from ckptfix.scanner import PickleLimits, scan_globals
 
-    with open(path, "rb") as f:
-        head = f.read(limit)
+    with source.open_file(path) as f:
+        # a URL: 64 KiB first; the whole limit only when the first pickle runs past it (the same answer)
+        head = f.read(min(limit, 64 << 10) if source.is_url(path) else limit)
+        if source.is_url(path) and not _PROTO.match(head) and len(head) < limit and head:
+            from ckptfix.scanner import PickleLimits, scan_globals
+
+            res = scan_globals(head, limits=PickleLimits.from_env())
+            if res.error and "truncated" in res.error:
+                f.seek(0)
+                head = f.read(limit)
     if _PROTO.match(head):
         return True
     if not head:
@@ -188,6 +224,12 @@ def zip_appended(path: str) -> bool:
     import zipfile
 
     try:
+        if source.is_url(path):
+            with source.open_file(path) as f:
+                if not zipfile.is_zipfile(f):
+                    return False
+                with zipfile.ZipFile(f) as zf:
+                    return any(n.endswith(".pkl") for n in zf.namelist())
         if not zipfile.is_zipfile(path):
             return False
         with zipfile.ZipFile(path) as zf:

@@ -20,6 +20,7 @@ import zipfile
 import zlib
 from typing import Any, BinaryIO
 
+from ckptfix import source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
 from ckptfix.fileio import FOLIO, ZIP_ERRORS, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
@@ -46,7 +47,7 @@ def max_pickle_bytes() -> int:
 
 def _open_zip(path: str) -> zipfile.ZipFile:
     try:
-        return zipfile.ZipFile(path)
+        return zipfile.ZipFile(source.open_file(path) if source.is_url(path) else path)
     except zipfile.BadZipFile as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — re-copy or re-save it"
@@ -140,18 +141,27 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
             that does not match the central directory, or an entry past the end of the file.
     """
     out: dict[str, Member] = {}
-    size = os.path.getsize(path)
+    size = source.getsize(path)
     infos = zf.infolist()
     check_names(path, [i.filename for i in infos])
     check_inflation(path, zf)
-    with open(path, "rb") as f:
+    with source.open_file(path) as f:
+        heads = _local_headers(path, infos, size)  # remote: every header in a few coalesced parallel requests
         for info in infos:
-            f.seek(info.header_offset)
-            hdr = f.read(30)
+            if heads is None:
+                f.seek(info.header_offset)
+                hdr = f.read(30)
+            else:
+                hdr = heads.get(info.header_offset, b"")
+                if not hdr and source.is_metadata_only(path) and _is_record(info.filename):
+                    out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
+                        info.filename, -1, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
+                    )
+                    continue
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename!r}; the file is corrupt")
             nlen, elen = struct.unpack("<HH", hdr[26:30])
-            raw_name = f.read(nlen)
+            raw_name = f.read(nlen) if heads is None else hdr[30 : 30 + nlen]
             want = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
             if raw_name != want:
                 raise CorruptCheckpointError(
@@ -168,6 +178,29 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
                 info.filename, off, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
             )
     return out
+
+
+def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int) -> dict[int, bytes] | None:
+    """For a remote archive, each member's local header (30 bytes and its name) by header offset, read with
+    :meth:`~ckptfix.source.Source.read_ranges` (neighbours share a request, requests run in parallel);
+    None for a local file (read one by one, as before)."""
+    if not source.is_url(path):
+        return None
+    lazy = source.is_metadata_only(path)  # inspect: tensor records' headers are not needed (their offsets unused)
+    ranges = sorted(
+        {
+            (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
+            for i in infos
+            if not (lazy and _is_record(i.filename))
+        }
+    )
+    with source.open_source(path) as src:
+        return dict(src.read_ranges([r for r in ranges if r[1] > 0], jobs=16))
+
+
+def _is_record(name: str) -> bool:
+    """A tensor record of a torch archive (``<root>/data/<key>``)."""
+    return "/data/" in f"/{name}" and not name.endswith(".pkl")
 
 
 def root_of(names: list[str], leaf: str = "data.pkl") -> str:
@@ -380,7 +413,7 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         storages=up.storages,
         globals_seen=dict(up.globals_seen),
         stubbed=set(up.stubbed),
-        file_size=os.path.getsize(path),
+        file_size=source.getsize(path),
         details=details,
         notes=notes,
     )
@@ -421,9 +454,10 @@ def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) ->
 
 # --------------------------------------------------------------------------- TorchScript
 
-_CLASS_RE = re.compile(r"class[ \t]+(\w+)[ \t]*\(")
-_LIST_START_RE = re.compile(r"[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*\[")
-_QUOTED_RE = re.compile(r'"([^"\n]*)"')
+#: the patterns of TorchScript code (compiled when an archive has code: a torch zip's start-up has none)
+_CLASS_RE = r"class[ \t]+(\w+)[ \t]*\("
+_LIST_START_RE = r"[ \t]+(__parameters__|__buffers__)[ \t]*=[ \t]*\["
+_QUOTED_RE = r'"([^"\n]*)"'
 
 
 def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[list[str], list[str]]]:
@@ -432,6 +466,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
     One pass over the lines of each file (linear time whatever the input: an unclosed
     ``__parameters__ = [`` list runs to the end of its class once, it is never re-scanned).
     """
+    class_re, list_start_re, quoted_re = re.compile(_CLASS_RE), re.compile(_LIST_START_RE), re.compile(_QUOTED_RE)
     out: dict[str, tuple[list[str], list[str]]] = {}
     for name, text in code_files.items():
         mod = name[len(root) + len("code/") : -3].replace("/", ".")
@@ -440,7 +475,7 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
         for line in text.split("\n"):
             if line and not line[:1].isspace():
                 collecting = None  # a list never runs past its class
-                m = _CLASS_RE.match(line)
+                m = class_re.match(line)
                 if m:
                     current = out[f"{mod}.{m.group(1)}"] = ([], [])
                 continue
@@ -448,13 +483,13 @@ def _script_members(code_files: dict[str, str], root: str) -> dict[str, tuple[li
                 continue
             rest = line
             if collecting is None:
-                m = _LIST_START_RE.match(line)
+                m = list_start_re.match(line)
                 if not m:
                     continue
                 collecting = current[0] if m.group(1) == "__parameters__" else current[1]
                 rest = line[m.end() :]
             end = rest.find("]")
-            collecting.extend(_QUOTED_RE.findall(rest if end < 0 else rest[:end]))
+            collecting.extend(quoted_re.findall(rest if end < 0 else rest[:end]))
             if end >= 0:
                 collecting = None
     return out

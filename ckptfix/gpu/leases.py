@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import re
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import OutputError
 
 __all__ = [
@@ -220,6 +219,8 @@ def _read_info(fd: int) -> dict[str, Any] | None:
         return None
     if not data.strip():
         return {}
+    import json  # here, not at the top: pick-gpu's start-up when no lease is read
+
     try:
         info = json.loads(data.decode())
     except (ValueError, UnicodeDecodeError):
@@ -345,6 +346,8 @@ def try_lease(
     }
     os.ftruncate(fd, 0)  # locked, and ours: a new file or a ckptfix lease record
     os.lseek(fd, 0, os.SEEK_SET)
+    import json
+
     os.write(fd, json.dumps(record).encode())
     if seconds is None:
         return Lease(key, path, fd, None, token, warning), ""

@@ -10,9 +10,9 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import GpuQueryError, GpuToolingError
 
 __all__ = ["RunResult", "Runner", "find_nvidia_smi", "nvidia_smi_env", "subprocess_runner", "run_parallel"]

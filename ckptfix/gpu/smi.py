@@ -7,9 +7,10 @@ Nothing here imports torch.  A *runner* (``argv, timeout -> RunResult``) can rep
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import Mapping, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.errors import GpuQueryError, NoGpuError
 from ckptfix.gpu.parse import (
     APP_FIELDS,

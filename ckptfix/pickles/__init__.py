@@ -32,6 +32,8 @@ re-exported here; import from ``ckptfix.pickles``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ckptfix.pickles.reader import (
     RecordingUnpickler,
     check_depth,
@@ -56,13 +58,6 @@ from ckptfix.pickles.stub import (
     stub_dtype,
     validate_tensor_record,
 )
-from ckptfix.pickles.writer import (
-    _WRITING,
-    RESOLVE_CHECK_MODULES,
-    RecordPickler,
-    dumps,
-    globals_resolvable,
-)
 from ckptfix.policy import (
     DTYPE_GLOBALS,
     REBUILD_FROM_TYPE,
@@ -81,6 +76,18 @@ from ckptfix.scanner import (
     scan_globals,
     scan_pickle_sequence,
 )
+
+if TYPE_CHECKING:
+    from ckptfix.pickles.writer import (
+        _WRITING,
+        RESOLVE_CHECK_MODULES,
+        RecordPickler,
+        dumps,
+        globals_resolvable,
+    )
+
+#: the names of :mod:`~ckptfix.pickles.writer`, imported on first use (the readers never write: start-up)
+_WRITER = frozenset({"_WRITING", "RESOLVE_CHECK_MODULES", "RecordPickler", "dumps", "globals_resolvable"})
 
 __all__ = [
     "ELEMENT_SIZE",
@@ -121,3 +128,17 @@ __all__ = [
     "scan_globals",
     "scan_pickle_sequence",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WRITER:
+        from ckptfix.pickles import writer
+
+        value = getattr(writer, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptfix.pickles' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _WRITER)

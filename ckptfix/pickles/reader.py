@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-from dataclasses import dataclass
 from typing import (
     Any,
     BinaryIO,
@@ -18,6 +17,7 @@ from typing import (
     TypeVar,
 )
 
+from ckptfix._dataclass import dataclass
 from ckptfix.pickles.records import STORAGE_DTYPES, StorageRecord, TensorRecord
 from ckptfix.pickles.stub import (
     Stub,

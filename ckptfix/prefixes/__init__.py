@@ -51,7 +51,8 @@ re-exported here.
 
 from __future__ import annotations
 
-from ckptfix.prefixes.align import AlignmentCandidate, AlignmentReport, ShapeMismatch, align_state_dict
+from typing import TYPE_CHECKING, Any
+
 from ckptfix.prefixes.rename import (
     INNER_WRAPPER_SEGMENTS,
     KNOWN_PREFIXES,
@@ -63,6 +64,12 @@ from ckptfix.prefixes.rename import (
     strip_prefix,
     strip_prefix_report,
 )
+
+if TYPE_CHECKING:
+    from ckptfix.prefixes.align import AlignmentCandidate, AlignmentReport, ShapeMismatch, align_state_dict
+
+#: the names of :mod:`~ckptfix.prefixes.align`, imported on first use (``inspect`` only detects prefixes: start-up)
+_ALIGN = frozenset({"AlignmentCandidate", "AlignmentReport", "ShapeMismatch", "align_state_dict"})
 
 __all__ = [
     "INNER_WRAPPER_SEGMENTS",
@@ -79,3 +86,17 @@ __all__ = [
     "strip_prefix",
     "strip_prefix_report",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ALIGN:
+        from ckptfix.prefixes import align
+
+        value = getattr(align, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ckptfix.prefixes' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _ALIGN)

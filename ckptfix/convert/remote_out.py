@@ -1,0 +1,99 @@
+"""``convert ... -o s3://bucket/model.safetensors``: write and verify locally, then commit to the store (issue #26).
+
+The conversion runs unchanged into a private local staging folder (same verification as any local output:
+:mod:`ckptfix.convert.write`); each file is then committed with :func:`ckptfix.remote.upload.commit_file`
+(multipart, nothing visible under its name before the upload completes).  Shards and DCP data files go first,
+the file that makes the set usable last (the sharded index, DCP's ``.metadata``), so a reader never sees an
+index naming a missing shard.  Any failure removes the objects this run already committed and raises
+:class:`~ckptfix.errors.RemoteWriteError` (exit 46).  The staging folder is in ``$CKPTFIX_TMPDIR`` (else the
+system temp folder) and is removed in every case.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any, Callable
+
+from ckptfix.convert.report import ConvertReport
+
+#: files committed last: what makes a multi-file output usable
+_LAST = (".index.json", ".metadata")
+
+
+def _staging_root() -> str | None:
+    return os.environ.get("CKPTFIX_TMPDIR") or None
+
+
+def convert_to_url(run: Callable[..., ConvertReport], args: dict[str, Any]) -> ConvertReport:
+    """Run ``run(**args)`` into a local staging folder, then upload its outputs under ``args["dst"]``.
+
+    Args:
+        run: :func:`ckptfix.convert.convert`.
+        args: its arguments, ``dst`` a remote URL.
+
+    Returns:
+        The conversion's report, ``outputs``/``index`` as URLs.
+
+    Raises:
+        OutputError: an output object exists and ``force`` is not set (checked before reading the input).
+        RemoteWriteError: an upload failed; nothing this run committed is left.
+    """
+    from ckptfix.remote.upload import check_remote_outputs, commit_file
+    from ckptfix.remote.url import basename, parent
+
+    dst = os.fspath(args["dst"])
+    force = bool(args.get("force"))
+    name = basename(dst)
+    folder_out = dst.endswith("/") or name.endswith(".dcp") or args.get("to") == "dcp"
+    if not folder_out:
+        check_remote_outputs([dst], force)  # fail before any reading
+    base = parent(dst) if not dst.endswith("/") else dst.rstrip("/")
+    stage = tempfile.mkdtemp(prefix="ckptfix-upload-", dir=_staging_root())
+    try:
+        local = os.path.join(stage, name)
+        report = run(**{**args, "dst": local, "force": True})
+        files = _written_files(stage)
+        urls = {f: base + "/" + os.path.relpath(f, stage).replace(os.sep, "/") for f in files}
+        check_remote_outputs([u for u in urls.values()], force)
+        done: list[str] = []
+        try:
+            for f in sorted(files, key=lambda p: (p.endswith(_LAST), p)):
+                commit_file(f, urls[f])
+                done.append(urls[f])
+        except BaseException:
+            _remove_committed(done)
+            raise
+        report.outputs = [_as_url(p, stage, base) for p in report.outputs]
+        if report.index:
+            report.index = _as_url(report.index, stage, base)
+        return report
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _written_files(stage: str) -> list[str]:
+    out = []
+    for dirpath, _dirs, names in os.walk(stage):
+        for n in names:
+            out.append(os.path.join(dirpath, n))
+    return sorted(out)
+
+
+def _as_url(p: str, stage: str, base: str) -> str:
+    rel = os.path.relpath(p, stage)
+    if rel.startswith(".."):
+        return p
+    return base + "/" + rel.replace(os.sep, "/")
+
+
+def _remove_committed(urls: list[str]) -> None:
+    from ckptfix.remote.url import filesystem
+
+    for u in urls:
+        try:
+            fs, path = filesystem(u)
+            fs.rm_file(path)
+        except Exception:  # noqa: BLE001 (best effort: the upload error raised next is what the user sees)
+            pass

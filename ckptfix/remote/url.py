@@ -1,0 +1,159 @@
+"""URLs: which schemes are remote, which fsspec protocol and driver package serve each one.
+
+The scheme table is the one place that knows the drivers: ``s3://`` needs ``s3fs`` (the ``[remote]`` extra
+installs it), ``gs://`` ``gcsfs``, ``az://`` ``adlfs``, ``hf://`` ``huggingface_hub``, ``http(s)://``
+``aiohttp``.  A missing driver is :class:`~ckptfix.errors.RemoteDriverMissingError` with the install line.
+``memory://`` (fsspec's in-process store) is there for tests.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any
+
+from ckptfix.errors import RemoteDriverMissingError
+
+#: scheme -> (fsspec protocol, module the driver needs, pip package that brings it)
+SCHEMES: dict[str, tuple[str, str | None, str | None]] = {
+    "s3": ("s3", "s3fs", "s3fs"),
+    "s3a": ("s3", "s3fs", "s3fs"),
+    "gs": ("gcs", "gcsfs", "gcsfs"),
+    "gcs": ("gcs", "gcsfs", "gcsfs"),
+    "az": ("abfs", "adlfs", "adlfs"),
+    "abfs": ("abfs", "adlfs", "adlfs"),
+    "abfss": ("abfs", "adlfs", "adlfs"),
+    "hf": ("hf", "huggingface_hub", "huggingface_hub"),
+    "http": ("http", "aiohttp", "aiohttp"),
+    "https": ("https", "aiohttp", "aiohttp"),
+    "memory": ("memory", None, None),
+}
+
+#: drivers the ``[remote]`` extra installs (the others are named by their own package)
+_IN_EXTRA = {"s3fs", "aiohttp"}
+
+
+def scheme(path: str | os.PathLike[str]) -> str | None:
+    """The URL scheme of ``path`` when it is a remote URL ckptfix reads, else None.
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        The lower-case scheme (``s3``, ``https`` ...) or None for a local path.
+    """
+    if not isinstance(path, str):
+        return None
+    head, sep, _ = path.partition("://")
+    if not sep:
+        return None
+    head = head.lower()
+    return head if head in SCHEMES else None
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a remote URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``, ``memory://``).
+
+    Args:
+        path: a path or URL.
+
+    Returns:
+        True for a URL of a scheme in :data:`SCHEMES`.
+    """
+    return scheme(path) is not None
+
+
+def install_hint(module: str) -> str:
+    """The pip line that installs a driver.
+
+    Args:
+        module: the driver's module.
+
+    Returns:
+        ``pip install "ckptfix[remote]"`` for the extra's drivers, else ``pip install <package>``.
+    """
+    if module in _IN_EXTRA:
+        return 'pip install "ckptfix[remote]"'
+    return f"pip install {module.replace('_', '-')}"
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec file system for ``url`` and the path inside it.
+
+    Args:
+        url: a remote URL.
+
+    Returns:
+        ``(fs, path)``: ``path`` is what the file system's methods take (the URL itself for http).
+
+    Raises:
+        RemoteDriverMissingError: fsspec or the scheme's driver is not installed.
+    """
+    sch = scheme(url)
+    if sch is None:
+        raise ValueError(f"not a remote URL: {url}")
+    protocol, module, _package = SCHEMES[sch]
+    try:
+        import fsspec
+    except ImportError:
+        raise RemoteDriverMissingError(
+            f'reading {sch}:// URLs needs fsspec, which is not installed: pip install "ckptfix[remote]"'
+        ) from None
+    if module is not None:
+        try:
+            __import__(module)
+        except ImportError:
+            raise RemoteDriverMissingError(
+                f"reading {sch}:// URLs needs the {module} package, which is not installed: {install_hint(module)}"
+            ) from None
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        raise RemoteDriverMissingError(
+            f"reading {sch}:// URLs needs a driver that is not installed ({e}): {install_hint(module or 'fsspec')}"
+        ) from None
+    if protocol in ("http", "https"):
+        path = url
+    return fs, path
+
+
+def join(url: str, *names: str) -> str:
+    """``url`` with ``names`` appended as path segments (``/`` separated, no duplicate slashes).
+
+    Args:
+        url: a remote URL (a folder or a file).
+        *names: the segments.
+
+    Returns:
+        The joined URL.
+    """
+    out = url
+    for n in names:
+        out = out.rstrip("/") + "/" + n.lstrip("/")
+    return out
+
+
+def basename(url: str) -> str:
+    """The last segment of a URL (a query string dropped).
+
+    Args:
+        url: a remote URL.
+
+    Returns:
+        The name after the last ``/``.
+    """
+    return posixpath.basename(url.split("?", 1)[0].rstrip("/"))
+
+
+def parent(url: str) -> str:
+    """The URL of the folder holding ``url``.
+
+    Args:
+        url: a remote URL.
+
+    Returns:
+        ``url`` without its last segment.
+    """
+    base = url.split("?", 1)[0].rstrip("/")
+    head, _, _ = base.rpartition("/")
+    return head if "://" in head and not head.endswith(":/") else base

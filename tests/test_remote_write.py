@@ -1,0 +1,140 @@
+"""``convert ... -o s3://...`` against moto's S3 server: verified locally, then committed all or nothing (issue #26)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ckptfix.errors import OutputError, RemoteWriteError
+
+from helpers import CkptFactory, assert_one_line_error, run_cli
+from s3server import S3Server
+
+pytest.importorskip("s3fs")
+
+
+def _big_checkpoint(path: Path, mib: int = 12) -> Path:
+    """A state dict whose safetensors output is over ``mib`` MiB (a multipart upload with 5 MiB parts)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    torch.save({"w": torch.randn(mib << 18, generator=g), "b": torch.arange(7, dtype=torch.float32)}, path)
+    return path
+
+
+def test_convert_to_s3_is_the_local_output(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
+    from ckptfix.convert import convert
+
+    b = ckpt.dataparallel()
+    url = s3.url(s3.prefix("w") + "/model.safetensors")
+    rep = convert(b.path, url)
+    assert rep.outputs == [url]
+    assert rep.verified
+    local = tmp_path / "local.safetensors"
+    convert(b.path, local)
+    assert s3.get_bytes(url) == local.read_bytes()
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_existing_object_needs_force(s3: S3Server, ckpt: CkptFactory) -> None:
+    from ckptfix.convert import convert
+
+    b = ckpt.plain()
+    url = s3.put_bytes(s3.prefix("w") + "/model.safetensors", b"old")
+    with pytest.raises(OutputError, match="--force"):
+        convert(b.path, url)
+    assert s3.get_bytes(url) == b"old"
+    convert(b.path, url, force=True)
+    assert s3.get_bytes(url)[:8] != b"old"
+
+
+def test_sharded_output_commits_the_index_last(s3: S3Server, ckpt: CkptFactory) -> None:
+    from ckptfix.convert import convert
+
+    b = ckpt.plain()
+    pre = s3.prefix("w")
+    url = s3.url(pre + "/model.safetensors")
+    s3.reset_counts()
+    rep = convert(b.path, url, max_shard_size=60)
+    assert len(rep.outputs) > 1 and rep.index == url + ".index.json"
+    puts = [p for m, p, _q, _r in s3.log if m == "PUT"]
+    assert puts[-1].endswith("model.safetensors.index.json")
+    assert set(s3.keys(pre)) == {k.split("/", 3)[-1] for k in [*rep.outputs, rep.index]}
+    index = json.loads(s3.get_bytes(rep.index))
+    assert set(index["weight_map"].values()) == {o.rsplit("/", 1)[-1] for o in rep.outputs}
+
+
+@pytest.mark.parametrize("where", ["part", "complete"])
+def test_failed_multipart_upload_leaves_nothing(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An upload that fails (a part refused, or the completion refused): no object, no pending upload."""
+    from ckptfix.convert import convert
+    from ckptfix.remote import upload
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
+    src = _big_checkpoint(tmp_path / "big.pt")
+    key = s3.prefix("w") + "/big.safetensors"
+
+    def fault(environ: dict) -> int | None:
+        q = environ.get("QUERY_STRING", "")
+        if where == "part" and environ["REQUEST_METHOD"] == "PUT" and "partNumber=2" in q:
+            return 403
+        if where == "complete" and environ["REQUEST_METHOD"] == "POST" and "uploadId=" in q:
+            return 403
+        return None
+
+    s3.fault = fault
+    with pytest.raises(RemoteWriteError, match="nothing was written"):
+        convert(src, s3.url(key))
+    s3.fault = None
+    assert not s3.exists(key)
+    assert s3.keys(key.split("/")[0]) == []
+    assert [u for u in s3.pending_uploads() if u["Key"] == key] == []
+    assert any("uploadId" in q for _m, _p, q, _r in s3.log), "the upload was not a multipart upload"
+
+
+def test_multipart_upload_round_trip(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptfix.convert import convert
+    from ckptfix.remote import upload
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
+    src = _big_checkpoint(tmp_path / "big.pt")
+    url = s3.url(s3.prefix("w") + "/big.safetensors")
+    convert(src, url)
+    local = tmp_path / "big.safetensors"
+    convert(src, local)
+    assert s3.get_bytes(url) == local.read_bytes()
+    assert any("partNumber=3" in q for _m, _p, q, _r in s3.log)
+
+
+def test_cli_convert_to_s3_and_a_failed_upload(s3: S3Server, ckpt: CkptFactory) -> None:
+    b = ckpt.plain()
+    url = s3.url(s3.prefix("w") + "/m.safetensors")
+    p = run_cli("convert", str(b.path), "-o", url)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == url
+    s3.fault = lambda environ: 403 if environ["REQUEST_METHOD"] == "PUT" else None
+    url2 = s3.url(s3.prefix("w") + "/m.safetensors")
+    p = run_cli("convert", str(b.path), "-o", url2)
+    s3.fault = None
+    assert_one_line_error(p, RemoteWriteError.exit_code)
+    assert "nothing was written" in p.stderr
+    assert not s3.exists(url2)
+
+
+def test_staging_folder_is_removed(s3: S3Server, ckpt: CkptFactory, tmp_path: Path, monkeypatch) -> None:
+    from ckptfix.convert import convert
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    monkeypatch.setenv("CKPTFIX_TMPDIR", str(stage))
+    b = ckpt.plain()
+    s3.fault = lambda environ: 403 if environ["REQUEST_METHOD"] == "PUT" else None
+    with pytest.raises(RemoteWriteError):
+        convert(b.path, s3.url(s3.prefix("w") + "/m.safetensors"))
+    s3.fault = None
+    convert(b.path, s3.url(s3.prefix("w") + "/m.safetensors"))
+    assert list(stage.iterdir()) == []

@@ -1,0 +1,113 @@
+"""Start-up (issue 25): what ``inspect`` / ``scan`` / ``gpus`` / ``pick-gpu`` import, pinned by module, not by time.
+
+Each command runs in a fresh interpreter (``python -m ckptfix ...``, as ``benchmarks/bench_startup.py`` measures
+it) that lists ``sys.modules`` at exit.  A module named here costs start-up on every run of the command when it
+is imported without being used: a new import of one of them fails this test (import it where it is used).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, fake_smi_env
+
+#: what none of the four imports (torch and numpy are optional; the others are the heavy stdlib and the parts
+#: of ckptfix another command needs)
+NEVER = [
+    "torch",
+    "numpy",
+    "importlib.metadata",
+    "ckptfix.convert",
+    "ckptfix.rewrite",
+    "ckptfix.loading",
+    "ckptfix.train",
+    "ckptfix.cli.convert",
+    "ckptfix.cli.train",
+    "ckptfix.cli.demo",
+    "ckptfix.dcp",
+    "ckptfix.formats.dcp",
+    "ctypes",
+    "traceback",
+    "json",
+    "shlex",
+]
+
+#: the checkpoint side, which the GPU commands never import
+CHECKPOINT_SIDE = [
+    "ckptfix.cli.ckpt",
+    "ckptfix.formats",
+    "ckptfix.pickles",
+    "ckptfix.inspecting",
+    "ckptfix.prefixes",
+    "zipfile",
+    "tarfile",
+    "pickle",
+    "shutil",
+    "bz2",
+    "lzma",
+]
+
+_LIST_MODULES = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + '\\n'))\n"
+    "import runpy\n"
+    "sys.argv[0] = 'ckptfix'\n"
+    "runpy.run_module('ckptfix', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _modules(args: list[str], env: dict[str, str]) -> set[str]:
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(
+        [sys.executable, "-c", _LIST_MODULES, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert p.returncode == 0, p.stderr
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
+    assert line, p.stderr
+    return set(line[-1].split()[1:])
+
+
+@pytest.fixture(scope="module")
+def torch_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small ``torch.save`` zip (a model's state dict)."""
+    from tests.helpers import CkptFactory
+
+    return Path(CkptFactory(tmp_path_factory.mktemp("startup")).plain().path)
+
+
+def _check(mods: set[str], absent: list[str], present: list[str]) -> None:
+    assert [m for m in present if m not in mods] == []  # the command ran the code path pinned here
+    assert sorted(m for m in absent if m in mods) == []
+
+
+@pytest.mark.parametrize("command", ["inspect", "scan"])
+def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command, torch_zip):
+    mods = _modules([command, str(torch_zip)], dict(os.environ))
+    absent = NEVER + [
+        "ckptfix.gpu",
+        "ckptfix.cli.gpu",
+        "ckptfix.prefixes.align",
+        "ckptfix.sanitize",
+        "ckptfix.rekey",
+        "ckptfix.pickles.writer",  # the readers never write
+        "ckptfix.formats.legacy",  # the other formats' readers
+        "ckptfix.formats.safetensors_fmt",
+        "ckptfix.formats.sharded",
+        "tarfile",  # a zip's first block is no tar header: refused without tarfile (sniffing.tar_opens)
+        "subprocess",
+    ]
+    _check(mods, absent, ["ckptfix.inspecting", "ckptfix.formats.zipfmt", "ckptfix._dataclass"])
+
+
+@pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]])
+def test_gpus_and_pick_gpu_import_nothing_of_the_checkpoint_side(args, tmp_path):
+    mods = _modules(args, fake_smi_env(tmp_path, "h200_busy"))
+    absent = NEVER + CHECKPOINT_SIDE
+    if "--json" in args:  # --json renders with json, and only then
+        absent.remove("json")
+    _check(mods, absent, ["ckptfix.gpu.visible", "ckptfix.gpu.smi", "subprocess"])
