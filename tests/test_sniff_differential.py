@@ -465,3 +465,17 @@ def test_zip_tar_polyglot_scans_both_readings(tmp_path):
     r = scan_checkpoint(p)
     assert r.verdict == "dangerous" and "os.system" in r.dangerous, r.to_dict()
     assert not canary.exists()
+
+
+def test_zip_header_where_torchs_tar_reader_stopped(tmp_path):
+    """torch checks for a zip at the offset its failed tar reader left the file (512), not at 0: a pickle there
+    is never unpickled ("is a zip archive"); ckptfix refuses it too (hypothesis found b"\\x80" + a cut zip)."""
+    p = tmp_path / "x.pt"
+    p.write_bytes(pickle.dumps({"a": 1}, protocol=2).ljust(512, b"\0") + b"PK\x03\x04" + b"\0" * 64)
+    assert torch_branch(p) == "zip-error"
+    assert sniffing_mod.torch_branch(str(p)) == "zip-error"
+    with pytest.raises(CorruptCheckpointError, match="is a zip archive"):
+        sniff(str(p))
+    q = tmp_path / "cut.pt"
+    q.write_bytes(b"\x80" + torch_zip_bytes()[339:])
+    assert_agrees(q)

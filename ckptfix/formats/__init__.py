@@ -153,6 +153,11 @@ def sniff(path: str) -> Format:
     # the JSON is parsed here only where the length's bytes also read as PROTO (else the reader checks it)
     if sniffing.safetensors_header_ok(path, max_json_bytes() if head[:1] == b"\x80" else 0):
         return Format.SAFETENSORS
+    if sniffing.zip_where_tar_stopped(path):
+        raise CorruptCheckpointError(
+            f"{path}: torch.load refuses this file before reading any pickle ('is a zip archive': a zip record "
+            "where its tar reader stopped); it is no checkpoint torch can load, pass the file torch.save wrote"
+        )
     if head[:1] == b"\x80" and len(head) > 1 and 2 <= head[1] <= 5:
         from ckptfix.formats import legacy
 

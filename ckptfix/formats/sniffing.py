@@ -102,6 +102,34 @@ def tar_opens(path: str) -> bool | None:
             return None
 
 
+def zip_where_tar_stopped(path: str) -> bool:
+    """Whether ``torch.load(path)`` raises "is a zip archive" after its tar reader fails (nothing unpickled).
+
+    torch's legacy loader tries ``tarfile`` at offset 0; on ``TarError`` it checks for a zip local header
+    (``PK\\x03\\x04``) at the offset where tarfile stopped reading (512 after a refused first header), not at
+    0, and raises if one is there.  A file whose start is no zip can so be refused by torch as one.
+
+    Args:
+        path: a file whose first bytes are not a zip's and that tarfile refuses (:func:`tar_opens` False).
+
+    Returns:
+        True where torch raises instead of unpickling.
+    """
+    with source.open_file(path) as f:
+        if _bad_tar_checksum(f.read(512)):
+            return f.read(4) == ZIP_MAGIC
+        f.seek(0)
+        import tarfile
+
+        try:
+            with tarfile.open(fileobj=_Capped(f), mode="r:", format=tarfile.PAX_FORMAT):
+                return False
+        except tarfile.TarError:
+            return f.read(4) == ZIP_MAGIC
+        except Exception:  # noqa: BLE001 - tarfile raised what torch lets through: tar_opens says None
+            return False
+
+
 def _bad_tar_checksum(block: bytes) -> bool:
     """Whether ``tarfile`` refuses ``block`` (a file's first 512 bytes) as the first header, raising ``ReadError``.
 
@@ -133,12 +161,15 @@ def torch_branch(path: str) -> str:
 
     Returns:
         ``zip`` (``PK\\x03\\x04`` first), ``tar`` (tarfile opens it), ``tar-error`` (tarfile raises an
-        error torch does not catch), else ``pickle``.
+        error torch does not catch), ``zip-error`` (torch raises "is a zip archive":
+        :func:`zip_where_tar_stopped`), else ``pickle``.
     """
     with source.open_file(path) as f:
         if f.read(4) == ZIP_MAGIC:
             return "zip"
     opens = tar_opens(path)
+    if opens is False and zip_where_tar_stopped(path):
+        return "zip-error"
     return "tar" if opens else "pickle" if opens is False else "tar-error"
 
 
