@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
@@ -13,7 +13,10 @@ if TYPE_CHECKING:
     from ckptfix.outputs import OutputOptions
 
 
-def stats_option(f: Any) -> Any:
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def stats_option(f: _F) -> _F:
     """``--stats``: say on stderr how many bytes were read in how many requests (and add ``"stats"`` to --json)."""
     return click.option(
         "--stats",
