@@ -561,6 +561,76 @@ def verify_equal(
     return None
 
 
+#: file systems on which reserving an output's blocks before writing it (:func:`preallocate`) measured
+#: faster: ext4 (kernel 6.18, 0.5 GB GPT-2-layout copy through the 1 MiB buffer, warm): 0.125 -> 0.092 s
+#: with the read-back check, 0.104 -> 0.072 s without (``cp`` 0.113 s): the writes then skip delayed
+#: allocation page by page.  On tmpfs it measured slower (0.257 -> 0.271 s; the pages are zeroed twice),
+#: so it is not done there nor on any file system not measured.
+PREALLOCATE_FS = frozenset({"ext4"})
+
+
+def fs_type(fd: int) -> str | None:
+    """The type of the file system holding ``fd`` (``"ext4"``, ``"tmpfs"`` ...), from ``/proc/self/mountinfo``.
+
+    Args:
+        fd: an open file.
+
+    Returns:
+        The type, or None where it cannot be told (not Linux, no ``/proc``).
+    """
+    try:
+        dev = os.fstat(fd).st_dev
+        want = f"{os.major(dev)}:{os.minor(dev)}"
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the blocks of ``[0, size)`` of a new output before it is written, where that measured faster.
+
+    Only on :data:`PREALLOCATE_FS`, through ``fallocate(2)`` itself (never glibc's ``posix_fallocate``
+    emulation, which writes a byte per block where the file system has no ``fallocate``).  The file's
+    size becomes ``size``; its bytes read as zeros until written.  A full disk is found here, before a
+    single tensor is copied.
+
+    Args:
+        fd: the output, open for writing.
+        size: its final size.
+
+    Returns:
+        Whether the blocks were reserved (False: nothing done; the writes allocate them as usual).
+
+    Raises:
+        OutputError: the output device has no room for ``size`` bytes.
+    """
+    if size <= 0 or fs_type(fd) not in PREALLOCATE_FS:
+        return False
+    err = _fallocate(fd, size)
+    if err in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        raise OutputError(_FULL)
+    return err == 0
+
+
+def _fallocate(fd: int, size: int) -> int | None:
+    """``fallocate(fd, 0, 0, size)`` through libc; returns 0, the errno, or None where libc has no ``fallocate``."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.fallocate
+        call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        call.restype = ctypes.c_int
+    except (ImportError, OSError, AttributeError):
+        return None
+    return 0 if call(fd, 0, 0, size) == 0 else ctypes.get_errno()
+
+
 #: bytes per chunk read, gathered or compared (a tensor streamed through Python: converted, gathered, read back)
 CHUNK = 8 << 20
 
