@@ -17,8 +17,8 @@ FSDP2 does (``--dcp-shard1`` also shards every 4th on dim 1).
 
 Per size, side by side in one run, ``--repeat`` rounds, the order of the commands reversed every other
 round; before every run the previous outputs are deleted and ``sync`` flushes the dirty pages (no command
-pays another's writeback); cold runs drop the page cache first (``/proc/sys/vm/drop_caches`` when
-writable, else ``posix_fadvise(DONTNEED)`` on the input's files).  Whole-process wall time and peak RSS
+pays another's writeback); cold runs evict the input's files from the page cache first
+(``posix_fadvise(DONTNEED)``; never the whole machine's cache).  Whole-process wall time and peak RSS
 (``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
 machine these numbers come from is shared and they swing with its load.
 
@@ -137,14 +137,12 @@ def _rm(*paths: str) -> Callable[[], None]:
 
 
 def drop_cache(paths: list[str]) -> str:
-    """Evict the inputs from the page cache; returns how (``drop_caches`` or ``fadvise``)."""
+    """Evict the inputs from the page cache (``posix_fadvise(DONTNEED)`` on each of their files); returns how.
+
+    Only the inputs' pages go: the machine is shared, and ``/proc/sys/vm/drop_caches`` would evict
+    everyone's (and needs root).  ``sync`` first, so that no page of theirs is dirty and kept.
+    """
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
     for p in paths:
         for f in _files(p):
             fd = os.open(f, os.O_RDONLY)
@@ -152,7 +150,7 @@ def drop_cache(paths: list[str]) -> str:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-    return "fadvise"
+    return "cold"
 
 
 def warm(paths: list[str]) -> None:
@@ -212,7 +210,7 @@ def _row(res, base: str, loads, how: str, **extra) -> dict:
     return row
 
 
-def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str) -> dict:
+def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str, kernel_any: bool = False) -> dict:
     src = os.path.join(work, "gpt2.pt")
     shape = make_gpt2(src, size)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.pt")
@@ -220,6 +218,10 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     for j in jobs:
         cases[f"convert -j {j}"] = (ckptfix("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
     cases["convert --no-verify"] = (ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+    if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
+        any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
+        cases["convert cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))
+        cases["--no-verify cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
     if not cold:
         warm([src])
     res, loads, how = side_by_side(cases, repeat, [src] if cold else None)
@@ -266,6 +268,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the inputs evicted from the page cache")
     ap.add_argument("--no-warm", action="store_true", help="cold runs only")
     ap.add_argument("--jobs", default="1", help="comma-separated --jobs values for the verified convert")
+    ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     ap.add_argument("--json", action="store_true")
@@ -282,7 +285,7 @@ def main() -> None:
                 work = tempfile.mkdtemp(prefix="bench_copy.", dir=a.dir)
                 try:
                     if kind == "convert":
-                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work)
+                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work, a.kernel_any)
                     else:
                         row = bench_dcp(parse_size(s), a.repeat, cold, jobs, a.dcp_shard1, work)
                 finally:
