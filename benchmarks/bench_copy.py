@@ -221,7 +221,8 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
         any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
         cases["convert cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))
-        cases["--no-verify cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+        nov = ckptfix("convert", src, "-o", out, "--quiet", "--no-verify")
+        cases["--no-verify cfr-any"] = (any_env + nov, _rm(out))
     if not cold:
         warm([src])
     res, loads, how = side_by_side(cases, repeat, [src] if cold else None)
