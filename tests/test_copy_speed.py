@@ -128,3 +128,98 @@ def test_convert_on_a_full_disk_stops_before_copying(tmp_path, monkeypatch):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert copied == []
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]  # no temp file left behind
+
+
+def test_cached_tells_cached_pages_from_evicted_ones(tmp_path):
+    p = tmp_path / "data.bin"
+    p.write_bytes(os.urandom(1 << 20))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.read(fd, 1 << 20)  # in the page cache now
+        got = fileio.cached(fd, [0, 5000, (1 << 20) - 1])
+        if got is None:
+            pytest.skip("no RWF_NOWAIT here")
+        assert got is True
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert fileio.cached(fd, [0, 700_000]) is False
+    finally:
+        os.close(fd)
+
+
+class _Ranged:
+    def __init__(self, ranges):
+        self._r = ranges
+
+    def ranges(self):
+        return self._r
+
+
+@pytest.fixture
+def two_files(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"a" * 100_000)
+    b.write_bytes(b"b" * 300_000)
+    return str(a), str(b)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "warm", "expected"), [(2, True, 2), (8, True, 2), (2, False, 1), (1, True, 1), (2, None, 1)]
+)
+def test_choose_jobs_two_threads_only_for_a_warm_input_and_two_cpus(two_files, monkeypatch, cpus, warm, expected):
+    from ckptfix.convert import write
+    from ckptfix.convert.items import Fds
+
+    a, b = two_files
+    asked = {}
+
+    def fake_cached(fd, offsets):
+        asked.setdefault(fd, []).extend(offsets)
+        return warm
+
+    monkeypatch.setattr(write, "cached", fake_cached)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    items = [_Ranged([(a, 0, 100_000, None)]), _Ranged(None), _Ranged([(b, 1000, 200_000, 7), (a, 50, 10, None)])]
+    fds = Fds()
+    try:
+        assert write.choose_jobs(items, fds) == expected
+        if cpus >= 2 and warm:  # the probes are spread over the bytes to copy, in each range's file
+            offs = sorted(o for v in asked.values() for o in v)
+            assert len(offs) == write.PROBES
+            assert all(0 <= o < 100_000 or 1000 <= o < 201_000 for o in offs)
+            assert len(asked) == 2
+    finally:
+        fds.close()
+
+
+def test_choose_jobs_is_one_with_fewer_than_two_ranges(two_files, monkeypatch):
+    from ckptfix.convert import write
+    from ckptfix.convert.items import Fds
+
+    monkeypatch.setattr(write, "cached", lambda fd, offs: True)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    fds = Fds()
+    try:
+        assert write.choose_jobs([_Ranged([(two_files[0], 0, 10, None)]), _Ranged(None)], fds) == 1
+        assert write.choose_jobs([], fds) == 1
+    finally:
+        fds.close()
+
+
+@pytest.mark.parametrize(("argv", "chooses"), [((), True), (("-j", "1"), False), (("-j", "2"), False)])
+def test_convert_cli_chooses_jobs_only_when_not_given(tmp_path, monkeypatch, argv, chooses):
+    from ckptfix.convert import write
+
+    from helpers import run_cli
+
+    src = _checkpoint(tmp_path)
+    seen = []
+    real_choose, real_run = write.choose_jobs, write.run_tasks
+    monkeypatch.setattr(write, "choose_jobs", lambda items, fds: seen.append("chose") or real_choose(items, fds))
+    monkeypatch.setattr(write, "run_tasks", lambda tasks, jobs=1: seen.append(jobs) or real_run(tasks, jobs))
+    r = run_cli("convert", str(src), "-o", str(tmp_path / "o.safetensors"), "--quiet", *argv, isolated=False)
+    assert r.rc == 0, r.err
+    assert ("chose" in seen) == chooses
+    assert all(j in (1, 2) for j in seen if j != "chose")
+    if argv:
+        assert seen == [int(argv[1])]
