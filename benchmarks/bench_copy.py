@@ -270,7 +270,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="also time with the inputs evicted from the page cache")
     ap.add_argument("--no-warm", action="store_true", help="cold runs only")
-    ap.add_argument("--jobs", default="1", help="comma-separated --jobs values for the verified convert (besides the default)")
+    ap.add_argument("--jobs", default="1", help="--jobs values timed besides the default")
     ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
