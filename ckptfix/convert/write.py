@@ -1,7 +1,8 @@
 """Writing safetensors files with one-pass verification, and the atomic rename of every output.
 
 A tensor that is a byte range of a source file is copied by :mod:`ckptfix.fileio` (reflink,
-``copy_file_range`` for folio-congruent offsets, else a 1 MiB buffer) and read back once: piece by
+``copy_file_range`` for folio-congruent offsets, else a 1 MiB buffer, into a file whose blocks were
+reserved first where that measured faster: :func:`~ckptfix.fileio.preallocate`) and read back once: piece by
 piece right after each write, compared with the source piece (:func:`~ckptfix.fileio.copy_checked`).
 With ``fsync`` the read-back follows the flush, the range's cached pages are dropped first so the
 bytes come from the device, and a range with a stored CRC-32 (a torch zip record holding exactly the
