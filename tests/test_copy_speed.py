@@ -179,7 +179,6 @@ def test_choose_jobs_two_threads_only_for_a_warm_input_and_two_cpus(two_files, m
 
     monkeypatch.setattr(write, "cached", fake_cached)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     items = [_Ranged([(a, 0, 100_000, None)]), _Ranged(None), _Ranged([(b, 1000, 200_000, 7), (a, 50, 10, None)])]
     fds = Fds()
     try:
@@ -199,27 +198,10 @@ def test_choose_jobs_is_one_with_fewer_than_two_ranges(two_files, monkeypatch):
 
     monkeypatch.setattr(write, "cached", lambda fd, offs: True)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.5, 0.5, 0.5))
     fds = Fds()
     try:
         assert write.choose_jobs([_Ranged([(two_files[0], 0, 10, None)]), _Ranged(None)], fds) == 1
         assert write.choose_jobs([], fds) == 1
-    finally:
-        fds.close()
-
-
-@pytest.mark.parametrize(("load", "expected"), [(0.0, 2), (4.9, 2), (5.0, 1), (12.0, 1)])
-def test_choose_jobs_is_one_on_a_busy_machine(two_files, monkeypatch, load, expected):
-    from ckptfix.convert import write
-    from ckptfix.convert.items import Fds
-
-    a, b = two_files
-    monkeypatch.setattr(write, "cached", lambda fd, offs: True)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
-    fds = Fds()
-    try:
-        assert write.choose_jobs([_Ranged([(a, 0, 100, None)]), _Ranged([(b, 0, 100, None)])], fds) == expected
     finally:
         fds.close()
 

@@ -32,8 +32,8 @@ from ckptfix.cli.group import cli
     type=click.IntRange(min=0),
     default=None,
     help="Tensors/shards written in parallel (0: one per CPU); same output bytes for any N.  "
-    "Default: 2 when the input's bytes are in the page cache, this process may use 2 CPUs and the load "
-    "average is under 2.5 per CPU, else 1 (what measured faster).",
+    "Default: 2 when the input's bytes are in the page cache and this process may use 2 CPUs, else 1 "
+    "(what measured faster).",
 )
 @click.option(
     "--shards",

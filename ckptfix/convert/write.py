@@ -209,40 +209,28 @@ class Writer:
 PROBES = 16
 
 
-#: a second thread only while the 1-minute load average is under this many runnable tasks per CPU
-BUSY_PER_CPU = 2.5
-
-
 def choose_jobs(items: Sequence[Item], fds: Fds) -> int:
-    """``--jobs`` when not given, from what measured faster for this input: 2 when warm on a machine not busy, else 1.
+    """``--jobs`` when not given, from what measured faster for this input: 2 when warm, else 1.
 
-    Measured on ext4 (kernel 6.18, a 2-core VM shared with other jobs; ``benchmarks/bench_copy.py``,
-    GPT-2-layout checkpoints and 4-rank DCP directories, best of 5, ratio to ``cp``, ``-j 2`` against
-    ``-j 1``).  Input in the page cache: the copy is memory-bound, and a second thread won at load
-    1.1-4.7 (0.5 GB 1.66x vs 1.96x, 1.66x vs 1.74x, 1.82x vs 2.06x; 1.47 GB 0.86x vs 1.17x) and lost or tied
-    at load 5.2-9.4 (1.47 GB 1.82x vs 1.24x, 3.96 GB 0.88x vs 0.73x, DCP 0.57 GB 1.52x vs 1.33x, DCP
-    1.98 GB 0.76x vs 0.55x; ties 0.99x/1.01x, 0.59x/0.60x): it needs a core nobody else is using.
-    Input on the device: two threads reading two places of it break the kernel's sequential readahead
-    (1.47 GB cold 1.74x vs 1.51x and 2.38x vs 1.68x, DCP 0.57 GB cold 1.78x vs 1.59x; ties elsewhere).
+    Measured on ext4 (kernel 6.18, a 2-core VM; ``benchmarks/bench_copy.py``, GPT-2-layout checkpoints
+    and 4-rank DCP directories, best / median of 5 against ``cp``): with the input in the page cache
+    the copy is memory-bound and two threads finish sooner (1.47 GB: 0.86x / 0.91x at ``-j 2`` against
+    1.17x / 1.15x at ``-j 1``; DCP 1.98 GB: median 0.68x against 0.99x); with the input on the device
+    two threads reading two places of it break the kernel's sequential readahead (1.47 GB cold:
+    1.74x / 1.34x against 1.51x / 1.16x; DCP 0.57 GB cold: 1.78x against 1.59x best).
 
     Args:
         items: the tensors to write.
         fds: the writer's source descriptors.
 
     Returns:
-        2 when at least two byte ranges are copied, this process may use two CPUs, the 1-minute load
-        average is under :data:`BUSY_PER_CPU` per CPU and a sample of :data:`PROBES` pages of the
-        ranges (spread by bytes) is all in the page cache; else 1.
+        2 when at least two byte ranges are copied, this process may use two CPUs and a sample of
+        :data:`PROBES` pages of the ranges (spread by bytes) is all in the page cache; else 1.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     ranges = [(p, off, n) for it in items for p, off, n, _ in (it.ranges() or ()) if n > 0]
     if cpus < 2 or len(ranges) < 2:
         return 1
-    try:
-        if os.getloadavg()[0] >= BUSY_PER_CPU * cpus:
-            return 1
-    except (OSError, AttributeError):
-        pass
     total = sum(n for _, _, n in ranges)
     want = [total * k // PROBES for k in range(PROBES)]
     by_path: dict[str, list[int]] = {}
