@@ -637,34 +637,6 @@ def _fallocate(fd: int, size: int) -> int | None:
     return 0 if call(fd, 0, 0, size) == 0 else ctypes.get_errno()
 
 
-def cached(fd: int, offsets: list[int]) -> bool | None:
-    """Are the pages at ``offsets`` of ``fd`` in the page cache?  Asked without reading the device.
-
-    Each offset's page is read with ``RWF_NOWAIT`` (``preadv2``), which returns at once with
-    ``EAGAIN`` instead of waiting for a page that is not cached.
-
-    Args:
-        fd: an open file.
-        offsets: where to look (any offsets; each is rounded down to its page).
-
-    Returns:
-        True when every page is cached, False when one is not, None where the kernel or file
-        system cannot tell (no ``RWF_NOWAIT``).
-    """
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None:
-        return None
-    page = memoryview(_buffers()[1])[:4096]
-    for off in offsets:
-        try:
-            os.preadv(fd, [page], off - off % 4096, flag)
-        except BlockingIOError:
-            return False
-        except OSError:
-            return None
-    return True
-
-
 #: bytes per chunk read, gathered or compared (a tensor streamed through Python: converted, gathered, read back)
 CHUNK = 8 << 20
 

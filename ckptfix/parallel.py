@@ -29,17 +29,11 @@ T = TypeVar("T")
 MAX_JOBS = 64
 
 
-#: ``--jobs`` not given: the caller chooses per input (``convert``'s writer:
-#: :func:`ckptfix.convert.write.choose_jobs`); where no caller chooses, one thread
-AUTO_JOBS = -1
-
-
 def resolve_jobs(jobs: int | None) -> int:
     """The number of worker threads for ``--jobs``: ``0`` (or ``None``) means one per CPU.
 
     Args:
-        jobs: what the user asked for; ``1`` is sequential; :data:`AUTO_JOBS` (not chosen per input
-            by the caller) is 1.
+        jobs: what the user asked for; ``1`` is sequential.
 
     Returns:
         A count between 1 and :data:`MAX_JOBS`.
@@ -50,8 +44,6 @@ def resolve_jobs(jobs: int | None) -> int:
     if jobs is None or jobs == 0:
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(MAX_JOBS, n))
-    if jobs == AUTO_JOBS:
-        return 1
     if jobs < 0:
         raise ValueError(f"--jobs {jobs}: pass a positive number of threads, or 0 for one per CPU")
     return min(MAX_JOBS, jobs)

@@ -64,9 +64,8 @@ def test_resolve_jobs():
     assert resolve_jobs(1) == 1 and resolve_jobs(5) == 5
     assert resolve_jobs(0) >= 1 and resolve_jobs(None) == resolve_jobs(0)
     assert resolve_jobs(10_000) == 64
-    assert resolve_jobs(-1) == 1  # AUTO_JOBS where the caller does not choose per input
     with pytest.raises(ValueError):
-        resolve_jobs(-2)
+        resolve_jobs(-1)
 
 
 def test_progress_from_worker_threads_adds_up():

@@ -30,10 +30,9 @@ from ckptfix.cli.group import cli
     "--jobs",
     "-j",
     type=click.IntRange(min=0),
-    default=None,
-    help="Tensors/shards written in parallel (0: one per CPU); same output bytes for any N.  "
-    "Default: 2 when the input's bytes are in the page cache and this process may use 2 CPUs, else 1 "
-    "(what measured faster).",
+    default=1,
+    show_default=True,
+    help="Tensors/shards written in parallel (0: one per CPU); same output bytes for any N.",
 )
 @click.option(
     "--shards",
@@ -107,7 +106,7 @@ def convert_cmd(
     src: str,
     output: str | None,
     to: str | None,
-    jobs: int | None,
+    jobs: int,
     shards: int,
     force: bool,
     strip: bool,
@@ -143,7 +142,6 @@ def convert_cmd(
     recorded in the metadata; ckptfix's loader restores them.
     """
     from ckptfix.convert import convert, parse_size
-    from ckptfix.parallel import AUTO_JOBS
 
     if max_shard_size is not None:
         try:
@@ -170,7 +168,7 @@ def convert_cmd(
             allow_globals=tuple(allow_globals or ()),
             trust=trust,
             allow_expand=allow_expand,
-            jobs=AUTO_JOBS if jobs is None else jobs,
+            jobs=jobs,
             to=to,
             shards=shards,
             tag=tag,

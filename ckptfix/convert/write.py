@@ -24,9 +24,9 @@ from ckptfix.convert.items import Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
-from ckptfix.fileio import cached, copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
+from ckptfix.fileio import copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
-from ckptfix.parallel import AUTO_JOBS, Tally, run_tasks
+from ckptfix.parallel import Tally, run_tasks
 
 #: bytes per in-kernel copy call: progress moves within a big tensor
 STEP = 8 << 20
@@ -205,47 +205,6 @@ class Writer:
             raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
 
 
-#: where :func:`choose_jobs` looks whether the input is cached: this many pages, spread over the bytes to copy
-PROBES = 16
-
-
-def choose_jobs(items: Sequence[Item], fds: Fds) -> int:
-    """``--jobs`` when not given, from what measured faster for this input: 2 when warm, else 1.
-
-    Measured on ext4 (kernel 6.18, a 2-core VM; ``benchmarks/bench_copy.py``, GPT-2-layout checkpoints
-    and 4-rank DCP directories, best / median of 5 against ``cp``): with the input in the page cache
-    the copy is memory-bound and two threads finish sooner (1.47 GB: 0.86x / 0.91x at ``-j 2`` against
-    1.17x / 1.15x at ``-j 1``; DCP 1.98 GB: median 0.68x against 0.99x); with the input on the device
-    two threads reading two places of it break the kernel's sequential readahead (1.47 GB cold:
-    1.74x / 1.34x against 1.51x / 1.16x; DCP 0.57 GB cold: 1.78x against 1.59x best).
-
-    Args:
-        items: the tensors to write.
-        fds: the writer's source descriptors.
-
-    Returns:
-        2 when at least two byte ranges are copied, this process may use two CPUs and a sample of
-        :data:`PROBES` pages of the ranges (spread by bytes) is all in the page cache; else 1.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    ranges = [(p, off, n) for it in items for p, off, n, _ in (it.ranges() or ()) if n > 0]
-    if cpus < 2 or len(ranges) < 2:
-        return 1
-    total = sum(n for _, _, n in ranges)
-    want = [total * k // PROBES for k in range(PROBES)]
-    by_path: dict[str, list[int]] = {}
-    seen = 0
-    for p, off, n in ranges:
-        while want and want[0] < seen + n:
-            by_path.setdefault(p, []).append(off + want.pop(0) - seen)
-        seen += n
-    try:
-        warm = all(cached(fds.get(p), offs) for p, offs in by_path.items())
-    except OSError:
-        return 1
-    return 2 if warm else 1
-
-
 def _source_order(it: Item) -> tuple[int, str, int]:
     """Sort key: copied ranges by source file and offset, then the items gathered or built by torch."""
     ranges = it.ranges()
@@ -327,8 +286,7 @@ def write_outputs(
         src: the input (never overwritten).
         progress: ``progress(done_bytes, total_bytes)``.
         report: gets ``outputs``, ``index``, ``bytes``, ``tensors`` and ``verified``.
-        jobs: tensors written at a time (memory: ``jobs`` x the copy buffers); :data:`~ckptfix.parallel.AUTO_JOBS`:
-            chosen for this input (:func:`choose_jobs`).
+        jobs: tensors written at a time (memory: ``jobs`` x the 8 MiB copy buffer).
 
     Raises:
         OutputError: an output cannot be written or exists without ``force``.
@@ -346,8 +304,6 @@ def write_outputs(
     w = Writer(total, progress, verify)
     temps: list[str] = []
     try:
-        if jobs == AUTO_JOBS:
-            jobs = choose_jobs(items, w.fds)
         laid = []
         for final, part in zip(finals, shards, strict=False):
             tmp = temp_for(final)
