@@ -25,9 +25,7 @@ again (the cost of a refused system call is microseconds; a file opened once for
 would otherwise lose the kernel path for all of them after one odd range).
 
 Before a new output is written, :func:`preallocate` reserves its blocks where that measured faster
-(ext4: the 1 MiB-buffer copy of 0.5 GB went from 0.104 to 0.072 s, ``cp`` takes 0.113 s), and
-:func:`cached` tells, without reading the device, whether an input's pages are in the page cache
-(the writer's ``--jobs`` default depends on it).
+(ext4: the 1 MiB-buffer copy of 0.5 GB went from 0.104 to 0.072 s, ``cp`` takes 0.113 s).
 
 Verification costs one pass: :func:`copy_checked` reads each written piece straight back (from
 the page cache, while the piece is still in the CPU caches) and checks it against the CRC-32 the
