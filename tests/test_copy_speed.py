@@ -11,6 +11,11 @@ from ckptfix import fileio
 from ckptfix.errors import OutputError
 
 
+@pytest.fixture(autouse=True)
+def _any_size(monkeypatch):
+    monkeypatch.setattr(fileio, "PREALLOCATE_MIN", 0)  # the tests' files are small
+
+
 def _new(tmp_path, name="out.bin"):
     p = tmp_path / name
     p.write_bytes(b"")
@@ -47,6 +52,18 @@ def test_preallocate_reserves_the_blocks_where_measured_faster(tmp_path, monkeyp
         assert st.st_size == 3 << 20
         assert st.st_blocks * 512 >= 3 << 20  # the blocks are the file's, not a hole
         assert os.pread(fd, 16, 1 << 20) == b"\0" * 16
+    finally:
+        os.close(fd)
+
+
+def test_small_outputs_are_not_preallocated(tmp_path, monkeypatch):
+    monkeypatch.setattr(fileio, "PREALLOCATE_MIN", 1 << 20)
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: pytest.fail("looked up"))
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: pytest.fail("preallocated"))
+    p, fd = _new(tmp_path)
+    try:
+        assert not fileio.preallocate(fd, (1 << 20) - 1)
+        assert os.fstat(fd).st_size == 0
     finally:
         os.close(fd)
 
