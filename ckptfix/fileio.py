@@ -340,12 +340,44 @@ AHEAD = 8 << 20
 
 
 def _ahead(fd: int, off: int, end: int) -> None:
-    """Ask the kernel to start reading ``[off, min(off + AHEAD, end))`` of ``fd`` (no-op where unsupported)."""
+    """Ask the kernel to start reading ``[off, min(off + AHEAD, end))`` of ``fd`` (no-op where unsupported).
+
+    Not when the window's last page is already cached (a warm input): ``WILLNEED`` walks every page of
+    the window even then, which measured 6% of a warm 0.5 GB copy (0.114 vs 0.107 s).
+    """
     if off < end and hasattr(os, "posix_fadvise"):
+        n = min(AHEAD, end - off)
+        if page_cached(fd, off + n - 1):
+            return
         try:
-            os.posix_fadvise(fd, off, min(AHEAD, end - off), os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
+
+
+def page_cached(fd: int, off: int) -> bool:
+    """Is the page holding byte ``off`` of ``fd`` in the page cache?  Asked without reading the device.
+
+    One byte is read with ``RWF_NOWAIT`` (``preadv2``), which fails with ``EAGAIN`` at once rather than
+    wait for a page that is not cached.
+
+    Args:
+        fd: an open file.
+        off: a byte offset.
+
+    Returns:
+        True when it is; False when it is not, or where the kernel or file system cannot tell.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    one = getattr(_LOCAL, "one", None)
+    if one is None:
+        one = _LOCAL.one = bytearray(1)
+    try:
+        return os.preadv(fd, [one], off, flag) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP and the like: cannot tell
+        return False
 
 
 def _read(fd: int, view: memoryview, off: int) -> int:

@@ -145,3 +145,29 @@ def test_convert_on_a_full_disk_stops_before_copying(tmp_path, monkeypatch):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert copied == []
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]  # no temp file left behind
+
+
+def test_page_cached_tells_cached_pages_from_evicted_ones(tmp_path):
+    p = tmp_path / "data.bin"
+    p.write_bytes(os.urandom(1 << 20))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.read(fd, 1 << 20)  # in the page cache now
+        if not fileio.page_cached(fd, 5000):
+            pytest.skip("no RWF_NOWAIT here")
+        assert fileio.page_cached(fd, 0) and fileio.page_cached(fd, (1 << 20) - 1)
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not fileio.page_cached(fd, 700_000)
+        assert not fileio.page_cached(fd, 10 << 20)  # past the end: nothing to read
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_readahead_is_asked_only_for_windows_not_cached(tmp_path, monkeypatch, cached):
+    advised = []
+    monkeypatch.setattr(fileio, "page_cached", lambda fd, off: cached)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
+    fileio._ahead(3, 100, 100 + 3 * fileio.AHEAD)
+    assert advised == ([] if cached else [(100, fileio.AHEAD, os.POSIX_FADV_WILLNEED)])
