@@ -17,8 +17,8 @@ FSDP2 does (``--dcp-shard1`` also shards every 4th on dim 1).
 
 Per size, side by side in one run, ``--repeat`` rounds, the order of the commands reversed every other
 round; before every run the previous outputs are deleted and ``sync`` flushes the dirty pages (no command
-pays another's writeback); cold runs drop the page cache first (``/proc/sys/vm/drop_caches`` when
-writable, else ``posix_fadvise(DONTNEED)`` on the input's files).  Whole-process wall time and peak RSS
+pays another's writeback); cold runs evict the input's files from the page cache first
+(``posix_fadvise(DONTNEED)``; never the whole machine's cache).  Whole-process wall time and peak RSS
 (``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
 machine these numbers come from is shared and they swing with its load.
 
@@ -137,14 +137,12 @@ def _rm(*paths: str) -> Callable[[], None]:
 
 
 def drop_cache(paths: list[str]) -> str:
-    """Evict the inputs from the page cache; returns how (``drop_caches`` or ``fadvise``)."""
+    """Evict the inputs from the page cache (``posix_fadvise(DONTNEED)`` on each of their files); returns how.
+
+    Only the inputs' pages go: the machine is shared, and ``/proc/sys/vm/drop_caches`` would evict
+    everyone's (and needs root).  ``sync`` first, so that no page of theirs is dirty and kept.
+    """
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
     for p in paths:
         for f in _files(p):
             fd = os.open(f, os.O_RDONLY)
@@ -152,7 +150,7 @@ def drop_cache(paths: list[str]) -> str:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-    return "fadvise"
+    return "cold"
 
 
 def warm(paths: list[str]) -> None:
@@ -212,14 +210,20 @@ def _row(res, base: str, loads, how: str, **extra) -> dict:
     return row
 
 
-def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str) -> dict:
+def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str, kernel_any: bool = False) -> dict:
     src = os.path.join(work, "gpt2.pt")
     shape = make_gpt2(src, size)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.pt")
     cases = {"cp": (["cp", src, cp_out], _rm(cp_out))}
+    cases["convert"] = (ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
     for j in jobs:
         cases[f"convert -j {j}"] = (ckptfix("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
     cases["convert --no-verify"] = (ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+    if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
+        any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
+        cases["convert cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))
+        nov = ckptfix("convert", src, "-o", out, "--quiet", "--no-verify")
+        cases["--no-verify cfr-any"] = (any_env + nov, _rm(out))
     if not cold:
         warm([src])
     res, loads, how = side_by_side(cases, repeat, [src] if cold else None)
@@ -233,6 +237,7 @@ def bench_dcp(size: int, repeat: int, cold: bool, jobs: list[int], shard1: bool,
     make_dcp(src, size, shard1)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.dcp")
     cases = {"cp -r": (["cp", "-r", src, cp_out], _rm(cp_out))}
+    cases["convert"] = (ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
     for j in jobs:
         cases[f"convert -j {j}"] = (ckptfix("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
     cases["convert --no-verify"] = (ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
@@ -265,7 +270,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="also time with the inputs evicted from the page cache")
     ap.add_argument("--no-warm", action="store_true", help="cold runs only")
-    ap.add_argument("--jobs", default="1", help="comma-separated --jobs values for the verified convert")
+    ap.add_argument("--jobs", default="1", help="--jobs values timed besides the default")
+    ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     ap.add_argument("--json", action="store_true")
@@ -276,13 +282,13 @@ def main() -> None:
     t0 = time.time()
     for kind, sizes in (("convert", a.sizes), ("dcp", a.dcp_sizes)):
         for s in filter(None, sizes.split(",")):
-            if parse_size(s) == 0:
+            if s.strip() in ("0", "0GB", "0B"):
                 continue
             for cold in modes:
                 work = tempfile.mkdtemp(prefix="bench_copy.", dir=a.dir)
                 try:
                     if kind == "convert":
-                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work)
+                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work, a.kernel_any)
                     else:
                         row = bench_dcp(parse_size(s), a.repeat, cold, jobs, a.dcp_shard1, work)
                 finally:

@@ -24,6 +24,9 @@ A refusal makes *this call* fall back, never the next one: the following copy tr
 again (the cost of a refused system call is microseconds; a file opened once for many tensors
 would otherwise lose the kernel path for all of them after one odd range).
 
+Before a new output is written, :func:`preallocate` reserves its blocks where that measured faster
+(ext4: the 1 MiB-buffer copy of 0.5 GB went from 0.104 to 0.072 s, ``cp`` takes 0.113 s).
+
 Verification costs one pass: :func:`copy_checked` reads each written piece straight back (from
 the page cache, while the piece is still in the CPU caches) and checks it against the CRC-32 the
 source already stores (a torch zip record's) or against the piece just read from the source;
@@ -73,8 +76,9 @@ STEP = 64 << 20
 BUFFER = 1 << 20
 READBACK = BUFFER
 
-#: ``copy_file_range`` for offsets that are not folio-congruent too (see the module's description)
-KERNEL_ANY = False
+#: ``copy_file_range`` for offsets that are not folio-congruent too (see the module's description);
+#: ``CKPTFIX_COPY_KERNEL=any`` sets it (to measure a file system other than those measured here)
+KERNEL_ANY = os.environ.get("CKPTFIX_COPY_KERNEL", "") == "any"
 
 _LOCAL = threading.local()
 
@@ -336,12 +340,44 @@ AHEAD = 8 << 20
 
 
 def _ahead(fd: int, off: int, end: int) -> None:
-    """Ask the kernel to start reading ``[off, min(off + AHEAD, end))`` of ``fd`` (no-op where unsupported)."""
+    """Ask the kernel to start reading ``[off, min(off + AHEAD, end))`` of ``fd`` (no-op where unsupported).
+
+    Not when the window's last page is already cached (a warm input): ``WILLNEED`` walks every page of
+    the window even then, which measured 6% of a warm 0.5 GB copy (0.114 vs 0.107 s).
+    """
     if off < end and hasattr(os, "posix_fadvise"):
+        n = min(AHEAD, end - off)
+        if page_cached(fd, off + n - 1):
+            return
         try:
-            os.posix_fadvise(fd, off, min(AHEAD, end - off), os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
+
+
+def page_cached(fd: int, off: int) -> bool:
+    """Is the page holding byte ``off`` of ``fd`` in the page cache?  Asked without reading the device.
+
+    One byte is read with ``RWF_NOWAIT`` (``preadv2``), which fails with ``EAGAIN`` at once rather than
+    wait for a page that is not cached.
+
+    Args:
+        fd: an open file.
+        off: a byte offset.
+
+    Returns:
+        True when it is; False when it is not, or where the kernel or file system cannot tell.
+    """
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None:
+        return False
+    one = getattr(_LOCAL, "one", None)
+    if one is None:
+        one = _LOCAL.one = bytearray(1)
+    try:
+        return os.preadv(fd, [one], off, flag) == 1
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP and the like: cannot tell
+        return False
 
 
 def _read(fd: int, view: memoryview, off: int) -> int:
@@ -559,6 +595,80 @@ def verify_equal(
             return done
         done += want
     return None
+
+
+#: file systems on which reserving an output's blocks before writing it (:func:`preallocate`) measured
+#: faster: ext4 (kernel 6.18, 0.5 GB GPT-2-layout copy through the 1 MiB buffer, warm): 0.125 -> 0.092 s
+#: with the read-back check, 0.104 -> 0.072 s without (``cp`` 0.113 s): the writes then skip delayed
+#: allocation page by page.  On tmpfs it measured slower (0.257 -> 0.271 s; the pages are zeroed twice),
+#: so it is not done there nor on any file system not measured.
+PREALLOCATE_FS = frozenset({"ext4"})
+
+#: smaller outputs are not preallocated: the gain (about 0.07 ms per MiB) would not pay for looking up the
+#: file system and loading ``ctypes`` (about 2 ms, once)
+PREALLOCATE_MIN = 32 << 20
+
+
+def fs_type(fd: int) -> str | None:
+    """The type of the file system holding ``fd`` (``"ext4"``, ``"tmpfs"`` ...), from ``/proc/self/mountinfo``.
+
+    Args:
+        fd: an open file.
+
+    Returns:
+        The type, or None where it cannot be told (not Linux, no ``/proc``).
+    """
+    try:
+        dev = os.fstat(fd).st_dev
+        want = f"{os.major(dev)}:{os.minor(dev)}"
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == want and " - " in line:
+                    return line.split(" - ", 1)[1].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def preallocate(fd: int, size: int) -> bool:
+    """Reserve the blocks of ``[0, size)`` of a new output before it is written, where that measured faster.
+
+    Only for outputs of :data:`PREALLOCATE_MIN` bytes or more, on :data:`PREALLOCATE_FS`, through
+    ``fallocate(2)`` itself (never glibc's ``posix_fallocate`` emulation, which writes a byte per block
+    where the file system has no ``fallocate``).  The file's size becomes ``size``; its bytes read as
+    zeros until written.  A full disk is found here, before a single tensor is copied.
+
+    Args:
+        fd: the output, open for writing.
+        size: its final size.
+
+    Returns:
+        Whether the blocks were reserved (False: nothing done; the writes allocate them as usual).
+
+    Raises:
+        OutputError: the output device has no room for ``size`` bytes.
+    """
+    if size < max(1, PREALLOCATE_MIN) or fs_type(fd) not in PREALLOCATE_FS:
+        return False
+    err = _fallocate(fd, size)
+    if err in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        raise OutputError(_FULL)
+    return err == 0
+
+
+def _fallocate(fd: int, size: int) -> int | None:
+    """``fallocate(fd, 0, 0, size)`` through libc; returns 0, the errno, or None where libc has no ``fallocate``."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.fallocate
+        call.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
+        call.restype = ctypes.c_int
+    except (ImportError, OSError, AttributeError):
+        return None
+    return 0 if call(fd, 0, 0, size) == 0 else ctypes.get_errno()
 
 
 #: bytes per chunk read, gathered or compared (a tensor streamed through Python: converted, gathered, read back)

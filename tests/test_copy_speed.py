@@ -1,0 +1,173 @@
+"""Issue 25, convert at copy speed: output blocks reserved first where that measured faster, same bytes."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from ckptfix import fileio
+from ckptfix.errors import OutputError
+
+
+@pytest.fixture(autouse=True)
+def _any_size(monkeypatch):
+    monkeypatch.setattr(fileio, "PREALLOCATE_MIN", 0)  # the tests' files are small
+
+
+def _new(tmp_path, name="out.bin"):
+    p = tmp_path / name
+    p.write_bytes(b"")
+    return p, os.open(p, os.O_RDWR)
+
+
+def test_fs_type_names_the_file_system(tmp_path):
+    p, fd = _new(tmp_path)
+    try:
+        kind = fileio.fs_type(fd)
+    finally:
+        os.close(fd)
+    if not os.path.exists("/proc/self/mountinfo"):
+        assert kind is None
+    else:
+        assert isinstance(kind, str) and kind
+    if os.path.isdir("/dev/shm") and os.path.exists("/proc/self/mountinfo"):
+        fd = os.open("/dev/shm", os.O_RDONLY)
+        try:
+            assert fileio.fs_type(fd) == "tmpfs"
+        finally:
+            os.close(fd)
+
+
+def test_preallocate_reserves_the_blocks_where_measured_faster(tmp_path, monkeypatch):
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
+    p, fd = _new(tmp_path)
+    try:
+        if fileio._fallocate(fd, 1) not in (0,):
+            pytest.skip("this file system has no fallocate")
+        os.ftruncate(fd, 0)
+        assert fileio.preallocate(fd, 3 << 20)
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20
+        assert st.st_blocks * 512 >= 3 << 20  # the blocks are the file's, not a hole
+        assert os.pread(fd, 16, 1 << 20) == b"\0" * 16
+    finally:
+        os.close(fd)
+
+
+def test_small_outputs_are_not_preallocated(tmp_path, monkeypatch):
+    monkeypatch.setattr(fileio, "PREALLOCATE_MIN", 1 << 20)
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: pytest.fail("looked up"))
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: pytest.fail("preallocated"))
+    p, fd = _new(tmp_path)
+    try:
+        assert not fileio.preallocate(fd, (1 << 20) - 1)
+        assert os.fstat(fd).st_size == 0
+    finally:
+        os.close(fd)
+
+
+def test_preallocate_is_skipped_elsewhere(tmp_path, monkeypatch):
+    called = []
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: called.append(n) or 0)
+    for kind in ("tmpfs", "btrfs", None):
+        monkeypatch.setattr(fileio, "fs_type", lambda fd, kind=kind: kind)
+        p, fd = _new(tmp_path, f"{kind}.bin")
+        try:
+            assert not fileio.preallocate(fd, 1 << 20)
+            assert os.fstat(fd).st_size == 0
+        finally:
+            os.close(fd)
+    assert called == []
+
+
+@pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.EINVAL, errno.EFBIG, None])
+def test_preallocate_refused_means_plain_writes(tmp_path, monkeypatch, err):
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: err)
+    p, fd = _new(tmp_path)
+    try:
+        assert not fileio.preallocate(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT])
+def test_preallocate_on_a_full_disk_is_an_output_error(tmp_path, monkeypatch, err):
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: err)
+    p, fd = _new(tmp_path)
+    try:
+        with pytest.raises(OutputError, match="no space left"):
+            fileio.preallocate(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+def _checkpoint(tmp_path):
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "m.pt"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 257, generator=g)
+    torch.save({"module.w": w, "module.b": torch.randn(7, generator=g), "module.tied": w}, src)
+    return src
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_convert_output_is_the_same_bytes_with_or_without_preallocation(tmp_path, monkeypatch, verify):
+    from ckptfix.convert import convert_to_safetensors
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: None)
+    convert_to_safetensors(src, tmp_path / "plain.safetensors", verify=verify)
+    seen = []
+    real = fileio._fallocate
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: seen.append(n) or real(fd, n))
+    convert_to_safetensors(src, tmp_path / "pre.safetensors", verify=verify)
+    out = (tmp_path / "pre.safetensors").read_bytes()
+    assert seen == [len(out)]  # the whole file, reserved once
+    assert out == (tmp_path / "plain.safetensors").read_bytes()
+
+
+def test_convert_on_a_full_disk_stops_before_copying(tmp_path, monkeypatch):
+    from ckptfix.convert import convert_to_safetensors
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
+    monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: errno.ENOSPC)
+    from ckptfix.convert import write
+
+    copied = []
+    monkeypatch.setattr(write, "copy_checked", lambda *a, **k: copied.append(a))
+    with pytest.raises(OutputError, match="no space left"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors")
+    assert copied == []
+    assert sorted(os.listdir(tmp_path)) == ["m.pt"]  # no temp file left behind
+
+
+def test_page_cached_tells_cached_pages_from_evicted_ones(tmp_path):
+    p = tmp_path / "data.bin"
+    p.write_bytes(os.urandom(1 << 20))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.read(fd, 1 << 20)  # in the page cache now
+        if not fileio.page_cached(fd, 5000):
+            pytest.skip("no RWF_NOWAIT here")
+        assert fileio.page_cached(fd, 0) and fileio.page_cached(fd, (1 << 20) - 1)
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not fileio.page_cached(fd, 700_000)
+        assert not fileio.page_cached(fd, 10 << 20)  # past the end: nothing to read
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_readahead_is_asked_only_for_windows_not_cached(tmp_path, monkeypatch, cached):
+    advised = []
+    monkeypatch.setattr(fileio, "page_cached", lambda fd, off: cached)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
+    fileio._ahead(3, 100, 100 + 3 * fileio.AHEAD)
+    assert advised == ([] if cached else [(100, fileio.AHEAD, os.POSIX_FADV_WILLNEED)])
