@@ -92,10 +92,10 @@ def test_the_rewrite_entries_are_the_routing_of_rewrite():
 
 
 def test_the_convert_entries_are_the_routing_of_convert():
-    from ckptfix.convert.dcp_in import convert_dcp
+    from ckptfix.convert import sources
     from ckptfix.convert.forward import convert_to_safetensors
 
-    assert FORMATS[Format.DCP].convert is convert_dcp
+    assert FORMATS[Format.DCP].convert is sources.convert_dcp  # dcp_in.convert_dcp, imported on first use
     readable = [f for f in Format if callable(FORMATS[f].read) and f != Format.DCP]
     assert all(FORMATS[f].convert is convert_to_safetensors for f in readable)
     for fmt in Format:  # what cannot be read cannot be converted, with the same message

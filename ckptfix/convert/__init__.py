@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.convert import sources  # noqa: F401  (fills the registry's convert entries: convert_to_safetensors routes)
-from ckptfix.convert.dcp_out import convert_to_dcp
 from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.convert.header import safetensors_header
-from ckptfix.convert.hfstorage import convert_hf_storage
 from ckptfix.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
 from ckptfix.convert.report import ConvertReport
 from ckptfix.convert.reverse import convert_from_safetensors, is_safetensors_input, rebuild_checkpoint
-from ckptfix.convert.zero import convert_zero
-from ckptfix.deepspeed import find_zero_checkpoint
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
 from ckptfix.formats import Input, classify_or_none
-from ckptfix.formats.hfstorage import find_hf_storage, refuse_single_shard
 from ckptfix.outputs import OutputOptions
 from ckptfix.statedict import contains_tensors, locate_state_dict, module_state_dict
 from ckptfix.stmeta import restore as restore_aliases
@@ -45,6 +40,32 @@ from ckptfix.text import parse_size
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
+
+    from ckptfix.convert.dcp_out import convert_to_dcp as convert_to_dcp
+    from ckptfix.convert.hfstorage import convert_hf_storage as convert_hf_storage
+    from ckptfix.convert.zero import convert_zero as convert_zero
+    from ckptfix.deepspeed import find_zero_checkpoint as find_zero_checkpoint
+    from ckptfix.formats.hfstorage import find_hf_storage as find_hf_storage
+
+#: the entry points of the other directions and folder kinds, imported on first use (the start-up of
+#: ``convert FILE.pth``, which needs none of them: DCP, ZeRO and HuggingFaceStorageWriter readers and writers)
+_LAZY = {
+    "convert_to_dcp": "ckptfix.convert.dcp_out",
+    "convert_hf_storage": "ckptfix.convert.hfstorage",
+    "convert_zero": "ckptfix.convert.zero",
+    "find_zero_checkpoint": "ckptfix.deepspeed",
+    "find_hf_storage": "ckptfix.formats.hfstorage",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names in :data:`_LAZY`, imported on first use."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ckptfix.convert' has no attribute {name!r}")
+
 
 __all__ = [
     "convert_to_safetensors",
@@ -122,8 +143,16 @@ def convert(
         return convert_to_url(run, {"dst": o.output, "force": o.force, "to": c.to})
     s = os.fspath(src)
     if not os.path.isdir(s):
-        refuse_single_shard(s)
+        if os.path.basename(s).startswith("shard-"):  # (only shard-*-model-*.safetensors can be refused)
+            from ckptfix.formats.hfstorage import refuse_single_shard
+
+            refuse_single_shard(s)
     else:
+        from ckptfix.convert.hfstorage import convert_hf_storage
+        from ckptfix.convert.zero import convert_zero
+        from ckptfix.deepspeed import find_zero_checkpoint
+        from ckptfix.formats.hfstorage import find_hf_storage
+
         zc = find_zero_checkpoint(s, c.tag)
         if zc is not None:
             _refuse_other_formats(o, c, "a DeepSpeed ZeRO checkpoint")
@@ -147,6 +176,8 @@ def convert(
         require_torch("--trust")
     given = inp or s  # an input that did not classify goes down as a path: its entry point reports the error
     if direction == "dcp":
+        from ckptfix.convert.dcp_out import convert_to_dcp
+
         return convert_to_dcp(given, outputs=o, options=c)
     if direction == "pt":
         return convert_from_safetensors(given, outputs=o, options=c)

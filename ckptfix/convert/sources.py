@@ -12,10 +12,23 @@ their readers refuse).  :mod:`ckptfix.convert` imports this module, so the entri
 
 from __future__ import annotations
 
-from ckptfix.convert.dcp_in import convert_dcp
+from typing import TYPE_CHECKING, Any
+
 from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.formats.base import Format
 from ckptfix.formats.registry import implement, implement_all
+
+if TYPE_CHECKING:
+    from ckptfix.convert.report import ConvertReport
+
+
+def convert_dcp(*args: Any, **kwargs: Any) -> ConvertReport:
+    """:func:`ckptfix.convert.dcp_in.convert_dcp`, imported on first use: the DCP reader and the chunk
+    assembly are not on the start-up of ``convert FILE.pth``."""
+    from ckptfix.convert.dcp_in import convert_dcp as run
+
+    return run(*args, **kwargs)
+
 
 #: the formats convert_to_safetensors reads through read_checkpoint
 READ_WHOLE = (
