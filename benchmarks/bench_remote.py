@@ -139,6 +139,8 @@ def counted(srv: S3Server, argv: list[str], env: dict) -> dict:
     t0 = time.perf_counter()
     p = subprocess.run(argv, env=env, capture_output=True, text=True)
     dt = time.perf_counter() - t0
+    if p.returncode == 2 and "--stats" in argv and "--stats" in p.stderr:  # a build whose command lacks --stats
+        return counted(srv, [a for a in argv if a != "--stats"], env)
     if p.returncode not in (0, 11):  # scan exits 11 on findings: still a measurement
         sys.exit(f"failed ({p.returncode}): {' '.join(argv)}\n{p.stderr[-2000:]}")
     line = next((ln for ln in p.stderr.splitlines() if ln.startswith("read ")), "")

@@ -27,6 +27,8 @@ from ckptfix.errors import CorruptCheckpointError
 
 #: bytes per range request of a tensor copy
 PIECE = 8 << 20
+#: neighbouring small tensors of one object closer than this are fetched in one request (the gap is read too)
+GAP = 1 << 20
 
 
 def is_remote(path: str | None) -> bool:
@@ -81,6 +83,79 @@ class Sources:
             pool.shutdown(wait=True, cancel_futures=True)
         for s in opened:
             s.close()
+
+
+def _one_remote_range(it: Any) -> tuple[str, int, int, int | None] | None:
+    ranges = it.ranges()
+    if ranges is None or len(ranges) != 1 or not is_remote(ranges[0][0]) or ranges[0][2] >= PIECE:
+        return None
+    return ranges[0]
+
+
+def group_small(order: list[Any]) -> list[list[Any]]:
+    """Items in source order, neighbouring small tensors of one object grouped (one request per group).
+
+    A group's span (its tensors and the gaps between them, each under :data:`GAP`) stays under :data:`PIECE`,
+    so memory stays bounded; every other item is a group of its own.
+
+    Args:
+        order: the items, sorted by source and offset.
+
+    Returns:
+        The groups, in order.
+    """
+    groups: list[list[Any]] = []
+    span: tuple[str, int, int] | None = None  # (url, start, end) of the open group
+    for it in order:
+        r = _one_remote_range(it)
+        if r is not None and span is not None:
+            url, start, end = span
+            if r[0] == url and end <= r[1] <= end + GAP and r[1] + r[2] - start <= PIECE:
+                groups[-1].append(it)
+                span = (url, start, r[1] + r[2])
+                continue
+        groups.append([it])
+        span = (r[0], r[1], r[1] + r[2]) if r is not None else None
+    return groups
+
+
+def copy_group(
+    sources: Sources,
+    group: list[Any],
+    write: Callable[[Any, memoryview], None],
+    tick: Callable[[int], None] | None = None,
+) -> None:
+    """Fetch a group of small tensors of one object in one range request; ``write(item, bytes)`` each.
+
+    Raises:
+        CorruptCheckpointError: a short read, or a tensor's bytes do not match the CRC-32 its zip record stores.
+    """
+    first = group[0].ranges()[0]
+    last = group[-1].ranges()[0]
+    url, start = first[0], first[1]
+    end = last[1] + last[2]
+    budget = sources.budget
+    budget.take()
+    try:
+        data = sources.get(url).pread(end - start, start)
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"{url}: got {len(data)} bytes at {start}, expected {end - start} (truncated?)"
+            )
+        view = memoryview(data)
+        for it in group:
+            _url, off, size, crc = it.ranges()[0]
+            piece = view[off - start : off - start + size]
+            if crc is not None and zlib.crc32(piece) != crc:
+                raise CorruptCheckpointError(
+                    f"{url}: tensor {it.name!r} does not match the CRC-32 its zip record stores; the object is "
+                    "damaged (or was replaced while being read): re-upload it, or convert from another copy"
+                )
+            write(it, piece)
+            if tick is not None:
+                tick(size)
+    finally:
+        budget.give()
 
 
 def spool_range(url: str, off: int, size: int) -> Any:
