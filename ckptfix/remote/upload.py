@@ -70,7 +70,7 @@ def check_remote_outputs(urls: list[str], force: bool) -> None:
         return
     for u in urls:
         if remote_exists(u):
-            raise OutputError(f"{u} already exists; pass --force to replace it, or choose another -o")
+            raise OutputError(f"{u} already exists; pass --force to overwrite it, or -o to choose another path")
 
 
 def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
