@@ -7,6 +7,7 @@ or a typed error, never a wrong tensor, and nothing under the output name.
 
 from __future__ import annotations
 
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -104,10 +105,14 @@ def test_stats_on_the_cli(s3: S3Server, ckpt: CkptFactory) -> None:
     url = s3.upload(b.path, s3.prefix("st") + "/dp.pt")
     p = run_cli("convert", url, "-o", str(b.path.parent / "out.safetensors"), "--stats", "--json")
     assert p.returncode == 0, p.stderr
-    import json
-
     doc = json.loads(p.stdout)
     assert doc["stats"]["requests"] >= 1 and doc["stats"]["bytes_read"] > 0
+    from jsonschema import Draft202012Validator, ValidationError
+
+    schema = json.loads((Path(__file__).parents[1] / "docs" / "schemas" / "convert.schema.json").read_text())
+    Draft202012Validator(schema).validate(doc)
+    with pytest.raises(ValidationError):
+        Draft202012Validator(schema).validate({**doc, "stats": {"bytes_read": -1, "requests": 0, "retries": 0}})
     assert re.search(r"^read [\d,]+ bytes in [\d,]+ requests?", p.stderr, re.M)
 
 
