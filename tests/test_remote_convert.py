@@ -240,3 +240,26 @@ def test_cli_changed_object_is_one_line(s3: S3Server, ckpt: CkptFactory, tmp_pat
     assert p.returncode in (RemoteChangedError.exit_code, CorruptCheckpointError.exit_code), p.stderr
     assert_one_line_error(p, p.returncode)
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_memory_stays_flat_whatever_the_size(tmp_path: Path) -> None:
+    """Python's peak allocation while converting from a URL does not grow with the checkpoint (bounded pieces)."""
+    pytest.importorskip("aiohttp")
+    import tracemalloc
+
+    root = tmp_path / "srv"
+    root.mkdir()
+    peaks = {}
+    with serving(str(root)) as srv:
+        for mib in (24, 96):
+            torch.save({"w": torch.ones(mib << 18), "b": torch.arange(5.0)}, root / f"m{mib}.pt")
+            tracemalloc.start()
+            try:
+                convert(f"{srv.url}/m{mib}.pt", tmp_path / f"o{mib}.safetensors", jobs=2)
+                peaks[mib] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            (root / f"m{mib}.pt").unlink()
+            (tmp_path / f"o{mib}.safetensors").unlink()
+    assert peaks[96] < peaks[24] + (16 << 20), {k: v >> 20 for k, v in peaks.items()}
+    assert peaks[96] < (72 << 20)
