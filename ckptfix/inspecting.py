@@ -151,7 +151,8 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
         if fw is not None:
             rep: InspectReport = inspect_folder(fw, key)
             return rep
-    with source.session():  # a remote object is opened once (one pinned version) for the whole inspection
+    # a remote object is opened once (one pinned version) for the whole inspection, and only its metadata is read
+    with source.session(), source.metadata_only():
         return inspect_file(path, key)
 
 

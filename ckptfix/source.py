@@ -12,7 +12,8 @@ missing is :class:`~ckptfix.errors.RemoteDriverMissingError` (exit 45) with the 
 
 from __future__ import annotations
 
-import io
+import contextlib
+import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
@@ -28,11 +29,13 @@ __all__ = [
     "dirname",
     "exists",
     "getsize",
+    "is_metadata_only",
     "is_url",
     "isdir",
     "isfile",
     "join",
     "listdir",
+    "metadata_only",
     "open_file",
     "open_source",
     "session",
@@ -132,24 +135,9 @@ def _truncated(name: str, n: int, off: int, size: int) -> CorruptCheckpointError
     )
 
 
-class _CountingFile(io.FileIO):
-    """A local file object that adds what it reads to a :class:`Stats` (only made when one is active)."""
-
-    stats: Stats
-
-    def read(self, n: int | None = -1) -> bytes:
-        data = super().read(n)
-        self.stats.add(nbytes=len(data or b""), requests=1)
-        return data
-
-    def readinto(self, b: Any) -> int:
-        k = super().readinto(b)
-        self.stats.add(nbytes=k or 0, requests=1)
-        return k or 0
-
-
 class LocalSource(Source):
-    """A local file: one read-only descriptor, ``os.pread``."""
+    """A local file: one read-only descriptor, ``os.pread`` (not counted in :class:`Stats`: those count what
+    goes over the network)."""
 
     def __init__(self, path: str | os.PathLike[str], *, stats: Stats | None = None) -> None:
         self.name = os.fspath(path)
@@ -161,8 +149,6 @@ class LocalSource(Source):
         except OSError:
             os.close(self.fd)
             raise
-        if stats is not None:
-            stats.add(files=1)
 
     def pread(self, n: int, off: int) -> bytes:
         if n < 0 or off < 0:
@@ -178,8 +164,6 @@ class LocalSource(Source):
                 parts.append(more)
                 got += len(more)
             data = b"".join(parts)
-        if self.stats is not None:
-            self.stats.add(nbytes=n, requests=1)
         return data
 
     def readinto(self, view: memoryview, off: int) -> int:
@@ -190,16 +174,10 @@ class LocalSource(Source):
             if k <= 0:
                 raise _truncated(self.name, len(view), off, self.size)
             done += k
-        if self.stats is not None:
-            self.stats.add(nbytes=done, requests=1)
         return done
 
     def fileobj(self) -> BinaryIO:
-        if self.stats is None:
-            return open(self.name, "rb")
-        f = _CountingFile(self.name, "r")
-        f.stats = self.stats
-        return io.BufferedReader(f)
+        return open(self.name, "rb")
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -262,6 +240,35 @@ def _remote_file(url: str, st: Stats | None) -> Any:
         st.files_open[url] = rf
         st.probed[url] = "file"
     return rf
+
+
+_METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_metadata_only", default=False)
+
+
+@contextlib.contextmanager
+def metadata_only() -> Iterator[None]:
+    """Within the block, readers of a remote file skip checks that need the bytes next to each tensor record (a
+    zip's local headers of tensor records, a legacy stream's per-storage counts): what ``inspect`` of a URL needs
+    is the zip's central directory and ``data.pkl`` (issue #26: a handful of requests).  Only for callers whose
+    result never reads tensor bytes (the records' offsets are then unverified: -1 for a zip's records).
+    """
+    token = _METADATA_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _METADATA_ONLY.reset(token)
+
+
+def is_metadata_only(path: str | os.PathLike[str]) -> bool:
+    """Whether a reader of ``path`` may skip the per-record checks (a URL inside :func:`metadata_only`).
+
+    Args:
+        path: the file being read.
+
+    Returns:
+        True for a URL inside :func:`metadata_only`.
+    """
+    return _METADATA_ONLY.get() and is_url(path)
 
 
 def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> Source:

@@ -62,9 +62,11 @@ class Handler(http.server.SimpleHTTPRequestHandler):
                     return f
         return None
 
-    def _record(self, method: str, status: int, sent: int = 0) -> None:
+    def _record(self, method: str, status: int, sent: int = 0) -> Hit:
+        hit = Hit(method, self.path, self.headers.get("Range"), status, sent)
         with self.server.lock:
-            self.server.log.append(Hit(method, self.path, self.headers.get("Range"), status, sent))
+            self.server.log.append(hit)
+        return hit
 
     def _status(self, method: str, code: int) -> None:
         body = f"error {code}\n".encode()
@@ -128,23 +130,26 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Connection", "close")
         self.end_headers()
         if method == "HEAD":
-            return self._record(method, status)
+            self._record(method, status)
+            return
         n = end - start
         if fault is not None and fault.kind in ("drop", "short"):
             n //= 2
         sent = 0
-        with open(fpath, "rb") as f:
+        hit = self._record(method, status)  # logged first and counted before each write: the client never
+        with open(fpath, "rb") as f:  # holds bytes the log does not show yet
             f.seek(start)
             while sent < n:
                 chunk = f.read(min(1 << 20, n - sent))
                 if not chunk:
                     break
+                with self.server.lock:
+                    hit.sent += len(chunk)
                 try:
                     self.wfile.write(chunk)
                 except (BrokenPipeError, ConnectionResetError):
                     break
                 sent += len(chunk)
-        self._record(method, status, sent)
         if fault is not None and fault.kind in ("drop", "short"):
             self.wfile.flush()
             self.close_connection = True
@@ -164,7 +169,15 @@ class RangeServer(http.server.ThreadingHTTPServer):
         self.faults: list[Fault] = []
         self.version = 0
         self.honor_if_match = True
+        self.errors: list[str] = []
         super().__init__(("127.0.0.1", 0), lambda *a, **k: Handler(*a, directory=root, **k))
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A client that went away mid-answer (a fault it provoked): not an error of the test."""
+        import sys
+
+        with self.lock:
+            self.errors.append(repr(sys.exc_info()[1]))
 
     @property
     def url(self) -> str:

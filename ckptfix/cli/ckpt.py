@@ -10,6 +10,26 @@ from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 
+def stats_option(f: Any) -> Any:
+    """``--stats``: say on stderr how many bytes were read in how many requests (and add ``"stats"`` to --json)."""
+    return click.option(
+        "--stats",
+        "show_stats",
+        is_flag=True,
+        help="Print the bytes read and requests made on stderr (a remote URL: what went over the network); "
+        '--json gains a "stats" object.',
+    )(f)
+
+
+def _with_stats(show: bool, doc: dict | None, st: Any) -> None:
+    """Print the ``--stats`` line (stderr) and add ``"stats"`` to a --json document."""
+    if not show:
+        return
+    if doc is not None:
+        doc["stats"] = st.to_json()
+    click.echo(st.line(), err=True)
+
+
 def _fmt_counts(d: dict) -> str:
     return ", ".join(f"{k} x{v}" for k, v in d.items()) or "-"
 
@@ -18,13 +38,19 @@ def _fmt_counts(d: dict) -> str:
 @click.argument("checkpoint", type=click.Path())
 @click.option("--key", default=None, help="Where the state dict sits, e.g. 'model' or 'model/state_dict'.")
 @json_option
-def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
-    """Summarise CHECKPOINT without loading tensors or running pickle code."""
+@stats_option
+def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: bool = False) -> None:
+    """Summarise CHECKPOINT (a path or a URL: s3://, gs://, az://, hf://, https://) without loading tensors or
+    running pickle code."""
     from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.remote.stats import collect
 
-    r = inspect_checkpoint(checkpoint, key=key)
+    with collect() as st:
+        r = inspect_checkpoint(checkpoint, key=key)
     if as_json:
-        emit_json(r.to_dict())
+        doc = r.to_dict()
+        _with_stats(show_stats, doc, st)
+        emit_json(doc)
         return
     if r.state_dict_key is None:
         state = "no tensors (a valid torch file: arguments, scheduler or other state)"
@@ -58,6 +84,7 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool) -> None:
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
             click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
+    _with_stats(show_stats, None, st)
 
 
 def _framework_lines(fw: dict | None) -> list[str]:
@@ -77,7 +104,8 @@ def _framework_lines(fw: dict | None) -> list[str]:
 @cli.command("scan")
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="CHECKPOINT...")
 @json_option
-def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
+@stats_option
+def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = False) -> None:
     """List every global each CHECKPOINT's pickles reference; exit 11 if any is dangerous or unknown.
 
     Reads pickle opcodes only: nothing is unpickled or executed.  With several files (as a
@@ -87,13 +115,18 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
     from ckptfix.cli._common import error_line
     from ckptfix.errors import CkptfixError
     from ckptfix.inspecting import scan_checkpoint
+    from ckptfix.remote.stats import collect
 
     if len(checkpoints) == 1:
-        r = scan_checkpoint(checkpoints[0])
+        with collect() as st:
+            r = scan_checkpoint(checkpoints[0])
         if as_json:
-            emit_json(r.to_dict())
+            doc = r.to_dict()
+            _with_stats(show_stats, doc, st)
+            emit_json(doc)
         else:
             _render_scan(r)
+            _with_stats(show_stats, None, st)
         found = _scan_error(checkpoints[0], r)
         if found is not None:
             raise found
@@ -102,7 +135,8 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
     failed: list[CkptfixError] = []
     for path in checkpoints:
         try:
-            r = scan_checkpoint(path)
+            with collect() as st:
+                r = scan_checkpoint(path)
         except CkptfixError as e:
             docs.append({"path": path, "verdict": "error", "error": str(e), "exit_code": e.exit_code})
             err = e
@@ -110,6 +144,7 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool) -> None:
             docs.append(r.to_dict())
             if not as_json:
                 _render_scan(r)
+            _with_stats(show_stats, docs[-1], st)
             err = _scan_error(path, r)
         if err is not None:
             failed.append(err)

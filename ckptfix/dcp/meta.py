@@ -649,7 +649,7 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
         return sizes
     remote = _remote_sizes(meta.path) if "://" in os.fspath(meta.path) else None  # a folder at a URL: one listing
     for rel in meta.files:
-        p = os.path.join(meta.path, rel)
+        p = source.join(meta.path, rel)
         try:
             if remote is not None:
                 sizes[rel] = remote[rel]

@@ -113,6 +113,10 @@ def sniff(path: str) -> Format:
         ResourceLimitError: a zip whose small records inflate past ``CKPTFIX_MAX_PICKLE_MB``.
     """
     if not source.exists(path):
+        if source.is_url(path):
+            from ckptfix.errors import RemoteNotFoundError
+
+            raise RemoteNotFoundError(f"{path}: no such object or folder; check the URL")
         raise CheckpointNotFoundError(f"{path}: no such file or directory; check the path")
     if source.isdir(path):
         return _dir_kind(path)

@@ -164,7 +164,15 @@ def starts_like_pickle(path: str, limit: int = 1 << 20) -> bool:
     from ckptfix.scanner import PickleLimits, scan_globals
 
     with source.open_file(path) as f:
-        head = f.read(min(limit, source.getsize(path)))
+        # a URL: 64 KiB first; the whole limit only when the first pickle runs past it (the same answer)
+        head = f.read(min(limit, 64 << 10) if source.is_url(path) else limit)
+        if source.is_url(path) and not _PROTO.match(head) and len(head) < limit and head:
+            from ckptfix.scanner import PickleLimits, scan_globals
+
+            res = scan_globals(head, limits=PickleLimits.from_env())
+            if res.error and "truncated" in res.error:
+                f.seek(0)
+                head = f.read(limit)
     if _PROTO.match(head):
         return True
     if not head:

@@ -153,6 +153,11 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
                 hdr = f.read(30)
             else:
                 hdr = heads.get(info.header_offset, b"")
+                if not hdr and source.is_metadata_only(path) and _is_record(info.filename):
+                    out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
+                        info.filename, -1, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
+                    )
+                    continue
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
                 raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename!r}; the file is corrupt")
             nlen, elen = struct.unpack("<HH", hdr[26:30])
@@ -181,11 +186,21 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int) -> dict[i
     None for a local file (read one by one, as before)."""
     if not source.is_url(path):
         return None
+    lazy = source.is_metadata_only(path)  # inspect: tensor records' headers are not needed (their offsets unused)
     ranges = sorted(
-        {(i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset)) for i in infos}
+        {
+            (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
+            for i in infos
+            if not (lazy and _is_record(i.filename))
+        }
     )
     with source.open_source(path) as src:
         return dict(src.read_ranges([r for r in ranges if r[1] > 0], jobs=16))
+
+
+def _is_record(name: str) -> bool:
+    """A tensor record of a torch archive (``<root>/data/<key>``)."""
+    return "/data/" in f"/{name}" and not name.endswith(".pkl")
 
 
 def root_of(names: list[str], leaf: str = "data.pkl") -> str:

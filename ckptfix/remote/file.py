@@ -7,7 +7,7 @@ Tuned for stores where a request costs tens of milliseconds and bytes are cheap:
   while reads stay sequential; a miss in the last :data:`TAIL` bytes fetches the whole tail (a zip's end
   record, its comment search and its central directory in one request) and one in the first :data:`HEAD`
   bytes the whole head; a file up to :data:`SMALL` bytes is fetched whole;
-* a **bounded LRU cache** of the fetched windows (:data:`CACHE_BYTES` in all);
+* a **bounded LRU cache** of fetched bytes in aligned :data:`BLOCK` blocks (:data:`CACHE_BYTES` in all);
 * **coalescing** in :meth:`RemoteFile.read_ranges`: ranges closer than :data:`GAP` share one request;
 * **parallel ranges**: a read over :data:`PART` bytes is split into parts fetched by ``jobs`` threads;
 * **retries** of transient failures (5xx, 429, connection reset, timeouts, short reads) with exponential
@@ -33,6 +33,7 @@ import time
 from typing import Any, Iterator
 
 from ckptfix.errors import (
+    CkptfixError,
     CorruptCheckpointError,
     RemoteAccessDeniedError,
     RemoteChangedError,
@@ -64,8 +65,8 @@ MAX_REQUEST = 16 * MiB
 PART = 8 * MiB
 #: what the window cache holds at most (e.g. 16 windows of 4 MiB)
 CACHE_BYTES = 64 * MiB
-#: windows larger than this are returned without being cached
-CACHE_MAX_WINDOW = 4 * MiB
+#: the cache's unit: fetched ranges are kept as aligned blocks of this size
+BLOCK = 64 * KiB
 
 
 def _env_float(name: str, default: float) -> float:
@@ -159,6 +160,8 @@ class _HttpBackend:
     def _guard(self, coro_fn: Any, *args: Any) -> Any:
         try:
             return self._run(coro_fn, *args)
+        except CkptfixError:  # already typed (some subclass ConnectionError): never retried
+            raise
         except self._errors() as e:
             raise Transient(f"{type(e).__name__}: {e}") from None
         except Exception as e:  # fsspec's FSTimeoutError
@@ -252,6 +255,8 @@ class _FsBackend:
         self.size = -1
 
     def _map(self, e: BaseException) -> Exception:
+        if isinstance(e, CkptfixError):
+            return e
         if isinstance(e, FileNotFoundError):
             return RemoteNotFoundError(f"{self.name}: no such object; check the URL")
         if isinstance(e, PermissionError):
@@ -285,6 +290,57 @@ class _FsBackend:
         return bytes(data)
 
 
+class _S3Backend(_FsBackend):
+    """S3 (s3fs): ``GetObject`` with a ``Range`` and ``If-Match`` (the ETag read at open), the ETag of every answer
+    checked, as over HTTP."""
+
+    def _map_s3(self, e: BaseException) -> Exception:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        code = str(getattr(cause, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("PreconditionFailed", "412"):
+            return RemoteChangedError(
+                f"{self.name}: the object changed while it was read (its ETag no longer matches); run the command again"
+            )
+        if code in ("SlowDown", "503", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
+            return Transient(f"S3 {code}", throttled=True)
+        if code in ("InternalError", "500", "ServiceUnavailable"):
+            return Transient(f"S3 {code}")
+        return self._map(e)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(self.path)
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if self.etag:
+            kw["IfMatch"] = self.etag
+        if version:
+            kw["VersionId"] = version
+
+        async def get() -> tuple[str | None, bytes]:
+            resp = await self.fs._call_s3("get_object", **kw)
+            body = resp["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return resp.get("ETag"), data
+
+        try:
+            etag, data = sync(self.fs.loop, get)
+        except CkptfixError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map_s3(e) from None
+        if self.etag is not None and etag is not None and etag != self.etag:
+            raise RemoteChangedError(
+                f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); run the command again"
+            )
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)
+
+
 class RemoteFile:
     """A remote object read by byte ranges (see the module's description for the policy).
 
@@ -311,6 +367,8 @@ class RemoteFile:
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         if "http" in protocols or "https" in protocols:
             self._backend: Any = _HttpBackend(fs, path, url)
+        elif ("s3" in protocols or "s3a" in protocols) and hasattr(fs, "_call_s3"):
+            self._backend = _S3Backend(fs, path, url)
         else:
             self._backend = _FsBackend(fs, path, url)
         self.fs = fs
@@ -322,7 +380,7 @@ class RemoteFile:
         self._backend.etag = etag
         if stats is not None:
             stats.add(files=1)
-        self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # block number -> bytes
         self._cached = 0
         self._lock = threading.Lock()
         self._ra = READ_AHEAD
@@ -337,6 +395,10 @@ class RemoteFile:
         for attempt in range(n + 1):
             try:
                 out = fn(*args)
+            except CkptfixError:  # a typed answer (changed, not found, denied): the request counts, no retry
+                if self.stats is not None:
+                    self.stats.add(requests=1)
+                raise
             except Transient as e:
                 last = e
                 if self.stats is not None:
@@ -383,41 +445,63 @@ class RemoteFile:
     # -- the cache --------------------------------------------------------------------------------
 
     def _lookup(self, off: int, n: int) -> bytes | None:
+        """The bytes if every block of ``[off, off+n)`` is cached, else None."""
+        b0, b1 = off // BLOCK, (off + n - 1) // BLOCK
         with self._lock:
-            for start, data in self._cache.items():
-                if start <= off and off + n <= start + len(data):
-                    self._cache.move_to_end(start)
-                    return data[off - start : off - start + n]
-        return None
+            blocks = []
+            for b in range(b0, b1 + 1):
+                data = self._cache.get(b)
+                if data is None:
+                    return None
+                self._cache.move_to_end(b)
+                blocks.append(data)
+        if b0 == b1:
+            start = off - b0 * BLOCK
+            return blocks[0][start : start + n]
+        joined = b"".join(blocks)
+        start = off - b0 * BLOCK
+        return joined[start : start + n]
 
     def _store(self, start: int, data: bytes) -> None:
-        if len(data) > CACHE_MAX_WINDOW and len(data) != self.size:
+        """Cache a fetched range (``start`` on a block boundary) as blocks, dropping the least recently used."""
+        if len(data) > CACHE_BYTES // 2:
             return
         with self._lock:
-            old = self._cache.pop(start, None)
-            if old is not None:
-                self._cached -= len(old)
-            self._cache[start] = data
-            self._cached += len(data)
-            while self._cached > CACHE_BYTES and len(self._cache) > 1:
-                _, dropped = self._cache.popitem(last=False)
-                self._cached -= len(dropped)
+            for k in range(0, len(data), BLOCK):
+                b = (start + k) // BLOCK
+                self._cache[b] = data[k : k + BLOCK]
+                self._cache.move_to_end(b)
+            while len(self._cache) > max(1, CACHE_BYTES // BLOCK):
+                self._cache.popitem(last=False)
+        self._cached = len(self._cache) * BLOCK
 
     def _window(self, off: int, n: int) -> tuple[int, int]:
-        """The range a miss at ``[off, off+n)`` fetches (the read-ahead policy)."""
+        """The block-aligned range a miss at ``[off, off+n)`` fetches (the read-ahead policy)."""
         size = self.size
         if size <= SMALL:
             return 0, size
-        if off == self._last_end:
+        b0, b1 = off // BLOCK, (off + n - 1) // BLOCK
+        with self._lock:  # skip what is cached at either end: fetch from the first missing block to the last
+            while b0 <= b1 and b0 in self._cache:
+                b0 += 1
+            while b1 >= b0 and b1 in self._cache:
+                b1 -= 1
+        start, end = b0 * BLOCK, (b1 + 1) * BLOCK
+        if start == self._last_end:  # sequential: the read-ahead doubles
             self._ra = min(self._ra * 2, READ_AHEAD_MAX)
         else:
             self._ra = READ_AHEAD
-        start, end = off, max(off + n, off + self._ra)
-        if size - off <= TAIL:
-            start, end = min(start, max(0, size - TAIL)), size
-        if off < HEAD:
+        end = max(end, start + self._ra)
+        if size - start <= TAIL:
+            start, end = max(0, size - TAIL) // BLOCK * BLOCK, size
+        if start < HEAD:
             start, end = 0, max(end, HEAD)
-        return start, min(end, size)
+        with self._lock:  # do not fetch cached blocks again at the end of the range
+            while end - start > BLOCK and (end - 1) // BLOCK in self._cache:
+                end = (end - 1) // BLOCK * BLOCK
+        end = min(end, size)
+        self._last_end = end
+        return start, end
 
     # -- the Source interface ---------------------------------------------------------------------
 
@@ -449,18 +533,31 @@ class RemoteFile:
             return b""
         hit = self._lookup(off, n)
         if hit is not None:
-            self._last_end = off + n
             return hit
         if n > PART:
             out = self._fetch_parts(off, n, jobs)
             assert out is not None
-            self._last_end = off + n
             return out
         start, end = self._window(off, n)
         data = self._fetch(start, end)
         self._store(start, data)
-        self._last_end = off + n
-        return data[off - start : off - start + n]
+        hit = self._lookup(off, n)
+        if hit is None:  # more than the cache holds at once: assemble from what was fetched and the cache
+            hit = self._assemble(off, n, start, data)
+        return hit
+
+    def _assemble(self, off: int, n: int, start: int, data: bytes) -> bytes:
+        out = bytearray()
+        pos = off
+        while pos < off + n:
+            if start <= pos < start + len(data):
+                take = data[pos - start : min(start + len(data), off + n) - start]
+            else:
+                k = min(off + n, (pos // BLOCK + 1) * BLOCK) - pos
+                take = self._lookup(pos, k) or self._fetch(pos, pos + k)
+            out += take
+            pos += len(take)
+        return bytes(out)
 
     def readinto(self, view: memoryview, off: int, *, jobs: int = 1) -> int:
         """Fill ``view`` with the bytes at ``off`` (all of it, or an error).

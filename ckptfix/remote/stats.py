@@ -18,13 +18,13 @@ from typing import Any, Iterator
 class Stats:
     """Counters of one command's reads (thread-safe)."""
 
-    #: payload bytes received (local files: bytes read through the Source)
+    #: payload bytes received from remote stores (local files are not counted)
     bytes_read: int = 0
-    #: requests that returned data or a final error (local files: read calls)
+    #: requests made to remote stores (the size/ETag request at open, range requests, retries)
     requests: int = 0
     #: requests repeated after a transient failure (5xx, connection reset, short read, throttling)
     retries: int = 0
-    #: files (objects) opened
+    #: remote objects opened
     files: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     #: the session's open remote files by URL (:func:`ckptfix.source.open_source` shares them) and what
@@ -53,6 +53,8 @@ class Stats:
         Returns:
             One line, without a newline.
         """
+        if not self.files and not self.requests:
+            return "read 0 bytes in 0 requests (local input: nothing went over the network)"
         req = "request" if self.requests == 1 else "requests"
         out = f"read {self.bytes_read:,} bytes in {self.requests:,} {req}"
         if self.retries:
