@@ -85,6 +85,19 @@ class Sources:
             s.close()
 
 
+def uncached_pread(src: Any, n: int, off: int) -> bytes:
+    """``n`` bytes at ``off``, fetched without going through the Source's block cache (tensor data is read once).
+
+    A :class:`~ckptfix.remote.file.RemoteFile` ranged fetch keeps its retries and ETag check; any other Source
+    is read with its ``pread``.
+    """
+    rf = getattr(src, "rf", None)
+    fetch = getattr(rf, "_fetch", None)
+    if fetch is None or n <= 0 or off + n > src.size:
+        return bytes(src.pread(n, off))
+    return bytes(fetch(off, off + n))
+
+
 def _one_remote_range(it: Any) -> tuple[str, int, int, int | None] | None:
     ranges = it.ranges()
     if ranges is None or len(ranges) != 1 or not is_remote(ranges[0][0]) or ranges[0][2] >= PIECE:
@@ -137,7 +150,7 @@ def copy_group(
     budget = sources.budget
     budget.take()
     try:
-        data = sources.get(url).pread(end - start, start)
+        data = uncached_pread(sources.get(url), end - start, start)
         if len(data) != end - start:
             raise CorruptCheckpointError(
                 f"{url}: got {len(data)} bytes at {start}, expected {end - start} (truncated?)"
@@ -255,7 +268,7 @@ def copy_remote(
                     got = True
                 if got:
                     at, n = pieces[nxt]
-                    inflight.append((at, n, pool.submit(src.pread, n, off + at)))
+                    inflight.append((at, n, pool.submit(uncached_pread, src, n, off + at)))
                     nxt += 1
                     continue
             at, n, fut = inflight.popleft()
