@@ -263,3 +263,23 @@ def test_memory_stays_flat_whatever_the_size(tmp_path: Path) -> None:
             (tmp_path / f"o{mib}.safetensors").unlink()
     assert peaks[96] < peaks[24] + (16 << 20), {k: v >> 20 for k, v in peaks.items()}
     assert peaks[96] < (72 << 20)
+
+
+def test_url_default_output_is_here_and_other_directions_refused(
+    s3: S3Server, ckpt: CkptFactory, tmp_path: Path
+) -> None:
+    b = ckpt.safetensors()
+    url = s3.upload(b.path, s3.prefix("d") + "/model.safetensors")
+    work = tmp_path / "work"
+    work.mkdir()
+    p = run_cli("convert", url, cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert_same_tensors(load_file(work / "model.safetensors"), load_file(b.path))
+    for args in (["-o", "back.pth"], ["--to", "dcp", "-o", "x.dcp"]):
+        p = run_cli("convert", url, *args, cwd=work)
+        assert_one_line_error(p, 8)
+        assert "a URL converts to safetensors" in p.stderr
+    assert sorted(x.name for x in work.iterdir()) == ["model.safetensors"]

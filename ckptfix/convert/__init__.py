@@ -115,6 +115,8 @@ def convert(
         from ckptfix.convert.remote_out import convert_to_url
 
         return convert_to_url(convert, args)
+    if _is_url(os.fspath(src)):  # a URL: to safetensors only; the default output is in the current directory
+        dst = _remote_input(os.fspath(src), os.fspath(dst) if dst is not None else None, to)
     framework = _framework_convert(
         src, os.fspath(dst) if dst is not None else None, tag=tag, dtype=dtype, verify=verify, force=force,
         fsync=fsync, progress=progress, max_shard_size=max_shard_size, ckptfix_metadata=ckptfix_metadata, jobs=jobs,
@@ -220,6 +222,23 @@ def convert(
         jobs=jobs,
         drop=drop,
     )
+
+
+def _remote_input(src: str, dst: str | None, to: str | None) -> str:
+    """The output of a conversion from a URL (``<stem>.safetensors`` here by default); other directions refused."""
+    from ckptfix.convert.paths import default_st_output
+    from ckptfix.remote.url import basename
+
+    back = to in ("pt", "dcp") or (dst is not None and not dst.rstrip("/").endswith(".safetensors"))
+    if back:
+        raise UnsupportedError(
+            f"{src}: a URL converts to safetensors (-o NAME.safetensors); to write .pth or DCP from it, "
+            "convert it to a local .safetensors first, then convert that"
+        )
+    if dst is not None:
+        return dst
+    name = basename(src.rstrip("/")) or "model"
+    return os.path.relpath(default_st_output(os.path.join(os.getcwd(), name)))
 
 
 def _is_url(path: str) -> bool:
