@@ -7,7 +7,7 @@ URL to :func:`copy_remote`, which reads them through :class:`ckptfix.source.Sour
 
 * ``--jobs N`` is the number of range requests in flight, over the whole conversion (:class:`Budget`): a big
   tensor is fetched as N parallel ranges, many small ones as N tensors at a time, and memory stays at most
-  ``2 N x`` :data:`PIECE` whatever the checkpoint's size;
+  ``max(2, N) x`` :data:`PIECE` whatever the checkpoint's size;
 * pieces are written in order; each is read back from the output and compared with the bytes received
   (the check a gathered chunk gets locally), and a range whose source stores a CRC-32 (a torch zip record
   holding exactly the tensor) is checked against it over the bytes received, so a wrong byte from the store
@@ -57,7 +57,7 @@ class Sources:
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self.budget = Budget(2 * self.jobs)
+        self.budget = Budget(max(2, self.jobs))
 
     def get(self, url: str) -> Any:
         """The :class:`~ckptfix.source.Source` of ``url``, opened on first use (its ETag pinned then)."""
