@@ -553,10 +553,69 @@ def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
     check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
     with source.open_file(meta) as f:
         acc.add_result(".metadata", scan_globals(f, limits=limits))
+    spans = _remote_spans(path, acc) if source.is_url(path) else None
     for name in source.listdir(path):
         if name.endswith(".distcp") and source.isfile(source.join(path, name)):
             check_member(path, name, path)
-            _scan_distcp(source.join(path, name), name, acc, limits)
+            if spans is not None:
+                _scan_distcp_spans(source.join(path, name), name, spans.get(name, []), acc, limits)
+            else:
+                _scan_distcp(source.join(path, name), name, acc, limits)
+
+
+def _remote_spans(path: str, acc: _Acc) -> dict[str, list[tuple[int, int]]] | None:
+    """For a DCP folder at a URL: where ``.metadata`` says each item lies, per data file (None: unreadable
+    metadata; the data files are then searched whole, as local ones are)."""
+    from ckptfix.dcp.meta import BytesEntry, read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except CkptfixError:
+        return None
+    out: dict[str, list[tuple[int, int]]] = {}
+    for e in meta.entries.values():
+        locs = [e.location] if isinstance(e, BytesEntry) else list(getattr(e, "locations", []))
+        for loc in locs:
+            if loc is not None:
+                out.setdefault(loc.relative_path, []).append((loc.offset, loc.length))
+    return out
+
+
+def _scan_distcp_spans(fpath: str, label: str, spans: list[tuple[int, int]], acc: _Acc, limits: PickleLimits) -> None:
+    """:func:`_scan_distcp` for a remote data file: archives are looked for where ``.metadata`` puts the items
+    (an end record at the end of each item), instead of searching every byte; the ends and starts of the items
+    are fetched together first.  Bytes in no archive found are reported exactly as by the local search."""
+    size = source.getsize(fpath)
+    spans = sorted(set(spans))
+    with source.open_source(fpath) as src:
+        pre = getattr(src, "prefetch", None)
+        if pre is not None:
+            k = 16 << 10  # an item's local header and data.pkl, and its central directory and end record
+            pre([(o, min(n, k)) for o, n in spans] + [(max(o, o + n - k), min(n, k)) for o, n in spans])
+    # unbuffered: a buffer would read 64 KiB past each small read, beyond what was fetched
+    with source.open_file(fpath) as buffered:
+        f = getattr(buffered, "raw", buffered)
+        pos = 0
+        for off, length in spans:
+            e = off + length - 22
+            if off < pos or length < 22 or off + length > size:
+                continue
+            f.seek(e)
+            if f.read(4) != b"PK\x05\x06":
+                continue
+            bounds = _archive_bounds(f, e, size)
+            if bounds is None or bounds[0] < pos:
+                continue
+            start, end = bounds
+            f.seek(start)
+            if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
+                continue
+            if start > pos:
+                acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
+            _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
+            pos = end
+        if pos < size:
+            acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
 
 
 class _Slice(io.RawIOBase):

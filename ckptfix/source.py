@@ -17,7 +17,7 @@ import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
-from ckptfix.errors import CorruptCheckpointError
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.remote import url as _urls
 from ckptfix.remote.stats import Stats, active, session
 
@@ -213,6 +213,10 @@ class RemoteSource(Source):
     def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
         return self.rf.read_ranges(ranges, jobs=jobs)
 
+    def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
+        """Bring ranges into the cache ahead of many small reads (see :meth:`RemoteFile.prefetch`)."""
+        self.rf.prefetch(ranges, jobs)
+
     def fileobj(self) -> BinaryIO:
         return self.rf.fileobj()
 
@@ -361,6 +365,8 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
         return RemoteNotFoundError(f"{url}: no such object or folder; check the URL")
     if isinstance(e, PermissionError):
         return RemoteAccessDeniedError(f"{url}: access denied ({e}); check your credentials and permissions")
+    if isinstance(e, CkptfixError):
+        return e
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
 
 

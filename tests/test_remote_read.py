@@ -78,6 +78,13 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from safetensors.torch import save_file
 
     save_file(big, str(root / "big.safetensors"))
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({k: big[k] for k in list(big)[:12]}, checkpoint_id=str(root / "big_dcp"), no_dist=True)
     return root
 
 
@@ -122,6 +129,7 @@ LOCAL_VS_REMOTE = [
     "big.pt",
     "big_legacy.pt",
     "big.safetensors",
+    "big_dcp",
 ]
 
 
@@ -132,11 +140,11 @@ def test_inspect_and_scan_of_a_url_equal_the_local_run(tree: Path, srv: RangeSer
     for fn in (inspect_checkpoint, scan_checkpoint):
         want = _norm(fn(local).to_dict(), str(tree))
         got = _norm(fn(url).to_dict(), srv.url)
-        if name == "dcp_ckpt" and fn is inspect_checkpoint:
+        if name in ("dcp_ckpt", "big_dcp") and fn is inspect_checkpoint:
             # a local DCP folder also names its framework layout (ckptfix.frameworks reads local folders only)
             assert want.pop("framework")["framework"] == "torch.distributed.checkpoint"
             assert got.pop("framework") is None
-        if name == "dcp_ckpt" and fn is scan_checkpoint:
+        if name in ("dcp_ckpt", "big_dcp") and fn is scan_checkpoint:
             assert want.pop("notes") == [
                 "torch.distributed.checkpoint folder (torch-dcp): 1 checkpoint file(s) scanned"
             ]
@@ -161,6 +169,20 @@ def test_inspect_and_scan_read_little(srv: RangeServer, tree: Path, name: str) -
         # the size/ETag request, the head, the tail (zip directory, safetensors header) and for a legacy stream
         # the object pickle: no request per tensor record
         assert len(hits) <= 5, [(h.method, h.range) for h in hits]
+
+
+def test_scan_of_a_remote_dcp_folder_reads_the_items_ends_not_the_tensors(srv: RangeServer, tree: Path) -> None:
+    """A DCP folder at a URL: .metadata says where each item lies; only each item's ends are fetched."""
+    size = sum(p.stat().st_size for p in (tree / "big_dcp").iterdir())
+    assert size > 20 << 20
+    with collect() as st:
+        rep = scan_checkpoint(f"{srv.url}/big_dcp")
+    assert rep.verdict == "safe"
+    assert st.bytes_read < 1 << 20, st.line()
+    assert st.requests <= 30, st.line()  # about one (parallel) request per item boundary, never the whole file
+    with collect() as st:
+        inspect_checkpoint(f"{srv.url}/big_dcp")
+    assert st.bytes_read < 256 << 10 and st.requests <= 6, st.line()
 
 
 def test_cli_stats_line_and_json(srv: RangeServer) -> None:
@@ -221,13 +243,13 @@ def test_a_large_read_goes_in_parallel_parts_and_survives_a_drop(tree: Path, srv
     assert len(parts) >= 6  # 8 MiB parts
 
 
-def test_persistent_failure_is_unavailable_then_throttled(srv: RangeServer) -> None:
+def test_persistent_5xx_is_unavailable_and_persistent_429_throttled(srv: RangeServer) -> None:
     with source.open_source(f"{srv.url}/big.pt") as src:
         srv.fault("500", "/big.pt", count=10)
         with pytest.raises(RemoteUnavailableError, match="after 3 retries"):
             src.pread(10, 30_000_000)
         srv.reset()
-        srv.fault("503", "/big.pt", count=10)
+        srv.fault("429", "/big.pt", count=10)
         with pytest.raises(RemoteThrottledError) as ei:
             src.pread(10, 31_000_000)
     assert ei.value.exit_code == 42
@@ -493,3 +515,32 @@ def test_s3_missing_object_and_bucket_are_40(s3: Any) -> None:
         p = run_cli("inspect", url)
         assert p.returncode == 40, p.stderr
         assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1
+
+
+def test_local_reads_never_import_fsspec(tree: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint; "
+        f"inspect_checkpoint({str(tree / 'plain.pt')!r}); scan_checkpoint({str(tree / 'legacy_dp.pt')!r}); "
+        "print('fsspec' in sys.modules, 'aiohttp' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_drivers_client_errors_are_retried_then_unavailable(mem: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf:// (httpx), gs:// ... raise their HTTP client's own errors, not OSError: still typed, never "internal"."""
+    ConnectError = type("ConnectError", (Exception,), {"__module__": "httpx"})
+    calls = []
+
+    def boom(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise ConnectError("Name or service not known")
+
+    fs = fsspec.filesystem("memory")
+    with monkeypatch.context() as m, pytest.raises(RemoteUnavailableError, match="ConnectError") as ei:
+        m.setattr(type(fs), "info", boom)
+        source.open_source("memory://rcore-test/blob.bin")
+    assert ei.value.exit_code == 43 and len(calls) == 4  # 1 + CKPTFIX_REMOTE_RETRIES=3

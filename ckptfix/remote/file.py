@@ -66,7 +66,7 @@ PART = 8 * MiB
 #: what the window cache holds at most (e.g. 16 windows of 4 MiB)
 CACHE_BYTES = 64 * MiB
 #: the cache's unit: fetched ranges are kept as aligned blocks of this size
-BLOCK = 64 * KiB
+BLOCK = 16 * KiB
 
 
 def _env_float(name: str, default: float) -> float:
@@ -119,8 +119,6 @@ def _http_status(name: str, status: int, reason: str = "") -> Exception:
         return RemoteChangedError(f"{name}: the object changed while it was read (HTTP 412); run the command again")
     if status == 429:
         return Transient(f"HTTP 429 {reason}".strip(), throttled=True)
-    if status == 503:
-        return Transient(f"HTTP 503 {reason}".strip(), throttled=True)
     if status >= 500 or status == 408:
         return Transient(f"HTTP {status} {reason}".strip())
     return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
@@ -239,6 +237,22 @@ class _HttpBackend:
         return data
 
 
+#: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
+_CLIENT_MODULES = frozenset(
+    {
+        "httpx",
+        "httpcore",
+        "requests",
+        "urllib3",
+        "aiohttp",
+        "botocore",
+        "aiobotocore",
+        "huggingface_hub",
+        "google",
+        "azure",
+    }
+)
+
 #: fsspec info keys that identify an object's version, most specific first
 _VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "content_md5", "last_commit")
 
@@ -268,6 +282,16 @@ class _FsBackend:
             return Transient(text, throttled=True)
         if isinstance(e, (OSError, ConnectionError, TimeoutError)):
             return Transient(f"{type(e).__name__}: {e}")
+        kind = type(e).__name__
+        top = type(e).__module__.split(".")[0]
+        if top in _CLIENT_MODULES or top.startswith("httpx") or any(w in kind for w in ("Connect", "Timeout", "HTTP")):
+            if "NotFound" in kind:
+                return RemoteNotFoundError(f"{self.name}: no such object ({kind}); check the URL")
+            if any(w in kind for w in ("Auth", "Forbidden", "Permission", "Gated", "Denied")):
+                return RemoteAccessDeniedError(
+                    f"{self.name}: access denied ({kind}: {e}); check your credentials and the object's permissions"
+                )
+            return Transient(f"{kind}: {e}")
         return e  # type: ignore[return-value]
 
     def info(self) -> tuple[int, str | None]:
@@ -412,11 +436,11 @@ class RemoteFile:
         assert last is not None
         if last.throttled:
             raise RemoteThrottledError(
-                f"{self.name}: the store is throttling requests ({last}) after {n} retries; "
+                f"{self.name}: the store is throttling requests ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
                 "wait and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
             )
         raise RemoteUnavailableError(
-            f"{self.name}: the store failed ({last}) after {n} retries; "
+            f"{self.name}: the store failed ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
             "check the network and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
         )
 
@@ -629,6 +653,38 @@ class RemoteFile:
                 off, n = ranges[pos]
                 yield off, got.pop(pos)
                 pos += 1
+
+    def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
+        """Bring ``(offset, length)`` ranges into the cache ahead of many small reads (coalesced, ``jobs`` requests at
+        once), up to half the cache; what does not fit is simply read later.
+
+        Args:
+            ranges: ``(offset, length)`` pairs.
+            jobs: parallel requests.
+        """
+        want: list[tuple[int, int]] = []
+        budget = CACHE_BYTES // 2
+        for off, n in sorted(ranges):
+            off, end = max(0, off) // BLOCK * BLOCK, min(self.size, off + n)
+            end = min(self.size, -(-end // BLOCK) * BLOCK)
+            if end <= off or self._lookup(off, end - off) is not None:
+                continue
+            if want and off - want[-1][1] <= GAP and end - want[-1][0] <= MAX_REQUEST:
+                want[-1] = (want[-1][0], max(want[-1][1], end))
+            else:
+                want.append((off, end))
+            budget -= end - off
+            if budget <= 0:
+                break
+        if not want:
+            return
+
+        def one(r: tuple[int, int]) -> None:
+            self._store(r[0], self._fetch(*r))
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(jobs, len(want)))) as ex:
+            for f in [ex.submit(one, r) for r in want]:
+                f.result()
 
     def _group(self, s: int, e: int, jobs: int) -> bytes:
         hit = self._lookup(s, e - s)

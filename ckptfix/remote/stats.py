@@ -103,9 +103,7 @@ def collect(stats: Stats | None = None) -> Iterator[Stats]:
         with _ACTIVE_LOCK:
             _ACTIVE.remove(st)
             last = st not in _ACTIVE
-        if last:
-            for rf in list(st.files_open.values()):
-                rf.close()
+        if last:  # forget the shared files (not closed: a thread of this command may still read one; they go with it)
             st.files_open.clear()
             st.probed.clear()
 
