@@ -70,14 +70,16 @@ def state_dict(nbytes: int) -> dict:
     per_block = (4 * d * d + 2 * 4 * d * d + 10 * d) * 4
     blocks = max(1, nbytes // per_block)
     g = torch.Generator().manual_seed(0)
+    # random weights up to 0.5 GB; zeros above (the bytes moved are the same, and writing them is quicker)
+    randn = (lambda *shape: torch.randn(*shape, generator=g)) if nbytes <= 5 * 10**8 else torch.zeros
     sd = {}
     for b in range(blocks):
         p = f"h.{b}."
         for n in ("q", "k", "v", "o"):
-            sd[p + f"attn.{n}.weight"] = torch.randn(d, d, generator=g)
+            sd[p + f"attn.{n}.weight"] = randn(d, d)
             sd[p + f"attn.{n}.bias"] = torch.zeros(d)
-        sd[p + "mlp.fc.weight"] = torch.randn(4 * d, d, generator=g)
-        sd[p + "mlp.proj.weight"] = torch.randn(d, 4 * d, generator=g)
+        sd[p + "mlp.fc.weight"] = randn(4 * d, d)
+        sd[p + "mlp.proj.weight"] = randn(d, 4 * d)
         sd[p + "ln1.weight"] = torch.ones(d)
         sd[p + "ln2.weight"] = torch.ones(d)
     return sd
