@@ -283,3 +283,14 @@ def test_url_default_output_is_here_and_other_directions_refused(
         assert_one_line_error(p, 8)
         assert "a URL converts to safetensors" in p.stderr
     assert sorted(x.name for x in work.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors", "dcp"])
+def test_load_over_http_ranges(ckpt: CkptFactory, kind: str) -> None:
+    """``load_anywhere("https://...")`` of a server with Range support: the local tensors, no local copy."""
+    pytest.importorskip("aiohttp")
+    b = CONTAINERS[kind](ckpt)
+    with serving(str(b.path.parent)) as srv:
+        got = load_anywhere(f"{srv.url}/{b.path.name}")
+        assert all(h.method in ("HEAD", "GET") for h in srv.requests())
+    assert_same_tensors(got, load_anywhere(b.path))
