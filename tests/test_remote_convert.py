@@ -294,3 +294,29 @@ def test_load_over_http_ranges(ckpt: CkptFactory, kind: str) -> None:
         got = load_anywhere(f"{srv.url}/{b.path.name}")
         assert all(h.method in ("HEAD", "GET") for h in srv.requests())
     assert_same_tensors(got, load_anywhere(b.path))
+
+
+def test_object_replaced_between_reading_and_copying_is_44(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header is read from one version, the tensors must come from the same one: same-layout new bytes = 44."""
+    from safetensors.torch import save_file
+
+    import ckptfix.convert.write as write_mod
+
+    sd = {"w": torch.randn(300, 300), "b": torch.randn(300)}
+    save_file(sd, str(tmp_path / "a.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in sd.items()}, str(tmp_path / "b.safetensors"))  # same header
+    key = s3.prefix("pin") + "/m.safetensors"
+    url = s3.upload(tmp_path / "a.safetensors", key)
+    original = write_mod.Writer.write
+
+    def replaced_first(self, *a, **k):  # type: ignore[no-untyped-def]
+        s3.fs().put_file(str(tmp_path / "b.safetensors"), f"{s3.bucket}/{key}")
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(write_mod.Writer, "write", replaced_first)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(RemoteChangedError):
+        convert(url, out)
+    assert not out.exists()

@@ -110,6 +110,12 @@ def convert(
         UnsupportedError: an option of the other direction was given.  Otherwise as
             :func:`convert_to_safetensors` / :func:`convert_from_safetensors`.
     """
+    if _is_url(os.fspath(src)) and _no_session():  # one pinned version of each remote object for the whole run
+        args = dict(locals())
+        from ckptfix import source
+
+        with source.session():
+            return convert(**args)
     if dst is not None and _is_url(os.fspath(dst)):  # an object store: converted and verified locally, then uploaded
         args = dict(locals())
         from ckptfix.convert.remote_out import convert_to_url
@@ -239,6 +245,12 @@ def _remote_input(src: str, dst: str | None, to: str | None) -> str:
         return dst
     name = basename(src.rstrip("/")) or "model"
     return os.path.relpath(default_st_output(os.path.join(os.getcwd(), name)))
+
+
+def _no_session() -> bool:
+    from ckptfix.remote.stats import active
+
+    return active() is None
 
 
 def _is_url(path: str) -> bool:
