@@ -14,7 +14,8 @@ Faults (:meth:`RangeServer.fault`) apply to the next ``count`` GET (or HEAD) req
 * ``503`` / ``500`` / ``429`` / ``403`` / ``404``: that status;
 * ``change``: bump the server's version first (every ETag changes, as if the object was overwritten);
 * ``ignore-range``: answer 200 with the whole file;
-* ``stale-etag``: send the range with a different ``ETag`` header and ignore ``If-Match``.
+* ``stale-etag``: send the range with a different ``ETag`` header and ignore ``If-Match``;
+* ``stall``: send the headers and half the body, then nothing (until the server shuts down).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             self._record(method, status)
             return
         n = end - start
-        if fault is not None and fault.kind in ("drop", "short"):
+        if fault is not None and fault.kind in ("drop", "short", "stall"):
             n //= 2
         sent = 0
         hit = self._record(method, status)  # logged first and counted before each write: the client never
@@ -150,6 +151,11 @@ class Handler(http.server.SimpleHTTPRequestHandler):
                 except (BrokenPipeError, ConnectionResetError):
                     break
                 sent += len(chunk)
+        if fault is not None and fault.kind == "stall":  # half the body, then nothing until the client gives up
+            self.wfile.flush()
+            self.server.stalled.wait(10)
+            self.close_connection = True
+            return
         if fault is not None and fault.kind in ("drop", "short"):
             self.wfile.flush()
             self.close_connection = True
@@ -170,6 +176,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
         self.version = 0
         self.honor_if_match = True
         self.errors: list[str] = []
+        self.stalled = threading.Event()  # set at shutdown: stalled answers end
         super().__init__(("127.0.0.1", 0), lambda *a, **k: Handler(*a, directory=root, **k))
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -213,6 +220,7 @@ def serving(root: str) -> Iterator[RangeServer]:
     try:
         yield srv
     finally:
+        srv.stalled.set()
         srv.shutdown()
         srv.server_close()
         t.join(5)

@@ -544,3 +544,51 @@ def test_a_drivers_client_errors_are_retried_then_unavailable(mem: bytes, monkey
         m.setattr(type(fs), "info", boom)
         source.open_source("memory://rcore-test/blob.bin")
     assert ei.value.exit_code == 43 and len(calls) == 4  # 1 + CKPTFIX_REMOTE_RETRIES=3
+
+
+def test_random_reads_under_random_faults_are_right_or_typed(tree: Path, srv: RangeServer) -> None:
+    """Seeded random reads (small, cached, large parallel, coalesced) while the server drops, shortens and fails:
+    every answer is the file's bytes or a typed error, never other bytes."""
+    import random
+
+    data = _bytes_of(tree, "big.pt")
+    rng = random.Random(26)
+    typed = (RemoteUnavailableError, RemoteThrottledError)
+    right = errors = 0
+    with source.open_source(f"{srv.url}/big.pt") as src:
+        for _ in range(60):
+            srv.fault(rng.choice(["drop", "short", "500", "503", "429"]), "/big.pt", count=rng.choice([0, 1, 2, 5]))
+            kind = rng.random()
+            try:
+                if kind < 0.6:
+                    n = rng.choice([1, 7, 4096, 70_000, 300_000, 2_000_000])
+                    off = rng.randrange(0, len(data) - n)
+                    assert src.pread(n, off) == data[off : off + n]
+                elif kind < 0.8:
+                    ranges = [(o, rng.randrange(1, 5000)) for o in rng.sample(range(0, len(data) - 5000), 5)]
+                    for o, got in src.read_ranges(ranges, jobs=3):
+                        n = dict(ranges)[o]
+                        assert got == data[o : o + n]
+                else:
+                    n = rng.choice([9 << 20, 17 << 20])
+                    off = rng.randrange(0, len(data) - n)
+                    buf = bytearray(n)
+                    src.rf.readinto(memoryview(buf), off, jobs=4)  # type: ignore[attr-defined]
+                    assert bytes(buf) == data[off : off + n]
+                right += 1
+            except typed:
+                errors += 1
+            srv.reset()
+    assert right > 30 and right + errors == 60
+
+
+def test_a_stalled_answer_times_out_and_is_retried(
+    tree: Path, srv: RangeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that stops sending mid-body: the read times out (CKPTFIX_REMOTE_TIMEOUT) and is retried, no hang."""
+    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "1")
+    data = _bytes_of(tree, "big.pt")
+    with collect() as st, source.open_source(f"{srv.url}/big.pt") as src:
+        srv.fault("stall", "/big.pt")
+        assert src.pread(50_000, 25_000_000) == data[25_000_000:25_050_000]
+    assert st.retries == 1

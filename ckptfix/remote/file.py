@@ -9,7 +9,8 @@ Tuned for stores where a request costs tens of milliseconds and bytes are cheap:
   bytes the whole head; a file up to :data:`SMALL` bytes is fetched whole;
 * a **bounded LRU cache** of fetched bytes in aligned :data:`BLOCK` blocks (:data:`CACHE_BYTES` in all);
 * **coalescing** in :meth:`RemoteFile.read_ranges`: ranges closer than :data:`GAP` share one request;
-* **parallel ranges**: a read over :data:`PART` bytes is split into parts fetched by ``jobs`` threads;
+* **parallel ranges**: a read over :data:`PART` bytes is split into parts fetched by ``jobs`` threads; reads of
+  :data:`DIRECT` bytes or more (tensor bytes) bypass the cache, so memory stays flat whatever the file's size;
 * **retries** of transient failures (5xx, 429, connection reset, timeouts, short reads) with exponential
   backoff and full jitter; after the last one :class:`~ckptfix.errors.RemoteUnavailableError` or
   :class:`~ckptfix.errors.RemoteThrottledError`;
@@ -63,6 +64,8 @@ GAP = 1 * MiB
 MAX_REQUEST = 16 * MiB
 #: reads over this are split into parts of this size, fetched in parallel
 PART = 8 * MiB
+#: reads of this size or more are fetched exactly and not cached (tensor bytes streaming through a convert or load)
+DIRECT = 1 * MiB
 #: what the window cache holds at most (e.g. 16 windows of 4 MiB)
 CACHE_BYTES = 64 * MiB
 #: the cache's unit: fetched ranges are kept as aligned blocks of this size
@@ -254,7 +257,7 @@ _CLIENT_MODULES = frozenset(
 )
 
 #: fsspec info keys that identify an object's version, most specific first
-_VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "content_md5", "last_commit")
+_VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "blob_id", "md5Hash", "content_md5")
 
 
 class _FsBackend:
@@ -558,7 +561,7 @@ class RemoteFile:
         hit = self._lookup(off, n)
         if hit is not None:
             return hit
-        if n > PART:
+        if n >= DIRECT:  # tensor bytes streaming through: fetched exactly, never cached (memory stays flat)
             out = self._fetch_parts(off, n, jobs)
             assert out is not None
             return out
@@ -597,7 +600,7 @@ class RemoteFile:
         view = memoryview(view).cast("B")
         n = len(view)
         self._check(n, off)
-        if n > PART and self._lookup(off, n) is None:
+        if n >= DIRECT and self._lookup(off, n) is None:
             self._fetch_parts(off, n, jobs, into=view)
             return n
         view[:] = self.pread(n, off)
@@ -690,6 +693,8 @@ class RemoteFile:
         hit = self._lookup(s, e - s)
         if hit is not None:
             return hit
+        if e - s < DIRECT:  # through the cache: only the blocks missing are fetched
+            return self.pread(e - s, s)
         if e - s > PART:
             out = self._fetch_parts(s, e - s, 1)
             assert out is not None
