@@ -120,7 +120,9 @@ def convert(
         args = dict(locals())
         from ckptfix.convert.remote_out import convert_to_url
 
-        return convert_to_url(convert, args)
+        return convert_to_url(
+            lambda local: convert(**{**args, "dst": local, "force": True}), os.fspath(dst), force=force, to=to
+        )
     if _is_url(os.fspath(src)):  # a URL: to safetensors only; the default output is in the current directory
         dst = _remote_input(os.fspath(src), os.fspath(dst) if dst is not None else None, to)
     framework = _framework_convert(
