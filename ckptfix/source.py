@@ -367,6 +367,10 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
         return RemoteAccessDeniedError(f"{url}: access denied ({e}); check your credentials and permissions")
     if isinstance(e, CkptfixError):
         return e
+    if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
+        from ckptfix.remote.backends import no_credentials
+
+        return no_credentials(url, e)
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
 
 

@@ -45,6 +45,7 @@ def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTFIX_REMOTE_BACKOFF", "0")
     monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "3")
     monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "20")
+    rfile._PINS.clear()  # the served files' versions go back to 0 between tests: no pin carried over
 
 
 # --------------------------------------------------------------------------- the files served
@@ -592,3 +593,30 @@ def test_a_stalled_answer_times_out_and_is_retried(
         srv.fault("stall", "/big.pt")
         assert src.pread(50_000, 25_000_000) == data[25_000_000:25_050_000]
     assert st.retries == 1
+
+
+def test_retry_after_is_read_in_seconds_and_capped() -> None:
+    assert rfile._retry_after({"Retry-After": "3"}) == 3.0
+    assert rfile._retry_after({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
+    assert rfile._retry_after({}) is None
+    assert rfile.MAX_RETRY_AFTER <= 60
+
+
+def test_no_credentials_is_access_denied_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("s3fs")
+    NoCredentialsError = type("NoCredentialsError", (Exception,), {"__module__": "botocore.exceptions"})
+    err = rfile._FsBackend(None, "bkt/x.pt", "s3://bkt/x.pt")._map(NoCredentialsError("Unable to locate credentials"))
+    assert isinstance(err, RemoteAccessDeniedError) and err.exit_code == 41
+    assert "AWS_ACCESS_KEY_ID" in str(err) and "\n" not in str(err)
+
+
+def test_a_second_open_that_finds_another_version_is_44_once(srv: RangeServer) -> None:
+    """A reader that opens the object again (a convert's tensor copy after its header read) must not mix versions."""
+    url = f"{srv.url}/plain.pt"
+    with source.open_source(url) as src:
+        src.pread(8, 0)
+    srv.version += 1  # the object is replaced between the two opens
+    with pytest.raises(RemoteChangedError, match="since this process first read it"):
+        source.open_source(url)
+    with source.open_source(url) as src:  # running it again starts from the new version
+        assert src.pread(2, 0) == b"PK"

@@ -1,0 +1,357 @@
+"""How a :class:`~ckptfix.remote.file.RemoteFile` talks to each kind of store: one range request at a time.
+
+* :class:`_HttpBackend` (``http(s)://``): fsspec's aiohttp session; ``HEAD`` for size and ETag, ``GET`` with one
+  ``Range`` and ``If-Match``; every answer checked (206, ``Content-Range``, ``ETag``, length);
+* :class:`_S3Backend` (``s3://``): s3fs' ``GetObject`` with ``Range`` and ``IfMatch``, the ETag checked;
+* :class:`_FsBackend` (any other fsspec file system: ``memory://``, ``gs://``, ``az://``, ``hf://``):
+  ``fs.info`` and ``fs.cat_file(path, start, end)``, the length checked.
+
+Each raises :class:`Transient` for what is worth retrying (the caller retries with backoff) and the typed
+errors of :mod:`ckptfix.errors` for the rest.  The retry policy's knobs (``CKPTFIX_REMOTE_RETRIES``,
+``CKPTFIX_REMOTE_BACKOFF``, ``CKPTFIX_REMOTE_TIMEOUT``) are read here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+from ckptfix.errors import (
+    CkptfixError,
+    RemoteAccessDeniedError,
+    RemoteChangedError,
+    RemoteNotFoundError,
+    RemoteUnavailableError,
+)
+from ckptfix.remote import url as urls
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def retries() -> int:
+    """How many times a transient failure is retried (``CKPTFIX_REMOTE_RETRIES``, default 5)."""
+    return max(0, int(_env_float("CKPTFIX_REMOTE_RETRIES", 5)))
+
+
+def backoff(attempt: int) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): full jitter over ``base * 2**attempt``, capped at 10 s.
+
+    Args:
+        attempt: the retry's number, from 0.
+
+    Returns:
+        The delay.
+    """
+    base = _env_float("CKPTFIX_REMOTE_BACKOFF", 0.25)
+    return random.uniform(0, min(10.0, base * (2**attempt)))
+
+
+def timeout() -> float:
+    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60)."""
+    return _env_float("CKPTFIX_REMOTE_TIMEOUT", 60.0)
+
+
+class Transient(Exception):
+    """A failure worth retrying (internal: it never leaves this module)."""
+
+    def __init__(self, message: str, *, throttled: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.throttled = throttled
+        #: seconds the server asked to wait (``Retry-After``), honoured up to :data:`MAX_RETRY_AFTER`
+        self.retry_after = retry_after
+
+
+#: the longest ``Retry-After`` honoured (seconds); longer ones wait this long
+MAX_RETRY_AFTER = 20.0
+
+
+def _retry_after(headers: Any) -> float | None:
+    """Seconds from a ``Retry-After`` header given in seconds (an HTTP date is ignored: the backoff applies)."""
+    try:
+        return max(0.0, float(headers.get("Retry-After", "")))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def _http_status(name: str, status: int, reason: str = "") -> Exception:
+    """The typed error (or :class:`Transient`) for an HTTP status."""
+    if status in (404, 410):
+        return RemoteNotFoundError(f"{name}: no such object (HTTP {status}); check the URL")
+    if status in (401, 403):
+        return RemoteAccessDeniedError(
+            f"{name}: access denied (HTTP {status}); check your credentials and the object's permissions"
+        )
+    if status == 412:
+        return RemoteChangedError(f"{name}: the object changed while it was read (HTTP 412); run the command again")
+    if status == 429:
+        return Transient(f"HTTP 429 {reason}".strip(), throttled=True)
+    if status >= 500 or status == 408:
+        return Transient(f"HTTP {status} {reason}".strip())
+    return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
+
+
+def no_credentials(name: str, e: BaseException) -> RemoteAccessDeniedError:
+    """The error for a store that found no credentials to sign with (botocore's ``NoCredentialsError`` ...)."""
+    hint = _CREDENTIALS.get(urls.SCHEMES.get(urls.scheme(name) or "", ("",))[0], "configure the store's credentials")
+    return RemoteAccessDeniedError(f"{name}: no credentials for this store ({type(e).__name__}); {hint}")
+
+
+#: how to give each store credentials (by fsspec protocol)
+_CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+    "gcs": "run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS",
+    "abfs": "run az login, or set AZURE_STORAGE_CONNECTION_STRING",
+    "hf": "run huggingface-cli login, or set HF_TOKEN",
+}
+
+
+class _HttpBackend:
+    """Range requests over fsspec's aiohttp session, with ``If-Match`` and a check of every response."""
+
+    def __init__(self, fs: Any, url: str, name: str) -> None:
+        self.fs = fs
+        self.url = url
+        self.name = name
+        self.etag: str | None = None
+        self.size = -1
+
+    def _run(self, coro_fn: Any, *args: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, coro_fn, *args)
+
+    def _timeout(self) -> Any:
+        import aiohttp
+
+        t = timeout()
+        return aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)
+
+    def _errors(self) -> tuple[type[BaseException], ...]:
+        import asyncio
+
+        import aiohttp
+
+        return (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, TimeoutError)
+
+    def info(self) -> tuple[int, str | None]:
+        return tuple(self._guard(self._info))
+
+    def _guard(self, coro_fn: Any, *args: Any) -> Any:
+        try:
+            return self._run(coro_fn, *args)
+        except CkptfixError:  # already typed (some subclass ConnectionError): never retried
+            raise
+        except self._errors() as e:
+            raise Transient(f"{type(e).__name__}: {e}") from None
+        except Exception as e:  # fsspec's FSTimeoutError
+            if type(e).__name__ == "FSTimeoutError":
+                raise Transient("timed out") from None
+            raise
+
+    async def _info(self) -> tuple[int, str | None]:
+        session = await self.fs.set_session()
+        headers = {"Accept-Encoding": "identity"}
+        async with session.head(self.url, headers=headers, allow_redirects=True, timeout=self._timeout()) as r:
+            status = r.status
+            h = r.headers
+            final = str(r.url).split("?", 1)[0]
+            if status < 300 and final.endswith("/") and not self.url.split("?", 1)[0].endswith("/"):
+                raise IsADirectoryError(self.name)  # a folder URL the server redirected to its listing
+            if status in (405, 501):  # no HEAD: one byte of GET tells the size
+                return await self._info_get()
+            if status >= 300:
+                raise _http_status(self.name, status, r.reason or "")
+            etag = h.get("ETag")
+            if "Content-Length" not in h:
+                return await self._info_get()
+            return int(h["Content-Length"]), etag
+
+    async def _info_get(self) -> tuple[int, str | None]:
+        session = await self.fs.set_session()
+        headers = {"Accept-Encoding": "identity", "Range": "bytes=0-0"}
+        async with session.get(self.url, headers=headers, timeout=self._timeout()) as r:
+            if r.status >= 300:
+                raise _http_status(self.name, r.status, r.reason or "")
+            cr = r.headers.get("Content-Range", "")
+            if r.status != 206 or "/" not in cr or cr.endswith("/*"):
+                raise RemoteUnavailableError(
+                    f"{self.name}: the server does not answer range requests (HTTP {r.status}); "
+                    "download the file and run the command on the local copy"
+                )
+            return int(cr.rsplit("/", 1)[1]), r.headers.get("ETag")
+
+    def fetch(self, start: int, end: int) -> bytes:
+        return bytes(self._guard(self._get, start, end))
+
+    async def _get(self, start: int, end: int) -> bytes:
+        session = await self.fs.set_session()
+        headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
+        if self.etag:
+            headers["If-Match"] = self.etag
+        async with session.get(self.url, headers=headers, timeout=self._timeout()) as r:
+            if r.status != 206:
+                if r.status == 200:
+                    raise RemoteUnavailableError(
+                        f"{self.name}: the server ignored a range request (HTTP 200 instead of 206); "
+                        "download the file and run the command on the local copy"
+                    )
+                err = _http_status(self.name, r.status, r.reason or "")
+                if isinstance(err, Transient):
+                    err.retry_after = _retry_after(r.headers)
+                raise err
+            etag = r.headers.get("ETag")
+            if self.etag is not None and etag is not None and etag != self.etag:
+                raise RemoteChangedError(
+                    f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); "
+                    "run the command again"
+                )
+            cr = r.headers.get("Content-Range", "")
+            want = f"bytes {start}-{end - 1}/"
+            if not cr.startswith(want):
+                raise Transient(f"unexpected Content-Range {cr!r}")
+            total = cr[len(want) :]
+            if total != "*" and total != str(self.size):
+                raise RemoteChangedError(
+                    f"{self.name}: the object changed while it was read (size {self.size:,} -> {total} bytes); "
+                    "run the command again"
+                )
+            data = await r.read()
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return data
+
+
+#: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
+_CLIENT_MODULES = frozenset(
+    {
+        "httpx",
+        "httpcore",
+        "requests",
+        "urllib3",
+        "aiohttp",
+        "botocore",
+        "aiobotocore",
+        "huggingface_hub",
+        "google",
+        "azure",
+    }
+)
+
+#: fsspec info keys that identify an object's version, most specific first
+_VERSION_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "blob_id", "md5Hash", "content_md5")
+
+
+class _FsBackend:
+    """Any other fsspec file system: ``cat_file(path, start, end)``; the version is checked by size and,
+    where the file system reports one, by its ETag at open."""
+
+    def __init__(self, fs: Any, path: str, name: str) -> None:
+        self.fs = fs
+        self.path = path
+        self.name = name
+        self.etag: str | None = None
+        self.size = -1
+
+    def _map(self, e: BaseException) -> Exception:
+        if isinstance(e, CkptfixError):
+            return e
+        if isinstance(e, FileNotFoundError):
+            return RemoteNotFoundError(f"{self.name}: no such object; check the URL")
+        if isinstance(e, PermissionError):
+            return RemoteAccessDeniedError(
+                f"{self.name}: access denied ({e}); check your credentials and the object's permissions"
+            )
+        text = str(e)
+        if "SlowDown" in text or "Throttl" in text or "429" in text or "TooManyRequests" in text:
+            return Transient(text, throttled=True)
+        if isinstance(e, (OSError, ConnectionError, TimeoutError)):
+            return Transient(f"{type(e).__name__}: {e}")
+        kind = type(e).__name__
+        if "Credential" in kind or "NoAuth" in kind:
+            return no_credentials(self.name, e)
+        top = type(e).__module__.split(".")[0]
+        if top in _CLIENT_MODULES or top.startswith("httpx") or any(w in kind for w in ("Connect", "Timeout", "HTTP")):
+            if "NotFound" in kind:
+                return RemoteNotFoundError(f"{self.name}: no such object ({kind}); check the URL")
+            if any(w in kind for w in ("Auth", "Forbidden", "Permission", "Gated", "Denied")):
+                return RemoteAccessDeniedError(
+                    f"{self.name}: access denied ({kind}: {e}); check your credentials and the object's permissions"
+                )
+            return Transient(f"{kind}: {e}")
+        return e  # type: ignore[return-value]
+
+    def info(self) -> tuple[int, str | None]:
+        try:
+            inf = self.fs.info(self.path)
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        if inf.get("type") == "directory":
+            raise IsADirectoryError(self.name)
+        etag = next((str(inf[k]) for k in _VERSION_KEYS if inf.get(k)), None)
+        return int(inf["size"]), etag
+
+    def fetch(self, start: int, end: int) -> bytes:
+        try:
+            data = self.fs.cat_file(self.path, start=start, end=end)
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)
+
+
+class _S3Backend(_FsBackend):
+    """S3 (s3fs): ``GetObject`` with a ``Range`` and ``If-Match`` (the ETag read at open), the ETag of every answer
+    checked, as over HTTP."""
+
+    def _map_s3(self, e: BaseException) -> Exception:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        code = str(getattr(cause, "response", {}).get("Error", {}).get("Code", ""))
+        if code in ("PreconditionFailed", "412"):
+            return RemoteChangedError(
+                f"{self.name}: the object changed while it was read (its ETag no longer matches); run the command again"
+            )
+        if code in ("SlowDown", "503", "Throttling", "ThrottlingException", "RequestLimitExceeded"):
+            return Transient(f"S3 {code}", throttled=True)
+        if code in ("InternalError", "500", "ServiceUnavailable"):
+            return Transient(f"S3 {code}")
+        return self._map(e)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        from fsspec.asyn import sync
+
+        bucket, key, version = self.fs.split_path(self.path)
+        kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Range": f"bytes={start}-{end - 1}"}
+        if self.etag:
+            kw["IfMatch"] = self.etag
+        if version:
+            kw["VersionId"] = version
+
+        async def get() -> tuple[str | None, bytes]:
+            resp = await self.fs._call_s3("get_object", **kw)
+            body = resp["Body"]
+            try:
+                data = await body.read()
+            finally:
+                body.close()
+            return resp.get("ETag"), data
+
+        try:
+            etag, data = sync(self.fs.loop, get)
+        except CkptfixError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map_s3(e) from None
+        if self.etag is not None and etag is not None and etag != self.etag:
+            raise RemoteChangedError(
+                f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); run the command again"
+            )
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)
