@@ -89,6 +89,7 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
     from ckptfix.remote.url import filesystem
 
     fs, path = filesystem(url)
+    _forget(url)  # this process replaces the object: a version of it read before is no longer the one to expect
     size = os.path.getsize(local_tmp)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     is_s3 = protocol in ("s3", "s3a")
@@ -111,6 +112,7 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
     if stats is not None:
         stats.add(requests=(-(-size // part) + 2) if multipart else 1)
     _check_uploaded(fs, path, url, size)
+    _forget(url)
 
 
 def _check_uploaded(fs: Any, path: str, url: str, size: int) -> None:
@@ -130,6 +132,12 @@ def _check_uploaded(fs: Any, path: str, url: str, size: int) -> None:
     if problem is not None:
         _remove(fs, path)
         raise RemoteWriteError(f"{url}: the uploaded object does not match ({problem}); it was removed: run again")
+
+
+def _forget(url: str) -> None:
+    from ckptfix.remote.file import forget_version
+
+    forget_version(url)
 
 
 def _remove(fs: Any, path: str) -> None:
