@@ -138,3 +138,18 @@ def test_staging_folder_is_removed(s3: S3Server, ckpt: CkptFactory, tmp_path: Pa
     s3.fault = None
     convert(b.path, s3.url(s3.prefix("w") + "/m.safetensors"))
     assert list(stage.iterdir()) == []
+
+
+def test_read_write_read_in_one_process(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
+    """Reading an object, replacing it with -o URL --force, reading it again: the new version, not exit 44."""
+    from ckptfix import load_anywhere
+    from ckptfix.convert import convert
+
+    from helpers import assert_same_tensors
+
+    a, b = ckpt.plain("a.pt", seed=1), ckpt.plain("b.pt", seed=2)
+    url = s3.url(s3.prefix("rw") + "/m.safetensors")
+    convert(a.path, url)
+    assert_same_tensors(load_anywhere(url), a.expected)
+    convert(b.path, url, force=True)
+    assert_same_tensors(load_anywhere(url), b.expected)
