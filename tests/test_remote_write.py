@@ -153,3 +153,23 @@ def test_read_write_read_in_one_process(s3: S3Server, ckpt: CkptFactory, tmp_pat
     assert_same_tensors(load_anywhere(url), a.expected)
     convert(b.path, url, force=True)
     assert_same_tensors(load_anywhere(url), b.expected)
+
+
+def test_dcp_output_to_s3_metadata_last(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
+    """``-o s3://.../run.dcp``: the folder's data files, then its .metadata; it loads back as the source."""
+    from ckptfix import load_anywhere
+    from ckptfix.convert import convert
+
+    from helpers import assert_same_tensors
+
+    b = ckpt.safetensors()
+    pre = s3.prefix("dcp")
+    url = s3.url(pre + "/run.dcp")
+    s3.reset_counts()
+    rep = convert(b.path, url, shards=2)
+    assert rep.outputs == [url]
+    keys = s3.keys(pre)
+    assert f"{pre}/run.dcp/.metadata" in keys and any(k.endswith(".distcp") for k in keys)
+    puts = [p for m, p, _q, _r in s3.log if m == "PUT"]
+    assert puts[-1].endswith("/run.dcp/.metadata")
+    assert_same_tensors(load_anywhere(url), load_anywhere(b.path))
