@@ -583,6 +583,14 @@ def load_checkpoint(
     """
     require_torch("load_anywhere (loading tensors)")
     given, path = path, os.fspath(path)
+    if _is_remote(path):  # one pinned version of each remote object for the whole load (metadata and tensors)
+        from ckptfix.remote.stats import active, session
+
+        if active() is None:
+            with session():
+                return load_checkpoint(
+                    given, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap
+                )
     kw: dict[str, Any] = {
         "map_location": map_location,
         "key": key,

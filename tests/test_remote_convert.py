@@ -7,6 +7,7 @@ or a typed error, never a wrong tensor, and nothing under the output name.
 
 from __future__ import annotations
 
+import json
 import re
 import zipfile
 from pathlib import Path
@@ -104,10 +105,14 @@ def test_stats_on_the_cli(s3: S3Server, ckpt: CkptFactory) -> None:
     url = s3.upload(b.path, s3.prefix("st") + "/dp.pt")
     p = run_cli("convert", url, "-o", str(b.path.parent / "out.safetensors"), "--stats", "--json")
     assert p.returncode == 0, p.stderr
-    import json
-
     doc = json.loads(p.stdout)
     assert doc["stats"]["requests"] >= 1 and doc["stats"]["bytes_read"] > 0
+    from jsonschema import Draft202012Validator, ValidationError
+
+    schema = json.loads((Path(__file__).parents[1] / "docs" / "schemas" / "convert.schema.json").read_text())
+    Draft202012Validator(schema).validate(doc)
+    with pytest.raises(ValidationError):
+        Draft202012Validator(schema).validate({**doc, "stats": {"bytes_read": -1, "requests": 0, "retries": 0}})
     assert re.search(r"^read [\d,]+ bytes in [\d,]+ requests?", p.stderr, re.M)
 
 
@@ -235,3 +240,83 @@ def test_cli_changed_object_is_one_line(s3: S3Server, ckpt: CkptFactory, tmp_pat
     assert p.returncode in (RemoteChangedError.exit_code, CorruptCheckpointError.exit_code), p.stderr
     assert_one_line_error(p, p.returncode)
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_memory_stays_flat_whatever_the_size(tmp_path: Path) -> None:
+    """Python's peak allocation while converting from a URL does not grow with the checkpoint (bounded pieces)."""
+    pytest.importorskip("aiohttp")
+    import tracemalloc
+
+    root = tmp_path / "srv"
+    root.mkdir()
+    peaks = {}
+    with serving(str(root)) as srv:
+        for mib in (24, 96):
+            torch.save({"w": torch.ones(mib << 18), "b": torch.arange(5.0)}, root / f"m{mib}.pt")
+            tracemalloc.start()
+            try:
+                convert(f"{srv.url}/m{mib}.pt", tmp_path / f"o{mib}.safetensors", jobs=2)
+                peaks[mib] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            (root / f"m{mib}.pt").unlink()
+            (tmp_path / f"o{mib}.safetensors").unlink()
+    assert peaks[96] < peaks[24] + (16 << 20), {k: v >> 20 for k, v in peaks.items()}
+    assert peaks[96] < (72 << 20)
+
+
+def test_url_default_output_is_here_and_other_directions_refused(
+    s3: S3Server, ckpt: CkptFactory, tmp_path: Path
+) -> None:
+    b = ckpt.safetensors()
+    url = s3.upload(b.path, s3.prefix("d") + "/model.safetensors")
+    work = tmp_path / "work"
+    work.mkdir()
+    p = run_cli("convert", url, cwd=work)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert_same_tensors(load_file(work / "model.safetensors"), load_file(b.path))
+    for args in (["-o", "back.pth"], ["--to", "dcp", "-o", "x.dcp"]):
+        p = run_cli("convert", url, *args, cwd=work)
+        assert_one_line_error(p, 8)
+        assert "a URL converts to safetensors" in p.stderr
+    assert sorted(x.name for x in work.iterdir()) == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors", "dcp"])
+def test_load_over_http_ranges(ckpt: CkptFactory, kind: str) -> None:
+    """``load_anywhere("https://...")`` of a server with Range support: the local tensors, no local copy."""
+    pytest.importorskip("aiohttp")
+    b = CONTAINERS[kind](ckpt)
+    with serving(str(b.path.parent)) as srv:
+        got = load_anywhere(f"{srv.url}/{b.path.name}")
+        assert all(h.method in ("HEAD", "GET") for h in srv.requests())
+    assert_same_tensors(got, load_anywhere(b.path))
+
+
+def test_object_replaced_between_reading_and_copying_is_44(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The header is read from one version, the tensors must come from the same one: same-layout new bytes = 44."""
+    from safetensors.torch import save_file
+
+    import ckptfix.convert.write as write_mod
+
+    sd = {"w": torch.randn(300, 300), "b": torch.randn(300)}
+    save_file(sd, str(tmp_path / "a.safetensors"))
+    save_file({k: torch.zeros_like(v) for k, v in sd.items()}, str(tmp_path / "b.safetensors"))  # same header
+    key = s3.prefix("pin") + "/m.safetensors"
+    url = s3.upload(tmp_path / "a.safetensors", key)
+    original = write_mod.Writer.write
+
+    def replaced_first(self, *a, **k):  # type: ignore[no-untyped-def]
+        s3.fs().put_file(str(tmp_path / "b.safetensors"), f"{s3.bucket}/{key}")
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(write_mod.Writer, "write", replaced_first)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(RemoteChangedError):
+        convert(url, out)
+    assert not out.exists()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import _thread
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,65 @@ def test_staging_folder_is_removed(s3: S3Server, ckpt: CkptFactory, tmp_path: Pa
     s3.fault = None
     convert(b.path, s3.url(s3.prefix("w") + "/m.safetensors"))
     assert list(stage.iterdir()) == []
+
+
+def test_read_write_read_in_one_process(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
+    """Reading an object, replacing it with -o URL --force, reading it again: the new version, not exit 44."""
+    from ckptfix import load_anywhere
+    from ckptfix.convert import convert
+
+    from helpers import assert_same_tensors
+
+    a, b = ckpt.plain("a.pt", seed=1), ckpt.plain("b.pt", seed=2)
+    url = s3.url(s3.prefix("rw") + "/m.safetensors")
+    convert(a.path, url)
+    assert_same_tensors(load_anywhere(url), a.expected)
+    convert(b.path, url, force=True)
+    assert_same_tensors(load_anywhere(url), b.expected)
+
+
+def test_dcp_output_to_s3_metadata_last(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
+    """``-o s3://.../run.dcp``: the folder's data files, then its .metadata; it loads back as the source."""
+    from ckptfix import load_anywhere
+    from ckptfix.convert import convert
+
+    from helpers import assert_same_tensors
+
+    b = ckpt.safetensors()
+    pre = s3.prefix("dcp")
+    url = s3.url(pre + "/run.dcp")
+    s3.reset_counts()
+    rep = convert(b.path, url, shards=2)
+    assert rep.outputs == [url]
+    keys = s3.keys(pre)
+    assert f"{pre}/run.dcp/.metadata" in keys and any(k.endswith(".distcp") for k in keys)
+    puts = [p for m, p, _q, _r in s3.log if m == "PUT"]
+    assert puts[-1].endswith("/run.dcp/.metadata")
+    assert_same_tensors(load_anywhere(url), load_anywhere(b.path))
+
+
+def test_interrupted_multipart_upload_is_aborted(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in the middle of the parts: the multipart upload is aborted (no parts kept), no object."""
+    import s3fs
+
+    from ckptfix.convert import convert
+    from ckptfix.remote import upload
+
+    monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
+    src = _big_checkpoint(tmp_path / "big.pt")
+    key = s3.prefix("int") + "/big.safetensors"
+    original = s3fs.S3FileSystem._upload_file_part_concurrent
+
+    started = threading.Event()
+
+    async def slow_parts(self, *a, **k):  # type: ignore[no-untyped-def]
+        started.set()  # the multipart upload exists now; the user presses Ctrl-C while the parts go up
+        await asyncio.sleep(20)
+        return await original(self, *a, **k)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_upload_file_part_concurrent", slow_parts)
+    threading.Thread(target=lambda: started.wait(30) and _thread.interrupt_main(), daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, s3.url(key))
+    assert not s3.exists(key)
+    assert [u for u in s3.pending_uploads() if u["Key"] == key] == []

@@ -190,15 +190,12 @@ def convert_cmd(
             report = convert(src, outputs=outputs, options=options)
     finally:
         bar.close()
-    if stats is not None:
-        click.echo(stats.line(), err=True)
     if as_json:
         doc = report.to_dict()
         if stats is not None:
             doc["stats"] = stats.to_json()
         emit_json(doc)
-        return
-    if not quiet:
+    elif not quiet:
         from ckptfix.display import shown_path
 
         for p in report.outputs:
@@ -206,6 +203,8 @@ def convert_cmd(
         if report.index:
             click.echo(shown_path(report.index))
         _summary(report)
+    if stats is not None:  # after everything else: what the command transferred
+        click.echo(stats.line(), err=True)
 
 
 def _summary(r: Any) -> None:

@@ -134,14 +134,23 @@ def convert(
             or written).  Otherwise as the entry point the input goes to.
     """
     o, c = options_of(dst, outputs, options, keywords)
+    s = os.fspath(src)
+    if _is_url(s) and _no_session():  # one pinned version of each remote object for the whole run
+        from ckptfix import source
+
+        with source.session():
+            return convert(src, outputs=o, options=c)
     if o.output is not None and _is_url(o.output):  # an object store: converted and verified locally, then uploaded
         from ckptfix.convert.remote_out import convert_to_url
 
-        def run(dst: str, force: bool, **_: object) -> ConvertReport:
-            return convert(src, dst, outputs=dataclasses.replace(o, force=force), options=c)
-
-        return convert_to_url(run, {"dst": o.output, "force": o.force, "to": c.to})
-    s = os.fspath(src)
+        return convert_to_url(
+            lambda local: convert(src, outputs=dataclasses.replace(o, output=local, force=True), options=c),
+            o.output,
+            force=o.force,
+            to=c.to,
+        )
+    if _is_url(s):  # a URL: to safetensors only; the default output is in the current directory
+        o = dataclasses.replace(o, output=_remote_input(s, o.output, c.to))
     if not os.path.isdir(s):
         if os.path.basename(s).startswith("shard-"):  # (only shard-*-model-*.safetensors can be refused)
             from ckptfix.formats.hfstorage import refuse_single_shard
@@ -204,6 +213,29 @@ def _refuse_other_formats(o: OutputOptions, c: ConvertOptions, what: str) -> Non
         raise OptionNotApplicableError(
             f"{shown}: {what} is consolidated to safetensors; pass -o NAME.safetensors (or no -o)"
         )
+
+
+def _remote_input(src: str, dst: str | None, to: str | None) -> str:
+    """The output of a conversion from a URL (``<stem>.safetensors`` here by default); other directions refused."""
+    from ckptfix.convert.paths import default_st_output
+    from ckptfix.remote.url import basename
+
+    back = to in ("pt", "dcp") or (dst is not None and not dst.rstrip("/").endswith(".safetensors"))
+    if back:
+        raise UnsupportedError(
+            f"{src}: a URL converts to safetensors (-o NAME.safetensors); to write .pth or DCP from it, "
+            "convert it to a local .safetensors first, then convert that"
+        )
+    if dst is not None:
+        return dst
+    name = basename(src.rstrip("/")) or "model"
+    return os.path.relpath(default_st_output(os.path.join(os.getcwd(), name)))
+
+
+def _no_session() -> bool:
+    from ckptfix.remote.stats import active
+
+    return active() is None
 
 
 def _is_url(path: str) -> bool:

@@ -235,6 +235,22 @@ def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
     return out
 
 
+def _prefetch_archives(files: Files, meta: DcpMetadata, jobs: int) -> None:
+    """A folder at a URL: the head and tail of every tensor chunk's archive (its zip records, ``data.pkl``, central
+    directory) fetched in a few parallel, coalesced requests, before the chunks are located one by one."""
+    if "://" not in files.root:
+        return
+    per: dict[str, list[tuple[int, int]]] = {}
+    for e in meta.tensors():
+        for loc in e.locations:
+            n = min(loc.length, 4096)
+            per.setdefault(loc.relative_path, []).extend([(loc.offset, n), (loc.offset + loc.length - n, n)])
+    for rel, ranges in per.items():
+        src = files.source(rel)
+        if src is not None and hasattr(src, "prefetch"):
+            src.prefetch(ranges, jobs=max(4, jobs))
+
+
 def _data_path(root: str, rel: str) -> str:
     """A data file's path: joined as a URL for a DCP folder in object storage (its ranges are then read remotely)."""
     if "://" in root:
@@ -317,6 +333,7 @@ def convert_dcp(
             with contextlib.suppress(OSError):
                 if files.source(rel) is None:  # a remote folder: its Source, opened (ETag pinned) here
                     files.fd(rel)
+        _prefetch_archives(files, meta, jobs)
         for name, rec in named:
             assert rec.storage is not None
             e = meta.entries[rec.storage.key]

@@ -7,7 +7,7 @@ URL to :func:`copy_remote`, which reads them through :class:`ckptfix.source.Sour
 
 * ``--jobs N`` is the number of range requests in flight, over the whole conversion (:class:`Budget`): a big
   tensor is fetched as N parallel ranges, many small ones as N tensors at a time, and memory stays at most
-  ``2 N x`` :data:`PIECE` whatever the checkpoint's size;
+  ``max(2, N) x`` :data:`PIECE` whatever the checkpoint's size;
 * pieces are written in order; each is read back from the output and compared with the bytes received
   (the check a gathered chunk gets locally), and a range whose source stores a CRC-32 (a torch zip record
   holding exactly the tensor) is checked against it over the bytes received, so a wrong byte from the store
@@ -21,12 +21,17 @@ import threading
 import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 from ckptfix.errors import CorruptCheckpointError
 
+if TYPE_CHECKING:
+    from ckptfix.source import Source
+
 #: bytes per range request of a tensor copy
 PIECE = 8 << 20
+#: neighbouring small tensors of one object closer than this are fetched in one request (the gap is read too)
+GAP = 1 << 20
 
 
 def is_remote(path: str | None) -> bool:
@@ -55,9 +60,9 @@ class Sources:
         self._open: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
-        self.budget = Budget(2 * self.jobs)
+        self.budget = Budget(max(2, self.jobs))
 
-    def get(self, url: str) -> Any:
+    def get(self, url: str) -> Source:
         """The :class:`~ckptfix.source.Source` of ``url``, opened on first use (its ETag pinned then)."""
         with self._lock:
             src = self._open.get(url)
@@ -83,7 +88,93 @@ class Sources:
             s.close()
 
 
-def spool_range(url: str, off: int, size: int) -> Any:
+def uncached_pread(src: Any, n: int, off: int) -> bytes:
+    """``n`` bytes at ``off``, fetched without going through the Source's block cache (tensor data is read once).
+
+    A :class:`~ckptfix.remote.file.RemoteFile` ranged fetch keeps its retries and ETag check; any other Source
+    is read with its ``pread``.
+    """
+    rf = getattr(src, "rf", None)
+    fetch = getattr(rf, "_fetch", None)
+    if fetch is None or n <= 0 or off + n > src.size:
+        return bytes(src.pread(n, off))
+    return bytes(fetch(off, off + n))
+
+
+def _one_remote_range(it: Any) -> tuple[str, int, int, int | None] | None:
+    ranges = it.ranges()
+    if ranges is None or len(ranges) != 1 or not is_remote(ranges[0][0]) or ranges[0][2] >= PIECE:
+        return None
+    return ranges[0]
+
+
+def group_small(order: list[Any]) -> list[list[Any]]:
+    """Items in source order, neighbouring small tensors of one object grouped (one request per group).
+
+    A group's span (its tensors and the gaps between them, each under :data:`GAP`) stays under :data:`PIECE`,
+    so memory stays bounded; every other item is a group of its own.
+
+    Args:
+        order: the items, sorted by source and offset.
+
+    Returns:
+        The groups, in order.
+    """
+    groups: list[list[Any]] = []
+    span: tuple[str, int, int] | None = None  # (url, start, end) of the open group
+    for it in order:
+        r = _one_remote_range(it)
+        if r is not None and span is not None:
+            url, start, end = span
+            if r[0] == url and end <= r[1] <= end + GAP and r[1] + r[2] - start <= PIECE:
+                groups[-1].append(it)
+                span = (url, start, r[1] + r[2])
+                continue
+        groups.append([it])
+        span = (r[0], r[1], r[1] + r[2]) if r is not None else None
+    return groups
+
+
+def copy_group(
+    sources: Sources,
+    group: list[Any],
+    write: Callable[[Any, memoryview], None],
+    tick: Callable[[int], None] | None = None,
+) -> None:
+    """Fetch a group of small tensors of one object in one range request; ``write(item, bytes)`` each.
+
+    Raises:
+        CorruptCheckpointError: a short read, or a tensor's bytes do not match the CRC-32 its zip record stores.
+    """
+    first = group[0].ranges()[0]
+    last = group[-1].ranges()[0]
+    url, start = first[0], first[1]
+    end = last[1] + last[2]
+    budget = sources.budget
+    budget.take()
+    try:
+        data = uncached_pread(sources.get(url), end - start, start)
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"{url}: got {len(data)} bytes at {start}, expected {end - start} (truncated?)"
+            )
+        view = memoryview(data)
+        for it in group:
+            _url, off, size, crc = it.ranges()[0]
+            piece = view[off - start : off - start + size]
+            if crc is not None and zlib.crc32(piece) != crc:
+                raise CorruptCheckpointError(
+                    f"{url}: tensor {it.name!r} does not match the CRC-32 its zip record stores; the object is "
+                    "damaged (or was replaced while being read): re-upload it, or convert from another copy"
+                )
+            write(it, piece)
+            if tick is not None:
+                tick(size)
+    finally:
+        budget.give()
+
+
+def spool_range(url: str, off: int, size: int) -> IO[bytes]:
     """``size`` bytes at ``off`` of ``url`` in an anonymous temp file (a strided view's span, to be mapped).
 
     Args:
@@ -180,7 +271,7 @@ def copy_remote(
                     got = True
                 if got:
                     at, n = pieces[nxt]
-                    inflight.append((at, n, pool.submit(src.pread, n, off + at)))
+                    inflight.append((at, n, pool.submit(uncached_pread, src, n, off + at)))
                     nxt += 1
                     continue
             at, n, fut = inflight.popleft()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from typing import Callable
 
 from ckptfix.convert.report import ConvertReport
 
@@ -26,12 +26,16 @@ def _staging_root() -> str | None:
     return os.environ.get("CKPTFIX_TMPDIR") or None
 
 
-def convert_to_url(run: Callable[..., ConvertReport], args: dict[str, Any]) -> ConvertReport:
-    """Run ``run(**args)`` into a local staging folder, then upload its outputs under ``args["dst"]``.
+def convert_to_url(
+    run_local: Callable[[str], ConvertReport], dst: str, *, force: bool = False, to: str | None = None
+) -> ConvertReport:
+    """``run_local(path)`` converts into a local staging folder; its outputs are then uploaded under ``dst``.
 
     Args:
-        run: :func:`ckptfix.convert.convert`.
-        args: its arguments, ``dst`` a remote URL.
+        run_local: the conversion, given the local output path (it may overwrite it: the folder is private).
+        dst: the output URL (a file, or a folder for a DCP output).
+        force: replace existing objects.
+        to: the conversion's ``to`` (``"dcp"``: a folder output).
 
     Returns:
         The conversion's report, ``outputs``/``index`` as URLs.
@@ -43,17 +47,15 @@ def convert_to_url(run: Callable[..., ConvertReport], args: dict[str, Any]) -> C
     from ckptfix.remote.upload import check_remote_outputs, commit_file
     from ckptfix.remote.url import basename, parent
 
-    dst = os.fspath(args["dst"])
-    force = bool(args.get("force"))
     name = basename(dst)
-    folder_out = dst.endswith("/") or name.endswith(".dcp") or args.get("to") == "dcp"
+    folder_out = dst.endswith("/") or name.endswith(".dcp") or to == "dcp"
     if not folder_out:
         check_remote_outputs([dst], force)  # fail before any reading
     base = parent(dst) if not dst.endswith("/") else dst.rstrip("/")
     stage = tempfile.mkdtemp(prefix="ckptfix-upload-", dir=_staging_root())
     try:
         local = os.path.join(stage, name)
-        report = run(**{**args, "dst": local, "force": True})
+        report = run_local(local)
         files = _written_files(stage)
         urls = {f: base + "/" + os.path.relpath(f, stage).replace(os.sep, "/") for f in files}
         check_remote_outputs([u for u in urls.values()], force)

@@ -23,7 +23,7 @@ from ckptfix.atomic import _os_error, fsync_dir, note_finished
 from ckptfix.convert.header import layout, safetensors_header, shard
 from ckptfix.convert.items import Fds, Item
 from ckptfix.convert.paths import check_outputs, shard_names, temp_for
-from ckptfix.convert.remote_in import Sources, copy_remote, is_remote
+from ckptfix.convert.remote_in import Sources, copy_group, copy_remote, group_small, is_remote
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
 from ckptfix.fileio import copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
@@ -92,7 +92,15 @@ class Writer:
             # in the order of the source bytes (the output's layout is fixed already): a cold input is then read
             # sequentially, with the kernel's readahead, as cp reads it
             order = sorted(items, key=_source_order)
-            run_tasks([functools.partial(self._item, it, fd, base, path, inline) for it in order], jobs)
+            tasks = [functools.partial(self._item, it, fd, base, path, inline) for it in order]
+            if any(is_remote(r[0]) for it in order for r in it.ranges() or ()):  # a URL: small neighbours together
+                tasks = [
+                    functools.partial(self._item, g[0], fd, base, path, inline)
+                    if len(g) == 1
+                    else functools.partial(self._remote_group, g, fd, base, path)
+                    for g in group_small(order)
+                ]
+            run_tasks(tasks, jobs)
             if fsync:
                 os.fsync(fd)
                 if self.verify:
@@ -137,21 +145,38 @@ class Writer:
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
-    def _remote(
-        self, it: Item, url: str, off: int, size: int, crc: int | None, fd: int, pos: int, path: str, base: int
-    ) -> None:
-        """One range of a remote source: pieces fetched in parallel, written in order, each compared as written."""
+    def _sources(self) -> Sources:
         if self.sources is None:
             with _SOURCES_LOCK:
                 if self.sources is None:
                     self.sources = Sources(self.jobs)
+        return self.sources
+
+    def _remote_group(self, group: list[Item], fd: int, base: int, path: str) -> None:
+        """Small tensors of one remote object, fetched in one request, each written and compared as written."""
+
+        def write(it: Item, data: memoryview) -> None:
+            pos = base + it.begin
+            n = pwrite_all(fd, data, pos)
+            if n != it.nbytes:
+                raise CorruptCheckpointError(f"tensor {it.name!r}: got {n} bytes, expected {it.nbytes}")
+            if self.verify and not _written_equal(fd, pos, data, n):
+                raise _differs(path, it, 0)
+
+        copy_group(self._sources(), group, write, tick=self.tick)
+
+    def _remote(
+        self, it: Item, url: str, off: int, size: int, crc: int | None, fd: int, pos: int, path: str, base: int
+    ) -> None:
+        """One range of a remote source: pieces fetched in parallel, written in order, each compared as written."""
+        sources = self._sources()
 
         def write(data: bytes, at: int) -> None:
             n = pwrite_all(fd, data, pos + at)
             if self.verify and not _written_equal(fd, pos + at, data, n):
                 raise _differs(path, it, pos + at - base - it.begin)
 
-        copy_remote(self.sources, url, off, size, crc, write, name=it.name, tick=self.tick)
+        copy_remote(sources, url, off, size, crc, write, name=it.name, tick=self.tick)
 
     def close(self) -> None:
         """Close the source files and remote sources opened."""

@@ -70,7 +70,7 @@ def check_remote_outputs(urls: list[str], force: bool) -> None:
         return
     for u in urls:
         if remote_exists(u):
-            raise OutputError(f"{u} already exists; pass --force to replace it, or choose another -o")
+            raise OutputError(f"{u} already exists; pass --force to overwrite it, or -o to choose another path")
 
 
 def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
@@ -89,6 +89,7 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
     from ckptfix.remote.url import filesystem
 
     fs, path = filesystem(url)
+    _forget(url)  # this process replaces the object: a version of it read before is no longer the one to expect
     size = os.path.getsize(local_tmp)
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     is_s3 = protocol in ("s3", "s3a")
@@ -99,6 +100,7 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
         # s3fs: one PUT below two parts, else a multipart upload completed at the end (aborted on any error)
         kwargs["chunksize"] = part
         multipart = not size < min(5 * 2**30, 2 * part)
+    before = _pending(fs, path) if multipart else set()  # uploads of this key not ours (aborted on Ctrl-C: ours only)
     try:
         fs.put_file(local_tmp, path, **kwargs)
     except CkptfixError:
@@ -108,9 +110,14 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
             f"{url}: the upload failed ({_reason(e)}); nothing was written under that name: check the "
             "bucket, credentials and network, then run the command again"
         ) from None
+    except BaseException:  # Ctrl-C, SystemExit: s3fs aborts its multipart upload on errors only; abort it here
+        if multipart:
+            _abort_pending(fs, path, before)
+        raise
     if stats is not None:
         stats.add(requests=(-(-size // part) + 2) if multipart else 1)
     _check_uploaded(fs, path, url, size)
+    _forget(url)
 
 
 def _check_uploaded(fs: Any, path: str, url: str, size: int) -> None:
@@ -130,6 +137,32 @@ def _check_uploaded(fs: Any, path: str, url: str, size: int) -> None:
     if problem is not None:
         _remove(fs, path)
         raise RemoteWriteError(f"{url}: the uploaded object does not match ({problem}); it was removed: run again")
+
+
+def _pending(fs: Any, path: str) -> set[str]:
+    """The upload ids of the multipart uploads of ``path`` in progress (empty when the store cannot say)."""
+    bucket, _, key = path.partition("/")
+    try:
+        found = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key).get("Uploads", [])
+    except Exception:  # noqa: BLE001 (best effort: only used to tell this process's upload from others')
+        return set()
+    return {str(up["UploadId"]) for up in found if up.get("Key") == key}
+
+
+def _abort_pending(fs: Any, path: str, others: set[str]) -> None:
+    """Abort this process's interrupted multipart upload of ``path`` (those pending now, less ``others``)."""
+    bucket, _, key = path.partition("/")
+    for upload_id in _pending(fs, path) - others:
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception:  # noqa: BLE001 (best effort while interrupted: the store's lifecycle rules are the backstop)
+            pass
+
+
+def _forget(url: str) -> None:
+    from ckptfix.remote.file import forget_version
+
+    forget_version(url)
 
 
 def _remove(fs: Any, path: str) -> None:
