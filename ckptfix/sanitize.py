@@ -50,6 +50,7 @@ from ckptfix.outputs import OutputKeywords, OutputOptions
 from ckptfix.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.policy import classify_global
 from ckptfix.progress import reporting
+from ckptfix.rewrite.remote import is_remote, rewrite_remote
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -138,6 +139,8 @@ def sanitize_checkpoint(
     """
     o = OutputOptions.build(outputs, keywords).with_output(dst).named("sanitized")
     o.refuse(SANITIZE_USES, "sanitize (it rewrites one whole torch.save file and always reads it back)")
+    if is_remote(src, o.output):  # a URL in or out: staged locally (ckptfix.rewrite.remote)
+        return rewrite_remote(os.fspath(src), o, lambda s, oo: sanitize_checkpoint(s, outputs=oo))
     size = os.path.getsize(src) if os.path.isfile(src) else 0
     with reporting(o.progress, size):
         return _sanitize(src, o)

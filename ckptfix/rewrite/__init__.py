@@ -35,6 +35,7 @@ from ckptfix.progress import reporting
 from ckptfix.rewrite.dcp import rewrite_dcp
 from ckptfix.rewrite.location import parse_map_location, relocate
 from ckptfix.rewrite.output import default_output, prepare_output, write_atomic
+from ckptfix.rewrite.remote import is_remote, rewrite_remote
 from ckptfix.rewrite.report import RewriteReport, Transform, detail
 from ckptfix.rewrite.sharded import rewrite_sharded
 from ckptfix.rewrite.verify import check_written, pickle_globals
@@ -123,6 +124,8 @@ def rewrite_checkpoint(
     """
     o = OutputOptions.build(outputs, keywords).named("fixed")
     o.refuse(REWRITE_USES, "renaming keys (a rewrite always reads its output back before the rename)")
+    if is_remote(src, o.output):  # a URL in or out: staged locally (ckptfix.rewrite.remote)
+        return rewrite_remote(os.fspath(src), o, lambda s, oo: rewrite_checkpoint(s, transform, outputs=oo))
     given, src = src, os.fspath(src)
     with reporting(o.progress, _input_bytes(src)):
         inp = classify(given)  # the one sniff: the reads below take its format
