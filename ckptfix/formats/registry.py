@@ -27,9 +27,9 @@ rewrite     keys renamed in place of the file (``strip-prefix``)   ``ckptfix.rew
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Union
 
+from ckptfix._dataclass import dataclass  # the standard decorator's classes, cheaper to create (start-up)
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, package_message, tar_message
 
