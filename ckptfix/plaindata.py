@@ -694,7 +694,6 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
 
     A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
     """
-    import pickletools
     import zipfile
 
     bad: set[str] = set()
@@ -706,11 +705,15 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
                     with zf.open(name) as f:
                         if f.read(2) == b"\x80\x02":
                             return []
+                    import pickletools  # here: a PROTO 2 pickle (torch.save's default) needs no opcode walk
+
                     bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
         else:  # legacy: magic, protocol, sys info, the object, the storage keys
             with open(src, "rb") as f:
                 if f.read(2) == b"\x80\x02":
                     return []
+                import pickletools
+
                 f.seek(0)
                 for _ in range(5):
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
