@@ -694,12 +694,13 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
 
     A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
     """
-    import zipfile
+    from ckptfix import fileio
+    from ckptfix.zipdir import open_zip
 
     bad: set[str] = set()
     try:
         if fmt == Format.TORCH_ZIP:
-            with zipfile.ZipFile(src) as zf:
+            with open_zip(src) as zf:
                 name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
                 if name is not None:
                     with zf.open(name) as f:
@@ -717,6 +718,6 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
                 f.seek(0)
                 for _ in range(5):
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
-    except (OSError, ValueError, zipfile.BadZipFile):
+    except (OSError, ValueError) + fileio.ZIP_ERRORS[:1]:  # (zipfile.BadZipFile, read only on an error)
         return []  # the reader accepted it; leave the verdict to the globals
     return sorted(bad - WEIGHTS_ONLY_OPCODES)

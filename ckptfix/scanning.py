@@ -11,9 +11,8 @@ import collections
 import io
 import os
 import struct
-import zipfile
 from dataclasses import field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
@@ -28,6 +27,10 @@ from ckptfix.pickles import (
     scan_pickle_sequence,
 )
 from ckptfix.policy import classify_pair, worst
+from ckptfix.zipdir import open_zip
+
+if TYPE_CHECKING:
+    import zipfile
 
 SCAN_SCHEMA = "ckptfix.scan/1"
 
@@ -161,7 +164,7 @@ def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, a
 
 def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
     try:
-        zf = zipfile.ZipFile(fileobj)
+        zf = open_zip(fileobj)
     except Exception as e:  # noqa: BLE001 - zipfile raises many types on damaged archives
         acc.errors.append(f"{label}: damaged zip ({type(e).__name__}: {e})")
         return
@@ -526,7 +529,7 @@ def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     with open(path, "rb") as f:
         _scan_zip(f, base, acc, limits)
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_zip(path) as zf:
             code = [n for n in zf.namelist() if n.endswith(".py")]
     except Exception:  # noqa: BLE001 - already reported by the scan above
         code = []

@@ -26,6 +26,7 @@ LAYERS = {
             "outputs",
             "_torch",
             "_dataclass",
+            "zipdir",
         ],
         0,
     ),
