@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import sys
 from operator import attrgetter
+from types import CodeType, FunctionType
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 if TYPE_CHECKING:
@@ -111,6 +113,68 @@ def _own_frozen(cls: type, init: bool, slots: bool) -> bool:
     )
 
 
+#: the ``__init__`` code of a class of n plain fields, compiled once per n (:func:`_plain_init`)
+_INIT_CODE: dict[int, CodeType] = {}
+
+
+def _plain_fields(cls: type, init: bool, kw_only: bool, slots: bool, frozen: bool, own_frozen: bool) -> bool:
+    """Whether the standard ``__init__`` of ``cls`` is the plain one :func:`_plain_init` makes without compiling:
+    every field a parameter assigned as is (no ``default_factory``, ``init=False``, keyword-only field,
+    ``InitVar``, ``ClassVar``), no ``__post_init__``, no field named ``self``, no dataclass base, a docstring
+    (the standard decorator writes one from the signature), no own ``__init__``, no slots and no standard
+    frozen ``__setattr__``."""
+    d = cls.__dict__
+    if not init or kw_only or slots or (frozen and not own_frozen) or "__init__" in d or not d.get("__doc__"):
+        return False
+    if hasattr(cls, "__post_init__") or any(hasattr(b, "__dataclass_fields__") for b in cls.__mro__[1:]):
+        return False
+    for name, ann in d.get("__annotations__", {}).items():
+        if not isinstance(ann, str) or name == "self" or "Var" in ann or "KW_ONLY" in ann:  # ClassVar, InitVar
+            return False
+        v = d.get(name)
+        if isinstance(v, dataclasses.Field) and (
+            not v.init or v.kw_only is True or v.default_factory is not dataclasses.MISSING
+        ):
+            return False
+    return True
+
+
+def _plain_init(cls: type) -> Any:
+    """The ``__init__`` :func:`dataclasses.dataclass` makes for a class of plain fields (:func:`_plain_fields`),
+    without compiling it: its code is the one compiled for any class with as many fields, with the names
+    replaced (the same bytecode, names, defaults, annotations and qualified name)."""
+    fields = dataclasses.fields(cls)
+    seen_default = False
+    for f in fields:  # dataclasses' own check and message
+        if f.default is not dataclasses.MISSING:
+            seen_default = True
+        elif seen_default:
+            raise TypeError(f"non-default argument {f.name!r} follows default argument")
+    names = tuple(f.name for f in fields)
+    code = _INIT_CODE.get(len(names))
+    if code is None:
+        code = _INIT_CODE[len(names)] = _init_code(len(names))
+    mod = sys.modules.get(cls.__module__)
+    fn = FunctionType(code.replace(co_varnames=("self", *names), co_names=names), mod.__dict__ if mod else {})
+    fn.__defaults__ = tuple(f.default for f in fields if f.default is not dataclasses.MISSING) or None
+    fn.__annotations__ = {**{f.name: f.type for f in fields}, "return": None}
+    fn.__qualname__ = f"{cls.__qualname__}.__init__"
+    return fn
+
+
+def _init_code(n: int) -> CodeType:
+    """The code of the ``__init__`` dataclasses compiles for n plain fields (its text, field names ``_0``...)."""
+    names = [f"_{i}" for i in range(n)]
+    args = ",".join(["self", *(f"{x}:_type_{x}" for x in names)])
+    body = "\n".join(f"  self.{x}={x}" for x in names) or "  pass"
+    local_vars = ", ".join([*(f"_type_{x}" for x in names), "MISSING", "_HAS_DEFAULT_FACTORY"])
+    txt = f" def __init__({args})->_return_type:\n{body}"
+    txt = f"def __create_fn__({local_vars}, __dataclass_builtins_object__, _return_type):\n{txt}\n return __init__"
+    ns: dict[str, Any] = {}
+    exec(compile(txt, "<string>", "exec", dont_inherit=True), {}, ns)  # not this module's __future__ flags
+    return next(c for c in ns["__create_fn__"].__code__.co_consts if isinstance(c, CodeType))
+
+
 def _set_params(cls: type, **actual: bool) -> None:
     """``__dataclass_params__`` as the standard decorator would have set it (the flags asked for)."""
     p = cls.__dataclass_params__  # type: ignore[attr-defined]
@@ -143,10 +207,11 @@ def _process(
     class_hash = cls.__dict__.get("__hash__", dataclasses.MISSING)
     has_explicit_hash = not (class_hash is dataclasses.MISSING or (class_hash is None and "__eq__" in cls.__dict__))
     own_frozen = frozen and _own_frozen(cls, init, slots)
+    plain_init = _plain_fields(cls, init, kw_only, slots, frozen, own_frozen)
     extra = {"weakref_slot": True} if weakref_slot else {}  # (a parameter from Python 3.11)
     cls = dataclasses.dataclass(
         cls,
-        init=init,
+        init=init and not plain_init,
         repr=False,
         eq=False,
         frozen=frozen and not own_frozen,
@@ -156,6 +221,8 @@ def _process(
         **extra,
     )
     fields = dataclasses.fields(cls)
+    if plain_init:
+        cls.__init__ = _plain_init(cls)  # type: ignore[misc]
     if own_repr:
         cls.__repr__ = _make_repr(cls, tuple(f.name for f in fields if f.repr))  # type: ignore[method-assign]
     if own_eq:
@@ -168,7 +235,7 @@ def _process(
             cls.__hash__ = None  # type: ignore[assignment]
     if own_frozen:
         cls.__setattr__, cls.__delattr__ = _make_frozen(cls, tuple(f.name for f in fields))  # type: ignore[method-assign]
-    _set_params(cls, repr=repr, eq=eq, frozen=frozen)
+    _set_params(cls, init=init, repr=repr, eq=eq, frozen=frozen)
     return cls
 
 

@@ -1,0 +1,196 @@
+"""ckptfix._dataclass makes the plain ``__init__`` without compiling it (issue 25, start-up): the same function as
+dataclasses.dataclass's, field for field (code, names, defaults, annotations, qualified name, errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+from dataclasses import field
+from typing import ClassVar
+
+import pytest
+
+import ckptfix._dataclass as cd
+from ckptfix._dataclass import dataclass as fast
+
+
+def _bodies():
+    """(name, maker, whether its __init__ is the plain one): maker(decorator) -> the class."""
+
+    def none(deco):
+        @deco
+        class Empty:
+            """No field."""
+
+        return Empty
+
+    def one(deco):
+        @deco(frozen=True)
+        class One:
+            """One field."""
+
+            a: int
+
+        return One
+
+    def defaults(deco):
+        @deco
+        class Defaults:
+            """Defaults, a field() default, a ClassVar-free body."""
+
+            a: int
+            b: str = "x"
+            c: float = field(default=1.5, repr=False)
+            d: tuple = ()
+
+            def method(self) -> int:
+                return self.a
+
+        return Defaults
+
+    def wide(deco):
+        @deco(frozen=True)
+        class Wide:
+            """Twenty-two fields, as InspectReport."""
+
+            f0: int
+            f1: int
+            f2: int
+            f3: int
+            f4: int
+            f5: int
+            f6: int
+            f7: int
+            f8: int
+            f9: int
+            f10: int
+            f11: int
+            f12: int
+            f13: int
+            f14: int
+            f15: int
+            f16: int
+            f17: int
+            f18: int
+            f19: int = 19
+            f20: int = 20
+            f21: int = 21
+
+        return Wide
+
+    def factory(deco):
+        @deco
+        class Factory:
+            """A default_factory: the standard __init__."""
+
+            a: int
+            c: list = field(default_factory=list)
+
+        return Factory
+
+    def classvar(deco):
+        @deco
+        class WithClassVar:
+            """A ClassVar: the standard __init__."""
+
+            a: int
+            K: ClassVar[int] = 3
+
+        return WithClassVar
+
+    def post(deco):
+        @deco
+        class Post:
+            """__post_init__: the standard __init__."""
+
+            a: int
+
+            def __post_init__(self) -> None:
+                self.b = self.a + 1
+
+        return Post
+
+    def nodoc(deco):
+        @deco
+        class NoDoc:
+            a: int
+
+        return NoDoc
+
+    return [
+        ("none", none, True),
+        ("one", one, True),
+        ("defaults", defaults, True),
+        ("wide", wide, True),
+        ("factory", factory, False),
+        ("classvar", classvar, False),
+        ("post", post, False),
+        ("nodoc", nodoc, False),
+    ]
+
+
+def _standard(cls=None, **kw):
+    """dataclasses.dataclass, not frozen: ckptfix._dataclass's frozen classes assign their fields through their own
+    ``__setattr__`` (the standard frozen ``__init__`` calls ``object.__setattr__``)."""
+    kw["frozen"] = False
+    return dataclasses.dataclass(**kw) if cls is None else dataclasses.dataclass(cls, **kw)
+
+
+CODE = ("co_code", "co_varnames", "co_names", "co_consts", "co_argcount", "co_kwonlyargcount", "co_flags")
+CODE += ("co_name", "co_qualname", "co_filename", "co_firstlineno", "co_nlocals", "co_stacksize")
+
+
+@pytest.mark.parametrize(("name", "make", "plain"), _bodies(), ids=[b[0] for b in _bodies()])
+def test_the_same_init_as_the_standard_decorator(name, make, plain):
+    Std, Fast = make(_standard), make(fast)
+    s, f = Std.__init__, Fast.__init__
+    for attr in CODE:
+        assert getattr(f.__code__, attr) == getattr(s.__code__, attr), attr
+    # the same lines; the columns (co_positions) follow the field names' lengths in a source text that does not
+    # exist ("<string>": no traceback shows it)
+    assert list(f.__code__.co_lines()) == list(s.__code__.co_lines())
+    assert f.__defaults__ == s.__defaults__ and f.__kwdefaults__ == s.__kwdefaults__
+    assert f.__annotations__ == s.__annotations__
+    assert f.__qualname__ == s.__qualname__ and f.__name__ == s.__name__ and f.__module__ == s.__module__
+    assert f.__globals__ is s.__globals__
+    assert str(inspect.signature(Fast)) == str(inspect.signature(Std))
+    assert Fast.__doc__ == Std.__doc__ and Fast.__match_args__ == Std.__match_args__
+    assert Fast.__dataclass_params__.init is True
+    n = len(dataclasses.fields(Std))
+    args = list(range(n))
+    assert repr(Fast(*args)).split("(", 1)[1] == repr(Std(*args)).split("(", 1)[1]
+    with pytest.raises(TypeError) as es:
+        Std(*args, 99)
+    with pytest.raises(TypeError) as ef:
+        Fast(*args, 99)
+    assert str(ef.value) == str(es.value)
+    # plain ones are made without compiling (one code per field count, shared)
+    assert (n in cd._INIT_CODE and f.__code__.co_code == cd._INIT_CODE[n].co_code) or not plain
+    bare = make(lambda c=None, **k: (lambda x: x) if c is None else c)
+    assert cd._plain_fields(bare, True, False, False, False, False) == plain
+
+
+def test_a_default_before_a_plain_field_is_refused_as_dataclasses_does():
+    def make(deco):
+        @deco
+        class Bad:
+            """Wrong order."""
+
+            a: int = 1
+            b: int  # type: ignore[misc]
+
+        return Bad
+
+    with pytest.raises(TypeError) as es:
+        make(dataclasses.dataclass)
+    with pytest.raises(TypeError) as ef:
+        make(fast)
+    assert str(ef.value) == str(es.value)
+
+
+def test_real_records_with_the_plain_init_still_pickle():
+    from ckptfix.formats.base import Member
+
+    m = Member("a", 1, 2, 3, False)
+    assert pickle.loads(pickle.dumps(m)) == m and dataclasses.replace(m, name="b").name == "b"
