@@ -26,6 +26,7 @@ LAYERS = {
             "outputs",
             "_torch",
             "_dataclass",
+            "_dataclass_inits",
             "zipdir",
         ],
         0,

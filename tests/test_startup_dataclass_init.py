@@ -194,3 +194,26 @@ def test_real_records_with_the_plain_init_still_pickle():
 
     m = Member("a", 1, 2, 3, False)
     assert pickle.loads(pickle.dumps(m)) == m and dataclasses.replace(m, name="b").name == "b"
+
+
+def test_the_precompiled_inits_are_the_generated_text_and_compile_the_same():
+    path = cd.__file__.replace("_dataclass.py", "_dataclass_inits.py")
+    with open(path, encoding="utf-8") as f:
+        assert f.read() == cd.inits_module_text(), "regenerate ckptfix/_dataclass_inits.py from inits_module_text()"
+    cd._init_code(0)  # loads them
+    for n in range(cd.MAX_PRECOMPILED + 1):
+        ns: dict = {}
+        exec(compile(cd.init_source(n), "<string>", "exec", dont_inherit=True), {}, ns)
+        fresh = cd._inner(ns["__create_fn__"].__code__)
+        for attr in CODE:
+            assert getattr(cd._INIT_CODE[n], attr) == getattr(fresh, attr), (n, attr)
+        assert cd._INIT_CODE[n].co_linetable == fresh.co_linetable
+
+
+def test_more_fields_than_precompiled_compile_once():
+    n = cd.MAX_PRECOMPILED + 3
+    ns: dict = {"__annotations__": {f"x{i}": "int" for i in range(n)}, "__doc__": "Wide.", "__module__": __name__}
+    Wide = fast(type("Wide", (), ns))
+    Std = _standard(type("Wide", (), dict(ns, __annotations__=dict(ns["__annotations__"]))))
+    assert Wide.__init__.__code__.co_code == Std.__init__.__code__.co_code and n in cd._INIT_CODE
+    assert repr(Wide(*range(n))).endswith(f"x{n - 1}={n - 1})")
