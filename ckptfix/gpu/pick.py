@@ -111,6 +111,8 @@ def parse_size_mib(text: str | int | float) -> int:
 
 @dataclass(frozen=True)
 class Criteria:
+    """What ``pick-gpu`` asks of a GPU (the command's options)."""
+
     n: int = 1
     min_free_mib: int | None = None
     max_util: int | None = None
@@ -168,6 +170,8 @@ def check_exclude(ids: Sequence[str], view: GpuView) -> None:
 
 @dataclass(frozen=True)
 class Ranked:
+    """A GPU that passed the criteria, with its rank and why."""
+
     gpu: VisibleGpu
     rank: int  # 1 = best
     effective_procs: int
@@ -198,6 +202,8 @@ class Ranked:
 
 @dataclass(frozen=True)
 class Rejected:
+    """A GPU that failed the criteria, and why."""
+
     gpu: VisibleGpu
     reason: str
 
