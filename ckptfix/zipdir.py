@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from typing import IO, Any, Union
 
@@ -69,8 +70,8 @@ class _Member:
     MIN_READ_SIZE = 4096  # zipfile.ZipExtFile's
     MAX_N = 1 << 31 - 1
 
-    def __init__(self, f: IO[bytes], start: int, entry: Entry) -> None:
-        self._f, self._pos, self._entry = f, start, entry
+    def __init__(self, f: IO[bytes], lock: threading.Lock, start: int, entry: Entry) -> None:
+        self._f, self._lock, self._pos, self._entry = f, lock, start, entry
         self._compress_left = entry.compress_size
         self._left = entry.file_size
         self._eof = False
@@ -129,9 +130,10 @@ class _Member:
         if self._compress_left <= 0:
             return b""
         n = min(max(n, self.MIN_READ_SIZE), self._compress_left)
-        self._f.seek(self._pos)
-        data = self._f.read(n)
-        self._pos = self._f.tell()
+        with self._lock:  # members share the file (as zipfile's _SharedFile)
+            self._f.seek(self._pos)
+            data = self._f.read(n)
+            self._pos = self._f.tell()
         self._compress_left -= len(data)
         if not data:
             raise EOFError
@@ -155,6 +157,7 @@ class ZipDir:
         self._entries = entries
         self._by_name = {e.filename: e for e in entries}  # the last of a repeated name, as zipfile
         self._real: Any = None
+        self._lock = threading.Lock()
         self._size = f.seek(0, 2)
 
     def infolist(self) -> list[Entry]:
@@ -173,11 +176,12 @@ class ZipDir:
         if mode != "r":
             raise ValueError('open() requires mode "r"')
         entry = name if isinstance(name, Entry) else self.getinfo(name)
-        self._f.seek(entry.header_offset)
-        head = self._f.read(_LOCAL.size)
+        with self._lock:
+            self._f.seek(entry.header_offset)
+            head = self._f.read(_LOCAL.size)
+            raw = self._f.read(_LOCAL.unpack(head)[10]) if len(head) == _LOCAL.size else b""
         if len(head) == _LOCAL.size:
             h = _LOCAL.unpack(head)
-            raw = self._f.read(h[10])
             start = entry.header_offset + _LOCAL.size + h[10] + h[11]
             if h[0] == b"PK\x03\x04" and start + entry.compress_size <= self._size:
                 try:
@@ -185,7 +189,7 @@ class ZipDir:
                 except UnicodeDecodeError:
                     local = None
                 if local == entry.orig_filename:
-                    return _Member(self._f, start, entry)
+                    return _Member(self._f, self._lock, start, entry)
         return self._zipfile().open(self._zipfile().infolist()[self._entries.index(entry)])  # its error
 
     def read(self, name: str | Entry) -> bytes:

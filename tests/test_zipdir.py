@@ -139,3 +139,28 @@ def test_a_torch_save_archive_is_plain(tmp_path):
 
     path = CkptFactory(tmp_path).plain().path
     _both(Path(path).read_bytes(), tmp_path, plain=True)
+
+
+def test_members_read_from_several_threads_get_their_own_bytes(tmp_path):
+    import threading
+
+    members = {f"m/data/{i}": bytes([i]) * 50_000 for i in range(4)}
+    p = tmp_path / "a.zip"
+    p.write_bytes(_zip64(members))
+    got: dict[str, bytes] = {}
+    with open_zip(p) as z:
+        assert isinstance(z, ZipDir)
+
+        def read(name: str) -> None:
+            with z.open(name) as f:
+                parts = []
+                while chunk := f.read(4099):
+                    parts.append(chunk)
+                got[name] = b"".join(parts)
+
+        threads = [threading.Thread(target=read, args=(n,)) for n in members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert got == members
