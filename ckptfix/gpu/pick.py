@@ -69,21 +69,13 @@ __all__ = [
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1024.0,  # a bare number is GiB
+_SIZE_UNITS = {  # unit -> MiB; a bare number is GiB
+    "": 1024.0,
     "b": 1 / 1024**2,
-    "k": 1 / 1024,
-    "kb": 1 / 1024,
-    "kib": 1 / 1024,
-    "m": 1.0,
-    "mb": 1.0,
-    "mib": 1.0,
-    "g": 1024.0,
-    "gb": 1024.0,
-    "gib": 1024.0,
-    "t": 1024.0**2,
-    "tb": 1024.0**2,
-    "tib": 1024.0**2,
+    **dict.fromkeys(("k", "kb", "kib"), 1 / 1024),
+    **dict.fromkeys(("m", "mb", "mib"), 1.0),
+    **dict.fromkeys(("g", "gb", "gib"), 1024.0),
+    **dict.fromkeys(("t", "tb", "tib"), 1024.0**2),
 }
 
 
