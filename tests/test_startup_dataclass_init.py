@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import pickle
+import sys
 from dataclasses import field
 from typing import ClassVar
 
@@ -138,18 +139,23 @@ def _standard(cls=None, **kw):
 
 
 CODE = ("co_code", "co_varnames", "co_names", "co_consts", "co_argcount", "co_kwonlyargcount", "co_flags")
-CODE += ("co_name", "co_qualname", "co_filename", "co_firstlineno", "co_nlocals", "co_stacksize")
+CODE += ("co_name", "co_filename", "co_firstlineno", "co_nlocals", "co_stacksize")
+CODE += ("co_qualname",) if sys.version_info >= (3, 11) else ()
+#: whether this Python's dataclasses compiles the text of ckptfix._dataclass.init_source (3.11's; elsewhere the
+#: behaviour is compared, not the bytecode)
+SAME_TEXT = sys.version_info[:2] == (3, 11)
 
 
 @pytest.mark.parametrize(("name", "make", "plain"), _bodies(), ids=[b[0] for b in _bodies()])
 def test_the_same_init_as_the_standard_decorator(name, make, plain):
     Std, Fast = make(_standard), make(fast)
     s, f = Std.__init__, Fast.__init__
-    for attr in CODE:
-        assert getattr(f.__code__, attr) == getattr(s.__code__, attr), attr
-    # the same lines; the columns (co_positions) follow the field names' lengths in a source text that does not
-    # exist ("<string>": no traceback shows it)
-    assert list(f.__code__.co_lines()) == list(s.__code__.co_lines())
+    if SAME_TEXT or not plain:  # the text _dataclass_inits holds is Python 3.11's dataclasses'
+        for attr in CODE:
+            assert getattr(f.__code__, attr) == getattr(s.__code__, attr), attr
+        # the same lines; the columns (co_positions) follow the field names' lengths in a source text that does
+        # not exist ("<string>": no traceback shows it)
+        assert list(f.__code__.co_lines()) == list(s.__code__.co_lines())
     assert f.__defaults__ == s.__defaults__ and f.__kwdefaults__ == s.__kwdefaults__
     assert f.__annotations__ == s.__annotations__
     assert f.__qualname__ == s.__qualname__ and f.__name__ == s.__name__ and f.__module__ == s.__module__
@@ -215,7 +221,7 @@ def test_more_fields_than_precompiled_compile_once():
     ns: dict = {"__annotations__": {f"x{i}": "int" for i in range(n)}, "__doc__": "Wide.", "__module__": __name__}
     Wide = fast(type("Wide", (), ns))
     Std = _standard(type("Wide", (), dict(ns, __annotations__=dict(ns["__annotations__"]))))
-    assert Wide.__init__.__code__.co_code == Std.__init__.__code__.co_code and n in cd._INIT_CODE
+    assert n in cd._INIT_CODE and (Wide.__init__.__code__.co_code == Std.__init__.__code__.co_code or not SAME_TEXT)
     assert repr(Wide(*range(n))).endswith(f"x{n - 1}={n - 1})")
 
 
