@@ -6,15 +6,19 @@ is what :func:`ckptfix.gpu.smi.query` calls, so tests can replace the subprocess
 
 from __future__ import annotations
 
+import _signal  # the signal numbers, without the signal module's enums (start-up)
 import io
 import os
 import select
 import time
-from _signal import SIGKILL, SIGPIPE, SIGXFSZ  # the numbers, without the signal module's enums (start-up)
 from typing import Callable, Mapping, Sequence
 
 from ckptfix._dataclass import dataclass
 from ckptfix.errors import GpuQueryError, GpuToolingError
+
+_SIGKILL = getattr(_signal, "SIGKILL", 9)
+#: reset to their defaults in nvidia-smi (Python ignores SIGPIPE; Popen's restore_signals did the same)
+_DEFAULT_SIGNALS = tuple(getattr(_signal, n) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(_signal, n))
 
 __all__ = ["RunResult", "Runner", "find_nvidia_smi", "nvidia_smi_env", "subprocess_runner", "run_parallel"]
 
@@ -162,6 +166,8 @@ def _start(argv: Sequence[str]) -> _Proc:
     (``close_fds`` closed it); the ones Python opens are non-inheritable (PEP 446), the pipes here included.
     And glibc's posix_spawn leaves its two internal signals (32, 33: no program but glibc handles them) ignored.
     """
+    if not hasattr(os, "posix_spawn"):  # (Windows) pragma: no cover
+        raise GpuToolingError("running nvidia-smi needs os.posix_spawn (Linux, macOS); not available here")
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
@@ -176,7 +182,7 @@ def _start(argv: Sequence[str]) -> _Proc:
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
             ],
             setsid=True,
-            setsigdef=(SIGPIPE, SIGXFSZ),
+            setsigdef=_DEFAULT_SIGNALS,
         )
     except BaseException:
         os.close(out_r)
@@ -242,12 +248,12 @@ def _communicate(procs: list[_Proc], deadline: float) -> bool:
 def _kill_group(p: _Proc) -> None:
     """Kill ``p`` and its whole process group (it leads one: :func:`_start`), then reap it."""
     try:
-        os.killpg(p.pid, SIGKILL)
+        os.killpg(p.pid, _SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
     if p.returncode is None:
         try:
-            os.kill(p.pid, SIGKILL)
+            os.kill(p.pid, _SIGKILL)
         except ProcessLookupError:  # pragma: no cover
             pass
         _, status = os.waitpid(p.pid, 0)
