@@ -694,26 +694,30 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
 
     A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
     """
-    import pickletools
-    import zipfile
+    from ckptfix import fileio
+    from ckptfix.zipdir import open_zip
 
     bad: set[str] = set()
     try:
         if fmt == Format.TORCH_ZIP:
-            with zipfile.ZipFile(src) as zf:
+            with open_zip(src) as zf:
                 name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
                 if name is not None:
                     with zf.open(name) as f:
                         if f.read(2) == b"\x80\x02":
                             return []
+                    import pickletools  # here: a PROTO 2 pickle (torch.save's default) needs no opcode walk
+
                     bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
         else:  # legacy: magic, protocol, sys info, the object, the storage keys
             with open(src, "rb") as f:
                 if f.read(2) == b"\x80\x02":
                     return []
+                import pickletools
+
                 f.seek(0)
                 for _ in range(5):
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
-    except (OSError, ValueError, zipfile.BadZipFile):
+    except (OSError, ValueError) + fileio.ZIP_ERRORS[:1]:  # (zipfile.BadZipFile, read only on an error)
         return []  # the reader accepted it; leave the verdict to the globals
     return sorted(bad - WEIGHTS_ONLY_OPCODES)

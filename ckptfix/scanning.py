@@ -11,9 +11,8 @@ import collections
 import io
 import os
 import struct
-import zipfile
 from dataclasses import field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptfix import source
 from ckptfix._dataclass import dataclass
@@ -29,6 +28,10 @@ from ckptfix.pickles import (
     scan_pickle_sequence,
 )
 from ckptfix.policy import classify_pair, worst
+from ckptfix.zipdir import open_zip
+
+if TYPE_CHECKING:
+    import zipfile
 
 SCAN_SCHEMA = "ckptfix.scan/1"
 
@@ -163,7 +166,7 @@ def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, a
 
 def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
     try:
-        zf = zipfile.ZipFile(fileobj)
+        zf = open_zip(fileobj)
     except Exception as e:  # noqa: BLE001 - zipfile raises many types on damaged archives
         acc.errors.append(f"{label}: damaged zip ({type(e).__name__}: {e})")
         return
@@ -590,7 +593,7 @@ def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     with source.open_file(path) as f:
         _scan_zip(f, base, acc, limits)
     try:
-        with source.open_file(path) as f, zipfile.ZipFile(f) as zf:
+        with source.open_file(path) as f, open_zip(f) as zf:
             code = [n for n in zf.namelist() if n.endswith(".py")]
     except Exception:  # noqa: BLE001 - already reported by the scan above
         code = []

@@ -28,6 +28,8 @@ LAYERS = {
             "_dataclass",
             "source",
             "remote",
+            "_dataclass_inits",
+            "zipdir",
         ],
         0,
     ),

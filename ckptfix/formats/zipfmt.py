@@ -16,16 +16,19 @@ from __future__ import annotations
 import os
 import re
 import struct
-import zipfile
 import zlib
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptfix import source
+from ckptfix import fileio, source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.fileio import FOLIO, ZIP_ERRORS, copy_range
+from ckptfix.fileio import FOLIO, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
+from ckptfix.zipdir import open_zip
+
+if TYPE_CHECKING:
+    import zipfile
 
 ALIGN = 64
 
@@ -45,14 +48,27 @@ def max_pickle_bytes() -> int:
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
 
 
+def _bad_zip() -> type[Exception]:
+    """``zipfile.BadZipFile``: only an ``except`` that is matching an exception reads it (start-up)."""
+    import zipfile
+
+    return zipfile.BadZipFile
+
+
+#: ``_STORED``
+_STORED = 0
+
+
 def _open_zip(path: str) -> zipfile.ZipFile:
+    """``zipfile.ZipFile(path)`` (read by :func:`ckptfix.zipdir.open_zip`), its errors as ckptfix's."""
     try:
-        return zipfile.ZipFile(source.open_file(path) if source.is_url(path) else path)
-    except zipfile.BadZipFile as e:
+        zf: zipfile.ZipFile = open_zip(source.open_file(path) if source.is_url(path) else path)
+        return zf
+    except _bad_zip() as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — re-copy or re-save it"
         ) from None
-    except ZIP_ERRORS as e:
+    except fileio.ZIP_ERRORS as e:
         raise CorruptCheckpointError(
             f"{path}: unreadable zip archive ({type(e).__name__}: {e}); the file is corrupt"
         ) from None
@@ -75,7 +91,7 @@ def zip_kind(path: str) -> Format:
         try:
             names = zf.namelist()
             first = min((i.header_offset for i in zf.infolist()), default=0)
-        except ZIP_ERRORS as e:
+        except fileio.ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
     if first != 0:  # zipfile skips data put before an archive; torch's reader (miniz) does not
         raise CorruptCheckpointError(
@@ -155,7 +171,7 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
                 hdr = heads.get(info.header_offset, b"")
                 if not hdr and source.is_metadata_only(path) and _is_record(info.filename):
                     out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
-                        info.filename, -1, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
+                        info.filename, -1, info.file_size, info.CRC, info.compress_type != _STORED
                     )
                     continue
             if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
@@ -174,9 +190,7 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
                 raise CorruptCheckpointError(
                     f"{path}: entry {info.filename!r} runs past the end of the file (truncated download or copy?)"
                 )
-            out[info.filename] = Member(
-                info.filename, off, info.file_size, info.CRC, info.compress_type != zipfile.ZIP_STORED
-            )
+            out[info.filename] = Member(info.filename, off, info.file_size, info.CRC, info.compress_type != _STORED)
     return out
 
 
@@ -274,7 +288,7 @@ def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> 
         ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
         UnsupportedError: a compressed tensor record (with ``records``).
     """
-    packed = [i for i in zf.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    packed = [i for i in zf.infolist() if i.compress_type != _STORED]
     rec = [i for i in packed if "/data/" in f"/{i.filename}"]
     if rec and records:
         raise UnsupportedError(
@@ -325,7 +339,7 @@ def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) ->
                 parts.append(chunk)
     except ResourceLimitError:
         raise
-    except ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
+    except fileio.ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
         raise CorruptCheckpointError(
             f"{path}: record {name!r} is damaged ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -362,7 +376,7 @@ def read_zip(path: str, kind: Format = Format.TORCH_ZIP) -> CheckpointFile:
         return _read_zip(path, kind)
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
-    except ZIP_ERRORS as e:
+    except fileio.ZIP_ERRORS as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -762,9 +776,9 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
 
 def _header_offsets(path: str) -> dict[str, int]:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_zip(path) as zf:
             return {i.filename: i.header_offset for i in zf.infolist()}
-    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
+    except fileio.ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -772,9 +786,9 @@ def _header_offsets(path: str) -> dict[str, int]:
 
 def _read_member(path: str, name: str) -> bytes:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with open_zip(path) as zf:
             return zf.read(name)
-    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
+    except fileio.ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(
             f"{path}: record {name!r} cannot be read ({type(e).__name__}: {e}); the file "
             "is corrupt — re-copy or re-save it"

@@ -69,21 +69,13 @@ __all__ = [
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1024.0,  # a bare number is GiB
+_SIZE_UNITS = {  # unit -> MiB; a bare number is GiB
+    "": 1024.0,
     "b": 1 / 1024**2,
-    "k": 1 / 1024,
-    "kb": 1 / 1024,
-    "kib": 1 / 1024,
-    "m": 1.0,
-    "mb": 1.0,
-    "mib": 1.0,
-    "g": 1024.0,
-    "gb": 1024.0,
-    "gib": 1024.0,
-    "t": 1024.0**2,
-    "tb": 1024.0**2,
-    "tib": 1024.0**2,
+    **dict.fromkeys(("k", "kb", "kib"), 1 / 1024),
+    **dict.fromkeys(("m", "mb", "mib"), 1.0),
+    **dict.fromkeys(("g", "gb", "gib"), 1024.0),
+    **dict.fromkeys(("t", "tb", "tib"), 1024.0**2),
 }
 
 
@@ -111,6 +103,8 @@ def parse_size_mib(text: str | int | float) -> int:
 
 @dataclass(frozen=True)
 class Criteria:
+    """What ``pick-gpu`` asks of a GPU (the command's options)."""
+
     n: int = 1
     min_free_mib: int | None = None
     max_util: int | None = None
@@ -168,6 +162,8 @@ def check_exclude(ids: Sequence[str], view: GpuView) -> None:
 
 @dataclass(frozen=True)
 class Ranked:
+    """A GPU that passed the criteria, with its rank and why."""
+
     gpu: VisibleGpu
     rank: int  # 1 = best
     effective_procs: int
@@ -198,6 +194,8 @@ class Ranked:
 
 @dataclass(frozen=True)
 class Rejected:
+    """A GPU that failed the criteria, and why."""
+
     gpu: VisibleGpu
     reason: str
 

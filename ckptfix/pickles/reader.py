@@ -317,6 +317,8 @@ def check_depth(obj: Any, limit: int) -> None:
 
 @dataclass(eq=False)
 class _LegacyView:
+    """A legacy storage view, the persistent id's ``(view_key, offset, view_size)`` over ``base``."""
+
     base: StorageRecord
     view_key: str
     offset: int
