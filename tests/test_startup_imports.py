@@ -107,6 +107,10 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "bz2",
         "lzma",
         "binascii",
+        # a local path never needs the remote drivers (ckptfix.remote imports fsspec only for a URL)
+        "fsspec",
+        "aiohttp",
+        "s3fs",
     ]
     _check(mods, absent, ["ckptfix.inspecting", "ckptfix.formats.zipfmt", "ckptfix._dataclass", "ckptfix.zipdir"])
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Iterator
+
+from ckptfix._dataclass import dataclass
 
 
 @dataclass
