@@ -355,3 +355,72 @@ class _S3Backend(_FsBackend):
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
         return bytes(data)
+
+
+class _HfBackend(_FsBackend):
+    """The Hugging Face Hub (``hf://``, huggingface_hub's ``HfFileSystem``): the file's revision is resolved to its
+    commit at open (``X-Repo-Commit``) and every range is a ``GET .../resolve/<commit>/<path>`` with one ``Range``
+    header, read exactly: a branch moved while the file is read cannot mix two versions, and no read pulls the
+    file system's 5 MiB read-ahead block."""
+
+    def __init__(self, fs: Any, path: str, name: str) -> None:
+        super().__init__(fs, path, name)
+        self.url: str | None = None
+
+    def info(self) -> tuple[int, str | None]:
+        size, etag = super().info()  # type, size and missing repo / revision / file through HfFileSystem
+        try:
+            from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+            rp = self.fs.resolve_path(self.path)
+            url = hf_hub_url(
+                rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=rp.revision, endpoint=self.fs.endpoint
+            )
+            meta = get_hf_file_metadata(url, token=self.fs.token, timeout=timeout())
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        revision = meta.commit_hash or rp.revision
+        self.url = hf_hub_url(
+            rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=revision, endpoint=self.fs.endpoint
+        )
+        if meta.size is not None and meta.size != size:
+            raise RemoteChangedError(
+                f"{self.name}: the file changed while it was opened (size {size:,} -> {meta.size:,} bytes); "
+                "run the command again"
+            )
+        return size, (f"{revision}:{meta.etag or etag}" if meta.commit_hash else (meta.etag or etag))
+
+    def fetch(self, start: int, end: int) -> bytes:
+        assert self.url is not None
+        try:
+            from huggingface_hub.utils import build_hf_headers, get_session
+
+            headers = build_hf_headers(token=self.fs.token)
+            headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+            r = get_session().get(self.url, headers=headers, timeout=timeout(), follow_redirects=True)
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        if r.status_code != 206:
+            if r.status_code == 200:
+                raise RemoteUnavailableError(
+                    f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
+                    "download the file and run the command on the local copy"
+                )
+            err = _http_status(self.name, r.status_code, r.reason_phrase or "")
+            if isinstance(err, Transient):
+                err.retry_after = _retry_after(r.headers)
+            raise err
+        cr = r.headers.get("Content-Range", "")
+        want = f"bytes {start}-{end - 1}/"
+        if not cr.startswith(want):
+            raise Transient(f"unexpected Content-Range {cr!r}")
+        total = cr[len(want) :]
+        if total != "*" and total != str(self.size):
+            raise RemoteChangedError(
+                f"{self.name}: the file changed while it was read (size {self.size:,} -> {total} bytes); "
+                "run the command again"
+            )
+        data = r.content
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)

@@ -106,8 +106,12 @@ def filesystem(url: str) -> tuple[Any, str]:
             raise RemoteDriverMissingError(
                 f"reading {sch}:// URLs needs the {module} package, which is not installed: {install_hint(module)}"
             ) from None
+    kwargs: dict[str, Any] = {}
+    if protocol == "hf" and os.environ.get("HF_ENDPOINT"):
+        # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
+        kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **kwargs)
     except ImportError as e:
         raise RemoteDriverMissingError(
             f"reading {sch}:// URLs needs a driver that is not installed ({e}): {install_hint(module or 'fsspec')}"
