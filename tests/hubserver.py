@@ -236,6 +236,17 @@ class HubServer(http.server.ThreadingHTTPServer):
         """The fake commit id a revision of ``repo`` resolves to."""
         return self.repos[repo][rev][1]
 
+    def move(self, repo: str, rev: str, root: str) -> str:
+        """Point branch ``rev`` of ``repo`` at another folder (a new commit, as a push does); the old commit still
+        resolves by its id.  Returns the new commit id."""
+        with self.lock:
+            revs = self.repos[repo]
+            old_root, old_sha = revs[rev]
+            revs[old_sha] = (old_root, old_sha)
+            sha = hashlib.sha1(f"{repo}@{rev}@{len(revs)}".encode()).hexdigest()
+            revs[rev] = (root, sha)
+        return sha
+
     def blob_id(self, fpath: str) -> str:
         st = os.stat(fpath)
         key = (fpath, st.st_size, st.st_mtime_ns)

@@ -221,3 +221,25 @@ def test_hf_endpoint_is_read_at_each_call_not_at_huggingface_hubs_import(
     assert source.isfile("hf://user/repo/config.json")
     with source.open_source("hf://user/repo/config.json") as src:
         assert src.pread(src.size, 0) == b'{"model_type": "tiny"}\n'
+
+
+def test_a_branch_pushed_mid_read_never_mixes_and_a_later_open_sees_the_push(
+    hub: HubServer, repos: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reads of an open file name the commit it resolved to: a push to the branch meanwhile changes nothing for
+    it.  A later open in the same process (HfFileSystem's listings are cached per endpoint) sees the new commit."""
+    monkeypatch.setenv("CKPTFIX_REMOTE_BACKOFF", "0")
+    rfile._PINS.clear()
+    with serving({"user/moving": {"main": str(repos["main"])}}) as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        url = "hf://user/moving/model.safetensors"
+        old = (repos["main"] / "model.safetensors").read_bytes()
+        new = (repos["v1"] / "model.safetensors").read_bytes()
+        with source.open_source(url) as src:
+            assert src.pread(8, 0) == old[:8]
+            srv.move("user/moving", "main", str(repos["v1"]))
+            assert src.pread(len(old) - 8, 8) == old[8:]  # still the commit it opened
+        rfile._PINS.clear()  # a new command (the pin only guards the opens of one command)
+        with source.open_source(url) as src:
+            assert src.size == len(new)
+            assert src.pread(src.size, 0) == new

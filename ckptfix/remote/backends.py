@@ -384,10 +384,9 @@ class _HfBackend(_FsBackend):
             rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=revision, endpoint=self.fs.endpoint
         )
         if meta.size is not None and meta.size != size:
-            raise RemoteChangedError(
-                f"{self.name}: the file changed while it was opened (size {size:,} -> {meta.size:,} bytes); "
-                "run the command again"
-            )
+            # HfFileSystem caches listings per endpoint for the process's life: the HEAD just made is the truth
+            self.fs.invalidate_cache(self.path)
+            size = meta.size
         return size, (f"{revision}:{meta.etag or etag}" if meta.commit_hash else (meta.etag or etag))
 
     def fetch(self, start: int, end: int) -> bytes:
