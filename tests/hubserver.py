@@ -13,6 +13,7 @@ endpoints, as ``huggingface_hub`` 1.x/2.x uses them (``hf_api.py``, ``hf_file_sy
 * ``GET|HEAD /{ns}/{name}/resolve/{rev}/{path}``: the file, one ``bytes=a-b`` range (206 + ``Content-Range``),
   ``ETag`` (the blob's id), ``X-Repo-Commit``, ``Accept-Ranges``.
 
+Anything else (``huggingface_hub`` also asks for ``/api/agent-harnesses`` once per process) is a 404.
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``), which
 ``huggingface_hub`` maps to its typed errors.  Every request is logged with the body bytes sent
 (:attr:`HubServer.log`) so tests count requests and bytes instead of timing anything.
