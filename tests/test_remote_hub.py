@@ -243,3 +243,11 @@ def test_a_branch_pushed_mid_read_never_mixes_and_a_later_open_sees_the_push(
         with source.open_source(url) as src:
             assert src.size == len(new)
             assert src.pread(src.size, 0) == new
+
+
+@pytest.mark.parametrize("url", ["hf://user", "hf://user/repo@", "hf://user/re po/model.safetensors"])
+def test_a_url_that_names_no_repository_is_40_not_an_internal_error(srv: HubServer, url: str) -> None:
+    p = run_cli("inspect", url)
+    assert p.returncode == 40, p.stderr
+    assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert "hf://org/repo" in p.stderr and "internal" not in p.stderr

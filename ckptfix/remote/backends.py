@@ -357,6 +357,26 @@ class _S3Backend(_FsBackend):
         return bytes(data)
 
 
+def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
+    """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``/``HfUriError``), or None.
+
+    Args:
+        name: the URL.
+        e: what HfFileSystem raised.
+
+    Returns:
+        A one-line :class:`RemoteNotFoundError` with the URL's form, or None for any other error.
+    """
+    kind = type(e).__name__
+    if not (isinstance(e, ValueError) or kind in ("HfUriError", "HFValidationError")):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+    return RemoteNotFoundError(
+        f"{name}: not a file or folder of a Hub repository ({kind}: {first}); "
+        "write hf://org/repo/path or hf://org/repo@revision/path"
+    )
+
+
 class _HfBackend(_FsBackend):
     """The Hugging Face Hub (``hf://``, huggingface_hub's ``HfFileSystem``): the file's revision is resolved to its
     commit at open (``X-Repo-Commit``) and every range is a ``GET .../resolve/<commit>/<path>`` with one ``Range``
@@ -366,6 +386,9 @@ class _HfBackend(_FsBackend):
     def __init__(self, fs: Any, path: str, name: str) -> None:
         super().__init__(fs, path, name)
         self.url: str | None = None
+
+    def _map(self, e: BaseException) -> Exception:
+        return hf_bad_url(self.name, e) or super()._map(e)
 
     def info(self) -> tuple[int, str | None]:
         size, etag = super().info()  # type, size and missing repo / revision / file through HfFileSystem
