@@ -13,6 +13,8 @@ endpoints, as ``huggingface_hub`` 1.x/2.x uses them (``hf_api.py``, ``hf_file_sy
 * ``GET|HEAD /{ns}/{name}/resolve/{rev}/{path}``: the file, one ``bytes=a-b`` range (206 + ``Content-Range``),
   ``ETag`` (the blob's id), ``X-Repo-Commit``, ``Accept-Ranges``.
 
+A repository in :attr:`HubServer.private` is answered 401 ``RepoNotFound`` (as the Hub answers a request without
+a token), one in :attr:`HubServer.gated` has its files answered 401 ``GatedRepo``.
 Anything else (``huggingface_hub`` also asks for ``/api/agent-harnesses`` once per process) is a 404.
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``), which
 ``huggingface_hub`` maps to its typed errors.  Every request is logged with the body bytes sent
@@ -132,6 +134,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         m = _RESOLVE.match(path)
         if m is not None and method in ("GET", "HEAD"):
             repo, rev, rel = m.groups()
+            if repo in self.server.gated:  # listed, but its files need the conditions accepted (and a token)
+                return self._error(method, 401, "GatedRepo")
             root, sha = self._revision(method, repo, rev)
             if root is None:
                 return None
@@ -140,6 +144,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def _revision(self, method: str, repo: str, rev: str) -> tuple[str | None, str | None]:
         revs = self.server.repos.get(repo)
+        if repo in self.server.private:  # as the Hub answers a request without a token: 401, "not found"
+            self._error(method, 401, "RepoNotFound")
+            return None, None
         if revs is None:
             self._error(method, 404, "RepoNotFound")
             return None, None
@@ -221,6 +228,8 @@ class HubServer(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.log: list[Hit] = []
         self.faults: list[int] = []  # statuses answered to the next requests, whatever they are
+        self.private: set[str] = set()  # repositories answered 401 RepoNotFound (no token)
+        self.gated: set[str] = set()  # repositories whose files are answered 401 GatedRepo
         self._blobs: dict[tuple[str, int, int], str] = {}
         self.repos: dict[str, dict[str, tuple[str, str]]] = {}
         for repo, revs in repos.items():
@@ -283,6 +292,8 @@ class HubServer(http.server.ThreadingHTTPServer):
         with self.lock:
             self.log.clear()
             self.faults.clear()
+            self.private.clear()
+            self.gated.clear()
 
     def sent(self) -> int:
         """Body bytes of file content and JSON sent so far."""

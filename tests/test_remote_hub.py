@@ -251,3 +251,13 @@ def test_a_url_that_names_no_repository_is_40_not_an_internal_error(srv: HubServ
     assert p.returncode == 40, p.stderr
     assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
     assert "hf://org/repo" in p.stderr and "internal" not in p.stderr
+
+
+@pytest.mark.parametrize("kind", ["private", "gated"])
+def test_a_private_or_gated_repository_is_41_with_the_token_fix(srv: HubServer, kind: str) -> None:
+    getattr(srv, kind).add("user/repo")
+    for args in (("inspect", "hf://user/repo/model.safetensors"), ("scan", "hf://user/repo/pytorch_model.bin")):
+        p = run_cli(*args)
+        assert p.returncode == 41, (kind, p.stderr)
+        assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
+        assert "HF_TOKEN" in p.stderr, p.stderr

@@ -388,7 +388,29 @@ class _HfBackend(_FsBackend):
         self.url: str | None = None
 
     def _map(self, e: BaseException) -> Exception:
-        return hf_bad_url(self.name, e) or super()._map(e)
+        return hf_bad_url(self.name, e) or self._denied(e) or super()._map(e)
+
+    def _denied(self, e: BaseException | None, status: int | None = None) -> RemoteAccessDeniedError | None:
+        """A private or gated repository (HTTP 401/403, ``GatedRepoError``, also behind HfFileSystem's
+        ``FileNotFoundError``): access denied with the token's fix, or None."""
+        gated = False
+        for x in (e, e.__cause__ if e is not None else None):
+            if x is None:
+                continue
+            gated = gated or type(x).__name__ == "GatedRepoError"
+            got = getattr(getattr(x, "response", None), "status_code", None)
+            status = got if isinstance(got, int) and status is None else status
+        if not gated and status not in (401, 403):
+            return None
+        if gated:
+            return RemoteAccessDeniedError(
+                f"{self.name}: a gated repository (HTTP {status}): accept its conditions on its Hub page, "
+                "then run huggingface-cli login or set HF_TOKEN"
+            )
+        return RemoteAccessDeniedError(
+            f"{self.name}: the Hub refused (HTTP {status}): a private repository, or none by that name; "
+            "check the URL, or run huggingface-cli login or set HF_TOKEN"
+        )
 
     def info(self) -> tuple[int, str | None]:
         size, etag = super().info()  # type, size and missing repo / revision / file through HfFileSystem
@@ -423,6 +445,9 @@ class _HfBackend(_FsBackend):
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map(e) from None
         if r.status_code != 206:
+            denied = self._denied(None, r.status_code) if r.status_code in (401, 403) else None
+            if denied is not None:
+                raise denied
             if r.status_code == 200:
                 raise RemoteUnavailableError(
                     f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
