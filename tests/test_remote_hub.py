@@ -294,3 +294,17 @@ def test_a_private_or_gated_repository_is_41_with_the_token_fix(srv: HubServer, 
         assert p.returncode == 41, (kind, p.stderr)
         assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
         assert "HF_TOKEN" in p.stderr, p.stderr
+
+
+def test_convert_jobs_4_parallel_ranges_same_bytes_one_pass(
+    srv: HubServer, repos: dict[str, Path], tmp_path: Path
+) -> None:
+    src = repos["main"] / "big.safetensors"
+    convert(src, tmp_path / "local.safetensors")
+    for jobs in (1, 4):
+        srv.reset()
+        rfile._PINS.clear()
+        out = tmp_path / f"j{jobs}.safetensors"
+        convert("hf://user/repo/big.safetensors", out, jobs=jobs)
+        assert out.read_bytes() == (tmp_path / "local.safetensors").read_bytes()
+        assert srv.file_bytes() < src.stat().st_size * 1.1  # no second pass over the file
