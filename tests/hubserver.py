@@ -15,6 +15,9 @@ endpoints, as ``huggingface_hub`` 1.x/2.x uses them (``hf_api.py``, ``hf_file_sy
 
 A repository in :attr:`HubServer.private` is answered 401 ``RepoNotFound`` (as the Hub answers a request without
 a token), one in :attr:`HubServer.gated` has its files answered 401 ``GatedRepo``.
+With :attr:`HubServer.lfs_from` set, files of that size or more are LFS files as on the Hub: ``resolve`` answers
+302 to a signed ``/cdn/{commit}/{path}?sig=N`` URL with ``X-Linked-Size``/``X-Linked-Etag``; :meth:`HubServer.expire`
+makes the URLs handed out so far answer 403, as an expired presigned URL does.
 Anything else (``huggingface_hub`` also asks for ``/api/agent-harnesses`` once per process) is a 404.
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``), which
 ``huggingface_hub`` maps to its typed errors.  Every request is logged with the body bytes sent
@@ -37,6 +40,7 @@ from typing import Any, Iterator
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 _API = re.compile(r"^/api/models/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(?:/(.*))?)?$")
 _RESOLVE = re.compile(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$")
+_CDN = re.compile(r"^/cdn/([0-9a-f]{40})/(.+)$")
 
 
 @dataclass
@@ -139,7 +143,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
             root, sha = self._revision(method, repo, rev)
             if root is None:
                 return None
+            if self.server.is_lfs(os.path.join(root, rel)):
+                return self._redirect(method, root, sha or "", rel)
             return self._file(method, root, sha or "", rel)
+        m = _CDN.match(path)
+        if m is not None and method in ("GET", "HEAD"):
+            sha, rel = m.groups()
+            root = next((r for revs in self.server.repos.values() for r, c in revs.values() if c == sha), None)
+            if root is None or query.get("sig", [""])[0] != str(self.server.signature):
+                return self._error(method, 403)  # as S3 answers an expired presigned URL
+            return self._file(method, root, sha, rel)
         return self._error(method, 404, "RepoNotFound")
 
     def _revision(self, method: str, repo: str, rev: str) -> tuple[str | None, str | None]:
@@ -170,6 +183,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if not recursive:
                 break
         return self._json(method, out)
+
+    def _redirect(self, method: str, root: str, sha: str, rel: str) -> None:
+        """An LFS file, as the Hub answers it: 302 to a signed CDN URL, its size and hash in ``X-Linked-*``."""
+        fpath = os.path.join(root, rel)
+        if not os.path.isfile(fpath):
+            return self._error(method, 404, "EntryNotFound")
+        oid = self.server.blob_id(fpath)
+        self.send_response(302)
+        self.send_header(
+            "Location", f"{self.server.url}/cdn/{sha}/{urllib.parse.quote(rel)}?sig={self.server.signature}"
+        )
+        self.send_header("X-Linked-Size", str(os.path.getsize(fpath)))
+        self.send_header("X-Linked-Etag", f'"{oid}"')
+        self.send_header("ETag", f'"{oid}"')
+        self.send_header("X-Repo-Commit", sha)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+        self._record(method, 302)
 
     def _file(self, method: str, root: str, sha: str, rel: str) -> None:
         fpath = os.path.join(root, rel)
@@ -230,6 +261,8 @@ class HubServer(http.server.ThreadingHTTPServer):
         self.faults: list[int] = []  # statuses answered to the next requests, whatever they are
         self.private: set[str] = set()  # repositories answered 401 RepoNotFound (no token)
         self.gated: set[str] = set()  # repositories whose files are answered 401 GatedRepo
+        self.lfs_from: int | None = None  # files of at least this size are LFS: redirected to a signed /cdn/ URL
+        self.signature = 0  # the /cdn/ URLs' signature: :meth:`expire` makes the ones handed out so far 403
         self._blobs: dict[tuple[str, int, int], str] = {}
         self.repos: dict[str, dict[str, tuple[str, str]]] = {}
         for repo, revs in repos.items():
@@ -257,6 +290,14 @@ class HubServer(http.server.ThreadingHTTPServer):
             revs[rev] = (root, sha)
         return sha
 
+    def is_lfs(self, fpath: str) -> bool:
+        return self.lfs_from is not None and os.path.isfile(fpath) and os.path.getsize(fpath) >= self.lfs_from
+
+    def expire(self) -> None:
+        """The signed CDN URLs handed out so far expire (403 from now on)."""
+        with self.lock:
+            self.signature += 1
+
     def blob_id(self, fpath: str) -> str:
         st = os.stat(fpath)
         key = (fpath, st.st_size, st.st_mtime_ns)
@@ -280,7 +321,11 @@ class HubServer(http.server.ThreadingHTTPServer):
         if os.path.isdir(full):
             return {"type": "directory", "path": rel, "oid": hashlib.sha1(rel.encode()).hexdigest()}
         if os.path.isfile(full):
-            return {"type": "file", "path": rel, "size": os.path.getsize(full), "oid": self.blob_id(full)}
+            size = os.path.getsize(full)
+            out: dict[str, Any] = {"type": "file", "path": rel, "size": size, "oid": self.blob_id(full)}
+            if self.is_lfs(full):
+                out["lfs"] = {"oid": self.blob_id(full), "size": size, "pointerSize": 134}
+            return out
         return None
 
     def fault(self, status: int, count: int = 1) -> None:
@@ -294,6 +339,7 @@ class HubServer(http.server.ThreadingHTTPServer):
             self.faults.clear()
             self.private.clear()
             self.gated.clear()
+            self.lfs_from = None
 
     def sent(self) -> int:
         """Body bytes of file content and JSON sent so far."""

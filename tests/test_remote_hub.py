@@ -308,3 +308,24 @@ def test_convert_jobs_4_parallel_ranges_same_bytes_one_pass(
         convert("hf://user/repo/big.safetensors", out, jobs=jobs)
         assert out.read_bytes() == (tmp_path / "local.safetensors").read_bytes()
         assert srv.file_bytes() < src.stat().st_size * 1.1  # no second pass over the file
+
+
+def test_lfs_files_are_read_from_the_signed_cdn_url_and_an_expired_one_is_renewed(
+    srv: HubServer, repos: dict[str, Path]
+) -> None:
+    """As on the Hub, a large file's resolve URL redirects to a signed CDN URL: the ranges go there directly (not a
+    redirect per range), and when the signature expires (403) the URL is asked again, never an error."""
+    srv.lfs_from = 1 << 20
+    data = (repos["main"] / "big.safetensors").read_bytes()
+    with collect() as st, source.open_source("hf://user/repo/big.safetensors") as src:
+        assert src.pread(4096, 3_000_000) == data[3_000_000:3_004_096]
+        assert src.pread(4096, 9_000_000) == data[9_000_000:9_004_096]
+        srv.expire()
+        assert src.pread(4096, 15_000_000) == data[15_000_000:15_004_096]
+    ranged = [h for h in srv.requests() if h.range]
+    assert all(h.path.startswith("/cdn/") for h in ranged), [(h.method, h.path) for h in srv.requests()]
+    assert [h.status for h in ranged] == [206, 206, 403, 206]
+    assert st.retries == 1
+    assert_same_tensors(
+        load_anywhere("hf://user/repo/big.safetensors"), load_anywhere(repos["main"] / "big.safetensors")
+    )

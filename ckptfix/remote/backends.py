@@ -385,7 +385,9 @@ class _HfBackend(_FsBackend):
 
     def __init__(self, fs: Any, path: str, name: str) -> None:
         super().__init__(fs, path, name)
-        self.url: str | None = None
+        self.url: str | None = None  # .../resolve/<commit>/<path>
+        #: where the Hub redirects it (an LFS/Xet file's signed CDN URL), asked directly: no redirect per range
+        self.location: str | None = None
 
     def _map(self, e: BaseException) -> Exception:
         return hf_bad_url(self.name, e) or self._denied(e) or super()._map(e)
@@ -428,22 +430,51 @@ class _HfBackend(_FsBackend):
         self.url = hf_hub_url(
             rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=revision, endpoint=self.fs.endpoint
         )
+        self.location = self._redirected(meta.location)
         if meta.size is not None and meta.size != size:
             # HfFileSystem caches listings per endpoint for the process's life: the HEAD just made is the truth
             self.fs.invalidate_cache(self.path)
             size = meta.size
         return size, (f"{revision}:{meta.etag or etag}" if meta.commit_hash else (meta.etag or etag))
 
+    def _redirected(self, location: str | None) -> str | None:
+        """``location`` when the Hub redirected the file elsewhere (an LFS/Xet file's signed CDN URL), else None:
+        a resolve URL (the one asked, by branch, or a renamed repository's) is never used in place of the commit's."""
+        from urllib.parse import urlsplit
+
+        if not location:
+            return None
+        loc, hub = urlsplit(location), urlsplit(str(self.fs.endpoint))
+        if loc.netloc == hub.netloc and "/resolve/" in loc.path:
+            return None
+        return location
+
+    def _renew(self) -> None:
+        """Ask the commit's resolve URL again for a fresh signed location (the one held expired)."""
+        from huggingface_hub import get_hf_file_metadata
+
+        assert self.url is not None
+        try:
+            meta = get_hf_file_metadata(self.url, token=self.fs.token, timeout=timeout())
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        self.location = self._redirected(meta.location)
+
     def fetch(self, start: int, end: int) -> bytes:
         assert self.url is not None
+        target = self.location or self.url
         try:
             from huggingface_hub.utils import build_hf_headers, get_session
 
-            headers = build_hf_headers(token=self.fs.token)
+            # the token goes to the Hub only, never to the CDN a signed URL points at
+            headers = build_hf_headers(token=self.fs.token) if target == self.url else {}
             headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-            r = get_session().get(self.url, headers=headers, timeout=timeout(), follow_redirects=True)
+            r = get_session().get(target, headers=headers, timeout=timeout(), follow_redirects=True)
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map(e) from None
+        if r.status_code in (401, 403) and target != self.url:  # the signed URL expired: a fresh one, then retry
+            self._renew()
+            raise Transient(f"HTTP {r.status_code} from the signed download URL (expired); renewed")
         if r.status_code != 206:
             denied = self._denied(None, r.status_code) if r.status_code in (401, 403) else None
             if denied is not None:
