@@ -358,7 +358,8 @@ class _S3Backend(_FsBackend):
 
 
 def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
-    """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``/``HfUriError``), or None.
+    """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``, ``HfUriError``, or
+    ``NotImplementedError`` for ``hf://org``), or None.
 
     Args:
         name: the URL.
@@ -368,7 +369,7 @@ def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
         A one-line :class:`RemoteNotFoundError` with the URL's form, or None for any other error.
     """
     kind = type(e).__name__
-    if not (isinstance(e, ValueError) or kind in ("HfUriError", "HFValidationError")):
+    if not (isinstance(e, (ValueError, NotImplementedError)) or kind in ("HfUriError", "HFValidationError")):
         return None
     first = str(e).strip().splitlines()[0] if str(e).strip() else kind
     return RemoteNotFoundError(
@@ -469,7 +470,9 @@ class _HfBackend(_FsBackend):
             # the token goes to the Hub only, never to the CDN a signed URL points at
             headers = build_hf_headers(token=self.fs.token) if target == self.url else {}
             headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-            r = get_session().get(target, headers=headers, timeout=timeout(), follow_redirects=True)
+            session = get_session()  # httpx (huggingface_hub >= 1.0) or requests (0.x)
+            follow = "follow_redirects" if type(session).__module__.startswith("httpx") else "allow_redirects"
+            r = session.get(target, headers=headers, timeout=timeout(), **{follow: True})
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map(e) from None
         if r.status_code in (401, 403) and target != self.url:  # the signed URL expired: a fresh one, then retry
@@ -484,7 +487,7 @@ class _HfBackend(_FsBackend):
                     f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
                     "download the file and run the command on the local copy"
                 )
-            err = _http_status(self.name, r.status_code, r.reason_phrase or "")
+            err = _http_status(self.name, r.status_code, getattr(r, "reason_phrase", None) or getattr(r, "reason", ""))
             if isinstance(err, Transient):
                 err.retry_after = _retry_after(r.headers)
             raise err
