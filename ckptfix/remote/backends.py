@@ -470,7 +470,7 @@ class _HfBackend(_FsBackend):
             # the token goes to the Hub only, never to the CDN a signed URL points at
             headers = build_hf_headers(token=self.fs.token) if target == self.url else {}
             headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-            session = get_session()  # httpx (huggingface_hub >= 1.0) or requests (0.x)
+            session: Any = get_session()  # httpx (huggingface_hub >= 1.0) or requests (0.x)
             follow = "follow_redirects" if type(session).__module__.startswith("httpx") else "allow_redirects"
             r = session.get(target, headers=headers, timeout=timeout(), **{follow: True})
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
@@ -487,7 +487,8 @@ class _HfBackend(_FsBackend):
                     f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
                     "download the file and run the command on the local copy"
                 )
-            err = _http_status(self.name, r.status_code, getattr(r, "reason_phrase", None) or getattr(r, "reason", ""))
+            reason = str(getattr(r, "reason_phrase", None) or getattr(r, "reason", "") or "")
+            err = _http_status(self.name, r.status_code, reason)
             if isinstance(err, Transient):
                 err.retry_after = _retry_after(r.headers)
             raise err
