@@ -3,7 +3,9 @@
 * :class:`_HttpBackend` (``http(s)://``): fsspec's aiohttp session; ``HEAD`` for size and ETag, ``GET`` with one
   ``Range`` and ``If-Match``; every answer checked (206, ``Content-Range``, ``ETag``, length);
 * :class:`_S3Backend` (``s3://``): s3fs' ``GetObject`` with ``Range`` and ``IfMatch``, the ETag checked;
-* :class:`_FsBackend` (any other fsspec file system: ``memory://``, ``gs://``, ``az://``, ``hf://``):
+* :class:`_HfBackend` (``hf://``, huggingface_hub's ``HfFileSystem``): the revision resolved to its commit at open,
+  each range one ``GET`` of ``.../resolve/<commit>/<path>`` (or of the signed CDN URL an LFS/Xet file redirects to);
+* :class:`_FsBackend` (any other fsspec file system: ``memory://``, ``gs://``, ``az://``):
   ``fs.info`` and ``fs.cat_file(path, start, end)``, the length checked.
 
 Each raises :class:`Transient` for what is worth retrying (the caller retries with backoff) and the typed

@@ -2,7 +2,9 @@
 
 The scheme table is the one place that knows the drivers: ``s3://`` needs ``s3fs`` (the ``[remote]`` extra
 installs it), ``gs://`` ``gcsfs``, ``az://`` ``adlfs``, ``hf://`` ``huggingface_hub``, ``http(s)://``
-``aiohttp``.  A missing driver is :class:`~ckptfix.errors.RemoteDriverMissingError` with the install line.
+``aiohttp``.  ``hf://`` honours ``HF_ENDPOINT`` (a mirror, a private Hub, the tests' local one) at each call, not
+only as huggingface_hub read it at its import.  A missing driver is
+:class:`~ckptfix.errors.RemoteDriverMissingError` with the install line.
 ``memory://`` (fsspec's in-process store) is there for tests.
 """
 
