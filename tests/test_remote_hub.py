@@ -333,3 +333,12 @@ def test_lfs_files_are_read_from_the_signed_cdn_url_and_an_expired_one_is_renewe
     assert_same_tensors(
         load_anywhere("hf://user/repo/big.safetensors"), load_anywhere(repos["main"] / "big.safetensors")
     )
+
+
+def test_hf_hub_offline_is_one_error_with_the_fix_not_retried(srv: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = run_cli("inspect", "hf://user/repo/model.safetensors", isolated=True)  # huggingface_hub reads it at import
+    assert p.returncode == 43, p.stderr
+    assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
+    assert "unset HF_HUB_OFFLINE" in p.stderr and "retries" not in p.stderr, p.stderr
+    assert srv.requests() == []

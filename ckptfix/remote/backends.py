@@ -393,6 +393,11 @@ class _HfBackend(_FsBackend):
         self.location: str | None = None
 
     def _map(self, e: BaseException) -> Exception:
+        if any(type(x).__name__ == "OfflineModeIsEnabled" for x in (e, e.__cause__)):  # not worth a retry
+            return RemoteUnavailableError(
+                f"{self.name}: huggingface_hub's offline mode is on (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to read "
+                "hf:// URLs"
+            )
         return hf_bad_url(self.name, e) or self._denied(e) or super()._map(e)
 
     def _denied(self, e: BaseException | None, status: int | None = None) -> RemoteAccessDeniedError | None:
