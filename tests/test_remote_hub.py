@@ -134,7 +134,8 @@ def test_a_dcp_folder_in_a_repository_equals_the_local_run(srv: HubServer, repos
         want = _norm(fn(str(repos["main"] / "dcp_ckpt")).to_dict(), str(repos["main"]))
         # a local DCP folder also names its framework layout and notes (ckptfix.frameworks reads local folders only)
         for k in ("framework", "notes"):
-            got.pop(k, None), want.pop(k, None)
+            got.pop(k, None)
+            want.pop(k, None)
         assert got == want, fn.__name__
 
 
