@@ -367,6 +367,12 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
         return RemoteAccessDeniedError(f"{url}: access denied ({e}); check your credentials and permissions")
     if isinstance(e, CkptfixError):
         return e
+    if _urls.scheme(url) == "hf":
+        from ckptfix.remote.backends import hf_bad_url
+
+        bad = hf_bad_url(url, e)
+        if bad is not None:
+            return bad
     if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
         from ckptfix.remote.backends import no_credentials
 

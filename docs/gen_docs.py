@@ -25,6 +25,9 @@ scratch directory, for the blocks below it.  Marker fields:
 - ``setup=s3``: a local S3 server (moto, ``tests/s3server.py``) runs for the page, the shell has its
   endpoint and dummy credentials in ``AWS_*``, and bucket ``ckptfix-docs`` holds ``tests/fixtures/ckpt``
   (``s3://ckptfix-docs/ddp.pth`` ...) (docs/remote.md);
+- ``setup=hub``: a local Hugging Face Hub endpoint (``tests/hubserver.py``) runs for the page, ``HF_ENDPOINT``
+  points at it, and repository ``ckptfix-docs/fixtures`` holds ``tests/fixtures/ckpt``,
+  ``ckptfix-docs/sharded`` its ``sharded/`` folder (``hf://ckptfix-docs/fixtures/ddp.pth`` ...) (docs/remote.md);
 - ``gpu=SCENARIO``: a recorded nvidia-smi (``tests/fixtures/nvidia-smi/scenarios/SCENARIO``)
   is first on PATH; without it no nvidia-smi is;
 - ``mask=REGEX`` (repeatable): text that differs from machine to machine or run to run
@@ -242,6 +245,13 @@ class Sandbox:
         if name == "s3":
             self.extra_env = s3_server().env()
             return
+        if name == "hub":
+            self.extra_env = {
+                "HF_ENDPOINT": hub_server().url,
+                "HF_HUB_OFFLINE": "0",
+                "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+            }
+            return
         if name != "runs" or (self.dir / "runs").exists():
             return
         if _TRAINED.get("runs") is None:  # trained once per run of this script, copied into each file's box
@@ -294,6 +304,27 @@ def s3_server():
             )
         _S3.append(srv)
     return _S3[0]
+
+
+_HUB: list = []  # the local Hub endpoint of ``setup=hub`` (one per run of this script)
+
+
+def hub_server():
+    """``setup=hub``: tests/hubserver.py in a thread (a daemon: it ends with this script), serving the fixtures."""
+    if not _HUB:
+        import threading
+
+        sys.path.insert(0, str(ROOT / "tests"))
+        from hubserver import HubServer
+
+        ckpt = ROOT / "tests" / "fixtures" / "ckpt"
+        srv = HubServer(
+            {"ckptfix-docs/fixtures": {"main": str(ckpt)}, "ckptfix-docs/sharded": {"main": str(ckpt / "sharded")}}
+        )
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        _SETUP_SOURCES.update(p.relative_to(ROOT).as_posix() for p in sorted(ckpt.rglob("*")) if p.is_file())
+        _HUB.append(srv)
+    return _HUB[0]
 
 
 def render(block_lines: list[str], block: Block, box: Sandbox, where: str = "") -> list[str]:

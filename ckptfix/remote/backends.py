@@ -3,7 +3,9 @@
 * :class:`_HttpBackend` (``http(s)://``): fsspec's aiohttp session; ``HEAD`` for size and ETag, ``GET`` with one
   ``Range`` and ``If-Match``; every answer checked (206, ``Content-Range``, ``ETag``, length);
 * :class:`_S3Backend` (``s3://``): s3fs' ``GetObject`` with ``Range`` and ``IfMatch``, the ETag checked;
-* :class:`_FsBackend` (any other fsspec file system: ``memory://``, ``gs://``, ``az://``, ``hf://``):
+* :class:`_HfBackend` (``hf://``, huggingface_hub's ``HfFileSystem``): the revision resolved to its commit at open,
+  each range one ``GET`` of ``.../resolve/<commit>/<path>`` (or of the signed CDN URL an LFS/Xet file redirects to);
+* :class:`_FsBackend` (any other fsspec file system: ``memory://``, ``gs://``, ``az://``):
   ``fs.info`` and ``fs.cat_file(path, start, end)``, the length checked.
 
 Each raises :class:`Transient` for what is worth retrying (the caller retries with backoff) and the typed
@@ -352,6 +354,162 @@ class _S3Backend(_FsBackend):
             raise RemoteChangedError(
                 f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); run the command again"
             )
+        if len(data) != end - start:
+            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        return bytes(data)
+
+
+def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
+    """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``, ``HfUriError``, or
+    ``NotImplementedError`` for ``hf://org``), or None.
+
+    Args:
+        name: the URL.
+        e: what HfFileSystem raised.
+
+    Returns:
+        A one-line :class:`RemoteNotFoundError` with the URL's form, or None for any other error.
+    """
+    kind = type(e).__name__
+    if not (isinstance(e, (ValueError, NotImplementedError)) or kind in ("HfUriError", "HFValidationError")):
+        return None
+    first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+    return RemoteNotFoundError(
+        f"{name}: not a file or folder of a Hub repository ({kind}: {first}); "
+        "write hf://org/repo/path or hf://org/repo@revision/path"
+    )
+
+
+class _HfBackend(_FsBackend):
+    """The Hugging Face Hub (``hf://``, huggingface_hub's ``HfFileSystem``): the file's revision is resolved to its
+    commit at open (``X-Repo-Commit``) and every range is a ``GET .../resolve/<commit>/<path>`` with one ``Range``
+    header, read exactly: a branch moved while the file is read cannot mix two versions, and no read pulls the
+    file system's 5 MiB read-ahead block."""
+
+    def __init__(self, fs: Any, path: str, name: str) -> None:
+        super().__init__(fs, path, name)
+        self.url: str | None = None  # .../resolve/<commit>/<path>
+        #: where the Hub redirects it (an LFS/Xet file's signed CDN URL), asked directly: no redirect per range
+        self.location: str | None = None
+
+    def _map(self, e: BaseException) -> Exception:
+        if any(type(x).__name__ == "OfflineModeIsEnabled" for x in (e, e.__cause__)):  # not worth a retry
+            return RemoteUnavailableError(
+                f"{self.name}: huggingface_hub's offline mode is on (HF_HUB_OFFLINE); unset HF_HUB_OFFLINE to read "
+                "hf:// URLs"
+            )
+        return hf_bad_url(self.name, e) or self._denied(e) or super()._map(e)
+
+    def _denied(self, e: BaseException | None, status: int | None = None) -> RemoteAccessDeniedError | None:
+        """A private or gated repository (HTTP 401/403, ``GatedRepoError``, also behind HfFileSystem's
+        ``FileNotFoundError``): access denied with the token's fix, or None."""
+        gated = False
+        for x in (e, e.__cause__ if e is not None else None):
+            if x is None:
+                continue
+            gated = gated or type(x).__name__ == "GatedRepoError"
+            got = getattr(getattr(x, "response", None), "status_code", None)
+            status = got if isinstance(got, int) and status is None else status
+        if not gated and status not in (401, 403):
+            return None
+        if gated:
+            return RemoteAccessDeniedError(
+                f"{self.name}: a gated repository (HTTP {status}): accept its conditions on its Hub page, "
+                "then run huggingface-cli login or set HF_TOKEN"
+            )
+        return RemoteAccessDeniedError(
+            f"{self.name}: the Hub refused (HTTP {status}): a private repository, or none by that name; "
+            "check the URL, or run huggingface-cli login or set HF_TOKEN"
+        )
+
+    def info(self) -> tuple[int, str | None]:
+        size, etag = super().info()  # type, size and missing repo / revision / file through HfFileSystem
+        try:
+            from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+            rp = self.fs.resolve_path(self.path)
+            url = hf_hub_url(
+                rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=rp.revision, endpoint=self.fs.endpoint
+            )
+            meta = get_hf_file_metadata(url, token=self.fs.token, timeout=timeout())
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        revision = meta.commit_hash or rp.revision
+        self.url = hf_hub_url(
+            rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=revision, endpoint=self.fs.endpoint
+        )
+        self.location = self._redirected(meta.location)
+        if meta.size is not None and meta.size != size:
+            # HfFileSystem caches listings per endpoint for the process's life: the HEAD just made is the truth
+            self.fs.invalidate_cache(self.path)
+            size = meta.size
+        return size, (f"{revision}:{meta.etag or etag}" if meta.commit_hash else (meta.etag or etag))
+
+    def _redirected(self, location: str | None) -> str | None:
+        """``location`` when the Hub redirected the file elsewhere (an LFS/Xet file's signed CDN URL), else None:
+        a resolve URL (the one asked, by branch, or a renamed repository's) is never used in place of the commit's."""
+        from urllib.parse import urlsplit
+
+        if not location:
+            return None
+        loc, hub = urlsplit(location), urlsplit(str(self.fs.endpoint))
+        if loc.netloc == hub.netloc and "/resolve/" in loc.path:
+            return None
+        return location
+
+    def _renew(self) -> None:
+        """Ask the commit's resolve URL again for a fresh signed location (the one held expired)."""
+        from huggingface_hub import get_hf_file_metadata
+
+        assert self.url is not None
+        try:
+            meta = get_hf_file_metadata(self.url, token=self.fs.token, timeout=timeout())
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        self.location = self._redirected(meta.location)
+
+    def fetch(self, start: int, end: int) -> bytes:
+        assert self.url is not None
+        target = self.location or self.url
+        try:
+            from huggingface_hub.utils import build_hf_headers, get_session
+
+            # the token goes to the Hub only, never to the CDN a signed URL points at
+            headers = build_hf_headers(token=self.fs.token) if target == self.url else {}
+            headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
+            session: Any = get_session()  # httpx (huggingface_hub >= 1.0) or requests (0.x)
+            follow = "follow_redirects" if type(session).__module__.startswith("httpx") else "allow_redirects"
+            r = session.get(target, headers=headers, timeout=timeout(), **{follow: True})
+        except Exception as e:  # noqa: BLE001 - mapped to the typed errors
+            raise self._map(e) from None
+        if r.status_code in (401, 403) and target != self.url:  # the signed URL expired: a fresh one, then retry
+            self._renew()
+            raise Transient(f"HTTP {r.status_code} from the signed download URL (expired); renewed")
+        if r.status_code != 206:
+            denied = self._denied(None, r.status_code) if r.status_code in (401, 403) else None
+            if denied is not None:
+                raise denied
+            if r.status_code == 200:
+                raise RemoteUnavailableError(
+                    f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
+                    "download the file and run the command on the local copy"
+                )
+            reason = str(getattr(r, "reason_phrase", None) or getattr(r, "reason", "") or "")
+            err = _http_status(self.name, r.status_code, reason)
+            if isinstance(err, Transient):
+                err.retry_after = _retry_after(r.headers)
+            raise err
+        cr = r.headers.get("Content-Range", "")
+        want = f"bytes {start}-{end - 1}/"
+        if not cr.startswith(want):
+            raise Transient(f"unexpected Content-Range {cr!r}")
+        total = cr[len(want) :]
+        if total != "*" and total != str(self.size):
+            raise RemoteChangedError(
+                f"{self.name}: the file changed while it was read (size {self.size:,} -> {total} bytes); "
+                "run the command again"
+            )
+        data = r.content
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
         return bytes(data)

@@ -45,6 +45,7 @@ from ckptfix.remote.backends import (  # noqa: F401 - MAX_RETRY_AFTER, _retry_af
     MAX_RETRY_AFTER,
     Transient,
     _FsBackend,
+    _HfBackend,
     _HttpBackend,
     _retry_after,
     _S3Backend,
@@ -148,6 +149,8 @@ class RemoteFile:
             self._backend: Any = _HttpBackend(fs, path, url)
         elif ("s3" in protocols or "s3a" in protocols) and hasattr(fs, "_call_s3"):
             self._backend = _S3Backend(fs, path, url)
+        elif "hf" in protocols and hasattr(fs, "resolve_path"):
+            self._backend = _HfBackend(fs, path, url)
         else:
             self._backend = _FsBackend(fs, path, url)
         self.fs = fs

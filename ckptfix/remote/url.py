@@ -2,7 +2,9 @@
 
 The scheme table is the one place that knows the drivers: ``s3://`` needs ``s3fs`` (the ``[remote]`` extra
 installs it), ``gs://`` ``gcsfs``, ``az://`` ``adlfs``, ``hf://`` ``huggingface_hub``, ``http(s)://``
-``aiohttp``.  A missing driver is :class:`~ckptfix.errors.RemoteDriverMissingError` with the install line.
+``aiohttp``.  ``hf://`` honours ``HF_ENDPOINT`` (a mirror, a private Hub, the tests' local one) at each call, not
+only as huggingface_hub read it at its import.  A missing driver is
+:class:`~ckptfix.errors.RemoteDriverMissingError` with the install line.
 ``memory://`` (fsspec's in-process store) is there for tests.
 """
 
@@ -106,8 +108,12 @@ def filesystem(url: str) -> tuple[Any, str]:
             raise RemoteDriverMissingError(
                 f"reading {sch}:// URLs needs the {module} package, which is not installed: {install_hint(module)}"
             ) from None
+    kwargs: dict[str, Any] = {}
+    if protocol == "hf" and os.environ.get("HF_ENDPOINT"):
+        # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
+        kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **kwargs)
     except ImportError as e:
         raise RemoteDriverMissingError(
             f"reading {sch}:// URLs needs a driver that is not installed ({e}): {install_hint(module or 'fsspec')}"
