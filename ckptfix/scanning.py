@@ -12,7 +12,7 @@ import io
 import os
 import struct
 from dataclasses import field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from ckptfix import source
 from ckptfix._dataclass import dataclass
@@ -269,27 +269,40 @@ def _scan_distcp_spans(fpath: str, label: str, spans: list[tuple[int, int]], acc
     # unbuffered: a buffer would read 64 KiB past each small read, beyond what was fetched
     with source.open_file(fpath) as buffered:
         f = getattr(buffered, "raw", buffered)
-        pos = 0
-        for off, length in spans:
-            e = off + length - 22
-            if off < pos or length < 22 or off + length > size:
-                continue
-            f.seek(e)
-            if f.read(4) != b"PK\x05\x06":
-                continue
-            bounds = _archive_bounds(f, e, size)
-            if bounds is None or bounds[0] < pos:
-                continue
-            start, end = bounds
-            f.seek(start)
-            if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
-                continue
-            if start > pos:
-                acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
-            _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
-            pos = end
-        if pos < size:
-            acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
+        _scan_archives(f, _item_ends(f, spans, size), size, label, acc, limits)
+
+
+def _item_ends(f: Any, spans: list[tuple[int, int]], size: int) -> Iterator[int]:
+    """The end records at the ends of the items ``spans`` (ascending), read where ``.metadata`` puts them."""
+    for off, length in spans:
+        e = off + length - 22
+        if length < 22 or off + length > size:
+            continue
+        f.seek(e)
+        if f.read(4) == b"PK\x05\x06":
+            yield e
+
+
+def _scan_archives(f: Any, ends: Iterable[int], size: int, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the torch archives whose end records are at ``ends`` (ascending) in a file of ``size`` bytes;
+    bytes that belong to no archive make the verdict unknown (local files and remote ones alike)."""
+    pos = 0
+    for e in ends:
+        if e < pos:
+            continue
+        bounds = _archive_bounds(f, e, size)
+        if bounds is None or bounds[0] < pos:
+            continue
+        start, end = bounds
+        f.seek(start)
+        if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
+            continue
+        if start > pos:
+            acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
+        _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
+        pos = end
+    if pos < size:
+        acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
 
 
 class _Slice(io.RawIOBase):
@@ -373,23 +386,7 @@ def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> Non
     """
     size = source.getsize(fpath)
     with source.open_file(fpath) as f:
-        pos = 0
-        for e in _find_all(f, size, b"PK\x05\x06", 0):
-            if e < pos:
-                continue
-            bounds = _archive_bounds(f, e, size)
-            if bounds is None or bounds[0] < pos:
-                continue
-            start, end = bounds
-            f.seek(start)
-            if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
-                continue
-            if start > pos:
-                acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
-            _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
-            pos = end
-        if pos < size:
-            acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
+        _scan_archives(f, _find_all(f, size, b"PK\x05\x06", 0), size, label, acc, limits)
 
 
 def scan_checkpoint(path: str | os.PathLike | Input, *, limits: PickleLimits | None = None) -> ScanReport:
