@@ -221,10 +221,33 @@ class _HttpBackend:
                     f"{self.name}: the object changed while it was read (size {self.size:,} -> {total} bytes); "
                     "run the command again"
                 )
-            data = await r.read()
+            enc = r.headers.get("Content-Encoding", "identity").strip().lower()
+            if enc not in ("", "identity"):  # asked for identity: decoded bytes are not the object's (maybe a bomb)
+                raise RemoteUnavailableError(
+                    f"{self.name}: the server compressed a range answer (Content-Encoding: {enc}) though asked for "
+                    "identity; download the file and run the command on the local copy"
+                )
+            data = await _read_at_most(r, end - start)
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
         return data
+
+
+async def _read_at_most(r: Any, n: int, read: Any = None) -> bytes:
+    """The body of ``r`` (an aiohttp response; or ``read(k)``, a coroutine giving up to ``k`` more bytes) if it is
+    at most ``n`` bytes; a longer body (whatever its ``Content-Length``) is refused after ``n + 1`` bytes, so a
+    server that answers a range with more than asked never fills the memory."""
+    if read is None:
+        read = r.content.read
+    buf = bytearray()
+    while len(buf) <= n:
+        chunk = await read(min(1 << 20, n + 1 - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    if len(buf) > n:
+        raise Transient(f"the server sent more than the {n:,} bytes asked for")
+    return bytes(buf)
 
 
 #: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
@@ -336,8 +359,8 @@ class _S3Backend(_FsBackend):
         async def get() -> tuple[str | None, bytes]:
             resp = await self.fs._call_s3("get_object", **kw)
             body = resp["Body"]
-            try:
-                data = await body.read()
+            try:  # at most one byte more than asked: a longer body is refused, never held whole
+                data = await _read_at_most(body, end - start, lambda k: body.read(k))
             finally:
                 body.close()
             return resp.get("ETag"), data
