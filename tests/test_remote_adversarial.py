@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import json
 import threading
 import tracemalloc
 import zlib
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -22,6 +24,9 @@ pytest.importorskip("aiohttp")
 from ckptfix.errors import RemoteUnavailableError
 from ckptfix.remote import file as rfile
 from ckptfix.remote.file import RemoteFile
+
+from helpers import run_cli
+from rangeserver import RangeServer, serving
 
 MiB = 1 << 20
 
@@ -135,3 +140,75 @@ def test_a_compressed_range_answer_is_refused_not_inflated() -> None:
     assert isinstance(out, RemoteUnavailableError), out
     assert "Content-Encoding" in str(out)
     assert peak < 32 * MiB, f"peak {peak / MiB:.0f} MiB"
+
+
+# --------------------------------------------------------------------------- a hostile checkpoint on an honest server
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Iterator[tuple[Path, RangeServer]]:
+    """A served folder with a "secret" checkpoint next to ``ckpt/``: members of ``ckpt/`` must never reach it."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "ckpt").mkdir()
+    save_file({"secret": torch.arange(3.0)}, str(tmp_path / "secret.safetensors"))
+    save_file({"w": torch.ones(3)}, str(tmp_path / "ckpt" / "ok.safetensors"))
+    with serving(str(tmp_path)) as srv:
+        yield tmp_path, srv
+
+
+def _outside_hits(srv: RangeServer) -> list[str]:
+    return [h.path for h in srv.requests() if not h.path.startswith("/ckpt/")]
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "%2e%2e/secret.safetensors",  # the client turns it into ../ (yarl normalises the path)
+        "..%2Fsecret.safetensors",  # the server decodes %2F, then normalises (http.server, many others)
+        "sub/%2e%2e/%2e%2e/secret.safetensors",
+        "%252e%252e/secret.safetensors",  # decoded twice
+        "ok.safetensors?x=../secret.safetensors",
+        "http://127.0.0.1:9/secret.safetensors",
+    ],
+)
+def test_a_remote_index_cannot_name_a_shard_outside_its_folder(outside: tuple[Path, RangeServer], shard: str) -> None:
+    root, srv = outside
+    (root / "ckpt" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"secret": shard}}))
+    srv.reset()
+    r = run_cli("inspect", f"{srv.url}/ckpt/model.safetensors.index.json", "--json")
+    assert r.rc == 8, (r.rc, r.out, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "refused" in r.err
+    assert _outside_hits(srv) == []
+
+
+def test_a_remote_dcp_data_file_name_cannot_leave_the_folder(tmp_path: Path) -> None:
+    """A ``.metadata`` whose ``relative_path`` is ``..%2F__0_0.distcp`` (no ``/``: the local check passes it):
+    served, the server decodes and normalises it to the folder's parent."""
+    import pickle
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    data = [p.name for p in (tmp_path / "dcp").iterdir() if p.suffix == ".distcp"]
+    for name in data:  # the data files move to the parent: only an escaping name reaches them
+        (tmp_path / "dcp" / name).rename(tmp_path / name)
+    mpath = tmp_path / "dcp" / ".metadata"
+    meta = pickle.loads(mpath.read_bytes())
+    for info in meta.storage_data.values():
+        info.relative_path = "..%2F" + info.relative_path
+    mpath.write_bytes(pickle.dumps(meta))
+    with serving(str(tmp_path)) as srv:
+        r = run_cli("inspect", f"{srv.url}/dcp", "--json")
+        assert r.rc == 5, (r.rc, r.out, r.err)
+        assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "leave the checkpoint folder" in r.err
+        rfile._PINS.clear()
+        local = run_cli("scan", str(tmp_path / "dcp"), "--json")
+        remote = run_cli("scan", f"{srv.url}/dcp", "--json")  # scans what the folder holds, as locally
+        assert remote.rc == local.rc
+        assert [h.path for h in srv.requests() if h.path.endswith(".distcp")] == []
