@@ -212,3 +212,34 @@ def test_a_remote_dcp_data_file_name_cannot_leave_the_folder(tmp_path: Path) -> 
         remote = run_cli("scan", f"{srv.url}/dcp", "--json")  # scans what the folder holds, as locally
         assert remote.rc == local.rc
         assert [h.path for h in srv.requests() if h.path.endswith(".distcp")] == []
+
+
+def test_a_slow_loris_server_is_bounded_by_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A byte every 0.2 s never trips a per-read timeout of 1 s: the whole request still has a deadline."""
+    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "0")
+    stop = threading.Event()
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        _head206(h, start, end, 2 * MiB, Content_Length=str(end - start))
+        for _ in range(end - start):
+            if stop.wait(0.2):
+                return
+            h.wfile.write(b"x")
+            h.wfile.flush()
+
+    box: list[Any] = []
+
+    def read() -> None:
+        try:
+            box.append(RemoteFile(url).pread(100, 0))
+        except Exception as e:  # noqa: BLE001 - checked below
+            box.append(e)
+
+    with lying(answer) as url:
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(120)  # a hang catcher only: the deadline is minutes under it
+        stop.set()
+    assert box, "the read never ended"
+    assert isinstance(box[0], RemoteUnavailableError), box[0]

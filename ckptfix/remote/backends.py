@@ -53,8 +53,13 @@ def backoff(attempt: int) -> float:
 
 
 def timeout() -> float:
-    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60)."""
+    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
+    twice that plus its body at :data:`MIN_RATE`."""
     return _env_float("CKPTFIX_REMOTE_TIMEOUT", 60.0)
+
+
+#: bytes per second: a range request whose body comes slower than this (after twice the timeout) has failed
+MIN_RATE = 64 * 1024
 
 
 class Transient(Exception):
@@ -126,11 +131,13 @@ class _HttpBackend:
 
         return sync(self.fs.loop, coro_fn, *args)
 
-    def _timeout(self) -> Any:
+    def _timeout(self, nbytes: int = 0) -> Any:
         import aiohttp
 
         t = timeout()
-        return aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)
+        # a deadline for the whole request too: a server that sends a byte now and then (slow loris) never trips
+        # ``sock_read``; twice the timeout plus the body at :data:`MIN_RATE` is generous for an honest server
+        return aiohttp.ClientTimeout(total=2 * t + nbytes / MIN_RATE, sock_connect=t, sock_read=t)
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         import asyncio
@@ -194,7 +201,7 @@ class _HttpBackend:
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
         if self.etag:
             headers["If-Match"] = self.etag
-        async with session.get(self.url, headers=headers, timeout=self._timeout()) as r:
+        async with session.get(self.url, headers=headers, timeout=self._timeout(end - start)) as r:
             if r.status != 206:
                 if r.status == 200:
                     raise RemoteUnavailableError(
