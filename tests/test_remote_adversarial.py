@@ -243,3 +243,30 @@ def test_a_slow_loris_server_is_bounded_by_the_timeout(monkeypatch: pytest.Monke
         stop.set()
     assert box, "the read never ended"
     assert isinstance(box[0], RemoteUnavailableError), box[0]
+
+
+def test_hostile_names_in_a_remote_listing_are_never_printed_raw(tmp_path: Path) -> None:
+    """Names with a terminal escape and a newline (a listing is the server's, or the uploader's, text): the error
+    stays one line and carries no control character."""
+    (tmp_path / "ckpt").mkdir()
+    for name in ("\x1b]0;pwned\x07a.index.json", "b\nError: all good.index.json"):
+        (tmp_path / "ckpt" / name).write_text(json.dumps({"weight_map": {"w": "x.safetensors"}}))
+    with serving(str(tmp_path)) as srv:
+        for where in (f"{srv.url}/ckpt/", str(tmp_path / "ckpt")):  # the same rule for a local folder
+            r = run_cli("inspect", where)
+            assert r.rc == 4, (r.rc, r.out, r.err)
+            assert r.err.startswith("Error: ") and r.err.count("\n") == 1, r.err
+            assert not any(ord(c) < 32 and c != "\n" or ord(c) == 127 for c in r.err), repr(r.err)
+
+
+def test_a_listing_name_that_decodes_to_a_path_is_not_a_member(tmp_path: Path) -> None:
+    """An uploaded file literally named ``..%2Fsecret.index.json``: listed (quoted), decoded once it reads as a
+    name, but joined to the folder's URL the server decodes it again to the folder's parent."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "secret.index.json").write_text(json.dumps({"weight_map": {"w": "secret.safetensors"}}))
+    (tmp_path / "ckpt" / "..%2Fsecret.index.json").write_text("{}")
+    with serving(str(tmp_path)) as srv:
+        r = run_cli("inspect", f"{srv.url}/ckpt/")
+        assert r.rc != 0
+        assert [h.path for h in srv.requests() if h.path.startswith("/secret")] == []
+        assert r.err.startswith("Error: ") and r.err.count("\n") == 1, r.err
