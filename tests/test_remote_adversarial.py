@@ -270,3 +270,63 @@ def test_a_listing_name_that_decodes_to_a_path_is_not_a_member(tmp_path: Path) -
         assert r.rc != 0
         assert [h.path for h in srv.requests() if h.path.startswith("/secret")] == []
         assert r.err.startswith("Error: ") and r.err.count("\n") == 1, r.err
+
+
+# --------------------------------------------------------------------------- polyglots: the same verdict remotely
+
+
+def _polyglots(tmp: Path) -> tuple[Path, dict[str, bytes]]:
+    import io
+    import pickle
+    import zipfile
+
+    import hostile
+    from test_sniff_differential import _cases, canary_cmd, tar_member, zip_tar_polyglot
+
+    canary, payload = canary_cmd(tmp)
+    cases = _cases(tmp)
+    cases["zip/tar"] = zip_tar_polyglot(
+        tar_member(b"storages", payload)
+        + tar_member(b"tensors", pickle.dumps(0, protocol=2))
+        + tar_member(b"pickle", pickle.dumps({}, protocol=2))
+        + b"\0" * 1024
+    )
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("archive/data.pkl", hostile.wrap_dict(hostile.global_reduce("os", "system", f"touch {canary}")))
+    cases["pickle+evil-zip"] = pickle.dumps({"a": 1}, protocol=2) + inner.getvalue()
+    return canary, cases
+
+
+def _outcome(fn: Callable[[str], Any], where: str) -> Any:
+    """``fn(where)``, or the name of the error it raised (the same typed error is expected remotely)."""
+    try:
+        return fn(where)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+
+
+def _verdict(doc: dict[str, Any]) -> dict[str, Any]:
+    return {k: doc.get(k) for k in ("format", "verdict", "dangerous", "unknown")}
+
+
+def test_polyglots_get_the_same_scan_verdict_remotely_and_never_run(tmp_path: Path) -> None:
+    from ckptfix.formats import sniff
+    from ckptfix.inspecting import scan_checkpoint
+    from ckptfix.loading import load_anywhere
+
+    canary, cases = _polyglots(tmp_path)
+    (tmp_path / "served").mkdir()
+    for name, data in cases.items():
+        (tmp_path / "served" / f"{name.replace('/', '_')}.pt").write_bytes(data)
+    with serving(str(tmp_path / "served")) as srv:
+        for p in sorted((tmp_path / "served").iterdir()):
+            url = f"{srv.url}/{p.name}"
+            rfile._PINS.clear()
+            assert _outcome(sniff, url) == _outcome(sniff, str(p)), p.name
+            scan = lambda w: _verdict(scan_checkpoint(w).to_dict())  # noqa: E731
+            assert _outcome(scan, url) == _outcome(scan, str(p)), p.name
+            for where in (str(p), url):  # the loader's policy: a payload never runs, local or remote
+                with contextlib.suppress(Exception):
+                    load_anywhere(where)
+            assert not canary.exists(), p.name
