@@ -330,3 +330,43 @@ def test_polyglots_get_the_same_scan_verdict_remotely_and_never_run(tmp_path: Pa
                 with contextlib.suppress(Exception):
                     load_anywhere(where)
             assert not canary.exists(), p.name
+
+
+# --------------------------------------------------------------------------- bad URLs: one line, the right code
+
+
+def test_an_invalid_http_url_is_a_one_line_40_not_retried() -> None:
+    r = run_cli("inspect", "http://127.0.0.1:99999/a.pt", CKPTFIX_REMOTE_RETRIES="3")
+    assert r.rc == 40, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "check the URL" in r.err
+    assert "retries" not in r.err
+
+
+@pytest.mark.parametrize("out", ["s3://", "s3:///", "memory://"])
+def test_an_output_url_that_names_no_object_is_a_usage_error(tmp_path: Path, out: str) -> None:
+    import torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    r = run_cli("convert", str(tmp_path / "m.pt"), "-o", out)
+    assert r.rc == 9, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "internal error" not in r.err
+
+
+def test_an_s3_output_without_credentials_is_41_not_an_internal_error(tmp_path: Path) -> None:
+    import os
+
+    import torch
+
+    pytest.importorskip("s3fs")
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env |= {
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing is sent: signing fails first
+        "CKPTFIX_REMOTE_RETRIES": "0",
+    }
+    r = run_cli("convert", str(tmp_path / "m.pt"), "-o", "s3://some-bucket/m.safetensors", env=env)
+    assert r.rc == 41, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "AWS_ACCESS_KEY_ID" in r.err

@@ -154,6 +154,10 @@ class _HttpBackend:
             return self._run(coro_fn, *args)
         except CkptfixError:  # already typed (some subclass ConnectionError): never retried
             raise
+        except ValueError as e:  # aiohttp's InvalidURL (a bad port, no host): no retry makes it valid
+            if type(e).__name__.startswith("InvalidUrl") or type(e).__name__ == "InvalidURL":
+                raise RemoteNotFoundError(f"{self.name}: not a valid URL ({e}); check the URL") from None
+            raise
         except self._errors() as e:
             raise Transient(f"{type(e).__name__}: {e}") from None
         except Exception as e:  # fsspec's FSTimeoutError

@@ -54,6 +54,10 @@ def remote_exists(url: str) -> bool:
         return bool(fs.exists(path))
     except (OSError, ValueError):
         return False
+    except Exception as e:  # noqa: BLE001 - no credentials, a client's own errors: typed, one line
+        from ckptfix.source import _remote_map
+
+        raise _remote_map(url, e) from None
 
 
 def check_remote_outputs(urls: list[str], force: bool) -> None:
