@@ -434,7 +434,12 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
     if _http(url):
         p = url if url.endswith("/") else url + "/"
     try:
-        entries = fs.ls(p, detail=False)
+        if _http(url):  # the page is the server's text: read under a size limit and a deadline
+            from ckptfix.remote.backends import http_links
+
+            entries = http_links(fs, p)
+        else:
+            entries = fs.ls(p, detail=False)
     except Exception as e:  # noqa: BLE001 - mapped to the typed errors
         raise _remote_map(url, e) from None
     names = set()

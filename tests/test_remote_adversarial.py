@@ -370,3 +370,28 @@ def test_an_s3_output_without_credentials_is_41_not_an_internal_error(tmp_path: 
     r = run_cli("convert", str(tmp_path / "m.pt"), "-o", "s3://some-bucket/m.safetensors", env=env)
     assert r.rc == 41, (r.rc, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "AWS_ACCESS_KEY_ID" in r.err
+
+
+def test_an_endless_folder_listing_is_refused_in_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder URL whose listing page is 256 MiB of links: refused at the limit (ResourceLimitError, exit 10's
+    class), never read whole."""
+    from ckptfix import source
+    from ckptfix.errors import ResourceLimitError
+    from ckptfix.remote import backends
+
+    monkeypatch.setattr(backends, "MAX_LISTING", 1 * MiB, raising=False)
+    line = b"".join(b'<a href="f%d.distcp">x</a>\n' % i for i in range(40_000))  # about 1 MiB
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "text/html")
+        h.send_header("Content-Length", str(256 * len(line)))
+        h.end_headers()
+        for _ in range(256):
+            h.wfile.write(line)
+
+    with lying(answer) as url:
+        out, peak = _peak_of(lambda: source.listdir(url.rsplit("/", 1)[0] + "/dcp/"))
+    assert isinstance(out, ResourceLimitError), out
+    assert "folder listing" in str(out)
+    assert peak < 32 * MiB, f"peak {peak / MiB:.0f} MiB"

@@ -261,6 +261,74 @@ async def _read_at_most(r: Any, n: int, read: Any = None) -> bytes:
     return bytes(buf)
 
 
+#: the most bytes of an HTTP folder listing read (a listing page is the server's text: it may be endless)
+MAX_LISTING = 16 << 20
+
+
+async def _listing_links(backend: _HttpBackend) -> list[str]:
+    """The links of an HTTP folder listing page (as fsspec's ``ls`` finds them), read under a size limit and the
+    request deadline; a longer page is :class:`~ckptfix.errors.ResourceLimitError`."""
+    from fsspec.implementations.http import ex
+
+    from ckptfix.errors import ResourceLimitError
+
+    session = await backend.fs.set_session()
+    headers = {"Accept-Encoding": "identity"}
+    async with session.get(backend.url, headers=headers, timeout=backend._timeout(MAX_LISTING)) as r:
+        if r.status >= 300:
+            raise _http_status(backend.name, r.status, r.reason or "")
+        if r.headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"):
+            return []  # asked for identity: a compressed page is not read (nothing listed)
+        if r.headers.get("Content-Type", "text/html").partition(";")[0].strip() not in ("text/html", ""):
+            return []
+        buf = bytearray()
+        while True:
+            chunk = await r.content.read(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > MAX_LISTING:
+                raise ResourceLimitError(
+                    f"{backend.name}: the folder listing is over {MAX_LISTING >> 20} MiB; "
+                    "pass the checkpoint file's URL instead of its folder"
+                )
+    return [m[2] for m in ex.findall(buf.decode("utf-8", "replace"))]
+
+
+def http_links(fs: Any, url: str) -> list[str]:
+    """The URLs an HTTP folder listing links to below ``url`` (what ``fs.ls`` gives, bounded in bytes and time).
+
+    Args:
+        fs: fsspec's HTTP file system.
+        url: the folder's URL, ending with ``/``.
+
+    Returns:
+        Absolute URLs (sub-folders end with ``/``).
+
+    Raises:
+        ResourceLimitError: the listing page is over :data:`MAX_LISTING` bytes.
+        RemoteNotFoundError, RemoteAccessDeniedError, RemoteUnavailableError: the server's answer.
+    """
+    from urllib.parse import urlparse
+
+    b = _HttpBackend(fs, url, url)
+    try:
+        links = b._guard(_listing_links, b)
+    except Transient as e:
+        raise RemoteUnavailableError(f"{url}: the store failed ({e}); run the command again") from None
+    parts = urlparse(url)
+    out = []
+    for link in links:
+        if link.startswith("/") and len(link) > 1:
+            link = f"{parts.scheme}://{parts.netloc}{link}"
+        if not link.startswith("http"):
+            if link in ("..", "../"):
+                continue
+            link = url.rstrip("/") + "/" + link.lstrip("/")
+        out.append(link)
+    return out
+
+
 #: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
 _CLIENT_MODULES = frozenset(
     {
