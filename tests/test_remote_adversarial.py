@@ -395,3 +395,18 @@ def test_an_endless_folder_listing_is_refused_in_bounded_memory(monkeypatch: pyt
     assert isinstance(out, ResourceLimitError), out
     assert "folder listing" in str(out)
     assert peak < 32 * MiB, f"peak {peak / MiB:.0f} MiB"
+
+
+def test_a_folder_output_url_for_a_file_is_refused_as_locally(tmp_path: Path) -> None:
+    """``-o s3://bucket/prefix/`` for a safetensors output: exit 9 as ``-o DIR/`` is locally, not an object
+    named ``prefix/prefix`` without an extension."""
+    import torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    local = run_cli("convert", str(tmp_path / "m.pt"), "-o", str(tmp_path / "newdir") + "/")
+    r = run_cli("convert", str(tmp_path / "m.pt"), "-o", "memory://advr-out/prefix/")
+    assert local.rc == 9 and r.rc == 9, (local.err, r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "-o" in r.err
+    import fsspec
+
+    assert not fsspec.filesystem("memory").exists("/advr-out/prefix/prefix")

@@ -51,6 +51,8 @@ def convert_to_url(
     name = basename(dst)
     if not dst.split("://", 1)[-1].strip("/"):  # s3://, memory:// : no bucket, no name
         raise OutputError(f"{dst}: the output URL names no bucket or object; pass e.g. s3://bucket/model.safetensors")
+    if dst.endswith("/") and to != "dcp" and not name.endswith(".dcp"):  # as for a local -o DIR/
+        raise OutputError(f"{dst}: names a folder (it ends with a slash); pass an object name with -o")
     folder_out = dst.endswith("/") or name.endswith(".dcp") or to == "dcp"
     if not folder_out:
         check_remote_outputs([dst], force)  # fail before any reading
