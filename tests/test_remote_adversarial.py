@@ -410,3 +410,39 @@ def test_a_folder_output_url_for_a_file_is_refused_as_locally(tmp_path: Path) ->
     import fsspec
 
     assert not fsspec.filesystem("memory").exists("/advr-out/prefix/prefix")
+
+
+@pytest.mark.parametrize("where", ["file:///etc/passwd", "loop"])
+def test_a_redirect_to_a_local_file_or_in_a_loop_is_refused_at_once(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "3")
+    seen: list[str] = []
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            seen.append(self.path)
+            self.send_response(302)
+            self.send_header("Location", where if where != "loop" else self.path + "x")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_HEAD
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    srv.daemon_threads = True
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = run_cli("inspect", f"http://127.0.0.1:{srv.server_address[1]}/m.pt")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.rc == 43, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "redirects" in r.err and "retries" not in r.err
+    assert len(seen) <= 11  # one chain of redirects (aiohttp follows at most 10), not one per retry

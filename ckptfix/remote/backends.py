@@ -159,7 +159,13 @@ class _HttpBackend:
                 raise RemoteNotFoundError(f"{self.name}: not a valid URL ({e}); check the URL") from None
             raise
         except self._errors() as e:
-            raise Transient(f"{type(e).__name__}: {e}") from None
+            kind = type(e).__name__
+            if kind in ("NonHttpUrlRedirectClientError", "InvalidUrlRedirectClientError", "TooManyRedirects"):
+                why = "in a loop" if kind == "TooManyRedirects" else f"to {e}, not an http(s) URL"
+                raise RemoteUnavailableError(  # the server's answer, the same on every retry: refused now
+                    f"{self.name}: the server redirects {why}; refused (check the URL, or download the file)"
+                ) from None
+            raise Transient(f"{kind}: {e}") from None
         except Exception as e:  # fsspec's FSTimeoutError
             if type(e).__name__ == "FSTimeoutError":
                 raise Transient("timed out") from None
