@@ -17,6 +17,7 @@ import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
+from ckptfix.containment import remote_name_escapes
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.remote import url as _urls
 from ckptfix.remote.stats import Stats, active, session
@@ -455,6 +456,8 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
             name = _unquote(name)
         else:
             name = name.rsplit("/", 1)[-1]
+        if remote_name_escapes(name):  # joined back to the folder's URL it would name another object: not a member
+            continue
         names.add(name)
     return sorted(names)
 
