@@ -464,3 +464,42 @@ def test_a_listed_name_that_would_name_another_object_is_not_a_member(tmp_path: 
         assert r.rc == 0, (r.rc, r.err)
         assert json.loads(r.out)["format"] == "sharded"
         assert [h.path for h in srv.requests() if "evil" in h.path] == []
+
+
+def test_a_weak_etag_is_compared_not_sent_as_if_match() -> None:
+    """``W/"v1"`` (nginx, CDNs): If-Match compares strongly, so a weak ETag never matches (412 on every read, a
+    false "changed"); it is still checked on each answer."""
+    data = bytes(range(256)) * 8192  # 2 MiB
+
+    class Weak(_Lying):
+        def do_HEAD(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("ETag", 'W/"v1"')
+            self.end_headers()
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        if h.headers.get("If-Match", "").startswith("W/"):  # RFC 9110: a weak ETag never matches If-Match
+            h.send_response(412)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        h.send_header("ETag", 'W/"v1"')
+        h.send_header("Content-Length", str(end - start))
+        h.end_headers()
+        h.wfile.write(data[start:end])
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Weak)
+    srv.daemon_threads = True
+    srv.answer = answer  # type: ignore[attr-defined]
+    srv.size = len(data)  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        rf = RemoteFile(f"http://127.0.0.1:{srv.server_address[1]}/f.bin")
+        assert rf.pread(1000, 5000) == data[5000:6000]
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -209,7 +209,7 @@ class _HttpBackend:
     async def _get(self, start: int, end: int) -> bytes:
         session = await self.fs.set_session()
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
-        if self.etag:
+        if self.etag and not self.etag.startswith("W/"):  # a weak ETag never matches If-Match: compared below only
             headers["If-Match"] = self.etag
         async with session.get(self.url, headers=headers, timeout=self._timeout(end - start)) as r:
             if r.status != 206:
