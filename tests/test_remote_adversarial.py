@@ -503,3 +503,35 @@ def test_a_weak_etag_is_compared_not_sent_as_if_match() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.mark.parametrize("total", ["abc", "-5", "1e3", ""])
+def test_a_malformed_content_range_at_open_is_a_one_line_error(total: str) -> None:
+    """No HEAD (405): the size comes from a one-byte GET's Content-Range, which says ``bytes 0-0/<total>``."""
+
+    class NoHead(_Lying):
+        def do_HEAD(self) -> None:
+            self.send_response(405)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes 0-0/{total}")
+        h.send_header("Content-Length", "1")
+        h.end_headers()
+        h.wfile.write(b"x")
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoHead)
+    srv.daemon_threads = True
+    srv.answer = answer  # type: ignore[attr-defined]
+    srv.size = 1  # type: ignore[attr-defined]
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        r = run_cli("inspect", f"http://127.0.0.1:{srv.server_address[1]}/m.pt")
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.rc == 43, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "internal error" not in r.err

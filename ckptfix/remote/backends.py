@@ -201,7 +201,13 @@ class _HttpBackend:
                     f"{self.name}: the server does not answer range requests (HTTP {r.status}); "
                     "download the file and run the command on the local copy"
                 )
-            return int(cr.rsplit("/", 1)[1]), r.headers.get("ETag")
+            total = cr.rsplit("/", 1)[1].strip()
+            if not (total.isascii() and total.isdigit()):
+                raise RemoteUnavailableError(
+                    f"{self.name}: the server answered a malformed Content-Range ({cr!r}); "
+                    "download the file and run the command on the local copy"
+                )
+            return int(total), r.headers.get("ETag")
 
     def fetch(self, start: int, end: int) -> bytes:
         return bytes(self._guard(self._get, start, end))
