@@ -535,3 +535,9 @@ def test_a_malformed_content_range_at_open_is_a_one_line_error(total: str) -> No
         srv.server_close()
     assert r.rc == 43, (r.rc, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "internal error" not in r.err
+
+
+def test_credentials_in_a_url_are_not_repeated_in_the_error_line() -> None:
+    r = run_cli("inspect", "http://alice:s3cr3t-token@127.0.0.1:9/a.pt", CKPTFIX_REMOTE_RETRIES="0")
+    assert r.rc == 43, (r.rc, r.err)
+    assert "s3cr3t-token" not in r.err and "http://***@127.0.0.1:9/a.pt" in r.err

@@ -8,6 +8,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import IO, Any, Callable
 
@@ -81,9 +82,14 @@ def warn(msg: str) -> None:
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
 
 
+#: ``scheme://user:password@`` in a URL: the credentials are not repeated in diagnostics (logs keep them)
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
+
+
 def one_line(msg: str) -> str:
-    """``msg`` with its control characters escaped (``\\x1b``, ``\\x0a``): one line, nothing a terminal runs."""
-    return msg.translate(_CONTROLS)
+    """``msg`` with its control characters escaped (``\\x1b``, ``\\x0a``): one line, nothing a terminal runs; a
+    URL's ``user:password@`` shown as ``***@``."""
+    return _USERINFO.sub(r"\1***@", msg.translate(_CONTROLS))
 
 
 def error_line(msg: str) -> None:
