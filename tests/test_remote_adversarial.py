@@ -541,3 +541,20 @@ def test_credentials_in_a_url_are_not_repeated_in_the_error_line() -> None:
     r = run_cli("inspect", "http://alice:s3cr3t-token@127.0.0.1:9/a.pt", CKPTFIX_REMOTE_RETRIES="0")
     assert r.rc == 43, (r.rc, r.err)
     assert "s3cr3t-token" not in r.err and "http://***@127.0.0.1:9/a.pt" in r.err
+
+
+def test_an_http_output_is_refused_not_posted(tmp_path: Path) -> None:
+    """``-o http://...``: fsspec would POST the file to any server (no all-or-nothing commit): refused, exit 9,
+    before anything is sent."""
+    import torch
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "m.pt")
+    seen: list[str] = []
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        seen.append(h.command)
+
+    with lying(answer) as url:
+        r = run_cli("convert", str(tmp_path / "m.pt"), "-o", url.replace("f.bin", "out.safetensors"))
+    assert r.rc == 9, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "read-only" in r.err
