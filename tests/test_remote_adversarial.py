@@ -367,7 +367,13 @@ def test_an_s3_output_without_credentials_is_41_not_an_internal_error(tmp_path: 
         "AWS_ENDPOINT_URL": "http://127.0.0.1:9",  # nothing is sent: signing fails first
         "CKPTFIX_REMOTE_RETRIES": "0",
     }
-    r = run_cli("convert", str(tmp_path / "m.pt"), "-o", "s3://some-bucket/m.safetensors", env=env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches file systems: one made without credentials ...
+    try:
+        r = run_cli("convert", str(tmp_path / "m.pt"), "-o", "s3://some-bucket/m.safetensors", env=env)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # ... must not serve the next test's moto server
     assert r.rc == 41, (r.rc, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "AWS_ACCESS_KEY_ID" in r.err
 
