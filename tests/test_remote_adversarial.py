@@ -180,6 +180,12 @@ def test_a_remote_index_cannot_name_a_shard_outside_its_folder(outside: tuple[Pa
     r = run_cli("inspect", f"{srv.url}/ckpt/model.safetensors.index.json", "--json")
     assert r.rc == 8, (r.rc, r.out, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "refused" in r.err
+    from ckptfix.errors import UnsupportedError
+    from ckptfix.loading import load_anywhere
+
+    rfile._PINS.clear()
+    with pytest.raises(UnsupportedError):  # the loader reads the same index: the same refusal
+        load_anywhere(f"{srv.url}/ckpt/model.safetensors.index.json")
     assert _outside_hits(srv) == []
 
 
