@@ -570,3 +570,25 @@ def test_an_http_output_is_refused_not_posted(tmp_path: Path) -> None:
         r = run_cli("convert", str(tmp_path / "m.pt"), "-o", url.replace("f.bin", "out.safetensors"))
     assert r.rc == 9, (r.rc, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "read-only" in r.err
+
+
+def test_a_head_that_claims_4_gib_for_a_tiny_object_is_one_line_with_a_fix(tmp_path: Path) -> None:
+    """HEAD says 4 GiB; the object is 2 KiB and ranges past it are 416: refused, nothing big allocated."""
+    data = bytes(2048)
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        if start >= len(data):
+            h.send_response(416)
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        _head206(h, start, min(end, len(data)), len(data), Content_Length=str(min(end, len(data)) - start))
+        h.wfile.write(data[start:end])
+
+    with lying(answer, size=4 << 30) as url:
+        r = run_cli("inspect", url)
+        out, peak = _peak_of(lambda: RemoteFile(url).pread(100, (4 << 30) - 100))
+    assert r.rc == 43, (r.rc, r.err)
+    assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "run the command" in r.err
+    assert isinstance(out, RemoteUnavailableError) and peak < 32 * MiB
+    assert "download the file" in str(out)  # a 416 past the real end: says what to do, not just the status

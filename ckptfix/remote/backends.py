@@ -98,7 +98,10 @@ def _http_status(name: str, status: int, reason: str = "") -> Exception:
         return Transient(f"HTTP 429 {reason}".strip(), throttled=True)
     if status >= 500 or status == 408:
         return Transient(f"HTTP {status} {reason}".strip())
-    return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
+    return RemoteUnavailableError(
+        f"{name}: unexpected HTTP {status} {reason}".strip()
+        + "; check the URL, or download the file and run the command on the local copy"
+    )
 
 
 def no_credentials(name: str, e: BaseException) -> RemoteAccessDeniedError:
