@@ -58,3 +58,32 @@ def check_member(base: str, name: str, what: str) -> None:
             f"{what}: {name} is a link to {real}, outside the checkpoint directory; refused "
             "(copy the file into the directory)"
         )
+
+
+def remote_name_escapes(name: str) -> bool:
+    """Whether a member name read from a remote container (a sharded index's shard, a DCP data file) could name
+    something other than a file below the container's URL once joined to it.
+
+    A URL decodes ``%2e%2e`` to ``..`` (the client normalises it away before the request: ``dir/%2e%2e/x`` is
+    ``/x``), ``?`` and ``#`` start a query (another S3 version, another object) or a fragment, and ``://`` a whole
+    URL; none of these is a file name a writer of checkpoints produces.
+
+    Args:
+        name: the member's name as recorded.
+
+    Returns:
+        True when the name must be refused.
+    """
+    from urllib.parse import unquote
+
+    if any(c in name for c in "?#\\\x00") or "://" in name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        return True
+    decoded = name
+    for _ in range(3):  # decoded until stable (a server may decode twice)
+        decoded, prev = unquote(decoded), decoded
+        if decoded == prev:
+            break
+    if decoded.count("/") != name.count("/") or "\\" in decoded:
+        return True  # an encoded separator: the server may split on it, the checks above did not
+    parts = decoded.split("/")
+    return decoded.startswith("/") or ".." in parts or any(c in decoded for c in "?#\x00")

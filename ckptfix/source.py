@@ -17,6 +17,7 @@ import contextvars
 import os
 from typing import Any, BinaryIO, Iterator
 
+from ckptfix.containment import remote_name_escapes
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.remote import url as _urls
 from ckptfix.remote.stats import Stats, active, session
@@ -440,7 +441,12 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
     if _http(url):
         p = url if url.endswith("/") else url + "/"
     try:
-        entries = fs.ls(p, detail=False)
+        if _http(url):  # the page is the server's text: read under a size limit and a deadline
+            from ckptfix.remote.backends import http_links
+
+            entries = http_links(fs, p)
+        else:
+            entries = fs.ls(p, detail=False)
     except Exception as e:  # noqa: BLE001 - mapped to the typed errors
         raise _remote_map(url, e) from None
     names = set()
@@ -456,6 +462,8 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
             name = _unquote(name)
         else:
             name = name.rsplit("/", 1)[-1]
+        if remote_name_escapes(name):  # joined back to the folder's URL it would name another object: not a member
+            continue
         names.add(name)
     return sorted(names)
 

@@ -8,6 +8,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import IO, Any, Callable
 
@@ -76,10 +77,25 @@ def warn(msg: str) -> None:
     click.echo(click.style("warning:", fg="yellow", bold=True) + " " + msg, err=True, color=color)
 
 
+#: control characters (C0, DEL, C1) shown escaped in diagnostics: a name from a file or a remote listing may hold a
+#: terminal escape or a newline, and an error stays one line that the terminal does not interpret
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
+
+
+#: ``scheme://user:password@`` in a URL: the credentials are not repeated in diagnostics (logs keep them)
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
+
+
+def one_line(msg: str) -> str:
+    """``msg`` with its control characters escaped (``\\x1b``, ``\\x0a``): one line, nothing a terminal runs; a
+    URL's ``user:password@`` shown as ``***@``."""
+    return _USERINFO.sub(r"\1***@", msg.translate(_CONTROLS))
+
+
 def error_line(msg: str) -> None:
     """The one ``Error: ...`` line on stderr, ``Error:`` in red on a colour terminal."""
     color = use_color(sys.stderr)
-    click.echo(click.style("Error:", fg="red", bold=True) + " " + msg, err=True, color=color)
+    click.echo(click.style("Error:", fg="red", bold=True) + " " + one_line(msg), err=True, color=color)
 
 
 #: operations on less data than this finish in about a second: no bar

@@ -17,6 +17,7 @@ import tempfile
 from typing import Callable
 
 from ckptfix.convert.report import ConvertReport
+from ckptfix.errors import OutputError
 
 #: files committed last: what makes a multi-file output usable
 _LAST = (".index.json", ".metadata")
@@ -48,6 +49,14 @@ def convert_to_url(
     from ckptfix.remote.url import basename, parent
 
     name = basename(dst)
+    if dst.split("://", 1)[0].lower() in ("http", "https"):  # a POST to any server: no all-or-nothing commit
+        raise OutputError(
+            f"{dst}: http(s) URLs are read-only for ckptfix; write to s3://, gs://, az:// or a local path"
+        )
+    if not dst.split("://", 1)[-1].strip("/"):  # s3://, memory:// : no bucket, no name
+        raise OutputError(f"{dst}: the output URL names no bucket or object; pass e.g. s3://bucket/model.safetensors")
+    if dst.endswith("/") and to != "dcp" and not name.endswith(".dcp"):  # as for a local -o DIR/
+        raise OutputError(f"{dst}: names a folder (it ends with a slash); pass an object name with -o")
     folder_out = dst.endswith("/") or name.endswith(".dcp") or to == "dcp"
     if not folder_out:
         check_remote_outputs([dst], force)  # fail before any reading

@@ -384,7 +384,7 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         UnsupportedError: transforms (compression), non-strided layouts, unknown dtypes; ``.metadata``
             or a data file that is a symlink resolving outside the directory.
     """
-    from ckptfix.containment import check_member
+    from ckptfix.containment import check_member, remote_name_escapes
 
     path = os.fspath(path)
     mpath = source.join(path, METADATA_NAME)
@@ -406,6 +406,11 @@ def read_metadata(path: str | os.PathLike) -> DcpMetadata:
         raise CorruptCheckpointError(f"{mpath}: is a directory, not DCP metadata") from None
     meta = metadata_from_bytes(data, path)
     for rel in meta.files:  # a data file linking out of the directory is refused, as a sharded index's shard is
+        if source.is_url(path) and remote_name_escapes(rel):  # %2e%2e, a query...: joined, it names another object
+            raise UnsafePickleError(
+                f"{mpath}: data file name {rel!r} would leave the checkpoint folder; refused "
+                "(DCP writes plain file names such as __0_0.distcp)"
+            )
         check_member(path, rel, path)
     return meta
 

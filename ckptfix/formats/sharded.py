@@ -12,7 +12,7 @@ import os
 from typing import Any, Callable
 
 from ckptfix import source
-from ckptfix.containment import allowed_roots, inside
+from ckptfix.containment import allowed_roots, inside, remote_name_escapes
 from ckptfix.errors import (
     CheckpointNotFoundError,
     CkptfixError,
@@ -128,6 +128,11 @@ def shard_file(ipath: str, shard: object) -> str:
             "(shard names must be files next to the index)"
         )
     if source.is_url(ipath):  # next to a remote index: no links to follow, the same name checks
+        if remote_name_escapes(shard):  # %2e%2e, a query, a whole URL: joined, it names another object
+            raise UnsupportedError(
+                f"{ipath}: shard {shard!r} points outside the index's folder; refused "
+                "(shard names must be files next to the index)"
+            )
         sp = source.join(source.dirname(ipath), shard)
         if shard.endswith(".index.json"):
             raise CorruptCheckpointError(f"{ipath}: shard {shard!r} is an index itself; the index is corrupt")

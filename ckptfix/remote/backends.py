@@ -55,8 +55,13 @@ def backoff(attempt: int) -> float:
 
 
 def timeout() -> float:
-    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60)."""
+    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
+    twice that plus its body at :data:`MIN_RATE`."""
     return _env_float("CKPTFIX_REMOTE_TIMEOUT", 60.0)
+
+
+#: bytes per second: a range request whose body comes slower than this (after twice the timeout) has failed
+MIN_RATE = 64 * 1024
 
 
 class Transient(Exception):
@@ -95,7 +100,10 @@ def _http_status(name: str, status: int, reason: str = "") -> Exception:
         return Transient(f"HTTP 429 {reason}".strip(), throttled=True)
     if status >= 500 or status == 408:
         return Transient(f"HTTP {status} {reason}".strip())
-    return RemoteUnavailableError(f"{name}: unexpected HTTP {status} {reason}".strip())
+    return RemoteUnavailableError(
+        f"{name}: unexpected HTTP {status} {reason}".strip()
+        + "; check the URL, or download the file and run the command on the local copy"
+    )
 
 
 def no_credentials(name: str, e: BaseException) -> RemoteAccessDeniedError:
@@ -128,11 +136,13 @@ class _HttpBackend:
 
         return sync(self.fs.loop, coro_fn, *args)
 
-    def _timeout(self) -> Any:
+    def _timeout(self, nbytes: int = 0) -> Any:
         import aiohttp
 
         t = timeout()
-        return aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)
+        # a deadline for the whole request too: a server that sends a byte now and then (slow loris) never trips
+        # ``sock_read``; twice the timeout plus the body at :data:`MIN_RATE` is generous for an honest server
+        return aiohttp.ClientTimeout(total=2 * t + nbytes / MIN_RATE, sock_connect=t, sock_read=t)
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         import asyncio
@@ -149,8 +159,18 @@ class _HttpBackend:
             return self._run(coro_fn, *args)
         except CkptfixError:  # already typed (some subclass ConnectionError): never retried
             raise
+        except ValueError as e:  # aiohttp's InvalidURL (a bad port, no host): no retry makes it valid
+            if type(e).__name__.startswith("InvalidUrl") or type(e).__name__ == "InvalidURL":
+                raise RemoteNotFoundError(f"{self.name}: not a valid URL ({e}); check the URL") from None
+            raise
         except self._errors() as e:
-            raise Transient(f"{type(e).__name__}: {e}") from None
+            kind = type(e).__name__
+            if kind in ("NonHttpUrlRedirectClientError", "InvalidUrlRedirectClientError", "TooManyRedirects"):
+                why = "in a loop" if kind == "TooManyRedirects" else f"to {e}, not an http(s) URL"
+                raise RemoteUnavailableError(  # the server's answer, the same on every retry: refused now
+                    f"{self.name}: the server redirects {why}; refused (check the URL, or download the file)"
+                ) from None
+            raise Transient(f"{kind}: {e}") from None
         except Exception as e:  # fsspec's FSTimeoutError
             if type(e).__name__ == "FSTimeoutError":
                 raise Transient("timed out") from None
@@ -186,7 +206,13 @@ class _HttpBackend:
                     f"{self.name}: the server does not answer range requests (HTTP {r.status}); "
                     "download the file and run the command on the local copy"
                 )
-            return int(cr.rsplit("/", 1)[1]), r.headers.get("ETag")
+            total = cr.rsplit("/", 1)[1].strip()
+            if not (total.isascii() and total.isdigit()):
+                raise RemoteUnavailableError(
+                    f"{self.name}: the server answered a malformed Content-Range ({cr!r}); "
+                    "download the file and run the command on the local copy"
+                )
+            return int(total), r.headers.get("ETag")
 
     def fetch(self, start: int, end: int) -> bytes:
         return bytes(self._guard(self._get, start, end))
@@ -194,9 +220,9 @@ class _HttpBackend:
     async def _get(self, start: int, end: int) -> bytes:
         session = await self.fs.set_session()
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}"}
-        if self.etag:
+        if self.etag and not self.etag.startswith("W/"):  # a weak ETag never matches If-Match: compared below only
             headers["If-Match"] = self.etag
-        async with session.get(self.url, headers=headers, timeout=self._timeout()) as r:
+        async with session.get(self.url, headers=headers, timeout=self._timeout(end - start)) as r:
             if r.status != 206:
                 if r.status == 200:
                     raise RemoteUnavailableError(
@@ -223,10 +249,101 @@ class _HttpBackend:
                     f"{self.name}: the object changed while it was read (size {self.size:,} -> {total} bytes); "
                     "run the command again"
                 )
-            data = await r.read()
+            enc = r.headers.get("Content-Encoding", "identity").strip().lower()
+            if enc not in ("", "identity"):  # asked for identity: decoded bytes are not the object's (maybe a bomb)
+                raise RemoteUnavailableError(
+                    f"{self.name}: the server compressed a range answer (Content-Encoding: {enc}) though asked for "
+                    "identity; download the file and run the command on the local copy"
+                )
+            data = await _read_at_most(r, end - start)
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
         return data
+
+
+async def _read_at_most(r: Any, n: int, read: Any = None) -> bytes:
+    """The body of ``r`` (an aiohttp response; or ``read(k)``, a coroutine giving up to ``k`` more bytes) if it is
+    at most ``n`` bytes; a longer body (whatever its ``Content-Length``) is refused after ``n + 1`` bytes, so a
+    server that answers a range with more than asked never fills the memory."""
+    if read is None:
+        read = r.content.read
+    buf = bytearray()
+    while len(buf) <= n:
+        chunk = await read(min(1 << 20, n + 1 - len(buf)))
+        if not chunk:
+            break
+        buf += chunk
+    if len(buf) > n:
+        raise Transient(f"the server sent more than the {n:,} bytes asked for")
+    return bytes(buf)
+
+
+#: the most bytes of an HTTP folder listing read (a listing page is the server's text: it may be endless)
+MAX_LISTING = 16 << 20
+
+
+async def _listing_links(backend: _HttpBackend) -> list[str]:
+    """The links of an HTTP folder listing page (as fsspec's ``ls`` finds them), read under a size limit and the
+    request deadline; a longer page is :class:`~ckptfix.errors.ResourceLimitError`."""
+    from fsspec.implementations.http import ex
+
+    from ckptfix.errors import ResourceLimitError
+
+    session = await backend.fs.set_session()
+    headers = {"Accept-Encoding": "identity"}
+    async with session.get(backend.url, headers=headers, timeout=backend._timeout(MAX_LISTING)) as r:
+        if r.status >= 300:
+            raise _http_status(backend.name, r.status, r.reason or "")
+        if r.headers.get("Content-Encoding", "identity").strip().lower() not in ("", "identity"):
+            return []  # asked for identity: a compressed page is not read (nothing listed)
+        if r.headers.get("Content-Type", "text/html").partition(";")[0].strip() not in ("text/html", ""):
+            return []
+        buf = bytearray()
+        while True:
+            chunk = await r.content.read(1 << 20)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > MAX_LISTING:
+                raise ResourceLimitError(
+                    f"{backend.name}: the folder listing is over {MAX_LISTING >> 20} MiB; "
+                    "pass the checkpoint file's URL instead of its folder"
+                )
+    return [m[2] for m in ex.findall(buf.decode("utf-8", "replace"))]
+
+
+def http_links(fs: Any, url: str) -> list[str]:
+    """The URLs an HTTP folder listing links to below ``url`` (what ``fs.ls`` gives, bounded in bytes and time).
+
+    Args:
+        fs: fsspec's HTTP file system.
+        url: the folder's URL, ending with ``/``.
+
+    Returns:
+        Absolute URLs (sub-folders end with ``/``).
+
+    Raises:
+        ResourceLimitError: the listing page is over :data:`MAX_LISTING` bytes.
+        RemoteNotFoundError, RemoteAccessDeniedError, RemoteUnavailableError: the server's answer.
+    """
+    from urllib.parse import urlparse
+
+    b = _HttpBackend(fs, url, url)
+    try:
+        links = b._guard(_listing_links, b)
+    except Transient as e:
+        raise RemoteUnavailableError(f"{url}: the store failed ({e}); run the command again") from None
+    parts = urlparse(url)
+    out = []
+    for link in links:
+        if link.startswith("/") and len(link) > 1:
+            link = f"{parts.scheme}://{parts.netloc}{link}"
+        if not link.startswith("http"):
+            if link in ("..", "../"):
+                continue
+            link = url.rstrip("/") + "/" + link.lstrip("/")
+        out.append(link)
+    return out
 
 
 #: top-level modules of the HTTP clients fsspec drivers use: their errors are the store's (network, auth ...)
@@ -338,8 +455,8 @@ class _S3Backend(_FsBackend):
         async def get() -> tuple[str | None, bytes]:
             resp = await self.fs._call_s3("get_object", **kw)
             body = resp["Body"]
-            try:
-                data = await body.read()
+            try:  # at most one byte more than asked: a longer body is refused, never held whole
+                data = await _read_at_most(body, end - start, lambda k: body.read(k))
             finally:
                 body.close()
             return resp.get("ETag"), data

@@ -21,7 +21,8 @@ Tuned for stores where a request costs tens of milliseconds and bytes are cheap:
   (the tensor copy after the header read) and finds another version gets the same error.
 
 Environment: ``CKPTFIX_REMOTE_RETRIES`` (default 5), ``CKPTFIX_REMOTE_BACKOFF`` (first backoff in seconds,
-default 0.25), ``CKPTFIX_REMOTE_TIMEOUT`` (seconds without data before a request counts as failed, default 60).
+default 0.25), ``CKPTFIX_REMOTE_TIMEOUT`` (seconds without data before a request counts as failed, default 60;
+a whole HTTP request gets twice that plus its body at 64 KiB/s, so a server that trickles bytes is cut off).
 """
 
 from __future__ import annotations

@@ -54,6 +54,17 @@ def remote_exists(url: str) -> bool:
         return bool(fs.exists(path))
     except (OSError, ValueError):
         return False
+    except CkptfixError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no credentials, a client's own errors: typed, one line
+        if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
+            from ckptfix.remote.backends import no_credentials
+
+            raise no_credentials(url, e) from None
+        raise RemoteWriteError(
+            f"{url}: cannot tell whether the object exists ({_reason(e)}); nothing was written: check the "
+            "bucket, credentials and network, then run the command again"
+        ) from None
 
 
 def check_remote_outputs(urls: list[str], force: bool) -> None:
