@@ -264,7 +264,9 @@ def _scan_distcp_spans(fpath: str, label: str, spans: list[tuple[int, int]], acc
     with source.open_source(fpath) as src:
         pre = getattr(src, "prefetch", None)
         if pre is not None:
-            k = 16 << 10  # an item's local header and data.pkl, and its central directory and end record
+            # an item's local header and data.pkl, its central directory and end record: 0.5-1 KiB each in a
+            # torch.save archive (more is read on demand)
+            k = 4 << 10
             pre([(o, min(n, k)) for o, n in spans] + [(max(o, o + n - k), min(n, k)) for o, n in spans])
     # unbuffered: a buffer would read 64 KiB past each small read, beyond what was fetched
     with source.open_file(fpath) as buffered:
