@@ -542,19 +542,15 @@ class _HfBackend(_FsBackend):
     def info(self) -> tuple[int, str | None]:
         size, etag = super().info()  # type, size and missing repo / revision / file through HfFileSystem
         try:
-            from huggingface_hub import get_hf_file_metadata, hf_hub_url
+            from huggingface_hub import get_hf_file_metadata
 
             rp = self.fs.resolve_path(self.path)
-            url = hf_hub_url(
-                rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=rp.revision, endpoint=self.fs.endpoint
-            )
+            url = _resolve_url(str(self.fs.endpoint), rp.repo_id, rp.path_in_repo, rp.repo_type, rp.revision)
             meta = get_hf_file_metadata(url, token=self.fs.token, timeout=timeout())
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map(e) from None
         revision = meta.commit_hash or rp.revision
-        self.url = hf_hub_url(
-            rp.repo_id, rp.path_in_repo, repo_type=rp.repo_type, revision=revision, endpoint=self.fs.endpoint
-        )
+        self.url = _resolve_url(str(self.fs.endpoint), rp.repo_id, rp.path_in_repo, rp.repo_type, revision)
         self.location = self._redirected(meta.location)
         if meta.size is not None and meta.size != size:
             # HfFileSystem caches listings per endpoint for the process's life: the HEAD just made is the truth
@@ -630,3 +626,17 @@ class _HfBackend(_FsBackend):
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
         return bytes(data)
+
+
+def _resolve_url(endpoint: str, repo_id: str, path: str, repo_type: str | None, revision: str | None) -> str:
+    """The Hub's ``resolve`` URL of a file at ``endpoint``.
+
+    ``huggingface_hub.hf_hub_url(endpoint=...)`` swaps the endpoint in only where its template (built from
+    ``HF_ENDPOINT`` when huggingface_hub was imported) starts with the current ``constants.ENDPOINT``: after
+    HF_ENDPOINT changed (set after the import: a script, a test), it kept the old host.  Built here instead.
+    """
+    from urllib.parse import quote
+
+    prefix = {"dataset": "datasets/", "space": "spaces/"}.get(repo_type or "model", "")
+    rev = quote(revision or "main", safe="")
+    return f"{endpoint.rstrip('/')}/{prefix}{repo_id}/resolve/{rev}/{quote(path)}"
