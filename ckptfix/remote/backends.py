@@ -239,16 +239,7 @@ class _HttpBackend:
                     f"{self.name}: the object changed while it was read (ETag {self.etag} -> {etag}); "
                     "run the command again"
                 )
-            cr = r.headers.get("Content-Range", "")
-            want = f"bytes {start}-{end - 1}/"
-            if not cr.startswith(want):
-                raise Transient(f"unexpected Content-Range {cr!r}")
-            total = cr[len(want) :]
-            if total != "*" and total != str(self.size):
-                raise RemoteChangedError(
-                    f"{self.name}: the object changed while it was read (size {self.size:,} -> {total} bytes); "
-                    "run the command again"
-                )
+            check_content_range(self.name, r.headers.get("Content-Range", ""), start, end, self.size)
             enc = r.headers.get("Content-Encoding", "identity").strip().lower()
             if enc not in ("", "identity"):  # asked for identity: decoded bytes are not the object's (maybe a bomb)
                 raise RemoteUnavailableError(
@@ -612,16 +603,7 @@ class _HfBackend(_FsBackend):
             if isinstance(err, Transient):
                 err.retry_after = _retry_after(r.headers)
             raise err
-        cr = r.headers.get("Content-Range", "")
-        want = f"bytes {start}-{end - 1}/"
-        if not cr.startswith(want):
-            raise Transient(f"unexpected Content-Range {cr!r}")
-        total = cr[len(want) :]
-        if total != "*" and total != str(self.size):
-            raise RemoteChangedError(
-                f"{self.name}: the file changed while it was read (size {self.size:,} -> {total} bytes); "
-                "run the command again"
-            )
+        check_content_range(self.name, r.headers.get("Content-Range", ""), start, end, self.size)
         data = r.content
         if len(data) != end - start:
             raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
@@ -640,3 +622,16 @@ def _resolve_url(endpoint: str, repo_id: str, path: str, repo_type: str | None, 
     prefix = {"dataset": "datasets/", "space": "spaces/"}.get(repo_type or "model", "")
     rev = quote(revision or "main", safe="")
     return f"{endpoint.rstrip('/')}/{prefix}{repo_id}/resolve/{rev}/{quote(path)}"
+
+
+def check_content_range(name: str, cr: str, start: int, end: int, size: int) -> None:
+    """A 206 answer's ``Content-Range`` must name the range asked (else retried) and the size opened (else the
+    object changed: exit 44, never bytes of two versions)."""
+    want = f"bytes {start}-{end - 1}/"
+    if not cr.startswith(want):
+        raise Transient(f"unexpected Content-Range {cr!r}")
+    total = cr[len(want) :]
+    if total != "*" and total != str(size):
+        raise RemoteChangedError(
+            f"{name}: the object changed while it was read (size {size:,} -> {total} bytes); run the command again"
+        )
