@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Iterator
 
 PKG = Path(__file__).resolve().parents[1] / "ckptfix"
 
@@ -59,10 +60,9 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _edges() -> set[tuple[str, str, str, str]]:
-    """(importer package, imported package, importer module, imported name) for every ckptfix import."""
+def _imports() -> Iterator[tuple[str, str, str]]:
+    """(importer module, imported ckptfix module, the name as written) for every import, in functions too."""
     mods = _modules()
-    out = set()
     for mod, path in mods.items():
         is_pkg = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text())):
@@ -81,11 +81,17 @@ def _edges() -> set[tuple[str, str, str, str]]:
                 name = t
                 while t and t not in mods:
                     t = t.rpartition(".")[0]
-                if not t.startswith("ckptfix") or t == mod:
-                    continue
-                src, dst = mod.split(".")[1:2] or ["ckptfix"], t.split(".")[1:2] or ["ckptfix"]
-                if src != dst and src[0] != "ckptfix":  # the facade (ckptfix/__init__.py) may name anything
-                    out.add((src[0], dst[0], mod, name))
+                if t.startswith("ckptfix") and t != mod:
+                    yield mod, t, name
+
+
+def _edges() -> set[tuple[str, str, str, str]]:
+    """(importer package, imported package, importer module, imported name) for every ckptfix import."""
+    out = set()
+    for mod, t, name in _imports():
+        src, dst = mod.split(".")[1:2] or ["ckptfix"], t.split(".")[1:2] or ["ckptfix"]
+        if src != dst and src[0] != "ckptfix":  # the facade (ckptfix/__init__.py) may name anything
+            out.add((src[0], dst[0], mod, name))
     return out
 
 
@@ -157,27 +163,10 @@ def test_no_package_level_strongly_connected_component():
 
 def _module_edges() -> dict[str, set[str]]:
     """importer module -> imported modules (in functions too), the facade left out."""
-    mods = _modules()
     out: dict[str, set[str]] = {}
-    for mod, path in mods.items():
-        is_pkg = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                    base = base[: len(base) - node.level + 1]
-                    b = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    b = node.module or ""
-                targets = [f"{b}.{a.name}" if f"{b}.{a.name}" in mods else b for a in node.names]
-            for t in targets:
-                while t and t not in mods:
-                    t = t.rpartition(".")[0]
-                if t.startswith("ckptfix.") and mod != "ckptfix" and t != mod:
-                    out.setdefault(mod, set()).add(t)
+    for mod, t, _name in _imports():
+        if t.startswith("ckptfix.") and mod != "ckptfix":
+            out.setdefault(mod, set()).add(t)
     return out
 
 
