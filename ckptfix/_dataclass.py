@@ -17,11 +17,12 @@ standard decorator unchanged.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import reprlib
 import sys
 from operator import attrgetter
-from types import CodeType, FunctionType
+from types import CellType, CodeType, FunctionType, MemberDescriptorType
 from typing import TYPE_CHECKING, Any, Callable, TypeVar, overload
 
 if TYPE_CHECKING:
@@ -113,16 +114,27 @@ def _own_frozen(cls: type, init: bool, slots: bool) -> bool:
     )
 
 
-#: the ``__init__`` code of a class of n plain fields (:func:`_plain_init`, :func:`_init_code`)
-_INIT_CODE: dict[int, CodeType] = {}
+#: an ``__init__`` shape: (the number of fields, the positions of the ``default_factory`` fields in the order of
+#: their names, which is the order of the code's free variables)
+Key = tuple[int, tuple[int, ...]]
+
+#: the ``__init__`` code of each shape made so far (:func:`_plain_init`, :func:`_init_code`)
+_INIT_CODE: dict[Key, CodeType] = {}
+
+#: the shapes with factories :func:`_plain_init` has made (:func:`package_keys`)
+USED: set[Key] = set()
+
+#: the shapes compiled at run time, not found in :mod:`ckptfix._dataclass_inits`
+#: (``tests/test_startup_dataclass_init.py`` checks that no start-up command compiles one)
+COMPILED: list[Key] = []
 
 
 def _plain_fields(cls: type, init: bool, kw_only: bool, slots: bool, frozen: bool, own_frozen: bool) -> bool:
     """Whether the standard ``__init__`` of ``cls`` is the plain one :func:`_plain_init` makes without compiling:
-    every field a parameter assigned as is (no ``default_factory``, ``init=False``, keyword-only field,
-    ``InitVar``, ``ClassVar``), no ``__post_init__``, no field named ``self``, no dataclass base, a docstring
-    (the standard decorator writes one from the signature), no own ``__init__``, no slots and no standard
-    frozen ``__setattr__``."""
+    every field a parameter assigned as is or from its ``default_factory`` (no ``init=False``, keyword-only
+    field, ``InitVar``, ``ClassVar``), no ``__post_init__``, no field named ``self``, no dataclass base, a
+    docstring (the standard decorator writes one from the signature), no own ``__init__``, no slots and no
+    standard frozen ``__setattr__``."""
     d = cls.__dict__
     if not init or kw_only or slots or (frozen and not own_frozen) or "__init__" in d or not d.get("__doc__"):
         return False
@@ -132,47 +144,71 @@ def _plain_fields(cls: type, init: bool, kw_only: bool, slots: bool, frozen: boo
         if not isinstance(ann, str) or name == "self" or "Var" in ann or "KW_ONLY" in ann:  # ClassVar, InitVar
             return False
         v = d.get(name)
-        if isinstance(v, dataclasses.Field) and (
-            not v.init or v.kw_only is True or v.default_factory is not dataclasses.MISSING
-        ):
+        if isinstance(v, dataclasses.Field) and (not v.init or v.kw_only is True):
             return False
     return True
 
 
+def init_key(fields: tuple[dataclasses.Field[Any], ...]) -> Key:
+    """The shape of the ``__init__`` of ``fields`` (:data:`Key`)."""
+    factories = [i for i, f in enumerate(fields) if f.default_factory is not dataclasses.MISSING]
+    return len(fields), tuple(sorted(factories, key=lambda i: fields[i].name))
+
+
 def _plain_init(cls: type) -> Any:
     """The ``__init__`` :func:`dataclasses.dataclass` makes for a class of plain fields (:func:`_plain_fields`),
-    without compiling it: its code is the one compiled for any class with as many fields, with the names
-    replaced (the same bytecode, names, defaults, annotations and qualified name)."""
+    without compiling it: its code is the one compiled for any class of the same shape (:data:`Key`), with the
+    names replaced (the same bytecode, names, defaults, annotations, closure and qualified name)."""
+    missing = dataclasses.MISSING
     fields = dataclasses.fields(cls)
     seen_default = False
     for f in fields:  # dataclasses' own check and message
-        if f.default is not dataclasses.MISSING:
+        if f.default is not missing or f.default_factory is not missing:
             seen_default = True
         elif seen_default:
             raise TypeError(f"non-default argument {f.name!r} follows default argument")
     names = tuple(f.name for f in fields)
-    code = _init_code(len(names))
+    key = init_key(fields)
+    if key[1]:
+        USED.add(key)
+    code = _init_code(key)
+    closure = None
+    if key[1]:
+        free = ("_HAS_DEFAULT_FACTORY", *(f"_dflt_{names[i]}" for i in key[1]))
+        code = code.replace(co_freevars=free)
+        cells = [CellType(dataclasses._HAS_DEFAULT_FACTORY)]  # type: ignore[attr-defined]
+        cells += [CellType(fields[i].default_factory) for i in key[1]]
+        closure = tuple(cells)
+    code = code.replace(co_varnames=("self", *names), co_names=names)
     mod = sys.modules.get(cls.__module__)
-    fn = FunctionType(code.replace(co_varnames=("self", *names), co_names=names), mod.__dict__ if mod else {})
-    fn.__defaults__ = tuple(f.default for f in fields if f.default is not dataclasses.MISSING) or None
+    fn = FunctionType(code, mod.__dict__ if mod else {}, None, None, closure)
+    defaults = []
+    for f in fields:
+        if f.default is not missing:
+            defaults.append(f.default)
+        elif f.default_factory is not missing:
+            defaults.append(dataclasses._HAS_DEFAULT_FACTORY)  # type: ignore[attr-defined]
+    fn.__defaults__ = tuple(defaults) or None
     fn.__annotations__ = {**{f.name: f.type for f in fields}, "return": None}
     fn.__qualname__ = f"{cls.__qualname__}.__init__"
     return fn
 
 
-def _init_code(n: int) -> CodeType:
-    """The code of the ``__init__`` dataclasses compiles for n plain fields (field names ``_0``, ``_1``...): from
-    :mod:`ckptfix._dataclass_inits` (compiled with the package, up to :data:`MAX_PRECOMPILED` fields), else compiled."""
+def _init_code(key: Key) -> CodeType:
+    """The code of the ``__init__`` dataclasses compiles for fields of shape ``key`` (field names ``_0``,
+    ``_1``...): from :mod:`ckptfix._dataclass_inits` (compiled with the package: up to :data:`MAX_PRECOMPILED`
+    fields without factories, and the shapes of ckptfix's own records), else compiled here."""
     if not _INIT_CODE:
         from ckptfix._dataclass_inits import OUTER
 
-        for i, outer in enumerate(OUTER):  # as compiled from "<string>", its second line
-            _INIT_CODE[i] = _inner(outer).replace(co_filename="<string>", co_firstlineno=2)
-    code = _INIT_CODE.get(n)
+        for k, outer in OUTER.items():  # as compiled from "<string>", its second line
+            _INIT_CODE[k] = _inner(outer).replace(co_filename="<string>", co_firstlineno=2)
+    code = _INIT_CODE.get(key)
     if code is None:
         ns: dict[str, Any] = {}
-        exec(compile(init_source(n), "<string>", "exec", dont_inherit=True), {}, ns)  # not this module's __future__
-        code = _INIT_CODE[n] = _inner(ns["__create_fn__"].__code__)
+        exec(compile(init_source(key), "<string>", "exec", dont_inherit=True), {}, ns)  # not this module's __future__
+        code = _INIT_CODE[key] = _inner(ns["__create_fn__"].__code__)
+        COMPILED.append(key)
     return code
 
 
@@ -180,30 +216,50 @@ def _inner(outer: CodeType) -> CodeType:
     return next(c for c in outer.co_consts if isinstance(c, CodeType))
 
 
-#: the field counts :mod:`ckptfix._dataclass_inits` holds (0 to this)
+#: the field counts without factories :mod:`ckptfix._dataclass_inits` holds (0 to this)
 MAX_PRECOMPILED = 24
 
 
-def init_source(n: int) -> str:
-    """The text dataclasses (Python 3.11) compiles for the ``__init__`` of n plain fields named ``_0``, ``_1``..."""
+def init_source(key: Key) -> str:
+    """The text dataclasses (Python 3.11) compiles for the ``__init__`` of fields of shape ``key``, named ``_0``,
+    ``_1``...: a factory's free variable is named by its rank (``_dflt__r00``...), so that the names sort, as the
+    compiler orders free variables, as the real ones do; a default's value is not in the code."""
+    n, factories = key
+    rank = {i: r for r, i in enumerate(factories)}
     names = [f"_{i}" for i in range(n)]
-    args = ",".join(["self", *(f"{x}:_type_{x}" for x in names)])
-    body = "\n".join(f"  self.{x}={x}" for x in names) or "  pass"
-    local_vars = ", ".join([*(f"_type_{x}" for x in names), "MISSING", "_HAS_DEFAULT_FACTORY"])
-    txt = f" def __init__({args})->_return_type:\n{body}"
-    return f"def __create_fn__({local_vars}, __dataclass_builtins_object__, _return_type):\n{txt}\n return __init__"
+    first_default = min(factories, default=n)
+    params, body = ["self"], []
+    for i, x in enumerate(names):
+        if i in rank:
+            params.append(f"{x}:_type_{x}=_HAS_DEFAULT_FACTORY")
+            body.append(f"  self.{x}=_dflt__r{rank[i]:02d}() if {x} is _HAS_DEFAULT_FACTORY else {x}")
+        else:
+            params.append(f"{x}:_type_{x}" + ("=MISSING" if i > first_default else ""))
+            body.append(f"  self.{x}={x}")
+    factory_vars = [f"_dflt__r{r:02d}" for r in range(len(factories))]
+    local_vars = ", ".join(
+        [*(f"_type_{x}" for x in names), "MISSING", "_HAS_DEFAULT_FACTORY", "__dataclass_builtins_object__"]
+        + factory_vars
+        + ["_return_type"]
+    )
+    txt = f" def __init__({','.join(params)})->_return_type:\n" + ("\n".join(body) or "  pass")
+    return f"def __create_fn__({local_vars}):\n{txt}\n return __init__"
 
 
-def inits_module_text() -> str:
-    """The text of :mod:`ckptfix._dataclass_inits` (``tests/test_startup_dataclass_init.py`` checks the file)."""
+def inits_module_text(factory_keys: tuple[Key, ...]) -> str:
+    """The text of :mod:`ckptfix._dataclass_inits`: the shapes without factories up to :data:`MAX_PRECOMPILED`
+    fields, and ``factory_keys`` (``tests/test_startup_dataclass_init.py`` checks the file, and that the
+    start-up commands compile no shape)."""
     head = (
         "# ruff: noqa\n# fmt: off\n# mypy: ignore-errors\n"
         '"""Generated by ckptfix._dataclass.inits_module_text() (do not edit): the code of the ``__init__``\n'
-        "dataclasses compiles for 0, 1, ... plain fields, compiled with the package, not per class at start-up.\n"
-        '"""\n\n'
-        "OUTER = []\n"
+        "dataclasses compiles for each shape of fields (ckptfix._dataclass.Key), compiled with the package, not per\n"
+        'class at start-up.\n"""\n\n'
+        f"FACTORY_KEYS = {factory_keys!r}\n"
+        "OUTER = {}\n"
     )
-    parts = [f"{init_source(n)}\nOUTER.append(__create_fn__.__code__)\n" for n in range(MAX_PRECOMPILED + 1)]
+    keys = [(n, ()) for n in range(MAX_PRECOMPILED + 1)] + list(factory_keys)
+    parts = [f"{init_source(k)}\nOUTER[{k!r}] = __create_fn__.__code__\n" for k in keys]
     return head + "".join(parts)
 
 
@@ -219,6 +275,64 @@ def _set_params(cls: type, **actual: bool) -> None:
     except (AttributeError, TypeError):  # another Python's params: left as they are
         return
     cls.__dataclass_params__ = q  # type: ignore[attr-defined]
+
+
+#: the Pythons whose ``dataclasses._process_class`` :func:`_fast_class` repeats (checked against it by
+#: ``tests/test_startup_dataclass.py``); another Python gets the standard decorator for every class
+_FAST_PYTHONS = ((3, 10), (3, 11), (3, 12), (3, 13))
+
+
+def _fast_class(cls: type, *, repr: bool, eq: bool, frozen: bool, match_args: bool) -> bool:
+    """Make ``cls`` a dataclass of plain fields (:func:`_plain_fields`) without :func:`dataclasses.dataclass`:
+    the same fields, params and ``__match_args__`` its ``_process_class`` sets for such a class (its methods are
+    added by :func:`_process`), at a tenth of the cost (it reads every annotation again to rule out ``ClassVar``
+    and ``InitVar``, which a plain class has not).  False (the class untouched) where this Python is not one
+    whose decorator this repeats."""
+    if sys.version_info[:2] not in _FAST_PYTHONS or not hasattr(dataclasses, "_FIELD"):
+        return False
+    d = cls.__dict__
+    annotations = d.get("__annotations__", {})
+    fields = {}
+    missing = dataclasses.MISSING
+    for name, ann in annotations.items():
+        default = getattr(cls, name, missing)
+        if isinstance(default, dataclasses.Field):
+            f = default
+        else:
+            if isinstance(default, MemberDescriptorType):  # a slot of a base: no default
+                default = missing
+            f = dataclasses.field(default=default)  # type: ignore[arg-type]
+        f.name, f.type = name, ann
+        f._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+        if f.kw_only is missing:
+            f.kw_only = False
+        if f.default.__class__.__hash__ is None:
+            raise ValueError(f"mutable default {type(f.default)} for field {name} is not allowed: use default_factory")
+        fields[name] = f
+    for name, value in d.items():  # dataclasses' own check and message
+        if isinstance(value, dataclasses.Field) and name not in annotations:
+            raise TypeError(f"{name!r} is a field but has no type annotation")
+    flags = {"init": True, "repr": repr, "eq": eq, "order": False, "unsafe_hash": False, "frozen": frozen}
+    flags.update(match_args=match_args, kw_only=False, slots=False, weakref_slot=False)  # (recorded from 3.12)
+    params_type = getattr(dataclasses, "_DataclassParams", None)
+    slots = getattr(params_type, "__slots__", ())
+    if not slots or not set(slots) <= flags.keys():  # another Python's params
+        return False
+    params = object.__new__(params_type)  # type: ignore[arg-type]
+    for name in slots:
+        object.__setattr__(params, name, flags[name])
+    for f in fields.values():
+        if isinstance(d.get(f.name), dataclasses.Field):
+            if f.default is missing:
+                delattr(cls, f.name)
+            else:
+                setattr(cls, f.name, f.default)
+    cls.__dataclass_params__ = params  # type: ignore[attr-defined]
+    cls.__dataclass_fields__ = fields  # type: ignore[attr-defined]
+    if match_args and "__match_args__" not in d:
+        cls.__match_args__ = tuple(fields)  # type: ignore[attr-defined,misc]
+    abc.update_abstractmethods(cls)
+    return True
 
 
 def _process(
@@ -241,17 +355,19 @@ def _process(
     own_frozen = frozen and _own_frozen(cls, init, slots)
     plain_init = _plain_fields(cls, init, kw_only, slots, frozen, own_frozen)
     extra = {"weakref_slot": True} if weakref_slot else {}  # (a parameter from Python 3.11)
-    cls = dataclasses.dataclass(
-        cls,
-        init=init and not plain_init,
-        repr=False,
-        eq=False,
-        frozen=frozen and not own_frozen,
-        match_args=match_args,
-        kw_only=kw_only,
-        slots=slots,
-        **extra,
-    )
+    fast = plain_init and not weakref_slot and _fast_class(cls, repr=repr, eq=eq, frozen=frozen, match_args=match_args)
+    if not fast:
+        cls = dataclasses.dataclass(
+            cls,
+            init=init and not plain_init,
+            repr=False,
+            eq=False,
+            frozen=frozen and not own_frozen,
+            match_args=match_args,
+            kw_only=kw_only,
+            slots=slots,
+            **extra,
+        )
     fields = dataclasses.fields(cls)
     if plain_init:
         cls.__init__ = _plain_init(cls)  # type: ignore[misc]
@@ -267,7 +383,8 @@ def _process(
             cls.__hash__ = None  # type: ignore[assignment]
     if own_frozen:
         cls.__setattr__, cls.__delattr__ = _make_frozen(cls, tuple(f.name for f in fields))  # type: ignore[method-assign]
-    _set_params(cls, init=init, repr=repr, eq=eq, frozen=frozen)
+    if not fast:
+        _set_params(cls, init=init, repr=repr, eq=eq, frozen=frozen)
     return cls
 
 
@@ -338,3 +455,28 @@ def dataclass(
         )
 
     return wrap if cls is None else wrap(cls)
+
+
+def package_keys() -> list[Key]:
+    """The shapes with factories of every record of ckptfix (every module imported; one whose optional dependency
+    is missing is skipped): what :mod:`ckptfix._dataclass_inits` precompiles."""
+    import importlib
+    import os
+    import pkgutil
+
+    for m in pkgutil.walk_packages([os.path.dirname(os.path.abspath(__file__))], "ckptfix."):
+        if not m.name.endswith("__main__"):
+            try:
+                importlib.import_module(m.name)
+            except ModuleNotFoundError as e:  # an optional dependency (torch, fsspec...), not ckptfix's own
+                if (e.name or "ckptfix").split(".")[0] == "ckptfix":
+                    raise
+    return sorted(USED)
+
+
+if __name__ == "__main__":  # python -m ckptfix._dataclass: regenerate ckptfix/_dataclass_inits.py
+    import ckptfix._dataclass as this  # the records register with the imported module, not __main__
+
+    text = this.inits_module_text(tuple(this.package_keys()))
+    with open(__file__.replace("_dataclass.py", "_dataclass_inits.py"), "w", encoding="utf-8") as out:
+        out.write(text)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import codecs
 import collections
-import pickle
 from typing import Any, Callable, Literal
 
+from ckptfix import _unpickler as pickle
 from ckptfix._dataclass import dataclass
 
 #: what :func:`classify_global` says of a global

@@ -31,6 +31,7 @@ LAYERS = {
             "remote",
             "_dataclass_inits",
             "zipdir",
+            "_unpickler",
         ],
         0,
     ),

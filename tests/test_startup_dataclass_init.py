@@ -14,6 +14,7 @@ import pytest
 
 import ckptfix._dataclass as cd
 from ckptfix._dataclass import dataclass as fast
+from ckptfix._dataclass_inits import FACTORY_KEYS
 
 
 def _bodies():
@@ -83,12 +84,38 @@ def _bodies():
     def factory(deco):
         @deco
         class Factory:
-            """A default_factory: the standard __init__."""
+            """A default_factory: a closure over it."""
 
             a: int
             c: list = field(default_factory=list)
 
         return Factory
+
+    def factories(deco):
+        @deco(frozen=True)
+        class Factories:
+            """Factories whose names sort apart from their order (the code's free variables are sorted)."""
+
+            zed: list = field(default_factory=list)
+            b: int = 2
+            alpha: dict = field(default_factory=dict)
+            mid: set = field(default_factory=set)
+            last: str = "z"
+
+        return Factories
+
+    def late_factory(deco):
+        @deco
+        class LateFactory:
+            """A plain field after a plain default, then a factory not precompiled."""
+
+            a: int
+            b: str = "b"
+            c: int = 3
+            d: bytearray = field(default_factory=bytearray)
+            e: bytes = b""
+
+        return LateFactory
 
     def classvar(deco):
         @deco
@@ -124,7 +151,9 @@ def _bodies():
         ("one", one, True),
         ("defaults", defaults, True),
         ("wide", wide, True),
-        ("factory", factory, False),
+        ("factory", factory, True),
+        ("factories", factories, True),
+        ("late_factory", late_factory, True),
         ("classvar", classvar, False),
         ("post", post, False),
         ("nodoc", nodoc, False),
@@ -171,8 +200,29 @@ def test_the_same_init_as_the_standard_decorator(name, make, plain):
     with pytest.raises(TypeError) as ef:
         Fast(*args, 99)
     assert str(ef.value) == str(es.value)
-    # plain ones are made without compiling (one code per field count, shared)
-    assert (n in cd._INIT_CODE and f.__code__.co_code == cd._INIT_CODE[n].co_code) or not plain
+    # plain ones are made without compiling (one code per shape, shared), their closure holds the factories
+    key = cd.init_key(dataclasses.fields(Std))
+    assert (key in cd._INIT_CODE and f.__code__.co_code == cd._INIT_CODE[key].co_code) or not plain
+    assert f.__code__.co_freevars == s.__code__.co_freevars
+    assert [c.cell_contents for c in f.__closure__ or ()] == [c.cell_contents for c in s.__closure__ or ()]
+    if key[1]:  # each instance a fresh value from the factory
+        required = [i for i, x in enumerate(dataclasses.fields(Std)) if x.default is x.default_factory]
+        a, b, c = Fast(*required), Fast(*required), Std(*required)
+        for i in key[1]:
+            name = dataclasses.fields(Std)[i].name
+            assert getattr(a, name) == getattr(c, name) and getattr(a, name) is not getattr(b, name)
+    # the fields, params and match args are the standard decorator's (made without it)
+    for x, y in zip(dataclasses.fields(Fast), dataclasses.fields(Std), strict=True):
+        for slot in dataclasses.Field.__slots__:
+            assert getattr(x, slot) == getattr(y, slot), (x.name, slot)
+    for slot in type(Std.__dataclass_params__).__slots__:
+        if slot != "frozen":  # _standard is never frozen
+            assert getattr(Fast.__dataclass_params__, slot) == getattr(Std.__dataclass_params__, slot), slot
+    skip = {"__dict__", "__weakref__", "__dataclass_params__", "__dataclass_fields__", "__hash__"}  # (frozen)
+    for k in (set(vars(Std)) & set(vars(Fast))) - skip:  # __match_args__, __doc__, the defaults left on the class
+        if not callable(vars(Std)[k]):
+            assert vars(Fast)[k] == vars(Std)[k], k
+    assert set(vars(Std)) ^ set(vars(Fast)) <= {"__setattr__", "__delattr__"}
     bare = make(lambda c=None, **k: (lambda x: x) if c is None else c)
     assert cd._plain_fields(bare, True, False, False, False, False) == plain
 
@@ -205,15 +255,30 @@ def test_real_records_with_the_plain_init_still_pickle():
 def test_the_precompiled_inits_are_the_generated_text_and_compile_the_same():
     path = cd.__file__.replace("_dataclass.py", "_dataclass_inits.py")
     with open(path, encoding="utf-8") as f:
-        assert f.read() == cd.inits_module_text(), "regenerate ckptfix/_dataclass_inits.py from inits_module_text()"
-    cd._init_code(0)  # loads them
-    for n in range(cd.MAX_PRECOMPILED + 1):
+        assert f.read() == cd.inits_module_text(FACTORY_KEYS), "regenerate: python -m ckptfix._dataclass"
+    cd._init_code((0, ()))  # loads them
+    keys = [(n, ()) for n in range(cd.MAX_PRECOMPILED + 1)] + list(FACTORY_KEYS)
+    for key in keys:
         ns: dict = {}
-        exec(compile(cd.init_source(n), "<string>", "exec", dont_inherit=True), {}, ns)
+        exec(compile(cd.init_source(key), "<string>", "exec", dont_inherit=True), {}, ns)
         fresh = cd._inner(ns["__create_fn__"].__code__)
-        for attr in CODE:
-            assert getattr(cd._INIT_CODE[n], attr) == getattr(fresh, attr), (n, attr)
-        assert cd._INIT_CODE[n].co_linetable == fresh.co_linetable
+        for attr in (*CODE, "co_freevars"):
+            assert getattr(cd._INIT_CODE[key], attr) == getattr(fresh, attr), (key, attr)
+        assert cd._INIT_CODE[key].co_linetable == fresh.co_linetable
+
+
+def test_every_record_of_the_package_has_a_precompiled_init():
+    """Every shape ckptfix's own records have is in _dataclass_inits (none compiled at run time, by any command);
+    a new one fails here until the file is regenerated (``python -m ckptfix._dataclass``)."""
+    import subprocess
+
+    from tests.helpers import ROOT
+
+    child = "import ckptfix._dataclass as cd\nprint(repr(cd.package_keys()))\n"
+    p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    compiled = eval(p.stdout)
+    assert set(compiled) <= set(FACTORY_KEYS), "regenerate: python -m ckptfix._dataclass"
 
 
 def test_more_fields_than_precompiled_compile_once():
@@ -221,7 +286,9 @@ def test_more_fields_than_precompiled_compile_once():
     ns: dict = {"__annotations__": {f"x{i}": "int" for i in range(n)}, "__doc__": "Wide.", "__module__": __name__}
     Wide = fast(type("Wide", (), ns))
     Std = _standard(type("Wide", (), dict(ns, __annotations__=dict(ns["__annotations__"]))))
-    assert n in cd._INIT_CODE and (Wide.__init__.__code__.co_code == Std.__init__.__code__.co_code or not SAME_TEXT)
+    assert (n, ()) in cd._INIT_CODE and (
+        Wide.__init__.__code__.co_code == Std.__init__.__code__.co_code or not SAME_TEXT
+    )
     assert repr(Wide(*range(n))).endswith(f"x{n - 1}={n - 1})")
 
 
@@ -242,8 +309,9 @@ def test_the_start_up_records_have_docstrings():
         "    return process(cls, **kw)\n"
         "cd._process = spy\n"
         "for m in ['ckptfix.cli.ckpt', 'ckptfix.cli.gpu', 'ckptfix.gpu.pick', 'ckptfix.scanning',\n"
-        "          'ckptfix.inspecting']:\n"
+        "          'ckptfix.inspecting', 'ckptfix.prefixes.rename', 'ckptfix.hfarch']:\n"
         "    importlib.import_module(m)\n"
+        "assert not cd.COMPILED, cd.COMPILED  # every start-up record's __init__ precompiled\n"
         "print(len(made), *[name for name, doc in made if not doc])\n"
     )
     p = subprocess.run(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import io
-import pickle
 from typing import (
     Any,
     BinaryIO,
@@ -17,6 +16,7 @@ from typing import (
     TypeVar,
 )
 
+from ckptfix import _unpickler as pickle
 from ckptfix._dataclass import dataclass
 from ckptfix.pickles.records import STORAGE_DTYPES, StorageRecord, TensorRecord
 from ckptfix.pickles.stub import (

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import pickle
 import threading
 import types
 from typing import (
@@ -24,6 +23,7 @@ from typing import (
     ValuesView,
 )
 
+from ckptfix import _unpickler as pickle
 from ckptfix.pickles.records import StorageRecord, TensorRecord
 from ckptfix.policy import (
     DTYPE_GLOBALS,

@@ -403,6 +403,8 @@ class StripReport:
 
 @dataclass(frozen=True)
 class _StripPlan:
+    """The renames to apply, in order, and what each removed."""
+
     steps: tuple[tuple[str, str], ...]  # ("inner", "") or ("strip", prefix)
     stripped: tuple[tuple[str, int], ...]
     inner_removed: dict[str, int]
