@@ -35,6 +35,9 @@ NEVER = [
     "traceback",
     "json",
     "shlex",
+    # click's gettext calls (its help and version options, click.Path's name) import locale on the first one:
+    # ckptfix makes those without gettext (ckptfix.cli.group.HelpOption)
+    "locale",
 ]
 
 #: the checkpoint side, which the GPU commands never import
@@ -101,6 +104,7 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "tarfile",  # a zip's first block is no tar header: refused without tarfile (sniffing.tar_opens)
         "subprocess",
         "pickletools",  # only for a pickle past protocol 2 (plaindata.opcodes_weights_only_cannot_read)
+        "pickle",  # the unpickler comes from _pickle (ckptfix._unpickler): pickle.py is 1,800 lines of Python
         # a torch.save archive is read by ckptfix.zipdir: zipfile's imports were 2-5 ms (pathlib, shutil...)
         "zipfile",
         "shutil",
@@ -175,3 +179,97 @@ def test_checkpoint_commands_share_one_click_path():
         if isinstance(p.type, click.Path)
     ]
     assert len(paths) >= 8 and all(t is ckpt.PATH for t in paths)
+
+
+def test_the_path_type_made_without_gettext_is_click_paths():
+    import click
+
+    from ckptfix.cli.ckpt import PATH
+
+    assert isinstance(PATH, click.Path) and vars(PATH) == vars(click.Path())
+    assert PATH.convert("a/b", None, None) == "a/b" and PATH.to_info_dict() == click.Path().to_info_dict()
+
+
+def test_the_help_and_version_options_made_without_gettext_are_clicks():
+    import click
+    from click.testing import CliRunner
+
+    from ckptfix.cli.group import cli
+
+    @click.command()
+    @click.version_option("1.0", prog_name="ckptfix")
+    def ref() -> None:
+        """Ref."""
+
+    ctx = click.Context(cli, help_option_names=["-h", "--help"])
+    ours, theirs = cli.get_help_option(ctx), click.Command("x", add_help_option=True).get_help_option(ctx)
+    assert ours is not None and theirs is not None
+    assert ours.get_help_record(ctx) == theirs.get_help_record(ctx)
+    assert (ours.is_flag, ours.is_eager, ours.expose_value) == (True, True, False)
+    assert cli.get_help_option(ctx) is ours  # made once
+    runner = CliRunner()
+    version = runner.invoke(cli, ["--version"])
+    assert version.exit_code == 0 and version.output.startswith("ckptfix, version ")
+    assert runner.invoke(ref, ["--version"]).output == "ckptfix, version 1.0\n"
+    for args in (["-h"], ["--help"], ["inspect", "-h"], ["scan", "--help"]):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 0 and "Show this message and exit." in r.output and "Usage:" in r.output
+    bad = runner.invoke(cli, ["inspect", "--nope"])
+    assert bad.exit_code == 2 and "Try 'cli inspect --help' for help." in bad.output  # (the hint click gives)
+
+
+def test_imports_pause_the_collector_and_give_it_back():
+    """ckptfix.cli._gc: no collection while modules are imported, the collector back (as it was) afterwards."""
+    import gc
+
+    from ckptfix.cli._gc import imports_quietly
+
+    assert gc.isenabled()
+    try:
+        with imports_quietly():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+        gc.disable()  # a caller that turned it off keeps it off
+        with imports_quietly():
+            pass
+        assert not gc.isenabled()
+        with pytest.raises(ImportError):
+            with imports_quietly():
+                import ckptfix_no_such_module  # noqa: F401
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+def test_a_command_runs_with_the_collector_on():
+    """The pause covers the imports only: a command's own work (a long convert, train) collects as usual."""
+    child = (
+        "import gc, sys\n"
+        "import ckptfix.cli.ckpt as ck\n"
+        "seen = []\n"
+        "real = ck.PATH.convert\n"
+        "def spy(*a, **k):\n"
+        "    seen.append(gc.isenabled())\n"
+        "    return real(*a, **k)\n"
+        "ck.PATH.convert = spy\n"
+        "from ckptfix.cli import main\n"
+        "rc = main(['inspect', sys.argv[1]])\n"
+        "print('ENABLED', gc.isenabled(), seen)\n"
+    )
+    import tempfile
+
+    from tests.helpers import CkptFactory
+
+    with tempfile.TemporaryDirectory() as d:
+        path = CkptFactory(Path(d)).plain().path
+        p = subprocess.run(
+            [sys.executable, "-c", child, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert p.returncode == 0, p.stderr
+    assert "ENABLED True [True]" in p.stdout

@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import sys
 
-import click
+from ckptfix.cli._gc import imports_quietly
 
-from ckptfix._torch import is_torch_missing, missing_error
-from ckptfix.cli._common import error_line
-from ckptfix.cli.group import COMMAND_MODULES, CtrlC, cli
-from ckptfix.errors import CkptfixError, InterruptedByUserError
+with imports_quietly():  # click and the CLI: see ckptfix.cli._gc
+    import click
+
+    from ckptfix._torch import is_torch_missing, missing_error
+    from ckptfix.cli._common import error_line
+    from ckptfix.cli.group import COMMAND_MODULES, CtrlC, cli
+    from ckptfix.errors import CkptfixError, InterruptedByUserError
 
 
 def debug_wanted(args: list[str]) -> bool:

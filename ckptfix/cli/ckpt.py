@@ -7,13 +7,45 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._gc import imports_quietly
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
     from ckptfix.outputs import OutputOptions
 
-#: the one ``click.Path()`` of these commands: each instance asks gettext for its name, ~70 us (start-up)
-PATH = click.Path()
+
+class _AnyPath(click.Path):
+    """``click.Path()``: any path, passed on as given; made without gettext.
+
+    ``click.Path.__init__`` asks gettext for its name (``_("path")``), and the first gettext call imports
+    :mod:`locale` (start-up of ``inspect`` and ``scan``: :class:`ckptfix.cli.group.HelpOption`).  The attributes
+    below are what ``click.Path()`` sets (``tests/test_startup_imports.py`` compares them); one a later click
+    adds comes from a real ``click.Path()``, made on first use.
+    """
+
+    def __init__(self) -> None:  # click.Path()'s attributes, not its __init__
+        self.exists = False
+        self.file_okay = True
+        self.dir_okay = True
+        self.readable = True
+        self.writable = False
+        self.executable = False
+        self.resolve_path = False
+        self.allow_dash = False
+        self.type = None
+        self.name = "path"
+
+    def to_info_dict(self) -> Any:
+        return {**super().to_info_dict(), "param_type": "Path"}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(click.Path(), name)
+
+
+#: the one path type of these commands
+PATH = _AnyPath()
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -51,8 +83,9 @@ def _fmt_counts(d: dict) -> str:
 def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: bool = False) -> None:
     """Summarise CHECKPOINT (a path or a URL: s3://, gs://, az://, hf://, https://) without loading tensors or
     running pickle code."""
-    from ckptfix.inspecting import inspect_checkpoint
-    from ckptfix.remote.stats import collect
+    with imports_quietly():
+        from ckptfix.inspecting import inspect_checkpoint
+        from ckptfix.remote.stats import collect
 
     with collect() as st:
         r = inspect_checkpoint(checkpoint, key=key)
@@ -123,8 +156,10 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
     """
     from ckptfix.cli._common import error_line
     from ckptfix.errors import CkptfixError
-    from ckptfix.inspecting import scan_checkpoint
-    from ckptfix.remote.stats import collect
+
+    with imports_quietly():
+        from ckptfix.inspecting import scan_checkpoint
+        from ckptfix.remote.stats import collect
 
     if len(checkpoints) == 1:
         with collect() as st:

@@ -10,6 +10,8 @@ import importlib
 
 import click
 
+from ckptfix.cli._gc import imports_quietly
+
 
 class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
     """Ctrl-C inside a command, carried past Click (which would print a blank line and "Aborted.")."""
@@ -32,9 +34,59 @@ COMMAND_MODULES = {
 }
 
 
-class LazyGroup(click.Group):
+def _show_help(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """``-h`` / ``--help``: the help page on stdout (what click's own help option does)."""
+    if value and not ctx.resilient_parsing:
+        click.echo(ctx.get_help(), color=ctx.color)
+        ctx.exit()
+
+
+class HelpOption:
+    """The help option made without gettext.
+
+    Click makes it with ``help_option(help=_("Show this message and exit."))``, and it asks gettext for the
+    default text even when one is given: the first gettext call imports :mod:`locale` and every call looks for
+    catalogs (~1 ms of every command's start-up, three calls).  The same option, the same text, made here;
+    click's own rules decide whether there is one (``add_help_option``, names a parameter already uses).
+    """
+
+    add_help_option: bool
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        """The help option (None where the command has none).
+
+        Args:
+            ctx: the Click context.
+
+        Returns:
+            The option, made once per command.
+        """
+        names = self.get_help_option_names(ctx)  # type: ignore[attr-defined]
+        if not names or not self.add_help_option:
+            return None
+        opt: click.Option | None = self.__dict__.get("_ckptfix_help_option")
+        if opt is None:
+            opt = click.Option(
+                ["_ckptfix_help", *names],  # stored under its own name: a parameter called "help" keeps its value
+                is_flag=True,
+                expose_value=False,
+                is_eager=True,
+                callback=_show_help,
+                help="Show this message and exit.",
+            )
+            self.__dict__["_ckptfix_help_option"] = opt
+        return opt
+
+
+class Command(HelpOption, click.Command):
+    """A ckptfix command (its help option made without gettext: :class:`HelpOption`)."""
+
+
+class LazyGroup(HelpOption, click.Group):
     """The root group: command modules imported when a command is looked up (not at start-up); a
     KeyboardInterrupt in a command reaches :func:`ckptfix.cli.main` as :class:`CtrlC`."""
+
+    command_class = Command
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -54,7 +106,8 @@ class LazyGroup(click.Group):
         """
         mod = COMMAND_MODULES.get(cmd_name)
         if mod is not None and cmd_name not in self.commands:
-            importlib.import_module(mod)  # registers its commands on ``cli``
+            with imports_quietly():
+                importlib.import_module(mod)  # registers its commands on ``cli``
         return super().get_command(ctx, cmd_name)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -70,6 +123,21 @@ class LazyGroup(click.Group):
         return super().list_commands(ctx)
 
 
+def _show_version(ctx: click.Context, value: bool) -> None:
+    """``--version``: ``ckptfix, version X`` as ``click.version_option`` prints it (made without gettext, as
+    :class:`HelpOption`); the installed distribution's version, else the package's own."""
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("ckptfix")
+    except PackageNotFoundError:
+        from ckptfix import __version__ as v
+    click.echo(f"ckptfix, version {v}", color=ctx.color)
+    ctx.exit()
+
+
 def load_all() -> None:
     """Import every command module (what ``--help`` and the docs need)."""
     for mod in dict.fromkeys(COMMAND_MODULES.values()):
@@ -78,7 +146,14 @@ def load_all() -> None:
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
-@click.version_option(package_name="ckptfix", prog_name="ckptfix")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=lambda ctx, param, value: _show_version(ctx, value),
+    help="Show the version and exit.",
+)
 def cli(debug: bool) -> None:
     """Make PyTorch checkpoints and GPUs stop getting in your way.
 
