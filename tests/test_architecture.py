@@ -32,6 +32,7 @@ LAYERS = {
             "_dataclass_inits",
             "zipdir",
             "_unpickler",
+            "_startup",
         ],
         0,
     ),

@@ -219,16 +219,22 @@ def test_the_help_and_version_options_made_without_gettext_are_clicks():
 
 
 def test_imports_pause_the_collector_and_give_it_back():
-    """ckptfix.cli._gc: no collection while modules are imported, the collector back (as it was) afterwards."""
+    """ckptfix._startup: no collection while modules are imported, the collector back (as it was) afterwards."""
     import gc
 
-    from ckptfix.cli._gc import imports_quietly
+    from ckptfix import _startup
+    from ckptfix._startup import imports_quietly
 
     assert gc.isenabled()
+    frozen = gc.get_freeze_count()
     try:
         with imports_quietly():
             assert not gc.isenabled()
-        assert gc.isenabled() and gc.get_freeze_count() > 0
+        assert gc.isenabled() and gc.get_freeze_count() == frozen  # not the ckptfix process: nothing frozen
+        _startup.command_process()
+        with imports_quietly():
+            pass
+        assert gc.isenabled() and gc.get_freeze_count() > frozen
         gc.disable()  # a caller that turned it off keeps it off
         with imports_quietly():
             pass
@@ -238,6 +244,7 @@ def test_imports_pause_the_collector_and_give_it_back():
                 import ckptfix_no_such_module  # noqa: F401
         assert not gc.isenabled()
     finally:
+        _startup._FREEZE[0] = False
         gc.enable()
         gc.unfreeze()
 
@@ -273,3 +280,24 @@ def test_a_command_runs_with_the_collector_on():
         )
     assert p.returncode == 0, p.stderr
     assert "ENABLED True [True]" in p.stdout
+
+
+def test_the_ckptfix_process_freezes_what_it_imported(torch_zip):
+    """The console script / python -m ckptfix (ckptfix.__main__.run): the imports are frozen, the collector on."""
+    child = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: sys.stderr.write(f'\\nGC {gc.isenabled()} {gc.get_freeze_count() > 1000}\\n'))\n"
+        "import runpy\n"
+        "sys.argv[0] = 'ckptfix'\n"
+        "runpy.run_module('ckptfix', run_name='__main__', alter_sys=True)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", child, "inspect", str(torch_zip)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.returncode == 0, p.stderr
+    assert "GC True True" in p.stderr

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ckptfix.cli._gc import imports_quietly
+from ckptfix._startup import imports_quietly
 
-with imports_quietly():  # click and the CLI: see ckptfix.cli._gc
+with imports_quietly():  # click and the CLI: see ckptfix._startup
     import click
 
     from ckptfix._torch import is_torch_missing, missing_error
@@ -111,4 +111,8 @@ def _feature(args: list[str]) -> str:
 
 
 def run() -> None:
+    """The console script's entry point before ``ckptfix.__main__:run`` (scripts installed earlier call it)."""
+    from ckptfix._startup import command_process
+
+    command_process()
     sys.exit(main())

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import click
 
+from ckptfix._startup import imports_quietly
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
-from ckptfix.cli._gc import imports_quietly
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:

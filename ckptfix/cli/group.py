@@ -7,10 +7,11 @@ them to register the commands), so the CLI's import graph has no cycle.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import click
 
-from ckptfix.cli._gc import imports_quietly
+from ckptfix._startup import imports_quietly
 
 
 class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
@@ -132,8 +133,8 @@ def _show_version(ctx: click.Context, value: bool) -> None:
 
     try:
         v = version("ckptfix")
-    except PackageNotFoundError:
-        from ckptfix import __version__ as v
+    except PackageNotFoundError:  # run from a checkout: the package's own (imported before this module)
+        v = sys.modules["ckptfix"].__version__
     click.echo(f"ckptfix, version {v}", color=ctx.color)
     ctx.exit()
 
