@@ -200,3 +200,10 @@ def test_posix_fallocate_reserves_the_blocks_of_an_extent_file(tmp_path, monkeyp
         assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
     finally:
         os.close(fd)
+
+
+def test_exit_now_leaves_a_profiled_run_to_its_profiler(tmp_path):
+    code = "import cProfile\nfrom ckptfix.cli import exit_now\ncProfile.run('exit_now(5)')\nprint('profiler printed')\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "function calls" in p.stdout and "profiler printed" in p.stdout

@@ -122,13 +122,16 @@ def exit_now(code: int) -> None:
     7-12 ms of a ``convert``'s wall time, a tenth of ``cp``'s for 0.5 GB (issue 25).  So this does what
     a normal exit does that matters (``atexit`` handlers, then ``stdout``/``stderr`` flushed) and
     ``os._exit``.  It returns, for the normal ``sys.exit``, where that could do more: a thread that is
-    not a daemon still runs (the interpreter waits for it), or flushing a stream fails (a closed pipe:
-    the interpreter reports it as before).  ``CKPTFIX_FULL_EXIT=1`` keeps the normal exit.
+    not a daemon still runs (the interpreter waits for it), flushing a stream fails (a closed pipe: the
+    interpreter reports it as before), or a tracer or profiler is set (``python -m cProfile`` prints its
+    statistics after the script).  ``CKPTFIX_FULL_EXIT=1`` keeps the normal exit.
 
     Args:
         code: the exit status.
     """
     if os.environ.get("CKPTFIX_FULL_EXIT", "") not in ("", "0"):
+        return
+    if sys.gettrace() is not None or sys.getprofile() is not None:  # a debugger, coverage, cProfile: theirs to end
         return
     threading = sys.modules.get("threading")
     if threading is not None:
