@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_copy.py --sizes 0.5GB,1.5GB,4GB --cold --repeat 5
     python benchmarks/bench_copy.py --sizes 0 --dcp-sizes 0.6GB,2GB --jobs 1,2
     python benchmarks/bench_copy.py --sizes 1.5GB --jobs 1,2 --json
+    python benchmarks/bench_copy.py --python ~/venv-plain/bin/python          # a plain (non-editable) install
 
 The fixture (:func:`make_gpt2`) is what users convert: a GPT-2-layout fp32 state dict saved by
 ``torch.save`` from a DataParallel/DDP model (``module.`` keys), its embedding tied to ``lm_head``
@@ -18,7 +19,8 @@ FSDP2 does (``--dcp-shard1`` also shards every 4th on dim 1).
 Per size, side by side in one run, ``--repeat`` rounds, the order of the commands reversed every other
 round; before every run the previous outputs are deleted and ``sync`` flushes the dirty pages (no command
 pays another's writeback); cold runs evict the input's files from the page cache first
-(``posix_fadvise(DONTNEED)``; never the whole machine's cache).  Whole-process wall time and peak RSS
+(``posix_fadvise(DONTNEED)``; never the whole machine's cache).  ckptfix runs as users start it, through
+the ``ckptfix`` console script of ``--python``'s venv (``_measure.ckptfix``).  Whole-process wall time and peak RSS
 (``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
 machine these numbers come from is shared and they swing with its load.
 
@@ -76,6 +78,14 @@ sd["module.lm_head.weight"] = wte   # tied
 torch.save(sd, out)
 print(d, n, len(sd))
 """
+
+
+#: the interpreter whose venv's ``ckptfix`` console script runs the conversions (``--python``)
+PYTHON = sys.executable
+
+
+def _ck(*args: str) -> list[str]:
+    return ckptfix(*args, python=PYTHON)
 
 
 def make_gpt2(path: str, size: int) -> str:
@@ -215,14 +225,14 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     shape = make_gpt2(src, size)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.pt")
     cases = {"cp": (["cp", src, cp_out], _rm(cp_out))}
-    cases["convert"] = (ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
+    cases["convert"] = (_ck("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
     for j in jobs:
-        cases[f"convert -j {j}"] = (ckptfix("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
-    cases["convert --no-verify"] = (ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+        cases[f"convert -j {j}"] = (_ck("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
+    cases["convert --no-verify"] = (_ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
     if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
         any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
-        cases["convert cfr-any"] = (any_env + ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))
-        nov = ckptfix("convert", src, "-o", out, "--quiet", "--no-verify")
+        cases["convert cfr-any"] = (any_env + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
+        nov = _ck("convert", src, "-o", out, "--quiet", "--no-verify")
         cases["--no-verify cfr-any"] = (any_env + nov, _rm(out))
     if not cold:
         warm([src])
@@ -237,10 +247,10 @@ def bench_dcp(size: int, repeat: int, cold: bool, jobs: list[int], shard1: bool,
     make_dcp(src, size, shard1)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.dcp")
     cases = {"cp -r": (["cp", "-r", src, cp_out], _rm(cp_out))}
-    cases["convert"] = (ckptfix("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
+    cases["convert"] = (_ck("convert", src, "-o", out, "--quiet"), _rm(out))  # -j chosen per input
     for j in jobs:
-        cases[f"convert -j {j}"] = (ckptfix("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
-    cases["convert --no-verify"] = (ckptfix("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+        cases[f"convert -j {j}"] = (_ck("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
+    cases["convert --no-verify"] = (_ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
     if not cold:
         warm([src])
     res, loads, how = side_by_side(cases, repeat, [src] if cold else None)
@@ -274,8 +284,16 @@ def main() -> None:
     ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter whose venv's ckptfix console script is timed (default: this one); a plain, "
+        "non-editable install is what users start (an editable install's finder costs ~10 ms per start)",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    global PYTHON
+    PYTHON = a.python
     jobs = [int(j) for j in a.jobs.split(",")]
     modes = ([] if a.no_warm else [False]) + ([True] if a.cold or a.no_warm else [])
     rows = []

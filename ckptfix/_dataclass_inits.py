@@ -6,7 +6,7 @@ dataclasses compiles for each shape of fields (ckptfix._dataclass.Key), compiled
 class at start-up.
 """
 
-FACTORY_KEYS = ((3, (1,)), (5, (4,)), (5, (4, 3)), (6, (3, 1, 5, 2)), (6, (3, 4, 1)), (6, (3, 5, 4)), (6, (5,)), (7, (4, 5, 6)), (8, (3,)), (9, (4, 8, 3, 5)), (12, (0, 1, 2, 3)), (22, (19,)))
+FACTORY_KEYS = ((3, (1,)), (5, (4,)), (5, (4, 3)), (6, (3, 1, 5, 2)), (6, (3, 4, 1)), (6, (3, 5, 4)), (6, (5,)), (7, (4, 5, 6)), (8, (3,)), (9, (4, 8, 3, 5)), (12, (0, 1, 2, 3)), (22, (19,)), (25, (7, 16, 9, 14, 11, 12, 15, 13, 17, 8)))
 OUTER = {}
 def __create_fn__(MISSING, _HAS_DEFAULT_FACTORY, __dataclass_builtins_object__, _return_type):
  def __init__(self)->_return_type:
@@ -552,3 +552,32 @@ def __create_fn__(_type__0, _type__1, _type__2, _type__3, _type__4, _type__5, _t
   self._21=_21
  return __init__
 OUTER[(22, (19,))] = __create_fn__.__code__
+def __create_fn__(_type__0, _type__1, _type__2, _type__3, _type__4, _type__5, _type__6, _type__7, _type__8, _type__9, _type__10, _type__11, _type__12, _type__13, _type__14, _type__15, _type__16, _type__17, _type__18, _type__19, _type__20, _type__21, _type__22, _type__23, _type__24, MISSING, _HAS_DEFAULT_FACTORY, __dataclass_builtins_object__, _dflt__r00, _dflt__r01, _dflt__r02, _dflt__r03, _dflt__r04, _dflt__r05, _dflt__r06, _dflt__r07, _dflt__r08, _dflt__r09, _return_type):
+ def __init__(self,_0:_type__0,_1:_type__1,_2:_type__2,_3:_type__3,_4:_type__4,_5:_type__5,_6:_type__6,_7:_type__7=_HAS_DEFAULT_FACTORY,_8:_type__8=_HAS_DEFAULT_FACTORY,_9:_type__9=_HAS_DEFAULT_FACTORY,_10:_type__10=MISSING,_11:_type__11=_HAS_DEFAULT_FACTORY,_12:_type__12=_HAS_DEFAULT_FACTORY,_13:_type__13=_HAS_DEFAULT_FACTORY,_14:_type__14=_HAS_DEFAULT_FACTORY,_15:_type__15=_HAS_DEFAULT_FACTORY,_16:_type__16=_HAS_DEFAULT_FACTORY,_17:_type__17=_HAS_DEFAULT_FACTORY,_18:_type__18=MISSING,_19:_type__19=MISSING,_20:_type__20=MISSING,_21:_type__21=MISSING,_22:_type__22=MISSING,_23:_type__23=MISSING,_24:_type__24=MISSING)->_return_type:
+  self._0=_0
+  self._1=_1
+  self._2=_2
+  self._3=_3
+  self._4=_4
+  self._5=_5
+  self._6=_6
+  self._7=_dflt__r00() if _7 is _HAS_DEFAULT_FACTORY else _7
+  self._8=_dflt__r09() if _8 is _HAS_DEFAULT_FACTORY else _8
+  self._9=_dflt__r02() if _9 is _HAS_DEFAULT_FACTORY else _9
+  self._10=_10
+  self._11=_dflt__r04() if _11 is _HAS_DEFAULT_FACTORY else _11
+  self._12=_dflt__r05() if _12 is _HAS_DEFAULT_FACTORY else _12
+  self._13=_dflt__r07() if _13 is _HAS_DEFAULT_FACTORY else _13
+  self._14=_dflt__r03() if _14 is _HAS_DEFAULT_FACTORY else _14
+  self._15=_dflt__r06() if _15 is _HAS_DEFAULT_FACTORY else _15
+  self._16=_dflt__r01() if _16 is _HAS_DEFAULT_FACTORY else _16
+  self._17=_dflt__r08() if _17 is _HAS_DEFAULT_FACTORY else _17
+  self._18=_18
+  self._19=_19
+  self._20=_20
+  self._21=_21
+  self._22=_22
+  self._23=_23
+  self._24=_24
+ return __init__
+OUTER[(25, (7, 16, 9, 14, 11, 12, 15, 13, 17, 8))] = __create_fn__.__code__

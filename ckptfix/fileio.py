@@ -670,8 +670,38 @@ def preallocate(fd: int, size: int) -> bool:
     return err == 0
 
 
+#: ``FS_IOC_GETFLAGS`` (``_IOR('f', 1, long)``) where ioctl numbers have the generic layout, and the flag of a file
+#: whose blocks are mapped by extents (``EXT4_EXTENTS_FL``): ``fallocate(2)`` is native for it
+_GETFLAGS = 0x80086601 if os.uname().machine in ("x86_64", "aarch64", "arm64", "riscv64") else None
+_EXTENTS_FL = 0x80000
+
+
+def _extent_mapped(fd: int) -> bool:
+    """Whether ``fd`` is an ext4 file mapped by extents (False where that cannot be told)."""
+    if _GETFLAGS is None:
+        return False
+    try:
+        import fcntl
+
+        flags = struct.unpack("=I", fcntl.ioctl(fd, _GETFLAGS, bytes(8))[:4])[0]
+    except (ImportError, OSError, struct.error):
+        return False
+    return bool(flags & _EXTENTS_FL)
+
+
 def _fallocate(fd: int, size: int) -> int | None:
-    """``fallocate(fd, 0, 0, size)`` through libc; returns 0, the errno, or None where libc has no ``fallocate``."""
+    """``fallocate(fd, 0, 0, size)``; returns 0, the errno, or None where libc has no ``fallocate``.
+
+    For an ext4 file mapped by extents, ``os.posix_fallocate``: glibc makes the ``fallocate`` call and falls
+    back to its emulation only on ``EOPNOTSUPP``, which such a file never answers; this spares loading
+    ``ctypes`` (2.5 ms of every conversion of 32 MiB or more).  Any other file: ``fallocate`` through ``ctypes``.
+    """
+    if _extent_mapped(fd):
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            return e.errno
+        return 0
     try:
         import ctypes
 

@@ -326,8 +326,8 @@ def test_peak_rss_is_flat(stage: int, world: int, tmp_path: Path) -> None:
     _synthetic(src, 160 << 20, world, stage)
     out = tmp_path / "m.safetensors"
     code = (
-        "import sys; from ckptfix.cli import run; sys.argv = ['ckptfix'] + sys.argv[1:]\n"
-        "try:\n    run()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "import sys; from ckptfix.cli import main\n"
+        "assert main(sys.argv[1:]) == 0\n"
         "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"
     )
     p = subprocess.run(

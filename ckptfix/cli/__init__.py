@@ -115,4 +115,51 @@ def run() -> None:
     from ckptfix._startup import command_process
 
     command_process()
-    sys.exit(main())
+    code = main()
+    exit_now(code)
+    sys.exit(code)
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` once the command is done, skipping the interpreter's teardown.
+
+    After :func:`main` returns, every output is written, verified, closed and renamed into place; what
+    the interpreter still does is free every object of every module one by one (and collect garbage):
+    7-12 ms of a ``convert``'s wall time, a tenth of ``cp``'s for 0.5 GB (issue 25).  So this does what
+    a normal exit does that matters (``atexit`` handlers, then ``stdout``/``stderr`` flushed) and
+    ``os._exit``.  It returns, for the normal ``sys.exit``, where that could do more: a thread that is
+    not a daemon still runs (the interpreter waits for it), flushing a stream fails (a closed pipe: the
+    interpreter reports it as before), or a tracer or profiler is set (``python -m cProfile`` prints its
+    statistics after the script).  ``CKPTFIX_FULL_EXIT=1`` keeps the normal exit.
+
+    Args:
+        code: the exit status.
+    """
+    if os.environ.get("CKPTFIX_FULL_EXIT", "") not in ("", "0"):
+        return
+    if sys.gettrace() is not None or sys.getprofile() is not None:  # a debugger, coverage, cProfile: theirs to end
+        return
+    if "torch" in sys.modules:  # its writers and process groups end in finalizers; a torch run takes seconds
+        return
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        main_thread = threading.main_thread()
+        if any(t is not main_thread and not t.daemon and t.is_alive() for t in threading.enumerate()):
+            return
+    if not _flushed():
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # what the normal exit runs first (and then forgets: they do not run twice)
+    if _flushed():
+        os._exit(code)
+
+
+def _flushed() -> bool:
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from ckptfix._startup import imports_quietly
 from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
 from ckptfix.cli.group import cli
 
@@ -150,7 +151,8 @@ def convert_cmd(
     The input is never modified.  Tied/shared tensors are stored once and
     recorded in the metadata; ckptfix's loader restores them.
     """
-    from ckptfix.convert import ConvertOptions, OutputOptions, convert, parse_size
+    with imports_quietly():
+        from ckptfix.convert import ConvertOptions, OutputOptions, convert, parse_size
 
     if max_shard_size is not None:
         try:

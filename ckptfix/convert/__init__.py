@@ -30,9 +30,8 @@ from ckptfix.convert.forward import convert_to_safetensors
 from ckptfix.convert.header import safetensors_header
 from ckptfix.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
 from ckptfix.convert.report import ConvertReport
-from ckptfix.convert.reverse import convert_from_safetensors, is_safetensors_input, rebuild_checkpoint
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
-from ckptfix.formats import Input, classify_or_none
+from ckptfix.formats import Format, Input, classify_or_none
 from ckptfix.outputs import OutputOptions
 from ckptfix.statedict import contains_tensors, locate_state_dict, module_state_dict
 from ckptfix.stmeta import restore as restore_aliases
@@ -43,13 +42,20 @@ if TYPE_CHECKING:
 
     from ckptfix.convert.dcp_out import convert_to_dcp as convert_to_dcp
     from ckptfix.convert.hfstorage import convert_hf_storage as convert_hf_storage
+    from ckptfix.convert.reverse import convert_from_safetensors as convert_from_safetensors
+    from ckptfix.convert.reverse import is_safetensors_input as is_safetensors_input
+    from ckptfix.convert.reverse import rebuild_checkpoint as rebuild_checkpoint
     from ckptfix.convert.zero import convert_zero as convert_zero
     from ckptfix.deepspeed import find_zero_checkpoint as find_zero_checkpoint
     from ckptfix.formats.hfstorage import find_hf_storage as find_hf_storage
 
 #: the entry points of the other directions and folder kinds, imported on first use (the start-up of
-#: ``convert FILE.pth``, which needs none of them: DCP, ZeRO and HuggingFaceStorageWriter readers and writers)
+#: ``convert FILE.pth``, which needs none of them: DCP, ZeRO and HuggingFaceStorageWriter readers and writers,
+#: and the way back to torch)
 _LAZY = {
+    "convert_from_safetensors": "ckptfix.convert.reverse",
+    "is_safetensors_input": "ckptfix.convert.reverse",
+    "rebuild_checkpoint": "ckptfix.convert.reverse",
     "convert_to_dcp": "ckptfix.convert.dcp_out",
     "convert_hf_storage": "ckptfix.convert.hfstorage",
     "convert_zero": "ckptfix.convert.zero",
@@ -189,6 +195,8 @@ def convert(
 
         return convert_to_dcp(given, outputs=o, options=c)
     if direction == "pt":
+        from ckptfix.convert.reverse import convert_from_safetensors
+
         return convert_from_safetensors(given, outputs=o, options=c)
     return convert_to_safetensors(given, outputs=o, options=c)
 
@@ -198,12 +206,22 @@ def _direction(inp: Input | None, src: str, dst: str | None, to: str | None) -> 
     the paths say."""
     if to == "dcp" or (to is None and dst is not None and dst.rstrip("/" + os.sep).endswith(".dcp")):
         return "dcp"
-    st_in = inp is not None and to in ("pt", None) and is_safetensors_input(inp)  # from the Input's format
+    st_in = inp is not None and to in ("pt", None) and _safetensors_in(inp)  # from the Input's format
     if to == "pt" and not st_in:
         raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
     if to == "pt" or (to is None and st_in and (dst is None or not dst.endswith(".safetensors"))):
         return "pt"
     return "safetensors"
+
+
+def _safetensors_in(inp: Input) -> bool:
+    """:func:`~ckptfix.convert.reverse.is_safetensors_input` of a classified input; only a safetensors file or a
+    sharded index can be one (any other format is answered without importing the way back to torch)."""
+    if inp.format not in (Format.SAFETENSORS, Format.SHARDED):
+        return False
+    from ckptfix.convert.reverse import is_safetensors_input
+
+    return is_safetensors_input(inp)
 
 
 def _refuse_other_formats(o: OutputOptions, c: ConvertOptions, what: str) -> None:

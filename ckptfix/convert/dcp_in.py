@@ -19,10 +19,10 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ckptfix import stmeta
+from ckptfix._dataclass import dataclass
 from ckptfix.convert.extras import split_checkpoint
 from ckptfix.convert.forward import drop_named, refuse_unwritten
 from ckptfix.convert.items import Item, Range, check_dtype

@@ -12,7 +12,6 @@ from typing import Any, Mapping
 
 from ckptfix.convert.report import ConvertReport
 from ckptfix.pickles import Stub, global_name, is_tensor_like
-from ckptfix.plaindata import LOSSY, Plainer, normalise_global
 from ckptfix.statedict import contains_tensors, module_state
 
 _OPTIMIZER_KEYS = ("opt", "opt_state", "opt_state_dict")
@@ -158,6 +157,8 @@ class _Extras:
 
     def _plain(self, v: Any, path: str, opt: bool, depth: int) -> Any:
         """A placeholder (or class, function, frozenset ...) as the plain data ``sanitize`` would write, as JSON."""
+        from ckptfix.plaindata import LOSSY, Plainer, normalise_global  # (a plain state dict never needs it)
+
         pl = Plainer(arrays="list", sep=".")
         plain = pl.convert(v, path)
         if isinstance(v, type) and issubclass(v, Stub):
@@ -178,6 +179,8 @@ class _Extras:
 
 
 def _kind_of(v: Any) -> str:
+    from ckptfix.plaindata import normalise_global
+
     if isinstance(v, type):
         return "class " + (normalise_global(global_name(v)) if issubclass(v, Stub) else v.__qualname__)
     return normalise_global(global_name(type(v))) if isinstance(v, Stub) else type(v).__name__
@@ -185,6 +188,8 @@ def _kind_of(v: Any) -> str:
 
 def _strip_lossy(v: Any) -> Any:
     """``v`` without the markers of values too large for JSON (already listed in ``skipped``)."""
+    from ckptfix.plaindata import LOSSY
+
     if isinstance(v, dict):
         return {k: _strip_lossy(x) for k, x in v.items() if x is not LOSSY}
     if isinstance(v, list):

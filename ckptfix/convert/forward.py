@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckptfix import stmeta
+from ckptfix._dataclass import dataclass
 from ckptfix.convert.extras import split_checkpoint
 from ckptfix.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
 from ckptfix.convert.paths import check_outputs, default_st_output

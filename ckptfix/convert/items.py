@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.convert.remote_in import is_remote
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.fileio import CHUNK, Fds

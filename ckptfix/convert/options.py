@@ -14,9 +14,10 @@ HuggingFaceStorageWriter).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, Literal, Mapping, Sequence
 
+from ckptfix._dataclass import dataclass
 from ckptfix.outputs import OutputKeywords, OutputOptions, given_fields, refuse_given
 
 __all__ = [

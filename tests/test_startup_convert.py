@@ -1,0 +1,212 @@
+"""Start-up of ``convert FILE.pt`` (issue 25): what it imports, how its temp files are made, how it exits.
+
+``convert`` of a local torch zip runs in a fresh interpreter through the console script's entry point
+(:func:`ckptfix.cli.run`) and lists ``sys.modules`` at exit.  Pinned by module, not by time: each module named
+here cost start-up on every conversion of a local file while it was imported without being used (a URL input's
+thread pool, ``tempfile``, the way back to torch, the plain-data converter of non-tensor entries).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+#: what ``convert model.pt -o model.safetensors`` must not import
+NEVER = [
+    "torch",
+    "numpy",
+    "concurrent.futures",  # the range requests of a URL input (ckptfix.convert.remote_in.Sources.pool)
+    "logging",
+    "traceback",
+    "textwrap",
+    "tempfile",  # temp outputs are made by ckptfix.atomic itself
+    "random",
+    "shutil",
+    "bz2",
+    "lzma",
+    "zipfile",
+    "ckptfix.convert.reverse",  # safetensors -> torch
+    "ckptfix.convert.dcp_out",
+    "ckptfix.convert.dcp_in",
+    "ckptfix.convert.zero",
+    "ckptfix.convert.hfstorage",
+    "ckptfix.plaindata",  # non-tensor entries only (ckptfix.convert.extras)
+    "ckptfix.remote.file",
+    "fsspec",
+]
+
+_RUN = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + '\\n'))\n"
+    "sys.argv[0] = 'ckptfix'\n"
+    "from ckptfix.cli import run\n"
+    "run()\n"
+)
+
+
+def _convert(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**(env or os.environ), "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", _RUN, "convert", *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def _modules(p: subprocess.CompletedProcess[str]) -> set[str]:
+    assert p.returncode == 0, p.stderr
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
+    assert line, p.stderr  # atexit handlers ran (ckptfix.cli.exit_now runs them before os._exit)
+    return set(line[-1].split()[1:])
+
+
+@pytest.fixture(scope="module")
+def torch_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small ``torch.save`` zip (a model's state dict)."""
+    from tests.helpers import CkptFactory
+
+    return Path(CkptFactory(tmp_path_factory.mktemp("startup-convert")).plain().path)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_convert_of_a_local_torch_zip_imports_no_thread_pool_tempfile_or_other_direction(torch_zip, tmp_path, verify):
+    out = tmp_path / "model.safetensors"
+    p = _convert([str(torch_zip), "-o", str(out), "--json"] + ([] if verify else ["--no-verify"]))
+    mods = _modules(p)
+    assert out.is_file()
+    assert '"outputs"' in p.stdout  # stdout flushed before the fast exit
+    present = ["ckptfix.convert.forward", "ckptfix.convert.write", "ckptfix.atomic", "ckptfix.zipdir"]
+    assert [m for m in present if m not in mods] == []  # the code path pinned here ran
+    assert sorted(m for m in NEVER if m in mods) == []
+
+
+def test_convert_exit_status_and_error_line_are_kept(tmp_path):
+    p = _convert([str(tmp_path / "missing.pt"), "-o", str(tmp_path / "o.safetensors")])
+    assert p.returncode != 0
+    assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr
+    assert "MODULES " in p.stderr
+
+
+def test_exit_now_runs_atexit_flushes_and_exits_with_the_code(tmp_path):
+    code = (
+        "import atexit, sys\n"
+        "from ckptfix.cli import exit_now\n"
+        "atexit.register(lambda: print('atexit ran'))\n"
+        "sys.stdout.write('pending, not flushed')\n"
+        "exit_now(7)\n"
+        "print('not reached')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
+    assert p.returncode == 7
+    assert p.stdout == b"pending, not flushedatexit ran\n"
+
+
+def test_exit_now_leaves_the_normal_exit_to_a_running_thread_and_to_full_exit(tmp_path):
+    code = (
+        "import sys, threading, time\n"
+        "from ckptfix.cli import exit_now\n"
+        "t = threading.Thread(target=lambda: (time.sleep(0.2), print('thread done', flush=True)))\n"
+        "t.start()\n"
+        "exit_now(3)\n"
+        "print('normal exit')\n"
+        "sys.exit(4)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (4, "normal exit\nthread done\n")
+    plain = "from ckptfix.cli import exit_now\nexit_now(3)\nprint('normal exit')\n"
+    p = subprocess.run(
+        [sys.executable, "-c", plain], env={**env, "CKPTFIX_FULL_EXIT": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert (p.returncode, p.stdout) == (0, "normal exit\n")
+    with_torch = "import torch\nfrom ckptfix.cli import exit_now\nexit_now(3)\nprint('normal exit')\n"
+    p = subprocess.run([sys.executable, "-c", with_torch], env=env, capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "normal exit\n")  # torch's finalizers (writers, process groups) run
+
+
+def test_temp_files_are_new_private_and_named_for_the_stale_cleaner(tmp_path, monkeypatch):
+    from ckptfix import atomic
+
+    final = tmp_path / "model.safetensors"
+    fd, tmp = atomic._create_temp(str(tmp_path), f".{final.name}{atomic.TEMP_MARK}", ".tmp")
+    try:
+        assert os.path.isabs(tmp) and os.path.dirname(tmp) == str(tmp_path)
+        assert atomic._TEMP_RE.fullmatch(os.path.basename(tmp))
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+    finally:
+        os.close(fd)
+    # a name already taken (or a symlink planted under it) is never opened: the next random name is
+    taken = os.urandom(8)
+    draws = iter([taken, taken, b"\x01" * 8])
+    monkeypatch.setattr(atomic.os, "urandom", lambda n: next(draws))
+    fd1, first = atomic._create_temp(str(tmp_path), ".x", ".tmp")
+    os.close(fd1)
+    os.unlink(first)
+    os.symlink(tmp_path / "elsewhere", first)
+    fd2, second = atomic._create_temp(str(tmp_path), ".x", ".tmp")
+    os.close(fd2)
+    assert second != first and os.path.basename(second) == ".xbbbbbbbb.tmp"
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_new_temp_still_gives_the_final_mode_and_holds_the_lock(tmp_path):
+    from ckptfix import atomic
+
+    final = tmp_path / "out.pt"
+    final.write_bytes(b"old")
+    final.chmod(0o640)
+    fd, tmp = atomic.new_temp(str(final))
+    try:
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o640
+        assert tmp in atomic._locks
+    finally:
+        os.close(fd)
+        os.unlink(tmp)
+        atomic.release_temp(tmp)
+
+
+def test_a_conversion_preallocating_its_output_does_not_load_ctypes(tmp_path):
+    """An output of 32 MiB or more on ext4 is preallocated (``fileio.preallocate``) through ``os.posix_fallocate``
+    for a file mapped by extents: ``ctypes`` (about 2.5 ms to load) is not needed."""
+    torch = pytest.importorskip("torch")
+    from ckptfix import fileio
+
+    fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if fileio.fs_type(fd) not in fileio.PREALLOCATE_FS or not fileio._extent_mapped(fd):
+            pytest.skip("not an ext4 file system with extents")
+    finally:
+        os.close(fd)
+    src = tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(10 << 20), "b": torch.ones(3)}, src)  # 40 MiB
+    out = tmp_path / "big.safetensors"
+    mods = _modules(_convert([str(src), "-o", str(out), "-q"]))
+    assert "ckptfix.fileio" in mods and "ctypes" not in mods
+    assert out.stat().st_size > fileio.PREALLOCATE_MIN
+
+
+def test_posix_fallocate_reserves_the_blocks_of_an_extent_file(tmp_path, monkeypatch):
+    from ckptfix import fileio
+
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not fileio._extent_mapped(fd):
+            pytest.skip("not an ext4 file mapped by extents")
+        monkeypatch.setitem(sys.modules, "ctypes", None)  # importing it would fail
+        assert fileio._fallocate(fd, 3 << 20) == 0
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
+    finally:
+        os.close(fd)
+
+
+def test_exit_now_leaves_a_profiled_run_to_its_profiler(tmp_path):
+    code = "import cProfile\nfrom ckptfix.cli import exit_now\ncProfile.run('exit_now(5)')\nprint('profiler printed')\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "function calls" in p.stdout and "profiler printed" in p.stdout
