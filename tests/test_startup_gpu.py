@@ -1,0 +1,84 @@
+"""Start-up of ``gpus`` and ``pick-gpu`` (issue 25): what they import and compile, pinned by name, not by time.
+
+Each command runs as pip's console script runs it (``from ckptfix.cli import main``) in a fresh interpreter
+started with ``-S``: the development venv's editable install imports ``pathlib`` and ``re`` from a ``.pth`` file
+at every start-up, which a user's ``pip install ckptfix`` does not, so without ``-S`` the absence of ``pathlib``
+could not be seen.  ``-S`` skips the ``.pth`` files; ``PYTHONPATH`` names the checkout and the venv's
+site-packages (click) instead.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tests.helpers import ROOT, fake_smi_env
+
+#: modules the GPU commands used to import without needing them: ``pathlib`` (with ``urllib.parse``,
+#: ``ipaddress``, ``fnmatch`` and ``ntpath``: about 2.5 ms) came with ``ckptfix.gpu.leases`` and ``ckptfix.gpu.pick``
+REMOVED = ["pathlib", "urllib.parse", "urllib", "ipaddress", "fnmatch", "ntpath"]
+
+_RUN = (
+    "import atexit, sys\n"
+    "import re._compiler as C\n"
+    "compiled = []\n"
+    "orig = C.compile\n"
+    "def spy(p, flags=0):\n"
+    "    f = sys._getframe(1)\n"
+    "    while f is not None and f.f_code.co_filename.startswith(C.__file__.rsplit('/', 1)[0]):\n"
+    "        f = f.f_back\n"
+    "    if f is not None and '/ckptfix/gpu/' in f.f_code.co_filename.replace('\\\\', '/'):\n"
+    "        compiled.append(repr(p))\n"
+    "    return orig(p, flags)\n"
+    "C.compile = spy\n"
+    "def report():\n"
+    "    sys.stderr.write('\\nMODULES ' + ' '.join(sorted(sys.modules)) + '\\n')\n"
+    "    sys.stderr.write('COMPILED ' + ' '.join(compiled) + '\\n')\n"
+    "atexit.register(report)\n"
+    "sys.argv[0] = 'ckptfix'\n"
+    "from ckptfix.cli import main\n"
+    "sys.exit(main())\n"
+)
+
+
+def _run(args: list[str], env: dict[str, str]) -> tuple[set[str], str]:
+    """(``sys.modules`` at exit, the patterns ``ckptfix.gpu`` compiled) of ``ckptfix ARGS`` as a console script."""
+    site = sysconfig.get_paths()["purelib"]
+    env = {**env, "PYTHONPATH": f"{ROOT}:{site}"}
+    p = subprocess.run(
+        [sys.executable, "-S", "-c", _RUN, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert p.returncode == 0, p.stderr
+    mods = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
+    compiled = [ln for ln in p.stderr.splitlines() if ln.startswith("COMPILED")]
+    assert mods and compiled, p.stderr
+    return set(mods[-1].split()[1:]), compiled[-1][len("COMPILED") :].strip()
+
+
+GPU_COMMANDS = [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"], ["pick-gpu"], ["pick-gpu", "--export"]]
+
+
+@pytest.mark.parametrize("args", GPU_COMMANDS, ids=" ".join)
+def test_gpu_commands_import_no_pathlib(args, tmp_path):
+    mods, _ = _run(args, fake_smi_env(tmp_path, "h200_busy"))
+    assert "ckptfix.gpu.visible" in mods  # the command ran the code path pinned here
+    if args[0] == "pick-gpu":
+        assert "ckptfix.gpu.leases" in mods and "fcntl" in mods
+    assert sorted(m for m in REMOVED if m in mods) == []
+
+
+def test_the_interpreter_alone_imports_none_of_them(tmp_path):
+    """The check above means something: ``-S`` and the imports before ckptfix's do not bring them."""
+    site = sysconfig.get_paths()["purelib"]
+    p = subprocess.run(
+        [sys.executable, "-S", "-c", "import sys, click; print(' '.join(sys.modules))"],
+        env={**fake_smi_env(tmp_path), "PYTHONPATH": site},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert sorted(m for m in REMOVED if m in p.stdout.split()) == []
