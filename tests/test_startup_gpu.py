@@ -70,6 +70,14 @@ def test_gpu_commands_import_no_pathlib(args, tmp_path):
     assert sorted(m for m in REMOVED if m in mods) == []
 
 
+@pytest.mark.parametrize("args", GPU_COMMANDS, ids=" ".join)
+def test_gpu_commands_compile_no_regular_expression(args, tmp_path):
+    """ckptfix.gpu.parse reads nvidia-smi's values by hand (tests/test_gpu_parse_scan.py): compiling its patterns
+    cost about 0.8 ms; ``nvidia-smi -L``'s (a MIG host only) are compiled on first use."""
+    _, compiled = _run(args, fake_smi_env(tmp_path, "h200_busy"))
+    assert compiled == ""
+
+
 def test_the_interpreter_alone_imports_none_of_them(tmp_path):
     """The check above means something: ``-S`` and the imports before ckptfix's do not bring them."""
     site = sysconfig.get_paths()["purelib"]
