@@ -17,9 +17,10 @@ environment.  :func:`ckptfix.gpu.pick_gpu` calls it and then applies the choice 
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ckptfix._dataclass import dataclass
 from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
@@ -41,9 +42,6 @@ from ckptfix.gpu.leases import (
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
-
-if TYPE_CHECKING:
-    from ckptfix.gpu.leases import StrPath
 
 __all__ = [
     "Criteria",
@@ -97,8 +95,6 @@ def parse_size_mib(text: str | int | float) -> int:
     """
     if isinstance(text, (int, float)):
         return int(text * 1024)
-    import re
-
     m = re.match(_SIZE, text)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (use e.g. 10GiB, 512MiB, 24G)")
@@ -493,7 +489,7 @@ def choose_and_lease(
     criteria: Criteria,
     *,
     lease_seconds: float | None,
-    directory: StrPath | None,
+    directory: str | os.PathLike[str] | None,
     by: str = "uuid",
     token: str | None = None,
 ) -> PickResult:
@@ -574,7 +570,7 @@ def pick(
     criteria: Criteria,
     *,
     lease_seconds: float | None,
-    directory: StrPath | None,
+    directory: str | os.PathLike[str] | None,
     wait: float = 0.0,
     interval: float = 10.0,
     by: str = "uuid",
