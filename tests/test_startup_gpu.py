@@ -67,6 +67,7 @@ def test_gpu_commands_import_no_pathlib(args, tmp_path):
     assert "ckptfix.gpu.visible" in mods  # the command ran the code path pinned here
     if args[0] == "pick-gpu":
         assert "ckptfix.gpu.leases" in mods and "fcntl" in mods
+        assert "ckptfix.gpu.render" not in mods  # the table's module: pick-gpu shortens UUIDs with records'
     assert sorted(m for m in REMOVED if m in mods) == []
 
 
