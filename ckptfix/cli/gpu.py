@@ -7,44 +7,20 @@ library call).
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
+from ckptfix._startup import imports_quietly
 from ckptfix.cli._common import emit_json, info, json_option, warn
 from ckptfix.cli.group import cli
 from ckptfix.errors import CkptfixError
 
 if TYPE_CHECKING:
-    from typing import Callable, TypeVar
-
     from ckptfix.gpu.pick import PickResult, ReleaseResult
-
-    F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _gc_paused(fn: F) -> F:
-    """``fn`` without garbage collection (restored on the way out): ``gpus`` and ``pick-gpu`` are short
-    processes whose imports and records are never garbage, and the collections their allocations set off cost
-    about 0.4 ms of start-up.  (``gpus --watch``, which runs until Ctrl-C, collects as usual.)"""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        was = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if was:
-                gc.enable()
-
-    return run  # type: ignore[return-value]
-
 
 #: ``--timeout SECONDS``: how long each nvidia-smi call may take (gpus, pick-gpu, doctor)
 timeout_option = click.option(
@@ -91,21 +67,17 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
     failed; 28 nvidia-smi printed a row that does not parse; 26 driver not
     loaded; 27 driver/library version mismatch.
     """
+    with imports_quietly():  # the library's GPU modules: no collection while they load (ckptfix._startup)
+        from ckptfix.errors import GpuToolingError
+        from ckptfix.gpu import visible_gpus
+        from ckptfix.gpu.render import render_gpus
+        from ckptfix.gpu.visible import driverless_view
+
     if watch is not None:
         if as_json:
             raise click.UsageError("--watch refreshes a table; it cannot be combined with --json")
         _watch_gpus(watch, timeout)
         return
-    _show_gpus(as_json, timeout)
-
-
-@_gc_paused
-def _show_gpus(as_json: bool, timeout: float) -> None:
-    """``gpus`` without ``--watch``."""
-    from ckptfix.errors import GpuToolingError
-    from ckptfix.gpu import visible_gpus
-    from ckptfix.gpu.render import render_gpus
-    from ckptfix.gpu.visible import driverless_view
 
     try:
         view = visible_gpus(timeout=timeout)
@@ -188,7 +160,6 @@ def _show_gpus(as_json: bool, timeout: float) -> None:
 )
 @timeout_option
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@_gc_paused
 def pick_gpu_cmd(
     n: int,
     min_free: str | None,
@@ -241,7 +212,8 @@ def pick_gpu_cmd(
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
-    from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
+    with imports_quietly():  # as in gpus
+        from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
 
     if release:
         if (
