@@ -10,10 +10,11 @@ site-packages (click) instead.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
-import sysconfig
 
+import click
 import pytest
 
 from tests.helpers import ROOT, fake_smi_env
@@ -21,6 +22,9 @@ from tests.helpers import ROOT, fake_smi_env
 #: modules the GPU commands used to import without needing them: ``pathlib`` (with ``urllib.parse``,
 #: ``ipaddress``, ``fnmatch`` and ``ntpath``: about 2.5 ms) came with ``ckptfix.gpu.leases`` and ``ckptfix.gpu.pick``
 REMOVED = ["pathlib", "urllib.parse", "urllib", "ipaddress", "fnmatch", "ntpath"]
+
+#: where click is installed (a venv's site-packages, or the system's): on PYTHONPATH, since -S skips site
+_SITE = os.path.dirname(os.path.dirname(click.__file__))
 
 _RUN = (
     "import atexit, sys\n"
@@ -47,8 +51,7 @@ _RUN = (
 
 def _run(args: list[str], env: dict[str, str]) -> tuple[set[str], str]:
     """(``sys.modules`` at exit, the patterns ``ckptfix.gpu`` compiled) of ``ckptfix ARGS`` as a console script."""
-    site = sysconfig.get_paths()["purelib"]
-    env = {**env, "PYTHONPATH": f"{ROOT}:{site}"}
+    env = {**env, "PYTHONPATH": f"{ROOT}:{_SITE}"}
     p = subprocess.run(
         [sys.executable, "-S", "-c", _RUN, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
     )
@@ -82,10 +85,9 @@ def test_gpu_commands_compile_no_regular_expression(args, tmp_path):
 
 def test_the_interpreter_alone_imports_none_of_them(tmp_path):
     """The check above means something: ``-S`` and the imports before ckptfix's do not bring them."""
-    site = sysconfig.get_paths()["purelib"]
     p = subprocess.run(
         [sys.executable, "-S", "-c", "import sys, click; print(' '.join(sys.modules))"],
-        env={**fake_smi_env(tmp_path), "PYTHONPATH": site},
+        env={**fake_smi_env(tmp_path), "PYTHONPATH": _SITE},
         capture_output=True,
         text=True,
         timeout=60,
