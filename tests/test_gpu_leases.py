@@ -147,11 +147,14 @@ def test_default_directory_order(tmp_path):
     tmpd = tmp_path / "tmp"
     tmpd.mkdir()
     uid = os.getuid()
-    assert lease_dir({"CKPTFIX_LEASE_DIR": "/x"}) == Path("/x")
-    assert lease_dir({"XDG_RUNTIME_DIR": str(xdg), "TMPDIR": str(tmpd)}) == xdg / "ckptfix-leases"
-    assert lease_dir({"TMPDIR": str(tmpd)}) == tmpd / f"ckptfix-leases-{uid}"
-    assert lease_dir({"TMPDIR": str(tmp_path / "missing")}) == Path(f"/tmp/ckptfix-leases-{uid}")
-    assert lease_dir({}) == Path(f"/tmp/ckptfix-leases-{uid}")
+    # str paths (no pathlib at pick-gpu's start-up), printed as pathlib would print them
+    assert lease_dir({"CKPTFIX_LEASE_DIR": "/x"}) == "/x"
+    assert lease_dir({"CKPTFIX_LEASE_DIR": "/x/"}) == "/x"
+    assert lease_dir({"CKPTFIX_LEASE_DIR": "rel"}) == "rel"
+    assert lease_dir({"XDG_RUNTIME_DIR": f"{xdg}/", "TMPDIR": str(tmpd)}) == f"{xdg}/ckptfix-leases"
+    assert lease_dir({"TMPDIR": str(tmpd)}) == f"{tmpd}/ckptfix-leases-{uid}"
+    assert lease_dir({"TMPDIR": str(tmp_path / "missing")}) == f"/tmp/ckptfix-leases-{uid}"
+    assert lease_dir({}) == f"/tmp/ckptfix-leases-{uid}"
 
 
 def test_token_makes_a_timed_lease_ones_own(tmp_path):

@@ -171,7 +171,7 @@ def test_undo_waits_for_a_briefly_locked_lease_file(tmp_path):
         _undo(lease)
     finally:
         timer.join()
-    assert lease.path.read_text() == ""  # given back, not reserved until the expiry
+    assert Path(lease.path).read_text() == ""  # given back, not reserved until the expiry
 
 
 def test_check_only_lease_writes_nothing(tmp_path):

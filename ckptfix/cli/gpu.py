@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ckptfix._startup import imports_quietly
 from ckptfix.cli._common import emit_json, info, json_option, warn
 from ckptfix.cli.group import cli
 from ckptfix.errors import CkptfixError
@@ -66,10 +67,11 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
     failed; 28 nvidia-smi printed a row that does not parse; 26 driver not
     loaded; 27 driver/library version mismatch.
     """
-    from ckptfix.errors import GpuToolingError
-    from ckptfix.gpu import visible_gpus
-    from ckptfix.gpu.render import render_gpus
-    from ckptfix.gpu.visible import driverless_view
+    with imports_quietly():  # the library's GPU modules: no collection while they load (ckptfix._startup)
+        from ckptfix.errors import GpuToolingError
+        from ckptfix.gpu import visible_gpus
+        from ckptfix.gpu.render import render_gpus
+        from ckptfix.gpu.visible import driverless_view
 
     if watch is not None:
         if as_json:
@@ -210,7 +212,8 @@ def pick_gpu_cmd(
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
     """
-    from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
+    with imports_quietly():  # as in gpus
+        from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
 
     if release:
         if (
@@ -319,7 +322,7 @@ def _export_failure(export: bool, code: int) -> None:
 
 def _render_pick(result: PickResult, *, export: bool, as_json: bool, command: bool) -> None:
     from ckptfix.gpu.leases import LEASE_TOKEN_ENV
-    from ckptfix.gpu.render import short_uuid
+    from ckptfix.gpu.records import short_uuid  # not ckptfix.gpu.render: pick-gpu renders no table
 
     env = result.env
     for r in result.chosen:

@@ -21,11 +21,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import re
 import stat
 import time
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckptfix._dataclass import dataclass
 from ckptfix.errors import OutputError
@@ -54,8 +52,21 @@ LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
 LEASES_HELD_ENV = "CKPTFIX_LEASES_HELD"
 _LEASE_SCHEMA = "ckptfix.lease/1"
 
+if TYPE_CHECKING:
+    from typing import Union
 
-def lease_dir(env: Mapping[str, str] | None = None) -> Path:
+    #: a path argument: a ``str`` or an ``os.PathLike`` (the lease paths this module returns are ``str``: no
+    #: pathlib, which costs ``pick-gpu`` about 2.5 ms of start-up with ``urllib.parse`` and ``ipaddress``)
+    StrPath = Union[str, "os.PathLike[str]"]
+
+
+def _dir(directory: StrPath) -> str:
+    """``directory`` as a ``str`` without trailing slashes (as ``pathlib`` would print it)."""
+    d = os.fspath(directory)
+    return d.rstrip("/") or d[:1] or "."
+
+
+def lease_dir(env: Mapping[str, str] | None = None) -> str:
     """Where GPU leases live: ``$CKPTFIX_LEASE_DIR``, else ``$XDG_RUNTIME_DIR/ckptfix-leases`` (when that
     directory exists), else ``$TMPDIR/ckptfix-leases-<uid>``, else ``/tmp/ckptfix-leases-<uid>``.
 
@@ -67,19 +78,23 @@ def lease_dir(env: Mapping[str, str] | None = None) -> Path:
     """
     env = os.environ if env is None else env
     if env.get("CKPTFIX_LEASE_DIR"):
-        return Path(env["CKPTFIX_LEASE_DIR"])
+        return _dir(env["CKPTFIX_LEASE_DIR"])
     if env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
-        return Path(env["XDG_RUNTIME_DIR"]) / "ckptfix-leases"
+        return os.path.join(_dir(env["XDG_RUNTIME_DIR"]), "ckptfix-leases")
     tmp = env.get("TMPDIR")
-    base = tmp if tmp and os.path.isabs(tmp) and os.path.isdir(tmp) else "/tmp"
-    return Path(base) / f"ckptfix-leases-{os.getuid()}"
+    base = _dir(tmp) if tmp and os.path.isabs(tmp) and os.path.isdir(tmp) else "/tmp"
+    return os.path.join(base, f"ckptfix-leases-{os.getuid()}")
+
+
+_SAFE_NAME = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
 def _lease_name(key: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", key) + ".lease"
+    """``key`` with every character but ASCII letters, digits, ``.``, ``_`` and ``-`` as ``_``, plus ``.lease``."""
+    return "".join(c if c in _SAFE_NAME else "_" for c in key) + ".lease"
 
 
-def lease_file(directory: Path, key: str) -> Path:
+def lease_file(directory: StrPath, key: str) -> str:
     """The lease file of GPU ``key``.
 
     Args:
@@ -89,10 +104,10 @@ def lease_file(directory: Path, key: str) -> Path:
     Returns:
         The path (``<key with unsafe characters as _>.lease``).
     """
-    return directory / _lease_name(key)
+    return os.path.join(_dir(directory), _lease_name(key))
 
 
-def _unsafe_dir(directory: Path, why: str) -> OutputError:
+def _unsafe_dir(directory: str, why: str) -> OutputError:
     return OutputError(
         f"refusing the GPU lease directory {directory}: {why}; another user could plant files in it. Fix: "
         f"`chmod 700 {directory}` if it is yours, else remove it (or set CKPTFIX_LEASE_DIR to a directory only "
@@ -100,7 +115,7 @@ def _unsafe_dir(directory: Path, why: str) -> OutputError:
     )
 
 
-def open_lease_dir(directory: Path) -> int:
+def open_lease_dir(directory: StrPath) -> int:
     """Create ``directory`` (mode 0700) if missing, check it like ssh checks ``~/.ssh``, and open it.
 
     Refused: a directory (or a symlink to one) not owned by the current user, and one that is group- or
@@ -116,11 +131,13 @@ def open_lease_dir(directory: Path) -> int:
     Raises:
         OutputError: the directory cannot be created or opened, or is unsafe (exit code 9).
     """
+    directory = _dir(directory)
     uid = os.getuid()
     try:
         if not os.path.lexists(directory):
-            if not directory.parent.is_dir():
-                os.makedirs(directory.parent, mode=0o700, exist_ok=True)
+            parent = os.path.dirname(directory) or "."
+            if not os.path.isdir(parent):
+                os.makedirs(parent, mode=0o700, exist_ok=True)
             try:
                 os.mkdir(directory, 0o700)
             except FileExistsError:
@@ -145,7 +162,7 @@ def open_lease_dir(directory: Path) -> int:
     return fd
 
 
-def _open_lease_file(dfd: int, directory: Path, key: str) -> tuple[int, bool]:
+def _open_lease_file(dfd: int, directory: str, key: str) -> tuple[int, bool]:
     """Open (or create) the lease file of ``key`` without following links; ``(fd, created)``."""
     name = _lease_name(key)
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -158,9 +175,10 @@ def _open_lease_file(dfd: int, directory: Path, key: str) -> tuple[int, bool]:
             fd = os.open(name, flags, dir_fd=dfd)
     except OSError as e:
         if e.errno == errno.ELOOP:
+            path = os.path.join(directory, name)
             raise OutputError(
-                f"GPU lease file {directory / name} is a symlink, which ckptfix never follows (someone planted "
-                f"it): remove it (`rm {directory / name}`) and check who can write to {directory}"
+                f"GPU lease file {path} is a symlink, which ckptfix never follows (someone planted "
+                f"it): remove it (`rm {path}`) and check who can write to {directory}"
             ) from None
         raise _lease_dir_error(directory, e) from None
     st = os.fstat(fd)
@@ -174,8 +192,8 @@ def _open_lease_file(dfd: int, directory: Path, key: str) -> tuple[int, bool]:
     if why:
         os.close(fd)
         raise OutputError(
-            f"GPU lease file {directory / name} {why}: ckptfix will not write to it; remove it and check who "
-            f"can write to {directory}"
+            f"GPU lease file {os.path.join(directory, name)} {why}: ckptfix will not write to it; remove it and "
+            f"check who can write to {directory}"
         )
     return fd, created
 
@@ -185,7 +203,7 @@ class Lease:
     """A lease on one GPU.  ``fd`` is open (and flock'ed) while the lease is *held*."""
 
     key: str
-    path: Path
+    path: str
     fd: int | None
     expires: float | None
     token: str | None = None
@@ -272,7 +290,7 @@ def _describe(info: dict[str, Any] | None) -> str:
 
 
 def try_lease(
-    directory: Path,
+    directory: StrPath,
     key: str,
     seconds: float | None,
     *,
@@ -301,6 +319,7 @@ def try_lease(
     Raises:
         OutputError: the directory or the lease file is unusable or unsafe (exit code 9).
     """
+    directory = _dir(directory)
     path = lease_file(directory, key)
     dfd = open_lease_dir(directory)
     try:
@@ -372,7 +391,7 @@ class Released:
         return {"key": self.key, "released": self.released, "why": self.why}
 
 
-def release_leases(directory: Path, *, token: str | None = None, now: float | None = None) -> list[Released]:
+def release_leases(directory: StrPath, *, token: str | None = None, now: float | None = None) -> list[Released]:
     """Give back timed leases (``pick-gpu --release``).
 
     With ``token`` only the leases taken with that token (this shell's ``pick-gpu --export``); without,
@@ -391,6 +410,7 @@ def release_leases(directory: Path, *, token: str | None = None, now: float | No
         OutputError: the directory is unsafe or unusable (exit code 9).
     """
     now = time.time() if now is None else now
+    directory = _dir(directory)
     if not os.path.lexists(directory):
         return []
     dfd = open_lease_dir(directory)
@@ -432,7 +452,7 @@ def release_leases(directory: Path, *, token: str | None = None, now: float | No
     return out
 
 
-def held_lease(path: Path) -> Lease | None:
+def held_lease(path: StrPath) -> Lease | None:
     """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any.
 
     Args:
@@ -441,13 +461,14 @@ def held_lease(path: Path) -> Lease | None:
     Returns:
         The held :class:`Lease`, or ``None``.
     """
+    path = os.fspath(path)
     for le in _HELD:
         if le.fd is not None and le.path == path:
             return le
     return None
 
 
-def _lease_dir_error(directory: Path, e: OSError) -> OutputError:
+def _lease_dir_error(directory: str, e: OSError) -> OutputError:
     return OutputError(
         f"cannot take a GPU lease in {directory} ({e.strerror or e}): set CKPTFIX_LEASE_DIR to a writable local "
         "directory (file locks need a local filesystem)"

@@ -135,7 +135,70 @@ def parse_value(raw: str) -> tuple[str | None, str | None]:
     return s, None
 
 
-_NUM = re.compile(r"^([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([A-Za-z%/]*)$")
+# The patterns below are matched by hand on ASCII text (what nvidia-smi prints), by re only on other text:
+# compiling them cost ``gpus`` and ``pick-gpu`` about 0.8 ms of start-up.  tests/test_gpu_parse_scan.py checks
+# each scanner against its pattern.
+_NUM = r"^([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([A-Za-z%/]*)$"
+_DIGITS = frozenset("0123456789")
+_UNIT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz%")
+
+
+def _scan_number(s: str, number: str) -> tuple[str, str] | None:
+    """``(number, rest)`` of ASCII ``s``: the longest prefix of ``s`` that is a number of kind ``number`` (what
+    the patterns' number groups match: ``"uint"`` ``\\d+``, ``"int"`` ``[-+]?\\d+``, ``"float"``
+    ``[-+]?(?:\\d+(?:\\.\\d*)?|\\.\\d+)``, ``"cap"`` ``\\d+\\.\\d+``), or ``None`` when no prefix is one.
+    Each pattern's number is followed by characters that cannot continue it (space, letters, ``%``, ``/``), so
+    the longest prefix is the only one a match can take."""
+    n = len(s)
+    i = 0
+    if number in ("int", "float") and i < n and s[i] in "+-":
+        i += 1
+    j = i
+    while j < n and s[j] in _DIGITS:
+        j += 1
+    if number == "float":
+        if j > i:
+            if j < n and s[j] == ".":
+                j += 1
+                while j < n and s[j] in _DIGITS:
+                    j += 1
+        elif j < n and s[j] == ".":
+            k = j + 1
+            while k < n and s[k] in _DIGITS:
+                k += 1
+            if k == j + 1:
+                return None
+            j = k
+        else:
+            return None
+    elif j == i:
+        return None
+    elif number == "cap":
+        if j >= n or s[j] != ".":
+            return None
+        k = j + 1
+        while k < n and s[k] in _DIGITS:
+            k += 1
+        if k == j + 1:
+            return None
+        j = k
+    return s[:j], s[j:]
+
+
+def _number_and_unit(s: str, number: str, slash: bool) -> tuple[str, str] | None:
+    """``re.match(rf"^({NUMBER})\\s*([A-Za-z%]*)$", s).groups()`` (``/`` in the unit too with ``slash``) for
+    ASCII ``s`` without a newline: the number and its unit, or ``None`` when ``s`` is no such thing."""
+    got = _scan_number(s, number)
+    if got is None:
+        return None
+    num, rest = got
+    unit = rest.lstrip()  # str.isspace() is re's \s, in ASCII too (\x1c-\x1f included)
+    for c in unit:
+        if c not in _UNIT_CHARS and not (slash and c == "/"):
+            return None
+    return num, unit
+
+
 _TO_MIB = {
     "": 1.0,
     "mib": 1.0,
@@ -163,15 +226,20 @@ def parse_number(text: str | None, *, mib: bool = False) -> float | None:
     """
     if text is None:
         return None
-    m = _NUM.match(text.strip())
-    if not m:
+    s = text.strip()
+    if s.isascii() and "\n" not in s:
+        got = _number_and_unit(s, "float", True)
+    else:
+        m = re.match(_NUM, s)
+        got = (m.group(1), m.group(2)) if m else None
+    if got is None:
         return None
     try:
-        v = float(m.group(1))
+        v = float(got[0])
     except ValueError:
         return None
     if mib:
-        factor = _TO_MIB.get(m.group(2).lower())
+        factor = _TO_MIB.get(got[1].lower())
         if factor is None:
             return None
         v *= factor
@@ -185,7 +253,13 @@ def _as_int(text: str | None, *, mib: bool = False) -> int | None:
 
 def _norm_header(cell: str) -> str:
     name = cell.strip()
-    name = re.sub(r"\s*\[[^\]]*\]\s*$", "", name)  # "memory.total [MiB]" -> "memory.total"
+    # "memory.total [MiB]" -> "memory.total": re.sub(r"\s*\[[^\]]*\]\s*$", "", name) by hand (``name`` is
+    # stripped: it ends in the "]", and the "[" the pattern takes is the first one after the "]" before that)
+    if name.endswith("]"):
+        end = len(name) - 1
+        start = name.find("[", name.rfind("]", 0, end) + 1, end)
+        if start >= 0:
+            name = name[:start]
     return name.strip().lower()
 
 
@@ -253,9 +327,13 @@ def _parse_csv_lines(
 
 _INT = r"[-+]?\d+"
 _FLOAT = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_UINT = r"\d+"
+_CAP = r"\d+\.\d+"
+#: the number patterns above by their names in :func:`_scan_number`
+_NUMBER_KINDS = {_UINT: "uint", _INT: "int", _FLOAT: "float", _CAP: "cap"}
 #: field -> (the number's pattern, the units nvidia-smi may print after it (lower case; "" = none), what it is)
 _FIELD_FORMATS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "index": (r"\d+", ("",), "a GPU index"),
+    "index": (_UINT, ("",), "a GPU index"),
     "memory.total": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
     "memory.used": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
     "memory.free": (_FLOAT, tuple(_TO_MIB), "a size in MiB"),
@@ -264,32 +342,64 @@ _FIELD_FORMATS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "temperature.gpu": (_FLOAT, ("", "c"), "degrees C"),
     "power.draw": (_FLOAT, ("", "w"), "watts"),
     "clocks.max.sm": (_INT, ("", "mhz"), "MHz"),
-    "compute_cap": (r"\d+\.\d+", ("",), "a compute capability such as 8.0"),
+    "compute_cap": (_CAP, ("",), "a compute capability such as 8.0"),
 }
 #: fields nvidia-smi prints with a decimal point (``118.41 W``, ``8.0``): where a comma locale puts a comma
 _FRACTIONAL = frozenset({"power.draw", "power.limit", "compute_cap"})
-_OTHER_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
-    "uuid": (re.compile(r"^(GPU|MIG)-[\w./-]+$"), "a GPU-/MIG- UUID"),
-    "pci.bus_id": (re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$"), "a PCI bus id"),
-    "mig.mode.current": (re.compile(r"^(Enabled|Disabled)$", re.I), "Enabled or Disabled"),
-    "driver_version": (re.compile(r"^\d+(\.\d+)+$"), "a version such as 570.124.06"),
+#: field -> (its pattern, its flags, what it is)
+_OTHER_FORMATS: dict[str, tuple[str, int, str]] = {
+    "uuid": (r"^(GPU|MIG)-[\w./-]+$", 0, "a GPU-/MIG- UUID"),
+    "pci.bus_id": (r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$", 0, "a PCI bus id"),
+    "mig.mode.current": (r"^(Enabled|Disabled)$", re.I, "Enabled or Disabled"),
+    "driver_version": (r"^\d+(\.\d+)+$", 0, "a version such as 570.124.06"),
 }
+_HEX = frozenset("0123456789abcdefABCDEF")
+_UUID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-")
+
+
+def _fits_other(column: str, value: str) -> bool:
+    """``re.match`` of the :data:`_OTHER_FORMATS` pattern of ``column`` on ASCII ``value`` without a newline."""
+    if column == "uuid":
+        return value[:4] in ("GPU-", "MIG-") and len(value) > 4 and all(c in _UUID_CHARS for c in value[4:])
+    if column == "pci.bus_id":
+        domain, _, rest = value.partition(":")
+        return (
+            4 <= len(domain) <= 8
+            and all(c in _HEX for c in domain)
+            and len(rest) == 7
+            and rest[0] in _HEX
+            and rest[1] in _HEX
+            and rest[2] == ":"
+            and rest[3] in _HEX
+            and rest[4] in _HEX
+            and rest[5] == "."
+            and rest[6] in "01234567"
+        )
+    if column == "mig.mode.current":  # re.I on ASCII text: ASCII case-insensitive
+        return value.lower() in ("enabled", "disabled")
+    parts = value.split(".")  # driver_version
+    return len(parts) >= 2 and all(p and all(c in _DIGITS for c in p) for p in parts)
 
 
 def _field_error(column: str, value: str) -> str | None:
     """Why ``value`` (not a placeholder) cannot be nvidia-smi's ``column``, or ``None`` when it can."""
     fmt = _FIELD_FORMATS.get(column)
+    plain = value.isascii() and "\n" not in value  # else re, whose \d and \s take more than ASCII
     if fmt is not None:
         number, units, what = fmt
-        m = re.match(rf"^({number})\s*([A-Za-z%]*)$", value)
-        if not m:
+        if plain:
+            got = _number_and_unit(value, _NUMBER_KINDS[number], False)
+        else:
+            m = re.match(rf"^({number})\s*([A-Za-z%]*)$", value)
+            got = (m.group(1), m.group(2)) if m else None
+        if got is None:
             return f"not {what}"
-        if m.group(2).lower() not in units:
-            return f"unit {m.group(2)!r} is not one nvidia-smi prints for {column} ({what})"
+        if got[1].lower() not in units:
+            return f"unit {got[1]!r} is not one nvidia-smi prints for {column} ({what})"
         return None
     other = _OTHER_FORMATS.get(column)
-    if other is not None and not other[0].match(value):
-        return f"not {other[1]}"
+    if other is not None and not (_fits_other(column, value) if plain else re.match(other[0], value, other[1])):
+        return f"not {other[2]}"
     return None
 
 
@@ -466,8 +576,15 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
 
 
 def _compute_cap(text: str | None) -> tuple[int, int] | None:
-    m = re.match(r"^\s*(\d+)\.(\d+)\s*$", text or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    """``re.match(r"^\\s*(\\d+)\\.(\\d+)\\s*$", text)`` as ``(major, minor)``, by hand on ASCII text."""
+    text = text or ""
+    if not text.isascii():
+        m = re.match(r"^\s*(\d+)\.(\d+)\s*$", text)
+        return (int(m.group(1)), int(m.group(2))) if m else None
+    major, dot, minor = text.strip().partition(".")  # ASCII \s is what strip() strips; \n included
+    if not dot or not major or not minor or not all(c in _DIGITS for c in major + minor):
+        return None
+    return int(major), int(minor)
 
 
 def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[GpuProcess], list[str]]:
@@ -506,8 +623,9 @@ def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[
     return procs, warnings
 
 
-_L_GPU = re.compile(r"^\s*GPU\s+(\d+)\s*:\s*(.*?)\s*\(UUID:\s*(GPU-[^)\s]+)\s*\)")
-_L_MIG = re.compile(r"^\s*MIG\s+(\S+)\s+Device\s+(\d+)\s*:\s*\(UUID:\s*(MIG-[^)\s]+)\s*\)")
+#: compiled on first use (re's cache): ``nvidia-smi -L`` runs only where a GPU has MIG enabled
+_L_GPU = r"^\s*GPU\s+(\d+)\s*:\s*(.*?)\s*\(UUID:\s*(GPU-[^)\s]+)\s*\)"
+_L_MIG = r"^\s*MIG\s+(\S+)\s+Device\s+(\d+)\s*:\s*\(UUID:\s*(MIG-[^)\s]+)\s*\)"
 
 
 def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], list[str]]:
@@ -527,11 +645,11 @@ def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], 
     for line in text.splitlines():
         if not line.strip():
             continue
-        m = _L_GPU.match(line)
+        m = re.match(_L_GPU, line)
         if m:
             gpus.append((int(m.group(1)), m.group(2), m.group(3)))
             continue
-        m = _L_MIG.match(line)
+        m = re.match(_L_MIG, line)
         if m and gpus:
             parent_index, _, parent_uuid = gpus[-1]
             migs.append(

@@ -20,7 +20,6 @@ import os
 import re
 import time
 from dataclasses import field
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from ckptfix._dataclass import dataclass
@@ -68,7 +67,8 @@ __all__ = [
 # ----------------------------------------------------------------------------- criteria and ranking
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$")
+#: compiled on first use (``re``'s cache): ``pick-gpu`` without ``--min-free`` never needs it
+_SIZE = r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$"
 _SIZE_UNITS = {  # unit -> MiB; a bare number is GiB
     "": 1024.0,
     "b": 1 / 1024**2,
@@ -95,7 +95,7 @@ def parse_size_mib(text: str | int | float) -> int:
     """
     if isinstance(text, (int, float)):
         return int(text * 1024)
-    m = _SIZE.match(text)
+    m = re.match(_SIZE, text)
     if not m or m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (use e.g. 10GiB, 512MiB, 24G)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
@@ -489,7 +489,7 @@ def choose_and_lease(
     criteria: Criteria,
     *,
     lease_seconds: float | None,
-    directory: Path | None,
+    directory: str | os.PathLike[str] | None,
     by: str = "uuid",
     token: str | None = None,
 ) -> PickResult:
@@ -570,7 +570,7 @@ def pick(
     criteria: Criteria,
     *,
     lease_seconds: float | None,
-    directory: Path | None,
+    directory: str | os.PathLike[str] | None,
     wait: float = 0.0,
     interval: float = 10.0,
     by: str = "uuid",
@@ -763,7 +763,7 @@ def choose_gpus(
 class ReleaseResult:
     """What :func:`release_my_leases` gave back."""
 
-    directory: Path
+    directory: str
     token: str | None
     leases: list[Released]
 

@@ -17,6 +17,7 @@ __all__ = [
     "Problem",
     "VisibleGpu",
     "mig_size_mib",
+    "short_uuid",
 ]
 
 
@@ -180,6 +181,23 @@ def mig_size_mib(profile: str) -> int | None:
     """
     m = re.search(r"(\d+)gb$", profile.strip().lower())
     return int(m.group(1)) * 1024 if m else None
+
+
+def short_uuid(uuid: str | None) -> str:
+    """``GPU-a44622e3-...`` -> ``GPU-a44622e3`` (CUDA accepts any unambiguous prefix).
+
+    Args:
+        uuid: a GPU or MIG UUID, or ``None``.
+
+    Returns:
+        The short form (legacy ``MIG-GPU-...`` ids whole), ``-`` for none.
+    """
+    if not uuid:
+        return "-"
+    if uuid.startswith("MIG-GPU-"):
+        return uuid  # legacy MIG ids need the /gi/ci tail
+    head, _, rest = uuid.partition("-")
+    return f"{head}-{rest[:8]}" if rest else uuid
 
 
 MIG_MEMORY_NOTE = "MIG device: per-instance memory is not in --query-gpu"

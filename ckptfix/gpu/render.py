@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ckptfix.gpu.records import short_uuid
 from ckptfix.gpu.visible import GpuView
 from ckptfix.text import gib, table
 
@@ -11,23 +12,6 @@ if TYPE_CHECKING:
     from ckptfix.gpu.doctor import DoctorReport
 
 __all__ = ["render_gpus", "render_doctor", "short_uuid"]
-
-
-def short_uuid(uuid: str | None) -> str:
-    """``GPU-a44622e3-...`` -> ``GPU-a44622e3`` (CUDA accepts any unambiguous prefix).
-
-    Args:
-        uuid: a GPU or MIG UUID, or ``None``.
-
-    Returns:
-        The short form (legacy ``MIG-GPU-...`` ids whole), ``-`` for none.
-    """
-    if not uuid:
-        return "-"
-    if uuid.startswith("MIG-GPU-"):
-        return uuid  # legacy MIG ids need the /gi/ci tail
-    head, _, rest = uuid.partition("-")
-    return f"{head}-{rest[:8]}" if rest else uuid
 
 
 def _pci_domain(pci: str | None) -> int | None:

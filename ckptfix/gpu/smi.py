@@ -7,10 +7,9 @@ Nothing here imports torch.  A *runner* (``argv, timeout -> RunResult``) can rep
 from __future__ import annotations
 
 import os
-from dataclasses import field, replace
+from dataclasses import replace
 from typing import Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import GpuQueryError, NoGpuError
 from ckptfix.gpu.parse import (
     APP_FIELDS,
@@ -37,13 +36,16 @@ def _apps_argv(smi: str) -> list[str]:
     return [smi, f"--query-compute-apps={','.join(APP_FIELDS)}", "--format=csv,nounits"]
 
 
-@dataclass
 class _Calls:
-    """Runs nvidia-smi commands (in parallel, or one by one through an injected runner) and counts them."""
+    """Runs nvidia-smi commands (in parallel, or one by one through an injected runner) and counts them.
 
-    runner: Runner | None
-    timeout: float
-    count: int = 0
+    (A plain class, as :class:`_Assembly`: both are private to :func:`query`, and a dataclass costs start-up.)
+    """
+
+    def __init__(self, runner: Runner | None, timeout: float) -> None:
+        self.runner = runner
+        self.timeout = timeout
+        self.count = 0
 
     def run(self, cmds: list[list[str]], optional: frozenset[int] = frozenset()) -> list[RunResult]:
         self.count += len(cmds)
@@ -60,16 +62,16 @@ class _Calls:
         return out
 
 
-@dataclass
 class _Assembly:
     """What :func:`query` has learned so far."""
 
-    gpus: list[SmiGpu]
-    warnings: list[str] = field(default_factory=list)
-    processes_known: bool = False
-    by_uuid: dict[str, list[GpuProcess]] = field(default_factory=dict)
-    mig_devices: dict[str, list[MigDevice]] = field(default_factory=dict)
-    mig_listed: bool = False
+    def __init__(self, gpus: list[SmiGpu], warnings: list[str]) -> None:
+        self.gpus = gpus
+        self.warnings = warnings
+        self.processes_known = False
+        self.by_uuid: dict[str, list[GpuProcess]] = {}
+        self.mig_devices: dict[str, list[MigDevice]] = {}
+        self.mig_listed = False
 
 
 def _older_driver_retry(calls: _Calls, smi: str, gres: RunResult) -> tuple[RunResult, tuple[str, ...]]:
