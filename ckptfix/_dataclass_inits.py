@@ -6,7 +6,7 @@ dataclasses compiles for each shape of fields (ckptfix._dataclass.Key), compiled
 class at start-up.
 """
 
-FACTORY_KEYS = ((3, (1,)), (5, (4,)), (5, (4, 3)), (6, (3, 1, 5, 2)), (6, (3, 4, 1)), (6, (3, 5, 4)), (6, (5,)), (7, (4, 5, 6)), (8, (3,)), (9, (4, 8, 3, 5)), (12, (0, 1, 2, 3)), (22, (19,)), (25, (7, 16, 9, 14, 11, 12, 15, 13, 17, 8)))
+FACTORY_KEYS = ((3, (1,)), (5, (4,)), (5, (4, 3)), (6, (3, 1, 5, 2)), (6, (3, 5, 4)), (6, (5,)), (7, (4, 5, 6)), (8, (3,)), (9, (4, 8, 3, 5)), (12, (0, 1, 2, 3)), (22, (19,)), (25, (7, 16, 9, 14, 11, 12, 15, 13, 17, 8)))
 OUTER = {}
 def __create_fn__(MISSING, _HAS_DEFAULT_FACTORY, __dataclass_builtins_object__, _return_type):
  def __init__(self)->_return_type:
@@ -444,16 +444,6 @@ def __create_fn__(_type__0, _type__1, _type__2, _type__3, _type__4, _type__5, MI
   self._5=_dflt__r02() if _5 is _HAS_DEFAULT_FACTORY else _5
  return __init__
 OUTER[(6, (3, 1, 5, 2))] = __create_fn__.__code__
-def __create_fn__(_type__0, _type__1, _type__2, _type__3, _type__4, _type__5, MISSING, _HAS_DEFAULT_FACTORY, __dataclass_builtins_object__, _dflt__r00, _dflt__r01, _dflt__r02, _return_type):
- def __init__(self,_0:_type__0,_1:_type__1=_HAS_DEFAULT_FACTORY,_2:_type__2=MISSING,_3:_type__3=_HAS_DEFAULT_FACTORY,_4:_type__4=_HAS_DEFAULT_FACTORY,_5:_type__5=MISSING)->_return_type:
-  self._0=_0
-  self._1=_dflt__r02() if _1 is _HAS_DEFAULT_FACTORY else _1
-  self._2=_2
-  self._3=_dflt__r00() if _3 is _HAS_DEFAULT_FACTORY else _3
-  self._4=_dflt__r01() if _4 is _HAS_DEFAULT_FACTORY else _4
-  self._5=_5
- return __init__
-OUTER[(6, (3, 4, 1))] = __create_fn__.__code__
 def __create_fn__(_type__0, _type__1, _type__2, _type__3, _type__4, _type__5, MISSING, _HAS_DEFAULT_FACTORY, __dataclass_builtins_object__, _dflt__r00, _dflt__r01, _dflt__r02, _return_type):
  def __init__(self,_0:_type__0,_1:_type__1,_2:_type__2,_3:_type__3=_HAS_DEFAULT_FACTORY,_4:_type__4=_HAS_DEFAULT_FACTORY,_5:_type__5=_HAS_DEFAULT_FACTORY)->_return_type:
   self._0=_0
