@@ -218,6 +218,20 @@ def test_the_help_and_version_options_made_without_gettext_are_clicks():
     assert bad.exit_code == 2 and "Try 'cli inspect --help' for help." in bad.output  # (the hint click gives)
 
 
+def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code args...`` with the checkout first on the path; it must succeed."""
+    p = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert p.returncode == 0, p.stderr
+    return p
+
+
 def test_imports_pause_the_collector_and_give_it_back():
     """ckptfix._startup: no collection while modules are imported, the collector back (as it was) afterwards."""
     import gc
@@ -249,7 +263,7 @@ def test_imports_pause_the_collector_and_give_it_back():
         gc.unfreeze()
 
 
-def test_a_command_runs_with_the_collector_on():
+def test_a_command_runs_with_the_collector_on(torch_zip):
     """The pause covers the imports only: a command's own work (a long convert, train) collects as usual."""
     child = (
         "import gc, sys\n"
@@ -264,21 +278,7 @@ def test_a_command_runs_with_the_collector_on():
         "rc = main(['inspect', sys.argv[1]])\n"
         "print('ENABLED', gc.isenabled(), seen)\n"
     )
-    import tempfile
-
-    from tests.helpers import CkptFactory
-
-    with tempfile.TemporaryDirectory() as d:
-        path = CkptFactory(Path(d)).plain().path
-        p = subprocess.run(
-            [sys.executable, "-c", child, str(path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )
-    assert p.returncode == 0, p.stderr
+    p = _child(child, str(torch_zip))
     assert "ENABLED True [True]" in p.stdout
 
 
@@ -291,13 +291,5 @@ def test_the_ckptfix_process_freezes_what_it_imported(torch_zip):
         "sys.argv[0] = 'ckptfix'\n"
         "runpy.run_module('ckptfix', run_name='__main__', alter_sys=True)\n"
     )
-    p = subprocess.run(
-        [sys.executable, "-c", child, "inspect", str(torch_zip)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert p.returncode == 0, p.stderr
+    p = _child(child, "inspect", str(torch_zip))
     assert "GC True True" in p.stderr

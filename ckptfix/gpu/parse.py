@@ -153,19 +153,13 @@ def _scan_number(s: str, number: str) -> tuple[str, str] | None:
     i = 0
     if number in ("int", "float") and i < n and s[i] in "+-":
         i += 1
-    j = i
-    while j < n and s[j] in _DIGITS:
-        j += 1
+    j = _digits_end(s, i)
     if number == "float":
         if j > i:
             if j < n and s[j] == ".":
-                j += 1
-                while j < n and s[j] in _DIGITS:
-                    j += 1
+                j = _digits_end(s, j + 1)
         elif j < n and s[j] == ".":
-            k = j + 1
-            while k < n and s[k] in _DIGITS:
-                k += 1
+            k = _digits_end(s, j + 1)
             if k == j + 1:
                 return None
             j = k
@@ -176,13 +170,19 @@ def _scan_number(s: str, number: str) -> tuple[str, str] | None:
     elif number == "cap":
         if j >= n or s[j] != ".":
             return None
-        k = j + 1
-        while k < n and s[k] in _DIGITS:
-            k += 1
+        k = _digits_end(s, j + 1)
         if k == j + 1:
             return None
         j = k
     return s[:j], s[j:]
+
+
+def _digits_end(s: str, i: int) -> int:
+    """Where the run of ASCII digits starting at ``i`` ends."""
+    n = len(s)
+    while i < n and s[i] in _DIGITS:
+        i += 1
+    return i
 
 
 def _number_and_unit(s: str, number: str, slash: bool) -> tuple[str, str] | None:
