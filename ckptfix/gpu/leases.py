@@ -61,9 +61,11 @@ if TYPE_CHECKING:
 
 
 def _dir(directory: StrPath) -> str:
-    """``directory`` as a ``str`` without trailing slashes (as ``pathlib`` would print it)."""
+    """``directory`` as ``str(pathlib.Path(directory))`` spells it, without pathlib: no ``.`` components, no
+    repeated or trailing slashes (a leading ``//``, and only that, kept), ``.`` for an empty path; ``..`` kept."""
     d = os.fspath(directory)
-    return d.rstrip("/") or d[:1] or "."
+    root = "//" if d[:2] == "//" and d[2:3] != "/" else "/" if d[:1] == "/" else ""
+    return root + "/".join(p for p in d.split("/") if p and p != ".") or "."
 
 
 def lease_dir(env: Mapping[str, str] | None = None) -> str:
@@ -461,7 +463,7 @@ def held_lease(path: StrPath) -> Lease | None:
     Returns:
         The held :class:`Lease`, or ``None``.
     """
-    path = os.fspath(path)
+    path = _dir(path)  # as lease_file spells it (pathlib paths compared equal however they were written)
     for le in _HELD:
         if le.fd is not None and le.path == path:
             return le

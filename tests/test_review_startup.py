@@ -1,0 +1,46 @@
+"""Review of the start-up work of issue 25: behaviour the previous tree had that the changes must keep."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ckptfix.errors import OutputError
+from ckptfix.gpu import leases
+from ckptfix.gpu.leases import held_lease, hold_for_process, lease_dir, lease_file, open_lease_dir, try_lease
+
+KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
+
+
+@pytest.mark.parametrize("spelling", ["./leases", "./leases/", "leases//", "./a//b/./c", "a/./b/", "//x/y", "///x"])
+def test_lease_paths_are_spelled_as_pathlib_spelled_them(spelling):
+    """pick-gpu's lease paths (messages, Lease.path) were pathlib's: ``./a//b/./c`` printed ``a/b/c``."""
+    assert lease_dir({"CKPTFIX_LEASE_DIR": spelling}) == str(Path(spelling))
+    assert lease_file(spelling, KEY) == str(Path(spelling) / f"{KEY}.lease")
+
+
+def test_unsafe_lease_directory_is_named_as_before(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("bad", 0o700)
+    os.chmod("bad", 0o777)
+    with pytest.raises(OutputError) as e:
+        open_lease_dir("./bad/")
+    assert "directory bad:" in str(e.value) and "`chmod 700 bad`" in str(e.value)
+
+
+def test_held_lease_is_found_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """held_lease compared pathlib paths (``./d/x`` == ``d/x``); str paths must match the same way."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(leases, "_HELD", [])
+    lease, _ = try_lease("./d//", KEY, None)
+    assert lease is not None
+    try:
+        hold_for_process([lease])
+        assert held_lease(Path("d") / f"{KEY}.lease") is lease
+        assert held_lease(f"./d//{KEY}.lease") is lease
+        assert held_lease(lease_file("d", KEY)) is lease
+    finally:
+        assert lease.fd is not None
+        os.close(lease.fd)
