@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from ckptfix.errors import OutputError
 from ckptfix.gpu import leases
 from ckptfix.gpu.leases import held_lease, hold_for_process, lease_dir, lease_file, open_lease_dir, try_lease
 
+ROOT = Path(__file__).resolve().parent.parent
 KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
 
 
@@ -44,3 +47,32 @@ def test_held_lease_is_found_however_its_path_is_spelled(tmp_path, monkeypatch):
     finally:
         assert lease.fd is not None
         os.close(lease.fd)
+
+
+def _inspect_run(how: str, full_exit: bool) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTFIX_FULL_EXIT", "PYTHONINSPECT")}
+    env["PYTHONPATH"] = str(ROOT)
+    if full_exit:
+        env["CKPTFIX_FULL_EXIT"] = "1"
+    if how == "PYTHONINSPECT":
+        env["PYTHONINSPECT"] = "1"
+    return subprocess.run(
+        [sys.executable, *(["-i"] if how == "-i" else []), "-m", "ckptfix", "--version"],
+        input="print('prompt reached', 6 * 7)\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("how", ["-i", "PYTHONINSPECT"])
+def test_python_inspect_gets_the_interpreter_back_after_the_command(how):
+    """``python -i -m ckptfix ...`` (or PYTHONINSPECT=1): the interpreter's own end (the prompt after the
+    command), as with the full exit; the exit without teardown ended the process before it."""
+    r = _inspect_run(how, full_exit=False)
+    full = _inspect_run(how, full_exit=True)
+    assert r.stdout.startswith("ckptfix, version ")
+    assert (r.returncode, r.stdout) == (full.returncode, full.stdout)
+    if how == "-i":
+        assert "prompt reached 42" in r.stdout

@@ -129,8 +129,9 @@ def exit_now(code: int) -> None:
     a normal exit does that matters (``atexit`` handlers, then ``stdout``/``stderr`` flushed) and
     ``os._exit``.  It returns, for the normal ``sys.exit``, where that could do more: a thread that is
     not a daemon still runs (the interpreter waits for it), flushing a stream fails (a closed pipe: the
-    interpreter reports it as before), or a tracer or profiler is set (``python -m cProfile`` prints its
-    statistics after the script).  ``CKPTFIX_FULL_EXIT=1`` keeps the normal exit.
+    interpreter reports it as before), a tracer or profiler is set (``python -m cProfile`` prints its
+    statistics after the script), or ``python -i`` (``PYTHONINSPECT``) waits to open its prompt.
+    ``CKPTFIX_FULL_EXIT=1`` keeps the normal exit.
 
     Args:
         code: the exit status.
@@ -138,6 +139,8 @@ def exit_now(code: int) -> None:
     if os.environ.get("CKPTFIX_FULL_EXIT", "") not in ("", "0"):
         return
     if sys.gettrace() is not None or sys.getprofile() is not None:  # a debugger, coverage, cProfile: theirs to end
+        return
+    if sys.flags.inspect or os.environ.get("PYTHONINSPECT"):  # python -i: the prompt comes after the command
         return
     if "torch" in sys.modules:  # its writers and process groups end in finalizers; a torch run takes seconds
         return
