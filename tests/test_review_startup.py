@@ -17,11 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
 
 
-@pytest.mark.parametrize("spelling", ["./leases", "./leases/", "leases//", "./a//b/./c", "a/./b/", "//x/y", "///x"])
+@pytest.mark.parametrize(
+    "spelling", [".", "./", "./leases", "./leases/", "leases//", "./a//b/./c", "a/./b/", "a/../b", "//x/y", "///x", "/"]
+)
 def test_lease_paths_are_spelled_as_pathlib_spelled_them(spelling):
     """pick-gpu's lease paths (messages, Lease.path) were pathlib's: ``./a//b/./c`` printed ``a/b/c``."""
     assert lease_dir({"CKPTFIX_LEASE_DIR": spelling}) == str(Path(spelling))
     assert lease_file(spelling, KEY) == str(Path(spelling) / f"{KEY}.lease")
+    if spelling in (".", "./", "/"):  # directories that exist: $XDG_RUNTIME_DIR is taken
+        assert lease_dir({"XDG_RUNTIME_DIR": spelling}) == str(Path(spelling) / "ckptfix-leases")
 
 
 def test_unsafe_lease_directory_is_named_as_before(tmp_path, monkeypatch):

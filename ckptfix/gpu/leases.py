@@ -68,6 +68,11 @@ def _dir(directory: StrPath) -> str:
     return root + "/".join(p for p in d.split("/") if p and p != ".") or "."
 
 
+def _join(directory: str, name: str) -> str:
+    """``str(pathlib.Path(directory) / name)`` for a :func:`_dir` ``directory`` and a plain ``name``."""
+    return name if directory == "." else os.path.join(directory, name)
+
+
 def lease_dir(env: Mapping[str, str] | None = None) -> str:
     """Where GPU leases live: ``$CKPTFIX_LEASE_DIR``, else ``$XDG_RUNTIME_DIR/ckptfix-leases`` (when that
     directory exists), else ``$TMPDIR/ckptfix-leases-<uid>``, else ``/tmp/ckptfix-leases-<uid>``.
@@ -82,7 +87,7 @@ def lease_dir(env: Mapping[str, str] | None = None) -> str:
     if env.get("CKPTFIX_LEASE_DIR"):
         return _dir(env["CKPTFIX_LEASE_DIR"])
     if env.get("XDG_RUNTIME_DIR") and os.path.isdir(env["XDG_RUNTIME_DIR"]):
-        return os.path.join(_dir(env["XDG_RUNTIME_DIR"]), "ckptfix-leases")
+        return _join(_dir(env["XDG_RUNTIME_DIR"]), "ckptfix-leases")
     tmp = env.get("TMPDIR")
     base = _dir(tmp) if tmp and os.path.isabs(tmp) and os.path.isdir(tmp) else "/tmp"
     return os.path.join(base, f"ckptfix-leases-{os.getuid()}")
@@ -106,7 +111,7 @@ def lease_file(directory: StrPath, key: str) -> str:
     Returns:
         The path (``<key with unsafe characters as _>.lease``).
     """
-    return os.path.join(_dir(directory), _lease_name(key))
+    return _join(_dir(directory), _lease_name(key))
 
 
 def _unsafe_dir(directory: str, why: str) -> OutputError:
@@ -177,7 +182,7 @@ def _open_lease_file(dfd: int, directory: str, key: str) -> tuple[int, bool]:
             fd = os.open(name, flags, dir_fd=dfd)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            path = os.path.join(directory, name)
+            path = _join(directory, name)
             raise OutputError(
                 f"GPU lease file {path} is a symlink, which ckptfix never follows (someone planted "
                 f"it): remove it (`rm {path}`) and check who can write to {directory}"
@@ -194,7 +199,7 @@ def _open_lease_file(dfd: int, directory: str, key: str) -> tuple[int, bool]:
     if why:
         os.close(fd)
         raise OutputError(
-            f"GPU lease file {os.path.join(directory, name)} {why}: ckptfix will not write to it; remove it and "
+            f"GPU lease file {_join(directory, name)} {why}: ckptfix will not write to it; remove it and "
             f"check who can write to {directory}"
         )
     return fd, created
