@@ -80,3 +80,27 @@ def test_python_inspect_gets_the_interpreter_back_after_the_command(how):
     assert (r.returncode, r.stdout) == (full.returncode, full.stdout)
     if how == "-i":
         assert "prompt reached 42" in r.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["scan"], ["--help"]], ids=" ".join)
+@pytest.mark.parametrize("full_exit", ["0", "1"])
+def test_a_full_standard_output_is_one_error_line_not_an_internal_error(args, full_exit, tmp_path):
+    """stdout redirected to a full disk: ``Error: cannot write the output to standard output ...``, exit 9 (the
+    output errors' code), with the exit without teardown and with the interpreter's own."""
+    from tests.helpers import ROOT, CkptFactory
+
+    argv = [*args, str(CkptFactory(tmp_path).plain().path)] if args != ["--help"] else args
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CKPTFIX_FULL_EXIT": full_exit}
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(
+            [sys.executable, "-m", "ckptfix", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    assert p.returncode == OutputError.exit_code, p.stderr
+    assert p.stderr.startswith("Error: cannot write the output to standard output: No space left on device")
+    assert p.stderr.count("\n") == 1 and "internal error" not in p.stderr

@@ -9,6 +9,7 @@ command modules import the library lazily inside each command.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -20,7 +21,7 @@ with imports_quietly():  # click and the CLI: see ckptfix._startup
     from ckptfix._torch import is_torch_missing, missing_error
     from ckptfix.cli._common import error_line
     from ckptfix.cli.group import COMMAND_MODULES, CtrlC, cli
-    from ckptfix.errors import CkptfixError, InterruptedByUserError
+    from ckptfix.errors import CkptfixError, InterruptedByUserError, OutputError
 
 
 def debug_wanted(args: list[str]) -> bool:
@@ -68,8 +69,43 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        if not _stdout_failed(e):
+            return _internal_error(e, debug)
+        if debug:
+            _print_traceback()
+        refused = stdout_error(e)
+        error_line(str(refused))
+        return refused.exit_code
     except Exception as e:  # noqa: BLE001 - an internal bug: still one line unless --debug
         return _internal_error(e, debug)
+
+
+def _stdout_failed(e: OSError) -> bool:
+    """Whether ``e`` is standard output refusing what the command printed (a full disk or quota behind a
+    redirect, an I/O error): raised by ``click.echo`` (every line the CLI prints goes through it) writing to
+    stdout, with no file name."""
+    if e.filename is not None or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):
+        return False
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_locals.get("file") is sys.stdout
+
+
+def stdout_error(e: OSError) -> OutputError:
+    """The error of a standard output that refuses the command's output (exit 9, as any output).
+
+    Args:
+        e: what writing to it raised.
+
+    Returns:
+        The error.
+    """
+    return OutputError(
+        f"cannot write the output to standard output: {e.strerror or e}; free space where it is redirected, "
+        "or redirect it elsewhere"
+    )
 
 
 def interrupted_error() -> InterruptedByUserError:
