@@ -54,15 +54,27 @@ def build_fsdp2_gloo_dcp(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     Returns:
         The ``run.dcp`` directory and the full (gathered) model state dict it holds.
     """
+    import shutil
+
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
     out = root / "run.dcp"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        mp.spawn(_gloo_worker, args=(2, str(out), port), nprocs=2)
+    for attempt in range(3):
+        # a free port, released before the ranks bind it: another process on a busy machine can take it in
+        # between (a rank then dies: "Address already in use", or gloo aborts), so the run is tried again
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mp.spawn(_gloo_worker, args=(2, str(out), port), nprocs=2)
+            break
+        except (ProcessExitedException, ProcessRaisedException):
+            if attempt == 2:
+                raise
+            shutil.rmtree(out, ignore_errors=True)
     return out, torch.load(str(out) + ".full.pt")["model"]
 
 
