@@ -37,12 +37,13 @@ anything of ckptfix but the error types and the progress counter.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import struct
 import threading
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, OutputError
 from ckptfix.progress import advance
@@ -347,6 +348,9 @@ def _buffers() -> tuple[bytearray, bytearray]:
     return bufs
 
 
+#: the page size (the unit of the page cache)
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 #: bytes of the source asked for ahead of the copy (``POSIX_FADV_WILLNEED``): a cold input's next
 #: reads are under way while this piece is written
 AHEAD = 8 << 20
@@ -369,10 +373,11 @@ def _ahead(fd: int, off: int, end: int) -> None:
 
 
 def page_cached(fd: int, off: int) -> bool:
-    """Is the page holding byte ``off`` of ``fd`` in the page cache?  Asked without reading the device.
+    """Is the page holding byte ``off`` of ``fd`` in the page cache?  Asked without waiting for the device.
 
     One byte is read with ``RWF_NOWAIT`` (``preadv2``), which fails with ``EAGAIN`` at once rather than
-    wait for a page that is not cached.
+    wait for a page that is not cached.  The kernel may start reading that page (its readahead) without
+    waiting for it, so only the first answer about a page tells its state.
 
     Args:
         fd: an open file.
@@ -381,16 +386,57 @@ def page_cached(fd: int, off: int) -> bool:
     Returns:
         True when it is; False when it is not, or where the kernel or file system cannot tell.
     """
+    return _cached(fd, off) is True
+
+
+def read_scattered(fd: int, ranges: Sequence[tuple[int, int]]) -> dict[int, bytes]:
+    """Small reads scattered over a file, leaving its page cache as it was: ``{offset: bytes}``.
+
+    For reads spread over a file that is then read in one sequential pass (a zip's local headers, before
+    its members are copied).  Pages these reads bring in from the device are dropped again: cached islands
+    in a cold file break the kernel's readahead when the sequential pass reaches them (a 0.5 GB cold copy
+    measured 0.18 s without them, 0.28-0.45 s after 149 header reads, 0.18 s again with those pages
+    dropped).  Pages that were cached already stay cached.  The pages not cached are asked for all at once
+    (``POSIX_FADV_WILLNEED``), so the device serves them together: 149 headers of a cold 0.5 GB checkpoint
+    in 1.4 ms, against 8 ms read one by one.
+
+    Args:
+        fd: an open file; advised ``POSIX_FADV_RANDOM`` here, so that a read brings in just its pages.
+        ranges: ``(offset, length)`` pairs.
+
+    Returns:
+        Each range's bytes by offset (fewer bytes at the end of the file).
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    cold: list[int] = []  # pages known not to be cached (where the kernel cannot tell: none)
+    if advise is not None:
+        with contextlib.suppress(OSError):
+            advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        pages = sorted({p for off, n in ranges if n > 0 for p in range(off // _PAGE, (off + n - 1) // _PAGE + 1)})
+        cold = [p for p in pages if _cached(fd, p * _PAGE) is False]
+        for p in cold:
+            with contextlib.suppress(OSError):
+                advise(fd, p * _PAGE, _PAGE, os.POSIX_FADV_WILLNEED)  # queued together: read in parallel
+    out = {}
+    for off, n in ranges:
+        buf = bytearray(n)
+        out[off] = bytes(memoryview(buf)[: _read(fd, memoryview(buf), off)]) if n > 0 else b""
+    for p in cold:
+        drop_cached(fd, p * _PAGE, _PAGE)
+    return out
+
+
+def _cached(fd: int, off: int) -> bool | None:
+    """Is the page holding byte ``off`` cached?  None where the kernel or file system cannot tell."""
     flag = getattr(os, "RWF_NOWAIT", None)
     if flag is None:
-        return False
-    one = getattr(_LOCAL, "one", None)
-    if one is None:
-        one = _LOCAL.one = bytearray(1)
+        return None
     try:
-        return os.preadv(fd, [one], off, flag) == 1
-    except OSError:  # EAGAIN: not cached; EOPNOTSUPP and the like: cannot tell
+        return os.preadv(fd, [bytearray(1)], off, flag) == 1
+    except BlockingIOError:
         return False
+    except OSError:
+        return None
 
 
 def _read(fd: int, view: memoryview, off: int) -> int:

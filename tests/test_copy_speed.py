@@ -171,3 +171,93 @@ def test_readahead_is_asked_only_for_windows_not_cached(tmp_path, monkeypatch, c
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((off, n, how)))
     fileio._ahead(3, 100, 100 + 3 * fileio.AHEAD)
     assert advised == ([] if cached else [(100, fileio.AHEAD, os.POSIX_FADV_WILLNEED)])
+
+
+def _evicted(tmp_path, n: int = 1 << 20) -> tuple[int, bytes]:
+    """A file of ``n`` random bytes, written, flushed and dropped from the page cache, open for reading.
+
+    Its pages are never asked about before the test acts: asking (``RWF_NOWAIT``) starts the kernel reading
+    a page that is not cached (it does not wait for it), so only the first answer about a page is its state;
+    the file is advised ``POSIX_FADV_RANDOM`` so that the read started is that page's alone.
+    Whether the cache can be asked here is tried on another file.
+    """
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(b"x" * 8192)
+    pfd = os.open(probe, os.O_RDONLY)
+    try:
+        os.fsync(pfd)
+        os.posix_fadvise(pfd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if fileio._cached(pfd, 4096) is not False:
+            pytest.skip("the page cache cannot be asked here (no RWF_NOWAIT, or pages stay cached)")
+    finally:
+        os.close(pfd)
+    p = tmp_path / "scattered.bin"
+    data = os.urandom(n)
+    p.write_bytes(data)
+    fd = os.open(p, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # a question about a page reads that page alone
+    return fd, data
+
+
+def test_scattered_reads_give_each_range_and_leave_a_cold_file_cold(tmp_path):
+    """Pages read in from the device are dropped again: cached islands break the readahead of the copy after."""
+    fd, data = _evicted(tmp_path)
+    try:
+        ranges = [(10, 30), (5000, 200), (4090, 20), (300_000, 64), ((1 << 20) - 10, 50), (2 << 20, 8), (77, 0)]
+        got = fileio.read_scattered(fd, ranges)
+        assert got == {off: data[off : off + n] for off, n in ranges}  # short at the end, empty past it
+        assert [off for off in (0, 4096, 300_000, (1 << 20) - 1) if fileio._cached(fd, off)] == []
+    finally:
+        os.close(fd)
+
+
+def test_scattered_reads_keep_pages_that_were_cached(tmp_path):
+    fd, data = _evicted(tmp_path)
+    try:
+        os.pread(fd, 4096, 8192)  # this page is cached now (no readahead around it), the rest is not
+        got = fileio.read_scattered(fd, [(8200, 16), (600_000, 16)])
+        assert got == {8200: data[8200:8216], 600_000: data[600_000:600_016]}
+        assert fileio._cached(fd, 8192) and not fileio._cached(fd, 600_000)
+    finally:
+        os.close(fd)
+
+
+def test_scattered_reads_drop_nothing_where_the_cache_cannot_be_asked(tmp_path, monkeypatch):
+    p = tmp_path / "f.bin"
+    p.write_bytes(bytes(range(256)) * 64)
+    monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+    dropped = []
+    monkeypatch.setattr(fileio, "drop_cached", lambda *a: dropped.append(a))
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        got = fileio.read_scattered(fd, [(1, 3), (9000, 2)])
+        assert got == {1: b"\x01\x02\x03", 9000: bytes([9000 % 256, 9001 % 256])}
+    finally:
+        os.close(fd)
+    assert dropped == []
+
+
+def test_a_torch_zip_is_read_without_leaving_its_local_headers_cached(tmp_path):
+    """``members()`` reads every local header (spread over the file) before the copy reads the file in order."""
+    torch = pytest.importorskip("torch")
+    from ckptfix.formats import read_checkpoint
+
+    fd0, _ = _evicted(tmp_path, 4096)  # whether the cache can be asked here
+    os.close(fd0)
+    src = tmp_path / "m.pt"
+    torch.save({f"w{i}": torch.zeros(256 << 10) for i in range(6)}, src)  # 1 MiB records
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # see _evicted
+        ck = read_checkpoint(str(src))
+        offs = sorted(st.file_offset for st in ck.storages.values())
+        assert len(offs) == 6
+        # the page before each record's data holds its local header: read, then dropped again (not the first
+        # two: data.pkl, at the start, is read through zipfile, and the kernel reads ahead of it)
+        assert [o for o in offs[2:] if fileio._cached(fd, o - 100)] == []
+    finally:
+        os.close(fd)

@@ -40,6 +40,8 @@ NEVER = [
     "ckptfix.plaindata",  # non-tensor entries only (ckptfix.convert.extras)
     "ckptfix.remote.file",
     "fsspec",
+    "difflib",  # click's close matches, when it tried -o as a long option (ckptfix.cli.group.Command.make_parser)
+    "locale",  # imported by gettext's first call (click.Path(): ckptfix.cli._common.PATH)
 ]
 
 _RUN = (

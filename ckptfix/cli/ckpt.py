@@ -7,45 +7,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
     from ckptfix.outputs import OutputOptions
-
-
-class _AnyPath(click.Path):
-    """``click.Path()``: any path, passed on as given; made without gettext.
-
-    ``click.Path.__init__`` asks gettext for its name (``_("path")``), and the first gettext call imports
-    :mod:`locale` (start-up of ``inspect`` and ``scan``: :class:`ckptfix.cli.group.HelpOption`).  The attributes
-    below are what ``click.Path()`` sets (``tests/test_startup_imports.py`` compares them); one a later click
-    adds comes from a real ``click.Path()``, made on first use.
-    """
-
-    def __init__(self) -> None:  # click.Path()'s attributes, not its __init__
-        self.exists = False
-        self.file_okay = True
-        self.dir_okay = True
-        self.readable = True
-        self.writable = False
-        self.executable = False
-        self.resolve_path = False
-        self.allow_dash = False
-        self.type = None
-        self.name = "path"
-
-    def to_info_dict(self) -> Any:
-        return {**super().to_info_dict(), "param_type": "Path"}
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(click.Path(), name)
-
-
-#: the one path type of these commands
-PATH = _AnyPath()
 
 
 _F = TypeVar("_F", bound=Callable[..., object])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
@@ -80,7 +81,40 @@ class HelpOption:
 
 
 class Command(HelpOption, click.Command):
-    """A ckptfix command (its help option made without gettext: :class:`HelpOption`)."""
+    """A ckptfix command (its help option made without gettext: :class:`HelpOption`; its short options
+    matched directly: :meth:`make_parser`)."""
+
+    def make_parser(self, ctx: click.Context) -> Any:
+        """Click's parser, taking an argument that is exactly one of the command's short options (``-o``)
+        straight to it.
+
+        Click tries every option as a long one first; for ``-o`` that fails, and making the failure imports
+        :mod:`difflib` (close matches) and calls gettext (which imports :mod:`locale`): about 1 ms of the
+        start-up of ``convert x.pt -o y``, for the outcome click reaches next anyway (a short option that
+        click's own rules would not try as a long one: no option of the command is spelled that way).
+        Where click's parser lacks the parts this relies on, it is returned as it is.
+
+        Args:
+            ctx: the Click context.
+
+        Returns:
+            The parser.
+        """
+        parser = super().make_parser(ctx)
+        process = getattr(parser, "_process_opts", None)
+        short, long_ = getattr(parser, "_short_opt", None), getattr(parser, "_long_opt", None)
+        match_short = getattr(parser, "_match_short_opt", None)
+        if process is None or match_short is None or not isinstance(short, dict) or not isinstance(long_, dict):
+            return parser
+
+        def process_opts(arg: str, state: Any) -> None:
+            if arg in short and arg not in long_:
+                match_short(arg, state)
+            else:
+                process(arg, state)
+
+        parser._process_opts = process_opts  # type: ignore[method-assign]
+        return parser
 
 
 class LazyGroup(HelpOption, click.Group):

@@ -8,6 +8,11 @@ With ``fsync`` the read-back follows the flush, the range's cached pages are dro
 bytes come from the device, and a range with a stored CRC-32 (a torch zip record holding exactly the
 tensor) is checked against it, one device read instead of two.  Gathered views and torch tensors are
 compared chunk by chunk while their bytes are still in our buffer.
+
+When every tensor is a byte range of a local file, the copy runs as a few contiguous streams of about equal
+bytes, each in its own thread (:func:`_streams`): ``--jobs N`` streams, and two for 64 MiB or more at the
+default ``--jobs 1`` where the process may run on two CPUs (measured faster warm, the same cold);
+``CKPTFIX_COPY_STREAMS=N`` sets the number.  The bytes written are the same for any number.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import functools
 import json
 import os
 import threading
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from ckptfix.atomic import _os_error, fsync_dir, note_finished
 from ckptfix.convert.header import layout, safetensors_header, shard
@@ -26,14 +31,32 @@ from ckptfix.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.convert.remote_in import Sources, copy_group, copy_remote, group_small, is_remote
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
-from ckptfix.fileio import copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
+from ckptfix.fileio import BUFFER, copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
-from ckptfix.parallel import Tally, run_tasks
+from ckptfix.parallel import Tally, resolve_jobs, run_tasks
 
 #: bytes per in-kernel copy call: progress moves within a big tensor
 STEP = 8 << 20
 
 _SOURCES_LOCK = threading.Lock()
+
+#: a copy of local byte ranges this large or larger runs as contiguous streams (:func:`_streams`)
+STREAM_MIN = 64 << 20
+
+#: the streams of such a copy with ``--jobs 1``: two measured faster than one on a 0.5 GB GPT-2-layout
+#: checkpoint, warm (0.047 vs 0.060 s of copying) and cold (0.172 vs 0.182 s; four: 0.168 s)
+STREAMS = 2
+
+
+class Segment(NamedTuple):
+    """A piece of one tensor's bytes: a byte range of a local source file and where it goes in the output."""
+
+    item: Item
+    src_path: str
+    off: int  # where it starts in the source
+    pos: int  # where it goes in the output (absolute)
+    size: int
+    rel: int  # where it starts in the tensor
 
 
 class Writer:
@@ -100,6 +123,10 @@ class Writer:
                     else functools.partial(self._remote_group, g, fd, base, path)
                     for g in group_small(order)
                 ]
+            parts = _streams(order, base, jobs) if len(tasks) == len(order) else None
+            if parts is not None:  # local byte ranges only: the copy as a few contiguous streams
+                tasks = [functools.partial(self._stream, part, fd, path, inline) for part in parts]
+                jobs = len(parts)
             run_tasks(tasks, jobs)
             if fsync:
                 os.fsync(fd)
@@ -144,6 +171,20 @@ class Writer:
             self.tick(n)
         if pos != base + it.begin + it.nbytes:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
+
+    def _stream(self, part: list[Segment], fd: int, path: str, inline: bool) -> None:
+        """Copy one stream's segments in order (see :func:`_streams`), each read back as written with ``inline``."""
+        for seg in part:
+            src = self.fds.get(seg.src_path)
+            if inline:
+                at = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=self.tick)
+                if at is not None:
+                    self._mismatch(seg.item, seg.src_path, seg.off, fd, seg.pos, seg.size, None, path, seg.rel, at)
+                continue
+            for at in range(0, seg.size, STEP):  # in steps, so that progress moves within a big tensor
+                n = min(STEP, seg.size - at)
+                copy_range(src, seg.off + at, fd, seg.pos + at, n)
+                self.tick(n // 2 if self.verify else n)
 
     def _sources(self) -> Sources:
         if self.sources is None:
@@ -264,6 +305,77 @@ class Writer:
             end += it.nbytes
         if os.path.getsize(path) != start + end:
             raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
+
+
+def stream_count(jobs: int, total: int) -> int:
+    """How many contiguous streams copy ``total`` bytes of local byte ranges with ``--jobs jobs``.
+
+    ``jobs`` (``0``: one per CPU) when above 1; else :data:`STREAMS` for :data:`STREAM_MIN` bytes or more
+    where this process may run on two CPUs or more, else one.  ``CKPTFIX_COPY_STREAMS=N`` sets it (``1``: one stream, in this thread).
+    No stream is smaller than :data:`STREAM_MIN` / 8.
+    """
+    env = os.environ.get("CKPTFIX_COPY_STREAMS", "").strip()
+    if env.isdigit() and int(env) >= 1:
+        k = int(env)
+    elif resolve_jobs(jobs) > 1:
+        k = resolve_jobs(jobs)
+    elif total >= STREAM_MIN and len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ()) >= 2:
+        k = STREAMS
+    else:
+        k = 1
+    return max(1, min(k, total // (STREAM_MIN // 8)))
+
+
+def _streams(order: Sequence[Item], base: int, jobs: int) -> list[list[Segment]] | None:
+    """The copy of ``order`` (items in source order) cut into contiguous streams of about equal bytes.
+
+    Each stream reads its part of the sources in order, so a cold input is read as a few sequential
+    streams (the kernel reads ahead in each); a tensor may be split between two streams.
+
+    Args:
+        order: the items, sorted by source file and offset.
+        base: where the data section starts in the output.
+        jobs: ``--jobs`` (see :func:`stream_count`).
+
+    Returns:
+        The streams' segments, or None where the items are not all byte ranges of local files or one
+        stream is enough (the items are then copied one by one, as tasks).
+
+    Raises:
+        CorruptCheckpointError: an item whose byte ranges do not add up to its size.
+    """
+    segs: list[Segment] = []
+    for it in order:
+        ranges = it.ranges()
+        if ranges is None:
+            return None
+        pos, rel = base + it.begin, 0
+        for src_path, off, size, _crc in ranges:
+            if is_remote(src_path):
+                return None
+            segs.append(Segment(it, src_path, off, pos, size, rel))
+            pos, rel = pos + size, rel + size
+        if rel != it.nbytes:
+            raise CorruptCheckpointError(f"tensor {it.name!r}: {rel} bytes, expected {it.nbytes}")
+    total = sum(sg.size for sg in segs)
+    k = stream_count(jobs, total)
+    if k <= 1:
+        return None
+    # cut points: k equal shares, at whole buffers of the copy
+    cuts = [total * i // k // BUFFER * BUFFER for i in range(1, k)] + [total]
+    parts: list[list[Segment]] = [[]]
+    done = 0
+    for sg in segs:
+        while sg.size:
+            room = cuts[len(parts) - 1] - done
+            if room <= 0:
+                parts.append([])
+                continue
+            n = min(room, sg.size)
+            parts[-1].append(sg._replace(size=n))
+            done += n
+            sg = sg._replace(off=sg.off + n, pos=sg.pos + n, size=sg.size - n, rel=sg.rel + n)
+    return [p for p in parts if p]
 
 
 def _source_order(it: Item) -> tuple[int, str, int]:

@@ -161,55 +161,64 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     infos = zf.infolist()
     check_names(path, [i.filename for i in infos])
     check_inflation(path, zf)
-    with source.open_file(path) as f:
-        heads = _local_headers(path, infos, size)  # remote: every header in a few coalesced parallel requests
-        for info in infos:
-            if heads is None:
-                f.seek(info.header_offset)
-                hdr = f.read(30)
-            else:
-                hdr = heads.get(info.header_offset, b"")
-                if not hdr and source.is_metadata_only(path) and _is_record(info.filename):
-                    out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
-                        info.filename, -1, info.file_size, info.CRC, info.compress_type != _STORED
-                    )
-                    continue
-            if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
-                raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename!r}; the file is corrupt")
-            nlen, elen = struct.unpack("<HH", hdr[26:30])
-            raw_name = f.read(nlen) if heads is None else hdr[30 : 30 + nlen]
-            want = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
-            if raw_name != want:
-                raise CorruptCheckpointError(
-                    f"{path}: zip entry {info.filename!r} is named {raw_name!r} in its "
-                    "local header; the names disagree, so readers would differ — the file "
-                    "is corrupt or crafted"
-                )
-            off = info.header_offset + 30 + nlen + elen
-            if off + info.compress_size > size:
-                raise CorruptCheckpointError(
-                    f"{path}: entry {info.filename!r} runs past the end of the file (truncated download or copy?)"
-                )
-            out[info.filename] = Member(info.filename, off, info.file_size, info.CRC, info.compress_type != _STORED)
+    skip_records = _records_skipped(path)
+    heads = _local_headers(path, infos, size, skip_records)
+    for info in infos:
+        hdr = heads.get(info.header_offset, b"")
+        if not hdr and skip_records and _is_record(info.filename):
+            out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
+                info.filename, -1, info.file_size, info.CRC, info.compress_type != _STORED
+            )
+            continue
+        if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{path}: damaged zip entry {info.filename!r}; the file is corrupt")
+        nlen, elen = struct.unpack("<HH", hdr[26:30])
+        raw_name = hdr[30 : 30 + nlen]
+        want = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace")
+        if raw_name != want:
+            raise CorruptCheckpointError(
+                f"{path}: zip entry {info.filename!r} is named {raw_name!r} in its "
+                "local header; the names disagree, so readers would differ — the file "
+                "is corrupt or crafted"
+            )
+        off = info.header_offset + 30 + nlen + elen
+        if off + info.compress_size > size:
+            raise CorruptCheckpointError(
+                f"{path}: entry {info.filename!r} runs past the end of the file (truncated download or copy?)"
+            )
+        out[info.filename] = Member(info.filename, off, info.file_size, info.CRC, info.compress_type != _STORED)
     return out
 
 
-def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int) -> dict[int, bytes] | None:
-    """For a remote archive, each member's local header (30 bytes and its name) by header offset, read with
-    :meth:`~ckptfix.source.Source.read_ranges` (neighbours share a request, requests run in parallel);
-    None for a local file (read one by one, as before)."""
-    if not source.is_url(path):
-        return None
-    lazy = source.is_metadata_only(path)  # inspect: tensor records' headers are not needed (their offsets unused)
+def _records_skipped(path: str) -> bool:
+    """Are the tensor records' local headers left unread?  For ``inspect`` of a URL, which never uses their offsets."""
+    return source.is_url(path) and source.is_metadata_only(path)
+
+
+def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
+    """Each member's local header (30 bytes and up to twice its name's length) by header offset.
+
+    A URL's are read with :meth:`~ckptfix.source.Source.read_ranges` (neighbours share a request, requests
+    run in parallel; with ``skip_records``, not the tensor records').  A local
+    file's are read with :func:`~ckptfix.fileio.read_scattered`: the headers are spread over the whole file,
+    and the pages a cold read brings in would otherwise break the readahead of the copy that follows.
+    """
     ranges = sorted(
         {
             (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
             for i in infos
-            if not (lazy and _is_record(i.filename))
+            if not (skip_records and _is_record(i.filename))
         }
     )
-    with source.open_source(path) as src:
-        return dict(src.read_ranges([r for r in ranges if r[1] > 0], jobs=16))
+    ranges = [r for r in ranges if r[1] > 0]
+    if source.is_url(path):
+        with source.open_source(path) as src:
+            return dict(src.read_ranges(ranges, jobs=16))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    try:
+        return fileio.read_scattered(fd, ranges)
+    finally:
+        os.close(fd)
 
 
 def _is_record(name: str) -> bool:

@@ -1,0 +1,137 @@
+"""The copy of local byte ranges as a few contiguous streams (``ckptfix.convert.write._streams``).
+
+Two streams measured faster than one on a 0.5 GB GPT-2-layout checkpoint (warm 0.114 vs 0.142 s for the whole
+``convert --no-verify``; cold the same); the output must be the same bytes whatever the number, and a
+difference found while verifying must still name the tensor and where in it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptfix.convert import write
+from ckptfix.convert.items import Item
+from ckptfix.errors import CorruptCheckpointError, VerificationError
+
+MIB = 1 << 20
+
+
+def _items(sizes: list[int], path: str = "/src.pt") -> list[Item]:
+    out, off, begin = [], 64, 0
+    for i, n in enumerate(sizes):
+        it = Item(f"t{i}", "float32", (n // 4,), n, path=path, offset=off)
+        it.begin = begin
+        out.append(it)
+        off, begin = off + n + 64, begin + n
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("CKPTFIX_COPY_STREAMS", raising=False)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_streams_cover_every_byte_once_in_order_at_whole_buffers(k, monkeypatch):
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", str(k))
+    items = _items([3 * MIB + 12, 40, 70 * MIB, 8, 5 * MIB + 4, 0, 17 * MIB])
+    parts = write._streams(items, 1000, 1)
+    assert parts is not None and len(parts) == k
+    segs = [sg for part in parts for sg in part]
+    for it in items:  # each tensor's pieces, in order, tile its bytes in the source and in the output
+        mine = [sg for sg in segs if sg.item is it]
+        assert sum(sg.size for sg in mine) == it.nbytes
+        at = 0
+        for sg in mine:
+            assert (sg.rel, sg.off, sg.pos) == (at, it.offset + at, 1000 + it.begin + at)
+            at += sg.size
+    total = sum(it.nbytes for it in items)
+    sizes = [sum(sg.size for sg in part) for part in parts]
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= 2 * write.BUFFER
+    ends = [sum(sizes[: i + 1]) for i in range(k - 1)]
+    assert all(e % write.BUFFER == 0 for e in ends)  # cut at whole buffers of the copy
+
+
+def test_how_many_streams():
+    big = write.STREAM_MIN
+    assert write.stream_count(1, big - 1) == 1  # small copies: one stream, in this thread
+    assert write.stream_count(1, big) == (write.STREAMS if len(__import__("os").sched_getaffinity(0)) > 1 else 1)
+    assert write.stream_count(4, big) == 4  # --jobs N: N streams
+    assert write.stream_count(0, 64 * big) == min(64, len(__import__("os").sched_getaffinity(0)))  # 0: one per CPU
+    assert write.stream_count(64, 3 * big // 8) == 3  # none smaller than STREAM_MIN / 8
+
+
+def test_the_environment_sets_the_number(monkeypatch):
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "1")
+    assert write.stream_count(8, 10 * write.STREAM_MIN) == 1
+    assert write._streams(_items([100 * MIB]), 0, 8) is None  # one stream: the items, one by one
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "junk")
+    assert write.stream_count(3, 10 * write.STREAM_MIN) == 3
+
+
+def test_no_streams_for_gathered_items_or_remote_sources(monkeypatch):
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    gathered = Item("g", "float32", (4,), 16, rec=object())
+    gathered.begin = 0
+    assert write._streams([*_items([100 * MIB]), gathered], 0, 1) is None
+    assert write._streams(_items([100 * MIB], path="s3://b/m.pt"), 0, 1) is None
+
+
+def test_an_item_whose_ranges_do_not_add_up_is_refused(monkeypatch):
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    it = _items([100 * MIB])[0]
+    monkeypatch.setattr(it, "ranges", lambda: [("/src.pt", 64, 100 * MIB - 4, None)])
+    with pytest.raises(CorruptCheckpointError, match="expected"):
+        write._streams([it], 0, 1)
+
+
+def _checkpoint(tmp_path):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(700, 301, generator=g)
+    sd = {"module.w": w, "module.tied": w, "module.b": torch.randn(5, generator=g)}
+    sd.update({f"module.l{i}.weight": torch.randn(97, 53 + i, generator=g) for i in range(9)})
+    src = tmp_path / "m.pt"
+    torch.save(sd, src)
+    return src
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("k", ["2", "3", "7"])
+def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkeypatch, verify, k):
+    from ckptfix.convert import convert_to_safetensors
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "1")
+    convert_to_safetensors(src, tmp_path / "one.safetensors", verify=verify)
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)  # this small file in several streams, cut at 4 KiB
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    used = []
+    real = write._streams
+    monkeypatch.setattr(write, "_streams", lambda *a: used.append(r := real(*a)) or r)
+    convert_to_safetensors(src, tmp_path / "many.safetensors", verify=verify)
+    assert used and used[0] is not None and len(used[0]) == int(k)
+    assert (tmp_path / "many.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, monkeypatch):
+    from ckptfix.convert import convert_to_safetensors
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "3")
+    real = write.copy_checked
+    seen = []
+
+    def bad(src_fd, off, fd, pos, size, crc, **kw):
+        real(src_fd, off, fd, pos, size, crc, **kw)
+        seen.append(size)
+        return 8 if len(seen) == 2 else None  # the second piece copied reads back wrong at its byte 8
+
+    monkeypatch.setattr(write, "copy_checked", bad)
+    monkeypatch.setattr(write, "run_tasks", lambda tasks, jobs: [t() for t in tasks])  # in order: which is second
+    with pytest.raises(VerificationError, match=r"tensor '[^']+' differs from the source near byte \d+"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
