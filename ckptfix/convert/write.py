@@ -311,8 +311,8 @@ def stream_count(jobs: int, total: int) -> int:
     """How many contiguous streams copy ``total`` bytes of local byte ranges with ``--jobs jobs``.
 
     ``jobs`` (``0``: one per CPU) when above 1; else :data:`STREAMS` for :data:`STREAM_MIN` bytes or more
-    where this process may run on two CPUs or more, else one.  ``CKPTFIX_COPY_STREAMS=N`` sets it (``1``: one stream, in this thread).
-    No stream is smaller than :data:`STREAM_MIN` / 8.
+    where this process may run on two CPUs or more, else one.  ``CKPTFIX_COPY_STREAMS=N`` sets it (``1``: one
+    stream, in this thread).  No stream is smaller than :data:`STREAM_MIN` / 8.
     """
     env = os.environ.get("CKPTFIX_COPY_STREAMS", "").strip()
     if env.isdigit() and int(env) >= 1:
