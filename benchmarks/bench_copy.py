@@ -229,6 +229,9 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     for j in jobs:
         cases[f"convert -j {j}"] = (_ck("convert", src, "-o", out, "--quiet", "-j", str(j)), _rm(out))
     cases["convert --no-verify"] = (_ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
+    one = ["env", "CKPTFIX_COPY_STREAMS=1"]  # the copy in one stream (the default runs two from 64 MiB)
+    cases["convert 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
+    cases["--no-verify 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
     if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
         any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
         cases["convert cfr-any"] = (any_env + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
@@ -280,7 +283,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--cold", action="store_true", help="also time with the inputs evicted from the page cache")
     ap.add_argument("--no-warm", action="store_true", help="cold runs only")
-    ap.add_argument("--jobs", default="1", help="--jobs values timed besides the default")
+    ap.add_argument("--jobs", default="", help="--jobs values timed besides the default (e.g. 2,4)")
     ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
@@ -294,7 +297,7 @@ def main() -> None:
     a = ap.parse_args()
     global PYTHON
     PYTHON = a.python
-    jobs = [int(j) for j in a.jobs.split(",")]
+    jobs = [int(j) for j in a.jobs.split(",") if j]
     modes = ([] if a.no_warm else [False]) + ([True] if a.cold or a.no_warm else [])
     rows = []
     t0 = time.time()

@@ -161,7 +161,7 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     infos = zf.infolist()
     check_names(path, [i.filename for i in infos])
     check_inflation(path, zf)
-    skip_records = _records_skipped(path)
+    skip_records = source.is_url(path) and source.is_metadata_only(path)  # inspect of a URL: offsets unused
     heads = _local_headers(path, infos, size, skip_records)
     for info in infos:
         hdr = heads.get(info.header_offset, b"")
@@ -190,27 +190,18 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     return out
 
 
-def _records_skipped(path: str) -> bool:
-    """Are the tensor records' local headers left unread?  For ``inspect`` of a URL, which never uses their offsets."""
-    return source.is_url(path) and source.is_metadata_only(path)
-
-
 def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
-    """Each member's local header (30 bytes and up to twice its name's length) by header offset.
-
-    A URL's are read with :meth:`~ckptfix.source.Source.read_ranges` (neighbours share a request, requests
-    run in parallel; with ``skip_records``, not the tensor records').  A local
-    file's are read with :func:`~ckptfix.fileio.read_scattered`: the headers are spread over the whole file,
-    and the pages a cold read brings in would otherwise break the readahead of the copy that follows.
-    """
+    """Each member's local header (30 bytes and up to twice its name's length) by header offset, the tensor
+    records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.source.Source.read_ranges` (neighbours
+    share a request, requests run in parallel); a local file's: :func:`~ckptfix.fileio.read_scattered` (spread
+    over the file, pages a cold read brings in would break the readahead of the copy that follows)."""
     ranges = sorted(
         {
             (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
             for i in infos
-            if not (skip_records and _is_record(i.filename))
+            if not (skip_records and _is_record(i.filename)) and i.header_offset < size
         }
     )
-    ranges = [r for r in ranges if r[1] > 0]
     if source.is_url(path):
         with source.open_source(path) as src:
             return dict(src.read_ranges(ranges, jobs=16))
