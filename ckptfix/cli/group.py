@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptfix._startup import imports_quietly
+
+if TYPE_CHECKING:
+    from click.parser import _OptionParser
 
 
 class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
@@ -84,7 +87,7 @@ class Command(HelpOption, click.Command):
     """A ckptfix command (its help option made without gettext: :class:`HelpOption`; its short options
     matched directly: :meth:`make_parser`)."""
 
-    def make_parser(self, ctx: click.Context) -> Any:
+    def make_parser(self, ctx: click.Context) -> _OptionParser:
         """Click's parser, taking an argument that is exactly one of the command's short options (``-o``)
         straight to it.
 
