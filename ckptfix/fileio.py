@@ -550,6 +550,92 @@ def copy_checked(
     return None
 
 
+#: a gap between two pieces of one source this small or smaller is read through (:func:`copy_pieces`): a zip's
+#: local header and alignment padding between two records, a few hundred bytes
+SPAN_GAP = 64 << 10
+
+
+def in_user_buffer(src_off: int, dst_off: int, size: int, dst_fd: int) -> bool:
+    """Whether :func:`copy_range` would copy this range through the user buffer (no reflink, no in-kernel copy).
+
+    Args:
+        src_off: where the range starts in the source.
+        dst_off: where it goes.
+        size: its length.
+        dst_fd: the output.
+
+    Returns:
+        True where :func:`copy_pieces` copies it the same way.
+    """
+    if in_kernel(src_off, dst_off):
+        return False
+    blk = _block_size(dst_fd)
+    return not (src_off % blk == 0 and dst_off % blk == 0 and size >= blk)
+
+
+def copy_pieces(
+    src_fd: int,
+    pieces: Sequence[tuple[int, int, int]],
+    dst_fd: int,
+    *,
+    check: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, int] | None:
+    """Copy byte ranges of one source, reading the source once in order, through this thread's buffer.
+
+    The source is read in :data:`BUFFER` pieces that run across neighbouring ranges (a gap of up to
+    :data:`SPAN_GAP` bytes is read through), so a cold source is read as one sequential stream, as ``cp``
+    reads it: read range by range, the 0.5 GB GPT-2-layout checkpoint's 149 records measured 6-9 ms slower
+    cold (0.187-0.190 s against 0.181 s), and small tensors cost a read each.
+
+    Args:
+        src_fd: the source.
+        pieces: ``(source offset, output offset, size)``, in source order, not overlapping.
+        dst_fd: the output, open for reading too with ``check``.
+        check: read each piece back right after writing it and compare it with the buffer (``memcmp``).
+        progress: called with the number of bytes after each piece is written (and checked).
+
+    Returns:
+        None when every piece reads back right (or without ``check``); else ``(index of the piece,
+        offset within it)``, at or before the first difference.
+
+    Raises:
+        OutputError: the output device is full, or the write failed.
+        CorruptCheckpointError: the source ends early.
+    """
+    raw, raw_back = _buffers()
+    buf, back = memoryview(raw), memoryview(raw_back)
+    i, count = 0, len(pieces)
+    while i < count:
+        j, end = i + 1, pieces[i][0] + pieces[i][2]  # pieces[i:j]: one span of the source, read straight through
+        while j < count and 0 <= pieces[j][0] - end <= SPAN_GAP:
+            end = pieces[j][0] + pieces[j][2]
+            j += 1
+        cur = pieces[i][0]
+        while cur < end:
+            got = _read(src_fd, buf[: min(len(buf), end - cur)], cur)
+            if got == 0:
+                raise _ended()
+            top = cur + got
+            while i < j:
+                so, do, size = pieces[i]
+                a, b = max(so, cur), min(so + size, top)
+                if a < b:
+                    pwrite_all(dst_fd, buf[a - cur : b - cur], do + a - so)
+                    if check and not (
+                        _read(dst_fd, back[: b - a], do + a - so) == b - a and raw.startswith(back[: b - a], a - cur)
+                    ):
+                        return i, a - so
+                    if progress is not None:
+                        progress(b - a)
+                if so + size > top:
+                    break
+                i += 1
+            cur = top
+        i = j
+    return None
+
+
 def drop_cached(fd: int, off: int, size: int) -> None:
     """Drop the clean cached pages of a range (``POSIX_FADV_DONTNEED``): the next read comes from the device.
 

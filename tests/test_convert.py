@@ -350,6 +350,7 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, veri
 
     monkeypatch.setattr(convert_write, "copy_range", boom)
     monkeypatch.setattr(convert_write, "copy_checked", boom)
+    monkeypatch.setattr(convert_write, "copy_pieces", boom)
     with pytest.raises(KeyboardInterrupt):
         convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]

@@ -141,6 +141,7 @@ def test_convert_on_a_full_disk_stops_before_copying(tmp_path, monkeypatch):
 
     copied = []
     monkeypatch.setattr(write, "copy_checked", lambda *a, **k: copied.append(a))
+    monkeypatch.setattr(write, "copy_pieces", lambda *a, **k: copied.append(a))
     with pytest.raises(OutputError, match="no space left"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert copied == []

@@ -64,7 +64,8 @@ def test_how_many_streams():
 def test_the_environment_sets_the_number(monkeypatch):
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "1")
     assert write.stream_count(8, 10 * write.STREAM_MIN) == 1
-    assert write._streams(_items([100 * MIB]), 0, 8) is None  # one stream: the items, one by one
+    parts = write._streams(_items([100 * MIB, 3]), 0, 8)  # one stream, in this thread
+    assert parts is not None and len(parts) == 1 and [sg.size for sg in parts[0]] == [100 * MIB, 3]
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "junk")
     assert write.stream_count(3, 10 * write.STREAM_MIN) == 3
 
@@ -116,22 +117,58 @@ def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkey
 
 
 def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, monkeypatch):
+    """A piece written wrong (one byte flipped on its way out) is found by the read-back, named, and nothing kept."""
+    from ckptfix import fileio
     from ckptfix.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
     monkeypatch.setattr(write, "BUFFER", 4096)
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "3")
-    real = write.copy_checked
-    seen = []
+    real = fileio.pwrite_all
+    calls = []
 
-    def bad(src_fd, off, fd, pos, size, crc, **kw):
-        real(src_fd, off, fd, pos, size, crc, **kw)
-        seen.append(size)
-        return 8 if len(seen) == 2 else None  # the second piece copied reads back wrong at its byte 8
+    def flipping(fd, data, off):
+        calls.append(off)
+        if len(calls) == 4:  # the header, then the third piece of tensor bytes
+            data = bytes(data)
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return real(fd, data, off)
 
-    monkeypatch.setattr(write, "copy_checked", bad)
-    monkeypatch.setattr(write, "run_tasks", lambda tasks, jobs: [t() for t in tasks])  # in order: which is second
+    monkeypatch.setattr(fileio, "pwrite_all", flipping)
     with pytest.raises(VerificationError, match=r"tensor '[^']+' differs from the source near byte \d+"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_copy_pieces_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path, check):
+    import os
+
+    from ckptfix import fileio
+
+    data = os.urandom(3 * MIB)
+    (tmp_path / "s").write_bytes(data)
+    # source order; gaps of 100 B (read through), 200 KiB (a new span), an empty piece, pieces across buffers
+    pieces = [(0, 10, 5000), (5100, 6000, 2 * MIB), (5100 + 2 * MIB + 200_000, 6100 + 2 * MIB, 7), (2_500_000, 9000, 0)]
+    pieces.append((2_600_000, 3 * MIB, 300_000))
+    src = os.open(tmp_path / "s", os.O_RDONLY)
+    dst = os.open(tmp_path / "d", os.O_RDWR | os.O_CREAT, 0o600)
+    reads = []
+    real = fileio._read
+    try:
+        fileio._read = lambda fd, view, off: reads.append((fd, off)) or real(fd, view, off)
+        done = []
+        assert fileio.copy_pieces(src, pieces, dst, check=check, progress=done.append) is None
+    finally:
+        fileio._read = real
+        os.close(src)
+        os.close(dst)
+    out = (tmp_path / "d").read_bytes()
+    for so, do, n in pieces:
+        assert out[do : do + n] == data[so : so + n]
+    assert sum(done) == sum(n for _, _, n in pieces)
+    src_reads = [off for fd, off in reads if fd == src]
+    assert src_reads[:3] == [0, MIB, 2 * MIB]  # straight through the 100-byte gap, in whole buffers
+    assert 5100 + 2 * MIB + 200_000 in src_reads  # the far piece: a new span, read where it starts

@@ -31,7 +31,17 @@ from ckptfix.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.convert.remote_in import Sources, copy_group, copy_remote, group_small, is_remote
 from ckptfix.convert.report import ConvertReport, Progress
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
-from ckptfix.fileio import BUFFER, copy_checked, copy_range, preallocate, pwrite_all, verify_crc, verify_equal
+from ckptfix.fileio import (
+    BUFFER,
+    copy_checked,
+    copy_pieces,
+    copy_range,
+    in_user_buffer,
+    preallocate,
+    pwrite_all,
+    verify_crc,
+    verify_equal,
+)
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
 from ckptfix.parallel import Tally, resolve_jobs, run_tasks
 
@@ -173,18 +183,41 @@ class Writer:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
     def _stream(self, part: list[Segment], fd: int, path: str, inline: bool) -> None:
-        """Copy one stream's segments in order (see :func:`_streams`), each read back as written with ``inline``."""
-        for seg in part:
+        """Copy one stream's segments in order (see :func:`_streams`), each read back as written with ``inline``.
+
+        Neighbouring segments of one source go through :func:`~ckptfix.fileio.copy_pieces` together (the source
+        read straight through); one that :func:`~ckptfix.fileio.copy_range` would reflink or copy in the kernel
+        goes alone, that way.
+        """
+        tick = self.tick if inline or not self.verify else (lambda n: self.tick(n // 2))
+        run: list[Segment] = []
+        for seg in [*part, None]:
+            if run and (seg is None or seg.src_path != run[0].src_path or not self._buffered(seg, fd)):
+                pieces = [(sg.off, sg.pos, sg.size) for sg in run]
+                bad = copy_pieces(self.fds.get(run[0].src_path), pieces, fd, check=inline, progress=tick)
+                if bad is not None:
+                    sg = run[bad[0]]
+                    self._mismatch(sg.item, sg.src_path, sg.off, fd, sg.pos, sg.size, None, path, sg.rel, bad[1])
+                run = []
+            if seg is None:
+                break
+            if self._buffered(seg, fd):
+                run.append(seg)
+                continue
             src = self.fds.get(seg.src_path)
             if inline:
-                at = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=self.tick)
-                if at is not None:
-                    self._mismatch(seg.item, seg.src_path, seg.off, fd, seg.pos, seg.size, None, path, seg.rel, at)
+                diff = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=self.tick)
+                if diff is not None:
+                    self._mismatch(seg.item, seg.src_path, seg.off, fd, seg.pos, seg.size, None, path, seg.rel, diff)
                 continue
             for at in range(0, seg.size, STEP):  # in steps, so that progress moves within a big tensor
                 n = min(STEP, seg.size - at)
                 copy_range(src, seg.off + at, fd, seg.pos + at, n)
-                self.tick(n // 2 if self.verify else n)
+                tick(n)
+
+    @staticmethod
+    def _buffered(seg: Segment, fd: int) -> bool:
+        return in_user_buffer(seg.off, seg.pos, seg.size, fd)
 
     def _sources(self) -> Sources:
         if self.sources is None:
@@ -329,8 +362,9 @@ def stream_count(jobs: int, total: int) -> int:
 def _streams(order: Sequence[Item], base: int, jobs: int) -> list[list[Segment]] | None:
     """The copy of ``order`` (items in source order) cut into contiguous streams of about equal bytes.
 
-    Each stream reads its part of the sources in order, so a cold input is read as a few sequential
-    streams (the kernel reads ahead in each); a tensor may be split between two streams.
+    Each stream reads its part of the sources in order, straight through the gaps between neighbouring
+    tensors (:func:`~ckptfix.fileio.copy_pieces`), so a cold input is read as a few sequential streams (the
+    kernel reads ahead in each); a tensor may be split between two streams.
 
     Args:
         order: the items, sorted by source file and offset.
@@ -338,8 +372,8 @@ def _streams(order: Sequence[Item], base: int, jobs: int) -> list[list[Segment]]
         jobs: ``--jobs`` (see :func:`stream_count`).
 
     Returns:
-        The streams' segments, or None where the items are not all byte ranges of local files or one
-        stream is enough (the items are then copied one by one, as tasks).
+        The streams' segments (one stream: copied in this thread), or None where the items are not all byte
+        ranges of local files (they are then copied one by one, as tasks).
 
     Raises:
         CorruptCheckpointError: an item whose byte ranges do not add up to its size.
@@ -360,7 +394,7 @@ def _streams(order: Sequence[Item], base: int, jobs: int) -> list[list[Segment]]
     total = sum(sg.size for sg in segs)
     k = stream_count(jobs, total)
     if k <= 1:
-        return None
+        return [segs] if segs else None
     # cut points: k equal shares, at whole buffers of the copy
     cuts = [total * i // k // BUFFER * BUFFER for i in range(1, k)] + [total]
     parts: list[list[Segment]] = [[]]
