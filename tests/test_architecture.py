@@ -21,6 +21,7 @@ LAYERS = {
             "progress",
             "parallel",
             "fileio",
+            "pagecache",
             "atomic",
             "containment",
             "display",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ckptfix import fileio
+from ckptfix import fileio, pagecache
 from ckptfix.errors import OutputError
 
 
@@ -188,7 +188,7 @@ def _evicted(tmp_path, n: int = 1 << 20) -> tuple[int, bytes]:
     try:
         os.fsync(pfd)
         os.posix_fadvise(pfd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if fileio._cached(pfd, 4096) is not False:
+        if pagecache._cached(pfd, 4096) is not False:
             pytest.skip("the page cache cannot be asked here (no RWF_NOWAIT, or pages stay cached)")
     finally:
         os.close(pfd)
@@ -207,9 +207,9 @@ def test_scattered_reads_give_each_range_and_leave_a_cold_file_cold(tmp_path):
     fd, data = _evicted(tmp_path)
     try:
         ranges = [(10, 30), (5000, 200), (4090, 20), (300_000, 64), ((1 << 20) - 10, 50), (2 << 20, 8), (77, 0)]
-        got = fileio.read_scattered(fd, ranges)
+        got = pagecache.read_scattered(fd, ranges)
         assert got == {off: data[off : off + n] for off, n in ranges}  # short at the end, empty past it
-        assert [off for off in (0, 4096, 300_000, (1 << 20) - 1) if fileio._cached(fd, off)] == []
+        assert [off for off in (0, 4096, 300_000, (1 << 20) - 1) if pagecache._cached(fd, off)] == []
     finally:
         os.close(fd)
 
@@ -218,9 +218,9 @@ def test_scattered_reads_keep_pages_that_were_cached(tmp_path):
     fd, data = _evicted(tmp_path)
     try:
         os.pread(fd, 4096, 8192)  # this page is cached now (no readahead around it), the rest is not
-        got = fileio.read_scattered(fd, [(8200, 16), (600_000, 16)])
+        got = pagecache.read_scattered(fd, [(8200, 16), (600_000, 16)])
         assert got == {8200: data[8200:8216], 600_000: data[600_000:600_016]}
-        assert fileio._cached(fd, 8192) and not fileio._cached(fd, 600_000)
+        assert pagecache._cached(fd, 8192) and not pagecache._cached(fd, 600_000)
     finally:
         os.close(fd)
 
@@ -230,10 +230,10 @@ def test_scattered_reads_drop_nothing_where_the_cache_cannot_be_asked(tmp_path, 
     p.write_bytes(bytes(range(256)) * 64)
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
     dropped = []
-    monkeypatch.setattr(fileio, "drop_cached", lambda *a: dropped.append(a))
+    monkeypatch.setattr(pagecache, "drop_cached", lambda *a: dropped.append(a))
     fd = os.open(p, os.O_RDONLY)
     try:
-        got = fileio.read_scattered(fd, [(1, 3), (9000, 2)])
+        got = pagecache.read_scattered(fd, [(1, 3), (9000, 2)])
         assert got == {1: b"\x01\x02\x03", 9000: bytes([9000 % 256, 9001 % 256])}
     finally:
         os.close(fd)
@@ -259,6 +259,6 @@ def test_a_torch_zip_is_read_without_leaving_its_local_headers_cached(tmp_path):
         assert len(offs) == 6
         # the page before each record's data holds its local header: read, then dropped again (not the first
         # two: data.pkl, at the start, is read through zipfile, and the kernel reads ahead of it)
-        assert [o for o in offs[2:] if fileio._cached(fd, o - 100)] == []
+        assert [o for o in offs[2:] if pagecache._cached(fd, o - 100)] == []
     finally:
         os.close(fd)

@@ -19,7 +19,7 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptfix import fileio, source
+from ckptfix import fileio, pagecache, source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
 from ckptfix.fileio import FOLIO, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
@@ -193,7 +193,7 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
 def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
     """Each member's local header (30 bytes and up to twice its name's length) by header offset, the tensor
     records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.source.Source.read_ranges` (neighbours
-    share a request, requests run in parallel); a local file's: :func:`~ckptfix.fileio.read_scattered` (spread
+    share a request, requests run in parallel); a local file's: :func:`~ckptfix.pagecache.read_scattered` (spread
     over the file, pages a cold read brings in would break the readahead of the copy that follows)."""
     ranges = sorted(
         {
@@ -207,7 +207,7 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_reco
             return dict(src.read_ranges(ranges, jobs=16))
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
-        return fileio.read_scattered(fd, ranges)
+        return pagecache.read_scattered(fd, ranges)
     finally:
         os.close(fd)
 
