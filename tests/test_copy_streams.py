@@ -92,6 +92,8 @@ def _checkpoint(tmp_path):
     w = torch.randn(700, 301, generator=g)
     sd = {"module.w": w, "module.tied": w, "module.b": torch.randn(5, generator=g)}
     sd.update({f"module.l{i}.weight": torch.randn(97, 53 + i, generator=g) for i in range(9)})
+    sd["module.mask"] = torch.rand(4099, generator=g) > 0.5  # odd byte counts: halves that do not divide
+    sd["module.q"] = torch.randint(-100, 100, (5001,), dtype=torch.int8, generator=g)
     src = tmp_path / "m.pt"
     torch.save(sd, src)
     return src
@@ -172,3 +174,21 @@ def test_copy_pieces_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path,
     src_reads = [off for fd, off in reads if fd == src]
     assert src_reads[:3] == [0, MIB, 2 * MIB]  # straight through the 100-byte gap, in whole buffers
     assert 5100 + 2 * MIB + 200_000 in src_reads  # the far piece: a new span, read where it starts
+
+
+@pytest.mark.parametrize(("verify", "fsync"), [(True, False), (True, True), (False, False), (False, True)])
+@pytest.mark.parametrize("k", ["1", "3"])
+def test_progress_ends_at_the_total_and_never_goes_back(tmp_path, monkeypatch, verify, fsync, k):
+    from ckptfix.convert import convert_to_safetensors
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    seen: list[tuple[int, int]] = []
+    convert_to_safetensors(
+        src, tmp_path / "o.safetensors", verify=verify, fsync=fsync, progress=lambda d, t: seen.append((d, t))
+    )
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == seen[-1][1] > 0
+    assert len(seen) > 3

@@ -53,8 +53,9 @@ _SOURCES_LOCK = threading.Lock()
 #: a copy of local byte ranges this large or larger runs as contiguous streams (:func:`_streams`)
 STREAM_MIN = 64 << 20
 
-#: the streams of such a copy with ``--jobs 1``: two measured faster than one on a 0.5 GB GPT-2-layout
-#: checkpoint, warm (0.047 vs 0.060 s of copying) and cold (0.172 vs 0.182 s; four: 0.168 s)
+#: the streams of such a copy with ``--jobs 1``: two measured faster than one warm (whole ``convert`` against
+#: ``cp``, best of 5: 0.98x vs 1.08x at 0.5 GB ``--no-verify``, 0.69x vs 0.97x at 1.47 GB verified), the same
+#: or better cold (benchmarks/README.md, issue 25 fourth pass)
 STREAMS = 2
 
 
@@ -112,6 +113,7 @@ class Writer:
         """
         header = safetensors_header(items, metadata)
         self.jobs = jobs
+        done_before = self.tally.done
         # no O_TRUNC: the temp file is new and empty, and truncating makes ext4 flush it on close (auto_da_alloc)
         fd = os.open(path, os.O_RDWR)
         try:
@@ -143,6 +145,8 @@ class Writer:
                 if self.verify:
                     copied = [it for it in items if it.ranges() is not None]
                     run_tasks([functools.partial(self._check_ranges, it, fd, base, path, True) for it in copied], jobs)
+                    # the copy and the check each counted at most half of a range's bytes: the rest, to the byte
+                    self.tick(max(0, done_before + sum(it.nbytes for it in items) - self.tally.done))
         finally:
             os.close(fd)
 
@@ -271,7 +275,8 @@ class Writer:
                 at = verify_equal(self.fds.get(src_path), off, fd, pos, size, from_device=from_device)
             if at is not None:
                 self._mismatch(it, src_path, off, fd, pos, size, crc, path, pos - base - it.begin, at)
-            self.tick(size - sum(min(STEP, size - a) // 2 for a in range(0, size, STEP)))
+            if not is_remote(src_path):  # a remote range was counted whole as it was received
+                self.tick(size // 2)  # the copy counted the other half, or a little less (see write)
             pos += size
 
     def _mismatch(
