@@ -353,7 +353,7 @@ def stream_count(jobs: int, total: int) -> int:
     stream, in this thread).  No stream is smaller than :data:`STREAM_MIN` / 8.
     """
     env = os.environ.get("CKPTFIX_COPY_STREAMS", "").strip()
-    if env.isdigit() and int(env) >= 1:
+    if env.isascii() and env.isdigit() and int(env) >= 1:  # "²".isdigit() is True, int("²") raises
         k = int(env)
     elif resolve_jobs(jobs) > 1:
         k = resolve_jobs(jobs)
