@@ -49,12 +49,13 @@ def resolve_jobs(jobs: int | None) -> int:
     return min(MAX_JOBS, jobs)
 
 
-def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1) -> list[T]:
+def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1, *, cancel: threading.Event | None = None) -> list[T]:
     """Run ``tasks`` in up to ``jobs`` threads; their results in task order.
 
     Args:
         tasks: callables taking no arguments (a ``functools.partial`` per shard or tensor).
         jobs: threads at most (``0``: one per CPU); ``1`` runs them in order in this thread.
+        cancel: set on Ctrl-C in the caller, before the running tasks are waited for (long tasks watch it).
 
     Returns:
         ``[task() for task in tasks]``.
@@ -95,6 +96,8 @@ def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1) -> list[T]:
     except BaseException:  # Ctrl-C in the caller: start nothing more, let the running tasks end
         with lock:
             state["next"] = len(tasks)
+        if cancel is not None:
+            cancel.set()
         for t in threads:
             t.join()
         raise

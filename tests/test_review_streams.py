@@ -13,3 +13,45 @@ def test_a_junk_stream_count_in_the_environment_is_ignored_not_a_crash(junk, mon
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", junk)
     assert write.stream_count(3, 1 << 30) == 3
     assert write.stream_count(1, 1) == 1
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_path, monkeypatch, verify):
+    """Each stream is one task of run_tasks, which waits for the running tasks on Ctrl-C: without a way to stop
+    them, an interrupted ``convert`` of a big file (two streams at the default ``--jobs 1``) went on copying to
+    the end before it exited; with one stream (in the caller's thread) it stopped at once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    torch = pytest.importorskip("torch")
+    from ckptfix import fileio
+    from ckptfix.convert import convert_to_safetensors
+
+    src = tmp_path / "m.pt"
+    torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)  # 640 KiB
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setattr(fileio, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    real = fileio.pwrite_all
+    writes = []
+
+    def slow(fd, data, off):  # 160 pieces of 4 KiB, 2 streams: about 1.6 s to the end
+        writes.append(off)
+        time.sleep(0.02)
+        return real(fd, data, off)
+
+    monkeypatch.setattr(fileio, "pwrite_all", slow)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert_to_safetensors(src, tmp_path / "o.safetensors", verify=verify)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 0.9
+    assert len(writes) < 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]

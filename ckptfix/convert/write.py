@@ -86,6 +86,7 @@ class Writer:
         self.fds = Fds()
         self.sources: Sources | None = None  # remote inputs (URLs), opened on first use
         self.jobs = 1
+        self.cancel = threading.Event()  # Ctrl-C: the copy streams stop at their next piece (run_tasks sets it)
 
     def tick(self, n: int) -> None:
         """Count ``n`` bytes done and report progress (thread-safe).
@@ -139,7 +140,7 @@ class Writer:
             if parts is not None:  # local byte ranges only: the copy as a few contiguous streams
                 tasks = [functools.partial(self._stream, part, fd, path, inline) for part in parts]
                 jobs = len(parts)
-            run_tasks(tasks, jobs)
+            run_tasks(tasks, jobs, cancel=self.cancel)
             if fsync:
                 os.fsync(fd)
                 if self.verify:
@@ -193,7 +194,13 @@ class Writer:
         read straight through); one that :func:`~ckptfix.fileio.copy_range` would reflink or copy in the kernel
         goes alone, that way.
         """
-        tick = self.tick if inline or not self.verify else (lambda n: self.tick(n // 2))
+        count = self.tick if inline or not self.verify else (lambda n: self.tick(n // 2))
+
+        def tick(n: int) -> None:  # after every piece written: a stream is a long task, Ctrl-C must not wait for it
+            if self.cancel.is_set():
+                raise _Cancelled
+            count(n)
+
         run: list[Segment] = []
         for seg in [*part, None]:
             if run and (seg is None or seg.src_path != run[0].src_path or not self._buffered(seg, fd)):
@@ -210,7 +217,7 @@ class Writer:
                 continue
             src = self.fds.get(seg.src_path)
             if inline:
-                diff = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=self.tick)
+                diff = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=tick)
                 if diff is not None:
                     self._mismatch(seg.item, seg.src_path, seg.off, fd, seg.pos, seg.size, None, path, seg.rel, diff)
                 continue
@@ -343,6 +350,10 @@ class Writer:
             end += it.nbytes
         if os.path.getsize(path) != start + end:
             raise VerificationError(f"{path}: file size {os.path.getsize(path)} != expected {start + end}")
+
+
+class _Cancelled(Exception):
+    """A copy stream stopping because the caller was interrupted (run_tasks re-raises the interrupt itself)."""
 
 
 def stream_count(jobs: int, total: int) -> int:
