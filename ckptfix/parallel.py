@@ -55,7 +55,8 @@ def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1, *, cancel: thread
     Args:
         tasks: callables taking no arguments (a ``functools.partial`` per shard or tensor).
         jobs: threads at most (``0``: one per CPU); ``1`` runs them in order in this thread.
-        cancel: set on Ctrl-C in the caller, before the running tasks are waited for (long tasks watch it).
+        cancel: set when a task fails or on Ctrl-C in the caller, before the running tasks are waited for
+            (long tasks watch it and stop early).
 
     Returns:
         ``[task() for task in tasks]``.
@@ -85,6 +86,8 @@ def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1, *, cancel: thread
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 with lock:
                     errors.append(e)
+                if cancel is not None:  # the running tasks need not finish: their work is thrown away
+                    cancel.set()
                 return
 
     threads = [threading.Thread(target=worker, name=f"ckptfix-job-{k}", daemon=True) for k in range(n)]

@@ -55,3 +55,36 @@ def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_pa
     assert time.monotonic() - t0 < 0.9
     assert len(writes) < 100
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
+
+
+def test_a_failing_stream_stops_the_others(tmp_path, monkeypatch):
+    """A difference found in one stream is raised once the others stop, not after they copied their whole part."""
+    import time
+
+    torch = pytest.importorskip("torch")
+    from ckptfix import fileio
+    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.errors import VerificationError
+
+    src = tmp_path / "m.pt"
+    torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setattr(fileio, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    real = fileio.pwrite_all
+    writes = []
+
+    def flipping(fd, data, off):
+        writes.append(off)
+        n = len(writes)
+        time.sleep(0.01)
+        if n == 5:  # one write of one stream
+            data = bytes([data[0] ^ 1]) + bytes(data[1:])
+        return real(fd, data, off)
+
+    monkeypatch.setattr(fileio, "pwrite_all", flipping)
+    with pytest.raises(VerificationError, match="differs from the source"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors")
+    assert len(writes) < 20  # of 160
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]

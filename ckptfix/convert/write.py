@@ -86,7 +86,7 @@ class Writer:
         self.fds = Fds()
         self.sources: Sources | None = None  # remote inputs (URLs), opened on first use
         self.jobs = 1
-        self.cancel = threading.Event()  # Ctrl-C: the copy streams stop at their next piece (run_tasks sets it)
+        self.cancel = threading.Event()  # a failed stream or Ctrl-C: the others stop at their next piece
 
     def tick(self, n: int) -> None:
         """Count ``n`` bytes done and report progress (thread-safe).
@@ -353,7 +353,7 @@ class Writer:
 
 
 class _Cancelled(Exception):
-    """A copy stream stopping because the caller was interrupted (run_tasks re-raises the interrupt itself)."""
+    """A copy stream stopping because another failed or the caller was interrupted (run_tasks re-raises that)."""
 
 
 def stream_count(jobs: int, total: int) -> int:
