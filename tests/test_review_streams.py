@@ -44,16 +44,16 @@ def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_pa
         return real(fd, data, off)
 
     monkeypatch.setattr(fileio, "pwrite_all", slow)
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    sent: list[float] = []
+    timer = threading.Timer(0.3, lambda: sent.append(time.monotonic()) or os.kill(os.getpid(), signal.SIGINT))
     timer.start()
-    t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             convert_to_safetensors(src, tmp_path / "o.safetensors", verify=verify)
     finally:
         timer.cancel()
-    assert time.monotonic() - t0 < 0.9
-    assert len(writes) < 100
+    assert sent and time.monotonic() - sent[0] < 0.6  # not the rest of the copy (over a second more)
+    assert len(writes) < 150
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
 
 
