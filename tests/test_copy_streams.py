@@ -7,6 +7,8 @@ difference found while verifying must still name the tensor and where in it.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from ckptfix.convert import write
@@ -129,10 +131,13 @@ def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, mon
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "3")
     real = fileio.pwrite_all
     calls = []
+    lock = threading.Lock()
 
     def flipping(fd, data, off):
-        calls.append(off)
-        if len(calls) == 4:  # the header, then the third piece of tensor bytes
+        with lock:  # the streams write at once: which write is the fourth is decided under the lock
+            calls.append(off)
+            flip = len(calls) == 4  # the header, then the third piece of tensor bytes
+        if flip:
             data = bytes(data)
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         return real(fd, data, off)
