@@ -380,6 +380,22 @@ def _read(fd: int, view: memoryview, off: int) -> int:
     return done
 
 
+def _read_source(fd: int, view: memoryview, off: int) -> int:
+    """:func:`_read` of the input: a read error (``EIO``: a bad sector, a network file system gone) is the
+    input's, named with its path, not an internal error."""
+    try:
+        return _read(fd, view, off)
+    except OSError as e:
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            name = "the input"
+        raise CorruptCheckpointError(
+            f"{name}: cannot be read at byte {off} ({e.strerror or e}); the file or its disk is damaged — "
+            "re-copy it, or check the device (dmesg)"
+        ) from None
+
+
 def _buffered(src_fd: int, so: int, dst_fd: int, do: int, size: int, crc: bool = False) -> int:
     """``pread`` + ``pwrite`` through this thread's buffer; returns the CRC-32 with ``crc``."""
     buf = memoryview(_buffers()[0])
@@ -390,7 +406,7 @@ def _buffered(src_fd: int, so: int, dst_fd: int, do: int, size: int, crc: bool =
         want = min(size - done, len(buf))
         if (done + want) % AHEAD < want:  # crossing into the next window: ask for the one after it
             _ahead(src_fd, so + done + AHEAD, so + size)
-        n = _read(src_fd, buf[:want], so + done)
+        n = _read_source(src_fd, buf[:want], so + done)
         if n == 0:
             raise _ended()
         if crc:
@@ -462,7 +478,7 @@ def copy_checked(
         want = min(size - done, len(buf))
         if (done + want) % AHEAD < want:  # crossing into the next window: ask for the one after it
             _ahead(src_fd, src_off + done + AHEAD, src_off + size)
-        n = _read(src_fd, buf[:want], src_off + done)
+        n = _read_source(src_fd, buf[:want], src_off + done)
         if n == 0:
             raise _ended()
         pwrite_all(dst_fd, buf[:n], dst_off + done)
@@ -486,17 +502,8 @@ SPAN_GAP = 64 << 10
 
 
 def in_user_buffer(src_off: int, dst_off: int, size: int, dst_fd: int) -> bool:
-    """Whether :func:`copy_range` would copy this range through the user buffer (no reflink, no in-kernel copy).
-
-    Args:
-        src_off: where the range starts in the source.
-        dst_off: where it goes.
-        size: its length.
-        dst_fd: the output.
-
-    Returns:
-        True where :func:`copy_pieces` copies it the same way.
-    """
+    """Whether :func:`copy_range` would copy ``size`` bytes from ``src_off`` to ``dst_off`` of ``dst_fd`` through
+    the user buffer (no reflink, no in-kernel copy): :func:`copy_pieces` copies such a range the same way."""
     if in_kernel(src_off, dst_off):
         return False
     blk = _block_size(dst_fd)
@@ -513,10 +520,9 @@ def copy_pieces(
 ) -> tuple[int, int] | None:
     """Copy byte ranges of one source, reading the source once in order, through this thread's buffer.
 
-    The source is read in :data:`BUFFER` pieces that run across neighbouring ranges (a gap of up to
-    :data:`SPAN_GAP` bytes is read through), so a cold source is read as one sequential stream, as ``cp``
-    reads it: read range by range, the 0.5 GB GPT-2-layout checkpoint's 149 records measured 6-9 ms slower
-    cold (0.187-0.190 s against 0.181 s), and small tensors cost a read each.
+    The source is read in :data:`BUFFER` pieces across neighbouring ranges (gaps up to :data:`SPAN_GAP` bytes
+    read through): one sequential stream, as ``cp`` reads it; range by range, the 0.5 GB GPT-2-layout
+    checkpoint's 149 records measured 6-9 ms slower cold, and small tensors cost a read each.
 
     Args:
         src_fd: the source.
@@ -543,7 +549,7 @@ def copy_pieces(
             j += 1
         cur = pieces[i][0]
         while cur < end:
-            got = _read(src_fd, buf[: min(len(buf), end - cur)], cur)
+            got = _read_source(src_fd, buf[: min(len(buf), end - cur)], cur)
             if got == 0:
                 raise _ended()
             top = cur + got
@@ -640,7 +646,7 @@ def verify_equal(
     done = 0
     while done < size:
         want = min(size - done, len(a))
-        na = _read(src_fd, va[:want], src_off + done)
+        na = _read_source(src_fd, va[:want], src_off + done)
         nb = _read(dst_fd, vb[:want], dst_off + done)
         if na != want:
             raise _ended()

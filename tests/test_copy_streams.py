@@ -7,6 +7,7 @@ difference found while verifying must still name the tensor and where in it.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -197,3 +198,30 @@ def test_progress_ends_at_the_total_and_never_goes_back(tmp_path, monkeypatch, v
     done = [d for d, _ in seen]
     assert done == sorted(done) and done[-1] == seen[-1][1] > 0
     assert len(seen) > 3
+
+
+@pytest.mark.parametrize(("verify", "k"), [(True, "1"), (False, "1"), (True, "3"), (False, "3")])
+def test_a_read_error_of_the_input_is_a_typed_error_naming_it(tmp_path, monkeypatch, verify, k):
+    """``EIO`` while reading the source mid-copy (a bad sector): exit 4 naming the file, nothing left behind."""
+    import errno
+
+    from ckptfix import fileio
+    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.errors import CorruptCheckpointError
+
+    src = _checkpoint(tmp_path)
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    real = fileio._read
+    src_name = str(src.resolve())
+
+    def failing(fd, view, off):
+        if off > 200_000 and os.readlink(f"/proc/self/fd/{fd}") == src_name:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, view, off)
+
+    monkeypatch.setattr(fileio, "_read", failing)
+    with pytest.raises(CorruptCheckpointError, match=r"m\.pt: cannot be read at byte \d+ \(Input/output error\)"):
+        convert_to_safetensors(src, tmp_path / "o.safetensors", verify=verify)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]
