@@ -19,6 +19,17 @@ from ckptfix.errors import CorruptCheckpointError, VerificationError
 MIB = 1 << 20
 
 
+def small_streams(monkeypatch: pytest.MonkeyPatch, k: str, *, buffer: bool = False) -> None:
+    """A small test file copied as ``k`` streams, cut at 4 KiB (and with ``buffer``, read 4 KiB at a time)."""
+    from ckptfix import fileio
+
+    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
+    monkeypatch.setattr(write, "BUFFER", 4096)
+    if buffer:
+        monkeypatch.setattr(fileio, "BUFFER", 4096)
+    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+
+
 def _items(sizes: list[int], path: str = "/src.pt") -> list[Item]:
     out, off, begin = [], 64, 0
     for i, n in enumerate(sizes):
@@ -110,9 +121,7 @@ def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkey
     src = _checkpoint(tmp_path)
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "1")
     convert_to_safetensors(src, tmp_path / "one.safetensors", verify=verify)
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)  # this small file in several streams, cut at 4 KiB
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    small_streams(monkeypatch, k)  # this small file in several streams
     used = []
     real = write._streams
     monkeypatch.setattr(write, "_streams", lambda *a: used.append(r := real(*a)) or r)
@@ -127,9 +136,7 @@ def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, mon
     from ckptfix.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "3")
+    small_streams(monkeypatch, "3")
     real = fileio.pwrite_all
     calls = []
     lock = threading.Lock()
@@ -188,9 +195,7 @@ def test_progress_ends_at_the_total_and_never_goes_back(tmp_path, monkeypatch, v
     from ckptfix.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    small_streams(monkeypatch, k)
     seen: list[tuple[int, int]] = []
     convert_to_safetensors(
         src, tmp_path / "o.safetensors", verify=verify, fsync=fsync, progress=lambda d, t: seen.append((d, t))
@@ -210,9 +215,7 @@ def test_a_read_error_of_the_input_is_a_typed_error_naming_it(tmp_path, monkeypa
     from ckptfix.errors import CorruptCheckpointError
 
     src = _checkpoint(tmp_path)
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
+    small_streams(monkeypatch, k)
     real = fileio._read
     src_name = str(src.resolve())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptfix.convert import write
+from tests.test_copy_streams import small_streams
 
 
 @pytest.mark.parametrize("junk", ["\u00b2", "\u0663", "1e3", "-2", "x"])
@@ -31,10 +32,7 @@ def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_pa
 
     src = tmp_path / "m.pt"
     torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)  # 640 KiB
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setattr(fileio, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    small_streams(monkeypatch, "2", buffer=True)
     real = fileio.pwrite_all
     lock = threading.Lock()
     writes: list[int] = []
@@ -71,10 +69,7 @@ def test_a_failing_stream_stops_the_others(tmp_path, monkeypatch):
 
     src = tmp_path / "m.pt"
     torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)
-    monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
-    monkeypatch.setattr(write, "BUFFER", 4096)
-    monkeypatch.setattr(fileio, "BUFFER", 4096)
-    monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "2")
+    small_streams(monkeypatch, "2", buffer=True)
     real = fileio.pwrite_all
     writes = []
 
