@@ -30,6 +30,30 @@ def small_streams(monkeypatch: pytest.MonkeyPatch, k: str, *, buffer: bool = Fal
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", k)
 
 
+def flip_write(monkeypatch: pytest.MonkeyPatch, nth: int, delay: float = 0.0) -> list[int]:
+    """``fileio.pwrite_all`` with the first byte of the ``nth`` write flipped (counted across the streams under a
+    lock: they write at once), each write ``delay`` seconds slower; returns the offsets written, as they come."""
+    import time
+
+    from ckptfix import fileio
+
+    real = fileio.pwrite_all
+    writes: list[int] = []
+    lock = threading.Lock()
+
+    def flipping(fd: int, data: bytes | bytearray | memoryview, off: int) -> int:
+        with lock:
+            writes.append(off)
+            flip = len(writes) == nth
+        time.sleep(delay)
+        if flip:
+            data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
+        return real(fd, data, off)
+
+    monkeypatch.setattr(fileio, "pwrite_all", flipping)
+    return writes
+
+
 def _items(sizes: list[int], path: str = "/src.pt") -> list[Item]:
     out, off, begin = [], 64, 0
     for i, n in enumerate(sizes):
@@ -132,25 +156,11 @@ def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkey
 
 def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, monkeypatch):
     """A piece written wrong (one byte flipped on its way out) is found by the read-back, named, and nothing kept."""
-    from ckptfix import fileio
     from ckptfix.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     small_streams(monkeypatch, "3")
-    real = fileio.pwrite_all
-    calls = []
-    lock = threading.Lock()
-
-    def flipping(fd, data, off):
-        with lock:  # the streams write at once: which write is the fourth is decided under the lock
-            calls.append(off)
-            flip = len(calls) == 4  # the header, then the third piece of tensor bytes
-        if flip:
-            data = bytes(data)
-            data = bytes([data[0] ^ 0xFF]) + data[1:]
-        return real(fd, data, off)
-
-    monkeypatch.setattr(fileio, "pwrite_all", flipping)
+    flip_write(monkeypatch, 4)  # the header, then the third piece of tensor bytes
     with pytest.raises(VerificationError, match=r"tensor '[^']+' differs from the source near byte \d+"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckptfix.convert import write
-from tests.test_copy_streams import small_streams
+from tests.test_copy_streams import flip_write, small_streams
 
 
 @pytest.mark.parametrize("junk", ["\u00b2", "\u0663", "1e3", "-2", "x"])
@@ -59,32 +59,15 @@ def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_pa
 
 def test_a_failing_stream_stops_the_others(tmp_path, monkeypatch):
     """A difference found in one stream is raised once the others stop, not after they copied their whole part."""
-    import threading
-    import time
 
     torch = pytest.importorskip("torch")
-    from ckptfix import fileio
     from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import VerificationError
 
     src = tmp_path / "m.pt"
     torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)
     small_streams(monkeypatch, "2", buffer=True)
-    real = fileio.pwrite_all
-    writes = []
-
-    lock = threading.Lock()
-
-    def flipping(fd, data, off):
-        with lock:  # the streams write at once: which write is the fifth is decided under the lock
-            writes.append(off)
-            n = len(writes)
-        time.sleep(0.01)
-        if n == 5:  # one write of one stream
-            data = bytes([data[0] ^ 1]) + bytes(data[1:])
-        return real(fd, data, off)
-
-    monkeypatch.setattr(fileio, "pwrite_all", flipping)
+    writes = flip_write(monkeypatch, 5, delay=0.01)  # one write of one stream
     with pytest.raises(VerificationError, match="differs from the source"):
         convert_to_safetensors(src, tmp_path / "o.safetensors")
     assert len(writes) < 40  # of 160 (slack for a slow machine)
