@@ -232,7 +232,7 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     one = ["env", "CKPTFIX_COPY_STREAMS=1"]  # the copy in one stream (the default runs two from 64 MiB)
     cases["convert 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
     cases["--no-verify 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
-    if kernel_any:  # copy_file_range for every offset (ckptfix.fileio.KERNEL_ANY) instead of the 1 MiB buffer
+    if kernel_any:  # copy_file_range for every offset (ckptfix.files.fileio.KERNEL_ANY) instead of the 1 MiB buffer
         any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
         cases["convert cfr-any"] = (any_env + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
         nov = _ck("convert", src, "-o", out, "--quiet", "--no-verify")

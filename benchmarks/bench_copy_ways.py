@@ -6,7 +6,7 @@ Usage::
     python benchmarks/bench_copy_ways.py                      # 0.5 GB GPT-2-layout fixture in /tmp, warm
     python benchmarks/bench_copy_ways.py --size 1.5GB --cold --dir /dev/shm
 
-What ``ckptfix.fileio`` chooses between, on the file system of ``--dir``: the fixture of
+What ``ckptfix.files.fileio`` chooses between, on the file system of ``--dir``: the fixture of
 ``bench_copy.py`` (a ``torch.save`` zip: 64-byte aligned records) is copied record by record to the
 offsets a safetensors file gives them (packed after a 14 KB header, so the offsets do not line up),
 each way in turn, order reversed every other round, the output deleted and ``sync`` before every run

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import child_env, ckptfix, compare, py
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from ckptfix.convert import parse_size
+from ckptfix.ops.convert import parse_size
 
 MAKE = r"""
 import os, sys, warnings, torch, torch.distributed as dist, torch.multiprocessing as mp
@@ -150,7 +150,10 @@ def bench(
     # what the rename's cost follows: .metadata entries (tensors, optimizer states, objects), not bytes
     entries = int(
         subprocess.run(
-            py("import sys; from ckptfix.dcp.meta import read_metadata; print(len(read_metadata(sys.argv[1]).entries))")
+            py(
+                "import sys; from ckptfix.formats.dcp.meta import read_metadata; "
+                "print(len(read_metadata(sys.argv[1]).entries))"
+            )
             + [src],
             capture_output=True,
             text=True,
@@ -197,7 +200,7 @@ def bench(
         plain = os.path.join(workdir, "plain.safetensors")
         subprocess.run(
             py(
-                "import sys; from ckptfix.convert import convert; "
+                "import sys; from ckptfix.ops.convert import convert; "
                 "convert(sys.argv[1], sys.argv[2], ckptfix_metadata=False)"
             )
             + [src, plain],

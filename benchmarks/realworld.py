@@ -379,7 +379,7 @@ def _load_torch_file(path: str, weights_only: bool = False) -> Any:
 
 def check(e: Entry, cache: str, work: str) -> Result:
     """Run every command on one manifest entry against torch's ground truth."""
-    from ckptfix.loading import load_checkpoint
+    from ckptfix.ops.load import load_checkpoint
 
     t0 = time.perf_counter()
     r = Result(e)
@@ -429,7 +429,7 @@ def check(e: Entry, cache: str, work: str) -> Result:
     else:
         from safetensors.torch import load_file
 
-        from ckptfix.loading import load_anywhere
+        from ckptfix.ops.load import load_anywhere
 
         doc = json.loads(p.stdout)
         raw = load_file(out)
@@ -444,8 +444,8 @@ def check(e: Entry, cache: str, work: str) -> Result:
         )
 
     # prefix
-    from ckptfix.convert import locate_state_dict
     from ckptfix.formats import read_checkpoint
+    from ckptfix.ops.convert import locate_state_dict
 
     holder = (
         "mapping"

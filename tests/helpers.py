@@ -131,7 +131,7 @@ def _caller_reads_torch_report() -> bool:
     return False
 
 
-# variables ckptfix reads once, when a module is imported (ckptfix/dcp/meta.py, ckptfix/dcp/chunks.py): a run that
+# variables ckptfix reads once, when a module is imported (ckptfix/formats/dcp/meta.py, chunks.py): a run that
 # changes one needs a fresh interpreter to see it
 _IMPORT_TIME_VARS = ("CKPTFIX_DCP_MAX_",)
 

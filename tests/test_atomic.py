@@ -1,4 +1,4 @@
-"""ckptfix.atomic: temp files locked while written, stale ones cleaned, backups bounded, same-file checks."""
+"""ckptfix.files.atomic: temp files locked while written, stale ones cleaned, backups bounded, same-file checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ckptfix import atomic
 from ckptfix.cli import main
+from ckptfix.files import atomic
 
 
 def _age(p: Path, seconds: float = 3600) -> None:
@@ -138,8 +138,8 @@ def test_in_place_through_a_symlink_fixes_the_target(tmp_path):
 
 def test_in_place_on_a_hard_linked_file_says_so(tmp_path):
     """Replacing a hard-linked file leaves the other link on the old content, and the report notes it."""
-    from ckptfix.prefixes import strip_prefix_report
-    from ckptfix.rewrite import rewrite_checkpoint
+    from ckptfix.ops.prefixes import strip_prefix_report
+    from ckptfix.ops.rewrite import rewrite_checkpoint
 
     from helpers import dp_state_dict
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from ckptfix.cli import main
 from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
 from ckptfix.formats import read_checkpoint, sniff
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 from ckptfix.pickles import scan_globals
 
 from helpers import CkptFactory, assert_one_line_error, run_cli
@@ -165,7 +165,7 @@ def test_bad_input_library_raises_ckptfix_errors(tmp_path, ckpt, name, make, cod
 
 @pytest.mark.parametrize("name,make,code", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_load_anywhere_raises_ckptfix_errors(tmp_path, ckpt, name, make, code):
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.load import load_anywhere
 
     path = make(tmp_path, ckpt)
     with pytest.raises(CkptfixError) as ei:

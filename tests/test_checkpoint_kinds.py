@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.formats import Format, sniff
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
-from ckptfix.loading import load_anywhere
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.load import load_anywhere
 
 from helpers import assert_one_line_error, run_cli
 

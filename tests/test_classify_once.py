@@ -15,16 +15,16 @@ from typing import Any, Callable
 
 import pytest
 
-import ckptfix.convert
 import ckptfix.formats as formats
-import ckptfix.inspecting
-import ckptfix.loading
-import ckptfix.rekey
-import ckptfix.sanitize
-import ckptfix.scanning
-from ckptfix.convert.report import ConvertReport
+import ckptfix.ops.convert
+import ckptfix.ops.inspect
+import ckptfix.ops.load
+import ckptfix.ops.rewrite.keys
+import ckptfix.ops.sanitize
+import ckptfix.ops.scan
 from ckptfix.errors import CheckpointNotFoundError, OutputError, UnsupportedError
 from ckptfix.formats import Format, Input, classify, classify_or_none, read_checkpoint
+from ckptfix.ops.convert.report import ConvertReport
 
 from helpers import CkptFactory, run_cli, tiny_model
 
@@ -100,21 +100,25 @@ MODEL_KEYS = list(tiny_model().state_dict())
 
 ENTRIES: dict[str, tuple[tuple[str, ...], Callable[[str, str], Any], str]] = {
     # name: (input kinds, call(src, out), output suffix)
-    "convert": (ALL, lambda s, o: ckptfix.convert.convert(s, o), ".safetensors"),
-    "convert-to-pt": (("safetensors", "sharded-st"), lambda s, o: ckptfix.convert.convert(s, o), ".pt"),
-    "convert-to-dcp": (("safetensors", "sharded-st"), lambda s, o: ckptfix.convert.convert(s, o), ".dcp"),
-    "convert-to-pt-explicit": (("safetensors",), lambda s, o: ckptfix.convert.convert(s, o, to="pt"), ".pth"),
-    "inspect": (FILES + ("dcp",), lambda s, o: ckptfix.inspecting.inspect_checkpoint(s), ""),
-    "scan": (ALL, lambda s, o: ckptfix.scanning.scan_checkpoint(s), ""),
-    "load_checkpoint": (ALL, lambda s, o: ckptfix.loading.load_checkpoint(s), ""),
-    "strip-prefix": (ALL, lambda s, o: ckptfix.rekey.strip_prefix_checkpoint(s, output=o), "same"),
-    "add-prefix": (FILES + SHARDED, lambda s, o: ckptfix.rekey.add_prefix_checkpoint(s, "x.", output=o), "same"),
-    "align": (
-        FILES,
-        lambda s, o: ckptfix.rekey.align_checkpoint(s, MODEL_KEYS, output=o),
+    "convert": (ALL, lambda s, o: ckptfix.ops.convert.convert(s, o), ".safetensors"),
+    "convert-to-pt": (("safetensors", "sharded-st"), lambda s, o: ckptfix.ops.convert.convert(s, o), ".pt"),
+    "convert-to-dcp": (("safetensors", "sharded-st"), lambda s, o: ckptfix.ops.convert.convert(s, o), ".dcp"),
+    "convert-to-pt-explicit": (("safetensors",), lambda s, o: ckptfix.ops.convert.convert(s, o, to="pt"), ".pth"),
+    "inspect": (FILES + ("dcp",), lambda s, o: ckptfix.ops.inspect.inspect_checkpoint(s), ""),
+    "scan": (ALL, lambda s, o: ckptfix.ops.scan.scan_checkpoint(s), ""),
+    "load_checkpoint": (ALL, lambda s, o: ckptfix.ops.load.load_checkpoint(s), ""),
+    "strip-prefix": (ALL, lambda s, o: ckptfix.ops.rewrite.keys.strip_prefix_checkpoint(s, output=o), "same"),
+    "add-prefix": (
+        FILES + SHARDED,
+        lambda s, o: ckptfix.ops.rewrite.keys.add_prefix_checkpoint(s, "x.", output=o),
         "same",
     ),
-    "sanitize": (("zip", "legacy"), lambda s, o: ckptfix.sanitize.sanitize_checkpoint(s, o, force=True), ".pt"),
+    "align": (
+        FILES,
+        lambda s, o: ckptfix.ops.rewrite.keys.align_checkpoint(s, MODEL_KEYS, output=o),
+        "same",
+    ),
+    "sanitize": (("zip", "legacy"), lambda s, o: ckptfix.ops.sanitize.sanitize_checkpoint(s, o, force=True), ".pt"),
 }
 
 CASES = [pytest.param(entry, kind, id=f"{entry}-{kind}") for entry, (kinds, _, _) in ENTRIES.items() for kind in kinds]
@@ -158,7 +162,7 @@ def test_inspect_of_a_sharded_checkpoint_sniffs_each_file_once_per_pass(
     """inspect reads the shards (the reader) and scans their pickles (the weights-only verdict): the index
     is sniffed once, each shard once by each pass over it."""
     built = inputs[kind]
-    ckptfix.inspecting.inspect_checkpoint(str(built.path))
+    ckptfix.ops.inspect.inspect_checkpoint(str(built.path))
     assert sniffs.of(built.path) == 1, dict(sniffs)
     for s in built.extra["shards"]:
         assert sniffs.of(Path(built.extra["dir"]) / s) <= 2, dict(sniffs)
@@ -169,12 +173,12 @@ def test_an_input_passed_down_is_never_sniffed(inputs: dict[str, Any], sniffs: S
     inp = classify(str(inputs["zip"].path))
     assert sniffs.of(inp.path) == 1
     read_checkpoint(inp)
-    ckptfix.inspecting.inspect_checkpoint(inp)
-    ckptfix.scanning.scan_checkpoint(inp)
-    ckptfix.loading.load_checkpoint(inp)
-    ckptfix.convert.convert(inp, str(tmp_path / "a.safetensors"))
-    ckptfix.rekey.strip_prefix_checkpoint(inp, output=str(tmp_path / "a.pt"))
-    ckptfix.sanitize.sanitize_checkpoint(inp, str(tmp_path / "b.pt"))
+    ckptfix.ops.inspect.inspect_checkpoint(inp)
+    ckptfix.ops.scan.scan_checkpoint(inp)
+    ckptfix.ops.load.load_checkpoint(inp)
+    ckptfix.ops.convert.convert(inp, str(tmp_path / "a.safetensors"))
+    ckptfix.ops.rewrite.keys.strip_prefix_checkpoint(inp, output=str(tmp_path / "a.pt"))
+    ckptfix.ops.sanitize.sanitize_checkpoint(inp, str(tmp_path / "b.pt"))
     assert sniffs.of(inp.path) == 1, dict(sniffs)
 
 
@@ -203,14 +207,14 @@ def test_errors_are_unchanged_by_the_router(tmp_path: Path, inputs: dict[str, An
     assert classify_or_none(missing) is None
     sniffs.clear()
     with pytest.raises(CheckpointNotFoundError, match="no such file"):
-        ckptfix.convert.convert(missing, str(tmp_path / "o.safetensors"))
+        ckptfix.ops.convert.convert(missing, str(tmp_path / "o.safetensors"))
     assert sniffs.of(missing) == 2  # the router's classification, and the entry point's, which reports it
     taken = tmp_path / "taken.safetensors"
     taken.write_bytes(b"x")
     with pytest.raises(OutputError):  # the existing output is reported first, as before
-        ckptfix.convert.convert(missing, str(taken))
+        ckptfix.ops.convert.convert(missing, str(taken))
     with pytest.raises(UnsupportedError, match="not a safetensors file"):
-        ckptfix.convert.convert(str(inputs["zip"].path), str(tmp_path / "o.pt"), to="pt")
+        ckptfix.ops.convert.convert(str(inputs["zip"].path), str(tmp_path / "o.pt"), to="pt")
 
 
 # --------------------------------------------------------------------------- the registry is the one place
@@ -235,13 +239,13 @@ def test_rewrite_convert_and_sanitize_route_through_the_registry(
     monkeypatch.setattr(FORMATS[Format.DCP], "convert", fake("convert"))
     monkeypatch.setattr(FORMATS[Format.TORCH_LEGACY], "sanitize", fake("sanitize"))
     zp, dcp, legacy = (str(inputs[k].path) for k in ("zip", "dcp", "legacy"))
-    assert ckptfix.rekey.strip_prefix_checkpoint(zp, output=str(tmp_path / "a.pt")) == "rewrite"
-    ckptfix.convert.convert_to_safetensors(dcp, str(tmp_path / "d.safetensors"))  # a framework folder's report
-    assert ckptfix.sanitize.sanitize_checkpoint(legacy, str(tmp_path / "l.pt")) == "sanitize"
+    assert ckptfix.ops.rewrite.keys.strip_prefix_checkpoint(zp, output=str(tmp_path / "a.pt")) == "rewrite"
+    ckptfix.ops.convert.convert_to_safetensors(dcp, str(tmp_path / "d.safetensors"))  # a framework folder's report
+    assert ckptfix.ops.sanitize.sanitize_checkpoint(legacy, str(tmp_path / "l.pt")) == "sanitize"
     assert seen[0] == ("rewrite", classify(zp)) and seen[1] == ("convert", dcp) and seen[2][0] == "sanitize"
     monkeypatch.setattr(FORMATS[Format.TORCH_ZIP], "sanitize", Refused(lambda p: f"{p}: refused here; do X"))
     with pytest.raises(UnsupportedError, match=r"refused here; do X$"):
-        ckptfix.sanitize.sanitize_checkpoint(zp, str(tmp_path / "z.pt"))
+        ckptfix.ops.sanitize.sanitize_checkpoint(zp, str(tmp_path / "z.pt"))
     assert not (tmp_path / "z.pt").exists()
 
 
@@ -258,5 +262,5 @@ def test_sanitize_refusals_name_the_input_as_given(
 ) -> None:
     src = str(inputs[kind].extra.get("dir", inputs[kind].path))  # a sharded checkpoint by its folder
     with pytest.raises(UnsupportedError) as e:
-        ckptfix.sanitize.sanitize_checkpoint(src, str(tmp_path / "o.pt"))
+        ckptfix.ops.sanitize.sanitize_checkpoint(src, str(tmp_path / "o.pt"))
     assert str(e.value).startswith(f"{src}: {message}")

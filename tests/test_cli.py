@@ -130,7 +130,7 @@ def test_debug_shows_the_traceback_of_a_torch_missing_error(tmp_path):
 
 def test_a_missing_module_that_is_not_torch_is_an_internal_error(tmp_path):
     code = (
-        "import sys; sys.modules['ckptfix.inspecting'] = None\n"
+        "import sys; sys.modules['ckptfix.ops.inspect'] = None\n"
         "from ckptfix.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptfix.atomic import _os_error, atomic_output
 from ckptfix.cli import main
 from ckptfix.display import shown_path
+from ckptfix.files.atomic import _os_error, atomic_output
 
 from helpers import ROOT, run_cli
 
@@ -81,13 +81,13 @@ def test_trainer_manifest_is_shown_relative(tmp_path):
 
 
 def test_ctrl_c_says_nothing_was_written_and_exits_130(monkeypatch, capsys, work):
-    import ckptfix.inspecting
+    import ckptfix.ops.inspect
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckptfix.inspecting, "inspect_checkpoint", interrupted)
-    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    monkeypatch.setattr(ckptfix.ops.inspect, "inspect_checkpoint", interrupted)
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
     rc = main(["inspect", str(work / "m.pt")])
     err = capsys.readouterr().err
     assert rc == 130
@@ -95,10 +95,10 @@ def test_ctrl_c_says_nothing_was_written_and_exits_130(monkeypatch, capsys, work
 
 
 def test_ctrl_c_names_what_was_kept(monkeypatch, capsys, work):
-    import ckptfix.inspecting
+    import ckptfix.ops.inspect
 
     monkeypatch.chdir(work)
-    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
 
     def half_done(*a, **k):
         with atomic_output(str(work / "first.pt")) as f:
@@ -107,7 +107,7 @@ def test_ctrl_c_names_what_was_kept(monkeypatch, capsys, work):
             f.write(b"half")
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ckptfix.inspecting, "inspect_checkpoint", half_done)
+    monkeypatch.setattr(ckptfix.ops.inspect, "inspect_checkpoint", half_done)
     rc = main(["inspect", "m.pt"])
     err = capsys.readouterr().err
     assert rc == 130
@@ -120,7 +120,7 @@ def test_ctrl_c_in_training_names_the_epochs_kept(monkeypatch, capsys, tmp_path)
     from ckptfix.train.run import Run
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
     record = Run._record_epoch
     calls = []
 
@@ -145,10 +145,10 @@ def test_ctrl_c_in_training_names_the_epochs_kept(monkeypatch, capsys, tmp_path)
 def test_a_real_sigint_gives_the_error_line(work):
     code = (
         "import os, signal, sys\n"
-        "import ckptfix.inspecting\n"
+        "import ckptfix.ops.inspect\n"
         "def hang(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "ckptfix.inspecting.inspect_checkpoint = hang\n"
+        "ckptfix.ops.inspect.inspect_checkpoint = hang\n"
         "from ckptfix.cli import main\n"
         "sys.exit(main(['inspect', 'm.pt']))\n"
     )
@@ -292,7 +292,7 @@ def test_directory_outputs_say_permission_denied_once(tmp_path, monkeypatch):
     import tempfile
 
     from ckptfix.errors import OutputError
-    from ckptfix.rekey import add_prefix_checkpoint
+    from ckptfix.ops.rewrite.keys import add_prefix_checkpoint
 
     def refuse(*a, **k):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
@@ -306,10 +306,10 @@ def test_directory_outputs_say_permission_denied_once(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
-    from ckptfix.convert.dcp_out import convert_to_dcp
+    from ckptfix.ops.convert.dcp_out import convert_to_dcp
 
     torch.save({"a": torch.zeros(2)}, tmp_path / "n.pt")
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     convert("n.pt", "n.safetensors")
     with pytest.raises(OutputError) as ei:
@@ -324,7 +324,7 @@ def test_ctrl_c_during_torchrun_names_what_the_workers_kept(monkeypatch, capsys,
     from ckptfix.train import ddp
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("ckptfix.atomic.FINISHED", [])
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
     monkeypatch.setattr(ddp, "preflight", lambda cfg: None)
 
     def worker_wrote_epoch_1_then_ctrl_c(cmd, env, log_path, *, quiet, timeout):

@@ -1,4 +1,4 @@
-"""ckptfix.convert: checkpoint -> safetensors and back, on real artefacts made in tmp_path."""
+"""ckptfix.ops.convert: checkpoint -> safetensors and back, on real artefacts made in tmp_path."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import ckptfix.convert.items as convert_items
-import ckptfix.convert.write as convert_write
-from ckptfix.convert import convert, convert_to_safetensors, parse_size, restore_aliases
+import ckptfix.ops.convert.items as convert_items
+import ckptfix.ops.convert.write as convert_write
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
+from ckptfix.ops.convert import convert, convert_to_safetensors, parse_size, restore_aliases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -82,7 +82,7 @@ def test_tied_weights_stored_once_and_restored(tied, tmp_path):
 
 
 def test_load_anywhere_restores_shared(tied, tmp_path):
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.load import load_anywhere
 
     src, sd = tied
     convert_to_safetensors(src)
@@ -95,7 +95,7 @@ def test_load_anywhere_restores_shared(tied, tmp_path):
 def test_fast_path_never_imports_torch(tied, tmp_path):
     src, _ = tied
     code = (
-        "import sys; from ckptfix.convert import convert_to_safetensors as c; r = c(sys.argv[1]); "
+        "import sys; from ckptfix.ops.convert import convert_to_safetensors as c; r = c(sys.argv[1]); "
         "assert r.verified; print('torch' in sys.modules)"
     )
     out = subprocess.run(
@@ -295,7 +295,7 @@ def test_refuses_to_overwrite_without_force(tied, tmp_path):
 
 def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatch):
     src, _ = tied
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     real_write, real_copy = fileio.pwrite_all, fileio.copy_range
 
@@ -388,7 +388,7 @@ def test_sharding_and_index(tmp_path):
         merged.update(load_file(p))
     for k in idx["weight_map"]:
         assert_same(merged[k], sd[k])
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.load import load_anywhere
 
     back = load_anywhere(tmp_path / "model.safetensors.index.json")
     assert back["head.weight"].data_ptr() == back["layer0.weight"].data_ptr()
@@ -506,7 +506,7 @@ def test_dcp_directory_input(tmp_path):
         sd, storage_writer=dcp.FileSystemWriter(str(d))
     )
     r = convert_to_safetensors(d, tmp_path / "dcp.safetensors")
-    assert not r.used_torch and r.verified  # streamed from the chunks (ckptfix.convert.dcp_in)
+    assert not r.used_torch and r.verified  # streamed from the chunks (ckptfix.ops.convert.dcp_in)
     raw = load_file(tmp_path / "dcp.safetensors")
     for k, v in sd.items():
         assert_same(raw[k], v)
@@ -682,8 +682,8 @@ class _Net(torch.nn.Module):
 @pytest.mark.parametrize("layout", ["module", "nested_module", "tuple_of_lists"])
 def test_whole_module_and_tensor_lists(tmp_path, layout):
     """torch.save(model) and tuples of tensors: named as state_dict() / by position, equal to torch's."""
-    from ckptfix.inspecting import inspect_checkpoint
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.inspect import inspect_checkpoint
+    from ckptfix.ops.load import load_anywhere
 
     torch.manual_seed(0)
     net = _Net()
@@ -716,8 +716,8 @@ def test_whole_module_and_tensor_lists(tmp_path, layout):
 
 def test_nested_state_dict_with_non_tensor_values(tmp_path):
     """{"state_dict": {"w": tensor, "kind": int}}: found, converted, the non-tensor value listed as skipped."""
-    from ckptfix.inspecting import inspect_checkpoint
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.inspect import inspect_checkpoint
+    from ckptfix.ops.load import load_anywhere
 
     w = torch.randn(2, 2)
     src = tmp_path / "m.pt"

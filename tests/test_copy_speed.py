@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from ckptfix import fileio, pagecache
 from ckptfix.errors import OutputError
+from ckptfix.files import fileio, pagecache
 
 
 @pytest.fixture(autouse=True)
@@ -116,7 +116,7 @@ def _checkpoint(tmp_path):
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_convert_output_is_the_same_bytes_with_or_without_preallocation(tmp_path, monkeypatch, verify):
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     monkeypatch.setattr(fileio, "fs_type", lambda fd: None)
@@ -132,12 +132,12 @@ def test_convert_output_is_the_same_bytes_with_or_without_preallocation(tmp_path
 
 
 def test_convert_on_a_full_disk_stops_before_copying(tmp_path, monkeypatch):
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     monkeypatch.setattr(fileio, "fs_type", lambda fd: "ext4")
     monkeypatch.setattr(fileio, "_fallocate", lambda fd, n: errno.ENOSPC)
-    from ckptfix.convert import write
+    from ckptfix.ops.convert import write
 
     copied = []
     monkeypatch.setattr(write, "copy_checked", lambda *a, **k: copied.append(a))

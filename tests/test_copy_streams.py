@@ -1,4 +1,4 @@
-"""The copy of local byte ranges as a few contiguous streams (``ckptfix.convert.write._streams``).
+"""The copy of local byte ranges as a few contiguous streams (``ckptfix.ops.convert.write._streams``).
 
 Two streams measured faster than one on a 0.5 GB GPT-2-layout checkpoint (warm 0.114 vs 0.142 s for the whole
 ``convert --no-verify``; cold the same); the output must be the same bytes whatever the number, and a
@@ -12,16 +12,16 @@ import threading
 
 import pytest
 
-from ckptfix.convert import write
-from ckptfix.convert.items import Item
 from ckptfix.errors import CorruptCheckpointError, VerificationError
+from ckptfix.ops.convert import write
+from ckptfix.ops.convert.items import Item
 
 MIB = 1 << 20
 
 
 def small_streams(monkeypatch: pytest.MonkeyPatch, k: str, *, buffer: bool = False) -> None:
     """A small test file copied as ``k`` streams, cut at 4 KiB (and with ``buffer``, read 4 KiB at a time)."""
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     monkeypatch.setattr(write, "STREAM_MIN", 8 << 10)
     monkeypatch.setattr(write, "BUFFER", 4096)
@@ -35,7 +35,7 @@ def flip_write(monkeypatch: pytest.MonkeyPatch, nth: int, delay: float = 0.0) ->
     lock: they write at once), each write ``delay`` seconds slower; returns the offsets written, as they come."""
     import time
 
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     real = fileio.pwrite_all
     writes: list[int] = []
@@ -140,7 +140,7 @@ def _checkpoint(tmp_path):
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("k", ["2", "3", "7"])
 def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkeypatch, verify, k):
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     monkeypatch.setenv("CKPTFIX_COPY_STREAMS", "1")
@@ -156,7 +156,7 @@ def test_the_output_is_the_same_bytes_for_any_number_of_streams(tmp_path, monkey
 
 def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, monkeypatch):
     """A piece written wrong (one byte flipped on its way out) is found by the read-back, named, and nothing kept."""
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     small_streams(monkeypatch, "3")
@@ -171,7 +171,7 @@ def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, mon
 def test_copy_pieces_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path, check):
     import os
 
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     data = os.urandom(3 * MIB)
     (tmp_path / "s").write_bytes(data)
@@ -202,7 +202,7 @@ def test_copy_pieces_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path,
 @pytest.mark.parametrize(("verify", "fsync"), [(True, False), (True, True), (False, False), (False, True)])
 @pytest.mark.parametrize("k", ["1", "3"])
 def test_progress_ends_at_the_total_and_never_goes_back(tmp_path, monkeypatch, verify, fsync, k):
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     small_streams(monkeypatch, k)
@@ -220,9 +220,9 @@ def test_a_read_error_of_the_input_is_a_typed_error_naming_it(tmp_path, monkeypa
     """``EIO`` while reading the source mid-copy (a bad sector): exit 4 naming the file, nothing left behind."""
     import errno
 
-    from ckptfix import fileio
-    from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import CorruptCheckpointError
+    from ckptfix.files import fileio
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = _checkpoint(tmp_path)
     small_streams(monkeypatch, k)

@@ -1,4 +1,4 @@
-"""ckptfix.dcp: torch.distributed.checkpoint directories read, assembled, converted and renamed safely.
+"""ckptfix.formats.dcp: torch.distributed.checkpoint directories read, assembled, converted and renamed safely.
 
 Sharded inputs are made two ways: a real gloo process group (FSDP2 ``fully_shard`` and DTensor
 ``Shard(1)``, uneven rows) and :func:`write_dcp`, which writes what DCP's file-system writer writes
@@ -24,9 +24,9 @@ import torch
 
 from ckptfix import load_anywhere
 from ckptfix.cli import main
-from ckptfix.convert import convert
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.loading import load_checkpoint
+from ckptfix.ops.convert import convert
+from ckptfix.ops.load import load_checkpoint
 
 from helpers import Evil, assert_one_line_error, run_cli
 
@@ -207,7 +207,7 @@ def _save_file_bytes(tmp_path: Path, sd: dict[str, torch.Tensor]) -> bytes:
 @pytest.mark.parametrize("block", [None, 16, 1])
 @pytest.mark.parametrize("name", sorted(n for n in LAYOUTS if n != "empty"))
 def test_convert_byte_identical_to_save_file(tmp_path, monkeypatch, name, block):
-    from ckptfix.convert import dcp_in as consolidate
+    from ckptfix.ops.convert import dcp_in as consolidate
 
     if block:  # tiny blocks force row groups, per-row recursion and run assembly
         monkeypatch.setattr(consolidate, "BLOCK_BYTES", block)
@@ -223,7 +223,7 @@ def test_convert_needs_no_torch(tmp_path):
     out = tmp_path / "o.safetensors"
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None\n"
-        "from ckptfix.convert import convert\nfrom ckptfix.inspecting import inspect_checkpoint\n"
+        "from ckptfix.ops.convert import convert\nfrom ckptfix.ops.inspect import inspect_checkpoint\n"
         f"r = convert({str(d)!r}, {str(out)!r}, strip_prefix=True)\n"
         f"i = inspect_checkpoint({str(d)!r})\n"
         "from ckptfix.cli import main\n"
@@ -607,7 +607,7 @@ def test_mutation_fuzz_only_typed_errors(tmp_path):
     import random
 
     from ckptfix.errors import CkptfixError
-    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.ops.inspect import inspect_checkpoint
 
     src, _ = layout_dir(tmp_path, "grid")
     files = sorted(p.name for p in src.iterdir())
@@ -724,7 +724,7 @@ def _assert_metadata_refused(d: Path, tmp_path: Path, capsys: Any, code: int) ->
 def test_tiling_check_sweeps_the_dimension_the_chunks_are_spread_on(monkeypatch):
     """20,000 chunks that all start at row 0 (column sharding): a sweep on dim 0 compared every pair
     (200 million comparisons, minutes); the sweep runs on the dimension where chunks start apart."""
-    from ckptfix.dcp import meta
+    from ckptfix.formats.dcp import meta
 
     calls = []
     real = meta._overlap
@@ -739,8 +739,8 @@ def test_tiling_check_sweeps_the_dimension_the_chunks_are_spread_on(monkeypatch)
 
 def test_tiling_check_refuses_a_layout_too_costly_to_check(monkeypatch):
     """Chunks crowded on every dimension (a grid, here with a tiny limit) are a resource limit, not hours of work."""
-    from ckptfix.dcp import meta
     from ckptfix.errors import ResourceLimitError
+    from ckptfix.formats.dcp import meta
 
     monkeypatch.setattr(meta, "MAX_TILING_PAIRS", 100)
     grid_chunks = [meta.Chunk((r, c), (1, 1)) for r in range(30) for c in range(30)]

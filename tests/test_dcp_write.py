@@ -1,4 +1,4 @@
-"""ckptfix.convert.dcp_out: safetensors -> a DCP directory that torch's dcp.load and ckptfix's reader both read."""
+"""ckptfix.ops.convert.dcp_out: safetensors -> a DCP directory that torch's dcp.load and ckptfix's reader both read."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from ckptfix import load_anywhere
-from ckptfix.convert import convert
-from ckptfix.convert.dcp_out import default_dcp_output
 from ckptfix.errors import OutputError, UnsupportedError
+from ckptfix.ops.convert import convert
+from ckptfix.ops.convert.dcp_out import default_dcp_output
 
 from helpers import assert_one_line_error, run_cli
 
@@ -146,8 +146,8 @@ def test_cli(tmp_path):
 
 
 def test_a_bad_read_back_leaves_nothing(tmp_path, monkeypatch):
-    from ckptfix.convert import dcp_in as consolidate
     from ckptfix.errors import VerificationError
+    from ckptfix.ops.convert import dcp_in as consolidate
 
     src = tmp_path / "m.safetensors"
     save_file(_sd(), src)
@@ -166,7 +166,7 @@ def test_a_bad_read_back_leaves_nothing(tmp_path, monkeypatch):
 
 
 def test_shards_split_rows_like_ranks(tmp_path):
-    from ckptfix.dcp.meta import read_metadata
+    from ckptfix.formats.dcp.meta import read_metadata
 
     ref = _sd()
     ref["big"] = torch.randn(10, 3, 2)

@@ -12,7 +12,7 @@ import torch
 from ckptfix.train.demo import plain_problem, run_demo
 from ckptfix.train.models import build_model
 
-HAVE_SANITIZE = importlib.util.find_spec("ckptfix.sanitize") is not None
+HAVE_SANITIZE = importlib.util.find_spec("ckptfix.ops.sanitize") is not None
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_every_fix_is_proven_by_plain_tools(quick):
         assert os.path.exists(r.steps["convert"]["output"])
 
 
-@pytest.mark.skipif(HAVE_SANITIZE, reason="ckptfix.sanitize is present: see the next test")
+@pytest.mark.skipif(HAVE_SANITIZE, reason="ckptfix.ops.sanitize is present: see the next test")
 def test_namespace_row_is_honest_without_sanitize(quick):
     r = [r for r in quick.rows if r.checkpoint.startswith("dp-legacy-nsargs")][0]
     assert not r.verified and "sanitize (not verified)" in r.fix and not quick.ok

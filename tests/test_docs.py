@@ -115,7 +115,7 @@ def _modules_with_examples() -> list[str]:
 
 
 # pure functions of key names, text and nvidia-smi/CUDA_VISIBLE_DEVICES strings: their examples are the spec
-PURE_MODULES = ("ckptfix.prefixes", "ckptfix.text", "ckptfix.gpu.cvd", "ckptfix.gpu.parse")
+PURE_MODULES = ("ckptfix.ops.prefixes", "ckptfix.text", "ckptfix.gpu.cvd", "ckptfix.gpu.parse")
 
 
 def test_the_pure_modules_have_examples():

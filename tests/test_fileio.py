@@ -1,4 +1,4 @@
-"""ckptfix.fileio: every copy path (forced by monkeypatching), odd offsets, short copies, EXDEV, verification."""
+"""ckptfix.files.fileio: every copy path (forced by monkeypatching), odd offsets, short copies, EXDEV, verification."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from ckptfix import fileio
 from ckptfix.errors import CorruptCheckpointError, OutputError
+from ckptfix.files import fileio
 
 SIZE = 3 * fileio.FOLIO + 12345
 
@@ -243,14 +243,17 @@ def test_fileio_imports_neither_torch_nor_the_formats():
     import subprocess
     import sys
 
-    code = "import sys, ckptfix.fileio; print([m for m in ('torch', 'ckptfix.formats', 'click') if m in sys.modules])"
+    code = (
+        "import sys, ckptfix.files.fileio; "
+        "print([m for m in ('torch', 'ckptfix.formats', 'click') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
 
 def _lossy(monkeypatch, min_size: int = 1000) -> None:
     """The disk "loses" a byte of every tensor write of ``min_size`` bytes or more, whichever way it is copied."""
-    from ckptfix.convert import write as convert_write
+    from ckptfix.ops.convert import write as convert_write
 
     real_write, real_copy = fileio.pwrite_all, fileio.copy_range
 
@@ -286,7 +289,7 @@ def _zip_with_tensor(tmp_path):
 
 
 def test_convert_checks_the_zip_crc_and_names_a_damaged_source(tmp_path):
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src, st = _zip_with_tensor(tmp_path)
     assert st.crc is not None
@@ -303,8 +306,8 @@ def test_convert_checks_the_zip_crc_and_names_a_damaged_source(tmp_path):
 
 @pytest.mark.parametrize("fsync", [False, True])
 def test_convert_catches_a_byte_lost_on_the_way(tmp_path, monkeypatch, fsync):
-    from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import VerificationError
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src, _ = _zip_with_tensor(tmp_path)
     _lossy(monkeypatch, 100_000)
@@ -317,8 +320,8 @@ def test_convert_of_safetensors_verifies_against_the_source(tmp_path, monkeypatc
     from safetensors.numpy import save_file
 
     np = pytest.importorskip("numpy")
-    from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import VerificationError
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = tmp_path / "in.safetensors"
     save_file({"a": np.arange(200_000, dtype=np.float32), "b": np.ones(3, dtype=np.float16)}, str(src))
@@ -347,9 +350,9 @@ def _dcp(tmp_path):
 
 
 def test_dcp_row_shards_are_byte_ranges_with_their_crc(tmp_path):
-    from ckptfix.convert.dcp_in import DcpItem, _row_ranges
-    from ckptfix.dcp.chunks import Files
-    from ckptfix.dcp.meta import read_metadata
+    from ckptfix.formats.dcp.chunks import Files
+    from ckptfix.formats.dcp.meta import read_metadata
+    from ckptfix.ops.convert.dcp_in import DcpItem, _row_ranges
 
     d, _ = _dcp(tmp_path)
     meta = read_metadata(str(d))
@@ -366,9 +369,9 @@ def test_dcp_row_shards_are_byte_ranges_with_their_crc(tmp_path):
 def test_dcp_consolidation_copies_ranges_and_verifies(tmp_path, monkeypatch, fsync):
     from safetensors.torch import load_file
 
-    from ckptfix.convert import convert_to_safetensors
-    from ckptfix.convert import write as convert_write
     from ckptfix.errors import VerificationError
+    from ckptfix.ops.convert import convert_to_safetensors
+    from ckptfix.ops.convert import write as convert_write
 
     d, want = _dcp(tmp_path)
     copied = []

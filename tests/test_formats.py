@@ -25,7 +25,7 @@ from ckptfix import load_anywhere
 from ckptfix.cli import main
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsupportedError
 from ckptfix.formats import read_checkpoint, sniff
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 
 COMMANDS = ("inspect", "scan", "strip-prefix", "add-prefix", "convert")
 
@@ -452,7 +452,7 @@ def _st_raw(text: str) -> bytes:
 def test_valid_sharded_index_still_converts(tmp_path):
     d = _shards(tmp_path)
     _index(d, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
 
     convert_to_safetensors(str(d), str(tmp_path / "one.safetensors"))
     sd = load_file(str(tmp_path / "one.safetensors"))
@@ -482,10 +482,10 @@ def _views() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("chunk", [8 << 20, 64, 24])
 @pytest.mark.parametrize("legacy", [False, True])
 def test_strided_views_gathered_equal_torch(tmp_path, monkeypatch, chunk, legacy):
-    import ckptfix.convert as C
-    import ckptfix.convert.items
+    import ckptfix.ops.convert as C
+    import ckptfix.ops.convert.items
 
-    monkeypatch.setattr(ckptfix.convert.items, "CHUNK", chunk)
+    monkeypatch.setattr(ckptfix.ops.convert.items, "CHUNK", chunk)
     views = _views()
     src = tmp_path / "v.pth"
     torch.save(views, src, _use_new_zipfile_serialization=not legacy)
@@ -502,7 +502,7 @@ def test_gather_needs_no_numpy(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.modules["numpy"] = None  # import numpy -> ImportError
-        from ckptfix.convert import convert_to_safetensors
+        from ckptfix.ops.convert import convert_to_safetensors
         convert_to_safetensors({str(src)!r}, {str(tmp_path / "v.safetensors")!r})
         assert "torch" not in sys.modules
     """)

@@ -27,7 +27,7 @@ from ckptfix.formats import (
     read_checkpoint,
     sniff,
 )
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 
 
 def test_format_is_a_str_that_json_writes_as_its_value() -> None:

@@ -1,4 +1,4 @@
-"""Framework folders as inputs (ckptfix.frameworks): checkpoints the frameworks wrote themselves.
+"""Framework folders as inputs (ckptfix.ops.frameworks): checkpoints the frameworks wrote themselves.
 
 The fixtures in tests/fixtures/frameworks/ were written by transformers' Trainer, accelerate and
 Lightning (``make.py``; versions in ``VERSIONS``); ``NAME.expected.safetensors`` beside each holds the
@@ -23,11 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckptfix import load_anywhere
-from ckptfix.convert import convert
 from ckptfix.errors import CheckpointNotFoundError, NoModelWeightsError
-from ckptfix.frameworks import LAYOUTS, file_role, is_sidecar_name, resolve
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
-from ckptfix.loading import load_checkpoint
+from ckptfix.ops.convert import convert
+from ckptfix.ops.frameworks import LAYOUTS, file_role, is_sidecar_name, resolve
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.load import load_checkpoint
 
 from helpers import run_cli
 

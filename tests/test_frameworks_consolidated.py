@@ -16,8 +16,8 @@ HF = FW / "hfstorage" / "run"
 
 @pytest.mark.parametrize("folder", ZERO, ids=lambda p: p.name)
 def test_inspect_zero_folder_names_layout_and_counts_the_consolidated_model(folder):
-    from ckptfix.frameworks import resolve
-    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.ops.frameworks import resolve
+    from ckptfix.ops.inspect import inspect_checkpoint
 
     r = resolve(folder)
     assert r is not None and r.layout.name == "deepspeed-zero"

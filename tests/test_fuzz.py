@@ -99,9 +99,9 @@ DRIVER = textwrap.dedent(r"""
     import torch  # noqa: F401 - imported before the memory limit is set
     from ckptfix import load_anywhere
     from ckptfix.cli import main
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.ops.convert import convert_to_safetensors
     from ckptfix.errors import CkptfixError
-    from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
+    from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 
     seeds, canary, work = json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
     budget, seed, mutants = float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])

@@ -1,4 +1,4 @@
-"""Hugging Face base-model prefixes and tied weights from config.json alone (ckptfix.hfarch), no transformers."""
+"""Hugging Face base-model prefixes and tied weights from config.json alone (ckptfix.formats.hfarch), torch-free."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from ckptfix.convert import convert
-from ckptfix.hfarch import ARCHITECTURES, own_prefixes, tied_drop
-from ckptfix.inspecting import inspect_checkpoint
-from ckptfix.prefixes import detect_prefixes, strip_prefix_report
-from ckptfix.rekey import strip_prefix_checkpoint
+from ckptfix.formats.hfarch import ARCHITECTURES, own_prefixes, tied_drop
+from ckptfix.ops.convert import convert
+from ckptfix.ops.inspect import inspect_checkpoint
+from ckptfix.ops.prefixes import detect_prefixes, strip_prefix_report
+from ckptfix.ops.rewrite.keys import strip_prefix_checkpoint
 
 from helpers import run_cli
 
@@ -94,7 +94,7 @@ def test_tied_name_from_config_without_transformers(tmp_path: Path) -> None:
     src = FW / "hf_llama_bin" / "pytorch_model.bin"
     out = tmp_path / "o.safetensors"
     code = (
-        "import sys, json; from ckptfix.convert import convert; "
+        "import sys, json; from ckptfix.ops.convert import convert; "
         f"r = convert({str(src)!r}, {str(out)!r}); "
         "print(json.dumps([r.aliases, r.tied_rule, 'transformers' in sys.modules, 'torch' in sys.modules]))"
     )

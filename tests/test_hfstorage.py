@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptfix.convert.hfstorage import convert_hf_storage
 from ckptfix.errors import CorruptCheckpointError
 from ckptfix.formats.hfstorage import _merged_order, find_hf_storage, read_hf_storage
+from ckptfix.ops.convert.hfstorage import convert_hf_storage
 
 from helpers import run_cli
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from ckptfix.cli import main
-from ckptfix.inspecting import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.inspect import INSPECT_SCHEMA, SCAN_SCHEMA, inspect_checkpoint, scan_checkpoint
 
 from helpers import run_cli
 

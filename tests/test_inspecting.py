@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ckptfix.inspecting import inspect_checkpoint
+from ckptfix.ops.inspect import inspect_checkpoint
 
 from helpers import assert_one_line_error, run_cli
 

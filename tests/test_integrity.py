@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptfix import atomic
 from ckptfix.cli import main
+from ckptfix.files import atomic
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -109,7 +109,7 @@ def test_copy_file_data_copies(tmp_path):
 def test_copy_file_data_falls_back_per_call(tmp_path, monkeypatch, broken):
     src, dst = tmp_path / "a", tmp_path / "b"
     src.write_bytes(_data((1 << 20) + 17))
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     monkeypatch.setattr(fileio, "reflink_range", lambda *a: False)
     monkeypatch.setattr(fileio, "STEP", 1 << 16)
@@ -231,7 +231,7 @@ def test_shared_extras_below_the_budget_are_written_whole(tmp_path):
 
     from safetensors import safe_open
 
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     p = _dag_file(tmp_path, 10, "extra")
     out = tmp_path / "x.safetensors"
@@ -248,8 +248,8 @@ def test_shared_extras_below_the_budget_are_written_whole(tmp_path):
 
 
 def test_extras_node_budget_is_the_items_limit(tmp_path, monkeypatch):
-    from ckptfix.convert import convert
     from ckptfix.errors import ResourceLimitError
+    from ckptfix.ops.convert import convert
 
     p = _dag_file(tmp_path, 12, "extra")  # 2**13 values in the JSON
     monkeypatch.setenv("CKPTFIX_MAX_PICKLE_ITEMS", "4000")
@@ -324,7 +324,7 @@ def test_real_pickles_spend_no_idle_opcodes():
     import io
     import pickle
 
-    from ckptfix.scanner import PickleLimits, scan_globals
+    from ckptfix.pickles.opcodes import PickleLimits, scan_globals
 
     tight = PickleLimits(max_idle=2)
     buf = io.BytesIO()
@@ -379,7 +379,7 @@ def test_zero3_placeholders_inspect_warns(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "empty placeholders" in cap.out and "warning:" in cap.err
     assert f"ckptfix convert {tmp_path / 'global_step10'} -o model.safetensors" in cap.err
-    from ckptfix.inspecting import inspect_checkpoint
+    from ckptfix.ops.inspect import inspect_checkpoint
 
     assert any(n.startswith("WARNING: 2 of 3 tensor(s)") for n in inspect_checkpoint(p).notes)
 
@@ -405,12 +405,12 @@ def test_zero3_placeholders_refused_with_the_consolidating_command(tmp_path, cap
 
 def test_empty_tensors_without_recorded_shapes_are_fine(tmp_path):
     """A genuinely empty parameter (no param_shapes saying otherwise) converts as before."""
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     p = tmp_path / "empty.pt"
     torch.save({"w": torch.empty(0), "b": torch.ones(2)}, p)
     convert(p, tmp_path / "e.safetensors")
-    from ckptfix.placeholders import empty_placeholders
+    from ckptfix.pickles.placeholders import empty_placeholders
 
     assert empty_placeholders({"param_shapes": [{"w": torch.Size([0, 3])}]}, {"w": torch.empty(0)}) == []
 
@@ -453,8 +453,8 @@ def test_quantized_dropped_on_request_is_reported(tmp_path, capsys):
 
 
 def test_tensor_outside_the_state_dict_refused_unless_dropped_or_keyed(tmp_path):
-    from ckptfix.convert import convert
     from ckptfix.errors import UnsupportedError
+    from ckptfix.ops.convert import convert
 
     p = tmp_path / "ema.pt"
     torch.save({"model": {"w": torch.ones(2)}, "extra": {"shadow": [torch.zeros(3)]}, "epoch": 1}, p)
@@ -468,8 +468,8 @@ def test_tensor_outside_the_state_dict_refused_unless_dropped_or_keyed(tmp_path)
 
 
 def test_tensor_under_a_tuple_key_is_counted(tmp_path):
-    from ckptfix.convert import convert
     from ckptfix.errors import UnsupportedError
+    from ckptfix.ops.convert import convert
 
     p = tmp_path / "tk.pt"
     torch.save({"model": {"w": torch.ones(2)}, "cache": {(1, 2): torch.zeros(3)}}, p)
@@ -480,7 +480,7 @@ def test_tensor_under_a_tuple_key_is_counted(tmp_path):
 def test_drop_leaves_out_state_dict_tensors_by_pattern(tmp_path):
     from safetensors.torch import load_file
 
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     p = tmp_path / "sd.pt"
     torch.save({"a.weight": torch.ones(2), "a.bias": torch.ones(1), "b.weight": torch.zeros(2)}, p)

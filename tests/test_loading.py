@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from ckptfix import loading
 from ckptfix.errors import CkptfixError, KeyConflictError, UnsupportedError
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
-from ckptfix.loading import is_stub, load_anywhere, load_checkpoint
+from ckptfix.ops import load as loading
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
+from ckptfix.ops.load import is_stub, load_anywhere, load_checkpoint
 
 from helpers import HAS_CUDA, TinyNet, assert_same_tensors, gpu, sample_input, tiny_model
 
@@ -358,7 +358,7 @@ def test_file_without_tensors(tmp_path):
     import argparse
 
     from ckptfix.errors import CorruptCheckpointError, NoTensorsError
-    from ckptfix.loading import load_anywhere, load_checkpoint
+    from ckptfix.ops.load import load_anywhere, load_checkpoint
 
     torch.save(argparse.Namespace(lr=0.1), tmp_path / "training_args.bin")
     lc = load_checkpoint(tmp_path / "training_args.bin")

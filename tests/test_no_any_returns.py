@@ -17,17 +17,17 @@ _UNPICKLER = "overrides pickle.Unpickler, whose typeshed signature returns Any (
 
 #: "module:qualname" -> why it returns Any
 JUSTIFIED = {
-    "ckptfix.dcp.meta:MetadataUnpickler.find_class": _UNPICKLER,
-    "ckptfix.dcp.meta:MetadataUnpickler.persistent_load": _UNPICKLER,
+    "ckptfix.formats.dcp.meta:MetadataUnpickler.find_class": _UNPICKLER,
+    "ckptfix.formats.dcp.meta:MetadataUnpickler.persistent_load": _UNPICKLER,
     "ckptfix.pickles.reader:RecordingUnpickler.load": _UNPICKLER,
     "ckptfix.pickles.reader:RecordingUnpickler.find_class": _UNPICKLER,
     "ckptfix.pickles.reader:RecordingUnpickler.persistent_load": _UNPICKLER,
     "ckptfix.pickles.writer:RecordPickler.reducer_override": "overrides pickle.Pickler (typeshed: Any)",
-    "ckptfix.zipdir:open_zip": "a ZipDir or a zipfile.ZipFile: ZipDir duck-types the part of ZipFile ckptfix uses "
+    "ckptfix.files.zipdir:open_zip": "a ZipDir or a ZipFile: ZipDir duck-types the part of ZipFile ckptfix uses "
     "(namelist, infolist, getinfo, open, read) and its callers hold either as a ZipFile",
-    "ckptfix.zipdir:ZipDir.open": "zipfile.ZipFile.open's member file, or ZipDir's own reader of a stored member "
+    "ckptfix.files.zipdir:ZipDir.open": "zipfile.ZipFile.open's member file, or ZipDir's own reader of a stored member "
     "(read/seek/tell/close), held by callers as the ZipExtFile it stands in for",
-    "ckptfix.statedict:at_path": "the value at a key path of an unpickled object graph: whatever the file "
+    "ckptfix.formats.statedict:at_path": "the value at a key path of an unpickled object graph: whatever the file "
     "holds there; each caller narrows it to what it looked up (a state dict, a tensor)",
     "ckptfix.formats.base:CheckpointFile.state_root": "the unpickled object graph (whatever the file holds) "
     "or a TorchScript archive's state dict; callers narrow it (the format registry rework owns this class)",

@@ -1,4 +1,4 @@
-"""One options object for every writer (ckptfix.outputs.OutputOptions, ckptfix.convert.options.ConvertOptions).
+"""One options object for every writer (files.outputs.OutputOptions, ops.convert.options.ConvertOptions).
 
 An option the operation or the direction a conversion takes does not use is refused (exit 32, one
 ``Error:`` line naming it and where it applies, nothing written) instead of ignored; the keyword API
@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ckptfix.convert import ConvertOptions, convert, convert_from_safetensors, convert_to_safetensors
-from ckptfix.convert.dcp_out import convert_to_dcp
-from ckptfix.convert.options import DIRECTIONS, OUTPUT_APPLIES, keywords_of, options_of
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
-from ckptfix.outputs import OutputOptions
-from ckptfix.rekey import add_prefix_checkpoint, strip_prefix_checkpoint
-from ckptfix.rewrite import rewrite_checkpoint
-from ckptfix.sanitize import sanitize_checkpoint
+from ckptfix.files.outputs import OutputOptions
+from ckptfix.ops.convert import ConvertOptions, convert, convert_from_safetensors, convert_to_safetensors
+from ckptfix.ops.convert.dcp_out import convert_to_dcp
+from ckptfix.ops.convert.options import DIRECTIONS, OUTPUT_APPLIES, keywords_of, options_of
+from ckptfix.ops.rewrite import rewrite_checkpoint
+from ckptfix.ops.rewrite.keys import add_prefix_checkpoint, strip_prefix_checkpoint
+from ckptfix.ops.sanitize import sanitize_checkpoint
 
 from helpers import assert_one_line_error, run_cli
 

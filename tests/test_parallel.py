@@ -1,4 +1,4 @@
-"""ckptfix.parallel: the bounded pool behind --jobs, and byte-identical outputs whatever N is."""
+"""ckptfix.files.parallel: the bounded pool behind --jobs, and byte-identical outputs whatever N is."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_dcp import grid, write_dcp
 
-from ckptfix.convert import convert
 from ckptfix.errors import CorruptCheckpointError, OutputError
-from ckptfix.parallel import Tally, resolve_jobs, run_tasks
-from ckptfix.progress import advance, reporting
-from ckptfix.rewrite import rewrite_checkpoint
+from ckptfix.files.parallel import Tally, resolve_jobs, run_tasks
+from ckptfix.files.progress import advance, reporting
+from ckptfix.ops.convert import convert
+from ckptfix.ops.rewrite import rewrite_checkpoint
 
 from helpers import assert_one_line_error, run_cli
 
@@ -107,7 +107,7 @@ def _dcp(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_dcp_consolidation_same_bytes_for_any_jobs(tmp_path, monkeypatch):
-    from ckptfix.convert import dcp_in as consolidate
+    from ckptfix.ops.convert import dcp_in as consolidate
 
     monkeypatch.setattr(consolidate, "BLOCK_BYTES", 256)  # many blocks per tensor, interleaved between threads
     d, ref = _dcp(tmp_path)
@@ -160,7 +160,7 @@ def test_sharded_strip_prefix_same_bytes_for_any_jobs(tmp_path, fmt):
     trees = {}
     for n in (1, 3):
         out = tmp_path / f"out{n}"
-        from ckptfix.prefixes import strip_prefix_report
+        from ckptfix.ops.prefixes import strip_prefix_report
 
         rep = rewrite_checkpoint(str(idx), lambda sd: strip_prefix_report(sd), output=str(out), jobs=n)
         assert rep.output and rep.renamed == len(ref)
@@ -169,7 +169,7 @@ def test_sharded_strip_prefix_same_bytes_for_any_jobs(tmp_path, fmt):
 
 
 def test_sharded_rewrite_failure_removes_everything(tmp_path, monkeypatch):
-    import ckptfix.rewrite.sharded as rw
+    import ckptfix.ops.rewrite.sharded as rw
 
     idx, _ = _sharded_index(tmp_path)
     real = rw.write_file
@@ -182,7 +182,7 @@ def test_sharded_rewrite_failure_removes_everything(tmp_path, monkeypatch):
         return real(scf, *a, **kw)
 
     monkeypatch.setattr(rw, "write_file", flaky)
-    from ckptfix.prefixes import strip_prefix_report
+    from ckptfix.ops.prefixes import strip_prefix_report
 
     out = tmp_path / "out"
     with pytest.raises(OutputError, match="simulated"):

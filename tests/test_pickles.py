@@ -449,7 +449,7 @@ def test_stub_classes_are_one_per_global():
 
 def test_untyped_storage_is_weights_only_safe(tmp_path):
     """torch.save writes torch.storage.UntypedStorage for uint16/float8...; weights_only loads it, so it is safe."""
-    from ckptfix.inspecting import scan_checkpoint
+    from ckptfix.ops.inspect import scan_checkpoint
     from ckptfix.pickles import classify_global
 
     p = tmp_path / "u16.pt"
@@ -592,7 +592,7 @@ def test_codecs_encode_itself_is_written_as_the_codecs_global():
     """The reader's ``_codecs.encode`` stand-in, written as a value, names ``_codecs.encode`` (as CPython's does)."""
     import pickletools
 
-    import ckptfix.policy as policy
+    import ckptfix.pickles.policy as policy
 
     data = dumps([policy.codecs_encode, policy.codecs_encode])
     assert [arg for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"] == ["_codecs encode"]

@@ -14,9 +14,8 @@ import sys
 
 import pytest
 
-from ckptfix import policy
-from ckptfix.pickles import ELEMENT_SIZE, RecordingUnpickler, Stub, loads_records
-from ckptfix.policy import KNOWN_GLOBALS, classify_global, classify_pair, known_global, worst
+from ckptfix.pickles import ELEMENT_SIZE, RecordingUnpickler, Stub, loads_records, policy
+from ckptfix.pickles.policy import KNOWN_GLOBALS, classify_global, classify_pair, known_global, worst
 
 
 def test_every_known_global_has_one_verdict_everywhere():
@@ -134,7 +133,7 @@ def test_dtype_names_match_the_reader():
 
 def test_policy_imports_neither_torch_nor_the_reader():
     code = (
-        "import sys; import ckptfix.policy as p; p.classify_global('os.system'); "
+        "import sys; import ckptfix.pickles.policy as p; p.classify_global('os.system'); "
         "bad = [m for m in ('torch', 'numpy', 'ckptfix.pickles', 'ckptfix.formats') if m in sys.modules]; "
         "assert not bad, bad"
     )

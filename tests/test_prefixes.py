@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import ckptfix.prefixes as prefixes
+import ckptfix.ops.prefixes as prefixes
 from ckptfix.errors import KeyConflictError
-from ckptfix.prefixes import (
+from ckptfix.ops.prefixes import (
     INNER_WRAPPER_SEGMENTS,
     KNOWN_PREFIXES,
     add_prefix,
@@ -103,18 +103,18 @@ def compiled(module: nn.Module) -> nn.Module:
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, ckptfix.prefixes; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, ckptfix.ops.prefixes; assert 'torch' not in sys.modules, 'torch imported'"
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root, env={"PYTHONPATH": str(root)})
 
 
 def test_doctests():
-    import ckptfix.prefixes.align
-    import ckptfix.prefixes.rename
+    import ckptfix.ops.prefixes.align
+    import ckptfix.ops.prefixes.rename
 
     results = [
         doctest.testmod(m, optionflags=doctest.ELLIPSIS)
-        for m in (prefixes, ckptfix.prefixes.rename, ckptfix.prefixes.align)
+        for m in (prefixes, ckptfix.ops.prefixes.rename, ckptfix.ops.prefixes.align)
     ]
     assert sum(r.attempted for r in results) > 5 and sum(r.failed for r in results) == 0
 

@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ckptfix.errors import KeyConflictError
-from ckptfix.prefixes import (
+from ckptfix.ops.prefixes import (
     INNER_WRAPPER_SEGMENTS,
     KNOWN_PREFIXES,
     add_prefix,

@@ -77,8 +77,8 @@ def test_what_is_refused():
 
 
 def test_the_rewrite_entries_are_the_routing_of_rewrite():
-    import ckptfix.rewrite as rw
-    from ckptfix.rewrite.writers import WRITABLE, check_writable
+    import ckptfix.ops.rewrite as rw
+    from ckptfix.ops.rewrite.writers import WRITABLE, check_writable
 
     for fmt in WRITABLE:
         assert FORMATS[fmt].rewrite is rw.rewrite_file
@@ -92,8 +92,8 @@ def test_the_rewrite_entries_are_the_routing_of_rewrite():
 
 
 def test_the_convert_entries_are_the_routing_of_convert():
-    from ckptfix.convert import sources
-    from ckptfix.convert.forward import convert_to_safetensors
+    from ckptfix.ops.convert import sources
+    from ckptfix.ops.convert.forward import convert_to_safetensors
 
     assert FORMATS[Format.DCP].convert is sources.convert_dcp  # dcp_in.convert_dcp, imported on first use
     readable = [f for f in Format if callable(FORMATS[f].read) and f != Format.DCP]
@@ -127,7 +127,7 @@ def test_registering_twice_or_nothing(monkeypatch):
     with pytest.raises(KeyError):
         FORMATS[Format.DCP].get("sing")
     monkeypatch.setattr(FORMATS[Format.DCP], "scan", None)
-    with pytest.raises(LookupError, match="ckptfix.scanning"):
+    with pytest.raises(LookupError, match="ckptfix.ops.scan"):
         dispatch(Format.DCP, "scan", "d")
 
 
@@ -136,8 +136,8 @@ def test_registering_twice_or_nothing(monkeypatch):
     [
         "from ckptfix import read_checkpoint as f",
         "from ckptfix import strip_prefix_checkpoint as f",
-        "from ckptfix.rekey import strip_prefix_checkpoint as f",
-        "from ckptfix.inspecting import inspect_checkpoint as f",
+        "from ckptfix.ops.rewrite.keys import strip_prefix_checkpoint as f",
+        "from ckptfix.ops.inspect import inspect_checkpoint as f",
     ],
 )
 def test_an_output_dir_names_its_checkpoint_folders_from_every_entry(tmp_path, code):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ckptfix.errors import AlignmentError, CheckpointNotFoundError, KeyConflictError
-from ckptfix.rekey import (
+from ckptfix.ops.rewrite.keys import (
     MIN_FIT,
     add_prefix_checkpoint,
     align_checkpoint,

@@ -22,8 +22,8 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 from ckptfix.errors import RemoteUnavailableError
-from ckptfix.remote import file as rfile
-from ckptfix.remote.file import RemoteFile
+from ckptfix.files.remote import file as rfile
+from ckptfix.files.remote.file import RemoteFile
 
 from helpers import run_cli
 from rangeserver import RangeServer, serving
@@ -181,7 +181,7 @@ def test_a_remote_index_cannot_name_a_shard_outside_its_folder(outside: tuple[Pa
     assert r.rc == 8, (r.rc, r.out, r.err)
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "refused" in r.err
     from ckptfix.errors import UnsupportedError
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.load import load_anywhere
 
     rfile._PINS.clear()
     with pytest.raises(UnsupportedError):  # the loader reads the same index: the same refusal
@@ -318,8 +318,8 @@ def _verdict(doc: dict[str, Any]) -> dict[str, Any]:
 
 def test_polyglots_get_the_same_scan_verdict_remotely_and_never_run(tmp_path: Path) -> None:
     from ckptfix.formats import sniff
-    from ckptfix.inspecting import scan_checkpoint
-    from ckptfix.loading import load_anywhere
+    from ckptfix.ops.inspect import scan_checkpoint
+    from ckptfix.ops.load import load_anywhere
 
     canary, cases = _polyglots(tmp_path)
     (tmp_path / "served").mkdir()
@@ -387,9 +387,9 @@ def test_an_s3_output_without_credentials_is_41_not_an_internal_error(tmp_path: 
 def test_an_endless_folder_listing_is_refused_in_bounded_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder URL whose listing page is 256 MiB of links: refused at the limit (ResourceLimitError, exit 10's
     class), never read whole."""
-    from ckptfix import source
     from ckptfix.errors import ResourceLimitError
-    from ckptfix.remote import backends
+    from ckptfix.files import source
+    from ckptfix.files.remote import backends
 
     monkeypatch.setattr(backends, "MAX_LISTING", 1 * MiB, raising=False)
     line = b"".join(b'<a href="f%d.distcp">x</a>\n' % i for i in range(40_000))  # about 1 MiB

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ckptfix import load_anywhere
-from ckptfix.convert import convert
 from ckptfix.errors import CorruptCheckpointError, RemoteChangedError, RemoteThrottledError, RemoteUnavailableError
+from ckptfix.ops.convert import convert
 
 from helpers import CkptFactory, assert_one_line_error, assert_same_tensors, run_cli
 from rangeserver import serving
@@ -302,7 +302,7 @@ def test_object_replaced_between_reading_and_copying_is_44(
     """The header is read from one version, the tensors must come from the same one: same-layout new bytes = 44."""
     from safetensors.torch import save_file
 
-    import ckptfix.convert.write as write_mod
+    import ckptfix.ops.convert.write as write_mod
 
     sd = {"w": torch.randn(300, 300), "b": torch.randn(300)}
     save_file(sd, str(tmp_path / "a.safetensors"))

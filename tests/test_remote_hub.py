@@ -18,12 +18,13 @@ import pytest
 pytest.importorskip("fsspec")
 pytest.importorskip("huggingface_hub")
 
-from ckptfix import load_anywhere, source
-from ckptfix.convert import convert
+from ckptfix import load_anywhere
 from ckptfix.errors import RemoteUnavailableError
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint
-from ckptfix.remote import file as rfile
-from ckptfix.remote.stats import collect
+from ckptfix.files import source
+from ckptfix.files.remote import file as rfile
+from ckptfix.files.remote.stats import collect
+from ckptfix.ops.convert import convert
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 
 from helpers import CkptFactory, assert_same_tensors, run_cli
 from hubserver import HubServer, serving
@@ -132,7 +133,7 @@ def test_a_dcp_folder_in_a_repository_equals_the_local_run(srv: HubServer, repos
     for fn in (inspect_checkpoint, scan_checkpoint):
         got = _norm(fn("hf://user/repo/dcp_ckpt").to_dict(), "hf://user/repo")
         want = _norm(fn(str(repos["main"] / "dcp_ckpt")).to_dict(), str(repos["main"]))
-        # a local DCP folder also names its framework layout and notes (ckptfix.frameworks reads local folders only)
+        # a local DCP folder also names its framework layout and notes (ckptfix.ops.frameworks reads local folders only)
         for k in ("framework", "notes"):
             got.pop(k, None)
             want.pop(k, None)

@@ -1,4 +1,4 @@
-"""Remote reads (issue #26): ckptfix.source / ckptfix.remote against fsspec's memory:// and a local HTTP server.
+"""Remote reads (issue #26): ckptfix.files.source / .remote against fsspec's memory:// and a local HTTP server.
 
 The HTTP server (tests/rangeserver.py) answers Range requests and injects faults: a dropped connection, a 503
 then success, a short read, the object changing between requests (ETag), 403, 404.  Each must end in a retry
@@ -22,7 +22,6 @@ import pytest
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from ckptfix import source  # noqa: E402
 from ckptfix.errors import (  # noqa: E402
     CorruptCheckpointError,
     RemoteAccessDeniedError,
@@ -32,9 +31,10 @@ from ckptfix.errors import (  # noqa: E402
     RemoteThrottledError,
     RemoteUnavailableError,
 )
-from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint  # noqa: E402
-from ckptfix.remote import file as rfile  # noqa: E402
-from ckptfix.remote.stats import Stats, collect  # noqa: E402
+from ckptfix.files import source  # noqa: E402
+from ckptfix.files.remote import file as rfile  # noqa: E402
+from ckptfix.files.remote.stats import Stats, collect  # noqa: E402
+from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint  # noqa: E402
 
 from helpers import CkptFactory, run_cli  # noqa: E402
 from rangeserver import RangeServer, serving  # noqa: E402
@@ -142,7 +142,7 @@ def test_inspect_and_scan_of_a_url_equal_the_local_run(tree: Path, srv: RangeSer
         want = _norm(fn(local).to_dict(), str(tree))
         got = _norm(fn(url).to_dict(), srv.url)
         if name in ("dcp_ckpt", "big_dcp") and fn is inspect_checkpoint:
-            # a local DCP folder also names its framework layout (ckptfix.frameworks reads local folders only)
+            # a local DCP folder also names its framework layout (ckptfix.ops.frameworks reads local folders only)
             assert want.pop("framework")["framework"] == "torch.distributed.checkpoint"
             assert got.pop("framework") is None
         if name in ("dcp_ckpt", "big_dcp") and fn is scan_checkpoint:
@@ -523,7 +523,7 @@ def test_local_reads_never_import_fsspec(tree: Path) -> None:
     import sys
 
     code = (
-        "import sys; from ckptfix.inspecting import inspect_checkpoint, scan_checkpoint; "
+        "import sys; from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint; "
         f"inspect_checkpoint({str(tree / 'plain.pt')!r}); scan_checkpoint({str(tree / 'legacy_dp.pt')!r}); "
         "print('fsspec' in sys.modules, 'aiohttp' in sys.modules)"
     )

@@ -20,7 +20,7 @@ def _no_stage_left(*dirs: Path) -> None:
 
 
 def test_strip_prefix_of_a_url_is_the_local_rewrite(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
-    from ckptfix.rekey import strip_prefix_checkpoint
+    from ckptfix.ops.rewrite.keys import strip_prefix_checkpoint
 
     b = ckpt.dataparallel()
     url = s3.put_bytes(s3.prefix("r") + "/ddp.pth", Path(b.path).read_bytes())
@@ -42,7 +42,7 @@ def test_cli_default_output_of_a_url_is_here(s3: S3Server, ckpt: CkptFactory, tm
 
 
 def test_rewrite_into_s3_uploads_the_verified_output(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
-    from ckptfix.rekey import strip_prefix_checkpoint
+    from ckptfix.ops.rewrite.keys import strip_prefix_checkpoint
 
     b = ckpt.dataparallel()
     out = s3.url(s3.prefix("w") + "/fixed.pth")
@@ -67,7 +67,7 @@ def test_in_place_and_folders_at_urls_are_refused(s3: S3Server, ckpt: CkptFactor
 
 
 def test_sanitize_of_a_url(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
-    from ckptfix.sanitize import sanitize_checkpoint
+    from ckptfix.ops.sanitize import sanitize_checkpoint
 
     b = ckpt.lightning()
     url = s3.put_bytes(s3.prefix("r") + "/model.ckpt", Path(b.path).read_bytes())

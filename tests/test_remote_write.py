@@ -28,7 +28,7 @@ def _big_checkpoint(path: Path, mib: int = 12) -> Path:
 
 
 def test_convert_to_s3_is_the_local_output(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     b = ckpt.dataparallel()
     url = s3.url(s3.prefix("w") + "/model.safetensors")
@@ -42,7 +42,7 @@ def test_convert_to_s3_is_the_local_output(s3: S3Server, ckpt: CkptFactory, tmp_
 
 
 def test_existing_object_needs_force(s3: S3Server, ckpt: CkptFactory) -> None:
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     b = ckpt.plain()
     url = s3.put_bytes(s3.prefix("w") + "/model.safetensors", b"old")
@@ -54,7 +54,7 @@ def test_existing_object_needs_force(s3: S3Server, ckpt: CkptFactory) -> None:
 
 
 def test_sharded_output_commits_the_index_last(s3: S3Server, ckpt: CkptFactory) -> None:
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     b = ckpt.plain()
     pre = s3.prefix("w")
@@ -75,8 +75,8 @@ def test_failed_multipart_upload_leaves_nothing(
     s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     """An upload that fails (a part refused, or the completion refused): no object, no pending upload."""
-    from ckptfix.convert import convert
-    from ckptfix.remote import upload
+    from ckptfix.files.remote import upload
+    from ckptfix.ops.convert import convert
 
     monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
     src = _big_checkpoint(tmp_path / "big.pt")
@@ -101,8 +101,8 @@ def test_failed_multipart_upload_leaves_nothing(
 
 
 def test_multipart_upload_round_trip(s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptfix.convert import convert
-    from ckptfix.remote import upload
+    from ckptfix.files.remote import upload
+    from ckptfix.ops.convert import convert
 
     monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
     src = _big_checkpoint(tmp_path / "big.pt")
@@ -130,7 +130,7 @@ def test_cli_convert_to_s3_and_a_failed_upload(s3: S3Server, ckpt: CkptFactory) 
 
 
 def test_staging_folder_is_removed(s3: S3Server, ckpt: CkptFactory, tmp_path: Path, monkeypatch) -> None:
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     stage = tmp_path / "stage"
     stage.mkdir()
@@ -147,7 +147,7 @@ def test_staging_folder_is_removed(s3: S3Server, ckpt: CkptFactory, tmp_path: Pa
 def test_read_write_read_in_one_process(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
     """Reading an object, replacing it with -o URL --force, reading it again: the new version, not exit 44."""
     from ckptfix import load_anywhere
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     from helpers import assert_same_tensors
 
@@ -162,7 +162,7 @@ def test_read_write_read_in_one_process(s3: S3Server, ckpt: CkptFactory, tmp_pat
 def test_dcp_output_to_s3_metadata_last(s3: S3Server, ckpt: CkptFactory, tmp_path: Path) -> None:
     """``-o s3://.../run.dcp``: the folder's data files, then its .metadata; it loads back as the source."""
     from ckptfix import load_anywhere
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     from helpers import assert_same_tensors
 
@@ -184,8 +184,8 @@ def test_interrupted_multipart_upload_is_aborted(s3: S3Server, tmp_path: Path, m
     """Ctrl-C in the middle of the parts: the multipart upload is aborted (no parts kept), no object."""
     import s3fs
 
-    from ckptfix.convert import convert
-    from ckptfix.remote import upload
+    from ckptfix.files.remote import upload
+    from ckptfix.ops.convert import convert
 
     monkeypatch.setattr(upload, "PART_SIZE", 5 << 20)
     src = _big_checkpoint(tmp_path / "big.pt")

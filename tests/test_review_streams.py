@@ -1,10 +1,10 @@
-"""Review findings on the copy streams (``ckptfix.convert.write``)."""
+"""Review findings on the copy streams (``ckptfix.ops.convert.write``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ckptfix.convert import write
+from ckptfix.ops.convert import write
 from tests.test_copy_streams import flip_write, small_streams
 
 
@@ -27,8 +27,8 @@ def test_ctrl_c_stops_the_copy_streams_without_waiting_for_them_to_finish(tmp_pa
     import time
 
     torch = pytest.importorskip("torch")
-    from ckptfix import fileio
-    from ckptfix.convert import convert_to_safetensors
+    from ckptfix.files import fileio
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = tmp_path / "m.pt"
     torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)  # 640 KiB
@@ -61,8 +61,8 @@ def test_a_failing_stream_stops_the_others(tmp_path, monkeypatch):
     """A difference found in one stream is raised once the others stop, not after they copied their whole part."""
 
     torch = pytest.importorskip("torch")
-    from ckptfix.convert import convert_to_safetensors
     from ckptfix.errors import VerificationError
+    from ckptfix.ops.convert import convert_to_safetensors
 
     src = tmp_path / "m.pt"
     torch.save({f"t{i}": torch.arange(4096, dtype=torch.float32) + i for i in range(40)}, src)

@@ -18,9 +18,9 @@ from torch import nn
 
 from ckptfix.cli import main
 from ckptfix.errors import KeyConflictError, OutputError
-from ckptfix.inspecting import inspect_checkpoint
-from ckptfix.prefixes import strip_prefix_report
-from ckptfix.rewrite import rewrite_checkpoint
+from ckptfix.ops.inspect import inspect_checkpoint
+from ckptfix.ops.prefixes import strip_prefix_report
+from ckptfix.ops.rewrite import rewrite_checkpoint
 
 from helpers import (
     IS_ROOT,
@@ -458,7 +458,7 @@ def test_explicit_prefix_no_key_has(ckpt):
 
 
 def test_non_writable_formats_refused(ckpt, capsys):
-    for b in (ckpt.torchscript(),):  # DCP directories are renamed by ckptfix.rewrite.dcp (tests/test_dcp.py)
+    for b in (ckpt.torchscript(),):  # DCP directories are renamed by ckptfix.ops.rewrite.dcp (tests/test_dcp.py)
         rc, out, err = _cli(capsys, "strip-prefix", b.path)
         assert rc == 8, (b.path, err)
 
@@ -519,7 +519,7 @@ def test_sharded_output_options(ckpt, capsys, tmp_path):
 
 
 def test_sharded_failure_leaves_no_directory(ckpt, monkeypatch, tmp_path):
-    import ckptfix.rewrite.sharded as rw
+    import ckptfix.ops.rewrite.sharded as rw
 
     b = ckpt.sharded_safetensors(prefix="module.")
     calls = []
@@ -743,7 +743,7 @@ def test_rewrite_never_writes_a_file_torch_cannot_load(tmp_path, in_place):
 def test_check_written_catches_a_bad_global(tmp_path):
     from ckptfix.errors import VerificationError
     from ckptfix.formats import read_checkpoint
-    from ckptfix.rewrite import check_written
+    from ckptfix.ops.rewrite import check_written
 
     src = tmp_path / "a.pt"
     torch.save({"w": torch.ones(2), "n": 3}, src)
@@ -760,7 +760,7 @@ def test_check_written_catches_a_bad_global(tmp_path):
 def test_check_written_catches_a_short_record(tmp_path):
     from ckptfix.errors import VerificationError
     from ckptfix.formats import read_checkpoint
-    from ckptfix.rewrite import check_written
+    from ckptfix.ops.rewrite import check_written
 
     src = tmp_path / "a.pt"
     torch.save({"w": torch.ones(4)}, src)
@@ -777,7 +777,7 @@ def test_check_written_catches_a_short_record(tmp_path):
 def test_every_rewrite_is_checked_before_the_rename(tmp_path, cmd, monkeypatch):
     """A writer bug (here: a record dropped from the archive) never reaches the user's file."""
     from ckptfix.cli import main
-    from ckptfix.rewrite import writers as rw
+    from ckptfix.ops.rewrite import writers as rw
 
     src = tmp_path / "m.pt"
     torch.save({"module.w": torch.ones(3), "module.b": torch.zeros(2)}, src)
@@ -813,7 +813,7 @@ def test_rewrite_reports_progress_up_to_the_input_size(tmp_path):
 
 def test_backup_never_written_through_a_dangling_symlink(tmp_path):
     """A ``CKPT.bak`` symlink to a missing file must not make --in-place create that file elsewhere."""
-    from ckptfix.atomic import make_backup
+    from ckptfix.files.atomic import make_backup
 
     src = tmp_path / "c.pt"
     src.write_bytes(b"x" * 10)
@@ -983,7 +983,7 @@ def test_strip_prefix_renames_hugging_face_style_aliases(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from ckptfix.convert import restore_aliases
+    from ckptfix.ops.convert import restore_aliases
 
     p = tmp_path / "m.safetensors"
     save_file(

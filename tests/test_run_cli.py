@@ -35,7 +35,7 @@ def test_a_test_reading_torch_imported_gets_a_fresh_interpreter(tmp_path):
 def test_process_commands_and_another_pythonpath_get_a_fresh_interpreter(tmp_path):
     assert run_cli("pick-gpu", "--help").isolated
     assert run_cli("--version", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]])).isolated
-    assert run_cli("--version", CKPTFIX_DCP_MAX_METADATA="100").isolated  # read when ckptfix.dcp is imported
+    assert run_cli("--version", CKPTFIX_DCP_MAX_METADATA="100").isolated  # read when ckptfix.formats.dcp is imported
     assert not run_cli("--version", CKPTFIX_DEBUG="1").isolated  # read on each run
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptfix.errors import OutputError, UnsupportedError, VerificationError
-from ckptfix.sanitize import Plainer, normalise_global, sanitize_checkpoint
+from ckptfix.ops.sanitize import Plainer, normalise_global, sanitize_checkpoint
 
 from helpers import assert_one_line_error, run_cli
 
@@ -266,7 +266,7 @@ def test_sanitize_never_imports_torch(tmp_path):
     src = tmp_path / "m.pt"
     torch.save({"w": torch.ones(2), "shift": np.arange(3.0), "a": argparse.Namespace(x=1)}, src)
     code = (
-        "import sys; from ckptfix.sanitize import sanitize_checkpoint; "
+        "import sys; from ckptfix.ops.sanitize import sanitize_checkpoint; "
         f"sanitize_checkpoint({str(src)!r}, {str(tmp_path / 'o.pt')!r}); "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'imported'"
     )

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from oracle_pickle import c_imports, py_imports
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
-from ckptfix.inspecting import scan_checkpoint
+from ckptfix.ops.inspect import scan_checkpoint
 from ckptfix.pickles import resolve_global, scan_globals, scan_pickle_sequence
-from ckptfix.policy import classify_global
+from ckptfix.pickles.policy import classify_global
 
 from helpers import run_cli
 

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.formats import Format, sniff
 from ckptfix.formats import sniffing as sniffing_mod
-from ckptfix.inspecting import scan_checkpoint
+from ckptfix.ops.inspect import scan_checkpoint
 
 
 class _Branch(Exception):

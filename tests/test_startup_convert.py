@@ -22,23 +22,23 @@ from tests.helpers import ROOT
 NEVER = [
     "torch",
     "numpy",
-    "concurrent.futures",  # the range requests of a URL input (ckptfix.convert.remote_in.Sources.pool)
+    "concurrent.futures",  # the range requests of a URL input (ckptfix.ops.convert.remote_in.Sources.pool)
     "logging",
     "traceback",
     "textwrap",
-    "tempfile",  # temp outputs are made by ckptfix.atomic itself
+    "tempfile",  # temp outputs are made by ckptfix.files.atomic itself
     "random",
     "shutil",
     "bz2",
     "lzma",
     "zipfile",
-    "ckptfix.convert.reverse",  # safetensors -> torch
-    "ckptfix.convert.dcp_out",
-    "ckptfix.convert.dcp_in",
-    "ckptfix.convert.zero",
-    "ckptfix.convert.hfstorage",
-    "ckptfix.plaindata",  # non-tensor entries only (ckptfix.convert.extras)
-    "ckptfix.remote.file",
+    "ckptfix.ops.convert.reverse",  # safetensors -> torch
+    "ckptfix.ops.convert.dcp_out",
+    "ckptfix.ops.convert.dcp_in",
+    "ckptfix.ops.convert.zero",
+    "ckptfix.ops.convert.hfstorage",
+    "ckptfix.ops.plaindata",  # non-tensor entries only (ckptfix.ops.convert.extras)
+    "ckptfix.files.remote.file",
     "fsspec",
     "difflib",  # click's close matches, when it tried -o as a long option (ckptfix.cli.group.Command.make_parser)
     "locale",  # imported by gettext's first call (click.Path(): ckptfix.cli._common.PATH)
@@ -82,7 +82,12 @@ def test_convert_of_a_local_torch_zip_imports_no_thread_pool_tempfile_or_other_d
     mods = _modules(p)
     assert out.is_file()
     assert '"outputs"' in p.stdout  # stdout flushed before the fast exit
-    present = ["ckptfix.convert.forward", "ckptfix.convert.write", "ckptfix.atomic", "ckptfix.zipdir"]
+    present = [
+        "ckptfix.ops.convert.forward",
+        "ckptfix.ops.convert.write",
+        "ckptfix.files.atomic",
+        "ckptfix.files.zipdir",
+    ]
     assert [m for m in present if m not in mods] == []  # the code path pinned here ran
     assert sorted(m for m in NEVER if m in mods) == []
 
@@ -132,7 +137,7 @@ def test_exit_now_leaves_the_normal_exit_to_a_running_thread_and_to_full_exit(tm
 
 
 def test_temp_files_are_new_private_and_named_for_the_stale_cleaner(tmp_path, monkeypatch):
-    from ckptfix import atomic
+    from ckptfix.files import atomic
 
     final = tmp_path / "model.safetensors"
     fd, tmp = atomic._create_temp(str(tmp_path), f".{final.name}{atomic.TEMP_MARK}", ".tmp")
@@ -157,7 +162,7 @@ def test_temp_files_are_new_private_and_named_for_the_stale_cleaner(tmp_path, mo
 
 
 def test_new_temp_still_gives_the_final_mode_and_holds_the_lock(tmp_path):
-    from ckptfix import atomic
+    from ckptfix.files import atomic
 
     final = tmp_path / "out.pt"
     final.write_bytes(b"old")
@@ -176,7 +181,7 @@ def test_a_conversion_preallocating_its_output_does_not_load_ctypes(tmp_path):
     """An output of 32 MiB or more on ext4 is preallocated (``fileio.preallocate``) through ``os.posix_fallocate``
     for a file mapped by extents: ``ctypes`` (about 2.5 ms to load) is not needed."""
     torch = pytest.importorskip("torch")
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -188,12 +193,12 @@ def test_a_conversion_preallocating_its_output_does_not_load_ctypes(tmp_path):
     torch.save({"w": torch.zeros(10 << 20), "b": torch.ones(3)}, src)  # 40 MiB
     out = tmp_path / "big.safetensors"
     mods = _modules(_convert([str(src), "-o", str(out), "-q"]))
-    assert "ckptfix.fileio" in mods and "ctypes" not in mods
+    assert "ckptfix.files.fileio" in mods and "ctypes" not in mods
     assert out.stat().st_size > fileio.PREALLOCATE_MIN
 
 
 def test_posix_fallocate_reserves_the_blocks_of_an_extent_file(tmp_path, monkeypatch):
-    from ckptfix import fileio
+    from ckptfix.files import fileio
 
     fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
     try:

@@ -22,15 +22,15 @@ NEVER = [
     "torch",
     "numpy",
     "importlib.metadata",
-    "ckptfix.convert",
-    "ckptfix.rewrite",
-    "ckptfix.loading",
+    "ckptfix.ops.convert",
+    "ckptfix.ops.rewrite",
+    "ckptfix.ops.load",
     "ckptfix.train",
     "ckptfix.cli.convert",
     "ckptfix.cli.train",
     "ckptfix.cli.demo",
-    "ckptfix.dcp",
     "ckptfix.formats.dcp",
+    "ckptfix.formats.dcp.checkpoint",
     "ctypes",
     "traceback",
     "json",
@@ -45,8 +45,8 @@ CHECKPOINT_SIDE = [
     "ckptfix.cli.ckpt",
     "ckptfix.formats",
     "ckptfix.pickles",
-    "ckptfix.inspecting",
-    "ckptfix.prefixes",
+    "ckptfix.ops.inspect",
+    "ckptfix.ops.prefixes",
     "zipfile",
     "tarfile",
     "pickle",
@@ -94,9 +94,9 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
     absent = NEVER + [
         "ckptfix.gpu",
         "ckptfix.cli.gpu",
-        "ckptfix.prefixes.align",
-        "ckptfix.sanitize",
-        "ckptfix.rekey",
+        "ckptfix.ops.prefixes.align",
+        "ckptfix.ops.sanitize",
+        "ckptfix.ops.rewrite.keys",
         "ckptfix.pickles.writer",  # the readers never write
         "ckptfix.formats.legacy",  # the other formats' readers
         "ckptfix.formats.safetensors_fmt",
@@ -104,19 +104,21 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "tarfile",  # a zip's first block is no tar header: refused without tarfile (sniffing.tar_opens)
         "subprocess",
         "pickletools",  # only for a pickle past protocol 2 (plaindata.opcodes_weights_only_cannot_read)
-        "pickle",  # the unpickler comes from _pickle (ckptfix._unpickler): pickle.py is 1,800 lines of Python
-        # a torch.save archive is read by ckptfix.zipdir: zipfile's imports were 2-5 ms (pathlib, shutil...)
+        "pickle",  # the unpickler comes from _pickle (ckptfix.pickles._unpickler): pickle.py is 1,800 lines of Python
+        # a torch.save archive is read by ckptfix.files.zipdir: zipfile's imports were 2-5 ms (pathlib, shutil...)
         "zipfile",
         "shutil",
         "bz2",
         "lzma",
         "binascii",
-        # a local path never needs the remote drivers (ckptfix.remote imports fsspec only for a URL)
+        # a local path never needs the remote drivers (ckptfix.files.remote imports fsspec only for a URL)
         "fsspec",
         "aiohttp",
         "s3fs",
     ]
-    _check(mods, absent, ["ckptfix.inspecting", "ckptfix.formats.zipfmt", "ckptfix._dataclass", "ckptfix.zipdir"])
+    _check(
+        mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt", "ckptfix._dataclass", "ckptfix.files.zipdir"]
+    )
 
 
 @pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]])

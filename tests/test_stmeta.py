@@ -1,4 +1,4 @@
-"""ckptfix.stmeta: the ckptfix.* safetensors metadata, encoded and decoded in one place (torch only as oracle)."""
+"""ckptfix.formats.stmeta: the ckptfix.* safetensors metadata, encoded and decoded in one place (torch as oracle)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckptfix import stmeta
+from ckptfix.formats import stmeta
 
 
 def test_encode_writes_format_first_and_only_what_is_given():

@@ -2,7 +2,7 @@
 
 The checkpoints produced here (DP, DDP through real torchrun with 2 gloo
 processes, compile, DCP, legacy, AMP) double as integration fixtures for the
-loader: every one must load through ckptfix.loading and reproduce its probe
+loader: every one must load through ckptfix.ops.load and reproduce its probe
 output bit for bit.
 """
 
@@ -38,7 +38,7 @@ def _entry(res, epoch=None):
 
 
 def _load(path):
-    from ckptfix.loading import load_checkpoint
+    from ckptfix.ops.load import load_checkpoint
 
     return load_checkpoint(path, map_location="cpu", allow_globals=(argparse.Namespace,))
 
@@ -174,7 +174,7 @@ def test_compile_adds_orig_mod(tmp_path):
     assert e["expected_prefix"] == "module._orig_mod." and e["compile_backend"] == "eager"
     sd = torch.load(res.final_checkpoint, weights_only=True)["model_state_dict"]
     assert all(k.startswith("module._orig_mod.") for k in sd)
-    assert verify_probe(e, str(tmp_path))["exact"]  # via ckptfix.loading with model= alignment
+    assert verify_probe(e, str(tmp_path))["exact"]  # via ckptfix.ops.load with model= alignment
 
 
 def test_amp_saves_scaler_state(tmp_path):

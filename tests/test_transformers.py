@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from ckptfix.convert import convert_to_safetensors  # noqa: E402
+from ckptfix.ops.convert import convert_to_safetensors  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -160,7 +160,7 @@ def test_the_name_alphabetical_order_keeps_breaks_automodel(tmp_path):
 def test_dcp_checkpoint_of_an_hf_model_converts_to_a_folder_transformers_loads(built, tmp_path, shards):
     """A DCP save of a transformers model (as FSDP ranks would write it), consolidated by ckptfix without
     torch into model.safetensors, loads with ``from_pretrained`` and gives bit-identical outputs."""
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     name, model, embed, head, ids = built
     folder = tmp_path / name

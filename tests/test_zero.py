@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO consolidation (ckptfix.deepspeed) against what DeepSpeed's own zero_to_fp32 returned.
+"""DeepSpeed ZeRO consolidation (ckptfix.formats.deepspeed) against what DeepSpeed's own zero_to_fp32 returned.
 
 The fixtures under tests/fixtures/frameworks/deepspeed/ were written by deepspeed 0.19.8 on CPU (2 gloo ranks,
 ZeRO 1/2/3, fp32 and bf16, and 2/3 with a frozen weight; tests/fixtures/frameworks/make_deepspeed.py);
@@ -16,14 +16,6 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from ckptfix.convert.zero import convert_zero
-from ckptfix.deepspeed import (
-    convert_bytes,
-    describe,
-    find_zero_checkpoint,
-    read_zero_checkpoint,
-    summary,
-)
 from ckptfix.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -31,6 +23,14 @@ from ckptfix.errors import (
     ZeroIncompleteError,
     ZeroMismatchError,
 )
+from ckptfix.formats.deepspeed import (
+    convert_bytes,
+    describe,
+    find_zero_checkpoint,
+    read_zero_checkpoint,
+    summary,
+)
+from ckptfix.ops.convert.zero import convert_zero
 
 from helpers import run_cli
 
@@ -82,7 +82,7 @@ def test_load_anywhere_equals_zero_to_fp32(case: str) -> None:
 def test_convert_is_bit_identical_and_keeps_ties(case: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from ckptfix.stmeta import aliases
+    from ckptfix.formats.stmeta import aliases
 
     exp, meta = _expected(case)
     out = tmp_path / "model.safetensors"
@@ -105,7 +105,7 @@ def test_dtype_half_as_zero_to_fp32(case: str, dtype: str, tmp_path: Path) -> No
     import torch
     from safetensors.torch import load_file
 
-    from ckptfix.loading import load_anywhere  # noqa: F401 - torch present
+    from ckptfix.ops.load import load_anywhere  # noqa: F401 - torch present
 
     exp, meta = _expected(case)
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float16
@@ -137,7 +137,7 @@ def test_half_rounding_matches_torch() -> None:
 def test_pure_python_conversion_matches_numpy() -> None:
     import struct
 
-    from ckptfix.deepspeed.rounding import _convert_np, _convert_py
+    from ckptfix.formats.deepspeed.rounding import _convert_np, _convert_py
 
     np = pytest.importorskip("numpy")
     vals = [0.0, -0.0, 1.0, 1.00390625, 3.0e38, -3.0e38, 7e4, 65520.0, 1e-8, float("inf"), float("nan"), -2.5]
@@ -278,7 +278,7 @@ def test_no_latest(tmp_path: Path) -> None:
 
 
 def test_tag_dtype_refused_elsewhere(tmp_path: Path) -> None:
-    from ckptfix.convert import convert
+    from ckptfix.ops.convert import convert
 
     with pytest.raises(UnsupportedError):
         convert(FIX / "zero1_fp32" / "expected.safetensors", tmp_path / "x.pth", tag="global_step2")

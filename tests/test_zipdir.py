@@ -1,4 +1,4 @@
-"""``ckptfix.zipdir.open_zip`` (issue 25, start-up): what ``zipfile.ZipFile`` gives, for plain and odd archives."""
+"""``ckptfix.files.zipdir.open_zip`` (start-up): what ``zipfile.ZipFile`` gives, for plain and odd archives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import pytest
 
-from ckptfix.zipdir import ZipDir, open_zip
+from ckptfix.files.zipdir import ZipDir, open_zip
 
 FIELDS = ("filename", "orig_filename", "header_offset", "file_size", "compress_size", "CRC", "compress_type")
 FIELDS += ("flag_bits", "extract_version")

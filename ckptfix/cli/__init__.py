@@ -114,8 +114,8 @@ def interrupted_error() -> InterruptedByUserError:
     Returns:
         The error, its message naming the kept outputs (relative to the current directory when under it).
     """
-    from ckptfix.atomic import FINISHED
     from ckptfix.display import shown_path
+    from ckptfix.files.atomic import FINISHED
 
     # still there: a command may remove what it finished when the step around it fails (the trainer's epoch)
     kept = [p for p in dict.fromkeys(FINISHED) if os.path.lexists(p)]

@@ -140,7 +140,7 @@ BAR_MIN_BYTES = 64 << 20
 class ProgressBar:
     """A click progress bar on stderr, shown only on a terminal and only for sizeable work.
 
-    ``update(done, total)`` is a :data:`ckptfix.progress.Progress` callback; the bar is created
+    ``update(done, total)`` is a :data:`ckptfix.files.progress.Progress` callback; the bar is created
     on the first update whose ``total`` reaches :data:`BAR_MIN_BYTES`.  Use as a context manager.
     """
 

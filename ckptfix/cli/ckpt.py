@@ -11,7 +11,7 @@ from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, json_
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
-    from ckptfix.outputs import OutputOptions
+    from ckptfix.files.outputs import OutputOptions
 
 
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -50,8 +50,8 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     """Summarise CHECKPOINT (a path or a URL: s3://, gs://, az://, hf://, https://) without loading tensors or
     running pickle code."""
     with imports_quietly():
-        from ckptfix.inspecting import inspect_checkpoint
-        from ckptfix.remote.stats import collect
+        from ckptfix.files.remote.stats import collect
+        from ckptfix.ops.inspect import inspect_checkpoint
 
     with collect() as st:
         r = inspect_checkpoint(checkpoint, key=key)
@@ -124,8 +124,8 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
     from ckptfix.errors import CkptfixError
 
     with imports_quietly():
-        from ckptfix.inspecting import scan_checkpoint
-        from ckptfix.remote.stats import collect
+        from ckptfix.files.remote.stats import collect
+        from ckptfix.ops.inspect import scan_checkpoint
 
     if len(checkpoints) == 1:
         with collect() as st:
@@ -265,8 +265,8 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
 
 
 def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> OutputOptions:
-    """The library's :class:`~ckptfix.outputs.OutputOptions` from the options :func:`_write_options` adds."""
-    from ckptfix.outputs import OutputOptions
+    """The library's :class:`~ckptfix.files.outputs.OutputOptions` from the options :func:`_write_options` adds."""
+    from ckptfix.files.outputs import OutputOptions
 
     return OutputOptions(
         output=output,
@@ -294,7 +294,7 @@ def strip_prefix_cmd(
     Writes CHECKPOINT's stem + '.stripped' next to it (printed on stdout) and never modifies the input
     unless --in-place is given.
     """
-    from ckptfix.rekey import strip_prefix_checkpoint
+    from ckptfix.ops.rewrite.keys import strip_prefix_checkpoint
 
     with ProgressBar("stripping", enabled=not as_json) as bar:
         rep = strip_prefix_checkpoint(
@@ -314,7 +314,7 @@ def add_prefix_cmd(
     checkpoint, prefix, output, in_place, no_backup, force, link, key, map_location, jobs, as_json
 ) -> None:
     """Add PREFIX to every key (load a plain checkpoint into a DataParallel/DDP-wrapped model)."""
-    from ckptfix.rekey import add_prefix_checkpoint
+    from ckptfix.ops.rewrite.keys import add_prefix_checkpoint
 
     with ProgressBar("adding", enabled=not as_json) as bar:
         rep = add_prefix_checkpoint(
@@ -336,7 +336,7 @@ def add_prefix_cmd(
 @_write_options
 def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key, map_location, jobs, as_json) -> None:
     """Rename CHECKPOINT's keys to match a target model or checkpoint; exit 10 unless it then matches exactly."""
-    from ckptfix.rekey import align_checkpoint
+    from ckptfix.ops.rewrite.keys import align_checkpoint
 
     with ProgressBar("aligning", enabled=not as_json) as bar:
         res = align_checkpoint(
@@ -382,8 +382,8 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     what became what.
     """
     from ckptfix.cli._common import info
-    from ckptfix.outputs import OutputOptions
-    from ckptfix.sanitize import sanitize_checkpoint
+    from ckptfix.files.outputs import OutputOptions
+    from ckptfix.ops.sanitize import sanitize_checkpoint
 
     with ProgressBar("sanitizing", enabled=not as_json) as bar:
         outputs = OutputOptions(

@@ -153,7 +153,7 @@ def convert_cmd(
     recorded in the metadata; ckptfix's loader restores them.
     """
     with imports_quietly():
-        from ckptfix.convert import ConvertOptions, OutputOptions, convert, parse_size
+        from ckptfix.ops.convert import ConvertOptions, OutputOptions, convert, parse_size
 
     if max_shard_size is not None:
         try:
@@ -185,7 +185,7 @@ def convert_cmd(
     stats: Any = None
     counting: Any = contextlib.nullcontext()
     if show_stats:
-        from ckptfix.remote.stats import collect
+        from ckptfix.files.remote.stats import collect
 
         counting = collect()
     try:  # an option the direction taken does not use is refused (exit 32), nothing written

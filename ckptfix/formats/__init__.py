@@ -24,7 +24,7 @@ Formats (:class:`Format`, what :func:`sniff` says and ``CheckpointFile.format`` 
                   ``tensors``): recognised, never read (only torch's unrestricted loader reads it)
 
 The shared types live in :mod:`ckptfix.formats.base`, state dict discovery in
-:mod:`ckptfix.statedict`, each container in its own module; this package re-exports them
+:mod:`ckptfix.formats.statedict`, each container in its own module; this package re-exports them
 and dispatches on the format.
 """
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
-from ckptfix import source
 from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
+from ckptfix.files import source
 from ckptfix.formats import registry, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
@@ -58,8 +58,8 @@ from ckptfix.formats.base import (
     tar_message,
 )
 from ckptfix.formats.roles import is_sidecar_name
+from ckptfix.formats.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
 from ckptfix.pickles import StorageRecord, TensorRecord, is_tensor_like
-from ckptfix.statedict import STATE_DICT_KEYS, find_state_dict, is_tensor_dict, iter_tensors
 
 if TYPE_CHECKING:
     from ckptfix.formats import dcp as dcp
@@ -213,7 +213,7 @@ def _dir_kind(path: str) -> Format:
 
 #: the sub-folders of a folder with no checkpoint in it that are framework folders (Trainer's ``output_dir``:
 #: ``checkpoint-N/``), for its "pass one of them" list.  Telling a framework folder is the layouts' job, a layer
-#: above the formats: :mod:`ckptfix.layouts` registers its lister when imported (a registration point, not an
+#: above the formats: :mod:`ckptfix.formats.layouts` registers its lister when imported (a registration point, not an
 #: import that points up); until then, none.
 _SUBFOLDERS: list[Callable[[str], list[str]]] = [lambda folder: []]
 
@@ -223,7 +223,7 @@ def register_subfolder_lister(lister: Callable[[str], list[str]]) -> None:
 
     Args:
         lister: ``lister(folder)`` -> the names of its sub-folders that are checkpoints, most likely first
-            (:func:`ckptfix.layouts.checkpoint_subfolders`).
+            (:func:`ckptfix.formats.layouts.checkpoint_subfolders`).
     """
     _SUBFOLDERS[0] = lister
 
@@ -318,7 +318,9 @@ def read_checkpoint(path: str | os.PathLike | Input, fmt: Format | None = None) 
 
 
 def _read_dcp(path: str) -> CheckpointFile:
-    from ckptfix.formats.dcp import read_dcp  # the DCP reader (and ckptfix.dcp) only for a DCP directory: start-up
+    from ckptfix.formats.dcp.checkpoint import (
+        read_dcp,  # the DCP reader (and ckptfix.formats.dcp) only for a DCP directory: start-up
+    )
 
     return read_dcp(path)
 
@@ -340,7 +342,7 @@ _LAZY_SUBMODULES = frozenset({"dcp", "legacy", "safetensors_fmt", "sharded"})
 
 
 def __getattr__(name: str) -> Any:
-    """``ckptfix.formats.dcp`` / ``legacy`` / ``safetensors_fmt`` / ``sharded``, imported on first use."""
+    """``ckptfix.formats.dcp.checkpoint`` / ``legacy`` / ``safetensors_fmt`` / ``sharded``, imported on first use."""
     if name in _LAZY_SUBMODULES:
         import importlib
 

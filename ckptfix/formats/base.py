@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Mapping, TypeVar, Union
 
 from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
+from ckptfix.formats.statedict import find_state_dict
 from ckptfix.pickles import StorageRecord
-from ckptfix.statedict import find_state_dict
 
 if TYPE_CHECKING:
-    from ckptfix.dcp.meta import DcpMetadata
+    from ckptfix.formats.dcp.meta import DcpMetadata
 
 
 class Format(str, Enum):
@@ -259,7 +259,7 @@ class DcpDetails:
         files: the data files (``.distcp``) the metadata names.
         summary: counts for ``inspect``: tensors per top-level key, files, ranks, chunks, tensors,
             objects, version (the ``dcp`` entry of ``inspect --json``).
-        metadata: the parsed ``.metadata`` (:class:`~ckptfix.dcp.meta.DcpMetadata`).
+        metadata: the parsed ``.metadata`` (:class:`~ckptfix.formats.dcp.meta.DcpMetadata`).
     """
 
     files: list[str]

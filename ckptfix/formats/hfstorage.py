@@ -7,7 +7,7 @@ the rank's state-dict order) saying where each chunk sits in the full tensor.  T
 This module is the reader: :func:`find_hf_storage` recognises such a folder, :func:`read_hf_storage` reads
 every shard's header and sharding info, :func:`chunk_runs` says where each chunk's contiguous byte runs sit,
 and :func:`hf_storage_state_dict` builds torch tensors for ``load_anywhere``.  Consolidating into one
-safetensors file is an operation: :mod:`ckptfix.convert.hfstorage`.
+safetensors file is an operation: :mod:`ckptfix.ops.convert.hfstorage`.
 
 The fqn order is the state-dict order the ranks recorded: every shard's ``DCP_SHARDING_INFO`` order merged
 (shard 1 first; a replicated tensor only one rank wrote keeps its place).  Each full shape is the largest

@@ -12,8 +12,8 @@ from __future__ import annotations
 import struct
 from typing import Any, BinaryIO
 
-from ckptfix import source
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
+from ckptfix.files import source
 from ckptfix.formats.base import CheckpointFile, Format, LegacyDetails, PickleDetails
 from ckptfix.pickles import RecordingUnpickler, StorageRecord
 

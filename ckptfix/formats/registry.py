@@ -18,11 +18,11 @@ module that fills each capability (the completeness test imports them all).
 capability  what it is                                             filled in by
 ==========  =====================================================  ==========================
 read        the torch-free reader (``read_checkpoint``)            ``ckptfix.formats``
-scan        every global its pickles reference (``scan``)          ``ckptfix.scanning``
-load        tensors with torch (``load_checkpoint``)               ``ckptfix.loading``
-convert     to safetensors (``convert FILE``)                      ``ckptfix.convert.sources``
-rewrite     keys renamed in place of the file (``strip-prefix``)   ``ckptfix.rewrite``
-sanitize    rewritten for ``torch.load(weights_only=True)``        ``ckptfix.sanitize``
+scan        every global its pickles reference (``scan``)          ``ckptfix.ops.scan``
+load        tensors with torch (``load_checkpoint``)               ``ckptfix.ops.load``
+convert     to safetensors (``convert FILE``)                      ``ckptfix.ops.convert.sources``
+rewrite     keys renamed in place of the file (``strip-prefix``)   ``ckptfix.ops.rewrite``
+sanitize    rewritten for ``torch.load(weights_only=True)``        ``ckptfix.ops.sanitize``
 ==========  =====================================================  ==========================
 """
 
@@ -40,11 +40,11 @@ CAPABILITIES = ("read", "scan", "load", "convert", "rewrite", "sanitize")
 #: the module whose import registers each capability's functions
 CAPABILITY_MODULES = {
     "read": "ckptfix.formats",
-    "scan": "ckptfix.scanning",
-    "load": "ckptfix.loading",
-    "convert": "ckptfix.convert.sources",
-    "rewrite": "ckptfix.rewrite",
-    "sanitize": "ckptfix.sanitize",
+    "scan": "ckptfix.ops.scan",
+    "load": "ckptfix.ops.load",
+    "convert": "ckptfix.ops.convert.sources",
+    "rewrite": "ckptfix.ops.rewrite",
+    "sanitize": "ckptfix.ops.sanitize",
 }
 
 

@@ -2,7 +2,7 @@
 
 ``optimizer.pt`` is training state, ``model.safetensors`` weights, ``trainer_state.json`` the trainer's
 state ...  The formats use it to order the "a directory with no checkpoint in it" message (real
-checkpoints before sidecars); :mod:`ckptfix.layouts` to label every file of a framework folder.
+checkpoints before sidecars); :mod:`ckptfix.formats.layouts` to label every file of a framework folder.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from ckptfix import source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError
+from ckptfix.files import source
 from ckptfix.formats.base import (
     MAX_JSON_ENV,
     CheckpointFile,

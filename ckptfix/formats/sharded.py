@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from ckptfix import source
-from ckptfix.containment import allowed_roots, inside, remote_name_escapes
 from ckptfix.errors import (
     CheckpointNotFoundError,
     CkptfixError,
@@ -20,6 +18,8 @@ from ckptfix.errors import (
     ResourceLimitError,
     UnsupportedError,
 )
+from ckptfix.files import source
+from ckptfix.files.containment import allowed_roots, inside, remote_name_escapes
 from ckptfix.formats.base import (
     MAX_JSON_ENV,
     CheckpointFile,
@@ -97,7 +97,7 @@ def index_path(path: str) -> str:
     return path
 
 
-_allowed_roots = allowed_roots  # one rule for every container: ckptfix.containment
+_allowed_roots = allowed_roots  # one rule for every container: ckptfix.files.containment
 _inside = inside
 
 

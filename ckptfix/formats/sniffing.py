@@ -23,8 +23,8 @@ import re
 import struct
 from typing import Any
 
-from ckptfix import source
 from ckptfix.errors import ResourceLimitError
+from ckptfix.files import source
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -220,13 +220,13 @@ def starts_like_pickle(path: str, limit: int = 1 << 20) -> bool:
     Returns:
         True for a pickle.
     """
-    from ckptfix.scanner import PickleLimits, scan_globals
+    from ckptfix.pickles.opcodes import PickleLimits, scan_globals
 
     with source.open_file(path) as f:
         # a URL: 64 KiB first; the whole limit only when the first pickle runs past it (the same answer)
         head = f.read(min(limit, 64 << 10) if source.is_url(path) else limit)
         if source.is_url(path) and not _PROTO.match(head) and len(head) < limit and head:
-            from ckptfix.scanner import PickleLimits, scan_globals
+            from ckptfix.pickles.opcodes import PickleLimits, scan_globals
 
             res = scan_globals(head, limits=PickleLimits.from_env())
             if res.error and "truncated" in res.error:

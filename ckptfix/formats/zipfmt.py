@@ -19,13 +19,13 @@ import struct
 import zlib
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ckptfix import fileio, pagecache, source
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.fileio import FOLIO, copy_range
+from ckptfix.files import fileio, pagecache, source
+from ckptfix.files.fileio import FOLIO, copy_range
+from ckptfix.files.zipdir import open_zip
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
-from ckptfix.scanner import DEFAULT_MAX_PICKLE_MB
-from ckptfix.zipdir import open_zip
+from ckptfix.pickles.opcodes import DEFAULT_MAX_PICKLE_MB
 
 if TYPE_CHECKING:
     import zipfile
@@ -60,7 +60,7 @@ _STORED = 0
 
 
 def _open_zip(path: str) -> zipfile.ZipFile:
-    """``zipfile.ZipFile(path)`` (read by :func:`ckptfix.zipdir.open_zip`), its errors as ckptfix's."""
+    """``zipfile.ZipFile(path)`` (read by :func:`ckptfix.files.zipdir.open_zip`), its errors as ckptfix's."""
     try:
         zf: zipfile.ZipFile = open_zip(source.open_file(path) if source.is_url(path) else path)
         return zf
@@ -192,8 +192,8 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
 
 def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
     """Each member's local header (30 bytes and up to twice its name's length) by header offset, the tensor
-    records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.source.Source.read_ranges` (neighbours
-    share a request, requests run in parallel); a local file's: :func:`~ckptfix.pagecache.read_scattered` (spread
+    records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.files.source.Source.read_ranges` (neighbours
+    share a request, requests run in parallel); a local file's: :func:`~ckptfix.files.pagecache.read_scattered` (spread
     over the file, pages a cold read brings in would break the readahead of the copy that follows)."""
     ranges = sorted(
         {

@@ -12,15 +12,15 @@ global becomes an inert placeholder class (:class:`Stub`) that records its
 name, arguments and state and calls nothing.  A handful of plain-data
 constructors (``collections.OrderedDict``, ``builtins.set`` ...) are rebuilt
 for real because they run no user code: which ones, and which globals are safe,
-is :mod:`ckptfix.policy`'s table.
+is :mod:`ckptfix.pickles.policy`'s table.
 
 :func:`dumps` writes such an object graph back as a pickle that torch loads,
 emitting placeholders as the globals they stood for.  That is what lets
 ``strip-prefix`` rename keys in ``data.pkl`` without importing torch.
 
-:func:`~ckptfix.scanner.scan_globals` (in :mod:`ckptfix.scanner`) lists the
+:func:`~ckptfix.pickles.opcodes.scan_globals` (in :mod:`ckptfix.pickles.opcodes`) lists the
 globals a pickle references by walking its opcodes only (no object is built),
-and :func:`~ckptfix.policy.classify_global` says whether each is safe (what
+and :func:`~ckptfix.pickles.policy.classify_global` says whether each is safe (what
 ``torch.load(weights_only=True)`` allows), dangerous or unknown.
 
 The package, one concern per module: :mod:`~ckptfix.pickles.records` (tensor and storage records,
@@ -34,6 +34,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ckptfix.pickles.opcodes import (
+    LEGACY_MAGIC_NUMBER,
+    PickleLimits,
+    ScanResult,
+    resolve_global,
+    scan_globals,
+    scan_pickle_sequence,
+)
+from ckptfix.pickles.policy import (
+    DTYPE_GLOBALS,
+    REBUILD_FROM_TYPE,
+    SAFE_CODECS,
+    TENSOR_REBUILDERS,
+    classify_global,
+    classify_pair,
+    codecs_encode,
+    known_global,
+)
 from ckptfix.pickles.reader import (
     RecordingUnpickler,
     check_depth,
@@ -57,24 +75,6 @@ from ckptfix.pickles.stub import (
     stub_class,
     stub_dtype,
     validate_tensor_record,
-)
-from ckptfix.policy import (
-    DTYPE_GLOBALS,
-    REBUILD_FROM_TYPE,
-    SAFE_CODECS,
-    TENSOR_REBUILDERS,
-    classify_global,
-    classify_pair,
-    codecs_encode,
-    known_global,
-)
-from ckptfix.scanner import (
-    LEGACY_MAGIC_NUMBER,
-    PickleLimits,
-    ScanResult,
-    resolve_global,
-    scan_globals,
-    scan_pickle_sequence,
 )
 
 if TYPE_CHECKING:

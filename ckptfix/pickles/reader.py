@@ -1,7 +1,7 @@
 """The reading unpickler: :class:`RecordingUnpickler` and :func:`loads_records`.
 
-It resolves every global as :mod:`ckptfix.policy` says, without importing it, and bounds what a pickle
-may build (:class:`~ckptfix.scanner.PickleLimits`).
+It resolves every global as :mod:`ckptfix.pickles.policy` says, without importing it, and bounds what a pickle
+may build (:class:`~ckptfix.pickles.opcodes.PickleLimits`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,19 @@ from typing import (
     TypeVar,
 )
 
-from ckptfix import _unpickler as pickle
 from ckptfix._dataclass import dataclass
+from ckptfix.pickles import _unpickler as pickle
+from ckptfix.pickles.opcodes import (
+    PickleLimits,
+    resolve_global,
+    scan_globals,
+)
+from ckptfix.pickles.policy import (
+    REBUILD_FROM_TYPE,
+    TENSOR_REBUILDERS,
+    classify_pair,
+    known_global,
+)
 from ckptfix.pickles.records import STORAGE_DTYPES, StorageRecord, TensorRecord
 from ckptfix.pickles.stub import (
     Stub,
@@ -28,17 +39,6 @@ from ckptfix.pickles.stub import (
     rebuilder_class,
     stub_class,
     stub_dtype,
-)
-from ckptfix.policy import (
-    REBUILD_FROM_TYPE,
-    TENSOR_REBUILDERS,
-    classify_pair,
-    known_global,
-)
-from ckptfix.scanner import (
-    PickleLimits,
-    resolve_global,
-    scan_globals,
 )
 
 # --------------------------------------------------------------------------- unpickler
@@ -57,7 +57,7 @@ class RecordingUnpickler(pickle.Unpickler):
     into placeholders; ``notes`` says what was kept as a placeholder because it
     was too big to build.
 
-    Before the C unpickler runs, :func:`~ckptfix.scanner.scan_globals` walks the
+    Before the C unpickler runs, :func:`~ckptfix.pickles.opcodes.scan_globals` walks the
     opcodes and refuses (``ResourceLimitError``) a pickle whose memo indices,
     object count, nesting or integers would exceed :class:`PickleLimits`.  After
     it, the object graph's depth is checked, so no later recursive walk can fail.
@@ -161,7 +161,7 @@ class RecordingUnpickler(pickle.Unpickler):
             self.notes.append(note)
 
     def find_class(self, module: str, name: str) -> Any:
-        """Resolve a global without importing it (the pickle hook), as :data:`~ckptfix.policy.KNOWN_GLOBALS` says.
+        """Resolve a global without importing it (the pickle hook), as :data:`~.policy.KNOWN_GLOBALS` says.
 
         Args:
             module: the module as written in the pickle.

@@ -23,15 +23,15 @@ from typing import (
     ValuesView,
 )
 
-from ckptfix import _unpickler as pickle
-from ckptfix.pickles.records import StorageRecord, TensorRecord
-from ckptfix.policy import (
+from ckptfix.pickles import _unpickler as pickle
+from ckptfix.pickles.opcodes import (
+    PickleLimits,
+)
+from ckptfix.pickles.policy import (
     DTYPE_GLOBALS,
     SAFE_CODECS,
 )
-from ckptfix.scanner import (
-    PickleLimits,
-)
+from ckptfix.pickles.records import StorageRecord, TensorRecord
 
 # --------------------------------------------------------------------------- stubs
 
@@ -359,7 +359,7 @@ def rebuilder_class(module: str, name: str) -> type[Stub]:
 
     Args:
         module: ``"torch._utils"``.
-        name: one of :data:`~ckptfix.policy.TENSOR_REBUILDERS`.
+        name: one of :data:`~ckptfix.pickles.policy.TENSOR_REBUILDERS`.
 
     Returns:
         A :class:`Stub` subclass whose call returns a :class:`TensorRecord` (which writes back as that call).

@@ -16,15 +16,15 @@ from typing import (
     Iterable,
 )
 
-from ckptfix.pickles.records import StorageRecord, TensorRecord
-from ckptfix.pickles.stub import Stub
-from ckptfix.policy import (
+from ckptfix.pickles.opcodes import (
+    scan_globals,
+)
+from ckptfix.pickles.policy import (
     classify_pair,
     codecs_encode,
 )
-from ckptfix.scanner import (
-    scan_globals,
-)
+from ckptfix.pickles.records import StorageRecord, TensorRecord
+from ckptfix.pickles.stub import Stub
 
 # --------------------------------------------------------------------------- writer
 
@@ -44,7 +44,7 @@ class RecordPickler(pickle.Pickler):
     The C pickler writes a global only after finding it by name (it imports the module and
     compares), and a placeholder's module is never imported.  So while :meth:`dump` runs,
     each placeholder class is put under a unique random name in an in-memory module (and
-    :func:`~ckptfix.policy.codecs_encode` in its own module), the pickler writes and memoizes that ``GLOBAL`` as
+    :func:`~ckptfix.pickles.policy.codecs_encode` in its own module), the pickler writes and memoizes that ``GLOBAL`` as
     usual, and :meth:`finish` replaces each such ``GLOBAL`` (once per class, a byte string
     nothing else in the stream can contain) by the global it stands for.  Protocols 2 and 3
     only: protocol 4's frames carry lengths the replacement would change.

@@ -273,7 +273,7 @@ def save_dataset(ds: Dataset, path: str) -> None:
     Raises:
         OutputError: the file cannot be written.
     """
-    from ckptfix.atomic import atomic_output
+    from ckptfix.files.atomic import atomic_output
 
     d = {
         "images": ds.train_images,

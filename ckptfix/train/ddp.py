@@ -218,12 +218,12 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
 
 
 def note_kept(cfg: TrainConfig) -> None:
-    """Record (:func:`ckptfix.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist.
+    """Record (:func:`ckptfix.files.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist.
 
     Args:
         cfg: The interrupted run's configuration.
     """
-    from ckptfix.atomic import note_finished
+    from ckptfix.files.atomic import note_finished
     from ckptfix.train.manifest import MANIFEST, read_manifest
 
     out = os.path.abspath(cfg.out)
@@ -388,7 +388,7 @@ def run_worker(cfg: TrainConfig, result_path: str | None = None) -> TrainResult:
     import torch
     import torch.distributed as dist
 
-    from ckptfix.atomic import atomic_output
+    from ckptfix.files.atomic import atomic_output
     from ckptfix.train.devices import Dist, resolve_device
     from ckptfix.train.run import Run
 

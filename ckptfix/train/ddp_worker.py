@@ -14,7 +14,7 @@ import sys
 
 def _write_error(path: str, err: dict[str, object]) -> None:
     """The launcher reads ``path`` after the job: written whole or not at all."""
-    from ckptfix.atomic import atomic_output
+    from ckptfix.files.atomic import atomic_output
 
     with atomic_output(path) as f:
         f.write(json.dumps(err).encode("utf-8"))

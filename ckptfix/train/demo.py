@@ -238,7 +238,7 @@ def _train_checkpoints(
     out_dir: str, device: str, epochs: int, quick: bool, say: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """Train every configuration; the last checkpoint entry of each, plus a copy tagged as saved on cuda:1."""
-    from ckptfix.rewrite import rewrite_checkpoint
+    from ckptfix.ops.rewrite import rewrite_checkpoint
     from ckptfix.train.config import TrainConfig
     from ckptfix.train.entry import train
 
@@ -327,8 +327,8 @@ class _Fixes:
         )
 
     def _apply(self) -> None:
-        from ckptfix.inspecting import inspect_checkpoint
-        from ckptfix.loading import load_checkpoint
+        from ckptfix.ops.inspect import inspect_checkpoint
+        from ckptfix.ops.load import load_checkpoint
         from ckptfix.train.models import build_model
 
         self.problem = plain_problem(self.path, build_model(self.e["model"], 0))
@@ -353,7 +353,7 @@ class _Fixes:
 
     def _sanitize(self) -> str:
         """``sanitize`` the file; the sanitized file's path, or "" when plain torch still cannot load it."""
-        from ckptfix.sanitize import sanitize_checkpoint
+        from ckptfix.ops.sanitize import sanitize_checkpoint
         from ckptfix.train.models import build_model
 
         safe = os.path.join(self.fixed_dir, self.stem + ".safe.pt")
@@ -375,8 +375,8 @@ class _Fixes:
         return safe
 
     def _strip_prefix(self, src_file: str, on_cuda: bool) -> None:
-        from ckptfix.prefixes import strip_prefix_report
-        from ckptfix.rewrite import rewrite_checkpoint
+        from ckptfix.ops.prefixes import strip_prefix_report
+        from ckptfix.ops.rewrite import rewrite_checkpoint
 
         stripped = os.path.join(self.fixed_dir, self.stem + ".stripped.pt")
         if os.path.exists(stripped):
@@ -403,7 +403,7 @@ class _Fixes:
     def _convert(self) -> None:
         from safetensors.torch import load_file
 
-        from ckptfix.convert import convert_to_safetensors
+        from ckptfix.ops.convert import convert_to_safetensors
 
         st = os.path.join(self.fixed_dir, self.stem + ".safetensors")
         crep = convert_to_safetensors(self.path, st, strip_prefix=True, force=True)

@@ -17,7 +17,7 @@ Saving (collective: every rank takes part):
   wrapper dict as every other mode (optimizer state keyed by parameter index,
   so it resumes anywhere).
 
-Resuming: the weights come through :func:`ckptfix.loading.load_checkpoint`
+Resuming: the weights come through :func:`ckptfix.ops.load.load_checkpoint`
 (any mode, format or prefix) into the unsharded model before it is sharded;
 the optimizer state (keyed by index, or by name as in an fsdp DCP checkpoint)
 is set with ``set_optimizer_state_dict(full_state_dict=True)``, which keeps

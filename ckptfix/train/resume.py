@@ -67,7 +67,7 @@ def load_resume(cfg: TrainConfig, base: nn.Module) -> tuple[dict[str, Any], str]
             ``cfg.epochs`` epochs.
         CkptfixError: the checkpoint cannot be read (its own error class).
     """
-    from ckptfix.loading import load_checkpoint
+    from ckptfix.ops.load import load_checkpoint
 
     assert cfg.resume is not None
     lc = load_checkpoint(cfg.resume, map_location="cpu", model=base, allow_globals=ALLOW_GLOBALS)
@@ -97,7 +97,7 @@ def verify_probe(
         entry: One ``checkpoints.json`` entry.
         out_dir: The directory holding the manifest (entries' paths are relative to it).
         state_dict: The weights to check; without it the entry's checkpoint is loaded through
-            :func:`ckptfix.loading.load_checkpoint` (``model=`` aligns the keys).
+            :func:`ckptfix.ops.load.load_checkpoint` (``model=`` aligns the keys).
 
     Returns:
         ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
@@ -110,7 +110,7 @@ def verify_probe(
     side = torch.load(os.path.join(out_dir, probe["file"]), map_location="cpu", weights_only=True)
     model = build_model(entry["model"], 0)
     if state_dict is None:
-        from ckptfix.loading import load_checkpoint
+        from ckptfix.ops.load import load_checkpoint
 
         lc = load_checkpoint(
             os.path.join(out_dir, entry["path"]), map_location="cpu", model=model, allow_globals=ALLOW_GLOBALS

@@ -1,8 +1,8 @@
 """How the trainer writes a checkpoint: ``torch.save`` files and DCP directories, atomically.
 
-A ``.pt`` file goes through :func:`ckptfix.atomic.atomic_output` (fsynced temp file renamed
+A ``.pt`` file goes through :func:`ckptfix.files.atomic.atomic_output` (fsynced temp file renamed
 into place); a DCP directory is written by every rank into ``<final>.tmp`` and moved into
-place by rank 0 with :func:`ckptfix.atomic.replace_directory`.
+place by rank 0 with :func:`ckptfix.files.atomic.replace_directory`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ckptfix.atomic import atomic_output, replace_directory
+from ckptfix.files.atomic import atomic_output, replace_directory
 from ckptfix.train.devices import Dist
 
 

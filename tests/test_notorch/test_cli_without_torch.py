@@ -36,8 +36,8 @@ def test_this_venv_really_has_no_torch():
 def test_importing_ckptfix_and_every_command_module_does_not_import_torch():
     code = (
         "import sys, ckptfix, ckptfix.cli, ckptfix.cli.ckpt, ckptfix.cli.convert, ckptfix.cli.gpu, "
-        "ckptfix.cli.train, ckptfix.cli.demo, ckptfix.formats, ckptfix.inspecting, ckptfix.prefixes, "
-        "ckptfix.rewrite, ckptfix.convert, ckptfix.gpu; "
+        "ckptfix.cli.train, ckptfix.cli.demo, ckptfix.formats, ckptfix.ops.inspect, ckptfix.ops.prefixes, "
+        "ckptfix.ops.rewrite, ckptfix.ops.convert, ckptfix.gpu; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')); print(bad)"
     )
     p = subprocess.run(

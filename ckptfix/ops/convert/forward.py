@@ -1,0 +1,322 @@
+"""Checkpoint -> safetensors, without loading the checkpoint.
+
+The fast path never imports torch: :func:`ckptfix.formats.read_checkpoint` gives every tensor as a
+:class:`~ckptfix.pickles.TensorRecord` whose bytes are a byte range of the source file (zip
+member, legacy stream, safetensors or ``.bin`` shard), so a contiguous tensor is copied straight
+from the source into the output with ``copy_file_range``; a strided view is gathered from just
+its span of bytes.  Inputs whose tensors torch code builds go through
+:func:`ckptfix.ops.load.load_checkpoint`; DCP directories are streamed from their chunks by
+:mod:`ckptfix.ops.convert.dcp_in`.  The metadata written is described in :mod:`ckptfix.formats.stmeta`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ckptfix._dataclass import dataclass
+from ckptfix.errors import NoTensorsError, UnsupportedError
+from ckptfix.files.outputs import OutputOptions
+from ckptfix.formats import Format, Input, classify, read_checkpoint, stmeta
+from ckptfix.formats.registry import dispatch
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
+from ckptfix.formats.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
+from ckptfix.ops.convert.extras import split_checkpoint
+from ckptfix.ops.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
+from ckptfix.ops.convert.paths import check_outputs, default_st_output
+from ckptfix.ops.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
+from ckptfix.ops.convert.report import ConvertReport
+from ckptfix.ops.convert.write import write_outputs
+from ckptfix.pickles import TensorRecord, is_tensor_like
+from ckptfix.pickles.placeholders import check_not_partitioned
+from ckptfix.text import parse_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+
+def convert_to_safetensors(
+    src: str | os.PathLike,
+    dst: str | os.PathLike | None = None,
+    *,
+    outputs: OutputOptions | None = None,
+    options: ConvertOptions | None = None,
+    optimizer_files: Sequence[str] = (),
+    extra_metadata: Mapping[str, Any] | None = None,
+    **keywords: Unpack[ConvertKeywords],
+) -> ConvertReport:
+    """Write ``src``'s state dict as safetensors at ``dst`` (default: ``src`` with a ``.safetensors`` suffix).
+
+    The options are :class:`~ckptfix.files.outputs.OutputOptions` (``outputs``) and
+    :class:`~ckptfix.ops.convert.options.ConvertOptions` (``options``), or any of their fields as keywords
+    (``convert_to_safetensors(src, dst, key="model", force=True)``); the ones that apply here:
+
+    Args:
+        src: the checkpoint: a torch zip or legacy file, safetensors, TorchScript, a sharded index
+            (or its folder) or a DCP directory.
+        dst: the output (default: next to ``src``, see below); overrides ``outputs.output``.
+        key: where the state dict is (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+        strip_prefix: ``True`` strips wrapper prefixes (``module.``, ``_orig_mod.`` ...); a string strips that one.
+        max_shard_size: ``"5GB"`` (decimal) or bytes: write ``stem-0000k-of-0000N.safetensors`` + an index.
+        include_optimizer: also write optimizer tensors as ``optimizer.<dotted path>`` (excluded by default).
+        verify: re-read every written tensor and compare dtype, shape and bytes with the source.
+        force: overwrite existing outputs.  fsync: fsync files and directory before returning.
+        allow_globals, trust: the loading policy, for inputs that need torch (DCP).
+        progress: ``progress(done_bytes, total_bytes)`` while writing and verifying.
+        ckptfix_metadata: ``False`` writes only ``{"format": "pt"}`` (aliases are then not restorable).
+        keep: of tied tensors (one tensor under several names), store these names; the others become
+            aliases.  By default the transformers class named by a ``config.json`` beside ``src`` decides
+            (its ``_tied_weights_keys`` are the names it drops), else the state dict's own order: the
+            first name is kept, as ``save_pretrained`` does.
+        allow_expand: write outputs larger than 4x the input + 64 MiB (expanded, stride-0 views written
+            densely); refused otherwise.
+        drop: names or dotted paths (``fnmatch`` patterns; a pattern also matches everything under
+            it) of tensors to leave out.  Any other tensor of the input the output would not hold (a
+            quantized model's packed params, tensors in a list outside the state dict, an EMA copy ...)
+            is refused before anything is written; the report lists what was dropped.  An explicit
+            ``key`` converts that entry only: tensors elsewhere are dropped as asked (and listed).
+        jobs: write (and verify) tensors in this many threads (``0``: one per CPU); the output is the
+            same bytes whatever the number.  Memory: ``jobs`` x the 8 MiB copy buffer (x4 for DCP chunks).
+        optimizer_files: optimizer states saved beside the weights (a Trainer's ``optimizer.pt``,
+            accelerate's ``optimizer.bin``): with ``include_optimizer``, their tensors are written as
+            ``<file stem>.<path>`` (``optimizer.state.0.exp_avg``), the rest kept in the metadata.
+        extra_metadata: plain data kept in the metadata beside the checkpoint's own entries (a Lightning
+            ``meta.pt``); the checkpoint's entries win.
+
+    An optimizer state on its own (``optimizer.pt``) is written only with ``include_optimizer`` (its
+    tensors as ``optimizer.<path>``); without it :class:`~ckptfix.errors.NoModelWeightsError`.
+
+    The default output of a Hugging Face ``pytorch_model.bin`` (or its sharded index) is
+    ``model.safetensors`` in the same folder (``model-0000k-of-0000N.safetensors`` and
+    ``model.safetensors.index.json`` when sharded), where ``from_pretrained`` looks.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        OutputError: the output exists (without ``force``), is the input, or cannot be written.
+        UnsupportedError: a tensor whose dtype/kind safetensors cannot hold (named in the message).
+        OptionNotApplicableError: an option of another direction (``restore_wrapper``, ``shards``, ``tag`` ...).
+        VerificationError: the written file does not read back identical; nothing is left behind.
+        ResourceLimitError: the output would be over 4x the input + 64 MiB (without ``allow_expand``).
+    """
+    t0 = time.perf_counter()
+    o, c = options_of(dst, outputs, options, keywords)
+    refuse_inapplicable("safetensors", o, c)
+    given, src = src, os.fspath(src)
+    if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
+        from ckptfix.ops.convert.folders import convert_folder, resolve
+
+        fw = resolve(src)
+        if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights
+            rep: ConvertReport = convert_folder(fw, o.output, **{**keywords_of(o, c), "to": "safetensors"})
+            return rep
+    dst = o.output if o.output is not None else default_st_output(src)
+    shard_limit = parse_size(c.max_shard_size) if c.max_shard_size else None
+    if not c.max_shard_size:
+        check_outputs([dst], src, o.force)  # fail before any reading
+    inp = classify(given)  # the router's Input, or the one sniff here: the reads below take its format
+    streamed = dispatch(
+        inp.format, "convert", src
+    )  # the registry's entry (ckptfix.ops.convert.sources), or its refusal
+    if streamed is not convert_to_safetensors:  # a format with its own converter (DCP: streamed from its chunks)
+        done: ConvertReport = streamed(src, dst, o, c, extra_metadata=extra_metadata)
+        return done
+    report = ConvertReport(source=src, outputs=[dst])
+    source = _read_source(inp, o.key, c.allow_globals, c.trust, report)
+    unwritten: list[tuple[str, Any]] = []
+    if source.kind == "optimizer":  # an optimizer.pt on its own: its tensors are all there is
+        from ckptfix.ops.convert.extras import optimizer_extras
+
+        extra, opt_named = optimizer_extras(src, source.obj, c.include_optimizer, report, "optimizer")
+        source.named = []
+    else:
+        extra, opt_named = split_checkpoint(
+            source.obj,
+            source.key_path,
+            source.state_dict,
+            c.include_optimizer,
+            report,
+            node=source.holder,
+            unwritten=unwritten,
+        )
+    if c.include_optimizer and optimizer_files:
+        from ckptfix.ops.convert.extras import optimizer_extras
+
+        for of in optimizer_files:
+            stem = os.path.splitext(os.path.basename(of))[0]
+            ocf = read_checkpoint(of)
+            oextra, onamed = optimizer_extras(of, ocf.obj, True, report, stem)
+            extra.update(oextra)
+            opt_named = list(opt_named) + onamed
+    if extra_metadata:
+        extra = {**extra_metadata, **extra}
+    from ckptfix.formats.hfarch import own_prefixes
+
+    kept = drop_named(source.named, c.drop, report)
+    refuse_unwritten(src, unwritten, c.drop if o.key is None else ("*",), report)  # --key: the rest is left on request
+    named, order = output_names(kept, opt_named, c.strip_prefix, report, own=own_prefixes(src))
+    if not named:
+        raise NoTensorsError(
+            f"{src}: the state dict holds no tensors, so there is nothing to convert; "
+            "`ckptfix inspect` shows what the file holds"
+        )
+    tied = tied_names(named, order, c.keep, src, bool(c.strip_prefix))
+    views: dict[str, dict[str, Any]] = {}
+    if source.use_torch:
+        items = plan_tensors(named, report, tied)
+    else:
+        items, views = plan_records(named, report, tied)
+        check_expansion(items, source.file_size, c.allow_expand)
+    if report.aliases:
+        report.tied_rule = "--keep" if tied.used_keep else tied.source
+    metadata = {"format": "pt"}
+    if c.ckptfix_metadata:
+        metadata = stmeta.encode(
+            source_format=source.format,
+            key_path=source.key_path,
+            order=[n for n, _ in named],
+            aliases=report.aliases,
+            views=views,
+            extra=extra,
+            skipped=report.skipped,
+        )
+    write_outputs(
+        dst,
+        items,
+        metadata,
+        max_shard_size=shard_limit,
+        verify=o.verify,
+        fsync=bool(o.fsync),
+        force=o.force,
+        src=src,
+        progress=o.progress,
+        report=report,
+        jobs=o.jobs,
+    )
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _dropped(name: str, patterns: Sequence[str]) -> bool:
+    """``name`` matches a ``--drop`` pattern (``fnmatch``), or sits under one (``pattern.``...)."""
+    import fnmatch
+
+    return any(name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def drop_named(named: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport) -> list[tuple[str, Any]]:
+    """The state dict's tensors less those ``patterns`` name (recorded in ``report.dropped``)."""
+    if not patterns:
+        return named
+    kept = []
+    for n, v in named:
+        if _dropped(n, patterns):
+            report.dropped.append(n)
+        else:
+            kept.append((n, v))
+    return kept
+
+
+def refuse_unwritten(
+    src: str, unwritten: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport
+) -> None:
+    """Refuse (exit 8, nothing written) when the input holds tensors the output would not, unless dropped on request.
+
+    Raises:
+        UnsupportedError: tensors outside the state dict (and outside an included optimizer) that no
+            ``--drop`` pattern names.
+    """
+    left = []
+    for path, t in unwritten:
+        if _dropped(path, patterns):
+            report.dropped.append(path)
+        else:
+            left.append((path, t))
+    if not left:
+        return
+    quantized = [p for p, t in left if getattr(t, "kind", None) == "quantized" or getattr(t, "is_quantized", False)]
+    names = ", ".join(p for p, _ in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    if quantized:
+        why = (
+            "they are quantized (e.g. torch.ao.quantization.quantize_dynamic's packed qint8 weights and "
+            "their biases), which safetensors has no dtype for; convert the float model before "
+            "quantizing, or keep the .pt"
+        )
+        hint = "*_packed_params*"
+    else:
+        why = "safetensors holds the state dict's tensors (and, with --include-optimizer, the optimizer's)"
+        hint = left[0][0].split(".")[0] + "*"
+    raise UnsupportedError(
+        f"{src}: {len(left)} tensor(s) of the input would be missing from the output: {names}; {why}. "
+        f"Nothing was written. Pass --drop '{hint}' to leave them out on purpose, or --key to convert the "
+        "entry that holds them"
+    )
+
+
+@dataclass
+class _Source:
+    """What a conversion reads: the state dict's tensors and the checkpoint around them."""
+
+    format: str
+    file_size: int
+    obj: Any  # the whole checkpoint
+    key_path: tuple[str, ...]
+    state_dict: Mapping[str, Any]
+    named: list[tuple[str, Any]]
+    use_torch: bool
+    holder: Any  # what holds the state dict in ``obj`` (None: the state dict itself)
+    kind: str = "mapping"  # as locate_state_dict says: mapping, module, sequence, optimizer
+
+
+def _read_source(
+    inp: Input, key: str | None, allow_globals: Sequence[str], trust: bool, report: ConvertReport
+) -> _Source:
+    """Read ``inp`` torch-free; through torch only when some tensor's bytes are not a byte range of the file."""
+    src = inp.path
+    cf = read_checkpoint(inp)
+    report.source_format = cf.format
+    report.stubbed_globals = sorted(g for g in cf.stubbed if not g.endswith("Storage"))
+    obj = cf.obj
+    key_path: tuple[str, ...]
+    sd: Mapping[str, Any]
+    kind = "mapping"
+    if cf.format == Format.TORCHSCRIPT and cf.state_root and key is None:
+        key_path, sd = (), cf.state_root
+        obj = sd
+    else:
+        if key is None:
+            require_tensors(cf, src, "convert")
+        key_path, sd, kind = locate_state_dict(cf.obj, key)
+        if kind in ("tensor", "sequence"):
+            report.unnamed = (
+                'one bare tensor (torch.save(tensor)), named "tensor"'
+                if kind == "tensor"
+                else 'a list/tuple of tensors, each named by its position ("0", "1", "1.2" ...)'
+            )
+    check_not_partitioned(src, cf.obj, sd, "convert")
+    report.key_path = key_path = tuple(key_path)
+    named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
+    use_torch = any(_needs_torch(v) for _, v in named)
+    if use_torch:
+        from ckptfix.ops.load import load_checkpoint
+
+        lc = load_checkpoint(inp, "cpu", key=key, allow_globals=tuple(allow_globals), trust=trust)
+        report.used_torch = True
+        report.key_path = key_path = tuple(lc.key_path)
+        sd = lc.state_dict
+        obj = lc.checkpoint if lc.checkpoint is not None else sd
+        named = flatten_state_dict(sd)
+    holder = at_path(obj, key_path) if key_path and not use_torch else None
+    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder, kind)
+
+
+def _needs_torch(v: Any) -> bool:
+    """A dense tensor safetensors can hold whose bytes are not a byte range of the file (built by torch code)."""
+    return (
+        isinstance(v, TensorRecord)
+        and v.kind == "dense"
+        and v.dtype in DTYPE_TO_ST
+        and (v.storage is None or v.storage.file_offset is None)
+    )

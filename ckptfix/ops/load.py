@@ -1,0 +1,781 @@
+"""``load_anywhere``: load a state dict from any checkpoint on any machine, safely.
+
+>>> from ckptfix import load_anywhere                      # doctest: +SKIP
+>>> model.load_state_dict(load_anywhere("ddp_on_cuda7.pth"))  # doctest: +SKIP
+
+The loader never runs code from the checkpoint unless told to: globals that
+``torch.load(weights_only=True)`` allows are rebuilt, everything else becomes
+an inert placeholder (see :mod:`ckptfix.pickles`), ``allow_globals`` rebuilds
+exactly the named ones, and ``trust=True`` does a full unpickle.  Storage
+location tags (``cuda:7``) are remapped to devices that exist here.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import io
+import os
+import pickle
+import types
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, cast
+
+from ckptfix._torch import require_torch
+from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
+from ckptfix.formats import Format, Input, ShardedDetails, classify, read_checkpoint, stmeta, tar_message
+from ckptfix.formats.dcp.assemble import load_dcp
+from ckptfix.formats.deepspeed import find_zero_checkpoint, zero_state_dict
+from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
+from ckptfix.formats.layouts import Resolved, check_inside, resolve
+from ckptfix.formats.registry import dispatch, implement_all
+from ckptfix.pickles import Stub, stub_class
+from ckptfix.pickles.policy import classify_global
+
+MapLocation = Any  # str | torch.device | dict | callable | None | "auto"
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Everything :func:`load_checkpoint` found.
+
+    Attributes:
+        state_dict: name -> tensor, ready for ``model.load_state_dict`` (``_metadata`` kept).
+        checkpoint: the whole object (e.g. the wrapper dict with ``epoch`` and optimizer state).
+        format: container format (a :class:`~ckptfix.formats.Format`: ``torch-zip``, ``torch-legacy``,
+            ``safetensors``, ``sharded``, ``torchscript``, ``dcp``, ``pickle``, ``torch-tar``).
+        key_path: where the state dict sat inside ``checkpoint`` (``()`` = top level).
+        stubbed_globals: globals replaced by inert placeholders.
+        locations: storage location tag -> number of storages (e.g. ``{"cuda:7": 12}``).
+        remapped: location tag -> the device it was loaded on, where that differs.
+        alignment: the alignment report when ``model=`` was given.
+    """
+
+    path: str
+    state_dict: dict
+    checkpoint: Any
+    format: Format
+    key_path: tuple[str, ...] = ()
+    stubbed_globals: list[str] = field(default_factory=list)
+    locations: dict[str, int] = field(default_factory=dict)
+    remapped: dict[str, str] = field(default_factory=dict)
+    alignment: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.checkpoint[key]
+
+    def get(self, key: str, default: object = None) -> object:
+        """An entry of the whole checkpoint (``lc.get("epoch")``), as ``dict.get``.
+
+        Args:
+            key: the top-level key.
+            default: what to return when the checkpoint has no such entry (or is not a mapping).
+
+        Returns:
+            The entry, or ``default``.
+        """
+        try:
+            return self.checkpoint[key]
+        except (KeyError, TypeError, IndexError):
+            return default
+
+
+# --------------------------------------------------------------------------- safety
+
+
+def _real_global(module: str, name: str) -> Any:
+    mod = importlib.import_module(module)
+    obj: Any = mod
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _normalise_allow(allow_globals: Iterable[Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for g in allow_globals or ():
+        if isinstance(g, str):
+            out[g] = None
+        else:  # a class/function object
+            out[f"{g.__module__}.{g.__qualname__}"] = g
+    return out
+
+
+def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None) -> types.ModuleType:
+    """A pickle-module stand-in for ``torch.load(pickle_module=...)`` that never runs unknown globals.
+
+    torch-allowed globals are rebuilt, ``allow_globals`` entries are imported and
+    rebuilt, every other global becomes a placeholder (recorded in ``stubbed``).
+
+    Args:
+        allow_globals: ``"module.Name"`` strings or the objects themselves, rebuilt for real.
+        stubbed: a set that receives every global replaced by a placeholder.
+
+    Returns:
+        A module with ``Unpickler``, ``load`` and ``loads``; its unpickler raises
+        :class:`~ckptfix.errors.UnsafePickleError` when an allowed global cannot be imported here.
+    """
+    allowed = _normalise_allow(allow_globals)
+    record = stubbed if stubbed is not None else set()
+
+    class RestrictedUnpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == "__builtin__":
+                module = "builtins"
+            full = f"{module}.{name}"
+            if full in allowed:
+                obj = allowed[full]
+                if obj is None:
+                    try:
+                        obj = _real_global(module, name)
+                    except (ImportError, AttributeError) as e:
+                        raise UnsafePickleError(
+                            f"--allow-global {full}: cannot import it here ({e}); install the package that defines it"
+                        ) from None
+                return obj
+            if classify_global(full) == "safe":
+                return _real_global(module, name)
+            record.add(full)
+            return stub_class(module, name)
+
+    mod = types.ModuleType("ckptfix_restricted_pickle")
+    mod.Unpickler = RestrictedUnpickler  # type: ignore[attr-defined]
+
+    def load(file: Any, **kw: Any) -> Any:
+        kw.pop("encoding", None)
+        return RestrictedUnpickler(file, encoding="utf-8").load()
+
+    def loads(data: bytes, **kw: Any) -> Any:
+        return load(io.BytesIO(data))
+
+    mod.load = load  # type: ignore[attr-defined]
+    mod.loads = loads  # type: ignore[attr-defined]
+    mod.__name__ = "pickle"  # torch only checks for the standard interface
+    return mod
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def auto_device() -> str:
+    """This process's device.
+
+    Returns:
+        ``cuda:$LOCAL_RANK`` under torchrun (when that GPU exists), else ``cuda:0``, else ``cpu``.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        lr = os.environ.get("LOCAL_RANK")
+        if lr is not None and lr.isdigit() and int(lr) < n:
+            return f"cuda:{int(lr)}"
+        return "cuda:0"
+    return "cpu"
+
+
+def _available(dev: str) -> str | None:
+    """The device to use for tag ``dev``: itself if it exists here, else a fallback (cuda:0 or cpu)."""
+    import torch
+
+    if dev.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return "cpu"
+        idx = int(dev.split(":", 1)[1]) if ":" in dev else 0
+        return dev if idx < torch.cuda.device_count() else "cuda:0"
+    if dev in ("cpu", "meta") or dev.startswith("cpu"):
+        return dev
+    if dev.startswith("mps"):
+        mps = getattr(torch.backends, "mps", None)
+        return dev if mps is not None and mps.is_available() else "cpu"
+    try:
+        torch.device(dev)
+        return dev
+    except RuntimeError:
+        return "cpu"
+
+
+def make_restore(map_location: MapLocation, tags: collections.Counter, remapped: dict[str, str]) -> Callable:
+    """A ``map_location`` callable that records every tag and never targets a device that is not here.
+
+    Args:
+        map_location: as for :func:`load_checkpoint`.
+        tags: counts every storage location tag seen.
+        remapped: receives tag -> the device used instead, where they differ.
+
+    Returns:
+        ``restore(storage, location)`` for ``torch.load(map_location=...)``.
+
+    Raises:
+        UnsupportedError: ``map_location`` names a CUDA device and CUDA is not available here.
+    """
+    import torch
+    from torch.serialization import default_restore_location
+
+    if isinstance(map_location, str) and map_location == "auto":
+        map_location = auto_device()
+    if isinstance(map_location, torch.device):
+        map_location = str(map_location)
+    if isinstance(map_location, str):
+        target = map_location
+        if target.startswith("cuda") and not torch.cuda.is_available():
+            raise UnsupportedError(
+                f"map_location={map_location!r} but CUDA is not available here; "
+                "use map_location='cpu' (--map-location cpu) or 'auto'"
+            )
+
+    def restore(storage: Any, location: str) -> Any:
+        tags[location] += 1
+        if callable(map_location) and not isinstance(map_location, (str, dict)):
+            r = map_location(storage, location)
+            if r is not None:
+                return r
+            dest = location
+        elif isinstance(map_location, dict):
+            dest = map_location.get(location, location)
+            dest = str(dest) if not isinstance(dest, str) else dest
+        elif map_location is None:
+            dest = location
+        else:
+            dest = target
+        fixed = _available(dest) or "cpu"
+        if fixed != location:
+            remapped[location] = fixed
+        return default_restore_location(storage, fixed)
+
+    return restore
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _torch_load(
+    path: str, restore: Callable, *, mmap: bool, allow_globals: Iterable[Any], trust: bool, stubbed: set[str]
+) -> Any:
+    import torch
+
+    if _is_remote(path):  # a URL: torch reads a seekable file object of range requests (no local copy, no mmap)
+        from ckptfix.files.source import open_source
+
+        with open_source(path) as src, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f = src.fileobj()
+            if trust:
+                return torch.load(f, map_location=restore, weights_only=False)
+            mod = restricted_pickle_module(allow_globals, stubbed)
+            return torch.load(f, map_location=restore, weights_only=False, pickle_module=mod)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if trust:
+            return torch.load(path, map_location=restore, mmap=mmap, weights_only=False)
+        mod = restricted_pickle_module(allow_globals, stubbed)
+        return torch.load(path, map_location=restore, mmap=mmap, weights_only=False, pickle_module=mod)
+
+
+def _is_remote(path: str) -> bool:
+    if "://" not in path:
+        return False
+    from ckptfix.files.source import is_url
+
+    return is_url(path)
+
+
+def _materialize_remote(records: Mapping[str, Any], device: str, url: str) -> dict:
+    """:func:`_materialize` of a URL: each storage's byte range read once (range requests), no local copy."""
+    import torch
+
+    from ckptfix.files.source import open_source
+
+    out: dict[str, Any] = {}
+    bases: dict[int, Any] = {}
+    with open_source(url) as src:
+        for name, rec in records.items():
+            st = rec.storage
+            if rec.kind != "dense" or st is None or st.file_offset is None:
+                raise UnsupportedError(f"{url}: tensor {name!r} ({rec.kind}) cannot be materialised; use --trust")
+            dtype = getattr(torch, rec.dtype)
+            base = bases.get(id(st))
+            if base is None:
+                data = bytearray(src.pread(st.nbytes, st.file_offset)) if st.nbytes else bytearray()
+                if len(data) != st.nbytes:
+                    raise CorruptCheckpointError(f"{url}: the object ended inside tensor {name!r} (truncated?)")
+                raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+                base = raw.view(dtype)
+                bases[id(st)] = base
+            try:
+                t = base.as_strided(rec.shape, rec.stride, rec.offset)
+            except RuntimeError as e:
+                raise CorruptCheckpointError(
+                    f"{url}: tensor {name!r} does not fit its storage ({e}); the file is corrupt"
+                ) from None
+            if device != "cpu":
+                t = t.to(device)
+            out[name] = t
+    return out
+
+
+def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
+    """Turn TensorRecords (byte ranges of ``path``) into torch tensors, one copied buffer per storage."""
+    import mmap as _mmap
+
+    import torch
+
+    if _is_remote(path):
+        return _materialize_remote(records, device, path)
+    out: dict[str, Any] = {}
+    with open(path, "rb") as f:
+        mm = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
+    whole = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
+    bases: dict[int, Any] = {}
+    for name, rec in records.items():
+        st = rec.storage
+        if rec.kind != "dense" or st is None or st.file_offset is None:
+            raise UnsupportedError(f"{path}: tensor {name!r} ({rec.kind}) cannot be materialised; use --trust")
+        dtype = getattr(torch, rec.dtype)
+        base = bases.get(id(st))
+        if base is None:
+            # each storage gets its own memory (saving one tensor must not write the whole archive)
+            base = whole[st.file_offset : st.file_offset + st.nbytes].clone().view(dtype)
+            bases[id(st)] = base
+        try:
+            t = base.as_strided(rec.shape, rec.stride, rec.offset)
+        except RuntimeError as e:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} does not fit its storage ({e}); the file is corrupt"
+            ) from None
+        if device != "cpu":
+            t = t.to(device)
+        out[name] = t
+    return out
+
+
+def _simple_target(map_location: MapLocation) -> str:
+    """The one device a whole-file loader (safetensors, DCP, TorchScript) should use."""
+    import torch
+
+    if map_location is None:
+        return "cpu"
+    if isinstance(map_location, str) and map_location == "auto":
+        return auto_device()
+    if isinstance(map_location, (str, torch.device)):
+        dev = str(map_location)
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise UnsupportedError(f"map_location={dev!r} but CUDA is not available here; use 'cpu' or 'auto'")
+        return _available(dev) or "cpu"
+    if isinstance(map_location, dict):
+        return _available(str(map_location.get("cpu", "cpu"))) or "cpu"
+    return "cpu"
+
+
+@dataclass
+class _Load:
+    """One load: the caller's arguments, and what the per-format loader records on the way."""
+
+    path: str
+    map_location: MapLocation
+    allow_globals: Iterable[Any]
+    trust: bool
+    mmap: bool | None
+    format: Format | None = None  # what the entry point classified (the loaders' read_checkpoint does not sniff)
+    tags: collections.Counter[str] = field(default_factory=collections.Counter)
+    remapped: dict[str, str] = field(default_factory=dict)
+    stubbed: set[str] = field(default_factory=set)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def restore(self) -> Callable:
+        """The ``map_location`` callable for ``torch.load`` (records tags, remaps missing devices)."""
+        return make_restore(self.map_location, self.tags, self.remapped)
+
+    def torch_load(self, restore: Callable, *, mmap: bool) -> Any:
+        """``torch.load`` the file through the restricted pickle module (or fully, with ``trust``)."""
+        try:
+            return _torch_load(
+                self.path,
+                restore,
+                mmap=mmap,
+                allow_globals=self.allow_globals,
+                trust=self.trust,
+                stubbed=self.stubbed,
+            )
+        except CkptfixError:
+            raise
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise CorruptCheckpointError(f"{self.path}: torch could not load it ({type(e).__name__}: {first})") from e
+
+
+def _load_tar(ld: _Load) -> Any:
+    if not ld.trust:
+        raise UnsupportedError(tar_message(ld.path))
+    return _torch_load(ld.path, ld.restore(), mmap=False, allow_globals=(), trust=True, stubbed=ld.stubbed)
+
+
+def _load_zip(ld: _Load) -> Any:
+    restore = ld.restore()  # a map_location naming a device this machine lacks is refused first
+    read_checkpoint(ld.path, ld.format)  # names, record sizes and limits checked before torch maps anything
+    return ld.torch_load(restore, mmap=ld.mmap if ld.mmap is not None else True)
+
+
+def _load_legacy(ld: _Load) -> Any:
+    restore = ld.restore()
+    read_checkpoint(ld.path, ld.format)  # truncated or damaged storages refused before torch reads them
+    return ld.torch_load(restore, mmap=False)
+
+
+def _load_pickle(ld: _Load) -> Any:
+    ld.restore()  # map_location is checked as for any torch file
+    read_checkpoint(ld.path, ld.format)
+    with _open_binary(ld.path) as f:
+        if ld.trust:
+            return pickle.load(f)  # explicitly trusted
+        return restricted_pickle_module(ld.allow_globals, ld.stubbed).load(f)
+
+
+def _open_binary(path: str) -> Any:
+    """``open(path, "rb")``, or a URL's seekable file object of range requests (a context manager either way)."""
+    if _is_remote(path):
+        import contextlib
+
+        from ckptfix.files.source import open_source
+
+        @contextlib.contextmanager
+        def remote() -> Any:
+            with open_source(path) as src:
+                yield src.fileobj()
+
+        return remote()
+    return open(path, "rb")
+
+
+def _load_safetensors(ld: _Load) -> Any:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    dev = _simple_target(ld.map_location)
+    cf = read_checkpoint(ld.path, ld.format)  # the header's limits and checks, as in every other command
+    if _is_remote(ld.path):  # each tensor's byte range read once: no local copy of the file
+        ld.metadata.update(_st_metadata(cf))
+        obj = _materialize_remote(cf.obj, dev, ld.path)
+        obj = stmeta.restore(obj, ld.metadata)
+        ld.tags["cpu"] = len(obj)
+        return obj
+    try:
+        with safe_open(ld.path, framework="pt") as f:
+            ld.metadata.update(f.metadata() or {})
+        obj = load_file(ld.path, device=dev)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{ld.path}: safetensors could not read it ({e})") from e
+    obj = stmeta.restore(obj, ld.metadata)
+    ld.tags["cpu"] = len(obj)
+    return obj
+
+
+def _st_metadata(cf: Any) -> dict[str, Any]:
+    """A safetensors file's ``__metadata__`` as its reader recorded it."""
+    details = getattr(cf, "details", None)
+    for attr in ("metadata", "st_metadata"):
+        got = getattr(details, attr, None) if details is not None else None
+        if isinstance(got, dict):
+            return dict(got)
+    got = getattr(cf, "metadata", None)
+    return dict(got) if isinstance(got, dict) else {}
+
+
+def _load_sharded(ld: _Load) -> Any:
+    cf = read_checkpoint(ld.path, ld.format)  # validates the index, every shard's name and contents
+    details = cf.details_as(ShardedDetails)
+    idx = details.index
+    merged: dict[str, Any] = collections.OrderedDict()
+    for shard, shard_path in idx.shards.items():
+        one = Input(shard_path, details.shards[shard].format)  # sniffed once, by read_checkpoint
+        sub = load_checkpoint(one, ld.map_location, allow_globals=ld.allow_globals, trust=ld.trust, mmap=ld.mmap)
+        ld.tags.update(sub.locations)
+        ld.remapped.update(sub.remapped)
+        ld.stubbed.update(sub.stubbed_globals)
+        ld.metadata.update(sub.metadata)
+        for name, s in idx.weight_map.items():
+            if s == shard:
+                merged[name] = sub.state_dict[name]
+    return stmeta.restore(merged, ld.metadata)
+
+
+def _load_torchscript(ld: _Load) -> Any:
+    cf = read_checkpoint(ld.path, ld.format)
+    for st in cf.storages.values():
+        ld.tags[st.location] += 1
+    dev = _simple_target(ld.map_location)
+    if ld.trust:
+        torch = require_torch("load_anywhere (loading tensors)")
+        return torch.jit.load(ld.path, map_location=dev).state_dict()
+    return collections.OrderedDict(_materialize(cf.state_root, dev, ld.path))
+
+
+def _load_dcp(ld: _Load) -> Any:
+    """A DCP directory through ckptfix's own reader (:mod:`ckptfix.formats.dcp`), never torch's unrestricted one."""
+    try:
+        pmod = None if ld.trust else restricted_pickle_module(ld.allow_globals, ld.stubbed)
+        obj = load_dcp(ld.path, device=_simple_target(ld.map_location), pickle_module=pmod)
+    except CkptfixError:
+        raise
+    except OSError as e:
+        raise CorruptCheckpointError(f"{ld.path}: cannot read the DCP directory ({e})") from None
+    ld.tags["cpu"] += 1
+    return obj
+
+
+#: the loader of each format: each returns the whole checkpoint object, torch tensors in it (torch-package:
+#: refused in its registry entry)
+implement_all(
+    "load",
+    {
+        Format.TORCH_TAR: _load_tar,
+        Format.TORCH_ZIP: _load_zip,
+        Format.TORCH_LEGACY: _load_legacy,
+        Format.PICKLE: _load_pickle,
+        Format.SAFETENSORS: _load_safetensors,
+        Format.SHARDED: _load_sharded,
+        Format.TORCHSCRIPT: _load_torchscript,
+        Format.DCP: _load_dcp,
+    },
+)
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> LoadedCheckpoint:
+    """Load a whole checkpoint and find its state dict.
+
+    Args:
+        path: a file or directory in any supported format (detected by content, once), or its
+            :class:`~ckptfix.formats.Input` (:func:`~ckptfix.formats.classify`: not sniffed again).
+        map_location: as for ``torch.load`` (str, device, dict, callable), plus ``"auto"``
+            (``cuda:$LOCAL_RANK`` / ``cuda:0`` / ``cpu``) and ``None`` (keep the saved devices where they
+            exist here).  Storages tagged for a device this machine lacks are loaded on ``cuda:0``, or on
+            the CPU when there is no GPU.
+        key: where the state dict sits (``"model"``, ``"model/state_dict"``); found automatically otherwise.
+        model: an ``nn.Module``; keys are aligned to it (wrapper prefixes stripped/added) and
+            ``alignment`` reports missing / unexpected / shape-mismatched keys.
+        allow_globals: ``"module.Name"`` strings (or the objects) to rebuild for real instead of stubbing.
+        trust: full unpickle (runs code from the file!). Only for files you made.
+        mmap: memory-map zip-format files (default True for them).
+
+    Returns:
+        LoadedCheckpoint.  For a valid file that holds no tensors at all (``training_args.bin``, an LR
+        scheduler's state) ``state_dict`` is empty and ``checkpoint`` is the object (non-allowlisted
+        classes such as ``TrainingArguments`` as placeholders unless ``allow_globals``/``trust``).
+
+    A folder a training framework wrote (Trainer ``checkpoint-N/``, accelerate ``save_state``, a
+    Hugging Face model folder, Lightning ModelParallel: :mod:`ckptfix.ops.frameworks`) gives its model weights.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
+        NoModelWeightsError: a framework folder without model weights.
+    """
+    require_torch("load_anywhere (loading tensors)")
+    given, path = path, os.fspath(path)
+    if _is_remote(path):  # one pinned version of each remote object for the whole load (metadata and tensors)
+        from ckptfix.files.remote.stats import active, session
+
+        if active() is None:
+            with session():
+                return load_checkpoint(
+                    given, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap
+                )
+    kw: dict[str, Any] = {
+        "map_location": map_location,
+        "key": key,
+        "model": model,
+        "allow_globals": allow_globals,
+        "trust": trust,
+        "mmap": mmap,
+    }
+    refuse_single_shard(path)
+    framework = load_consolidated_folder(path, map_location, model) if os.path.isdir(path) and key is None else None
+    if framework is not None:  # DeepSpeed ZeRO / torch HF-writer DCP: consolidated
+        return framework
+    if os.path.isdir(path):
+        fw = resolve(path)
+        if fw is not None:  # a framework's folder: its model weights (ckptfix.ops.frameworks)
+            lc: LoadedCheckpoint = load_folder(fw, **kw)
+            return lc
+    return load_file(given, **kw)
+
+
+def load_file(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> LoadedCheckpoint:
+    """:func:`load_checkpoint` of one checkpoint (file, index or DCP directory), no framework-folder lookup.
+
+    Args:
+        path, map_location, key, model, allow_globals, trust, mmap: as :func:`load_checkpoint`.
+
+    Returns:
+        LoadedCheckpoint.
+    """
+    inp = classify(path)  # the one sniff (none when the caller passed an Input)
+    path, fmt = inp.path, inp.format
+    if trust:
+        warnings.warn(f"ckptfix: trust=True: unpickling {path} runs any code it contains", stacklevel=2)
+    ld = _Load(path, map_location, allow_globals, trust, mmap, fmt)
+    obj = dispatch(fmt, "load", path)(ld)
+    return _found(ld, fmt, obj, key, model)
+
+
+def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
+    """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
+    zc = find_zero_checkpoint(path)
+    hf = find_hf_storage(path) if zc is None else None
+    if zc is not None:
+        sd: dict = zero_state_dict(zc)
+        fmt = f"deepspeed-zero{zc.stage}"
+    elif hf is not None:
+        sd = collections.OrderedDict(hf_storage_state_dict(hf))
+        fmt = "hf-storage-dcp"
+    else:
+        return None
+    target = _simple_target(map_location) if map_location not in (None, "cpu") else "cpu"
+    if target != "cpu":
+        moved: dict[int, Any] = {}
+        for k, v in sd.items():  # shared parameters stay shared
+            if id(v) not in moved:
+                moved[id(v)] = v.to(target)
+            sd[k] = moved[id(v)]
+    alignment = None
+    if model is not None:
+        from ckptfix.ops.prefixes import align_state_dict
+
+        sd, alignment = align_state_dict(sd, model)
+    return LoadedCheckpoint(
+        path=path,
+        state_dict=sd,
+        checkpoint=sd,
+        format=fmt,  # type: ignore[arg-type]  # a framework layout, not a file Format
+        alignment=alignment,
+    )
+
+
+def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
+    """The :class:`LoadedCheckpoint` of a loaded object: its state dict found, aligned to ``model``."""
+    from ckptfix.formats.statedict import contains_tensors, locate_state_dict
+
+    common: dict[str, Any] = {
+        "path": ld.path,
+        "checkpoint": obj,
+        "format": fmt,
+        "stubbed_globals": sorted(ld.stubbed),
+        "locations": dict(ld.tags),
+        "remapped": ld.remapped,
+        "metadata": ld.metadata,
+    }
+    if key is None and not contains_tensors(obj):
+        # a valid file without tensors (training_args.bin, a scheduler state): the object, no state dict
+        return LoadedCheckpoint(state_dict=collections.OrderedDict(), key_path=(), **common)
+    key_path, found, _ = locate_state_dict(obj, key)
+    sd = found if isinstance(found, dict) else collections.OrderedDict(found.items())
+    alignment = None
+    if model is not None:
+        from ckptfix.ops.prefixes import align_state_dict
+
+        sd, alignment = align_state_dict(sd, model)
+    return LoadedCheckpoint(state_dict=sd, key_path=tuple(key_path), alignment=alignment, **common)
+
+
+def load_anywhere(
+    path: str | os.PathLike,
+    map_location: MapLocation = "cpu",
+    *,
+    key: str | None = None,
+    model: Any = None,
+    allow_globals: Iterable[Any] = (),
+    trust: bool = False,
+    mmap: bool | None = None,
+) -> dict:
+    """Load the state dict from any checkpoint, on any machine. A drop-in for ``torch.load`` in scripts.
+
+    Returns the state dict itself (``dict`` name -> ``torch.Tensor``, ``_metadata`` kept), ready for
+    ``model.load_state_dict``.  Use :func:`load_checkpoint` for the rest of the checkpoint and for how
+    it was found.
+
+    Args:
+        path: a file or directory in any supported format (detected by content).
+        map_location: as for ``torch.load``, plus ``"auto"`` and ``None`` (see :func:`load_checkpoint`).
+        key: where the state dict sits; found automatically otherwise.
+        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added).
+        allow_globals: globals to rebuild for real instead of stubbing.
+        trust: full unpickle (runs code from the file!). Only for files you made.
+        mmap: memory-map zip-format files (default True for them).
+
+    Returns:
+        The state dict (name -> ``torch.Tensor``).
+
+    Example:
+        >>> sd = load_anywhere("ddp_cuda7.pth", model=model)   # doctest: +SKIP
+        >>> model.load_state_dict(sd)                          # doctest: +SKIP
+
+    Raises:
+        NoTensorsError: the file is valid but holds no tensors (``training_args.bin``, a scheduler state);
+            :func:`load_checkpoint` returns such a file's object (``.checkpoint``) with an empty state dict.
+        CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError: as
+            :func:`load_checkpoint`.
+    """
+    lc = load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap)
+    if not lc.state_dict and key is None:
+        from ckptfix.errors import NoTensorsError
+
+        raise NoTensorsError(
+            f"{os.fspath(path)}: a valid {lc.format} file with no tensors in it (arguments, "
+            "scheduler or other state), so there is no state dict to load; use "
+            "load_checkpoint(path).checkpoint for the object itself"
+        )
+    return lc.state_dict
+
+
+def is_stub(obj: Any) -> bool:
+    """Whether ``obj`` is one of the inert placeholders that stand for globals that were not rebuilt.
+
+    Args:
+        obj: any value from a loaded checkpoint.
+
+    Returns:
+        True for a placeholder.
+    """
+    return isinstance(obj, Stub)
+
+
+# --------------------------------------------------------------------------- framework folders
+
+
+def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
+    """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
+    handler = r.layout.load
+    if handler is not None:
+        lc: LoadedCheckpoint = handler(r, **kw)
+        return lc
+    if r.layout.consolidated:
+        # None only where the partitions went away since resolve() found them (as before the split)
+        return cast(LoadedCheckpoint, _load_consolidated(r, **kw))
+    return load_file(check_inside(r, r.require_weights()), **kw)
+
+
+def _load_consolidated(r: Resolved, **kw: Any) -> LoadedCheckpoint | None:
+    from ckptfix.errors import UnsupportedError
+
+    if kw.get("key") is not None:
+        raise UnsupportedError(f"{r.path}: key= does not apply to a {r.layout.framework} folder (one model in it)")
+    return load_consolidated_folder(r.path, kw.get("map_location", "cpu"), kw.get("model"))

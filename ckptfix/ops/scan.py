@@ -1,0 +1,681 @@
+"""``scan``: every global a checkpoint's pickles reference, classified, reading opcodes only (nothing is unpickled).
+
+Every pickle ``torch.load`` (or ``dcp.load``) would unpickle is scanned, and every other reading of the
+bytes (a zip that is also a tar, a pickle with a zip appended).  A framework folder (:mod:`ckptfix.formats.layouts`)
+is scanned file by file.  :mod:`ckptfix.ops.inspect` re-exports these names.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import struct
+from dataclasses import field
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from ckptfix._dataclass import dataclass
+from ckptfix.errors import CkptfixError, CorruptCheckpointError
+from ckptfix.files import source
+from ckptfix.files.zipdir import open_zip
+from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
+from ckptfix.formats.layouts import resolve
+from ckptfix.formats.registry import dispatch, implement_all
+from ckptfix.pickles import (
+    LEGACY_MAGIC_NUMBER,
+    PickleLimits,
+    ScanResult,
+    scan_globals,
+    scan_pickle_sequence,
+)
+from ckptfix.pickles.policy import classify_pair, worst
+
+if TYPE_CHECKING:
+    import zipfile
+
+SCAN_SCHEMA = "ckptfix.scan/1"
+
+
+def scan_unsafe(path: str | Input) -> list[str]:
+    """The dangerous and unknown globals of every pickle and every reading of the file (what ``scan`` reports).
+
+    ``torch.load`` unpickles more than the pickle holding the state dict (a legacy stream's header pickles,
+    a polyglot's other reading), so a weights-only verdict must consider them all.
+
+    Args:
+        path: a checkpoint file, or its :class:`~ckptfix.formats.Input` (``cf.input`` of the file read: not
+            sniffed again).
+
+    Returns:
+        The globals (dangerous first), empty when scan says safe.  A file scan cannot read gives ``[]``
+        (its reader's own error is what the caller reports).
+    """
+    from ckptfix.errors import CkptfixError
+
+    try:
+        rep = scan_checkpoint(path)
+    except CkptfixError:
+        return []
+    return rep.dangerous + rep.unknown
+
+
+@dataclass
+class ScanReport:
+    """What ``scan`` found: every global each pickle of the checkpoint references, classified."""
+
+    path: str
+    format: Format
+    pickles: list[str]
+    globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
+    errors: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def dangerous(self) -> list[str]:
+        """The globals classified dangerous (they run code when unpickled)."""
+        return [g for g, d in self.globals.items() if d["class"] == "dangerous"]
+
+    @property
+    def unknown(self) -> list[str]:
+        """The globals outside torch's weights-only allowlist, and what the scan could not read."""
+        return [g for g, d in self.globals.items() if d["class"] == "unknown"]
+
+    @property
+    def verdict(self) -> str:
+        """``dangerous``, ``unknown``, ``malformed`` or ``safe``, the worst that applies."""
+        if self.dangerous:
+            return "dangerous"
+        if self.unknown:
+            return "unknown"
+        if self.errors:
+            return "malformed"
+        return "safe"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``scan --json`` document.
+
+        Returns:
+            ``schema`` (``ckptfix.scan/1``), the fields, the verdict and the dangerous/unknown lists.
+        """
+        return {
+            "schema": SCAN_SCHEMA,
+            "path": self.path,
+            "format": self.format,
+            "verdict": self.verdict,
+            "pickles": self.pickles,
+            "globals": self.globals,
+            "dangerous": self.dangerous,
+            "unknown": self.unknown,
+            "errors": self.errors,
+            "notes": self.notes,
+        }
+
+
+class _Acc:
+    """Accumulates scan results over the pickles of one checkpoint."""
+
+    def __init__(self, context: str | None) -> None:
+        self.context = context
+        self.globals: dict[str, dict[str, Any]] = {}
+        self.pickles: list[str] = []
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+
+    def add_result(self, label: str, r: ScanResult) -> None:
+        self.pickles.append(label)
+        for (m, n), count in r.pairs.items():
+            self._add(f"{m}.{n}", classify_pair(m, n, self.context), count)
+        for what in r.unresolved:
+            self._add(what, "unknown", 1)
+        if r.error:
+            self.errors.append(f"{label}: {r.error}")
+
+    def unknown(self, label: str, why: str) -> None:
+        """Something the scan cannot read: it counts as an unknown global (never safe)."""
+        self._add(f"<{label}: {why}>", "unknown", 1)
+
+    def _add(self, key: str, cls: str, count: int) -> None:
+        d = self.globals.setdefault(key, {"class": cls, "count": 0})
+        d["class"] = worst(d["class"], cls)
+        d["count"] += count
+
+    def merge(self, prefix: str, other: "ScanReport") -> None:
+        for g, d in other.globals.items():
+            self._add(g, d["class"], d["count"])
+        self.pickles += [f"{prefix}:{p}" for p in other.pickles]
+        self.errors += [f"{prefix}:{e}" for e in other.errors]
+        self.notes += other.notes
+
+
+def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    if info.file_size > limits.max_bytes:
+        acc.unknown(
+            label,
+            f"a {info.file_size >> 20} MiB pickle, over the {limits.max_bytes >> 20} MiB limit "
+            "(set CKPTFIX_MAX_PICKLE_MB=N to scan it)",
+        )
+        return
+    try:
+        with zf.open(info) as fh:
+            data = fh.read(limits.max_bytes + 1)
+    except Exception as e:  # noqa: BLE001 - a damaged member is reported, never a crash
+        acc.errors.append(f"{label}: unreadable ({type(e).__name__}: {e})")
+        return
+    acc.add_result(label, scan_globals(data, limits=limits))
+
+
+def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    try:
+        zf = open_zip(fileobj)
+    except Exception as e:  # noqa: BLE001 - zipfile raises many types on damaged archives
+        acc.errors.append(f"{label}: damaged zip ({type(e).__name__}: {e})")
+        return
+    from ckptfix.formats.zipfmt import check_inflation, check_names, torch_root
+
+    with zf:
+        try:
+            infos = zf.infolist()
+        except Exception as e:  # noqa: BLE001
+            acc.errors.append(f"{label}: damaged zip directory ({e})")
+            return
+        # names torch and zipfile could resolve differently, and members that inflate past the budget:
+        # refused as by every other command
+        try:
+            check_names(label, zf.namelist())
+            torch_root(label, zf.namelist())
+        except CorruptCheckpointError as e:  # refused by every loader; scan still reports every member's globals
+            acc.errors.append(str(e))
+        check_inflation(label, zf, records=False)
+        names = collections.Counter(i.filename for i in infos)
+        for dup in sorted(n for n, c in names.items() if c > 1):
+            acc.errors.append(
+                f"{label}: the archive holds {names[dup]} members named {dup!r} (readers disagree on "
+                "which one counts); refused"
+            )
+        for info in infos:
+            if info.filename.endswith(".pkl") and not info.filename.endswith(".debug_pkl"):
+                _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
+
+
+def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
+    with source.open_file(path) as f:
+        r, parts = scan_pickle_sequence(f, limits=limits)
+    legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
+    names = ["magic number", "protocol version", "system info", "checkpoint object", "storage keys"]
+    for i, part in enumerate(parts):
+        label = os.path.basename(path) + (f"[{names[i]}]" if legacy else "" if i == 0 else f"[{i}]")
+        acc.add_result(label, part)
+    return Format.TORCH_LEGACY if legacy else Format.PICKLE
+
+
+def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+    from ckptfix.formats.sharded import check_shard_kind, load_index
+
+    idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
+    for shard, sp in idx.shards.items():
+        kind = sniff(sp)
+        check_shard_kind(idx, shard, kind)
+        acc.merge(shard, scan_checkpoint(Input(sp, kind), limits=limits))
+    return Format.SHARDED
+
+
+def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    from ckptfix.files.containment import check_member
+
+    meta = source.join(path, ".metadata")
+    check_member(path, ".metadata", path)  # members linking out of the directory: refused, as for shards
+    with source.open_file(meta) as f:
+        acc.add_result(".metadata", scan_globals(f, limits=limits))
+    spans = _remote_spans(path, acc) if source.is_url(path) else None
+    for name in source.listdir(path):
+        if name.endswith(".distcp") and source.isfile(source.join(path, name)):
+            check_member(path, name, path)
+            if spans is not None:
+                _scan_distcp_spans(source.join(path, name), name, spans.get(name, []), acc, limits)
+            else:
+                _scan_distcp(source.join(path, name), name, acc, limits)
+
+
+def _remote_spans(path: str, acc: _Acc) -> dict[str, list[tuple[int, int]]] | None:
+    """For a DCP folder at a URL: where ``.metadata`` says each item lies, per data file (None: unreadable
+    metadata; the data files are then searched whole, as local ones are)."""
+    from ckptfix.formats.dcp.meta import BytesEntry, read_metadata
+
+    try:
+        meta = read_metadata(path)
+    except CkptfixError:
+        return None
+    out: dict[str, list[tuple[int, int]]] = {}
+    for e in meta.entries.values():
+        locs = [e.location] if isinstance(e, BytesEntry) else list(getattr(e, "locations", []))
+        for loc in locs:
+            if loc is not None:
+                out.setdefault(loc.relative_path, []).append((loc.offset, loc.length))
+    return out
+
+
+def _scan_distcp_spans(fpath: str, label: str, spans: list[tuple[int, int]], acc: _Acc, limits: PickleLimits) -> None:
+    """:func:`_scan_distcp` for a remote data file: archives are looked for where ``.metadata`` puts the items
+    (an end record at the end of each item), instead of searching every byte; the ends and starts of the items
+    are fetched together first.  Bytes in no archive found are reported exactly as by the local search."""
+    size = source.getsize(fpath)
+    spans = sorted(set(spans))
+    with source.open_source(fpath) as src:
+        pre = getattr(src, "prefetch", None)
+        if pre is not None:
+            # an item's local header and data.pkl, its central directory and end record: 0.5-1 KiB each in a
+            # torch.save archive (more is read on demand)
+            k = 4 << 10
+            pre([(o, min(n, k)) for o, n in spans] + [(max(o, o + n - k), min(n, k)) for o, n in spans])
+    # unbuffered: a buffer would read 64 KiB past each small read, beyond what was fetched
+    with source.open_file(fpath) as buffered:
+        f = getattr(buffered, "raw", buffered)
+        _scan_archives(f, _item_ends(f, spans, size), size, label, acc, limits)
+
+
+def _item_ends(f: Any, spans: list[tuple[int, int]], size: int) -> Iterator[int]:
+    """The end records at the ends of the items ``spans`` (ascending), read where ``.metadata`` puts them."""
+    for off, length in spans:
+        e = off + length - 22
+        if length < 22 or off + length > size:
+            continue
+        f.seek(e)
+        if f.read(4) == b"PK\x05\x06":
+            yield e
+
+
+def _scan_archives(f: Any, ends: Iterable[int], size: int, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the torch archives whose end records are at ``ends`` (ascending) in a file of ``size`` bytes;
+    bytes that belong to no archive make the verdict unknown (local files and remote ones alike)."""
+    pos = 0
+    for e in ends:
+        if e < pos:
+            continue
+        bounds = _archive_bounds(f, e, size)
+        if bounds is None or bounds[0] < pos:
+            continue
+        start, end = bounds
+        f.seek(start)
+        if f.read(4) not in (b"PK\x03\x04", b"PK\x01\x02", b"PK\x05\x06"):
+            continue
+        if start > pos:
+            acc.unknown(label, f"bytes {pos}..{start} belong to no torch archive and were not scanned")
+        _scan_zip(_Slice(f, start, end - start), f"{label}@{start}", acc, limits)
+        pos = end
+    if pos < size:
+        acc.unknown(label, f"bytes {pos}..{size} belong to no torch archive and were not scanned")
+
+
+class _Slice(io.RawIOBase):
+    """A read-only window of a file: one archive inside a .distcp file."""
+
+    def __init__(self, f: Any, start: int, length: int) -> None:
+        self.f, self.start, self.length, self.pos = f, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = off if whence == 0 else self.pos + off if whence == 1 else self.length + off
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        k = max(0, min(len(b), self.length - self.pos))
+        self.f.seek(self.start + self.pos)
+        data = self.f.read(k)
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _find_all(f: Any, size: int, needle: bytes, start: int, chunk: int = 1 << 20):
+    """Offsets of ``needle`` in the file from ``start`` on, read in chunks (bounded memory)."""
+    pos = start
+    keep = len(needle) - 1
+    tail = b""
+    while pos < size:
+        f.seek(pos)
+        block = f.read(min(chunk, size - pos))
+        if not block:
+            return
+        data = tail + block
+        base = pos - len(tail)
+        i = data.find(needle)
+        while i >= 0:
+            yield base + i
+            i = data.find(needle, i + 1)
+        tail = data[-keep:] if keep else b""
+        pos += len(block)
+
+
+def _archive_bounds(f: Any, e: int, size: int) -> tuple[int, int] | None:
+    """(start, end) of the zip archive whose end-of-central-directory record is at ``e``, or None."""
+    f.seek(e)
+    rec = f.read(22)
+    if len(rec) < 22:
+        return None
+    cd_size, cd_off, clen = struct.unpack_from("<IIH", rec, 12)
+    end = e + 22 + clen
+    if end > size:
+        return None
+    if e >= 76:
+        f.seek(e - 20)
+        loc = f.read(20)
+        if loc[:4] == b"PK\x06\x07":
+            (z64_rel,) = struct.unpack_from("<Q", loc, 8)
+            f.seek(e - 76)
+            if f.read(4) == b"PK\x06\x06":
+                start = e - 76 - z64_rel
+                return (start, end) if start >= 0 else None
+    start = e - cd_size - cd_off
+    return (start, end) if start >= 0 else None
+
+
+def _scan_distcp(fpath: str, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the torch archives written back to back in a .distcp file (one per DCP item).
+
+    Archives are found from their end records (the start follows from the central
+    directory's offset), so nothing is unpickled; bytes that belong to no archive
+    (tensors written raw, or anything else) cannot be told apart from a pickle that
+    ``dcp.load`` would hand to ``torch.load``, and make the verdict unknown.
+    """
+    size = source.getsize(fpath)
+    with source.open_file(fpath) as f:
+        _scan_archives(f, _find_all(f, size, b"PK\x05\x06", 0), size, label, acc, limits)
+
+
+def scan_checkpoint(path: str | os.PathLike | Input, *, limits: PickleLimits | None = None) -> ScanReport:
+    """List every global the checkpoint's pickles reference and classify each, reading opcodes only.
+
+    Every pickle ``torch.load`` (or ``dcp.load``) would unpickle is scanned: ``data.pkl`` (and
+    every other ``.pkl`` member) of a zip, the five pickles of a legacy stream, a bare pickle,
+    each shard of a sharded index, a DCP directory's ``.metadata`` and the pickles inside its
+    ``.distcp`` files.  Nothing is unpickled.  What the scan cannot follow is listed as an
+    unknown global (``<...>``), so the verdict is never "safe" for it.
+
+    Args:
+        path: a checkpoint file, sharded index (or its directory) or DCP directory; or its
+            :class:`~ckptfix.formats.Input` (:func:`~ckptfix.formats.classify`: not sniffed again).
+        limits: resource limits (default: from ``CKPTFIX_MAX_PICKLE_*``).
+
+    Returns:
+        A :class:`ScanReport`.
+
+    Raises:
+        CheckpointNotFoundError: missing path or shard.
+        CorruptCheckpointError: a file that is no checkpoint at all.
+        UnsupportedError: a pre-0.4 tar checkpoint (it runs pickles ckptfix cannot scan as one archive).
+    """
+    given, path = path, os.fspath(path)
+    limits = limits or PickleLimits.from_env()
+    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
+        fw = resolve(path)
+        if fw is not None:
+            return _scan_folder(fw, limits)
+    with source.session():  # a remote object is opened once (one pinned version) for the whole scan
+        return _scan_one(classify(given), limits)
+
+
+def _scan_one(inp: Input, limits: PickleLimits) -> ScanReport:
+    path, kind = inp.path, inp.format
+    acc = _Acc(_context(kind))
+    fmt = dispatch(kind, "scan", path)(path, acc, limits) or kind
+    _scan_other_readings(path, kind, acc, limits)
+    globals_ = dict(sorted(acc.globals.items()))
+    return ScanReport(path=path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes)
+
+
+#: roles of framework files that hold no pickle (JSON, tokenizer files ...)
+_NO_PICKLE_ROLES = ("trainer-state", "config", "gen-config", "tokenizer")
+
+
+def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
+    """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
+    from ckptfix.errors import CheckpointNotFoundError, CkptfixError, UnsupportedError
+
+    acc = _Acc(None)
+    targets = ([fw.weights] if fw.weights else []) + [
+        os.path.join(fw.path, f.file)
+        for f in fw.files
+        if f.role not in _NO_PICKLE_ROLES or (f.role == "tokenizer" and f.file.endswith(_PICKLE_EXTS))
+    ]
+    targets = _expand_dirs(targets, fw.path, acc)
+    fmt = Format.PICKLE
+    scanned = 0
+    for t in targets:
+        label = os.path.relpath(t, fw.path) if t != fw.path else "."
+        if not os.path.isdir(t) and not os.path.isfile(t):
+            acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
+            continue
+        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
+            continue
+        try:
+            sub = _scan_one(classify(t), limits)
+        except CkptfixError as e:
+            bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
+            if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
+                sub = bare
+            elif isinstance(e, UnsupportedError) or t == fw.weights:
+                raise  # a member linking outside the folder, or the weights themselves: as if scanned alone
+            elif isinstance(e, CheckpointNotFoundError) and os.path.isdir(t) or not os.path.isdir(t) and _text_file(t):
+                continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
+            else:
+                acc.errors.append(f"{label}: {e}")
+                continue
+        if t == fw.weights:
+            fmt = sub.format
+        acc.merge(label, sub)
+        if not os.path.isdir(t) or t == fw.path:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
+            n, base = len(sub.pickles), os.path.basename(t)
+            relabel = [label + q[len(base) :] if q.startswith(base) and t != fw.path else q for q in sub.pickles]
+            acc.pickles[-n or len(acc.pickles) :] = relabel if n else []
+            acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
+        scanned += 1
+    acc.notes.append(f"{fw.layout.framework} folder ({fw.layout.name}): {scanned} checkpoint file(s) scanned")
+    globals_ = dict(sorted(acc.globals.items()))
+    return ScanReport(
+        path=fw.path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes
+    )
+
+
+#: names a tokenizer (or anything) unpickles: a tokenizer-role file with one is scanned (TransfoXL's vocab.pkl)
+_PICKLE_EXTS = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
+    """The scan of a file that is a complete pickle sequence (or names any global), else None."""
+    acc = _Acc(None)
+    try:
+        _scan_legacy(path, acc, limits)
+    except (CkptfixError, OSError, ValueError):
+        return None
+    if acc.errors and not any(not g.startswith("<") for g in acc.globals):
+        return None
+    return ScanReport(path=path, format=Format.PICKLE, pickles=acc.pickles, globals=acc.globals, errors=acc.errors)
+
+
+def _text_file(path: str) -> bool:
+    from ckptfix.formats import _looks_like_text
+
+    with open(path, "rb") as f:
+        return _looks_like_text(f.read(512))
+
+
+def _expand_dirs(targets: list[str], root: str, acc: "_Acc", depth: int = 3) -> list[str]:
+    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them.
+
+    A sub-folder that is a link resolving outside ``root`` is not walked (it is not the folder's own,
+    and may be ``/``); a note says so.
+    """
+    out: list[str] = []
+    real_root = os.path.realpath(root)
+    for t in targets:
+        if t == root or not os.path.isdir(t):
+            out.append(t)
+            continue
+        real = os.path.realpath(t)
+        if os.path.islink(t) and not (real + os.sep).startswith(real_root + os.sep):
+            acc.notes.append(f"{os.path.relpath(t, root)}: a link to a folder outside it ({real}); not followed")
+            continue
+        if os.path.isfile(os.path.join(t, ".metadata")) or any(n.endswith(".index.json") for n in os.listdir(t)):
+            out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
+        elif depth > 0:
+            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, acc, depth - 1)
+    return out
+
+
+def global_context(fmt: Format) -> str | None:
+    """The container a global is judged in (DCP metadata and TorchScript allow their own classes).
+
+    Args:
+        fmt: the checkpoint's format.
+
+    Returns:
+        ``"dcp"``, ``"torchscript"`` or None (:func:`ckptfix.pickles.policy.classify_global`'s ``context``).
+    """
+    return {Format.DCP: "dcp", Format.TORCHSCRIPT: "torchscript"}.get(fmt)
+
+
+_context = global_context
+
+
+def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    with source.open_file(path) as f:
+        _scan_zip(f, os.path.basename(path), acc, limits)
+
+
+def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    read_checkpoint(path, Format.SAFETENSORS)  # validates the JSON header; no pickle inside
+
+
+def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """The pickles torch's tar loader runs first: ``storages`` and ``tensors`` (their opening pickle) and
+    ``pickle`` (the object); the per-storage records that follow are not walked, so never "safe"."""
+    import tarfile
+
+    from ckptfix.formats.sniffing import _Capped
+
+    base = os.path.basename(path)
+    acc.unknown(
+        base,
+        "a pre-0.4 tar checkpoint: torch.load unpickles one record per storage and tensor; ckptfix scans "
+        "only the first pickle of each member",
+    )
+    try:
+        with source.open_file(path) as f, tarfile.open(fileobj=_Capped(f), mode="r:") as tar:
+            for name in ("storages", "tensors", "pickle"):  # the order torch reads them in
+                try:
+                    info = tar.getmember(name)  # the last member of that name, as tar.extract takes it
+                except KeyError:
+                    continue
+                if info.size > limits.max_bytes:
+                    acc.unknown(f"{base}:{name}", f"a {info.size >> 20} MiB member, over the pickle limit")
+                    continue
+                fh = tar.extractfile(info)
+                if fh is None:
+                    continue
+                acc.add_result(f"{base}:{name}", scan_globals(fh.read(limits.max_bytes), limits=limits))
+    except Exception as e:  # noqa: BLE001 - a damaged archive is reported, never a crash
+        acc.errors.append(f"{base}: damaged tar archive ({type(e).__name__}: {e})")
+
+
+def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
+    base = os.path.basename(path)
+    with source.open_file(path) as f:
+        _scan_zip(f, base, acc, limits)
+    try:
+        with source.open_file(path) as f, open_zip(f) as zf:
+            code = [n for n in zf.namelist() if n.endswith(".py")]
+    except Exception:  # noqa: BLE001 - already reported by the scan above
+        code = []
+    acc.notes.append(
+        f"{base}: a torch.package archive (a packaged model with its code): load it with "
+        "torch.package.PackageImporter only if you trust it"
+    )
+    if code:
+        acc.unknown(
+            base,
+            f"{len(code)} packaged Python module(s) ({', '.join(code[:3])}{' ...' if len(code) > 3 else ''}) "
+            "that PackageImporter runs when a pickle imports them",
+        )
+    # PackageImporter resolves a pickle's globals in the package first: a global whose module is packaged
+    # (even one named like collections or torch._utils) imports, so runs, that packaged code
+    packaged = set()
+    for n in code:
+        mod = n.split("/", 1)[1] if "/" in n else n
+        mod = mod[: -len(".py")].removesuffix("/__init__").replace("/", ".")
+        packaged.add(mod)
+    for g, d in list(acc.globals.items()):
+        mod = g.rsplit(".", 1)[0]
+        if any(mod == p or mod.startswith(p + ".") for p in packaged):
+            d["class"] = "dangerous"
+
+
+def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimits) -> None:
+    """Scan the ways other readers could read the same bytes (a polyglot): the worst counts.
+
+    A tar or safetensors file whose bytes also start a pickle is scanned as that pickle too; a pickle
+    with a zip archive appended, as that archive.  Only the globals each reading would import count
+    (a reading that fails part way is no finding by itself).
+    """
+    from ckptfix.formats import sniffing
+
+    if not source.isfile(path):
+        return
+    base = os.path.basename(path)
+    # (a file opening with PK\x03\x04 fails as a pickle at its first opcode, PERSID, before importing anything)
+    if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
+        with source.open_file(path) as f:
+            _, parts = scan_pickle_sequence(f, limits=limits)
+        for i, r in enumerate(parts):
+            label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
+            acc.add_result(label, ScanResult(pairs=r.pairs, unresolved=r.unresolved))
+        acc.notes.append(
+            f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
+            "pickle.load would unpickle it; both readings were scanned"
+        )
+    if kind in (Format.TORCH_ZIP, Format.TORCHSCRIPT, Format.TORCH_PACKAGE):
+        try:
+            tar = sniffing.tar_opens(path)
+        except CkptfixError as e:
+            acc.unknown(base, f"read as a tar archive: {e}")
+            tar = False
+        if tar:  # torch reads the zip; torch before 1.6 (and tarfile) the tar
+            _scan_tar(path, acc, limits)
+            acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
+    if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
+        sub = _Acc(acc.context)
+        with source.open_file(path) as f:
+            _scan_zip(f, f"{base} read as a zip", sub, limits)
+        for g, d in sub.globals.items():
+            acc._add(g, d["class"], d["count"])
+        acc.pickles += sub.pickles
+        acc.notes.append(
+            f"{base}: a zip archive is appended (a polyglot): torch.load reads the start, zip readers "
+            "the archive; both were scanned"
+        )
+
+
+#: how each format is scanned (a scanner that tells the format from what it read returns it)
+implement_all(
+    "scan",
+    {
+        Format.TORCH_ZIP: _scan_archive,
+        Format.TORCHSCRIPT: _scan_archive,
+        Format.TORCH_LEGACY: _scan_legacy,
+        Format.PICKLE: _scan_legacy,
+        Format.SAFETENSORS: _scan_safetensors,
+        Format.SHARDED: _scan_sharded,
+        Format.DCP: _scan_dcp,
+        Format.TORCH_TAR: _scan_tar,
+        Format.TORCH_PACKAGE: _scan_package,
+    },
+)
