@@ -40,7 +40,7 @@ def test_temp_files_follow_the_naming_and_are_locked(tmp_path):
 
 def test_a_killed_writers_temp_is_removed_by_the_next_write(tmp_path):
     code = (
-        "import os, sys, signal; sys.path.insert(0, sys.argv[2]); from ckptfix import atomic\n"
+        "import os, sys, signal; sys.path.insert(0, sys.argv[2]); from ckptfix.files import atomic\n"
         "fd, tmp = atomic.new_temp(sys.argv[1]); os.write(fd, b'x' * 1000); print(tmp, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)"
     )

@@ -80,7 +80,7 @@ def test_no_os_link_outside_backups():
         for line in p.read_text().splitlines():
             if "os.link(" in line:
                 hits.append(f"{p.relative_to(root)}:{line.strip()}")
-    allowed = {"atomic.py", "rewrite/dcp.py"}
+    allowed = {"files/atomic.py", "ops/rewrite/dcp.py"}
     assert all(h.split(":")[0] in allowed for h in hits), hits
     assert len(hits) == 3, hits
 
