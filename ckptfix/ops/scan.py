@@ -130,6 +130,24 @@ class _Acc:
         if r.error:
             self.errors.append(f"{label}: {r.error}")
 
+    def add_sequence(self, label: str, parts: list[ScanResult], size: int) -> None:
+        """The pickles of a bare pickle stream (``pickle.load`` called again reads each one after the first):
+        every one counts, and a note says what follows the first ``STOP``."""
+        for i, part in enumerate(parts):
+            self.add_result(label if i == 0 else f"{label}[{i}]", part)
+        if not parts:
+            return
+        first = parts[0].end
+        if size > first and not parts[0].error:
+            more = len(parts) - 1
+            what = f"{more} more pickle(s), scanned" if more else "no pickle"
+            if parts[-1].error and more:
+                what += f"; the last of them stops at an error ({parts[-1].error})"
+            self.notes.append(
+                f"{label}: {size - first} byte(s) after the first pickle (end at byte {first}): {what}; "
+                "pickle.load called again on the file reads them"
+            )
+
     def unknown(self, label: str, why: str) -> None:
         """Something the scan cannot read: it counts as an unknown global (never safe)."""
         self._add(f"<{label}: {why}>", "unknown", 1)
@@ -161,7 +179,8 @@ def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, a
     except Exception as e:  # noqa: BLE001 - a damaged member is reported, never a crash
         acc.errors.append(f"{label}: unreadable ({type(e).__name__}: {e})")
         return
-    acc.add_result(label, scan_globals(data, limits=limits))
+    _, parts = scan_pickle_sequence(data, limits=limits, max_pickles=1)
+    acc.add_sequence(label, parts, len(data))
 
 
 def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
@@ -201,12 +220,15 @@ def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
     with source.open_file(path) as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
-    legacy = bool(parts) and parts[0].value == LEGACY_MAGIC_NUMBER
+    legacy = bool(parts) and not parts[0].value_unknown and parts[0].value == LEGACY_MAGIC_NUMBER
+    base = os.path.basename(path)
+    if not legacy:
+        acc.add_sequence(base, parts, source.getsize(path))
+        return Format.PICKLE
     names = ["magic number", "protocol version", "system info", "checkpoint object", "storage keys"]
     for i, part in enumerate(parts):
-        label = os.path.basename(path) + (f"[{names[i]}]" if legacy else "" if i == 0 else f"[{i}]")
-        acc.add_result(label, part)
-    return Format.TORCH_LEGACY if legacy else Format.PICKLE
+        acc.add_result(f"{base}[{names[i]}]", part)
+    return Format.TORCH_LEGACY
 
 
 def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:

@@ -215,6 +215,8 @@ class ScanResult:
     est_bytes: int = 0  # estimated memory of the objects the pickle builds
     max_immutable_depth: int = 0
     limit_error: str | None = None  # a resource limit the pickle would exceed when loaded
+    straddle: bool = False  # an opcode may run past a FRAME's end (readers may disagree: see _file_reading)
+    file_end: int | None = None  # where a reader of a file stops when that differs from ``end``
 
     def merge(self, other: "ScanResult") -> None:
         """Add another pickle's findings (for multi-pickle files).
@@ -362,11 +364,12 @@ _U64 = struct.Struct("<Q").unpack_from
 IDLE_BYTES = 16
 
 _UNDERFLOW = "unpickling stack underflow"
+_NO_FRAME = 1 << 62  # no FRAME being read
 CHECK_STEP = 16 << 20  # the stack/memo sizes are checked each time the estimate grows by this much
 
 
-def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:
-    """The opcode walk. ``strict``: stop at the first limit crossed (the reader's pre-flight)."""
+def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:
+    """The opcode walk of the bytes in order (``pickle.loads``). ``strict``: stop at the first limit crossed."""
     res = ScanResult()
     n = len(buf)
     pos = start
@@ -391,6 +394,7 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
     pairs = res.pairs
     raw = res.raw
     EMPTY = _EMPTY
+    frame_end = _NO_FRAME  # where the FRAME being read ends (a reader of a file drops what is left of it)
 
     def readline() -> bytes:
         nonlocal pos
@@ -533,6 +537,10 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                             f"the pickle holds more than {2 * max_bytes >> 20} MiB of values; set "
                             "CKPTFIX_MAX_PICKLE_MB=N (MiB) to scan it"
                         )
+            if pos >= frame_end:  # the first opcode at or past the end of the last FRAME
+                if pos > frame_end:  # the last one ran past it: a file reader may read other opcodes
+                    res.straddle = True
+                frame_end = _NO_FRAME
             op = buf[pos]  # past the end: IndexError, reported as truncated below
             pos += 1
             # ---- in order of frequency in torch pickles (protocol 2) and DCP .metadata (protocol 4)
@@ -784,11 +792,16 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
                 pos += 8
                 if pos + size > n:  # the C unpickler only checks that the whole frame is there
                     raise truncated()
+                if frame_end != _NO_FRAME:  # a FRAME opening before the last one's end
+                    res.straddle = True
+                frame_end = pos + size
                 if size < 4096:  # picklers frame at least 64 KiB (the last frame of a pickle aside)
                     idled()
             elif op == 0x2E:  # STOP
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
+                if frame_end != _NO_FRAME and pos < frame_end:  # a frame goes on past STOP
+                    res.straddle = True
                 v = stack.pop()
                 res.value = v if type(v) in (int, str) else None
                 res.value_unknown = v is ANY
@@ -940,10 +953,166 @@ def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> S
         )
     except (MemoryError, RecursionError, OverflowError, ValueError) as e:
         res.error = f"at byte {pos - start}: {type(e).__name__}: {e}"
+    if res.error and frame_end != _NO_FRAME:  # stopped inside a frame: another reader may go on
+        res.straddle = True
     res.end = pos - start
     res.est_bytes = est + (pos - start)
     res.max_immutable_depth = max_idepth
     return res
+
+
+UNRESOLVED_FRAMES = (
+    "<opcodes that run past the end of a FRAME: CPython's unpickler reading a file drops the rest of the "
+    "frame and reads other opcodes than a reader of the bytes (both readings scanned; others may exist)>"
+)
+
+
+def _scan(buf: Any, start: int, limits: PickleLimits, strict: bool = False) -> ScanResult:
+    """The opcode walk of every reading CPython's unpickler may make of the pickle at ``start``.
+
+    The bytes in order (``pickle.loads``, :func:`_scan_linear`); and, when an opcode runs past the end of a
+    ``FRAME``, the reading of the C unpickler given a file (:func:`_file_reading`): the globals of both count,
+    and the pickle is never "safe" (a buffered file's reading depends on its buffer: :data:`UNRESOLVED_FRAMES`).
+    """
+    res = _scan_linear(buf, start, limits, strict)
+    if not res.straddle:
+        return res
+    other, file_end, dropped = _file_reading(buf, start)
+    if not dropped:
+        return res
+    alt = _scan_linear(other, 0, limits, strict)
+    res.globals.update(alt.globals)
+    res.pairs.update(alt.pairs)
+    res.raw.update(alt.raw)
+    res.unresolved += alt.unresolved
+    res.unresolved.append(UNRESOLVED_FRAMES)
+    res.globals[UNRESOLVED_FRAMES] += 1
+    res.value, res.value_unknown = None, True
+    res.limit_error = res.limit_error or alt.limit_error
+    if file_end - start != res.end:
+        res.file_end = file_end - start
+    return res
+
+
+# argument reads of each opcode as _pickle.c does them: fixed _Unpickler_Read sizes, counted reads
+# (width of the count, signed count, data read with _Unpickler_ReadInto), and lines (_Unpickler_Readline)
+_FIXED = {0x4A: 4, 0x4B: 1, 0x4D: 2, 0x47: 8, 0x68: 1, 0x6A: 4, 0x71: 1, 0x72: 4, 0x82: 1, 0x83: 2, 0x84: 4, 0x80: 1}
+_COUNTED = {  # op: (count width, signed, data via ReadInto)
+    0x8A: (1, False, False),  # LONG1
+    0x8B: (4, True, False),  # LONG4
+    0x55: (1, False, False),  # SHORT_BINSTRING
+    0x54: (4, True, False),  # BINSTRING
+    0x8C: (1, False, False),  # SHORT_BINUNICODE
+    0x58: (4, False, False),  # BINUNICODE
+    0x8D: (8, False, False),  # BINUNICODE8
+    0x43: (1, False, True),  # SHORT_BINBYTES
+    0x42: (4, False, True),  # BINBYTES
+    0x8E: (8, False, True),  # BINBYTES8
+    0x96: (8, False, True),  # BYTEARRAY8
+}
+_LINES = {0x49: 1, 0x4C: 1, 0x46: 1, 0x53: 1, 0x56: 1, 0x67: 1, 0x70: 1, 0x50: 1, 0x63: 2, 0x69: 2}
+_NO_ARG = frozenset(b"().0129NRabdeloistu}]\x85\x86\x87\x88\x89\x8f\x90\x91\x92\x93\x94\x97\x98\x81")
+
+
+class _Eof(Exception):
+    pass
+
+
+def _file_reading(buf: Any, start: int) -> tuple[bytes, int, bool]:
+    """The opcodes the C unpickler reads from a file object without ``peek`` (``io.BytesIO``: what torch.load
+    hands it for a zip's ``data.pkl``), as one unframed byte string.
+
+    It reads exactly what each opcode asks from the file, except a ``FRAME``, read whole into a buffer; an
+    ``_Unpickler_Read`` or ``_Unpickler_Readline`` that does not fit in what is left of that buffer drops the
+    rest and reads on from the file (after the frame); ``_Unpickler_ReadInto`` (the data of BINBYTES*,
+    BYTEARRAY8) takes the rest first.  Returns (the opcodes read, without FRAMEs; the file offset where the
+    reader stops; whether any byte was dropped, i.e. the reading differs from the bytes in order).
+    """
+    n = len(buf)
+    out = bytearray()
+    fpos = idx = bend = start  # file position; next byte and end of the buffer
+    dropped = False
+
+    def read(k: int) -> bytes:
+        nonlocal fpos, idx, bend, dropped
+        if idx + k <= bend:
+            idx += k
+            return bytes(buf[idx - k : idx])
+        if idx < bend:
+            dropped = True
+        if fpos + k > n:
+            raise _Eof
+        fpos += k
+        idx = bend = fpos
+        return bytes(buf[fpos - k : fpos])
+
+    def read_into(k: int) -> bytes:
+        nonlocal fpos, idx
+        take = min(max(0, bend - idx), k)
+        head = bytes(buf[idx : idx + take])
+        idx += take
+        rest = k - take
+        if fpos + rest > n:
+            raise _Eof
+        fpos += rest
+        return head + bytes(buf[fpos - rest : fpos])
+
+    def readline() -> bytes:
+        nonlocal fpos, idx, bend, dropped
+        i = buf.find(b"\n", idx, bend) if idx < bend else -1
+        if i >= 0:
+            line = bytes(buf[idx : i + 1])
+            idx = i + 1
+            return line
+        if idx < bend:
+            dropped = True
+        j = buf.find(b"\n", fpos)
+        if j < 0:
+            raise _Eof
+        line = bytes(buf[fpos : j + 1])
+        fpos = idx = bend = j + 1
+        return line
+
+    try:
+        while True:
+            op = read(1)[0]
+            if op == 0x95:  # FRAME: read whole, then rewound
+                size = int.from_bytes(read(8), "little")
+                if idx + size <= bend:
+                    continue
+                if idx < bend:
+                    dropped = True
+                if fpos + size > n:
+                    raise _Eof
+                idx, bend = fpos, fpos + size
+                fpos = bend
+                continue
+            out.append(op)
+            if op == 0x2E:  # STOP
+                break
+            if op in _NO_ARG:
+                continue
+            w = _FIXED.get(op)
+            if w is not None:
+                out += read(w)
+                continue
+            c = _COUNTED.get(op)
+            if c is not None:
+                raw = read(c[0])
+                out += raw
+                size = int.from_bytes(raw, "little", signed=c[1])
+                if size < 0 or size > n:
+                    break
+                out += read_into(size) if c[2] else read(size)
+                continue
+            lines = _LINES.get(op)
+            if lines is None:
+                break  # an invalid opcode: the unpickler fails here
+            for _ in range(lines):
+                out += readline()
+    except _Eof:
+        pass
+    return bytes(out), fpos, dropped
 
 
 def _parse_int(line: bytes, limits: PickleLimits, res: ScanResult) -> Any:
@@ -961,6 +1130,11 @@ def _parse_int(line: bytes, limits: PickleLimits, res: ScanResult) -> Any:
         return OBJ
 
 
+#: pickles at most scanned in a bare pickle file (``pickle.load`` called again reads each one after the first)
+MAX_BARE_PICKLES = 1000
+_MORE_PICKLES = f"<more than {MAX_BARE_PICKLES} pickles back to back: the rest of the file is not checked>"
+
+
 def scan_pickle_sequence(
     data: bytes | bytearray | memoryview | BinaryIO, *, max_pickles: int = 5, limits: PickleLimits | None = None
 ) -> tuple[ScanResult, list[ScanResult]]:
@@ -968,8 +1142,10 @@ def scan_pickle_sequence(
 
     ``torch.load`` of a non-zip file unpickles a magic number, then (only if it
     matches) the protocol version, the system info, the object and the storage
-    key list: five pickles back to back.  A first pickle whose value is known and
-    is not the magic number is a bare pickle: nothing after it is unpickled.
+    key list: five pickles back to back.  A first pickle whose value is not known to be
+    the magic number is a bare pickle: ``pickle.load`` called again on the file
+    unpickles what follows, so every pickle after it is scanned too, to the end of the
+    data (up to :data:`MAX_BARE_PICKLES`; more is an unknown global).
 
     Args:
         data: bytes or a binary file positioned at the first pickle.
@@ -983,21 +1159,29 @@ def scan_pickle_sequence(
     if getattr(data, "remote", False):  # a remote file: each pickle in growing windows
         rf: Any = data
         merged, found = ScanResult(), list[ScanResult]()
-        while len(found) < max_pickles and rf.tell() < rf.size:
+        cap = max_pickles
+        while len(found) < cap and rf.tell() < rf.size:
             r = _scan_remote(rf, limits, lambda b: _scan(b, 0, limits))
             found.append(r)
             merged.merge(r)
             merged.end += r.end
-            if r.error or len(found) == 1 and not r.value_unknown and r.value != LEGACY_MAGIC_NUMBER:
+            if r.error:
                 break
+            if len(found) == 1 and (r.value_unknown or r.value != LEGACY_MAGIC_NUMBER):
+                cap = MAX_BARE_PICKLES  # a bare pickle: pickle.load called again reads what follows
+        if len(found) >= cap and rf.tell() < rf.size and cap == MAX_BARE_PICKLES:
+            found[-1].unresolved.append(_MORE_PICKLES)
+            merged.unresolved.append(_MORE_PICKLES)
+            merged.globals[_MORE_PICKLES] += 1
         return merged, found
     buf, start, f, closer = _as_buffer(data)
     total = ScanResult()
     parts: list[ScanResult] = []
     count = 0
     pos = start
+    cap = max_pickles
     try:
-        while count < max_pickles and pos < len(buf):
+        while count < cap and pos < len(buf):
             r = _scan(buf, pos, limits)
             count += 1
             parts.append(r)
@@ -1005,8 +1189,12 @@ def scan_pickle_sequence(
             pos += r.end
             if r.error:
                 break
-            if count == 1 and not r.value_unknown and r.value != LEGACY_MAGIC_NUMBER:
-                break
+            if count == 1 and (r.value_unknown or r.value != LEGACY_MAGIC_NUMBER):
+                cap = MAX_BARE_PICKLES  # a bare pickle: pickle.load called again reads what follows
+        if count >= cap == MAX_BARE_PICKLES and pos < len(buf):
+            parts[-1].unresolved.append(_MORE_PICKLES)
+            total.unresolved.append(_MORE_PICKLES)
+            total.globals[_MORE_PICKLES] += 1
         total.end = pos - start
     finally:
         if closer is not None:
