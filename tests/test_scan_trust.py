@@ -25,7 +25,7 @@ import zipfile
 
 import pytest
 
-from ckptfix.inspecting import scan_checkpoint
+from ckptfix.ops.inspect import scan_checkpoint
 from ckptfix.pickles import scan_globals, scan_pickle_sequence
 
 from helpers import run_cli
