@@ -323,20 +323,71 @@ def test_query_mig_requested_lists_in_the_first_round_once():
     assert sum(c[1:] == ["-L"] for c in calls) == 1
 
 
-def test_query_retries_without_unknown_field():
-    seen: list[str] = []
+#: a Tesla K80 on driver 418.67 (issue 34 C2): what R418 answers for each field it knows; it has neither
+#: mig.mode.current (R450+) nor compute_cap (R510+) and rejects the first unknown field it meets, as
+#: `Field "mig.mode.current" is not a valid field to query.` (the message of tests in this file and of the
+#: public bug reports the stand-ins come from); values in the format of --format=csv,nounits
+_R418_K80 = {
+    "index": "0",
+    "uuid": "GPU-5d1b4e36-1c7a-0f63-2a4b-7f3e9c0d8a21",
+    "pci.bus_id": "00000000:04:00.0",
+    "name": "Tesla K80",
+    "memory.total": "11441",
+    "memory.used": "0",
+    "memory.free": "11441",
+    "utilization.gpu": "0",
+    "temperature.gpu": "33",
+    "power.draw": "28.00",
+    "clocks.max.sm": "875",
+    "driver_version": "418.67",
+}
 
+
+def _r418_runner(seen):
     def runner(argv, timeout):
         seen.append(argv[1])
-        if argv[1].startswith("--query-gpu=") and "mig.mode.current" in argv[1]:
-            return RunResult(2, 'Field "mig.mode.current" is not a valid field to query.\n')
+        if not argv[1].startswith("--query-gpu="):
+            return RunResult(0, "")
+        asked = argv[1].split("=", 1)[1].split(",")
+        bad = next((f for f in asked if f not in _R418_K80), None)
+        if bad is not None:
+            return RunResult(2, f'Field "{bad}" is not a valid field to query.\n\n')
+        return RunResult(0, ", ".join(_R418_K80[f] for f in asked) + "\n")
+
+    return runner
+
+
+def test_query_retries_without_only_the_rejected_fields():
+    seen: list[str] = []
+    snap = smi.query(runner=_r418_runner(seen))
+    g = snap.gpus[0]
+    assert g.name == "Tesla K80" and g.memory_free_mib == 11441
+    # issue 34 C2: temperature and power survive the retries (they were dropped with mig.mode.current)
+    assert g.temperature_c == 33 and g.power_w == 28.0 and g.max_sm_clock_mhz == 875
+    assert g.mig_enabled is None and g.compute_cap is None
+    gpu_calls = [c for c in seen if c.startswith("--query-gpu=")]
+    assert len(gpu_calls) == 3 and "mig.mode.current" not in gpu_calls[-1] and "compute_cap" not in gpu_calls[-1]
+
+
+def test_r418_gpus_pass_max_temp_and_max_power(tmp_path):
+    from ckptfix.gpu import pick_gpu
+
+    got = pick_gpu(
+        max_temp=80, max_power=100, environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=_r418_runner([]), lease=False
+    )
+    assert got.env["CUDA_VISIBLE_DEVICES"] == _R418_K80["uuid"]
+
+
+def test_query_falls_back_to_basic_fields_when_no_field_is_named():
+    def runner(argv, timeout):
+        if argv[1].startswith("--query-gpu=") and "temperature.gpu" in argv[1]:
+            return RunResult(2, "Some field is not a valid field to query.\n")
         if argv[1].startswith("--query-gpu="):
             return RunResult(0, "0, GPU-1, 00000000:01:00.0, Tesla K80, 11441, 0, 11441, 0, 418.67\n")
         return RunResult(0, "")
 
     snap = smi.query(runner=runner)
-    assert snap.gpus[0].name == "Tesla K80" and snap.gpus[0].memory_free_mib == 11441
-    assert snap.calls == 3
+    assert snap.gpus[0].memory_free_mib == 11441 and snap.calls == 3
 
 
 def test_query_failures_map_to_errors():
@@ -449,13 +500,15 @@ def test_compute_cap_rejected_by_an_old_driver_falls_back_keeping_mig_mode():
         if argv[1].startswith("--query-gpu=") and "compute_cap" in argv[1]:
             return RunResult(2, 'Field "compute_cap" is not a valid field to query.\n')
         if argv[1].startswith("--query-gpu="):
-            return RunResult(0, "0, GPU-1, 00000000:01:00.0, A100, 40960, 0, 40536, 0, 30, 50.0, Disabled, 470.82.01\n")
+            row = "0, GPU-1, 00000000:01:00.0, A100, 40960, 0, 40536, 0, 30, 50.0, Disabled, 1410, 470.82.01\n"
+            return RunResult(0, row)
         return RunResult(0, "")
 
     snap = smi.query(runner=runner)
     g = snap.gpus[0]
     assert g.mig_enabled is False and g.compute_cap is None and snap.calls == 3
     assert "mig.mode.current" in seen[-1] and "compute_cap" not in seen[-1]
+    assert g.max_sm_clock_mhz == 1410  # only the rejected field is dropped
 
 
 def test_parser_doctests():

@@ -45,7 +45,7 @@ __all__ = [
 
 
 # What we ask for.  Every field is one nvidia-smi has had since the R450 drivers
-# except ``mig.mode.current``; if a driver rejects a field we retry with BASIC.
+# except ``mig.mode.current``; a field a driver rejects is dropped and the rest asked again (smi.py).
 BASIC_GPU_FIELDS: tuple[str, ...] = (
     "index",
     "uuid",
@@ -64,7 +64,8 @@ MID_GPU_FIELDS: tuple[str, ...] = BASIC_GPU_FIELDS[:-1] + (
     "driver_version",
 )
 # compute_cap (R510+) and clocks.max.sm rank devices the way CUDA's FASTEST_FIRST does; a driver that rejects
-# a field ("... is not a valid field to query") is asked again with MID_GPU_FIELDS, then BASIC_GPU_FIELDS
+# a field ("... is not a valid field to query") is asked again without only that field (BASIC_GPU_FIELDS when
+# the message names none)
 GPU_FIELDS: tuple[str, ...] = MID_GPU_FIELDS[:-1] + ("compute_cap", "clocks.max.sm", "driver_version")
 APP_FIELDS: tuple[str, ...] = ("gpu_uuid", "pid", "process_name", "used_memory")
 

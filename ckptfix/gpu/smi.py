@@ -15,7 +15,6 @@ from ckptfix.gpu.parse import (
     APP_FIELDS,
     BASIC_GPU_FIELDS,
     GPU_FIELDS,
-    MID_GPU_FIELDS,
     classify_failure,
     first_lines,
     parse_apps_csv,
@@ -74,15 +73,29 @@ class _Assembly:
         self.mig_listed = False
 
 
+def _rejected_field(said: str, fields: Sequence[str]) -> str | None:
+    """The field nvidia-smi names in ``Field "mig.mode.current" is not a valid field to query.``, if one we asked."""
+    for part in said.split('"')[1::2]:
+        if part.strip().lower() in fields:
+            return part.strip().lower()
+    return None
+
+
 def _older_driver_retry(calls: _Calls, smi: str, gres: RunResult) -> tuple[RunResult, tuple[str, ...]]:
-    """Ask again with fewer fields while the driver rejects one ("... is not a valid field to query")."""
+    """Ask again without each field the driver rejects ("Field "X" is not a valid field to query"), one at a
+    time: an R418 driver lacks ``mig.mode.current`` and ``compute_cap`` but answers temperature and power."""
     fields: tuple[str, ...] = GPU_FIELDS
-    while fields != BASIC_GPU_FIELDS and gres.returncode != 0:
+    for _ in range(len(GPU_FIELDS)):
+        if gres.returncode == 0 or fields == BASIC_GPU_FIELDS:
+            break
         said = (gres.stdout + gres.stderr).lower()
         if "not a valid field" not in said:
             break
-        # an older driver: without compute_cap (< R510) and maybe without mig.mode.current (named first if so)
-        fields = MID_GPU_FIELDS if fields == GPU_FIELDS and "mig.mode.current" not in said else BASIC_GPU_FIELDS
+        bad = _rejected_field(said, fields)
+        if bad is None or bad in BASIC_GPU_FIELDS:  # not named (or a field every driver has): the safe minimum
+            fields = BASIC_GPU_FIELDS
+        else:
+            fields = tuple(f for f in fields if f != bad)
         gres = calls.run([_gpu_argv(smi, fields)])[0]
     return gres, fields
 
