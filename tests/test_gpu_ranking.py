@@ -60,3 +60,29 @@ def test_group_is_anchored_at_its_freest_gpu():
 def test_min_free_rejection_shows_exact_sizes_when_gib_look_equal():
     _, rejected = rank_gpus([gpu(0, 81_919)], Criteria(min_free_mib=81_920))
     assert rejected[0].reason == "81,919 MiB free < --min-free 81,920 MiB"
+
+
+def test_an_idle_cuda_context_of_another_container_loses_the_tie_to_an_empty_gpu():
+    # issue 34 C4: GPU 0 has 400 MiB used and no visible process (another container's idle CUDA context: under
+    # HIDDEN_BUSY_MIB, so no process is counted), GPU 1 nothing; within the 512 MiB tolerance GPU 0 won on index
+    from ckptfix.gpu.records import SmiSnapshot
+    from ckptfix.gpu.visible import build_view
+
+    def smi(i, used):
+        total = 143_771
+        return SmiGpu(
+            index=i,
+            uuid=f"GPU-{i:08d}",
+            name="NVIDIA H200",
+            memory_total_mib=total,
+            memory_used_mib=used,
+            memory_free_mib=total - used - 502,
+            utilization_pct=0,
+            processes=(),
+        )
+
+    view = build_view(SmiSnapshot(gpus=(smi(0, 400), smi(1, 0)), processes_known=True), {})
+    assert view.devices[0].process_count == 0 and view.devices[0].hidden_used_mib == 0
+    ranked, _ = rank_gpus(view.devices, Criteria())
+    assert [r.gpu.smi_index for r in ranked] == [1, 0]
+    assert "nothing on it (GPU 0 has 400 MiB used with no visible process" in ranked[0].reason, ranked[0].reason

@@ -7,7 +7,8 @@ MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
 those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
 free memory in exact MiB, where GPUs within :data:`FREE_TOLERANCE_MIB` (512 MiB) of the freest of their
 group count as equal (so 0 MiB and 292 MiB of residue tie), then utilization,
-then process count, then nvidia-smi index.  Used memory with no visible process
+then process count, then nothing on it (300+ MiB used with no visible process is another container's idle
+CUDA context), then nvidia-smi index.  Used memory with no visible process
 (a process in another container) counts as one process.
 
 Choosing (:func:`choose_gpus`): rank, lease (:mod:`ckptfix.gpu.leases`), wait and retry; it changes no
@@ -226,14 +227,26 @@ def _effective_procs(g: VisibleGpu) -> int:
 FREE_TOLERANCE_MIB = 512
 
 
-def _tie_key(g: VisibleGpu) -> tuple[int, int, int]:
+#: used memory with no visible process from this much on is something on the GPU: another container's idle CUDA
+#: context holds 300-500 MiB, the driver's residue of a freed GPU is 0-300 MiB (nvidia-smi of a released H200)
+IDLE_CONTEXT_MIB = 300
+
+
+def _something_on_it(g: VisibleGpu) -> bool:
+    return (g.process_count or 0) == 0 and (g.memory_used_mib or 0) >= IDLE_CONTEXT_MIB
+
+
+def _tie_key(g: VisibleGpu) -> tuple[int, int, int, int]:
     util = g.utilization_pct if g.utilization_pct is not None else 101
-    return (util, _effective_procs(g), g.smi_index)
+    # then the GPU with nothing on it: an idle CUDA context of another container (below HIDDEN_BUSY_MIB, so not
+    # counted as a process) ties on free memory with an empty GPU, and a job there would share the GPU
+    return (util, _effective_procs(g), int(_something_on_it(g)), g.smi_index)
 
 
 def _order(devices: Sequence[VisibleGpu]) -> list[list[VisibleGpu]]:
     """Most free memory first, compared in exact MiB; GPUs within :data:`FREE_TOLERANCE_MIB` of the freest of
-    their group count as equal and are ordered by utilization, then processes, then nvidia-smi index."""
+    their group count as equal and are ordered by utilization, then processes, then nothing on it (no idle
+    context of another container: :data:`IDLE_CONTEXT_MIB`), then nvidia-smi index."""
     by_free = sorted(devices, key=lambda g: (-(g.memory_free_mib or 0), g.smi_index))
     out: list[list[VisibleGpu]] = []
     i = 0
@@ -270,6 +283,11 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
         return f"{near}, lower utilization ({ua} vs {ub})"
     if ka[1] != kb[1]:
         return f"{near}, same utilization, fewer processes ({ka[1]} vs {kb[1]})"
+    if ka[2] != kb[2]:
+        return (
+            f"{near}, same utilization and processes, nothing on it (GPU {b.smi_index} has {_mib(b.memory_used_mib)} "
+            "used with no visible process: another container's idle CUDA context)"
+        )
     return f"{near}, same utilization and processes; lower nvidia-smi index"
 
 
