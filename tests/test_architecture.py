@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[1] / "ckptfix"
 
 #: each folder of the package, and the modules at its root (the ground), with its floor: a folder imports only
 #: the ground, the floors below it and itself (docs/architecture.md)
-GROUND = ["errors", "text", "display", "_torch", "_startup", "_dataclass", "_dataclass_inits", "_version"]
+GROUND = ["errors", "text", "display", "_torch", "_startup", "_version"]
 LAYERS = {
     **dict.fromkeys(GROUND, 0),
     "files": 1,  # bytes, local or remote

@@ -116,9 +116,7 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "aiohttp",
         "s3fs",
     ]
-    _check(
-        mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt", "ckptfix._dataclass", "ckptfix.files.zipdir"]
-    )
+    _check(mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt", "ckptfix.files.zipdir"])
 
 
 @pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]])
@@ -130,41 +128,6 @@ def test_gpus_and_pick_gpu_import_nothing_of_the_checkpoint_side(args, tmp_path)
     if "--json" in args:  # --json renders with json, and only then
         absent.remove("json")
     _check(mods, absent, ["ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix.gpu.runner"])
-
-
-_LIST_STANDARD_DATACLASSES = (
-    "import atexit, dataclasses, sys\n"
-    "made = []\n"
-    "process = dataclasses._process_class\n"
-    "def spy(cls, init, repr, eq, *args, **kw):\n"
-    "    if repr or eq:  # ckptfix._dataclass asks the standard decorator for __init__ only\n"
-    "        made.append(cls.__module__ + '.' + cls.__qualname__)\n"
-    "    return process(cls, init, repr, eq, *args, **kw)\n"
-    "dataclasses._process_class = spy\n"
-    "atexit.register(lambda: sys.stderr.write('\\nSTANDARD ' + ' '.join(made) + '\\n'))\n"
-    "import runpy\n"
-    "sys.argv[0] = 'ckptfix'\n"
-    "runpy.run_module('ckptfix', run_name='__main__', alter_sys=True)\n"
-)
-
-
-@pytest.mark.parametrize("command", ["inspect", "scan", "gpus"])
-def test_start_up_paths_make_their_records_with_the_cheaper_dataclass(command, torch_zip, tmp_path):
-    """The standard decorator costs about twice ckptfix._dataclass's per class (``formats.registry`` used it)."""
-    args = [command] if command == "gpus" else [command, str(torch_zip)]
-    env = {**fake_smi_env(tmp_path, "h200_busy"), "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(
-        [sys.executable, "-c", _LIST_STANDARD_DATACLASSES, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert p.returncode == 0, p.stderr
-    line = [ln for ln in p.stderr.splitlines() if ln.startswith("STANDARD")]
-    assert line, p.stderr
-    assert line[-1].split()[1:] == []
 
 
 def test_checkpoint_commands_share_one_click_path():

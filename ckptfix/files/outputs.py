@@ -16,10 +16,9 @@ A field's ``metadata["flag"]`` is the command-line spelling the refusal names.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, Mapping, TypedDict
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import OptionNotApplicableError
 from ckptfix.files.progress import Progress
 

@@ -7,11 +7,10 @@ Format modules import this module, never the :mod:`ckptfix.formats` package (whi
 from __future__ import annotations
 
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping, TypeVar, Union
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
 from ckptfix.formats.statedict import find_state_dict
 from ckptfix.pickles import StorageRecord

@@ -18,10 +18,8 @@ Nothing here imports torch or transformers.
 from __future__ import annotations
 
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any
-
-from ckptfix._dataclass import dataclass
 
 
 @dataclass(frozen=True)

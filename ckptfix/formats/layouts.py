@@ -28,10 +28,9 @@ from __future__ import annotations
 import contextvars
 import os
 import re
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, NoModelWeightsError
 from ckptfix.formats import register_subfolder_lister
 from ckptfix.formats.roles import WEIGHT_NAMES, file_role

@@ -28,9 +28,9 @@ sanitize    rewritten for ``torch.load(weights_only=True)``        ``ckptfix.ops
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from ckptfix._dataclass import dataclass  # the standard decorator's classes, cheaper to create (start-up)
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats.base import Format, package_message, tar_message
 

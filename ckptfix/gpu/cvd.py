@@ -22,9 +22,9 @@ compares the exact string: any other value (``pci_bus_id``, a typo) means
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.gpu.records import SmiGpu
 
 __all__ = ["Kind", "VisibleSpec", "strtoul_prefix", "parse_visible_devices", "cvd_fix", "describe_spec"]

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import (
     CkptfixError,
     DriverMismatchError,

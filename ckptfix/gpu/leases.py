@@ -23,9 +23,9 @@ import fcntl
 import os
 import stat
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import OutputError
 
 __all__ = [

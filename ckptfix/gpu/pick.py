@@ -20,10 +20,9 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CudaAlreadyInitializedError, GpuWaitTimeoutError, NoGpuError, NoGpuFitsError
 from ckptfix.gpu.cudainit import cuda_init_route
 from ckptfix.gpu.leases import (

@@ -5,9 +5,8 @@ process sees (:class:`VisibleGpu`, a :class:`SmiGpu` under a ``cuda:N`` number).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
-
-from ckptfix._dataclass import dataclass
 
 __all__ = [
     "GpuProcess",

@@ -11,9 +11,9 @@ import io
 import os
 import select
 import time
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import GpuQueryError, GpuToolingError
 
 _SIGKILL = getattr(_signal, "SIGKILL", 9)

@@ -9,10 +9,9 @@ and lists what is wrong (:mod:`ckptfix.gpu.diagnosis`).  :func:`visible_gpus` ru
 from __future__ import annotations
 
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, NoGpuError
 from ckptfix.gpu import diagnosis
 from ckptfix.gpu.cudainit import cuda_init_route, cuda_initialized

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import collections
 import os
-from dataclasses import asdict, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from ckptfix._dataclass import dataclass
 from ckptfix.files import source
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint
 from ckptfix.formats.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve

@@ -14,9 +14,9 @@ from __future__ import annotations
 import _compat_pickle
 import collections
 import struct
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
 from ckptfix.formats.base import Format
 from ckptfix.pickles import (

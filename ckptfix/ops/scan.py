@@ -11,10 +11,9 @@ import collections
 import io
 import os
 import struct
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.files import source
 from ckptfix.files.zipdir import open_zip

@@ -35,10 +35,9 @@ import io
 import mmap
 import os
 import struct
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import ResourceLimitError
 
 HIGHEST_PROTOCOL = 5

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import codecs
 import collections
+from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from ckptfix._dataclass import dataclass
 from ckptfix.pickles import _unpickler as pickle
 
 #: what :func:`classify_global` says of a global

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import io
+from dataclasses import dataclass
 from typing import (
     Any,
     BinaryIO,
@@ -16,7 +17,6 @@ from typing import (
     TypeVar,
 )
 
-from ckptfix._dataclass import dataclass
 from ckptfix.pickles import _unpickler as pickle
 from ckptfix.pickles.opcodes import (
     PickleLimits,

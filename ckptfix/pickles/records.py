@@ -5,12 +5,11 @@ Plain data (storage key, dtype, offset, shape, stride), with the dtype tables th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import (
     Any,
     Sequence,
 )
-
-from ckptfix._dataclass import dataclass
 
 # --------------------------------------------------------------------------- dtypes
 

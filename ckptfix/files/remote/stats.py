@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Iterator
-
-from ckptfix._dataclass import dataclass
 
 
 @dataclass

@@ -19,9 +19,9 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, NoTensorsError
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.formats import stmeta

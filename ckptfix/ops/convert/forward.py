@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.formats import Format, Input, classify, read_checkpoint, stmeta

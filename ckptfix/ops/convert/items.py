@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
 from typing import Any, Iterator, Literal, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.files.fileio import CHUNK, Fds
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST

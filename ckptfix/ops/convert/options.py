@@ -14,10 +14,9 @@ HuggingFaceStorageWriter).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
 from ckptfix.files.outputs import OutputKeywords, OutputOptions, given_fields, refuse_given
 
 __all__ = [

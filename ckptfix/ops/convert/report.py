@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, Callable
-
-from ckptfix._dataclass import dataclass
 
 #: ``progress(done_bytes, total_bytes)``
 Progress = Callable[[int, int], None]

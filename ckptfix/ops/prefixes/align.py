@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptfix._dataclass import dataclass
 from ckptfix.ops.prefixes.rename import _INNER_NAMES, _KNOWN_NAMES, KeyFn, M, _carries, _remove_inner, rename_keys
 
 __all__ = [

@@ -5,10 +5,9 @@ from __future__ import annotations
 import copy
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import KeyConflictError
 
 __all__ = [
