@@ -290,6 +290,21 @@ def run_python(
     )
 
 
+def plain_env(home: str | os.PathLike, **extra: str) -> dict[str, str]:
+    """The environment of a plain login shell, whatever this process's: ``env -i HOME=... PATH=/usr/bin:/bin``
+    plus the package on ``PYTHONPATH`` and ``EXTRA``; none of ``PYTHONUNBUFFERED``, ``PYTHONDONTWRITEBYTECODE``,
+    ``PYTHONHASHSEED``, ``LANG``/``LC_*``, ``TERM``, ``COLUMNS``, ``CKPTFIX_*`` unless the test passes it.
+
+    Args:
+        home: the ``HOME`` (the test's own directory).
+        extra: more variables (``PYTHONUNBUFFERED="1"`` ...).
+
+    Returns:
+        The environment.
+    """
+    return {"HOME": os.fspath(home), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **extra}
+
+
 def fake_smi_env(tmp_path: Path, scenario: str | None = None) -> dict[str, str]:
     """An environment with the fake nvidia-smi first on PATH, a private lease directory, no CUDA/rank variables.
 

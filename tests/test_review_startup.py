@@ -85,13 +85,16 @@ def test_python_inspect_gets_the_interpreter_back_after_the_command(how):
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["scan"], ["--help"]], ids=" ".join)
 @pytest.mark.parametrize("full_exit", ["0", "1"])
-def test_a_full_standard_output_is_one_error_line_not_an_internal_error(args, full_exit, tmp_path):
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_a_full_standard_output_is_one_error_line_not_an_internal_error(args, full_exit, unbuffered, tmp_path):
     """stdout redirected to a full disk: ``Error: cannot write the output to standard output ...``, exit 9 (the
-    output errors' code), with the exit without teardown and with the interpreter's own."""
-    from tests.helpers import ROOT, CkptFactory
+    output errors' code), with the exit without teardown and with the interpreter's own, in a plain shell's
+    environment with and without ``PYTHONUNBUFFERED`` (issue 36: buffered, the interpreter flushed what the failed
+    write had left in stdout's buffer again at exit: ``Exception ignored in: <stdout>``, exit 120)."""
+    from tests.helpers import CkptFactory, plain_env
 
     argv = [*args, str(CkptFactory(tmp_path).plain().path)] if args != ["--help"] else args
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CKPTFIX_FULL_EXIT": full_exit}
+    env = plain_env(tmp_path, CKPTFIX_FULL_EXIT=full_exit, **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
     with open("/dev/full", "w") as full:
         p = subprocess.run(
             [sys.executable, "-m", "ckptfix", *argv],
@@ -99,6 +102,7 @@ def test_a_full_standard_output_is_one_error_line_not_an_internal_error(args, fu
             stderr=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=tmp_path,
             timeout=120,
         )
     assert p.returncode == OutputError.exit_code, p.stderr

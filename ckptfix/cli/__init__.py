@@ -68,12 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         e.show()
         return e.exit_code
     except BrokenPipeError:
+        _drop_stdout()
         return 0
     except OSError as e:
         if not _stdout_failed(e):
             return _internal_error(e, debug)
         if debug:
             _print_traceback()
+        _drop_stdout()
         refused = stdout_error(e)
         error_line(str(refused))
         return refused.exit_code
@@ -91,6 +93,37 @@ def _stdout_failed(e: OSError) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_locals.get("file") is sys.stdout
+
+
+def _drop_stdout() -> None:
+    """Standard output refused what the command printed: drop what is still buffered for it, here.
+
+    A failed flush keeps the bytes in ``sys.stdout``'s buffer; the interpreter's exit would flush them again
+    and fail again (``Exception ignored in: <stdout> ... OSError``, exit 120, not the command's code), unless
+    ``PYTHONUNBUFFERED`` happened to be set.  So the stream's descriptor is pointed at ``/dev/null`` (the
+    bytes could not be written where it was redirected anyway) and flushed there: the stream stays usable
+    (a program that called :func:`main` itself can still print) and every later flush succeeds.  Where that
+    cannot be done (no descriptor, no ``/dev/null``) the stream is closed instead: the interpreter does not
+    flush a closed stream.
+    """
+    stream = sys.stdout
+    if stream is None:
+        return
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+        stream.flush()
+        return
+    except (OSError, ValueError, AttributeError):
+        pass  # io.UnsupportedOperation is an OSError and a ValueError
+    try:
+        stream.close()
+    except (OSError, ValueError):
+        pass  # closed even so: a failed flush inside close() still closes the descriptor
 
 
 def stdout_error(e: OSError) -> OutputError:
