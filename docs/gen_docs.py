@@ -77,10 +77,18 @@ STEP = "::gen-docs-step::"
 #: what one block may take before it is reported as hung (generous: a loaded machine is slow, not hung)
 BLOCK_TIMEOUT = float(os.environ.get("GEN_DOCS_BLOCK_TIMEOUT", "3600"))
 STAMPS_NAME = "gen_docs.stamps.json"
-#: logs the file of every ckptfix module a process imports (at import: exec and kill lose nothing)
+#: logs the file of every ckptfix module a process imports (at import: exec and kill lose nothing), and
+#: runs each from its source: a ``__pycache__`` file is trusted by the source's size and mtime in whole seconds,
+#: so an edit of the same size within the second (a test, a quick fix) would run the old bytecode while the stamp
+#: hashes the new source (issue 36); compiling ckptfix's own modules costs a few ms
 IMPORT_HOOK = """\
 import os, sys
-from importlib.machinery import PathFinder
+from importlib.machinery import PathFinder, SourceFileLoader
+
+
+class _FromSource(SourceFileLoader):
+    def get_code(self, fullname):
+        return self.source_to_code(self.get_data(self.path), self.path)
 
 
 class _LogCkptfixImports:
@@ -91,6 +99,9 @@ class _LogCkptfixImports:
             if spec is not None and spec.origin:
                 with open(os.environ["GEN_DOCS_IMPORT_LOG"], "a") as f:
                     f.write(spec.origin + "\\n")
+                if type(spec.loader) is SourceFileLoader:
+                    spec.loader = _FromSource(spec.loader.name, spec.loader.path)
+                return spec
         return None
 
 
