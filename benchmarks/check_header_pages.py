@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def one_round(path: str, records: int) -> tuple[int, int] | None:
     import torch
 
-    from ckptfix import pagecache
+    from ckptfix.files import pagecache
     from ckptfix.formats import read_checkpoint
 
     torch.save({f"w{i}": torch.zeros(256 << 10) for i in range(records)}, path)  # 1 MiB records
