@@ -434,12 +434,12 @@ def test_lightning_ckpt_extras_and_optimizer(tmp_path):
     }
     src = tmp_path / "last.ckpt"
     torch.save(ckpt, src)
-    with pytest.raises(UnsupportedError, match=r"callbacks\.EMA\.shadow"):  # a tensor left out: never silently
-        convert_to_safetensors(src, strip_prefix=True)
+    with pytest.raises(UnsupportedError, match=r"callbacks\.EMA\.shadow"):  # --strict: every tensor or refused
+        convert_to_safetensors(src, strip_prefix=True, strict=True)
     assert not (tmp_path / "last.safetensors").exists()
-    r = convert_to_safetensors(src, strip_prefix=True, drop=["callbacks"])
-    assert r.key_path == ("state_dict",) and r.excluded == ["optimizer_states"]
-    assert r.renamed == 2 and "callbacks.EMA.shadow" in r.skipped and r.dropped == ["callbacks.EMA.shadow"]
+    r = convert_to_safetensors(src, strip_prefix=True)  # issue 34 A: left out, named
+    assert r.key_path == ("state_dict",) and r.excluded == ["optimizer_states", "callbacks"]
+    assert r.excluded_tensors == {"callbacks": 1} and r.renamed == 2 and r.dropped == []
     out = tmp_path / "last.safetensors"
     assert set(load_file(out)) == {"weight", "bias"}
     meta = meta_of(out)

@@ -452,19 +452,22 @@ def test_quantized_dropped_on_request_is_reported(tmp_path, capsys):
     assert sorted(doc["dropped"]) == [f"{i}._packed_params._packed_params.{j}" for i in (0, 2) for j in (0, 1)]
 
 
-def test_tensor_outside_the_state_dict_refused_unless_dropped_or_keyed(tmp_path):
+def test_tensor_outside_the_state_dict_excluded_and_named_strict_refuses(tmp_path):
     from ckptfix.errors import UnsupportedError
     from ckptfix.ops.convert import convert
 
     p = tmp_path / "ema.pt"
     torch.save({"model": {"w": torch.ones(2)}, "extra": {"shadow": [torch.zeros(3)]}, "epoch": 1}, p)
-    with pytest.raises(UnsupportedError, match=r"extra\.shadow\.0"):
-        convert(p, tmp_path / "a.safetensors")
-    assert not (tmp_path / "a.safetensors").exists()
-    r = convert(p, tmp_path / "b.safetensors", drop=["extra"])
+    r = convert(p, tmp_path / "a.safetensors")  # issue 34 A: the output is the state dict; the rest is named
+    assert r.tensors == 1 and r.dropped == [] and r.excluded == ["extra"] and r.excluded_tensors == {"extra": 1}
+    assert "extra.shadow.0" not in r.skipped
+    with pytest.raises(UnsupportedError, match=r"extra\.shadow\.0.*--strict"):
+        convert(p, tmp_path / "s.safetensors", strict=True)
+    assert not (tmp_path / "s.safetensors").exists()
+    r = convert(p, tmp_path / "b.safetensors", drop=["extra"], strict=True)
     assert r.dropped == ["extra.shadow.0"] and r.tensors == 1
-    r = convert(p, tmp_path / "c.safetensors", key="model")  # an explicit entry: the rest left as asked, listed
-    assert r.dropped == ["extra.shadow.0"]
+    r = convert(p, tmp_path / "c.safetensors", key="model")  # an explicit entry: the rest excluded, not "dropped"
+    assert r.dropped == [] and r.excluded == ["extra"]
 
 
 def test_tensor_under_a_tuple_key_is_counted(tmp_path):
@@ -473,8 +476,9 @@ def test_tensor_under_a_tuple_key_is_counted(tmp_path):
 
     p = tmp_path / "tk.pt"
     torch.save({"model": {"w": torch.ones(2)}, "cache": {(1, 2): torch.zeros(3)}}, p)
+    assert convert(p, tmp_path / "a.safetensors").excluded_tensors == {"cache": 1}
     with pytest.raises(UnsupportedError, match="missing from the output"):
-        convert(p, tmp_path / "a.safetensors")
+        convert(p, tmp_path / "b.safetensors", strict=True)
 
 
 def test_drop_leaves_out_state_dict_tensors_by_pattern(tmp_path):
@@ -489,15 +493,16 @@ def test_drop_leaves_out_state_dict_tensors_by_pattern(tmp_path):
     assert set(load_file(tmp_path / "o.safetensors")) == {"b.weight"}
 
 
-def test_dcp_convert_refuses_tensor_entries_it_would_leave_out(tmp_path, capsys):
+def test_dcp_convert_excludes_tensor_entries_outside_the_state_dict(tmp_path, capsys):
     from safetensors.torch import load_file
 
     d = tmp_path / "run.dcp"
     _save_dcp(d, {"model": {"w": torch.ones(4)}, "ema": {"w": torch.zeros(4)}, "epoch": 3})
     out = tmp_path / "m.safetensors"
-    assert main(["convert", str(d), "-o", str(out)]) == 8
+    assert main(["convert", str(d), "-o", str(out), "--strict"]) == 8
     assert "ema.w" in capsys.readouterr().err and not out.exists()
-    assert main(["convert", str(d), "-o", str(out), "--drop", "ema"]) == 0
+    assert main(["convert", str(d), "-o", str(out)]) == 0
+    assert "excluded: ema (1 tensor: --key ema converts the EMA weights)" in capsys.readouterr().err
     assert set(load_file(out)) == {"w"}
 
 
@@ -648,3 +653,32 @@ def test_scan_of_a_file_larger_than_the_address_space_is_no_internal_error(tmp_p
     )
     assert r.returncode in (4, 11, 12), r.stderr
     assert "internal error" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_timm_style_ema_checkpoint_converts_and_the_report_words_are_true(tmp_path, capsys):
+    """Issue 34 A: timm's last.pth.tar layout (state_dict, state_dict_ema, optimizer): exit 0, the rest named."""
+    m = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ema = {k: v.clone() * 0.5 for k, v in m.state_dict().items()}
+    p = tmp_path / "last.pth.tar"
+    torch.save({"epoch": 3, "arch": "lin", "state_dict": m.state_dict(), "optimizer": opt.state_dict(),
+                "state_dict_ema": ema, "metric": 0.5}, p)  # fmt: skip
+    out = tmp_path / "a.safetensors"
+    assert main(["convert", str(p), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "excluded: optimizer (--include-optimizer), state_dict_ema (2 tensors: --key state_dict_ema" in err
+    out2 = tmp_path / "b.safetensors"
+    assert main(["convert", str(p), "--key", "state_dict_ema", "-o", str(out2), "--json"]) == 0
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)
+    assert doc["dropped"] == [] and doc["excluded_tensors"] == {"state_dict": 2} and doc["skipped"] == {}
+    from safetensors.torch import load_file
+
+    got = load_file(out2)
+    assert all(torch.equal(got[k], v) for k, v in ema.items())
+    assert main(["convert", str(p), "--key", "state_dict_ema", "-o", str(tmp_path / "c.safetensors"), "--force"]) == 0
+    err = capsys.readouterr().err
+    assert "--drop" not in err and "non-tensor" not in err
+    assert main(["convert", str(p), "-o", str(tmp_path / "d.safetensors"), "--keep-all"]) == 8

@@ -66,8 +66,15 @@ from ckptfix.cli.group import cli
     multiple=True,
     metavar="PATTERN",
     help="Leave out tensors whose name or dotted path matches PATTERN (fnmatch; repeatable). Without it, "
-    "a checkpoint holding tensors the output cannot (quantized packed params, tensors outside the state "
-    "dict) is refused (exit 8).",
+    "a state dict holding tensors the output cannot (quantized packed params) is refused (exit 8); tensors "
+    "outside the state dict (an EMA copy, callbacks) are left out and listed as excluded.",
+)
+@click.option(
+    "--strict",
+    "--keep-all",
+    "strict",
+    is_flag=True,
+    help="Refuse (exit 8) when any tensor of the input, also outside the state dict, would be missing.",
 )
 @click.option("--include-optimizer", is_flag=True, help="Also write optimizer tensors, as optimizer.<path>.")
 @click.option(
@@ -122,6 +129,7 @@ def convert_cmd(
     max_shard_size: str | None,
     keep: tuple[str, ...],
     drop: tuple[str, ...],
+    strict: bool,
     include_optimizer: bool,
     restore_wrapper: bool,
     no_verify: bool,
@@ -177,6 +185,7 @@ def convert_cmd(
         keep=tuple(keep or ()),
         allow_expand=allow_expand,
         drop=tuple(drop or ()),
+        strict=strict,
         restore_wrapper=restore_wrapper,
         shards=shards,
         tag=tag,
@@ -234,7 +243,8 @@ def _summary(r: Any) -> None:
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
     if r.excluded:
-        info(f"excluded: {', '.join(r.excluded)} (pass --include-optimizer to keep optimizer tensors)")
+        detail = getattr(r, "excluded_detail", {})
+        info("excluded: " + ", ".join(f"{e} ({detail.get(e, '--include-optimizer')})" for e in r.excluded))
     if getattr(r, "dropped", None):
         info(
             f"dropped on request (--drop): {len(r.dropped)} tensor(s): "

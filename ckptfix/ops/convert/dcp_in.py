@@ -322,7 +322,8 @@ def convert_dcp(
         extra = {**extra_metadata, **extra}
 
     named = drop_named(named, drop, report)
-    refuse_unwritten(src, unwritten, drop if key is None else ("*",), report)  # no tensor left out silently
+    strict = options.strict and key is None
+    refuse_unwritten(src, unwritten, drop, report, tuple(key_path), strict, cf.obj)  # named, or refused
     named, _ = output_names(named, opt_named, strip_prefix, report)
     if not named:
         raise NoTensorsError(f"{src}: the DCP checkpoint holds no tensors at {'/'.join(key_path) or 'top level'}")

@@ -105,7 +105,6 @@ class _Extras:
                 name = "optimizer." + path
                 self.opt_tensors.append((name, v))
                 return {"__tensor__": name}
-            self._skip(path, "a tensor outside the state dict")
             self.unwritten.append((path, v))
             return _OMIT
         if depth > 32 or id(v) in self._seen:

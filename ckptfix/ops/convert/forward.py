@@ -155,7 +155,7 @@ def convert_to_safetensors(
     from ckptfix.formats.hfarch import own_prefixes
 
     kept = drop_named(source.named, c.drop, report)
-    refuse_unwritten(src, unwritten, c.drop if o.key is None else ("*",), report)  # --key: the rest is left on request
+    refuse_unwritten(src, unwritten, c.drop, report, source.key_path, c.strict and o.key is None, source.obj)
     named, order = output_names(kept, opt_named, c.strip_prefix, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
@@ -220,20 +220,51 @@ def drop_named(named: list[tuple[str, Any]], patterns: Sequence[str], report: Co
 
 
 def refuse_unwritten(
-    src: str, unwritten: list[tuple[str, Any]], patterns: Sequence[str], report: ConvertReport
+    src: str,
+    unwritten: list[tuple[str, Any]],
+    patterns: Sequence[str],
+    report: ConvertReport,
+    key_path: Sequence[str] = (),
+    strict: bool = False,
+    obj: Any = None,
 ) -> None:
-    """Refuse (exit 8, nothing written) when the input holds tensors the output would not, unless dropped on request.
+    """Settle the tensors of the input the output has no place for (issue 34 A).
+
+    Loss *inside* the state dict (tensors in a non-tensor value of it: quantized packed params ...) is
+    refused unless ``--drop`` names it.  Tensors *outside* the state dict (an EMA copy, a callback's
+    ``kth_value``, metric buffers in the hyper-parameters) are left out and named in ``report.excluded``
+    (with their count in ``report.excluded_tensors``); ``strict`` refuses them as well, as loss.
+
+    Args:
+        src: the input (for the message).
+        unwritten: ``(dotted path, tensor)`` pairs.
+        patterns: the ``--drop`` patterns: what they name is dropped on request (``report.dropped``).
+        report: gets ``dropped``, ``excluded``, ``excluded_tensors``, ``excluded_detail``.
+        key_path: where the state dict sits (empty: the state dict is the whole file).
+        strict: refuse tensors outside the state dict too (``--strict``).
+        obj: the whole checkpoint (to say which excluded entry ``--key`` converts).
 
     Raises:
-        UnsupportedError: tensors outside the state dict (and outside an included optimizer) that no
-            ``--drop`` pattern names.
+        UnsupportedError: tensors the output would not hold, not named by ``--drop``.
     """
+    inside_prefix = ".".join(key_path) + "." if key_path else ""
     left = []
     for path, t in unwritten:
         if _dropped(path, patterns):
             report.dropped.append(path)
-        else:
+        elif strict or not key_path or path.startswith(inside_prefix):
             left.append((path, t))
+        else:
+            entry = _entry_of(path, key_path)
+            if entry not in report.excluded:
+                report.excluded.append(entry)
+            report.excluded_tensors[entry] = report.excluded_tensors.get(entry, 0) + 1
+    for entry, n in report.excluded_tensors.items():
+        what = f"{n} tensor{'s' if n != 1 else ''}"
+        if _is_state_dict_entry(obj, entry):
+            weights = "the EMA weights" if "ema" in entry.lower() else "them"
+            what += f": --key {entry.replace('.', '/')} converts {weights}"
+        report.excluded_detail[entry] = what
     if not left:
         return
     quantized = [p for p, t in left if getattr(t, "kind", None) == "quantized" or getattr(t, "is_quantized", False)]
@@ -245,14 +276,39 @@ def refuse_unwritten(
             "quantizing, or keep the .pt"
         )
         hint = "*_packed_params*"
+    elif strict and key_path and not any(p.startswith(inside_prefix) for p, _ in left):
+        why = "they sit outside the state dict, and --strict keeps every tensor or refuses"
+        hint = left[0][0].split(".")[0] + "*"
     else:
-        why = "safetensors holds the state dict's tensors (and, with --include-optimizer, the optimizer's)"
+        why = "they sit in non-tensor values of the state dict, which safetensors cannot hold"
         hint = left[0][0].split(".")[0] + "*"
     raise UnsupportedError(
         f"{src}: {len(left)} tensor(s) of the input would be missing from the output: {names}; {why}. "
         f"Nothing was written. Pass --drop '{hint}' to leave them out on purpose, or --key to convert the "
         "entry that holds them"
     )
+
+
+def _entry_of(path: str, key_path: Sequence[str]) -> str:
+    """The entry of the checkpoint that holds ``path``: its first segment off the state dict's path."""
+    segs = path.split(".")
+    i = 0
+    while i < len(key_path) - 1 and i < len(segs) - 1 and segs[i] == key_path[i]:
+        i += 1
+    return ".".join(segs[: i + 1])
+
+
+def _is_state_dict_entry(obj: Any, entry: str) -> bool:
+    """Is ``obj``'s entry at dotted ``entry`` a mapping of names to tensors (what ``--key`` converts)?"""
+    node = obj
+    for seg in entry.split("."):
+        if not isinstance(node, Mapping) or seg not in node:
+            return False
+        node = node[seg]
+    if not isinstance(node, Mapping) or not node:
+        return False
+    vals = list(node.values())
+    return sum(1 for v in vals if is_tensor_like(v)) * 2 >= len(vals)
 
 
 @dataclass

@@ -61,6 +61,7 @@ class ConvertOptions:
         keep: of tied tensors, store these names.
         allow_expand: allow outputs over 4x the input + 64 MiB.
         drop: tensors to leave out (names or ``fnmatch`` patterns).
+        strict: refuse tensors outside the state dict too (by default they are left out and reported).
         restore_wrapper: back to torch: rebuild the checkpoint dict around the state dict.
         shards: DCP output: write as this many ranks would.
         tag, dtype: a DeepSpeed ZeRO folder: the tag to consolidate; the floating dtype written.
@@ -76,6 +77,7 @@ class ConvertOptions:
     keep: Sequence[str] = _opt((), "--keep", ("safetensors",))
     allow_expand: bool = _opt(False, "--allow-expand", ("safetensors",))
     drop: Sequence[str] = _opt((), "--drop", ("safetensors",))
+    strict: bool = _opt(False, "--strict", ("safetensors",))
     restore_wrapper: bool = _opt(False, "--restore-wrapper", ("pt",))
     shards: int = _opt(1, "--shards", ("dcp",))
     tag: str | None = _opt(None, "--tag", ("zero",))
@@ -113,6 +115,7 @@ class ConvertKeywords(OutputKeywords, total=False):
     keep: Sequence[str]
     allow_expand: bool
     drop: Sequence[str]
+    strict: bool
     restore_wrapper: bool
     shards: int
     tag: str | None

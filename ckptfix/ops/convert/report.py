@@ -25,7 +25,10 @@ class ConvertReport:
         views: ``{view: base}`` of views restorable from a stored base.
         copied_views: views of a shared storage written as copies.
         tied_rule: what chose the stored name of tied tensors (``--keep``, transformers, state-dict order).
-        excluded: top-level optimizer entries left out.
+        excluded: entries of the checkpoint left out: optimizer entries (``--include-optimizer`` keeps them)
+            and entries outside the state dict holding tensors (an EMA copy, a callback's ``kth_value``).
+        excluded_tensors: ``{entry: tensors left out}`` of the latter.
+        excluded_detail: ``{entry: what it held and how to convert it}`` of the latter.
         not_converted: ``{file: why}`` of a framework folder's other weight files left out (accelerate's
             ``model_1``); in ``to_dict()`` only when not empty.
         skipped: ``{path: why}`` of non-tensor values not kept (200 at most).
@@ -53,6 +56,8 @@ class ConvertReport:
     copied_views: list[str] = field(default_factory=list)
     tied_rule: str | None = None
     excluded: list[str] = field(default_factory=list)
+    excluded_tensors: dict[str, int] = field(default_factory=dict)
+    excluded_detail: dict[str, str] = field(default_factory=dict)
     not_converted: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
