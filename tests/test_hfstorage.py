@@ -103,3 +103,32 @@ def test_merged_order_keeps_every_shards_order() -> None:
     assert sorted(got) == ["a", "b", "c", "d"] and got[0] == "a" and got[-1] == "d"
     assert _merged_order([["b", "c"], ["a", "b"]]) == ["a", "b", "c"]
     assert _merged_order([["a"], ["z"]]) == ["a", "z"]
+
+
+def test_a_rank_file_copied_over_another_is_refused(tmp_path: Path) -> None:
+    """Issue 39 §2: three ranks split a (6, 4) tensor by rows (torch's own writer); rank 3's file is replaced
+    by a copy of rank 1's.  The chunk sizes still add up to 24, but rows 0-1 are covered twice and rows 4-5 not
+    at all: refused (exit 4), never an output with zeros or repeated rows."""
+    pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    from hfstorage_ranks import expected, write
+
+    d = tmp_path / "run"
+    write(str(d), 3)
+    out = tmp_path / "ok.safetensors"
+    r = run_cli("convert", str(d), "-o", str(out))  # the untampered folder converts right
+    assert r.rc == 0, r.err
+    import torch
+
+    got, exp = load_file(str(out)), expected()
+    assert all(torch.equal(got[k], exp[k]) for k in exp)
+    shutil.copyfile(
+        d / "shard-00001-model-00001-of-00001.safetensors", d / "shard-00003-model-00001-of-00001.safetensors"
+    )
+    with pytest.raises(CorruptCheckpointError, match="overlap"):
+        read_hf_storage(find_hf_storage(d))
+    bad = tmp_path / "bad.safetensors"
+    r = run_cli("convert", str(d), "-o", str(bad))
+    assert r.rc == CorruptCheckpointError.exit_code and r.err.startswith("Error: ") and len(r.err.splitlines()) == 1
+    assert "overlap" in r.err and not bad.exists()

@@ -191,13 +191,18 @@ def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
             else:
                 t.shape = [max(a, s + o) for a, s, o in zip(t.shape, shape, offs, strict=True)]
             t.chunks.append(_Chunk(f, start + b, offs, shape))
+    from ckptfix.dcp.meta import Chunk, TensorEntry, check_tiling
+
     for t in tensors.values():  # (a missing *last* shard cannot be told from the files: torch has no index)
-        covered = sum(math.prod(c.sizes) for c in t.chunks)
-        if covered < math.prod(t.shape):
-            raise CorruptCheckpointError(
-                f"{hf.path}: tensor {t.name!r} ({t.shape}) is covered by {covered} of {math.prod(t.shape)} elements: "
-                "a shard file is missing; copy every shard-*-model-*.safetensors the ranks wrote"
-            )
+        # by positions, not summed sizes: a rank's file copied over another's still adds up (issue 39)
+        entry = TensorEntry(
+            t.name, t.st_dtype, tuple(t.shape), [Chunk(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks]
+        )
+        check_tiling(
+            entry,
+            f"{hf.path}: tensor {t.name!r} ({t.shape}); a shard file is missing or copied from another rank's "
+            "(copy every shard-*-model-*.safetensors the ranks wrote)",
+        )
     hf.tensors = [tensors[n] for n in _merged_order(orders)]
     hf.read = True
     return hf
