@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 
-def expected():  # noqa: ANN201 - torch tensors
+def expected():
     import torch
 
     return {

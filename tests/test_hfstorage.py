@@ -110,9 +110,8 @@ def test_a_rank_file_copied_over_another_is_refused(tmp_path: Path) -> None:
     by a copy of rank 1's.  The chunk sizes still add up to 24, but rows 0-1 are covered twice and rows 4-5 not
     at all: refused (exit 4), never an output with zeros or repeated rows."""
     pytest.importorskip("torch")
-    from safetensors.torch import load_file
-
     from hfstorage_ranks import expected, write
+    from safetensors.torch import load_file
 
     d = tmp_path / "run"
     write(str(d), 3)
