@@ -191,7 +191,7 @@ def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
             else:
                 t.shape = [max(a, s + o) for a, s, o in zip(t.shape, shape, offs, strict=True)]
             t.chunks.append(_Chunk(f, start + b, offs, shape))
-    from ckptfix.dcp.meta import Chunk, TensorEntry, check_tiling
+    from ckptfix.formats.dcp.meta import Chunk, TensorEntry, check_tiling
 
     for t in tensors.values():  # (a missing *last* shard cannot be told from the files: torch has no index)
         # by positions, not summed sizes: a rank's file copied over another's still adds up (issue 39)
