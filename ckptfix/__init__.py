@@ -40,6 +40,8 @@ _LAZY = {
     "convert_to_safetensors": "ckptfix.ops.convert",
     "convert_from_safetensors": "ckptfix.ops.convert",
     "sanitize_checkpoint": "ckptfix.ops.sanitize",
+    "diff": "ckptfix.ops.diff",
+    "DiffReport": "ckptfix.ops.diff",
     "OutputOptions": "ckptfix.files.outputs",
     "ConvertOptions": "ckptfix.ops.convert",
     "visible_gpus": "ckptfix.gpu",
@@ -59,6 +61,8 @@ if TYPE_CHECKING:
     from ckptfix.ops.convert import ConvertOptions as ConvertOptions
     from ckptfix.ops.convert import convert_from_safetensors as convert_from_safetensors
     from ckptfix.ops.convert import convert_to_safetensors as convert_to_safetensors
+    from ckptfix.ops.diff import DiffReport as DiffReport
+    from ckptfix.ops.diff import diff as diff
     from ckptfix.ops.inspect import inspect_checkpoint as inspect_checkpoint
     from ckptfix.ops.inspect import scan_checkpoint as scan_checkpoint
     from ckptfix.ops.load import LoadedCheckpoint as LoadedCheckpoint

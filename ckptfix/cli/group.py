@@ -31,6 +31,7 @@ COMMAND_MODULES = {
     "align": "ckptfix.cli.ckpt",
     "sanitize": "ckptfix.cli.ckpt",
     "convert": "ckptfix.cli.convert",
+    "diff": "ckptfix.cli.diff",
     "gpus": "ckptfix.cli.gpu",
     "pick-gpu": "ckptfix.cli.gpu",
     "doctor": "ckptfix.cli.gpu",
