@@ -105,18 +105,12 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "subprocess",
         "pickletools",  # only for a pickle past protocol 2 (plaindata.opcodes_weights_only_cannot_read)
         "pickle",  # the unpickler comes from _pickle (ckptfix.pickles._unpickler): pickle.py is 1,800 lines of Python
-        # a torch.save archive is read by ckptfix.files.zipdir: zipfile's imports were 2-5 ms (pathlib, shutil...)
-        "zipfile",
-        "shutil",
-        "bz2",
-        "lzma",
-        "binascii",
         # a local path never needs the remote drivers (ckptfix.files.remote imports fsspec only for a URL)
         "fsspec",
         "aiohttp",
         "s3fs",
     ]
-    _check(mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt", "ckptfix.files.zipdir"])
+    _check(mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt"])
 
 
 @pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]])

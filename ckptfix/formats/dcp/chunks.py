@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
 from ckptfix.files import source
-from ckptfix.files.fileio import ZIP_ERRORS
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
+from ckptfix.formats.zipfmt import ZIP_ERRORS
 from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
 #: a tensor chunk's ``data.pkl`` is a few hundred bytes; anything this large is not one
