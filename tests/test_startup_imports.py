@@ -104,7 +104,6 @@ def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command
         "tarfile",  # a zip's first block is no tar header: refused without tarfile (sniffing.tar_opens)
         "subprocess",
         "pickletools",  # only for a pickle past protocol 2 (plaindata.opcodes_weights_only_cannot_read)
-        "pickle",  # the unpickler comes from _pickle (ckptfix.pickles._unpickler): pickle.py is 1,800 lines of Python
         # a local path never needs the remote drivers (ckptfix.files.remote imports fsspec only for a URL)
         "fsspec",
         "aiohttp",
