@@ -36,8 +36,6 @@ NEVER = [
     "ckptfix.ops.plaindata",  # non-tensor entries only (ckptfix.ops.convert.extras)
     "ckptfix.files.remote.file",
     "fsspec",
-    "difflib",  # click's close matches, when it tried -o as a long option (ckptfix.cli.group.Command.make_parser)
-    "locale",  # imported by gettext's first call (click.Path(): ckptfix.cli._common.PATH)
 ]
 
 _RUN = (
