@@ -96,36 +96,6 @@ def test_the_interpreter_alone_imports_none_of_them(tmp_path):
     assert sorted(m for m in REMOVED if m in p.stdout.split()) == []
 
 
-def test_nvidia_smi_exit_is_waited_for_on_a_pidfd(monkeypatch):
-    """Once nvidia-smi closed its pipes, its exit is waited for on a pidfd, not with ``Popen.wait``'s polling
-    sleeps (the first, 0.5 ms, was a tenth of ``gpus``'s own time); without pidfds the polling is still there."""
-    import os
-    import types
-
-    from ckptfix.gpu import runner
-
-    try:
-        os.close(os.pidfd_open(os.getpid()))
-    except (AttributeError, OSError):
-        pytest.skip("no pidfd_open here (not Linux 5.3+)")
-
-    def no_sleep(_: float) -> None:
-        raise AssertionError("polled with time.sleep")
-
-    monkeypatch.setattr(runner, "time", types.SimpleNamespace(monotonic=runner.time.monotonic, sleep=no_sleep))
-    for _ in range(20):  # the pipes close before the exit is reapable: without the pidfd, a sleep in most rounds
-        (a, b) = runner.run_parallel([["sh", "-c", "echo a"], ["sh", "-c", "echo b >&2; exit 3"]], 10)
-        assert (a.returncode, a.stdout, b.returncode, b.stderr) == (0, "a\n", 3, "b\n")
-
-
-def test_without_pidfds_the_exit_is_polled(monkeypatch):
-    from ckptfix.gpu import runner
-
-    monkeypatch.delattr(runner.os, "pidfd_open", raising=False)
-    (a,) = runner.run_parallel([["sh", "-c", "echo a; exit 4"]], 10)
-    assert (a.returncode, a.stdout) == (4, "a\n")
-
-
 _COLLECTIONS = (
     "import gc, sys\n"
     "seen = []\n"
