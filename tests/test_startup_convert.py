@@ -57,7 +57,7 @@ def _convert(args: list[str], env: dict[str, str] | None = None) -> subprocess.C
 def _modules(p: subprocess.CompletedProcess[str]) -> set[str]:
     assert p.returncode == 0, p.stderr
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
-    assert line, p.stderr  # atexit handlers ran (ckptfix.cli.exit_now runs them before os._exit)
+    assert line, p.stderr  # atexit handlers ran
     return set(line[-1].split()[1:])
 
 
@@ -90,43 +90,6 @@ def test_convert_exit_status_and_error_line_are_kept(tmp_path):
     assert p.returncode != 0
     assert p.stderr.startswith("Error: ") and "Traceback" not in p.stderr
     assert "MODULES " in p.stderr
-
-
-def test_exit_now_runs_atexit_flushes_and_exits_with_the_code(tmp_path):
-    code = (
-        "import atexit, sys\n"
-        "from ckptfix.cli import exit_now\n"
-        "atexit.register(lambda: print('atexit ran'))\n"
-        "sys.stdout.write('pending, not flushed')\n"
-        "exit_now(7)\n"
-        "print('not reached')\n"
-    )
-    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)
-    assert p.returncode == 7
-    assert p.stdout == b"pending, not flushedatexit ran\n"
-
-
-def test_exit_now_leaves_the_normal_exit_to_a_running_thread_and_to_full_exit(tmp_path):
-    code = (
-        "import sys, threading, time\n"
-        "from ckptfix.cli import exit_now\n"
-        "t = threading.Thread(target=lambda: (time.sleep(0.2), print('thread done', flush=True)))\n"
-        "t.start()\n"
-        "exit_now(3)\n"
-        "print('normal exit')\n"
-        "sys.exit(4)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert (p.returncode, p.stdout) == (4, "normal exit\nthread done\n")
-    plain = "from ckptfix.cli import exit_now\nexit_now(3)\nprint('normal exit')\n"
-    p = subprocess.run(
-        [sys.executable, "-c", plain], env={**env, "CKPTFIX_FULL_EXIT": "1"}, capture_output=True, text=True, timeout=60
-    )
-    assert (p.returncode, p.stdout) == (0, "normal exit\n")
-    with_torch = "import torch\nfrom ckptfix.cli import exit_now\nexit_now(3)\nprint('normal exit')\n"
-    p = subprocess.run([sys.executable, "-c", with_torch], env=env, capture_output=True, text=True, timeout=120)
-    assert (p.returncode, p.stdout) == (0, "normal exit\n")  # torch's finalizers (writers, process groups) run
 
 
 def test_temp_files_are_new_private_and_named_for_the_stale_cleaner(tmp_path, monkeypatch):
@@ -203,10 +166,3 @@ def test_posix_fallocate_reserves_the_blocks_of_an_extent_file(tmp_path, monkeyp
         assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
     finally:
         os.close(fd)
-
-
-def test_exit_now_leaves_a_profiled_run_to_its_profiler(tmp_path):
-    code = "import cProfile\nfrom ckptfix.cli import exit_now\ncProfile.run('exit_now(5)')\nprint('profiler printed')\n"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "function calls" in p.stdout and "profiler printed" in p.stdout
