@@ -22,10 +22,6 @@ from tests.helpers import ROOT
 NEVER = [
     "torch",
     "numpy",
-    "concurrent.futures",  # the range requests of a URL input (ckptfix.ops.convert.remote_in.Sources.pool)
-    "logging",
-    "traceback",
-    "textwrap",
     "tempfile",  # temp outputs are made by ckptfix.files.atomic itself
     "random",
     "ckptfix.ops.convert.reverse",  # safetensors -> torch
