@@ -45,7 +45,7 @@ def max_pickle_bytes() -> int:
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
 
 
-#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``); the DCP chunk reader catches it too
+#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``)
 ZIP_ERRORS: tuple[type[BaseException], ...] = (
     zipfile.BadZipFile,
     OSError,
