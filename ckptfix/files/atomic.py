@@ -26,7 +26,17 @@ from typing import BinaryIO, Callable, Iterator
 from ckptfix.errors import OutputError
 
 
-def _os_error(e: OSError, path: str) -> OutputError:
+def output_error(e: OSError, path: str) -> OutputError:
+    """The typed error of a failed write of ``path``: what went wrong (no space, permission, read-only, a missing
+    folder) and the fix, as one line (exit 9).
+
+    Args:
+        e: what the write (or create, rename) raised; an :class:`OutputError` is returned as it is.
+        path: the output it was for.
+
+    Returns:
+        The error to raise.
+    """
     from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
 
     if isinstance(e, OutputError):  # already says what went wrong
@@ -205,7 +215,7 @@ def new_temp(path: str) -> tuple[int, str]:
     try:
         fd, tmp = _create_temp(os.path.dirname(path), f".{os.path.basename(path)}{TEMP_MARK}", ".tmp")
     except OSError as e:
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     _lock_temp(tmp)
     try:
         mode = os.stat(path).st_mode & 0o7777
@@ -291,7 +301,7 @@ def atomic_output(
             os.unlink(tmp)
         if isinstance(e, OutputError):
             raise
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -388,7 +398,7 @@ def make_backup(path: str) -> str:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise _os_error(e, dst) from None
+        raise output_error(e, dst) from None
     finally:
         release_temp(tmp)
     return dst
@@ -429,7 +439,7 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
         if fsync:
             fsync_dir(path)
     except OSError as e:
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
