@@ -67,29 +67,20 @@ def test_convert_exit_status_and_error_line_are_kept(tmp_path):
     assert "MODULES " in p.stderr
 
 
-def test_temp_files_are_new_private_and_named_for_the_stale_cleaner(tmp_path, monkeypatch):
+def test_temp_files_are_new_and_named_for_the_stale_cleaner(tmp_path):
     from ckptfix.files import atomic
 
     final = tmp_path / "model.safetensors"
-    fd, tmp = atomic._create_temp(str(tmp_path), f".{final.name}{atomic.TEMP_MARK}", ".tmp")
+    fd, tmp = atomic.new_temp(str(final))
     try:
         assert os.path.isabs(tmp) and os.path.dirname(tmp) == str(tmp_path)
         assert atomic._TEMP_RE.fullmatch(os.path.basename(tmp))
-        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        assert os.path.basename(tmp).startswith(f".{final.name}{atomic.TEMP_MARK}")
+        assert os.fstat(fd).st_size == 0 and not os.get_inheritable(fd)
     finally:
         os.close(fd)
-    # a name already taken (or a symlink planted under it) is never opened: the next random name is
-    taken = os.urandom(8)
-    draws = iter([taken, taken, b"\x01" * 8])
-    monkeypatch.setattr(atomic.os, "urandom", lambda n: next(draws))
-    fd1, first = atomic._create_temp(str(tmp_path), ".x", ".tmp")
-    os.close(fd1)
-    os.unlink(first)
-    os.symlink(tmp_path / "elsewhere", first)
-    fd2, second = atomic._create_temp(str(tmp_path), ".x", ".tmp")
-    os.close(fd2)
-    assert second != first and os.path.basename(second) == ".xbbbbbbbb.tmp"
-    assert not (tmp_path / "elsewhere").exists()
+        os.unlink(tmp)
+        atomic.release_temp(tmp)
 
 
 def test_new_temp_still_gives_the_final_mode_and_holds_the_lock(tmp_path):

@@ -19,6 +19,7 @@ import fcntl
 import os
 import re
 import stat
+import tempfile
 import threading
 import time
 from typing import BinaryIO, Callable, Iterator
@@ -167,33 +168,6 @@ def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
     return removed
 
 
-#: the characters of a temp name's random part (``tempfile``'s, which :data:`_TEMP_RE` matches)
-_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
-#: names tried before giving up (``tempfile.TMP_MAX``)
-_TRIES = 10000
-
-
-def _create_temp(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """A new file ``<directory>/<prefix>XXXXXXXX<suffix>``, created ``O_EXCL`` and ``0600``: ``(fd, path)``.
-
-    What ``tempfile.mkstemp`` does (``O_CREAT | O_EXCL | O_NOFOLLOW``, 8 random characters of
-    ``[a-z0-9_]``, another name on a collision), without importing :mod:`tempfile` (and its
-    ``random``, ``shutil``, ``bz2``, ``lzma``): part of the start-up of every command that writes.
-
-    Raises:
-        OSError: the file cannot be created (``FileExistsError`` after :data:`_TRIES` names taken).
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(_TRIES):
-        name = "".join(_NAME_CHARS[b % len(_NAME_CHARS)] for b in os.urandom(8))
-        tmp = os.path.join(directory, prefix + name + suffix)
-        try:
-            return os.open(tmp, flags, 0o600), os.path.abspath(tmp)
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no usable temporary file name found")
-
-
 def new_temp(path: str) -> tuple[int, str]:
     """(fd, name) of a temp file next to ``path``, with the mode the final file should have.
 
@@ -213,7 +187,7 @@ def new_temp(path: str) -> tuple[int, str]:
     path = os.path.abspath(path)
     clean_stale_temps(os.path.dirname(path))
     try:
-        fd, tmp = _create_temp(os.path.dirname(path), f".{os.path.basename(path)}{TEMP_MARK}", ".tmp")
+        fd, tmp = tempfile.mkstemp(".tmp", f".{os.path.basename(path)}{TEMP_MARK}", os.path.dirname(path))
     except OSError as e:
         raise output_error(e, path) from None
     _lock_temp(tmp)
@@ -420,7 +394,6 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
         OutputError: a rename fails (``path`` is left as it was).
     """
     import shutil
-    import tempfile
 
     path = os.path.abspath(path)
     old = None
