@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def _fmt_counts(d: dict) -> str:
 
 
 @cli.command("inspect")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--key", default=None, help="Where the state dict sits, e.g. 'model' or 'model/state_dict'.")
 @json_option
 @stats_option
@@ -110,7 +110,7 @@ def _framework_lines(fw: dict | None) -> list[str]:
 
 
 @cli.command("scan")
-@click.argument("checkpoints", nargs=-1, required=True, type=PATH, metavar="CHECKPOINT...")
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="CHECKPOINT...")
 @json_option
 @stats_option
 def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = False) -> None:
@@ -216,7 +216,7 @@ def _write_options(f):
     f = click.option(
         "-o",
         "--output",
-        type=PATH,
+        type=click.Path(),
         default=None,
         help="Where to write (default: next to the input, e.g. model.stripped.pth; for a sharded index, a directory).",
     )(f)
@@ -282,7 +282,7 @@ def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, l
 
 
 @cli.command("strip-prefix")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", default=None, help="Strip exactly this prefix (default: every wrapper layer all keys carry).")
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
@@ -307,7 +307,7 @@ def strip_prefix_cmd(
 
 
 @cli.command("add-prefix")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
 @_write_options
 def add_prefix_cmd(
@@ -326,7 +326,7 @@ def add_prefix_cmd(
 
 
 @cli.command("align")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option(
     "--to",
     "target",
@@ -361,11 +361,11 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key,
 
 
 @cli.command("sanitize")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option(
     "-o",
     "--output",
-    type=PATH,
+    type=click.Path(),
     default=None,
     help="Where to write (default: next to the input, e.g. model.sanitized.pth).",
 )
