@@ -106,6 +106,12 @@ class NoModelWeightsError(CkptfixError, LookupError):
     exit_code = 15
 
 
+class InputChangedError(CkptfixError, RuntimeError):
+    """A local input was replaced while it was read (another program saved over it): nothing mixed is used."""
+
+    exit_code = 16
+
+
 class TorchMissingError(CkptfixError, ImportError):
     """The operation needs torch, which is not installed (``pip install "ckptfix[torch]"``)."""
 

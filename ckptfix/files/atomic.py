@@ -25,6 +25,7 @@ import time
 from typing import BinaryIO, Callable, Iterator
 
 from ckptfix.errors import OutputError
+from ckptfix.files import pins
 
 
 def output_error(e: OSError, path: str) -> OutputError:
@@ -266,6 +267,7 @@ def atomic_output(
             f.close()
         if before_replace is not None:
             before_replace(tmp)
+        pins.check_unchanged()
         os.replace(tmp, path)
         note_finished(path)
         if fsync:
@@ -398,6 +400,7 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
     path = os.path.abspath(path)
     old = None
     try:
+        pins.check_unchanged()
         if os.path.lexists(path):
             name = os.path.basename(path)
             old = tempfile.mkdtemp(prefix=f".{name}{TEMP_MARK}", suffix=".old", dir=os.path.dirname(path))

@@ -45,6 +45,7 @@ import zlib
 from typing import Callable, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, OutputError
+from ckptfix.files import pins
 from ckptfix.files.pagecache import drop_cached, page_cached
 from ckptfix.files.progress import advance
 
@@ -754,7 +755,7 @@ class Fds:
         """
         fd = self.fds.get(path)
         if fd is None:  # two threads may race here: one descriptor is kept, the other closed
-            new = os.open(path, os.O_RDONLY)
+            new = pins.open_fd(path)
             if hasattr(os, "posix_fadvise"):  # read in file order: a larger readahead window for a cold input
                 os.posix_fadvise(new, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             fd = self.fds.setdefault(path, new)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
+from ckptfix.files import pins
 from ckptfix.files.containment import remote_name_escapes
 from ckptfix.files.remote import url as _urls
-from ckptfix.files.remote.stats import Stats, active, session
+from ckptfix.files.remote.stats import Stats, active
+from ckptfix.files.remote.stats import session as _remote_session
 
 __all__ = [
     "LocalSource",
@@ -30,6 +33,7 @@ __all__ = [
     "dirname",
     "exists",
     "getsize",
+    "in_session",
     "is_metadata_only",
     "is_url",
     "isdir",
@@ -144,7 +148,7 @@ class LocalSource(Source):
         self.name = os.fspath(path)
         self.local_path = self.name
         self.stats = stats
-        self.fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        self.fd = pins.open_fd(self.name)
         try:
             self.size = os.fstat(self.fd).st_size
         except OSError:
@@ -178,7 +182,7 @@ class LocalSource(Source):
         return done
 
     def fileobj(self) -> BinaryIO:
-        return open(self.name, "rb")
+        return pins.open_binary(self.name)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -247,6 +251,33 @@ def _remote_file(url: str, st: Stats | None) -> Any:
     return rf
 
 
+@contextlib.contextmanager
+def session() -> Iterator[Stats]:
+    """One operation's view of its inputs: each remote object opened once (one ETag-pinned version, the
+    active collector's) and each local file opened once (:func:`ckptfix.files.pins.scope`: a file replaced
+    meanwhile is still read as it was).  Library entry points enter it; nested sessions share the outer one.
+
+    Yields:
+        The remote counters (:class:`~ckptfix.files.remote.stats.Stats`).
+    """
+    with _remote_session() as st, pins.scope():
+        yield st
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def in_session(fn: F) -> F:
+    """``fn``'s call inside :func:`session` (a library entry point: each input opened once for the whole call)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with session():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 _METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_metadata_only", default=False)
 
 
@@ -311,7 +342,7 @@ def open_file(path: str | os.PathLike[str]) -> BinaryIO:
         A binary file object; close it (or use ``with``).
     """
     if not is_url(path):
-        return open(path, "rb")
+        return pins.open_binary(path)
     src = open_source(path)
     return src.fileobj()
 
@@ -527,6 +558,6 @@ def getsize(path: str | os.PathLike[str]) -> int:
         Its size in bytes.
     """
     if not is_url(path):
-        return os.path.getsize(path)
+        return pins.fstat(path).st_size
     with open_source(path) as src:
         return src.size

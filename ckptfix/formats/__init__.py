@@ -34,7 +34,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable
 
 from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
-from ckptfix.files import source
+from ckptfix.files import pins, source
 from ckptfix.formats import registry, sniffing, zipfmt
 from ckptfix.formats.base import (
     DEFAULT_MAX_JSON_MB,
@@ -278,7 +278,7 @@ def classify(src: str | os.PathLike | Input) -> Input:
     path = os.fspath(src)
     fmt = sniff(path)
     several = fmt in (Format.DCP, Format.SHARDED)
-    return Input(path, fmt, os.path.getsize(path) if not several and os.path.isfile(path) else None)
+    return Input(path, fmt, pins.fstat(path).st_size if not several and os.path.isfile(path) else None)
 
 
 def classify_or_none(src: str | os.PathLike | Input) -> Input | None:

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptfix.files import pins
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -114,11 +116,11 @@ def read_config(src: str | os.PathLike) -> dict[str, Any] | None:
     d = s if os.path.isdir(s) else os.path.dirname(os.path.abspath(s))
     cfg = os.path.join(d, "config.json")
     try:
-        if not os.path.isfile(cfg) or os.path.getsize(cfg) > MAX_CONFIG_BYTES:
+        if not os.path.isfile(cfg) or pins.fstat(cfg).st_size > MAX_CONFIG_BYTES:
             return None
         import json  # here, not at the top: start-up of inspect/scan
 
-        with open(cfg, encoding="utf-8") as f:
+        with open(pins.path_for(cfg), encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
         return None

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
+from ckptfix.files import pins
 from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE, read_header
 from ckptfix.pickles import ELEMENT_SIZE
 
@@ -167,7 +168,7 @@ def read_hf_storage(hf: HfStorageCheckpoint) -> HfStorageCheckpoint:
             info = json.loads(raw)
         except ValueError:
             raise CorruptCheckpointError(f"{f}: {SHARDING_KEY} is not JSON; the shard is corrupt") from None
-        size = os.path.getsize(f)
+        size = pins.fstat(f).st_size
         if not isinstance(info, dict):
             raise CorruptCheckpointError(f"{f}: {SHARDING_KEY} is not a JSON object; the shard is corrupt")
         orders.append([str(n) for n in info])
@@ -251,7 +252,7 @@ def describe(hf: HfStorageCheckpoint) -> list[tuple[str, str]]:
     n = sum(math.prod(t.shape) for t in hf.tensors)
     return [
         ("framework", "torch DCP, HuggingFaceStorageWriter(save_distributed=True): one shard per rank"),
-        ("shards", f"{len(hf.files)} file(s), {human_bytes(sum(os.path.getsize(f) for f in hf.files))}"),
+        ("shards", f"{len(hf.files)} file(s), {human_bytes(sum(pins.fstat(f).st_size for f in hf.files))}"),
         (
             "weights",
             f"{len(hf.tensors)} tensors, {n:,} values, {human_bytes(sum(t.nbytes for t in hf.tensors))}; "
@@ -312,7 +313,7 @@ def hf_storage_state_dict(hf: HfStorageCheckpoint) -> dict[str, Any]:
             for c in t.chunks:
                 src = fds.get(c.path)
                 if src is None:
-                    src = fds[c.path] = os.open(c.path, os.O_RDONLY)
+                    src = fds[c.path] = pins.open_fd(c.path)
                 for s_off, d_off, n in chunk_runs(t, c):
                     if os.preadv(src, [view[d_off : d_off + n]], s_off) != n:
                         raise CorruptCheckpointError(f"{c.path}: ends inside tensor {t.name!r} (truncated?)")

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ckptfix.errors import CkptfixError, NoModelWeightsError
+from ckptfix.files import pins
 from ckptfix.formats import register_subfolder_lister
 from ckptfix.formats.roles import WEIGHT_NAMES, file_role
 
@@ -144,7 +145,7 @@ def _size(p: str) -> int:
                     pass
         return total
     try:
-        return os.path.getsize(p)
+        return pins.fstat(p).st_size
     except OSError:
         return 0  # a dangling link
 
@@ -177,9 +178,9 @@ def _others(folder: str, names: list[str], weights: str | None, skip: tuple[str,
 def _index_shards(index: str) -> set[str]:
     """The shard names an index lists (empty when it cannot be read: reading the weights reports that)."""
     try:
-        if os.path.getsize(index) > 64 << 20:
+        if pins.fstat(index).st_size > 64 << 20:
             return set()
-        with open(index, encoding="utf-8") as f:
+        with open(pins.path_for(index), encoding="utf-8") as f:
             import json  # here, not at the top: start-up of inspect/scan
 
             wm = json.load(f).get("weight_map")
@@ -394,9 +395,9 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
     if os.path.isdir(path):
         return f"folder, {human_bytes(_size(path))}", {}
     if path.endswith(".json"):
-        if os.path.getsize(path) > 4 << 20:
+        if pins.fstat(path).st_size > 4 << 20:
             return "JSON, not read (over 4 MiB)", {}
-        with open(path, encoding="utf-8") as f:
+        with open(pins.path_for(path), encoding="utf-8") as f:
             import json  # here, not at the top: start-up of inspect/scan
 
             doc = json.load(f)
@@ -411,7 +412,7 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
             return f"{arch} ({doc.get('model_type', '?')})", d
         return f"JSON ({len(doc)} keys)", {}
     if role in ("tokenizer", "other", "folder"):
-        return human_bytes(os.path.getsize(path)), {}
+        return human_bytes(pins.fstat(path).st_size), {}
     from ckptfix.formats import read_checkpoint
     from ckptfix.formats.statedict import contains_tensors
 

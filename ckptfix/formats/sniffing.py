@@ -24,7 +24,7 @@ import struct
 from typing import Any
 
 from ckptfix.errors import ResourceLimitError
-from ckptfix.files import source
+from ckptfix.files import pins, source
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -261,9 +261,9 @@ def zip_appended(path: str) -> bool:
                     return False
                 with zipfile.ZipFile(f) as zf:
                     return any(n.endswith(".pkl") for n in zf.namelist())
-        if not zipfile.is_zipfile(path):
+        if not zipfile.is_zipfile(pins.path_for(path)):
             return False
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(pins.path_for(path)) as zf:
             return any(n.endswith(".pkl") for n in zf.namelist())
     except Exception:  # noqa: BLE001 - a damaged archive is no reading
         return False

@@ -21,7 +21,7 @@ import zlib
 from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.files import pagecache, source
+from ckptfix.files import pagecache, pins, source
 from ckptfix.files.fileio import FOLIO, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
@@ -66,7 +66,7 @@ _STORED = 0
 def _open_zip(path: str) -> zipfile.ZipFile:
     """``zipfile.ZipFile(path)``, its errors as ckptfix's."""
     try:
-        return zipfile.ZipFile(source.open_file(path) if source.is_url(path) else path)
+        return zipfile.ZipFile(source.open_file(path) if source.is_url(path) else pins.path_for(path))
     except zipfile.BadZipFile as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — re-copy or re-save it"
@@ -208,7 +208,7 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_reco
     if source.is_url(path):
         with source.open_source(path) as src:
             return dict(src.read_ranges(ranges, jobs=16))
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+    fd = pins.open_fd(path)
     try:
         return pagecache.read_scattered(fd, ranges)
     finally:
@@ -712,7 +712,7 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
     order = sorted(mem.values(), key=lambda m: m.data_offset)
     rest = [m for m in order if m.name != pkl_name]
     w = AlignedZipWriter(fp)
-    fd = os.open(cf.path, os.O_RDONLY)
+    fd = pins.open_fd(cf.path)
     try:
         # the fast path copies the records' region verbatim, so their data must already be 64-byte aligned
         # (an archive re-zipped by another tool is not): otherwise each record is re-laid-out aligned
@@ -779,7 +779,7 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
 
 def _header_offsets(path: str) -> dict[str, int]:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(pins.path_for(path)) as zf:
             return {i.filename: i.header_offset for i in zf.infolist()}
     except ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(
@@ -789,7 +789,7 @@ def _header_offsets(path: str) -> dict[str, int]:
 
 def _read_member(path: str, name: str) -> bytes:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(pins.path_for(path)) as zf:
             return zf.read(name)
     except ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from dataclasses import dataclass
 from ckptfix.errors import UnsupportedError
+from ckptfix.files.source import in_session
 from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
 
 if TYPE_CHECKING:
@@ -220,6 +221,7 @@ def _mapped(name: str, maps: list[tuple[str, str]]) -> str:
     return name
 
 
+@in_session
 def diff(
     a: str | os.PathLike,
     b: str | os.PathLike,

@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from ckptfix.files import source
+from ckptfix.files import pins, source
 from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint
 from ckptfix.formats.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve
 from ckptfix.ops.plaindata import NUMPY_TO_TORCH, dtype_code, normalise_global, opcodes_weights_only_cannot_read
@@ -414,7 +414,7 @@ def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
     return InspectReport(
         path=r.path,
         format=fmt,
-        file_size=sum(os.path.getsize(f) for f in files),
+        file_size=sum(pins.fstat(f).st_size for f in files),
         state_dict_key=[],
         tensor_count=len(names),
         parameter_count=sum(v for _, v, _ in full),

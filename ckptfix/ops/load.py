@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Mapping, cast
 
 from ckptfix._torch import require_torch
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
+from ckptfix.files import pins
+from ckptfix.files.source import in_session
 from ckptfix.formats import Format, Input, ShardedDetails, classify, read_checkpoint, stmeta, tar_message
 from ckptfix.formats.dcp.assemble import load_dcp
 from ckptfix.formats.deepspeed import find_zero_checkpoint, zero_state_dict
@@ -269,9 +271,9 @@ def _torch_load(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if trust:
-            return torch.load(path, map_location=restore, mmap=mmap, weights_only=False)
+            return torch.load(pins.path_for(path), map_location=restore, mmap=mmap, weights_only=False)
         mod = restricted_pickle_module(allow_globals, stubbed)
-        return torch.load(path, map_location=restore, mmap=mmap, weights_only=False, pickle_module=mod)
+        return torch.load(pins.path_for(path), map_location=restore, mmap=mmap, weights_only=False, pickle_module=mod)
 
 
 def _is_remote(path: str) -> bool:
@@ -325,7 +327,7 @@ def _materialize(records: Mapping[str, Any], device: str, path: str) -> dict:
     if _is_remote(path):
         return _materialize_remote(records, device, path)
     out: dict[str, Any] = {}
-    with open(path, "rb") as f:
+    with pins.open_binary(path) as f:
         mm = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY)
     whole = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
     bases: dict[int, Any] = {}
@@ -446,7 +448,7 @@ def _open_binary(path: str) -> Any:
                 yield src.fileobj()
 
         return remote()
-    return open(path, "rb")
+    return pins.open_binary(path)
 
 
 def _load_safetensors(ld: _Load) -> Any:
@@ -462,7 +464,7 @@ def _load_safetensors(ld: _Load) -> Any:
         ld.tags["cpu"] = len(obj)
         return obj
     try:
-        with safe_open(ld.path, framework="pt") as f:
+        with safe_open(pins.path_for(ld.path), framework="pt") as f:
             ld.metadata.update(f.metadata() or {})
         obj = load_file(ld.path, device=dev)
     except Exception as e:
@@ -542,6 +544,7 @@ implement_all(
 )
 
 
+@in_session
 def load_checkpoint(
     path: str | os.PathLike,
     map_location: MapLocation = "cpu",

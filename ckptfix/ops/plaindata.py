@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from ckptfix.errors import ResourceLimitError
+from ckptfix.files import pins
 from ckptfix.formats.base import Format
 from ckptfix.pickles import (
     STORAGE_DTYPES,
@@ -699,7 +700,7 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
     bad: set[str] = set()
     try:
         if fmt == Format.TORCH_ZIP:
-            with zipfile.ZipFile(src) as zf:
+            with zipfile.ZipFile(pins.path_for(src)) as zf:
                 name = next((n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
                 if name is not None:
                     with zf.open(name) as f:
@@ -709,7 +710,7 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
 
                     bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
         else:  # legacy: magic, protocol, sys info, the object, the storage keys
-            with open(src, "rb") as f:
+            with pins.open_binary(src) as f:
                 if f.read(2) == b"\x80\x02":
                     return []
                 import pickletools

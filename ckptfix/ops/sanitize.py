@@ -44,8 +44,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import ckptfix.formats.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import UnsupportedError
+from ckptfix.files import pins
 from ckptfix.files.outputs import OutputKeywords, OutputOptions
 from ckptfix.files.progress import reporting
+from ckptfix.files.source import in_session
 from ckptfix.formats.base import Format, ZipDetails
 from ckptfix.formats.registry import dispatch, implement, implement_all
 from ckptfix.ops.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read
@@ -107,6 +109,7 @@ def _unsafe_globals(names: Iterable[str]) -> list[str]:
     return sorted(g for g in names if classify_global(g) != "safe")
 
 
+@in_session
 def sanitize_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
@@ -141,7 +144,7 @@ def sanitize_checkpoint(
     o.refuse(SANITIZE_USES, "sanitize (it rewrites one whole torch.save file and always reads it back)")
     if is_remote(src, o.output):  # a URL in or out: staged locally (ckptfix.ops.rewrite.remote)
         return rewrite_remote(os.fspath(src), o, lambda s, oo: sanitize_checkpoint(s, outputs=oo))
-    size = os.path.getsize(src) if os.path.isfile(src) else 0
+    size = pins.fstat(src).st_size if os.path.isfile(src) else 0
     with reporting(o.progress, size):
         return _sanitize(src, o)
 

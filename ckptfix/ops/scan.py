@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
-from ckptfix.files import source
+from ckptfix.files import pins, source
 from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.layouts import resolve
 from ckptfix.formats.registry import dispatch, implement_all
@@ -472,7 +472,7 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
         if not os.path.isdir(t) and not os.path.isfile(t):
             acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
             continue
-        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or os.path.getsize(t) == 0):
+        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or pins.fstat(t).st_size == 0):
             continue
         try:
             sub = _scan_one(classify(t), limits)
@@ -522,7 +522,7 @@ def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
 def _text_file(path: str) -> bool:
     from ckptfix.formats import _looks_like_text
 
-    with open(path, "rb") as f:
+    with pins.open_binary(path) as f:
         return _looks_like_text(f.read(512))
 
 

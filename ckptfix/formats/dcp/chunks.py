@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
-from ckptfix.files import source
+from ckptfix.files import pins, source
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
@@ -152,7 +152,7 @@ class Files:
         """
         fd = self.fds.get(rel)
         if fd is None:
-            fd = self.fds[rel] = os.open(os.path.join(self.root, rel), os.O_RDONLY)
+            fd = self.fds[rel] = pins.open_fd(os.path.join(self.root, rel))
         return fd
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError
-from ckptfix.files import source
+from ckptfix.files import pins, source
 from ckptfix.pickles import (
     ELEMENT_SIZE,
     RecordingUnpickler,
@@ -661,7 +661,7 @@ def validate(meta: DcpMetadata, *, check_files: bool = True) -> dict[str, int]:
                 continue
             if not os.path.isfile(p):
                 raise FileNotFoundError(p)
-            sizes[rel] = os.path.getsize(p)
+            sizes[rel] = pins.fstat(p).st_size
         except (OSError, KeyError):
             raise CheckpointNotFoundError(
                 f"{meta.path}: data file {rel} is missing (the metadata references it); "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptfix.errors import CheckpointNotFoundError
+from ckptfix.files import pins
 from ckptfix.pickles import ELEMENT_SIZE
 
 #: the floating dtypes ``--dtype`` applies to
@@ -199,7 +200,7 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
                 )
             return None
         try:
-            with open(latest, encoding="utf-8", errors="replace") as f:
+            with open(pins.path_for(latest), encoding="utf-8", errors="replace") as f:
                 tag = f.read(4096).strip()
         except OSError:
             return None

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from typing import Any, Iterator
 
 from ckptfix.errors import CorruptCheckpointError
+from ckptfix.files import pins
 from ckptfix.files.fileio import CHUNK, Fds
 from ckptfix.formats.deepspeed.layout import ZeroCheckpoint, ZeroTensor
 from ckptfix.formats.deepspeed.reader import read_zero_checkpoint
@@ -121,7 +122,7 @@ def summary(zc: ZeroCheckpoint) -> dict[str, Any]:
         "frozen": sum(t.kind == "frozen" for t in zc.tensors),
         "buffers": len(zc.tensors) - len(params),
         "files": len(zc.model_files) + len(zc.optim_files),
-        "partition_bytes": sum(os.path.getsize(f) for f in zc.optim_files),
+        "partition_bytes": sum(pins.fstat(f).st_size for f in zc.optim_files),
     }
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
 from ckptfix.files.outputs import OutputOptions
+from ckptfix.files.source import in_session
 from ckptfix.formats import Format, Input, classify_or_none
 from ckptfix.formats.statedict import contains_tensors, locate_state_dict, module_state_dict
 from ckptfix.formats.stmeta import restore as restore_aliases
@@ -91,6 +92,7 @@ __all__ = [
 ]
 
 
+@in_session
 def convert(
     src: str | os.PathLike | Input,
     dst: str | os.PathLike | None = None,
@@ -141,11 +143,6 @@ def convert(
     """
     o, c = options_of(dst, outputs, options, keywords)
     s = os.fspath(src)
-    if _is_url(s) and _no_session():  # one pinned version of each remote object for the whole run
-        from ckptfix.files import source
-
-        with source.session():
-            return convert(src, outputs=o, options=c)
     if o.output is not None and _is_url(o.output):  # an object store: converted and verified locally, then uploaded
         from ckptfix.ops.convert.remote_out import convert_to_url
 
@@ -248,12 +245,6 @@ def _remote_input(src: str, dst: str | None, to: str | None) -> str:
         return dst
     name = basename(src.rstrip("/")) or "model"
     return os.path.relpath(default_st_output(os.path.join(os.getcwd(), name)))
-
-
-def _no_session() -> bool:
-    from ckptfix.files.remote.stats import active
-
-    return active() is None
 
 
 def _is_url(path: str) -> bool:

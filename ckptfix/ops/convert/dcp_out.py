@@ -31,6 +31,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
+from ckptfix.files import pins
 from ckptfix.files.atomic import fsync_dir, output_error, replace_directory
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.files.parallel import Tally, resolve_jobs
@@ -134,8 +135,8 @@ def _map_tensors(
         if i == 0 and isinstance(meta, dict):
             metadata = {str(k): str(v) for k, v in meta.items()}
         mm = None
-        if os.path.getsize(path) > 0:
-            with open(path, "rb") as f:
+        if pins.fstat(path).st_size > 0:
+            with pins.open_binary(path) as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable, never written
             maps.append(mm)
         for name, h in header.items():

@@ -25,6 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import CorruptCheckpointError, VerificationError
+from ckptfix.files import pins
 from ckptfix.files.atomic import fsync_dir, output_error
 from ckptfix.files.fileio import pwrite_all
 from ckptfix.files.outputs import OutputOptions
@@ -104,7 +105,7 @@ def convert_hf_storage(
                 for c in t.chunks:
                     src = fds.get(c.path)
                     if src is None:
-                        src = fds[c.path] = os.open(c.path, os.O_RDONLY)
+                        src = fds[c.path] = pins.open_fd(c.path)
                     for s_off, d_off, n in chunk_runs(t, c):
                         while n > 0:
                             k = min(n, _BUF)
@@ -126,6 +127,7 @@ def convert_hf_storage(
                 if f.read(len(header)) != header or os.path.getsize(tmp) != len(header) + total:
                     raise VerificationError(f"{d}: the written header does not read back; the output was removed")
             report.verified = True
+        pins.check_unchanged()
         try:
             os.replace(tmp, d)
         except OSError as e:

@@ -19,6 +19,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
+from ckptfix.files import pins
 from ckptfix.files.atomic import fsync_dir
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.formats import Format, Input, classify, stmeta
@@ -101,7 +102,7 @@ def _read_safetensors_sd(inp: Input) -> tuple[dict[str, Any], dict[str, str], st
     meta: dict[str, str] = {}
     for path in files:
         try:
-            with safe_open(path, framework="pt") as f:
+            with safe_open(pins.path_for(path), framework="pt") as f:
                 meta.update(f.metadata() or {})
                 for k in f.keys():
                     sd[k] = f.get_tensor(k)
@@ -200,6 +201,7 @@ def convert_from_safetensors(
             _verify_torch_output(tmp, dst, out, report)
             if progress:
                 progress(total * 2, total * 2)
+        pins.check_unchanged()
         os.replace(tmp, dst)
         tmp = ""
         if fsync:

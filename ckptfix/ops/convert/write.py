@@ -25,6 +25,7 @@ import threading
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
+from ckptfix.files import pins
 from ckptfix.files.atomic import fsync_dir, note_finished, output_error
 from ckptfix.files.fileio import (
     BUFFER,
@@ -542,6 +543,7 @@ def write_outputs(
             report.verified = True
         if index_path:
             temps.append(_write_index(index_path, finals, shards, total, metadata, fsync))
+        pins.check_unchanged()
         for tmp, final in zip(temps, finals + ([index_path] if index_path else []), strict=False):
             try:
                 os.replace(tmp, final)

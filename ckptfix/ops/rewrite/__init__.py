@@ -27,8 +27,10 @@ from typing import TYPE_CHECKING, Callable
 
 import ckptfix.formats.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import NoTensorsError, UnsupportedError
+from ckptfix.files import pins
 from ckptfix.files.outputs import OutputKeywords, OutputOptions
 from ckptfix.files.progress import reporting
+from ckptfix.files.source import in_session
 from ckptfix.formats import CheckpointFile, Format, Input, SafetensorsDetails, classify, read_checkpoint, stmeta
 from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.formats.statedict import locate_state_dict, require_tensors
@@ -77,6 +79,7 @@ REWRITE_USES = frozenset(
 Rewrite = Callable[[Input, Transform, OutputOptions], RewriteReport]
 
 
+@in_session
 def rewrite_checkpoint(
     src: str | Input,
     transform: Transform,
@@ -167,7 +170,7 @@ def _input_bytes(src: str) -> int:
     if src.endswith(".json"):
         return sum(e.stat().st_size for e in os.scandir(os.path.dirname(os.path.abspath(src))) if e.is_file())
     try:
-        return os.path.getsize(src)
+        return pins.fstat(src).st_size
     except OSError:
         return 0
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
+from ckptfix.files import pins
 from ckptfix.files.atomic import copy_file_data, fsync_dir, output_error, replace_directory
 from ckptfix.files.containment import check_member
 from ckptfix.files.outputs import OutputOptions
@@ -275,6 +276,7 @@ def _in_place(
                 os.unlink(bak)
             os.link(mpath, bak)  # shares nothing once .metadata is replaced by the rename below
             rep.backup = bak
+        pins.check_unchanged()
         os.replace(tmp, mpath)
         tmp = ""
         if fsync:

@@ -8,6 +8,7 @@ import struct
 from typing import Any, Mapping
 
 from ckptfix.errors import KeyConflictError, UnsupportedError
+from ckptfix.files import pins
 from ckptfix.files.fileio import FOLIO, copy_range
 from ckptfix.formats import CheckpointFile, Format, LegacyDetails, SafetensorsDetails, ZipDetails, stmeta
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
@@ -151,7 +152,7 @@ def write_checkpoint_zip(
         rewrite_zip(cf, dumps(obj), f)
         return
     w = AlignedZipWriter(f)
-    fd = os.open(cf.path, os.O_RDONLY)
+    fd = pins.open_fd(cf.path)
     try:
         if cf.format == Format.TORCH_ZIP:
             data_pkl = dumps(obj)
@@ -237,7 +238,7 @@ def write_safetensors(
     f.write(struct.pack("<Q", len(raw)) + raw)
     f.flush()
     size = cf.file_size - start
-    fd = os.open(cf.path, os.O_RDONLY)
+    fd = pins.open_fd(cf.path)
     try:
         copy_range(fd, start, f.fileno(), 8 + len(raw), size)
     finally:
