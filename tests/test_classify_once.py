@@ -47,7 +47,8 @@ if cfg["held"] is not None:
     pins.MAX_HELD = cfg["held"]
 sys.addaudithook(hook)
 import atexit
-atexit.register(lambda: sys.stderr.write("\nCOUNTS " + json.dumps({os.path.basename(k): v for k, v in counts.items()}) + "\n"))
+named = lambda: {os.path.basename(k): v for k, v in counts.items()}
+atexit.register(lambda: sys.stderr.write("\nCOUNTS " + json.dumps(named()) + "\n"))
 sys.argv = ["ckptfix"] + cfg["argv"]
 from ckptfix.__main__ import run
 run()
