@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from dataclasses import dataclass
 from ckptfix.errors import UnsupportedError
 from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
 
