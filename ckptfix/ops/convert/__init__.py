@@ -26,6 +26,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
+from ckptfix.files.atomic import same_file
 from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.formats import Format, Input, classify_or_none
 from ckptfix.formats.statedict import contains_tensors, locate_state_dict, module_state_dict
@@ -228,7 +229,7 @@ def _safetensors_in(inp: Input) -> bool:
 
 def _refuse_misnamed(output: str | None, direction: str, src: str) -> None:
     """An output whose name says another format than ``direction`` writes (``-o model.pt`` of safetensors bytes)."""
-    if output is None:
+    if output is None or same_file(output, src):  # the output is the input: refused as that, below
         return
     stem = os.path.splitext(output.rstrip("/" + os.sep))[0]
     if direction == "safetensors":

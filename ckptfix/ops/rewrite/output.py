@@ -62,6 +62,9 @@ def prepare_output(src: str, outputs: OutputOptions, *, fmt_out: str, notes: lis
                 "(an atomic replace gives this name a new file)"
             )
         return dst, True if fsync is None else bool(fsync)
+    dst = output or default_output(src, suffix, fmt_out)
+    if same_file(dst, src):
+        raise OutputError(output_is_input(dst, in_place="replace it"))
     if fmt_out == Format.SAFETENSORS:
         fix = (
             f"a rewrite keeps the input's format: name it {_stem(output)}.safetensors, "
@@ -73,9 +76,6 @@ def prepare_output(src: str, outputs: OutputOptions, *, fmt_out: str, notes: lis
             f"or write safetensors with ckptfix convert {src} -o {output}"
         )
     refuse_misnamed(output, "safetensors" if fmt_out == Format.SAFETENSORS else "torch", fix)
-    dst = output or default_output(src, suffix, fmt_out)
-    if same_file(dst, src):
-        raise OutputError(output_is_input(dst, in_place="replace it"))
     if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
         what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
         raise OutputError(
