@@ -19,10 +19,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Collection, Iterable, Mapping, TypedDict
 
-from ckptfix.errors import OptionNotApplicableError
+from ckptfix.errors import OptionNotApplicableError, OutputError
 from ckptfix.files.progress import Progress
 
-__all__ = ["OutputOptions", "OutputKeywords", "flag_of", "given_fields", "refuse_given"]
+__all__ = [
+    "OutputOptions",
+    "OutputKeywords",
+    "flag_of",
+    "given_fields",
+    "named_kind",
+    "refuse_given",
+    "refuse_misnamed",
+]
 
 
 def _flag(default: Any, flag: str) -> Any:
@@ -233,3 +241,39 @@ def refuse_given(obj: Any, names: Iterable[str], what: str, where: str = "", why
         head += f" {'does' if one else 'do'} not apply to {what}"
     tail = f" (keyword{'' if len(keywords) == 1 else 's'} {', '.join(keywords)})" if keywords else ""
     raise OptionNotApplicableError(f"{head}{': ' + why if why else ''}; drop {'it' if one else 'them'}{tail}")
+
+
+#: names torch's own loaders (``torch.load``, ``from_pretrained``'s ``.bin``) are given
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+_KINDS = {"safetensors": "safetensors bytes", "torch": "a torch.save file", "directory": "a directory"}
+
+
+def named_kind(path: str) -> str | None:
+    """What an output's name promises: ``"safetensors"``, ``"torch"``, or None (no checkpoint extension)."""
+    name = path.rstrip("/").lower()
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if name.endswith(TORCH_SUFFIXES):
+        return "torch"
+    return None
+
+
+def refuse_misnamed(output: str | None, writes: str, fix: str) -> None:
+    """Refuse an output whose name promises another format than the bytes written (the output is what its name
+    says: ``torch.load`` of safetensors bytes fails "invalid load key").
+
+    Args:
+        output: the output path given (None: the default name, which always fits).
+        writes: ``"safetensors"``, ``"torch"`` or ``"directory"``: what would be written.
+        fix: the message's end: the name or command that does what was asked.
+
+    Raises:
+        OutputError: the name says another format (exit 9; nothing was read or written).
+    """
+    if output is None:
+        return
+    named = named_kind(output)
+    if named is None or named == writes:
+        return
+    ext = "." + output.rstrip("/").rsplit(".", 1)[-1]
+    raise OutputError(f"{output}: this would write {_KINDS[writes]} under a {ext} name; {fix}")

@@ -26,7 +26,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import OptionNotApplicableError, UnsupportedError
-from ckptfix.files.outputs import OutputOptions
+from ckptfix.files.atomic import same_file
+from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.files.source import in_session
 from ckptfix.formats import Format, Input, classify_or_none
 from ckptfix.formats.statedict import contains_tensors, locate_state_dict, module_state_dict
@@ -178,9 +179,11 @@ def convert(
 
             fw = resolve(s)
             if fw is not None:  # a framework's folder: its model weights (ckptfix.ops.frameworks)
+                _refuse_misnamed(o.output, "safetensors", s)
                 return convert_folder(fw, o.output, **keywords_of(o, c))
     inp = classify_or_none(src)  # the one sniff; an input that does not classify fails in its entry point
     direction = _direction(inp, s, o.output, c.to)
+    _refuse_misnamed(o.output, direction, s)
     refuse_inapplicable(direction, o, c)
     if c.trust:  # a full unpickle is torch's: never silently ignored when torch is missing
         from ckptfix._torch import require_torch
@@ -221,6 +224,22 @@ def _safetensors_in(inp: Input) -> bool:
     return is_safetensors_input(inp)
 
 
+def _refuse_misnamed(output: str | None, direction: str, src: str) -> None:
+    """An output whose name says another format than ``direction`` writes (``-o model.pt`` of safetensors bytes)."""
+    if output is None or same_file(output, src):  # the output is the input: refused as that, below
+        return
+    stem = os.path.splitext(output.rstrip("/" + os.sep))[0]
+    if direction == "safetensors":
+        fix = (
+            f"name it {stem}.safetensors (to rename keys and keep a torch file: ckptfix strip-prefix {src} -o {output})"
+        )
+        refuse_misnamed(output, "safetensors", fix)
+    elif direction == "pt":
+        refuse_misnamed(output, "torch", f"name it {stem}.pth")
+    else:
+        refuse_misnamed(output, "directory", f"name it {stem}.dcp")
+
+
 def _refuse_other_formats(o: OutputOptions, c: ConvertOptions, what: str) -> None:
     """A folder consolidated to safetensors: ``--to pt``/``dcp`` or a ``.dcp`` output is refused."""
     if c.to in ("pt", "dcp") or (o.output is not None and o.output.rstrip("/" + os.sep).endswith(".dcp")):
@@ -228,6 +247,7 @@ def _refuse_other_formats(o: OutputOptions, c: ConvertOptions, what: str) -> Non
         raise OptionNotApplicableError(
             f"{shown}: {what} is consolidated to safetensors; pass -o NAME.safetensors (or no -o)"
         )
+    refuse_misnamed(o.output, "safetensors", f"{what} is consolidated to safetensors: pass -o NAME.safetensors")
 
 
 def _remote_input(src: str, dst: str | None, to: str | None) -> str:

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.files.outputs import OutputOptions
-from ckptfix.formats import Format, Input, classify, read_checkpoint, stmeta
+from ckptfix.formats import (
+    CheckpointFile,
+    Format,
+    Input,
+    SafetensorsDetails,
+    ShardedDetails,
+    classify,
+    read_checkpoint,
+    stmeta,
+)
 from ckptfix.formats.registry import dispatch
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.formats.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
@@ -182,6 +191,8 @@ def convert_to_safetensors(
             extra=extra,
             skipped=report.skipped,
         )
+    renamed = {old: new for (old, _), (new, _) in zip(kept, named, strict=False) if old != new}
+    metadata = carry_metadata(metadata, source.metadata, renamed)
     write_outputs(
         dst,
         items,
@@ -324,6 +335,7 @@ class _Source:
     use_torch: bool
     holder: Any  # what holds the state dict in ``obj`` (None: the state dict itself)
     kind: str = "mapping"  # as locate_state_dict says: mapping, module, sequence, optimizer
+    metadata: dict[str, str] | None = None  # a safetensors input's own __metadata__ (every shard's, for an index)
 
 
 def _read_source(
@@ -365,7 +377,34 @@ def _read_source(
         obj = lc.checkpoint if lc.checkpoint is not None else sd
         named = flatten_state_dict(sd)
     holder = at_path(obj, key_path) if key_path and not use_torch else None
-    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder, kind)
+    return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder, kind, _input_metadata(cf))
+
+
+def _input_metadata(cf: CheckpointFile) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, or of every safetensors shard of an index (merged)."""
+    if isinstance(cf.details, SafetensorsDetails):
+        return dict(cf.details.metadata)
+    merged: dict[str, str] = {}
+    if isinstance(cf.details, ShardedDetails):
+        for shard in cf.details.shards.values():
+            if isinstance(shard.details, SafetensorsDetails):
+                merged.update(shard.details.metadata)
+    return merged
+
+
+def carry_metadata(
+    written: dict[str, str], given: Mapping[str, str] | None, renamed: Mapping[str, str]
+) -> dict[str, str]:
+    """``written`` (ckptfix's own entries) with every entry of the input's ``__metadata__`` kept: metadata is
+    data (torchao's per-tensor ``{"_type": "Int8Tensor", ...}``, a user's notes).  An entry named after a tensor
+    follows the tensor's new name; ``format`` and ckptfix's own entries are written anew.
+    """
+    out = dict(written)
+    for k, v in (given or {}).items():
+        if k == "format" or k.startswith(stmeta.PREFIX):
+            continue
+        out.setdefault(renamed.get(k, k), v)
+    return out
 
 
 def _needs_torch(v: Any) -> bool:

@@ -120,6 +120,18 @@ def _read_safetensors_sd(inp: Input) -> tuple[dict[str, Any], dict[str, str], st
     return sd, meta, kind
 
 
+def _name_metadata_left_out(meta: Mapping[str, str], report: ConvertReport) -> None:
+    """A torch file has no place for a safetensors file's own ``__metadata__`` entries: named in ``excluded``."""
+    left = sorted(k for k in meta if k != "format" and not k.startswith(stmeta.PREFIX))
+    if left:
+        shown = ", ".join(left[:5]) + (f", ... ({len(left)} in all)" if len(left) > 5 else "")
+        report.excluded.append("__metadata__")
+        report.excluded_detail["__metadata__"] = (
+            f"{len(left)} safetensors metadata entr{'y' if len(left) == 1 else 'ies'} ({shown}): a torch file "
+            "has no place for them; they stay in the input"
+        )
+
+
 def convert_from_safetensors(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
@@ -170,6 +182,7 @@ def convert_from_safetensors(
     report.aliases = stmeta.aliases(meta, sd)
     report.views = {k: v["base"] for k, v in stmeta.views(meta).items() if isinstance(v.get("base"), str)}
     report.tensors = len(out)
+    _name_metadata_left_out(meta, report)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     report.bytes = total
     to_save: Any = out

@@ -8,7 +8,7 @@ from typing import Any, Callable
 from ckptfix.display import already_exists, output_is_input
 from ckptfix.errors import OutputError
 from ckptfix.files.atomic import atomic_output, make_backup, same_file
-from ckptfix.files.outputs import OutputOptions
+from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.formats.base import Format
 
 
@@ -27,6 +27,10 @@ def default_output(src: str, suffix: str, fmt_out: str) -> str:
     if fmt_out == Format.SAFETENSORS:
         ext = ".safetensors"
     return f"{base}.{suffix}{ext or '.pt'}"
+
+
+def _stem(path: str | None) -> str:
+    return os.path.splitext(path or "")[0]
 
 
 def prepare_output(src: str, outputs: OutputOptions, *, fmt_out: str, notes: list[str]) -> tuple[str, bool]:
@@ -61,6 +65,17 @@ def prepare_output(src: str, outputs: OutputOptions, *, fmt_out: str, notes: lis
     dst = output or default_output(src, suffix, fmt_out)
     if same_file(dst, src):
         raise OutputError(output_is_input(dst, in_place="replace it"))
+    if fmt_out == Format.SAFETENSORS:
+        fix = (
+            f"a rewrite keeps the input's format: name it {_stem(output)}.safetensors, "
+            f"or write a torch file with ckptfix convert {src} --to pt"
+        )
+    else:
+        fix = (
+            f"a rewrite keeps the input's format: name it {_stem(output)}.pt, "
+            f"or write safetensors with ckptfix convert {src} -o {output}"
+        )
+    refuse_misnamed(output, "safetensors" if fmt_out == Format.SAFETENSORS else "torch", fix)
     if os.path.isdir(dst) or dst.endswith(("/", os.sep)):
         what = "is a directory" if os.path.isdir(dst) else "names a directory (it ends with a slash)"
         raise OutputError(

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
 from ckptfix.files.atomic import atomic_output, output_error
-from ckptfix.files.outputs import OutputOptions
+from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.files.parallel import run_tasks
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict, stmeta
 from ckptfix.ops.prefixes.rename import rekey_metadata
@@ -56,6 +56,12 @@ def rewrite_sharded(
         )
     if key is not None:
         raise UnsupportedError(f"{ipath}: --key does not apply to a sharded index (its weight map is the state dict)")
+    refuse_misnamed(
+        output,
+        "directory",
+        "a sharded checkpoint is rewritten into a directory (its shards and index under their "
+        "own names): pass -o DIR, a name without a checkpoint extension",
+    )
     details = cf.details_as(ShardedDetails)
     shards: dict[str, CheckpointFile] = details.shards
     _check_shards(ipath, shards)
