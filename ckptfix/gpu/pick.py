@@ -56,6 +56,7 @@ __all__ = [
     "selection_env",
     "choose_and_lease",
     "explain_shortfall",
+    "failure_dict",
     "pick",
     "choose_gpus",
     "release_my_leases",
@@ -477,6 +478,33 @@ class PickResult:
         }
 
 
+def failure_dict(exit_code: int, message: str, result: PickResult | None = None) -> dict[str, Any]:
+    """The ``ckptfix pick-gpu --json`` document of a pick that failed: nothing chosen, ``error`` with the exit
+    code and message, and (when ranking got that far) why each GPU was rejected and which ones did qualify.
+
+    Args:
+        exit_code: the command's exit code.
+        message: the error message (as printed after ``Error:``).
+        result: the last round's :class:`PickResult` (``None``: it failed before ranking, e.g. no driver).
+
+    Returns:
+        A dict valid against docs/schemas/pick-gpu.schema.json.
+    """
+    view = result.view if result is not None else None
+    return {
+        "schema": "ckptfix.pick-gpu/1",
+        "CUDA_VISIBLE_DEVICES": None,
+        "CUDA_DEVICE_ORDER": None,
+        "chosen": [],
+        "qualified": [r.to_dict() for r in result.chosen] if result is not None else [],
+        "rejected": [r.to_dict() for r in result.rejected] if result is not None else [],
+        "leases": [],
+        "waited_s": round(result.waited_s, 3) if result is not None else 0.0,
+        "warnings": list(view.warnings) if view is not None else [],
+        "error": {"exit_code": exit_code, "message": message},
+    }
+
+
 def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str, str]:
     """The environment that makes CUDA see exactly ``chosen``, in that order.
 
@@ -595,6 +623,7 @@ def pick(
     token: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    on_result: Callable[[PickResult], None] | None = None,
 ) -> PickResult:
     """Query, choose, and (with ``wait``) retry every ``interval`` seconds until enough GPUs qualify.
 
@@ -615,6 +644,8 @@ def pick(
         token: the caller's lease token.
         sleep: the sleep function (tests).
         clock: the monotonic clock (tests).
+        on_result: called with each round's :class:`PickResult` (``waited_s`` set), the failing one included,
+            before the error is raised (``pick-gpu --json`` reports the rejections of a failed pick).
 
     Returns:
         The :class:`PickResult` with ``waited_s``.
@@ -639,13 +670,17 @@ def pick(
                 else f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU"
             )
         if len(view.candidates) < criteria.n:
+            if on_result is not None:
+                on_result(PickResult([], [], {}, [], view, waited_s=clock() - start))
             raise NoGpuFitsError(
                 f"asked for {criteria.n} GPU(s) but only {len(view.candidates)} are visible to this process: "
                 "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
             )
         result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by, token=token)
+        result.waited_s = clock() - start
+        if on_result is not None:
+            on_result(result)
         if len(result.chosen) >= criteria.n:
-            result.waited_s = clock() - start
             return result
         why = explain_shortfall(result, criteria)
         elapsed = clock() - start
@@ -704,6 +739,7 @@ def choose_gpus(
     runner: Runner | None = None,
     timeout: float = 10.0,
     on_wait: Callable[[str], None] | None = None,
+    on_result: Callable[[PickResult], None] | None = None,
 ) -> PickResult:
     """Choose (and lease) the ``n`` freest GPUs visible under ``env``; change no environment.
 
@@ -733,6 +769,7 @@ def choose_gpus(
         runner: runs one nvidia-smi command (tests).
         timeout: seconds to wait for each nvidia-smi call.
         on_wait: called with a progress line before each wait.
+        on_result: called with each round's :class:`PickResult`, a failing one included (see :func:`pick`).
 
     Returns:
         :class:`PickResult`: ``chosen`` (ranked, each with the reason), ``env`` to apply, ``leases``,
@@ -770,6 +807,7 @@ def choose_gpus(
         by=by,
         on_wait=on_wait,
         token=tok,
+        on_result=on_result,
     )
     result.lease_seconds = seconds
     result.token = tok
