@@ -410,8 +410,38 @@ def test_pick_gpu_skips_mig_parents_and_unavailable_memory(fake_env):
     assert r.rc == 22 and "a CUDA process sees a single MIG instance: -n 5 cannot use MIG devices" in r.err
     r = run_cli("pick-gpu", scenario="k8s_insufficient_permissions", env=fake_env)
     assert r.rc == 22 and "memory is unavailable ([Insufficient Permissions])" in r.err
-    r = run_cli("pick-gpu", scenario="gb10_unified_memory", env=fake_env)
-    assert r.rc == 22 and "memory is unavailable ([N/A])" in r.err
+    # a unified-memory GPU (GB10, Jetson: memory.* [N/A]) is picked with no memory filter, memory marked unknown
+    r = run_cli("pick-gpu", "--lease", "0", scenario="gb10_unified_memory", env=fake_env)
+    assert r.rc == 0 and r.out == "0\n", r
+    assert "memory unknown" in r.err and "unified memory" in r.err, r
+
+
+def test_pick_gpu_unified_memory(fake_env):
+    # issue 34 C1: DGX Spark GB10 (samples/csv_GB10_unified_memory_NA_a.txt) and Jetson Orin ("Orin (nvgpu)")
+    for scenario in ("gb10_unified_memory", "jetson_orin"):
+        r = run_cli("pick-gpu", "--json", "--lease", "0", scenario=scenario, env=fake_env)
+        assert r.rc == 0, r
+        (c,) = json.loads(r.out)["chosen"]
+        assert c["memory_known"] is False and c["memory_free_mib"] is None and "memory unknown" in c["reason"]
+        # --min-free cannot be checked: refused at once, saying why, and --wait is not offered (it cannot help)
+        r = run_cli("pick-gpu", "--min-free", "8GiB", scenario=scenario, env=fake_env)
+        assert r.rc == 22, r
+        assert "memory is unknown on this GPU" in r.err and "unified memory" in r.err, r
+        assert "--wait" not in r.err and "drop --min-free" in r.err, r
+        r = run_cli(
+            "pick-gpu", "--min-free", "8GiB", "--wait", "30", "--interval", "10", scenario=scenario, env=fake_env
+        )
+        assert r.rc == 22 and "waiting for GPUs" not in r.err, r  # no 30 s wait for what cannot change
+        r = run_cli("gpus", "--json", scenario=scenario, env=fake_env)
+        (p,) = [p for p in json.loads(r.out)["problems"] if p["code"] == "memory_unavailable"]
+        assert "pick-gpu picks it with memory unknown" in p["fix"], p
+
+
+def test_pick_gpu_command_on_unified_memory(fake_env):
+    script = "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"
+    r = run_cli("pick-gpu", "--", sys.executable, "-c", script, scenario="gb10_unified_memory", env=fake_env)
+    assert r.rc == 0 and r.out == "0\n", r
+    assert "memory unknown" in r.err, r
 
 
 def test_pick_gpu_min_free_and_max_util(fake_env):

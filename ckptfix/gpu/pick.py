@@ -39,6 +39,7 @@ from ckptfix.gpu.leases import (
     try_lease,
     undo,
 )
+from ckptfix.gpu.order import is_unified_memory
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
@@ -187,6 +188,8 @@ class Ranked:
             "name": g.name,
             "memory_free_mib": g.memory_free_mib,
             "memory_total_mib": g.memory_total_mib,
+            # False on a unified-memory GPU (GB10, Jetson): nvidia-smi reports no memory, it was picked anyway
+            "memory_known": g.memory_free_mib is not None or g.mig_device is not None,
             "utilization_pct": g.utilization_pct,
             "process_count": g.process_count,
             "reason": self.reason,
@@ -199,6 +202,8 @@ class Rejected:
 
     gpu: VisibleGpu
     reason: str
+    # nothing on the machine can change it while pick-gpu waits (excluded, MIG, memory this GPU never reports)
+    permanent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """One ``rejected`` entry of ``pick-gpu --json``.
@@ -210,6 +215,17 @@ class Rejected:
 
     def __str__(self) -> str:
         return f"GPU {self.gpu.smi_index} ({self.gpu.name or '?'}): {self.reason}"
+
+
+def _unified_unknown(g: VisibleGpu) -> str | None:
+    """nvidia-smi's placeholder (``N/A``) when ``g`` is a unified-memory GPU (GB10, Jetson: no framebuffer of its
+    own, memory shared with the CPU) whose memory it does not report, else ``None``."""
+    if g.mig_device is not None or (g.memory_free_mib is not None and g.memory_total_mib is not None):
+        return None
+    why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or ""
+    if why.upper() in ("N/A", "NOT SUPPORTED") and is_unified_memory(g.name):
+        return why
+    return None
 
 
 def _gib(mib: int | None) -> str:
@@ -268,6 +284,8 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     if b is None:
         return "the only candidate left"
     fa, fb = a.memory_free_mib or 0, b.memory_free_mib or 0
+    if a.memory_free_mib is not None and _unified_unknown(b) is not None:
+        return f"its free memory is known; the next candidate GPU {b.smi_index}'s is not (unified memory)"
     if not same_group:
         return (
             f"more free memory than the next candidate GPU {b.smi_index} "
@@ -291,6 +309,58 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     return f"{near}, same utilization and processes; lower nvidia-smi index"
 
 
+def _rejection(g: VisibleGpu, criteria: Criteria, leased: Mapping[str, str]) -> tuple[str | None, bool]:
+    """Why ``g`` fails ``criteria`` (``None``: it qualifies) and whether that is permanent (waiting cannot help).
+
+    A MIG device that qualifies is leased-checked later (:func:`rank_gpus` ranks MIG devices apart)."""
+    procs = _effective_procs(g)
+    excluded = _excluded_by(g, criteria.exclude)
+    sensor = _sensor_rejection(g, criteria)
+    unified = _unified_unknown(g)
+    if excluded is not None:
+        return f"excluded (--exclude {excluded})", True
+    if sensor is not None:
+        return sensor, False
+    if g.mig_device is not None:
+        return _mig_rejection(g, criteria), True
+    if g.mig_enabled:
+        return "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)", True
+    if unified is not None and criteria.min_free_mib is not None:
+        return (
+            f"memory is unknown on this GPU (unified memory shared with the CPU: nvidia-smi reports [{unified}]), "
+            "so --min-free cannot be checked: drop --min-free to pick it",
+            True,
+        )
+    if unified is None and (g.memory_free_mib is None or g.memory_total_mib is None):
+        why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or "missing"
+        return f"memory is unavailable ([{why}])", False
+    if g.id in leased:
+        return f"leased by another job ({leased[g.id]})", False
+    if (
+        criteria.min_free_mib is not None
+        and g.memory_free_mib is not None
+        and g.memory_free_mib < criteria.min_free_mib
+    ):
+        have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
+        if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
+            have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
+        return f"{have} free < --min-free {need}", False
+    if criteria.max_util is not None and g.utilization_pct is None:
+        return "utilization unavailable and --max-util was given", False
+    if criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
+        return f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}", False
+    if criteria.max_procs is not None and g.process_count is None:
+        return "process count unavailable (--query-compute-apps failed or timed out) and --max-procs was given", False
+    if criteria.max_procs is not None and procs > criteria.max_procs:
+        hidden = (
+            f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
+            if (g.process_count or 0) == 0
+            else ""
+        )
+        return f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}", False
+    return None, False
+
+
 def rank_gpus(
     devices: Sequence[VisibleGpu], criteria: Criteria, *, leased: Mapping[str, str] | None = None
 ) -> tuple[list[Ranked], list[Rejected]]:
@@ -309,50 +379,11 @@ def rank_gpus(
     migs: list[VisibleGpu] = []
     rejected: list[Rejected] = []
     for g in devices:
-        procs = _effective_procs(g)
-        excluded = _excluded_by(g, criteria.exclude)
-        sensor = _sensor_rejection(g, criteria)
-        if excluded is not None:
-            rejected.append(Rejected(g, f"excluded (--exclude {excluded})"))
-        elif sensor is not None:
-            rejected.append(Rejected(g, sensor))
-        elif g.mig_device is not None:
-            why = _mig_rejection(g, criteria)
-            if why is None:
-                migs.append(g)
-            else:
-                rejected.append(Rejected(g, why))
-        elif g.mig_enabled:
-            rejected.append(Rejected(g, "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)"))
-        elif g.memory_free_mib is None or g.memory_total_mib is None:
-            why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or "missing"
-            rejected.append(Rejected(g, f"memory is unavailable ([{why}])"))
-        elif g.id in leased:
-            rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
-        elif criteria.min_free_mib is not None and g.memory_free_mib < criteria.min_free_mib:
-            have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
-            if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
-                have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
-            rejected.append(Rejected(g, f"{have} free < --min-free {need}"))
-        elif criteria.max_util is not None and g.utilization_pct is None:
-            rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
-        elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
-            rejected.append(Rejected(g, f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}"))
-        elif criteria.max_procs is not None and g.process_count is None:
-            rejected.append(
-                Rejected(
-                    g, "process count unavailable (--query-compute-apps failed or timed out) and --max-procs was given"
-                )
-            )
-        elif criteria.max_procs is not None and procs > criteria.max_procs:
-            hidden = (
-                f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
-                if (g.process_count or 0) == 0
-                else ""
-            )
-            rejected.append(Rejected(g, f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}"))
+        why, permanent = _rejection(g, criteria, leased)
+        if why is None:
+            (migs if g.mig_device is not None else ok).append(g)
         else:
-            ok.append(g)
+            rejected.append(Rejected(g, why, permanent=permanent))
     ordered = _order(ok)
     groups = {id(g): k for k, grp in enumerate(ordered) for g in grp}
     ok = [g for grp in ordered for g in grp]
@@ -366,7 +397,14 @@ def rank_gpus(
             else ""
         )
         nprocs = "?" if g.process_count is None else str(g.process_count)
-        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
+        unified = _unified_unknown(g)
+        memory = (
+            f"memory unknown (unified memory shared with the CPU: nvidia-smi reports [{unified}]; nothing checked "
+            "how much is free)"
+            if unified is not None
+            else f"{_gib(g.memory_free_mib)} free"
+        )
+        desc = f"{memory}, {util} util, {nprocs} process(es){hidden}"
         same = nxt is not None and groups[id(g)] == groups[id(nxt)]
         ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt, same)}"))
     # MIG devices after whole GPUs: the biggest slice first (their use is not reported; leases tell them apart)
@@ -684,6 +722,8 @@ def pick(
             return result
         why = explain_shortfall(result, criteria)
         elapsed = clock() - start
+        if result.rejected and all(r.permanent for r in result.rejected):  # nothing a wait could change
+            raise NoGpuFitsError(f"no GPU fits the request ({why}); waiting cannot help: relax the filters")
         if wait <= 0:
             raise NoGpuFitsError(f"no GPU fits the request ({why}); relax the filters or use --wait SECONDS")
         if elapsed >= wait:
