@@ -24,7 +24,7 @@ from ckptfix.gpu.order import model_info
 from ckptfix.gpu.records import Problem
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
-from ckptfix.gpu.wheels import arch_text, runs_on, wheel_archs
+from ckptfix.gpu.wheels import WHEEL_ARCHS, arch_text, runs_on, wheel_archs
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -180,6 +180,12 @@ def recommend_cuda_build(
         "command": "pip install ...", "upgrade_to": "560.28.03" | None, "lacks_arch": {build: [label, ...]},
         "no_build_fits": bool}``.
     """
+    gpus_all = list(gpus)
+    # a GPU no CUDA build of any release in the table runs (Kepler, sm_37): left out of the choice below
+    nowhere = [label for label, cc in gpus if not _runs_anywhere(cc)]
+    runnable = [(label, cc) for label, cc in gpus if label not in nowhere]
+    every_gpu_unsupported = bool(gpus) and not runnable
+    gpus = runnable
     tv = _version(torch_version) or (0, 0)
     key = (tv[0], tv[1] if len(tv) > 1 else 0)
     assumed = key not in TORCH_CUDA_BUILDS
@@ -224,6 +230,9 @@ def recommend_cuda_build(
         "upgrade_to_at_least": None,
         "lacks_arch": lacks,
         "no_build_fits": no_build_fits,
+        "no_torch_runs": nowhere,
+        "every_gpu_unsupported": every_gpu_unsupported,
+        "kepler": any(cc[0] == 3 for label, cc in gpus_all if label in nowhere),
     }
     best = ok[-1] if ok else (ok_compat[0] if ok_compat else None)
     if best is not None:
@@ -238,7 +247,53 @@ def recommend_cuda_build(
     return out
 
 
+def _runs_anywhere(cc: tuple[int, int]) -> bool:
+    """Whether some CUDA build of some torch release in :data:`ckptfix.gpu.wheels.WHEEL_ARCHS` runs ``cc``."""
+    return any(runs_on(archs, cc) for builds in WHEEL_ARCHS.values() for archs in builds.values())
+
+
+def _oldest_arch() -> str:
+    return arch_text([min(a for builds in WHEEL_ARCHS.values() for sass, _ in builds.values() for a in sass)])
+
+
+def _no_build_text(rec: dict[str, Any], driver: str | None) -> str:
+    """Every GPU here is older than every CUDA build of torch ckptfix knows (a K80 box): no driver upgrade helps."""
+    first = min(WHEEL_ARCHS)
+    kepler = (
+        f"; R470 is the last NVIDIA driver branch for Kepler GPUs (driver {driver or '?'} here), so no driver "
+        "upgrade helps either"
+        if rec.get("kepler")
+        else ""
+    )
+    return (
+        f"no supported torch build runs these GPUs ({', '.join(rec['no_torch_runs'])}): every CUDA build of torch "
+        f"{first[0]}.{first[1]} and later ships kernels for {_oldest_arch()} and newer only{kepler}. Run torch on the "
+        "CPU (pip install torch --index-url https://download.pytorch.org/whl/cpu), or use an old torch release "
+        "whose CUDA 11 build was compiled for these GPUs (check that torch.cuda.get_arch_list() lists "
+        f"{rec['no_torch_runs'][0].rsplit(', ', 1)[-1].rstrip(')')}), or build torch from source for them"
+    )
+
+
 def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
+    if rec.get("every_gpu_unsupported"):
+        return _no_build_text(rec, driver)
+    return _build_text(rec, driver) + _left_out_text(rec)
+
+
+def _left_out_text(rec: dict[str, Any]) -> str:
+    """Some GPUs here run no torch build at all (a K80 next to a V100): the advice is for the others."""
+    if not rec.get("no_torch_runs"):
+        return ""
+    kepler = (
+        " (and while a Kepler GPU is installed the driver stays on R470, its last branch)" if rec.get("kepler") else ""
+    )
+    return (
+        f"; that is for the other GPUs: {', '.join(rec['no_torch_runs'])} runs no torch build at all (every CUDA "
+        f"build ships kernels for {_oldest_arch()} and newer only): leave it out with CUDA_VISIBLE_DEVICES{kepler}"
+    )
+
+
+def _build_text(rec: dict[str, Any], driver: str | None) -> str:
     note = (
         f" (torch {rec['torch']} is newer than ckptfix's table: assumed to ship {', '.join(rec['builds'])})"
         if rec["assumed"]
