@@ -57,8 +57,8 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
 
     \b
     Without nvidia-smi (a login node) it still says what CUDA_VISIBLE_DEVICES
-    asks for (stdout; with --json the document has no GPUs, its problems and
-    "error"), then exits 20.
+    asks for (stdout), then exits 20.  With --json every run prints one
+    document, failures included: then with "error" (exit_code, message).
 
     \b
     Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
@@ -222,6 +222,12 @@ def pick_gpu_cmd(
     error; nothing is picked); 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
+    With --json a failure prints the document too: nothing chosen, "error"
+    (exit_code, message), and why each GPU was rejected.
+
+    \b
+    A unified-memory GPU (DGX Spark GB10, Jetson), whose memory nvidia-smi
+    reports as [N/A], is picked with memory unknown; --min-free refuses it.
     """
     with imports_quietly():  # as in gpus
         from ckptfix.gpu.pick import ExcludeError, choose_gpus, failure_dict, release_my_leases

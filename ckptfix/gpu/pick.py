@@ -3,7 +3,8 @@
 Nothing here imports torch.
 
 Ranking (pure, :func:`rank_gpus`): among the devices visible to the caller, drop
-MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
+MIG parents, GPUs whose memory is unavailable (a unified-memory GPU, GB10 or Jetson, stays a candidate with
+memory unknown unless ``min_free_mib`` is asked), GPUs leased by another job and
 those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
 free memory in exact MiB, where GPUs within :data:`FREE_TOLERANCE_MIB` (512 MiB) of the freest of their
 group count as equal (so 0 MiB and 292 MiB of residue tie), then utilization,
