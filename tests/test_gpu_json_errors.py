@@ -129,3 +129,13 @@ def test_pick_gpu_json_unsafe_lease_directory(env, tmp_path: Path):
     assert doc["chosen"] == []
     doc = one_document(run_cli("pick-gpu", "--release", "--json", scenario="h200_busy", env=bad), 9, "pick-gpu-release")
     assert doc["leases"] == []
+
+
+@pytest.mark.parametrize("scenario", ["driver_not_loaded", "only_gpu_lost"])
+def test_doctor_json_reports_the_failure_in_its_document(env, scenario):
+    # doctor exits 0 whenever it could write the report: the GPU failure is its gpu_error and a problem
+    r = run_cli("doctor", "--json", scenario=scenario, env=env)
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    validate(doc, "doctor")
+    assert f"(exit code {FAILURES[scenario]})" in doc["gpu_error"] and doc["problems"], doc
