@@ -125,3 +125,50 @@ def test_doctor_cli_files_a_hung_nvidia_smi_as_such(tmp_path):
     assert r.rc == 0, r
     codes = [p["code"] for p in json.loads(r.out)["problems"]]
     assert "nvidia_smi_hung" in codes and "no_gpu" not in codes
+
+
+# ----------------------------------------------------------------------------- Jetson (issue 34 C1)
+
+JETSON_DOCS = "docs.nvidia.com/deeplearning/frameworks/install-pytorch-jetson-platform"
+
+
+def test_jetson_is_sent_to_nvidias_jetson_builds_not_the_cu126_wheel():
+    from ckptfix.gpu.visible import visible_gpus
+
+    from fakesmi import scenario_runner
+
+    view = visible_gpus(env={}, runner=scenario_runner("jetson_orin"))  # "Orin (nvgpu)", every field [N/A]
+    torch = {"installed": True, "version": "2.13.0", "cuda": None, "build": "cpu"}
+    p = _codes(diagnose(torch, view, None, {}))["cpu_only_torch"]
+    assert "Jetson" in p.fix and JETSON_DOCS in p.fix and "JetPack" in p.fix, p
+    assert "download.pytorch.org/whl/cu" not in p.fix and "minor version compatibility" not in p.fix, p
+
+
+def test_gb10_is_not_a_jetson():
+    from ckptfix.gpu.doctor import is_tegra
+    from ckptfix.gpu.visible import visible_gpus
+
+    from fakesmi import scenario_runner
+
+    assert not is_tegra(
+        visible_gpus(env={}, runner=scenario_runner("gb10_unified_memory")), release_file="/nonexistent"
+    )
+    assert is_tegra(visible_gpus(env={}, runner=scenario_runner("jetson_orin")), release_file="/nonexistent")
+
+
+def test_jetson_without_nvidia_smi_is_recognised_by_its_release_file(tmp_path):
+    # JetPack 5 and older ship no nvidia-smi; /etc/nv_tegra_release says it is a Jetson
+    from ckptfix.errors import GpuToolingError
+    from ckptfix.gpu.doctor import doctor_report
+
+    release = tmp_path / "nv_tegra_release"
+    release.write_text("# R35 (release), REVISION: 4.1, GCID: 33958178, BOARD: t186ref, EABI: aarch64\n")
+
+    def no_smi(argv, timeout):
+        raise GpuToolingError("nvidia-smi not found on PATH: no NVIDIA driver is installed here")
+
+    report = doctor_report(env={}, runner=no_smi, tegra_release=str(release))
+    probs = _codes(report.problems)
+    assert "install the NVIDIA driver" not in probs["no_gpu"].fix and "Jetson" in probs["no_gpu"].fix, probs
+    if not report.torch.get("cuda"):
+        assert JETSON_DOCS in probs["cpu_only_torch"].fix, probs

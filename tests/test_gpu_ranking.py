@@ -86,3 +86,34 @@ def test_an_idle_cuda_context_of_another_container_loses_the_tie_to_an_empty_gpu
     ranked, _ = rank_gpus(view.devices, Criteria())
     assert [r.gpu.smi_index for r in ranked] == [1, 0]
     assert "nothing on it (GPU 0 has 400 MiB used with no visible process" in ranked[0].reason, ranked[0].reason
+
+
+def _unified(i, name="NVIDIA GB10"):
+    g = SmiGpu(
+        index=i,
+        uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000",
+        name=name,
+        utilization_pct=0,
+        unavailable=(("memory.total", "N/A"), ("memory.used", "N/A"), ("memory.free", "N/A")),
+        processes=(),
+    )
+    return VisibleGpu(i, g)
+
+
+def test_unified_memory_gpu_is_picked_after_gpus_whose_memory_is_known():
+    # issue 34 C1: memory.* [N/A] on a unified-memory GPU: a candidate with memory unknown, never above a known one
+    ranked, rejected = rank_gpus([_unified(0), gpu(1, 40_000)], Criteria(n=2))
+    assert [r.gpu.smi_index for r in ranked] == [1, 0] and rejected == []
+    assert "memory unknown" in ranked[1].reason and "unified memory" in ranked[1].reason
+    assert "is not (unified memory)" in ranked[0].reason
+    ranked, rejected = rank_gpus([_unified(0, "Orin (nvgpu)")], Criteria(min_free_mib=1024))
+    assert ranked == [] and rejected[0].permanent and "memory is unknown on this GPU" in rejected[0].reason
+
+
+def test_memory_unavailable_for_other_reasons_is_still_rejected():
+    g = SmiGpu(index=0, uuid="GPU-0", name="NVIDIA A100", unavailable=(("memory.free", "Insufficient Permissions"),))
+    ranked, rejected = rank_gpus([VisibleGpu(0, g)], Criteria())
+    assert ranked == [] and "memory is unavailable ([Insufficient Permissions])" in rejected[0].reason
+    g = SmiGpu(index=0, uuid="GPU-0", name="NVIDIA GeForce GTX 1080", unavailable=(("memory.free", "N/A"),))
+    ranked, _ = rank_gpus([VisibleGpu(0, g)], Criteria())
+    assert ranked == []  # [N/A] on a card with memory of its own: nothing to rank it by

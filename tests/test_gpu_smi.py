@@ -461,6 +461,46 @@ def test_find_nvidia_smi_missing_and_override(tmp_path):
     assert runner.find_nvidia_smi({"CKPTFIX_NVIDIA_SMI": "/opt/x/nvidia-smi"}) == "/opt/x/nvidia-smi"
 
 
+def _wsl(tmp_path, *, device: bool, smi: bool):
+    """A WSL2 stand-in: ``dxg`` (the device /dev/dxg) and ``wsl/lib/nvidia-smi`` where WSL keeps it."""
+    lib = tmp_path / "wsl" / "lib"
+    lib.mkdir(parents=True)
+    if smi:
+        (lib / "nvidia-smi").write_text("#!/bin/sh\n")
+        (lib / "nvidia-smi").chmod(0o755)
+    dxg = tmp_path / "dxg"
+    if device:
+        dxg.write_text("")
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    return {"PATH": str(empty)}, {"wsl_dir": str(lib), "wsl_device": str(dxg)}, lib / "nvidia-smi"
+
+
+def test_find_nvidia_smi_on_wsl2_off_path(tmp_path):
+    # issue 34 C6: WSL2 keeps nvidia-smi in /usr/lib/wsl/lib, off PATH for root, SSH and services
+    env, where, smi = _wsl(tmp_path, device=True, smi=True)
+    assert runner.find_nvidia_smi(env, **where) == str(smi)
+    on_path = tmp_path / "bin" / "nvidia-smi"  # one on PATH still wins
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert runner.find_nvidia_smi(env, **where) == str(on_path)
+
+
+def test_find_nvidia_smi_wsl_dir_only_on_wsl2(tmp_path):
+    env, where, _ = _wsl(tmp_path, device=False, smi=True)  # no /dev/dxg: not WSL, the folder is not looked in
+    with pytest.raises(GpuToolingError, match="CKPTFIX_NVIDIA_SMI") as e:
+        runner.find_nvidia_smi(env, **where)
+    assert "not found on PATH: no NVIDIA driver is installed here" in str(e.value)
+
+
+def test_find_nvidia_smi_wsl2_without_it_says_where_it_looked(tmp_path):
+    env, where, _ = _wsl(tmp_path, device=True, smi=False)
+    with pytest.raises(GpuToolingError) as e:
+        runner.find_nvidia_smi(env, **where)
+    msg = str(e.value)
+    assert where["wsl_dir"] in msg and "WSL2" in msg and "CKPTFIX_NVIDIA_SMI" in msg and "Windows" in msg
+
+
 def test_subprocess_runner_timeout_and_missing(tmp_path):
     slow = tmp_path / "slow"
     slow.write_text("#!/bin/sh\nsleep 5\n")

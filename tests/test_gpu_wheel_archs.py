@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 
-from ckptfix.gpu.doctor import TORCH_CUDA_BUILDS, diagnose, gpu_ccs, recommend_cuda_build
-from ckptfix.gpu.visible import visible_gpus
+from ckptfix.gpu.doctor import TORCH_CUDA_BUILDS, _recommendation_text, diagnose, gpu_ccs, recommend_cuda_build
+from ckptfix.gpu.records import SmiSnapshot
+from ckptfix.gpu.visible import build_view, visible_gpus
 from ckptfix.gpu.wheels import WHEEL_ARCHS, runs_on, wheel_archs
 
 from fakesmi import scenario_runner
+from helpers import fake_smi_env, run_cli
 
 CPU_TORCH = {"installed": True, "version": "2.9.0+cpu", "cuda": None, "build": "cpu"}
 
@@ -91,3 +96,48 @@ def test_doctor_json_on_the_old_box_is_valid_and_advises_cu126(tmp_path):
     fixes = " ".join(p["fix"] for p in doc["problems"] if p["code"] in ("cpu_only_torch", "wheel_lacks_arch"))
     if doc["torch"].get("installed"):
         assert "whl/cu126" in fixes and "whl/cu130" not in fixes, fixes
+
+
+# ----------------------------------------------------------------------------- Kepler (issue 34 C3)
+
+
+def _k80():
+    return visible_gpus(env={}, runner=scenario_runner("k80_r470"))
+
+
+@pytest.mark.parametrize(
+    "torch",
+    [
+        {"installed": True, "version": "2.13.0+cpu", "cuda": None, "build": "cpu"},
+        {"installed": True, "version": "2.13.0+cu126", "cuda": "12.6", "build": "cuda"},
+        {"installed": True, "version": "2.6.0+cu118", "cuda": "11.8", "build": "cuda"},
+    ],
+)
+def test_kepler_box_is_told_no_torch_build_runs_it_not_to_upgrade_the_driver(torch):
+    view = _k80()
+    assert [cc for _, cc in gpu_ccs(view)] == [(3, 7), (3, 7)]
+    problems = diagnose(torch, view, None, {})
+    fixes = [p for p in problems if p.code in ("cpu_only_torch", "driver_too_old", "wheel_lacks_arch")]
+    assert fixes, problems
+    for p in fixes:
+        assert "upgrade the NVIDIA driver" not in p.fix and ">= 5" not in p.fix, p  # R470 is Kepler's last branch
+        assert "no supported torch build runs these GPUs" in p.fix and "sm_37" in p.fix, p
+        assert "CPU" in p.fix and "old torch" in p.fix and "R470" in p.fix, p
+
+
+def test_kepler_next_to_a_supported_gpu_leaves_it_out():
+    k80 = _k80().physical[0]
+    v100 = replace(old_view().physical[0], index=1, driver_version="470.256.02")
+    view = build_view(SmiSnapshot(gpus=(k80, v100), driver_version="470.256.02"), {})
+    rec = recommend_cuda_build("2.6.0", "470.256.02", gpus=gpu_ccs(view))
+    assert rec["no_torch_runs"] == ["GPU 0 (Tesla K80, sm_37)"] and rec["build"] == "cu118"  # for the V100
+    text = _recommendation_text(rec, "470.256.02")
+    assert "GPU 0 (Tesla K80, sm_37)" in text and "CUDA_VISIBLE_DEVICES" in text and "whl/cu118" in text
+
+
+def test_doctor_cli_on_the_kepler_box(tmp_path):
+    r = run_cli("doctor", "--json", scenario="k80_r470", env=fake_smi_env(tmp_path))
+    assert r.rc == 0, r
+    doc = json.loads(r.out)
+    fixes = " ".join(p["fix"] for p in doc["problems"])
+    assert "no supported torch build runs these GPUs" in fixes and "upgrade the NVIDIA driver" not in fixes, fixes

@@ -77,3 +77,25 @@ def test_ddp_pt_resumes_in_fsdp_exactly(tmp_path):
     assert f.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
     # same global batches, same mean gradient: FSDP's reduce-scatter matches DDP's all-reduce here
     assert torch.equal(_out(f), _out(d2))
+
+
+def test_fsdp_resume_with_momentum_0_matches_ddp(fsdp_dcp, tmp_path):
+    # issue 34 C7: `train --mode fsdp --resume X --momentum 0` died in torch's full-state-dict loader ("Expected
+    # device to be set": an SGD without momentum has no state tensors to learn the device from)
+    s = train(TrainConfig(out=str(tmp_path), mode="single", epochs=1, **SMALL))
+    kw = dict(epochs=2, momentum=0.0, explicit=("momentum",), save_format="pt", **SMALL)
+    f = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, resume=s.final_checkpoint, name="f0", **kw))
+    d = train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, resume=s.final_checkpoint, name="d0", **kw))
+    r = f.checkpoints[-1]["resume"]
+    assert r["restored"] == ["model", "optimizer"] and r["hyperparameters"]["momentum"]["used"] == 0.0, r
+    assert torch.equal(_out(f), _out(d))  # the oracle: the same resume in DDP, where it always worked
+    fo = torch.load(f.final_checkpoint, weights_only=True)["optimizer_state_dict"]
+    do = torch.load(d.final_checkpoint, weights_only=True)["optimizer_state_dict"]
+    assert [g["momentum"] for g in fo["param_groups"]] == [0.0] == [g["momentum"] for g in do["param_groups"]]
+    assert sorted(fo["state"]) == sorted(do["state"]) == list(range(8))  # the buffers are carried, as DDP does
+    for i in do["state"]:
+        assert torch.equal(fo["state"][i]["momentum_buffer"], do["state"][i]["momentum_buffer"]), i
+    # from a sharded FSDP DCP checkpoint too
+    _, res = fsdp_dcp
+    g = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, resume=res.final_checkpoint, name="g0", **kw))
+    assert g.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]

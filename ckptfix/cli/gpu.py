@@ -57,8 +57,8 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
 
     \b
     Without nvidia-smi (a login node) it still says what CUDA_VISIBLE_DEVICES
-    asks for (stdout; with --json the document has no GPUs, its problems and
-    "error"), then exits 20.
+    asks for (stdout), then exits 20.  With --json every run prints one
+    document, failures included: then with "error" (exit_code, message).
 
     \b
     Exit codes: 0 ok; 20 nvidia-smi missing; 21 no GPU, or CUDA_VISIBLE_DEVICES
@@ -81,22 +81,33 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
 
     try:
         view = visible_gpus(timeout=timeout)
-    except GpuToolingError as e:  # no nvidia-smi (a login node): the CUDA_VISIBLE_DEVICES rules need no driver
+    except CkptfixError as e:  # no nvidia-smi (a login node), no driver, a failing nvidia-smi
+        # the CUDA_VISIBLE_DEVICES rules need no driver; --json prints its one document on every failure
         view = driverless_view(os.environ, e)
         if as_json:
             emit_json(view.to_dict())
-        else:
+        elif isinstance(e, GpuToolingError):
             click.echo(view.cvd_summary)
             for w in view.warnings:
                 warn(w)
         raise
+    try:
+        view.raise_if_none_visible()
+    except CkptfixError as e:  # nvidia-smi lists GPUs, CUDA_VISIBLE_DEVICES hides them: the table, then exit 21
+        none_visible: CkptfixError | None = e
+    else:
+        none_visible = None
     if as_json:
-        emit_json(view.to_dict())
+        doc = view.to_dict()
+        if none_visible is not None:
+            doc["error"] = {"exit_code": none_visible.exit_code, "message": str(none_visible)}
+        emit_json(doc)
     else:
         click.echo(render_gpus(view))
         for w in view.warnings:
             warn(w)
-    view.raise_if_none_visible()
+    if none_visible is not None:
+        raise none_visible
 
 
 @cli.command(
@@ -211,9 +222,15 @@ def pick_gpu_cmd(
     error; nothing is picked); 26 driver not loaded; 27 driver/library mismatch; 9 lease directory
     unusable or unsafe (set CKPTFIX_LEASE_DIR); 126/127 COMMAND cannot be run.
     20, 21, 26 and 27 mean "no usable NVIDIA GPU": fall back to CPU.
+    With --json a failure prints the document too: nothing chosen, "error"
+    (exit_code, message), and why each GPU was rejected.
+
+    \b
+    A unified-memory GPU (DGX Spark GB10, Jetson), whose memory nvidia-smi
+    reports as [N/A], is picked with memory unknown; --min-free refuses it.
     """
     with imports_quietly():  # as in gpus
-        from ckptfix.gpu.pick import ExcludeError, choose_gpus, release_my_leases
+        from ckptfix.gpu.pick import ExcludeError, choose_gpus, failure_dict, release_my_leases
 
     if release:
         if (
@@ -229,7 +246,20 @@ def pick_gpu_cmd(
             or max_power is not None
         ):
             raise click.UsageError("--release takes no COMMAND and no pick options (only --json)")
-        _render_release(release_my_leases(), as_json)
+        try:
+            done = release_my_leases()
+        except CkptfixError as e:
+            if as_json:
+                emit_json(
+                    {
+                        "schema": "ckptfix.pick-gpu-release/1",
+                        "token": bool(os.environ.get("CKPTFIX_LEASE_TOKEN")),
+                        "leases": [],
+                        "error": {"exit_code": e.exit_code, "message": str(e)},
+                    }
+                )
+            raise
+        _render_release(done, as_json)
         return 0
     if command and (export or as_json):
         raise click.UsageError("--export/--json print the choice; they cannot be combined with a COMMAND")
@@ -240,6 +270,13 @@ def pick_gpu_cmd(
             f"--lease {lease:g} does not apply with -- COMMAND: the lease lasts as long as the command; "
             "drop --lease (or give --lease 0 to take none)"
         )
+    rounds: list[PickResult] = []  # the last one says why a failed pick failed (--json)
+
+    def failed(code: int, message: str) -> None:
+        _export_failure(export, code)
+        if as_json:
+            emit_json(failure_dict(code, message, rounds[-1] if rounds else None))
+
     try:
         result = choose_gpus(
             n,
@@ -257,15 +294,16 @@ def pick_gpu_cmd(
             new_token=export,
             timeout=timeout,
             on_wait=info,
+            on_result=rounds.append,
         )
     except ExcludeError as e:
-        _export_failure(export, 2)
+        failed(2, str(e))
         raise click.BadParameter(str(e).removeprefix("--exclude "), param_hint="--exclude") from None
     except ValueError as e:  # --min-free is not a size
-        _export_failure(export, 2)
+        failed(2, str(e))
         raise click.BadParameter(str(e), param_hint="--min-free") from None
     except CkptfixError as e:
-        _export_failure(export, e.exit_code)
+        failed(e.exit_code, str(e))
         raise
     _render_pick(result, export=export, as_json=as_json, command=bool(command))
     if command:

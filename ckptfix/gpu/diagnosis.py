@@ -244,7 +244,10 @@ def _memory_problem(d: VisibleGpu) -> Problem | None:
     if "permission" in why.lower():
         fix = "run with access to the GPU's memory counters; pick-gpu skips this GPU"
     elif why.upper() in ("N/A", "NOT SUPPORTED") and is_unified_memory(d.name):
-        fix = "this GPU has no framebuffer memory of its own (unified memory); pick-gpu skips it"
+        fix = (
+            "this GPU has no framebuffer memory of its own (unified memory, shared with the CPU): pick-gpu picks it "
+            "with memory unknown, and refuses it with --min-free (which cannot be checked here)"
+        )
     elif why.upper() in ("N/A", "NOT SUPPORTED"):
         fix = (
             "this driver does not report memory for this GPU (seen on consumer cards and old drivers): "

@@ -24,7 +24,7 @@ from ckptfix.gpu.order import model_info
 from ckptfix.gpu.records import Problem
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
-from ckptfix.gpu.wheels import arch_text, runs_on, wheel_archs
+from ckptfix.gpu.wheels import WHEEL_ARCHS, arch_text, runs_on, wheel_archs
 
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -80,6 +80,41 @@ TORCH_CUDA_BUILDS: dict[tuple[int, int], tuple[str, ...]] = {
 }
 
 
+#: the file every Jetson (L4T) carries, with its release; JetPack 5 and older have no nvidia-smi
+TEGRA_RELEASE = "/etc/nv_tegra_release"
+#: product names of Tegra GPUs (nvidia-smi of JetPack 6 says "Orin (nvgpu)"); a GB10 (DGX Spark) is not one
+_TEGRA_NAMES = ("NVGPU", "JETSON", "ORIN", "XAVIER", "TEGRA", "THOR")
+JETSON_TORCH_DOCS = "https://docs.nvidia.com/deeplearning/frameworks/install-pytorch-jetson-platform/index.html"
+
+
+def is_tegra(view: GpuView | None, *, release_file: str = TEGRA_RELEASE) -> bool:
+    """Whether this is an NVIDIA Jetson (Tegra SoC, the ``nvgpu`` driver): a GPU named so, or L4T's release file.
+
+    Args:
+        view: the GPU view (``None`` when nvidia-smi could not be asked).
+        release_file: L4T's release file (tests).
+
+    Returns:
+        True on a Jetson.
+    """
+    for g in view.physical if view is not None else ():
+        up = (g.name or "").upper()
+        if any(f in up for f in _TEGRA_NAMES):
+            return True
+    return os.path.exists(release_file)
+
+
+def _jetson_text(view: GpuView | None) -> str:
+    names = sorted({g.name for g in view.physical if g.name}) if view is not None else []
+    what = f" ({', '.join(names)})" if names else ""
+    return (
+        f"this is an NVIDIA Jetson{what}, a Tegra SoC with the nvgpu driver: the CUDA wheels of "
+        "download.pytorch.org are built for discrete GPUs and do not run on it (no driver upgrade changes that); "
+        "install NVIDIA's PyTorch build for this JetPack release (its version: "
+        f"`cat {TEGRA_RELEASE}`), as {JETSON_TORCH_DOCS} says, or use NVIDIA's PyTorch container for Jetson"
+    )
+
+
 @dataclass
 class DoctorReport:
     python: dict[str, Any]
@@ -90,6 +125,7 @@ class DoctorReport:
     environment: dict[str, str | None]
     distributed: dict[str, str]
     problems: list[Problem] = field(default_factory=list)
+    tegra: bool = False  # an NVIDIA Jetson (see :func:`is_tegra`)
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ckptfix doctor --json`` document.
@@ -106,6 +142,7 @@ class DoctorReport:
             "gpus": None if self.gpus is None else self.gpus.to_dict(),
             "environment": self.environment,
             "distributed": self.distributed,
+            "tegra": self.tegra,
             "problems": [p.to_dict() for p in self.problems],
         }
 
@@ -180,6 +217,12 @@ def recommend_cuda_build(
         "command": "pip install ...", "upgrade_to": "560.28.03" | None, "lacks_arch": {build: [label, ...]},
         "no_build_fits": bool}``.
     """
+    gpus_all = list(gpus)
+    # a GPU no CUDA build of any release in the table runs (Kepler, sm_37): left out of the choice below
+    nowhere = [label for label, cc in gpus if not _runs_anywhere(cc)]
+    runnable = [(label, cc) for label, cc in gpus if label not in nowhere]
+    every_gpu_unsupported = bool(gpus) and not runnable
+    gpus = runnable
     tv = _version(torch_version) or (0, 0)
     key = (tv[0], tv[1] if len(tv) > 1 else 0)
     assumed = key not in TORCH_CUDA_BUILDS
@@ -224,6 +267,9 @@ def recommend_cuda_build(
         "upgrade_to_at_least": None,
         "lacks_arch": lacks,
         "no_build_fits": no_build_fits,
+        "no_torch_runs": nowhere,
+        "every_gpu_unsupported": every_gpu_unsupported,
+        "kepler": any(cc[0] == 3 for label, cc in gpus_all if label in nowhere),
     }
     best = ok[-1] if ok else (ok_compat[0] if ok_compat else None)
     if best is not None:
@@ -238,7 +284,53 @@ def recommend_cuda_build(
     return out
 
 
+def _runs_anywhere(cc: tuple[int, int]) -> bool:
+    """Whether some CUDA build of some torch release in :data:`ckptfix.gpu.wheels.WHEEL_ARCHS` runs ``cc``."""
+    return any(runs_on(archs, cc) for builds in WHEEL_ARCHS.values() for archs in builds.values())
+
+
+def _oldest_arch() -> str:
+    return arch_text([min(a for builds in WHEEL_ARCHS.values() for sass, _ in builds.values() for a in sass)])
+
+
+def _no_build_text(rec: dict[str, Any], driver: str | None) -> str:
+    """Every GPU here is older than every CUDA build of torch ckptfix knows (a K80 box): no driver upgrade helps."""
+    first = min(WHEEL_ARCHS)
+    kepler = (
+        f"; R470 is the last NVIDIA driver branch for Kepler GPUs (driver {driver or '?'} here), so no driver "
+        "upgrade helps either"
+        if rec.get("kepler")
+        else ""
+    )
+    return (
+        f"no supported torch build runs these GPUs ({', '.join(rec['no_torch_runs'])}): every CUDA build of torch "
+        f"{first[0]}.{first[1]} and later ships kernels for {_oldest_arch()} and newer only{kepler}. Run torch on the "
+        "CPU (pip install torch --index-url https://download.pytorch.org/whl/cpu), or use an old torch release "
+        "whose CUDA 11 build was compiled for these GPUs (check that torch.cuda.get_arch_list() lists "
+        f"{rec['no_torch_runs'][0].rsplit(', ', 1)[-1].rstrip(')')}), or build torch from source for them"
+    )
+
+
 def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
+    if rec.get("every_gpu_unsupported"):
+        return _no_build_text(rec, driver)
+    return _build_text(rec, driver) + _left_out_text(rec)
+
+
+def _left_out_text(rec: dict[str, Any]) -> str:
+    """Some GPUs here run no torch build at all (a K80 next to a V100): the advice is for the others."""
+    if not rec.get("no_torch_runs"):
+        return ""
+    kepler = (
+        " (and while a Kepler GPU is installed the driver stays on R470, its last branch)" if rec.get("kepler") else ""
+    )
+    return (
+        f"; that is for the other GPUs: {', '.join(rec['no_torch_runs'])} runs no torch build at all (every CUDA "
+        f"build ships kernels for {_oldest_arch()} and newer only): leave it out with CUDA_VISIBLE_DEVICES{kepler}"
+    )
+
+
+def _build_text(rec: dict[str, Any], driver: str | None) -> str:
     note = (
         f" (torch {rec['torch']} is newer than ckptfix's table: assumed to ship {', '.join(rec['builds'])})"
         if rec["assumed"]
@@ -271,27 +363,34 @@ def _recommendation_text(rec: dict[str, Any], driver: str | None) -> str:
     )
 
 
-def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: bool) -> list[Problem]:
+def _torch_problems(
+    torch: Mapping[str, Any], view: GpuView | None, *, windows: bool, tegra: bool = False
+) -> list[Problem]:
     """torch missing, a CPU-only build on a GPU machine, a CUDA build the driver cannot run."""
     problems: list[Problem] = []
     has_gpu = view is not None and len(view.physical) > 0
+
+    def advice(rec: dict[str, Any]) -> str:  # a Jetson takes none of the upstream builds
+        return _jetson_text(view) if tegra else _recommendation_text(rec, view.driver_version if view else None)
+
     if not torch.get("installed"):
         err = torch.get("error")
         what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
         problems.append(
             Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
         )
-    elif view is not None and has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
-        rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows, gpus=gpu_ccs(view))
+    elif (has_gpu or tegra) and not torch.get("cuda") and torch.get("build") != "rocm":
+        driver = view.driver_version if view is not None else None
+        rec = recommend_cuda_build(torch.get("version"), driver, windows=windows, gpus=gpu_ccs(view))
         problems.append(
             Problem(
                 "cpu_only_torch",
                 f"this machine has NVIDIA GPUs but torch {torch.get('version')} is a CPU-only build "
                 "(torch.version.cuda is None)",
-                _recommendation_text(rec, view.driver_version),
+                advice(rec),
             )
         )
-    lacking = _installed_build_problem(torch, view, windows) if torch.get("installed") else None
+    lacking = _installed_build_problem(torch, view, windows, tegra) if torch.get("installed") else None
     if lacking is not None:
         problems.append(lacking)
     if view is not None and torch.get("cuda") and view.driver_version:
@@ -305,7 +404,7 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
                     "driver_too_old",
                     f"torch is built for CUDA {torch['cuda']} which needs driver >= {_fmt(need)}, "
                     f"this machine has {view.driver_version}",
-                    _recommendation_text(rec, view.driver_version),
+                    advice(rec),
                 )
             )
     return problems
@@ -374,7 +473,9 @@ def gpu_ccs(view: GpuView | None) -> list[tuple[str, tuple[int, int]]]:
     return out
 
 
-def _installed_build_problem(torch: Mapping[str, Any], view: GpuView | None, windows: bool) -> Problem | None:
+def _installed_build_problem(
+    torch: Mapping[str, Any], view: GpuView | None, windows: bool, tegra: bool = False
+) -> Problem | None:
     """``wheel_lacks_arch``: the installed CUDA build of torch ships no kernels for a GPU here."""
     cuda = _version(torch.get("cuda"))
     tv = _version(torch.get("version"))
@@ -402,12 +503,20 @@ def _installed_build_problem(torch: Mapping[str, Any], view: GpuView | None, win
         f"torch {torch.get('version')} ships kernels for {arch_text(archs[0])}"
         + (f" (+PTX {arch_text([archs[1]])})" if archs[1] else "")
         + f', not for {", ".join(missing)}: CUDA calls there fail with "no kernel image is available"',
-        _recommendation_text(rec, view.driver_version),
+        _jetson_text(view) if tegra else _recommendation_text(rec, view.driver_version),
     )
 
 
-def _gpu_error_problem(gpu_error: str, kind: str) -> Problem:
+def _gpu_error_problem(gpu_error: str, kind: str, tegra: bool = False) -> Problem:
     """nvidia-smi hung or failed (``kind="query"``), a driver problem, or there is no usable GPU."""
+    if kind == "no_nvidia_smi" and tegra:
+        return Problem(
+            "no_gpu",
+            gpu_error,
+            f"this is an NVIDIA Jetson ({TEGRA_RELEASE} exists): JetPack 5 and older ship no nvidia-smi (JetPack 6 "
+            "has one, with memory [N/A]), and the GPU is there for CUDA all the same: watch it with `tegrastats` "
+            "(or jtop); ckptfix gpus / pick-gpu need nvidia-smi",
+        )
     if kind != "query":
         code, fix = _DRIVER_FIXES.get(kind, _DRIVER_FIXES["no_gpu"])
         return Problem(code, gpu_error, fix)
@@ -469,6 +578,7 @@ def diagnose(
     *,
     gpu_error_kind: str = "no_gpu",
     windows: bool = False,
+    tegra: bool | None = None,
 ) -> list[Problem]:
     """Problems with fixes, from facts gathered elsewhere (pure).
 
@@ -481,20 +591,28 @@ def diagnose(
             there but in trouble), ``"driver_not_loaded"``, ``"driver_mismatch"``, ``"no_nvidia_smi"`` or
             ``"no_gpu"``.
         windows: use the Windows driver minimums.
+        tegra: this is an NVIDIA Jetson (``None``: judged from the GPU names, :func:`is_tegra` without the
+            release file).
 
     Returns:
         The problems, each with its fix: torch's, nvidia-smi's, the view's, then the distributed environment's.
     """
-    problems = _torch_problems(torch, view, windows=windows)
+    if tegra is None:
+        tegra = is_tegra(view, release_file="")
+    problems = _torch_problems(torch, view, windows=windows, tegra=tegra)
     if gpu_error:
-        problems.append(_gpu_error_problem(gpu_error, gpu_error_kind))
+        problems.append(_gpu_error_problem(gpu_error, gpu_error_kind, tegra))
     if view is not None:
         problems.extend(view.problems)
     return problems + _distributed_problems(view, env)
 
 
 def doctor_report(
-    *, env: Mapping[str, str] | None = None, runner: Runner | None = None, timeout: float = 10.0
+    *,
+    env: Mapping[str, str] | None = None,
+    runner: Runner | None = None,
+    timeout: float = 10.0,
+    tegra_release: str = TEGRA_RELEASE,
 ) -> DoctorReport:
     """Gather everything (runs nvidia-smi, imports torch) and diagnose.  Never raises for GPU trouble.
 
@@ -502,6 +620,7 @@ def doctor_report(
         env: the environment to report on (default ``os.environ``).
         runner: runs one nvidia-smi command (tests).
         timeout: seconds to wait for each nvidia-smi call.
+        tegra_release: L4T's release file, whose presence means a Jetson (tests).
 
     Returns:
         The :class:`DoctorReport`; GPU failures are in ``gpu_error`` and ``problems``.
@@ -532,7 +651,10 @@ def doctor_report(
     }
     dist = {k: environ[k] for k in DIST_VARS if k in environ}
     dist.update({k: v for k, v in sorted(environ.items()) if k.startswith("NCCL_") or k.startswith("TORCH_NCCL")})
-    problems = diagnose(tinfo, view, gpu_error, environ, gpu_error_kind=gpu_error_kind, windows=os.name == "nt")
+    tegra = is_tegra(view, release_file=tegra_release)
+    problems = diagnose(
+        tinfo, view, gpu_error, environ, gpu_error_kind=gpu_error_kind, windows=os.name == "nt", tegra=tegra
+    )
     return DoctorReport(
         python=python,
         torch=tinfo,
@@ -542,4 +664,5 @@ def doctor_report(
         environment=environment,
         distributed=dist,
         problems=problems,
+        tegra=tegra,
     )

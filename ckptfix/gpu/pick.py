@@ -3,7 +3,8 @@
 Nothing here imports torch.
 
 Ranking (pure, :func:`rank_gpus`): among the devices visible to the caller, drop
-MIG parents, GPUs whose memory is unavailable, GPUs leased by another job and
+MIG parents, GPUs whose memory is unavailable (a unified-memory GPU, GB10 or Jetson, stays a candidate with
+memory unknown unless ``min_free_mib`` is asked), GPUs leased by another job and
 those failing ``min_free_mib`` / ``max_util`` / ``max_procs``; sort the rest by
 free memory in exact MiB, where GPUs within :data:`FREE_TOLERANCE_MIB` (512 MiB) of the freest of their
 group count as equal (so 0 MiB and 292 MiB of residue tie), then utilization,
@@ -39,6 +40,7 @@ from ckptfix.gpu.leases import (
     try_lease,
     undo,
 )
+from ckptfix.gpu.order import is_unified_memory
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
@@ -56,6 +58,7 @@ __all__ = [
     "selection_env",
     "choose_and_lease",
     "explain_shortfall",
+    "failure_dict",
     "pick",
     "choose_gpus",
     "release_my_leases",
@@ -186,6 +189,8 @@ class Ranked:
             "name": g.name,
             "memory_free_mib": g.memory_free_mib,
             "memory_total_mib": g.memory_total_mib,
+            # False on a unified-memory GPU (GB10, Jetson): nvidia-smi reports no memory, it was picked anyway
+            "memory_known": g.memory_free_mib is not None or g.mig_device is not None,
             "utilization_pct": g.utilization_pct,
             "process_count": g.process_count,
             "reason": self.reason,
@@ -198,6 +203,8 @@ class Rejected:
 
     gpu: VisibleGpu
     reason: str
+    # nothing on the machine can change it while pick-gpu waits (excluded, MIG, memory this GPU never reports)
+    permanent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """One ``rejected`` entry of ``pick-gpu --json``.
@@ -209,6 +216,17 @@ class Rejected:
 
     def __str__(self) -> str:
         return f"GPU {self.gpu.smi_index} ({self.gpu.name or '?'}): {self.reason}"
+
+
+def _unified_unknown(g: VisibleGpu) -> str | None:
+    """nvidia-smi's placeholder (``N/A``) when ``g`` is a unified-memory GPU (GB10, Jetson: no framebuffer of its
+    own, memory shared with the CPU) whose memory it does not report, else ``None``."""
+    if g.mig_device is not None or (g.memory_free_mib is not None and g.memory_total_mib is not None):
+        return None
+    why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or ""
+    if why.upper() in ("N/A", "NOT SUPPORTED") and is_unified_memory(g.name):
+        return why
+    return None
 
 
 def _gib(mib: int | None) -> str:
@@ -267,6 +285,8 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     if b is None:
         return "the only candidate left"
     fa, fb = a.memory_free_mib or 0, b.memory_free_mib or 0
+    if a.memory_free_mib is not None and _unified_unknown(b) is not None:
+        return f"its free memory is known; the next candidate GPU {b.smi_index}'s is not (unified memory)"
     if not same_group:
         return (
             f"more free memory than the next candidate GPU {b.smi_index} "
@@ -290,6 +310,58 @@ def _why_before(a: VisibleGpu, b: VisibleGpu | None, same_group: bool) -> str:
     return f"{near}, same utilization and processes; lower nvidia-smi index"
 
 
+def _rejection(g: VisibleGpu, criteria: Criteria, leased: Mapping[str, str]) -> tuple[str | None, bool]:
+    """Why ``g`` fails ``criteria`` (``None``: it qualifies) and whether that is permanent (waiting cannot help).
+
+    A MIG device that qualifies is leased-checked later (:func:`rank_gpus` ranks MIG devices apart)."""
+    procs = _effective_procs(g)
+    excluded = _excluded_by(g, criteria.exclude)
+    sensor = _sensor_rejection(g, criteria)
+    unified = _unified_unknown(g)
+    if excluded is not None:
+        return f"excluded (--exclude {excluded})", True
+    if sensor is not None:
+        return sensor, False
+    if g.mig_device is not None:
+        return _mig_rejection(g, criteria), True
+    if g.mig_enabled:
+        return "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)", True
+    if unified is not None and criteria.min_free_mib is not None:
+        return (
+            f"memory is unknown on this GPU (unified memory shared with the CPU: nvidia-smi reports [{unified}]), "
+            "so --min-free cannot be checked: drop --min-free to pick it",
+            True,
+        )
+    if unified is None and (g.memory_free_mib is None or g.memory_total_mib is None):
+        why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or "missing"
+        return f"memory is unavailable ([{why}])", False
+    if g.id in leased:
+        return f"leased by another job ({leased[g.id]})", False
+    if (
+        criteria.min_free_mib is not None
+        and g.memory_free_mib is not None
+        and g.memory_free_mib < criteria.min_free_mib
+    ):
+        have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
+        if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
+            have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
+        return f"{have} free < --min-free {need}", False
+    if criteria.max_util is not None and g.utilization_pct is None:
+        return "utilization unavailable and --max-util was given", False
+    if criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
+        return f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}", False
+    if criteria.max_procs is not None and g.process_count is None:
+        return "process count unavailable (--query-compute-apps failed or timed out) and --max-procs was given", False
+    if criteria.max_procs is not None and procs > criteria.max_procs:
+        hidden = (
+            f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
+            if (g.process_count or 0) == 0
+            else ""
+        )
+        return f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}", False
+    return None, False
+
+
 def rank_gpus(
     devices: Sequence[VisibleGpu], criteria: Criteria, *, leased: Mapping[str, str] | None = None
 ) -> tuple[list[Ranked], list[Rejected]]:
@@ -308,50 +380,11 @@ def rank_gpus(
     migs: list[VisibleGpu] = []
     rejected: list[Rejected] = []
     for g in devices:
-        procs = _effective_procs(g)
-        excluded = _excluded_by(g, criteria.exclude)
-        sensor = _sensor_rejection(g, criteria)
-        if excluded is not None:
-            rejected.append(Rejected(g, f"excluded (--exclude {excluded})"))
-        elif sensor is not None:
-            rejected.append(Rejected(g, sensor))
-        elif g.mig_device is not None:
-            why = _mig_rejection(g, criteria)
-            if why is None:
-                migs.append(g)
-            else:
-                rejected.append(Rejected(g, why))
-        elif g.mig_enabled:
-            rejected.append(Rejected(g, "MIG is enabled: CUDA cannot use the whole GPU (pick one of its MIG devices)"))
-        elif g.memory_free_mib is None or g.memory_total_mib is None:
-            why = dict(g.unavailable).get("memory.free") or dict(g.unavailable).get("memory.total") or "missing"
-            rejected.append(Rejected(g, f"memory is unavailable ([{why}])"))
-        elif g.id in leased:
-            rejected.append(Rejected(g, f"leased by another job ({leased[g.id]})"))
-        elif criteria.min_free_mib is not None and g.memory_free_mib < criteria.min_free_mib:
-            have, need = _gib(g.memory_free_mib), _gib(criteria.min_free_mib)
-            if have == need:  # 81,919 MiB is not "80.0 GiB < 80.0 GiB"
-                have, need = _mib(g.memory_free_mib), _mib(criteria.min_free_mib)
-            rejected.append(Rejected(g, f"{have} free < --min-free {need}"))
-        elif criteria.max_util is not None and g.utilization_pct is None:
-            rejected.append(Rejected(g, "utilization unavailable and --max-util was given"))
-        elif criteria.max_util is not None and g.utilization_pct is not None and g.utilization_pct > criteria.max_util:
-            rejected.append(Rejected(g, f"{g.utilization_pct}% utilization > --max-util {criteria.max_util}"))
-        elif criteria.max_procs is not None and g.process_count is None:
-            rejected.append(
-                Rejected(
-                    g, "process count unavailable (--query-compute-apps failed or timed out) and --max-procs was given"
-                )
-            )
-        elif criteria.max_procs is not None and procs > criteria.max_procs:
-            hidden = (
-                f" ({_gib(g.hidden_used_mib)} used with no visible process: a process in another container)"
-                if (g.process_count or 0) == 0
-                else ""
-            )
-            rejected.append(Rejected(g, f"{procs} process(es) > --max-procs {criteria.max_procs}{hidden}"))
+        why, permanent = _rejection(g, criteria, leased)
+        if why is None:
+            (migs if g.mig_device is not None else ok).append(g)
         else:
-            ok.append(g)
+            rejected.append(Rejected(g, why, permanent=permanent))
     ordered = _order(ok)
     groups = {id(g): k for k, grp in enumerate(ordered) for g in grp}
     ok = [g for grp in ordered for g in grp]
@@ -365,7 +398,14 @@ def rank_gpus(
             else ""
         )
         nprocs = "?" if g.process_count is None else str(g.process_count)
-        desc = f"{_gib(g.memory_free_mib)} free, {util} util, {nprocs} process(es){hidden}"
+        unified = _unified_unknown(g)
+        memory = (
+            f"memory unknown (unified memory shared with the CPU: nvidia-smi reports [{unified}]; nothing checked "
+            "how much is free)"
+            if unified is not None
+            else f"{_gib(g.memory_free_mib)} free"
+        )
+        desc = f"{memory}, {util} util, {nprocs} process(es){hidden}"
         same = nxt is not None and groups[id(g)] == groups[id(nxt)]
         ranked.append(Ranked(g, i + 1, _effective_procs(g), f"{desc}; {_why_before(g, nxt, same)}"))
     # MIG devices after whole GPUs: the biggest slice first (their use is not reported; leases tell them apart)
@@ -475,6 +515,33 @@ class PickResult:
             "warnings": (list(self.view.warnings) if self.view else [])
             + [le.warning for le in self.leases if le.warning],
         }
+
+
+def failure_dict(exit_code: int, message: str, result: PickResult | None = None) -> dict[str, Any]:
+    """The ``ckptfix pick-gpu --json`` document of a pick that failed: nothing chosen, ``error`` with the exit
+    code and message, and (when ranking got that far) why each GPU was rejected and which ones did qualify.
+
+    Args:
+        exit_code: the command's exit code.
+        message: the error message (as printed after ``Error:``).
+        result: the last round's :class:`PickResult` (``None``: it failed before ranking, e.g. no driver).
+
+    Returns:
+        A dict valid against docs/schemas/pick-gpu.schema.json.
+    """
+    view = result.view if result is not None else None
+    return {
+        "schema": "ckptfix.pick-gpu/1",
+        "CUDA_VISIBLE_DEVICES": None,
+        "CUDA_DEVICE_ORDER": None,
+        "chosen": [],
+        "qualified": [r.to_dict() for r in result.chosen] if result is not None else [],
+        "rejected": [r.to_dict() for r in result.rejected] if result is not None else [],
+        "leases": [],
+        "waited_s": round(result.waited_s, 3) if result is not None else 0.0,
+        "warnings": list(view.warnings) if view is not None else [],
+        "error": {"exit_code": exit_code, "message": message},
+    }
 
 
 def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str, str]:
@@ -595,6 +662,7 @@ def pick(
     token: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    on_result: Callable[[PickResult], None] | None = None,
 ) -> PickResult:
     """Query, choose, and (with ``wait``) retry every ``interval`` seconds until enough GPUs qualify.
 
@@ -615,6 +683,8 @@ def pick(
         token: the caller's lease token.
         sleep: the sleep function (tests).
         clock: the monotonic clock (tests).
+        on_result: called with each round's :class:`PickResult` (``waited_s`` set), the failing one included,
+            before the error is raised (``pick-gpu --json`` reports the rejections of a failed pick).
 
     Returns:
         The :class:`PickResult` with ``waited_s``.
@@ -639,16 +709,22 @@ def pick(
                 else f"{detail}: unset or fix CUDA_VISIBLE_DEVICES (see `ckptfix gpus`), or run on CPU"
             )
         if len(view.candidates) < criteria.n:
+            if on_result is not None:
+                on_result(PickResult([], [], {}, [], view, waited_s=clock() - start))
             raise NoGpuFitsError(
                 f"asked for {criteria.n} GPU(s) but only {len(view.candidates)} are visible to this process: "
                 "ask for fewer, or widen CUDA_VISIBLE_DEVICES"
             )
         result = choose_and_lease(view, criteria, lease_seconds=lease_seconds, directory=directory, by=by, token=token)
+        result.waited_s = clock() - start
+        if on_result is not None:
+            on_result(result)
         if len(result.chosen) >= criteria.n:
-            result.waited_s = clock() - start
             return result
         why = explain_shortfall(result, criteria)
         elapsed = clock() - start
+        if result.rejected and all(r.permanent for r in result.rejected):  # nothing a wait could change
+            raise NoGpuFitsError(f"no GPU fits the request ({why}); waiting cannot help: relax the filters")
         if wait <= 0:
             raise NoGpuFitsError(f"no GPU fits the request ({why}); relax the filters or use --wait SECONDS")
         if elapsed >= wait:
@@ -704,6 +780,7 @@ def choose_gpus(
     runner: Runner | None = None,
     timeout: float = 10.0,
     on_wait: Callable[[str], None] | None = None,
+    on_result: Callable[[PickResult], None] | None = None,
 ) -> PickResult:
     """Choose (and lease) the ``n`` freest GPUs visible under ``env``; change no environment.
 
@@ -733,6 +810,7 @@ def choose_gpus(
         runner: runs one nvidia-smi command (tests).
         timeout: seconds to wait for each nvidia-smi call.
         on_wait: called with a progress line before each wait.
+        on_result: called with each round's :class:`PickResult`, a failing one included (see :func:`pick`).
 
     Returns:
         :class:`PickResult`: ``chosen`` (ranked, each with the reason), ``env`` to apply, ``leases``,
@@ -770,6 +848,7 @@ def choose_gpus(
         by=by,
         on_wait=on_wait,
         token=tok,
+        on_result=on_result,
     )
     result.lease_seconds = seconds
     result.token = tok

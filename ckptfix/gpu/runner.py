@@ -34,26 +34,46 @@ Runner = Callable[[Sequence[str], float], RunResult]
 # ----------------------------------------------------------------------------- running
 
 
-def find_nvidia_smi(env: Mapping[str, str] | None = None) -> str:
-    """The nvidia-smi to run: ``$CKPTFIX_NVIDIA_SMI`` or the one on ``PATH``.
+#: where WSL2 keeps nvidia-smi (the Windows driver's Linux side): off PATH for root, SSH sessions and services
+WSL_LIB_DIR = "/usr/lib/wsl/lib"
+#: the GPU paravirtualisation device that exists only under WSL2
+WSL_GPU_DEVICE = "/dev/dxg"
+
+
+def find_nvidia_smi(
+    env: Mapping[str, str] | None = None, *, wsl_dir: str = WSL_LIB_DIR, wsl_device: str = WSL_GPU_DEVICE
+) -> str:
+    """The nvidia-smi to run: ``$CKPTFIX_NVIDIA_SMI``, the one on ``PATH``, else (WSL2: ``wsl_device`` exists)
+    the one in ``wsl_dir``.
 
     Args:
         env: the environment to read (default ``os.environ``).
+        wsl_dir: where WSL2 keeps nvidia-smi (tests).
+        wsl_device: the device whose presence means WSL2 (tests).
 
     Returns:
         The path (``$CKPTFIX_NVIDIA_SMI`` as given).
 
     Raises:
-        GpuToolingError: none on ``PATH`` (exit code 20).
+        GpuToolingError: none found (exit code 20); the message names ``CKPTFIX_NVIDIA_SMI``.
     """
     environ: Mapping[str, str] = os.environ if env is None else env
     explicit = environ.get("CKPTFIX_NVIDIA_SMI")
     if explicit:
         return explicit
     found = _which("nvidia-smi", environ.get("PATH", os.defpath))
+    wsl = os.path.exists(wsl_device)
+    if not found and wsl:
+        found = _which("nvidia-smi", wsl_dir)
     if not found:
+        if wsl:
+            raise GpuToolingError(
+                f"nvidia-smi not found on PATH nor in {wsl_dir} (this is WSL2: {wsl_device} exists): install the "
+                "NVIDIA driver on the Windows side, or set CKPTFIX_NVIDIA_SMI to where nvidia-smi is; or run on CPU"
+            )
         raise GpuToolingError(
-            "nvidia-smi not found on PATH: no NVIDIA driver is installed here; run on CPU or install the driver"
+            "nvidia-smi not found on PATH: no NVIDIA driver is installed here; run on CPU or install the driver "
+            "(if nvidia-smi is elsewhere, set CKPTFIX_NVIDIA_SMI to its path)"
         )
     return found
 

@@ -186,20 +186,26 @@ def _select_index(spec: VisibleSpec, ordered: Sequence[SmiGpu]) -> tuple[Chosen,
     return chosen, []
 
 
-def _uuid_match(candidate: str, uuids: Sequence[str | None]) -> tuple[int, str]:
-    """Index of the unique uuid starting with candidate, or (-1, why)."""
-    hits = [i for i, u in enumerate(uuids) if u and u.lower().startswith(candidate.lower())]
+def _uuid_match(candidate: str, uuids: Sequence[str | None], *, exact_case: bool = False) -> tuple[int, str]:
+    """Index of the unique uuid starting with candidate (ignoring case unless ``exact_case``), or (-1, why)."""
+    if exact_case:  # torch.cuda._transform_uuid_to_ordinals: uuid.startswith(candidate)
+        hits = [i for i, u in enumerate(uuids) if u and u.startswith(candidate)]
+    else:
+        hits = [i for i, u in enumerate(uuids) if u and u.lower().startswith(candidate.lower())]
     if len(hits) == 1:
         return hits[0], ""
     return -1, ("matches no GPU" if not hits else f"is ambiguous ({len(hits)} GPUs start with it)")
 
 
-def _select_uuid(spec: VisibleSpec, gpus: Sequence[SmiGpu]) -> tuple[Chosen, list[Problem]]:
-    """GPU UUIDs (unambiguous prefixes allowed); an unknown one truncates, a repeated one hides every GPU."""
+def _select_uuid(
+    spec: VisibleSpec, gpus: Sequence[SmiGpu], *, exact_case: bool = False
+) -> tuple[Chosen, list[Problem]]:
+    """GPU UUIDs (unambiguous prefixes allowed); an unknown one truncates, a repeated one hides every GPU.
+    ``exact_case``: compare as torch's emulation does (case-sensitively), else ignoring case."""
     chosen: Chosen = []
     uuids = [g.uuid for g in gpus]
     for cand in spec.entries:
-        hit, why = _uuid_match(cand, uuids)
+        hit, why = _uuid_match(cand, uuids, exact_case=exact_case)
         if hit < 0:
             return chosen, [
                 Problem(
@@ -330,6 +336,34 @@ def _duplicate_after_invalid(
     )
 
 
+def _case_uncertain(spec: VisibleSpec, gpus: Sequence[SmiGpu], chosen: Chosen) -> Problem | None:
+    """``GPU-8E137FA6-...``: UUIDs that match only when case is ignored.  ckptfix reads them as the driver's
+    prefix match ignoring case (the table shows that reading); torch's emulation
+    (``torch.cuda._transform_uuid_to_ordinals``, behind ``torch.cuda.device_count()`` before CUDA is initialised)
+    compares ``uuid.startswith(candidate)``, case-sensitively, and stops at the first entry that matches nothing.
+    Which one the driver applies is not documented: a ``cvd_uncertain`` problem when the two readings differ."""
+    if spec.kind != "uuid" or not spec.entries:
+        return None
+    exact, _ = _select_uuid(spec, gpus, exact_case=True)
+    if [id(g) for g, _ in exact] == [id(g) for g, _ in chosen]:
+        return None
+
+    def reading(c: Chosen) -> str:
+        return ", ".join(f"cuda:{i} = GPU {g.index}" for i, (g, _) in enumerate(c)) if c else "no GPU"
+
+    odd = [e for e in spec.entries if e[4:] != e[4:].lower()]
+    lower = ",".join("GPU-" + str(e)[4:].lower() for e in spec.entries)
+    return Problem(
+        "cvd_uncertain",
+        f"CUDA_VISIBLE_DEVICES={spec.raw!r} has upper-case UUID hex ({', '.join(repr(e) for e in odd)}) while "
+        f"nvidia-smi prints lower case: matched ignoring case it gives {reading(chosen)}; torch's emulation "
+        f"(torch.cuda._transform_uuid_to_ordinals, used by torch.cuda.device_count()) matches case-sensitively, "
+        f"which gives {reading(exact)}. Which the driver applies is not documented, so the answer is uncertain "
+        "(the table shows the case-insensitive reading)",
+        f"write the UUIDs in lower case, as nvidia-smi prints them: CUDA_VISIBLE_DEVICES={lower}",
+    )
+
+
 # ----------------------------------------------------------------------------- the view
 
 
@@ -368,6 +402,9 @@ def build_view(
     if uncertain is not None:  # NVIDIA's documented rule and torch's emulation disagree: show the former, say so
         chosen, problem = uncertain
         problems = [p for p in problems if p.code != "cvd_empty"] + [problem]
+    case_problem = _case_uncertain(spec, gpus, chosen) if uncertain is None else None
+    if case_problem is not None:
+        problems.append(case_problem)
 
     pci_pos = {id(g): i for i, g in enumerate(pci_order(gpus))}
     devices = [_to_visible(i, g, m, hidden_busy_mib, pci_pos.get(id(g))) for i, (g, m) in enumerate(chosen)]
@@ -382,6 +419,7 @@ def build_view(
     if cuda_is_initialized:
         problems.append(diagnosis.CUDA_INITIALIZED)
     certain = (by_id or (models_certain and not unreadable and not mig_rows)) and uncertain is None
+    certain = certain and case_problem is None
     return GpuView(
         devices=tuple(devices),
         physical=tuple(gpus),

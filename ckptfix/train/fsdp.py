@@ -26,6 +26,7 @@ each rank's slice.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -145,12 +146,45 @@ class FSDPState:
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+        if not any(g.get("momentum") for g in self.optimizer.param_groups):
+            # an SGD without momentum keeps no state tensors, and torch's full-state-dict loader learns the
+            # device from those ("Expected device to be set"): shard the checkpoint's state here instead
+            self._load_optimizer_locally(opt_sd)
+            return
         full = ids_to_names(opt_sd, self.names)
         full["state"] = {
             k: {sk: (sv.to(self.device) if isinstance(sv, torch.Tensor) and sv.dim() else sv) for sk, sv in v.items()}
             for k, v in full["state"].items()
         }
         set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
+
+    def _load_optimizer_locally(self, opt_sd: dict[str, Any]) -> None:
+        """Load a full optimizer state dict keyed by index: each state tensor shaped like its parameter becomes a
+        DTensor sharded as that parameter is (from this rank's full copy: no collective), the rest as it is.
+
+        Args:
+            opt_sd: The full optimizer state dict (index or name keys; every rank holds all of it).
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        opt_sd = names_to_ids(opt_sd, self.names)  # a DCP checkpoint's state is keyed by parameter name
+        unknown = [k for k in opt_sd["state"] if not isinstance(k, int) or not 0 <= k < len(self.names)]
+        if unknown:
+            raise KeyError(f"optimizer state for {unknown[0]!r}, which is not a parameter of the model")
+        params = list(self.model.parameters())
+        state: dict[int, dict[str, Any]] = {}
+        for i, entry in opt_sd["state"].items():
+            p = params[i]
+            state[i] = {}
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.dim() and v.shape == p.shape:
+                    v = distribute_tensor(
+                        v.to(self.device, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None
+                    )
+                elif isinstance(v, torch.Tensor) and v.dim():
+                    v = v.to(self.device)
+                state[i][k] = v
+        self.optimizer.load_state_dict({"state": state, "param_groups": copy.deepcopy(opt_sd["param_groups"])})
 
     def save(
         self, epoch: int, path: str, args: dict[str, Any], args_object: Any
