@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from dataclasses import dataclass
 from ckptfix.errors import UnsupportedError
 from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
 
@@ -294,7 +294,7 @@ def diff(
         if not stats and not keys_only and any(r.status == "differ" for r in rows):
             notes.append(
                 "statistics (max abs/rel difference, how many elements differ) need torch: "
-                "pip install 'ckptfix[torch]' and run the diff again"
+                "pip install torch (or 'ckptfix[torch]') and run the diff again"
             )
         order = {s: i for i, s in enumerate(STATUS_ORDER)}
         rows.sort(key=lambda r: order.get(r.status, len(order)))
