@@ -248,3 +248,69 @@ def test_memory_stays_flat(tmp_path: Path) -> None:
     small, big = peak(40 << 20), peak(160 << 20)
     shutil.rmtree(tmp_path)
     assert big - small < 24 << 10, (small, big)  # KiB: 120 MB more input, < 24 MiB more memory
+
+
+FW = REPO / "tests" / "fixtures" / "frameworks"
+CK = REPO / "tests" / "fixtures" / "ckpt"
+# a side as each framework saves it vs the framework's own loader's state dict (tests/fixtures/frameworks/make*.py)
+SIDES = {
+    "trainer/checkpoint-2": FW / "trainer.expected.safetensors",  # GPT-2: lm_head.weight stored once, re-tied
+    "hf_gpt2_sharded": FW / "hf_gpt2_sharded.expected.safetensors",
+    "hf_gpt2_sharded/model.safetensors.index.json": FW / "hf_gpt2_sharded.expected.safetensors",
+    "hf_llama_bin": FW / "hf_llama_bin.expected.safetensors",
+    "accelerate": FW / "accelerate.expected.safetensors",
+    "lightning.ckpt": FW / "lightning.ckpt.expected.safetensors",
+    "lightning_dcp": FW / "lightning_dcp.expected.safetensors",
+    "hfstorage/run": FW / "hfstorage" / "expected" / "model-00001-of-00001.safetensors",
+    "deepspeed/zero1_bf16": FW / "deepspeed" / "zero1_bf16" / "expected.safetensors",
+    "deepspeed/zero3_frozen": FW / "deepspeed" / "zero3_frozen" / "expected.safetensors",
+    "../ckpt/legacy.pth": CK / "model.safetensors",
+    "../ckpt/ddp.pth": CK / "model.safetensors",
+    "../ckpt/sharded": CK / "model.safetensors",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIDES))
+def test_every_container_vs_its_loaders_state_dict(name: str) -> None:
+    r = diff(FW / name, SIDES[name])
+    assert r.equal, (r.summary(), r.only_a, r.only_b)
+    assert not r.only_a and not r.only_b and {t.status for t in r.tensors} == {"identical"}
+    assert diff(SIDES[name], FW / name).equal  # either way round
+    if name == "trainer/checkpoint-2":
+        head = next(t for t in r.tensors if t.name == "lm_head.weight")
+        assert head.status == "identical"
+        assert any("lm_head.weight = transformer.wte.weight" in n for n in r.notes)
+    if name == "hfstorage/run":
+        assert r.format_a == "hf-storage-dcp"
+
+
+def test_hf_storage_chunks_assembled_window_by_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path for chunks that do not tile a tensor end to end: the same bytes as the ranges."""
+    from ckptfix.ops import diffsides
+
+    monkeypatch.setattr(diffsides._HfStorageItem, "ranges", lambda self: None)
+    r = diff(FW / "hfstorage" / "run", SIDES["hfstorage/run"])
+    assert r.equal and {t.status for t in r.tensors} == {"identical"} and len(r.tensors) == 7
+
+
+def test_http_sides_read_only_the_ranges_they_need(tmp_path: Path) -> None:
+    """A URL side: --keys-only reads the header, a full diff each tensor's bytes once (ETag-pinned requests)."""
+    from rangeserver import serving
+
+    torch.manual_seed(3)
+    sd = {"big": torch.randn(1 << 20), "small": torch.randn(10)}
+    st.save_file(sd, tmp_path / "a.safetensors")
+    sd["small"][3] += 1
+    st.save_file(sd, tmp_path / "b.safetensors")
+    size = os.path.getsize(tmp_path / "a.safetensors")
+    with serving(str(tmp_path)) as srv:
+        url = f"{srv.url}/a.safetensors"
+        k = diff(url, tmp_path / "b.safetensors", keys_only=True)
+        assert k.equal and srv.sent() <= 256 << 10  # the header block, of a 4 MiB file
+        srv.reset()
+        r = diff(url, tmp_path / "b.safetensors")
+        assert [t.name for t in r.of("differ")] == ["small"] and r.of("differ")[0].first_diff == 3
+        assert size <= srv.sent() <= size + (256 << 10)
+        srv.reset()
+        p = run_cli("diff", url, f"{srv.url}/b.safetensors", "-q")
+        assert p.returncode == 1 and p.stdout.startswith("1 of 2 tensors differ (max abs")
