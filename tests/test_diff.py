@@ -18,6 +18,7 @@ from test_schemas import validate
 
 from ckptfix import diff
 from ckptfix.ops.convert import convert_to_safetensors
+from ckptfix.ops.diff import _g
 from ckptfix.train import TrainConfig, train
 
 from helpers import run_cli
@@ -68,6 +69,10 @@ def test_dp_vs_single_is_equal_after_alignment(runs: Path) -> None:
     assert not raw.equal and len(raw.only_a) == len(raw.only_b) == len(_sd(dp)) and not raw.tensors
     mapped = diff(dp, single, align=False, maps=["module.="])
     assert mapped.equal
+    back = diff(single, dp)  # the wrapper on B's side: A's keys gain it
+    assert back.equal and back.mapping == "add 'module.'", back.mapping
+    both = diff(dp, single, maps=["module.=model."])  # --map first, then the alignment (Lightning's model.)
+    assert both.equal and both.mapping.startswith("replace 'module.' with 'model.'; "), both.mapping
     p = run_cli("diff", str(dp), str(single), "--no-align", "-q")
     assert p.returncode == 1 and p.stdout.strip().endswith(f"{len(_sd(dp))} missing; {len(_sd(dp))} extra")
 
@@ -95,7 +100,7 @@ def test_epoch1_vs_epoch2_statistics_are_torchs(runs: Path) -> None:
         assert t.first_diff == int((x.reshape(-1).view(torch.int32) != y.reshape(-1).view(torch.int32)).nonzero()[0])
         assert t.status == ("close" if torch.allclose(x, y) else "differ")
     worst = max((t for t in r.tensors if t.max_abs is not None), key=lambda t: t.max_abs)
-    assert f"(max abs {worst.max_abs:.3g} at {worst.name})" in r.summary()
+    assert f"(max abs {_g(worst.max_abs)} at {worst.name})" in r.summary()
     assert any(e.key == "epoch" and (e.a, e.b) == ("1", "2") for e in r.entries)
     doc = json.loads(run_cli("diff", str(e1), str(e2), "--json", "--jobs", "3").stdout)
     validate(doc, "diff")
@@ -181,6 +186,56 @@ def test_missing_keys_changed_shapes_and_keys_only(tmp_path: Path) -> None:
     doc = json.loads(k.stdout)
     validate(doc, "diff")
     assert doc["counts"]["unchecked"] == 1 and doc["counts"]["shape"] == 1 and k.returncode == 1
+
+
+def test_summary_counts_missing_from_b_and_extra_in_b(tmp_path: Path) -> None:
+    """``diff ORIGINAL CONVERTED``: names the conversion dropped are missing, names it added extra."""
+    a = {"x": torch.zeros(2), "y": torch.zeros(2), "z": torch.zeros(2)}
+    b = {"x": torch.zeros(2), "w": torch.zeros(2)}
+    st.save_file(a, tmp_path / "a.safetensors")
+    st.save_file(b, tmp_path / "b.safetensors")
+    r = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert r.summary() == "0 of 1 tensors differ; 2 missing; 1 extra"
+    p = run_cli("diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
+    assert "only in A (missing from B) (2):" in p.stdout and "only in B (extra) (1):" in p.stdout
+
+
+def test_compared_in_the_order_they_lie_in_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors lays out F64 before I8 whatever the names: the comparisons follow the bytes, not the names."""
+    from ckptfix.ops import diff as diffmod
+
+    sd = {"a_small": torch.ones(3, dtype=torch.int8), "b_wide": torch.ones(3, dtype=torch.float64),
+          "c_mid": torch.ones(3, dtype=torch.float32)}  # fmt: skip
+    st.save_file(sd, tmp_path / "m.safetensors")
+    seen: list[str] = []
+    real = diffmod._compare
+
+    def spy(ta, *args):  # type: ignore[no-untyped-def]
+        seen.append(ta.name)
+        return real(ta, *args)
+
+    monkeypatch.setattr(diffmod, "_compare", spy)
+    assert diff(tmp_path / "m.safetensors", tmp_path / "m.safetensors").equal
+    assert seen == ["b_wide", "c_mid", "a_small"]
+
+
+def test_numbers_read_as_the_issue_writes_them() -> None:
+    assert [_g(x) for x in (3.1e-2, 0.25, 1.0, 2.5e-7, 12345.0, 0.0, float("inf"), None)] == [
+        "3.1e-2", "0.25", "1", "2.5e-7", "1.23e4", "0", "inf", "-",
+    ]  # fmt: skip
+
+
+def test_key_a_and_key_b_pick_another_entry(tmp_path: Path) -> None:
+    torch.manual_seed(4)
+    sd = {"w": torch.randn(4, 4)}
+    ema = {"w": sd["w"] * 0.5}
+    torch.save({"state_dict": sd, "state_dict_ema": ema, "step": 7}, tmp_path / "a.pt")
+    torch.save({"model": ema}, tmp_path / "ema.pt")
+    assert not diff(tmp_path / "a.pt", tmp_path / "ema.pt").equal
+    r = diff(tmp_path / "a.pt", tmp_path / "ema.pt", key_a="state_dict_ema")
+    assert r.equal and r.key_a == ["state_dict_ema"] and r.key_b == ["model"]
+    p = run_cli("diff", str(tmp_path / "ema.pt"), str(tmp_path / "a.pt"), "--key-b", "state_dict_ema", "-q")
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_strided_views_and_nan_inf(tmp_path: Path) -> None:
@@ -314,3 +369,9 @@ def test_http_sides_read_only_the_ranges_they_need(tmp_path: Path) -> None:
         srv.reset()
         p = run_cli("diff", url, f"{srv.url}/b.safetensors", "-q")
         assert p.returncode == 1 and p.stdout.startswith("1 of 2 tensors differ (max abs")
+        # the object replaced while it is read: the reads are pinned to the ETag its first request saw
+        srv.reset()
+        srv.fault("change", "a.safetensors", method="GET", count=1)
+        p = run_cli("diff", url, str(tmp_path / "b.safetensors"))
+        assert p.returncode == 44 and p.stderr.startswith("Error: ") and "changed while it was read" in p.stderr
+        assert p.stdout == "" and p.stderr.count("\n") == 1

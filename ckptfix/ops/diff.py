@@ -146,7 +146,11 @@ class DiffReport:
         return all(t.status in ("identical", "close", "unchecked") for t in self.tensors)
 
     def summary(self) -> str:
-        """The one-line summary: ``2 of 148 tensors differ (max abs 3.1e-2 at x.weight); 0 missing; 0 extra``."""
+        """The one-line summary: ``2 of 148 tensors differ (max abs 3.1e-2 at x.weight); 0 missing; 0 extra``.
+
+        ``missing``: names of A that B lacks (``diff ORIGINAL CONVERTED``: what the conversion dropped; as
+        ``load_state_dict`` of B into A's model calls them); ``extra``: names only B holds.
+        """
         bad = [t for t in self.tensors if t.status not in ("identical", "close", "unchecked")]
         n = len(self.tensors)
         if self.keys_only:
@@ -161,7 +165,7 @@ class DiffReport:
             close = len(self.of("close"))
             if close:
                 head += f"; {close} equal within tolerance"
-        return f"{head}; {len(self.only_b)} missing; {len(self.only_a)} extra"
+        return f"{head}; {len(self.only_a)} missing; {len(self.only_b)} extra"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``diff --json`` document (docs/schemas/diff.schema.json)."""
@@ -192,7 +196,13 @@ class DiffReport:
 
 
 def _g(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+    """A difference in a few characters: ``3.1e-2``, ``0.25``, ``inf``, ``0``."""
+    if x is None:
+        return "-"
+    if x == 0 or x != x or x in (float("inf"), float("-inf")) or 0.1 <= abs(x) < 1e4:
+        return f"{x:.3g}"
+    m, e = f"{x:.2e}".split("e")
+    return f"{m.rstrip('0').rstrip('.')}e{int(e)}"
 
 
 def _torch_available() -> bool:
@@ -662,8 +672,8 @@ def render(r: DiffReport, quiet: bool = False) -> list[str]:
         if len(lines) > limit:
             out.append(f"  ... and {len(lines) - limit} more (--json lists all)")
 
-    block("only in A", r.only_a)
-    block("only in B", r.only_b)
+    block("only in A (missing from B)", r.only_a)
+    block("only in B (extra)", r.only_b)
     block("shape mismatch", [f"{t.name}: {t.shape_a} vs {t.shape_b}" for t in r.of("shape")])
     block("dtype mismatch", [f"{t.name}: {t.dtype_a} vs {t.dtype_b} (--dtype-cast compares)" for t in r.of("dtype")])
     same = r.of("identical")
