@@ -326,7 +326,13 @@ SIDES = {
 
 
 @pytest.mark.parametrize("name", sorted(SIDES))
-def test_every_container_vs_its_loaders_state_dict(name: str) -> None:
+def test_every_container_vs_its_loaders_state_dict_and_its_convert_output(name: str, tmp_path: Path) -> None:
+    from ckptfix.ops.convert import convert
+
+    out = tmp_path / "out.safetensors"
+    convert(FW / name, out)
+    c = diff(FW / name, out)
+    assert c.equal and {t.status for t in c.tensors} == {"identical"}, (c.summary(), c.only_a, c.only_b)
     r = diff(FW / name, SIDES[name])
     assert r.equal, (r.summary(), r.only_a, r.only_b)
     assert not r.only_a and not r.only_b and {t.status for t in r.tensors} == {"identical"}

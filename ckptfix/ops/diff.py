@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ckptfix.errors import UnsupportedError
-from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
+from ckptfix.ops.diffsides import Side, SideTensor, read_side, retie, where
 
 if TYPE_CHECKING:
     from ckptfix.files.fileio import Fds
@@ -274,6 +274,8 @@ def diff(
     pairs = _parse_maps(maps)
     sa = read_side(os.fspath(a), key_a)
     sb = read_side(os.fspath(b), key_b)
+    retie(sa, sb)
+    retie(sb, sa)
     stats = (_torch_available() if use_torch is None else use_torch) and not keys_only
     try:
         names_a = {_mapped(n, pairs): t for n, t in sa.tensors.items()}

@@ -19,7 +19,7 @@ from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.files import source
 from ckptfix.ops.convert.items import Item, Range
 
-__all__ = ["Side", "SideTensor", "read_side", "where"]
+__all__ = ["Side", "SideTensor", "read_side", "retie", "where"]
 
 
 @dataclass(eq=False)
@@ -54,6 +54,7 @@ class Side:
         entries: the non-tensor entries, briefly (``epoch: 3``, safetensors metadata).
         notes: remarks for the report.
         closers: what to close once compared (DCP data files).
+        ties: tied names stored once -> the name stored (from ``config.json``; :func:`retie`), and where from.
     """
 
     path: str
@@ -63,6 +64,8 @@ class Side:
     entries: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    ties: dict[str, str] = field(default_factory=dict)
+    tie_source: str = ""
 
     def close(self) -> None:
         """Close the files this side opened."""
@@ -115,11 +118,11 @@ def read_side(path: str, key: str | None = None) -> Side:
 
 
 def _retie(side: Side, path: str) -> Side:
-    """Add the tied names a Hugging Face model stores once (GPT-2's ``lm_head.weight``), as the tensor they share.
+    """Note the tied names a Hugging Face model stores once (GPT-2's ``lm_head.weight``): ``side.ties``.
 
     ``save_pretrained`` drops them and ``from_pretrained`` re-ties them (the ``config.json`` beside the
-    weights names the class; its ``_tied_weights_keys`` from :mod:`ckptfix.formats.hfarch`), so a diff against a
-    file that stores them (a ``torch.save`` of the loaded model) does not report them missing.
+    weights names the class; its ``_tied_weights_keys`` from :mod:`ckptfix.formats.hfarch`); :func:`retie` adds
+    them where the other side stores them.
     """
     from ckptfix.formats.hfarch import ARCHITECTURES, architectures, read_config
 
@@ -127,24 +130,31 @@ def _retie(side: Side, path: str) -> Side:
     cfg = read_config(path)
     if not found or cfg is None or cfg.get("tie_word_embeddings") is False:
         return side
-    rules: dict[str, str] = {}
     for _, arch in found:
-        rules.update(arch.tied)
+        side.ties.update(arch.tied)
         base = ARCHITECTURES.get(arch.base) if arch.base else None
         if base is not None:
-            rules.update({f"{arch.prefix}.{k}": f"{arch.prefix}.{v}" for k, v in base.tied.items()})
+            side.ties.update({f"{arch.prefix}.{k}": f"{arch.prefix}.{v}" for k, v in base.tied.items()})
+    side.tie_source = "config.json " + ", ".join(n for n, _ in found)
+    return side
+
+
+def retie(side: Side, other: Side) -> None:
+    """Add the tied names ``side`` stores once (``side.ties``) that ``other`` stores, as the tensor they share.
+
+    So a Trainer folder diffed against a ``torch.save`` of the loaded model (which holds ``lm_head.weight``) does
+    not report it missing, and diffed against its ``convert`` output (which stores it once too) needs nothing.
+    """
     added = []
-    for dropped, target in rules.items():
+    for dropped, target in side.ties.items():
         t = side.tensors.get(target)
-        if dropped in side.tensors or t is None:
+        if dropped in side.tensors or dropped not in other.tensors or t is None:
             continue
         side.tensors[dropped] = SideTensor(dropped, t.dtype, t.shape, t.numel, t.element_size, t.item, t.group,
                                            t.note, t.order)  # fmt: skip
         added.append(f"{dropped} = {target}")
     if added:
-        names = ", ".join(n for n, _ in found)
-        side.notes.append(f"{side.path}: {'; '.join(added)} (tied, stored once: config.json {names})")
-    return side
+        side.notes.append(f"{side.path}: {'; '.join(added)} (tied, stored once: {side.tie_source})")
 
 
 def _brief(v: Any) -> str:
