@@ -165,6 +165,11 @@ class DiffReport:
             close = len(self.of("close"))
             if close:
                 head += f"; {close} equal within tolerance"
+        shapes, dtypes = len(self.of("shape")), len(self.of("dtype"))
+        if shapes:
+            head += f"; {shapes} in shape"
+        if dtypes:
+            head += f"; {dtypes} in dtype (--dtype-cast compares them)"
         return f"{head}; {len(self.only_a)} missing; {len(self.only_b)} extra"
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,8 +204,9 @@ def _g(x: float | None) -> str:
     """A difference in a few characters: ``3.1e-2``, ``0.25``, ``inf``, ``0``."""
     if x is None:
         return "-"
-    if x == 0 or x != x or x in (float("inf"), float("-inf")) or 0.1 <= abs(x) < 1e4:
-        return f"{x:.3g}"
+    s = f"{x:.3g}"
+    if x == 0 or x != x or x in (float("inf"), float("-inf")) or (abs(x) >= 0.1 and "e" not in s):
+        return s
     m, e = f"{x:.2e}".split("e")
     return f"{m.rstrip('0').rstrip('.')}e{int(e)}"
 
