@@ -90,3 +90,16 @@ def test_differing_bytes_first_position_and_how_to_get_statistics(tmp_path: Path
     assert any("pip install torch" in n for n in doc["notes"])
     rc, out, _ = _run(tmp_path, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "a.safetensors"), "-q")
     assert rc == 0 and out == "0 of 2 tensors differ; 0 missing; 0 extra\n"
+
+
+def test_consolidated_folders_without_torch(tmp_path: Path) -> None:
+    """A DeepSpeed ZeRO folder and a HuggingFaceStorageWriter folder vs their consolidated files, torch-free."""
+    fw = CKPT.parent / "frameworks"
+    pairs = [
+        (fw / "deepspeed" / "zero3_fp32", fw / "deepspeed" / "zero3_fp32" / "expected.safetensors"),
+        (fw / "hfstorage" / "run", fw / "hfstorage" / "expected" / "model-00001-of-00001.safetensors"),
+        (fw / "trainer" / "checkpoint-2", fw / "trainer.expected.safetensors"),
+    ]
+    for a, b in pairs:
+        rc, out, _ = _run(tmp_path, "diff", str(a), str(b), "-q")
+        assert rc == 0 and out.startswith("0 of ") and out.endswith(" tensors differ; 0 missing; 0 extra\n"), (a, out)
