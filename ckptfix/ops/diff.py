@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from ckptfix.errors import UnsupportedError
 from ckptfix.files.source import in_session
-from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
+from ckptfix.ops.diffsides import Side, SideTensor, read_side, retie, where
 
 if TYPE_CHECKING:
     from ckptfix.files.fileio import Fds
@@ -147,7 +147,11 @@ class DiffReport:
         return all(t.status in ("identical", "close", "unchecked") for t in self.tensors)
 
     def summary(self) -> str:
-        """The one-line summary: ``2 of 148 tensors differ (max abs 3.1e-2 at x.weight); 0 missing; 0 extra``."""
+        """The one-line summary: ``2 of 148 tensors differ (max abs 3.1e-2 at x.weight); 0 missing; 0 extra``.
+
+        ``missing``: names of A that B lacks (``diff ORIGINAL CONVERTED``: what the conversion dropped; as
+        ``load_state_dict`` of B into A's model calls them); ``extra``: names only B holds.
+        """
         bad = [t for t in self.tensors if t.status not in ("identical", "close", "unchecked")]
         n = len(self.tensors)
         if self.keys_only:
@@ -162,7 +166,12 @@ class DiffReport:
             close = len(self.of("close"))
             if close:
                 head += f"; {close} equal within tolerance"
-        return f"{head}; {len(self.only_b)} missing; {len(self.only_a)} extra"
+        shapes, dtypes = len(self.of("shape")), len(self.of("dtype"))
+        if shapes:
+            head += f"; {shapes} in shape"
+        if dtypes:
+            head += f"; {dtypes} in dtype (--dtype-cast compares them)"
+        return f"{head}; {len(self.only_a)} missing; {len(self.only_b)} extra"
 
     def to_dict(self) -> dict[str, Any]:
         """The ``diff --json`` document (docs/schemas/diff.schema.json)."""
@@ -193,7 +202,14 @@ class DiffReport:
 
 
 def _g(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
+    """A difference in a few characters: ``3.1e-2``, ``0.25``, ``inf``, ``0``."""
+    if x is None:
+        return "-"
+    s = f"{x:.3g}"
+    if x == 0 or x != x or x in (float("inf"), float("-inf")) or (abs(x) >= 0.1 and "e" not in s):
+        return s
+    m, e = f"{x:.2e}".split("e")
+    return f"{m.rstrip('0').rstrip('.')}e{int(e)}"
 
 
 def _torch_available() -> bool:
@@ -266,6 +282,8 @@ def diff(
     pairs = _parse_maps(maps)
     sa = read_side(os.fspath(a), key_a)
     sb = read_side(os.fspath(b), key_b)
+    retie(sa, sb)
+    retie(sb, sa)
     stats = (_torch_available() if use_torch is None else use_torch) and not keys_only
     try:
         names_a = {_mapped(n, pairs): t for n, t in sa.tensors.items()}
@@ -296,7 +314,7 @@ def diff(
         if not stats and not keys_only and any(r.status == "differ" for r in rows):
             notes.append(
                 "statistics (max abs/rel difference, how many elements differ) need torch: "
-                "pip install 'ckptfix[torch]' and run the diff again"
+                "pip install torch (or 'ckptfix[torch]') and run the diff again"
             )
         order = {s: i for i, s in enumerate(STATUS_ORDER)}
         rows.sort(key=lambda r: order.get(r.status, len(order)))
@@ -344,6 +362,14 @@ class _Context:
         self.jobs = jobs
         self._sources: Any = None
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def buffers(self) -> tuple[bytearray, bytearray]:
+        """This thread's two piece buffers (A's, B's), made once: no allocation, no page faults per tensor."""
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = (bytearray(PIECE), bytearray(PIECE))
+        return bufs
 
     def sources(self) -> Any:
         with self._lock:
@@ -409,16 +435,20 @@ def _compare_all(
     return [rows[n] for n in common]
 
 
-def _pieces(t: SideTensor, piece: int, ctx: _Context) -> Iterator[memoryview]:
-    """The tensor's bytes, C-contiguous, in views of ``piece`` bytes (the last one shorter), into one buffer."""
+def _pieces(t: SideTensor, piece: int, ctx: _Context, buf: bytearray, mapped: bool = False) -> Iterator[memoryview]:
+    """The tensor's bytes, C-contiguous, in views of ``piece`` bytes (the last one shorter), read into ``buf``.
+
+    Each view is valid until the next is asked for; ``buf`` is the thread's, reused tensor after tensor.
+    ``mapped``: a piece that is one stretch of a local file is a read-only view of its mapped pages instead (no
+    copy: the comparison reads the page cache; the mapping is dropped before the next piece, so memory stays flat).
+    """
     from ckptfix.errors import CorruptCheckpointError
 
     total = t.nbytes
     if total == 0:
         return
-    buf = bytearray(min(piece, total))
-    view = memoryview(buf)
-    size = len(buf)
+    size = min(piece, total, len(buf))
+    view = memoryview(buf)[:size]
     fill = 0
     seen = 0
     ranges = t.item.ranges() if t.item is not None else None
@@ -437,6 +467,13 @@ def _pieces(t: SideTensor, piece: int, ctx: _Context) -> Iterator[memoryview]:
                     view[fill : fill + got] = data
                 else:
                     assert fd is not None
+                    if mapped and fill == 0 and (k == size or seen + k == total):
+                        m = _map(fd, off + pos, k)
+                        if m is not None:
+                            with m, memoryview(m) as whole, whole[(off + pos) % mmap_gran() :] as w:
+                                yield w
+                            pos, seen = pos + k, seen + k
+                            continue
                     got = os.preadv(fd, [view[fill : fill + k]], off + pos)
                 if got <= 0:
                     raise CorruptCheckpointError(f"{path}: ends inside tensor {t.name!r} (truncated?)")
@@ -462,13 +499,36 @@ def _pieces(t: SideTensor, piece: int, ctx: _Context) -> Iterator[memoryview]:
         raise CorruptCheckpointError(f"tensor {t.name!r}: read {seen} bytes, expected {total}; the file is damaged")
 
 
-def _same(va: memoryview, vb: memoryview) -> bool:
-    if len(va) != len(vb):
-        return False
-    oa, ob = va.obj, vb.obj
-    if isinstance(oa, bytearray) and isinstance(ob, bytearray) and len(va) == len(oa) and len(vb) == len(ob):
-        return oa == ob  # whole buffers: a memcmp (a memoryview's == goes element by element)
-    return va.tobytes() == vb.tobytes()
+def mmap_gran() -> int:
+    import mmap
+
+    return mmap.ALLOCATIONGRANULARITY
+
+
+def _map(fd: int, offset: int, n: int) -> Any:
+    """``n`` bytes of the file at ``offset``, mapped read-only and populated, or None (past its end: read instead,
+    which reports the truncation; or the mapping failed)."""
+    import mmap
+
+    if offset + n > os.fstat(fd).st_size:
+        return None
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        return mmap.mmap(
+            fd, n + offset - base, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ,
+            offset=base,
+        )  # fmt: skip
+    except (OSError, ValueError):
+        return None
+
+
+def _same(buf_a: bytearray, va: memoryview, vb: memoryview) -> bool:
+    """Are two pieces' bytes equal: one ``memcmp``, no copy (a memoryview's ``==`` goes element by element).
+
+    ``va`` is a view of the start of ``buf_a`` (as :func:`_pieces` yields them), so ``buf_a.startswith(vb)``
+    compares exactly ``va`` with ``vb``.
+    """
+    return len(va) == len(vb) and buf_a.startswith(vb)
 
 
 def _first_diff(va: memoryview, vb: memoryview) -> int:
@@ -496,9 +556,10 @@ def _compare(ta: SideTensor, tb: SideTensor, atol: float, rtol: float, stats: bo
     at = 0  # elements done
     if not same_dtype and not stats:
         return {"status": "skipped", "note": "comparing across dtypes (--dtype-cast) needs torch: pip install torch"}
-    for va, vb in zip(_pieces(ta, per * esa, ctx), _pieces(tb, per * esb, ctx), strict=True):
+    buf_a, buf_b = ctx.buffers()
+    for va, vb in zip(_pieces(ta, per * esa, ctx, buf_a), _pieces(tb, per * esb, ctx, buf_b, True), strict=True):
         count = len(va) // esa
-        if acc is None and same_dtype and _same(va, vb):
+        if acc is None and same_dtype and _same(buf_a, va, vb):
             at += count
             continue
         if first is None and same_dtype:
@@ -543,8 +604,12 @@ class _Stats:
     def add(self, va: memoryview, vb: memoryview, at: int) -> None:
         torch = self.torch
         ea, eb = len(va) // self.da.itemsize, len(vb) // self.db.itemsize
-        ta_all = torch.frombuffer(va, dtype=self.da, count=ea)
-        tb_all = torch.frombuffer(vb, dtype=self.db, count=eb)
+        import warnings
+
+        with warnings.catch_warnings():  # B's piece may be a read-only mapping: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            ta_all = torch.frombuffer(va, dtype=self.da, count=ea)
+            tb_all = torch.frombuffer(vb, dtype=self.db, count=eb)
         for s in range(0, ea, STAT_ELEMS):
             a = ta_all[s : s + STAT_ELEMS].to(self.dt)
             b = tb_all[s : s + STAT_ELEMS].to(self.dt)
@@ -617,8 +682,8 @@ def render(r: DiffReport, quiet: bool = False) -> list[str]:
         if len(lines) > limit:
             out.append(f"  ... and {len(lines) - limit} more (--json lists all)")
 
-    block("only in A", r.only_a)
-    block("only in B", r.only_b)
+    block("only in A (missing from B)", r.only_a)
+    block("only in B (extra)", r.only_b)
     block("shape mismatch", [f"{t.name}: {t.shape_a} vs {t.shape_b}" for t in r.of("shape")])
     block("dtype mismatch", [f"{t.name}: {t.dtype_a} vs {t.dtype_b} (--dtype-cast compares)" for t in r.of("dtype")])
     same = r.of("identical")

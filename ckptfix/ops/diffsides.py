@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.files import source
+from ckptfix.ops.convert.items import Item, Range
 
-if TYPE_CHECKING:
-    from ckptfix.ops.convert.items import Item
-
-__all__ = ["Side", "SideTensor", "read_side", "where"]
+__all__ = ["Side", "SideTensor", "read_side", "retie", "where"]
 
 
 @dataclass(eq=False)
@@ -56,6 +54,7 @@ class Side:
         entries: the non-tensor entries, briefly (``epoch: 3``, safetensors metadata).
         notes: remarks for the report.
         closers: what to close once compared (DCP data files).
+        ties: tied names stored once -> the name stored (from ``config.json``; :func:`retie`), and where from.
     """
 
     path: str
@@ -65,6 +64,8 @@ class Side:
     entries: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    ties: dict[str, str] = field(default_factory=dict)
+    tie_source: str = ""
 
     def close(self) -> None:
         """Close the files this side opened."""
@@ -96,9 +97,13 @@ def read_side(path: str, key: str | None = None) -> Side:
 
         fw = resolve(path)
         if fw is not None:
-            if fw.layout.name == "deepspeed-zero":
+            if fw.layout.name in ("deepspeed-zero", "hf-storage-dcp"):
                 if key is not None:
-                    raise UnsupportedError(f"{path}: --key does not apply to a DeepSpeed ZeRO folder (one model in it)")
+                    raise UnsupportedError(
+                        f"{path}: --key does not apply to a {fw.layout.framework} folder (one model)"
+                    )
+                if fw.layout.name == "hf-storage-dcp":
+                    return _hf_storage_side(path, fw.extra["checkpoint"])
                 return _zero_side(path, fw.extra["checkpoint"])
             if fw.layout.consolidated:
                 raise UnsupportedError(
@@ -107,8 +112,49 @@ def read_side(path: str, key: str | None = None) -> Side:
                 )
             side = _file_side(fw.require_weights(), key)
             side.path = path
-            return side
-    return _file_side(path, key)
+            return _retie(side, path)
+    side = _file_side(path, key)
+    return side if source.is_url(path) else _retie(side, path)
+
+
+def _retie(side: Side, path: str) -> Side:
+    """Note the tied names a Hugging Face model stores once (GPT-2's ``lm_head.weight``): ``side.ties``.
+
+    ``save_pretrained`` drops them and ``from_pretrained`` re-ties them (the ``config.json`` beside the
+    weights names the class; its ``_tied_weights_keys`` from :mod:`ckptfix.formats.hfarch`); :func:`retie` adds
+    them where the other side stores them.
+    """
+    from ckptfix.formats.hfarch import ARCHITECTURES, architectures, read_config
+
+    found = architectures(path)
+    cfg = read_config(path)
+    if not found or cfg is None or cfg.get("tie_word_embeddings") is False:
+        return side
+    for _, arch in found:
+        side.ties.update(arch.tied)
+        base = ARCHITECTURES.get(arch.base) if arch.base else None
+        if base is not None:
+            side.ties.update({f"{arch.prefix}.{k}": f"{arch.prefix}.{v}" for k, v in base.tied.items()})
+    side.tie_source = "config.json " + ", ".join(n for n, _ in found)
+    return side
+
+
+def retie(side: Side, other: Side) -> None:
+    """Add the tied names ``side`` stores once (``side.ties``) that ``other`` stores, as the tensor they share.
+
+    So a Trainer folder diffed against a ``torch.save`` of the loaded model (which holds ``lm_head.weight``) does
+    not report it missing, and diffed against its ``convert`` output (which stores it once too) needs nothing.
+    """
+    added = []
+    for dropped, target in side.ties.items():
+        t = side.tensors.get(target)
+        if dropped in side.tensors or dropped not in other.tensors or t is None:
+            continue
+        side.tensors[dropped] = SideTensor(dropped, t.dtype, t.shape, t.numel, t.element_size, t.item, t.group,
+                                           t.note, t.order)  # fmt: skip
+        added.append(f"{dropped} = {target}")
+    if added:
+        side.notes.append(f"{side.path}: {'; '.join(added)} (tied, stored once: {side.tie_source})")
 
 
 def _brief(v: Any) -> str:
@@ -283,3 +329,75 @@ def _zero_side(path: str, zc: Any) -> Side:
             tensors[alias] = SideTensor(alias, t.dtype, t.shape, t.numel, t.element_size, t.item, t.group, "", t.order)
     entries = {str(k): _brief(v) for k, v in zc.extra.items()}
     return Side(path, f"deepspeed-zero{zc.stage}", (), tensors, entries)
+
+
+def _hf_storage_side(path: str, hf: Any) -> Side:
+    """torch's ``HuggingFaceStorageWriter`` folder: each tensor assembled from its ranks' chunks, as convert does."""
+    from ckptfix.formats.hfstorage import read_hf_storage
+    from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
+
+    read_hf_storage(hf)
+    tensors: dict[str, SideTensor] = {}
+    for i, t in enumerate(hf.tensors):
+        dtype = ST_TO_DTYPE[t.st_dtype]
+        shape = tuple(int(s) for s in t.shape)
+        item = _HfStorageItem(t.name, dtype, shape, t.nbytes, tensor=t)
+        first = min(t.chunks, key=lambda c: (c.path, c.data_offset)) if t.chunks else None
+        order = (first.path, first.data_offset) if first is not None else (path, i)
+        tensors[t.name] = SideTensor(t.name, dtype, shape, t.nbytes // t.element_size, t.element_size, item, i, "",
+                                     order)  # fmt: skip
+    return Side(path, "hf-storage-dcp", (), tensors)
+
+
+class _HfStorageItem(Item):
+    """A ``HuggingFaceStorageWriter`` tensor: its chunks' contiguous runs, in the order they lie in the tensor."""
+
+    def _runs(self) -> list[tuple[int, str, int, int]]:
+        """(offset in the tensor, file, offset in the file, bytes) of every run, sorted, replicas once."""
+        from ckptfix.formats.hfstorage import chunk_runs
+
+        t = self.tensor
+        seen: dict[int, tuple[int, str, int, int]] = {}
+        for c in t.chunks:
+            for s_off, d_off, n in chunk_runs(t, c):
+                if n and (d_off not in seen or seen[d_off][3] < n):
+                    seen[d_off] = (d_off, c.path, s_off, n)
+        return [seen[k] for k in sorted(seen)]
+
+    def ranges(self) -> list[Range] | None:
+        """The tensor as byte ranges of the shards when the runs tile it end to end (row or column sharding)."""
+        out: list[Range] = []
+        at = 0
+        for d_off, f, s_off, n in self._runs():
+            if d_off != at:
+                return None  # overlapping or uncovered runs: assembled window by window (:meth:`chunks`)
+            if out and out[-1][0] == f and out[-1][1] + out[-1][2] == s_off:
+                out[-1] = (f, out[-1][1], out[-1][2] + n, None)
+            else:
+                out.append((f, s_off, n, None))
+            at += n
+        return out if at == self.nbytes else None
+
+    def chunks(self, fds: Any) -> Iterator[bytearray]:
+        """The tensor's bytes in windows of 8 MiB; elements no chunk covers read as zeros (as torch's consolidation)."""
+        import bisect
+
+        runs = self._runs()
+        starts = [r[0] for r in runs]
+        window = 8 << 20
+        for w in range(0, self.nbytes, window):
+            end = min(self.nbytes, w + window)
+            buf = bytearray(end - w)
+            view = memoryview(buf)
+            i = max(0, bisect.bisect_right(starts, w) - 1)
+            while i < len(runs) and runs[i][0] < end:
+                d_off, f, s_off, n = runs[i]
+                lo, hi = max(d_off, w), min(d_off + n, end)
+                if hi > lo:
+                    k = os.preadv(fds.get(f), [view[lo - w : hi - w]], s_off + lo - d_off)
+                    if k != hi - lo:
+                        from ckptfix.errors import CorruptCheckpointError
+
+                        raise CorruptCheckpointError(f"{f}: ends inside tensor {self.name!r} (truncated?)")
+                i += 1
+            yield buf
