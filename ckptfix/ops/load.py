@@ -661,9 +661,7 @@ def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -
             sd[k] = moved[id(v)]
     alignment = None
     if model is not None:
-        from ckptfix.ops.prefixes import align_state_dict
-
-        sd, alignment = align_state_dict(sd, model)
+        sd, alignment = _aligned(path, sd, model)
     return LoadedCheckpoint(
         path=path,
         state_dict=sd,
@@ -671,6 +669,16 @@ def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -
         format=fmt,  # type: ignore[arg-type]  # a framework layout, not a file Format
         alignment=alignment,
     )
+
+
+def _aligned(path: str, sd: Any, model: Any) -> tuple[Any, Any]:
+    """``align_state_dict(sd, model)``; a refusal names the file."""
+    from ckptfix.ops.prefixes import align_state_dict
+
+    try:
+        return align_state_dict(sd, model)
+    except UnsupportedError as e:
+        raise UnsupportedError(f"{path}: {e}") from None
 
 
 def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
@@ -693,9 +701,7 @@ def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> Loa
     sd = found if isinstance(found, dict) else collections.OrderedDict(found.items())
     alignment = None
     if model is not None:
-        from ckptfix.ops.prefixes import align_state_dict
-
-        sd, alignment = align_state_dict(sd, model)
+        sd, alignment = _aligned(ld.path, sd, model)
     return LoadedCheckpoint(state_dict=sd, key_path=tuple(key_path), alignment=alignment, **common)
 
 

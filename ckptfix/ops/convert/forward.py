@@ -366,6 +366,13 @@ def _read_source(
     check_not_partitioned(src, cf.obj, sd, "convert")
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
+    odd = [k for k, v in sd.items() if not isinstance(k, str) and is_tensor_like(v)]
+    if odd and not report.unnamed:
+        kinds = sorted({type(k).__name__ for k in odd})
+        report.unnamed = (
+            f"{len(odd)} tensor key(s) that are not strings ({odd[0]!r}{', ...' if len(odd) > 1 else ''}: "
+            f"{'/'.join(kinds)}), each named by its str() ({str(odd[0])!r}): a loader of the output gets string keys"
+        )
     use_torch = any(_needs_torch(v) for _, v in named)
     if use_torch:
         from ckptfix.ops.load import load_checkpoint

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ckptfix.errors import UnsupportedError
 from ckptfix.ops.prefixes.rename import _INNER_NAMES, _KNOWN_NAMES, KeyFn, M, _carries, _remove_inner, rename_keys
 
 __all__ = [
@@ -247,12 +248,20 @@ def align_state_dict(state_dict: M, target: Any) -> tuple[M, AlignmentReport]:
 
     Raises:
         TypeError: ``target`` is none of the above.
+        UnsupportedError: a key of ``state_dict`` is not a string (a tuple key: nothing to align).
 
     >>> sd = {"module.fc.weight": 1, "module.fc.bias": 2}
     >>> new, report = align_state_dict(sd, ["model.fc.weight", "model.fc.bias"])
     >>> new, report.rename, report.exact
     ({'model.fc.weight': 1, 'model.fc.bias': 2}, "replace 'module.' with 'model.'", True)
     """
+    bad = next((k for k in state_dict if not isinstance(k, str)), None)
+    if bad is not None:
+        raise UnsupportedError(
+            f"the state dict has a key that is not a string ({bad!r}, a {type(bad).__name__}), and a module's "
+            "load_state_dict takes string keys; load it without model= to get the dict as saved, and rename its "
+            "keys in Python (e.g. {'.'.join(map(str, k)): v for k, v in sd.items()})"
+        )
     target_keys, target_shapes = _target_keys_and_shapes(target)
     target_set = set(target_keys)
     ckpt_keys = list(state_dict.keys())
