@@ -71,3 +71,22 @@ def test_names_that_fit_still_write_what_they_say(ck, argv, out):
         assert set(load_file(str(ck / out))) <= {"a", "b", "module.a", "module.b"}
     else:
         assert set(torch.load(ck / out, weights_only=True)) <= {"a", "b", "module.a", "module.b"}
+
+
+def test_merging_shards_without_o_writes_one_safetensors_torch_free(tmp_path):
+    """A diffusers-style index (not model.safetensors.index.json) with no -o: the shards merge into one
+    safetensors file, torch-free, not a pickle through torch."""
+    import json
+
+    d = tmp_path / "unet"
+    d.mkdir()
+    names = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    save_file({"a": torch.ones(4)}, str(d / names[0]))
+    save_file({"b": torch.zeros(4)}, str(d / names[1]))
+    doc = {"metadata": {"total_size": 32}, "weight_map": {"a": names[0], "b": names[1]}}
+    (d / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(doc))
+    r = run_cli("convert", "unet", cwd=tmp_path, isolated=True)
+    assert r.rc == 0, r.err
+    assert r.out.strip() == "unet.safetensors"
+    assert r.torch_imported is False
+    assert set(load_file(str(tmp_path / "unet.safetensors"))) == {"a", "b"}

@@ -209,7 +209,8 @@ def _direction(inp: Input | None, src: str, dst: str | None, to: str | None) -> 
     st_in = inp is not None and to in ("pt", None) and _safetensors_in(inp)  # from the Input's format
     if to == "pt" and not st_in:
         raise UnsupportedError(f"--to pt: {src} is not a safetensors file; ckptfix writes .pth only from safetensors")
-    if to == "pt" or (to is None and st_in and (dst is None or not dst.endswith(".safetensors"))):
+    merging = inp is not None and inp.format == Format.SHARDED and dst is None  # shards merge into one safetensors
+    if to == "pt" or (to is None and st_in and not merging and (dst is None or not dst.endswith(".safetensors"))):
         return "pt"
     return "safetensors"
 
