@@ -242,6 +242,8 @@ def _summary(r: Any) -> None:
         )
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
+    if getattr(r, "kept_names", ""):
+        info(r.kept_names)
     if r.excluded:
         detail = getattr(r, "excluded_detail", {})
         info("excluded: " + ", ".join(f"{e} ({detail.get(e, '--include-optimizer')})" for e in r.excluded))

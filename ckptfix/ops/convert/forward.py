@@ -165,7 +165,10 @@ def convert_to_safetensors(
 
     kept = drop_named(source.named, c.drop, report)
     refuse_unwritten(src, unwritten, c.drop, report, source.key_path, c.strict and o.key is None, source.obj)
-    named, order = output_names(kept, opt_named, c.strip_prefix, report, own=own_prefixes(src))
+    strip = c.strip_prefix
+    if strip is True and source.kind == "module":
+        strip, report.kept_names = _module_strip(source)
+    named, order = output_names(kept, opt_named, strip, report, own=own_prefixes(src))
     if not named:
         raise NoTensorsError(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
@@ -385,6 +388,34 @@ def _read_source(
         named = flatten_state_dict(sd)
     holder = at_path(obj, key_path) if key_path and not use_torch else None
     return _Source(cf.format, cf.file_size, obj, key_path, sd, named, use_torch, holder, kind, _input_metadata(cf))
+
+
+#: pickled wrapper modules -> the attribute holding the wrapped model (its prefix is the one to strip)
+_WRAPPERS = {
+    "torch.nn.parallel.data_parallel.DataParallel": "module.",
+    "torch.nn.parallel.distributed.DistributedDataParallel": "module.",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel": "_fsdp_wrapped_module.",
+    "torch._dynamo.eval_frame.OptimizedModule": "_orig_mod.",
+}
+
+
+def _module_strip(source: _Source) -> tuple[bool | str, str]:
+    """``(strip_prefix, note)`` for ``--strip-prefix`` of a whole pickled module: its wrapper's attribute for a
+    pickled wrapper, else nothing, with the note saying why.
+
+    ``torch.save(model)`` of a ``DetectionModel`` names its tensors ``model.0.conv.weight``: ``model.`` is its own
+    attribute, and stripping it makes a file that no longer loads into the class.  Only a pickled DataParallel,
+    DDP, FSDP or ``torch.compile`` wrapper has a wrapper's prefix to strip.
+    """
+    from ckptfix.formats.statedict import at_path
+    from ckptfix.pickles import global_name
+
+    mod = at_path(source.obj, source.key_path) if source.key_path else source.obj
+    cls = global_name(type(mod))
+    if cls in _WRAPPERS:
+        return _WRAPPERS[cls], ""
+    short = cls.rsplit(".", 1)[-1]
+    return False, f"the names are a pickled {short}'s own state_dict() names (not a wrapper's): nothing stripped"
 
 
 def _input_metadata(cf: CheckpointFile) -> dict[str, str]:

@@ -37,6 +37,8 @@ class ConvertReport:
         converted: ``{path: "was -> now"}`` of values written as plain data.
         stubbed_globals: globals the restricted reader turned into placeholders.
         renamed: keys renamed by ``strip_prefix``.
+        kept_names: why ``strip_prefix`` renamed nothing though prefixes look like wrappers' (a whole pickled
+            module's ``state_dict()`` names are its own); in ``to_dict()`` only when set.
         optimizer_tensors: optimizer tensors written.
         bytes: tensor bytes written.
         verified: every output was read back and compared.
@@ -66,6 +68,7 @@ class ConvertReport:
     stubbed_globals: list[str] = field(default_factory=list)
     unnamed: str = ""  # how tensors saved without names were named (a bare tensor, a list/tuple)
     renamed: int = 0
+    kept_names: str = ""
     optimizer_tensors: int = 0
     bytes: int = 0
     verified: bool = False
@@ -85,4 +88,6 @@ class ConvertReport:
         d["seconds"] = round(self.seconds, 3)
         if not d["unnamed"]:  # only for a bare tensor or a list/tuple of tensors
             del d["unnamed"]
+        if not d["kept_names"]:
+            del d["kept_names"]
         return d
