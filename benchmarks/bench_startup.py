@@ -78,7 +78,7 @@ def main() -> None:
         py = a.python
         script = Path(py).parent / "ckptfix"  # what users run: pip's console script of that venv
         if not script.exists():
-            sys.exit(f"no ckptfix console script next to {py}: pip install ckptfix (or -e .) into that venv")
+            sys.exit(f"no ckptfix console script next to {py}: pip install . (or -e .) into that venv")
         exe = [py, str(script)]  # (its #! line names the same interpreter)
         cases = {
             "import click": [py, "-c", "import click"],

@@ -149,3 +149,30 @@ def test_readme_console_blocks_are_all_regenerated():
     for i, line in enumerate(lines):
         if line.startswith("```console"):
             assert lines[i - 1].startswith("<!-- run:"), f"README.md:{i + 1}: console block without a run marker"
+
+
+# ``pip install ckptfix`` / ``pip install "ckptfix[torch]"``: the package is not on PyPI yet, so such a line
+# installs nothing today, or whatever someone later uploads under that name (issue #38)
+_INDEX_INSTALL = re.compile(r"""pip install\s+["']?ckptfix(\[[\w,]+\])?["']?(?!\s*@)(?=[\s`"']|$)""", re.M)
+
+
+def _shipped_texts() -> list[Path]:
+    files = [*DOCS, REPO / ".pre-commit-hooks.yaml", *(REPO / "ckptfix").rglob("*.py")]
+    files += [*(REPO / "benchmarks").rglob("*.py"), *(REPO / "examples").rglob("*")]
+    return [f for f in files if f.is_file()]
+
+
+def test_no_install_line_names_the_unpublished_package():
+    found = []
+    for f in _shipped_texts():
+        text = f.read_text(encoding="utf-8", errors="replace")
+        for m in _INDEX_INSTALL.finditer(text):
+            found.append(f"{f.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}")
+    assert not found, "\n".join(found)
+
+
+def test_the_install_docs_say_the_package_is_not_published_yet():
+    for page in (REPO / "README.md", REPO / "docs" / "ci.md"):
+        text = page.read_text(encoding="utf-8")
+        assert "not published on PyPI yet" in text, page
+        assert "pip install ." in text, page

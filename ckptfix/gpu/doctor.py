@@ -278,9 +278,7 @@ def _torch_problems(torch: Mapping[str, Any], view: GpuView | None, *, windows: 
     if not torch.get("installed"):
         err = torch.get("error")
         what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
-        problems.append(
-            Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
-        )
+        problems.append(Problem("torch_missing", what, "pip install torch (needed by load_anywhere, train, demo)"))
     elif view is not None and has_gpu and not torch.get("cuda") and torch.get("build") != "rocm":
         rec = recommend_cuda_build(torch.get("version"), view.driver_version, windows=windows, gpus=gpu_ccs(view))
         problems.append(
