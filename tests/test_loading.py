@@ -368,3 +368,55 @@ def test_file_without_tensors(tmp_path):
     with pytest.raises(NoTensorsError) as ei:
         load_anywhere(tmp_path / "training_args.bin")
     assert not isinstance(ei.value, CorruptCheckpointError) and ei.value.exit_code == 13
+
+
+# --------------------------------------------------------------------------- one fit rule with align (issue #38)
+
+
+def _lenet_and_other(tmp_path):
+    """A LeNet (conv1, conv2, fc1, fc2) and a file of another net: ``module.fc.*`` and ``module.conv.*``."""
+    from ckptfix.train.models import LeNet
+
+    ref = LeNet().state_dict()
+    other = {
+        "module.fc.weight": ref["fc2.weight"].clone(),
+        "module.fc.bias": ref["fc2.bias"].clone(),
+        "module.conv.weight": ref["conv1.weight"].clone(),
+    }
+    path = tmp_path / "other.pt"
+    torch.save(other, path)
+    return LeNet, path
+
+
+def test_load_anywhere_refuses_the_partial_rename_align_refuses(tmp_path):
+    from ckptfix.errors import AlignmentError
+    from ckptfix.ops.rewrite.keys import align_checkpoint
+
+    LeNet, path = _lenet_and_other(tmp_path)
+    with pytest.raises(AlignmentError) as by_align:
+        align_checkpoint(str(path), LeNet(), output=str(tmp_path / "aligned.pt"))
+    assert not (tmp_path / "aligned.pt").exists()
+    with pytest.raises(AlignmentError) as by_load:
+        load_anywhere(path, model=LeNet())
+    assert str(by_load.value) == str(by_align.value)
+    assert "module.fc." in str(by_load.value) and "1 unexpected" in str(by_load.value)
+    with pytest.raises(AlignmentError):
+        load_checkpoint(path, model=LeNet())
+    assert list(load_anywhere(path)) == ["module.fc.weight", "module.fc.bias", "module.conv.weight"]
+
+
+def test_a_whole_wrapper_strip_still_loads_into_a_bigger_model(tmp_path):
+    """DP backbone into a model with a new head, and an AveragedModel (``n_averaged`` beside ``module.*``):
+    the rename is a wrapper fix, the keys left over are the user's strict=False business."""
+    from torch.optim.swa_utils import AveragedModel
+
+    backbone = TinyNet()
+    torch.save(nn.DataParallel(backbone).state_dict(), tmp_path / "dp.pt")
+    bigger = nn.ModuleDict({"head": nn.Linear(2, 2)})
+    for name, mod in backbone.named_children():
+        bigger[name] = mod
+    sd = load_anywhere(tmp_path / "dp.pt", model=bigger)
+    assert set(sd) == set(backbone.state_dict())
+    torch.save(AveragedModel(TinyNet()).state_dict(), tmp_path / "swa.pt")
+    sd = load_anywhere(tmp_path / "swa.pt", model=TinyNet())
+    assert set(sd) == set(TinyNet().state_dict()) | {"n_averaged"}

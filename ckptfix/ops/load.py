@@ -579,6 +579,9 @@ def load_checkpoint(
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
         NoModelWeightsError: a framework folder without model weights.
+        AlignmentError: ``model=`` and the only renaming that fits is one ``ckptfix align`` refuses (it
+            matches under half the keys, or renames part of a group of keys such as ``module.fc.*`` but
+            not ``module.conv.*``): nothing is renamed behind the caller's back.
     """
     require_torch("load_anywhere (loading tensors)")
     given, path = path, os.fspath(path)
@@ -658,9 +661,7 @@ def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -
             sd[k] = moved[id(v)]
     alignment = None
     if model is not None:
-        from ckptfix.ops.prefixes import align_state_dict
-
-        sd, alignment = align_state_dict(sd, model)
+        sd, alignment = _aligned(sd, model)
     return LoadedCheckpoint(
         path=path,
         state_dict=sd,
@@ -668,6 +669,22 @@ def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -
         format=fmt,  # type: ignore[arg-type]  # a framework layout, not a file Format
         alignment=alignment,
     )
+
+
+def _aligned(sd: Any, model: Any) -> tuple[Any, Any]:
+    """``sd`` renamed to fit ``model``, and the report; a renaming ``align`` refuses is refused here too.
+
+    Raises:
+        AlignmentError: the renaming fits badly or renames part of a group of keys
+            (:func:`ckptfix.ops.prefixes.rename_refusal`, the rule of ``ckptfix align``).
+    """
+    from ckptfix.ops.prefixes import align_state_dict, rename_refusal
+
+    renamed, alignment = align_state_dict(sd, model)
+    err = rename_refusal(alignment, len(sd))
+    if err is not None:
+        raise err
+    return renamed, alignment
 
 
 def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
@@ -690,9 +707,7 @@ def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> Loa
     sd = found if isinstance(found, dict) else collections.OrderedDict(found.items())
     alignment = None
     if model is not None:
-        from ckptfix.ops.prefixes import align_state_dict
-
-        sd, alignment = align_state_dict(sd, model)
+        sd, alignment = _aligned(sd, model)
     return LoadedCheckpoint(state_dict=sd, key_path=tuple(key_path), alignment=alignment, **common)
 
 
@@ -716,7 +731,8 @@ def load_anywhere(
         path: a file or directory in any supported format (detected by content).
         map_location: as for ``torch.load``, plus ``"auto"`` and ``None`` (see :func:`load_checkpoint`).
         key: where the state dict sits; found automatically otherwise.
-        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added).
+        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added; a renaming
+            ``ckptfix align`` refuses raises its ``AlignmentError``, see :func:`load_checkpoint`).
         allow_globals: globals to rebuild for real instead of stubbing.
         trust: full unpickle (runs code from the file!). Only for files you made.
         mmap: memory-map zip-format files (default True for them).
