@@ -420,3 +420,36 @@ def test_a_whole_wrapper_strip_still_loads_into_a_bigger_model(tmp_path):
     torch.save(AveragedModel(TinyNet()).state_dict(), tmp_path / "swa.pt")
     sd = load_anywhere(tmp_path / "swa.pt", model=TinyNet())
     assert set(sd) == set(TinyNet().state_dict()) | {"n_averaged"}
+
+
+# --------------------------------------------------------------------------- one global, one name (issue #38)
+
+
+def test_a_protocol_2_global_has_its_python_3_name_everywhere(tmp_path):
+    """torch.save(pickle_protocol=2) writes subprocess.call as ``GLOBAL commands call`` (pickle's reverse
+    _compat_pickle mapping): the loader's placeholders say subprocess.call, as scan and inspect do."""
+    import subprocess
+    import zipfile
+
+    from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
+
+    class Calls:
+        def __reduce__(self):
+            return (subprocess.call, (["true"],))
+
+    path = tmp_path / "p2.pt"
+    torch.save({"w": torch.zeros(2), "x": Calls()}, path, pickle_protocol=2)
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"ccommands\ncall\n" in pkl  # what the file really says
+    ck = load_checkpoint(path)
+    assert ck.stubbed_globals == ["subprocess.call"]
+    assert inspect_checkpoint(path).stubbed_globals == ["subprocess.call"]
+    assert scan_checkpoint(path).dangerous == ["subprocess.call"]
+    from ckptfix.pickles import global_name
+
+    assert global_name(type(ck.checkpoint["x"])) == "subprocess.call"  # the placeholder's own record
+    # a protocol-2 safe global (``__builtin__ set``, ``copy_reg _reconstructor``) still rebuilds for real
+    torch.save({"w": torch.zeros(1), "s": {1, 2}}, tmp_path / "set.pt", pickle_protocol=2)
+    ck = load_checkpoint(tmp_path / "set.pt")
+    assert ck.checkpoint["s"] == {1, 2} and ck.stubbed_globals == []

@@ -103,6 +103,21 @@ def _normalise_allow(allow_globals: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as Python 3's unpickler resolves a Python 2 spelling (``_compat_pickle``).
+
+    >>> _python3_name("commands", "call"), _python3_name("__builtin__", "long"), _python3_name("os", "system")
+    (('subprocess', 'call'), ('builtins', 'int'), ('os', 'system'))
+    """
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return module, name
+
+
 def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None) -> types.ModuleType:
     """A pickle-module stand-in for ``torch.load(pickle_module=...)`` that never runs unknown globals.
 
@@ -122,8 +137,10 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
     class RestrictedUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            if module == "__builtin__":
-                module = "builtins"
+            # the Python 3 name, as pickle's own find_class resolves a protocol < 3 pickle's Python 2 spelling
+            # (which overriding it skips): ``commands call`` is subprocess.call, ``__builtin__ long`` builtins.int;
+            # allow_globals, the policy and ``stubbed_globals`` then see the name scan and inspect report
+            module, name = _python3_name(module, name)
             full = f"{module}.{name}"
             if full in allowed:
                 obj = allowed[full]
