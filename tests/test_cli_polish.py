@@ -192,6 +192,38 @@ def test_permission_denied_is_said_once():
     assert str(e).lower().count("permission denied") == 1, str(e)
 
 
+def test_read_only_file_system_is_worded_alike_by_every_command(work, monkeypatch):
+    """convert checks the directory first (os.access fails EROFS on a read-only mount), strip-prefix fails
+    creating its temp file (EROFS): one wording, not 'rofs: permission denied' for one of them (issue #38 item 7).
+    A read-only mount needs root to make, so the file system's answers are simulated for that one directory."""
+    from ckptfix.files import atomic
+
+    rofs = work / "rofs"
+    rofs.mkdir()
+    real_access, real_statvfs, real_create = os.access, os.statvfs, atomic._create_temp
+
+    class RoStat:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    def on_rofs(p) -> bool:
+        return os.path.abspath(os.fspath(p)) == str(rofs)
+
+    def create(directory, *a):
+        if on_rofs(directory):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_create(directory, *a)
+
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if on_rofs(p) else real_access(p, mode, **k))
+    monkeypatch.setattr(os, "statvfs", lambda p: RoStat(real_statvfs(p)) if on_rofs(p) else real_statvfs(p))
+    monkeypatch.setattr(atomic, "_create_temp", create)
+    tail = ": read-only file system; -o to choose a writable location\n"
+    conv = run_cli("convert", "m.pt", "-o", "rofs/m.safetensors", cwd=work, isolated=False)
+    assert (conv.rc, conv.err) == (9, "Error: rofs" + tail)
+    strip = run_cli("strip-prefix", "m.pt", "-o", "rofs/m.pt", cwd=work, isolated=False)
+    assert (strip.rc, strip.err) == (9, "Error: " + os.path.join("rofs", "m.pt") + tail)
+
+
 def test_a_directory_that_refuses_files_is_not_called_missing(tmp_path):
     e = _os_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "x.pt"))
     assert "does not exist" not in str(e) and "cannot create a file there" in str(e)
