@@ -378,3 +378,24 @@ def test_ctrl_c_during_torchrun_names_what_the_workers_kept(monkeypatch, capsys,
         "Error: interrupted; kept 3 output(s) finished before it: runs/ddp_epoch1.pt, runs/ddp_epoch1.probe.pt, "
         "runs/checkpoints.json; the one in progress was not written\n"
     )
+
+
+def test_a_git_lfs_pointer_is_named_with_git_lfs_pull(work):
+    """A clone without git-lfs leaves pointer files where the checkpoints were (issue #38 item 7). The pointer
+    is written as git-lfs writes it (docs/spec.md of git-lfs: version, oid sha256, size; sorted keys)."""
+    import hashlib
+
+    real = (work / "m.pt").read_bytes()
+    pointer = (
+        f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(real).hexdigest()}\nsize {len(real)}\n"
+    )
+    (work / "model.safetensors").write_text(pointer)
+    (work / "m.pt").write_text(pointer)
+    want = (
+        f"a Git LFS pointer of a {len(real):,}-byte file, not the checkpoint (the clone did not download it); "
+        "run `git lfs pull --include=NAME` (or `git lfs pull`) in the repository\n"
+    )
+    for args in (("inspect", "m.pt"), ("scan", "m.pt"), ("convert", "m.pt"), ("inspect", "model.safetensors")):
+        r = run_cli(*args, cwd=work, isolated=False)
+        name = args[1]
+        assert (r.rc, r.err) == (4, f"Error: {name}: " + want.replace("NAME", name)), r.err
