@@ -244,7 +244,7 @@ def test_a_directory_lists_real_checkpoints_before_probe_sidecars(tmp_path):
         torch.save({"x": torch.zeros(1)}, d / n)
     r = run_cli("inspect", "runs", cwd=tmp_path)
     assert r.rc == 3
-    assert "it holds z_epoch1.pt, z_epoch2.pt, a_epoch1.probe.pt: pass one of them" in r.err, r.err
+    assert "it holds z_epoch1.pt, z_epoch2.pt, a_epoch1.probe.pt and 2 more: pass one of them" in r.err, r.err
 
 
 def test_command_list_does_not_cut_demo_to_nothing():

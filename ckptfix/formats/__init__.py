@@ -198,19 +198,31 @@ def _dir_kind(path: str) -> Format:
     names = source.listdir(path)
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
-    if source.is_url(path):
-        raise CheckpointNotFoundError(
-            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); pass a checkpoint's URL"
-        )
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
     cands.sort(key=lambda n: is_sidecar_name(n) or n.endswith(".probe.pt"))
+    if source.is_url(path):  # (the framework sub-folder lister reads local folders only)
+        if not cands:
+            raise CheckpointNotFoundError(
+                f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); "
+                "pass a checkpoint's URL"
+            )
+        raise CheckpointNotFoundError(
+            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json){_holds(cands)}, "
+            f"e.g. {source.join(path, cands[0])})"
+        )
     cands = [f"{n}/" for n in _SUBFOLDERS[0](path)] + cands  # Trainer's output_dir: checkpoint-N/
-    hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
+    hint = f"{_holds(cands)})" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
     )
+
+
+def _holds(cands: list[str]) -> str:
+    """`` (it holds a.pt, b.pt, c.pt and 2 more: pass one of them`` (without the closing parenthesis)."""
+    more = f" and {len(cands) - 3} more" if len(cands) > 3 else ""
+    return f" (it holds {', '.join(cands[:3])}{more}: pass one of them"
 
 
 #: the sub-folders of a folder with no checkpoint in it that are framework folders (Trainer's ``output_dir``:
