@@ -27,7 +27,7 @@ from ckptfix.errors import OutputError
 
 
 def _os_error(e: OSError, path: str) -> OutputError:
-    from ckptfix.display import cannot_create, missing_directory, permission_denied, read_only, shown_path
+    from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
 
     if isinstance(e, OutputError):  # already says what went wrong
         return e
@@ -36,7 +36,7 @@ def _os_error(e: OSError, path: str) -> OutputError:
     if e.errno in (errno.EACCES, errno.EPERM):
         return OutputError(permission_denied(path))
     if e.errno == errno.EROFS:
-        return OutputError(read_only(path))
+        return OutputError(f"{shown_path(path)}: read-only file system; -o to choose a writable location")
     if e.errno == errno.ENOENT:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
