@@ -11,11 +11,9 @@ def run() -> None:
     """Run the ``ckptfix`` command line in this process and exit with its status."""
     command_process()
     with imports_quietly():  # click and the CLI
-        from ckptfix.cli import exit_now, main
+        from ckptfix.cli import main
 
-    code = main()
-    exit_now(code)  # without the interpreter's teardown, where nothing is lost by it
-    sys.exit(code)
+    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 
 from ckptfix.cli import main
 from ckptfix.display import shown_path
-from ckptfix.files.atomic import _os_error, atomic_output
+from ckptfix.files.atomic import atomic_output, output_error
 
 from helpers import ROOT, run_cli
 
@@ -188,7 +188,7 @@ def test_output_is_input_is_worded_alike(work):
 
 
 def test_permission_denied_is_said_once():
-    e = _os_error(OSError(errno.EACCES, os.strerror(errno.EACCES)), "/nowhere/x.pt")
+    e = output_error(OSError(errno.EACCES, os.strerror(errno.EACCES)), "/nowhere/x.pt")
     assert str(e).lower().count("permission denied") == 1, str(e)
 
 
@@ -225,9 +225,9 @@ def test_read_only_file_system_is_worded_alike_by_every_command(work, monkeypatc
 
 
 def test_a_directory_that_refuses_files_is_not_called_missing(tmp_path):
-    e = _os_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "x.pt"))
+    e = output_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "x.pt"))
     assert "does not exist" not in str(e) and "cannot create a file there" in str(e)
-    e = _os_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "no" / "x.pt"))
+    e = output_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "no" / "x.pt"))
     assert "the output directory does not exist" in str(e)
 
 

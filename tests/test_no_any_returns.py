@@ -23,10 +23,6 @@ JUSTIFIED = {
     "ckptfix.pickles.reader:RecordingUnpickler.find_class": _UNPICKLER,
     "ckptfix.pickles.reader:RecordingUnpickler.persistent_load": _UNPICKLER,
     "ckptfix.pickles.writer:RecordPickler.reducer_override": "overrides pickle.Pickler (typeshed: Any)",
-    "ckptfix.files.zipdir:open_zip": "a ZipDir or a ZipFile: ZipDir duck-types the part of ZipFile ckptfix uses "
-    "(namelist, infolist, getinfo, open, read) and its callers hold either as a ZipFile",
-    "ckptfix.files.zipdir:ZipDir.open": "zipfile.ZipFile.open's member file, or ZipDir's own reader of a stored member "
-    "(read/seek/tell/close), held by callers as the ZipExtFile it stands in for",
     "ckptfix.formats.statedict:at_path": "the value at a key path of an unpickled object graph: whatever the file "
     "holds there; each caller narrows it to what it looked up (a state dict, a tensor)",
     "ckptfix.formats.base:CheckpointFile.state_root": "the unpickled object graph (whatever the file holds) "

@@ -60,6 +60,30 @@ def test_first_error_stops_the_rest_and_keeps_its_type():
     assert len(started) < 10  # the tasks after the error were never started
 
 
+def test_ctrl_c_in_the_caller_starts_nothing_more_and_waits_for_the_running_tasks():
+    import signal
+
+    started: list[int] = []
+    running = [0]
+    lock = threading.Lock()
+    cancel = threading.Event()
+
+    def task(i: int) -> None:
+        with lock:
+            started.append(i)
+            running[0] += 1
+        if i == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the main thread waiting in run_tasks gets it
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 1
+
+    with pytest.raises(KeyboardInterrupt):
+        run_tasks([lambda i=i: task(i) for i in range(50)], jobs=2, cancel=cancel)
+    assert cancel.is_set() and running[0] == 0  # the running tasks were waited for
+    assert len(started) < 12  # the queued ones were not started
+
+
 def test_resolve_jobs():
     assert resolve_jobs(1) == 1 and resolve_jobs(5) == 5
     assert resolve_jobs(0) >= 1 and resolve_jobs(None) == resolve_jobs(0)

@@ -1,12 +1,13 @@
-"""Start-up (issue 25): what ``inspect`` / ``scan`` / ``gpus`` / ``pick-gpu`` import, pinned by module, not by time.
+"""What each command imports, as users feel it: no command imports torch, numpy or a remote driver (fsspec,
+s3fs, aiohttp, botocore, huggingface_hub) unless it uses them.
 
-Each command runs in a fresh interpreter (``python -m ckptfix ...``, as ``benchmarks/bench_startup.py`` measures
-it) that lists ``sys.modules`` at exit.  A module named here costs start-up on every run of the command when it
-is imported without being used: a new import of one of them fails this test (import it where it is used).
+Each command runs in a fresh interpreter (``python -m ckptfix ...``) that lists ``sys.modules`` at exit.  How
+fast the start-up is, is ``benchmarks/bench_startup.py``'s (no test asserts time).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -16,44 +17,8 @@ import pytest
 
 from tests.helpers import ROOT, fake_smi_env
 
-#: what none of the four imports (torch and numpy are optional; the others are the heavy stdlib and the parts
-#: of ckptfix another command needs)
-NEVER = [
-    "torch",
-    "numpy",
-    "importlib.metadata",
-    "ckptfix.ops.convert",
-    "ckptfix.ops.rewrite",
-    "ckptfix.ops.load",
-    "ckptfix.train",
-    "ckptfix.cli.convert",
-    "ckptfix.cli.train",
-    "ckptfix.cli.demo",
-    "ckptfix.formats.dcp",
-    "ckptfix.formats.dcp.checkpoint",
-    "ctypes",
-    "traceback",
-    "json",
-    "shlex",
-    # click's gettext calls (its help and version options, click.Path's name) import locale on the first one:
-    # ckptfix makes those without gettext (ckptfix.cli.group.HelpOption)
-    "locale",
-]
-
-#: the checkpoint side, which the GPU commands never import
-CHECKPOINT_SIDE = [
-    "ckptfix.cli.ckpt",
-    "ckptfix.formats",
-    "ckptfix.pickles",
-    "ckptfix.ops.inspect",
-    "ckptfix.ops.prefixes",
-    "zipfile",
-    "tarfile",
-    "pickle",
-    "shutil",
-    "bz2",
-    "lzma",
-]
+#: what a command imports only when it uses it: torch and numpy (optional), the remote drivers (a URL input)
+HEAVY = ["torch", "numpy", "fsspec", "s3fs", "aiohttp", "botocore", "huggingface_hub"]
 
 _LIST_MODULES = (
     "import atexit, sys\n"
@@ -64,197 +29,91 @@ _LIST_MODULES = (
 )
 
 
-def _modules(args: list[str], env: dict[str, str]) -> set[str]:
+def _heavy_imported(args: list[str], env: dict[str, str], cwd: Path) -> list[str]:
     env = {**env, "PYTHONPATH": str(ROOT)}
     p = subprocess.run(
-        [sys.executable, "-c", _LIST_MODULES, *args], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "-c", _LIST_MODULES, *args], env=env, capture_output=True, text=True, timeout=120, cwd=cwd
     )
     assert p.returncode == 0, p.stderr
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
     assert line, p.stderr
-    return set(line[-1].split()[1:])
+    mods = set(line[-1].split()[1:])
+    return sorted(m for m in mods if m.split(".")[0] in HEAVY)
 
 
 @pytest.fixture(scope="module")
-def torch_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small ``torch.save`` zip (a model's state dict)."""
-    from tests.helpers import CkptFactory
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A small ``torch.save`` zip, the same with a ``model.`` prefix, and a safetensors file (written by torch)."""
+    import torch
+    from safetensors.torch import save_file
 
-    return Path(CkptFactory(tmp_path_factory.mktemp("startup")).plain().path)
-
-
-def _check(mods: set[str], absent: list[str], present: list[str]) -> None:
-    assert [m for m in present if m not in mods] == []  # the command ran the code path pinned here
-    assert sorted(m for m in absent if m in mods) == []
-
-
-@pytest.mark.parametrize("command", ["inspect", "scan"])
-def test_inspect_and_scan_of_a_torch_zip_import_no_dcp_json_gpu_or_align(command, torch_zip):
-    mods = _modules([command, str(torch_zip)], dict(os.environ))
-    absent = NEVER + [
-        "ckptfix.gpu",
-        "ckptfix.cli.gpu",
-        "ckptfix.ops.prefixes.align",
-        "ckptfix.ops.sanitize",
-        "ckptfix.ops.rewrite.keys",
-        "ckptfix.pickles.writer",  # the readers never write
-        "ckptfix.formats.legacy",  # the other formats' readers
-        "ckptfix.formats.safetensors_fmt",
-        "ckptfix.formats.sharded",
-        "tarfile",  # a zip's first block is no tar header: refused without tarfile (sniffing.tar_opens)
-        "subprocess",
-        "pickletools",  # only for a pickle past protocol 2 (plaindata.opcodes_weights_only_cannot_read)
-        "pickle",  # the unpickler comes from _pickle (ckptfix.pickles._unpickler): pickle.py is 1,800 lines of Python
-        # a torch.save archive is read by ckptfix.files.zipdir: zipfile's imports were 2-5 ms (pathlib, shutil...)
-        "zipfile",
-        "shutil",
-        "bz2",
-        "lzma",
-        "binascii",
-        # a local path never needs the remote drivers (ckptfix.files.remote imports fsspec only for a URL)
-        "fsspec",
-        "aiohttp",
-        "s3fs",
-    ]
-    _check(mods, absent, ["ckptfix.ops.inspect", "ckptfix.formats.zipfmt", "ckptfix.files.zipdir"])
+    d = tmp_path_factory.mktemp("startup")
+    t = {"w": torch.ones(4, 4), "b": torch.ones(4)}
+    torch.save(t, d / "m.pt")
+    torch.save({f"model.{k}": v for k, v in t.items()}, d / "p.pt")
+    save_file(t, str(d / "m.safetensors"))
+    return {"pt": d / "m.pt", "prefixed": d / "p.pt", "st": d / "m.safetensors"}
 
 
-@pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]])
-def test_gpus_and_pick_gpu_import_nothing_of_the_checkpoint_side(args, tmp_path):
-    mods = _modules(args, fake_smi_env(tmp_path, "h200_busy"))
-    # nvidia-smi runs through os.posix_spawn (ckptfix.gpu.runner): subprocess, selectors and signal's enums cost
-    # about 1.5 ms
-    absent = NEVER + CHECKPOINT_SIDE + ["subprocess", "selectors", "signal"]
-    if "--json" in args:  # --json renders with json, and only then
-        absent.remove("json")
-    _check(mods, absent, ["ckptfix.gpu.visible", "ckptfix.gpu.smi", "ckptfix.gpu.runner"])
+CHECKPOINT_COMMANDS = {
+    "--help": lambda f, o: ["--help"],
+    "inspect": lambda f, o: ["inspect", str(f["pt"])],
+    "inspect --json": lambda f, o: ["inspect", "--json", str(f["pt"])],
+    "inspect safetensors": lambda f, o: ["inspect", str(f["st"])],
+    "scan": lambda f, o: ["scan", str(f["pt"])],
+    "convert": lambda f, o: ["convert", str(f["pt"]), "-o", str(o / "o.safetensors")],
+    "strip-prefix": lambda f, o: ["strip-prefix", str(f["prefixed"]), "-o", str(o / "s.pt")],
+    "sanitize": lambda f, o: ["sanitize", str(f["pt"]), "-o", str(o / "z.pt")],
+}
 
 
-def test_checkpoint_commands_share_one_click_path():
-    """Each ``click.Path()`` asks gettext for its name when made (~70 us each, ten of them in ckptfix.cli.ckpt)."""
-    import click
-
-    from ckptfix.cli import ckpt
-
-    paths = [
-        p.type
-        for c in vars(ckpt).values()
-        if isinstance(c, click.Command)
-        for p in c.params
-        if isinstance(p.type, click.Path)
-    ]
-    assert len(paths) >= 8 and all(t is ckpt.PATH for t in paths)
+@pytest.mark.parametrize("name", list(CHECKPOINT_COMMANDS))
+def test_local_checkpoint_commands_import_no_torch_numpy_or_remote_driver(name, files, tmp_path):
+    args = CHECKPOINT_COMMANDS[name](files, tmp_path)
+    assert _heavy_imported(args, dict(os.environ), tmp_path) == []
 
 
-def test_the_path_type_made_without_gettext_is_click_paths():
-    import click
-
-    from ckptfix.cli.ckpt import PATH
-
-    assert isinstance(PATH, click.Path) and vars(PATH) == vars(click.Path())
-    assert PATH.convert("a/b", None, None) == "a/b" and PATH.to_info_dict() == click.Path().to_info_dict()
+@pytest.mark.parametrize("args", [["gpus"], ["gpus", "--json"], ["pick-gpu", "--lease", "0"]], ids=" ".join)
+def test_gpu_commands_import_no_torch_numpy_or_remote_driver(args, tmp_path):
+    assert _heavy_imported(args, fake_smi_env(tmp_path, "h200_busy"), tmp_path) == []
 
 
-def test_the_help_and_version_options_made_without_gettext_are_clicks():
-    import click
+def test_the_help_and_version_options_are_clicks():
     from click.testing import CliRunner
 
+    from ckptfix import __version__
     from ckptfix.cli.group import cli
 
-    @click.command()
-    @click.version_option("1.0", prog_name="ckptfix")
-    def ref() -> None:
-        """Ref."""
-
-    ctx = click.Context(cli, help_option_names=["-h", "--help"])
-    ours, theirs = cli.get_help_option(ctx), click.Command("x", add_help_option=True).get_help_option(ctx)
-    assert ours is not None and theirs is not None
-    assert ours.get_help_record(ctx) == theirs.get_help_record(ctx)
-    assert (ours.is_flag, ours.is_eager, ours.expose_value) == (True, True, False)
-    assert cli.get_help_option(ctx) is ours  # made once
     runner = CliRunner()
     version = runner.invoke(cli, ["--version"])
-    assert version.exit_code == 0 and version.output.startswith("ckptfix, version ")
-    assert runner.invoke(ref, ["--version"]).output == "ckptfix, version 1.0\n"
-    for args in (["-h"], ["--help"], ["inspect", "-h"], ["scan", "--help"]):
+    assert version.exit_code == 0 and version.output == f"ckptfix, version {__version__}\n"
+    for args in (["-h"], ["--help"], ["inspect", "-h"], ["scan", "--help"], ["convert", "-h"]):
         r = runner.invoke(cli, args)
         assert r.exit_code == 0 and "Show this message and exit." in r.output and "Usage:" in r.output
     bad = runner.invoke(cli, ["inspect", "--nope"])
-    assert bad.exit_code == 2 and "Try 'cli inspect --help' for help." in bad.output  # (the hint click gives)
+    assert bad.exit_code == 2 and "Try 'cli inspect --help' for help." in bad.output
+    short = runner.invoke(cli, ["convert", "missing.pt", "-o"])
+    assert short.exit_code == 2 and "Option '-o' requires an argument." in short.output
 
 
-def _child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """``python -c code args...`` with the checkout first on the path; it must succeed."""
-    p = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert p.returncode == 0, p.stderr
-    return p
-
-
-def test_imports_pause_the_collector_and_give_it_back():
-    """ckptfix._startup: no collection while modules are imported, the collector back (as it was) afterwards."""
-    import gc
-
-    from ckptfix import _startup
+def test_the_collector_is_back_as_it_was_after_the_imports():
+    """A command's own work (a long convert, train) collects garbage as usual; a caller that turned the collector
+    off keeps it off."""
     from ckptfix._startup import imports_quietly
 
     assert gc.isenabled()
-    frozen = gc.get_freeze_count()
     try:
         with imports_quietly():
             assert not gc.isenabled()
-        assert gc.isenabled() and gc.get_freeze_count() == frozen  # not the ckptfix process: nothing frozen
-        _startup.command_process()
-        with imports_quietly():
-            pass
-        assert gc.isenabled() and gc.get_freeze_count() > frozen
-        gc.disable()  # a caller that turned it off keeps it off
+        assert gc.isenabled()
+        gc.disable()
         with imports_quietly():
             pass
         assert not gc.isenabled()
+        gc.enable()
         with pytest.raises(ImportError):
             with imports_quietly():
                 import ckptfix_no_such_module  # noqa: F401
-        assert not gc.isenabled()
+        assert gc.isenabled()
     finally:
-        _startup._FREEZE[0] = False
         gc.enable()
-        gc.unfreeze()
-
-
-def test_a_command_runs_with_the_collector_on(torch_zip):
-    """The pause covers the imports only: a command's own work (a long convert, train) collects as usual."""
-    child = (
-        "import gc, sys\n"
-        "import ckptfix.cli.ckpt as ck\n"
-        "seen = []\n"
-        "real = ck.PATH.convert\n"
-        "def spy(*a, **k):\n"
-        "    seen.append(gc.isenabled())\n"
-        "    return real(*a, **k)\n"
-        "ck.PATH.convert = spy\n"
-        "from ckptfix.cli import main\n"
-        "rc = main(['inspect', sys.argv[1]])\n"
-        "print('ENABLED', gc.isenabled(), seen)\n"
-    )
-    p = _child(child, str(torch_zip))
-    assert "ENABLED True [True]" in p.stdout
-
-
-def test_the_ckptfix_process_freezes_what_it_imported(torch_zip):
-    """The console script / python -m ckptfix (ckptfix.__main__.run): the imports are frozen, the collector on."""
-    child = (
-        "import atexit, gc, sys\n"
-        "atexit.register(lambda: sys.stderr.write(f'\\nGC {gc.isenabled()} {gc.get_freeze_count() > 1000}\\n'))\n"
-        "import runpy\n"
-        "sys.argv[0] = 'ckptfix'\n"
-        "runpy.run_module('ckptfix', run_name='__main__', alter_sys=True)\n"
-    )
-    p = _child(child, "inspect", str(torch_zip))
-    assert "GC True True" in p.stderr

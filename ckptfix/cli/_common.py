@@ -16,41 +16,6 @@ import click
 
 from ckptfix.text import human_bytes, table
 
-
-class _AnyPath(click.Path):
-    """``click.Path()``: any path, passed on as given; made without gettext.
-
-    ``click.Path.__init__`` asks gettext for its name (``_("path")``), and the first gettext call imports
-    :mod:`locale` (start-up of ``inspect``, ``scan`` and ``convert``: :class:`ckptfix.cli.group.HelpOption`).
-    The attributes below are what ``click.Path()`` sets (``tests/test_startup_imports.py`` compares them);
-    one a later click adds comes from a real ``click.Path()``, made on first use.
-    """
-
-    def __init__(self) -> None:  # click.Path()'s attributes, not its __init__
-        self.exists = False
-        self.file_okay = True
-        self.dir_okay = True
-        self.readable = True
-        self.writable = False
-        self.executable = False
-        self.resolve_path = False
-        self.allow_dash = False
-        self.type = None
-        self.name = "path"
-
-    def to_info_dict(self) -> Any:
-        return {**super().to_info_dict(), "param_type": "Path"}
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(click.Path(), name)
-
-
-#: the path type of the checkpoint commands (any path, as given)
-PATH = _AnyPath()
-
-
 __all__ = ["json_option", "emit_json", "info", "use_color", "warn", "error_line", "human_bytes", "table", "ProgressBar"]
 
 

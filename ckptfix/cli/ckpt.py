@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ def limit_option(what: str, default: int) -> Callable[[_F], _F]:
 
 
 @cli.command("inspect")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--key", default=None, help="Where the state dict sits, e.g. 'model' or 'model/state_dict'.")
 @click.option(
     "-v",
@@ -171,7 +171,7 @@ def _framework_lines(fw: dict | None) -> list[str]:
 
 
 @cli.command("scan")
-@click.argument("checkpoints", nargs=-1, required=True, type=PATH, metavar="CHECKPOINT...")
+@click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="CHECKPOINT...")
 @limit_option("safe globals (every dangerous or unknown one is listed)", 20)
 @json_option
 @stats_option
@@ -286,7 +286,7 @@ def _write_options(f):
     f = click.option(
         "-o",
         "--output",
-        type=PATH,
+        type=click.Path(),
         default=None,
         help="Where to write (default: next to the input, e.g. model.stripped.pth; for a sharded index, a directory).",
     )(f)
@@ -352,7 +352,7 @@ def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, l
 
 
 @cli.command("strip-prefix")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", default=None, help="Strip exactly this prefix (default: every wrapper layer all keys carry).")
 @click.option("--partial", is_flag=True, help="Also strip wrapper prefixes that only some keys carry.")
 @_write_options
@@ -377,7 +377,7 @@ def strip_prefix_cmd(
 
 
 @cli.command("add-prefix")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option("--prefix", required=True, help="The prefix to add, e.g. 'module.'.")
 @_write_options
 def add_prefix_cmd(
@@ -396,7 +396,7 @@ def add_prefix_cmd(
 
 
 @cli.command("align")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option(
     "--to",
     "target",
@@ -431,11 +431,11 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key,
 
 
 @cli.command("sanitize")
-@click.argument("checkpoint", type=PATH)
+@click.argument("checkpoint", type=click.Path())
 @click.option(
     "-o",
     "--output",
-    type=PATH,
+    type=click.Path(),
     default=None,
     help="Where to write (default: next to the input, e.g. model.sanitized.pth).",
 )

@@ -7,17 +7,17 @@ from typing import Any
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, info, json_option, warn
+from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
 from ckptfix.cli.group import cli
 
 
 @cli.command("convert")
-@click.argument("src", type=PATH)
+@click.argument("src", type=click.Path())
 @click.option(
     "-o",
     "--output",
     "output",
-    type=PATH,
+    type=click.Path(),
     help="Output path (default: SRC with .safetensors; SRC.pth for a safetensors input; DIR.dcp: a DCP checkpoint).",
 )
 @click.option(

@@ -5,13 +5,13 @@ from __future__ import annotations
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import PATH, emit_json, json_option
+from ckptfix.cli._common import emit_json, json_option
 from ckptfix.cli.group import cli
 
 
 @cli.command("diff")
-@click.argument("a", type=PATH)
-@click.argument("b", type=PATH)
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
 @click.option("--key-a", default=None, help="Where A's state dict sits (e.g. 'state_dict_ema'); found otherwise.")
 @click.option("--key-b", default=None, help="Where B's state dict sits; found otherwise.")
 @click.option("--no-align", is_flag=True, help="Compare the raw keys (no wrapper prefixes matched).")

@@ -7,15 +7,11 @@ them to register the commands), so the CLI's import graph has no cycle.
 from __future__ import annotations
 
 import importlib
-import sys
-from typing import TYPE_CHECKING, Any
 
 import click
 
+from ckptfix import __version__
 from ckptfix._startup import imports_quietly
-
-if TYPE_CHECKING:
-    from click.parser import _OptionParser
 
 
 class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
@@ -40,92 +36,9 @@ COMMAND_MODULES = {
 }
 
 
-def _show_help(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    """``-h`` / ``--help``: the help page on stdout (what click's own help option does)."""
-    if value and not ctx.resilient_parsing:
-        click.echo(ctx.get_help(), color=ctx.color)
-        ctx.exit()
-
-
-class HelpOption:
-    """The help option made without gettext.
-
-    Click makes it with ``help_option(help=_("Show this message and exit."))``, and it asks gettext for the
-    default text even when one is given: the first gettext call imports :mod:`locale` and every call looks for
-    catalogs (~1 ms of every command's start-up, three calls).  The same option, the same text, made here;
-    click's own rules decide whether there is one (``add_help_option``, names a parameter already uses).
-    """
-
-    add_help_option: bool
-
-    def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        """The help option (None where the command has none).
-
-        Args:
-            ctx: the Click context.
-
-        Returns:
-            The option, made once per command.
-        """
-        names = self.get_help_option_names(ctx)  # type: ignore[attr-defined]
-        if not names or not self.add_help_option:
-            return None
-        opt: click.Option | None = self.__dict__.get("_ckptfix_help_option")
-        if opt is None:
-            opt = click.Option(
-                ["_ckptfix_help", *names],  # stored under its own name: a parameter called "help" keeps its value
-                is_flag=True,
-                expose_value=False,
-                is_eager=True,
-                callback=_show_help,
-                help="Show this message and exit.",
-            )
-            self.__dict__["_ckptfix_help_option"] = opt
-        return opt
-
-
-class Command(HelpOption, click.Command):
-    """A ckptfix command (its help option made without gettext: :class:`HelpOption`; its short options
-    matched directly: :meth:`make_parser`)."""
-
-    def make_parser(self, ctx: click.Context) -> _OptionParser:
-        """Click's parser, taking an argument that is exactly one of the command's short options (``-o``)
-        straight to it.
-
-        Click tries every option as a long one first; for ``-o`` that fails, and making the failure imports
-        :mod:`difflib` (close matches) and calls gettext (which imports :mod:`locale`): about 1 ms of the
-        start-up of ``convert x.pt -o y``, for the outcome click reaches next anyway (a short option that
-        click's own rules would not try as a long one: no option of the command is spelled that way).
-        Where click's parser lacks the parts this relies on, it is returned as it is.
-
-        Args:
-            ctx: the Click context.
-
-        Returns:
-            The parser.
-        """
-        parser = super().make_parser(ctx)
-        process = getattr(parser, "_process_opts", None)
-        short, long_ = getattr(parser, "_short_opt", None), getattr(parser, "_long_opt", None)
-        match_short = getattr(parser, "_match_short_opt", None)
-        if process is None or match_short is None or not isinstance(short, dict) or not isinstance(long_, dict):
-            return parser
-
-        def process_opts(arg: str, state: Any) -> None:
-            if arg in short and arg not in long_:
-                match_short(arg, state)
-            else:
-                process(arg, state)
-
-        parser._process_opts = process_opts  # type: ignore[method-assign]
-        return parser
-
-
-class LazyGroup(HelpOption, click.Group):
+class LazyGroup(click.Group):
     """The root group: command modules imported when a command is looked up (not at start-up); a
     KeyboardInterrupt in a command reaches :func:`ckptfix.cli.main` as :class:`CtrlC`."""
-
-    command_class = Command
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -162,21 +75,6 @@ class LazyGroup(HelpOption, click.Group):
         return super().list_commands(ctx)
 
 
-def _show_version(ctx: click.Context, value: bool) -> None:
-    """``--version``: ``ckptfix, version X`` as ``click.version_option`` prints it (made without gettext, as
-    :class:`HelpOption`); the installed distribution's version, else the package's own."""
-    if not value or ctx.resilient_parsing:
-        return
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        v = version("ckptfix")
-    except PackageNotFoundError:  # run from a checkout: the package's own (imported before this module)
-        v = sys.modules["ckptfix"].__version__
-    click.echo(f"ckptfix, version {v}", color=ctx.color)
-    ctx.exit()
-
-
 def load_all() -> None:
     """Import every command module (what ``--help`` and the docs need)."""
     for mod in dict.fromkeys(COMMAND_MODULES.values()):
@@ -185,14 +83,7 @@ def load_all() -> None:
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show the full traceback on errors (or set CKPTFIX_DEBUG=1).")
-@click.option(
-    "--version",
-    is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=lambda ctx, param, value: _show_version(ctx, value),
-    help="Show the version and exit.",
-)
+@click.version_option(__version__, prog_name="ckptfix")
 def cli(debug: bool) -> None:
     """Make PyTorch checkpoints and GPUs stop getting in your way.
 

@@ -19,6 +19,7 @@ import fcntl
 import os
 import re
 import stat
+import tempfile
 import threading
 import time
 from typing import BinaryIO, Callable, Iterator
@@ -26,7 +27,17 @@ from typing import BinaryIO, Callable, Iterator
 from ckptfix.errors import OutputError
 
 
-def _os_error(e: OSError, path: str) -> OutputError:
+def output_error(e: OSError, path: str) -> OutputError:
+    """The typed error of a failed write of ``path``: what went wrong (no space, permission, read-only, a missing
+    folder) and the fix, as one line (exit 9).
+
+    Args:
+        e: what the write (or create, rename) raised; an :class:`OutputError` is returned as it is.
+        path: the output it was for.
+
+    Returns:
+        The error to raise.
+    """
     from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
 
     if isinstance(e, OutputError):  # already says what went wrong
@@ -157,33 +168,6 @@ def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
     return removed
 
 
-#: the characters of a temp name's random part (``tempfile``'s, which :data:`_TEMP_RE` matches)
-_NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
-#: names tried before giving up (``tempfile.TMP_MAX``)
-_TRIES = 10000
-
-
-def _create_temp(directory: str, prefix: str, suffix: str) -> tuple[int, str]:
-    """A new file ``<directory>/<prefix>XXXXXXXX<suffix>``, created ``O_EXCL`` and ``0600``: ``(fd, path)``.
-
-    What ``tempfile.mkstemp`` does (``O_CREAT | O_EXCL | O_NOFOLLOW``, 8 random characters of
-    ``[a-z0-9_]``, another name on a collision), without importing :mod:`tempfile` (and its
-    ``random``, ``shutil``, ``bz2``, ``lzma``): part of the start-up of every command that writes.
-
-    Raises:
-        OSError: the file cannot be created (``FileExistsError`` after :data:`_TRIES` names taken).
-    """
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(_TRIES):
-        name = "".join(_NAME_CHARS[b % len(_NAME_CHARS)] for b in os.urandom(8))
-        tmp = os.path.join(directory, prefix + name + suffix)
-        try:
-            return os.open(tmp, flags, 0o600), os.path.abspath(tmp)
-        except FileExistsError:
-            continue
-    raise FileExistsError(errno.EEXIST, "no usable temporary file name found")
-
-
 def new_temp(path: str) -> tuple[int, str]:
     """(fd, name) of a temp file next to ``path``, with the mode the final file should have.
 
@@ -203,9 +187,9 @@ def new_temp(path: str) -> tuple[int, str]:
     path = os.path.abspath(path)
     clean_stale_temps(os.path.dirname(path))
     try:
-        fd, tmp = _create_temp(os.path.dirname(path), f".{os.path.basename(path)}{TEMP_MARK}", ".tmp")
+        fd, tmp = tempfile.mkstemp(".tmp", f".{os.path.basename(path)}{TEMP_MARK}", os.path.dirname(path))
     except OSError as e:
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     _lock_temp(tmp)
     try:
         mode = os.stat(path).st_mode & 0o7777
@@ -291,7 +275,7 @@ def atomic_output(
             os.unlink(tmp)
         if isinstance(e, OutputError):
             raise
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -388,7 +372,7 @@ def make_backup(path: str) -> str:
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise _os_error(e, dst) from None
+        raise output_error(e, dst) from None
     finally:
         release_temp(tmp)
     return dst
@@ -410,7 +394,6 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
         OutputError: a rename fails (``path`` is left as it was).
     """
     import shutil
-    import tempfile
 
     path = os.path.abspath(path)
     old = None
@@ -429,7 +412,7 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
         if fsync:
             fsync_dir(path)
     except OSError as e:
-        raise _os_error(e, path) from None
+        raise output_error(e, path) from None
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

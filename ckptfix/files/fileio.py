@@ -42,40 +42,11 @@ import os
 import struct
 import threading
 import zlib
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, OutputError
 from ckptfix.files.pagecache import drop_cached, page_cached
 from ckptfix.files.progress import advance
-
-#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``); the zip format
-#: (:mod:`ckptfix.formats.zipfmt`) and the DCP chunk reader (:mod:`ckptfix.formats.dcp.chunks`) both catch it.  Made on
-#: first use (module ``__getattr__``): it names ``zipfile.BadZipFile``, and :mod:`zipfile` is off the start-up
-#: of ``inspect``/``scan`` (:mod:`ckptfix.files.zipdir`); an ``except fileio.ZIP_ERRORS`` reads it only when
-#: something was raised.
-ZIP_ERRORS: tuple[type[BaseException], ...]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "ZIP_ERRORS":
-        import zipfile
-
-        errors = (
-            zipfile.BadZipFile,
-            OSError,
-            ValueError,
-            struct.error,
-            EOFError,
-            NotImplementedError,
-            zlib.error,
-            KeyError,
-            IndexError,
-            OverflowError,
-        )
-        globals()["ZIP_ERRORS"] = errors
-        return errors
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 #: the kernel's page cache works in large folios (64 KiB and more): ``copy_file_range`` between offsets
 #: that sit at the same place within 64 KiB moves whole folios (as fast as ``cp``); other offsets are

@@ -1,4 +1,5 @@
-"""Run per-shard (or per-tensor) tasks in a bounded pool of threads: ``--jobs N``.
+"""Run per-shard (or per-tensor) tasks in a bounded pool of threads (:class:`~concurrent.futures.ThreadPoolExecutor`,
+as the remote range requests): ``--jobs N``.
 
 The work that is parallel here is file I/O (``os.pread``/``os.pwrite``, ``mmap``, ``memcmp`` of
 large buffers), which releases the GIL, so threads are enough and share the open descriptors.
@@ -19,6 +20,7 @@ import contextvars
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from ckptfix.files.progress import Progress
@@ -68,45 +70,38 @@ def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1, *, cancel: thread
     n = min(resolve_jobs(jobs), len(tasks))
     if n <= 1:
         return [t() for t in tasks]
-    results: list[T | None] = [None] * len(tasks)
-    contexts = [contextvars.copy_context() for _ in tasks]  # a context can be entered by one thread at a time
+    errors: list[BaseException] = []  # in the order they were raised: the first is re-raised
     lock = threading.Lock()
-    state = {"next": 0}
-    errors: list[BaseException] = []
+    stop = threading.Event()  # a task failed, or Ctrl-C: the queued tasks are not started
 
-    def worker() -> None:
-        while True:
+    def run(task: Callable[[], T], context: contextvars.Context) -> T:
+        if stop.is_set():
+            raise CancelledError()
+        try:
+            return context.run(task)
+        except BaseException as e:
             with lock:
-                i = state["next"]
-                if errors or i >= len(tasks):
-                    return
-                state["next"] = i + 1
-            try:
-                results[i] = contexts[i].run(tasks[i])
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-                with lock:
-                    errors.append(e)
-                if cancel is not None:  # the running tasks need not finish: their work is thrown away
-                    cancel.set()
-                return
+                errors.append(e)
+            stop.set()
+            if cancel is not None:  # the running tasks need not finish: their work is thrown away
+                cancel.set()
+            raise
 
-    threads = [threading.Thread(target=worker, name=f"ckptfix-job-{k}", daemon=True) for k in range(n)]
-    for t in threads:
-        t.start()
-    try:
-        for t in threads:
-            t.join()
-    except BaseException:  # Ctrl-C in the caller: start nothing more, let the running tasks end
-        with lock:
-            state["next"] = len(tasks)
-        if cancel is not None:
-            cancel.set()
-        for t in threads:
-            t.join()
-        raise
-    if errors:
-        raise errors[0].with_traceback(errors[0].__traceback__)
-    return results  # type: ignore[return-value]
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="ckptfix-job") as pool:
+        # a context per task, copied here: a context can be entered by one thread at a time
+        futures = [pool.submit(run, t, contextvars.copy_context()) for t in tasks]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # Ctrl-C in the caller: start nothing more, let the running tasks end
+            stop.set()
+            if cancel is not None:
+                cancel.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        if errors:  # the tasks not yet started are not run; the running ones are waited for
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise errors[0]
+    return [f.result() for f in futures]
 
 
 class Tally:

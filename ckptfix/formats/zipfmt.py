@@ -16,19 +16,16 @@ from __future__ import annotations
 import os
 import re
 import struct
+import zipfile
 import zlib
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.files import fileio, pagecache, source
+from ckptfix.files import pagecache, source
 from ckptfix.files.fileio import FOLIO, copy_range
-from ckptfix.files.zipdir import open_zip
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.pickles.opcodes import DEFAULT_MAX_PICKLE_MB
-
-if TYPE_CHECKING:
-    import zipfile
 
 ALIGN = 64
 
@@ -48,27 +45,33 @@ def max_pickle_bytes() -> int:
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
 
 
-def _bad_zip() -> type[Exception]:
-    """``zipfile.BadZipFile``: only an ``except`` that is matching an exception reads it (start-up)."""
-    import zipfile
-
-    return zipfile.BadZipFile
-
+#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``)
+ZIP_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    struct.error,
+    EOFError,
+    NotImplementedError,
+    zlib.error,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
 
 #: ``_STORED``
 _STORED = 0
 
 
 def _open_zip(path: str) -> zipfile.ZipFile:
-    """``zipfile.ZipFile(path)`` (read by :func:`ckptfix.files.zipdir.open_zip`), its errors as ckptfix's."""
+    """``zipfile.ZipFile(path)``, its errors as ckptfix's."""
     try:
-        zf: zipfile.ZipFile = open_zip(source.open_file(path) if source.is_url(path) else path)
-        return zf
-    except _bad_zip() as e:
+        return zipfile.ZipFile(source.open_file(path) if source.is_url(path) else path)
+    except zipfile.BadZipFile as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({e}); the file is truncated or corrupt — re-copy or re-save it"
         ) from None
-    except fileio.ZIP_ERRORS as e:
+    except ZIP_ERRORS as e:
         raise CorruptCheckpointError(
             f"{path}: unreadable zip archive ({type(e).__name__}: {e}); the file is corrupt"
         ) from None
@@ -91,7 +94,7 @@ def zip_kind(path: str) -> Format:
         try:
             names = zf.namelist()
             first = min((i.header_offset for i in zf.infolist()), default=0)
-        except fileio.ZIP_ERRORS as e:
+        except ZIP_ERRORS as e:
             raise CorruptCheckpointError(f"{path}: damaged zip directory ({e})") from None
     if first != 0:  # zipfile skips data put before an archive; torch's reader (miniz) does not
         raise CorruptCheckpointError(
@@ -339,7 +342,7 @@ def read_member(path: str, zf: zipfile.ZipFile, name: str, budget: list[int]) ->
                 parts.append(chunk)
     except ResourceLimitError:
         raise
-    except fileio.ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
+    except ZIP_ERRORS + (UnicodeDecodeError, RuntimeError) as e:
         raise CorruptCheckpointError(
             f"{path}: record {name!r} is damaged ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -376,7 +379,7 @@ def read_zip(path: str, kind: Format = Format.TORCH_ZIP) -> CheckpointFile:
         return _read_zip(path, kind)
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
-    except fileio.ZIP_ERRORS as e:
+    except ZIP_ERRORS as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -776,9 +779,9 @@ def rewrite_zip(cf: CheckpointFile, data_pkl: bytes, fp: BinaryIO) -> None:
 
 def _header_offsets(path: str) -> dict[str, int]:
     try:
-        with open_zip(path) as zf:
+        with zipfile.ZipFile(path) as zf:
             return {i.filename: i.header_offset for i in zf.infolist()}
-    except fileio.ZIP_ERRORS + (UnicodeDecodeError,) as e:
+    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(
             f"{path}: damaged zip archive ({type(e).__name__}: {e}); the file is corrupt — re-copy or re-save it"
         ) from None
@@ -786,9 +789,9 @@ def _header_offsets(path: str) -> dict[str, int]:
 
 def _read_member(path: str, name: str) -> bytes:
     try:
-        with open_zip(path) as zf:
+        with zipfile.ZipFile(path) as zf:
             return zf.read(name)
-    except fileio.ZIP_ERRORS + (UnicodeDecodeError,) as e:
+    except ZIP_ERRORS + (UnicodeDecodeError,) as e:
         raise CorruptCheckpointError(
             f"{path}: record {name!r} cannot be read ({type(e).__name__}: {e}); the file "
             "is corrupt — re-copy or re-save it"

@@ -24,7 +24,8 @@ import os
 import stat
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Sequence, Union
 
 from ckptfix.errors import OutputError
 
@@ -52,25 +53,17 @@ LEASE_TOKEN_ENV = "CKPTFIX_LEASE_TOKEN"
 LEASES_HELD_ENV = "CKPTFIX_LEASES_HELD"
 _LEASE_SCHEMA = "ckptfix.lease/1"
 
-if TYPE_CHECKING:
-    from typing import Union
-
-    #: a path argument: a ``str`` or an ``os.PathLike`` (the lease paths this module returns are ``str``: no
-    #: pathlib, which costs ``pick-gpu`` about 2.5 ms of start-up with ``urllib.parse`` and ``ipaddress``)
-    StrPath = Union[str, "os.PathLike[str]"]
+#: a path argument: a ``str`` or an ``os.PathLike`` (the lease paths this module returns are ``str``)
+StrPath = Union[str, "os.PathLike[str]"]
 
 
 def _dir(directory: StrPath) -> str:
-    """``directory`` as ``str(pathlib.Path(directory))`` spells it, without pathlib: no ``.`` components, no
-    repeated or trailing slashes (a leading ``//``, and only that, kept), ``.`` for an empty path; ``..`` kept."""
-    d = os.fspath(directory)
-    root = "//" if d[:2] == "//" and d[2:3] != "/" else "/" if d[:1] == "/" else ""
-    return root + "/".join(p for p in d.split("/") if p and p != ".") or "."
+    """``directory`` as :mod:`pathlib` spells it (no ``.`` components, no repeated or trailing slashes)."""
+    return str(Path(directory))
 
 
 def _join(directory: str, name: str) -> str:
-    """``str(pathlib.Path(directory) / name)`` for a :func:`_dir` ``directory`` and a plain ``name``."""
-    return name if directory == "." else os.path.join(directory, name)
+    return str(Path(directory) / name)
 
 
 def lease_dir(env: Mapping[str, str] | None = None) -> str:

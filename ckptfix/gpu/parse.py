@@ -136,68 +136,7 @@ def parse_value(raw: str) -> tuple[str | None, str | None]:
     return s, None
 
 
-# The patterns below are matched by hand on ASCII text (what nvidia-smi prints), by re only on other text:
-# compiling them cost ``gpus`` and ``pick-gpu`` about 0.8 ms of start-up.  tests/test_gpu_parse_scan.py checks
-# each scanner against its pattern.
 _NUM = r"^([-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*([A-Za-z%/]*)$"
-_DIGITS = frozenset("0123456789")
-_UNIT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz%")
-
-
-def _scan_number(s: str, number: str) -> tuple[str, str] | None:
-    """``(number, rest)`` of ASCII ``s``: the longest prefix of ``s`` that is a number of kind ``number`` (what
-    the patterns' number groups match: ``"uint"`` ``\\d+``, ``"int"`` ``[-+]?\\d+``, ``"float"``
-    ``[-+]?(?:\\d+(?:\\.\\d*)?|\\.\\d+)``, ``"cap"`` ``\\d+\\.\\d+``), or ``None`` when no prefix is one.
-    Each pattern's number is followed by characters that cannot continue it (space, letters, ``%``, ``/``), so
-    the longest prefix is the only one a match can take."""
-    n = len(s)
-    i = 0
-    if number in ("int", "float") and i < n and s[i] in "+-":
-        i += 1
-    j = _digits_end(s, i)
-    if number == "float":
-        if j > i:
-            if j < n and s[j] == ".":
-                j = _digits_end(s, j + 1)
-        elif j < n and s[j] == ".":
-            k = _digits_end(s, j + 1)
-            if k == j + 1:
-                return None
-            j = k
-        else:
-            return None
-    elif j == i:
-        return None
-    elif number == "cap":
-        if j >= n or s[j] != ".":
-            return None
-        k = _digits_end(s, j + 1)
-        if k == j + 1:
-            return None
-        j = k
-    return s[:j], s[j:]
-
-
-def _digits_end(s: str, i: int) -> int:
-    """Where the run of ASCII digits starting at ``i`` ends."""
-    n = len(s)
-    while i < n and s[i] in _DIGITS:
-        i += 1
-    return i
-
-
-def _number_and_unit(s: str, number: str, slash: bool) -> tuple[str, str] | None:
-    """``re.match(rf"^({NUMBER})\\s*([A-Za-z%]*)$", s).groups()`` (``/`` in the unit too with ``slash``) for
-    ASCII ``s`` without a newline: the number and its unit, or ``None`` when ``s`` is no such thing."""
-    got = _scan_number(s, number)
-    if got is None:
-        return None
-    num, rest = got
-    unit = rest.lstrip()  # str.isspace() is re's \s, in ASCII too (\x1c-\x1f included)
-    for c in unit:
-        if c not in _UNIT_CHARS and not (slash and c == "/"):
-            return None
-    return num, unit
 
 
 _TO_MIB = {
@@ -227,20 +166,15 @@ def parse_number(text: str | None, *, mib: bool = False) -> float | None:
     """
     if text is None:
         return None
-    s = text.strip()
-    if s.isascii() and "\n" not in s:
-        got = _number_and_unit(s, "float", True)
-    else:
-        m = re.match(_NUM, s)
-        got = (m.group(1), m.group(2)) if m else None
-    if got is None:
+    m = re.match(_NUM, text.strip())
+    if m is None:
         return None
     try:
-        v = float(got[0])
+        v = float(m.group(1))
     except ValueError:
         return None
     if mib:
-        factor = _TO_MIB.get(got[1].lower())
+        factor = _TO_MIB.get(m.group(2).lower())
         if factor is None:
             return None
         v *= factor
@@ -253,15 +187,8 @@ def _as_int(text: str | None, *, mib: bool = False) -> int | None:
 
 
 def _norm_header(cell: str) -> str:
-    name = cell.strip()
-    # "memory.total [MiB]" -> "memory.total": re.sub(r"\s*\[[^\]]*\]\s*$", "", name) by hand (``name`` is
-    # stripped: it ends in the "]", and the "[" the pattern takes is the first one after the "]" before that)
-    if name.endswith("]"):
-        end = len(name) - 1
-        start = name.find("[", name.rfind("]", 0, end) + 1, end)
-        if start >= 0:
-            name = name[:start]
-    return name.strip().lower()
+    # "memory.total [MiB]" -> "memory.total"
+    return re.sub(r"\s*\[[^\]]*\]\s*$", "", cell.strip()).strip().lower()
 
 
 def _split_row(line: str, ncols: int, free_text: int | None) -> list[str] | None:
@@ -330,8 +257,6 @@ _INT = r"[-+]?\d+"
 _FLOAT = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _UINT = r"\d+"
 _CAP = r"\d+\.\d+"
-#: the number patterns above by their names in :func:`_scan_number`
-_NUMBER_KINDS = {_UINT: "uint", _INT: "int", _FLOAT: "float", _CAP: "cap"}
 #: field -> (the number's pattern, the units nvidia-smi may print after it (lower case; "" = none), what it is)
 _FIELD_FORMATS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "index": (_UINT, ("",), "a GPU index"),
@@ -354,52 +279,21 @@ _OTHER_FORMATS: dict[str, tuple[str, int, str]] = {
     "mig.mode.current": (r"^(Enabled|Disabled)$", re.I, "Enabled or Disabled"),
     "driver_version": (r"^\d+(\.\d+)+$", 0, "a version such as 570.124.06"),
 }
-_HEX = frozenset("0123456789abcdefABCDEF")
-_UUID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-")
-
-
-def _fits_other(column: str, value: str) -> bool:
-    """``re.match`` of the :data:`_OTHER_FORMATS` pattern of ``column`` on ASCII ``value`` without a newline."""
-    if column == "uuid":
-        return value[:4] in ("GPU-", "MIG-") and len(value) > 4 and all(c in _UUID_CHARS for c in value[4:])
-    if column == "pci.bus_id":
-        domain, _, rest = value.partition(":")
-        return (
-            4 <= len(domain) <= 8
-            and all(c in _HEX for c in domain)
-            and len(rest) == 7
-            and rest[0] in _HEX
-            and rest[1] in _HEX
-            and rest[2] == ":"
-            and rest[3] in _HEX
-            and rest[4] in _HEX
-            and rest[5] == "."
-            and rest[6] in "01234567"
-        )
-    if column == "mig.mode.current":  # re.I on ASCII text: ASCII case-insensitive
-        return value.lower() in ("enabled", "disabled")
-    parts = value.split(".")  # driver_version
-    return len(parts) >= 2 and all(p and all(c in _DIGITS for c in p) for p in parts)
 
 
 def _field_error(column: str, value: str) -> str | None:
     """Why ``value`` (not a placeholder) cannot be nvidia-smi's ``column``, or ``None`` when it can."""
     fmt = _FIELD_FORMATS.get(column)
-    plain = value.isascii() and "\n" not in value  # else re, whose \d and \s take more than ASCII
     if fmt is not None:
         number, units, what = fmt
-        if plain:
-            got = _number_and_unit(value, _NUMBER_KINDS[number], False)
-        else:
-            m = re.match(rf"^({number})\s*([A-Za-z%]*)$", value)
-            got = (m.group(1), m.group(2)) if m else None
-        if got is None:
+        m = re.match(rf"^({number})\s*([A-Za-z%]*)$", value)
+        if m is None:
             return f"not {what}"
-        if got[1].lower() not in units:
-            return f"unit {got[1]!r} is not one nvidia-smi prints for {column} ({what})"
+        if m.group(2).lower() not in units:
+            return f"unit {m.group(2)!r} is not one nvidia-smi prints for {column} ({what})"
         return None
     other = _OTHER_FORMATS.get(column)
-    if other is not None and not (_fits_other(column, value) if plain else re.match(other[0], value, other[1])):
+    if other is not None and not re.match(other[0], value, other[1]):
         return f"not {other[2]}"
     return None
 
@@ -577,15 +471,9 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
 
 
 def _compute_cap(text: str | None) -> tuple[int, int] | None:
-    """``re.match(r"^\\s*(\\d+)\\.(\\d+)\\s*$", text)`` as ``(major, minor)``, by hand on ASCII text."""
-    text = text or ""
-    if not text.isascii():
-        m = re.match(r"^\s*(\d+)\.(\d+)\s*$", text)
-        return (int(m.group(1)), int(m.group(2))) if m else None
-    major, dot, minor = text.strip().partition(".")  # ASCII \s is what strip() strips; \n included
-    if not dot or not major or not minor or not all(c in _DIGITS for c in major + minor):
-        return None
-    return int(major), int(minor)
+    """``"8.0"`` as ``(8, 0)``; anything else None."""
+    m = re.match(r"^\s*(\d+)\.(\d+)\s*$", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[GpuProcess], list[str]]:

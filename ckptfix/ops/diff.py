@@ -15,7 +15,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from ckptfix._dataclass import dataclass
+from dataclasses import dataclass
 from ckptfix.errors import UnsupportedError
 from ckptfix.ops.diffsides import Side, SideTensor, read_side, where
 

@@ -12,10 +12,9 @@ aliases, DeepSpeed's ``shared_params``) share a ``group``, so they are compared 
 from __future__ import annotations
 
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from ckptfix._dataclass import dataclass
 from ckptfix.errors import NoTensorsError, UnsupportedError
 from ckptfix.files import source
 

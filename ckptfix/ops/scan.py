@@ -11,12 +11,12 @@ import collections
 import io
 import os
 import struct
+import zipfile
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.files import source
-from ckptfix.files.zipdir import open_zip
 from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.layouts import resolve
 from ckptfix.formats.registry import dispatch, implement_all
@@ -28,9 +28,6 @@ from ckptfix.pickles import (
     scan_pickle_sequence,
 )
 from ckptfix.pickles.policy import classify_pair, worst
-
-if TYPE_CHECKING:
-    import zipfile
 
 SCAN_SCHEMA = "ckptfix.scan/1"
 
@@ -184,7 +181,7 @@ def _scan_member_bytes(zf: zipfile.ZipFile, info: zipfile.ZipInfo, label: str, a
 
 def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
     try:
-        zf = open_zip(fileobj)
+        zf = zipfile.ZipFile(fileobj)
     except Exception as e:  # noqa: BLE001 - zipfile raises many types on damaged archives
         acc.errors.append(f"{label}: damaged zip ({type(e).__name__}: {e})")
         return
@@ -613,7 +610,7 @@ def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     with source.open_file(path) as f:
         _scan_zip(f, base, acc, limits)
     try:
-        with source.open_file(path) as f, open_zip(f) as zf:
+        with source.open_file(path) as f, zipfile.ZipFile(f) as zf:
             code = [n for n in zf.namelist() if n.endswith(".py")]
     except Exception:  # noqa: BLE001 - already reported by the scan above
         code = []

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import codecs
 import collections
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
-
-from ckptfix.pickles import _unpickler as pickle
 
 #: what :func:`classify_global` says of a global
 Verdict = Literal["safe", "unknown", "dangerous"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import io
+import pickle
 from dataclasses import dataclass
 from typing import (
     Any,
@@ -17,7 +18,6 @@ from typing import (
     TypeVar,
 )
 
-from ckptfix.pickles import _unpickler as pickle
 from ckptfix.pickles.opcodes import (
     PickleLimits,
     resolve_global,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import pickle
 import threading
 import types
 from typing import (
@@ -23,7 +24,6 @@ from typing import (
     ValuesView,
 )
 
-from ckptfix.pickles import _unpickler as pickle
 from ckptfix.pickles.opcodes import (
     PickleLimits,
 )

@@ -31,7 +31,7 @@ from ckptfix.errors import (
     UnsupportedError,
     VerificationError,
 )
-from ckptfix.files.atomic import _os_error, fsync_dir, replace_directory
+from ckptfix.files.atomic import fsync_dir, output_error, replace_directory
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.files.parallel import Tally, resolve_jobs
 from ckptfix.formats import Input, classify
@@ -379,7 +379,7 @@ def convert_to_dcp(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise _os_error(e, out) from None
+        raise output_error(e, out) from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         writer = dcp.FileSystemWriter(tmp, thread_count=resolve_jobs(jobs), sync_files=fsync)
@@ -400,7 +400,7 @@ def convert_to_dcp(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise _os_error(e, out) from None
+        raise output_error(e, out) from None
     finally:
         del sd, tensors
         for m in maps:

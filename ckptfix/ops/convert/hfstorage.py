@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import CorruptCheckpointError, VerificationError
-from ckptfix.files.atomic import _os_error, fsync_dir
+from ckptfix.files.atomic import fsync_dir, output_error
 from ckptfix.files.fileio import pwrite_all
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.formats.hfstorage import HfStorageCheckpoint, chunk_runs, read_hf_storage
@@ -129,7 +129,7 @@ def convert_hf_storage(
         try:
             os.replace(tmp, d)
         except OSError as e:
-            raise _os_error(e, d) from None
+            raise output_error(e, d) from None
         tmp = ""
         if fsync:
             fsync_dir(d)

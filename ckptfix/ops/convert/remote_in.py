@@ -20,13 +20,12 @@ from __future__ import annotations
 import threading
 import zlib
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from ckptfix.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future, ThreadPoolExecutor
-
     from ckptfix.files.source import Source
 
 #: bytes per range request of a tensor copy
@@ -76,9 +75,6 @@ class Sources:
     def pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                # imported here: concurrent.futures (logging, traceback ...) is start-up a local input never needs
-                from concurrent.futures import ThreadPoolExecutor
-
                 self._pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="ckptfix-range")
             return self._pool
 

@@ -25,7 +25,7 @@ import threading
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
-from ckptfix.files.atomic import _os_error, fsync_dir, note_finished
+from ckptfix.files.atomic import fsync_dir, note_finished, output_error
 from ckptfix.files.fileio import (
     BUFFER,
     copy_checked,
@@ -546,7 +546,7 @@ def write_outputs(
             try:
                 os.replace(tmp, final)
             except OSError as e:
-                raise _os_error(e, final) from None
+                raise output_error(e, final) from None
             note_finished(final)
         temps.clear()
         if fsync:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptfix.display import already_exists, missing_directory, output_is_input
 from ckptfix.errors import KeyConflictError, OutputError, UnsupportedError, VerificationError
-from ckptfix.files.atomic import _os_error, copy_file_data, fsync_dir, replace_directory
+from ckptfix.files.atomic import copy_file_data, fsync_dir, output_error, replace_directory
 from ckptfix.files.containment import check_member
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.formats import find_state_dict
@@ -225,7 +225,7 @@ def _write_directory(
     try:
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", suffix=".tmp", dir=parent)
     except OSError as e:
-        raise _os_error(e, out) from None
+        raise output_error(e, out) from None
     linked = copied = 0
     try:
         os.chmod(tmp, stat.S_IMODE(os.stat(src).st_mode))  # mkdtemp makes 0700; the output gets the source's mode
@@ -245,7 +245,7 @@ def _write_directory(
         replace_directory(tmp, out, fsync=fsync)
         tmp = ""
     except OSError as e:
-        raise _os_error(e, out) from None
+        raise output_error(e, out) from None
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

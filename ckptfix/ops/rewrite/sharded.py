@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from ckptfix.display import already_exists, output_is_input, shown_path
 from ckptfix.errors import OutputError, UnsupportedError
-from ckptfix.files.atomic import _os_error, atomic_output
+from ckptfix.files.atomic import atomic_output, output_error
 from ckptfix.files.outputs import OutputOptions
 from ckptfix.files.parallel import run_tasks
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict, stmeta
@@ -100,7 +100,7 @@ def rewrite_sharded(
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise _os_error(e, out_dir) from None
+        raise output_error(e, out_dir) from None
     written: list[str] = []
     try:
         _write_shards(shards, rename, out_dir, fsync, written, rep.notes, jobs)
