@@ -196,11 +196,11 @@ def test_read_only_file_system_is_worded_alike_by_every_command(work, monkeypatc
     """convert checks the directory first (os.access fails EROFS on a read-only mount), strip-prefix fails
     creating its temp file (EROFS): one wording, not 'rofs: permission denied' for one of them (issue #38 item 7).
     A read-only mount needs root to make, so the file system's answers are simulated for that one directory."""
-    from ckptfix.files import atomic
+    import tempfile
 
     rofs = work / "rofs"
     rofs.mkdir()
-    real_access, real_statvfs, real_create = os.access, os.statvfs, atomic._create_temp
+    real_access, real_statvfs, real_mkstemp = os.access, os.statvfs, tempfile.mkstemp
 
     class RoStat:
         def __init__(self, st):
@@ -209,14 +209,14 @@ def test_read_only_file_system_is_worded_alike_by_every_command(work, monkeypatc
     def on_rofs(p) -> bool:
         return os.path.abspath(os.fspath(p)) == str(rofs)
 
-    def create(directory, *a):
-        if on_rofs(directory):
+    def mkstemp(suffix=None, prefix=None, dir=None, text=False):
+        if dir is not None and on_rofs(dir):
             raise OSError(errno.EROFS, os.strerror(errno.EROFS))
-        return real_create(directory, *a)
+        return real_mkstemp(suffix, prefix, dir, text)
 
     monkeypatch.setattr(os, "access", lambda p, mode, **k: False if on_rofs(p) else real_access(p, mode, **k))
     monkeypatch.setattr(os, "statvfs", lambda p: RoStat(real_statvfs(p)) if on_rofs(p) else real_statvfs(p))
-    monkeypatch.setattr(atomic, "_create_temp", create)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
     tail = ": read-only file system; -o to choose a writable location\n"
     conv = run_cli("convert", "m.pt", "-o", "rofs/m.safetensors", cwd=work, isolated=False)
     assert (conv.rc, conv.err) == (9, "Error: rofs" + tail)
