@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_remote.py --sizes 100MB,400MB,4GB --latency 0.02 --repeat 3 --jobs 8
     python benchmarks/bench_remote.py --containers zip,safetensors --json
 
-Needs torch (to write the checkpoints), s3fs and ``moto[server]`` (``pip install "ckptfix[remote]" "moto[server]"``).
+Needs torch (to write the checkpoints), s3fs and ``moto[server]`` (``pip install ".[remote]" "moto[server]"``).
 For each size and container (torch zip, legacy torch, safetensors, a sharded safetensors index folder, a DCP
 folder) it writes a transformer-like checkpoint in a temp folder, uploads it to moto's S3 server (started in
 this process on a free port: ``tests/s3server.py``; the server sleeps ``--latency`` seconds before answering

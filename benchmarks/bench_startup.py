@@ -62,7 +62,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", make, ck], check=True, env=env)
         script = Path(a.python).parent / "ckptfix"  # what users run: pip's console script of that venv
         if not script.exists():
-            sys.exit(f"no ckptfix console script next to {a.python}: pip install ckptfix (or -e .) into that venv")
+            sys.exit(f"no ckptfix console script next to {a.python}: pip install . (or -e .) into that venv")
         exe = [a.python, str(script)]
         cases = {"--help": [*exe, "--help"], "gpus": [*exe, "gpus"], "inspect F": [*exe, "inspect", ck]}
         for argv in cases.values():  # .pyc files and page cache

@@ -1,7 +1,7 @@
 """ckptfix: load any PyTorch checkpoint anywhere, fix it, convert it, and pick the right GPU.
 
 Importing this package never imports torch, which is an optional dependency
-(``pip install "ckptfix[torch]"``): reading, scanning, renaming and converting
+(the ``torch`` extra, or ``pip install torch``): reading, scanning, renaming and converting
 checkpoints and the GPU functions work without it; the functions that return
 real tensors (``load_anywhere``, ``load_checkpoint``) import it when called and
 raise :class:`ckptfix.errors.TorchMissingError` (exit code 14) when it is missing.

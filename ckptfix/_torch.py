@@ -1,6 +1,6 @@
 """torch on demand: the one place that decides what a missing torch means.
 
-torch is an optional dependency (``pip install "ckptfix[torch]"``).  The
+torch is an optional dependency (the ``torch`` extra: ``pip install ".[torch]"`` in a clone).  The
 checkpoint reader, scan, prefix surgery, conversion of files to safetensors and
 the GPU half never need it; loading tensors (``load_anywhere``, ``--trust``),
 ``align --to module:factory``, ``train`` and ``demo`` do.  Those call
@@ -9,7 +9,7 @@ the GPU half never need it; loading tensors (``load_anywhere``, ``--trust``),
 the install command.
 
 >>> INSTALL_COMMAND
-'pip install "ckptfix[torch]"'
+'pip install torch'
 >>> is_torch_missing(ModuleNotFoundError("No module named 'torch'", name="torch"))
 True
 >>> is_torch_missing(ModuleNotFoundError("No module named 'numpy'", name="numpy"))
@@ -23,7 +23,8 @@ from types import ModuleType
 
 from ckptfix.errors import TorchMissingError
 
-INSTALL_COMMAND = 'pip install "ckptfix[torch]"'
+#: works however ckptfix itself was installed (from a clone, a git URL; it is not on PyPI yet)
+INSTALL_COMMAND = "pip install torch"
 
 
 #: the warning torch prints on import when numpy is absent; the trainer and loader need no numpy

@@ -81,6 +81,36 @@ def permission_denied(path: str) -> str:
     return f"{shown_path(path)}: permission denied; -o to choose a writable location"
 
 
+def read_only(path: str) -> str:
+    """``PATH: read-only file system; -o to choose a writable location`` (EROFS: a read-only mount).
+
+    Args:
+        path: The output (or its directory) on the read-only file system.
+
+    Returns:
+        The message.
+    """
+    return f"{shown_path(path)}: read-only file system; -o to choose a writable location"
+
+
+def not_writable(directory: str) -> str:
+    """Why ``os.access(directory, W_OK)`` said no, in the words a failed write says it (:func:`read_only` on a
+    read-only mount, where access(2) fails EROFS, else :func:`permission_denied`).
+
+    Args:
+        directory: The output directory that cannot be written.
+
+    Returns:
+        The message.
+    """
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return read_only(directory)
+    except (OSError, AttributeError):  # (no statvfs on Windows)
+        pass
+    return permission_denied(directory)
+
+
 def cannot_create(path: str) -> str:
     """``PATH: cannot create a file there (DIR exists but accepts no new files); -o to choose another path``.
 

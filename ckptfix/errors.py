@@ -113,7 +113,7 @@ class InputChangedError(CkptfixError, RuntimeError):
 
 
 class TorchMissingError(CkptfixError, ImportError):
-    """The operation needs torch, which is not installed (``pip install "ckptfix[torch]"``)."""
+    """The operation needs torch, which is not installed (``pip install torch``)."""
 
     exit_code = 14
 
@@ -252,7 +252,7 @@ class RemoteChangedError(CkptfixError, RuntimeError):
 
 
 class RemoteDriverMissingError(CkptfixError, ImportError):
-    """A URL needs an fsspec driver that is not installed (``pip install "ckptfix[remote]"``, ``pip install gcsfs``)."""
+    """A URL needs an fsspec driver that is not installed (``pip install fsspec s3fs``, ``pip install gcsfs``)."""
 
     exit_code = 45
 

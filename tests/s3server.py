@@ -260,7 +260,7 @@ class S3Server:
 def s3_server() -> Iterator[S3Server]:
     """moto's S3 server for the session (skips when moto[server]/s3fs are not installed); env set while it runs."""
     if not have_s3():
-        pytest.skip('needs moto[server] and s3fs (pip install "ckptfix[remote]" "moto[server]")')
+        pytest.skip('needs moto[server] and s3fs (pip install ".[remote]" "moto[server]")')
     server = S3Server()
     with server:
         yield server

@@ -156,5 +156,6 @@ def test_docs_ci_shows_completion_for_every_shell_and_a_ci_step():
     text = (REPO / "docs" / "ci.md").read_text(encoding="utf-8")
     for shell in ("bash", "zsh", "fish"):
         assert f"_CKPTFIX_COMPLETE={shell}_source ckptfix" in text
-    assert "pip install ckptfix && ckptfix scan $(git ls-files" in text
+    assert 'pip install "ckptfix @ git+$CKPTFIX_GIT_URL" && ckptfix scan $(git ls-files' in text
+    assert "OWNER" not in text
     assert "id: ckptfix-scan" in text

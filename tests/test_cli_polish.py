@@ -192,6 +192,38 @@ def test_permission_denied_is_said_once():
     assert str(e).lower().count("permission denied") == 1, str(e)
 
 
+def test_read_only_file_system_is_worded_alike_by_every_command(work, monkeypatch):
+    """convert checks the directory first (os.access fails EROFS on a read-only mount), strip-prefix fails
+    creating its temp file (EROFS): one wording, not 'rofs: permission denied' for one of them (issue #38 item 7).
+    A read-only mount needs root to make, so the file system's answers are simulated for that one directory."""
+    import tempfile
+
+    rofs = work / "rofs"
+    rofs.mkdir()
+    real_access, real_statvfs, real_mkstemp = os.access, os.statvfs, tempfile.mkstemp
+
+    class RoStat:
+        def __init__(self, st):
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+    def on_rofs(p) -> bool:
+        return os.path.abspath(os.fspath(p)) == str(rofs)
+
+    def mkstemp(suffix=None, prefix=None, dir=None, text=False):
+        if dir is not None and on_rofs(dir):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_mkstemp(suffix, prefix, dir, text)
+
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if on_rofs(p) else real_access(p, mode, **k))
+    monkeypatch.setattr(os, "statvfs", lambda p: RoStat(real_statvfs(p)) if on_rofs(p) else real_statvfs(p))
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    tail = ": read-only file system; -o to choose a writable location\n"
+    conv = run_cli("convert", "m.pt", "-o", "rofs/m.safetensors", cwd=work, isolated=False)
+    assert (conv.rc, conv.err) == (9, "Error: rofs" + tail)
+    strip = run_cli("strip-prefix", "m.pt", "-o", "rofs/m.pt", cwd=work, isolated=False)
+    assert (strip.rc, strip.err) == (9, "Error: " + os.path.join("rofs", "m.pt") + tail)
+
+
 def test_a_directory_that_refuses_files_is_not_called_missing(tmp_path):
     e = output_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "x.pt"))
     assert "does not exist" not in str(e) and "cannot create a file there" in str(e)
@@ -212,7 +244,7 @@ def test_a_directory_lists_real_checkpoints_before_probe_sidecars(tmp_path):
         torch.save({"x": torch.zeros(1)}, d / n)
     r = run_cli("inspect", "runs", cwd=tmp_path)
     assert r.rc == 3
-    assert "it holds z_epoch1.pt, z_epoch2.pt, a_epoch1.probe.pt: pass one of them" in r.err, r.err
+    assert "it holds z_epoch1.pt, z_epoch2.pt, a_epoch1.probe.pt and 2 more: pass one of them" in r.err, r.err
 
 
 def test_command_list_does_not_cut_demo_to_nothing():
@@ -346,3 +378,24 @@ def test_ctrl_c_during_torchrun_names_what_the_workers_kept(monkeypatch, capsys,
         "Error: interrupted; kept 3 output(s) finished before it: runs/ddp_epoch1.pt, runs/ddp_epoch1.probe.pt, "
         "runs/checkpoints.json; the one in progress was not written\n"
     )
+
+
+def test_a_git_lfs_pointer_is_named_with_git_lfs_pull(work):
+    """A clone without git-lfs leaves pointer files where the checkpoints were (issue #38 item 7). The pointer
+    is written as git-lfs writes it (docs/spec.md of git-lfs: version, oid sha256, size; sorted keys)."""
+    import hashlib
+
+    real = (work / "m.pt").read_bytes()
+    pointer = (
+        f"version https://git-lfs.github.com/spec/v1\noid sha256:{hashlib.sha256(real).hexdigest()}\nsize {len(real)}\n"
+    )
+    (work / "model.safetensors").write_text(pointer)
+    (work / "m.pt").write_text(pointer)
+    want = (
+        f"a Git LFS pointer of a {len(real):,}-byte file, not the checkpoint (the clone did not download it); "
+        "run `git lfs pull --include=NAME` (or `git lfs pull`) in the repository\n"
+    )
+    for args in (("inspect", "m.pt"), ("scan", "m.pt"), ("convert", "m.pt"), ("inspect", "model.safetensors")):
+        r = run_cli(*args, cwd=work, isolated=False)
+        name = args[1]
+        assert (r.rc, r.err) == (4, f"Error: {name}: " + want.replace("NAME", name)), r.err

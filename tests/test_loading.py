@@ -368,3 +368,88 @@ def test_file_without_tensors(tmp_path):
     with pytest.raises(NoTensorsError) as ei:
         load_anywhere(tmp_path / "training_args.bin")
     assert not isinstance(ei.value, CorruptCheckpointError) and ei.value.exit_code == 13
+
+
+# --------------------------------------------------------------------------- one fit rule with align (issue #38)
+
+
+def _lenet_and_other(tmp_path):
+    """A LeNet (conv1, conv2, fc1, fc2) and a file of another net: ``module.fc.*`` and ``module.conv.*``."""
+    from ckptfix.train.models import LeNet
+
+    ref = LeNet().state_dict()
+    other = {
+        "module.fc.weight": ref["fc2.weight"].clone(),
+        "module.fc.bias": ref["fc2.bias"].clone(),
+        "module.conv.weight": ref["conv1.weight"].clone(),
+    }
+    path = tmp_path / "other.pt"
+    torch.save(other, path)
+    return LeNet, path
+
+
+def test_load_anywhere_refuses_the_partial_rename_align_refuses(tmp_path):
+    from ckptfix.errors import AlignmentError
+    from ckptfix.ops.rewrite.keys import align_checkpoint
+
+    LeNet, path = _lenet_and_other(tmp_path)
+    with pytest.raises(AlignmentError) as by_align:
+        align_checkpoint(str(path), LeNet(), output=str(tmp_path / "aligned.pt"))
+    assert not (tmp_path / "aligned.pt").exists()
+    with pytest.raises(AlignmentError) as by_load:
+        load_anywhere(path, model=LeNet())
+    assert str(by_load.value) == str(by_align.value)
+    assert "module.fc." in str(by_load.value) and "1 unexpected" in str(by_load.value)
+    with pytest.raises(AlignmentError):
+        load_checkpoint(path, model=LeNet())
+    assert list(load_anywhere(path)) == ["module.fc.weight", "module.fc.bias", "module.conv.weight"]
+
+
+def test_a_whole_wrapper_strip_still_loads_into_a_bigger_model(tmp_path):
+    """DP backbone into a model with a new head, and an AveragedModel (``n_averaged`` beside ``module.*``):
+    the rename is a wrapper fix, the keys left over are the user's strict=False business."""
+    from torch.optim.swa_utils import AveragedModel
+
+    backbone = TinyNet()
+    torch.save(nn.DataParallel(backbone).state_dict(), tmp_path / "dp.pt")
+    bigger = nn.ModuleDict({"head": nn.Linear(2, 2)})
+    for name, mod in backbone.named_children():
+        bigger[name] = mod
+    sd = load_anywhere(tmp_path / "dp.pt", model=bigger)
+    assert set(sd) == set(backbone.state_dict())
+    torch.save(AveragedModel(TinyNet()).state_dict(), tmp_path / "swa.pt")
+    sd = load_anywhere(tmp_path / "swa.pt", model=TinyNet())
+    assert set(sd) == set(TinyNet().state_dict()) | {"n_averaged"}
+
+
+# --------------------------------------------------------------------------- one global, one name (issue #38)
+
+
+def test_a_protocol_2_global_has_its_python_3_name_everywhere(tmp_path):
+    """torch.save(pickle_protocol=2) writes subprocess.call as ``GLOBAL commands call`` (pickle's reverse
+    _compat_pickle mapping): the loader's placeholders say subprocess.call, as scan and inspect do."""
+    import subprocess
+    import zipfile
+
+    from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
+
+    class Calls:
+        def __reduce__(self):
+            return (subprocess.call, (["true"],))
+
+    path = tmp_path / "p2.pt"
+    torch.save({"w": torch.zeros(2), "x": Calls()}, path, pickle_protocol=2)
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert b"ccommands\ncall\n" in pkl  # what the file really says
+    ck = load_checkpoint(path)
+    assert ck.stubbed_globals == ["subprocess.call"]
+    assert inspect_checkpoint(path).stubbed_globals == ["subprocess.call"]
+    assert scan_checkpoint(path).dangerous == ["subprocess.call"]
+    from ckptfix.pickles import global_name
+
+    assert global_name(type(ck.checkpoint["x"])) == "subprocess.call"  # the placeholder's own record
+    # a protocol-2 safe global (``__builtin__ set``, ``copy_reg _reconstructor``) still rebuilds for real
+    torch.save({"w": torch.zeros(1), "s": {1, 2}}, tmp_path / "set.pt", pickle_protocol=2)
+    ck = load_checkpoint(tmp_path / "set.pt")
+    assert ck.checkpoint["s"] == {1, 2} and ck.stubbed_globals == []

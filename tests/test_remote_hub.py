@@ -348,3 +348,32 @@ def test_hf_hub_offline_is_one_error_with_the_fix_not_retried(srv: HubServer, mo
     assert p.stderr.startswith("Error: ") and p.stderr.count("\n") == 1, p.stderr
     assert "unset HF_HUB_OFFLINE" in p.stderr and "retries" not in p.stderr, p.stderr
     assert srv.requests() == []
+
+
+def test_a_repository_of_several_checkpoints_lists_them_as_a_local_folder_does(
+    hub: HubServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``inspect hf://user/runs`` of a repository holding four checkpoints (no index, no .metadata) names them,
+    as the message of the same folder on disk does, and one URL to pass (issue #38 item 7)."""
+    import torch
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for i in range(1, 5):
+        torch.save({"w": torch.full((2,), float(i))}, runs / f"epoch{i}.pt")
+    monkeypatch.setenv("CKPTFIX_REMOTE_BACKOFF", "0")
+    rfile._PINS.clear()
+    with serving({"user/runs": {"main": str(runs)}}) as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        from huggingface_hub import HfFileSystem
+
+        HfFileSystem.clear_instance_cache()
+        got = run_cli("inspect", "hf://user/runs")
+    local = run_cli("inspect", str(runs))
+    assert got.returncode == local.returncode == 3, got.stderr
+    held = "epoch1.pt, epoch2.pt, epoch3.pt and 1 more: pass one of them"
+    assert f"(it holds {held})" in local.stderr, local.stderr
+    assert got.stderr == (
+        "Error: hf://user/runs: a folder with no checkpoint in it (no DCP .metadata, no *.index.json) "
+        f"(it holds {held}, e.g. hf://user/runs/epoch1.pt)\n"
+    )

@@ -230,15 +230,50 @@ def test_strip_keeps_cuda_tags_unless_map_location(ckpt, capsys, tmp_path, legac
     rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "kept.pt")
     assert rc == 0, err
     assert inspect_checkpoint(tmp_path / "kept.pt").locations == {"cuda:0": 9}
+    # kept, and said (plain torch.load of the output fails on a CPU box): issue #38 item 4
+    assert "note: storages stay on cuda:0; pass --map-location cpu to retag\n" in err
+    assert out.strip() == str(tmp_path / "kept.pt")  # stdout stays the path alone
     rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "cpu.pt", "--map-location", "cpu")
     assert rc == 0, err
     assert "cuda:0 -> cpu" in err
+    assert "storages stay" not in err
     assert inspect_checkpoint(tmp_path / "cpu.pt").locations == {"cpu": 9}
     got = _sd_of(_tload(tmp_path / "cpu.pt", mmap=True), layout)  # loads without CUDA
     assert_same_tensors(got, _stripped(b.expected, "module."))
     rc, out, err = _cli(capsys, "strip-prefix", b.path, "-o", tmp_path / "map.pt", "--map-location", "cuda:0=cuda:3")
     assert rc == 0, err
     assert inspect_checkpoint(tmp_path / "map.pt").locations == {"cuda:3": 9}
+
+
+def test_kept_cuda_tags_are_said_by_add_prefix_sharded_and_sanitize(capsys, tmp_path):
+    """Every rewrite that keeps CUDA tags says so, in --json's notes too (issue #38 item 4)."""
+    import argparse
+
+    from helpers import tagged
+
+    sd = tiny_model().state_dict()
+    with tagged("cuda:3"):
+        torch.save(sd, tmp_path / "c3.pt")
+        torch.save({"model": sd, "args": argparse.Namespace(lr=0.1)}, tmp_path / "ns.pt")
+    rc, out, err = _cli(capsys, "add-prefix", tmp_path / "c3.pt", "--prefix", "module.", "--json")
+    assert rc == 0, err
+    assert "storages stay on cuda:3; pass --map-location cpu to retag" in json.loads(out)["notes"]
+    rc, out, err = _cli(capsys, "sanitize", tmp_path / "ns.pt")
+    assert rc == 0, err
+    assert "note: storages stay on cuda:3; torch.load needs map_location='cpu' where that device is missing" in err
+    shards = tmp_path / "sh"
+    shards.mkdir()
+    names = list(sd)
+    with tagged("cuda:1"):
+        torch.save({k: sd[k] for k in names[:4]}, shards / "pytorch_model-00001-of-00002.bin")
+        torch.save({k: sd[k] for k in names[4:]}, shards / "pytorch_model-00002-of-00002.bin")
+    wm = {k: f"pytorch_model-0000{1 if i < 4 else 2}-of-00002.bin" for i, k in enumerate(names)}
+    (shards / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    rc, out, err = _cli(
+        capsys, "add-prefix", shards / "pytorch_model.bin.index.json", "--prefix", "m.", "-o", tmp_path / "out"
+    )
+    assert rc == 0, err
+    assert "note: storages stay on cuda:1; pass --map-location cpu to retag" in err
 
 
 def test_map_location_only_rewrites_tags(ckpt, capsys, tmp_path):

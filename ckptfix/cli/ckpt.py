@@ -41,12 +41,48 @@ def _fmt_counts(d: dict) -> str:
     return ", ".join(f"{k} x{v}" for k, v in d.items()) or "-"
 
 
+def limit_option(what: str, default: int) -> Callable[[_F], _F]:
+    """``--limit N``: how many rows of a long listing the text shows (the rest counted; --json lists all)."""
+    return click.option(
+        "--limit",
+        type=click.IntRange(min=0),
+        default=default,
+        show_default=True,
+        metavar="N",
+        help=f"Show the first N {what}, then how many more (0: all; --json always lists all).",
+    )
+
+
 @cli.command("inspect")
 @click.argument("checkpoint", type=click.Path())
 @click.option("--key", default=None, help="Where the state dict sits, e.g. 'model' or 'model/state_dict'.")
+@click.option(
+    "-v",
+    "--keys",
+    "list_keys",
+    is_flag=True,
+    help="List the tensors: name, shape, dtype, device (--json always has them).",
+)
+@click.option(
+    "--filter",
+    "pattern",
+    metavar="PATTERN",
+    default=None,
+    help="List only the tensors whose names match (a glob such as 'layer1.*.weight', else a substring); "
+    "implies --keys.",
+)
+@limit_option("tensors", 50)
 @json_option
 @stats_option
-def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: bool = False) -> None:
+def inspect_cmd(
+    checkpoint: str,
+    key: str | None,
+    as_json: bool,
+    show_stats: bool = False,
+    list_keys: bool = False,
+    pattern: str | None = None,
+    limit: int = 50,
+) -> None:
     """Summarise CHECKPOINT (a path or a URL: s3://, gs://, az://, hf://, https://) without loading tensors or
     running pickle code."""
     with imports_quietly():
@@ -54,7 +90,7 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
         from ckptfix.ops.inspect import inspect_checkpoint
 
     with collect() as st:
-        r = inspect_checkpoint(checkpoint, key=key)
+        r = inspect_checkpoint(checkpoint, key=key, tensor_filter=pattern)
     if as_json:
         doc = r.to_dict()
         _with_stats(show_stats, doc, st)
@@ -88,11 +124,36 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     for n in r.notes:
         lines.append(f"  note          {n}")
     lines += _framework_lines(r.framework)
+    if list_keys or pattern is not None:
+        lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit)
     click.echo("\n".join(lines))
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
             click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
     _with_stats(show_stats, None, st)
+
+
+def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int) -> list[str]:
+    """``inspect --keys``: one line per tensor (name, shape as torch.Size holds it, dtype, device, what it shares)."""
+    what = f"{len(rows)} of {total} match {pattern!r}" if pattern is not None else f"{total}"
+    out = [f"  tensors       {what}"]
+    shown = rows if limit == 0 else rows[:limit]
+    if not shown:
+        return out
+    cells = [(t["name"], str(t["shape"]), t["dtype"], t["device"] or "-") for t in shown]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    for (name, shape, dtype, device), t in zip(cells, shown, strict=True):
+        line = f"    {name:<{widths[0]}}  {shape:<{widths[1]}}  {dtype:<{widths[2]}}  {device}"
+        others = t["shared_with"]
+        if others:
+            line += f"  shares storage with {others[0]}" + (f" (+{len(others) - 1})" if len(others) > 1 else "")
+        out.append(line)
+    if len(rows) > len(shown):
+        out.append(
+            f"    ... {len(rows) - len(shown)} more (--limit 0 lists all, --filter PATTERN narrows, "
+            "--json has every row)"
+        )
+    return out
 
 
 def _framework_lines(fw: dict | None) -> list[str]:
@@ -111,9 +172,10 @@ def _framework_lines(fw: dict | None) -> list[str]:
 
 @cli.command("scan")
 @click.argument("checkpoints", nargs=-1, required=True, type=click.Path(), metavar="CHECKPOINT...")
+@limit_option("safe globals (every dangerous or unknown one is listed)", 20)
 @json_option
 @stats_option
-def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = False) -> None:
+def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = False, limit: int = 20) -> None:
     """List every global each CHECKPOINT's pickles reference; exit 11 if any is dangerous or unknown.
 
     Reads pickle opcodes only: nothing is unpickled or executed.  With several files (as a
@@ -135,7 +197,7 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
             _with_stats(show_stats, doc, st)
             emit_json(doc)
         else:
-            _render_scan(r)
+            _render_scan(r, limit)
             _with_stats(show_stats, None, st)
         found = _scan_error(checkpoints[0], r)
         if found is not None:
@@ -153,7 +215,7 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
         else:
             docs.append(r.to_dict())
             if not as_json:
-                _render_scan(r)
+                _render_scan(r, limit)
             _with_stats(show_stats, docs[-1], st)
             err = _scan_error(path, r)
         if err is not None:
@@ -169,10 +231,18 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
         raise summary
 
 
-def _render_scan(r) -> None:
+def _render_scan(r, limit: int = 0) -> None:
+    """scan's text: every dangerous or unknown global, then the safe ones up to ``limit`` (0: all) and a count."""
     click.echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
+    safe = [g for g, d in r.globals.items() if d["class"] == "safe"]
+    hidden = set(safe[limit:]) if limit else set()
     for g, d in r.globals.items():
-        click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+        if g not in hidden:
+            click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+    if hidden:
+        mangled = sum(1 for g in hidden if g.startswith("__torch__."))
+        what = f", {mangled} of them TorchScript classes (__torch__.*)" if mangled else ""
+        click.echo(f"  ... {len(hidden)} more safe globals{what} (--limit 0 lists all, --json has every one)")
     for e in r.errors:
         click.echo(f"  malformed {e}")
 

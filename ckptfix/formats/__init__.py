@@ -173,6 +173,8 @@ def sniff(path: str) -> Format:
             f"{path}: a JSON file, not a checkpoint (no 'weight_map'); "
             "pass the checkpoint file or a sharded *.index.json"
         )
+    if head.startswith(LFS_POINTER[:16]):
+        _refuse_lfs_pointer(path)
     if sniffing.starts_like_pickle(path):  # protocol 0/1: no PROTO opcode, but torch.load unpickles it all the same
         from ckptfix.formats import legacy
 
@@ -196,19 +198,31 @@ def _dir_kind(path: str) -> Format:
     names = source.listdir(path)
     if any(n.endswith(".index.json") for n in names):
         return Format.SHARDED
-    if source.is_url(path):
-        raise CheckpointNotFoundError(
-            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); pass a checkpoint's URL"
-        )
     cands = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))]
     # real checkpoints first; after them framework sidecars (optimizer.pt, scheduler.pt, rng_state.pth ...)
     # and the trainer's probe batches (X.probe.pt)
     cands.sort(key=lambda n: is_sidecar_name(n) or n.endswith(".probe.pt"))
+    if source.is_url(path):  # (the framework sub-folder lister reads local folders only)
+        if not cands:
+            raise CheckpointNotFoundError(
+                f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json); "
+                "pass a checkpoint's URL"
+            )
+        raise CheckpointNotFoundError(
+            f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json){_holds(cands)}, "
+            f"e.g. {source.join(path, cands[0])})"
+        )
     cands = [f"{n}/" for n in _SUBFOLDERS[0](path)] + cands  # Trainer's output_dir: checkpoint-N/
-    hint = f" (it holds {', '.join(cands[:3])}: pass one of them)" if cands else ""
+    hint = f"{_holds(cands)})" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
     )
+
+
+def _holds(cands: list[str]) -> str:
+    """`` (it holds a.pt, b.pt, c.pt and 2 more: pass one of them`` (without the closing parenthesis)."""
+    more = f" and {len(cands) - 3} more" if len(cands) > 3 else ""
+    return f" (it holds {', '.join(cands[:3])}{more}: pass one of them"
 
 
 #: the sub-folders of a folder with no checkpoint in it that are framework folders (Trainer's ``output_dir``:
@@ -249,6 +263,29 @@ def _tar_kind(path: str) -> Format:
     if sniffing.starts_like_pickle(path):
         return Format.TORCH_TAR
     raise CorruptCheckpointError(f"{path}: a tar archive, not a checkpoint; extract it and pass the checkpoint inside")
+
+
+#: the first line of a Git LFS pointer file (https://github.com/git-lfs/git-lfs/blob/main/docs/spec.md)
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\n"
+
+
+def _refuse_lfs_pointer(path: str) -> None:
+    """A Git LFS pointer (a clone without ``git lfs``, or ``GIT_LFS_SKIP_SMUDGE``): say so and how to fetch it.
+
+    Raises:
+        CorruptCheckpointError: the file is a pointer; the message names the object's size and ``git lfs pull``.
+    """
+    with source.open_file(path) as f:
+        text = f.read(1024)
+    if not text.startswith(LFS_POINTER):
+        return
+    fields = dict(line.split(" ", 1) for line in text.decode("utf-8", "replace").splitlines()[1:] if " " in line)
+    size = fields.get("size", "").strip()
+    what = f" of a {int(size):,}-byte file" if size.isdigit() else ""
+    raise CorruptCheckpointError(
+        f"{path}: a Git LFS pointer{what}, not the checkpoint (the clone did not download it); "
+        f"run `git lfs pull --include={os.path.basename(path)}` (or `git lfs pull`) in the repository"
+    )
 
 
 def _looks_like_text(block: bytes) -> bool:

@@ -376,9 +376,7 @@ def _torch_problems(
     if not torch.get("installed"):
         err = torch.get("error")
         what = "torch is not installed" if err == "not installed" else f"torch cannot be imported ({err})"
-        problems.append(
-            Problem("torch_missing", what, 'pip install "ckptfix[torch]" (needed by load_anywhere, train, demo)')
-        )
+        problems.append(Problem("torch_missing", what, "pip install torch (needed by load_anywhere, train, demo)"))
     elif (has_gpu or tegra) and not torch.get("cuda") and torch.get("build") != "rocm":
         driver = view.driver_version if view is not None else None
         rec = recommend_cuda_build(torch.get("version"), driver, windows=windows, gpus=gpu_ccs(view))

@@ -314,7 +314,7 @@ def diff(
         if not stats and not keys_only and any(r.status == "differ" for r in rows):
             notes.append(
                 "statistics (max abs/rel difference, how many elements differ) need torch: "
-                "pip install torch (or 'ckptfix[torch]') and run the diff again"
+                "pip install torch and run the diff again"
             )
         order = {s: i for i, s in enumerate(STATUS_ORDER)}
         rows.sort(key=lambda r: order.get(r.status, len(order)))

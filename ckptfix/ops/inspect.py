@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import collections
+import fnmatch
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
@@ -71,6 +72,12 @@ class InspectReport:
     # the training framework that wrote the folder (or file): layout, weights, every other file
     # (ckptfix.ops.frameworks); None for a plain checkpoint
     framework: dict[str, Any] | None = None
+    # one row per tensor name, in the state dict's order: name, shape (a list, as torch.Size holds it),
+    # dtype, device (the storage tag as saved; None when the format has none) and shared_with (the other
+    # names whose tensors use the same storage: tied weights, views); only the names ``tensor_filter``
+    # matches when one is given (the counts above are always of the whole state dict)
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    tensor_filter: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``inspect --json`` document.
@@ -120,13 +127,58 @@ def _prefix_counts(keys: list[str], own: Mapping[str, str] | None = None) -> dic
     return out
 
 
-def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> InspectReport:
+def tensor_name_matches(name: str, pattern: str | None) -> bool:
+    """Whether ``inspect --filter PATTERN`` lists tensor ``name``.
+
+    A pattern with a wildcard (``*``, ``?``, ``[...]``) matches the whole name, as a shell glob
+    (case-sensitive); one without is a substring of the name.
+
+    Args:
+        name: a state-dict name.
+        pattern: the pattern; None matches every name.
+
+    Returns:
+        True when the name is listed.
+
+    >>> tensor_name_matches("layer1.0.conv1.weight", "layer1.*.weight"), tensor_name_matches("fc.bias", "conv")
+    (True, False)
+    """
+    if pattern is None:
+        return True
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return pattern in name
+
+
+def _rows(
+    names: list[str],
+    info: Mapping[str, tuple[list[int], str, str | None]],
+    shared: list[list[str]],
+    pattern: str | None,
+) -> list[dict[str, Any]]:
+    """The ``tensors`` rows of the names ``pattern`` matches (``info``: name -> shape, dtype, device)."""
+    group = {n: g for g in shared for n in g}
+    out = []
+    for n in names:
+        if not tensor_name_matches(n, pattern):
+            continue
+        shape, dtype, device = info[n]
+        others = [x for x in group.get(n, ()) if x != n]
+        out.append({"name": n, "shape": shape, "dtype": dtype, "device": device, "shared_with": others})
+    return out
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike, key: str | None = None, tensor_filter: str | None = None
+) -> InspectReport:
     """Summarise a checkpoint without loading tensor data and without running any pickle code.
 
     Args:
         path: any checkpoint ckptfix reads (torch zip/legacy, safetensors, sharded index, DCP, TorchScript), or
             its :class:`~ckptfix.formats.Input` (not sniffed again).
         key: where the state dict sits (found automatically otherwise).
+        tensor_filter: list only the tensors whose names match (:func:`tensor_name_matches`) in
+            ``tensors``; the counts stay those of the whole state dict.
 
     Returns:
         InspectReport (see its docstring for what each count means).  A valid torch file without
@@ -144,19 +196,20 @@ def inspect_checkpoint(path: str | os.PathLike, key: str | None = None) -> Inspe
     if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         fw = resolve(path)
         if fw is not None:
-            rep: InspectReport = inspect_folder(fw, key)
+            rep: InspectReport = inspect_folder(fw, key, tensor_filter)
             return rep
     # a remote object is opened once (one pinned version) for the whole inspection, and only its metadata is read
     with source.session(), source.metadata_only():
-        return inspect_file(path, key)
+        return inspect_file(path, key, tensor_filter)
 
 
-def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectReport:
+def inspect_file(path: str | os.PathLike, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
     """:func:`inspect_checkpoint` of one checkpoint (file, index or DCP directory), no framework lookup.
 
     Args:
         path: the checkpoint.
         key: where the state dict sits.
+        tensor_filter: as for :func:`inspect_checkpoint`.
 
     Returns:
         The :class:`InspectReport`.
@@ -172,6 +225,8 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
     locations: collections.Counter[str] = collections.Counter(st.location for st in cf.storages.values())
     gl: dict[str, str] = {g: classify_global(g, _context(cf.format)) for g in sorted(cf.globals_seen)}
     wo_ok, why = _weights_only(cf, [g for g, c in gl.items() if c != "safe"])
+    shared = _shared(tensors)
+    info = {n: (list(map(int, t.shape)), t.dtype, t.location) for n, t in tensors.items()}
     return InspectReport(
         path=cf.path,
         format=cf.format,
@@ -187,7 +242,7 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
         dtypes=dict(sorted(collections.Counter(t.dtype for t in tensors.values()).items())),
         locations=dict(sorted(locations.items())),
         prefixes=_prefix_counts(list(map(str, sd.keys())), own),
-        shared=_shared(tensors),
+        shared=shared,
         non_tensor_entries=_non_tensor_entries(cf, key_path, sd),
         globals=gl,
         stubbed_globals=sorted(cf.stubbed),
@@ -198,6 +253,8 @@ def inspect_file(path: str | os.PathLike, key: str | None = None) -> InspectRepo
         + _partitioned(cf, sd, tensors),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
         framework=identify_object(cf.obj),
+        tensors=_rows(list(tensors), info, shared, tensor_filter),
+        tensor_filter=tensor_filter,
     )
 
 
@@ -356,16 +413,18 @@ def _notes(
 # --------------------------------------------------------------------------- framework folders
 
 
-def inspect_folder(r: Resolved, key: str | None = None) -> InspectReport:
+def inspect_folder(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
     """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file)."""
     handler = r.layout.inspect
     if handler is not None:
         rep: InspectReport = handler(r, key)
+        rep.tensors = [t for t in rep.tensors if tensor_name_matches(t["name"], tensor_filter)]
+        rep.tensor_filter = tensor_filter
         return rep
     if r.layout.consolidated:
-        return _inspect_consolidated(r, key)
+        return _inspect_consolidated(r, key, tensor_filter)
     weights = r.require_weights()
-    rep = inspect_file(weights, key)
+    rep = inspect_file(weights, key, tensor_filter)
     describe_files(r)
     rep.framework = r.to_dict()
     meta = next((f for f in r.files if f.role == "meta"), None)
@@ -374,7 +433,7 @@ def inspect_folder(r: Resolved, key: str | None = None) -> InspectReport:
     return rep
 
 
-def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
+def _inspect_consolidated(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
     """inspect of a ZeRO / HF-writer folder: the consolidated state dict's records (nothing unpickled twice)."""
     from collections import Counter
 
@@ -391,6 +450,7 @@ def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
         read_zero_checkpoint(c)
         lines = zero_lines(c)
         recs = [(t.name, t.out_dtype(None), t.numel, t.numel * _elsize(t.out_dtype(None))) for t in c.tensors]
+        shapes = {t.name: list(t.shape) for t in c.tensors}
         aliases = c.aliases()
         files = c.model_files + c.optim_files
         fmt = Format.TORCH_ZIP
@@ -402,11 +462,14 @@ def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
         read_hf_storage(c)
         lines = hf_lines(c)
         recs = [(t.name, ST_TO_DTYPE[t.st_dtype], t.nbytes // t.element_size, t.nbytes) for t in c.tensors]
+        shapes = {t.name: list(t.shape) for t in c.tensors}
         aliases, files, fmt = {}, c.files, Format.SAFETENSORS
     by_name = {n: (d, v, b) for n, d, v, b in recs}
     names = [n for n, *_ in recs] + [a for a in aliases if a not in by_name]
     full = [by_name[aliases.get(n, n)] for n in names]
     shared = [[t, *sorted(a for a, x in aliases.items() if x == t)] for t in dict.fromkeys(aliases.values())]
+    # the consolidated state dict is built on the CPU (zero_to_fp32, the HF readers): no saved device tag
+    info = {n: (shapes[aliases.get(n, n)], by_name[aliases.get(n, n)][0], None) for n in names}
     describe_files(r)
     fw = r.to_dict()
     relabel = {"framework": "layout", "weights": "model"}  # the generic lines already say framework/weights
@@ -440,6 +503,8 @@ def _inspect_consolidated(r: Resolved, key: str | None = None) -> InspectReport:
         ),
         notes=[f"{r.layout.framework}: `ckptfix convert {r.path} -o model.safetensors` writes this state dict"],
         framework=fw,
+        tensors=_rows(names, info, shared, tensor_filter),
+        tensor_filter=tensor_filter,
     )
 
 
@@ -459,4 +524,5 @@ __all__ = [
     "inspect_folder",
     "scan_checkpoint",
     "scan_unsafe",
+    "tensor_name_matches",
 ]

@@ -105,6 +105,21 @@ def _normalise_allow(allow_globals: Iterable[Any]) -> dict[str, Any]:
     return out
 
 
+def _python3_name(module: str, name: str) -> tuple[str, str]:
+    """``(module, name)`` as Python 3's unpickler resolves a Python 2 spelling (``_compat_pickle``).
+
+    >>> _python3_name("commands", "call"), _python3_name("__builtin__", "long"), _python3_name("os", "system")
+    (('subprocess', 'call'), ('builtins', 'int'), ('os', 'system'))
+    """
+    import _compat_pickle
+
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return module, name
+
+
 def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None) -> types.ModuleType:
     """A pickle-module stand-in for ``torch.load(pickle_module=...)`` that never runs unknown globals.
 
@@ -124,8 +139,10 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
 
     class RestrictedUnpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
-            if module == "__builtin__":
-                module = "builtins"
+            # the Python 3 name, as pickle's own find_class resolves a protocol < 3 pickle's Python 2 spelling
+            # (which overriding it skips): ``commands call`` is subprocess.call, ``__builtin__ long`` builtins.int;
+            # allow_globals, the policy and ``stubbed_globals`` then see the name scan and inspect report
+            module, name = _python3_name(module, name)
             full = f"{module}.{name}"
             if full in allowed:
                 obj = allowed[full]
@@ -582,6 +599,9 @@ def load_checkpoint(
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError.
         NoModelWeightsError: a framework folder without model weights.
+        AlignmentError: ``model=`` and the only renaming that fits is one ``ckptfix align`` refuses (it
+            matches under half the keys, or renames part of a group of keys such as ``module.fc.*`` but
+            not ``module.conv.*``): nothing is renamed behind the caller's back.
     """
     require_torch("load_anywhere (loading tensors)")
     given, path = path, os.fspath(path)
@@ -672,13 +692,23 @@ def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -
 
 
 def _aligned(path: str, sd: Any, model: Any) -> tuple[Any, Any]:
-    """``align_state_dict(sd, model)``; a refusal names the file."""
-    from ckptfix.ops.prefixes import align_state_dict
+    """``sd`` renamed to fit ``model``, and the report; a renaming ``align`` refuses is refused here too.
+
+    Raises:
+        AlignmentError: the renaming fits badly or renames part of a group of keys
+            (:func:`ckptfix.ops.prefixes.rename_refusal`, the rule of ``ckptfix align``).
+        UnsupportedError: a key is not a string (naming the file).
+    """
+    from ckptfix.ops.prefixes import align_state_dict, rename_refusal
 
     try:
-        return align_state_dict(sd, model)
+        renamed, alignment = align_state_dict(sd, model)
     except UnsupportedError as e:
         raise UnsupportedError(f"{path}: {e}") from None
+    err = rename_refusal(alignment, len(sd))
+    if err is not None:
+        raise err
+    return renamed, alignment
 
 
 def _found(ld: _Load, fmt: Format, obj: Any, key: str | None, model: Any) -> LoadedCheckpoint:
@@ -725,7 +755,8 @@ def load_anywhere(
         path: a file or directory in any supported format (detected by content).
         map_location: as for ``torch.load``, plus ``"auto"`` and ``None`` (see :func:`load_checkpoint`).
         key: where the state dict sits; found automatically otherwise.
-        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added).
+        model: an ``nn.Module`` to align the keys to (wrapper prefixes stripped/added; a renaming
+            ``ckptfix align`` refuses raises its ``AlignmentError``, see :func:`load_checkpoint`).
         allow_globals: globals to rebuild for real instead of stubbing.
         trust: full unpickle (runs code from the file!). Only for files you made.
         mmap: memory-map zip-format files (default True for them).

@@ -233,6 +233,11 @@ def _sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> Sani
     rep.changed = True
     if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
+    from ckptfix.ops.rewrite.location import kept_device_note
+
+    kept = kept_device_note([cf], hint="torch.load needs map_location='cpu' where that device is missing")
+    if kept:
+        rep.notes.append(kept)
     in_place, backup = outputs.in_place, outputs.backup
     dst_path, fsync = prepare_output(src, outputs, fmt_out="torch-zip", notes=rep.notes)
 

@@ -1,4 +1,4 @@
-"""Remote checkpoints without torch (issue #26): ``pip install "ckptfix[remote]"`` against moto's S3 server.
+"""Remote checkpoints without torch (issue #26): ``pip install ".[remote]"`` against moto's S3 server.
 
 .ci/run runs this file in a venv with only the ``[remote]`` extra, ``moto[server]`` and pytest (no torch, no
 numpy); the CLI subprocesses block torch in the main venv too.  Skipped when s3fs or moto are absent.
@@ -17,7 +17,7 @@ from notorch_helpers import CKPT, clean_env
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the S3 server helper
 from s3server import S3Server, have_s3
 
-pytestmark = pytest.mark.skipif(not have_s3(), reason='needs s3fs and moto[server] (pip install "ckptfix[remote]")')
+pytestmark = pytest.mark.skipif(not have_s3(), reason='needs s3fs and moto[server] (pip install ".[remote]")')
 
 INPUTS = ["ddp.pth", "legacy.pth", "lightning.ckpt", "model.safetensors", "sharded"]
 

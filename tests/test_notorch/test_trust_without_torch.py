@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-INSTALL = 'pip install "ckptfix[torch]"'
+INSTALL = "pip install torch"
 
 
 def test_convert_trust_without_torch_exits_14(cli, ckpts):

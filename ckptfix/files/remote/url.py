@@ -72,10 +72,10 @@ def install_hint(module: str) -> str:
         module: the driver's module.
 
     Returns:
-        ``pip install "ckptfix[remote]"`` for the extra's drivers, else ``pip install <package>``.
+        ``pip install fsspec s3fs`` (the ``remote`` extra) for the extra's drivers, else ``pip install <package>``.
     """
     if module in _IN_EXTRA:
-        return 'pip install "ckptfix[remote]"'
+        return "pip install fsspec s3fs"
     return f"pip install {module.replace('_', '-')}"
 
 
@@ -99,7 +99,7 @@ def filesystem(url: str) -> tuple[Any, str]:
         import fsspec
     except ImportError:
         raise RemoteDriverMissingError(
-            f'reading {sch}:// URLs needs fsspec, which is not installed: pip install "ckptfix[remote]"'
+            f"reading {sch}:// URLs needs fsspec, which is not installed: pip install fsspec s3fs"
         ) from None
     if module is not None:
         try:

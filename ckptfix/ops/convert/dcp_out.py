@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptfix._torch import require_torch
-from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
+from ckptfix.display import already_exists, missing_directory, not_writable, output_is_input
 from ckptfix.errors import (
     CkptfixError,
     NoTensorsError,
@@ -96,7 +96,7 @@ def _check_output(dst: str, src: str, force: bool) -> None:
     if not os.path.isdir(parent):
         raise OutputError(missing_directory(parent))
     if not os.access(parent, os.W_OK):
-        raise OutputError(permission_denied(parent))
+        raise OutputError(not_writable(parent))
 
 
 #: a tensor's bytes in a mapped input file: (mapping, offset, length)

@@ -6,7 +6,7 @@ import os
 import re
 from typing import Sequence
 
-from ckptfix.display import already_exists, missing_directory, output_is_input, permission_denied
+from ckptfix.display import already_exists, missing_directory, not_writable, output_is_input
 from ckptfix.errors import OutputError
 from ckptfix.files.atomic import new_temp, same_file
 
@@ -95,7 +95,7 @@ def check_outputs(paths: Sequence[str], src: str, force: bool) -> None:
         if not os.path.isdir(d):
             raise OutputError(missing_directory(d))
         if not os.access(d, os.W_OK):
-            raise OutputError(permission_denied(d))
+            raise OutputError(not_writable(d))
 
 
 def _is_part_of(p: str, src: str) -> bool:

@@ -66,10 +66,19 @@ from ckptfix.ops.prefixes.rename import (
 )
 
 if TYPE_CHECKING:
-    from ckptfix.ops.prefixes.align import AlignmentCandidate, AlignmentReport, ShapeMismatch, align_state_dict
+    from ckptfix.ops.prefixes.align import (
+        MIN_FIT,
+        AlignmentCandidate,
+        AlignmentReport,
+        ShapeMismatch,
+        align_state_dict,
+        rename_refusal,
+    )
 
 #: the names of :mod:`~ckptfix.ops.prefixes.align`, imported on first use (``inspect`` only detects prefixes: start-up)
-_ALIGN = frozenset({"AlignmentCandidate", "AlignmentReport", "ShapeMismatch", "align_state_dict"})
+_ALIGN = frozenset(
+    {"MIN_FIT", "AlignmentCandidate", "AlignmentReport", "ShapeMismatch", "align_state_dict", "rename_refusal"}
+)
 
 __all__ = [
     "INNER_WRAPPER_SEGMENTS",
@@ -81,6 +90,8 @@ __all__ = [
     "StripReport",
     "add_prefix",
     "align_state_dict",
+    "rename_refusal",
+    "MIN_FIT",
     "detect_prefixes",
     "rename_keys",
     "strip_prefix",

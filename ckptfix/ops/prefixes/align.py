@@ -7,15 +7,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ckptfix.errors import UnsupportedError
+from ckptfix.errors import AlignmentError, UnsupportedError
 from ckptfix.ops.prefixes.rename import _INNER_NAMES, _KNOWN_NAMES, KeyFn, M, _carries, _remove_inner, rename_keys
 
 __all__ = [
+    "MIN_FIT",
     "AlignmentCandidate",
     "AlignmentReport",
     "ShapeMismatch",
     "align_state_dict",
+    "rename_refusal",
 ]
+
+MIN_FIT = 0.5
+"""A renaming is refused unless it matches at least this share of the checkpoint's keys."""
 
 
 # --------------------------------------------------------------------------- align
@@ -386,3 +391,62 @@ def _count_mismatches(
         if mine is not None and theirs is not None and mine != theirs:
             count += 1
     return count
+
+
+# --------------------------------------------------------------------------- the fit a renaming needs
+
+
+def rename_refusal(report: AlignmentReport, key_count: int, *, renamed_only: bool = True) -> AlignmentError | None:
+    """Why the renaming :func:`align_state_dict` chose must not be used: the one rule of ``align`` and
+    ``load_anywhere(model=...)``.
+
+    A renaming is refused when it fits badly (the best one matches fewer than :data:`MIN_FIT` of the
+    checkpoint's keys) or when it splits a group of keys: it renames the keys under a multi-segment
+    prefix (``'module.fc.'`` -> ``'fc2.'``) while keys under the same leading segment
+    (``module.conv.weight``) stay unmatched.  That is a guess at layer names, not a wrapper fix, and
+    ``strict=False`` would load the renamed tensors into whatever layer the guess named.  A renaming of
+    every key that carries a wrapper prefix, with keys left over (a new head, ``n_averaged``), is not
+    refused: what is missing or unexpected is reported, and loading it is the caller's choice.
+
+    Args:
+        report: the report of :func:`align_state_dict` on the checkpoint.
+        key_count: how many keys the checkpoint's state dict has.
+        renamed_only: judge only an applied renaming (``load_anywhere``: a checkpoint left as it is
+            needs no fit); ``False`` also refuses a bad fit with nothing renamed (``align``: there is
+            nothing worth writing).
+
+    Returns:
+        ``None`` when the renaming may be used, else the :class:`~ckptfix.errors.AlignmentError` to
+        raise (it names the renaming and the fix).
+
+    >>> _, r = align_state_dict({"module.fc.w": 1, "module.fc.b": 2, "module.conv.w": 3}, ["fc2.w", "fc2.b", "conv1.x"])
+    >>> r.rename
+    "replace 'module.fc.' with 'fc2.' (on the 2 of 3 keys that carry it)"
+    >>> str(rename_refusal(r, 3)).split(";")[1]
+    " it renames only part of the keys under 'module.', a guess at layer names, so nothing is renamed: check ..."
+    >>> _, r = align_state_dict({"module.fc.w": 1, "n_averaged": 2}, ["fc.w", "fc.b"])
+    >>> r.rename, rename_refusal(r, 2)
+    ("strip 'module.' (on the 1 of 2 keys that carry it)", None)
+    """
+    if renamed_only and not report.applied:
+        return None
+    best = max((c.matched for c in report.candidates), default=len(report.matched))
+    if best < MIN_FIT * max(key_count, 1):
+        return AlignmentError(
+            f"the checkpoint does not fit this target: the best renaming matches only {best} "
+            f"of {key_count} keys ({len(report.missing)} target keys missing); "
+            "check that --to (or model=) names the right model"
+        )
+    if not report.applied:
+        return None
+    strip = report.candidates[0].strip
+    lead = strip.split(".", 1)[0] + "."
+    if strip.count(".") > 1 and any(k.startswith(lead) for k in report.unexpected):
+        return AlignmentError(
+            f"{len(report.missing)} missing, {len(report.unexpected)} unexpected, "
+            f"{len(report.shape_mismatches)} shape mismatches remain after '{report.rename}'; "
+            f"it renames only part of the keys under {lead!r}, a guess at layer names, so nothing is renamed: "
+            "check that --to (or model=) names the right model, "
+            "or rename explicitly (strip-prefix --prefix, add-prefix)"
+        )
+    return None

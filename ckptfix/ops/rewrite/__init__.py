@@ -35,7 +35,7 @@ from ckptfix.formats import CheckpointFile, Format, Input, SafetensorsDetails, c
 from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.formats.statedict import locate_state_dict, require_tensors
 from ckptfix.ops.rewrite.dcp import rewrite_dcp
-from ckptfix.ops.rewrite.location import parse_map_location, relocate
+from ckptfix.ops.rewrite.location import kept_device_note, parse_map_location, relocate
 from ckptfix.ops.rewrite.output import default_output, prepare_output, write_atomic
 from ckptfix.ops.rewrite.remote import is_remote, rewrite_remote
 from ckptfix.ops.rewrite.report import RewriteReport, Transform, detail
@@ -229,6 +229,8 @@ def _rewrite_file(cf: CheckpointFile, transform: Transform, outputs: OutputOptio
         rep.notes.append("nothing to change; the output is an unchanged copy")
     if cf.format == Format.TORCH_LEGACY:
         rep.notes.append("the legacy (pre-1.6) input was written in the zip format torch uses since 1.6")
+    if kept := kept_device_note([cf]):
+        rep.notes.append(kept)
     dst, fsync_out = prepare_output(src, outputs, fmt_out=fmt_out, notes=rep.notes)
     rep.backup = write_file(
         cf,

@@ -6,6 +6,9 @@ the policy the ``strip-prefix``, ``add-prefix`` and ``align`` commands share wit
 
 * ``align`` refuses a target the checkpoint does not fit: when the best renaming matches fewer
   than :data:`MIN_FIT` of the checkpoint's keys, nothing is written (``AlignmentError``);
+* and a renaming that renames only part of a group of keys (``module.fc.*`` -> ``fc2.*`` beside an
+  unmatched ``module.conv.*``): :func:`ckptfix.ops.prefixes.rename_refusal`, the rule
+  ``load_anywhere(model=...)`` follows too;
 * two different renamings that fit equally well are ambiguous: nothing is written
   (``KeyConflictError``), the user renames explicitly;
 * ``--to`` is another checkpoint file, or a ``package.module:factory`` to import (a class or a
@@ -24,7 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import AlignmentError, CheckpointNotFoundError, KeyConflictError
 from ckptfix.files.outputs import OutputKeywords, OutputOptions
-from ckptfix.ops.prefixes import AlignmentReport, add_prefix, align_state_dict, strip_prefix_report
+from ckptfix.ops.prefixes import (
+    MIN_FIT,
+    AlignmentReport,
+    add_prefix,
+    align_state_dict,
+    rename_refusal,
+    strip_prefix_report,
+)
 from ckptfix.ops.rewrite import RewriteReport, rewrite_checkpoint
 
 if TYPE_CHECKING:
@@ -38,9 +48,6 @@ __all__ = [
     "load_align_target",
     "strip_prefix_checkpoint",
 ]
-
-MIN_FIT = 0.5
-"""``align`` writes nothing unless its best renaming matches at least this share of the checkpoint's keys."""
 
 
 def strip_prefix_checkpoint(
@@ -207,14 +214,10 @@ def align_checkpoint(
 
 
 def _check_fit(sd: Mapping[str, Any], report: AlignmentReport) -> None:
-    """Refuse a renaming that fits badly or is ambiguous (before anything is written)."""
-    best = max((c.matched for c in report.candidates), default=len(report.matched))
-    if best < MIN_FIT * max(len(sd), 1):
-        raise AlignmentError(
-            f"the checkpoint does not fit this target: the best renaming matches only {best} "
-            f"of {len(sd)} keys ({len(report.missing)} target keys missing); "
-            "check that --to names the right model"
-        )
+    """Refuse a renaming that fits badly, splits a group of keys, or is ambiguous (before anything is written)."""
+    err = rename_refusal(report, len(sd), renamed_only=False)
+    if err is not None:
+        raise err
     if report.ambiguous:
         raise KeyConflictError(f"{report.summary()}; rename explicitly with strip-prefix --prefix or add-prefix")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats import CheckpointFile, Format
@@ -94,3 +94,23 @@ def relocate(cf: CheckpointFile, map_location: str | None) -> dict[str, str]:
             relocated[st.location] = new
             st.location = new
     return relocated
+
+
+def kept_device_note(cfs: Iterable[CheckpointFile], *, hint: str = "pass --map-location cpu to retag") -> str | None:
+    """The note a rewrite adds when its output keeps storage tags other than ``cpu`` (``cuda:3``, ``mps``).
+
+    Keeping them is right (the file is what the user saved), but plain ``torch.load`` of it on a machine
+    without that device fails "Attempting to deserialize object on a CUDA device": the user is told,
+    as ``inspect`` does, and how to retag.
+
+    Args:
+        cfs: the checkpoint(s) written, their storages as tagged in the output (after :func:`relocate`).
+        hint: how to retag, in the words of the command (``--map-location cpu`` for the renaming commands).
+
+    Returns:
+        ``"storages stay on cuda:3; pass --map-location cpu to retag"``, or None when every tag is ``cpu``.
+    """
+    tags = sorted({st.location for cf in cfs for st in cf.storages.values() if st.location and st.location != "cpu"})
+    if not tags:
+        return None
+    return f"storages stay on {', '.join(tags)}; {hint}"

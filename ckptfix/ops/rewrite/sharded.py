@@ -14,7 +14,7 @@ from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.files.parallel import run_tasks
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict, stmeta
 from ckptfix.ops.prefixes.rename import rekey_metadata
-from ckptfix.ops.rewrite.location import relocate
+from ckptfix.ops.rewrite.location import kept_device_note, relocate
 from ckptfix.ops.rewrite.report import RewriteReport, Transform, detail
 from ckptfix.ops.rewrite.writers import check_str_keys, check_writable, format_out, write_file
 
@@ -99,6 +99,8 @@ def rewrite_sharded(
         return rep
     if not rep.changed:  # -o OUT: a pipeline reads OUT, so it is written (an unchanged copy), as by every command
         rep.notes.append("nothing to change; the output is an unchanged copy")
+    if kept := kept_device_note(shards.values()):
+        rep.notes.append(kept)
     out_dir = _output_dir(ipath, shards, output, suffix, force)
     created = not os.path.isdir(out_dir)
     try:
