@@ -17,8 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ckptfix._torch import silence_numpy_warning
-
-__version__ = "0.1.0"
+from ckptfix._version import __version__
 
 silence_numpy_warning()
 

@@ -32,9 +32,9 @@ COMMANDS = ("inspect", "scan", "strip-prefix", "add-prefix", "convert")
 
 def _argv(cmd: str, path: Path, out: Path) -> list[str]:
     if cmd == "strip-prefix":
-        return [cmd, str(path), "-o", str(out / "s.pth"), "--force"]
+        return [cmd, str(path), "-o", str(out / "s.out"), "--force"]
     if cmd == "add-prefix":
-        return [cmd, str(path), "--prefix", "m.", "-o", str(out / "a.pth"), "--force"]
+        return [cmd, str(path), "--prefix", "m.", "-o", str(out / "a.out"), "--force"]
     if cmd == "convert":
         return [cmd, str(path), "-o", str(out / "c.safetensors"), "--force"]
     return [cmd, str(path)]

@@ -10,8 +10,8 @@ import importlib
 
 import click
 
-from ckptfix import __version__
 from ckptfix._startup import imports_quietly
+from ckptfix._version import __version__
 
 
 class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it

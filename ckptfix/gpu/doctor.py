@@ -630,7 +630,7 @@ def doctor_report(
         "platform": platform.platform(),
     }
     try:
-        from ckptfix import __version__
+        from ckptfix._version import __version__
 
         python["ckptfix"] = __version__
     except Exception:  # noqa: BLE001  # pragma: no cover

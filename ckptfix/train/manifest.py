@@ -65,7 +65,7 @@ def update_manifest(out_dir: str, entries: list[dict[str, Any]]) -> str:
     """
     import torch
 
-    import ckptfix
+    from ckptfix._version import __version__
     from ckptfix.train.saving import atomic_write_text
 
     path = os.path.join(out_dir, MANIFEST)
@@ -74,7 +74,7 @@ def update_manifest(out_dir: str, entries: list[dict[str, Any]]) -> str:
     kept = [e for e in man.get("checkpoints", []) if e.get("path") not in new_paths]
     man = {
         "version": MANIFEST_VERSION,
-        "generator": f"ckptfix {ckptfix.__version__} train",
+        "generator": f"ckptfix {__version__} train",
         "torch": torch.__version__,
         "checkpoints": kept + entries,
     }

@@ -225,9 +225,17 @@ def _safetensors_in(inp: Input) -> bool:
     return is_safetensors_input(inp)
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` lies inside the folder ``folder`` (a file of the input folder)."""
+    if not os.path.isdir(folder):
+        return False
+    a, b = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([a, b]) == b
+
+
 def _refuse_misnamed(output: str | None, direction: str, src: str) -> None:
     """An output whose name says another format than ``direction`` writes (``-o model.pt`` of safetensors bytes)."""
-    if output is None or same_file(output, src):  # the output is the input: refused as that, below
+    if output is None or same_file(output, src) or _inside(output, src):  # refused as the input, below
         return
     stem = os.path.splitext(output.rstrip("/" + os.sep))[0]
     if direction == "safetensors":
