@@ -51,9 +51,8 @@ def under_torchrun() -> bool:
 
 
 def _package_root() -> str:
-    import ckptfix
-
-    return os.path.dirname(os.path.dirname(os.path.abspath(ckptfix.__file__)))
+    """The folder holding the ``ckptfix`` package (this file is ``ckptfix/train/ddp.py``)."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def default_nproc(device_type: str) -> int:
