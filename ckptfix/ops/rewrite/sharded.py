@@ -13,7 +13,7 @@ from ckptfix.files.atomic import atomic_output, output_error
 from ckptfix.files.outputs import OutputOptions, refuse_misnamed
 from ckptfix.files.parallel import run_tasks
 from ckptfix.formats import CheckpointFile, Format, SafetensorsDetails, ShardedDetails, find_state_dict, stmeta
-from ckptfix.ops.prefixes.rename import rekey_metadata
+from ckptfix.ops.prefixes import rekey_metadata
 from ckptfix.ops.rewrite.location import kept_device_note, relocate
 from ckptfix.ops.rewrite.report import RewriteReport, Transform, detail
 from ckptfix.ops.rewrite.writers import check_str_keys, check_writable, format_out, write_file
