@@ -26,6 +26,15 @@ def ckpt(tmp_path: Path) -> CkptFactory:
     return CkptFactory(tmp_path)
 
 
+@pytest.fixture
+def dp_work(tmp_path: Path) -> Path:
+    """A working directory holding ``m.pt``, a DataParallel state dict (``module.a``, ``module.b``)."""
+    import torch
+
+    torch.save({"module.a": torch.zeros(3), "module.b": torch.ones(2)}, tmp_path / "m.pt")
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def session_ckpt(tmp_path_factory: pytest.TempPathFactory) -> CkptFactory:
     """A factory for read-only fixtures shared by several tests (never modify what it builds)."""

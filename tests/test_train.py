@@ -433,3 +433,24 @@ def test_cuda_ddp_nccl(tmp_path):
     e = _entry(res)
     assert e["sync_batchnorm"] is True and e["devices"] == ["cuda:0"]
     assert verify_probe(e, str(tmp_path))["exact"]
+
+
+def test_in_process_training_uses_one_thread_on_cpu_unless_told(monkeypatch, tmp_path):
+    from ckptfix.train import TrainConfig, entry
+    from ckptfix.train.run import Run
+
+    seen: list[int] = []
+
+    def fake_run(self):
+        seen.append(torch.get_num_threads())
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Run, "run", fake_run)
+    before = torch.get_num_threads()
+    for threads, want in ((None, 1), (2, 2)):
+        with pytest.raises(SystemExit):
+            entry.train(TrainConfig(out=str(tmp_path), device="cpu", threads=threads, quiet=True))
+        assert seen[-1] == want
+        assert torch.get_num_threads() == before
+    assert entry.in_process_threads(TrainConfig(device="cpu")) == 1
+    assert entry.in_process_threads(TrainConfig(device="cpu", threads=3)) == 3
