@@ -54,7 +54,7 @@ def fsdp2_gloo_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 
 @pytest.fixture(scope="session")
 def fsdp_trained_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    """``train --mode fsdp`` for one epoch as DCP: (output directory, TrainResult) (never modify it)."""
+    """``train --mode fsdp`` for two epochs as DCP: (output directory, TrainResult) (never modify it)."""
     from heavy import build_fsdp_trained_dcp
 
     return build_fsdp_trained_dcp(tmp_path_factory.mktemp("fsdp_trained"))
