@@ -58,3 +58,11 @@ def fsdp_trained_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ob
     from heavy import build_fsdp_trained_dcp
 
     return build_fsdp_trained_dcp(tmp_path_factory.mktemp("fsdp_trained"))
+
+
+@pytest.fixture(scope="session")
+def ddp_trained_pt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """``train --mode ddp`` for two epochs as .pt: (output directory, TrainResult) (never modify it)."""
+    from heavy import build_ddp_trained_pt
+
+    return build_ddp_trained_pt(tmp_path_factory.mktemp("ddp_trained"))

@@ -67,10 +67,10 @@ def test_fsdp_dcp_resumes_in_single_and_fsdp_exactly(fsdp_dcp, tmp_path):
     assert sorted(ck["optimizer_state_dict"]["state"]) == list(range(8))  # index keys: resumes anywhere
 
 
-def test_ddp_pt_resumes_in_fsdp_exactly(tmp_path):
-    d = train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=2, **SMALL))
+def test_ddp_pt_resumes_in_fsdp_exactly(ddp_trained_pt, tmp_path):
+    out, d = ddp_trained_pt  # 2 epochs of ddp (conftest.py, shared with test_train.py)
     assert [e["epoch"] for e in d.checkpoints] == [1, 2]
-    first = os.path.join(tmp_path, d.checkpoints[0]["path"])
+    first = os.path.join(out, d.checkpoints[0]["path"])
     f = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=first, **SMALL))
     assert f.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
     # same global batches, same mean gradient: FSDP's reduce-scatter matches DDP's all-reduce here (the ddp
