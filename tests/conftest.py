@@ -20,6 +20,16 @@ if str(REPO) not in sys.path:
 # subprocesses (python -m ckptfix ...) must find the package too
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
+# The variables that change what ckptfix does or prints start unset in every test, whatever the shell that ran
+# pytest had (CKPTFIX_DEBUG=1 adds tracebacks, FORCE_COLOR=1 colours errors, COLUMNS re-wraps --help ...): a
+# test that needs one sets it.  Kept: the suite's own opt-ins (CKPTFIX_REALWORLD*, CKPTFIX_FUZZ_*,
+# CKPTFIX_UPDATE_GOLDEN, CKPTFIX_EXPECT_NO_TORCH).
+_SUITE_OPT_INS = ("CKPTFIX_REALWORLD", "CKPTFIX_FUZZ_", "CKPTFIX_UPDATE_GOLDEN", "CKPTFIX_EXPECT_NO_TORCH")
+_OUTPUT_VARS = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE", "COLUMNS", "LINES")
+for _k in list(os.environ):
+    if (_k.startswith("CKPTFIX_") and not _k.startswith(_SUITE_OPT_INS)) or _k in _OUTPUT_VARS:
+        del os.environ[_k]
+
 
 @pytest.fixture
 def ckpt(tmp_path: Path) -> CkptFactory:
