@@ -154,9 +154,8 @@ def test_bench_options_keep_only_what_was_given(tmp_path):
 
 
 def test_trainer_manifest_is_shown_relative(tmp_path):
-    r = run_cli(
-        "train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16", cwd=tmp_path
-    )
+    args = ("train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16")
+    r = run_cli(*args, cwd=tmp_path, isolated=False)  # what it prints: in this process
     assert r.rc == 0, r.err
     assert "manifest: runs/checkpoints.json" in r.out and str(tmp_path) not in r.out
     assert "done: 1 checkpoint(s) in runs" in r.err
@@ -189,12 +188,13 @@ def test_ctrl_c_in_training_names_the_epochs_kept(monkeypatch, capsys, tmp_path)
 
 
 def test_trainer_refusal_says_already_exists_with_the_path_as_typed(tmp_path):
+    # what it says, not what the process does: in this process (entry.train restores torch's threads)
     args = ("train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16", "-q")
-    assert run_cli(*args, cwd=tmp_path).rc == 0
-    r = run_cli(*args, "--lr", "0.01", "--name", "x", cwd=tmp_path)  # a new run: fine
+    assert run_cli(*args, cwd=tmp_path, isolated=False).rc == 0
+    r = run_cli(*args, "--lr", "0.01", "--name", "x", cwd=tmp_path, isolated=False)  # a new run: fine
     assert r.rc == 0, r.err
     (tmp_path / "runs" / "y_epoch1.pt").write_bytes(b"not ours")
-    r = run_cli(*args, "--name", "y", cwd=tmp_path)
+    r = run_cli(*args, "--name", "y", cwd=tmp_path, isolated=False)
     assert r.rc == 30, r.err  # TrainingError
     assert "runs/y_epoch1.pt already exists (written by something not listed in checkpoints.json); pass --force" in (
         r.err
