@@ -20,10 +20,29 @@ if str(REPO) not in sys.path:
 # subprocesses (python -m ckptfix ...) must find the package too
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
+# The variables that change what ckptfix does or prints start unset in every test, whatever the shell that ran
+# pytest had (CKPTFIX_DEBUG=1 adds tracebacks, FORCE_COLOR=1 colours errors, COLUMNS re-wraps --help ...): a
+# test that needs one sets it.  Kept: the suite's own opt-ins (CKPTFIX_REALWORLD*, CKPTFIX_FUZZ_*,
+# CKPTFIX_UPDATE_GOLDEN, CKPTFIX_EXPECT_NO_TORCH).
+_SUITE_OPT_INS = ("CKPTFIX_REALWORLD", "CKPTFIX_FUZZ_", "CKPTFIX_UPDATE_GOLDEN", "CKPTFIX_EXPECT_NO_TORCH")
+_OUTPUT_VARS = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE", "COLUMNS", "LINES")
+for _k in list(os.environ):
+    if (_k.startswith("CKPTFIX_") and not _k.startswith(_SUITE_OPT_INS)) or _k in _OUTPUT_VARS:
+        del os.environ[_k]
+
 
 @pytest.fixture
 def ckpt(tmp_path: Path) -> CkptFactory:
     return CkptFactory(tmp_path)
+
+
+@pytest.fixture
+def dp_work(tmp_path: Path) -> Path:
+    """A working directory holding ``m.pt``, a DataParallel state dict (``module.a``, ``module.b``)."""
+    import torch
+
+    torch.save({"module.a": torch.zeros(3), "module.b": torch.ones(2)}, tmp_path / "m.pt")
+    return tmp_path
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +64,15 @@ def fsdp2_gloo_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict
 
 @pytest.fixture(scope="session")
 def fsdp_trained_dcp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
-    """``train --mode fsdp`` for one epoch as DCP: (output directory, TrainResult) (never modify it)."""
+    """``train --mode fsdp`` for two epochs as DCP: (output directory, TrainResult) (never modify it)."""
     from heavy import build_fsdp_trained_dcp
 
     return build_fsdp_trained_dcp(tmp_path_factory.mktemp("fsdp_trained"))
+
+
+@pytest.fixture(scope="session")
+def ddp_trained_pt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    """``train --mode ddp`` for two epochs as .pt: (output directory, TrainResult) (never modify it)."""
+    from heavy import build_ddp_trained_pt
+
+    return build_ddp_trained_pt(tmp_path_factory.mktemp("ddp_trained"))

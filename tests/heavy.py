@@ -1,6 +1,6 @@
-"""Builders of the expensive read-only fixtures (real multi-process FSDP saves), run once per test run by the
-session fixtures of conftest.py (``fsdp2_gloo_dcp``, ``fsdp_trained_dcp``).  Tests must not modify what they
-return: copy it first."""
+"""Builders of the expensive read-only fixtures (real multi-process FSDP and DDP saves), run once per test run
+by the session fixtures of conftest.py (``fsdp2_gloo_dcp``, ``fsdp_trained_dcp``, ``ddp_trained_pt``).  Tests
+must not modify what they return: copy it first."""
 
 from __future__ import annotations
 
@@ -79,11 +79,24 @@ def build_fsdp2_gloo_dcp(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def build_fsdp_trained_dcp(root: Path) -> tuple[Path, Any]:
-    """``train --mode fsdp`` (2 gloo processes through torchrun) for one epoch, saved as sharded DCP.
+    """``train --mode fsdp`` (2 gloo processes through torchrun) for two epochs, each saved as sharded DCP: the
+    epoch-1 checkpoint is what the resume tests start from, the epoch-2 probe what a resumed run must reproduce.
 
     Returns:
         The output directory and the :class:`ckptfix.train.TrainResult`.
     """
     from ckptfix.train import TrainConfig, train
 
-    return root, train(TrainConfig(out=str(root), mode="fsdp", nproc=2, epochs=1, save_format="dcp", **FSDP_SMALL))
+    return root, train(TrainConfig(out=str(root), mode="fsdp", nproc=2, epochs=2, save_format="dcp", **FSDP_SMALL))
+
+
+def build_ddp_trained_pt(root: Path) -> tuple[Path, Any]:
+    """``train --mode ddp`` (2 gloo processes through torchrun) for two epochs, each saved as .pt by rank 0: the
+    epoch-1 checkpoint is what the resume tests start from, the epoch-2 probe what a resumed run must reproduce.
+
+    Returns:
+        The output directory and the :class:`ckptfix.train.TrainResult`.
+    """
+    from ckptfix.train import TrainConfig, train
+
+    return root, train(TrainConfig(out=str(root), mode="ddp", nproc=2, epochs=2, **FSDP_SMALL))

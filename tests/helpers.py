@@ -3,8 +3,8 @@ and a factory of tiny checkpoints of every kind (:class:`CkptFactory`, the ``ckp
 
 ``run_cli`` runs ``ckptfix`` like the console script does (``ckptfix.cli.main``): in-process with captured
 streams for ordinary commands, in a new interpreter (which also reports whether torch ended up imported) when
-the test is about the interpreter -- it reads ``.torch_imported``, passes ``isolated=True``, or runs
-``pick-gpu``, ``train`` or ``demo``.  ``fake_smi_env`` builds an environment whose ``nvidia-smi`` is
+the test passes ``isolated=True`` or runs ``pick-gpu``, ``train`` or ``demo`` (see :func:`run_cli`).
+``fake_smi_env`` builds an environment whose ``nvidia-smi`` is
 tests/fixtures/nvidia-smi/fake-nvidia-smi.sh, replaying a scenario of tests/fixtures/nvidia-smi/scenarios/.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
-import functools
 import hashlib
 import json
 import os
@@ -24,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import types
 import warnings
 import zipfile
 from collections import OrderedDict
@@ -113,24 +111,6 @@ _PROCESS_COMMANDS = frozenset({"pick-gpu", "train", "demo"})
 _HELPERS = str(Path(__file__).resolve())
 
 
-@functools.lru_cache(maxsize=None)
-def _reads_torch_report(code: types.CodeType) -> bool:
-    """Whether ``code`` (or a function, lambda or comprehension nested in it) reads ``.torch_imported``."""
-    return "torch_imported" in code.co_names or any(
-        _reads_torch_report(c) for c in code.co_consts if isinstance(c, types.CodeType)
-    )
-
-
-def _caller_reads_torch_report() -> bool:
-    """Whether a test function on the stack reads ``.torch_imported`` (it then needs a fresh interpreter)."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_filename != _HELPERS and _reads_torch_report(f.f_code):
-            return True
-        f = f.f_back
-    return False
-
-
 # variables ckptfix reads once, when a module is imported (ckptfix/formats/dcp/meta.py, chunks.py): a run that
 # changes one needs a fresh interpreter to see it
 _IMPORT_TIME_VARS = ("CKPTFIX_DCP_MAX_",)
@@ -157,13 +137,18 @@ def run_cli(
     **extra: str,
 ) -> CliRun:
     """Run ``ckptfix ARGS`` as the console script does: in this process (``main()`` with captured streams), or
-    in a fresh interpreter when the run is about the interpreter.
+    in a fresh interpreter.
 
-    A fresh interpreter is used when ``isolated=True``, when the calling test reads ``.torch_imported`` (only
-    a new process can say whether torch was imported), and for the commands whose behaviour belongs to the
-    process (``pick-gpu``: leases held for the process's life, ``exec``; ``train``, ``demo``) or that set up
-    the interpreter differently (another ``PYTHONPATH``, a ``CKPTFIX_DCP_MAX_*`` limit read at import).  Everything
-    else runs in-process: same exit code, stdout and stderr, without a new interpreter's start-up.
+    Which one is decided from the arguments alone, never from the calling test's code:
+
+    - ``isolated=True``: a fresh interpreter.  A test that reads ``.torch_imported`` must pass it (only a new
+      process can say whether torch was imported; an in-process run's ``.torch_imported`` raises, saying so).
+    - ``isolated=False``: in this process, whatever the command.
+    - ``isolated=None`` (the default): a fresh interpreter for the commands whose behaviour belongs to the
+      process (``pick-gpu``: leases held for the process's life, ``exec``; ``train``, ``demo``) and for an
+      environment that sets the interpreter up differently (a ``PYTHONPATH`` naming a folder this interpreter
+      lacks, a changed ``CKPTFIX_DCP_MAX_*`` limit, read at import); in this process otherwise: same exit
+      code, stdout and stderr, without a new interpreter's start-up.
 
     Args:
         args: the command line after ``ckptfix``.
@@ -185,7 +170,7 @@ def run_cli(
         e["FAKE_SMI_SCENARIO"] = scenario
     e.update(extra)
     if isolated is None:
-        isolated = _needs_interpreter(args, e) or _caller_reads_torch_report()
+        isolated = _needs_interpreter(args, e)
     if not isolated:
         return _run_cli_in_process(args, e, timeout, ROOT if cwd is None else Path(cwd))
     fd, report = tempfile.mkstemp(prefix="ckptfix-torch-report-")
@@ -268,14 +253,15 @@ def _run_cli_in_process(args: tuple[str, ...], env: dict[str, str], timeout: flo
 
 
 def run_python(
-    code: str, *, env: Mapping[str, str] | None = None, timeout: float = 120
+    code: str, *, env: Mapping[str, str] | None = None, timeout: float = 120, cwd: str | Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -c CODE`` in a fresh interpreter from the repository root (stdout and stderr captured).
+    """Run ``python -c CODE`` in a fresh interpreter (stdout and stderr captured).
 
     Args:
         code: the program.
         env: the whole environment (default: this process's).
         timeout: seconds before the test fails.
+        cwd: working directory (default: the repository root).
 
     Returns:
         The finished process.
@@ -284,7 +270,7 @@ def run_python(
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=ROOT if cwd is None else cwd,
         env=None if env is None else dict(env),
         timeout=timeout,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 
 from ckptfix.cli import main
 from ckptfix.files import atomic
+from ckptfix.files.atomic import output_error
 
 
 def _age(p: Path, seconds: float = 3600) -> None:
@@ -178,3 +180,15 @@ def test_output_that_is_the_input_through_a_symlink_is_refused(tmp_path):
     p = run_cli("strip-prefix", link, "-o", src, "--force")
     assert_one_line_error(p, 9)
     assert "is the input" in p.stderr and sha256(src) == h
+
+
+def test_permission_denied_is_said_once():
+    e = output_error(OSError(errno.EACCES, os.strerror(errno.EACCES)), "/nowhere/x.pt")
+    assert str(e).lower().count("permission denied") == 1, str(e)
+
+
+def test_a_directory_that_refuses_files_is_not_called_missing(tmp_path):
+    e = output_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "x.pt"))
+    assert "does not exist" not in str(e) and "cannot create a file there" in str(e)
+    e = output_error(OSError(errno.ENOENT, os.strerror(errno.ENOENT)), str(tmp_path / "no" / "x.pt"))
+    assert "the output directory does not exist" in str(e)

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from ckptfix.cli import _common
+from ckptfix.cli import _common, main
+from ckptfix.files.atomic import atomic_output
+
+from helpers import run_cli, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 ESC = "\x1b["
@@ -159,3 +162,67 @@ def test_docs_ci_shows_completion_for_every_shell_and_a_ci_step():
     assert 'pip install "ckptfix @ git+$CKPTFIX_GIT_URL" && ckptfix scan $(git ls-files' in text
     assert "OWNER" not in text
     assert "id: ckptfix-scan" in text
+
+
+def test_ctrl_c_says_nothing_was_written_and_exits_130(monkeypatch, capsys, dp_work):
+    import ckptfix.ops.inspect
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckptfix.ops.inspect, "inspect_checkpoint", interrupted)
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
+    rc = main(["inspect", str(dp_work / "m.pt")])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == "Error: interrupted; nothing was written\n"
+
+
+def test_ctrl_c_names_what_was_kept(monkeypatch, capsys, dp_work):
+    import ckptfix.ops.inspect
+
+    monkeypatch.chdir(dp_work)
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
+
+    def half_done(*a, **k):
+        with atomic_output(str(dp_work / "first.pt")) as f:
+            f.write(b"done")
+        with atomic_output(str(dp_work / "second.pt")) as f:
+            f.write(b"half")
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckptfix.ops.inspect, "inspect_checkpoint", half_done)
+    rc = main(["inspect", "m.pt"])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err.startswith("Error: interrupted; kept 1 output(s) finished before it: first.pt;"), err
+    assert not (dp_work / "second.pt").exists()
+    assert not [p for p in os.listdir(dp_work) if p.startswith(".second")]  # its temp file is gone
+
+
+def test_a_real_sigint_gives_the_error_line(dp_work):
+    code = (
+        "import os, signal, sys\n"
+        "import ckptfix.ops.inspect\n"
+        "def hang(*a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "ckptfix.ops.inspect.inspect_checkpoint = hang\n"
+        "from ckptfix.cli import main\n"
+        "sys.exit(main(['inspect', 'm.pt']))\n"
+    )
+    p = run_python(code, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=dp_work)
+    assert p.returncode == 130, p.stderr
+    assert p.stderr == "Error: interrupted; nothing was written\n"
+
+
+def test_exit_code_130_is_an_error_class():
+    from ckptfix.errors import InterruptedByUserError, all_error_classes
+
+    assert InterruptedByUserError in all_error_classes() and InterruptedByUserError.exit_code == 130
+    assert issubclass(InterruptedByUserError, KeyboardInterrupt)
+
+
+def test_command_list_does_not_cut_demo_to_nothing():
+    r = run_cli("--help", COLUMNS="80")
+    line = next(x for x in r.out.splitlines() if x.strip().startswith("demo "))
+    assert "End-to-end: train..." not in line and not line.endswith("...")

@@ -15,6 +15,8 @@ import ckptfix.cli.convert  # noqa: F401  (registers the command even before the
 from ckptfix.cli import main
 from ckptfix.errors import OutputError, UnsupportedError
 
+from helpers import run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -91,3 +93,10 @@ def test_python_dash_m_subprocess(ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "o.safetensors")
     assert "converting" not in r.stderr
+
+
+def test_convert_prints_the_default_output_relative(dp_work):
+    r = run_cli("convert", "m.pt", cwd=dp_work)
+    assert r.rc == 0, r.err
+    assert r.out == "m.safetensors\n"
+    assert str(dp_work) not in r.err and "converted m.pt" in r.err

@@ -27,6 +27,8 @@ from ckptfix.errors import CkptfixError, CorruptCheckpointError, UnsupportedErro
 from ckptfix.formats import read_checkpoint, sniff
 from ckptfix.ops.inspect import inspect_checkpoint, scan_checkpoint
 
+from helpers import run_cli
+
 COMMANDS = ("inspect", "scan", "strip-prefix", "add-prefix", "convert")
 
 
@@ -670,3 +672,13 @@ def test_key_pointing_at_a_tensor_names_it_in_user_terms(tmp_path):
         cf.state_dict("model/a")
     with pytest.raises(KeyConflictError, match=r"holds a tensor \(shape \[3\]\)"):
         cf.state_dict("w")
+
+
+def test_a_directory_lists_real_checkpoints_before_probe_sidecars(tmp_path):
+    d = tmp_path / "runs"
+    d.mkdir()
+    for n in ("a_epoch1.probe.pt", "a_epoch2.probe.pt", "b_epoch1.probe.pt", "z_epoch1.pt", "z_epoch2.pt"):
+        torch.save({"x": torch.zeros(1)}, d / n)
+    r = run_cli("inspect", "runs", cwd=tmp_path)
+    assert r.rc == 3
+    assert "it holds z_epoch1.pt, z_epoch2.pt, a_epoch1.probe.pt and 2 more: pass one of them" in r.err, r.err

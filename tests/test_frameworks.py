@@ -94,7 +94,7 @@ def test_inspect_folder(folder: str) -> None:
 
 
 def test_inspect_trainer_lines_per_file() -> None:
-    p = run_cli("inspect", str(FW / "trainer" / "checkpoint-2"))
+    p = run_cli("inspect", str(FW / "trainer" / "checkpoint-2"), isolated=True)
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "transformers Trainer (hf-trainer" in out

@@ -47,16 +47,16 @@ def test_importing_cli_gpu_does_not_import_torch():
 
 
 def test_gpus_and_pick_gpu_never_import_torch(fake_env):
-    r = run_cli("gpus", scenario="h200_busy", env=fake_env)
+    r = run_cli("gpus", scenario="h200_busy", env=fake_env, isolated=True)
     assert r.rc == 0, r
     assert r.torch_imported is False
-    r = run_cli("pick-gpu", scenario="h200_after_release", env=fake_env)
+    r = run_cli("pick-gpu", scenario="h200_after_release", env=fake_env, isolated=True)
     assert r.rc == 0, r
     assert r.torch_imported is False
 
 
 def test_doctor_may_import_torch(fake_env):
-    r = run_cli("doctor", "--json", scenario="h200_busy", env=fake_env)
+    r = run_cli("doctor", "--json", scenario="h200_busy", env=fake_env, isolated=True)
     assert r.rc == 0, r
     assert r.torch_imported is True
 

@@ -101,7 +101,7 @@ def machine_env(tmp_path: Path, extra: dict[str, str]) -> dict[str, str]:
 @pytest.mark.parametrize("case", sorted(GPUS_CASES))
 def test_gpus_text_is_golden(case: str, tmp_path: Path) -> None:
     scenario, extra = GPUS_CASES[case]
-    r = run_cli("gpus", env=machine_env(tmp_path, extra), scenario=scenario)
+    r = run_cli("gpus", env=machine_env(tmp_path, extra), scenario=scenario, isolated=True)
     assert r.torch_imported is False or r.rc != 0
     check(f"gpus_{case}", transcript("gpus", extra, r.out, r.err, r.rc))
 

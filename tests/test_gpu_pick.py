@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -358,11 +357,3 @@ def test_lazy_top_level_exports():
     import ckptfix
 
     assert ckptfix.pick_gpu is pick_gpu and ckptfix.visible_gpus is visible_gpus
-
-
-def test_wall_clock_not_asserted_but_pick_is_quick(tmp_path):
-    t0 = time.perf_counter()
-    pick_gpu(
-        environ={"CKPTFIX_LEASE_DIR": str(tmp_path)}, runner=scenario_runner("h200_busy"), set_env=False, lease=False
-    )
-    assert time.perf_counter() - t0 >= 0  # timings live in benchmarks/bench_gpu.py

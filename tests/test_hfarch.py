@@ -106,7 +106,7 @@ def test_tied_name_from_config_without_transformers(tmp_path: Path) -> None:
     assert tf is False and torch_ is False
     with safe_open(str(out), "np") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
-    c = run_cli("convert", str(src), "-o", str(tmp_path / "c.safetensors"))
+    c = run_cli("convert", str(src), "-o", str(tmp_path / "c.safetensors"), isolated=True)
     assert c.returncode == 0 and c.torch_imported is False
 
 

@@ -31,7 +31,7 @@ def test_byte_identical_to_consolidate_safetensors_files(tmp_path: Path) -> None
 
 def test_cli_convert_folder_torch_free(tmp_path: Path) -> None:
     out = tmp_path / "model.safetensors"
-    r = run_cli("convert", str(FIX / "run"), "-o", str(out))
+    r = run_cli("convert", str(FIX / "run"), "-o", str(out), isolated=True)
     assert r.rc == 0, r.err
     assert r.torch_imported is False and "hf-storage-dcp" in r.err
     assert out.read_bytes() == EXPECTED.read_bytes()

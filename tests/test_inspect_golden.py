@@ -49,7 +49,7 @@ BUILT: dict[str, tuple[str, str]] = {
 
 
 def _check(case: str, args: tuple[str, ...], cwd: Path) -> None:
-    r = run_cli(*args, env=_env(), cwd=cwd)
+    r = run_cli(*args, env=_env(), cwd=cwd, isolated=True)
     assert r.torch_imported is False
     text = f"$ ckptfix {' '.join(args)}\n{r.out}--- stderr\n{r.err}--- exit code {r.rc}\n"
     check_golden(GOLDEN_INSPECT / f"{case}.txt", text)

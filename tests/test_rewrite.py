@@ -35,6 +35,8 @@ from helpers import (
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
+SHARDED = Path(__file__).parent / "fixtures" / "ckpt" / "sharded"
+
 
 LAYOUTS = ["top", "nested"]
 
@@ -1060,3 +1062,10 @@ def test_output_with_a_trailing_slash_is_not_written_as_a_file(tmp_path, cmd):
     assert_one_line_error(p, 9)
     assert "directory" in p.stderr
     assert sorted(os.listdir(tmp_path)) == ["m.pt"]
+
+
+def test_sharded_rewrite_note_names_the_directory_as_typed(tmp_path):
+    shutil.copytree(SHARDED, tmp_path / "sharded")
+    r = run_cli("add-prefix", "sharded/pytorch_model.bin.index.json", "--prefix", "module.", "-o", "out", cwd=tmp_path)
+    assert r.rc == 0, r.err
+    assert "note: wrote 2 shard(s) and the index to out" in r.err and str(tmp_path) not in r.err + r.out

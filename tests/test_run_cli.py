@@ -27,8 +27,14 @@ def test_in_process_run_restores_environment_and_cwd(tmp_path):
     assert dict(os.environ) == before_env and os.getcwd() == before_cwd
 
 
-def test_a_test_reading_torch_imported_gets_a_fresh_interpreter(tmp_path):
-    r = run_cli("scan", tmp_path / "missing.pt")
+def test_torch_imported_needs_an_explicit_fresh_interpreter(tmp_path):
+    """The choice is the caller's (``isolated=True``), not guessed from the test's code: an in-process run cannot
+    say whether torch was imported, and asking it says what to pass."""
+    here = run_cli("scan", tmp_path / "missing.pt")
+    assert not here.isolated
+    with pytest.raises(AssertionError, match="isolated=True"):
+        _ = here.torch_imported
+    r = run_cli("scan", tmp_path / "missing.pt", isolated=True)
     assert r.isolated and r.torch_imported is False
 
 

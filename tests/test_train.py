@@ -28,6 +28,8 @@ from ckptfix.train.models import build_model
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from train_compare import compare_manual_to_single  # a harness, not in the wheel
 
+from heavy import FSDP_SMALL
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(train_samples=512, test_samples=256, quiet=True)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -281,16 +283,16 @@ def test_resume_amp_restores_scaler(tmp_path):
 # --------------------------------------------------------------------------- DDP through real torchrun
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    res = train(TrainConfig(out=str(out), mode="ddp", nproc=2, epochs=1, **SMALL))
-    return out, res
+@pytest.fixture
+def ddp_run(ddp_trained_pt):
+    """(output directory, result, the epoch-1 checkpoint) of conftest's 2-epoch ddp run (never modify them)."""
+    out, res = ddp_trained_pt
+    return out, res, os.path.join(out, res.checkpoints[0]["path"])
 
 
 @pytest.mark.slow
 def test_ddp_checkpoint(ddp_run):
-    out, res = ddp_run
+    out, res, _ = ddp_run
     e = _entry(res)
     assert e["world_size"] == 2 and e["devices"] == ["cpu", "cpu"] and e["expected_prefix"] == "module."
     ckpt = torch.load(res.final_checkpoint, weights_only=True)
@@ -303,8 +305,8 @@ def test_ddp_checkpoint(ddp_run):
 
 @pytest.mark.slow
 def test_ddp_checkpoint_resumes_in_single(ddp_run, tmp_path):
-    _, res = ddp_run
-    r = train(TrainConfig(out=str(tmp_path), mode="single", epochs=2, resume=res.final_checkpoint, **SMALL))
+    _, _, first = ddp_run
+    r = train(TrainConfig(out=str(tmp_path), mode="single", epochs=2, resume=first, **FSDP_SMALL))
     assert r.start_epoch == 2 and verify_probe(_entry(r), str(tmp_path))["exact"]
 
 
@@ -337,9 +339,9 @@ def test_dp_checkpoint_resumes_in_ddp_with_dcp_shards(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_error_is_reported(ddp_run, tmp_path):
-    _, res = ddp_run
+    _, _, first = ddp_run
     with pytest.raises(TrainingError, match="already has 1 epoch"):
-        train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=1, resume=res.final_checkpoint, **SMALL))
+        train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=1, resume=first, **FSDP_SMALL))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -433,3 +435,24 @@ def test_cuda_ddp_nccl(tmp_path):
     e = _entry(res)
     assert e["sync_batchnorm"] is True and e["devices"] == ["cuda:0"]
     assert verify_probe(e, str(tmp_path))["exact"]
+
+
+def test_in_process_training_uses_one_thread_on_cpu_unless_told(monkeypatch, tmp_path):
+    from ckptfix.train import TrainConfig, entry
+    from ckptfix.train.run import Run
+
+    seen: list[int] = []
+
+    def fake_run(self):
+        seen.append(torch.get_num_threads())
+        raise SystemExit(0)
+
+    monkeypatch.setattr(Run, "run", fake_run)
+    before = torch.get_num_threads()
+    for threads, want in ((None, 1), (2, 2)):
+        with pytest.raises(SystemExit):
+            entry.train(TrainConfig(out=str(tmp_path), device="cpu", threads=threads, quiet=True))
+        assert seen[-1] == want
+        assert torch.get_num_threads() == before
+    assert entry.in_process_threads(TrainConfig(device="cpu")) == 1
+    assert entry.in_process_threads(TrainConfig(device="cpu", threads=3)) == 3

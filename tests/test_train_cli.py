@@ -10,6 +10,8 @@ import pytest
 from ckptfix.cli import main
 from ckptfix.train import ddp
 
+from helpers import ROOT, run_cli, run_python
+
 TINY = ["--train-samples", "128", "--test-samples", "32", "--epochs", "1"]
 
 
@@ -149,3 +151,108 @@ def test_bench_options_keep_only_what_was_given(tmp_path):
         check_bench_options(TrainConfig(mode="manual", replicas=2), given={"replicas"})
     with pytest.raises(TrainingError, match="cannot be combined"):  # a row's own check, before anything runs
         check_bench_options(TrainConfig(save_format="dcp", legacy_format=True), given={"save_format"})
+
+
+def test_trainer_manifest_is_shown_relative(tmp_path):
+    args = ("train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16")
+    r = run_cli(*args, cwd=tmp_path, isolated=False)  # what it prints: in this process
+    assert r.rc == 0, r.err
+    assert "manifest: runs/checkpoints.json" in r.out and str(tmp_path) not in r.out
+    assert "done: 1 checkpoint(s) in runs" in r.err
+
+
+def test_ctrl_c_in_training_names_the_epochs_kept(monkeypatch, capsys, tmp_path):
+    from ckptfix.train.run import Run
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
+    record = Run._record_epoch
+    calls = []
+
+    def interrupted_in_epoch_2(self, entry):
+        calls.append(entry)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return record(self, entry)
+
+    monkeypatch.setattr(Run, "_record_epoch", interrupted_in_epoch_2)
+    args = ["train", "--out", "runs", "--epochs", "3", "--train-samples", "32", "--test-samples", "16", "-q"]
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == (
+        "Error: interrupted; kept 3 output(s) finished before it: runs/single_epoch1.pt, "
+        "runs/single_epoch1.probe.pt, runs/checkpoints.json; the one in progress was not written\n"
+    )
+    assert sorted(os.listdir(tmp_path / "runs")) == ["checkpoints.json", "single_epoch1.probe.pt", "single_epoch1.pt"]
+
+
+def test_trainer_refusal_says_already_exists_with_the_path_as_typed(tmp_path):
+    # what it says, not what the process does: in this process (entry.train restores torch's threads)
+    args = ("train", "--out", "runs", "--epochs", "1", "--train-samples", "32", "--test-samples", "16", "-q")
+    assert run_cli(*args, cwd=tmp_path, isolated=False).rc == 0
+    r = run_cli(*args, "--lr", "0.01", "--name", "x", cwd=tmp_path, isolated=False)  # a new run: fine
+    assert r.rc == 0, r.err
+    (tmp_path / "runs" / "y_epoch1.pt").write_bytes(b"not ours")
+    r = run_cli(*args, "--name", "y", cwd=tmp_path, isolated=False)
+    assert r.rc == 30, r.err  # TrainingError
+    assert "runs/y_epoch1.pt already exists (written by something not listed in checkpoints.json); pass --force" in (
+        r.err
+    )
+    assert str(tmp_path) not in r.err
+
+
+def test_ctrl_c_during_torchrun_names_what_the_workers_kept(monkeypatch, capsys, tmp_path):
+    """ddp/fsdp: the workers write the files, so the launcher names the run's files its manifest lists."""
+    import json
+
+    from ckptfix.train import ddp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ckptfix.files.atomic.FINISHED", [])
+    monkeypatch.setattr(ddp, "preflight", lambda cfg: None)
+
+    def worker_wrote_epoch_1_then_ctrl_c(cmd, env, log_path, *, quiet, timeout):
+        out = tmp_path / "runs"
+        for name in ("ddp_epoch1.pt", "ddp_epoch1.probe.pt", "other_epoch1.pt"):
+            (out / name).write_bytes(b"x")
+        entries = [
+            {"run": "ddp", "path": "ddp_epoch1.pt", "probe": {"file": "ddp_epoch1.probe.pt"}},
+            {"run": "other", "path": "other_epoch1.pt"},
+        ]
+        (out / "checkpoints.json").write_text(json.dumps({"version": 1, "checkpoints": entries}))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ddp, "_run_torchrun", worker_wrote_epoch_1_then_ctrl_c)
+    rc = main(["train", "--mode", "ddp", "--nproc", "2", "--device", "cpu", "--out", "runs", "-q"])
+    err = capsys.readouterr().err
+    assert rc == 130
+    assert err == (
+        "Error: interrupted; kept 3 output(s) finished before it: runs/ddp_epoch1.pt, runs/ddp_epoch1.probe.pt, "
+        "runs/checkpoints.json; the one in progress was not written\n"
+    )
+
+
+def test_no_numpy_warning_when_numpy_is_missing(tmp_path):
+    code = (
+        "import sys; sys.modules['numpy'] = None\n"
+        "from ckptfix.cli import main\n"
+        "args = ['train', '--out', 'r', '--epochs', '1', '--train-samples', '16', '--test-samples', '8', '-q']\n"
+        "sys.exit(main(args))\n"
+    )
+    p = run_python(code, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "NumPy" not in p.stderr and "numpy" not in p.stderr, p.stderr
+
+
+def test_the_numpy_filter_is_narrow():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("default")
+        from ckptfix._torch import silence_numpy_warning
+
+        silence_numpy_warning()
+        warnings.warn("Failed to initialize NumPy: No module named 'numpy'", UserWarning, stacklevel=1)
+        warnings.warn("some other warning", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in got] == ["some other warning"]

@@ -31,7 +31,7 @@ def test_optimizer_key_mapping():
 
 @pytest.fixture
 def fsdp_dcp(fsdp_trained_dcp):
-    """``train --mode fsdp`` for one epoch, saved as DCP (built once per test run: conftest.py)."""
+    """``train --mode fsdp`` for two epochs, each saved as DCP (built once per test run: conftest.py)."""
     return fsdp_trained_dcp
 
 
@@ -56,27 +56,26 @@ def test_fsdp_writes_a_sharded_dcp(fsdp_dcp):
 
 def test_fsdp_dcp_resumes_in_single_and_fsdp_exactly(fsdp_dcp, tmp_path):
     out, res = fsdp_dcp
-    s = train(TrainConfig(out=str(tmp_path), mode="single", epochs=2, resume=res.final_checkpoint, **SMALL))
+    first = os.path.join(out, res.checkpoints[0]["path"])  # epoch 1 of the fixture's two
+    assert res.checkpoints[0]["epoch"] == 1 and first.endswith(".dcp")
+    s = train(TrainConfig(out=str(tmp_path), mode="single", epochs=2, resume=first, **SMALL))
     assert s.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
-    f2 = train(
-        TrainConfig(
-            out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=res.final_checkpoint, save_format="pt", **SMALL
-        )
-    )
-    full = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, save_format="pt", name="full", **SMALL))
-    assert torch.equal(_out(f2), _out(full))  # FSDP -> FSDP continues bit-exactly
+    f2 = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=first, save_format="pt", **SMALL))
+    assert torch.equal(_out(f2), _out(res))  # FSDP -> FSDP continues bit-exactly: the fixture's own epoch 2
     ck = torch.load(f2.final_checkpoint, weights_only=True)
     assert list(ck["model_state_dict"])[0] == "conv1.weight"
     assert sorted(ck["optimizer_state_dict"]["state"]) == list(range(8))  # index keys: resumes anywhere
 
 
-def test_ddp_pt_resumes_in_fsdp_exactly(tmp_path):
-    d1 = train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=1, **SMALL))
-    f = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=d1.final_checkpoint, **SMALL))
-    d2 = train(TrainConfig(out=str(tmp_path), mode="ddp", nproc=2, epochs=2, name="ddp2", **SMALL))
+def test_ddp_pt_resumes_in_fsdp_exactly(ddp_trained_pt, tmp_path):
+    out, d = ddp_trained_pt  # 2 epochs of ddp (conftest.py, shared with test_train.py)
+    assert [e["epoch"] for e in d.checkpoints] == [1, 2]
+    first = os.path.join(out, d.checkpoints[0]["path"])
+    f = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, epochs=2, resume=first, **SMALL))
     assert f.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
-    # same global batches, same mean gradient: FSDP's reduce-scatter matches DDP's all-reduce here
-    assert torch.equal(_out(f), _out(d2))
+    # same global batches, same mean gradient: FSDP's reduce-scatter matches DDP's all-reduce here (the ddp
+    # run's own epoch 2 is the reference)
+    assert torch.equal(_out(f), _out(d))
 
 
 def test_fsdp_resume_with_momentum_0_matches_ddp(fsdp_dcp, tmp_path):

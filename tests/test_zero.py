@@ -148,7 +148,7 @@ def test_pure_python_conversion_matches_numpy() -> None:
 
 def test_cli_convert_is_torch_free_and_picks_latest(tmp_path: Path) -> None:
     out = tmp_path / "m.safetensors"
-    r = run_cli("convert", str(FIX / "zero3_fp32"), "-o", str(out))
+    r = run_cli("convert", str(FIX / "zero3_fp32"), "-o", str(out), isolated=True)
     assert r.rc == 0, r.err
     assert r.torch_imported is False
     assert "deepspeed-zero3" in r.err and "head.weight -> embed.weight" in r.err
