@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import random
+import threading
+import time
 from typing import Any
 
 from ckptfix.errors import (
@@ -62,6 +64,12 @@ def timeout() -> float:
 
 #: bytes per second: a range request whose body comes slower than this (after twice the timeout) has failed
 MIN_RATE = 64 * 1024
+
+
+def deadline(nbytes: int = 0) -> float:
+    """Seconds a whole request for ``nbytes`` may take: twice :func:`timeout` plus the body at :data:`MIN_RATE` (a
+    server that sends a byte now and then never trips a read timeout; this cuts it off)."""
+    return 2 * timeout() + nbytes / MIN_RATE
 
 
 class Transient(Exception):
@@ -142,7 +150,7 @@ class _HttpBackend:
         t = timeout()
         # a deadline for the whole request too: a server that sends a byte now and then (slow loris) never trips
         # ``sock_read``; twice the timeout plus the body at :data:`MIN_RATE` is generous for an honest server
-        return aiohttp.ClientTimeout(total=2 * t + nbytes / MIN_RATE, sock_connect=t, sock_read=t)
+        return aiohttp.ClientTimeout(total=deadline(nbytes), sock_connect=t, sock_read=t)
 
     def _errors(self) -> tuple[type[BaseException], ...]:
         import asyncio
@@ -575,39 +583,112 @@ class _HfBackend(_FsBackend):
     def fetch(self, start: int, end: int) -> bytes:
         assert self.url is not None
         target = self.location or self.url
+        n = end - start
         try:
-            from huggingface_hub.utils import build_hf_headers, get_session
+            from huggingface_hub.utils import build_hf_headers
 
             # the token goes to the Hub only, never to the CDN a signed URL points at
             headers = build_hf_headers(token=self.fs.token) if target == self.url else {}
-            headers.update({"Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"})
-            session: Any = get_session()  # httpx (huggingface_hub >= 1.0) or requests (0.x)
-            follow = "follow_redirects" if type(session).__module__.startswith("httpx") else "allow_redirects"
-            r = session.get(target, headers=headers, timeout=timeout(), **{follow: True})
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map(e) from None
-        if r.status_code in (401, 403) and target != self.url:  # the signed URL expired: a fresh one, then retry
+        headers.update({"Range": f"bytes={start}-{n + start - 1}", "Accept-Encoding": "identity"})
+        limit = deadline(n)
+        box: list[Any] = []
+        done = threading.Event()
+        cancel = threading.Event()
+
+        def run() -> None:
+            try:
+                box.append(self._get(target, headers, start, end, time.monotonic() + limit, cancel))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box.append(e)
+            finally:
+                done.set()
+
+        # a daemon thread: a server that drips its headers is left behind at the deadline (the thread ends at its
+        # next byte or read timeout), never waited for, and never holds more than the range asked for
+        threading.Thread(target=run, name="ckptfix-hf-range", daemon=True).start()
+        if not done.wait(limit + 1.0):
+            cancel.set()
+            raise Transient(f"no complete answer within the request deadline ({limit:.0f} s)")
+        out = box[0]
+        if isinstance(out, BaseException):
+            if isinstance(out, (CkptfixError, Transient)):
+                raise out
+            raise self._map(out) from None
+        status, reason, resp_headers, data = out
+        if status in (401, 403) and target != self.url:  # the signed URL expired: a fresh one, then retry
             self._renew()
-            raise Transient(f"HTTP {r.status_code} from the signed download URL (expired); renewed")
-        if r.status_code != 206:
-            denied = self._denied(None, r.status_code) if r.status_code in (401, 403) else None
+            raise Transient(f"HTTP {status} from the signed download URL (expired); renewed")
+        if status != 206:
+            denied = self._denied(None, status) if status in (401, 403) else None
             if denied is not None:
                 raise denied
-            if r.status_code == 200:
+            if status == 200:
                 raise RemoteUnavailableError(
                     f"{self.name}: the Hub ignored a range request (HTTP 200 instead of 206); "
                     "download the file and run the command on the local copy"
                 )
-            reason = str(getattr(r, "reason_phrase", None) or getattr(r, "reason", "") or "")
-            err = _http_status(self.name, r.status_code, reason)
+            err = _http_status(self.name, status, reason)
             if isinstance(err, Transient):
-                err.retry_after = _retry_after(r.headers)
+                err.retry_after = _retry_after(resp_headers)
             raise err
-        check_content_range(self.name, r.headers.get("Content-Range", ""), start, end, self.size)
-        data = r.content
-        if len(data) != end - start:
-            raise Transient(f"short read: {len(data):,} of {end - start:,} bytes")
+        if len(data) != n:
+            raise Transient(f"short read: {len(data):,} of {n:,} bytes")
         return bytes(data)
+
+    def _get(
+        self, target: str, headers: dict[str, str], start: int, end: int, until: float, cancel: threading.Event
+    ) -> tuple[int, str, Any, bytes]:
+        """One ``GET`` of a range, streamed: ``(status, reason, headers, body)``; the body (of a 206 only) is read
+        raw (never decoded) and at most ``end - start`` bytes of it, before ``until`` (a monotonic time)."""
+        from huggingface_hub.utils import get_session
+
+        t = timeout()
+        n = end - start
+        session: Any = get_session()  # httpx / httpx2 (huggingface_hub >= 1.0) or requests (0.x)
+        top = type(session).__module__.split(".")[0]
+        if top.startswith("httpx"):
+            import importlib
+
+            limits = importlib.import_module(top).Timeout(t, connect=t, read=t)
+            with session.stream("GET", target, headers=headers, timeout=limits, follow_redirects=True) as r:
+                reason = str(getattr(r, "reason_phrase", "") or "")
+                if r.status_code != 206:
+                    return r.status_code, reason, r.headers, b""
+                self._check_206(r.headers, start, end)
+                return r.status_code, reason, r.headers, _read_raw(r.iter_raw(), n, until, cancel)
+        r = session.get(target, headers=headers, timeout=(t, t), allow_redirects=True, stream=True)
+        try:
+            if r.status_code != 206:
+                return r.status_code, str(r.reason or ""), r.headers, b""
+            self._check_206(r.headers, start, end)
+            chunks = iter(lambda: r.raw.read(1 << 16, decode_content=False), b"")
+            return r.status_code, str(r.reason or ""), r.headers, _read_raw(chunks, n, until, cancel)
+        finally:
+            r.close()
+
+    def _check_206(self, headers: Any, start: int, end: int) -> None:
+        check_content_range(self.name, headers.get("Content-Range", ""), start, end, self.size)
+        enc = str(headers.get("Content-Encoding", "identity")).strip().lower()
+        if enc not in ("", "identity"):  # asked for identity: decoded bytes are not the object's (maybe a bomb)
+            raise RemoteUnavailableError(
+                f"{self.name}: the server compressed a range answer (Content-Encoding: {enc}) though asked for "
+                "identity; download the file and run the command on the local copy"
+            )
+
+
+def _read_raw(chunks: Any, n: int, until: float, cancel: threading.Event) -> bytes:
+    """At most ``n`` bytes from an iterator of raw body chunks, before the monotonic time ``until``: a longer body is
+    refused at its first byte over ``n``, a body still coming at the deadline is refused then."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        if len(buf) > n:
+            raise Transient(f"the server sent more than the {n:,} bytes asked for")
+        if cancel.is_set() or time.monotonic() > until:
+            raise Transient(f"the answer was still coming at the request deadline ({len(buf):,} of {n:,} bytes)")
+    return bytes(buf)
 
 
 def _resolve_url(endpoint: str, repo_id: str, path: str, repo_type: str | None, revision: str | None) -> str:
