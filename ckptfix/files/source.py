@@ -95,12 +95,15 @@ class Source:
         view[:] = self.pread(len(view), off)
         return len(view)
 
-    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
+    def read_ranges(
+        self, ranges: list[tuple[int, int]], jobs: int = 1, *, exact: bool = False
+    ) -> Iterator[tuple[int, bytes]]:
         """The bytes of ``(offset, length)`` ranges, in the order given (remote: coalesced, ``jobs`` parallel).
 
         Args:
             ranges: ``(offset, length)`` pairs.
             jobs: parallel requests.
+            exact: (remote) fetch the ranges' spans only, no read-ahead, no wide coalescing.
 
         Yields:
             ``(offset, data)`` per range.
@@ -211,8 +214,10 @@ class RemoteSource(Source):
     def readinto(self, view: memoryview, off: int, jobs: int = 1) -> int:
         return self.rf.readinto(view, off, jobs=jobs)
 
-    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
-        return self.rf.read_ranges(ranges, jobs=jobs)
+    def read_ranges(
+        self, ranges: list[tuple[int, int]], jobs: int = 1, *, exact: bool = False
+    ) -> Iterator[tuple[int, bytes]]:
+        return self.rf.read_ranges(ranges, jobs=jobs, exact=exact)
 
     def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
         """Bring ranges into the cache ahead of many small reads (see :meth:`RemoteFile.prefetch`)."""

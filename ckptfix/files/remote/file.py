@@ -72,6 +72,8 @@ HEAD = 64 * KiB
 SMALL = 1 * MiB
 #: ranges closer than this share one request (:meth:`RemoteFile.read_ranges`)
 GAP = 1 * MiB
+#: ranges read with ``exact`` share one request only when closer than this
+EXACT_GAP = 16 * KiB
 #: the most one coalesced request carries
 MAX_REQUEST = 16 * MiB
 #: reads over this are split into parts of this size, fetched in parallel
@@ -142,7 +144,7 @@ class RemoteFile:
         self.name = url
         self.stats = stats
         if fs is None:
-            fs, path = urls.filesystem(url)
+            fs, path = urls.filesystem(url, retried=True)
         else:
             path = url
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -199,13 +201,15 @@ class RemoteFile:
                 self.stats.add(requests=1, nbytes=len(out) if isinstance(out, (bytes, bytearray)) else 0)
             return out
         assert last is not None
+        # the drivers do not retry under this loop (urls.filesystem(retried=True)): n retries are n + 1 requests
+        tries = f"after {n} {'retry' if n == 1 else 'retries'} ({n + 1} request{'s' if n else ''})"
         if last.throttled:
             raise RemoteThrottledError(
-                f"{self.name}: the store is throttling requests ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
+                f"{self.name}: the store is throttling requests ({last}) {tries}; "
                 "wait and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
             )
         raise RemoteUnavailableError(
-            f"{self.name}: the store failed ({last}) after {n} {'retry' if n == 1 else 'retries'}; "
+            f"{self.name}: the store failed ({last}) {tries}; "
             "check the network and run the command again (or set CKPTFIX_REMOTE_RETRIES higher)"
         )
 
@@ -368,7 +372,9 @@ class RemoteFile:
         view[:] = self.pread(n, off)
         return n
 
-    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
+    def read_ranges(
+        self, ranges: list[tuple[int, int]], jobs: int = 1, *, exact: bool = False
+    ) -> Iterator[tuple[int, bytes]]:
         """The bytes of many ``(offset, length)`` ranges, in the order given; ranges closer than :data:`GAP`
         share one request (up to :data:`MAX_REQUEST` bytes), and ``jobs`` requests run at once.
 
@@ -377,6 +383,9 @@ class RemoteFile:
         Args:
             ranges: ``(offset, length)`` pairs.
             jobs: parallel requests.
+            exact: the bytes between the ranges will be read anyway, later (a zip's local headers before the copy
+                of its records): ranges share a request only when under :data:`EXACT_GAP` apart, and each request
+                is the ranges' span, no read-ahead, so no byte is fetched twice but in those small gaps.
 
         Yields:
             ``(offset, data)`` for each range, in the order given.
@@ -389,7 +398,7 @@ class RemoteFile:
             off, n = ranges[i]
             if groups:
                 s, e, idx = groups[-1]
-                if off - e <= GAP and max(e, off + n) - s <= MAX_REQUEST:
+                if off - e <= (EXACT_GAP if exact else GAP) and max(e, off + n) - s <= MAX_REQUEST:
                     groups[-1] = (s, max(e, off + n), idx + [i])
                     continue
             groups.append((off, off + n, [i]))
@@ -406,7 +415,7 @@ class RemoteFile:
                 need = where[pos]
                 while gi < len(groups) and (gi <= need or len(pending) < jobs):
                     s, e, _ = groups[gi]
-                    pending[gi] = ex.submit(self._group, s, e, jobs)
+                    pending[gi] = ex.submit(self._group, s, e, jobs, exact)
                     gi += 1
                 if need not in done:
                     data = pending.pop(need).result()
@@ -451,10 +460,12 @@ class RemoteFile:
             for f in [ex.submit(one, r) for r in want]:
                 f.result()
 
-    def _group(self, s: int, e: int, jobs: int) -> bytes:
+    def _group(self, s: int, e: int, jobs: int, exact: bool = False) -> bytes:
         hit = self._lookup(s, e - s)
         if hit is not None:
             return hit
+        if exact and self.size > SMALL:  # the span only (a small file is fetched whole once, then cached)
+            return self._fetch(s, e) if e - s <= PART else bytes(self._fetch_parts(s, e - s, 1) or b"")
         if e - s < DIRECT:  # through the cache: only the blocks missing are fetched
             return self.pread(e - s, s)
         if e - s > PART:
