@@ -442,6 +442,8 @@ class _S3Backend(_FsBackend):
         return self._map(e)
 
     def fetch(self, start: int, end: int) -> bytes:
+        import asyncio
+
         from fsspec.asyn import sync
 
         bucket, key, version = self.fs.split_path(self.path)
@@ -460,9 +462,17 @@ class _S3Backend(_FsBackend):
                 body.close()
             return resp.get("ETag"), data
 
+        async def bounded() -> tuple[str | None, bytes]:
+            # the whole request has a deadline too (botocore's read timeout is per read: a drip never trips it)
+            try:
+                return await asyncio.wait_for(get(), deadline(end - start))
+            except asyncio.TimeoutError:
+                limit = deadline(end - start)
+                raise Transient(f"no complete answer within the request deadline ({limit:.0f} s)") from None
+
         try:
-            etag, data = sync(self.fs.loop, get)
-        except CkptfixError:
+            etag, data = sync(self.fs.loop, bounded)
+        except (CkptfixError, Transient):
             raise
         except Exception as e:  # noqa: BLE001 - mapped to the typed errors
             raise self._map_s3(e) from None
