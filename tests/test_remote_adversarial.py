@@ -389,7 +389,7 @@ def test_an_endless_folder_listing_is_refused_in_bounded_memory(monkeypatch: pyt
     class), never read whole."""
     from ckptfix.errors import ResourceLimitError
     from ckptfix.files import source
-    from ckptfix.files.remote import backends
+    from ckptfix.files.remote import file as backends
 
     monkeypatch.setattr(backends, "MAX_LISTING", 1 * MiB, raising=False)
     line = b"".join(b'<a href="f%d.distcp">x</a>\n' % i for i in range(40_000))  # about 1 MiB

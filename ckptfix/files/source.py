@@ -374,13 +374,13 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
     if isinstance(e, CkptfixError):
         return e
     if _urls.scheme(url) == "hf":
-        from ckptfix.files.remote.backends import hf_bad_url
+        from ckptfix.files.remote.file import hf_bad_url
 
         bad = hf_bad_url(url, e)
         if bad is not None:
             return bad
     if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
-        from ckptfix.files.remote.backends import no_credentials
+        from ckptfix.files.remote.file import no_credentials
 
         return no_credentials(url, e)
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
@@ -447,7 +447,7 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
         p = url if url.endswith("/") else url + "/"
     try:
         if _http(url):  # the page is the server's text: read under a size limit and a deadline
-            from ckptfix.files.remote.backends import http_links
+            from ckptfix.files.remote.file import http_links
 
             entries = http_links(fs, p)
         else:

@@ -62,7 +62,7 @@ def remote_exists(url: str) -> bool:
         raise
     except Exception as e:  # noqa: BLE001 - no credentials, a client's own errors: typed, one line
         if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
-            from ckptfix.files.remote.backends import no_credentials
+            from ckptfix.files.remote.file import no_credentials
 
             raise no_credentials(url, e) from None
         raise RemoteWriteError(

@@ -117,7 +117,7 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
         # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
         kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
     if protocol == "s3":
-        from ckptfix.files.remote.backends import timeout
+        from ckptfix.files.remote.file import timeout
 
         t = timeout()  # CKPTFIX_REMOTE_TIMEOUT for botocore too (s3fs' own: 5 s to connect, 15 s per read)
         kwargs["config_kwargs"] = {"connect_timeout": t, "read_timeout": t}
