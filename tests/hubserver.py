@@ -18,6 +18,7 @@ a token), one in :attr:`HubServer.gated` has its files answered 401 ``GatedRepo`
 With :attr:`HubServer.lfs_from` set, files of that size or more are LFS files as on the Hub: ``resolve`` answers
 302 to a signed ``/cdn/{commit}/{path}?sig=N`` URL with ``X-Linked-Size``/``X-Linked-Etag``; :meth:`HubServer.expire`
 makes the URLs handed out so far answer 403, as an expired presigned URL does.
+With :attr:`HubServer.hostile` set, ranged GETs of files are answered by that function (a lying or sick server).
 Anything else (``huggingface_hub`` also asks for ``/api/agent-harnesses`` once per process) is a 404.
 Errors carry the Hub's ``X-Error-Code`` (``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``), which
 ``huggingface_hub`` maps to its typed errors.  Every request is logged with the body bytes sent
@@ -209,6 +210,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         size = os.path.getsize(fpath)
         etag = f'"{self.server.blob_id(fpath)}"'
         rng = self.headers.get("Range")
+        hostile = self.server.hostile
+        if hostile is not None and rng and method == "GET":  # a sick or lying server answers the range itself
+            m = _RANGE.match(rng.strip())
+            if m:
+                self._record(method, 206)
+                try:
+                    hostile(self, int(m.group(1)), int(m.group(2)) + 1 if m.group(2) else size, size)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                return None
         start, end, status = 0, size, 200
         if rng:
             m = _RANGE.match(rng.strip())
@@ -262,6 +273,8 @@ class HubServer(http.server.ThreadingHTTPServer):
         self.private: set[str] = set()  # repositories answered 401 RepoNotFound (no token)
         self.gated: set[str] = set()  # repositories whose files are answered 401 GatedRepo
         self.lfs_from: int | None = None  # files of at least this size are LFS: redirected to a signed /cdn/ URL
+        #: answers ranged GETs of files itself when set: ``(handler, start, end, size) -> None`` writes the whole reply
+        self.hostile: Any = None
         self.signature = 0  # the /cdn/ URLs' signature: :meth:`expire` makes the ones handed out so far 403
         self._blobs: dict[tuple[str, int, int], str] = {}
         self.repos: dict[str, dict[str, tuple[str, str]]] = {}
@@ -340,6 +353,7 @@ class HubServer(http.server.ThreadingHTTPServer):
             self.private.clear()
             self.gated.clear()
             self.lfs_from = None
+            self.hostile = None
 
     def sent(self) -> int:
         """Body bytes of file content and JSON sent so far."""

@@ -389,7 +389,7 @@ def test_an_endless_folder_listing_is_refused_in_bounded_memory(monkeypatch: pyt
     class), never read whole."""
     from ckptfix.errors import ResourceLimitError
     from ckptfix.files import source
-    from ckptfix.files.remote import backends
+    from ckptfix.files.remote import file as backends
 
     monkeypatch.setattr(backends, "MAX_LISTING", 1 * MiB, raising=False)
     line = b"".join(b'<a href="f%d.distcp">x</a>\n' % i for i in range(40_000))  # about 1 MiB
@@ -592,3 +592,44 @@ def test_a_head_that_claims_4_gib_for_a_tiny_object_is_one_line_with_a_fix(tmp_p
     assert r.err.startswith("Error: ") and r.err.count("\n") == 1 and "run the command" in r.err
     assert isinstance(out, RemoteUnavailableError) and peak < 32 * MiB
     assert "download the file" in str(out)  # a 416 past the real end: says what to do, not just the status
+
+
+def test_a_slow_loris_s3_endpoint_is_bounded_by_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same drip from an S3 endpoint (s3fs and botocore): botocore's read timeout is per read, so the request
+    needs the deadline too (issue #33 §3); one typed line naming the URL."""
+    pytest.importorskip("s3fs")
+    from s3server import _DUMMY_ENV
+
+    for k, v in _DUMMY_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CKPTFIX_REMOTE_TIMEOUT", "1")
+    monkeypatch.setenv("CKPTFIX_REMOTE_RETRIES", "0")
+    stop = threading.Event()
+
+    def answer(h: http.server.BaseHTTPRequestHandler, start: int, end: int) -> None:
+        _head206(h, start, end, 2 * MiB, Content_Length=str(end - start))
+        for _ in range(end - start):
+            if stop.wait(0.2):
+                return
+            h.wfile.write(b"x")
+            h.wfile.flush()
+
+    box: list[Any] = []
+
+    def read() -> None:
+        try:
+            box.append(RemoteFile("s3://bucket/f.bin").pread(100, 1_500_000))
+        except Exception as e:  # noqa: BLE001 - checked below
+            box.append(e)
+
+    with lying(answer) as url:
+        endpoint = url.rsplit("/", 1)[0]
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(60)  # a hang catcher only
+        stop.set()
+    assert box, "the read never ended"
+    assert isinstance(box[0], RemoteUnavailableError), repr(box[0])
+    assert "s3://bucket/f.bin" in str(box[0]) and "deadline" in str(box[0])

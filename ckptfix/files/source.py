@@ -99,12 +99,15 @@ class Source:
         view[:] = self.pread(len(view), off)
         return len(view)
 
-    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
+    def read_ranges(
+        self, ranges: list[tuple[int, int]], jobs: int = 1, *, exact: bool = False
+    ) -> Iterator[tuple[int, bytes]]:
         """The bytes of ``(offset, length)`` ranges, in the order given (remote: coalesced, ``jobs`` parallel).
 
         Args:
             ranges: ``(offset, length)`` pairs.
             jobs: parallel requests.
+            exact: (remote) fetch the ranges' spans only, no read-ahead, no wide coalescing.
 
         Yields:
             ``(offset, data)`` per range.
@@ -215,8 +218,10 @@ class RemoteSource(Source):
     def readinto(self, view: memoryview, off: int, jobs: int = 1) -> int:
         return self.rf.readinto(view, off, jobs=jobs)
 
-    def read_ranges(self, ranges: list[tuple[int, int]], jobs: int = 1) -> Iterator[tuple[int, bytes]]:
-        return self.rf.read_ranges(ranges, jobs=jobs)
+    def read_ranges(
+        self, ranges: list[tuple[int, int]], jobs: int = 1, *, exact: bool = False
+    ) -> Iterator[tuple[int, bytes]]:
+        return self.rf.read_ranges(ranges, jobs=jobs, exact=exact)
 
     def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
         """Bring ranges into the cache ahead of many small reads (see :meth:`RemoteFile.prefetch`)."""
@@ -400,13 +405,13 @@ def _remote_map(url: str, e: BaseException) -> BaseException:
     if isinstance(e, CkptfixError):
         return e
     if _urls.scheme(url) == "hf":
-        from ckptfix.files.remote.backends import hf_bad_url
+        from ckptfix.files.remote.file import hf_bad_url
 
         bad = hf_bad_url(url, e)
         if bad is not None:
             return bad
     if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
-        from ckptfix.files.remote.backends import no_credentials
+        from ckptfix.files.remote.file import no_credentials
 
         return no_credentials(url, e)
     return RemoteUnavailableError(f"{url}: the store failed ({type(e).__name__}: {e}); run the command again")
@@ -473,7 +478,7 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
         p = url if url.endswith("/") else url + "/"
     try:
         if _http(url):  # the page is the server's text: read under a size limit and a deadline
-            from ckptfix.files.remote.backends import http_links
+            from ckptfix.files.remote.file import http_links
 
             entries = http_links(fs, p)
         else:

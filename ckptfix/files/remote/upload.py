@@ -2,7 +2,8 @@
 
 Every output ckptfix writes is verified in a local temp file first (:mod:`ckptfix.files.atomic`,
 :mod:`ckptfix.ops.convert.write`); :func:`commit_file` then uploads it (the S3 client checksums every part
-it sends).  S3 (s3fs) uploads a big file as a multipart upload, which the store makes visible under the
+it sends).  S3 (s3fs) uploads a big file as a multipart upload (parts of :data:`PART_SIZE` read from the file,
+:data:`UPLOAD_JOBS` at a time: memory flat whatever the size), which the store makes visible under the
 key only when it is *completed*; any failure aborts it, so no part and no partial object is ever left
 under the final name.  A small file is one ``PUT``, atomic too.  After the upload the object's size is
 compared with the local file's (its ETag is not: with SSE-KMS it is no MD5): a mismatch removes the
@@ -19,7 +20,10 @@ from typing import Any
 from ckptfix.errors import CkptfixError, OutputError, RemoteWriteError
 
 #: bytes per part of a multipart upload (S3: at least 5 MiB but the last; at most 10,000 parts)
-PART_SIZE = 64 << 20
+PART_SIZE = 8 << 20
+#: parts read from the file and in flight at once: what an upload holds in memory is about this many parts
+#: (s3fs' default, 10, held 10 parts: 2 MiB of memory per MiB of a file up to 640 MiB)
+UPLOAD_JOBS = 2
 
 
 def _part_size(size: int) -> int:
@@ -58,7 +62,7 @@ def remote_exists(url: str) -> bool:
         raise
     except Exception as e:  # noqa: BLE001 - no credentials, a client's own errors: typed, one line
         if "Credential" in type(e).__name__ or "NoAuth" in type(e).__name__:
-            from ckptfix.files.remote.backends import no_credentials
+            from ckptfix.files.remote.file import no_credentials
 
             raise no_credentials(url, e) from None
         raise RemoteWriteError(
@@ -110,6 +114,7 @@ def commit_file(local_tmp: str, url: str, *, stats: Any = None) -> None:
     if is_s3:
         # s3fs: one PUT below two parts, else a multipart upload completed at the end (aborted on any error)
         kwargs["chunksize"] = part
+        kwargs["max_concurrency"] = UPLOAD_JOBS
         multipart = not size < min(5 * 2**30, 2 * part)
     before = _pending(fs, path) if multipart else set()  # uploads of this key not ours (aborted on Ctrl-C: ours only)
     try:

@@ -79,11 +79,15 @@ def install_hint(module: str) -> str:
     return f"pip install {module.replace('_', '-')}"
 
 
-def filesystem(url: str) -> tuple[Any, str]:
+def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
     """The fsspec file system for ``url`` and the path inside it.
 
     Args:
         url: a remote URL.
+        retried: the caller retries each request itself (:class:`~ckptfix.files.remote.file.RemoteFile`): the
+            driver's own retries are turned off (s3fs' and botocore's), so that ``CKPTFIX_REMOTE_RETRIES=N`` is N+1
+            requests.  A separate instance from the one without (listings, uploads keep the driver's retries).
+            An S3 client's connect and read timeouts are ``CKPTFIX_REMOTE_TIMEOUT`` (default 60 s) either way.
 
     Returns:
         ``(fs, path)``: ``path`` is what the file system's methods take (the URL itself for http).
@@ -112,12 +116,21 @@ def filesystem(url: str) -> tuple[Any, str]:
     if protocol == "hf" and os.environ.get("HF_ENDPOINT"):
         # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
         kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
+    if protocol == "s3":
+        from ckptfix.files.remote.file import timeout
+
+        t = timeout()  # CKPTFIX_REMOTE_TIMEOUT for botocore too (s3fs' own: 5 s to connect, 15 s per read)
+        kwargs["config_kwargs"] = {"connect_timeout": t, "read_timeout": t}
+        if retried:  # botocore: one attempt per call ("total_max_attempts" counts the first); s3fs' loop: below
+            kwargs["config_kwargs"]["retries"] = {"total_max_attempts": 1, "mode": "standard"}
     try:
         fs, path = fsspec.core.url_to_fs(url, **kwargs)
     except ImportError as e:
         raise RemoteDriverMissingError(
             f"reading {sch}:// URLs needs a driver that is not installed ({e}): {install_hint(module or 'fsspec')}"
         ) from None
+    if retried and protocol == "s3":
+        fs.retries = 1  # s3fs' _error_wrapper: attempts, not retries (this instance only: its kwargs differ)
     if protocol in ("http", "https"):
         path = url
     return fs, path
