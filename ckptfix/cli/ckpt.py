@@ -87,7 +87,7 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     lines.append(f"  weights_only  {'ok' if r.weights_only_ok else 'FAILS'} ({r.weights_only_reason})")
     for n in r.notes:
         lines.append(f"  note          {n}")
-    lines += _framework_lines(r.framework)
+    lines += _framework_lines(r.framework, r.folder_scan)
     click.echo("\n".join(lines))
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
@@ -95,17 +95,38 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     _with_stats(show_stats, None, st)
 
 
-def _framework_lines(fw: dict | None) -> list[str]:
-    """The framework, layout and one line per other file of a framework folder (inspect's text)."""
+def _framework_lines(fw: dict | None, folder_scan: dict | None = None) -> list[str]:
+    """The framework, layout and one line per other file of a framework folder (inspect's text), then the
+    scan verdict of every pickle-bearing file in it."""
     if not fw:
         return []
+    verdicts = (folder_scan or {}).get("files", {})
+
+    def flag(name: str) -> str:
+        v = verdicts.get(name)
+        if not v or v["verdict"] == "safe":
+            return ""
+        named = (v["dangerous"] + v["unknown"])[:3]
+        return f" [scan: {v['verdict']}" + (f", {', '.join(named)}" if named else "") + "]"
+
     out = [f"  framework     {fw['framework']} ({fw['layout']}; checked with {fw['checked_versions']})"]
     for label, text in fw.get("details", []):  # a consolidated layout's own lines (ZeRO stage, ranks ...)
         out.append(f"  {label:<13} {text}")
     if fw.get("weights") is not None:
-        out.append(f"  weights       {fw['weights']}")
+        out.append(f"  weights       {fw['weights']}{flag(fw['weights'])}")
     for f in fw.get("files", []):
-        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}")
+        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}{flag(f['file'])}")
+    if folder_scan is not None:
+        by: dict[str, list[str]] = {}
+        for name, v in verdicts.items():
+            by.setdefault(v["verdict"], []).append(name)
+        parts = [
+            f"{k}: {', '.join(by[k][:6])}{' ...' if len(by[k]) > 6 else ''}"
+            for k in ("dangerous", "unknown", "malformed")
+            if k in by
+        ]
+        safe = len(by.get("safe", []))
+        out.append(f"  scan          {folder_scan['verdict']} ({'; '.join(parts + [f'{safe} file(s) safe'])})")
     return out
 
 
@@ -175,12 +196,17 @@ def _render_scan(r) -> None:
         click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
     for e in r.errors:
         click.echo(f"  malformed {e}")
+    for name, f in r.files.items():  # a folder: each file's own verdict
+        named = (f["dangerous"] + f["unknown"])[:3]
+        click.echo(f"  file      {name}: {f['verdict']}" + (f" ({', '.join(named)})" if named else ""))
 
 
 def _scan_error(checkpoint: str, r):
     """The error ``scan`` exits with for report ``r`` (None when the file is safe)."""
     from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
 
+    bad = [n for n, f in r.files.items() if f["verdict"] == ("dangerous" if r.dangerous else "unknown")]
+    where = f" in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}" if bad else ""
     if r.dangerous:
         if r.format in ("torch-tar", "torch-package"):  # ckptfix never loads these
             what = "a pre-0.4 tar checkpoint" if r.format == "torch-tar" else "a torch.package archive"
@@ -189,9 +215,9 @@ def _scan_error(checkpoint: str, r):
                 "when the file is loaded (torch.load, PackageImporter); load it only if you trust it"
             )
         return ScanFindingsError(
-            f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
-            "load this file with torch.load(weights_only=False); ckptfix loads it with them "
-            "stubbed"
+            f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}){where}: do not "
+            f"load {'these files' if bad else 'this file'} with torch.load(weights_only=False); ckptfix loads "
+            "it with them stubbed"
         )
     if r.unknown and r.format in ("torch-tar", "torch-package"):
         return ScanFindingsError(
@@ -201,7 +227,7 @@ def _scan_error(checkpoint: str, r):
     if r.unknown:
         return ScanFindingsError(
             f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
-            f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
+            f"({', '.join(r.unknown[:3])}){where}: load_anywhere stubs them; pass --allow-global NAME "
             "to rebuild one you trust"
         )
     if r.errors:
