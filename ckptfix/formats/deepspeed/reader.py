@@ -33,9 +33,10 @@ from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord
 
 def _read(path: str, what: str) -> Any:
     from ckptfix.formats import read_checkpoint
+    from ckptfix.formats.zipfmt import big_endian_parts
 
     try:
-        return read_checkpoint(path)
+        cf = read_checkpoint(path)
     except CkptfixError as e:
         if isinstance(e, CorruptCheckpointError):
             raise CorruptCheckpointError(
@@ -43,6 +44,12 @@ def _read(path: str, what: str) -> Any:
                 "again from where training saved it"
             ) from None
         raise
+    if big_endian_parts(cf):  # the partitions are copied as raw bytes: never in the wrong order
+        raise UnsupportedError(
+            f"{path}: this ZeRO {what} has big-endian storages (byteorder 'big', saved on a big-endian machine); "
+            "ckptfix consolidates little-endian ZeRO folders only: run DeepSpeed's zero_to_fp32.py on it"
+        )
+    return cf
 
 
 def _first(e: BaseException) -> str:
