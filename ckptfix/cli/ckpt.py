@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import PATH, ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._common import PATH, ProgressBar, echo, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def _with_stats(show: bool, doc: dict | None, st: Any) -> None:
         return
     if doc is not None:
         doc["stats"] = st.to_json()
-    click.echo(st.line(), err=True)
+    echo(st.line(), err=True)
 
 
 def _fmt_counts(d: dict) -> str:
@@ -88,10 +88,10 @@ def inspect_cmd(checkpoint: str, key: str | None, as_json: bool, show_stats: boo
     for n in r.notes:
         lines.append(f"  note          {n}")
     lines += _framework_lines(r.framework, r.folder_scan)
-    click.echo("\n".join(lines))
+    echo("\n".join(lines))
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
-            click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
+            echo(f"warning: {n[len('WARNING: ') :]}", err=True)
     _with_stats(show_stats, None, st)
 
 
@@ -191,14 +191,14 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
 
 
 def _render_scan(r) -> None:
-    click.echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
+    echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
     for g, d in r.globals.items():
-        click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+        echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
     for e in r.errors:
-        click.echo(f"  malformed {e}")
+        echo(f"  malformed {e}")
     for name, f in r.files.items():  # a folder: each file's own verdict
         named = (f["dangerous"] + f["unknown"])[:3]
-        click.echo(f"  file      {name}: {f['verdict']}" + (f" ({', '.join(named)})" if named else ""))
+        echo(f"  file      {name}: {f['verdict']}" + (f" ({', '.join(named)})" if named else ""))
 
 
 def _scan_error(checkpoint: str, r):
@@ -287,7 +287,7 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
     if rep.backup:
         info(f"backup: {shown_path(rep.backup)}")
     if rep.output:
-        click.echo(shown_path(rep.output))
+        echo(shown_path(rep.output))
 
 
 def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> OutputOptions:
@@ -376,11 +376,11 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key,
     else:
         _render_rewrite(res.rewrite, False, r.summary())
         for k in r.missing[:20]:
-            click.echo(f"  missing     {k}", err=True)
+            echo(f"  missing     {k}", err=True)
         for k in r.unexpected[:20]:
-            click.echo(f"  unexpected  {k}", err=True)
+            echo(f"  unexpected  {k}", err=True)
         for m in r.shape_mismatches[:20]:
-            click.echo(f"  shape       {m.to_dict()}", err=True)
+            echo(f"  shape       {m.to_dict()}", err=True)
     err = res.mismatch_error()
     if err is not None:
         raise err
@@ -429,4 +429,4 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     if rep.backup:
         info(f"backup: {rep.backup}")
     if rep.output:
-        click.echo(rep.output)
+        echo(rep.output)
