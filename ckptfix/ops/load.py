@@ -770,6 +770,8 @@ def is_stub(obj: Any) -> bool:
 
 def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
     """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
+    for p in r.of_role("meta"):  # the folder's own files (Lightning's meta.pt): one containment rule with convert
+        check_inside(r, p)
     handler = r.layout.load
     if handler is not None:
         lc: LoadedCheckpoint = handler(r, **kw)
