@@ -189,8 +189,8 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
         if optim and model:
             from ckptfix.files.containment import check_member
 
-            for f in model + optim:  # partition files that link outside the folder: refused (one rule)
-                check_member(p, os.path.basename(f), p)
+            for part in model + optim:  # partition files that link outside the folder: refused (one rule)
+                check_member(p, os.path.basename(part), p)
             return ZeroCheckpoint(p, os.path.basename(os.path.abspath(p)), p, model, optim)
         if not os.path.isfile(latest):
             tags = _tags(p)
@@ -235,8 +235,8 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
 
     check_member(p, tag, p)  # a tag folder that links outside the checkpoint folder: refused (one rule)
     model, optim = _zero_files(tag_dir)
-    for f in model + optim:  # and partition files that do
-        check_member(tag_dir, os.path.basename(f), tag_dir)
+    for part in model + optim:  # and partition files that do
+        check_member(tag_dir, os.path.basename(part), tag_dir)
     if not optim or not model:
         what = "*_optim_states.pt" if not optim else "*_model_states.pt"
         raise CheckpointNotFoundError(
