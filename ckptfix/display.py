@@ -142,3 +142,66 @@ def output_is_input(path: str, *, in_place: str | None = None) -> str:
     """
     tail = f", or --in-place to {in_place}" if in_place else ""
     return f"{shown_path(path)}: the output is the input; -o to choose another path{tail}"
+
+
+# --------------------------------------------------------------------------- secrets in URLs
+
+#: query parameters that carry a secret: presigned URLs' signatures and credentials (S3 v2/v4, GCS, Azure SAS
+#: ``sig``), tokens, keys and passwords; matched by name, case-insensitively
+_SECRET_PARAM = (
+    r"(?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential|signature|sig"
+    r"|awsaccesskeyid|googleaccessid|[\w.-]*token|[\w.-]*secret[\w.-]*|[\w.-]*password|api[_-]?key|key|auth"
+    r"|[\w.-]*credential[\w.-]*)"
+)
+_PATTERNS: list = []
+
+
+def _patterns() -> list:
+    if not _PATTERNS:
+        import re  # compiled where used: display is on every command's start-up path
+
+        _PATTERNS.extend(
+            [
+                # scheme://user:password@host: the userinfo shown as ***
+                (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s?#]*@"), r"\1***@"),
+                # ?X-Amz-Signature=... / &sig=... / &token=...: the value shown as ***
+                (re.compile(rf"(?i)([?&;]{_SECRET_PARAM}=)[^&;#\s\"'<>]*"), r"\1***"),
+            ]
+        )
+    return _PATTERNS
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with the secrets of the URLs in it masked: ``user:password@`` and signature/credential/token
+    query parameters (a presigned URL's ``X-Amz-Signature``, ``X-Amz-Credential``, ``Signature``, ``sig``,
+    ``token`` ...) shown as ``***``.  Every display of a path or URL (text, ``--json``, errors) goes through it.
+
+    Args:
+        text: anything about to be shown.
+
+    Returns:
+        The text with the secrets masked (unchanged when it holds no ``://``, ``?`` or ``@``).
+    """
+    if "@" not in text and "?" not in text and "&" not in text:
+        return text
+    for rx, repl in _patterns():
+        text = rx.sub(repl, text)
+    return text
+
+
+def mask_doc(obj: object) -> object:
+    """:func:`mask_secrets` of every string (keys too) of a JSON document.
+
+    Args:
+        obj: a JSON-able value.
+
+    Returns:
+        A copy with every string masked.
+    """
+    if isinstance(obj, str):
+        return mask_secrets(obj)
+    if isinstance(obj, dict):
+        return {mask_secrets(k) if isinstance(k, str) else k: mask_doc(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [mask_doc(v) for v in obj]
+    return obj

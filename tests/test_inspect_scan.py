@@ -160,7 +160,7 @@ def test_inspect_cli_text_and_json(ckpt, capsys):
 
 
 def test_scan_safe_exit_0(ckpt, capsys):
-    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.torchscript(), ckpt.sharded_bin()):
+    for b in (ckpt.plain(), ckpt.legacy(), ckpt.safetensors(), ckpt.dcp(), ckpt.sharded_bin()):
         r = scan_checkpoint(b.path)
         assert r.verdict == "safe", (b.path, r.globals, r.errors)
         assert main(["scan", str(b.path)]) == 0, b.path
@@ -274,7 +274,7 @@ def test_inspect_and_scan_never_import_torch(ckpt):
     codes = ast.literal_eval(codes)
     expected = []
     for b in files:
-        bad = b.path.name in ("lit.ckpt", "evil.pt")
+        bad = b.path.name in ("lit.ckpt", "evil.pt", "scripted.pt")  # TorchScript: torch.jit.load runs its code
         expected += [0, 0, 11 if bad else 0, 11 if bad else 0]
     assert codes == expected
 

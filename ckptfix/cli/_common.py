@@ -8,7 +8,6 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import os
-import re
 import sys
 from typing import IO, Any, Callable
 
@@ -28,7 +27,10 @@ def emit_json(obj: Any) -> None:
     """Write one JSON document to stdout (data), nothing else."""
     import json  # only for --json: kept off start-up
 
-    click.echo(json.dumps(obj, indent=2, sort_keys=False, default=_json_default))
+    from ckptfix.display import mask_doc
+
+    doc = json.loads(json.dumps(obj, default=_json_default))  # plain JSON values, then every string masked
+    click.echo(json.dumps(mask_doc(doc), indent=2, sort_keys=False))
 
 
 def _json_default(o: Any) -> Any:
@@ -41,7 +43,7 @@ def _json_default(o: Any) -> Any:
 
 def info(msg: str) -> None:
     """Diagnostics go to stderr."""
-    click.echo(msg, err=True)
+    echo(msg, err=True)
 
 
 def use_color(stream: IO[str] | None = None) -> bool:
@@ -74,7 +76,7 @@ def use_color(stream: IO[str] | None = None) -> bool:
 def warn(msg: str) -> None:
     """A warning on stderr, ``warning:`` in yellow on a colour terminal."""
     color = use_color(sys.stderr)
-    click.echo(click.style("warning:", fg="yellow", bold=True) + " " + msg, err=True, color=color)
+    click.echo(click.style("warning:", fg="yellow", bold=True) + " " + _masked(msg), err=True, color=color)
 
 
 #: control characters (C0, DEL, C1) shown escaped in diagnostics: a name from a file or a remote listing may hold a
@@ -82,14 +84,19 @@ def warn(msg: str) -> None:
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160))}
 
 
-#: ``scheme://user:password@`` in a URL: the credentials are not repeated in diagnostics (logs keep them)
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]*@")
-
-
 def one_line(msg: str) -> str:
     """``msg`` with its control characters escaped (``\\x1b``, ``\\x0a``): one line, nothing a terminal runs; a
-    URL's ``user:password@`` shown as ``***@``."""
-    return _USERINFO.sub(r"\1***@", msg.translate(_CONTROLS))
+    URL's secrets (``user:password@``, a presigned URL's signature) masked (:func:`ckptfix.display.mask_secrets`)."""
+    from ckptfix.display import mask_secrets
+
+    return mask_secrets(msg.translate(_CONTROLS))
+
+
+def echo(message: Any = None, **kw: Any) -> None:
+    """``click.echo`` of what a command shows (stdout data, stderr notes): the secrets of URLs in it masked."""
+    from ckptfix.display import mask_secrets
+
+    click.echo(mask_secrets(message) if isinstance(message, str) else message, **kw)
 
 
 def error_line(msg: str) -> None:
@@ -136,3 +143,9 @@ class ProgressBar:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _masked(msg: str) -> str:
+    from ckptfix.display import mask_secrets
+
+    return mask_secrets(msg)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, json_option
+from ckptfix.cli._common import ProgressBar, echo, emit_json, human_bytes, json_option
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def _with_stats(show: bool, doc: dict | None, st: Any) -> None:
         return
     if doc is not None:
         doc["stats"] = st.to_json()
-    click.echo(st.line(), err=True)
+    echo(st.line(), err=True)
 
 
 def _fmt_counts(d: dict) -> str:
@@ -123,13 +123,13 @@ def inspect_cmd(
     lines.append(f"  weights_only  {'ok' if r.weights_only_ok else 'FAILS'} ({r.weights_only_reason})")
     for n in r.notes:
         lines.append(f"  note          {n}")
-    lines += _framework_lines(r.framework)
+    lines += _framework_lines(r.framework, r.folder_scan)
     if list_keys or pattern is not None:
         lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit)
-    click.echo("\n".join(lines))
+    echo("\n".join(lines))
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
-            click.echo(f"warning: {n[len('WARNING: ') :]}", err=True)
+            echo(f"warning: {n[len('WARNING: ') :]}", err=True)
     _with_stats(show_stats, None, st)
 
 
@@ -156,17 +156,38 @@ def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int)
     return out
 
 
-def _framework_lines(fw: dict | None) -> list[str]:
-    """The framework, layout and one line per other file of a framework folder (inspect's text)."""
+def _framework_lines(fw: dict | None, folder_scan: dict | None = None) -> list[str]:
+    """The framework, layout and one line per other file of a framework folder (inspect's text), then the
+    scan verdict of every pickle-bearing file in it."""
     if not fw:
         return []
+    verdicts = (folder_scan or {}).get("files", {})
+
+    def flag(name: str) -> str:
+        v = verdicts.get(name)
+        if not v or v["verdict"] == "safe":
+            return ""
+        named = (v["dangerous"] + v["unknown"])[:3]
+        return f" [scan: {v['verdict']}" + (f", {', '.join(named)}" if named else "") + "]"
+
     out = [f"  framework     {fw['framework']} ({fw['layout']}; checked with {fw['checked_versions']})"]
     for label, text in fw.get("details", []):  # a consolidated layout's own lines (ZeRO stage, ranks ...)
         out.append(f"  {label:<13} {text}")
     if fw.get("weights") is not None:
-        out.append(f"  weights       {fw['weights']}")
+        out.append(f"  weights       {fw['weights']}{flag(fw['weights'])}")
     for f in fw.get("files", []):
-        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}")
+        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}{flag(f['file'])}")
+    if folder_scan is not None:
+        by: dict[str, list[str]] = {}
+        for name, v in verdicts.items():
+            by.setdefault(v["verdict"], []).append(name)
+        parts = [
+            f"{k}: {', '.join(by[k][:6])}{' ...' if len(by[k]) > 6 else ''}"
+            for k in ("dangerous", "unknown", "malformed")
+            if k in by
+        ]
+        safe = len(by.get("safe", []))
+        out.append(f"  scan          {folder_scan['verdict']} ({'; '.join(parts + [f'{safe} file(s) safe'])})")
     return out
 
 
@@ -233,24 +254,29 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
 
 def _render_scan(r, limit: int = 0) -> None:
     """scan's text: every dangerous or unknown global, then the safe ones up to ``limit`` (0: all) and a count."""
-    click.echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
+    echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
     safe = [g for g, d in r.globals.items() if d["class"] == "safe"]
     hidden = set(safe[limit:]) if limit else set()
     for g, d in r.globals.items():
         if g not in hidden:
-            click.echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+            echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
     if hidden:
         mangled = sum(1 for g in hidden if g.startswith("__torch__."))
         what = f", {mangled} of them TorchScript classes (__torch__.*)" if mangled else ""
-        click.echo(f"  ... {len(hidden)} more safe globals{what} (--limit 0 lists all, --json has every one)")
+        echo(f"  ... {len(hidden)} more safe globals{what} (--limit 0 lists all, --json has every one)")
     for e in r.errors:
-        click.echo(f"  malformed {e}")
+        echo(f"  malformed {e}")
+    for name, f in r.files.items():  # a folder: each file's own verdict
+        named = (f["dangerous"] + f["unknown"])[:3]
+        echo(f"  file      {name}: {f['verdict']}" + (f" ({', '.join(named)})" if named else ""))
 
 
 def _scan_error(checkpoint: str, r):
     """The error ``scan`` exits with for report ``r`` (None when the file is safe)."""
     from ckptfix.errors import CorruptCheckpointError, ScanFindingsError
 
+    bad = [n for n, f in r.files.items() if f["verdict"] == ("dangerous" if r.dangerous else "unknown")]
+    where = f" in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}" if bad else ""
     if r.dangerous:
         if r.format in ("torch-tar", "torch-package"):  # ckptfix never loads these
             what = "a pre-0.4 tar checkpoint" if r.format == "torch-tar" else "a torch.package archive"
@@ -259,9 +285,9 @@ def _scan_error(checkpoint: str, r):
                 "when the file is loaded (torch.load, PackageImporter); load it only if you trust it"
             )
         return ScanFindingsError(
-            f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}): do not "
-            "load this file with torch.load(weights_only=False); ckptfix loads it with them "
-            "stubbed"
+            f"{len(r.dangerous)} dangerous global(s) ({', '.join(r.dangerous[:3])}){where}: do not "
+            f"load {'these files' if bad else 'this file'} with torch.load(weights_only=False); ckptfix loads "
+            "it with them stubbed"
         )
     if r.unknown and r.format in ("torch-tar", "torch-package"):
         return ScanFindingsError(
@@ -271,7 +297,7 @@ def _scan_error(checkpoint: str, r):
     if r.unknown:
         return ScanFindingsError(
             f"{len(r.unknown)} global(s) outside torch's weights-only allowlist "
-            f"({', '.join(r.unknown[:3])}): load_anywhere stubs them; pass --allow-global NAME "
+            f"({', '.join(r.unknown[:3])}){where}: load_anywhere stubs them; pass --allow-global NAME "
             "to rebuild one you trust"
         )
     if r.errors:
@@ -331,7 +357,7 @@ def _render_rewrite(rep, as_json: bool, extra_line: str | None = None) -> None:
     if rep.backup:
         info(f"backup: {shown_path(rep.backup)}")
     if rep.output:
-        click.echo(shown_path(rep.output))
+        echo(shown_path(rep.output))
 
 
 def _outputs(bar, output, in_place, no_backup, force, key, map_location, jobs, link=False) -> OutputOptions:
@@ -420,11 +446,11 @@ def align_cmd(checkpoint, target, output, in_place, no_backup, force, link, key,
     else:
         _render_rewrite(res.rewrite, False, r.summary())
         for k in r.missing[:20]:
-            click.echo(f"  missing     {k}", err=True)
+            echo(f"  missing     {k}", err=True)
         for k in r.unexpected[:20]:
-            click.echo(f"  unexpected  {k}", err=True)
+            echo(f"  unexpected  {k}", err=True)
         for m in r.shape_mismatches[:20]:
-            click.echo(f"  shape       {m.to_dict()}", err=True)
+            echo(f"  shape       {m.to_dict()}", err=True)
     err = res.mismatch_error()
     if err is not None:
         raise err
@@ -473,4 +499,4 @@ def sanitize_cmd(checkpoint, output, in_place, no_backup, force, as_json) -> Non
     if rep.backup:
         info(f"backup: {rep.backup}")
     if rep.output:
-        click.echo(rep.output)
+        echo(rep.output)

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import ProgressBar, emit_json, human_bytes, info, json_option, warn
+from ckptfix.cli._common import ProgressBar, echo, emit_json, human_bytes, info, json_option, warn
 from ckptfix.cli.group import cli
 
 
@@ -211,12 +211,12 @@ def convert_cmd(
         from ckptfix.display import shown_path
 
         for p in report.outputs:
-            click.echo(shown_path(p))
+            echo(shown_path(p))
         if report.index:
-            click.echo(shown_path(report.index))
+            echo(shown_path(report.index))
         _summary(report)
     if stats is not None:  # after everything else: what the command transferred
-        click.echo(stats.line(), err=True)
+        echo(stats.line(), err=True)
 
 
 def _summary(r: Any) -> None:

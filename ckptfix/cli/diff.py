@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import emit_json, json_option
+from ckptfix.cli._common import echo, emit_json, json_option
 from ckptfix.cli.group import cli
 
 
@@ -85,6 +85,6 @@ def diff_cmd(
     if as_json:
         emit_json(r.to_dict())
     else:
-        click.echo("\n".join(render(r, quiet)))
+        echo("\n".join(render(r, quiet)))
     if not r.equal:
         ctx.exit(1)

@@ -491,8 +491,18 @@ _NOPE = object()
 
 def describe_files(r: Resolved) -> Resolved:
     """Fill in each file's summary (reads each file with the restricted, torch-free reader)."""
+    from ckptfix.files.containment import allowed_roots, inside
+
+    roots = allowed_roots(r.path)
     for f in r.files:
-        f.summary, f.details = describe_file(os.path.join(r.path, f.file), f.role)
+        p = os.path.join(r.path, f.file)
+        real = os.path.realpath(p)
+        if os.path.islink(p) and not inside(real, roots):
+            if f.role == "meta":  # a file convert and load read (the Lightning DCP meta.pt): refused, as by them
+                check_inside(r, p)
+            f.summary, f.details = f"a link to {real}, outside the folder; not read", {}
+            continue
+        f.summary, f.details = describe_file(p, f.role)
     return r
 
 

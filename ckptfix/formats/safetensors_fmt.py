@@ -28,6 +28,10 @@ ST_TO_DTYPE: dict[str, str] = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
     "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    # two 4-bit values a byte: safetensors counts the values (its last dimension is twice torch's)
+    "F4": "float4_e2m1fn_x2",
     "I64": "int64",
     "I32": "int32",
     "I16": "int16",
@@ -40,6 +44,27 @@ ST_TO_DTYPE: dict[str, str] = {
     "C64": "complex64",
 }
 DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
+
+#: safetensors dtypes whose values are smaller than a byte: values per byte (torch's dtype packs them)
+PACKED: dict[str, int] = {"F4": 2}
+
+
+def st_shape(dtype: str, shape: Any) -> list[int]:
+    """The shape a safetensors header records for a tensor of torch dtype ``dtype`` and ``shape``: torch's,
+    except for packed sub-byte dtypes (``float4_e2m1fn_x2``: ``F4``, the last dimension counts the values).
+
+    Args:
+        dtype: the torch dtype name.
+        shape: the torch shape.
+
+    Returns:
+        The header's shape.
+    """
+    out = [int(d) for d in shape]
+    k = PACKED.get(DTYPE_TO_ST.get(dtype, ""), 1)
+    if k > 1 and out:
+        out[-1] *= k
+    return out
 
 
 def read_header(path: str, max_bytes: int | None = None) -> tuple[dict[str, Any], int]:
@@ -114,6 +139,14 @@ def _tensor_record(path: str, name: str, info: Any, start: int, size: int) -> tu
         raise CorruptCheckpointError(f"{path}: malformed header entry for {name!r}") from None
     if dt is None:
         raise CorruptCheckpointError(f"{path}: tensor {name!r} has unknown dtype {info.get('dtype')!r}")
+    k = PACKED.get(info["dtype"], 1)
+    if k > 1:  # values smaller than a byte: torch's shape packs k of them in its last dimension
+        if not shape or shape[-1] % k:
+            raise CorruptCheckpointError(
+                f"{path}: tensor {name!r} of dtype {info['dtype']} has shape {list(shape)}: its last dimension "
+                f"must be a multiple of {k} (whole bytes); the file is corrupt"
+            )
+        shape = (*shape[:-1], shape[-1] // k)
     n = 1
     for d in shape:  # multiplied in order, as safetensors checks it: an overflow is a corrupt header
         n *= d

@@ -399,7 +399,12 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         data_pkl = read_member(path, zf, pkl_name, budget)
         byteorder = "little"
         if root + "byteorder" in mem:
-            byteorder = read_member(path, zf, root + "byteorder", budget).decode("ascii", "replace").strip()
+            byteorder = read_member(path, zf, root + "byteorder", budget).decode("ascii", "replace")
+            if byteorder not in ("little", "big"):  # exactly these bytes, as torch.load checks
+                raise CorruptCheckpointError(
+                    f"{path}: the archive's byteorder record says {byteorder[:20]!r} (torch writes 'little' or "
+                    "'big'); the file is corrupt"
+                )
         code_files = {
             n: read_member(path, zf, n, budget).decode("utf-8", "replace")
             for n in names
@@ -436,6 +441,29 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         details=details,
         notes=notes,
     )
+
+
+def big_endian_parts(cf: CheckpointFile) -> list[str]:
+    """The files of ``cf`` (itself, or the shards of a sharded index) whose storages are big-endian.
+
+    ``torch.save`` on a big-endian machine (s390x) writes a ``byteorder`` record ``big`` and every storage in
+    that order; ``torch.load`` swaps the bytes on a little-endian one.  A torch-free reader that copies storage
+    bytes must swap them too, or refuse (it never writes them as they are).
+
+    Args:
+        cf: a checkpoint read by :func:`ckptfix.formats.read_checkpoint`.
+
+    Returns:
+        The paths of its big-endian parts (empty for a little-endian checkpoint or another format).
+    """
+    from ckptfix.formats.base import ShardedDetails, ZipDetails
+
+    d = cf.details
+    if isinstance(d, ZipDetails):
+        return [cf.path] if d.byteorder == "big" else []
+    if isinstance(d, ShardedDetails):
+        return [p for shard in d.shards.values() for p in big_endian_parts(shard)]
+    return []
 
 
 def _place_storage(path: str, key: str, rec: StorageRecord, m: Member | None) -> None:

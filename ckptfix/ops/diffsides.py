@@ -184,6 +184,15 @@ def _file_side(path: str, key: str | None) -> Side:
 
     inp = classify(path)
     cf = read_checkpoint(inp)
+    from ckptfix.formats.zipfmt import big_endian_parts
+
+    if big := big_endian_parts(cf):
+        from ckptfix.errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"{big[0]}: its storages are big-endian (byteorder 'big'); diff compares bytes in this machine's order "
+            "and does not swap them: `ckptfix convert` it to safetensors first (torch.load swaps them) and diff that"
+        )
     if cf.format == Format.DCP:
         return _dcp_side(path, cf, key)
     obj = cf.state_root

@@ -78,6 +78,9 @@ class InspectReport:
     # matches when one is given (the counts above are always of the whole state dict)
     tensors: list[dict[str, Any]] = field(default_factory=list)
     tensor_filter: str | None = None
+    # a framework folder: ``scan`` of every pickle-bearing file in it, ``{"verdict", "files": {name: {"verdict",
+    # "dangerous", "unknown", ...}}}`` (the folder's verdict is the worst file's); None for a single checkpoint
+    folder_scan: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``inspect --json`` document.
@@ -199,8 +202,17 @@ def inspect_checkpoint(
             rep: InspectReport = inspect_folder(fw, key, tensor_filter)
             return rep
     # a remote object is opened once (one pinned version) for the whole inspection, and only its metadata is read
-    with source.session(), source.metadata_only():
-        return inspect_file(path, key, tensor_filter)
+    with source.session():
+        with source.metadata_only():
+            rep = inspect_file(path, key, tensor_filter)
+        # a folder (local without a framework layout, or remote): every file's verdict; a DCP directory is one
+        # checkpoint (weights_only already fails for it; its scan reads every item, more than inspect's metadata)
+        if rep.format != Format.DCP and source.isdir(path):
+            sc = scan_checkpoint(path)
+            from ckptfix.ops.scan import _rel
+
+            _apply_scan(rep, sc, _rel(os.fspath(rep.path), os.fspath(path)))
+        return rep
 
 
 def inspect_file(path: str | os.PathLike, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
@@ -414,7 +426,48 @@ def _notes(
 
 
 def inspect_folder(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
-    """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file)."""
+    """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file) and
+    ``folder_scan`` (every pickle-bearing file's verdict: ``weights_only_ok`` only when every one is safe)."""
+    rep = _inspect_folder_weights(r, key, tensor_filter)
+    return _with_folder_scan(rep, r)
+
+
+def _with_folder_scan(rep: InspectReport, r: Resolved) -> InspectReport:
+    """The folder's verdict is every file's: a file that runs code (or that weights_only refuses) makes
+    ``weights_only_ok`` false, named in the reason and in ``folder_scan``."""
+    from ckptfix.ops.scan import _scan_folder
+    from ckptfix.pickles import PickleLimits
+
+    if rep.format == Format.DCP and not r.files:
+        return rep  # a DCP directory and nothing else: one checkpoint (as at a URL, where inspect reads metadata only)
+    sc = _scan_folder(r, PickleLimits.from_env())
+    return _apply_scan(rep, sc, os.path.relpath(r.weights, r.path) if r.weights else None)
+
+
+def _apply_scan(rep: InspectReport, sc: ScanReport, weights: str | None) -> InspectReport:
+    """``folder_scan`` from a folder's scan; ``weights_only_ok`` false when a file other than ``weights`` is not
+    safe (named in the reason)."""
+    rep.folder_scan = {"verdict": sc.verdict, "files": sc.files}
+    bad = {n: f for n, f in sc.files.items() if f["verdict"] != "safe" and n != weights}
+    if bad:
+        named = "; ".join(
+            f"{n} ({f['verdict']}"
+            + (f": {', '.join((f['dangerous'] + f['unknown'])[:3])}" if f["dangerous"] or f["unknown"] else "")
+            + ")"
+            for n, f in list(bad.items())[:5]
+        ) + (" ..." if len(bad) > 5 else "")
+        runs = any(f["verdict"] == "dangerous" for f in bad.values())
+        lead = "runs code when unpickled" if runs else "is not weights_only-loadable"
+        was = "the weights load with weights_only=True, but" if rep.weights_only_ok else rep.weights_only_reason + ";"
+        rep.weights_only_ok = False
+        rep.weights_only_reason = (
+            f"{was} {len(bad)} other file(s) in the folder are not safe ({lead} for at least one): {named} "
+            "(`ckptfix scan` lists every global)"
+        )
+    return rep
+
+
+def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
     handler = r.layout.inspect
     if handler is not None:
         rep: InspectReport = handler(r, key)

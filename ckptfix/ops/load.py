@@ -528,6 +528,13 @@ def _load_torchscript(ld: _Load) -> Any:
     if ld.trust:
         torch = require_torch("load_anywhere (loading tensors)")
         return torch.jit.load(ld.path, map_location=dev).state_dict()
+    from ckptfix.formats.zipfmt import big_endian_parts
+
+    if big_endian_parts(cf):  # the tensors are built from the raw bytes: never in the wrong order
+        raise UnsupportedError(
+            f"{ld.path}: a TorchScript archive with big-endian storages (byteorder 'big'); ckptfix reads its tensors "
+            "without swapping bytes: load it with torch.jit.load (trust=True / --trust) only if you trust it"
+        )
     return collections.OrderedDict(_materialize(cf.state_root, dev, ld.path))
 
 
@@ -803,6 +810,8 @@ def is_stub(obj: Any) -> bool:
 
 def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
     """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
+    for p in r.of_role("meta"):  # the folder's own files (Lightning's meta.pt): one containment rule with convert
+        check_inside(r, p)
     handler = r.layout.load
     if handler is not None:
         lc: LoadedCheckpoint = handler(r, **kw)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
-from ckptfix.files import pins, source
+from ckptfix.files import source
 from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.layouts import resolve
 from ckptfix.formats.registry import dispatch, implement_all
@@ -65,6 +65,9 @@ class ScanReport:
     globals: dict[str, dict[str, Any]]  # name -> {"class": ..., "count": n}
     errors: list[str]
     notes: list[str] = field(default_factory=list)
+    #: a folder's scan: one entry per file scanned (its path in the folder -> ``verdict``, ``dangerous``,
+    #: ``unknown``, ``errors``); empty for a single checkpoint
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def dangerous(self) -> list[str]:
@@ -104,6 +107,17 @@ class ScanReport:
             "unknown": self.unknown,
             "errors": self.errors,
             "notes": self.notes,
+            "files": self.files,
+        }
+
+    def file_entry(self) -> dict[str, Any]:
+        """This report as one file's entry in a folder's ``files``."""
+        return {
+            "verdict": self.verdict,
+            "format": self.format,
+            "dangerous": self.dangerous,
+            "unknown": self.unknown,
+            "errors": self.errors,
         }
 
 
@@ -433,11 +447,23 @@ def scan_checkpoint(path: str | os.PathLike | Input, *, limits: PickleLimits | N
     """
     given, path = path, os.fspath(path)
     limits = limits or PickleLimits.from_env()
-    if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
+    if not source.is_url(path) and os.path.isdir(path):
         fw = resolve(path)
         if fw is not None:
             return _scan_folder(fw, limits)
     with source.session():  # a remote object is opened once (one pinned version) for the whole scan
+        if source.isdir(path):
+            from ckptfix.formats import classify_or_none
+
+            inp = classify_or_none(given)
+            if inp is not None and inp.format == Format.DCP:  # one checkpoint, one entry (as a DCP layout has)
+                rep = _scan_one(inp, limits)
+                rep.files = {".": rep.file_entry()}
+                return rep
+            if inp is not None or source.is_url(path):  # (a local folder of neither kind: classify says why)
+                rep = _scan_plain(path, inp, limits)
+                if rep.files or inp is not None:
+                    return rep
         return _scan_one(classify(given), limits)
 
 
@@ -453,58 +479,237 @@ def _scan_one(inp: Input, limits: PickleLimits) -> ScanReport:
 #: roles of framework files that hold no pickle (JSON, tokenizer files ...)
 _NO_PICKLE_ROLES = ("trainer-state", "config", "gen-config", "tokenizer")
 
+#: names a tokenizer (or anything) unpickles: a tokenizer-role file with one is scanned (TransfoXL's vocab.pkl)
+_PICKLE_EXTS = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt", ".npy", ".npz")
+
+#: names never read as a pickle (text a loader parses, never unpickles)
+_TEXT_EXTS = (".json", ".md", ".txt", ".py")
+
+
+def bears_pickles(name: str, role: str | None) -> bool:
+    """Whether a folder's file is one ``scan`` reads (the same rule for a local and a remote folder).
+
+    Args:
+        name: the file's name in the folder.
+        role: its role (:func:`ckptfix.formats.roles.file_role`), None when it has none.
+
+    Returns:
+        False for the roles that hold no pickle (JSON state, configs, tokenizer files without a pickle's
+        extension) and for text files; True for everything else (optimizer, scheduler, RNG states, training
+        arguments, accelerate's ``random_states_N.pkl`` / ``custom_checkpoint_N.pkl``, ``.npy`` ...).
+    """
+    if role == "tokenizer":
+        return name.endswith(_PICKLE_EXTS)
+    return role not in _NO_PICKLE_ROLES
+
 
 def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
-    from ckptfix.errors import CheckpointNotFoundError, CkptfixError, UnsupportedError
+    from ckptfix.formats.roles import file_role
 
     acc = _Acc(None)
-    targets = ([fw.weights] if fw.weights else []) + [
-        os.path.join(fw.path, f.file)
-        for f in fw.files
-        if f.role not in _NO_PICKLE_ROLES or (f.role == "tokenizer" and f.file.endswith(_PICKLE_EXTS))
-    ]
+    weights = fw.weights
+    own: list[str] = []
+    if fw.layout.consolidated and weights is not None and os.path.realpath(weights) == os.path.realpath(fw.path):
+        # a consolidated layout (HF-writer ranks, ZeRO) whose weights are the folder itself: its files, each
+        weights = None
+        listed = {f.file for f in fw.files}
+        own = [
+            os.path.join(fw.path, n)
+            for n in sorted(os.listdir(fw.path))
+            if not n.startswith(".") and n not in listed and bears_pickles(n, file_role(n))
+        ]
+    targets = (
+        ([weights] if weights else [])
+        + own
+        + [os.path.join(fw.path, f.file) for f in fw.files if bears_pickles(f.file, f.role)]
+    )
     targets = _expand_dirs(targets, fw.path, acc)
+    return _scan_targets(fw.path, weights, targets, acc, limits, f"{fw.layout.framework} folder ({fw.layout.name})")
+
+
+def scan_plain_folder(url: str, limits: PickleLimits | None = None) -> ScanReport | None:
+    """A folder no framework layout claims, local or at a URL (``hf://``, ``s3://.../``): every pickle-bearing
+    file in it (the same rule as :func:`_scan_folder`), not only the weights an index names; None for a DCP
+    directory (its own scan covers every file of it).
+
+    Args:
+        url: the folder's path or URL.
+        limits: resource limits (default: from ``CKPTFIX_MAX_PICKLE_*``).
+
+    Returns:
+        The folder's :class:`ScanReport` (one ``files`` entry per file), or None for a DCP directory.
+    """
+    from ckptfix.formats import classify_or_none
+
+    inp = classify_or_none(url)
+    if inp is not None and inp.format == Format.DCP:
+        return None
+    return _scan_plain(url, inp, limits or PickleLimits.from_env())
+
+
+def _scan_plain(url: str, inp: Input | None, limits: PickleLimits) -> ScanReport:
+    from ckptfix.formats.roles import file_role
+
+    names = source.listdir(url)
+    skip: set[str] = set()
+    weights = None
+    if inp is not None and inp.format == Format.SHARDED:
+        from ckptfix.formats.sharded import load_index
+
+        idx = load_index(inp.path)
+        weights = idx.path
+        skip = set(idx.shards) | {source.basename(idx.path)}
+    acc = _Acc(None)
+    targets = ([weights] if weights else []) + [
+        source.join(url, n) for n in names if n not in skip and not n.startswith(".") and bears_pickles(n, file_role(n))
+    ]
+    targets = _expand_dirs(targets, url, acc)
+    return _scan_targets(url, weights, targets, acc, limits, "folder")
+
+
+def _rel(t: str, root: str) -> str:
+    if t == root:
+        return "."
+    if source.is_url(root):
+        return t[len(root.rstrip("/")) + 1 :]
+    return os.path.relpath(t, root)
+
+
+def _scan_targets(
+    root: str, weights: str | None, targets: list[str], acc: _Acc, limits: PickleLimits, what: str
+) -> ScanReport:
+    """Scan each of a folder's ``targets``: every pickle counts, and each file gets its own entry (verdict)."""
+    from ckptfix.errors import CheckpointNotFoundError, UnsupportedError
+
     fmt = Format.PICKLE
     scanned = 0
+    files: dict[str, dict[str, Any]] = {}
     for t in targets:
-        label = os.path.relpath(t, fw.path) if t != fw.path else "."
-        if not os.path.isdir(t) and not os.path.isfile(t):
+        label = _rel(t, root)
+        is_dir = source.isdir(t)
+        if not is_dir and not source.isfile(t):
             acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
             continue
-        if t != fw.weights and (t.endswith((".json", ".md", ".txt", ".py")) or pins.fstat(t).st_size == 0):
+        if t != weights and (t.endswith(_TEXT_EXTS) or not is_dir and source.getsize(t) == 0):
             continue
-        try:
-            sub = _scan_one(classify(t), limits)
-        except CkptfixError as e:
-            bare = None if os.path.isdir(t) else _bare_pickle(t, limits)
-            if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
-                sub = bare
-            elif isinstance(e, UnsupportedError) or t == fw.weights:
-                raise  # a member linking outside the folder, or the weights themselves: as if scanned alone
-            elif isinstance(e, CheckpointNotFoundError) and os.path.isdir(t) or not os.path.isdir(t) and _text_file(t):
-                continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
-            else:
-                acc.errors.append(f"{label}: {e}")
-                continue
-        if t == fw.weights:
+        sub = None if is_dir else _numpy_file(t, limits)
+        if sub is None:
+            try:
+                sub = _scan_one(classify(t), limits)
+            except CkptfixError as e:
+                bare = None if is_dir else _bare_pickle(t, limits)
+                if bare is not None:  # a pickle of protocol 0/1 (no b"\x80" header): torch.load still unpickles it
+                    sub = bare
+                elif isinstance(e, UnsupportedError) or t == weights:
+                    raise  # a member linking outside the folder, or the weights themselves: as if scanned alone
+                elif isinstance(e, CheckpointNotFoundError) and is_dir or not is_dir and _text_file(t):
+                    continue  # a sub-folder that is no checkpoint (logs ...), a text file (DeepSpeed's `latest`)
+                else:
+                    acc.errors.append(f"{label}: {e}")
+                    files[label] = {
+                        "verdict": "malformed",
+                        "format": None,
+                        "dangerous": [],
+                        "unknown": [],
+                        "errors": [str(e)],
+                    }
+                    continue
+        if t == weights or weights is None and not files:
             fmt = sub.format
+        files[label] = sub.file_entry()
         acc.merge(label, sub)
-        if not os.path.isdir(t) or t == fw.path:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
-            n, base = len(sub.pickles), os.path.basename(t)
-            relabel = [label + q[len(base) :] if q.startswith(base) and t != fw.path else q for q in sub.pickles]
+        if not is_dir or t == root:  # a file's labels already name it: no "f.pt:f.pt:data.pkl"
+            n, base = len(sub.pickles), source.basename(t)
+            relabel = [label + q[len(base) :] if q.startswith(base) and t != root else q for q in sub.pickles]
             acc.pickles[-n or len(acc.pickles) :] = relabel if n else []
             acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
         scanned += 1
-    acc.notes.append(f"{fw.layout.framework} folder ({fw.layout.name}): {scanned} checkpoint file(s) scanned")
+    acc.notes.append(f"{what}: {scanned} checkpoint file(s) scanned")
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(
-        path=fw.path, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes
+        path=root, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes, files=files
     )
 
 
-#: names a tokenizer (or anything) unpickles: a tokenizer-role file with one is scanned (TransfoXL's vocab.pkl)
-_PICKLE_EXTS = (".pkl", ".pickle", ".pt", ".pth", ".bin", ".ckpt")
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _numpy_file(path: str, limits: PickleLimits) -> ScanReport | None:
+    """The scan of a numpy ``.npy`` (or ``.npz``) file: an object array is a pickle that ``np.load(...,
+    allow_pickle=True)`` unpickles (every global it names counts); None for a file that is neither."""
+    with source.open_file(path) as f:
+        head = f.read(8)
+    base = source.basename(path)
+    acc = _Acc(None)
+    if head.startswith(_NPY_MAGIC):
+        with source.open_file(path) as f:
+            _scan_npy(f, base, acc, limits)
+    elif path.endswith(".npz") and head.startswith(b"PK"):
+        try:
+            with source.open_file(path) as f, zipfile.ZipFile(f) as zf:
+                for info in zf.infolist():
+                    if info.file_size > limits.max_bytes + (64 << 10):
+                        acc.unknown(f"{base}:{info.filename}", "a member over the pickle limit; not scanned")
+                        continue
+                    with zf.open(info) as fh:
+                        _scan_npy(
+                            io.BytesIO(fh.read(limits.max_bytes + (64 << 10))), f"{base}:{info.filename}", acc, limits
+                        )
+        except Exception as e:  # noqa: BLE001 - a damaged archive is reported, never a crash
+            acc.errors.append(f"{base}: damaged npz archive ({type(e).__name__}: {e})")
+    else:
+        return None
+    return ScanReport(
+        path=path,
+        format=Format.PICKLE,
+        pickles=acc.pickles,
+        globals=dict(sorted(acc.globals.items())),
+        errors=acc.errors,
+        notes=acc.notes,
+    )
+
+
+def _scan_npy(f: Any, label: str, acc: _Acc, limits: PickleLimits) -> None:
+    """One ``.npy`` stream: its header (a Python literal, read with ``ast.literal_eval``), then, for an object
+    dtype, the pickle numpy unpickles (scanned: every pickle in the rest of the stream)."""
+    import ast
+
+    head = f.read(10)
+    if not head.startswith(_NPY_MAGIC) or len(head) < 10:
+        acc.unknown(label, "not a numpy .npy stream (np.load with allow_pickle=True unpickles such a file)")
+        return
+    major = head[6]
+    if major == 1:
+        (hlen,) = struct.unpack("<H", head[8:10])
+    else:
+        head += f.read(2)
+        (hlen,) = struct.unpack("<I", head[8:12])
+    if hlen > 1 << 20:
+        acc.unknown(label, f"a {hlen}-byte .npy header (numpy reads at most 10 KB unless told otherwise)")
+        return
+    text = f.read(hlen)
+    try:
+        header = ast.literal_eval(text.decode("latin1"))
+        descr = header["descr"]
+    except Exception:  # noqa: BLE001 - numpy refuses it too; the verdict is never safe
+        acc.unknown(label, "an unreadable .npy header")
+        return
+    if not _npy_has_objects(descr):
+        return  # a plain array: no pickle
+    rest = f.read(limits.max_bytes + 1)
+    _, parts = scan_pickle_sequence(rest, limits=limits)
+    acc.add_sequence(label, parts, len(rest))
+    acc.notes.append(f"{label}: an object array: np.load(allow_pickle=True) unpickles it")
+
+
+def _npy_has_objects(descr: Any) -> bool:
+    """Whether a numpy ``descr`` has object fields (numpy pickles such arrays)."""
+    if isinstance(descr, str):
+        return "O" in descr
+    if isinstance(descr, (list, tuple)):
+        return any(_npy_has_objects(d) for d in descr)
+    return True  # anything else numpy's header parser would reject: never called safe
 
 
 def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
@@ -522,7 +727,7 @@ def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
 def _text_file(path: str) -> bool:
     from ckptfix.formats import _looks_like_text
 
-    with pins.open_binary(path) as f:
+    with source.open_file(path) as f:
         return _looks_like_text(f.read(512))
 
 
@@ -530,22 +735,29 @@ def _expand_dirs(targets: list[str], root: str, acc: "_Acc", depth: int = 3) -> 
     """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them.
 
     A sub-folder that is a link resolving outside ``root`` is not walked (it is not the folder's own,
-    and may be ``/``); a note says so.
+    and may be ``/``); a note says so.  ``root`` may be a URL (a remote folder: no links).
     """
     out: list[str] = []
-    real_root = os.path.realpath(root)
+    remote = source.is_url(root)
+    real_root = root if remote else os.path.realpath(root)
     for t in targets:
-        if t == root or not os.path.isdir(t):
+        if t == root or not source.isdir(t):
             out.append(t)
             continue
-        real = os.path.realpath(t)
-        if os.path.islink(t) and not (real + os.sep).startswith(real_root + os.sep):
-            acc.notes.append(f"{os.path.relpath(t, root)}: a link to a folder outside it ({real}); not followed")
-            continue
-        if os.path.isfile(os.path.join(t, ".metadata")) or any(n.endswith(".index.json") for n in os.listdir(t)):
+        if not remote:
+            real = os.path.realpath(t)
+            if os.path.islink(t) and not (real + os.sep).startswith(real_root + os.sep):
+                acc.notes.append(f"{os.path.relpath(t, root)}: a link to a folder outside it ({real}); not followed")
+                continue
+        names = source.listdir(t)
+        if (
+            ".metadata" in names
+            and source.isfile(source.join(t, ".metadata"))
+            or any(n.endswith(".index.json") for n in names)
+        ):
             out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
         elif depth > 0:
-            out += _expand_dirs([os.path.join(t, n) for n in sorted(os.listdir(t))], root, acc, depth - 1)
+            out += _expand_dirs([source.join(t, n) for n in names], root, acc, depth - 1)
     return out
 
 
@@ -567,6 +779,19 @@ _context = global_context
 def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
     with source.open_file(path) as f:
         _scan_zip(f, os.path.basename(path), acc, limits)
+
+
+def _scan_torchscript(path: str, acc: _Acc, limits: PickleLimits) -> None:
+    """A TorchScript archive: its pickles, and its code, which ``torch.jit.load`` runs (``inspect`` says the
+    same): never "safe"."""
+    base = os.path.basename(path)
+    with source.open_file(path) as f:
+        _scan_zip(f, base, acc, limits)
+    acc.unknown(
+        base,
+        "a TorchScript archive: torch.jit.load compiles and runs its code (torch.load hands the archive to it); "
+        "load it only if you trust it",
+    )
 
 
 def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
@@ -687,7 +912,7 @@ implement_all(
     "scan",
     {
         Format.TORCH_ZIP: _scan_archive,
-        Format.TORCHSCRIPT: _scan_archive,
+        Format.TORCHSCRIPT: _scan_torchscript,
         Format.TORCH_LEGACY: _scan_legacy,
         Format.PICKLE: _scan_legacy,
         Format.SAFETENSORS: _scan_safetensors,

@@ -188,6 +188,10 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
     if tag is None:
         model, optim = _zero_files(p)
         if optim and model:
+            from ckptfix.files.containment import check_member
+
+            for part in model + optim:  # partition files that link outside the folder: refused (one rule)
+                check_member(p, os.path.basename(part), p)
             return ZeroCheckpoint(p, os.path.basename(os.path.abspath(p)), p, model, optim)
         if not os.path.isfile(latest):
             tags = _tags(p)
@@ -206,6 +210,13 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
             return None
         if not tag or "\n" in tag or len(tag) > 255:
             return None
+        if os.path.isabs(tag) or os.sep in tag or (os.altsep or os.sep) in tag or tag in (".", ".."):
+            from ckptfix.errors import UnsupportedError
+
+            raise UnsupportedError(
+                f"{p}: 'latest' names {tag!r}, not a tag folder inside the checkpoint folder; refused (a tag is a "
+                "folder name such as global_step14: pick one with --tag)"
+            )
         if not os.path.isdir(os.path.join(p, tag)):
             tags = _tags(p)
             have = f"; tags present: {', '.join(tags)} (pick one with --tag)" if tags else ""
@@ -221,7 +232,12 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
         if not os.path.isdir(os.path.join(p, tag)):
             raise CheckpointNotFoundError(f"{p}: --tag {tag!r}: {os.path.join(p, tag)} does not exist")
     tag_dir = os.path.join(p, tag)
+    from ckptfix.files.containment import check_member
+
+    check_member(p, tag, p)  # a tag folder that links outside the checkpoint folder: refused (one rule)
     model, optim = _zero_files(tag_dir)
+    for part in model + optim:  # and partition files that do
+        check_member(tag_dir, os.path.basename(part), tag_dir)
     if not optim or not model:
         what = "*_optim_states.pt" if not optim else "*_model_states.pt"
         raise CheckpointNotFoundError(

@@ -5,6 +5,7 @@ Stage 1/2 and stage 3 layouts as zero_to_fp32.py reads them (see :mod:`ckptfix.f
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any, Mapping
@@ -33,9 +34,10 @@ from ckptfix.pickles import ELEMENT_SIZE, Stub, TensorRecord
 
 def _read(path: str, what: str) -> Any:
     from ckptfix.formats import read_checkpoint
+    from ckptfix.formats.zipfmt import big_endian_parts
 
     try:
-        return read_checkpoint(path)
+        cf = read_checkpoint(path)
     except CkptfixError as e:
         if isinstance(e, CorruptCheckpointError):
             raise CorruptCheckpointError(
@@ -43,6 +45,12 @@ def _read(path: str, what: str) -> Any:
                 "again from where training saved it"
             ) from None
         raise
+    if big_endian_parts(cf):  # the partitions are copied as raw bytes: never in the wrong order
+        raise UnsupportedError(
+            f"{path}: this ZeRO {what} has big-endian storages (byteorder 'big', saved on a big-endian machine); "
+            "ckptfix consolidates little-endian ZeRO folders only: run DeepSpeed's zero_to_fp32.py on it"
+        )
+    return cf
 
 
 def _first(e: BaseException) -> str:
@@ -184,19 +192,22 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
             "*_optim_states.pt and *_model_states.pt of one save)"
         )
     world = counts[0]
-    want = set(range(world))
-    if set(ranks) != want or len(ranks) != world:
-        missing = sorted(want - set(ranks))
-        extra = sorted(set(ranks) - want)
+    have = set(ranks)
+    if world != len(ranks) or any(not 0 <= r < world for r in have):
+        # (never a set of range(world): partition_count is the file's word, 2**40 in a hostile one)
+        extra = sorted(r for r in have if not 0 <= r < world)
+        missing = list(itertools.islice((r for r in range(world) if r not in have), 5)) if world > len(have) else []
         if extra or len(ranks) > world:
             raise ZeroMismatchError(
                 f"{zc.tag_dir}: {len(ranks)} optimizer partitions for a world size of {world} (ranks "
                 f"{', '.join(map(str, extra or ranks))} do not belong to it); an old run's files are mixed in: "
                 "keep only one run's files"
             )
+        more = " ..." if world - len(have) > len(missing) else ""
         raise ZeroIncompleteError(
             f"{zc.tag_dir}: {len(ranks)} of {world} optimizer partitions; rank(s) "
-            f"{', '.join(map(str, missing))} missing (e.g. zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt): "
+            f"{', '.join(map(str, missing))}{more} missing "
+            f"(e.g. zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt): "
             "a rank did not finish saving, or a file was not copied; copy the missing file(s) from where training "
             "saved them"
         )
@@ -331,6 +342,11 @@ def _stage12(
                 raise ZeroMismatchError(f"{zc.tag_dir}: group {gi} partitions are of dtypes {dtype} and {dt}")
             flat.add(path, off, numel)
         pads = None
+        if paddings is not None and not isinstance(paddings, list):
+            raise CorruptCheckpointError(
+                f"{zc.tag_dir}: param_alignment_paddings is {type(paddings).__name__}, not a list per param group; "
+                "the checkpoint is corrupt"
+            )
         if isinstance(paddings, list) and gi < len(paddings) and paddings[gi] is not None:
             pads = paddings[gi]
             if not isinstance(pads, list) or len(pads) != len(shapes):
@@ -338,6 +354,14 @@ def _stage12(
                     f"{zc.tag_dir}: group {gi} has {len(shapes)} parameters but "
                     f"{len(pads) if isinstance(pads, list) else pads!r} alignment paddings; the checkpoint is corrupt"
                 )
+            for pi, pad in enumerate(pads):
+                # a padding fills up to the next alignment boundary: an int in [0, 2 * world); anything else
+                # would make parameters overlap (negative) or skip the partitions' elements
+                if isinstance(pad, bool) or not isinstance(pad, int) or not 0 <= pad < max(align, 1) * 1024:
+                    raise CorruptCheckpointError(
+                        f"{zc.tag_dir}: group {gi}: alignment padding {pi} is {pad!r} (a padding is a small "
+                        "non-negative int); the checkpoint is corrupt or hostile"
+                    )
         offset = 0
         for pi, (name, shp) in enumerate(shapes.items()):
             shape = _shape(shp, mf, name)

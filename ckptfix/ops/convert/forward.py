@@ -377,6 +377,23 @@ def _read_source(
             f"{'/'.join(kinds)}), each named by its str() ({str(odd[0])!r}): a loader of the output gets string keys"
         )
     use_torch = any(_needs_torch(v) for _, v in named)
+    from ckptfix.formats.zipfmt import big_endian_parts
+
+    big = big_endian_parts(cf)
+    if big and named:  # big-endian storages: torch.load swaps them to this machine's order (copied raw they'd be
+        # garbage in a little-endian safetensors file); without torch, refused (exit 8)
+        from ckptfix._torch import require_torch
+        from ckptfix.errors import TorchMissingError
+
+        try:
+            require_torch("convert of a big-endian checkpoint")
+        except TorchMissingError:
+            raise UnsupportedError(
+                f"{big[0]}: its storages are big-endian (byteorder 'big', saved on s390x or another big-endian "
+                "machine); ckptfix does not swap bytes without torch: pip install torch (convert then reads it "
+                "with torch.load, which swaps them)"
+            ) from None
+        use_torch = True
     if use_torch:
         from ckptfix.ops.load import load_checkpoint
 

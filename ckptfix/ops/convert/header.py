@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
+from ckptfix.formats.safetensors_fmt import st_shape
 from ckptfix.ops.convert.items import Item
 
 #: safetensors' Rust ``Dtype`` enum order; ``save_file`` sorts tensors by it, descending, then by name
@@ -23,6 +24,8 @@ _ST_ENUM_ORDER = [
     "F8_E5M2",
     "F8_E4M3",
     "F8_E8M0",
+    "F8_E4M3FNUZ",  # (safetensors 0.8: after F8_E8M0, as save_file orders them)
+    "F8_E5M2FNUZ",
     "I16",
     "U16",
     "F16",
@@ -57,7 +60,7 @@ def safetensors_header(items: Sequence[Any], metadata: Mapping[str, str] | None)
         meta = ",".join(f"{_js(k)}:{_js(v)}" for k, v in metadata.items())
         parts.append(f'"__metadata__":{{{meta}}}')
     for it in items:
-        shape = ",".join(str(int(s)) for s in it.shape)
+        shape = ",".join(str(s) for s in st_shape(it.dtype, it.shape))
         parts.append(
             f'{_js(it.name)}:{{"dtype":"{it.st_dtype}","shape":[{shape}],'
             f'"data_offsets":[{it.begin},{it.begin + it.nbytes}]}}'

@@ -177,6 +177,9 @@ def convert_from_safetensors(
     report = ConvertReport(source=src, outputs=[dst], direction="to-torch")
     check_outputs([dst], src, force)
     sd, meta, kind = _read_safetensors_sd(classify(given))  # the router's Input, or the one sniff here
+    # zero-size tensors read from safetensors share one null data pointer: torch.save takes them for views of one
+    # storage and refuses two dtypes of it; each gets its own (empty) storage
+    sd = {k: torch.empty(v.shape, dtype=v.dtype) if v.numel() == 0 else v for k, v in sd.items()}
     report.source_format = kind
     out = stmeta.restore(sd, meta)
     report.aliases = stmeta.aliases(meta, sd)

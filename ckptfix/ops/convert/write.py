@@ -39,7 +39,7 @@ from ckptfix.files.fileio import (
     verify_equal,
 )
 from ckptfix.files.parallel import Tally, resolve_jobs, run_tasks
-from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header
+from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header, st_shape
 from ckptfix.ops.convert.header import layout, safetensors_header, shard
 from ckptfix.ops.convert.items import Fds, Item
 from ckptfix.ops.convert.paths import check_outputs, shard_names, temp_for
@@ -340,7 +340,7 @@ class Writer:
             h = header[it.name]
             if (
                 h.get("dtype") != it.st_dtype
-                or list(h.get("shape", ())) != list(it.shape)
+                or list(h.get("shape", ())) != st_shape(it.dtype, it.shape)
                 or list(h.get("data_offsets", ())) != [it.begin, it.begin + it.nbytes]
                 or it.begin != end
             ):

@@ -11,7 +11,7 @@ from ckptfix.errors import KeyConflictError, UnsupportedError
 from ckptfix.files import pins
 from ckptfix.files.fileio import FOLIO, copy_range
 from ckptfix.formats import CheckpointFile, Format, LegacyDetails, SafetensorsDetails, ZipDetails, stmeta
-from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
+from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST, st_shape
 from ckptfix.formats.zipfmt import AlignedZipWriter, _read_member, rewrite_zip
 from ckptfix.ops.rewrite.output import write_atomic
 from ckptfix.ops.rewrite.verify import check_written
@@ -228,7 +228,7 @@ def write_safetensors(
         st = t.storage
         header[name] = {
             "dtype": DTYPE_TO_ST[t.dtype],
-            "shape": list(t.shape),
+            "shape": st_shape(t.dtype, t.shape),
             "data_offsets": [st.file_offset - start, st.file_offset - start + st.nbytes],
         }
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
