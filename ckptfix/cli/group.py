@@ -88,7 +88,7 @@ def cli(debug: bool) -> None:
     """Make PyTorch checkpoints and GPUs stop getting in your way.
 
     \b
-    Checkpoints:  inspect, scan, strip-prefix, add-prefix, align, convert, sanitize
+    Checkpoints:  inspect, scan, diff, strip-prefix, add-prefix, align, convert, sanitize
     GPUs:         gpus, pick-gpu, doctor
     Training:     train, demo
     """
