@@ -55,16 +55,15 @@ run()
 """
 
 
+def _python(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python ARGS`` in ``cwd`` with only this checkout on the path (a plain environment)."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def _run(cwd: Path, argv: list[str], inputs: list[str], swap: list[str] | None = None, held: int | None = None):
     cfg = {"inputs": inputs, "swap": swap, "held": held, "argv": argv}
-    p = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(cfg)],
-        cwd=cwd,
-        env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _python(cwd, "-c", CHILD, json.dumps(cfg))
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("COUNTS ")]
     assert line, p.stderr
     return p, json.loads(line[-1][len("COUNTS ") :])
@@ -113,14 +112,7 @@ def test_each_input_is_opened_once_per_command(files: Path, argv: list[str], inp
 
 def test_a_sharded_checkpoint_opens_each_shard_once(files: Path):
     (files / "sh").mkdir()
-    p = subprocess.run(
-        [sys.executable, "-m", "ckptfix", "convert", "m.pt", "-o", "sh/model.safetensors", "--max-shard-size", "4KB"],
-        cwd=files,
-        env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(files)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _python(files, "-m", "ckptfix", "convert", "m.pt", "-o", "sh/model.safetensors", "--max-shard-size", "4KB")
     assert p.returncode == 0, p.stderr
     shards = sorted(str(Path("sh") / f.name) for f in (files / "sh").iterdir())
     assert len(shards) >= 3
@@ -194,13 +186,6 @@ def test_load_anywhere_reads_one_version(files: Path):
         "sd = ckptfix.load_anywhere('m.pt')\n"
         "print(sd['module.conv.weight'].shape[0], state['n'])\n"
     )
-    p = subprocess.run(
-        [sys.executable, "-c", child],
-        cwd=files,
-        env={"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(files)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = _python(files, "-c", child)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["64", "1"]

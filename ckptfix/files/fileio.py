@@ -41,6 +41,7 @@ import errno
 import os
 import struct
 import threading
+import zipfile
 import zlib
 from typing import Callable, Sequence
 
@@ -48,6 +49,20 @@ from ckptfix.errors import CorruptCheckpointError, OutputError
 from ckptfix.files import pins
 from ckptfix.files.pagecache import drop_cached, page_cached
 from ckptfix.files.progress import advance
+
+#: what :mod:`zipfile` raises on a damaged archive (beyond ``BadZipFile``): the torch-zip and the DCP chunk readers
+ZIP_ERRORS: tuple[type[BaseException], ...] = (
+    zipfile.BadZipFile,
+    OSError,
+    ValueError,
+    struct.error,
+    EOFError,
+    NotImplementedError,
+    zlib.error,
+    KeyError,
+    IndexError,
+    OverflowError,
+)
 
 #: the kernel's page cache works in large folios (64 KiB and more): ``copy_file_range`` between offsets
 #: that sit at the same place within 64 KiB moves whole folios (as fast as ``cp``); other offsets are

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
 from ckptfix.files import pagecache, pins, source
-from ckptfix.files.fileio import FOLIO, copy_range
+from ckptfix.files.fileio import FOLIO, ZIP_ERRORS, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.pickles.opcodes import DEFAULT_MAX_PICKLE_MB
@@ -44,20 +44,6 @@ def max_pickle_bytes() -> int:
     """
     return env_mib(MAX_PICKLE_ENV, DEFAULT_MAX_PICKLE_MB)
 
-
-#: what :mod:`zipfile` raises on damaged archives (beyond ``BadZipFile``)
-ZIP_ERRORS: tuple[type[BaseException], ...] = (
-    zipfile.BadZipFile,
-    OSError,
-    ValueError,
-    struct.error,
-    EOFError,
-    NotImplementedError,
-    zlib.error,
-    KeyError,
-    IndexError,
-    OverflowError,
-)
 
 #: ``_STORED``
 _STORED = 0

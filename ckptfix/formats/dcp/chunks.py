@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
 from ckptfix.files import pins, source
+from ckptfix.files.fileio import ZIP_ERRORS
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
-#: what :mod:`zipfile` raises on a damaged chunk archive (beyond ``BadZipFile``)
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
     OSError,
@@ -214,7 +214,7 @@ def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.
         data = zf.read(pkl)
     except (CorruptCheckpointError, ResourceLimitError):
         raise
-    except _ZIP_ERRORS as e:
+    except ZIP_ERRORS as e:
         head = os.pread(fd, 9, 0) if src is None else src.pread(min(9, src.size), 0)
         if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < (100 << 20):
             raise UnsupportedError(
