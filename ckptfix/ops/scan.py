@@ -519,13 +519,26 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
             for n in sorted(os.listdir(fw.path))
             if not n.startswith(".") and n not in listed and bears_pickles(n, file_role(n))
         ]
-    targets = (
-        ([weights] if weights else [])
-        + own
-        + [os.path.join(fw.path, f.file) for f in fw.files if bears_pickles(f.file, f.role)]
-    )
+    named = [os.path.join(fw.path, f.file) for f in fw.files]
+    maybe = {os.path.join(fw.path, f.file) for f in fw.files if not bears_pickles(f.file, f.role)}
+    taken = {os.path.basename(t) for t in own + named} | ({os.path.basename(weights)} if weights else set())
+    hidden = [os.path.join(fw.path, n) for n in _hidden(fw.path) if n not in taken]
+    targets = ([weights] if weights else []) + own + named + hidden
     targets = _expand_dirs(targets, fw.path, acc)
-    return _scan_targets(fw.path, weights, targets, acc, limits, f"{fw.layout.framework} folder ({fw.layout.name})")
+    maybe |= set(hidden) | _under_hidden(targets, fw.path)
+    what = f"{fw.layout.framework} folder ({fw.layout.name})"
+    return _scan_targets(fw.path, weights, targets, acc, limits, what, maybe)
+
+
+def _hidden(folder: str) -> list[str]:
+    """A folder's hidden entries (``.optimizer.pt``, ``.cache/``): torch.load reads them as well as any other
+    file, so a scan looks at them too (``.git`` excepted: no loader reads a repository's objects)."""
+    return sorted(n for n in source.listdir(folder) if n.startswith(".") and n not in (".git", ".metadata"))
+
+
+def _under_hidden(targets: list[str], root: str) -> set[str]:
+    """The targets a hidden sub-folder's walk gave (scanned as "maybe" files: only a real pickle counts)."""
+    return {t for t in targets if t != root and any(p.startswith(".") for p in _rel(t, root).split("/")[:-1])}
 
 
 def scan_plain_folder(url: str, limits: PickleLimits | None = None) -> ScanReport | None:
@@ -561,11 +574,12 @@ def _scan_plain(url: str, inp: Input | None, limits: PickleLimits) -> ScanReport
         weights = idx.path
         skip = set(idx.shards) | {source.basename(idx.path)}
     acc = _Acc(None)
-    targets = ([weights] if weights else []) + [
-        source.join(url, n) for n in names if n not in skip and not n.startswith(".") and bears_pickles(n, file_role(n))
-    ]
+    rest = [n for n in names if n not in skip and n not in (".git", ".metadata")]
+    maybe = {source.join(url, n) for n in rest if n.startswith(".") or not bears_pickles(n, file_role(n))}
+    targets = ([weights] if weights else []) + [source.join(url, n) for n in rest]
     targets = _expand_dirs(targets, url, acc)
-    return _scan_targets(url, weights, targets, acc, limits, "folder")
+    maybe |= _under_hidden(targets, url)
+    return _scan_targets(url, weights, targets, acc, limits, "folder", maybe)
 
 
 def _rel(t: str, root: str) -> str:
@@ -577,9 +591,21 @@ def _rel(t: str, root: str) -> str:
 
 
 def _scan_targets(
-    root: str, weights: str | None, targets: list[str], acc: _Acc, limits: PickleLimits, what: str
+    root: str,
+    weights: str | None,
+    targets: list[str],
+    acc: _Acc,
+    limits: PickleLimits,
+    what: str,
+    maybe: set[str] | None = None,
 ) -> ScanReport:
-    """Scan each of a folder's ``targets``: every pickle counts, and each file gets its own entry (verdict)."""
+    """Scan each of a folder's ``targets``: every pickle counts, and each file gets its own entry (verdict).
+
+    ``maybe``: files whose name says they hold no pickle (text, configs, tokenizer files, hidden files): they are
+    reported only when they are one all the same (``pickle.load`` reads a protocol-0 pickle named
+    ``tokenizer.json``), and skipped otherwise.
+    """
+    maybe = maybe or set()
     from ckptfix.errors import CheckpointNotFoundError, UnsupportedError
 
     fmt = Format.PICKLE
@@ -591,9 +617,14 @@ def _scan_targets(
         if not is_dir and not source.isfile(t):
             acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
             continue
-        if t != weights and (t.endswith(_TEXT_EXTS) or not is_dir and source.getsize(t) == 0):
+        if t != weights and not is_dir and source.getsize(t) == 0:
             continue
-        sub = None if is_dir else _numpy_file(t, limits)
+        if t != weights and not is_dir and (t in maybe or t.endswith(_TEXT_EXTS)):
+            sub = _pickle_anyway(t, limits)
+            if sub is None:
+                continue  # text, JSON, a tokenizer's vocabulary: nothing a loader unpickles
+        else:
+            sub = None if is_dir else _numpy_file(t, limits)
         if sub is None:
             try:
                 sub = _scan_one(classify(t), limits)
@@ -710,6 +741,18 @@ def _npy_has_objects(descr: Any) -> bool:
     if isinstance(descr, (list, tuple)):
         return any(_npy_has_objects(d) for d in descr)
     return True  # anything else numpy's header parser would reject: never called safe
+
+
+def _pickle_anyway(path: str, limits: PickleLimits) -> ScanReport | None:
+    """The scan of a file named as if it held no pickle, when it is one all the same (a checkpoint, a numpy
+    object array, a bare pickle); None otherwise."""
+    sub = _numpy_file(path, limits)
+    if sub is not None:
+        return sub
+    try:
+        return _scan_one(classify(path), limits)
+    except CkptfixError:
+        return _bare_pickle(path, limits)
 
 
 def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:

@@ -1,0 +1,69 @@
+"""A folder's scan never trusts a file's name: a pickle hidden (``.optimizer.pt``, ``.cache/x.pt``) or named as
+text or JSON (``tokenizer.json``, ``notes.txt``: ``pickle.load`` reads a protocol-0 pickle whatever its name)
+makes the folder dangerous; real text, JSON and a repository's ``.git`` stay out of the verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import save_file  # noqa: E402
+
+from helpers import run_cli  # noqa: E402
+
+
+def _evil(canary) -> bytes:
+    return b"cos\nsystem\n(S'touch " + str(canary).encode() + b"'\ntR."
+
+
+def _trainer(d):
+    d.mkdir()
+    save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": 5, "epoch": 1.0, "log_history": []}))
+    (d / "README.md").write_text("# a model\n")
+    (d / "tokenizer.json").write_text(json.dumps({"version": "1.0"}))
+    return d
+
+
+PLACES = [".optimizer.pt", "tokenizer.json", "special_tokens_map.json", "notes.txt", "README.md", "run.py",
+          ".cache/evil.pt"]  # fmt: skip
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_a_pickle_under_any_name_makes_the_folder_dangerous(tmp_path, place):
+    d = _trainer(tmp_path / "ckpt")
+    canary = tmp_path / "ran"
+    (d / place).parent.mkdir(exist_ok=True)
+    (d / place).write_bytes(_evil(canary))
+    # the oracle: pickle.load really runs it
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.load(open({str(d / place)!r}, 'rb'))"], check=True)
+    assert canary.exists()
+    canary.unlink()
+    r = run_cli("scan", str(d), "--json")
+    assert r.rc == 11, r.err
+    doc = json.loads(r.out)
+    assert doc["verdict"] == "dangerous"
+    assert doc["files"][place]["verdict"] == "dangerous"
+    r = run_cli("inspect", str(d))
+    assert "weights_only  FAILS" in r.out or "weights_only  fails" in r.out.lower(), r.out
+    assert not canary.exists()
+
+
+def test_text_json_and_a_repositorys_git_stay_out_of_the_verdict(tmp_path):
+    d = _trainer(tmp_path / "ckpt")
+    (d / ".git" / "objects").mkdir(parents=True)
+    (d / ".git" / "objects" / "ab").write_bytes(os.urandom(200))
+    (d / ".cache" / "huggingface").mkdir(parents=True)
+    (d / ".cache" / "huggingface" / "model.safetensors.lock").write_text("")
+    (d / ".cache" / "huggingface" / "model.safetensors.metadata").write_text("abc\n123\n")
+    (d / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
+    (d / "vocab.txt").write_text("[PAD]\n[UNK]\nhello\n")
+    r = run_cli("scan", str(d), "--json")
+    assert r.rc == 0, r.err
+    assert json.loads(r.out)["verdict"] == "safe"
