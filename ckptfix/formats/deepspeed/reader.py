@@ -193,6 +193,15 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
         )
     world = counts[0]
     have = set(ranks)
+    if len(have) < len(ranks):  # two files of one rank (zero_pp_rank_0_... and bf16_zero_pp_rank_0_..., or rank_00)
+        seen: dict[int, str] = {}
+        for f, r in zip(zc.optim_files, ranks, strict=True):
+            if r in seen:
+                raise ZeroMismatchError(
+                    f"{zc.tag_dir}: {seen[r]} and {os.path.basename(f)} are both rank {r}'s optimizer partition; "
+                    "files of two saves (or two optimizers) are mixed: keep one file per rank"
+                )
+            seen[r] = os.path.basename(f)
     if world != len(ranks) or any(not 0 <= r < world for r in have):
         # (never a set of range(world): partition_count is the file's word, 2**40 in a hostile one)
         extra = sorted(r for r in have if not 0 <= r < world)
@@ -220,6 +229,13 @@ def read_zero_checkpoint(zc: ZeroCheckpoint) -> ZeroCheckpoint:
     else:
         model_files = [f for f in zc.model_files if MODEL3_RE.fullmatch(os.path.basename(f))]
         model_files.sort(key=lambda f: _rank_of(f)[0])
+        mranks = [_rank_of(f)[0] for f in model_files]
+        if len(set(mranks)) < len(mranks):
+            dup = next(r for r in mranks if mranks.count(r) > 1)
+            raise ZeroMismatchError(
+                f"{zc.tag_dir}: two *_model_states.pt files of rank {dup} (zero_pp_rank_{dup}_ and a zero-padded "
+                "name): files of two saves are mixed; keep one file per rank"
+            )
     if not model_files:
         raise CorruptCheckpointError(
             f"{zc.tag_dir}: no {'mp_rank_00' if stage <= 2 else 'zero_pp_rank_0_mp_rank_00'}_model_states.pt; "
