@@ -65,6 +65,16 @@ def _zero_model_link(root: Path) -> Path:
     return d
 
 
+def _zero_latest_link(root: Path) -> Path:
+    """'latest' a link to a file outside that names the real tag: read, its contents printed, and used (exit 0)."""
+    d = root / "ck"
+    shutil.copytree(FIX / "deepspeed" / "zero2_fp32", d)
+    (root / "outside_latest").write_text((d / "latest").read_text())
+    (d / "latest").unlink()
+    os.symlink(root / "outside_latest", d / "latest")
+    return d
+
+
 def _lightning_meta_link(root: Path) -> Path:
     d = root / "ck"
     shutil.copytree(FIX / "lightning_dcp", d)
@@ -79,6 +89,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "zero-tag-folder-link": _zero_tag_link,
     "zero-partition-link": _zero_partition_link,
     "zero-model-states-link": _zero_model_link,
+    "zero-latest-link": _zero_latest_link,
     "lightning-meta-link": _lightning_meta_link,
 }
 

@@ -203,6 +203,9 @@ def find_zero_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Zer
                     f"({', '.join(tags[:8])}{' ...' if len(tags) > 8 else ''}); pick one with --tag"
                 )
             return None
+        from ckptfix.files.containment import check_member
+
+        check_member(p, "latest", p)  # a 'latest' that links outside the folder is not read (nor printed)
         try:
             with open(pins.path_for(latest), encoding="utf-8", errors="replace") as f:
                 tag = f.read(4096).strip()
