@@ -147,11 +147,11 @@ def output_is_input(path: str, *, in_place: str | None = None) -> str:
 # --------------------------------------------------------------------------- secrets in URLs
 
 #: query parameters that carry a secret: presigned URLs' signatures and credentials (S3 v2/v4, GCS, Azure SAS
-#: ``sig``), tokens, keys and passwords; matched by name, case-insensitively
+#: ``sig``), tokens, keys, passwords and authorization; matched by name, case-insensitively, anywhere in the name
+#: and percent-encoded too (``X%2DAmz%2DSignature``): masking a harmless parameter costs nothing
 _SECRET_PARAM = (
-    r"(?:x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential|signature|sig"
-    r"|awsaccesskeyid|googleaccessid|[\w.-]*token|[\w.-]*secret[\w.-]*|[\w.-]*password|api[_-]?key|key|auth"
-    r"|[\w.-]*credential[\w.-]*)"
+    r"(?:[\w.%-]*?(?:signature|credential|token|secret|password|passwd|authorization|auth|api[_-]?key|key|sig"
+    r"|awsaccesskeyid|googleaccessid)[\w.%-]*)"
 )
 _PATTERNS: list = []
 
@@ -162,10 +162,12 @@ def _patterns() -> list:
 
         _PATTERNS.extend(
             [
-                # scheme://user:password@host: the userinfo shown as ***
-                (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s?#]*@"), r"\1***@"),
-                # ?X-Amz-Signature=... / &sig=... / &token=...: the value shown as ***
-                (re.compile(rf"(?i)([?&;]{_SECRET_PARAM}=)[^&;#\s\"'<>]*"), r"\1***"),
+                # scheme://user:password@host (a raw '@' in the password too: up to the last '@' before the path)
+                (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@"), r"\1***@"),
+                # user:password@bucket quoted back by a driver's message, without its scheme
+                (re.compile(r"(?<![\w/:.@*-])[\w.~%+-]+:[^\s/@\"'<>]+@(?=[\w.-])"), "***@"),
+                # ?X-Amz-Signature=... / &sig=... / ;token=... / #token=...: the value shown as ***
+                (re.compile(rf"(?i)([?&;#]{_SECRET_PARAM}=)[^&;#\s\"'<>]*"), r"\1***"),
             ]
         )
     return _PATTERNS
@@ -182,7 +184,7 @@ def mask_secrets(text: str) -> str:
     Returns:
         The text with the secrets masked (unchanged when it holds no ``://``, ``?`` or ``@``).
     """
-    if "@" not in text and "?" not in text and "&" not in text:
+    if "@" not in text and "?" not in text and "&" not in text and ";" not in text and "#" not in text:
         return text
     for rx, repl in _patterns():
         text = rx.sub(repl, text)

@@ -97,3 +97,20 @@ def test_mask_secrets_keeps_what_is_not_secret() -> None:
         == "https://***@h/x?X-Amz-Date=1&X-Amz-Signature=***"
     )
     assert mask_secrets("/data/a@b/model.pt") == "/data/a@b/model.pt"
+
+
+@pytest.mark.parametrize(
+    "text,secret",
+    [
+        ("http://127.0.0.1:1/m.pt?X%2DAmz%2DSignature=SECRETPW", "SECRETPW"),  # percent-encoded name
+        ("http://127.0.0.1:1/m.pt?Authorization=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt;token=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt#token=SECRETPW", "SECRETPW"),
+        ('Invalid bucket name "AKIAUSER:SECRETPW@bkt"', "SECRETPW"),  # a driver quoting the userinfo back
+        ("http://alice:SECRETPW@SECRETPW@host/clean.pt", "SECRETPW"),  # a raw '@' in the password
+    ],
+)
+def test_the_forms_an_outside_pass_found_are_masked(text, secret):
+    from ckptfix.display import mask_secrets
+
+    assert secret not in mask_secrets(text)
