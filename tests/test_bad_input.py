@@ -466,3 +466,13 @@ def test_damaged_zip_member_is_a_ckptfix_error(tmp_path, ckpt, what, builder, mu
             leaked.append(f"{fn.__name__}: {type(e).__name__}: {e}")
     assert not leaked, leaked
     assert main(["inspect", str(p)]) == 4
+
+
+@pytest.mark.parametrize("url", ["HTTP://127.0.0.1:1/x.pt", "Http://127.0.0.1:1/x.pt"])
+def test_an_upper_case_url_scheme_is_read_as_its_lower_case(url):
+    """fsspec knows lower-case protocols only: "Protocol not known: HTTP" was an internal error, exit 1 (an
+    outside pass, F6); the URL is read as written in lower case (here: nothing listens, exit 43)."""
+    for cmd in ("inspect", "scan"):
+        r = run_cli(cmd, url, CKPTFIX_REMOTE_RETRIES="0")
+        assert r.rc == 43, r.err
+        assert len(r.err.strip().splitlines()) == 1 and "internal error" not in r.err, r.err
