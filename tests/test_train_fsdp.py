@@ -95,6 +95,7 @@ def test_fsdp_resume_with_momentum_0_matches_ddp(fsdp_dcp, tmp_path):
     for i in do["state"]:
         assert torch.equal(fo["state"][i]["momentum_buffer"], do["state"][i]["momentum_buffer"]), i
     # from a sharded FSDP DCP checkpoint too
-    _, res = fsdp_dcp
-    g = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, resume=res.final_checkpoint, name="g0", **kw))
+    out, res = fsdp_dcp  # two epochs (conftest.py): resumed from its first, as the single-mode file above
+    first = os.path.join(out, res.checkpoints[0]["path"])
+    g = train(TrainConfig(out=str(tmp_path), mode="fsdp", nproc=2, resume=first, name="g0", **kw))
     assert g.checkpoints[-1]["resume"]["restored"] == ["model", "optimizer"]
