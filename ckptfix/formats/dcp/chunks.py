@@ -14,7 +14,6 @@ import io
 import os
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,18 +24,6 @@ from ckptfix.files.fileio import ZIP_ERRORS
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
 from ckptfix.pickles import RecordingUnpickler, TensorRecord, is_c_contiguous
 
-_ZIP_ERRORS = (
-    zipfile.BadZipFile,
-    OSError,
-    ValueError,
-    struct.error,
-    EOFError,
-    NotImplementedError,
-    zlib.error,
-    KeyError,
-    IndexError,
-    OverflowError,
-)
 #: a tensor chunk's ``data.pkl`` is a few hundred bytes; anything this large is not one
 MAX_TENSOR_PKL = 1 << 20
 #: a non-tensor object (``torch.save``'d pickle) larger than this is refused; CKPTFIX_DCP_MAX_OBJECT lifts it
