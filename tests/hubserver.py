@@ -77,6 +77,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         return hit
 
     def _error(self, method: str, code: int, error_code: str | None = None) -> None:
+        # recorded before the answer: a client that gives up on this answer may count the requests at once
+        self._record(method, code)
         body = json.dumps({"error": error_code or f"HTTP {code}"}).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
@@ -86,7 +88,6 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(body)
-        self._record(method, code)
 
     def _json(self, method: str, doc: Any) -> None:
         body = json.dumps(doc).encode()
