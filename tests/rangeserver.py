@@ -70,6 +70,8 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         return hit
 
     def _status(self, method: str, code: int) -> None:
+        # recorded before the answer: a client that gives up on this answer may count the requests at once
+        self._record(method, code)
         body = f"error {code}\n".encode()
         self.send_response(code)
         self.send_header("Content-Length", str(len(body)))
@@ -78,7 +80,6 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         self.end_headers()
         if method == "GET":
             self.wfile.write(body)
-        self._record(method, code)
 
     def do_HEAD(self) -> None:
         self._serve("HEAD")
@@ -129,9 +130,10 @@ class Handler(http.server.SimpleHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         if fault is not None and fault.kind in ("drop", "short"):
             self.send_header("Connection", "close")
-        self.end_headers()
         if method == "HEAD":
             self._record(method, status)
+        self.end_headers()
+        if method == "HEAD":
             return
         n = end - start
         if fault is not None and fault.kind in ("drop", "short", "stall"):
