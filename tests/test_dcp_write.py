@@ -189,3 +189,66 @@ def test_shards_split_rows_like_ranks(tmp_path):
     p = run_cli("convert", src, "-o", tmp_path / "x.safetensors", "--shards", "2")
     assert_one_line_error(p, p.returncode)
     assert "--shards applies to DCP output" in p.stderr
+
+
+# a conversion interrupted while it reads the output back (here: its progress callback raises, as a Ctrl-C in a
+# progress bar does), then the traceback's frames are looked at, as pytest, pdb post-mortem or a logger with
+# locals do: every tensor they still hold must read, never view an input mapping that was already closed
+_INTERRUPTED = """
+import sys, torch
+from safetensors.torch import save_file
+from ckptfix.ops.convert import convert
+
+src, out, shards = sys.argv[1], sys.argv[2], int(sys.argv[3])
+g = torch.Generator().manual_seed(3)
+save_file({"embed.weight": torch.randn(64, 32, generator=g), "head.weight": torch.randn(8, 32, generator=g)}, src)
+calls = []
+
+def progress(done, total):
+    calls.append(done)
+    if done < total and len(calls) > 1:  # inside the read-back, after the save
+        raise KeyboardInterrupt
+
+try:
+    convert(src, out, progress=progress, shards=shards)
+except KeyboardInterrupt as e:
+    tb, seen = e.__traceback__, 0
+    while tb is not None:
+        for v in list(tb.tb_frame.f_locals.values()):
+            for t in (v.values() if isinstance(v, dict) else [v]):
+                if isinstance(t, torch.Tensor):
+                    repr(t)
+                    float(t.float().sum())
+                    seen += 1
+        tb = tb.tb_next
+    print("tensors read after the interruption:", seen)
+else:
+    raise SystemExit("the conversion was not interrupted")
+"""
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_tensors_left_in_an_interrupted_conversions_traceback_still_read(tmp_path, shards):
+    import subprocess
+    import sys
+
+    argv = [str(tmp_path / "m.safetensors"), str(tmp_path / "m.dcp"), str(shards)]
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED, *argv], capture_output=True, text=True, cwd=root, timeout=180
+    )
+    assert p.returncode == 0, f"exit {p.returncode} (-11: a tensor viewed a closed mapping)\n{p.stderr[-3000:]}"
+    assert int(p.stdout.split(":")[-1]) > 0, p.stdout  # the frames did hold tensors over the input
+    assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_finished_conversion_leaves_no_mapping_of_its_input(tmp_path, shards):
+    import gc
+
+    src = tmp_path / "m.safetensors"
+    save_file(_sd(), src)
+    r = convert(src, tmp_path / "m.dcp", shards=shards)
+    gc.collect()
+    assert r.verified and str(src) not in Path("/proc/self/maps").read_text()

@@ -120,6 +120,14 @@ def _release(span: Span | None) -> None:
             pass
 
 
+def _viewing(mm: mmap.mmap) -> memoryview:
+    """What a tensor over ``mm`` is made from: ``torch.frombuffer`` keeps the object it is given but not a buffer
+    export, so a tensor made from the mmap itself lets ``mm.close()`` unmap the pages under it (a later read
+    crashes the process).  A memoryview holds an export for as long as the tensor holds it: ``close()`` raises
+    ``BufferError`` until the last such tensor is gone, and the mapping goes with it."""
+    return memoryview(mm)
+
+
 def _map_tensors(
     paths: Sequence[str], torch: Any
 ) -> tuple[dict[str, Any], dict[str, Span], dict[str, str], list[mmap.mmap], int]:
@@ -152,9 +160,9 @@ def _map_tensors(
             if b == a:
                 tensors[name] = torch.empty(shape, dtype=tdtype)
             else:
-                t = torch.frombuffer(mm, dtype=tdtype, count=(b - a) // es, offset=start + a)
-                tensors[name] = t.view(shape)
                 assert mm is not None
+                t = torch.frombuffer(_viewing(mm), dtype=tdtype, count=(b - a) // es, offset=start + a)
+                tensors[name] = t.view(shape)
                 spans[name] = (mm, start + a, b - a)
             total += b - a
     return tensors, spans, metadata, maps, total
@@ -239,7 +247,9 @@ def _save_sharded(sd: dict[str, Any], spans: dict[str, Span], writer: Any, shard
                 return t.narrow(0, lo, n).clone()
             row = t[0].numel() * t.element_size()
             local.prev = (span[0], span[1] + lo * row, n * row)
-            piece = torch.frombuffer(span[0], dtype=t.dtype, count=n * t[0].numel(), offset=span[1] + lo * row)
+            piece = torch.frombuffer(
+                _viewing(span[0]), dtype=t.dtype, count=n * t[0].numel(), offset=span[1] + lo * row
+            )
             return piece.view((n,) + tuple(t.shape[1:]))
 
     planners = [RankPlanner(r) for r in range(shards)]
@@ -407,7 +417,7 @@ def convert_to_dcp(
         for m in maps:
             try:
                 m.close()
-            except BufferError:  # a tensor still views it; the mapping goes with the last one
+            except BufferError:  # a tensor still views it (_viewing), e.g. in a traceback: unmapped with the last one
                 pass
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
