@@ -66,6 +66,15 @@ DOCTOR_CASES: dict[str, tuple[str, dict[str, str]]] = {
     "lib_mismatch": ("lib_mismatch", {}),
 }
 
+# the same machines with PyPI's default torch 2.13.0, the CUDA 13.0 build (`pip install torch`): case -> scenario
+DOCTOR_CUDA_CASES: dict[str, str] = {
+    "h200_busy_cu130": "h200_busy",  # driver 570 is too old for CUDA 13
+    "old_arch_cu130": "old_arch",  # a V100 and a 1080 Ti: no cu130 kernels for sm_70 / sm_61
+    "no_nvidia_smi_cu130": "",  # no driver at all (no nvidia-smi on PATH)
+}
+#: what torch._C._cuda_getArchFlags() says in torch-2.13.0+cu130 from PyPI (the kernels it ships; no PTX)
+CU130_ARCH_FLAGS = "sm_75 sm_80 sm_86 sm_90 sm_100 sm_120"
+
 
 def transcript(command: str, extra: dict[str, str], out: str, err: str, rc: int) -> str:
     """One run as a golden file: the command line, stdout, stderr and the exit code."""
@@ -107,13 +116,35 @@ def test_gpus_text_is_golden(case: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("case", sorted(DOCTOR_CASES))
-def test_doctor_text_is_golden(case: str, tmp_path: Path) -> None:
-    pytest.importorskip("torch")  # without torch the report says so instead (test_notorch)
+def test_doctor_text_is_golden(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")  # without torch the report says so instead (test_notorch)
+    # the files are the report of a CPU-only torch build (what the machine's GPUs need then is part of it), whichever
+    # build is installed here: torch.version says which build it is, the doctor reads nothing else to tell
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
     scenario, extra = DOCTOR_CASES[case]
-    r = run_cli("doctor", env=machine_env(tmp_path, extra), scenario=scenario)
+    r = run_cli("doctor", env=machine_env(tmp_path, extra), scenario=scenario, isolated=False)  # the build, faked
     check(f"doctor_{case}", mask_machine(transcript("doctor", extra, r.out, r.err, r.rc)))
 
 
+@pytest.mark.parametrize("case", sorted(DOCTOR_CUDA_CASES))
+def test_doctor_text_with_a_cuda_build_is_golden(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # the build, whichever is installed here
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch._C, "_cuda_getArchFlags", lambda: CU130_ARCH_FLAGS, raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 92000)
+    env = machine_env(tmp_path, {})
+    scenario = DOCTOR_CUDA_CASES[case]
+    if not scenario:  # a PATH without nvidia-smi, whatever this machine has installed
+        if os.path.exists("/dev/dxg"):
+            pytest.skip("WSL2 (/dev/dxg): nvidia-smi is looked for beside the Windows driver too")
+        (tmp_path / "empty").mkdir()
+        env["PATH"] = str(tmp_path / "empty")
+    r = run_cli("doctor", env=env, scenario=scenario or None, isolated=False)
+    check(f"doctor_{case}", mask_machine(transcript("doctor", {}, r.out, r.err, r.rc)))
+
+
 def test_every_golden_file_belongs_to_a_case() -> None:
-    names = {f"gpus_{c}.txt" for c in GPUS_CASES} | {f"doctor_{c}.txt" for c in DOCTOR_CASES}
+    names = {f"gpus_{c}.txt" for c in GPUS_CASES} | {f"doctor_{c}.txt" for c in (*DOCTOR_CASES, *DOCTOR_CUDA_CASES)}
     assert {p.name for p in GOLDEN.glob("*.txt")} <= names
