@@ -202,10 +202,14 @@ def test_ctrl_c_names_what_was_kept(monkeypatch, capsys, dp_work):
 
 def test_a_real_sigint_gives_the_error_line(dp_work):
     code = (
-        "import os, signal, sys\n"
+        "import os, signal, sys, time\n"
         "import ckptfix.ops.inspect\n"
         "def hang(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
+        # it hangs until the interrupt lands: a process-directed signal may be taken by another (native) thread,
+        # and the main thread then sees it some bytecodes later (returning None first: an internal error)
+        "    while True:\n"
+        "        time.sleep(0.05)\n"
         "ckptfix.ops.inspect.inspect_checkpoint = hang\n"
         "from ckptfix.cli import main\n"
         "sys.exit(main(['inspect', 'm.pt']))\n"
