@@ -332,3 +332,45 @@ def test_oracle_sentence_transformers_embeddings_equal(tmp_path: Path) -> None:
     model = st.SentenceTransformer(str(out), device="cpu")
     emb = model.encode(["a cat sat", "the dog"], convert_to_tensor=True)
     assert torch.equal(emb, expected_out("st_bin")["embeddings"])
+
+
+# --------------------------------------------------------------------------- folders from someone else
+
+
+def test_a_module_path_outside_the_folder_is_not_read(tmp_path: Path) -> None:
+    d = copy_fixture("st_bin", tmp_path)
+    outside = tmp_path / "outside"
+    shutil.copytree(d / "2_Dense", outside)
+    mods = json.loads((d / "modules.json").read_text())
+    mods[2]["path"] = "../outside"
+    (d / "modules.json").write_text(json.dumps(mods))
+    rep = inspect_checkpoint(d)
+    (c,) = [c for c in rep.framework["components"] if c["name"] == "2"]
+    assert "outside the folder" in c["problem"] and c["weights"] == {}
+    assert not any(t["name"].startswith("2.") for t in rep.tensors)
+
+
+def test_component_weights_linking_outside_are_refused(tmp_path: Path) -> None:
+    d = copy_fixture("diffusers_bin", tmp_path)
+    secret = tmp_path / "secret.bin"
+    shutil.move(d / "vae" / "diffusion_pytorch_model.bin", secret)
+    (d / "vae" / "diffusion_pytorch_model.bin").symlink_to(secret)
+    for call in (lambda: convert(d, tmp_path / "out"), lambda: load_anywhere(d), lambda: inspect_checkpoint(d)):
+        with pytest.raises(UnsupportedError, match="outside the folder"):
+            call()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_broken_model_index_is_no_pipeline(tmp_path: Path) -> None:
+    d = tmp_path / "p"
+    d.mkdir()
+    (d / "model_index.json").write_text("{not json")
+    assert resolve(d) is None or resolve(d).layout.name != "diffusers-pipeline"
+
+
+def test_the_layouts_page_lists_every_layout() -> None:
+    """docs/layouts.md: every row of LAYOUTS, by its name, with what each command does."""
+    from ckptfix.formats.layouts import LAYOUTS
+
+    page = (REPO / "docs" / "layouts.md").read_text(encoding="utf-8")
+    assert [lay.name for lay in LAYOUTS if f"(`{lay.name}`)" not in page] == []
