@@ -172,8 +172,8 @@ def test_inspect_cli_component_and_refusals() -> None:
     assert p.returncode == KeyConflictError.exit_code and "its components: scheduler, text_encoder" in p.stderr
     p = run_cli("inspect", str(FW / "peft_lora"), "--component", "unet")
     assert p.returncode == OptionNotApplicableError.exit_code and "--component does not apply" in p.stderr
-    p = run_cli("inspect", str(FW / "diffusers_bin"))
-    assert p.returncode == 0
+    p = run_cli("inspect", str(FW / "diffusers_bin"), isolated=True)
+    assert p.returncode == 0 and p.torch_imported is False
     assert (
         "component     unet (diffusers UNet2DConditionModel): unet/diffusion_pytorch_model.bin: 208 tensors" in p.stdout
     )
@@ -202,6 +202,20 @@ def test_convert_pipeline_writes_the_same_layout_in_safetensors(name: str, tmp_p
     doc = json.loads(json.dumps(rep.to_dict()))
     schema("convert").validate(doc)
     assert sorted(doc["components"]) == ["scheduler", "text_encoder", "tokenizer", "unet", "vae"]
+
+
+def test_convert_cli_pipeline_is_torch_free(tmp_path: Path) -> None:
+    p = run_cli("convert", str(FW / "diffusers_bin"), "-o", str(tmp_path / "out"), isolated=True)
+    assert p.returncode == 0, p.stderr
+    assert p.torch_imported is False
+    assert "component unet (diffusers UNet2DConditionModel): " in p.stderr
+    assert (tmp_path / "out" / "unet" / "diffusion_pytorch_model.safetensors").is_file()
+    p = run_cli("inspect", str(FW / "diffusers_bin" / "unet"))
+    assert "config        config.json: UNet2DConditionModel (diffusers 0.42.1)" in p.stdout
+    same(
+        dict(load_anywhere(FW / "diffusers_bin" / "unet")),
+        {k[5:]: v for k, v in expected("diffusers_bin").items() if k.startswith("unet.")},
+    )
 
 
 def test_convert_one_component(tmp_path: Path) -> None:
@@ -332,6 +346,10 @@ def test_oracle_sentence_transformers_embeddings_equal(tmp_path: Path) -> None:
     model = st.SentenceTransformer(str(out), device="cpu")
     emb = model.encode(["a cat sat", "the dog"], convert_to_tensor=True)
     assert torch.equal(emb, expected_out("st_bin")["embeddings"])
+    # load_anywhere names the tensors as SentenceTransformer.state_dict() does: they load strictly
+    sd = load_anywhere(FW / "st_bin", model=model)
+    assert sorted(sd) == sorted(model.state_dict())
+    model.load_state_dict(sd, strict=True)
 
 
 # --------------------------------------------------------------------------- folders from someone else

@@ -416,7 +416,9 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
             return adapter_summary(doc)
         if role == "config":
             d = {k: doc.get(k) for k in ("architectures", "model_type", "tie_word_embeddings") if k in doc}
-            arch = ", ".join(map(str, doc.get("architectures") or [])) or str(doc.get("_class_name") or "?")
+            if "_diffusers_version" in doc:  # a diffusers model's config (unet/config.json)
+                return f"{doc.get('_class_name', '?')} (diffusers {doc['_diffusers_version']})", {}
+            arch = ", ".join(map(str, doc.get("architectures") or [])) or "?"
             return f"{arch} ({doc.get('model_type', '?')})", d
         return f"JSON ({len(doc)} keys)", {}
     if role in ("tokenizer", "other", "folder"):
