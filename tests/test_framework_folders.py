@@ -77,6 +77,7 @@ def st_tensors(path: Path) -> dict[str, torch.Tensor]:
         ("diffusers_bin/unet", "diffusers-model", "diffusion_pytorch_model.bin"),
         ("diffusers_fp16/unet", "diffusers-model", "diffusion_pytorch_model.safetensors.index.fp16.json"),
         ("st_bin", "sentence-transformers", None),
+        ("diffusers_fp16/text_encoder", "hf-model-variant", "model.fp16.safetensors"),
     ],
 )
 def test_resolve(folder: str, layout: str, weights: str | None) -> None:

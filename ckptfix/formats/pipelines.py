@@ -13,6 +13,8 @@ The detection of four more framework folders (rows of :data:`ckptfix.formats.lay
 ``diffusers-pipeline``
     a pipeline's ``save_pretrained``: ``model_index.json`` naming each component's sub-folder (``unet/``,
     ``vae/``, ``text_encoder/``, ``scheduler/`` ...), each with its own weights (or none: a scheduler).
+``hf-model-variant``
+    a transformers model saved with ``variant=`` (a pipeline's ``text_encoder/``: ``model.fp16.safetensors``).
 ``sentence-transformers``
     ``SentenceTransformer.save``: ``modules.json`` naming each module's folder (the Transformer at the root or
     in ``0_Transformer/``, ``1_Pooling/``, ``2_Dense/`` ...).
@@ -33,6 +35,7 @@ from typing import Any
 
 from ckptfix.files import pins
 from ckptfix.formats.layouts import Layout, Resolved, _others, register
+from ckptfix.formats.roles import WEIGHT_NAMES
 
 __all__ = [
     "ADAPTER_NAMES",
@@ -293,6 +296,23 @@ def _detect_diffusers_model(folder: str, names: list[str]) -> Resolved | None:
     return Resolved(folder, _LAYOUTS["diffusers-model"], main, files, {"variants": chosen})
 
 
+def _detect_variant_model(folder: str, names: list[str]) -> Resolved | None:
+    """A transformers model saved with ``variant=`` (a pipeline's ``text_encoder/``: ``model.fp16.safetensors``):
+    ``config.json`` and only variant weight files (the plain names are the ``hf-model`` row's)."""
+    if "config.json" not in names or any(n in names for n in WEIGHT_NAMES):
+        return None
+    chosen, unused = weight_entries(folder, names)
+    if not chosen or "" in chosen:
+        return None
+    main = chosen[sorted(chosen)[0]]
+    files = _others(folder, names, main, tuple(_read_through(chosen)))
+    held = {os.path.basename(p) for p in chosen.values() if p != main} | {os.path.basename(p) for p in unused}
+    for f in files:
+        if f.file in held:
+            f.role = "weights-unused"
+    return Resolved(folder, _LAYOUTS["hf-model-variant"], main, files, {"variants": chosen})
+
+
 def _read_through(chosen: dict[str, str]) -> set[str]:
     """The shards the chosen indexes name (not listed as files of their own)."""
     out: set[str] = set()
@@ -389,6 +409,10 @@ _NEW = [
     Layout(
         "diffusers-model", "diffusers model", "diffusers 0.42.1", _detect_diffusers_model,
         weight_hint=("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "their *.index.json"),
+    ),
+    Layout(
+        "hf-model-variant", "Hugging Face model folder (variant weights)", "transformers 5.23.0",
+        _detect_variant_model, weight_hint=("model.VARIANT.safetensors", "pytorch_model.VARIANT.bin"),
     ),
 ]  # fmt: skip
 _LAYOUTS: dict[str, Layout] = {lay.name: lay for lay in _NEW}
