@@ -118,6 +118,9 @@ FRAMEWORK_FOLDERS = {
     "lightning_dcp": "lightning_fsdp",
     "lightning.ckpt": "lightning.ckpt",
     "hf_llama_bin": "llama",
+    "peft_lora_bin": "lora_adapter",
+    "diffusers_bin": "sd_pipeline",
+    "st_bin": "st_model",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]

@@ -71,6 +71,13 @@ def limit_option(what: str, default: int) -> Callable[[_F], _F]:
     help="List only the tensors whose names match (a glob such as 'layer1.*.weight', else a substring); "
     "implies --keys.",
 )
+@click.option(
+    "--component",
+    metavar="NAME",
+    default=None,
+    help="A diffusers pipeline or sentence-transformers folder: only this component (unet, 2_Dense), "
+    "under its own tensor names.",
+)
 @limit_option("tensors", 50)
 @json_option
 @stats_option
@@ -82,6 +89,7 @@ def inspect_cmd(
     list_keys: bool = False,
     pattern: str | None = None,
     limit: int = 50,
+    component: str | None = None,
 ) -> None:
     """Summarise CHECKPOINT (a path or a URL: s3://, gs://, az://, hf://, https://) without loading tensors or
     running pickle code."""
@@ -90,7 +98,7 @@ def inspect_cmd(
         from ckptfix.ops.inspect import inspect_checkpoint
 
     with collect() as st:
-        r = inspect_checkpoint(checkpoint, key=key, tensor_filter=pattern)
+        r = inspect_checkpoint(checkpoint, key=key, tensor_filter=pattern, component=component)
     if as_json:
         doc = r.to_dict()
         _with_stats(show_stats, doc, st)
@@ -175,6 +183,7 @@ def _framework_lines(fw: dict | None, folder_scan: dict | None = None) -> list[s
         out.append(f"  {label:<13} {text}")
     if fw.get("weights") is not None:
         out.append(f"  weights       {fw['weights']}{flag(fw['weights'])}")
+    out += _component_lines(fw.get("components", []))
     for f in fw.get("files", []):
         out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}{flag(f['file'])}")
     if folder_scan is not None:
@@ -188,6 +197,23 @@ def _framework_lines(fw: dict | None, folder_scan: dict | None = None) -> list[s
         ]
         safe = len(by.get("safe", []))
         out.append(f"  scan          {folder_scan['verdict']} ({'; '.join(parts + [f'{safe} file(s) safe'])})")
+    return out
+
+
+def _component_lines(comps: list[dict]) -> list[str]:
+    """A folder of several models: one line per component (its weights per variant, their tensors and dtypes)."""
+    out = []
+    for c in comps:
+        if c["problem"]:
+            what = c["problem"]
+        elif not c["variants"]:
+            what = "no weights"
+        else:
+            what = "; ".join(
+                f"{c['weights'][v]}: {n['tensors']} tensors, {n['parameters']:,} values, {_fmt_counts(n['dtypes'])}"
+                for v, n in c["variants"].items()
+            )
+        out.append(f"  component     {c['name']} ({c['kind']}): {what}")
     return out
 
 

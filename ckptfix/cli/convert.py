@@ -110,6 +110,13 @@ from ckptfix.cli.group import cli
     help="DeepSpeed ZeRO folder: write the floating tensors in this dtype (default fp32, as zero_to_fp32).",
 )
 @click.option(
+    "--component",
+    default=None,
+    metavar="NAME",
+    help="A diffusers pipeline or sentence-transformers folder: convert only this component (unet, 2_Dense), "
+    "to its own folder, or to one file with -o NAME.safetensors.",
+)
+@click.option(
     "--stats",
     "show_stats",
     is_flag=True,
@@ -139,6 +146,7 @@ def convert_cmd(
     allow_expand: bool,
     tag: str | None,
     dtype: str | None,
+    component: str | None,
     quiet: bool,
     as_json: bool,
     show_stats: bool = False,
@@ -154,6 +162,7 @@ def convert_cmd(
     ckptfix convert run.dcp -o model.safetensors --jobs 4
     ckptfix convert model.safetensors -o start.dcp --shards 4  # DCP as 4 ranks (torch)
     ckptfix convert ds_ckpt/ -o model.safetensors  # DeepSpeed ZeRO 1/2/3 ('latest'; --tag, --dtype bf16)
+    ckptfix convert sd_pipeline/ -o sd_st/         # diffusers pipeline: every component (--component unet)
     ckptfix convert s3://bucket/run/model.pt -o model.safetensors --jobs 8 --stats
     ckptfix convert model.pt -o s3://bucket/model.safetensors   # verified locally, then uploaded
 
@@ -190,6 +199,7 @@ def convert_cmd(
         shards=shards,
         tag=tag,
         dtype=dtype,
+        component=component,
     )
     stats: Any = None
     counting: Any = contextlib.nullcontext()
@@ -253,6 +263,9 @@ def _summary(r: Any) -> None:
             + ", ".join(r.dropped[:5])
             + (" ..." if len(r.dropped) > 5 else "")
         )
+    for name, c in getattr(r, "components", {}).items():
+        outs = ", ".join(shown_path(p) for p in c["outputs"]) or "no weights (copied as it is)"
+        info(f"component {name} ({c['kind']}): {outs}" + (f"; {c['problem']}" if c.get("problem") else ""))
     for f, why in getattr(r, "not_converted", {}).items():
         warn(f"not converted: {f} ({why})")
     if r.copied_views:

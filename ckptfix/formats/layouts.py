@@ -196,6 +196,10 @@ def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
     if not (marks & set(names) or (re.fullmatch(r"checkpoint-\d+", base) and "optimizer.pt" in names)):
         return None
     w = _weights_in(folder, names)
+    if w is None:  # a peft model's checkpoint-N: its adapter is the model's weights
+        from ckptfix.formats.pipelines import adapter_weights
+
+        w = adapter_weights(folder, names)
     return Resolved(folder, _BY_NAME["hf-trainer"], w, _others(folder, names, w))
 
 
@@ -406,8 +410,14 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
         if role == "trainer-state":
             d = {k: doc.get(k) for k in ("global_step", "epoch", "max_steps", "best_metric") if k in doc}
             return ", ".join(f"{k} {v}" for k, v in d.items() if v is not None), d
+        if role == "adapter":
+            from ckptfix.formats.pipelines import adapter_summary
+
+            return adapter_summary(doc)
         if role == "config":
             d = {k: doc.get(k) for k in ("architectures", "model_type", "tie_word_embeddings") if k in doc}
+            if "_diffusers_version" in doc:  # a diffusers model's config (unet/config.json)
+                return f"{doc.get('_class_name', '?')} (diffusers {doc['_diffusers_version']})", {}
             arch = ", ".join(map(str, doc.get("architectures") or [])) or "?"
             return f"{arch} ({doc.get('model_type', '?')})", d
         return f"JSON ({len(doc)} keys)", {}
@@ -619,3 +629,6 @@ register(
     before="hf-model",
 )  # fmt: skip
 register_subfolder_lister(checkpoint_subfolders)
+
+# peft adapters, diffusers pipelines and models, sentence-transformers folders: their rows (ckptfix.formats.pipelines)
+from ckptfix.formats import pipelines as _pipelines  # noqa: E402,F401  (registers its layouts)

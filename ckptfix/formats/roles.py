@@ -33,7 +33,8 @@ _ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"meta\.pt", "meta"),
     (r"model_\d+\.safetensors|pytorch_model_\d+\.bin", "model"),
     (r"(tokenizer|special_tokens_map|vocab|merges|added_tokens|chat_template).*", "tokenizer"),
-    (r"README\.md|\.gitattributes|adapter_config\.json", "other"),
+    (r"adapter_config\.json", "adapter"),
+    (r"README\.md|\.gitattributes", "other"),
 )
 _ROLES: list[tuple[re.Pattern[str], str]] | None = None
 

@@ -97,6 +97,12 @@ def read_side(path: str, key: str | None = None) -> Side:
 
         fw = resolve(path)
         if fw is not None:
+            from ckptfix.formats.pipelines import is_multi
+
+            if is_multi(fw):  # several models: one component at a time
+                from ckptfix.ops.pipelines import diff_refusal
+
+                raise diff_refusal(fw, path)
             if fw.layout.name in ("deepspeed-zero", "hf-storage-dcp"):
                 if key is not None:
                     raise UnsupportedError(

@@ -172,7 +172,7 @@ def _rows(
 
 
 def inspect_checkpoint(
-    path: str | os.PathLike, key: str | None = None, tensor_filter: str | None = None
+    path: str | os.PathLike, key: str | None = None, tensor_filter: str | None = None, component: str | None = None
 ) -> InspectReport:
     """Summarise a checkpoint without loading tensor data and without running any pickle code.
 
@@ -182,6 +182,8 @@ def inspect_checkpoint(
         key: where the state dict sits (found automatically otherwise).
         tensor_filter: list only the tensors whose names match (:func:`tensor_name_matches`) in
             ``tensors``; the counts stay those of the whole state dict.
+        component: a folder of several models (a diffusers pipeline, a sentence-transformers model): report
+            only this component (``unet``), under its own names (:mod:`ckptfix.ops.pipelines`).
 
     Returns:
         InspectReport (see its docstring for what each count means).  A valid torch file without
@@ -199,8 +201,12 @@ def inspect_checkpoint(
     if not source.is_url(path) and os.path.isdir(path):  # (framework folders are local only, for now)
         fw = resolve(path)
         if fw is not None:
-            rep: InspectReport = inspect_folder(fw, key, tensor_filter)
+            rep: InspectReport = inspect_folder(fw, key, tensor_filter, component)
             return rep
+    if component is not None:
+        from ckptfix.ops.pipelines import refuse_component
+
+        refuse_component(path)
     # a remote object is opened once (one pinned version) for the whole inspection, and only its metadata is read
     with source.session():
         with source.metadata_only():
@@ -425,9 +431,21 @@ def _notes(
 # --------------------------------------------------------------------------- framework folders
 
 
-def inspect_folder(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
+def inspect_folder(
+    r: Resolved, key: str | None = None, tensor_filter: str | None = None, component: str | None = None
+) -> InspectReport:
     """``inspect`` of a framework folder: the weights' report, with ``framework`` (layout, every other file) and
     ``folder_scan`` (every pickle-bearing file's verdict: ``weights_only_ok`` only when every one is safe)."""
+    from ckptfix.formats.pipelines import is_multi
+
+    if is_multi(r):  # a diffusers pipeline, a sentence-transformers model: every component (or one)
+        from ckptfix.ops.pipelines import inspect_pipeline
+
+        return _with_folder_scan(inspect_pipeline(r, key, tensor_filter, component), r)
+    if component is not None:
+        from ckptfix.ops.pipelines import refuse_component
+
+        refuse_component(r.path, r)
     rep = _inspect_folder_weights(r, key, tensor_filter)
     return _with_folder_scan(rep, r)
 
@@ -483,6 +501,9 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
     meta = next((f for f in r.files if f.role == "meta"), None)
     if meta is not None and meta.details:
         rep.framework["lightning_meta"] = meta.details
+    adapter = next((f for f in r.files if f.role == "adapter"), None)
+    if adapter is not None and adapter.details:  # peft: base model, r, lora_alpha, target modules, task type
+        rep.framework["adapter"] = adapter.details
     return rep
 
 

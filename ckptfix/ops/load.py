@@ -812,6 +812,12 @@ def load_folder(r: Resolved, **kw: Any) -> LoadedCheckpoint:
     """``load_checkpoint(FOLDER)``: the model weights, loaded as any checkpoint."""
     for p in r.of_role("meta"):  # the folder's own files (Lightning's meta.pt): one containment rule with convert
         check_inside(r, p)
+    from ckptfix.formats.pipelines import is_multi
+
+    if is_multi(r):  # a diffusers pipeline, a sentence-transformers model: every component (key=: one)
+        from ckptfix.ops.pipelines import load_pipeline
+
+        return load_pipeline(r, **kw)
     handler = r.layout.load
     if handler is not None:
         lc: LoadedCheckpoint = handler(r, **kw)

@@ -34,11 +34,22 @@ def default_output(r: Resolved) -> str:
     w = r.weights or ""
     if r.layout.name in ("hf-model", "hf-trainer") and os.path.basename(w).startswith("pytorch_model"):
         return os.path.join(r.path, "model.safetensors")
+    from ckptfix.ops.convert.pipelines import beside_bin
+
+    inside = beside_bin(r)  # peft's adapter_model.bin, a diffusers model's .bin: where from_pretrained looks
+    if inside is not None:
+        return inside
     return beside(r.path, ".safetensors")
 
 
 def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
     """``convert FOLDER``: the model weights (and, with ``include_optimizer``, the optimizer files)."""
+    from ckptfix.formats.pipelines import is_multi
+
+    if is_multi(r) or kw.get("component") is not None:  # a diffusers pipeline, a sentence-transformers model
+        from ckptfix.ops.convert.pipelines import convert_pipeline
+
+        return convert_pipeline(r, dst, **kw)
     handler = r.layout.convert
     if handler is not None:
         got: ConvertReport = handler(r, dst, **kw)

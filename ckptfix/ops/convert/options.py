@@ -8,7 +8,7 @@ direction (:class:`~ckptfix.errors.OptionNotApplicableError`, exit 32) instead o
 The directions: ``safetensors`` (a checkpoint, sharded index, DCP directory -> safetensors), ``pt``
 (safetensors -> a torch ``.pth``), ``dcp`` (safetensors -> a DCP directory), and the two folder
 consolidations to safetensors, ``zero`` (DeepSpeed ZeRO) and ``hfstorage`` (torch's
-HuggingFaceStorageWriter).
+HuggingFaceStorageWriter), and ``pipeline`` (a folder of several models to the same folder in safetensors).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ __all__ = [
     "keywords_of",
 ]
 
-Direction = Literal["safetensors", "pt", "dcp", "zero", "hfstorage"]
-DIRECTIONS: tuple[Direction, ...] = ("safetensors", "pt", "dcp", "zero", "hfstorage")
+Direction = Literal["safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline"]
+DIRECTIONS: tuple[Direction, ...] = ("safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline")
 
 #: how a refusal names each direction, and where an option of it applies
 _WHERE: dict[str, str] = {
@@ -40,6 +40,7 @@ _WHERE: dict[str, str] = {
     "dcp": "DCP output (-o DIR.dcp or --to dcp, from a safetensors input)",
     "zero": "DeepSpeed ZeRO checkpoint folders (with a 'latest' file or *_optim_states.pt partitions)",
     "hfstorage": "torch HuggingFaceStorageWriter folders",
+    "pipeline": "folders of several models (diffusers' model_index.json, sentence-transformers' modules.json)",
 }
 
 
@@ -65,6 +66,7 @@ class ConvertOptions:
         restore_wrapper: back to torch: rebuild the checkpoint dict around the state dict.
         shards: DCP output: write as this many ranks would.
         tag, dtype: a DeepSpeed ZeRO folder: the tag to consolidate; the floating dtype written.
+        component: a folder of several models (diffusers pipeline, sentence-transformers): convert only this one.
     """
 
     to: str | None = _opt(None, "--to", DIRECTIONS)
@@ -82,6 +84,7 @@ class ConvertOptions:
     shards: int = _opt(1, "--shards", ("dcp",))
     tag: str | None = _opt(None, "--tag", ("zero",))
     dtype: str | None = _opt(None, "--dtype", ("zero",))
+    component: str | None = _opt(None, "--component", ("pipeline",))
 
     def given(self) -> list[str]:
         """The fields set away from their defaults, in declaration order."""
@@ -120,6 +123,7 @@ class ConvertKeywords(OutputKeywords, total=False):
     shards: int
     tag: str | None
     dtype: str | None
+    component: str | None
 
 
 def options_of(

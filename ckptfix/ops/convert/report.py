@@ -39,6 +39,8 @@ class ConvertReport:
         renamed: keys renamed by ``strip_prefix``.
         kept_names: why ``strip_prefix`` renamed nothing though prefixes look like wrappers' (a whole pickled
             module's ``state_dict()`` names are its own); in ``to_dict()`` only when set.
+        components: ``{component: {"folder", "kind", "outputs", "problem"}}`` of a folder of several models (a
+            diffusers pipeline, a sentence-transformers model): what each became; in ``to_dict()`` only when set.
         optimizer_tensors: optimizer tensors written.
         bytes: tensor bytes written.
         verified: every output was read back and compared.
@@ -69,6 +71,7 @@ class ConvertReport:
     unnamed: str = ""  # how tensors saved without names were named (a bare tensor, a list/tuple)
     renamed: int = 0
     kept_names: str = ""
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
     optimizer_tensors: int = 0
     bytes: int = 0
     verified: bool = False
@@ -90,4 +93,6 @@ class ConvertReport:
             del d["unnamed"]
         if not d["kept_names"]:
             del d["kept_names"]
+        if not d["components"]:  # only a folder of several models' report has it
+            del d["components"]
         return d
