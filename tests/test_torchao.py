@@ -258,3 +258,60 @@ def test_oracle_load_anywhere_loads_torchao_tensors(name):
         assert all(same_tensor(got[k], want[k]) for k in want), kw
     with pytest.raises(UnsupportedError, match="callable map_location"):
         load_anywhere(AO / f"{name}.pt", map_location=lambda s, loc: s)
+
+
+# --------------------------------------------------------------------------- transformers' TorchAoConfig layout
+
+
+def test_convert_of_a_quantized_transformers_state_dict_equals_transformers_own_save_pretrained(tmp_path):
+    """torch.save(model.state_dict()) of a TorchAoConfig model, converted: what transformers' save_pretrained
+    writes (bit-equal tensors, every metadata entry), and no JSON list under a dotted key (transformers'
+    torchao loader parses each one as a dict)."""
+    out = tmp_path / "model.safetensors"
+    convert(AO / "hf_llama_int8.pt", out)
+    mine, mine_meta = _safetensors(out)
+    theirs, theirs_meta = _safetensors(AO / "hf_llama_int8" / "model.safetensors")
+    assert mine == theirs
+    for k, v in theirs_meta.items():
+        assert (json.loads(mine_meta[k]) if k != "format" else mine_meta[k]) == (json.loads(v) if k != "format" else v)
+    for k, v in mine_meta.items():
+        if "." in k and v[:1] in "[{":
+            assert isinstance(json.loads(v), dict), k
+
+
+def test_inspect_names_torchaos_layout_in_a_safetensors_file():
+    r = inspect_checkpoint(AO / "hf_llama_int8" / "model.safetensors")
+    (note,) = [n for n in r.notes if "torchao's safetensors layout" in n]
+    assert "Int8Tensor x7" in note
+
+
+def test_oracle_transformers_loads_the_converted_folder_with_equal_logits(tmp_path):
+    _torchao()
+    pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    dst = tmp_path / "m"
+    dst.mkdir()
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(AO / "hf_llama_int8" / f, dst / f)
+    convert(AO / "hf_llama_int8.pt", dst / "model.safetensors")
+    x = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        want = LlamaForCausalLM.from_pretrained(AO / "hf_llama_int8")(x).logits
+        got = LlamaForCausalLM.from_pretrained(dst)(x).logits
+    assert torch.equal(got, want)
+
+
+def test_oracle_convert_to_pt_of_transformers_torchao_file(tmp_path):
+    same_tensor = _torchao()
+    import torch
+
+    pth = tmp_path / "m.pth"
+    rep = convert(AO / "hf_llama_int8" / "model.safetensors", pth, to="pt")
+    assert rep.verified and len(rep.subclasses) == 7
+    back = torch.load(pth, weights_only=True)
+    want = torch.load(AO / "hf_llama_int8.pt", weights_only=True)
+    assert sorted(back) == sorted(want) and all(same_tensor(back[k], want[k]) for k in want)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from ckptfix.files import pins, source
-from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint
+from ckptfix.formats import CheckpointFile, DcpDetails, Format, SafetensorsDetails, is_tensor_like, read_checkpoint
 from ckptfix.formats.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve
 from ckptfix.ops.plaindata import NUMPY_TO_TORCH, dtype_code, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.ops.scan import SCAN_SCHEMA, ScanReport, scan_checkpoint, scan_unsafe
@@ -23,7 +23,7 @@ from ckptfix.pickles import (
     global_name,
 )
 from ckptfix.pickles.policy import classify_global, needs_package
-from ckptfix.pickles.subclass import subclass_notes
+from ckptfix.pickles.subclass import layout_notes, subclass_notes
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 
@@ -264,7 +264,8 @@ def inspect_file(path: str | os.PathLike, key: str | None = None, tensor_filter:
         notes=_notes(cf, locations, holder, key_path)
         + _own_notes(list(map(str, sd.keys())), own)
         + _partitioned(cf, sd, tensors)
-        + subclass_notes(tensors),
+        + subclass_notes(tensors)
+        + (layout_notes(cf.details.metadata) if isinstance(cf.details, SafetensorsDetails) else []),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
         framework=identify_object(cf.obj),
         tensors=_rows(list(tensors), info, shared, tensor_filter),

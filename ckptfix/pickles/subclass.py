@@ -630,3 +630,65 @@ def flatten_named(named: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], 
         seen.add(n)
     meta["tensor_names"] = json.dumps([n for n, _ in named])
     return out, meta, written
+
+
+def torchao_entries(meta: Mapping[str, str]) -> dict[str, str] | None:
+    """The tensor entries of torchao's safetensors metadata, when the file has them.
+
+    Args:
+        meta: a safetensors file's ``__metadata__``.
+
+    Returns:
+        ``{tensor name: its class ("Int8Tensor", "Tensor")}`` in ``tensor_names`` order, or None when the
+        metadata is not torchao's (no ``tensor_names``, or no entry naming a torchao tensor class).
+    """
+    import json
+
+    raw = meta.get("tensor_names")
+    if raw is None:
+        return None
+    try:
+        names = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return None
+    out: dict[str, str] = {}
+    for n in names:
+        try:
+            entry = json.loads(meta.get(n, ""))
+        except ValueError:
+            return None
+        t = entry.get("_type") if isinstance(entry, dict) else None
+        if not isinstance(t, str):
+            return None
+        out[n] = t
+    if not any(t in BY_TYPE for t in out.values()):
+        return None
+    return out
+
+
+def layout_notes(meta: Mapping[str, str]) -> list[str]:
+    """Inspect's note on a safetensors file in torchao's layout (transformers' TorchAoConfig, ckptfix convert).
+
+    Args:
+        meta: the file's ``__metadata__``.
+
+    Returns:
+        One note, or none when the metadata is not torchao's.
+    """
+    entries = torchao_entries(meta)
+    if entries is None:
+        return []
+    counts: dict[str, int] = {}
+    for t in entries.values():
+        if t in BY_TYPE:
+            counts[t] = counts.get(t, 0) + 1
+    n = sum(counts.values())
+    kinds = ", ".join(f"{k} x{v}" for k, v in counts.items())
+    return [
+        f"torchao's safetensors layout: {n} of {len(entries)} tensors are torchao tensor subclasses ({kinds}) stored "
+        "as their inner tensors (MODULE._NAME_PART), the class in __metadata__; torchao's "
+        "unflatten_tensor_state_dict (transformers' TorchAoConfig loading) or `ckptfix convert --to pt` (with "
+        "torchao installed) rebuilds them"
+    ]

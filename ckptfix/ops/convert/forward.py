@@ -198,7 +198,11 @@ def convert_to_safetensors(
         )
     renamed = {old: new for (old, _), (new, _) in zip(kept, named, strict=False) if old != new}
     metadata = carry_metadata(metadata, source.metadata, renamed)
-    metadata.update(torchao_meta)
+    if torchao_meta:
+        # transformers' torchao loader json-parses every dotted metadata key and takes each value for a dict:
+        # ckptfix's JSON lists would break from_pretrained (tensor_names holds the order)
+        metadata = {k: v for k, v in metadata.items() if k not in (stmeta.ORDER, stmeta.KEY_PATH)}
+        metadata.update(torchao_meta)
     write_outputs(
         dst,
         items,

@@ -10,45 +10,10 @@ torchao imported gives the same tensors back.  That needs torchao installed (loa
 
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping
 
 from ckptfix.errors import UnsupportedError
-from ckptfix.pickles.subclass import BY_TYPE
-
-
-def torchao_entries(meta: Mapping[str, str]) -> dict[str, str] | None:
-    """The tensor entries of torchao's safetensors metadata, when the file has them.
-
-    Args:
-        meta: a safetensors file's ``__metadata__``.
-
-    Returns:
-        ``{tensor name: its class ("Int8Tensor", "Tensor")}`` in ``tensor_names`` order, or None when the
-        metadata is not torchao's (no ``tensor_names``, or no entry naming a torchao tensor class).
-    """
-    raw = meta.get("tensor_names")
-    if raw is None:
-        return None
-    try:
-        names = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        return None
-    out: dict[str, str] = {}
-    for n in names:
-        try:
-            entry = json.loads(meta.get(n, ""))
-        except ValueError:
-            return None
-        t = entry.get("_type") if isinstance(entry, dict) else None
-        if not isinstance(t, str):
-            return None
-        out[n] = t
-    if not any(t in BY_TYPE for t in out.values()):
-        return None
-    return out
+from ckptfix.pickles.subclass import BY_TYPE, torchao_entries
 
 
 def rebuild(tensors: Mapping[str, Any], meta: Mapping[str, str], src: str) -> tuple[dict[str, Any], list[str]]:
