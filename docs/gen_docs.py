@@ -118,6 +118,7 @@ FRAMEWORK_FOLDERS = {
     "lightning_dcp": "lightning_fsdp",
     "lightning.ckpt": "lightning.ckpt",
     "hf_llama_bin": "llama",
+    "torchao/int8dq.pt": "int8dq.pt",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
