@@ -36,6 +36,7 @@ FIXTURES = {
     "float8dq": ("Float8Tensor", "float8_e4m3fn"),
     "intx4wo": ("IntxUnpackedToInt8Tensor", "int4"),
     "intx4dq": ("IntxUnpackedToInt8Tensor", "int4"),
+    "int4": ("Int4Tensor", "int4"),  # packed two per byte
 }
 HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 
@@ -226,8 +227,9 @@ def test_oracle_torchao_unflattens_the_output_into_the_saved_tensors(name, tmp_p
     want = torch.load(AO / f"{name}.pt", weights_only=True)
     assert not left and list(got) == list(want)
     assert all(same_tensor(got[k], want[k]) for k in want)
-    deq = load_file(str(AO / f"{name}.dequant.safetensors"))
-    assert torch.equal(got["0.weight"].dequantize(), deq["0.weight"])
+    if name != "int4":  # (Int4Tensor.dequantize needs CUDA kernels)
+        deq = load_file(str(AO / f"{name}.dequant.safetensors"))
+        assert torch.equal(got["0.weight"].dequantize(), deq["0.weight"])
 
 
 @pytest.mark.parametrize("name", sorted(FIXTURES))
