@@ -317,3 +317,11 @@ def test_oracle_convert_to_pt_of_transformers_torchao_file(tmp_path):
     back = torch.load(pth, weights_only=True)
     want = torch.load(AO / "hf_llama_int8.pt", weights_only=True)
     assert sorted(back) == sorted(want) and all(same_tensor(back[k], want[k]) for k in want)
+
+
+def test_scan_calls_torchaos_classes_safe_and_says_they_need_torchao_imported():
+    r = run_cli("scan", str(AO / "float8dq.pt"), isolated=False)
+    assert r.rc == 0, r.err
+    assert "safe      torchao.quantization.Float8Tensor" in r.out
+    assert "safe      torchao.float8.inference.Float8MMConfig" in r.out
+    assert "once `import torchao` has registered them" in r.out
