@@ -121,6 +121,7 @@ FRAMEWORK_FOLDERS = {
     "peft_lora_bin": "lora_adapter",
     "diffusers_bin": "sd_pipeline",
     "st_bin": "st_model",
+    "torchao/int8dq.pt": "int8dq.pt",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]

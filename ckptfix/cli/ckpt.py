@@ -290,6 +290,14 @@ def _render_scan(r, limit: int = 0) -> None:
         mangled = sum(1 for g in hidden if g.startswith("__torch__."))
         what = f", {mangled} of them TorchScript classes (__torch__.*)" if mangled else ""
         echo(f"  ... {len(hidden)} more safe globals{what} (--limit 0 lists all, --json has every one)")
+    from ckptfix.pickles.policy import needs_package
+
+    packages = sorted({p for g in r.globals if (p := needs_package(g))})
+    if packages:  # torchao's tensor classes: torch's weights-only loader allows them once torchao registered them
+        echo(
+            f"  note      {', '.join(packages)}'s globals are safe as torch.load(weights_only=True) takes them: "
+            f"once `import {packages[0]}` has registered them (without it torch.load refuses them)"
+        )
     for e in r.errors:
         echo(f"  malformed {e}")
     for name, f in r.files.items():  # a folder: each file's own verdict

@@ -250,6 +250,18 @@ def _summary(r: Any) -> None:
             + ", ".join(f"{a} -> {s}" for a, s in list(r.aliases.items())[:5])
             + (" ..." if len(r.aliases) > 5 else "")
         )
+    subs = getattr(r, "subclasses", {})
+    if subs:
+        how = (
+            "written as their inner tensors in torchao's safetensors layout (the class in __metadata__)"
+            if r.direction == "to-safetensors"
+            else "rebuilt as torchao tensors (torch.load needs torchao imported)"
+        )
+        info(
+            f"{len(subs)} torchao tensor(s) {how}: "
+            + ", ".join(f"{n} ({c})" for n, c in list(subs.items())[:2])
+            + (" ..." if len(subs) > 2 else "")
+        )
     if r.renamed:
         info(f"stripped prefixes from {r.renamed} key(s)")
     if getattr(r, "kept_names", ""):

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from ckptfix.files import pins, source
-from ckptfix.formats import CheckpointFile, DcpDetails, Format, is_tensor_like, read_checkpoint
+from ckptfix.formats import CheckpointFile, DcpDetails, Format, SafetensorsDetails, is_tensor_like, read_checkpoint
 from ckptfix.formats.layouts import Resolved, describe_files, identify_object, optimizer_summary, resolve
 from ckptfix.ops.plaindata import NUMPY_TO_TORCH, dtype_code, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.ops.scan import SCAN_SCHEMA, ScanReport, scan_checkpoint, scan_unsafe
@@ -22,7 +22,8 @@ from ckptfix.pickles import (
     TensorRecord,
     global_name,
 )
-from ckptfix.pickles.policy import classify_global
+from ckptfix.pickles.policy import classify_global, needs_package
+from ckptfix.pickles.subclass import layout_notes, subclass_notes
 
 INSPECT_SCHEMA = "ckptfix.inspect/1"
 
@@ -268,7 +269,9 @@ def inspect_file(path: str | os.PathLike, key: str | None = None, tensor_filter:
         weights_only_reason=why,
         notes=_notes(cf, locations, holder, key_path)
         + _own_notes(list(map(str, sd.keys())), own)
-        + _partitioned(cf, sd, tensors),
+        + _partitioned(cf, sd, tensors)
+        + subclass_notes(tensors)
+        + (layout_notes(cf.details.metadata) if isinstance(cf.details, SafetensorsDetails) else []),
         dcp=cf.details.summary if isinstance(cf.details, DcpDetails) else None,
         framework=identify_object(cf.obj),
         tensors=_rows(list(tensors), info, shared, tensor_filter),
@@ -377,6 +380,13 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
             f"the file's other pickles name globals weights_only refuses: {', '.join(other[:5])}"
             + (" ..." if len(other) > 5 else "")
             + " (`ckptfix scan` lists them; `ckptfix sanitize` writes the checkpoint without them)"
+        )
+    packages = sorted({p for g in cf.globals_seen if (p := needs_package(g))})
+    if packages:
+        return True, (
+            "only globals torch's weights-only unpickler allows, once "
+            + " and ".join(f"`import {p}`" for p in packages)
+            + " has registered its tensor classes (without it torch.load refuses them)"
         )
     return True, "only globals torch's weights-only unpickler allows"
 

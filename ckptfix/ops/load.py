@@ -33,7 +33,7 @@ from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, re
 from ckptfix.formats.layouts import Resolved, check_inside, resolve
 from ckptfix.formats.registry import dispatch, implement_all
 from ckptfix.pickles import Stub, stub_class
-from ckptfix.pickles.policy import classify_global
+from ckptfix.pickles.policy import PACKAGES, classify_global, needs_package
 
 MapLocation = Any  # str | torch.device | dict | callable | None | "auto"
 
@@ -120,7 +120,9 @@ def _python3_name(module: str, name: str) -> tuple[str, str]:
     return module, name
 
 
-def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None) -> types.ModuleType:
+def restricted_pickle_module(
+    allow_globals: Iterable[Any] = (), stubbed: set[str] | None = None, path: str = "the checkpoint"
+) -> types.ModuleType:
     """A pickle-module stand-in for ``torch.load(pickle_module=...)`` that never runs unknown globals.
 
     torch-allowed globals are rebuilt, ``allow_globals`` entries are imported and
@@ -129,6 +131,7 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
     Args:
         allow_globals: ``"module.Name"`` strings or the objects themselves, rebuilt for real.
         stubbed: a set that receives every global replaced by a placeholder.
+        path: the checkpoint, for messages.
 
     Returns:
         A module with ``Unpickler``, ``load`` and ``loads``; its unpickler raises
@@ -155,7 +158,13 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
                         ) from None
                 return obj
             if classify_global(full) == "safe":
-                return _real_global(module, name)
+                try:
+                    return _real_global(module, name)
+                except ImportError:
+                    package = needs_package(full)
+                    if package is None:
+                        raise
+                    raise UnsupportedError(_package_message(path, package)) from None
             record.add(full)
             return stub_class(module, name)
 
@@ -173,6 +182,15 @@ def restricted_pickle_module(allow_globals: Iterable[Any] = (), stubbed: set[str
     mod.loads = loads  # type: ignore[attr-defined]
     mod.__name__ = "pickle"  # torch only checks for the standard interface
     return mod
+
+
+def _package_message(path: str, package: str) -> str:
+    """Why a file whose tensors are ``package``'s classes does not load here, and the ways out."""
+    return (
+        f"{path}: its tensors are {package} tensor subclasses (torchao's quantized Int8Tensor, Float8Tensor ...), "
+        f"which load only with {package} installed: `pip install {package}`; or `ckptfix convert` writes their "
+        "inner tensors as safetensors without it (`ckptfix inspect` shows them)"
+    )
 
 
 # --------------------------------------------------------------------------- devices
@@ -283,13 +301,13 @@ def _torch_load(
             f = src.fileobj()
             if trust:
                 return torch.load(f, map_location=restore, weights_only=False)
-            mod = restricted_pickle_module(allow_globals, stubbed)
+            mod = restricted_pickle_module(allow_globals, stubbed, path)
             return torch.load(f, map_location=restore, weights_only=False, pickle_module=mod)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if trust:
             return torch.load(pins.path_for(path), map_location=restore, mmap=mmap, weights_only=False)
-        mod = restricted_pickle_module(allow_globals, stubbed)
+        mod = restricted_pickle_module(allow_globals, stubbed, path)
         return torch.load(pins.path_for(path), map_location=restore, mmap=mmap, weights_only=False, pickle_module=mod)
 
 
@@ -422,6 +440,15 @@ class _Load:
             raise
         except Exception as e:
             first = str(e).splitlines()[0] if str(e) else ""
+            if isinstance(e, RuntimeError) and "Callable map_location not supported" in first:
+                raise UnsupportedError(
+                    f"{self.path}: the file holds wrapper-subclass tensors (torchao's quantized tensors, DTensor), "
+                    "which torch cannot place with a callable map_location; pass a device (map_location='cpu', "
+                    "'cuda:0', 'auto') or a dict of tags"
+                ) from None
+            missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+            if missing and missing.split(".")[0] in PACKAGES:
+                raise UnsupportedError(_package_message(self.path, missing.split(".")[0])) from None
             raise CorruptCheckpointError(f"{self.path}: torch could not load it ({type(e).__name__}: {first})") from e
 
 
@@ -433,14 +460,60 @@ def _load_tar(ld: _Load) -> Any:
 
 def _load_zip(ld: _Load) -> Any:
     restore = ld.restore()  # a map_location naming a device this machine lacks is refused first
-    read_checkpoint(ld.path, ld.format)  # names, record sizes and limits checked before torch maps anything
-    return ld.torch_load(restore, mmap=ld.mmap if ld.mmap is not None else True)
+    cf = read_checkpoint(ld.path, ld.format)  # names, record sizes and limits checked before torch maps anything
+    return ld.torch_load(_wrapper_location(ld, cf) or restore, mmap=ld.mmap if ld.mmap is not None else True)
 
 
 def _load_legacy(ld: _Load) -> Any:
     restore = ld.restore()
-    read_checkpoint(ld.path, ld.format)  # truncated or damaged storages refused before torch reads them
-    return ld.torch_load(restore, mmap=False)
+    cf = read_checkpoint(ld.path, ld.format)  # truncated or damaged storages refused before torch reads them
+    return ld.torch_load(_wrapper_location(ld, cf) or restore, mmap=False)
+
+
+def _wrapper_location(ld: _Load, cf: Any) -> Any:
+    """The ``map_location`` for a file with wrapper-subclass tensors (torchao's, DTensor), else None.
+
+    torch refuses a callable ``map_location`` for ``_rebuild_wrapper_subclass`` ("Callable map_location not
+    supported"), so such a file gets the device every storage goes to (a string), or, when its storages go to
+    several devices, a dict of each tag (as a string and as the ``torch.device`` a wrapper records) to its
+    device.  The tags and remaps are recorded from the storages read torch-free, as the callable would.
+    A caller's own callable ``map_location`` is kept (torch then says it cannot; see :meth:`_Load.torch_load`).
+    """
+    import torch
+
+    if "torch._utils._rebuild_wrapper_subclass" not in cf.globals_seen:
+        return None
+    m = ld.map_location
+    if callable(m) and not isinstance(m, (str, dict, torch.device)):
+        return None
+    if isinstance(m, str) and m == "auto":
+        m = auto_device()
+    dests: dict[str, str] = {}
+    for st in cf.storages.values():
+        tag = str(st.location)
+        ld.tags[tag] += 1
+        if isinstance(m, dict):
+            d = m.get(tag, tag)
+            dest = str(d)
+        elif m is None:
+            dest = tag
+        else:
+            dest = str(m)
+        fixed = _available(dest) or "cpu"
+        dests[tag] = fixed
+        if fixed != tag:
+            ld.remapped[tag] = fixed
+    targets = set(dests.values())
+    if len(targets) <= 1:
+        return next(iter(targets), _simple_target(ld.map_location))
+    mapping: dict[Any, str] = {}
+    for tag, dest in dests.items():
+        mapping[tag] = dest
+        try:
+            mapping[torch.device(tag)] = dest
+        except RuntimeError:
+            pass
+    return mapping
 
 
 def _load_pickle(ld: _Load) -> Any:

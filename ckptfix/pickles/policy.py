@@ -186,6 +186,9 @@ class KnownGlobal:
     safe: bool
     build: Callable[..., Any] | None = None
     bounded: bool = False
+    #: the package that must be imported for torch's weights-only loader to allow it (it registers the class
+    #: with ``torch.serialization.add_safe_globals`` on import); None for torch's own allowlist
+    package: str | None = None
 
 
 #: every global known by exact name: its verdict and how the restricted reader builds it
@@ -218,6 +221,45 @@ KNOWN_GLOBALS: dict[tuple[str, str], KnownGlobal] = {
     ("torch.storage", "UntypedStorage"): KnownGlobal(safe=True),
     ("torch.storage", "TypedStorage"): KnownGlobal(safe=True),
 }
+
+#: torchao's tensor subclasses and the attribute classes they hold, by exact name (each one torchao registers with
+#: ``add_safe_globals``): the restricted reader reads them as their inner tensors (:mod:`ckptfix.pickles.subclass`);
+#: no other ``torchao`` global is known
+TORCHAO_GLOBALS: tuple[str, ...] = (
+    "torchao.quantization.Int8Tensor",
+    "torchao.quantization.Float8Tensor",
+    "torchao.quantization.IntxUnpackedToInt8Tensor",
+    "torchao.quantization.Int4Tensor",
+    "torchao.quantization.Int4PlainInt32Tensor",
+    "torchao.quantization.Int4TilePackedTo4dTensor",
+    "torchao.quantization.granularity.PerRow",
+    "torchao.quantization.granularity.PerTensor",
+    "torchao.quantization.quant_primitives.MappingType",
+    "torchao.quantization.quantize_.common.kernel_preference.KernelPreference",
+    "torchao.quantization.quantize_.workflows.int8.int8_tensor.QuantizeTensorToInt8Kwargs",
+    "torchao.quantization.quantize_.workflows.float8.float8_tensor.QuantizeTensorToFloat8Kwargs",
+    "torchao.float8.inference.Float8MMConfig",
+)
+for _g in TORCHAO_GLOBALS:
+    KNOWN_GLOBALS[tuple(_g.rsplit(".", 1))] = KnownGlobal(safe=True, package="torchao")  # type: ignore[index]
+
+
+#: the packages :func:`needs_package` names
+PACKAGES: frozenset[str] = frozenset(k.package for k in KNOWN_GLOBALS.values() if k.package)
+
+
+def needs_package(name: str) -> str | None:
+    """The package whose import makes torch's weights-only loader allow global ``name`` (None: torch's own).
+
+    Args:
+        name: ``module.name``.
+
+    Returns:
+        ``"torchao"`` for torchao's tensor classes; None for any other global.
+    """
+    module, _, attr = name.rpartition(".")
+    known = KNOWN_GLOBALS.get((module, attr))
+    return known.package if known is not None else None
 
 
 def known_global(module: str, name: str) -> KnownGlobal | None:

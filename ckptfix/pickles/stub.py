@@ -506,6 +506,14 @@ class _RebuildFromType(Stub):
 
     def __new__(cls, *args: Any) -> Any:
         inner = args[0](*args[2]) if args and callable(args[0]) else None
+        if inner is not None and getattr(args[0], "_ckpt_name", None) == "_rebuild_wrapper_subclass" and len(args) > 3:
+            from ckptfix.pickles.subclass import build_record  # torchao's tensors, read as their parts
+
+            sub = build_record(args[1], args[2], args[3])
+            if sub is not None:
+                sub.reduce_func = cls
+                sub.reduce_args = args
+                return sub
         if isinstance(inner, TensorRecord):
             new_type = args[1]
             if isinstance(new_type, type) and issubclass(new_type, Stub) and new_type._ckpt_name == "Parameter":

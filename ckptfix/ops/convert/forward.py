@@ -39,6 +39,7 @@ from ckptfix.ops.convert.report import ConvertReport
 from ckptfix.ops.convert.write import write_outputs
 from ckptfix.pickles import TensorRecord, is_tensor_like
 from ckptfix.pickles.placeholders import check_not_partitioned
+from ckptfix.pickles.subclass import flatten_named
 from ckptfix.text import parse_size
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ def convert_to_safetensors(
             f"{src}: the state dict holds no tensors, so there is nothing to convert; "
             "`ckptfix inspect` shows what the file holds"
         )
+    named, torchao_meta, report.subclasses = flatten_named(named)  # torchao's tensors: their parts, as torchao writes
     tied = tied_names(named, order, c.keep, src, bool(c.strip_prefix))
     views: dict[str, dict[str, Any]] = {}
     if source.use_torch:
@@ -196,6 +198,11 @@ def convert_to_safetensors(
         )
     renamed = {old: new for (old, _), (new, _) in zip(kept, named, strict=False) if old != new}
     metadata = carry_metadata(metadata, source.metadata, renamed)
+    if torchao_meta:
+        # transformers' torchao loader json-parses every dotted metadata key and takes each value for a dict:
+        # ckptfix's JSON lists would break from_pretrained (tensor_names holds the order)
+        metadata = {k: v for k, v in metadata.items() if k not in (stmeta.ORDER, stmeta.KEY_PATH)}
+        metadata.update(torchao_meta)
     write_outputs(
         dst,
         items,

@@ -35,6 +35,8 @@ class ConvertReport:
         dropped: tensors of the input left out because ``drop`` (``--drop``) asked for it, by name or path.
         placeholders: ``{path: global}`` of placeholders of classes written as plain data.
         converted: ``{path: "was -> now"}`` of values written as plain data.
+        subclasses: ``{name: "Int8Tensor -> 0._weight_qdata, ..."}`` of torchao tensors written as their inner
+            tensors in torchao's safetensors layout; in ``to_dict()`` only when not empty.
         stubbed_globals: globals the restricted reader turned into placeholders.
         renamed: keys renamed by ``strip_prefix``.
         kept_names: why ``strip_prefix`` renamed nothing though prefixes look like wrappers' (a whole pickled
@@ -67,6 +69,7 @@ class ConvertReport:
     dropped: list[str] = field(default_factory=list)
     placeholders: dict[str, str] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
+    subclasses: dict[str, str] = field(default_factory=dict)
     stubbed_globals: list[str] = field(default_factory=list)
     unnamed: str = ""  # how tensors saved without names were named (a bare tensor, a list/tuple)
     renamed: int = 0
@@ -95,4 +98,6 @@ class ConvertReport:
             del d["kept_names"]
         if not d["components"]:  # only a folder of several models' report has it
             del d["components"]
+        if not d["subclasses"]:
+            del d["subclasses"]
         return d

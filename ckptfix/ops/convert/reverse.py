@@ -29,6 +29,7 @@ from ckptfix.ops.convert.extras import is_optimizer_key
 from ckptfix.ops.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.ops.convert.paths import check_outputs, default_output, temp_for
 from ckptfix.ops.convert.report import ConvertReport
+from ckptfix.ops.convert.torchao import rebuild, same_tensor, torchao_entries
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -184,8 +185,12 @@ def convert_from_safetensors(
     out = stmeta.restore(sd, meta)
     report.aliases = stmeta.aliases(meta, sd)
     report.views = {k: v["base"] for k, v in stmeta.views(meta).items() if isinstance(v.get("base"), str)}
+    consumed: list[str] = []
+    if torchao_entries(meta) is not None:  # torchao's layout: its tensor subclasses rebuilt, as torchao loads them
+        out, consumed = rebuild(out, meta, src)
+        report.subclasses = {n: type(v).__name__ for n, v in out.items() if hasattr(v, "tensor_data_names")}
     report.tensors = len(out)
-    _name_metadata_left_out(meta, report)
+    _name_metadata_left_out({k: v for k, v in meta.items() if k not in consumed}, report)
     total = sum(t.numel() * t.element_size() for t in sd.values())
     report.bytes = total
     to_save: Any = out
@@ -241,6 +246,10 @@ def _verify_torch_output(tmp: str, dst: str, out: Mapping[str, Any], report: Con
         raise VerificationError(f"{dst}: the written checkpoint holds other keys than the source")
     for k, t in out.items():
         b = back[k]
+        if hasattr(t, "tensor_data_names"):  # a torchao tensor: its class, inner tensors and attributes
+            if not same_tensor(b, t):
+                raise VerificationError(f"{dst}: tensor {k!r} differs from the source; the output was removed")
+            continue
         if (
             b.dtype != t.dtype
             or b.shape != t.shape
