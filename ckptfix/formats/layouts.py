@@ -604,6 +604,31 @@ def _detect_hf_storage(folder: str, names: list[str]) -> Resolved | None:
     )
 
 
+def _detect_dtensor_ranks(folder: str, names: list[str]) -> Resolved | None:
+    """Per-rank FSDP state dicts of DTensors (accelerate ``use_dcp=False``, verl): ``*_rank{R}.bin``, ``*_rank_R.pt``"""
+    if not any("_rank" in n for n in names):
+        return None
+    from ckptfix.formats.dtensor_ranks import find_dtensor_ranks
+
+    dr = find_dtensor_ranks(folder)
+    if dr is None:
+        return None
+    skip = tuple(os.path.basename(f) for f in dr.model.files.values())
+    files = _others(folder, names, None, skip)
+    ranked = {os.path.basename(f) for g in dr.groups[1:] for f in g.files.values()}
+    for f in files:
+        if f.file in ranked:
+            f.role = "optimizer" if f.file.startswith("optim") else "model"
+    return Resolved(folder, _BY_NAME["fsdp-dtensor-ranks"], folder, files, {"checkpoint": dr})
+
+
+register(
+    Layout(
+        "fsdp-dtensor-ranks", "FSDP per-rank DTensor files", "torch 2.13.0 FSDP2, accelerate 1.16.0",
+        _detect_dtensor_ranks, weight_hint=("pytorch_model_fsdp_0_rank0.bin", "model_world_size_N_rank_0.pt"),
+        consolidated=True,
+    )
+)  # fmt: skip
 register(
     Layout(
         "deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.19.8", _detect_zero, weight_hint=("latest", "global_stepN/"),

@@ -668,15 +668,22 @@ def load_file(
 
 
 def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
-    """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
+    """A DeepSpeed ZeRO folder, a torch HuggingFaceStorageWriter folder or FSDP per-rank DTensor files, consolidated
+    (None: none of them)."""
+    from ckptfix.formats.dtensor_ranks import dtensor_state_dict, find_dtensor_ranks
+
     zc = find_zero_checkpoint(path)
     hf = find_hf_storage(path) if zc is None else None
+    dr = find_dtensor_ranks(path) if zc is None and hf is None else None
     if zc is not None:
         sd: dict = zero_state_dict(zc)
         fmt = f"deepspeed-zero{zc.stage}"
     elif hf is not None:
         sd = collections.OrderedDict(hf_storage_state_dict(hf))
         fmt = "hf-storage-dcp"
+    elif dr is not None:
+        sd = collections.OrderedDict(dtensor_state_dict(dr))
+        fmt = "fsdp-dtensor-ranks"
     else:
         return None
     target = _simple_target(map_location) if map_location not in (None, "cpu") else "cpu"
