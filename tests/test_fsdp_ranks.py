@@ -180,3 +180,33 @@ def fsdp2_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2") / "run"
     mod.run(kind, str(out), 2)
     return out
+
+
+FULL, DCP = FIX / "accelerate_fsdp_full", FIX / "accelerate_fsdp_dcp"
+
+
+def test_accelerate_fsdp_full_state_dict_folder_is_its_weights(tmp_path: Path) -> None:
+    """FULL_STATE_DICT: pytorch_model_fsdp.bin is the folder's model (it was exit 15 'no model weights in it')."""
+    out = tmp_path / "m.safetensors"
+    r = run_cli("convert", str(FULL), "-o", str(out), "--include-optimizer", "--json", isolated=False)
+    assert r.rc == 0, r.err
+    doc = json.loads(r.out)
+    got, exp = _tensors(out), _tensors(Path(f"{FULL}.expected.safetensors"))
+    assert {k: v for k, v in got.items() if not k.startswith("optimizer.")} == exp
+    assert doc["optimizer_tensors"] == 15  # optimizer.bin (rank 0's full optimizer state)
+    assert "pytorch_model_fsdp_1.bin" in doc["not_converted"]  # the second model: named, with its command
+    r = run_cli("inspect", str(FULL), "--json", isolated=False)
+    assert json.loads(r.out)["framework"]["weights"] == "pytorch_model_fsdp.bin"
+
+
+def test_accelerate_fsdp_sharded_dcp_folder_names_its_optimizer_folder(tmp_path: Path) -> None:
+    """SHARDED_STATE_DICT with DCP: the model is pytorch_model_fsdp_0/; optimizer_0/ (a DCP folder) is said to be
+    left out, in the report and its JSON, with --include-optimizer too (it was left out silently)."""
+    out = tmp_path / "m.safetensors"
+    r = run_cli("convert", str(DCP), "-o", str(out), "--include-optimizer", "--json", isolated=False)
+    assert r.rc == 0, r.err
+    assert _tensors(out) == _tensors(Path(f"{DCP}.expected.safetensors"))
+    why = json.loads(r.out)["not_converted"]["optimizer_0/"]
+    assert "DCP folder" in why and "--include-optimizer" in why
+    r = run_cli("convert", str(DCP), "-o", str(tmp_path / "n.safetensors"), isolated=False)
+    assert r.rc == 0 and "optimizer_0/" in r.err

@@ -201,15 +201,24 @@ def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
 
 def _detect_accelerate(folder: str, names: list[str]) -> Resolved | None:
     """accelerate ``save_state``: ``random_states_*.pkl`` / ``optimizer.bin`` / ``scheduler.bin`` beside the model."""
-    if not any(re.fullmatch(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin", n) for n in names):
+    marks = r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|pytorch_model_fsdp(_\d+)?(\.bin)?"
+    if not any(re.fullmatch(marks, n) for n in names):
         return None
     w = _weights_in(folder, names)
     skip: tuple[str, ...] = ()
-    if w is None and "pytorch_model_fsdp_0" in names:  # FSDP SHARDED_STATE_DICT: a DCP directory
+    if w is None and os.path.isfile(os.path.join(folder, "pytorch_model_fsdp.bin")):
+        w = os.path.join(folder, "pytorch_model_fsdp.bin")  # FSDP FULL_STATE_DICT: rank 0's whole state dict
+    elif w is None and "pytorch_model_fsdp_0" in names:  # FSDP SHARDED_STATE_DICT: a DCP directory
         d = os.path.join(folder, "pytorch_model_fsdp_0")
         if os.path.isfile(os.path.join(d, ".metadata")):
             w, skip = d, ("pytorch_model_fsdp_0",)
-    return Resolved(folder, _BY_NAME["accelerate"], w, _others(folder, names, w, skip))
+    files = _others(folder, names, w, skip)
+    for f in files:
+        if re.fullmatch(r"pytorch_model_fsdp_\d+(\.bin)?", f.file):
+            f.role = "model"  # another prepared model's (FULL: pytorch_model_fsdp_1.bin; SHARDED: its DCP folder)
+        elif re.fullmatch(r"optimizer_\d+", f.file) and os.path.isfile(os.path.join(folder, f.file, ".metadata")):
+            f.role = "optimizer-dcp"  # FSDP SHARDED_STATE_DICT's optimizer: a DCP directory
+    return Resolved(folder, _BY_NAME["accelerate"], w, files)
 
 
 def _detect_lightning_dcp(folder: str, names: list[str]) -> Resolved | None:
@@ -243,7 +252,13 @@ LAYOUTS: list[Layout] = [
     Layout("lightning-dcp", "Lightning ModelParallel/FSDP", "lightning 2.6.6", _detect_lightning_dcp),
     Layout("torch-dcp", "torch.distributed.checkpoint", "torch 2.4-2.13", _detect_dcp),
     Layout("hf-trainer", "transformers Trainer", "transformers 4.40-5.23", _detect_trainer),
-    Layout("accelerate", "accelerate save_state", "accelerate 1.15.0", _detect_accelerate),
+    Layout(
+        "accelerate",
+        "accelerate save_state",
+        "accelerate 1.15.0-1.16.0",
+        _detect_accelerate,
+        weight_hint=("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0/"),
+    ),  # fmt: skip
     Layout("hf-model", "Hugging Face model folder", "transformers 4.40-5.23", _detect_hf_model),
 ]
 _BY_NAME: dict[str, Layout] = {lay.name: lay for lay in LAYOUTS}
