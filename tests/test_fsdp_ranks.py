@@ -210,3 +210,25 @@ def test_accelerate_fsdp_sharded_dcp_folder_names_its_optimizer_folder(tmp_path:
     assert "DCP folder" in why and "--include-optimizer" in why
     r = run_cli("convert", str(DCP), "-o", str(tmp_path / "n.safetensors"), isolated=False)
     assert r.rc == 0 and "optimizer_0/" in r.err
+
+
+UNFLAT = FIX / "dcp_unflattened"
+
+
+@pytest.mark.parametrize("command", [("inspect",), ("convert", "-o", "OUT")])
+def test_dcp_unflattened_dtensor_entry_is_partial(command: tuple[str, ...], tmp_path: Path) -> None:
+    """dcp.save(planner=DefaultSavePlanner(flatten_state_dict=False)) of an FSDP2 model: 'model' is one pickled
+    object of one rank's DTensor shards (inspect/convert said 'no state dict')."""
+    args = [str(tmp_path / "o.safetensors") if a == "OUT" else a for a in command]
+    r = run_cli(args[0], str(UNFLAT), *args[1:], isolated=False)
+    assert r.rc == PartitionedCheckpointError.exit_code, r.err
+    assert "entry 'model' holds DTensor shards of one rank: partial" in r.err
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_dcp_unflattened_load_anywhere_says_partial_not_corrupt() -> None:
+    pytest.importorskip("torch")
+    from ckptfix import load_anywhere
+
+    with pytest.raises(PartitionedCheckpointError, match="DTensor shards of one rank: partial"):
+        load_anywhere(UNFLAT)

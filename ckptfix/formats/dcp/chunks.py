@@ -18,7 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
+from ckptfix.errors import (
+    CorruptCheckpointError,
+    PartitionedCheckpointError,
+    ResourceLimitError,
+    UnsafePickleError,
+    UnsupportedError,
+)
 from ckptfix.files import pins, source
 from ckptfix.files.fileio import ZIP_ERRORS
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
@@ -320,11 +326,19 @@ def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[
     Raises:
         CorruptCheckpointError: damaged archive or pickle.
         ResourceLimitError: a pickle over :data:`MAX_OBJECT_PKL`.
+        PartitionedCheckpointError: the object holds DTensors (one rank's shards, pickled whole).
+        UnsupportedError: it holds other tensors.
     """
     assert e.location is not None
     what = f"{where}object {e.fqn!r}"
     _, _, data, _ = _archive(files, e.location, what, MAX_OBJECT_PKL)
     obj, up = _unpickle(data, what)
+    if "torch.distributed.tensor.DTensor" in up.stubbed:
+        raise PartitionedCheckpointError(
+            f"{where or files.root + ': '}entry {e.fqn!r} holds DTensor shards of one rank: partial (saved with "
+            "DefaultSavePlanner(flatten_state_dict=False), which keeps the entry as one pickled object and records "
+            "one rank's shards only); the full tensors are not in the folder: save again with the default planner"
+        )
     if isinstance(obj, TensorRecord) or up.storages:
         raise UnsupportedError(
             f"{what}: holds tensors inside a pickled object; ckptfix reads DCP tensors only as "
