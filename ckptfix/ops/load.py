@@ -722,6 +722,21 @@ def _aligned(path: str, sd: Any, model: Any) -> tuple[Any, Any]:
     err = rename_refusal(alignment, len(sd))
     if err is not None:
         raise err
+    extra = set(alignment.unexpected)
+    if extra and isinstance(renamed, dict):  # (a torchvision EMA's n_averaged beside its module.* weights)
+        kept = type(renamed)() if isinstance(renamed, collections.OrderedDict) else {}
+        for k, v in renamed.items():
+            if k not in extra:
+                kept[k] = v
+        if hasattr(renamed, "_metadata"):
+            kept._metadata = renamed._metadata  # type: ignore[attr-defined]
+        shown = ", ".join(sorted(map(str, extra))[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        warnings.warn(
+            f"ckptfix: {path}: left out {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} the model has no place "
+            f"for: {shown} (model.load_state_dict(strict=True) refuses them; load without model= to keep them)",
+            stacklevel=4,
+        )
+        renamed = kept
     return renamed, alignment
 
 
