@@ -118,6 +118,9 @@ FRAMEWORK_FOLDERS = {
     "lightning_dcp": "lightning_fsdp",
     "lightning.ckpt": "lightning.ckpt",
     "hf_llama_bin": "llama",
+    "fsdp_ranks": "fsdp_ranks",
+    "accelerate_fsdp_full": "accelerate_fsdp_full",
+    "dcp_unflattened": "dcp_unflattened",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]
