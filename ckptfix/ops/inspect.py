@@ -491,6 +491,8 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
         return rep
     if r.layout.consolidated:
         return _inspect_consolidated(r, key, tensor_filter)
+    if r.weights is None and r.layout.name == "torchtune-recipe-state":
+        return _inspect_training_state(r)
     weights = r.require_weights()
     rep = inspect_file(weights, key, tensor_filter)
     describe_files(r)
@@ -499,6 +501,38 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
     if meta is not None and meta.details:
         rep.framework["lightning_meta"] = meta.details
     return rep
+
+
+def _inspect_training_state(r: Resolved) -> InspectReport:
+    """inspect of a folder of training state only (torchtune's recipe_state/): no tensors of a model, its files."""
+    describe_files(r)
+    epochs = r.extra.get("epochs") or []
+    return InspectReport(
+        path=r.path,
+        format=Format.TORCH_ZIP,
+        file_size=sum(f.bytes for f in r.files),
+        state_dict_key=None,
+        tensor_count=0,
+        parameter_count=0,
+        unique_parameter_count=0,
+        total_bytes=0,
+        unique_bytes=0,
+        storage_bytes=0,
+        dtypes={},
+        locations={},
+        prefixes={},
+        shared=[],
+        non_tensor_entries={},
+        globals={},
+        stubbed_globals=[],
+        weights_only_ok=True,
+        weights_only_reason="training state only (the folder's files are scanned below)",
+        notes=[
+            f"{r.layout.framework}: the training state of an intermediate checkpoint; the model is in "
+            + (f"{epochs[-1]}/ beside this folder" if epochs else "the epoch_N/ folder beside it")
+        ],
+        framework=r.to_dict(),
+    )
 
 
 def _inspect_consolidated(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
