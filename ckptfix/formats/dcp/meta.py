@@ -340,7 +340,7 @@ def _location(info: Any, where: str) -> Location:
         if importlib.util.find_spec("zstandard") is None:
             raise UnsupportedError(
                 f"{where}: compressed with torch's ZStandard extension ({ZSTD_DESCRIPTOR}); reading it needs the "
-                "zstandard package: pip install 'ckptfix[zstd]' (or load it with torch's dcp.load)"
+                "zstandard package (the zstd extra): pip install zstandard (or load it with torch's dcp.load)"
             )
         transform = "zstd"
     elif td:
