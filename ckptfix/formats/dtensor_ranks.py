@@ -574,7 +574,7 @@ def one_rank_message(path: str, obj: Any) -> str | None:
     of = f" of rank {rank} of {world}" if rank is not None else ""
     return (
         f"{path}: {n} DTensor shard(s){of} (an FSDP per-rank state dict: only this rank's pieces); pass the "
-        f"folder with every rank's file to merge them: ckptfix convert {os.path.dirname(os.path.abspath(path))}"
+        f"folder with every rank's file to merge them: ckptfix convert {os.path.dirname(path) or '.'}"
     )
 
 

@@ -84,7 +84,8 @@ class Resolved:
         want = " or ".join(self.layout.weight_hint)
         if self.layout.name == "torchtune-recipe-state":
             epochs = self.extra.get("epochs") or []
-            where = os.path.join(os.path.dirname(os.path.abspath(self.path)), epochs[-1]) if epochs else "epoch_N/"
+            parent = os.path.normpath(os.path.join(self.path, os.pardir))  # as the user typed the folder
+            where = os.path.join(parent, epochs[-1]) if epochs else "epoch_N/"
             try:  # one model file there (torchtune's model-00001-of-00001.bin): name it, the folder alone is no index
                 found = [n for n in sorted(os.listdir(where)) if n.endswith((".bin", ".pt", ".safetensors"))]
             except OSError:
