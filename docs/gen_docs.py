@@ -122,6 +122,10 @@ FRAMEWORK_FOLDERS = {
     "diffusers_bin": "sd_pipeline",
     "st_bin": "st_model",
     "torchao/int8dq.pt": "int8dq.pt",
+    "fsdp_ranks": "fsdp_ranks",
+    "accelerate_fsdp_full": "accelerate_fsdp_full",
+    "dcp_unflattened": "dcp_unflattened",
+    "torchtune_out": "torchtune_out",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]

@@ -106,6 +106,14 @@ def inspect_cmd(
         return
     if r.state_dict_key is None:
         state = "no tensors (a valid torch file: arguments, scheduler or other state)"
+    elif r.dtensor_shards is not None:
+        where = "/".join(r.state_dict_key) or "(top level)"
+        ds = r.dtensor_shards
+        of = f" of rank {ds['rank']} of {ds['world']}" if ds["rank"] is not None else ""
+        state = (
+            f"{where}: {ds['shards']} DTensor shards{of} (an FSDP per-rank file: convert the folder with every "
+            "rank's file to merge them)"
+        )
     else:
         where = "/".join(r.state_dict_key) or "(top level)"
         state = f"{where}: {r.tensor_count} tensors, {r.parameter_count:,} values, {human_bytes(r.total_bytes)}"

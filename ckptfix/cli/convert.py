@@ -46,6 +46,13 @@ from ckptfix.cli.group import cli
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @click.option("--strip-prefix", "strip", is_flag=True, help="Strip wrapper prefixes (module., _orig_mod., ...).")
+@click.option(
+    "--prefix",
+    "prefix",
+    default=None,
+    metavar="PREFIX",
+    help="Strip exactly this prefix from the keys that carry it, as strip-prefix --prefix (e.g. module. of an EMA).",
+)
 @click.option("--key", default=None, help="Where the state dict is in the checkpoint, e.g. model or model/state_dict.")
 @click.option(
     "--max-shard-size",
@@ -132,6 +139,7 @@ def convert_cmd(
     shards: int,
     force: bool,
     strip: bool,
+    prefix: str | None,
     key: str | None,
     max_shard_size: str | None,
     keep: tuple[str, ...],
@@ -186,7 +194,7 @@ def convert_cmd(
     )
     options = ConvertOptions(
         to=to,
-        strip_prefix=bool(strip),
+        strip_prefix=prefix if prefix else bool(strip),
         max_shard_size=max_shard_size or None,
         include_optimizer=include_optimizer,
         allow_globals=tuple(allow_globals or ()),

@@ -82,6 +82,21 @@ class Resolved:
             return self.weights
         held = ", ".join(f.file for f in self.files[:6]) or "nothing else"
         want = " or ".join(self.layout.weight_hint)
+        if self.layout.name == "torchtune-recipe-state":
+            epochs = self.extra.get("epochs") or []
+            parent = os.path.normpath(os.path.join(self.path, os.pardir))  # as the user typed the folder
+            where = os.path.join(parent, epochs[-1]) if epochs else "epoch_N/"
+            try:  # one model file there (torchtune's model-00001-of-00001.bin): name it, the folder alone is no index
+                found = [n for n in sorted(os.listdir(where)) if n.endswith((".bin", ".pt", ".safetensors"))]
+            except OSError:
+                found = []
+            if len(found) == 1:
+                where = os.path.join(where, found[0])
+            raise NoModelWeightsError(
+                f"{self.path}: a torchtune recipe_state/ folder: the training state of an intermediate checkpoint "
+                f"(optimizer, epochs run, seed; `ckptfix inspect {self.path}` shows it) and no model weights; the "
+                f"model is in the epoch folder beside it: ckptfix convert {where}"
+            )
         raise NoModelWeightsError(
             f"{self.path}: a {self.layout.framework} folder ({self.layout.name}) with no model weights in it "
             f"(no {want}; it holds {held}); point at the folder the model was saved to, or pass one of "
@@ -205,15 +220,24 @@ def _detect_trainer(folder: str, names: list[str]) -> Resolved | None:
 
 def _detect_accelerate(folder: str, names: list[str]) -> Resolved | None:
     """accelerate ``save_state``: ``random_states_*.pkl`` / ``optimizer.bin`` / ``scheduler.bin`` beside the model."""
-    if not any(re.fullmatch(r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin", n) for n in names):
+    marks = r"random_states_\d+\.pkl|optimizer(_\d+)?\.bin|scheduler(_\d+)?\.bin|pytorch_model_fsdp(_\d+)?(\.bin)?"
+    if not any(re.fullmatch(marks, n) for n in names):
         return None
     w = _weights_in(folder, names)
     skip: tuple[str, ...] = ()
-    if w is None and "pytorch_model_fsdp_0" in names:  # FSDP SHARDED_STATE_DICT: a DCP directory
+    if w is None and os.path.isfile(os.path.join(folder, "pytorch_model_fsdp.bin")):
+        w = os.path.join(folder, "pytorch_model_fsdp.bin")  # FSDP FULL_STATE_DICT: rank 0's whole state dict
+    elif w is None and "pytorch_model_fsdp_0" in names:  # FSDP SHARDED_STATE_DICT: a DCP directory
         d = os.path.join(folder, "pytorch_model_fsdp_0")
         if os.path.isfile(os.path.join(d, ".metadata")):
             w, skip = d, ("pytorch_model_fsdp_0",)
-    return Resolved(folder, _BY_NAME["accelerate"], w, _others(folder, names, w, skip))
+    files = _others(folder, names, w, skip)
+    for f in files:
+        if re.fullmatch(r"pytorch_model_fsdp_\d+(\.bin)?", f.file):
+            f.role = "model"  # another prepared model's (FULL: pytorch_model_fsdp_1.bin; SHARDED: its DCP folder)
+        elif re.fullmatch(r"optimizer_\d+", f.file) and os.path.isfile(os.path.join(folder, f.file, ".metadata")):
+            f.role = "optimizer-dcp"  # FSDP SHARDED_STATE_DICT's optimizer: a DCP directory
+    return Resolved(folder, _BY_NAME["accelerate"], w, files)
 
 
 def _detect_lightning_dcp(folder: str, names: list[str]) -> Resolved | None:
@@ -234,6 +258,26 @@ def _detect_dcp(folder: str, names: list[str]) -> Resolved | None:
     return Resolved(folder, _BY_NAME["torch-dcp"], folder, _others(folder, names, None, _dcp_files(names)))
 
 
+def _detect_torchtune_recipe_state(folder: str, names: list[str]) -> Resolved | None:
+    """torchtune's ``output_dir/recipe_state/``: ``recipe_state.pt``, the training state of an intermediate checkpoint
+    (the optimizer's state, ``seed``, ``epochs_run``, ``total_epochs`` ...); the model is in ``epoch_N/`` beside it."""
+    if "recipe_state.pt" not in names or not os.path.isfile(os.path.join(folder, "recipe_state.pt")):
+        return None
+    files = _others(folder, names, None)
+    for f in files:
+        if f.file == "recipe_state.pt":
+            f.role = "recipe-state"
+    parent = os.path.dirname(os.path.abspath(folder))
+    try:
+        epochs = sorted(
+            (n for n in os.listdir(parent) if re.fullmatch(r"epoch_\d+", n) and os.path.isdir(os.path.join(parent, n))),
+            key=lambda n: int(n[6:]),
+        )
+    except OSError:
+        epochs = []
+    return Resolved(folder, _BY_NAME["torchtune-recipe-state"], None, files, {"epochs": epochs})
+
+
 def _detect_hf_model(folder: str, names: list[str]) -> Resolved | None:
     """A Hugging Face model folder (``save_pretrained``): ``config.json`` and/or the weight names."""
     w = _weights_in(folder, names)
@@ -247,7 +291,20 @@ LAYOUTS: list[Layout] = [
     Layout("lightning-dcp", "Lightning ModelParallel/FSDP", "lightning 2.6.6", _detect_lightning_dcp),
     Layout("torch-dcp", "torch.distributed.checkpoint", "torch 2.4-2.13", _detect_dcp),
     Layout("hf-trainer", "transformers Trainer", "transformers 4.40-5.23", _detect_trainer),
-    Layout("accelerate", "accelerate save_state", "accelerate 1.15.0", _detect_accelerate),
+    Layout(
+        "accelerate",
+        "accelerate save_state",
+        "accelerate 1.15.0-1.16.0",
+        _detect_accelerate,
+        weight_hint=("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp.bin", "pytorch_model_fsdp_0/"),
+    ),  # fmt: skip
+    Layout(
+        "torchtune-recipe-state",
+        "torchtune recipe state",
+        "torchtune 0.6.1",
+        _detect_torchtune_recipe_state,
+        weight_hint=("the model, which torchtune writes to epoch_N/ beside recipe_state/",),
+    ),  # fmt: skip
     Layout("hf-model", "Hugging Face model folder", "transformers 4.40-5.23", _detect_hf_model),
 ]
 _BY_NAME: dict[str, Layout] = {lay.name: lay for lay in LAYOUTS}
@@ -428,6 +485,8 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
 
     cf = read_checkpoint(path)
     obj = cf.obj
+    if role == "recipe-state" and isinstance(obj, Mapping):
+        return _recipe_state(obj)
     opt = optimizer_summary(obj)
     if opt is not None:
         keys = f" ({', '.join(opt['state_keys'][:4])})" if opt["state_keys"] else ""
@@ -464,6 +523,28 @@ def _describe(path: str, role: str) -> tuple[str, dict[str, Any]]:
     n = len(fields)
     what = "tensors" if contains_tensors(obj) else "no tensors"
     return f"{cf.format}, {n} entries, {what}", {}
+
+
+def _recipe_state(obj: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """torchtune's ``recipe_state.pt``: its counters, and its optimizer state's summary."""
+    from ckptfix.text import human_bytes
+
+    d: dict[str, Any] = {
+        k: obj[k] for k in ("epochs_run", "total_epochs", "max_steps_per_epoch", "seed", "steps_run") if k in obj
+    }
+    d = {k: v for k, v in d.items() if v is None or isinstance(v, (int, float, str))}
+    parts = [f"{k} {v}" for k, v in d.items()]
+    opt = optimizer_summary(obj.get("optimizer"))
+    if opt is not None:
+        d["optimizer"] = opt
+        parts.append(
+            f"optimizer: {opt['param_groups']} param group(s), {opt['params']} params, {opt['state_tensors']} state "
+            f"tensors, {human_bytes(opt['state_bytes'])}"
+        )
+    others = [str(k) for k in obj if k not in d and k != "optimizer"]
+    if others:
+        parts.append("also " + ", ".join(others[:5]))
+    return "torchtune recipe state: " + ", ".join(parts), d
 
 
 def lightning_meta(obj: Any) -> dict[str, Any]:
@@ -614,6 +695,31 @@ def _detect_hf_storage(folder: str, names: list[str]) -> Resolved | None:
     )
 
 
+def _detect_dtensor_ranks(folder: str, names: list[str]) -> Resolved | None:
+    """Per-rank FSDP state dicts of DTensors (accelerate ``use_dcp=False``, verl): ``*_rank{R}.bin``, ``*_rank_R.pt``"""
+    if not any("_rank" in n for n in names):
+        return None
+    from ckptfix.formats.dtensor_ranks import find_dtensor_ranks
+
+    dr = find_dtensor_ranks(folder)
+    if dr is None:
+        return None
+    skip = tuple(os.path.basename(f) for f in dr.model.files.values())
+    files = _others(folder, names, None, skip)
+    ranked = {os.path.basename(f) for g in dr.groups[1:] for f in g.files.values()}
+    for f in files:
+        if f.file in ranked:
+            f.role = "optimizer" if f.file.startswith("optim") else "model"
+    return Resolved(folder, _BY_NAME["fsdp-dtensor-ranks"], folder, files, {"checkpoint": dr})
+
+
+register(
+    Layout(
+        "fsdp-dtensor-ranks", "FSDP per-rank DTensor files", "torch 2.13.0 FSDP2, accelerate 1.16.0",
+        _detect_dtensor_ranks, weight_hint=("pytorch_model_fsdp_0_rank0.bin", "model_world_size_N_rank_0.pt"),
+        consolidated=True,
+    )
+)  # fmt: skip
 register(
     Layout(
         "deepspeed-zero", "DeepSpeed ZeRO", "deepspeed 0.19.8", _detect_zero, weight_hint=("latest", "global_stepN/"),

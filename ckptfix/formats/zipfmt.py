@@ -95,6 +95,11 @@ def zip_kind(path: str) -> Format:
         return Format.TORCHSCRIPT
     if any(n == "data.pkl" or n.endswith("/data.pkl") for n in names):
         return Format.TORCH_ZIP
+    if root + "archive_format" in names and any(n.startswith(root + "models/") for n in names):
+        raise UnsupportedError(  # torch.export.save's PT2 archive (graph JSON, raw weight files), not torch.save's
+            f"{path}: a torch.export program (a .pt2 archive: graph, weights and constants); load it "
+            "with torch.export.load(path) and take .state_dict of the ExportedProgram (then ckptfix convert that)"
+        )
     raise CorruptCheckpointError(f"{path}: a zip archive without data.pkl — not a torch checkpoint")
 
 

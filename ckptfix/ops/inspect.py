@@ -82,6 +82,9 @@ class InspectReport:
     # a framework folder: ``scan`` of every pickle-bearing file in it, ``{"verdict", "files": {name: {"verdict",
     # "dangerous", "unknown", ...}}}`` (the folder's verdict is the worst file's); None for a single checkpoint
     folder_scan: dict[str, Any] | None = None
+    # one rank's file of an FSDP per-rank state dict: ``{"shards", "rank", "world"}`` (rank/world None when its
+    # mesh does not say); the values counted above are then only this rank's pieces.  None otherwise
+    dtensor_shards: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``inspect --json`` document.
@@ -276,7 +279,19 @@ def inspect_file(path: str | os.PathLike, key: str | None = None, tensor_filter:
         framework=identify_object(cf.obj),
         tensors=_rows(list(tensors), info, shared, tensor_filter),
         tensor_filter=tensor_filter,
+        dtensor_shards=_dtensor_shards(cf, sd),
     )
+
+
+def _dtensor_shards(cf: CheckpointFile, sd: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One rank's DTensor shards (an FSDP per-rank file): how many, of which rank of how many."""
+    from ckptfix.formats.dtensor_ranks import dtensor_shards
+
+    got = dtensor_shards(sd) if sd else None
+    if got is None:
+        return None
+    n, rank, world = got
+    return {"shards": n, "rank": rank, "world": world}
 
 
 def _locate(cf: CheckpointFile, key: str | None) -> tuple[tuple[str, ...] | None, Mapping[str, Any], str]:
@@ -504,6 +519,8 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
         return rep
     if r.layout.consolidated:
         return _inspect_consolidated(r, key, tensor_filter)
+    if r.weights is None and r.layout.name == "torchtune-recipe-state":
+        return _inspect_training_state(r)
     weights = r.require_weights()
     rep = inspect_file(weights, key, tensor_filter)
     describe_files(r)
@@ -515,6 +532,38 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
     if adapter is not None and adapter.details:  # peft: base model, r, lora_alpha, target modules, task type
         rep.framework["adapter"] = adapter.details
     return rep
+
+
+def _inspect_training_state(r: Resolved) -> InspectReport:
+    """inspect of a folder of training state only (torchtune's recipe_state/): no tensors of a model, its files."""
+    describe_files(r)
+    epochs = r.extra.get("epochs") or []
+    return InspectReport(
+        path=r.path,
+        format=Format.TORCH_ZIP,
+        file_size=sum(f.bytes for f in r.files),
+        state_dict_key=None,
+        tensor_count=0,
+        parameter_count=0,
+        unique_parameter_count=0,
+        total_bytes=0,
+        unique_bytes=0,
+        storage_bytes=0,
+        dtypes={},
+        locations={},
+        prefixes={},
+        shared=[],
+        non_tensor_entries={},
+        globals={},
+        stubbed_globals=[],
+        weights_only_ok=True,
+        weights_only_reason="training state only (the folder's files are scanned below)",
+        notes=[
+            f"{r.layout.framework}: the training state of an intermediate checkpoint; the model is in "
+            + (f"{epochs[-1]}/ beside this folder" if epochs else "the epoch_N/ folder beside it")
+        ],
+        framework=r.to_dict(),
+    )
 
 
 def _inspect_consolidated(r: Resolved, key: str | None = None, tensor_filter: str | None = None) -> InspectReport:
@@ -539,15 +588,23 @@ def _inspect_consolidated(r: Resolved, key: str | None = None, tensor_filter: st
         files = c.model_files + c.optim_files
         fmt = Format.TORCH_ZIP
     else:
-        from ckptfix.formats.hfstorage import describe as hf_lines
-        from ckptfix.formats.hfstorage import read_hf_storage
         from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
 
-        read_hf_storage(c)
-        lines = hf_lines(c)
+        if r.layout.name == "fsdp-dtensor-ranks":
+            from ckptfix.formats.dtensor_ranks import describe as dt_lines
+
+            lines = dt_lines(c)
+            fmt = Format.TORCH_ZIP
+        else:
+            from ckptfix.formats.hfstorage import describe as hf_lines
+            from ckptfix.formats.hfstorage import read_hf_storage
+
+            read_hf_storage(c)
+            lines = hf_lines(c)
+            fmt = Format.SAFETENSORS
         recs = [(t.name, ST_TO_DTYPE[t.st_dtype], t.nbytes // t.element_size, t.nbytes) for t in c.tensors]
         shapes = {t.name: list(t.shape) for t in c.tensors}
-        aliases, files, fmt = {}, c.files, Format.SAFETENSORS
+        aliases, files = {}, c.files
     by_name = {n: (d, v, b) for n, d, v, b in recs}
     names = [n for n, *_ in recs] + [a for a in aliases if a not in by_name]
     full = [by_name[aliases.get(n, n)] for n in names]
@@ -582,6 +639,9 @@ def _inspect_consolidated(r: Resolved, key: str | None = None, tensor_filter: st
         weights_only_reason=(
             f"safetensors shards ({len(files)} file(s)): no pickle"
             if fmt == Format.SAFETENSORS
+            else f"its {len(files)} files pickle DTensor and DeviceMesh classes torch.load(weights_only=True) refuses "
+            "(torch.serialization.add_safe_globals lifts it); ckptfix reads the shards without unpickling"
+            if r.layout.name == "fsdp-dtensor-ranks"
             else f"its {len(files)} files pickle DeepSpeed classes torch.load(weights_only=True) refuses; ckptfix "
             "reads the tensors without unpickling (`ckptfix scan` lists every global)"
         ),

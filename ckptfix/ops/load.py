@@ -741,15 +741,22 @@ def load_file(
 
 
 def load_consolidated_folder(path: str, map_location: MapLocation, model: Any) -> LoadedCheckpoint | None:
-    """A DeepSpeed ZeRO folder or a torch HuggingFaceStorageWriter folder, consolidated (None: neither)."""
+    """A DeepSpeed ZeRO folder, a torch HuggingFaceStorageWriter folder or FSDP per-rank DTensor files, consolidated
+    (None: none of them)."""
+    from ckptfix.formats.dtensor_ranks import dtensor_state_dict, find_dtensor_ranks
+
     zc = find_zero_checkpoint(path)
     hf = find_hf_storage(path) if zc is None else None
+    dr = find_dtensor_ranks(path) if zc is None and hf is None else None
     if zc is not None:
         sd: dict = zero_state_dict(zc)
         fmt = f"deepspeed-zero{zc.stage}"
     elif hf is not None:
         sd = collections.OrderedDict(hf_storage_state_dict(hf))
         fmt = "hf-storage-dcp"
+    elif dr is not None:
+        sd = collections.OrderedDict(dtensor_state_dict(dr))
+        fmt = "fsdp-dtensor-ranks"
     else:
         return None
     target = _simple_target(map_location) if map_location not in (None, "cpu") else "cpu"
@@ -788,6 +795,21 @@ def _aligned(path: str, sd: Any, model: Any) -> tuple[Any, Any]:
     err = rename_refusal(alignment, len(sd))
     if err is not None:
         raise err
+    extra = set(alignment.unexpected)
+    if extra and isinstance(renamed, dict):  # (a torchvision EMA's n_averaged beside its module.* weights)
+        kept = type(renamed)() if isinstance(renamed, collections.OrderedDict) else {}
+        for k, v in renamed.items():
+            if k not in extra:
+                kept[k] = v
+        if hasattr(renamed, "_metadata"):
+            kept._metadata = renamed._metadata  # type: ignore[attr-defined]
+        shown = ", ".join(sorted(map(str, extra))[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        warnings.warn(
+            f"ckptfix: {path}: left out {len(extra)} entr{'y' if len(extra) == 1 else 'ies'} the model has no place "
+            f"for: {shown} (model.load_state_dict(strict=True) refuses them; load without model= to keep them)",
+            stacklevel=4,
+        )
+        renamed = kept
     return renamed, alignment
 
 

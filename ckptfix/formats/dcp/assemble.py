@@ -20,7 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import CkptfixError, CorruptCheckpointError
-from ckptfix.formats.dcp.chunks import ChunkData, Files, locate_chunk, raw_object_bytes, read_block
+from ckptfix.formats.dcp.chunks import ChunkData, Files, locate_chunk, raw_object_bytes, read_block, read_object
 from ckptfix.formats.dcp.meta import BytesEntry, DcpMetadata, TensorEntry, read_metadata, validate
 
 if TYPE_CHECKING:
@@ -203,6 +203,18 @@ def load_dcp(
     return out
 
 
+def _refuse_partial(files: Files, e: BytesEntry) -> None:
+    """An object torch could not rebuild that is one rank's DTensor shards: that refusal, not "corrupt"."""
+    from ckptfix.errors import PartitionedCheckpointError
+
+    try:
+        read_object(files, e)
+    except PartitionedCheckpointError:
+        raise
+    except (CkptfixError, OSError):
+        pass
+
+
 def _load_object(files: Files, e: BytesEntry, pmod: Any) -> Any:
     import torch
 
@@ -216,6 +228,7 @@ def _load_object(files: Files, e: BytesEntry, pmod: Any) -> Any:
     except CkptfixError:
         raise
     except Exception as ex:  # noqa: BLE001 - any failure of torch.load on stored bytes is corruption
+        _refuse_partial(files, e)
         raise CorruptCheckpointError(
             f"object {e.fqn!r} cannot be read ({type(ex).__name__}: "
             f"{str(ex).splitlines()[0][:200] if str(ex) else ''}); the chunk is corrupt"

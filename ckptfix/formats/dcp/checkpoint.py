@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckptfix.errors import CkptfixError
+from ckptfix.errors import CkptfixError, PartitionedCheckpointError
 from ckptfix.files import source
 from ckptfix.formats.base import CheckpointFile, DcpDetails, Format, contiguous_stride
 from ckptfix.formats.dcp.assemble import set_element
@@ -98,6 +98,8 @@ def _object_value(files: Files, meta: DcpMetadata, fqn: str, e: Any, stubbed: se
         try:
             value, st = read_object(files, e)
             stubbed |= st
+        except PartitionedCheckpointError:
+            raise  # one rank's DTensor shards: nothing here is the entry's value
         except (CkptfixError, OSError) as ex:
             notes.append(f"object {fqn!r} unreadable: {ex}")
     return value

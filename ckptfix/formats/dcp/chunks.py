@@ -18,7 +18,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsafePickleError, UnsupportedError
+from ckptfix.errors import (
+    CorruptCheckpointError,
+    PartitionedCheckpointError,
+    ResourceLimitError,
+    UnsafePickleError,
+    UnsupportedError,
+)
 from ckptfix.files import pins, source
 from ckptfix.files.fileio import ZIP_ERRORS
 from ckptfix.formats.dcp.meta import BytesEntry, Chunk, Location, TensorEntry
@@ -111,6 +117,7 @@ class Files:
         self.root = root
         self.fds: dict[str, int] = {}
         self.sources: dict[str, source.Source] = {}
+        self.sizes: dict[str, int] = {}  # decompressed items (:meth:`item`)
 
     def source(self, rel: str) -> source.Source | None:
         """A remote data file (opened on first use), or None when the directory is local (use :meth:`fd`).
@@ -121,12 +128,60 @@ class Files:
         Returns:
             The :class:`~ckptfix.files.source.Source` (closed by :meth:`close`), or None.
         """
-        if not source.is_url(self.root):
+        if not source.is_url(self.root) or "\x00" in rel:  # (a decompressed item: a local temporary file)
             return None
         src = self.sources.get(rel)
         if src is None:
             src = self.sources[rel] = source.open_source(source.join(self.root, rel))
         return src
+
+    def item(self, loc: Location, what: str) -> tuple[str, int, int]:
+        """Where an item's plain bytes are: ``(rel, offset, length)`` of its data file, or, for a compressed item
+        (torch's ZStandard extension), of a decompressed copy in a temporary file (made once, removed on close;
+        its ``rel`` holds a NUL, which no data file name may: :meth:`fd` opens the copy, :meth:`source` is None).
+
+        Args:
+            loc: the item's location.
+            what: names the item in messages.
+
+        Returns:
+            ``(rel, offset, length)`` to read with :meth:`fd` / :meth:`source`.
+
+        Raises:
+            CorruptCheckpointError: the stream does not decompress.
+        """
+        if loc.transform is None:
+            return loc.relative_path, loc.offset, loc.length
+        key = f"{loc.relative_path}\x00{loc.offset}"
+        if key not in self.fds:
+            import tempfile
+
+            import zstandard
+
+            src = self.source(loc.relative_path)
+            raw = (
+                src.pread(max(0, min(loc.length, src.size - loc.offset)), loc.offset)
+                if src is not None
+                else os.pread(self.fd(loc.relative_path), loc.length, loc.offset)
+            )
+            if len(raw) != loc.length:
+                raise CorruptCheckpointError(f"{what}: {loc.relative_path} ended inside the item (truncated?)")
+            with tempfile.TemporaryFile() as tmp:
+                try:
+                    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+                    while True:
+                        block = reader.read(8 << 20)
+                        if not block:
+                            break
+                        tmp.write(block)
+                except zstandard.ZstdError as e:
+                    raise CorruptCheckpointError(
+                        f"{what}: its zstd stream does not decompress ({e}); corrupt"
+                    ) from None
+                tmp.flush()
+                self.sizes[key] = tmp.tell()
+                self.fds[key] = os.dup(tmp.fileno())
+        return key, 0, self.sizes[key]
 
     def fd(self, rel: str) -> int:
         """The read-only descriptor of a data file, opened on first use.
@@ -147,6 +202,7 @@ class Files:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+        self.sizes.clear()
         for src in self.sources.values():
             src.close()
         self.sources.clear()
@@ -179,9 +235,10 @@ class ChunkData:
 
 
 def _archive(files: Files, loc: Location, what: str, cap: int) -> tuple[zipfile.ZipFile, FileWindow, bytes, str]:
-    src = files.source(loc.relative_path)
-    fd = files.fd(loc.relative_path) if src is None else -1
-    win = FileWindow(fd, loc.offset, loc.length, src)
+    rel, offset, length = files.item(loc, what)
+    src = files.source(rel)
+    fd = files.fd(rel) if src is None else -1
+    win = FileWindow(fd, offset, length, src)
     try:
         zf = zipfile.ZipFile(win)
         names = zf.namelist()
@@ -279,26 +336,25 @@ def locate_chunk(files: Files, e: TensorEntry, i: int, where: str = "") -> Chunk
         raise CorruptCheckpointError(f"{what}: storage record {name} is missing from the chunk archive") from None
     if info.compress_type != zipfile.ZIP_STORED:
         raise UnsupportedError(f"{what}: a compressed storage record; DCP writes them uncompressed")
-    src = files.source(loc.relative_path)
-    at = loc.offset + info.header_offset
-    hdr = (
-        os.pread(files.fd(loc.relative_path), 30, at) if src is None else src.pread(max(0, min(30, src.size - at)), at)
-    )
+    rel, offset, length = files.item(loc, what)
+    src = files.source(rel)
+    at = offset + info.header_offset
+    hdr = os.pread(files.fd(rel), 30, at) if src is None else src.pread(max(0, min(30, src.size - at)), at)
     if len(hdr) < 30 or hdr[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{what}: damaged archive entry {name}; the chunk is corrupt")
     nlen, elen = struct.unpack("<HH", hdr[26:30])
     start = info.header_offset + 30 + nlen + elen
     es = obj.element_size
     need = (obj.span()[1] * es) if obj.numel else 0
-    if need > info.file_size or start + info.file_size > loc.length:
+    if need > info.file_size or start + info.file_size > length:
         raise CorruptCheckpointError(
             f"{what}: its bytes run past the end of the chunk record (truncated file, "
             "or .metadata from a different run)"
         )
     whole = obj.offset == 0 and need == info.file_size and is_c_contiguous(tuple(obj.shape), tuple(obj.stride))
     return ChunkData(
-        loc.relative_path,
-        loc.offset + start + obj.offset * es,
+        rel,
+        offset + start + obj.offset * es,
         tuple(obj.shape),
         tuple(obj.stride),
         es,
@@ -320,11 +376,19 @@ def read_object(files: Files, e: BytesEntry, where: str = "") -> tuple[Any, set[
     Raises:
         CorruptCheckpointError: damaged archive or pickle.
         ResourceLimitError: a pickle over :data:`MAX_OBJECT_PKL`.
+        PartitionedCheckpointError: the object holds DTensors (one rank's shards, pickled whole).
+        UnsupportedError: it holds other tensors.
     """
     assert e.location is not None
     what = f"{where}object {e.fqn!r}"
     _, _, data, _ = _archive(files, e.location, what, MAX_OBJECT_PKL)
     obj, up = _unpickle(data, what)
+    if "torch.distributed.tensor.DTensor" in up.stubbed:
+        raise PartitionedCheckpointError(
+            f"{where or files.root + ': '}entry {e.fqn!r} holds DTensor shards of one rank: partial (saved with "
+            "DefaultSavePlanner(flatten_state_dict=False), which keeps the entry as one pickled object and records "
+            "one rank's shards only); the full tensors are not in the folder: save again with the default planner"
+        )
     if isinstance(obj, TensorRecord) or up.storages:
         raise UnsupportedError(
             f"{what}: holds tensors inside a pickled object; ckptfix reads DCP tensors only as "
@@ -354,12 +418,13 @@ def raw_object_bytes(files: Files, e: BytesEntry) -> bytes:
             f"object {e.fqn!r} is {loc.length} bytes, over the {MAX_OBJECT_PKL}-byte limit; "
             "set CKPTFIX_DCP_MAX_OBJECT to read it"
         )
-    src = files.source(loc.relative_path)
+    rel, offset, length = files.item(loc, f"object {e.fqn!r}")
+    src = files.source(rel)
     if src is not None:  # a remote folder: one range read (a short object is caught below)
-        data = src.pread(max(0, min(loc.length, src.size - loc.offset)), loc.offset)
+        data = src.pread(max(0, min(length, src.size - offset)), offset)
     else:
-        data = os.pread(files.fd(loc.relative_path), loc.length, loc.offset)
-    if len(data) != loc.length:
+        data = os.pread(files.fd(rel), length, offset)
+    if len(data) != length:
         raise CorruptCheckpointError(f"object {e.fqn!r}: file {loc.relative_path} ended early (truncated?)")
     return data
 

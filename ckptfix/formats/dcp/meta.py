@@ -77,6 +77,7 @@ class Location:
     relative_path: str
     offset: int
     length: int
+    transform: str | None = None  # "zstd": the item is one zstd stream (torch's ZStandard extension, stream.zstd/1)
 
 
 @dataclass
@@ -321,19 +322,34 @@ def _dtype(props: Any, where: str) -> str:
     return dtype
 
 
+#: torch.distributed.checkpoint._extension.ZStandard's descriptor: each item's bytes are one zstd stream
+ZSTD_DESCRIPTOR = "stream.zstd/1"
+
+
 def _location(info: Any, where: str) -> Location:
     st = _state(info, "torch.distributed.checkpoint.filesystem._StorageInfo", where)
     rel, off, length = st.get("relative_path"), st.get("offset"), st.get("length")
     if not isinstance(rel, str):
         raise CorruptCheckpointError(f"{where}: storage entry without a file name; not DCP metadata")
     check_relative_path(rel, where)
-    if st.get("transform_descriptors"):
+    transform = None
+    td = st.get("transform_descriptors")
+    if td and isinstance(td, (list, tuple)) and list(td) == [ZSTD_DESCRIPTOR]:
+        import importlib.util
+
+        if importlib.util.find_spec("zstandard") is None:
+            raise UnsupportedError(
+                f"{where}: compressed with torch's ZStandard extension ({ZSTD_DESCRIPTOR}); reading it needs the "
+                "zstandard package (the zstd extra): pip install zstandard (or load it with torch's dcp.load)"
+            )
+        transform = "zstd"
+    elif td:
         raise UnsupportedError(
             f"{where}: stored with transforms {[_show(t) for t in list(st['transform_descriptors'])[:3]]} "
             "(compression or encryption extensions); ckptfix reads plain DCP data only — "
             "load it with torch's dcp.load"
         )
-    loc = Location(rel, _int(off, where), _int(length, where))
+    loc = Location(rel, _int(off, where), _int(length, where), transform)
     if loc.offset < 0 or loc.length < 0:
         raise CorruptCheckpointError(f"{where}: negative byte range {loc.offset}+{loc.length}")
     return loc

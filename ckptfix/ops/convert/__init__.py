@@ -174,6 +174,14 @@ def convert(
         if hf is not None:
             _refuse_other_formats(o, c, "a torch HuggingFaceStorageWriter checkpoint")
             return convert_hf_storage(hf, outputs=o, options=c)
+        from ckptfix.formats.dtensor_ranks import find_dtensor_ranks
+
+        dr = find_dtensor_ranks(s) if c.tag is None else None
+        if dr is not None:
+            from ckptfix.ops.convert.dtensor_ranks import convert_dtensor_ranks
+
+            _refuse_other_formats(o, c, "a folder of FSDP per-rank DTensor files")
+            return convert_dtensor_ranks(dr, outputs=o, options=c)
         if c.tag is None and c.dtype is None:
             from ckptfix.ops.convert.folders import convert_folder, resolve
 

@@ -225,7 +225,7 @@ def _row_ranges(files: Files, e: TensorEntry) -> list[Range] | None:
         if shape and c.offsets[0] != row:
             return None
         cd = locate_chunk(files, e, i)
-        if not cd.contiguous():
+        if not cd.contiguous() or "\x00" in cd.rel:  # (a decompressed item is no byte range of a data file)
             return None
         n = c.numel * e.element_size
         out.append((_data_path(files.root, cd.rel), cd.data_offset, n, cd.crc))

@@ -93,6 +93,13 @@ def convert_folder(r: Resolved, dst: str | None, **kw: Any) -> ConvertReport:
         rep.not_converted[os.path.basename(m)] = (
             f"another model in the folder; convert it on its own: ckptfix convert {m}"
         )
+    for m in r.of_role("optimizer-dcp"):  # FSDP SHARDED_STATE_DICT's optimizer: a DCP folder of its own
+        rep.not_converted[os.path.basename(m) + "/"] = (
+            "the optimizer state, a DCP folder of its own (FSDP SHARDED_STATE_DICT): not merged into the model's "
+            "file"
+            + (" (--include-optimizer takes optimizer files only)" if kw.get("include_optimizer") else "")
+            + "; accelerate's load_state or torch's dcp.load reads it"
+        )
     for m in r.of_role("weights-unused"):
         rep.not_converted[os.path.basename(m)] = (
             f"weights beside {os.path.basename(weights)}, which from_pretrained prefers; convert it on its own: "

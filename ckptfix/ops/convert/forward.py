@@ -348,6 +348,16 @@ class _Source:
     metadata: dict[str, str] | None = None  # a safetensors input's own __metadata__ (every shard's, for an index)
 
 
+def _refuse_one_rank(src: str, sd: Mapping[str, Any]) -> None:
+    """One rank's file of DTensor shards (an FSDP per-rank state dict) alone: the other ranks hold the rest."""
+    from ckptfix.errors import PartitionedCheckpointError
+    from ckptfix.formats.dtensor_ranks import one_rank_message
+
+    msg = one_rank_message(src, sd)
+    if msg is not None:
+        raise PartitionedCheckpointError(msg)
+
+
 def _read_source(
     inp: Input, key: str | None, allow_globals: Sequence[str], trust: bool, report: ConvertReport
 ) -> _Source:
@@ -374,6 +384,7 @@ def _read_source(
                 else 'a list/tuple of tensors, each named by its position ("0", "1", "1.2" ...)'
             )
     check_not_partitioned(src, cf.obj, sd, "convert")
+    _refuse_one_rank(src, sd)
     report.key_path = key_path = tuple(key_path)
     named = [(str(k), v) for k, v in sd.items() if is_tensor_like(v)]
     odd = [k for k, v in sd.items() if not isinstance(k, str) and is_tensor_like(v)]

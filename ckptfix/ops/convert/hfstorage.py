@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ckptfix.errors import CorruptCheckpointError, VerificationError
 from ckptfix.files import pins
@@ -38,16 +38,16 @@ from ckptfix.ops.convert.write import _written_equal
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["convert_hf_storage"]
+__all__ = ["convert_hf_storage", "write_chunked"]
 
 _BUF = 8 << 20
 
 
-def _header(hf: HfStorageCheckpoint) -> tuple[bytes, list[int]]:
-    meta: dict[str, Any] = {}
+def _header(tensors: Sequence[Any], metadata: Mapping[str, str] | None = None) -> tuple[bytes, list[int]]:
+    meta: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     begins = []
     pos = 0
-    for t in hf.tensors:
+    for t in tensors:
         meta[t.name] = {"shape": t.shape, "dtype": t.st_dtype, "data_offsets": [pos, pos + t.nbytes]}
         begins.append(pos)
         pos += t.nbytes
@@ -83,13 +83,36 @@ def convert_hf_storage(
     t0 = time.perf_counter()
     outs, opts = options_of(dst, outputs, options, keywords)
     refuse_inapplicable("hfstorage", outs, opts)
-    verify, force, fsync, progress = outs.verify, outs.force, bool(outs.fsync), outs.progress
     d = outs.output if outs.output is not None else default_st_output(hf.path)
-    check_outputs([d], hf.path, force)
+    check_outputs([d], hf.path, outs.force)
     read_hf_storage(hf)
-    header, begins = _header(hf)
-    total = sum(t.nbytes for t in hf.tensors)
     report = ConvertReport(source=hf.path, outputs=[d], source_format="hf-storage-dcp")
+    write_chunked(hf.tensors, d, outs, report)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def write_chunked(
+    tensors: Sequence[Any],
+    d: str,
+    outs: OutputOptions,
+    report: ConvertReport,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write full tensors laid out as chunks of source files (:func:`~ckptfix.formats.hfstorage.chunk_runs`) as one
+    safetensors file: each chunk's contiguous runs copied through one 8 MiB buffer, verified, renamed into place.
+
+    Args:
+        tensors: ``name``, ``st_dtype``, ``shape``, ``nbytes``, ``element_size`` and ``chunks`` (``path``,
+            ``data_offset``, ``offsets``, ``sizes``) each, in output order.
+        d: the output file.
+        outs: ``verify``, ``fsync``, ``progress`` (``force`` was checked by the caller).
+        report: filled with the tensors and bytes written, ``verified``.
+        metadata: the header's ``__metadata__`` (None: none, as torch's consolidation writes).
+    """
+    verify, fsync, progress = outs.verify, bool(outs.fsync), outs.progress
+    header, begins = _header(tensors, metadata)
+    total = sum(t.nbytes for t in tensors)
     tmp = temp_for(d)
     fds: dict[str, int] = {}
     buf = bytearray(_BUF)
@@ -100,7 +123,7 @@ def convert_hf_storage(
         try:
             pwrite_all(fd, header, 0)
             os.ftruncate(fd, len(header) + total)  # elements no chunk covers read as zeros, as torch's bytearray
-            for t, begin in zip(hf.tensors, begins, strict=True):
+            for t, begin in zip(tensors, begins, strict=True):
                 base = len(header) + begin
                 for c in t.chunks:
                     src = fds.get(c.path)
@@ -143,7 +166,5 @@ def convert_hf_storage(
                 os.unlink(tmp)
             except OSError:
                 pass
-    report.tensors = len(hf.tensors)
+    report.tensors = len(tensors)
     report.bytes = total
-    report.seconds = time.perf_counter() - t0
-    return report

@@ -30,8 +30,8 @@ __all__ = [
     "keywords_of",
 ]
 
-Direction = Literal["safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline"]
-DIRECTIONS: tuple[Direction, ...] = ("safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline")
+Direction = Literal["safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline", "fsdp-ranks"]
+DIRECTIONS: tuple[Direction, ...] = ("safetensors", "pt", "dcp", "zero", "hfstorage", "pipeline", "fsdp-ranks")
 
 #: how a refusal names each direction, and where an option of it applies
 _WHERE: dict[str, str] = {
@@ -41,6 +41,7 @@ _WHERE: dict[str, str] = {
     "zero": "DeepSpeed ZeRO checkpoint folders (with a 'latest' file or *_optim_states.pt partitions)",
     "hfstorage": "torch HuggingFaceStorageWriter folders",
     "pipeline": "folders of several models (diffusers' model_index.json, sentence-transformers' modules.json)",
+    "fsdp-ranks": "folders of FSDP per-rank DTensor files (pytorch_model_fsdp_0_rank0.bin ...)",
 }
 
 
@@ -72,10 +73,10 @@ class ConvertOptions:
     to: str | None = _opt(None, "--to", DIRECTIONS)
     strip_prefix: bool | str | None = _opt(False, "--strip-prefix", ("safetensors", "dcp"))
     max_shard_size: int | str | None = _opt(None, "--max-shard-size", ("safetensors", "zero"))
-    include_optimizer: bool = _opt(False, "--include-optimizer", ("safetensors",))
+    include_optimizer: bool = _opt(False, "--include-optimizer", ("safetensors", "fsdp-ranks"))
     allow_globals: Sequence[str] = _opt((), "--allow-global", ("safetensors",))
     trust: bool = _opt(False, "--trust", ("safetensors",))
-    ckptfix_metadata: bool = _opt(True, "ckptfix_metadata=", ("safetensors", "dcp", "zero", "hfstorage"))
+    ckptfix_metadata: bool = _opt(True, "ckptfix_metadata=", ("safetensors", "dcp", "zero", "hfstorage", "fsdp-ranks"))
     keep: Sequence[str] = _opt((), "--keep", ("safetensors",))
     allow_expand: bool = _opt(False, "--allow-expand", ("safetensors",))
     drop: Sequence[str] = _opt((), "--drop", ("safetensors",))
@@ -100,7 +101,7 @@ OUTPUT_APPLIES: dict[str, frozenset[str]] = {
     "force": frozenset(DIRECTIONS),
     "fsync": frozenset(DIRECTIONS),
     "verify": frozenset(DIRECTIONS),
-    "jobs": frozenset(("safetensors", "dcp", "zero", "hfstorage")),
+    "jobs": frozenset(("safetensors", "dcp", "zero", "hfstorage", "fsdp-ranks")),
     "key": frozenset(("safetensors",)),
 }
 
