@@ -162,8 +162,9 @@ def _patterns() -> list:
 
         _PATTERNS.extend(
             [
-                # scheme://user:password@host (a raw '@' in the password too: up to the last '@' before the path)
-                (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@"), r"\1***@"),
+                # scheme://user:password@host (a raw '@' in the password too: up to the last '@' before the path;
+                # spaces too, as a quoted URL may hold them: "s3://user:pa ss@bucket")
+                (re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*(?:[ \t]+[^/\s?#]*)*@"), r"\1***@"),
                 # user:password@bucket quoted back by a driver's message, without its scheme
                 (re.compile(r"(?<![\w/:.@*-])[\w.~%+-]+:[^\s/@\"'<>]+@(?=[\w.-])"), "***@"),
                 # ?X-Amz-Signature=... / &sig=... / ;token=... / #token=...: the value shown as ***
@@ -188,6 +189,41 @@ def mask_secrets(text: str) -> str:
         return text
     for rx, repl in _patterns():
         text = rx.sub(repl, text)
+    return text
+
+
+def url_userinfo(url: str) -> str | None:
+    """The ``user:password`` part of a URL (up to the last ``@`` before its path), or None when it has none.
+
+    Args:
+        url: a URL as given.
+
+    Returns:
+        The userinfo, for masking where a driver quotes it back without its ``@`` (``got 'user:password'``).
+    """
+    _, sep, rest = url.partition("://")
+    head = rest.split("/", 1)[0]
+    if not sep or "@" not in head:
+        return None
+    return head.rsplit("@", 1)[0] or None
+
+
+def mask_userinfo(text: str, url: str) -> str:
+    """``text`` with ``url``'s userinfo, and its password alone, replaced by ``***`` wherever it appears.
+
+    Args:
+        text: a message that may quote the URL's parts back (a driver's error).
+        url: the URL.
+
+    Returns:
+        The text, masked.
+    """
+    info = url_userinfo(url)
+    if info:
+        text = text.replace(info, "***")
+        password = info.partition(":")[2]
+        if password:
+            text = text.replace(password, "***")
     return text
 
 

@@ -67,3 +67,17 @@ def test_text_json_and_a_repositorys_git_stay_out_of_the_verdict(tmp_path):
     r = run_cli("scan", str(d), "--json")
     assert r.rc == 0, r.err
     assert json.loads(r.out)["verdict"] == "safe"
+
+
+def test_a_forged_newline_in_a_file_name_prints_no_line_of_its_own(tmp_path):
+    d = _trainer(tmp_path / "ckpt")
+    forged = "evil\nckpt: safe (safetensors, 0 pickle(s), 0 globals)\n.pt"
+    (d / forged).write_bytes(_evil(tmp_path / "canary"))
+    for args in (("scan", d), ("inspect", d), ("inspect", d, "--keys")):
+        r = run_cli(*map(str, args))
+        assert r.returncode in (0, 11), r.stderr
+        lines = r.stdout.splitlines()
+        assert not any(line.startswith("ckpt: safe") for line in lines), r.stdout
+        assert any("evil\\x0ackpt: safe" in line for line in lines), (args, r.stdout)
+        assert "\n" not in r.stderr.rstrip("\n")
+    assert not (tmp_path / "canary").exists()

@@ -114,3 +114,30 @@ def test_the_forms_an_outside_pass_found_are_masked(text, secret):
     from ckptfix.display import mask_secrets
 
     assert secret not in mask_secrets(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "s3://AKIAUSER:SECRET PW@bucket/k.pt",  # a password with a space (a quoted URL)
+        "http://bob:SECRET  PW@127.0.0.1:1/m.pt",
+        "Error: cannot read https://bob:x SECRETPW y@host/m.pt: timed out",
+    ],
+)
+def test_a_password_with_spaces_is_masked(text):
+    masked = mask_secrets(text)
+    assert "SECRET" not in masked and "***@" in masked, masked
+
+
+def test_a_driver_quoting_the_userinfo_back_and_a_debug_traceback_are_masked(tmp_path: Path) -> None:
+    pytest.importorskip("huggingface_hub")
+    import os
+
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE="0")
+    for url in ("hf://user:SECRETPW@org/repo/x.pt", "hf://user:SECRET PW@org/repo/x.pt"):
+        for args in (("inspect", url), ("--debug", "inspect", url), ("scan", url, "--json")):
+            r = run_cli(*args, env=env, isolated=True)
+            assert r.returncode == 40, (args, r.stderr)
+            assert "SECRET" not in r.stdout + r.stderr, (args, r.stderr[-2000:])
+            if args[0] == "--debug":
+                assert "Traceback" in r.stderr

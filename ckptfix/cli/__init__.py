@@ -163,7 +163,9 @@ def interrupted_error() -> InterruptedByUserError:
 def _print_traceback() -> None:
     import traceback  # only with --debug: kept off every command's start-up
 
-    traceback.print_exc()
+    from ckptfix.display import mask_secrets
+
+    sys.stderr.write(mask_secrets(traceback.format_exc()))  # a URL's password in a frame's message: masked too
 
 
 def _internal_error(e: BaseException, debug: bool) -> int:

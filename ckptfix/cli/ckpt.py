@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 import click
 
 from ckptfix._startup import imports_quietly
-from ckptfix.cli._common import ProgressBar, echo, emit_json, human_bytes, json_option
+from ckptfix.cli._common import ProgressBar, echo, emit_json, human_bytes, json_option, one_line
 from ckptfix.cli.group import cli
 
 if TYPE_CHECKING:
@@ -130,7 +130,7 @@ def inspect_cmd(
         f"  storage tags  {_fmt_counts(r.locations)}"
         + (f" (all storages in the file, {human_bytes(r.storage_bytes)})" if r.storage_bytes != r.unique_bytes else ""),
         f"  prefixes      {_fmt_counts(r.prefixes)}",
-        f"  shared        {'; '.join(' = '.join(g) for g in r.shared) or '-'}",
+        f"  shared        {_shared_text(r.shared)}",
     ]
     if r.non_tensor_entries:
         lines.append("  other entries " + ", ".join(f"{k}: {v}" for k, v in list(r.non_tensor_entries.items())[:8]))
@@ -141,15 +141,31 @@ def inspect_cmd(
         lines.append(f"  note          {n}")
     lines += _framework_lines(r.framework, r.folder_scan)
     if list_keys or pattern is not None:
-        lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit)
-    echo("\n".join(lines))
+        sizes = {n: len(g) for g in r.shared for n in g}
+        lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit, sizes)
+    echo("\n".join(one_line(line) for line in lines))  # a forged newline in a name cannot print a line of its own
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
             echo(f"warning: {n[len('WARNING: ') :]}", err=True)
     _with_stats(show_stats, None, st)
 
 
-def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int) -> list[str]:
+def _shared_text(groups: list[list[str]], most: int = 8) -> str:
+    """inspect's ``shared`` line: each group of names sharing a storage, at most ``most`` names of each shown."""
+
+    def one(g: list[str]) -> str:
+        return " = ".join(g[:most]) + (f" (+{len(g) - most} more)" if len(g) > most else "")
+
+    return (
+        "; ".join(one(g) for g in groups[:most])
+        + (f"; ... {len(groups) - most} more groups" if len(groups) > most else "")
+        or "-"
+    )
+
+
+def _tensor_lines(
+    rows: list[dict], total: int, pattern: str | None, limit: int, sizes: dict[str, int] | None = None
+) -> list[str]:
     """``inspect --keys``: one line per tensor (name, shape as torch.Size holds it, dtype, device, what it shares)."""
     what = f"{len(rows)} of {total} match {pattern!r}" if pattern is not None else f"{total}"
     out = [f"  tensors       {what}"]
@@ -162,7 +178,8 @@ def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int)
         line = f"    {name:<{widths[0]}}  {shape:<{widths[1]}}  {dtype:<{widths[2]}}  {device}"
         others = t["shared_with"]
         if others:
-            line += f"  shares storage with {others[0]}" + (f" (+{len(others) - 1})" if len(others) > 1 else "")
+            more = (sizes or {}).get(t["name"], len(others) + 1) - 2  # the group, less this name and the one shown
+            line += f"  shares storage with {others[0]}" + (f" (+{more})" if more > 0 else "")
         out.append(line)
     if len(rows) > len(shown):
         out.append(
@@ -193,7 +210,8 @@ def _framework_lines(fw: dict | None, folder_scan: dict | None = None) -> list[s
         out.append(f"  weights       {fw['weights']}{flag(fw['weights'])}")
     out += _component_lines(fw.get("components", []))
     for f in fw.get("files", []):
-        out.append(f"  {f['role']:<13} {f['file']}: {f['summary'] or human_bytes(f['bytes'])}{flag(f['file'])}")
+        size = f["summary"] or human_bytes(f["bytes"])
+        out.append(f"  {f['role']:<13} {f['file']}: {size}{flag(f['file'])}")
     if folder_scan is not None:
         by: dict[str, list[str]] = {}
         for name, v in verdicts.items():
@@ -288,12 +306,14 @@ def scan_cmd(checkpoints: tuple[str, ...], as_json: bool, show_stats: bool = Fal
 
 def _render_scan(r, limit: int = 0) -> None:
     """scan's text: every dangerous or unknown global, then the safe ones up to ``limit`` (0: all) and a count."""
-    echo(f"{r.path}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
+    # names from the file (a folder's file names, globals, error texts) are shown with their control
+    # characters escaped: a forged newline in a name cannot print a line of its own
+    echo(f"{one_line(r.path)}: {r.verdict} ({r.format}, {len(r.pickles)} pickle(s), {len(r.globals)} globals)")
     safe = [g for g, d in r.globals.items() if d["class"] == "safe"]
     hidden = set(safe[limit:]) if limit else set()
     for g, d in r.globals.items():
         if g not in hidden:
-            echo(f"  {d['class']:<9} {g}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
+            echo(f"  {d['class']:<9} {one_line(g)}" + (f"  x{d['count']}" if d["count"] > 1 else ""))
     if hidden:
         mangled = sum(1 for g in hidden if g.startswith("__torch__."))
         what = f", {mangled} of them TorchScript classes (__torch__.*)" if mangled else ""
@@ -307,10 +327,10 @@ def _render_scan(r, limit: int = 0) -> None:
             f"once `import {packages[0]}` has registered them (without it torch.load refuses them)"
         )
     for e in r.errors:
-        echo(f"  malformed {e}")
+        echo(f"  malformed {one_line(e)}")
     for name, f in r.files.items():  # a folder: each file's own verdict
         named = (f["dangerous"] + f["unknown"])[:3]
-        echo(f"  file      {name}: {f['verdict']}" + (f" ({', '.join(named)})" if named else ""))
+        echo(f"  file      {one_line(name)}: {f['verdict']}" + (f" ({one_line(', '.join(named))})" if named else ""))
 
 
 def _scan_error(checkpoint: str, r):

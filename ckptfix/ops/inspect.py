@@ -75,7 +75,8 @@ class InspectReport:
     framework: dict[str, Any] | None = None
     # one row per tensor name, in the state dict's order: name, shape (a list, as torch.Size holds it),
     # dtype, device (the storage tag as saved; None when the format has none) and shared_with (the other
-    # names whose tensors use the same storage: tied weights, views); only the names ``tensor_filter``
+    # names whose tensors use the same storage: tied weights, views; the first MAX_SHARED_WITH of them, the
+    # ``shared`` groups hold them all); only the names ``tensor_filter``
     # matches when one is given (the counts above are always of the whole state dict)
     tensors: list[dict[str, Any]] = field(default_factory=list)
     tensor_filter: str | None = None
@@ -157,6 +158,11 @@ def tensor_name_matches(name: str, pattern: str | None) -> bool:
     return pattern in name
 
 
+#: the most names one row's ``shared_with`` lists (the report's ``shared`` groups hold them all): a tensor
+#: referenced a million times would otherwise cost a million names in each of its million rows
+MAX_SHARED_WITH = 32
+
+
 def _rows(
     names: list[str],
     info: Mapping[str, tuple[list[int], str, str | None]],
@@ -165,12 +171,14 @@ def _rows(
 ) -> list[dict[str, Any]]:
     """The ``tensors`` rows of the names ``pattern`` matches (``info``: name -> shape, dtype, device)."""
     group = {n: g for g in shared for n in g}
+    heads = {id(g): g[: MAX_SHARED_WITH + 1] for g in shared}  # one row costs what it lists, not its group
     out = []
     for n in names:
         if not tensor_name_matches(n, pattern):
             continue
         shape, dtype, device = info[n]
-        others = [x for x in group.get(n, ()) if x != n]
+        g = group.get(n)
+        others = [x for x in heads[id(g)] if x != n][:MAX_SHARED_WITH] if g is not None else []
         out.append({"name": n, "shape": shape, "dtype": dtype, "device": device, "shared_with": others})
     return out
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ckptfix.errors import ResourceLimitError
+from ckptfix.pickles.policy import DCP_ENUM_MEMBERS
 
 HIGHEST_PROTOCOL = 5
 
@@ -159,6 +160,21 @@ LONGSTR = _Abs("longstr")  # a str we did not keep (too long, or its value depen
 _EMPTY = _Abs("empty")  # an unused memo slot
 _TUPLES: list[_Abs] = [_Abs("tuple", 1)]
 _FROZENSETS: list[_Abs] = [_Abs("frozenset", 1)]
+
+
+# ``builtins.getattr`` on the stack: the scan counts it as a global unless every time it is on the stack
+# it is called with one of DCP's enum classes and a member name (Python >= 3.12 pickles an enum member
+# as ``getattr(cls, name)``); such a call is recorded as the member's dotted name (policy.DCP_ENUM_LOOKUPS)
+_GETATTR = _Abs("getattr")
+_ENUM_CLASSES: dict[tuple[str, str], _Abs] = {}  # (module, name) of a DCP enum class -> its marker
+_ENUM_ARGS: dict[tuple[_Abs, str], _Abs] = {}  # (class marker, member name) -> the marker of that 2-tuple
+_ENUM_LOOKUPS: dict[_Abs, tuple[str, str]] = {}  # 2-tuple marker -> (module, "Enum.MEMBER")
+for _cls, _members in DCP_ENUM_MEMBERS.items():
+    _mod, _name = _cls.rsplit(".", 1)
+    _ENUM_CLASSES[(_mod, _name)] = _marker = _Abs("enum")
+    for _m in _members:
+        _ENUM_ARGS[(_marker, _m)] = _args = _Abs("tuple", 1)
+        _ENUM_LOOKUPS[_args] = (_mod, f"{_name}.{_m}")
 
 
 def _nested(cache: list[_Abs], kind: str, depth: int) -> _Abs:
@@ -394,6 +410,10 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
     raw = res.raw
     EMPTY = _EMPTY
     frame_end = _NO_FRAME  # where the FRAME being read ends (a reader of a file drops what is left of it)
+    GA = _GETATTR
+    ga_raw: list[tuple[str, str, int]] = []  # the builtins.getattr globals read, counted at the end (_GETATTR)
+    ga_pushed = 0  # times _GETATTR was put on the stack
+    ga_used = 0  # times it was called with a DCP enum class and one of its member names
 
     def readline() -> bytes:
         nonlocal pos
@@ -425,8 +445,12 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
         del stack[k:]
         return count
 
-    def add_global(module: str, name: str) -> None:
+    def add_global(module: str, name: str, called: bool = False) -> Any:
+        """Count a global; the value the unpickler pushes for it (``called``: INST, called at once)."""
         rm, rn = resolve_global(module, name, proto)
+        if rn == "getattr" and rm == "builtins" and not called:
+            ga_raw.append((module, name, proto))
+            return GA
         raw[(module, name, proto)] += 1
         pairs[(rm, rn)] += 1
         globals_[f"{rm}.{rn}"] += 1
@@ -435,6 +459,7 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                 f"the pickle names more than {limits.max_globals} distinct globals; set "
                 "CKPTFIX_MAX_PICKLE_GLOBALS=N to allow more"
             )
+        return _ENUM_CLASSES.get((rm, rn), ANY)
 
     def limit(message: str) -> None:
         """Record the first limit crossed; in strict mode stop there."""
@@ -493,6 +518,11 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
     def push_tuple(items: list) -> None:
         """Push the abstract tuple of ``items``, one level deeper than its deepest item (limit checked)."""
         nonlocal max_idepth
+        if len(items) == 2 and type(items[1]) is str:
+            a = _ENUM_ARGS.get((items[0], items[1]))
+            if a is not None:  # (DCP enum class, member name): getattr's arguments
+                push(a)
+                return
         d = 0
         for v in items:
             if type(v) is _Abs and v.depth > d:
@@ -564,6 +594,8 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                 pos += 1
                 v = memo[idx] if idx < len(memo) else EMPTY
                 push(v if v is not EMPTY else memo_get(idx))
+                if v is GA:
+                    ga_pushed += 1
                 est += 8
             elif op == 0x6A:  # LONG_BINGET
                 if pos + 4 > n:
@@ -572,6 +604,8 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                 pos += 4
                 v = memo[idx] if idx < len(memo) else EMPTY
                 push(v if v is not EMPTY else memo_get(idx))
+                if v is GA:
+                    ga_pushed += 1
                 est += 8
             elif op == 0x4B:  # BININT1
                 if pos >= n:
@@ -589,6 +623,12 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
             elif op == 0x52:  # REDUCE
                 if len(stack) - 2 < fence:
                     raise _Malformed(_UNDERFLOW)
+                if stack[-2] is GA:
+                    hit = _ENUM_LOOKUPS.get(stack[-1])
+                    if hit is not None:  # getattr(DCP enum class, member): the member, by its dotted name
+                        ga_used += 1
+                        pairs[hit] += 1
+                        globals_[f"{hit[0]}.{hit[1]}"] += 1
                 del stack[-1]
                 stack[-1] = ANY
                 est += 200
@@ -694,18 +734,21 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                     raise _Malformed(_UNDERFLOW)
                 name = stack.pop()
                 module = stack[-1]
+                g = ANY
                 if type(name) is str and type(module) is str:
                     if not (module.isascii() and name.isascii()) and not _utf8(module + name):
                         # a lone surrogate (BINUNICODE decodes with surrogatepass): no module or attribute has it
                         raise _Malformed("STACK_GLOBAL names must be valid UTF-8 (a lone surrogate)")
-                    add_global(module, name)
+                    g = add_global(module, name)
+                    if g is GA:
+                        ga_pushed += 1
                 elif not _maybe_str(name) or not _maybe_str(module):
                     raise _Malformed("STACK_GLOBAL requires str")
                 elif name is LONGSTR or module is LONGSTR:
                     unresolved(UNRESOLVED_LONG_NAME)
                 else:
                     unresolved(UNRESOLVED_STACK_GLOBAL)
-                stack[-1] = ANY
+                stack[-1] = g
             elif op == 0x63 or op == 0x69:  # GLOBAL INST
                 # pickle.py reads both lines leniently (a line cut by EOF loses its last character) and
                 # imports the module even when the attribute is empty; _pickle.c needs both lines whole.
@@ -725,14 +768,18 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                     module, name = str(lines[0], enc), str(lines[1], enc)
                 except UnicodeDecodeError:
                     raise _Malformed(f"{'GLOBAL' if op == 0x63 else 'INST'} names must be {enc}") from None
+                g = ANY
                 if module:
-                    add_global(module, name)
+                    g = add_global(module, name, op == 0x69)
                 if not complete or not module or not name:
                     raise _Malformed("pickle data was truncated (GLOBAL/INST needs two whole lines)")
                 if op == 0x69:
                     drop_mark()
                     est += 200
-                push(ANY)
+                    g = ANY
+                elif g is GA:
+                    ga_pushed += 1
+                push(g)
                 est += 8
             elif op == 0x92:  # NEWOBJ_EX
                 if len(stack) - 3 < fence:
@@ -803,7 +850,7 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                     res.straddle = True
                 v = stack.pop()
                 res.value = v if type(v) in (int, str) else None
-                res.value_unknown = v is ANY
+                res.value_unknown = v is ANY or v is GA or type(v) is _Abs and v.kind == "enum"
                 break
             elif op == 0x30:  # POP: of an empty frame, pops the MARK itself
                 idled()
@@ -821,6 +868,8 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                 if len(stack) <= fence:
                     raise _Malformed(_UNDERFLOW)
                 push(stack[-1])
+                if stack[-1] is GA:
+                    ga_pushed += 1
                 est += 8
             elif op == 0x6C or op == 0x64:  # LIST DICT
                 count = drop_mark()
@@ -908,7 +957,10 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
                 except ValueError:
                     raise _Malformed("invalid memo index") from None
                 if op == 0x67:
-                    push(memo_get(idx))
+                    v = memo_get(idx)
+                    push(v)
+                    if v is GA:
+                        ga_pushed += 1
                     est += 8
                 else:
                     if idx < 0:
@@ -954,6 +1006,12 @@ def _scan_linear(buf: Any, start: int, limits: PickleLimits, strict: bool = Fals
         res.error = f"at byte {pos - start}: {type(e).__name__}: {e}"
     if res.error and frame_end != _NO_FRAME:  # stopped inside a frame: another reader may go on
         res.straddle = True
+    if ga_raw and (ga_used == 0 or ga_used != ga_pushed):  # getattr on the stack for anything else: counted
+        for module, name, p in ga_raw:
+            rm, rn = resolve_global(module, name, p)
+            raw[(module, name, p)] += 1
+            pairs[(rm, rn)] += 1
+            globals_[f"{rm}.{rn}"] += 1
     res.end = pos - start
     res.est_bytes = est + (pos - start)
     res.max_immutable_depth = max_idepth

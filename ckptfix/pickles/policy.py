@@ -121,6 +121,21 @@ RECORD_GLOBALS: frozenset[str] = frozenset(
 #: every global a DCP ``.metadata`` file may reference, as ``module.name`` (dtypes under all their names)
 DCP_METADATA_GLOBALS: frozenset[str] = RECORD_GLOBALS | frozenset(f"torch.{d}" for d in DTYPE_GLOBALS)
 
+#: the enum classes of DCP's metadata records -> their members' names and values (torch's
+#: ``torch/distributed/checkpoint/metadata.py``; torch < 2.2 kept ``MEM_FORMAT_ENCODING`` in ``_SHARD_MD``)
+_MEM_FORMATS = {"TORCH_CONTIGUOUS_FORMAT": 0, "TORCH_CHANNELS_LAST": 1, "TORCH_PRESERVE_FORMAT": 2}
+DCP_ENUM_MEMBERS: dict[str, dict[str, int]] = {
+    f"{_DCP_MD}._MEM_FORMAT_ENCODING": _MEM_FORMATS,
+    f"{_SHARD_MD}.MEM_FORMAT_ENCODING": _MEM_FORMATS,
+}
+
+#: ``module.Enum.MEMBER`` of every DCP enum member.  Python >= 3.12 pickles an enum member by name,
+#: ``builtins.getattr(<the enum class>, "MEMBER")``: the opcode scan records such a call, when the class
+#: is one of :data:`DCP_ENUM_MEMBERS` and the name one of its members, as this dotted name instead of
+#: ``builtins.getattr`` (any other ``getattr`` stays dangerous), and :func:`classify_pair` allows exactly
+#: these names in a ``.metadata`` file.
+DCP_ENUM_LOOKUPS: frozenset[str] = frozenset(f"{cls}.{m}" for cls, ms in DCP_ENUM_MEMBERS.items() for m in ms)
+
 #: ``torch._utils`` functions that rebuild a tensor (the reader turns each call into a tensor record)
 TENSOR_REBUILDERS = frozenset(
     {
@@ -470,7 +485,7 @@ def classify_global(name: str, context: str | None = None) -> Verdict:
     if known is not None and known.safe:
         return "safe"
     if context == "dcp":
-        if name in DCP_METADATA_GLOBALS:  # exact names: no module prefix is trusted
+        if name in DCP_METADATA_GLOBALS or name in DCP_ENUM_LOOKUPS:  # exact names: no module prefix is trusted
             return "safe"
     if (
         context == "torchscript"
@@ -518,6 +533,8 @@ def classify_pair(module: str, name: str, context: str | None = None) -> Verdict
     joined = classify_global(f"{module}.{name}", context)
     if "." not in name:
         return joined
+    if context == "dcp" and f"{module}.{name}" in DCP_ENUM_LOOKUPS:  # an enum member, named exactly
+        return "safe"
     parts = name.split(".")
     own: Verdict = (
         "dangerous"

@@ -20,6 +20,7 @@ from typing import (
 
 from ckptfix.pickles.opcodes import (
     PickleLimits,
+    ScanResult,
     resolve_global,
     scan_globals,
 )
@@ -97,6 +98,7 @@ class RecordingUnpickler(pickle.Unpickler):
         self.preflight = preflight
         self._built_bytes = 0  # what bounded calls built for real (their shared byte budget: limits.max_bytes)
         self._bytes: bytes | bytearray | memoryview | None = None  # set by for_bytes
+        self.scanned: ScanResult | None = None  # the pre-flight's opcode scan, before the C unpickler runs
 
     @classmethod
     def for_bytes(cls: type[_U], data: bytes | bytearray | memoryview, **kw: Any) -> _U:
@@ -137,6 +139,7 @@ class RecordingUnpickler(pickle.Unpickler):
                 f.seek(start)
             if r.error:
                 raise pickle.UnpicklingError(r.error)
+            self.scanned = r
             self._py2_names = {(m, n) for (m, n, p) in r.raw if p < 3}
         try:
             with paused_gc():

@@ -532,7 +532,10 @@ def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
     kind = type(e).__name__
     if not (isinstance(e, (ValueError, NotImplementedError)) or kind in ("HfUriError", "HFValidationError")):
         return None
+    from ckptfix.display import mask_userinfo
+
     first = str(e).strip().splitlines()[0] if str(e).strip() else kind
+    first = mask_userinfo(first, name)  # "Repository id must be 'namespace/name', got 'user:password'"
     return RemoteNotFoundError(
         f"{name}: not a file or folder of a Hub repository ({kind}: {first}); "
         "write hf://org/repo/path or hf://org/repo@revision/path"

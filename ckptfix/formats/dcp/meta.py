@@ -38,7 +38,7 @@ from ckptfix.pickles import (
     stub_class,
     stub_dtype,
 )
-from ckptfix.pickles.policy import DCP_METADATA_GLOBALS
+from ckptfix.pickles.policy import DCP_ENUM_LOOKUPS, DCP_ENUM_MEMBERS, DCP_METADATA_GLOBALS
 
 METADATA_NAME = ".metadata"
 #: a ``.metadata`` larger than this is refused (millions of chunks); ``CKPTFIX_DCP_MAX_METADATA`` lifts it
@@ -224,6 +224,13 @@ class MetadataUnpickler(RecordingUnpickler):
         self.globals_seen[full] += 1
         if full == "collections.OrderedDict":
             return collections.OrderedDict
+        scanned = self.scanned
+        if full == "builtins.getattr" and scanned is not None and ("builtins", "getattr") not in scanned.pairs:
+            # the pre-flight scan saw it called only as getattr(DCP enum class, member name) (Python >= 3.12
+            # pickles an enum member by name): the member, as the placeholder of cls(value) torch writes
+            return _enum_member
+        if full in DCP_ENUM_LOOKUPS:  # protocol 4 names a member as "Enum.MEMBER" too
+            return _enum_member(stub_class(module, name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1])
         if full not in DCP_METADATA_GLOBALS:
             self.foreign[full] += 1
             self.stubbed.add(full)
@@ -239,6 +246,25 @@ class MetadataUnpickler(RecordingUnpickler):
             pickle.UnpicklingError: always.
         """
         raise pickle.UnpicklingError("DCP metadata holds no persistent ids")
+
+
+def _enum_member(cls: Any, name: Any) -> Stub:
+    """``getattr(cls, name)`` for a DCP enum placeholder class and one of its members' names.
+
+    Args:
+        cls: the enum's placeholder class.
+        name: the member's name.
+
+    Returns:
+        The placeholder of ``cls(value)`` (what torch pickles by value, and loads on every Python).
+
+    Raises:
+        pickle.UnpicklingError: any other class or name (the pre-flight scan lets no other call through).
+    """
+    members = DCP_ENUM_MEMBERS.get(global_name(cls)) if isinstance(cls, type) and issubclass(cls, Stub) else None
+    if members is None or type(name) is not str or name not in members:
+        raise pickle.UnpicklingError("getattr on something other than a DCP enum member")
+    return cls(members[name])
 
 
 _NAMES: dict[type, str] = {}  # class -> "module.name" of a placeholder class, "" for any other type

@@ -35,7 +35,9 @@ _OMIT = object()
 class _Extras:
     """Turns the non-tensor part of a checkpoint into JSON, noting what it cannot represent."""
 
-    def __init__(self, sd_node: Any, report: ConvertReport, max_nodes: int | None = None) -> None:
+    def __init__(
+        self, sd_node: Any, report: ConvertReport, max_nodes: int | None = None, max_chars: int | None = None
+    ) -> None:
         self.sd_node = sd_node
         self.report = report
         self.opt_tensors: list[tuple[str, Any]] = []
@@ -47,15 +49,33 @@ class _Extras:
 
             max_nodes = PickleLimits.from_env().max_items
         self.max_nodes = max_nodes
+        if max_chars is None:
+            from ckptfix.formats.stmeta import MAX_EXTRA_JSON
+
+            max_chars = MAX_EXTRA_JSON
+        #: characters of strings past which the JSON is not kept (stmeta drops a larger one anyway): the walk
+        #: goes on for the tensors it finds, without counting, and the caller drops the JSON (``too_big``)
+        self.max_chars = max_chars
+        self.too_big = False
         #: values the JSON holds so far, a shared object counted once per place it appears
         self.nodes = 0
-        #: id -> (JSON of a container already rendered, the values it holds); a shared object is
-        #: rendered once, and its count added again at each further place (JSON repeats it)
-        self._memo: dict[int, tuple[Any, int]] = {}
+        #: characters of strings the JSON holds so far, counted the same way
+        self.chars = 0
+        #: id -> (JSON of a container already rendered, the values and characters it holds); a shared
+        #: object is rendered once, and its counts added again at each further place (JSON repeats it)
+        self._memo: dict[int, tuple[Any, int, int]] = {}
         self._keep: list[Any] = []  # keeps memoized sources alive so their ids stay unique
 
-    def _count(self, n: int, path: str) -> None:
+    def _count(self, n: int, path: str, chars: int = 0) -> None:
         self.nodes += n
+        self.chars += chars
+        if self.chars > self.max_chars and not self.too_big:
+            self.too_big = True
+            self.report.skipped["<extra>"] = (
+                f"the non-tensor entries (at {path or 'the top level'}) expand to more than {self.max_chars:,} "
+                "characters of JSON (a string shared many times over, which JSON repeats at each place); "
+                "too large to keep"
+            )
         if self.nodes > self.max_nodes:
             from ckptfix.errors import ResourceLimitError
 
@@ -70,13 +90,13 @@ class _Extras:
         """``v`` as JSON data, or the ``_OMIT`` marker; raises past the node budget (see :meth:`_value`)."""
         hit = self._memo.get(id(v))
         if hit is not None:
-            self._count(hit[1], path)
+            self._count(hit[1], path, hit[2])
             return hit[0]
-        before = self.nodes
-        self._count(1, path)
+        before, chars = self.nodes, self.chars
+        self._count(1, path, len(v) if type(v) is str else 0)
         r = self._value(v, path, opt, depth)
         if r is not _OMIT and isinstance(v, (Mapping, list, tuple, set, frozenset)) and id(v) not in self._seen:
-            self._memo[id(v)] = (r, self.nodes - before)
+            self._memo[id(v)] = (r, self.nodes - before, self.chars - chars)
             self._keep.append(v)
         return r
 
@@ -136,6 +156,7 @@ class _Extras:
                     r = self.value(x, sub, opt, depth + 1)
                     if r is not _OMIT:
                         out[str(k)] = r
+                        self._count(0, sub, len(str(k)))
                 return out
             if isinstance(v, (list, tuple, set, frozenset)):
                 seq = list(v)
@@ -233,7 +254,7 @@ def split_checkpoint(
                     extra[str(k)] = r
         if unwritten is not None:
             unwritten += ex.unwritten
-        return extra, []
+        return ({} if ex.too_big else extra), []
     if not (isinstance(obj, Mapping) or hasattr(obj, "items")) or isinstance(obj, type):
         return extra, []
     for k, v in sd.items():  # non-tensor values inside a nested state dict: no place in the file
@@ -253,7 +274,7 @@ def split_checkpoint(
             extra[str(k)] = r
     if unwritten is not None:
         unwritten += ex.unwritten
-    return extra, ex.opt_tensors
+    return ({} if ex.too_big else extra), ex.opt_tensors
 
 
 def optimizer_extras(
@@ -286,7 +307,7 @@ def optimizer_extras(
     for i, (n, t) in enumerate(ex.opt_tensors):  # _Extras names them optimizer.<path>; the path starts at name
         ex.opt_tensors[i] = (n[len("optimizer.") :], t)
     r = _rename_refs(r, len("optimizer."))
-    return ({name: r} if r is not _OMIT else {}), ex.opt_tensors
+    return ({name: r} if r is not _OMIT and not ex.too_big else {}), ex.opt_tensors
 
 
 def _rename_refs(v: Any, cut: int) -> Any:
@@ -315,4 +336,4 @@ def plain_extras(obj: Any) -> dict[str, Any]:
             r = ex.value(v, str(k))
             if r is not _OMIT:
                 out[str(k)] = r
-    return out
+    return {} if ex.too_big else out
