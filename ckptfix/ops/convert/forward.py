@@ -166,7 +166,7 @@ def convert_to_safetensors(
     kept = drop_named(source.named, c.drop, report)
     refuse_unwritten(src, unwritten, c.drop, report, source.key_path, c.strict and o.key is None, source.obj)
     strip = c.strip_prefix
-    if strip is True and source.kind == "module":
+    if strip is True and source.kind in ("module", "modules"):
         strip, report.kept_names = _module_strip(source)
     named, order = output_names(kept, opt_named, strip, report, own=own_prefixes(src))
     if not named:
