@@ -18,6 +18,7 @@ from ckptfix import load_anywhere
 from ckptfix.errors import KeyConflictError
 from ckptfix.ops.convert import convert
 from ckptfix.ops.inspect import inspect_checkpoint
+from ckptfix.ops.load import load_checkpoint
 
 from helpers import run_cli
 
@@ -167,3 +168,36 @@ def test_tuple_enum_reduces_leaves_other_pickles_alone() -> None:
     assert tuple_enum_reduces(pickle.dumps({"a": [1, 2.0, "x"], "b": (3,)}, protocol=2)) is None
     assert tuple_enum_reduces(pickle.dumps({"a": 1}, protocol=4)) is None  # framed: never rewritten
     assert tuple_enum_reduces(b"\x80\x02garbage") is None
+
+
+# --------------------------------------------------------------------------- B5b: ultralytics' own files
+
+UL = PK.parent / "ultralytics"
+
+
+@pytest.mark.parametrize(("name", "entry"), [("yolo.pt", "model"), ("last.pt", "ema")])
+def test_ultralytics_files_give_the_detection_models_state_dict(name: str, entry: str, tmp_path: Path) -> None:
+    want = load_file(str(UL / "expected.safetensors"))
+    lc = load_checkpoint(UL / name)
+    assert lc.key_path == (entry,)
+    _same(lc.state_dict, want)
+    _same(load_anywhere(UL / name, key=entry), want)
+    p = run_cli("convert", str(UL / name), "--key", entry, "--strip-prefix", "-o", str(tmp_path / "o.safetensors"))
+    assert p.returncode == 0, p.stderr
+    assert "nothing stripped" in p.stderr  # model.0.conv.weight is DetectionModel's own name (issue 37 item 3)
+    _same(load_file(str(tmp_path / "o.safetensors")), want)
+
+
+def test_ultralytics_convert_loads_strict_into_detection_model(tmp_path: Path) -> None:
+    pytest.importorskip("ultralytics")
+    from ultralytics.nn.tasks import DetectionModel
+
+    for name in ("yolo.pt", "last.pt"):
+        out = tmp_path / f"{name}.safetensors"
+        convert(UL / name, out)
+        m = DetectionModel(str(UL / "tiny.yaml"), verbose=False).half()
+        m.load_state_dict(load_file(str(out)), strict=True)
+        ref = torch.load(UL / name, weights_only=False)
+        ref = ref["model"] or ref["ema"]
+        got, want = m.state_dict(), ref.state_dict()
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
