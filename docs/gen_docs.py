@@ -126,6 +126,13 @@ FRAMEWORK_FOLDERS = {
     "accelerate_fsdp_full": "accelerate_fsdp_full",
     "dcp_unflattened": "dcp_unflattened",
     "torchtune_out": "torchtune_out",
+    "pickled/legacy_module.pt": "legacy_model.pt",
+    "pickled/agent.pt": "agent.pt",
+    "pickled/ts_enum.pt": "resize_scripted.pt",
+    "pickled/data.pt": "data.pt",
+    "ultralytics/last.pt": "yolo_last.pt",
+    "timm/last.pth.tar": "last.pth.tar",
+    "timm/ref_dp.safetensors": "ref_dp.safetensors",
 }
 _SETUP_SOURCES: set[str] = set()  # sources the shared ``setup=runs`` training imported
 TIMINGS = [r"\d+(\.\d+)? s/epoch", r"\d[\d,]* samples/s", r"\b\d+\.\d\d ?s\b"]

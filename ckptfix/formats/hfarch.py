@@ -178,3 +178,51 @@ def tied_drop(src: str | os.PathLike) -> tuple[list[str], str] | None:
         if base is not None:
             names += [f"{arch.prefix}.{k}" for k in base.tied]
     return names, f"config.json {', '.join(n for n, _ in found)} (transformers' _tied_weights_keys, ckptfix's table)"
+
+
+def tied_pairs(src: str | os.PathLike) -> tuple[dict[str, str], str] | None:
+    """``{dropped name: the name it is tied to}`` for the model ``config.json`` beside ``src`` describes.
+
+    transformers' ``save_pretrained`` (and a Trainer's ``checkpoint-N/``) stores a tied group once: GPT-2's
+    ``lm_head.weight`` is left out of ``model.safetensors`` and re-tied to ``transformer.wte.weight`` when
+    the model is built, while ``model.state_dict()`` gives both names.  transformers 5 decides the tie from
+    the class's ``_tied_weights_keys`` (``{dropped: source}``) and the config's ``tie_word_embeddings``
+    (True unless the config says false); this table stands for the former.
+
+    Args:
+        src: a checkpoint file, index or folder.
+
+    Returns:
+        ``(pairs, source)``, the pairs of the class and of its base model (under its prefix), and a description
+        for reports; None when there is no ``config.json`` naming a known architecture, or it unties.
+    """
+    cfg = read_config(src)
+    found = architectures(src)
+    if not found or cfg is None or cfg.get("tie_word_embeddings") is False:
+        return None
+    pairs: dict[str, str] = {}
+    for _, arch in found:
+        pairs.update(arch.tied)
+        base = ARCHITECTURES.get(arch.base) if arch.base else None
+        if base is not None:
+            pairs.update({f"{arch.prefix}.{k}": f"{arch.prefix}.{v}" for k, v in base.tied.items()})
+    names = ", ".join(n for n, _ in found)
+    return pairs, f"config.json {names}: tie_word_embeddings (transformers' _tied_weights_keys, ckptfix's table)"
+
+
+def missing_ties(src: str | os.PathLike, names: Any) -> tuple[dict[str, str], str]:
+    """The tied names a state dict read from ``src`` lacks while holding what they are tied to.
+
+    Args:
+        src: the checkpoint file or folder (its ``config.json`` decides).
+        names: the state dict's names (a container supporting ``in``).
+
+    Returns:
+        ``({dropped: target}, source)``, the pairs empty when nothing is missing.
+    """
+    got = tied_pairs(src)
+    if got is None:
+        return {}, ""
+    pairs, why = got
+    missing = {a: t for a, t in pairs.items() if a not in names and t in names}
+    return missing, why

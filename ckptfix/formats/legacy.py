@@ -150,6 +150,13 @@ def read_pickle_stream(path: str) -> CheckpointFile:
         if not isinstance(keys, list):
             raise CorruptCheckpointError(f"{path}: the storage key list is damaged")
         _place_storages(f, path, size, keys, up.storages)
+    notes = []
+    if up.module_sources:
+        names = sorted({n for n, _ in up.module_sources})
+        notes.append(
+            f"{len(names)} module class(es) saved with their source (a legacy torch.save of a whole module: "
+            f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); read as placeholders, the source never run"
+        )
     return CheckpointFile(
         path=path,
         format=Format.TORCH_LEGACY,
@@ -159,4 +166,5 @@ def read_pickle_stream(path: str) -> CheckpointFile:
         stubbed=set(up.stubbed),
         file_size=size,
         details=LegacyDetails(pickle_start=pickle_start, pickle_end=pickle_end, storage_keys=keys, sys_info=sys_info),
+        notes=notes,
     )

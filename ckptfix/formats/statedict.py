@@ -324,6 +324,10 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
     """
     if key is None and is_tensor_like(obj):  # torch.save(tensor): one tensor, no name
         return (), {BARE_TENSOR_NAME: obj}, "tensor"
+    if key is not None:
+        held = _modules_at_key(obj, key)
+        if held is not None:
+            return held
     if key is None:
         if module_state(obj) is not None and not isinstance(obj, dict):
             msd = module_state_dict(obj)
@@ -335,6 +339,10 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
                     msd = module_state_dict(v)
                     if msd:
                         return (k,), msd, "module"
+    if key is None and not isinstance(obj, Mapping):
+        held = _held_modules(obj, ())
+        if held is not None:  # an object holding modules (an RL agent's actor / critic, a list of modules)
+            return held
     if key is None and is_optimizer_state(obj) is not None:
         # torch.optim / accelerate / DeepSpeed optimizer states: int-keyed "state", tensors in lists
         return (), flatten_containers(obj), "optimizer"
@@ -343,6 +351,9 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
     except CorruptCheckpointError:
         if key is not None:
             raise
+        held = _held_modules(obj, ())
+        if held is not None:
+            return held
         mixed = _mixed_state_dict(obj)
         if mixed is not None:
             return mixed[0], mixed[1], "mapping"
@@ -351,6 +362,39 @@ def locate_state_dict(obj: Any, key: str | None = None) -> tuple[tuple[str, ...]
             raise
         return (), flat, "sequence"
     return tuple(kp), sd, "mapping"
+
+
+def _held_modules(obj: Any, path: tuple[str, ...]) -> tuple[tuple[str, ...], Mapping[str, Any], str] | None:
+    """``(path, state dict, "modules")`` of the modules ``obj`` holds (each under its attribute path), or None."""
+    from ckptfix.formats.modules import find_modules, modules_state_dict
+
+    mods = find_modules(obj, top=False)
+    sd = modules_state_dict(mods) if mods else {}
+    return (path, sd, "modules") if sd else None
+
+
+def _modules_at_key(obj: Any, key: str) -> tuple[tuple[str, ...], Mapping[str, Any], str] | None:
+    """What ``--key`` names when it is a module, or an object (not a mapping) holding modules: through object
+    attributes too (``--key actor`` of a pickled agent); None to look the key up as a mapping path."""
+    from ckptfix.formats.modules import follow
+
+    hit = follow(obj, key)
+    if hit is None:
+        if not _is_mapping(obj) or isinstance(obj, Stub):
+            from ckptfix.formats.modules import names_at
+
+            raise KeyConflictError(
+                f"key {key!r} not found in the checkpoint ({_describe(obj)}); the names at its top: {names_at(obj)}"
+            )
+        return None
+    walked, node = hit
+    if module_state(node) is not None and not isinstance(node, dict):
+        msd = module_state_dict(node)
+        if msd:
+            return walked, msd, "module"
+    if not _is_mapping(node) or (isinstance(node, Stub) and not node.dictitems):
+        return _held_modules(node, walked)
+    return None
 
 
 #: keys of DeepSpeed's ZeRO optimizer partitions (``*_optim_states.pt``: ``optimizer_state_dict``)
@@ -490,5 +534,13 @@ def at_path(obj: Any, path: Sequence[str]) -> Any:
         KeyError, TypeError: ``path`` does not exist in ``obj``.
     """
     for part in path:
-        obj = obj[part]
+        if isinstance(obj, Mapping) or (isinstance(obj, Stub) and part in obj.dictitems):
+            obj = obj[part]
+            continue
+        from ckptfix.formats.modules import _MISSING, _child
+
+        nxt = _child(obj, part)  # an object's attribute, a module's submodule (pickled agents, --key actor)
+        if nxt is _MISSING:
+            raise KeyError(part)
+        obj = nxt
     return obj

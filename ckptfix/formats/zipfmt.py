@@ -25,6 +25,7 @@ from ckptfix.files import pagecache, pins, source
 from ckptfix.files.fileio import FOLIO, ZIP_ERRORS, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
+from ckptfix.pickles.jitenum import tuple_enum_reduces
 from ckptfix.pickles.opcodes import DEFAULT_MAX_PICKLE_MB
 
 ALIGN = 64
@@ -156,10 +157,11 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     check_names(path, [i.filename for i in infos])
     check_inflation(path, zf)
     skip_records = source.is_url(path) and source.is_metadata_only(path)  # inspect of a URL: offsets unused
-    heads = _local_headers(path, infos, size, skip_records)
+    root = root_of([i.filename for i in infos])
+    heads = _local_headers(path, infos, size, skip_records, root)
     for info in infos:
         hdr = heads.get(info.header_offset, b"")
-        if not hdr and skip_records and _is_record(info.filename):
+        if not hdr and skip_records and _is_record(info.filename, root):
             out[info.filename] = Member(  # not read (inspect of a URL): no offset, never used there
                 info.filename, -1, info.file_size, info.CRC, info.compress_type != _STORED
             )
@@ -184,7 +186,9 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
     return out
 
 
-def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
+def _local_headers(
+    path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool, root: str
+) -> dict[int, bytes]:
     """Each member's local header (30 bytes and up to twice its name's length) by header offset, the tensor
     records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.files.source.Source.read_ranges` (neighbours
     share a request, requests run in parallel); a local file's: :func:`~ckptfix.files.pagecache.read_scattered` (spread
@@ -193,7 +197,7 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_reco
         {
             (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
             for i in infos
-            if not (skip_records and _is_record(i.filename)) and i.header_offset < size
+            if not (skip_records and _is_record(i.filename, root)) and i.header_offset < size
         }
     )
     if source.is_url(path):
@@ -208,9 +212,11 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_reco
         os.close(fd)
 
 
-def _is_record(name: str) -> bool:
-    """A tensor record of a torch archive (``<root>/data/<key>``)."""
-    return "/data/" in f"/{name}" and not name.endswith(".pkl")
+def _is_record(name: str, root: str) -> bool:
+    """A tensor record of a torch archive (``<root>data/<key>``): the archive folder or a code package may
+    itself be named ``data`` (``data/code/__torch__/data/nets.py`` is TorchScript code, not a record)."""
+    head = root + "data/"
+    return name.startswith(head) and "/" not in name[len(head) :] and not name.endswith(".pkl")
 
 
 def root_of(names: list[str], leaf: str = "data.pkl") -> str:
@@ -284,8 +290,10 @@ def check_inflation(path: str, zf: zipfile.ZipFile, *, records: bool = True) -> 
         ResourceLimitError: naming the largest compressed member and the variable that lifts the limit.
         UnsupportedError: a compressed tensor record (with ``records``).
     """
-    packed = [i for i in zf.infolist() if i.compress_type != _STORED]
-    rec = [i for i in packed if "/data/" in f"/{i.filename}"]
+    infos = zf.infolist()
+    root = root_of([i.filename for i in infos])
+    packed = [i for i in infos if i.compress_type != _STORED]
+    rec = [i for i in packed if _is_record(i.filename, root)]
     if rec and records:
         raise UnsupportedError(
             f"{path}: tensor record {rec[0].filename!r} is compressed (the archive was re-zipped "
@@ -403,7 +411,15 @@ def _read_zip(path: str, kind: Format) -> CheckpointFile:
         }
     up = RecordingUnpickler.for_bytes(data_pkl)
     try:
-        obj = up.load()
+        try:
+            obj = up.load()
+        except TypeError as e:
+            # a TorchScript Enum value (GLOBAL, value, REDUCE: no argument tuple): read as a one-tuple
+            fixed = tuple_enum_reduces(data_pkl) if kind == Format.TORCHSCRIPT and "must be a tuple" in str(e) else None
+            if fixed is None:
+                raise
+            up = RecordingUnpickler.for_bytes(fixed)
+            obj = up.load()
     except (CorruptCheckpointError, UnsupportedError, ResourceLimitError):
         raise
     except Exception as e:  # noqa: BLE001 - any other failure of the unpickler is corruption

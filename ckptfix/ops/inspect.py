@@ -440,6 +440,15 @@ def _notes(
             "a whole pickled nn.Module (torch.save(model)): the state dict is its state_dict(); loading "
             "the module itself runs its class's code (load_anywhere gives the state dict)"
         )
+    elif holder == "modules":
+        from ckptfix.formats.modules import describe, find_modules, follow
+
+        hit = follow(cf.state_root, "/".join(key_path)) if key_path else ((), cf.state_root)
+        mods = find_modules(hit[1], top=False) if hit is not None else []
+        notes.append(
+            f"an object holding {len(mods)} nn.Module(s), each one's state_dict() under its attribute path: "
+            f"{describe(mods)}; loading the object itself runs its classes' code (load_anywhere gives the state dict)"
+        )
     elif holder == "optimizer":
         opt = optimizer_summary(cf.obj) or {}
         notes.append(

@@ -13,6 +13,7 @@ location tags (``cuda:7``) are remapped to devices that exist here.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import io
 import os
@@ -52,6 +53,8 @@ class LoadedCheckpoint:
         locations: storage location tag -> number of storages (e.g. ``{"cuda:7": 12}``).
         remapped: location tag -> the device it was loaded on, where that differs.
         alignment: the alignment report when ``model=`` was given.
+        tied: ``{name: the name it is tied to}`` of tied weights put back that the file stores once
+            (transformers' ``save_pretrained`` leaves GPT-2's ``lm_head.weight`` out; ``config.json`` says so).
     """
 
     path: str
@@ -64,6 +67,7 @@ class LoadedCheckpoint:
     remapped: dict[str, str] = field(default_factory=dict)
     alignment: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    tied: dict[str, str] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         return self.checkpoint[key]
@@ -651,6 +655,7 @@ def load_checkpoint(
     allow_globals: Iterable[Any] = (),
     trust: bool = False,
     mmap: bool | None = None,
+    untie: bool = False,
 ) -> LoadedCheckpoint:
     """Load a whole checkpoint and find its state dict.
 
@@ -667,6 +672,10 @@ def load_checkpoint(
         allow_globals: ``"module.Name"`` strings (or the objects) to rebuild for real instead of stubbing.
         trust: full unpickle (runs code from the file!). Only for files you made.
         mmap: memory-map zip-format files (default True for them).
+        untie: tied weights a Hugging Face model stores once (``config.json``: ``tie_word_embeddings`` and the
+            class's ``_tied_weights_keys``) are given back as ``model.state_dict()`` has them: by default as
+            the very tensor they are tied to, with ``untie=True`` as a copy of their own (what
+            ``safetensors.torch.save_file`` takes).
 
     Returns:
         LoadedCheckpoint.  For a valid file that holds no tensors at all (``training_args.bin``, an LR
@@ -691,7 +700,14 @@ def load_checkpoint(
         if active() is None:
             with session():
                 return load_checkpoint(
-                    given, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap
+                    given,
+                    map_location,
+                    key=key,
+                    model=model,
+                    allow_globals=allow_globals,
+                    trust=trust,
+                    mmap=mmap,
+                    untie=untie,
                 )
     kw: dict[str, Any] = {
         "map_location": map_location,
@@ -709,8 +725,25 @@ def load_checkpoint(
         fw = resolve(path)
         if fw is not None:  # a framework's folder: its model weights (ckptfix.ops.frameworks)
             lc: LoadedCheckpoint = load_folder(fw, **kw)
-            return lc
-    return load_file(given, **kw)
+            return _retie(lc, path, key, untie)
+    return _retie(load_file(given, **kw), path, key, untie)
+
+
+def _retie(lc: LoadedCheckpoint, path: str, key: str | None, untie: bool) -> LoadedCheckpoint:
+    """Put back the tied weights a Hugging Face model folder stores once, as ``model.state_dict()`` has them."""
+    if key is not None or _is_remote(path) or not lc.state_dict:
+        return lc
+    from ckptfix.formats.hfarch import missing_ties
+
+    missing, _ = missing_ties(path, lc.state_dict)
+    for name, target in missing.items():
+        t = lc.state_dict[target]
+        lc.state_dict[name] = t.clone() if untie and hasattr(t, "clone") else t
+    lc.tied.update(missing)
+    if missing and lc.alignment is not None and dataclasses.is_dataclass(lc.alignment):
+        left = tuple(m for m in getattr(lc.alignment, "missing", ()) if m not in missing)
+        lc.alignment = dataclasses.replace(cast(Any, lc.alignment), missing=left)
+    return lc
 
 
 def load_file(
@@ -846,6 +879,7 @@ def load_anywhere(
     allow_globals: Iterable[Any] = (),
     trust: bool = False,
     mmap: bool | None = None,
+    untie: bool = False,
 ) -> dict:
     """Load the state dict from any checkpoint, on any machine. A drop-in for ``torch.load`` in scripts.
 
@@ -862,6 +896,8 @@ def load_anywhere(
         allow_globals: globals to rebuild for real instead of stubbing.
         trust: full unpickle (runs code from the file!). Only for files you made.
         mmap: memory-map zip-format files (default True for them).
+        untie: tied weights stored once (GPT-2's ``lm_head.weight`` in a ``save_pretrained`` folder) come back
+            as ``model.state_dict()`` gives them: the tensor they are tied to, or with ``untie=True`` a copy.
 
     Returns:
         The state dict (name -> ``torch.Tensor``).
@@ -876,7 +912,9 @@ def load_anywhere(
         CheckpointNotFoundError, CorruptCheckpointError, UnsafePickleError, UnsupportedError: as
             :func:`load_checkpoint`.
     """
-    lc = load_checkpoint(path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap)
+    lc = load_checkpoint(
+        path, map_location, key=key, model=model, allow_globals=allow_globals, trust=trust, mmap=mmap, untie=untie
+    )
     if not lc.state_dict and key is None:
         from ckptfix.errors import NoTensorsError
 

@@ -91,6 +91,8 @@ class RecordingUnpickler(pickle.Unpickler):
         self.globals_seen: collections.Counter[str] = collections.Counter()
         self.stubbed: set[str] = set()
         self.notes: list[str] = []
+        #: (class, source file) of each ``('module', ...)`` persistent id of a legacy whole-module save
+        self.module_sources: list[tuple[str, str | None]] = []
         self.legacy = legacy
         self.limits = limits or PickleLimits.from_env()
         self._py2_names: set[tuple[str, str]] = set()
@@ -240,6 +242,11 @@ class RecordingUnpickler(pickle.Unpickler):
                 view_key, off, size = pid[5]
                 return _LegacyView(rec, str(view_key), int(off), int(size))
             return rec
+        if self.legacy and isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and isinstance(pid[1], type):
+            # the legacy torch.save of a whole module: ('module', <class>, <source file>, <source>) in place of
+            # the class, for torch to compare sources; the class stays a placeholder, the source is never run
+            self.module_sources.append((global_name(pid[1]), pid[2] if isinstance(pid[2], str) else None))
+            return pid[1]
         raise pickle.UnpicklingError(f"unsupported persistent id {str(pid)[:80]}")
 
 

@@ -167,7 +167,7 @@ def convert_to_safetensors(
     kept = drop_named(source.named, c.drop, report)
     refuse_unwritten(src, unwritten, c.drop, report, source.key_path, c.strict and o.key is None, source.obj)
     strip = c.strip_prefix
-    if strip is True and source.kind == "module":
+    if strip is True and source.kind in ("module", "modules"):
         strip, report.kept_names = _module_strip(source)
     named, order = output_names(kept, opt_named, strip, report, own=own_prefixes(src))
     if not named:
@@ -185,12 +185,13 @@ def convert_to_safetensors(
         check_expansion(items, source.file_size, c.allow_expand)
     if report.aliases:
         report.tied_rule = "--keep" if tied.used_keep else tied.source
+    retied = _hf_retied(src, named, report) if c.ckptfix_metadata and not source.key_path else []
     metadata = {"format": "pt"}
     if c.ckptfix_metadata:
         metadata = stmeta.encode(
             source_format=source.format,
             key_path=source.key_path,
-            order=[n for n, _ in named],
+            order=[n for n, _ in named] + retied,
             aliases=report.aliases,
             views=views,
             extra=extra,
@@ -451,6 +452,22 @@ def _module_strip(source: _Source) -> tuple[bool | str, str]:
         return _WRAPPERS[cls], ""
     short = cls.rsplit(".", 1)[-1]
     return False, f"the names are a pickled {short}'s own state_dict() names (not a wrapper's): nothing stripped"
+
+
+def _hf_retied(src: str, named: list[tuple[str, Any]], report: ConvertReport) -> list[str]:
+    """The tied names a Hugging Face model's file stores once (``save_pretrained`` leaves GPT-2's ``lm_head.weight``
+    out), recorded as aliases of what they are tied to, so the output's loaders give what ``model.state_dict()``
+    gives; the names, for the recorded order (after the stored ones, as the model's own state dict has them)."""
+    from ckptfix.formats.hfarch import missing_ties
+
+    names = {n for n, _ in named}
+    missing, why = missing_ties(src, names)
+    missing = {a: t for a, t in missing.items() if a not in report.aliases}
+    if not missing:
+        return []
+    report.aliases.update(missing)
+    report.tied_rule = report.tied_rule or why
+    return list(missing)
 
 
 def _input_metadata(cf: CheckpointFile) -> dict[str, str]:

@@ -23,7 +23,7 @@ Modules: :mod:`~ckptfix.ops.rewrite.writers` (writing a file back), :mod:`~ckptf
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import ckptfix.formats.layouts  # noqa: F401  (registers checkpoint-N/ sub-folders for sniff's folder message)
 from ckptfix.errors import NoTensorsError, UnsupportedError
@@ -222,6 +222,8 @@ def _rewrite_file(cf: CheckpointFile, transform: Transform, outputs: OutputOptio
         detail=detail(report),
         relocated=relocated,
     )
+    if rep.changed and (other := _other_state_dicts(cf.obj, key_path)):
+        rep.notes.append(_other_note(key_path, len(sd), other))
     if not rep.changed and (output is None or in_place):
         rep.notes.append("nothing to change; no file written")
         return rep
@@ -244,6 +246,28 @@ def _rewrite_file(cf: CheckpointFile, transform: Transform, outputs: OutputOptio
     )
     rep.output = src if in_place else dst
     return rep
+
+
+def _other_state_dicts(obj: Any, key_path: Sequence[str]) -> dict[str, int]:
+    """``{name: tensors}`` of the checkpoint's other top-level state dicts (timm's ``state_dict_ema`` beside
+    ``state_dict``), which a rename of the one at ``key_path`` leaves as they were."""
+    from ckptfix.formats.statedict import is_tensor_dict
+
+    if not isinstance(obj, Mapping) or len(key_path) != 1:
+        return {}
+    return {str(k): len(v) for k, v in obj.items() if isinstance(k, str) and k != key_path[0] and is_tensor_dict(v)}
+
+
+def _other_note(key_path: Sequence[str], n: int, other: Mapping[str, int]) -> str:
+    """Which state dict was renamed, and the others left as they were (with the --key that renames each)."""
+    names = ", ".join(f"{k} ({v} tensors)" for k, v in other.items())
+    ema = [k for k in other if "ema" in k.lower()]
+    hint = f"; a loader that prefers EMA weights (timm's load_checkpoint, use_ema=True) takes {ema[0]}" if ema else ""
+    first = next(iter(other))
+    return (
+        f"renamed the state dict at {'/'.join(key_path)!r} ({n} tensors); left as they were: {names}{hint}; "
+        f"--key {first} renames that one instead"
+    )
 
 
 # the format registry's rewrite entries (ckptfix.formats.registry), through which rewrite_checkpoint routes: DCP
