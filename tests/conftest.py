@@ -6,6 +6,7 @@ The factory and the helpers the tests share live in tests/helpers.py; test modul
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,13 @@ _OUTPUT_VARS = ("NO_COLOR", "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE", "COLUMN
 for _k in list(os.environ):
     if (_k.startswith("CKPTFIX_") and not _k.startswith(_SUITE_OPT_INS)) or _k in _OUTPUT_VARS:
         del os.environ[_k]
+
+# Ctrl-C as an interactive shell delivers it, whatever started pytest: a shell without job control starts a
+# background job (`.ci/run &`, `nohup ... &`) with SIGINT ignored, and Python then installs no KeyboardInterrupt
+# handler, here nor in the interpreters the tests start (an ignored signal stays ignored across exec; a handler
+# does not).  The tests that send SIGINT need it handled.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -206,8 +206,8 @@ def test_a_real_sigint_gives_the_error_line(dp_work):
         "import ckptfix.ops.inspect\n"
         "def hang(*a, **k):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
-        # it hangs until the interrupt lands: a process-directed signal may be taken by another (native) thread,
-        # and the main thread then sees it some bytecodes later (returning None first: an internal error)
+        # a hung inspect: it waits until the interrupt lands (the handler runs between bytecodes, maybe not
+        # before this returns; returning None into the command would be an internal error, not the interrupt)
         "    while True:\n"
         "        time.sleep(0.05)\n"
         "ckptfix.ops.inspect.inspect_checkpoint = hang\n"
