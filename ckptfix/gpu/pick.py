@@ -19,7 +19,6 @@ environment.  :func:`ckptfix.gpu.pick_gpu` calls it and then applies the choice 
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -44,6 +43,7 @@ from ckptfix.gpu.order import is_unified_memory
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
+from ckptfix.text import parse_size
 
 __all__ = [
     "Criteria",
@@ -70,38 +70,14 @@ __all__ = [
 # ----------------------------------------------------------------------------- criteria and ranking
 
 
-#: compiled on first use (``re``'s cache): ``pick-gpu`` without ``--min-free`` never needs it
-_SIZE = r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$"
-_SIZE_UNITS = {  # unit -> MiB; a bare number is GiB
-    "": 1024.0,
-    "b": 1 / 1024**2,
-    **dict.fromkeys(("k", "kb", "kib"), 1 / 1024),
-    **dict.fromkeys(("m", "mb", "mib"), 1.0),
-    **dict.fromkeys(("g", "gb", "gib"), 1024.0),
-    **dict.fromkeys(("t", "tb", "tib"), 1024.0**2),
-}
-
-
 def parse_size_mib(text: str | int | float) -> int:
-    """``"10GiB" -> 10240``, ``"512MiB" -> 512``, ``"1.5G" -> 1536``; a bare number means GiB.
-
-    Raises ValueError on anything else.
-
-    Args:
-        text: a size with an optional unit (B, K/KB/KiB, M..., G..., T...), or a number of GiB.
-
-    Returns:
-        The size in MiB, rounded down.
+    """A memory size in MiB, rounded down, in the one size grammar (:func:`ckptfix.text.parse_size`): ``"10GiB"``
+    -> 10240, ``"10GB"`` -> 9536; a bare number is GiB (``"24"`` -> 24576), as ``--min-free`` always read it.
 
     Raises:
         ValueError: not a size.
     """
-    if isinstance(text, (int, float)):
-        return int(text * 1024)
-    m = re.match(_SIZE, text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a memory size: {text!r} (use e.g. 10GiB, 512MiB, 24G)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return parse_size(text, bare=2**30, minimum=0) >> 20
 
 
 @dataclass(frozen=True)
@@ -791,7 +767,7 @@ def choose_gpus(
 
     Args:
         n: how many GPUs.
-        min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
+        min_free: minimum free memory, e.g. ``"10GiB"`` (:func:`~ckptfix.text.parse_size`; a bare number is GiB).
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes.
         exclude: GPUs never to pick: nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.
@@ -817,7 +793,7 @@ def choose_gpus(
         ``lease_seconds`` and ``token``.
 
     Raises:
-        ValueError: ``min_free`` is not a memory size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
+        ValueError: ``min_free`` is not a size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
             names no GPU here.
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27).
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
