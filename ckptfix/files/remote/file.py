@@ -35,8 +35,8 @@ How each kind of store is asked (one range request at a time):
   ``fs.info`` and ``fs.cat_file(path, start, end)``, the length checked.
 
 Each raises :class:`Transient` for what is worth retrying (the caller retries with backoff) and the typed
-errors of :mod:`ckptfix.errors` for the rest.  The retry policy's knobs (``CKPTFIX_REMOTE_RETRIES``,
-``CKPTFIX_REMOTE_BACKOFF``, ``CKPTFIX_REMOTE_TIMEOUT``) are read here.
+errors of :mod:`ckptfix.errors` for the rest.  ``CKPTFIX_REMOTE_RETRIES`` and ``CKPTFIX_REMOTE_BACKOFF`` are read
+here, ``CKPTFIX_REMOTE_TIMEOUT`` by :func:`ckptfix.files.remote.url.timeout` (the S3 client's timeouts too).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from ckptfix.errors import (
 )
 from ckptfix.files.remote import url as urls
 from ckptfix.files.remote.stats import Stats
+from ckptfix.files.remote.url import timeout
 
 
 # -- how each kind of store is asked: one range request at a time --------------------------------------
@@ -87,12 +88,6 @@ def backoff(attempt: int) -> float:
     """
     base = _env_float("CKPTFIX_REMOTE_BACKOFF", 0.25)
     return random.uniform(0, min(10.0, base * (2**attempt)))
-
-
-def timeout() -> float:
-    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
-    twice that plus its body at :data:`MIN_RATE`."""
-    return _env_float("CKPTFIX_REMOTE_TIMEOUT", 60.0)
 
 
 #: bytes per second: a range request whose body comes slower than this (after twice the timeout) has failed

@@ -79,6 +79,15 @@ def install_hint(module: str) -> str:
     return f"pip install {module.replace('_', '-')}"
 
 
+def timeout() -> float:
+    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
+    twice that plus its body at :data:`ckptfix.files.remote.file.MIN_RATE`."""
+    try:
+        return float(os.environ.get("CKPTFIX_REMOTE_TIMEOUT", 60.0))
+    except ValueError:
+        return 60.0
+
+
 def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
     """The fsspec file system for ``url`` and the path inside it.
 
@@ -117,8 +126,6 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
         # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
         kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
     if protocol == "s3":
-        from ckptfix.files.remote.file import timeout
-
         t = timeout()  # CKPTFIX_REMOTE_TIMEOUT for botocore too (s3fs' own: 5 s to connect, 15 s per read)
         kwargs["config_kwargs"] = {"connect_timeout": t, "read_timeout": t}
         if retried:  # botocore: one attempt per call ("total_max_attempts" counts the first); s3fs' loop: below
