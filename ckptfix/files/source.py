@@ -290,7 +290,7 @@ _METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_m
 def metadata_only() -> Iterator[None]:
     """Within the block, readers of a remote file skip checks that need the bytes next to each tensor record (a
     zip's local headers of tensor records, a legacy stream's per-storage counts): what ``inspect`` of a URL needs
-    is the zip's central directory and ``data.pkl`` (issue #26: a handful of requests).  Only for callers whose
+    is the zip's central directory and ``data.pkl`` (a handful of requests).  Only for callers whose
     result never reads tensor bytes (the records' offsets are then unverified: -1 for a zip's records).
     """
     token = _METADATA_ONLY.set(True)

@@ -1,4 +1,4 @@
-"""Writing to object storage: a verified local file committed under a URL, all or nothing (issue #26).
+"""Writing to object storage: a verified local file committed under a URL, all or nothing.
 
 Every output ckptfix writes is verified in a local temp file first (:mod:`ckptfix.files.atomic`,
 :mod:`ckptfix.ops.convert.write`); :func:`commit_file` then uploads it (the S3 client checksums every part

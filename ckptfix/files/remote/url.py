@@ -130,7 +130,7 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
         kwargs["config_kwargs"] = {"connect_timeout": t, "read_timeout": t}
         if retried:  # botocore: one attempt per call ("total_max_attempts" counts the first); s3fs' loop: below
             kwargs["config_kwargs"]["retries"] = {"total_max_attempts": 1, "mode": "standard"}
-    url = f"{sch}://{url.partition('://')[2]}"  # fsspec knows lower-case protocols only ("HTTP://" was exit 1)
+    url = f"{sch}://{url.partition('://')[2]}"  # fsspec knows lower-case protocols only
     try:
         fs, path = fsspec.core.url_to_fs(url, **kwargs)
     except ImportError as e:
