@@ -39,9 +39,6 @@ def gib(mib: int | None) -> str:
 
     Args:
         mib: a size in MiB, or ``None`` for unknown.
-
-    Returns:
-        The number of GiB, or ``"-"``.
     """
     return "-" if mib is None else f"{mib / 1024:.1f}"
 
@@ -52,9 +49,6 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     Args:
         rows: the cells (printed with ``str``), one sequence per row, as many as ``header``.
         header: the column titles.
-
-    Returns:
-        The table, lines joined by newlines (no final newline).
     """
     cols: list[Sequence[object]] = [header, *rows]
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]

@@ -123,10 +123,6 @@ def _pci(bus_id: str) -> str:
 def check_exclude(ids: Sequence[str], view: GpuView) -> None:
     """Refuse ``--exclude`` entries that name no GPU (or MIG device) of ``view``.
 
-    Args:
-        ids: the entries.
-        view: the machine.
-
     Raises:
         ExcludeError: an entry names nothing here (a usage error, exit 2 in the CLI).
     """
@@ -183,11 +179,7 @@ class Rejected:
     permanent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """One ``rejected`` entry of ``pick-gpu --json``.
-
-        Returns:
-            ``uuid``, ``smi_index``, ``name`` and ``reason``.
-        """
+        """One ``rejected`` entry of ``pick-gpu --json``."""
         return {"uuid": self.gpu.uuid, "smi_index": self.gpu.smi_index, "name": self.gpu.name, "reason": self.reason}
 
     def __str__(self) -> str:
@@ -343,11 +335,6 @@ def rank_gpus(
 ) -> tuple[list[Ranked], list[Rejected]]:
     """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it.
 
-    Args:
-        devices: the candidates (the devices CUDA sees).
-        criteria: how many and the filters.
-        leased: GPU id -> holder, for GPUs known to be leased.
-
     Returns:
         ``(ranked, rejected)``: the qualifying GPUs best first, each with the reason, and the others with why.
     """
@@ -475,11 +462,7 @@ class PickResult:
         return [w for w in self.view.warnings if w not in moot] + mine
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --json`` document.
-
-        Returns:
-            A dict valid against docs/schemas/pick-gpu.schema.json.
-        """
+        """The ``ckptfix pick-gpu --json`` document."""
         return {
             "schema": "ckptfix.pick-gpu/1",
             "CUDA_VISIBLE_DEVICES": self.env.get("CUDA_VISIBLE_DEVICES"),
@@ -501,9 +484,6 @@ def failure_dict(exit_code: int, message: str, result: PickResult | None = None)
         exit_code: the command's exit code.
         message: the error message (as printed after ``Error:``).
         result: the last round's :class:`PickResult` (``None``: it failed before ranking, e.g. no driver).
-
-    Returns:
-        A dict valid against docs/schemas/pick-gpu.schema.json.
     """
     view = result.view if result is not None else None
     return {
@@ -526,13 +506,6 @@ def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str
     ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
     numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
     index where nvidia-smi lists GPUs in another order.
-
-    Args:
-        chosen: the GPUs, in the order CUDA should number them.
-        by: ``"uuid"`` or ``"index"``.
-
-    Returns:
-        ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
     """
     if by == "index" or any(not g.uuid for g in chosen):
         ids = [
@@ -610,15 +583,7 @@ def choose_and_lease(
 
 
 def explain_shortfall(result: PickResult, criteria: Criteria) -> str:
-    """One line: how many qualify and why each other GPU does not.
-
-    Args:
-        result: a pick with fewer than ``criteria.n`` chosen.
-        criteria: what was asked for.
-
-    Returns:
-        ``need N GPU(s), K qualify: GPU i (...): why; ...``.
-    """
+    """One line: how many qualify and why each other GPU does not."""
     n_ok = len(result.chosen)
     head = f"need {criteria.n} GPU(s), {n_ok} qualif{'ies' if n_ok == 1 else 'y'}"
     lines = [str(r) for r in result.rejected]
@@ -661,9 +626,6 @@ def pick(
         clock: the monotonic clock (tests).
         on_result: called with each round's :class:`PickResult` (``waited_s`` set), the failing one included,
             before the error is raised (``pick-gpu --json`` reports the rejections of a failed pick).
-
-    Returns:
-        The :class:`PickResult` with ``waited_s``.
     """
     if criteria.n < 1:
         raise ValueError("n must be at least 1")
@@ -840,11 +802,7 @@ class ReleaseResult:
     leases: list[Released]
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --release --json`` document.
-
-        Returns:
-            A JSON-ready dict (schema ``ckptfix.pick-gpu-release/1``).
-        """
+        """The ``ckptfix pick-gpu --release --json`` document."""
         return {
             "schema": "ckptfix.pick-gpu-release/1",
             "token": self.token is not None,

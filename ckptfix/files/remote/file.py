@@ -82,9 +82,6 @@ def backoff(attempt: int) -> float:
 
     Args:
         attempt: the retry's number, from 0.
-
-    Returns:
-        The delay.
     """
     base = _env_float("CKPTFIX_REMOTE_BACKOFF", 0.25)
     return random.uniform(0, min(10.0, base * (2**attempt)))
@@ -342,13 +339,6 @@ async def _listing_links(backend: _HttpBackend) -> list[str]:
 def http_links(fs: Any, url: str) -> list[str]:
     """The URLs an HTTP folder listing links to below ``url`` (what ``fs.ls`` gives, bounded in bytes and time).
 
-    Args:
-        fs: fsspec's HTTP file system.
-        url: the folder's URL, ending with ``/``.
-
-    Returns:
-        Absolute URLs (sub-folders end with ``/``).
-
     Raises:
         ResourceLimitError: the listing page is over :data:`MAX_LISTING` bytes.
         RemoteNotFoundError, RemoteAccessDeniedError, RemoteUnavailableError: the server's answer.
@@ -516,10 +506,6 @@ class _S3Backend(_FsBackend):
 def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
     """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``, ``HfUriError``, or
     ``NotImplementedError`` for ``hf://org``), or None.
-
-    Args:
-        name: the URL.
-        e: what HfFileSystem raised.
 
     Returns:
         A one-line :class:`RemoteNotFoundError` with the URL's form, or None for any other error.
@@ -813,11 +799,7 @@ def _check_pin(url: str, etag: str | None) -> None:
 
 
 def forget_version(url: str) -> None:
-    """Forget the version pinned for ``url`` (call it after this process wrote the object itself).
-
-    Args:
-        url: the object's URL.
-    """
+    """Forget the version pinned for ``url`` (call it after this process wrote the object itself)."""
     with _PINS_LOCK:
         _PINS.pop(url, None)
 
@@ -1011,14 +993,6 @@ class RemoteFile:
     def pread(self, n: int, off: int, *, jobs: int = 1) -> bytes:
         """Exactly ``n`` bytes at ``off``.
 
-        Args:
-            n: how many bytes.
-            off: where.
-            jobs: parallel requests for a read over :data:`PART` bytes.
-
-        Returns:
-            The bytes.
-
         Raises:
             CorruptCheckpointError: the range runs past the end of the object.
         """
@@ -1054,16 +1028,7 @@ class RemoteFile:
         return bytes(out)
 
     def readinto(self, view: memoryview, off: int, *, jobs: int = 1) -> int:
-        """Fill ``view`` with the bytes at ``off`` (all of it, or an error).
-
-        Args:
-            view: a writable buffer.
-            off: where.
-            jobs: parallel requests for a read over :data:`PART` bytes.
-
-        Returns:
-            ``len(view)``.
-        """
+        """Fill ``view`` with the bytes at ``off`` (all of it, or an error)."""
         view = memoryview(view).cast("B")
         n = len(view)
         self._check(n, off)
@@ -1087,9 +1052,6 @@ class RemoteFile:
             exact: the bytes between the ranges will be read anyway, later (a zip's local headers before the copy
                 of its records): ranges share a request only when under :data:`EXACT_GAP` apart, and each request
                 is the ranges' span, no read-ahead, so no byte is fetched twice but in those small gaps.
-
-        Yields:
-            ``(offset, data)`` for each range, in the order given.
         """
         for off, n in ranges:
             self._check(n, off)
@@ -1132,10 +1094,6 @@ class RemoteFile:
     def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
         """Bring ``(offset, length)`` ranges into the cache ahead of many small reads (coalesced, ``jobs`` requests at
         once), up to half the cache; what does not fit is simply read later.
-
-        Args:
-            ranges: ``(offset, length)`` pairs.
-            jobs: parallel requests.
         """
         want: list[tuple[int, int]] = []
         budget = CACHE_BYTES // 2

@@ -38,9 +38,6 @@ _IN_EXTRA = {"s3fs", "aiohttp"}
 def scheme(path: str | os.PathLike[str]) -> str | None:
     """The URL scheme of ``path`` when it is a remote URL ckptfix reads, else None.
 
-    Args:
-        path: a path or URL.
-
     Returns:
         The lower-case scheme (``s3``, ``https`` ...) or None for a local path.
     """
@@ -56,9 +53,6 @@ def scheme(path: str | os.PathLike[str]) -> str | None:
 def is_url(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a remote URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``, ``memory://``).
 
-    Args:
-        path: a path or URL.
-
     Returns:
         True for a URL of a scheme in :data:`SCHEMES`.
     """
@@ -67,9 +61,6 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 
 def install_hint(module: str) -> str:
     """The pip line that installs a driver.
-
-    Args:
-        module: the driver's module.
 
     Returns:
         ``pip install fsspec s3fs`` (the ``remote`` extra) for the extra's drivers, else ``pip install <package>``.
@@ -145,15 +136,7 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
 
 
 def join(url: str, *names: str) -> str:
-    """``url`` with ``names`` appended as path segments (``/`` separated, no duplicate slashes).
-
-    Args:
-        url: a remote URL (a folder or a file).
-        *names: the segments.
-
-    Returns:
-        The joined URL.
-    """
+    """``url`` with ``names`` appended as path segments (``/`` separated, no duplicate slashes)."""
     out = url
     for n in names:
         out = out.rstrip("/") + "/" + n.lstrip("/")
@@ -161,26 +144,12 @@ def join(url: str, *names: str) -> str:
 
 
 def basename(url: str) -> str:
-    """The last segment of a URL (a query string dropped).
-
-    Args:
-        url: a remote URL.
-
-    Returns:
-        The name after the last ``/``.
-    """
+    """The last segment of a URL (a query string dropped)."""
     return posixpath.basename(url.split("?", 1)[0].rstrip("/"))
 
 
 def parent(url: str) -> str:
-    """The URL of the folder holding ``url``.
-
-    Args:
-        url: a remote URL.
-
-    Returns:
-        ``url`` without its last segment.
-    """
+    """The URL of the folder holding ``url``."""
     base = url.split("?", 1)[0].rstrip("/")
     head, _, _ = base.rpartition("/")
     return head if "://" in head and not head.endswith(":/") else base
