@@ -8,7 +8,6 @@ Usage::
     python benchmarks/bench_copy.py --sizes 0 --dcp-sizes 0.6GB,2GB --jobs 1,2
     python benchmarks/bench_copy.py --sizes 1.5GB --jobs 1,2 --json
     python benchmarks/bench_copy.py --python ~/venv-plain/bin/python          # a plain (non-editable) install
-    python benchmarks/bench_copy.py --sizes 1.5GB --cold --baseline /tmp/base  # this tree against another's ckptfix/
 
 The fixture (:func:`make_gpt2`) is what users convert: a GPT-2-layout fp32 state dict saved by
 ``torch.save`` from a DataParallel/DDP model (``module.`` keys), its embedding tied to ``lm_head``
@@ -25,13 +24,9 @@ the ``ckptfix`` console script of ``--python``'s venv (``_measure.ckptfix``).  W
 and CPU time (``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
 machine these numbers come from is shared and they swing with its load.
 
-``--baseline DIR`` adds the same conversions run by the ``ckptfix/`` package under ``DIR`` (another checkout,
-``git archive`` of another commit), side by side in the same rounds: a change to the copy is measured against
-what it replaces, not against figures from another hour of a shared machine.
-
-Targets: verified convert <= 1.3x ``cp`` best at 1.5 GB, warm and cold; ``--no-verify`` <= 1.15x ``cp``
-best; DCP -> safetensors <= 1.5x ``cp -r`` best; peak RSS < 64 MiB (convert), < 100 MiB (DCP), flat over
-sizes.
+Targets (issue 25): verified convert <= 1.5x ``cp`` best and <= 2x median, warm and cold;
+``--no-verify`` <= 1.15x ``cp`` best; DCP -> safetensors <= 1.5x ``cp -r`` best; peak RSS < 64 MiB
+(convert), < 100 MiB (DCP), flat over sizes.
 """
 
 from __future__ import annotations
@@ -241,7 +236,7 @@ def _row(res, base: str, loads, how: str, **extra) -> dict:
     return row
 
 
-def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str, baseline: str | None = None) -> dict:
+def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str, kernel_any: bool = False) -> dict:
     src = os.path.join(work, "gpt2.pt")
     shape = make_gpt2(src, size)
     out, cp_out = os.path.join(work, "model.safetensors"), os.path.join(work, "copy.pt")
@@ -253,11 +248,11 @@ def bench_convert(size: int, repeat: int, cold: bool, jobs: list[int], work: str
     one = ["env", "CKPTFIX_COPY_STREAMS=1"]  # the copy in one stream (the default runs two from 64 MiB)
     cases["convert 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
     cases["--no-verify 1 stream"] = (one + _ck("convert", src, "-o", out, "--quiet", "--no-verify"), _rm(out))
-    if baseline:  # the same commands run by the ckptfix/ package under ``baseline``
-        base = ["env", f"PYTHONPATH={os.path.abspath(baseline)}"]
-        cases["base convert"] = (base + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
+    if kernel_any:  # copy_file_range for every offset (ckptfix.files.fileio.KERNEL_ANY) instead of the 1 MiB buffer
+        any_env = ["env", "CKPTFIX_COPY_KERNEL=any"]
+        cases["convert cfr-any"] = (any_env + _ck("convert", src, "-o", out, "--quiet"), _rm(out))
         nov = _ck("convert", src, "-o", out, "--quiet", "--no-verify")
-        cases["base --no-verify"] = (base + nov, _rm(out))
+        cases["--no-verify cfr-any"] = (any_env + nov, _rm(out))
     if not cold:
         warm([src])
     res, loads, how = side_by_side(cases, repeat, [src] if cold else None)
@@ -305,7 +300,7 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also time with the inputs evicted from the page cache")
     ap.add_argument("--no-warm", action="store_true", help="cold runs only")
     ap.add_argument("--jobs", default="", help="--jobs values timed besides the default (e.g. 2,4)")
-    ap.add_argument("--baseline", default=None, help="a folder holding another ckptfix/ package, timed alongside")
+    ap.add_argument("--kernel-any", action="store_true", help="also time copy_file_range for every offset")
     ap.add_argument("--dcp-shard1", action="store_true", help="shard every 4th DCP weight on dim 1 too")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed afterwards)")
     ap.add_argument(
@@ -330,7 +325,7 @@ def main() -> None:
                 work = tempfile.mkdtemp(prefix="bench_copy.", dir=a.dir)
                 try:
                     if kind == "convert":
-                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work, a.baseline)
+                        row = bench_convert(parse_size(s), a.repeat, cold, jobs, work, a.kernel_any)
                     else:
                         row = bench_dcp(parse_size(s), a.repeat, cold, jobs, a.dcp_shard1, work)
                 finally:

@@ -297,7 +297,7 @@ def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatc
     src, _ = tied
     from ckptfix.files import fileio
 
-    real_write, real_copy = fileio.pwrite_all, os.copy_file_range
+    real_write, real_copy = fileio.pwrite_all, fileio.copy_range
 
     def flip(fd, off, n):  # the disk "loses" a bit of every tensor written
         c = os.pread(fd, 1, off + n - 1)
@@ -309,13 +309,13 @@ def test_verify_detects_corruption_and_removes_output(tied, tmp_path, monkeypatc
             flip(fd, off, n)
         return n
 
-    def copy(s, fd, n, so, do):
-        got = real_copy(s, fd, n, so, do)
-        flip(fd, do, got)
+    def copy(s, so, fd, do, n, *a, **k):
+        got = real_copy(s, so, fd, do, n, *a, **k)
+        flip(fd, do, n)
         return got
 
     monkeypatch.setattr(fileio, "pwrite_all", write)
-    monkeypatch.setattr(os, "copy_file_range", copy)
+    monkeypatch.setattr(fileio, "copy_range", copy)
     with pytest.raises(VerificationError, match="differs") as e:
         convert_to_safetensors(src)
     assert str(e.value).startswith(str(tmp_path / "model.safetensors") + ":")  # the output asked for, not a temp
@@ -348,7 +348,9 @@ def test_interrupted_conversion_leaves_nothing(tied, tmp_path, monkeypatch, veri
         calls.append(1)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert_write, "copy", boom)
+    monkeypatch.setattr(convert_write, "copy_range", boom)
+    monkeypatch.setattr(convert_write, "copy_checked", boom)
+    monkeypatch.setattr(convert_write, "copy_pieces", boom)
     with pytest.raises(KeyboardInterrupt):
         convert_to_safetensors(src, verify=verify)
     assert calls and files_in(tmp_path) == ["model.pth"]

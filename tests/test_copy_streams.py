@@ -168,7 +168,7 @@ def test_a_difference_found_in_a_stream_names_the_tensor_and_where(tmp_path, mon
 
 
 @pytest.mark.parametrize("check", [True, False])
-def test_a_copy_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path, check):
+def test_copy_pieces_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path, check):
     import os
 
     from ckptfix.files import fileio
@@ -185,7 +185,7 @@ def test_a_copy_reads_through_small_gaps_and_restarts_at_big_ones(tmp_path, chec
     try:
         fileio._read = lambda fd, view, off: reads.append((fd, off)) or real(fd, view, off)
         done = []
-        assert fileio.copy(src, pieces, dst, check=check, progress=done.append) is None
+        assert fileio.copy_pieces(src, pieces, dst, check=check, progress=done.append) is None
     finally:
         fileio._read = real
         os.close(src)

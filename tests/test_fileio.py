@@ -1,4 +1,4 @@
-"""ckptfix.files.fileio: odd offsets, short and refused kernel copies, a full disk, verification."""
+"""ckptfix.files.fileio: every copy path (forced by monkeypatching), odd offsets, short copies, EXDEV, verification."""
 
 from __future__ import annotations
 
@@ -47,49 +47,119 @@ def _check(data: bytes, dst, src_off: int, dst_off: int, size: int) -> None:
         (1, 0, SIZE - 1),
         (13, 4099, SIZE - 13),
         (fileio.FOLIO - 1, 7, 2 * fileio.FOLIO + 3),
-        (fileio.FOLIO + 5, 5, 2 * fileio.FOLIO),  # congruent: in the kernel
         (64, 8 + 4096, 100_000),
         (SIZE - 1, 3, 1),
     ],
 )
-def test_any_offsets_are_copied(files, src_off, dst_off, size):
+def test_kernel_copy_takes_any_offsets(files, src_off, dst_off, size, monkeypatch):
     data, s, d, dst = files
-    fileio.copy_range(s, src_off, d, dst_off, size)
+    used = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: used.append(a) or real(*a))
+    monkeypatch.setattr(fileio, "_buffered", _refuse(errno.EFAULT))  # never the user-space buffer
+    assert fileio.copy_range(s, src_off, d, dst_off, size, kernel="any") == 0
     _check(data, dst, src_off, dst_off, size)
+    assert used
 
 
-def test_short_kernel_copies_are_continued(files, monkeypatch):
+@pytest.mark.parametrize(
+    ("src_off", "dst_off", "kernel"), [(0, 0, True), (13, 13 + 2 * fileio.FOLIO, True), (13, 0, False)]
+)
+def test_by_default_the_kernel_copies_congruent_offsets_only(files, monkeypatch, src_off, dst_off, kernel):
+    data, s, d, dst = files
+    used = []
+    real = os.copy_file_range
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: used.append(a) or real(*a))
+    fileio.copy_range(s, src_off, d, dst_off, 50_000)
+    _check(data, dst, src_off, dst_off, 50_000)
+    assert bool(used) == kernel == fileio.in_kernel(src_off, dst_off)
+    used.clear()
+    fileio.copy_range(s, src_off, d, dst_off, 50_000, kernel="never")
+    assert not used
+
+
+def test_short_copies_are_continued(files, monkeypatch):
     data, s, d, dst = files
     real = os.copy_file_range
     monkeypatch.setattr(os, "copy_file_range", lambda a, b, n, so, do: real(a, b, min(n, 1000), so, do))
+    fileio.copy_range(s, 5, d, 11, SIZE - 5, kernel="any")
+    _check(data, dst, 5, 11, SIZE - 5)
+
+
+@pytest.mark.parametrize("err", [errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP])
+def test_refused_kernel_copy_falls_back_to_sendfile(files, monkeypatch, err):
+    data, s, d, dst = files
+    sent = []
+    real = os.sendfile
+    monkeypatch.setattr(os, "copy_file_range", _refuse(err))
+    monkeypatch.setattr(os, "sendfile", lambda *a: sent.append(a) or real(*a))
+    fileio.copy_range(s, 3, d, 17, SIZE - 3, kernel="any")
+    _check(data, dst, 3, 17, SIZE - 3)
+    assert sent
+    assert os.lseek(d, 0, os.SEEK_CUR) == 0  # the caller's descriptor keeps its file position
+
+
+def test_fallback_is_per_call_not_per_file(files, monkeypatch):
+    data, s, d, dst = files
+    calls = []
+    real = os.copy_file_range
+
+    def once(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", once)
+    fileio.copy_range(s, 0, d, 0, 1000, kernel="any")
+    fileio.copy_range(s, 1000, d, 1000, SIZE - 1000, kernel="any")
+    _check(data, dst, 0, 0, SIZE)
+    assert len(calls) >= 2  # the second copy tried the kernel again
+
+
+def test_last_fallback_is_pread_pwrite(files, monkeypatch):
+    data, s, d, dst = files
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
+    fileio.copy_range(s, 9, d, 2, SIZE - 9, kernel="any")
+    _check(data, dst, 9, 2, SIZE - 9)
+    monkeypatch.delattr(os, "copy_file_range")
+    monkeypatch.delattr(os, "sendfile")
     fileio.copy_range(s, 0, d, 0, SIZE)
-    assert dst.read_bytes() == data
+    _check(data, dst, 0, 0, SIZE)
 
 
-@pytest.mark.parametrize("err", [errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, None])
-def test_a_kernel_copy_refused_midway_is_finished_through_the_buffer(files, monkeypatch, err):
+def test_kernel_copy_that_stops_midway_is_finished_another_way(files, monkeypatch):
     data, s, d, dst = files
     real = os.copy_file_range
-    calls = []
+    state = {"n": 0}
 
-    def half(a, b, n, so, do):  # the kernel copies one folio, then refuses (or copies nothing)
-        calls.append(n)
-        if len(calls) > 1:
-            if err is None:
-                return 0
-            raise OSError(err, os.strerror(err))
-        return real(a, b, min(n, fileio.FOLIO), so, do)
+    def half(*a):
+        state["n"] += 1
+        if state["n"] > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real(*a)
 
     monkeypatch.setattr(os, "copy_file_range", half)
-    fileio.copy_range(s, 0, d, 0, SIZE)
-    assert dst.read_bytes() == data and len(calls) == 2
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
+    fileio.copy_range(s, 100, d, 0, SIZE - 100, kernel="any")
+    _check(data, dst, 100, 0, SIZE - 100)
+
+
+def test_crc_copy_returns_the_crc(files):
+    data, s, d, dst = files
+    assert fileio.copy_range(s, 7, d, 0, SIZE - 7, crc=True) == zlib.crc32(data[7:]) & 0xFFFFFFFF
+    _check(data, dst, 7, 0, SIZE - 7)
 
 
 def test_source_ending_early_is_corruption(files, monkeypatch):
     _, s, d, _ = files
-    for dst_off in (0, 10):  # in the kernel, through the buffer
+    for kernel in ("any", "never"):
         with pytest.raises(CorruptCheckpointError, match="ended early"):
-            fileio.copy_range(s, SIZE - 10, d, dst_off, 100)
+            fileio.copy_range(s, SIZE - 10, d, 0, 100, kernel=kernel)
+    monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))
+    with pytest.raises(CorruptCheckpointError, match="ended early"):
+        fileio.copy_range(s, SIZE - 10, d, 0, 100, crc=True)
 
 
 def test_full_disk_is_an_output_error(files, monkeypatch):
@@ -102,6 +172,45 @@ def test_full_disk_is_an_output_error(files, monkeypatch):
         fileio.pwrite_all(d, b"x", 0)
 
 
+def test_reflink_is_tried_on_aligned_ranges_only(files, monkeypatch):
+    data, s, d, dst = files
+    seen = []
+    monkeypatch.setattr(fileio, "reflink_range", lambda *a: seen.append(a) or False)
+    fileio.copy_range(s, 1, d, 0, SIZE - 1)
+    assert not seen  # the source offset is not on a block
+    fileio.copy_range(s, 0, d, 0, SIZE)
+    blk = fileio._block_size(d)
+    assert seen == [(s, 0, d, 0, SIZE - SIZE % blk)]
+    _check(data, dst, 0, 0, SIZE)
+    seen.clear()
+    fileio.copy_range(s, 0, d, 0, SIZE, reflink=False)
+    assert not seen
+
+
+def test_reflink_success_copies_only_the_tail(files, monkeypatch):
+    data, s, d, dst = files
+    blk = fileio._block_size(d)
+    body = SIZE - SIZE % blk
+
+    def fake_clone(src_fd, so, dst_fd, do, n):  # what a reflink leaves behind: the same bytes
+        os.pwrite(dst_fd, os.pread(src_fd, n, so), do)
+        return True
+
+    copied = []
+    real = os.copy_file_range
+    monkeypatch.setattr(fileio, "reflink_range", fake_clone)
+    monkeypatch.setattr(os, "copy_file_range", lambda *a: copied.append(a[2]) or real(*a))
+    fileio.copy_range(s, 0, d, 0, SIZE)
+    _check(data, dst, 0, 0, SIZE)
+    assert sum(copied) == SIZE - body
+
+
+def test_real_reflink_refusal_is_quiet(files):
+    _, s, d, _ = files
+    fileio.reflink_range(s, 0, d, 0, 4096)  # cloned or refused, never raises
+    assert fileio.reflink_range(s, 0, d, 0, 0) is False
+
+
 def test_verification_catches_a_corrupted_byte(files):
     data, s, d, dst = files
     fileio.copy_range(s, 5, d, 3, SIZE - 5)
@@ -109,12 +218,12 @@ def test_verification_catches_a_corrupted_byte(files):
     assert fileio.verify_crc(d, 3, SIZE - 5, crc) is None
     assert fileio.verify_equal(s, 5, d, 3, SIZE - 5) is None
     assert fileio.verify_equal(s, 5, d, 3, SIZE - 5, from_device=True) is None
-    at = 2 * fileio.BUFFER + 17 if SIZE > 2 * fileio.BUFFER + 20 else SIZE // 2
+    at = 2 * fileio.READBACK + 17 if SIZE > 2 * fileio.READBACK + 20 else SIZE // 2
     b = os.pread(d, 1, 3 + at)
     os.pwrite(d, bytes([b[0] ^ 1]), 3 + at)
     assert fileio.verify_crc(d, 3, SIZE - 5, crc) is not None
     where = fileio.verify_equal(s, 5, d, 3, SIZE - 5)
-    assert where is not None and where <= at < where + fileio.BUFFER
+    assert where is not None and where <= at < where + fileio.READBACK
 
 
 def test_verification_catches_a_short_output(files):
@@ -143,8 +252,10 @@ def test_fileio_imports_neither_torch_nor_the_formats():
 
 
 def _lossy(monkeypatch, min_size: int = 1000) -> None:
-    """The disk "loses" a byte of every tensor write of ``min_size`` bytes or more, whichever way it is made."""
-    real_write, real_copy = fileio.pwrite_all, os.copy_file_range
+    """The disk "loses" a byte of every tensor write of ``min_size`` bytes or more, whichever way it is copied."""
+    from ckptfix.ops.convert import write as convert_write
+
+    real_write, real_copy = fileio.pwrite_all, fileio.copy_range
 
     def flip(fd, at):
         c = os.pread(fd, 1, at)
@@ -156,14 +267,15 @@ def _lossy(monkeypatch, min_size: int = 1000) -> None:
             flip(fd, off)
         return n
 
-    def copy(s, fd, n, so, do):
-        got = real_copy(s, fd, n, so, do)
-        if got >= min_size:
-            flip(fd, do + got - 1)
+    def copy(s, so, fd, do, n, *a, **k):
+        got = real_copy(s, so, fd, do, n, *a, **k)
+        if n >= min_size:
+            flip(fd, do + n - 1)
         return got
 
     monkeypatch.setattr(fileio, "pwrite_all", write)
-    monkeypatch.setattr(os, "copy_file_range", copy)
+    monkeypatch.setattr(fileio, "copy_range", copy)
+    monkeypatch.setattr(convert_write, "copy_range", copy)
 
 
 def _zip_with_tensor(tmp_path):
@@ -263,13 +375,9 @@ def test_dcp_consolidation_copies_ranges_and_verifies(tmp_path, monkeypatch, fsy
 
     d, want = _dcp(tmp_path)
     copied = []
-    real = convert_write.copy
-
-    def counted(src, pieces, *a, **k):
-        copied.extend(n for *_, n in pieces)
-        return real(src, pieces, *a, **k)
-
-    monkeypatch.setattr(convert_write, "copy", counted)
+    for name in ("copy_range", "copy_checked"):  # without fsync each range is copied and checked in one go
+        real = getattr(convert_write, name)
+        monkeypatch.setattr(convert_write, name, lambda *a, _real=real, **k: copied.append(a[4]) or _real(*a, **k))
     out = tmp_path / "o.safetensors"
     convert_to_safetensors(d, out, fsync=fsync, jobs=2)
     got = load_file(out)
@@ -283,17 +391,34 @@ def test_dcp_consolidation_copies_ranges_and_verifies(tmp_path, monkeypatch, fsy
     assert not (tmp_path / "bad.safetensors").exists()
 
 
-@pytest.mark.parametrize("dst_off", [3 + fileio.FOLIO, 4])  # in the kernel, through the buffer
-def test_a_checked_copy_reads_each_piece_back(files, monkeypatch, dst_off):
+@pytest.mark.parametrize("kernel", ["congruent", "any", "never"])
+@pytest.mark.parametrize("with_crc", [False, True])
+def test_copy_checked_reads_each_piece_back(files, monkeypatch, kernel, with_crc):
     data, s, d, dst = files
-    src_off, size = 3, SIZE - 3
+    src_off, dst_off, size = 3, 3 + fileio.FOLIO * (kernel != "never"), SIZE - 3
+    crc = zlib.crc32(data[src_off:]) & 0xFFFFFFFF if with_crc else None
     seen = []
-    assert fileio.copy(s, [(src_off, dst_off, size)], d, check=True, progress=seen.append) is None
+    assert fileio.copy_checked(s, src_off, d, dst_off, size, crc, kernel=kernel, progress=seen.append) is None
     _check(data, dst, src_off, dst_off, size)
     assert sum(seen) == size
     _lossy(monkeypatch)
-    bad = fileio.copy(s, [(src_off, dst_off, size)], d, check=True)
-    assert bad is not None and bad[0] == 0 and bad[1] < size
+    at = fileio.copy_checked(s, src_off, d, dst_off, size, crc, kernel=kernel)
+    assert at is not None and (with_crc or at < size)
+    if crc is not None:  # a source that does not match its stored CRC is caught the same way
+        monkeypatch.undo()
+        assert fileio.copy_checked(s, src_off, d, dst_off, size, crc ^ 1, kernel=kernel) == 0
+
+
+def test_buffers_are_reused_per_thread():
+    import threading
+
+    a = fileio._buffers()
+    assert fileio._buffers() is a
+    other = []
+    t = threading.Thread(target=lambda: other.append(fileio._buffers()))
+    t.start()
+    t.join()
+    assert other[0][0] is not a[0]
 
 
 def test_copy_file_data_copies_a_whole_file(files, tmp_path, monkeypatch):
@@ -308,6 +433,7 @@ def test_copy_file_data_copies_a_whole_file(files, tmp_path, monkeypatch):
     finally:
         os.close(e)
     monkeypatch.setattr(os, "copy_file_range", _refuse(errno.EXDEV))  # across file systems: still copied
+    monkeypatch.setattr(os, "sendfile", _refuse(errno.EINVAL))
     os.ftruncate(d, 0)
     assert fileio.copy_file_data(s, d) == SIZE
     assert dst.read_bytes() == data

@@ -6,6 +6,7 @@ Every hostile file is generated here at test time.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -102,6 +103,34 @@ def test_copy_file_data_copies(tmp_path):
     empty.write_bytes(b"")
     atomic.copy_file_data(str(empty), str(tmp_path / "e2"))
     assert (tmp_path / "e2").read_bytes() == b""
+
+
+@pytest.mark.parametrize("broken", ["cfr", "cfr+sendfile"])
+def test_copy_file_data_falls_back_per_call(tmp_path, monkeypatch, broken):
+    src, dst = tmp_path / "a", tmp_path / "b"
+    src.write_bytes(_data((1 << 20) + 17))
+    from ckptfix.files import fileio
+
+    monkeypatch.setattr(fileio, "reflink_range", lambda *a: False)
+    monkeypatch.setattr(fileio, "STEP", 1 << 16)
+    calls = {"cfr": 0}
+    real_cfr = os.copy_file_range
+
+    def cfr(*a: Any) -> int:  # works for the first call, then the file system says EXDEV
+        calls["cfr"] += 1
+        if calls["cfr"] > 1:
+            raise OSError(errno.EXDEV, "cross-device")
+        return real_cfr(*a)
+
+    monkeypatch.setattr(os, "copy_file_range", cfr)
+    if "sendfile" in broken:
+
+        def sf(*a: Any) -> int:
+            raise OSError(errno.EINVAL, "no sendfile")
+
+        monkeypatch.setattr(os, "sendfile", sf)
+    atomic.copy_file_data(str(src), str(dst))
+    assert dst.read_bytes() == src.read_bytes()
 
 
 # --------------------------------------------------------------------------- item 6: symlinks out of a DCP directory

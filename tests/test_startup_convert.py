@@ -97,3 +97,38 @@ def test_new_temp_still_gives_the_final_mode_and_holds_the_lock(tmp_path):
         os.close(fd)
         os.unlink(tmp)
         atomic.release_temp(tmp)
+
+
+def test_a_conversion_preallocating_its_output_does_not_load_ctypes(tmp_path):
+    """An output of 32 MiB or more on ext4 is preallocated (``fileio.preallocate``) through ``os.posix_fallocate``
+    for a file mapped by extents: ``ctypes`` (about 2.5 ms to load) is not needed."""
+    torch = pytest.importorskip("torch")
+    from ckptfix.files import fileio
+
+    fd = os.open(tmp_path / "probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if fileio.fs_type(fd) not in fileio.PREALLOCATE_FS or not fileio._extent_mapped(fd):
+            pytest.skip("not an ext4 file system with extents")
+    finally:
+        os.close(fd)
+    src = tmp_path / "big.pt"
+    torch.save({"w": torch.zeros(10 << 20), "b": torch.ones(3)}, src)  # 40 MiB
+    out = tmp_path / "big.safetensors"
+    mods = _modules(_convert([str(src), "-o", str(out), "-q"]))
+    assert "ckptfix.files.fileio" in mods and "ctypes" not in mods
+    assert out.stat().st_size > fileio.PREALLOCATE_MIN
+
+
+def test_posix_fallocate_reserves_the_blocks_of_an_extent_file(tmp_path, monkeypatch):
+    from ckptfix.files import fileio
+
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not fileio._extent_mapped(fd):
+            pytest.skip("not an ext4 file mapped by extents")
+        monkeypatch.setitem(sys.modules, "ctypes", None)  # importing it would fail
+        assert fileio._fallocate(fd, 3 << 20) == 0
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
+    finally:
+        os.close(fd)

@@ -262,11 +262,14 @@ def atomic_output(
         release_temp(tmp)
 
 
+#: ``FICLONE`` (``_IOW(0x94, 9, int)``): share the source's extents copy-on-write (btrfs, XFS, bcachefs ...)
 def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> None:
     """Copy ``src`` to the new file ``dst`` without ever sharing storage the way a hard link does.
 
-    ``copy_file_range`` as ``cp`` does (which file systems with reflinks answer by sharing the blocks
-    copy-on-write), else read/write.  ``dst`` must not exist (``O_EXCL``); it gets ``src``'s permission bits.
+    A reflink (``FICLONE``) where the file system supports it (instant; the blocks are shared
+    copy-on-write, so a later write to either file leaves the other intact), otherwise an in-kernel
+    copy (``copy_file_range``, falling back per call to ``sendfile`` and to read/write).  The cost
+    stays near ``cp``'s.  ``dst`` must not exist (``O_EXCL``); it gets ``src``'s permission bits.
 
     Raises:
         OSError: either file cannot be opened, read or written (``dst`` is removed again).
@@ -276,7 +279,7 @@ def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> None:
         st = os.fstat(sfd)
         dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, stat.S_IMODE(st.st_mode) or 0o644)
         try:
-            from ckptfix.files.fileio import copy_file_data as copy_fd
+            from ckptfix.files.fileio import copy_file_data as copy_fd  # reflink, else in-kernel, per-call fallbacks
 
             copy_fd(sfd, dfd)
             if fsync:

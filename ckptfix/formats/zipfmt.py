@@ -21,8 +21,8 @@ import zlib
 from typing import Any, BinaryIO
 
 from ckptfix.errors import CorruptCheckpointError, ResourceLimitError, UnsupportedError
-from ckptfix.files import pins, source
-from ckptfix.files.fileio import FOLIO, ZIP_ERRORS, copy_range, crc_range
+from ckptfix.files import pagecache, pins, source
+from ckptfix.files.fileio import FOLIO, ZIP_ERRORS, copy_range
 from ckptfix.formats.base import CheckpointFile, Format, Member, TorchScriptDetails, ZipDetails, env_mib
 from ckptfix.pickles import RecordingUnpickler, StorageRecord, Stub, TensorRecord, global_name
 from ckptfix.pickles.opcodes import DEFAULT_MAX_PICKLE_MB
@@ -182,7 +182,8 @@ def members(path: str, zf: zipfile.ZipFile) -> dict[str, Member]:
 def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_records: bool) -> dict[int, bytes]:
     """Each member's local header (30 bytes and up to twice its name's length) by header offset, the tensor
     records' left out with ``skip_records``.  A URL's: :meth:`~ckptfix.files.source.Source.read_ranges` (neighbours
-    share a request, requests run in parallel); a local file's: one ``pread`` each."""
+    share a request, requests run in parallel); a local file's: :func:`~ckptfix.files.pagecache.read_scattered` (spread
+    over the file, pages a cold read brings in would break the readahead of the copy that follows)."""
     ranges = sorted(
         {
             (i.header_offset, min(30 + len(i.orig_filename.encode("utf-8")) * 2, size - i.header_offset))
@@ -197,7 +198,7 @@ def _local_headers(path: str, infos: list[zipfile.ZipInfo], size: int, skip_reco
             return dict(src.read_ranges(ranges, jobs=16, exact=True))
     fd = pins.open_fd(path)
     try:
-        return {off: os.pread(fd, n, off) for off, n in ranges}
+        return pagecache.read_scattered(fd, ranges)
     finally:
         os.close(fd)
 
@@ -630,9 +631,8 @@ class AlignedZipWriter:
         start = self.pos
         self._start(name, crc or 0, size)
         self.fp.flush()
-        copy_range(src_fd, offset, self.fp.fileno(), self.pos, size)
+        got = copy_range(src_fd, offset, self.fp.fileno(), self.pos, size, crc=crc is None)
         if crc is None:
-            got = crc_range(src_fd, offset, size)
             os.pwrite(self.fp.fileno(), struct.pack("<I", got), start + 14)  # the local header's CRC field
             self.entries[-1] = self.entries[-1][:1] + (got,) + self.entries[-1][2:]
         self.pos += size

@@ -1,16 +1,18 @@
 """Writing safetensors files with one-pass verification, and the atomic rename of every output.
 
-A tensor that is a byte range of a source file is copied by :func:`ckptfix.files.fileio.copy` and read back
-once: piece by piece right after each write, compared with the source piece.  With ``fsync`` the read-back
-follows the flush, the range's cached pages are dropped first so the bytes come from the device, and a range
-with a stored CRC-32 (a torch zip record holding exactly the tensor) is checked against it, one device read
-instead of two.  Gathered views and torch tensors are compared chunk by chunk while their bytes are still in
-our buffer.
+A tensor that is a byte range of a source file is copied by :mod:`ckptfix.files.fileio` (reflink,
+``copy_file_range`` for folio-congruent offsets, else a 1 MiB buffer, into a file whose blocks were
+reserved first where that measured faster: :func:`~ckptfix.files.fileio.preallocate`) and read back once: piece by
+piece right after each write, compared with the source piece (:func:`~ckptfix.files.fileio.copy_checked`).
+With ``fsync`` the read-back follows the flush, the range's cached pages are dropped first so the
+bytes come from the device, and a range with a stored CRC-32 (a torch zip record holding exactly the
+tensor) is checked against it, one device read instead of two.  Gathered views and torch tensors are
+compared chunk by chunk while their bytes are still in our buffer.
 
 When every tensor is a byte range of a local file, the copy runs as a few contiguous streams of about equal
 bytes, each in its own thread (:func:`_streams`): ``--jobs N`` streams, and two for 64 MiB or more at the
-default ``--jobs 1`` where the process may run on two CPUs; ``CKPTFIX_COPY_STREAMS=N`` sets the number.  The
-bytes written are the same for any number.
+default ``--jobs 1`` where the process may run on two CPUs (measured faster warm, the same cold);
+``CKPTFIX_COPY_STREAMS=N`` sets the number.  The bytes written are the same for any number.
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from typing import Iterator, Mapping, NamedTuple, Sequence
 from ckptfix.errors import CkptfixError, CorruptCheckpointError, VerificationError
 from ckptfix.files import pins
 from ckptfix.files.atomic import fsync_dir, note_finished, output_error
-from ckptfix.files.fileio import BUFFER, copy, pwrite_all, verify_crc, verify_equal
+from ckptfix.files.fileio import (
+    BUFFER,
+    copy_checked,
+    copy_pieces,
+    copy_range,
+    in_user_buffer,
+    preallocate,
+    pwrite_all,
+    verify_crc,
+    verify_equal,
+)
 from ckptfix.files.parallel import Tally, resolve_jobs, run_tasks
 from ckptfix.formats.safetensors_fmt import MAX_HEADER, read_header, st_shape
 from ckptfix.ops.convert.header import layout, safetensors_header, shard
@@ -34,13 +46,17 @@ from ckptfix.ops.convert.paths import check_outputs, shard_names, temp_for
 from ckptfix.ops.convert.remote_in import Sources, copy_group, copy_remote, group_small, is_remote
 from ckptfix.ops.convert.report import ConvertReport, Progress
 
+#: bytes per in-kernel copy call: progress moves within a big tensor
+STEP = 8 << 20
+
 _SOURCES_LOCK = threading.Lock()
 
 #: a copy of local byte ranges this large or larger runs as contiguous streams (:func:`_streams`)
 STREAM_MIN = 64 << 20
 
-#: the streams of such a copy with ``--jobs 1``: two measured faster than one warm, the same or better cold
-#: (benchmarks/bench_copy.py)
+#: the streams of such a copy with ``--jobs 1``: two measured faster than one warm (whole ``convert`` against
+#: ``cp``, best of 5: 0.98x vs 1.08x at 0.5 GB ``--no-verify``, 0.69x vs 0.97x at 1.47 GB verified), the same
+#: or better cold (benchmarks/README.md, issue 25 fourth pass)
 STREAMS = 2
 
 
@@ -104,6 +120,8 @@ class Writer:
         fd = os.open(path, os.O_RDWR)
         try:
             base = len(header)
+            # the blocks reserved first where that measured faster (ext4); a full disk is found before any copy
+            preallocate(fd, base + sum(it.nbytes for it in items))
             pwrite_all(fd, header, 0)
             # without fsync a copied range is read back right away (still in the page cache); with it, once
             # flushed, from the device
@@ -144,10 +162,19 @@ class Writer:
                     self._remote(it, src_path, off, size, _crc, fd, pos, path, base)
                     pos += size
                     continue
-                count = self.tick if inline or not self.verify else (lambda n: self.tick(n // 2))
-                bad = copy(self.fds.get(src_path), [(off, pos, size)], fd, check=inline, progress=count)
-                if bad is not None:  # compared with the source, not a CRC: the output is wrong
-                    self._mismatch(it, src_path, off, fd, pos, size, None, path, pos - base - it.begin, bad[1])
+                src = self.fds.get(src_path)
+                if inline:
+                    # copied and read back piece by piece, each compared with the source piece still in the
+                    # buffer: measured cheaper than a CRC-32 of the piece (memcmp runs ~3x faster than zlib's
+                    # CRC), so the stored CRC is used by the check after an fsync, where it saves a device read
+                    at = copy_checked(src, off, fd, pos, size, None, progress=self.tick)
+                    if at is not None:  # compared with the source, not a CRC: the output is wrong
+                        self._mismatch(it, src_path, off, fd, pos, size, None, path, pos - base - it.begin, at)
+                else:
+                    for at in range(0, size, STEP):  # in steps, so that progress moves within a big tensor
+                        n = min(STEP, size - at)
+                        copy_range(src, off + at, fd, pos + at, n)
+                        self.tick(n // 2 if self.verify else n)
                 pos += size
             if pos != base + it.begin + it.nbytes:
                 raise CorruptCheckpointError(f"tensor {it.name!r}: {pos - base - it.begin} bytes, expected {it.nbytes}")
@@ -162,7 +189,12 @@ class Writer:
             raise CorruptCheckpointError(f"tensor {it.name!r}: got {pos - base - it.begin} bytes, expected {it.nbytes}")
 
     def _stream(self, part: list[Segment], fd: int, path: str, inline: bool) -> None:
-        """Copy one stream's segments in order (see :func:`_streams`), each read back as written with ``inline``."""
+        """Copy one stream's segments in order (see :func:`_streams`), each read back as written with ``inline``.
+
+        Neighbouring segments of one source go through :func:`~ckptfix.files.fileio.copy_pieces` together (the source
+        read straight through); one that :func:`~ckptfix.files.fileio.copy_range` would reflink or copy in the kernel
+        goes alone, that way.
+        """
         count = self.tick if inline or not self.verify else (lambda n: self.tick(n // 2))
 
         def tick(n: int) -> None:  # after every piece written: a stream is a long task, Ctrl-C must not wait for it
@@ -170,17 +202,34 @@ class Writer:
                 raise _Cancelled
             count(n)
 
-        start = 0
-        for end in range(1, len(part) + 1):
-            if end < len(part) and part[end].src_path == part[start].src_path:
+        run: list[Segment] = []
+        for seg in [*part, None]:
+            if run and (seg is None or seg.src_path != run[0].src_path or not self._buffered(seg, fd)):
+                pieces = [(sg.off, sg.pos, sg.size) for sg in run]
+                bad = copy_pieces(self.fds.get(run[0].src_path), pieces, fd, check=inline, progress=tick)
+                if bad is not None:
+                    sg = run[bad[0]]
+                    self._mismatch(sg.item, sg.src_path, sg.off, fd, sg.pos, sg.size, None, path, sg.rel, bad[1])
+                run = []
+            if seg is None:
+                break
+            if self._buffered(seg, fd):
+                run.append(seg)
                 continue
-            run = part[start:end]
-            pieces = [(sg.off, sg.pos, sg.size) for sg in run]
-            bad = copy(self.fds.get(run[0].src_path), pieces, fd, check=inline, progress=tick)
-            if bad is not None:
-                sg = run[bad[0]]
-                self._mismatch(sg.item, sg.src_path, sg.off, fd, sg.pos, sg.size, None, path, sg.rel, bad[1])
-            start = end
+            src = self.fds.get(seg.src_path)
+            if inline:
+                diff = copy_checked(src, seg.off, fd, seg.pos, seg.size, None, progress=tick)
+                if diff is not None:
+                    self._mismatch(seg.item, seg.src_path, seg.off, fd, seg.pos, seg.size, None, path, seg.rel, diff)
+                continue
+            for at in range(0, seg.size, STEP):  # in steps, so that progress moves within a big tensor
+                n = min(STEP, seg.size - at)
+                copy_range(src, seg.off + at, fd, seg.pos + at, n)
+                tick(n)
+
+    @staticmethod
+    def _buffered(seg: Segment, fd: int) -> bool:
+        return in_user_buffer(seg.off, seg.pos, seg.size, fd)
 
     def _sources(self) -> Sources:
         if self.sources is None:
@@ -331,7 +380,7 @@ def _streams(order: Sequence[Item], base: int, jobs: int) -> list[list[Segment]]
     """The copy of ``order`` (items in source order) cut into contiguous streams of about equal bytes.
 
     Each stream reads its part of the sources in order, straight through the gaps between neighbouring
-    tensors (:func:`~ckptfix.files.fileio.copy`), so a cold input is read as a few sequential streams (the
+    tensors (:func:`~ckptfix.files.fileio.copy_pieces`), so a cold input is read as a few sequential streams (the
     kernel reads ahead in each); a tensor may be split between two streams.
 
     Args:

@@ -1,8 +1,8 @@
 """Rename a DCP checkpoint's keys (strip-prefix, add-prefix, align) by rewriting ``.metadata`` only.
 
 The tensor data does not change: the new directory gets copies of the source's
-data files (an in-kernel copy, :func:`ckptfix.files.atomic.copy_file_data`, as ``cp``
-makes it), never storage
+data files (a reflink where the file system supports it, else an in-kernel
+copy: :func:`ckptfix.files.atomic.copy_file_data`, near ``cp``'s cost), never storage
 shared with the input: ``torch.distributed.checkpoint.save`` into the output
 reopens ``__0_0.distcp`` with ``"wb"``, which through a hard link would truncate
 the input's file too.  Hard links only with ``link=True`` (``--link``).  A new
@@ -47,7 +47,7 @@ from ckptfix.pickles import paused_gc
 
 
 def _link_or_copy(src: str, dst: str, link: bool, fsync: bool = False) -> bool:
-    """Copy ``src`` to ``dst`` (in-kernel copy); hard-link it instead with ``link``.  True when linked."""
+    """Copy ``src`` to ``dst`` (reflink or in-kernel copy); hard-link it instead with ``link``.  True when linked."""
     if link:
         try:
             os.link(src, dst)
