@@ -21,7 +21,7 @@ round; before every run the previous outputs are deleted and ``sync`` flushes th
 pays another's writeback); cold runs evict the input's files from the page cache first
 (``posix_fadvise(DONTNEED)``; never the whole machine's cache).  ckptfix runs as users start it, through
 the ``ckptfix`` console script of ``--python``'s venv (``_measure.ckptfix``).  Whole-process wall time and peak RSS
-(``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
+and CPU time (``wait4``); the 1-minute load average is sampled before every run and its range printed, because the
 machine these numbers come from is shared and they swing with its load.
 
 Targets (issue 25): verified convert <= 1.5x ``cp`` best and <= 2x median, warm and cold;
@@ -43,7 +43,7 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import child_env, ckptfix, measure
+from _measure import ROOT, child_env, ckptfix
 
 MAKE_GPT2 = r"""
 import sys, torch
@@ -173,10 +173,24 @@ def warm(paths: list[str]) -> None:
                     pass
 
 
+def measure(argv: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(wall s, peak RSS MiB, CPU s: user + system) of one run; CPU time swings less than wall time on a loaded
+    machine."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    err = p.stderr.read().decode() if p.stderr else ""
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"benchmark command failed: {' '.join(argv)}\n{err[-2000:]}")
+    return wall, ru.ru_maxrss / 1024.0, ru.ru_utime + ru.ru_stime
+
+
 def side_by_side(cases: dict[str, tuple[list[str], Callable[[], None]]], repeat: int, cold_inputs: list[str] | None):
     """``{name: (best s, median s, peak RSS MiB)}``, the loadavg range, and how the cache was dropped."""
     env = child_env()
     walls: dict[str, list[float]] = {k: [] for k in cases}
+    cpus: dict[str, list[float]] = {k: [] for k in cases}
     rss = dict.fromkeys(cases, 0.0)
     loads: list[float] = []
     how = "warm"
@@ -190,24 +204,25 @@ def side_by_side(cases: dict[str, tuple[list[str], Callable[[], None]]], repeat:
             else:
                 os.sync()
             loads.append(os.getloadavg()[0])
-            t, m = measure(argv, env)
+            t, m, c = measure(argv, env)
             walls[name].append(t)
+            cpus[name].append(c)
             rss[name] = max(rss[name], m)
     for _, before in cases.values():
         before()
-    res = {k: (min(v), statistics.median(v), rss[k]) for k, v in walls.items()}
+    res = {k: (min(v), statistics.median(v), rss[k], min(cpus[k])) for k, v in walls.items()}
     return res, (min(loads), max(loads)), how
 
 
 def _row(res, base: str, loads, how: str, **extra) -> dict:
-    b_best, b_med, _ = res[base]
+    b_best, b_med, _, b_cpu = res[base]
     row = {
         **extra,
         "cache": how,
         "loadavg": [round(loads[0], 1), round(loads[1], 1)],
-        base: {"best_s": round(b_best, 3), "median_s": round(b_med, 3)},
+        base: {"best_s": round(b_best, 3), "median_s": round(b_med, 3), "cpu_s": round(b_cpu, 3)},
     }
-    for k, (best, med, rss) in res.items():
+    for k, (best, med, rss, cpu) in res.items():
         if k == base:
             continue
         row[k] = {
@@ -216,6 +231,7 @@ def _row(res, base: str, loads, how: str, **extra) -> dict:
             "best_x": round(best / b_best, 2),
             "median_x": round(med / b_med, 2),
             "rss_mib": round(rss, 1),
+            "cpu_s": round(cpu, 3),
         }
     return row
 
@@ -267,10 +283,10 @@ def _print(row: dict) -> None:
     b = row[base]
     lo, hi = row["loadavg"]
     head = f"{row['what']:7} {row['size_bytes'] / 1e9:5.2f} GB {row['cache']:11} load {lo}-{hi}"
-    parts = [f"{base} {b['best_s']:.2f}/{b['median_s']:.2f}s"]
+    parts = [f"{base} {b['best_s']:.2f}/{b['median_s']:.2f}s cpu {b['cpu_s']:.2f}s"]
     for k, v in row.items():
         if isinstance(v, dict) and k != base:
-            parts.append(f"{k} {v['best_x']:.2f}x/{v['median_x']:.2f}x {v['rss_mib']:.0f}MiB")
+            parts.append(f"{k} {v['best_x']:.2f}x/{v['median_x']:.2f}x {v['rss_mib']:.0f}MiB cpu {v['cpu_s']:.2f}s")
     print(head + " | " + " | ".join(parts) + (f" | {row['layout']}" if "layout" in row else ""), flush=True)
 
 

@@ -1,4 +1,4 @@
-"""Start-up of the ``ckptfix`` process without the garbage collector walking what imports make (issue 25).
+"""Start-up of the ``ckptfix`` process without the garbage collector walking what imports make.
 
 Importing click and a command's modules creates tens of thousands of objects (functions, classes, code,
 dicts), and CPython's cyclic collector runs a pass every 700 new objects: dozens of passes, the later ones

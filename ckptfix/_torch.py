@@ -46,9 +46,6 @@ def silence_numpy_warning() -> None:
 def is_torch_missing(exc: BaseException) -> bool:
     """Whether ``exc`` says that torch (or one of its submodules) is not installed.
 
-    Args:
-        exc: an exception, typically caught around an import.
-
     Returns:
         True for a ``ModuleNotFoundError`` naming ``torch`` or ``torch.*``.
     """
@@ -76,9 +73,6 @@ def require_torch(feature: str) -> ModuleType:
     Args:
         feature: what needs torch, named as the user wrote it (``"load_anywhere"``,
             ``"--trust"``, ``"ckptfix train"``...).
-
-    Returns:
-        The ``torch`` module.
 
     Raises:
         TorchMissingError: torch is not installed, or is installed but cannot be imported

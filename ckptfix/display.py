@@ -21,9 +21,6 @@ def shown_path(path: str, *, cwd: str | None = None) -> str:
     Args:
         path: A path.
         cwd: The directory to be relative to (default: the current directory).
-
-    Returns:
-        The path to print.
     """
     if not path or not os.path.isabs(path):
         return path
@@ -44,40 +41,18 @@ def shown_path(path: str, *, cwd: str | None = None) -> str:
 
 
 def already_exists(path: str, *, directory: bool = False) -> str:
-    """``PATH already exists; pass --force to overwrite it, or -o to choose another path``.
-
-    Args:
-        path: The output that exists.
-        directory: The output is a directory (says "another directory").
-
-    Returns:
-        The message.
-    """
+    """``PATH already exists; pass --force to overwrite it, or -o to choose another path``."""
     other = "another directory" if directory else "another path"
     return f"{shown_path(path)} already exists; pass --force to overwrite it, or -o to choose {other}"
 
 
 def missing_directory(directory: str) -> str:
-    """``DIR: the output directory does not exist; create it, or -o to choose another path``.
-
-    Args:
-        directory: The directory that is not there.
-
-    Returns:
-        The message.
-    """
+    """``DIR: the output directory does not exist; create it, or -o to choose another path``."""
     return f"{shown_path(directory)}: the output directory does not exist; create it, or -o to choose another path"
 
 
 def permission_denied(path: str) -> str:
-    """``PATH: permission denied; -o to choose a writable location``.
-
-    Args:
-        path: The output (or its directory) that cannot be written.
-
-    Returns:
-        The message.
-    """
+    """``PATH: permission denied; -o to choose a writable location``."""
     return f"{shown_path(path)}: permission denied; -o to choose a writable location"
 
 
@@ -86,9 +61,6 @@ def read_only(path: str) -> str:
 
     Args:
         path: The output (or its directory) on the read-only file system.
-
-    Returns:
-        The message.
     """
     return f"{shown_path(path)}: read-only file system; -o to choose a writable location"
 
@@ -96,12 +68,6 @@ def read_only(path: str) -> str:
 def not_writable(directory: str) -> str:
     """Why ``os.access(directory, W_OK)`` said no, in the words a failed write says it (:func:`read_only` on a
     read-only mount, where access(2) fails EROFS, else :func:`permission_denied`).
-
-    Args:
-        directory: The output directory that cannot be written.
-
-    Returns:
-        The message.
     """
     try:
         if os.statvfs(directory).f_flag & os.ST_RDONLY:
@@ -116,12 +82,6 @@ def cannot_create(path: str) -> str:
 
     For a directory that exists but refuses new files (``/proc``, a FUSE mount...), where
     "does not exist" would be wrong.
-
-    Args:
-        path: The output.
-
-    Returns:
-        The message.
     """
     parent = shown_path(os.path.dirname(os.path.abspath(path))) or "."
     return (
@@ -136,9 +96,6 @@ def output_is_input(path: str, *, in_place: str | None = None) -> str:
     Args:
         path: The output, which names the input.
         in_place: What ``--in-place`` does for this command (e.g. "replace it"), or None when it has none.
-
-    Returns:
-        The message.
     """
     tail = f", or --in-place to {in_place}" if in_place else ""
     return f"{shown_path(path)}: the output is the input; -o to choose another path{tail}"
@@ -178,9 +135,6 @@ def mask_secrets(text: str) -> str:
     """``text`` with the secrets of the URLs in it masked: ``user:password@`` and signature/credential/token
     query parameters (a presigned URL's ``X-Amz-Signature``, ``X-Amz-Credential``, ``Signature``, ``sig``,
     ``token`` ...) shown as ``***``.  Every display of a path or URL (text, ``--json``, errors) goes through it.
-
-    Args:
-        text: anything about to be shown.
 
     Returns:
         The text with the secrets masked (unchanged when it holds no ``://``, ``?`` or ``@``).
@@ -228,14 +182,7 @@ def mask_userinfo(text: str, url: str) -> str:
 
 
 def mask_doc(obj: object) -> object:
-    """:func:`mask_secrets` of every string (keys too) of a JSON document.
-
-    Args:
-        obj: a JSON-able value.
-
-    Returns:
-        A copy with every string masked.
-    """
+    """:func:`mask_secrets` of every string (keys too) of a JSON document."""
     if isinstance(obj, str):
         return mask_secrets(obj)
     if isinstance(obj, dict):

@@ -39,9 +39,6 @@ def gib(mib: int | None) -> str:
 
     Args:
         mib: a size in MiB, or ``None`` for unknown.
-
-    Returns:
-        The number of GiB, or ``"-"``.
     """
     return "-" if mib is None else f"{mib / 1024:.1f}"
 
@@ -52,9 +49,6 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     Args:
         rows: the cells (printed with ``str``), one sequence per row, as many as ``header``.
         header: the column titles.
-
-    Returns:
-        The table, lines joined by newlines (no final newline).
     """
     cols: list[Sequence[object]] = [header, *rows]
     widths = [max(len(str(r[i])) for r in cols) for i in range(len(header))]
@@ -64,45 +58,41 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+#: the one size grammar of every option that takes a size: KB/MB/GB/TB (and K/M/G/T) are decimal, as disks and
+#: Hugging Face's ``max_shard_size`` count; KiB/MiB/GiB/TiB binary
 _UNITS = {
-    "": 1,
     "B": 1,
-    "K": 10**3,
-    "KB": 10**3,
-    "M": 10**6,
-    "MB": 10**6,
-    "G": 10**9,
-    "GB": 10**9,
-    "T": 10**12,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+    **{p + s: 10 ** (3 * i) for i, p in enumerate("KMGT", 1) for s in ("", "B")},
+    **{p + "IB": 2 ** (10 * i) for i, p in enumerate("KMGT", 1)},
 }
 
+#: what a size's error message shows
+SIZE_HELP = "5GB = 5*10^9 bytes, 2GiB = 2*2^30 bytes"
 
-def parse_size(text: str | int) -> int:
-    """A size in bytes: ``"5GB"`` -> 5_000_000_000 (decimal, the Hugging Face convention); KiB/MiB/GiB are binary.
+
+def parse_size(text: str | int | float, *, bare: int = 1, minimum: int = 1) -> int:
+    """A size in bytes: ``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2_147_483_648; a bare number is ``bare`` bytes each.
 
     Args:
-        text: a number of bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case-insensitive).
-
-    Returns:
-        The size in bytes.
+        text: a number with an optional unit (B, KB, MB, GB, TB or K, M, G, T: decimal; KiB, MiB, GiB, TiB:
+            binary; case-insensitive), or a number.
+        bare: the unit of a number without one (1: bytes, as ``--max-shard-size`` reads it).
+        minimum: the smallest size accepted.
 
     Raises:
-        ValueError: not a size, or not positive.
+        ValueError: not a size, or under ``minimum``.
 
-    >>> parse_size("5GB"), parse_size("2MiB"), parse_size(512)
-    (5000000000, 2097152, 512)
+    >>> parse_size("5GB"), parse_size("2MiB"), parse_size(512), parse_size("24", bare=2**30)
+    (5000000000, 2097152, 512, 25769803776)
     """
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).upper() not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}; write it like 5GB, 500MB, 2GiB or a number of bytes")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if n <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+    if isinstance(text, (int, float)):
+        n = int(text * bare)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+        unit = m.group(2).upper() if m else ""
+        if not m or (unit and unit not in _UNITS):
+            raise ValueError(f"cannot read size {text!r}; write it like 5GB, 500MB, 2GiB ({SIZE_HELP})")
+        n = int(float(m.group(1)) * (_UNITS[unit] if unit else bare))
+    if n < minimum:
+        raise ValueError(f"size {text!r} must be at least {minimum} bytes")
     return n

@@ -1,8 +1,8 @@
 """The layers of docs/architecture.md, checked on the import graph (every import, in functions too).
 
 An import from a higher layer than the importer's is an upward arrow: there are none, and no two
-packages import each other, directly or round a loop.  A lower layer that needs something from above
-exposes a registration point instead (``formats.register_subfolder_lister``, filled by ``layouts``).
+packages import each other, directly or round a loop.  What a lower layer dispatches to above it is
+named as a string in ``formats.registry.FORMATS`` and imported at dispatch.
 """
 
 from __future__ import annotations
@@ -166,11 +166,3 @@ def test_module_cycles_stay_inside_one_package():
     still call each other."""
     comps = _components(_module_edges())
     assert [c for c in comps if len({m.split(".")[1] for m in c}) > 1] == []
-
-
-def test_the_folder_hint_is_registered_from_above():
-    """formats/ lists a folder's Trainer sub-folders through the hook ckptfix.formats.layouts fills when imported."""
-    import ckptfix.formats as formats
-    import ckptfix.formats.layouts as layouts
-
-    assert formats._SUBFOLDERS[0] is layouts.checkpoint_subfolders

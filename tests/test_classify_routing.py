@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import sys
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -235,9 +236,13 @@ def test_rewrite_convert_and_sanitize_route_through_the_registry(
 
         return entry
 
-    monkeypatch.setattr(FORMATS[Format.TORCH_ZIP], "rewrite", fake("rewrite"))
-    monkeypatch.setattr(FORMATS[Format.DCP], "convert", fake("convert"))
-    monkeypatch.setattr(FORMATS[Format.TORCH_LEGACY], "sanitize", fake("sanitize"))
+    entries = types.ModuleType("fake_entries")  # the entries name "module:function", imported at dispatch
+    for name in ("rewrite", "convert", "sanitize"):
+        setattr(entries, name, fake(name))
+    monkeypatch.setitem(sys.modules, "fake_entries", entries)
+    monkeypatch.setattr(FORMATS[Format.TORCH_ZIP], "rewrite", "fake_entries:rewrite")
+    monkeypatch.setattr(FORMATS[Format.DCP], "convert", "fake_entries:convert")
+    monkeypatch.setattr(FORMATS[Format.TORCH_LEGACY], "sanitize", "fake_entries:sanitize")
     zp, dcp, legacy = (str(inputs[k].path) for k in ("zip", "dcp", "legacy"))
     assert ckptfix.ops.rewrite.keys.strip_prefix_checkpoint(zp, output=str(tmp_path / "a.pt")) == "rewrite"
     ckptfix.ops.convert.convert_to_safetensors(dcp, str(tmp_path / "d.safetensors"))  # a framework folder's report

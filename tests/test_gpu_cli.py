@@ -448,7 +448,7 @@ def test_pick_gpu_min_free_and_max_util(fake_env):
     r = run_cli("pick-gpu", "--min-free", "100GiB", scenario="h200_busy", env=fake_env)
     assert r.rc == 22 and "83.2 GiB free < --min-free 100.0 GiB" in r.err
     r = run_cli("pick-gpu", "--min-free", "lots", scenario="h200_busy", env=fake_env)
-    assert r.rc == 2 and "not a memory size" in r.err
+    assert r.rc == 2 and "cannot read size" in r.err
 
 
 def test_pick_gpu_runs_command_with_env_and_lease(fake_env, tmp_path):

@@ -46,15 +46,32 @@ def gpu(i, free, util=0, procs=0, total=100_000, hidden=None, **smi):
 
 
 @pytest.mark.parametrize(
-    "text, mib", [("10GiB", 10240), ("10G", 10240), ("512MiB", 512), ("1.5 GB", 1536), ("24", 24576), ("1TiB", 1048576)]
+    "text, mib",
+    [
+        ("10GiB", 10240),
+        ("512MiB", 512),
+        ("1.5 GiB", 1536),
+        ("1TiB", 1048576),
+        ("10GB", 10**10 >> 20),  # decimal, as convert --max-shard-size reads it
+        ("10G", 10**10 >> 20),
+        ("24", 24576),  # a bare number is GiB
+        (24, 24576),
+    ],
 )
 def test_parse_size(text, mib):
     assert parse_size_mib(text) == mib
 
 
+def test_pick_gpu_and_convert_read_a_size_alike():
+    from ckptfix.text import parse_size
+
+    for text in ("5GB", "5GiB", "512MiB", "1.5TB", "7K"):
+        assert parse_size_mib(text) == parse_size(text) >> 20
+
+
 @pytest.mark.parametrize("bad", ["", "ten", "10 parsecs", "-1G"])
 def test_parse_size_rejects(bad):
-    with pytest.raises(ValueError, match="not a memory size"):
+    with pytest.raises(ValueError, match="cannot read size"):
         parse_size_mib(bad)
 
 

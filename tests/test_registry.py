@@ -1,12 +1,11 @@
 """The format registry (ckptfix.formats.registry): every format has every capability, or refuses it.
 
-Also the folder layouts' registration point in formats/ (a Trainer output_dir's checkpoint-N/ sub-folders in
-sniff's "pass one of them" message), reached from the entry points in a fresh interpreter.
+Also a Trainer output_dir's checkpoint-N/ sub-folders in sniff's "pass one of them" message, reached from the
+entry points in a fresh interpreter.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -18,38 +17,25 @@ import pytest
 
 from ckptfix.errors import UnsupportedError
 from ckptfix.formats import Format, package_message, read_checkpoint, sniff, tar_message
-from ckptfix.formats.registry import (
-    CAPABILITIES,
-    CAPABILITY_MODULES,
-    FORMATS,
-    Refused,
-    dispatch,
-    implement,
-    missing,
-)
+from ckptfix.formats.registry import CAPABILITIES, FORMATS, Refused, dispatch, missing, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 FW = ROOT / "tests" / "fixtures" / "frameworks"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _every_capability_module():
-    for mod in CAPABILITY_MODULES.values():
-        importlib.import_module(mod)
-
-
 def test_every_format_has_one_entry():
     assert set(FORMATS) == set(Format)
     assert all(spec.format == fmt and spec.what for fmt, spec in FORMATS.items())
-    assert set(CAPABILITY_MODULES) == set(CAPABILITIES)
 
 
 def test_every_capability_is_implemented_or_refused():
-    assert missing() == [], "give each a function (registry.implement) or a Refused in registry.FORMATS"
+    assert missing() == [], 'name each a function ("module:function") or a Refused in registry.FORMATS'
     for fmt, spec in FORMATS.items():
         for cap in CAPABILITIES:
             entry = spec.get(cap)
-            assert callable(entry) or isinstance(entry, Refused), (fmt, cap, entry)
+            assert isinstance(entry, (str, Refused)), (fmt, cap, entry)
+            if isinstance(entry, str):  # names a function that exists
+                assert callable(resolve(entry)), (fmt, cap, entry)
             if isinstance(entry, Refused):  # a refusal says why and what to do instead, for the path
                 msg = entry.message("x.pt")
                 assert msg.startswith("x.pt: ") and "\n" not in msg and ";" in msg, (fmt, cap, msg)
@@ -81,8 +67,9 @@ def test_the_rewrite_entries_are_the_routing_of_rewrite():
     from ckptfix.ops.rewrite.writers import WRITABLE, check_writable
 
     for fmt in WRITABLE:
-        assert FORMATS[fmt].rewrite is rw.rewrite_file
-    assert FORMATS[Format.SHARDED].rewrite is rw.rewrite_index and FORMATS[Format.DCP].rewrite is rw.rewrite_directory
+        assert dispatch(fmt, "rewrite", "x") is rw.rewrite_file
+    assert dispatch(Format.SHARDED, "rewrite", "x") is rw.rewrite_index
+    assert dispatch(Format.DCP, "rewrite", "x") is rw.rewrite_directory
     for fmt in (Format.TORCHSCRIPT, Format.PICKLE):  # the refusal is check_writable's own message
         entry = FORMATS[fmt].rewrite
         assert isinstance(entry, Refused)
@@ -92,12 +79,12 @@ def test_the_rewrite_entries_are_the_routing_of_rewrite():
 
 
 def test_the_convert_entries_are_the_routing_of_convert():
-    from ckptfix.ops.convert import sources
+    from ckptfix.ops.convert.dcp_in import convert_dcp
     from ckptfix.ops.convert.forward import convert_to_safetensors
 
-    assert FORMATS[Format.DCP].convert is sources.convert_dcp  # dcp_in.convert_dcp, imported on first use
-    readable = [f for f in Format if callable(FORMATS[f].read) and f != Format.DCP]
-    assert all(FORMATS[f].convert is convert_to_safetensors for f in readable)
+    assert dispatch(Format.DCP, "convert", "d") is convert_dcp
+    readable = [f for f in Format if isinstance(FORMATS[f].read, str) and f != Format.DCP]
+    assert all(dispatch(f, "convert", "x") is convert_to_safetensors for f in readable)
     for fmt in Format:  # what cannot be read cannot be converted, with the same message
         if isinstance(FORMATS[fmt].read, Refused):
             assert FORMATS[fmt].convert == FORMATS[fmt].read
@@ -119,16 +106,27 @@ def test_refusals_are_the_formats_messages(tmp_path):
     assert str(e.value) == package_message("m.pt")
 
 
-def test_registering_twice_or_nothing(monkeypatch):
-    with pytest.raises(ValueError):
-        implement(Format.TORCH_ZIP, "scan", lambda *a: None)
-    with pytest.raises(ValueError):
-        implement(Format.TORCH_TAR, "read", lambda p: None)  # a refusal is decided in the entry, once
+def test_an_empty_or_wrong_entry_is_a_lookup_error(monkeypatch):
     with pytest.raises(KeyError):
         FORMATS[Format.DCP].get("sing")
     monkeypatch.setattr(FORMATS[Format.DCP], "scan", None)
-    with pytest.raises(LookupError, match="ckptfix.ops.scan"):
+    with pytest.raises(LookupError, match="no scan"):
         dispatch(Format.DCP, "scan", "d")
+    monkeypatch.setattr(FORMATS[Format.DCP], "scan", "ckptfix.ops.scan:no_such_function")
+    with pytest.raises(LookupError, match="no_such_function"):
+        dispatch(Format.DCP, "scan", "d")
+
+
+def test_dispatch_imports_only_the_module_its_entry_names():
+    """``read_checkpoint`` of a torch zip imports neither the scanner, the loader nor the writers."""
+    code = (
+        "import sys, ckptfix.formats.registry as r; from ckptfix.formats import Format; "
+        "r.dispatch(Format.TORCH_ZIP, 'read', 'x'); "
+        "print([m for m in ('ckptfix.ops.scan', 'ckptfix.ops.load', 'ckptfix.ops.convert') if m in sys.modules])"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize(
@@ -141,7 +139,7 @@ def test_registering_twice_or_nothing(monkeypatch):
     ],
 )
 def test_an_output_dir_names_its_checkpoint_folders_from_every_entry(tmp_path, code):
-    """formats/ cannot import the layouts (they sit above it): they register the sub-folder lister on import."""
+    """sniff's message names the Trainer sub-folders whichever entry point reached it."""
     out = tmp_path / "out"
     ck = out / "checkpoint-7"
     ck.mkdir(parents=True)

@@ -127,14 +127,7 @@ def _drop_stdout() -> None:
 
 
 def stdout_error(e: OSError) -> OutputError:
-    """The error of a standard output that refuses the command's output (exit 9, as any output).
-
-    Args:
-        e: what writing to it raised.
-
-    Returns:
-        The error.
-    """
+    """The error of a standard output that refuses the command's output (exit 9, as any output)."""
     return OutputError(
         f"cannot write the output to standard output: {e.strerror or e}; free space where it is redirected, "
         "or redirect it elsewhere"

@@ -53,9 +53,6 @@ def use_color(stream: IO[str] | None = None) -> bool:
     (https://no-color.org) or ``TERM=dumb``; ``FORCE_COLOR`` (non-empty) turns it on
     even when not on a terminal.
 
-    Args:
-        stream: the stream the text goes to.
-
     Returns:
         True to emit ANSI colour codes.
     """

@@ -58,7 +58,8 @@ from ckptfix.cli.group import cli
     "--max-shard-size",
     default=None,
     metavar="SIZE",
-    help="Shard the output, e.g. 5GB (decimal units) -> stem-00001-of-0000N.safetensors + index.",
+    help="Shard the output, e.g. 5GB (decimal: 5*10^9 bytes; 5GiB is binary; a bare number is bytes) "
+    "-> stem-00001-of-0000N.safetensors + index.",
 )
 @click.option(
     "--keep",

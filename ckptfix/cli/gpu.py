@@ -115,7 +115,11 @@ def gpus_cmd(as_json: bool, timeout: float, watch: float | None) -> None:
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.option("-n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="How many GPUs to pick.")
-@click.option("--min-free", metavar="SIZE", help="Minimum free memory, e.g. 10GiB, 512MiB (bare number: GiB).")
+@click.option(
+    "--min-free",
+    metavar="SIZE",
+    help="Minimum free memory, e.g. 40GiB or 512MiB (binary); 40GB = 40*10^9 bytes (decimal); a bare number is GiB.",
+)
 @click.option("--max-util", type=click.IntRange(0, 100), metavar="PCT", help="Maximum GPU utilization in percent.")
 @click.option("--max-procs", type=click.IntRange(min=0), metavar="N", help="Maximum compute processes on the GPU.")
 @click.option(

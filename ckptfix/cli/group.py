@@ -49,10 +49,6 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         """The command, importing the module that defines it first.
 
-        Args:
-            ctx: the Click context.
-            cmd_name: the command's name.
-
         Returns:
             The command, or None for an unknown name.
         """
@@ -63,14 +59,7 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, cmd_name)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        """Every command's name (``--help``: imports every command module).
-
-        Args:
-            ctx: the Click context.
-
-        Returns:
-            The names, sorted.
-        """
+        """Every command's name (``--help``: imports every command module)."""
         load_all()
         return super().list_commands(ctx)
 

@@ -35,9 +35,6 @@ def output_error(e: OSError, path: str) -> OutputError:
     Args:
         e: what the write (or create, rename) raised; an :class:`OutputError` is returned as it is.
         path: the output it was for.
-
-    Returns:
-        The error to raise.
     """
     from ckptfix.display import cannot_create, missing_directory, permission_denied, shown_path
 
@@ -58,11 +55,7 @@ def output_error(e: OSError, path: str) -> OutputError:
 
 
 def fsync_dir(path: str) -> None:
-    """Flush the directory holding ``path`` to disk, so a rename into it survives a crash (best effort).
-
-    Args:
-        path: a file whose directory entry should be durable.
-    """
+    """Flush the directory holding ``path`` to disk, so a rename into it survives a crash (best effort)."""
     d = os.path.dirname(os.path.abspath(path)) or "."
     try:
         fd = os.open(d, os.O_RDONLY)
@@ -131,9 +124,6 @@ def clean_stale_temps(directory: str, *, now: float | None = None) -> list[str]:
     Args:
         directory: where to look (an unreadable directory is skipped).
         now: the current time (default ``time.time()``), for the age test.
-
-    Returns:
-        The paths removed.
     """
     release_temp()
     now = time.time() if now is None else now
@@ -176,9 +166,6 @@ def new_temp(path: str) -> tuple[int, str]:
     usual ``0666 & ~umask`` for a new file.  The temp file is locked (``flock``) until it is
     renamed or removed, and stale temps of dead writers in the same directory are removed first.
 
-    Args:
-        path: the final file the temp will be renamed to.
-
     Returns:
         ``(fd, temp_path)``; the caller closes ``fd`` and calls :func:`release_temp` when done.
 
@@ -205,10 +192,6 @@ def new_temp(path: str) -> tuple[int, str]:
 def same_file(a: str, b: str) -> bool:
     """True when ``a`` and ``b`` are the same file: one path, a symlink to it, or a hard link (same inode).
 
-    Args:
-        a: a path.
-        b: another path.
-
     Returns:
         ``False`` also when either does not exist.
     """
@@ -224,11 +207,7 @@ FINISHED: list[str] = []
 
 
 def note_finished(path: str) -> None:
-    """Record that ``path`` was completely written and renamed into place (see :data:`FINISHED`).
-
-    Args:
-        path: the final file or directory.
-    """
+    """Record that ``path`` was completely written and renamed into place (see :data:`FINISHED`)."""
     FINISHED.append(os.path.abspath(path))
 
 
@@ -246,9 +225,6 @@ def atomic_output(
         path: the final file.
         fsync: flush the data before the rename and the directory after it.
         before_replace: a check of the written temp file, run before the rename.
-
-    Yields:
-        The temp file, open for binary writing (and reading).
 
     Raises:
         OutputError: the temp file cannot be created, written or renamed (the message says why).
@@ -295,11 +271,6 @@ def copy_file_data(src: str, dst: str, *, fsync: bool = False) -> None:
     copy (``copy_file_range``, falling back per call to ``sendfile`` and to read/write).  The cost
     stays near ``cp``'s.  ``dst`` must not exist (``O_EXCL``); it gets ``src``'s permission bits.
 
-    Args:
-        src: the file to copy.
-        dst: the new file.
-        fsync: flush ``dst``'s data before returning.
-
     Raises:
         OSError: either file cannot be opened, read or written (``dst`` is removed again).
     """
@@ -328,12 +299,6 @@ def backup_name(path: str) -> str:
 
     So ``.bak`` holds the file as it was before the first in-place rewrite and ``.bak1`` as it was
     before the latest one; backups never pile up beyond those two.
-
-    Args:
-        path: the file to back up.
-
-    Returns:
-        The backup's path.
     """
     first = path + ".bak"
     return first if not os.path.lexists(first) else path + ".bak1"
@@ -348,12 +313,6 @@ def make_backup(path: str) -> str:
 
     The first backup is ``path.bak`` and is never replaced; later ones go to ``path.bak1``,
     replacing the previous ``.bak1`` atomically.
-
-    Args:
-        path: the file about to be replaced.
-
-    Returns:
-        The backup's path.
 
     Raises:
         OutputError: the backup cannot be written.
@@ -386,11 +345,6 @@ def replace_directory(tmp: str, path: str, *, fsync: bool = True) -> None:
     The old ``path`` is first renamed aside (next to it), so ``path`` is at every moment either
     the old directory or the new one, never a mix; the old one is removed afterwards.  Every file
     in ``tmp`` should already be written and closed.
-
-    Args:
-        tmp: The finished directory, on the same file system as ``path``.
-        path: The final name.
-        fsync: flush the parent directory after the rename.
 
     Raises:
         OutputError: a rename fails (``path`` is left as it was).

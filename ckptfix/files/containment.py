@@ -18,9 +18,6 @@ from ckptfix.errors import UnsupportedError
 def allowed_roots(base: str) -> list[str]:
     """The real directories the members of a container in ``base`` may resolve into.
 
-    Args:
-        base: the container's directory.
-
     Returns:
         ``base`` resolved, plus the hub cache's ``blobs`` directory when ``base`` is a snapshot.
     """
@@ -40,11 +37,6 @@ def check_member(base: str, name: str, what: str) -> None:
     """Refuse the member ``name`` of the container directory ``base`` when it resolves outside it.
 
     A member that does not exist passes (the caller reports it missing in its own words).
-
-    Args:
-        base: the container's directory.
-        name: the member's file name, relative to ``base``.
-        what: names the container in the message (e.g. the DCP directory).
 
     Raises:
         UnsupportedError: ``name`` is a link resolving outside ``base``.
@@ -67,9 +59,6 @@ def remote_name_escapes(name: str) -> bool:
     A URL decodes ``%2e%2e`` to ``..`` (the client normalises it away before the request: ``dir/%2e%2e/x`` is
     ``/x``), ``?`` and ``#`` start a query (another S3 version, another object) or a fragment, and ``://`` a whole
     URL; none of these is a file name a writer of checkpoints produces.
-
-    Args:
-        name: the member's name as recorded.
 
     Returns:
         True when the name must be refused.

@@ -80,9 +80,6 @@ class OutputOptions:
             options: a starting object, or None.
             keywords: field name -> value (a path-like ``output`` becomes a ``str``).
 
-        Returns:
-            The object.
-
         Raises:
             TypeError: a keyword that is not a field (as a function call with an unknown keyword does).
         """
@@ -102,9 +99,6 @@ class OutputOptions:
 
         Args:
             output: a path, path-like, or None (keeps the current one).
-
-        Returns:
-            The object.
         """
         return self if output is None else dataclasses.replace(self, output=_fspath(output))
 
@@ -113,26 +107,15 @@ class OutputOptions:
 
         Args:
             suffix: the operation's own word (``"stripped"``, ``"sanitized"`` ...).
-
-        Returns:
-            The object.
         """
         return self if self.suffix else dataclasses.replace(self, suffix=suffix)
 
     def given(self) -> list[str]:
-        """The fields set away from their defaults (``progress`` never counts: it changes no output).
-
-        Returns:
-            Field names, in declaration order.
-        """
+        """The fields set away from their defaults (``progress`` never counts: it changes no output)."""
         return given_fields(self, skip=("progress",))
 
     def keywords(self) -> dict[str, Any]:
-        """The fields set away from their defaults, and ``progress``, as keywords (for code that takes ``**kw``).
-
-        Returns:
-            field name -> value.
-        """
+        """The fields set away from their defaults, and ``progress``, as keywords (for code that takes ``**kw``)."""
         out = {n: getattr(self, n) for n in self.given()}
         if self.progress is not None:
             out["progress"] = self.progress
@@ -140,10 +123,6 @@ class OutputOptions:
 
     def refuse(self, uses: Collection[str], what: str) -> None:
         """Refuse the fields set here that the operation does not use.
-
-        Args:
-            uses: the field names the operation uses.
-            what: the operation, for the message (``"sanitize"``).
 
         Raises:
             OptionNotApplicableError: naming each unused field's flag.
@@ -183,9 +162,6 @@ def given_fields(obj: Any, skip: Iterable[str] = ()) -> list[str]:
     Args:
         obj: a dataclass instance whose fields all have defaults.
         skip: field names never counted.
-
-    Returns:
-        Field names, in declaration order.
     """
     out = []
     for f in dataclasses.fields(obj):
@@ -199,15 +175,7 @@ def given_fields(obj: Any, skip: Iterable[str] = ()) -> list[str]:
 
 
 def flag_of(obj: Any, name: str) -> str:
-    """The command-line spelling of a field (``--max-shard-size``); ``name=`` for one the CLI does not offer.
-
-    Args:
-        obj: the dataclass (instance or class) the field belongs to.
-        name: the field name.
-
-    Returns:
-        The flag.
-    """
+    """The command-line spelling of a field (``--max-shard-size``); ``name=`` for one the CLI does not offer."""
     flag = next((f.metadata.get("flag", "") for f in dataclasses.fields(obj) if f.name == name), "")
     return flag or f"{name}="
 
@@ -217,13 +185,6 @@ def refuse_given(obj: Any, names: Iterable[str], what: str, where: str = "", why
 
     The message: ``--shards applies to DCP output ..., not to conversion to safetensors; drop it
     (keyword shards=)``, or without ``where``: ``--link does not apply to sanitize; drop it ...``.
-
-    Args:
-        obj: the options object.
-        names: the fields given that do not apply.
-        what: what they do not apply to (``"conversion back to torch"``).
-        where: what they do apply to, if anything.
-        why: a reason, said after ``what``.
 
     Raises:
         OptionNotApplicableError: when ``names`` is not empty.

@@ -34,12 +34,6 @@ MAX_JOBS = 64
 def resolve_jobs(jobs: int | None) -> int:
     """The number of worker threads for ``--jobs``: ``0`` (or ``None``) means one per CPU.
 
-    Args:
-        jobs: what the user asked for; ``1`` is sequential.
-
-    Returns:
-        A count between 1 and :data:`MAX_JOBS`.
-
     Raises:
         ValueError: a negative count.
     """
@@ -59,9 +53,6 @@ def run_tasks(tasks: Sequence[Callable[[], T]], jobs: int = 1, *, cancel: thread
         jobs: threads at most (``0``: one per CPU); ``1`` runs them in order in this thread.
         cancel: set when a task fails or on Ctrl-C in the caller, before the running tasks are waited for
             (long tasks watch it and stop early).
-
-    Returns:
-        ``[task() for task in tasks]``.
 
     Raises:
         Whatever the first failing task raised (the tasks not yet started are not run; the running
@@ -119,11 +110,7 @@ class Tally:
         self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
-        """Count ``n`` more bytes and report the new total.
-
-        Args:
-            n: bytes just written (or verified).
-        """
+        """Count ``n`` more bytes and report the new total."""
         with self._lock:
             self.done += n
             if self.progress is not None:

@@ -51,9 +51,6 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a remote URL (``s3://``, ``gs://``, ``gcs://``, ``az://``, ``abfs://``, ``hf://``,
     ``http(s)://``, ``memory://``).
 
-    Args:
-        path: a path or URL.
-
     Returns:
         True for a URL.
     """
@@ -73,28 +70,13 @@ class Source:
     def pread(self, n: int, off: int) -> bytes:
         """Exactly ``n`` bytes at ``off``.
 
-        Args:
-            n: how many bytes.
-            off: where.
-
-        Returns:
-            The bytes.
-
         Raises:
             CorruptCheckpointError: the file ends before ``off + n`` (truncated).
         """
         raise NotImplementedError
 
     def readinto(self, view: memoryview, off: int) -> int:
-        """Fill ``view`` with the bytes at ``off``.
-
-        Args:
-            view: a writable buffer.
-            off: where.
-
-        Returns:
-            ``len(view)`` (all of it, or an error).
-        """
+        """Fill ``view`` with the bytes at ``off``."""
         view = memoryview(view).cast("B")
         view[:] = self.pread(len(view), off)
         return len(view)
@@ -108,19 +90,12 @@ class Source:
             ranges: ``(offset, length)`` pairs.
             jobs: parallel requests.
             exact: (remote) fetch the ranges' spans only, no read-ahead, no wide coalescing.
-
-        Yields:
-            ``(offset, data)`` per range.
         """
         for off, n in ranges:
             yield off, self.pread(n, off)
 
     def fileobj(self) -> BinaryIO:
-        """A new seekable read-only file object over the file (for zipfile, tarfile, json.load); close it after use.
-
-        Returns:
-            The file object.
-        """
+        """A new seekable read-only file object over the file (for zipfile, tarfile, json.load); close it after use."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -261,9 +236,6 @@ def session() -> Iterator[Stats]:
     """One operation's view of its inputs: each remote object opened once (one ETag-pinned version, the
     active collector's) and each local file opened once (:func:`ckptfix.files.pins.scope`: a file replaced
     meanwhile is still read as it was).  Library entry points enter it; nested sessions share the outer one.
-
-    Yields:
-        The remote counters (:class:`~ckptfix.files.remote.stats.Stats`).
     """
     with _remote_session() as st, pins.scope():
         yield st
@@ -290,7 +262,7 @@ _METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptfix_m
 def metadata_only() -> Iterator[None]:
     """Within the block, readers of a remote file skip checks that need the bytes next to each tensor record (a
     zip's local headers of tensor records, a legacy stream's per-storage counts): what ``inspect`` of a URL needs
-    is the zip's central directory and ``data.pkl`` (issue #26: a handful of requests).  Only for callers whose
+    is the zip's central directory and ``data.pkl`` (a handful of requests).  Only for callers whose
     result never reads tensor bytes (the records' offsets are then unverified: -1 for a zip's records).
     """
     token = _METADATA_ONLY.set(True)
@@ -302,9 +274,6 @@ def metadata_only() -> Iterator[None]:
 
 def is_metadata_only(path: str | os.PathLike[str]) -> bool:
     """Whether a reader of ``path`` may skip the per-record checks (a URL inside :func:`metadata_only`).
-
-    Args:
-        path: the file being read.
 
     Returns:
         True for a URL inside :func:`metadata_only`.
@@ -339,12 +308,6 @@ def open_source(path: str | os.PathLike[str], *, stats: Stats | None = None) -> 
 def open_file(path: str | os.PathLike[str]) -> BinaryIO:
     """``open(path, "rb")`` for a local path (the same file object as before), a seekable read-only file
     object over the remote object for a URL (shared cache within a session).
-
-    Args:
-        path: a path or URL.
-
-    Returns:
-        A binary file object; close it (or use ``with``).
     """
     if not is_url(path):
         return pins.open_binary(path)
@@ -380,9 +343,6 @@ def _probe(url: str) -> str | None:
 
 def isfile(path: str | os.PathLike[str]) -> bool:
     """``os.path.isfile`` for local paths; for a URL, whether it names an object (not a folder).
-
-    Args:
-        path: a path or URL.
 
     Returns:
         True for a file.
@@ -427,9 +387,6 @@ def isdir(path: str | os.PathLike[str]) -> bool:
     Over HTTP a folder is a URL that ends with ``/`` or that the server redirects to one (as Python's
     ``http.server`` and most listings do); nothing is downloaded to decide.
 
-    Args:
-        path: a path or URL.
-
     Returns:
         True for a folder.
     """
@@ -444,9 +401,6 @@ def isdir(path: str | os.PathLike[str]) -> bool:
 def exists(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` exists (a file or a folder, local or remote).
 
-    Args:
-        path: a path or URL.
-
     Returns:
         True when it exists.
     """
@@ -460,12 +414,6 @@ def exists(path: str | os.PathLike[str]) -> bool:
 
 def listdir(path: str | os.PathLike[str]) -> list[str]:
     """The names in a folder (local, a remote prefix, or an HTTP folder's link listing), sorted.
-
-    Args:
-        path: a folder's path or URL.
-
-    Returns:
-        Names (not paths); sub-folders without their trailing ``/``.
 
     Raises:
         RemoteNotFoundError: no such remote folder.
@@ -511,57 +459,28 @@ def _unquote(name: str) -> str:
 
 
 def join(path: str | os.PathLike[str], *names: str) -> str:
-    """``os.path.join`` for local paths, ``/``-joined segments for URLs.
-
-    Args:
-        path: a folder's path or URL.
-        *names: names below it.
-
-    Returns:
-        The joined path or URL.
-    """
+    """``os.path.join`` for local paths, ``/``-joined segments for URLs."""
     if is_url(path):
         return _urls.join(os.fspath(path), *names)
     return os.path.join(os.fspath(path), *names)
 
 
 def basename(path: str | os.PathLike[str]) -> str:
-    """The last component of a path or URL.
-
-    Args:
-        path: a path or URL.
-
-    Returns:
-        Its name.
-    """
+    """The last component of a path or URL."""
     if is_url(path):
         return _urls.basename(os.fspath(path))
     return os.path.basename(os.fspath(path).rstrip(os.sep))
 
 
 def dirname(path: str | os.PathLike[str]) -> str:
-    """The folder holding a path or URL.
-
-    Args:
-        path: a path or URL.
-
-    Returns:
-        Its folder.
-    """
+    """The folder holding a path or URL."""
     if is_url(path):
         return _urls.parent(os.fspath(path))
     return os.path.dirname(os.fspath(path))
 
 
 def getsize(path: str | os.PathLike[str]) -> int:
-    """The size of a file or remote object (one request for a URL).
-
-    Args:
-        path: a path or URL.
-
-    Returns:
-        Its size in bytes.
-    """
+    """The size of a file or remote object (one request for a URL)."""
     if not is_url(path):
         return pins.fstat(path).st_size
     with open_source(path) as src:

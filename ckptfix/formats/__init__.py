@@ -31,7 +31,7 @@ and dispatches on the format.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ckptfix.errors import CheckpointNotFoundError, CkptfixError, CorruptCheckpointError
 from ckptfix.files import pins, source
@@ -95,7 +95,6 @@ __all__ = [
     "classify",
     "classify_or_none",
     "read_checkpoint",
-    "register_subfolder_lister",
     "sniff",
     "package_message",
     "tar_message",
@@ -212,7 +211,9 @@ def _dir_kind(path: str) -> Format:
             f"{path}: a folder with no checkpoint in it (no DCP .metadata, no *.index.json){_holds(cands)}, "
             f"e.g. {source.join(path, cands[0])})"
         )
-    cands = [f"{n}/" for n in _SUBFOLDERS[0](path)] + cands  # Trainer's output_dir: checkpoint-N/
+    from ckptfix.formats.layouts import checkpoint_subfolders
+
+    cands = [f"{n}/" for n in checkpoint_subfolders(path)] + cands  # Trainer's output_dir: checkpoint-N/
     hint = f"{_holds(cands)})" if cands else ""
     raise CheckpointNotFoundError(
         f"{path}: a directory with no checkpoint in it (no DCP .metadata, no *.index.json){hint}"
@@ -223,23 +224,6 @@ def _holds(cands: list[str]) -> str:
     """`` (it holds a.pt, b.pt, c.pt and 2 more: pass one of them`` (without the closing parenthesis)."""
     more = f" and {len(cands) - 3} more" if len(cands) > 3 else ""
     return f" (it holds {', '.join(cands[:3])}{more}: pass one of them"
-
-
-#: the sub-folders of a folder with no checkpoint in it that are framework folders (Trainer's ``output_dir``:
-#: ``checkpoint-N/``), for its "pass one of them" list.  Telling a framework folder is the layouts' job, a layer
-#: above the formats: :mod:`ckptfix.formats.layouts` registers its lister when imported (a registration point, not an
-#: import that points up); until then, none.
-_SUBFOLDERS: list[Callable[[str], list[str]]] = [lambda folder: []]
-
-
-def register_subfolder_lister(lister: Callable[[str], list[str]]) -> None:
-    """Set how :func:`sniff` finds the framework sub-folders of a directory with no checkpoint in it.
-
-    Args:
-        lister: ``lister(folder)`` -> the names of its sub-folders that are checkpoints, most likely first
-            (:func:`ckptfix.formats.layouts.checkpoint_subfolders`).
-    """
-    _SUBFOLDERS[0] = lister
 
 
 def _tar_kind(path: str) -> Format:
@@ -354,24 +338,33 @@ def read_checkpoint(path: str | os.PathLike | Input, fmt: Format | None = None) 
     return cf
 
 
-def _read_dcp(path: str) -> CheckpointFile:
-    from ckptfix.formats.dcp.checkpoint import (
-        read_dcp,  # the DCP reader (and ckptfix.formats.dcp) only for a DCP directory: start-up
-    )
-
-    return read_dcp(path)
+# the readers the format registry names (torch-tar and torch-package: refused in their entries)
 
 
-def _read_pickle_stream(path: str) -> CheckpointFile:
-    from ckptfix.formats.legacy import read_pickle_stream
-
-    return read_pickle_stream(path)
+def read_torch_zip(path: str) -> CheckpointFile:
+    return zipfmt.read_zip(path, Format.TORCH_ZIP)
 
 
-def _read_safetensors(path: str) -> CheckpointFile:
-    from ckptfix.formats.safetensors_fmt import read_safetensors
+def read_torchscript(path: str) -> CheckpointFile:
+    return zipfmt.read_zip(path, Format.TORCHSCRIPT)
 
-    return read_safetensors(path)
+
+def read_dcp(path: str) -> CheckpointFile:
+    from ckptfix.formats.dcp.checkpoint import read_dcp as read  # imported for a DCP directory only
+
+    return read(path)
+
+
+def read_pickle_stream(path: str) -> CheckpointFile:
+    from ckptfix.formats.legacy import read_pickle_stream as read
+
+    return read(path)
+
+
+def read_safetensors(path: str) -> CheckpointFile:
+    from ckptfix.formats.safetensors_fmt import read_safetensors as read
+
+    return read(path)
 
 
 #: the readers imported on first use (each format's own; a torch zip's inspect/scan needs none of them: start-up)
@@ -387,22 +380,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ckptfix.formats' has no attribute {name!r}")
 
 
-def _read_sharded(path: str) -> CheckpointFile:
+def read_sharded(path: str) -> CheckpointFile:
     from ckptfix.formats import sharded
 
     return sharded.read_index(path, sniff=sniff, read=read_checkpoint)
-
-
-# the reader of each format (torch-tar and torch-package: refused in their registry entries)
-registry.implement_all(
-    "read",
-    {
-        Format.TORCH_ZIP: lambda p: zipfmt.read_zip(p, Format.TORCH_ZIP),
-        Format.TORCHSCRIPT: lambda p: zipfmt.read_zip(p, Format.TORCHSCRIPT),
-        Format.TORCH_LEGACY: _read_pickle_stream,
-        Format.PICKLE: _read_pickle_stream,
-        Format.SAFETENSORS: _read_safetensors,
-        Format.SHARDED: _read_sharded,
-        Format.DCP: _read_dcp,
-    },
-)

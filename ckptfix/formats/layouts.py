@@ -15,10 +15,9 @@ serve: ``inspect`` in :mod:`ckptfix.ops.inspect` (``inspect_folder``), ``scan`` 
 :mod:`ckptfix.ops.convert.folders`; :mod:`ckptfix.ops.frameworks` re-exports them all.  A new layout is one
 entry (see :func:`register`).
 
-Importing this module also lets :func:`ckptfix.formats.sniff` name a Trainer ``output_dir``'s
-``checkpoint-N/`` sub-folders for a folder with no checkpoint in it (:func:`checkpoint_subfolders`,
-registered with :func:`ckptfix.formats.register_subfolder_lister`).  The file roles are
-:mod:`ckptfix.formats.roles` (pure names, used by the formats too).
+:func:`ckptfix.formats.sniff` names a Trainer ``output_dir``'s ``checkpoint-N/`` sub-folders for a folder with
+no checkpoint in it (:func:`checkpoint_subfolders`).  The file roles are :mod:`ckptfix.formats.roles` (pure
+names, used by the formats too).
 
 Nothing here imports torch; the sidecar summaries read pickles with the restricted reader.
 """
@@ -33,7 +32,6 @@ from typing import Any, Callable, Mapping
 
 from ckptfix.errors import CkptfixError, NoModelWeightsError
 from ckptfix.files import pins
-from ckptfix.formats import register_subfolder_lister
 from ckptfix.formats.roles import WEIGHT_NAMES, file_role
 
 # --------------------------------------------------------------------------- the table
@@ -734,7 +732,5 @@ register(
     ),
     before="hf-model",
 )  # fmt: skip
-register_subfolder_lister(checkpoint_subfolders)
-
 # peft adapters, diffusers pipelines and models, sentence-transformers folders: their rows (ckptfix.formats.pipelines)
 from ckptfix.formats import pipelines as _pipelines  # noqa: E402,F401  (registers its layouts)

@@ -1,33 +1,27 @@
 """One record per checkpoint format: what ckptfix does with it, capability by capability.
 
-Each :class:`~ckptfix.formats.base.Format` has one :class:`FormatSpec` in :data:`FORMATS`, and each of
-its :data:`CAPABILITIES` is either the function that does it or a :class:`Refused` (the reason, and what
-to do instead, as the one-line ``Error:`` says it).  Nothing may be left unsaid:
-``tests/test_registry.py`` fails while any format has a capability that is neither.
+Each :class:`~ckptfix.formats.base.Format` has one :class:`FormatSpec` in :data:`FORMATS`, and each of its
+:data:`CAPABILITIES` is either the function that does it, named ``"module:function"`` and imported when it
+is dispatched (:func:`dispatch`), or a :class:`Refused` (the reason and the fix, as the one-line ``Error:``
+says it).  The functions live at several layers (reading here, scanning, loading, converting and rewriting
+in ``ops/``); naming them keeps this table in one place without importing upwards.  ``tests/test_registry.py``
+fails while any format has a capability that is neither, or names a function that does not exist.
 
-The capabilities sit at different layers (reading here at layer 2, scanning and loading at layer 3,
-converting and renaming at layer 4), so the record is filled in from above: each capability's module
-registers its function per format when it is imported (:func:`implement`).  ``read``, ``scan`` and
-``load`` dispatch through :func:`dispatch` in the module that registers them, so a registration is always
-in place before it is used; ``convert`` and ``rewrite`` route in their own packages (the entries name the
-function each format takes, and ``tests/test_registry.py`` pins them to the routing).  The refusals that
-are decided by the format alone are written here, in the entries.  :data:`CAPABILITY_MODULES` names the
-module that fills each capability (the completeness test imports them all).
-
-==========  =====================================================  ==========================
-capability  what it is                                             filled in by
-==========  =====================================================  ==========================
-read        the torch-free reader (``read_checkpoint``)            ``ckptfix.formats``
-scan        every global its pickles reference (``scan``)          ``ckptfix.ops.scan``
-load        tensors with torch (``load_checkpoint``)               ``ckptfix.ops.load``
-convert     to safetensors (``convert FILE``)                      ``ckptfix.ops.convert.sources``
-rewrite     keys renamed in place of the file (``strip-prefix``)   ``ckptfix.ops.rewrite``
-sanitize    rewritten for ``torch.load(weights_only=True)``        ``ckptfix.ops.sanitize``
-==========  =====================================================  ==========================
+==========  =====================================================
+capability  what it is
+==========  =====================================================
+read        the torch-free reader (``read_checkpoint``)
+scan        every global its pickles reference (``scan``)
+load        tensors with torch (``load_checkpoint``)
+convert     to safetensors (``convert FILE``)
+rewrite     keys renamed in place of the file (``strip-prefix``)
+sanitize    rewritten for ``torch.load(weights_only=True)``
+==========  =====================================================
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
@@ -36,16 +30,6 @@ from ckptfix.formats.base import Format, package_message, tar_message
 
 #: every capability a format has or refuses, in the order the docs list them
 CAPABILITIES = ("read", "scan", "load", "convert", "rewrite", "sanitize")
-
-#: the module whose import registers each capability's functions
-CAPABILITY_MODULES = {
-    "read": "ckptfix.formats",
-    "scan": "ckptfix.ops.scan",
-    "load": "ckptfix.ops.load",
-    "convert": "ckptfix.ops.convert.sources",
-    "rewrite": "ckptfix.ops.rewrite",
-    "sanitize": "ckptfix.ops.sanitize",
-}
 
 
 @dataclass(frozen=True)
@@ -63,8 +47,8 @@ class Refused:
         return UnsupportedError(self.message(path))
 
 
-#: a capability's entry: the function that does it, a refusal, or None while nobody said (the test fails)
-Capability = Union[Callable[..., Any], Refused, None]
+#: a capability's entry: ``"module:function"``, a refusal, or None while nobody said (the test fails)
+Capability = Union[str, Refused, None]
 
 
 @dataclass
@@ -74,8 +58,7 @@ class FormatSpec:
     Attributes:
         format: the format.
         what: what it is, in words.
-        read, scan, load, convert, rewrite, sanitize: each a function (see :data:`CAPABILITIES` for what it takes)
-            or a :class:`Refused`.
+        read, scan, load, convert, rewrite, sanitize: each ``"module:function"`` or a :class:`Refused`.
     """
 
     format: Format
@@ -116,28 +99,84 @@ def _refused_sanitize(fmt: Format) -> Refused:
 _TAR = Refused(tar_message)
 _PACKAGE = Refused(package_message)
 
-#: one entry per format; the functions are registered by the modules of :data:`CAPABILITY_MODULES`
+_READ = "ckptfix.formats:"
+_SCAN = "ckptfix.ops.scan:"
+_LOAD = "ckptfix.ops.load:"
+_CONVERT = "ckptfix.ops.convert.forward:convert_to_safetensors"
+_REWRITE = "ckptfix.ops.rewrite:rewrite_file"
+_SANITIZE = "ckptfix.ops.sanitize:sanitize_file"
+
+#: one entry per format
 FORMATS: dict[Format, FormatSpec] = {
     spec.format: spec
     for spec in [
-        FormatSpec(Format.TORCH_ZIP, "torch.save since 1.6"),
-        FormatSpec(Format.TORCH_LEGACY, "torch.save(..., _use_new_zipfile_serialization=False)"),
+        FormatSpec(
+            Format.TORCH_ZIP,
+            "torch.save since 1.6",
+            read=_READ + "read_torch_zip",
+            scan=_SCAN + "scan_archive",
+            load=_LOAD + "load_zip",
+            convert=_CONVERT,
+            rewrite=_REWRITE,
+            sanitize=_SANITIZE,
+        ),
+        FormatSpec(
+            Format.TORCH_LEGACY,
+            "torch.save(..., _use_new_zipfile_serialization=False)",
+            read=_READ + "read_pickle_stream",
+            scan=_SCAN + "scan_legacy",
+            load=_LOAD + "load_legacy",
+            convert=_CONVERT,
+            rewrite=_REWRITE,
+            sanitize=_SANITIZE,
+        ),
         FormatSpec(
             Format.TORCHSCRIPT,
             "torch.jit.save archive",
+            read=_READ + "read_torchscript",
+            scan=_SCAN + "scan_torchscript",
+            load=_LOAD + "load_torchscript",
+            convert=_CONVERT,
             rewrite=_refused_rewrite(Format.TORCHSCRIPT),
             sanitize=_refused_sanitize(Format.TORCHSCRIPT),
         ),
-        FormatSpec(Format.SAFETENSORS, "a .safetensors file"),
+        FormatSpec(
+            Format.SAFETENSORS,
+            "a .safetensors file",
+            read=_READ + "read_safetensors",
+            scan=_SCAN + "scan_safetensors",
+            load=_LOAD + "load_safetensors",
+            convert=_CONVERT,
+            rewrite=_REWRITE,
+            sanitize="ckptfix.ops.sanitize:refuse_safetensors",
+        ),
         FormatSpec(
             Format.SHARDED,
             "a *.index.json with a weight_map, or its directory",
+            read=_READ + "read_sharded",
+            scan=_SCAN + "scan_sharded",
+            load=_LOAD + "load_sharded",
+            convert=_CONVERT,
+            rewrite="ckptfix.ops.rewrite:rewrite_index",
             sanitize=_refused_sanitize(Format.SHARDED),
         ),
-        FormatSpec(Format.DCP, "a torch.distributed.checkpoint directory", sanitize=_refused_sanitize(Format.DCP)),
+        FormatSpec(
+            Format.DCP,
+            "a torch.distributed.checkpoint directory",
+            read=_READ + "read_dcp",
+            scan=_SCAN + "scan_dcp",
+            load=_LOAD + "load_dcp_directory",
+            convert="ckptfix.ops.convert.dcp_in:convert_dcp",
+            rewrite="ckptfix.ops.rewrite:rewrite_directory",
+            sanitize=_refused_sanitize(Format.DCP),
+        ),
         FormatSpec(
             Format.PICKLE,
             "a bare pickle with no torch storages",
+            read=_READ + "read_pickle_stream",
+            scan=_SCAN + "scan_legacy",
+            load=_LOAD + "load_pickle",
+            convert=_CONVERT,
             rewrite=_refused_rewrite(Format.PICKLE),
             sanitize=Refused(
                 lambda path: (
@@ -150,6 +189,8 @@ FORMATS: dict[Format, FormatSpec] = {
             Format.TORCH_TAR,
             "the pre-0.4 torch.save tar archive: recognised and scanned, never read",
             read=_TAR,
+            scan=_SCAN + "scan_tar",
+            load=_LOAD + "load_tar",
             convert=_TAR,
             rewrite=_TAR,
             sanitize=_TAR,
@@ -158,6 +199,7 @@ FORMATS: dict[Format, FormatSpec] = {
             Format.TORCH_PACKAGE,
             "a torch.package archive (packaged code and pickles): recognised and scanned, never read",
             read=_PACKAGE,
+            scan=_SCAN + "scan_package",
             load=_PACKAGE,
             convert=_PACKAGE,
             rewrite=_PACKAGE,
@@ -167,29 +209,18 @@ FORMATS: dict[Format, FormatSpec] = {
 }
 
 
-def implement(fmt: Format, capability: str, fn: Callable[..., Any]) -> None:
-    """Register ``fn`` as what ``capability`` does for ``fmt`` (called by the module that dispatches it).
-
-    Args:
-        fmt: the format.
-        capability: one of :data:`CAPABILITIES`.
-        fn: the function.
+def resolve(name: str) -> Callable[..., Any]:
+    """The function ``"module:function"`` names (the module imported now, if it was not).
 
     Raises:
-        ValueError: the entry already holds another function, or a refusal (a format's refusal is decided
-            once, in :data:`FORMATS`).
+        LookupError: no such module or function (a bug in :data:`FORMATS`).
     """
-    spec = FORMATS[fmt]
-    have = spec.get(capability)
-    if have is not None and have is not fn:
-        raise ValueError(f"{fmt}: {capability} is already {have!r}; one entry per format and capability")
-    setattr(spec, capability, fn)
-
-
-def implement_all(capability: str, table: dict[Format, Callable[..., Any]]) -> None:
-    """:func:`implement` for each ``{format: function}`` of ``table``."""
-    for fmt, fn in table.items():
-        implement(fmt, capability, fn)
+    module, _, attr = name.partition(":")
+    try:
+        fn: Callable[..., Any] = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise LookupError(f"the format registry names {name!r}, which does not exist ({e})") from None
+    return fn
 
 
 def dispatch(fmt: Format, capability: str, path: str) -> Callable[..., Any]:
@@ -201,20 +232,20 @@ def dispatch(fmt: Format, capability: str, path: str) -> Callable[..., Any]:
         path: the input, for a refusal's message.
 
     Returns:
-        The registered function.
+        The function its entry names.
 
     Raises:
         UnsupportedError: the format refuses the capability (the entry's reason and fix).
-        LookupError: nothing registered it (a module of :data:`CAPABILITY_MODULES` was not imported; a bug).
+        LookupError: the entry is empty or names nothing (a bug).
     """
     entry = FORMATS[fmt].get(capability)
     if isinstance(entry, Refused):
         raise entry.error(path)
     if entry is None:
-        raise LookupError(f"{fmt}: no {capability} registered (import {CAPABILITY_MODULES[capability]})")
-    return entry
+        raise LookupError(f"{fmt}: no {capability} in the format registry")
+    return resolve(entry)
 
 
 def missing() -> list[tuple[Format, str]]:
-    """Every ``(format, capability)`` that is neither implemented nor refused (empty once all modules are imported)."""
+    """Every ``(format, capability)`` that is neither named nor refused."""
     return [(f, c) for f in Format for c in CAPABILITIES if FORMATS[f].get(c) is None]

@@ -123,7 +123,7 @@ def pick_gpu(
 
     Args:
         n: how many GPUs.
-        min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
+        min_free: minimum free memory, e.g. ``"10GiB"`` (:func:`~ckptfix.text.parse_size`; a bare number is GiB).
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes (memory used by invisible
             processes counts as one).
@@ -144,7 +144,7 @@ def pick_gpu(
         :class:`PickResult` with ``chosen`` (ranked, each with the reason), ``env``, ``leases``.
 
     Raises:
-        ValueError: ``min_free`` is not a memory size.
+        ValueError: ``min_free`` is not a size.
         CudaAlreadyInitializedError: CUDA is already initialised here, by any route (24).
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27): fall back to CPU.
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).

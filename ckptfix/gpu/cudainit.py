@@ -99,9 +99,5 @@ def cuda_init_route() -> str | None:
 
 
 def cuda_initialized() -> bool:
-    """True if CUDA is already initialised in *this* process, by any route (see :func:`cuda_init_route`).
-
-    Returns:
-        Whether a route of :func:`cuda_init_route` was taken.
-    """
+    """True if CUDA is already initialised in *this* process, by any route (see :func:`cuda_init_route`)."""
     return cuda_init_route() is not None

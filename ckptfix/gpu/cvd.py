@@ -57,9 +57,6 @@ def strtoul_prefix(s: str) -> int | None:
     >>> strtoul_prefix("1gpu2"), strtoul_prefix(" 3"), strtoul_prefix("-1"), strtoul_prefix("gpu")
     (1, 3, -1, None)
 
-    Args:
-        s: one entry of ``CUDA_VISIBLE_DEVICES``.
-
     Returns:
         The number, or ``None``.
     """
@@ -141,15 +138,7 @@ def parse_visible_devices(value: str | None) -> VisibleSpec:
 
 
 def cvd_fix(spec: VisibleSpec, gpus: Sequence[SmiGpu] = ()) -> str:
-    """How to fix a ``CUDA_VISIBLE_DEVICES`` that hides or drops GPUs.
-
-    Args:
-        spec: the parsed variable.
-        gpus: the physical GPUs.
-
-    Returns:
-        The fix, one sentence.
-    """
+    """How to fix a ``CUDA_VISIBLE_DEVICES`` that hides or drops GPUs."""
     if spec.kind == "none":
         return "unset CUDA_VISIBLE_DEVICES to see every GPU, or set it to the GPUs you want"
     if spec.emptied_by_duplicate:
@@ -190,12 +179,6 @@ def describe_spec(spec: VisibleSpec) -> str:
 
     ``"GPU-28780eb0,1gpu,0"``: CUDA will use at most ``GPU-28780eb0`` (a prefix that must match exactly one GPU
     where the job runs) and ignores ``'1gpu'`` and everything after it.
-
-    Args:
-        spec: the parsed variable.
-
-    Returns:
-        The sentence.
     """
     head = f"CUDA_VISIBLE_DEVICES={spec.raw!r}"
     if spec.kind == "all":

@@ -74,14 +74,7 @@ def spec_problems(spec: VisibleSpec, gpus: Sequence[SmiGpu], *, any_chosen: bool
 
 
 def unreadable_indices(gpus: Sequence[SmiGpu]) -> list[int]:
-    """nvidia-smi indices missing from its listing (GPUs it could not read), e.g. ``[1]`` for rows 0 and 2.
-
-    Args:
-        gpus: the physical GPUs.
-
-    Returns:
-        The missing indices below the highest one listed.
-    """
+    """nvidia-smi indices missing from its listing (GPUs it could not read), e.g. ``[1]`` for rows 0 and 2."""
     present = {g.index for g in gpus}
     return [i for i in range(max(present, default=-1) + 1) if i not in present]
 
@@ -91,9 +84,6 @@ def unreadable_problem(unreadable: Sequence[int]) -> Problem:
 
     Args:
         unreadable: from :func:`unreadable_indices` (not empty).
-
-    Returns:
-        The problem.
     """
     return Problem(
         "gpu_unreadable",
@@ -126,14 +116,7 @@ def device_order_problem(order: str | None) -> Problem | None:
 
 
 def order_uncertain_problem(gpus: Sequence[SmiGpu]) -> Problem:
-    """``order_uncertain``: mixed models numbered FASTEST_FIRST by a rule CUDA does not publish.
-
-    Args:
-        gpus: the physical GPUs.
-
-    Returns:
-        The problem.
-    """
+    """``order_uncertain``: mixed models numbered FASTEST_FIRST by a rule CUDA does not publish."""
     models = sorted({(g.name or "?") for g in gpus})
     return Problem(
         "order_uncertain",
@@ -179,9 +162,6 @@ def mig_enumeration_problem(mig_rows: Sequence[tuple[SmiGpu, MigDevice]]) -> Pro
 
     Args:
         mig_rows: the ``(parent, MIG device)`` pairs CUDA enumerates (not empty).
-
-    Returns:
-        The problem, its fix naming the MIG UUIDs.
     """
     parents = sorted({g.index for g, _ in mig_rows})
     others = ", ".join(m.uuid for _, m in mig_rows[1:4]) + (", ..." if len(mig_rows) > 4 else "")
@@ -203,9 +183,6 @@ def mig_single_problem(spec: VisibleSpec, named: Sequence[tuple[SmiGpu, MigDevic
     Args:
         spec: the parsed variable.
         named: the ``(parent, MIG device)`` pairs it names, in order (more than one).
-
-    Returns:
-        The problem.
     """
     uuids = [m.uuid for _, m in named if m is not None]
     return Problem(
@@ -268,9 +245,6 @@ def device_problems(devices: Sequence[VisibleGpu], gpus: Sequence[SmiGpu], *, mi
         devices: the devices CUDA will see.
         gpus: the physical GPUs (for their MIG device lists).
         mig_listed: whether ``nvidia-smi -L`` answered (a GPU without MIG devices then has none).
-
-    Returns:
-        The problems, device by device.
     """
     problems: list[Problem] = []
     for d in devices:

@@ -128,11 +128,7 @@ class DoctorReport:
     tegra: bool = False  # an NVIDIA Jetson (see :func:`is_tegra`)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix doctor --json`` document.
-
-        Returns:
-            The document (docs/schemas/doctor.schema.json).
-        """
+        """The ``ckptfix doctor --json`` document."""
         return {
             "schema": "ckptfix.doctor/1",
             "python": self.python,
@@ -436,9 +432,6 @@ _DRIVER_FIXES: dict[str, tuple[str, str]] = {
 def gpu_error_kind_of(e: CkptfixError) -> str:
     """Which of doctor's GPU problems an error of :func:`ckptfix.gpu.visible_gpus` is.
 
-    Args:
-        e: the error.
-
     Returns:
         ``"query"`` (nvidia-smi failed or hung), ``"driver_not_loaded"``, ``"driver_mismatch"``,
         ``"no_nvidia_smi"`` or ``"no_gpu"``.
@@ -456,9 +449,6 @@ def gpu_error_kind_of(e: CkptfixError) -> str:
 
 def gpu_ccs(view: GpuView | None) -> list[tuple[str, tuple[int, int]]]:
     """``(label, compute capability)`` of each physical GPU: nvidia-smi's ``compute_cap`` (R510+), else the model.
-
-    Args:
-        view: the GPU view.
 
     Returns:
         One pair per GPU whose capability is known, e.g. ``("GPU 0 (Tesla V100-PCIE-16GB, sm_70)", (7, 0))``.

@@ -95,15 +95,7 @@ def _lease_name(key: str) -> str:
 
 
 def lease_file(directory: StrPath, key: str) -> str:
-    """The lease file of GPU ``key``.
-
-    Args:
-        directory: the lease directory.
-        key: the GPU id.
-
-    Returns:
-        The path (``<key with unsafe characters as _>.lease``).
-    """
+    """The lease file of GPU ``key``."""
     return _join(_dir(directory), _lease_name(key))
 
 
@@ -121,12 +113,6 @@ def open_lease_dir(directory: StrPath) -> int:
     Refused: a directory (or a symlink to one) not owned by the current user, and one that is group- or
     world-writable.  Lease files are then opened relative to the returned descriptor, so a directory
     swapped after the check is never used.
-
-    Args:
-        directory: the lease directory (see :func:`lease_dir`).
-
-    Returns:
-        An ``O_DIRECTORY | O_CLOEXEC`` descriptor; the caller closes it.
 
     Raises:
         OutputError: the directory cannot be created or opened, or is unsafe (exit code 9).
@@ -220,11 +206,7 @@ class Lease:
             self.fd = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The lease in ``pick-gpu --json``.
-
-        Returns:
-            ``key``, ``path``, ``held`` and ``expires``.
-        """
+        """The lease in ``pick-gpu --json``."""
         return {"key": self.key, "path": str(self.path), "held": self.fd is not None, "expires": self.expires}
 
 
@@ -383,11 +365,7 @@ class Released:
     why: str
 
     def to_dict(self) -> dict[str, Any]:
-        """One entry of ``pick-gpu --release --json``.
-
-        Returns:
-            ``key``, ``released`` and ``why``.
-        """
+        """One entry of ``pick-gpu --release --json``."""
         return {"key": self.key, "released": self.released, "why": self.why}
 
 
@@ -402,9 +380,6 @@ def release_leases(directory: StrPath, *, token: str | None = None, now: float |
         directory: the lease directory.
         token: only release leases carrying this token.
         now: the time (tests).
-
-    Returns:
-        One :class:`Released` per live lease found, released or not (and why).
 
     Raises:
         OutputError: the directory is unsafe or unusable (exit code 9).
@@ -455,9 +430,6 @@ def release_leases(directory: StrPath, *, token: str | None = None, now: float |
 def held_lease(path: StrPath) -> Lease | None:
     """The lease on ``path`` this process holds for its lifetime (from an earlier pick_gpu()), if any.
 
-    Args:
-        path: the lease file.
-
     Returns:
         The held :class:`Lease`, or ``None``.
     """
@@ -487,9 +459,6 @@ def hold_for_process(leases: Sequence[Lease]) -> None:
 def is_held(lease: Lease) -> bool:
     """Whether ``lease`` is one this process holds for its lifetime (:func:`hold_for_process`).
 
-    Args:
-        lease: a lease.
-
     Returns:
         True if held for the process.
     """
@@ -502,10 +471,6 @@ def undo(lease: Lease, *, lock_timeout: float = 2.0) -> None:
     An expiry lease's file may be locked at this instant by another picker reading it (for
     microseconds: it sees our expiry and lets go), so wait up to ``lock_timeout`` for the lock
     rather than leave the GPU reserved until the expiry.
-
-    Args:
-        lease: the lease to give back.
-        lock_timeout: seconds to wait for the file's lock.
     """
     if lease.fd is not None:
         lease.release()

@@ -11,14 +11,7 @@ __all__ = ["pci_sort_key", "model_info", "speed_key", "enumeration_order", "pci_
 
 
 def pci_sort_key(g: SmiGpu) -> tuple[int, str, int]:
-    """PCI bus order (``00000000:5E:00.0`` and ``0000:5e:00.0`` compare alike), then nvidia-smi index.
-
-    Args:
-        g: a physical GPU.
-
-    Returns:
-        A sort key: GPUs without a bus id last.
-    """
+    """PCI bus order (``00000000:5E:00.0`` and ``0000:5e:00.0`` compare alike), then nvidia-smi index."""
     if not g.pci_bus_id:
         return (1, "", g.index)
     bus = g.pci_bus_id.strip().lower()
@@ -108,9 +101,6 @@ def model_info(name: str | None) -> tuple[tuple[int, int] | None, int | None]:
     >>> model_info("NVIDIA A100-SXM4-40GB")
     ((8, 0), 108)
 
-    Args:
-        name: nvidia-smi's product name.
-
     Returns:
         ``(compute capability, multiprocessors)``, each ``None`` when the model is unknown.
     """
@@ -124,12 +114,6 @@ def model_info(name: str | None) -> tuple[tuple[int, int] | None, int | None]:
 def speed_key(g: SmiGpu) -> tuple[int, int, float]:
     """How CUDA's FASTEST_FIRST ranks devices (higher first): compute capability, then multiprocessors x
     max SM clock.  From nvidia-smi's ``compute_cap`` / ``clocks.max.sm`` where reported, else the model table.
-
-    Args:
-        g: a physical GPU.
-
-    Returns:
-        ``(major, minor, multiprocessors x clock)``; zeros where unknown.
     """
     cc_table, sms = model_info(g.name)
     cc = g.compute_cap or cc_table or (0, 0)
@@ -147,9 +131,6 @@ def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple
     Args:
         gpus: the physical GPUs.
         device_order: the value of ``CUDA_DEVICE_ORDER`` (``None``: unset).
-
-    Returns:
-        ``(gpus in CUDA's order, whether that order is certain)``.
     """
     if all(g.pci_bus_id for g in gpus):
         ordered = sorted(gpus, key=pci_sort_key)
@@ -169,14 +150,7 @@ def enumeration_order(gpus: Sequence[SmiGpu], device_order: str | None) -> tuple
 
 
 def pci_order(gpus: Sequence[SmiGpu]) -> list[SmiGpu]:
-    """The physical GPUs in PCI bus order (what ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` numbers).
-
-    Args:
-        gpus: the physical GPUs.
-
-    Returns:
-        Them sorted by PCI bus id.
-    """
+    """The physical GPUs in PCI bus order (what ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` numbers)."""
     return enumeration_order(gpus, "PCI_BUS_ID")[0]
 
 
@@ -185,9 +159,6 @@ _UNIFIED = ("GB10", "JETSON", "ORIN", "THOR", "XAVIER", "TEGRA")
 
 def is_unified_memory(name: str | None) -> bool:
     """True for SoC GPUs that share system memory (no framebuffer of their own): GB10, Jetson...
-
-    Args:
-        name: nvidia-smi's product name.
 
     Returns:
         True for a GPU without memory of its own.

@@ -120,9 +120,6 @@ def parse_value(raw: str) -> tuple[str | None, str | None]:
     >>> parse_value("N/A")
     (None, 'N/A')
 
-    Args:
-        raw: the cell as printed.
-
     Returns:
         ``(value, None)`` or ``(None, placeholder)``.
     """
@@ -217,9 +214,6 @@ def parse_csv(
         fields: the fields asked for, in order (the columns when there is no header).
         free_text: the column that may contain commas.
         aliases: header spellings -> canonical field names.
-
-    Returns:
-        ``(columns, rows, junk)``, see above.
     """
     columns, lines, junk = _parse_csv_lines(text, fields, free_text=free_text, aliases=aliases)
     return columns, [cells for _, cells in lines], junk
@@ -406,13 +400,6 @@ def parse_gpu_csv(text: str, fields: Sequence[str] = GPU_FIELDS) -> tuple[list[S
     validated: its column count, and the number and unit of each field ckptfix reads; a row that does not
     fit is refused, naming the field (a decimal comma from a comma locale is named as such).
 
-    Args:
-        text: nvidia-smi's stdout.
-        fields: the fields asked for.
-
-    Returns:
-        ``(gpus, warnings)``.
-
     Raises:
         GpuOutputError: a GPU row does not parse (exit code 28).
     """
@@ -479,10 +466,6 @@ def _compute_cap(text: str | None) -> tuple[int, int] | None:
 def parse_apps_csv(text: str, fields: Sequence[str] = APP_FIELDS) -> tuple[list[GpuProcess], list[str]]:
     """Parse ``--query-compute-apps`` output.  A header alone (or nothing) means no processes.
 
-    Args:
-        text: nvidia-smi's stdout.
-        fields: the fields asked for.
-
     Returns:
         ``(processes, warnings)``: warnings are the lines that were not process rows.
     """
@@ -522,9 +505,6 @@ def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], 
 
     Whitespace-tolerant (real output pads MIG lines; rendered docs do not).
 
-    Args:
-        text: nvidia-smi's stdout.
-
     Returns:
         ``(gpus, mig_devices, junk)``; each MIG device belongs to the GPU line above it.
     """
@@ -559,15 +539,7 @@ def parse_list(text: str) -> tuple[list[tuple[int, str, str]], list[MigDevice], 
 
 
 def first_lines(text: str, n: int = 2) -> str:
-    """The first lines of some output, for an error message.
-
-    Args:
-        text: nvidia-smi's output.
-        n: how many lines.
-
-    Returns:
-        The first ``n`` non-blank lines, stripped, joined by `` / ``.
-    """
+    """The first lines of some output, for an error message."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return " / ".join(lines[:n])
 
@@ -578,11 +550,6 @@ def classify_failure(returncode: int, stdout: str, stderr: str = "") -> CkptfixE
     Recognised: driver not loaded (rc 9), driver/library mismatch (rc 18), no
     devices (rc 6 / "No devices were found" / "No supported GPUs", rc 255),
     insufficient permissions (rc 4).
-
-    Args:
-        returncode: nvidia-smi's exit code.
-        stdout: its stdout.
-        stderr: its stderr.
 
     Returns:
         The error to raise (with its fix), or ``None`` when the failure is not one of these.

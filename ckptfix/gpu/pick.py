@@ -19,7 +19,6 @@ environment.  :func:`ckptfix.gpu.pick_gpu` calls it and then applies the choice 
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -44,6 +43,7 @@ from ckptfix.gpu.order import is_unified_memory
 from ckptfix.gpu.records import VisibleGpu
 from ckptfix.gpu.runner import Runner
 from ckptfix.gpu.visible import GpuView, visible_gpus
+from ckptfix.text import parse_size
 
 __all__ = [
     "Criteria",
@@ -70,38 +70,14 @@ __all__ = [
 # ----------------------------------------------------------------------------- criteria and ranking
 
 
-#: compiled on first use (``re``'s cache): ``pick-gpu`` without ``--min-free`` never needs it
-_SIZE = r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*$"
-_SIZE_UNITS = {  # unit -> MiB; a bare number is GiB
-    "": 1024.0,
-    "b": 1 / 1024**2,
-    **dict.fromkeys(("k", "kb", "kib"), 1 / 1024),
-    **dict.fromkeys(("m", "mb", "mib"), 1.0),
-    **dict.fromkeys(("g", "gb", "gib"), 1024.0),
-    **dict.fromkeys(("t", "tb", "tib"), 1024.0**2),
-}
-
-
 def parse_size_mib(text: str | int | float) -> int:
-    """``"10GiB" -> 10240``, ``"512MiB" -> 512``, ``"1.5G" -> 1536``; a bare number means GiB.
-
-    Raises ValueError on anything else.
-
-    Args:
-        text: a size with an optional unit (B, K/KB/KiB, M..., G..., T...), or a number of GiB.
-
-    Returns:
-        The size in MiB, rounded down.
+    """A memory size in MiB, rounded down, in the one size grammar (:func:`ckptfix.text.parse_size`): ``"10GiB"``
+    -> 10240, ``"10GB"`` -> 9536; a bare number is GiB (``"24"`` -> 24576), as ``--min-free`` always read it.
 
     Raises:
         ValueError: not a size.
     """
-    if isinstance(text, (int, float)):
-        return int(text * 1024)
-    m = re.match(_SIZE, text)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a memory size: {text!r} (use e.g. 10GiB, 512MiB, 24G)")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    return parse_size(text, bare=2**30, minimum=0) >> 20
 
 
 @dataclass(frozen=True)
@@ -146,10 +122,6 @@ def _pci(bus_id: str) -> str:
 
 def check_exclude(ids: Sequence[str], view: GpuView) -> None:
     """Refuse ``--exclude`` entries that name no GPU (or MIG device) of ``view``.
-
-    Args:
-        ids: the entries.
-        view: the machine.
 
     Raises:
         ExcludeError: an entry names nothing here (a usage error, exit 2 in the CLI).
@@ -207,11 +179,7 @@ class Rejected:
     permanent: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """One ``rejected`` entry of ``pick-gpu --json``.
-
-        Returns:
-            ``uuid``, ``smi_index``, ``name`` and ``reason``.
-        """
+        """One ``rejected`` entry of ``pick-gpu --json``."""
         return {"uuid": self.gpu.uuid, "smi_index": self.gpu.smi_index, "name": self.gpu.name, "reason": self.reason}
 
     def __str__(self) -> str:
@@ -367,11 +335,6 @@ def rank_gpus(
 ) -> tuple[list[Ranked], list[Rejected]]:
     """Filter and order candidates (pure).  ``leased`` maps a GPU id to who holds it.
 
-    Args:
-        devices: the candidates (the devices CUDA sees).
-        criteria: how many and the filters.
-        leased: GPU id -> holder, for GPUs known to be leased.
-
     Returns:
         ``(ranked, rejected)``: the qualifying GPUs best first, each with the reason, and the others with why.
     """
@@ -499,11 +462,7 @@ class PickResult:
         return [w for w in self.view.warnings if w not in moot] + mine
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --json`` document.
-
-        Returns:
-            A dict valid against docs/schemas/pick-gpu.schema.json.
-        """
+        """The ``ckptfix pick-gpu --json`` document."""
         return {
             "schema": "ckptfix.pick-gpu/1",
             "CUDA_VISIBLE_DEVICES": self.env.get("CUDA_VISIBLE_DEVICES"),
@@ -525,9 +484,6 @@ def failure_dict(exit_code: int, message: str, result: PickResult | None = None)
         exit_code: the command's exit code.
         message: the error message (as printed after ``Error:``).
         result: the last round's :class:`PickResult` (``None``: it failed before ranking, e.g. no driver).
-
-    Returns:
-        A dict valid against docs/schemas/pick-gpu.schema.json.
     """
     view = result.view if result is not None else None
     return {
@@ -550,13 +506,6 @@ def selection_env(chosen: Sequence[VisibleGpu], *, by: str = "uuid") -> dict[str
     ``by="uuid"``: UUIDs (immune to CUDA's ordering); ``by="index"``: PCI-order indices (the
     numbering of ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, always set), which differ from nvidia-smi's
     index where nvidia-smi lists GPUs in another order.
-
-    Args:
-        chosen: the GPUs, in the order CUDA should number them.
-        by: ``"uuid"`` or ``"index"``.
-
-    Returns:
-        ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
     """
     if by == "index" or any(not g.uuid for g in chosen):
         ids = [
@@ -634,15 +583,7 @@ def choose_and_lease(
 
 
 def explain_shortfall(result: PickResult, criteria: Criteria) -> str:
-    """One line: how many qualify and why each other GPU does not.
-
-    Args:
-        result: a pick with fewer than ``criteria.n`` chosen.
-        criteria: what was asked for.
-
-    Returns:
-        ``need N GPU(s), K qualify: GPU i (...): why; ...``.
-    """
+    """One line: how many qualify and why each other GPU does not."""
     n_ok = len(result.chosen)
     head = f"need {criteria.n} GPU(s), {n_ok} qualif{'ies' if n_ok == 1 else 'y'}"
     lines = [str(r) for r in result.rejected]
@@ -685,9 +626,6 @@ def pick(
         clock: the monotonic clock (tests).
         on_result: called with each round's :class:`PickResult` (``waited_s`` set), the failing one included,
             before the error is raised (``pick-gpu --json`` reports the rejections of a failed pick).
-
-    Returns:
-        The :class:`PickResult` with ``waited_s``.
     """
     if criteria.n < 1:
         raise ValueError("n must be at least 1")
@@ -791,7 +729,7 @@ def choose_gpus(
 
     Args:
         n: how many GPUs.
-        min_free: minimum free memory, e.g. ``"10GiB"`` (a bare number is GiB).
+        min_free: minimum free memory, e.g. ``"10GiB"`` (:func:`~ckptfix.text.parse_size`; a bare number is GiB).
         max_util: maximum utilization in percent.
         max_procs: maximum number of compute processes.
         exclude: GPUs never to pick: nvidia-smi indices, GPU/MIG UUIDs (or unique prefixes), PCI bus ids.
@@ -817,7 +755,7 @@ def choose_gpus(
         ``lease_seconds`` and ``token``.
 
     Raises:
-        ValueError: ``min_free`` is not a memory size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
+        ValueError: ``min_free`` is not a size, or ``n`` < 1; :class:`ExcludeError` an ``exclude`` entry
             names no GPU here.
         NoGpuError / GpuToolingError: no GPU or no driver (20, 21, 26, 27).
         NoGpuFitsError: too few GPUs qualify (22).  GpuWaitTimeoutError: ``wait`` ran out (23).
@@ -864,11 +802,7 @@ class ReleaseResult:
     leases: list[Released]
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix pick-gpu --release --json`` document.
-
-        Returns:
-            A JSON-ready dict (schema ``ckptfix.pick-gpu-release/1``).
-        """
+        """The ``ckptfix pick-gpu --release --json`` document."""
         return {
             "schema": "ckptfix.pick-gpu-release/1",
             "token": self.token is not None,

@@ -30,11 +30,7 @@ class GpuProcess:
     used_memory_mib: int | None
 
     def to_dict(self) -> dict[str, Any]:
-        """The process as JSON.
-
-        Returns:
-            ``gpu_uuid``, ``pid``, ``name``, ``used_memory_mib``.
-        """
+        """The process as JSON."""
         return {"gpu_uuid": self.gpu_uuid, "pid": self.pid, "name": self.name, "used_memory_mib": self.used_memory_mib}
 
 
@@ -97,9 +93,6 @@ class SmiGpu:
     def unavailable_reason(self, fieldname: str) -> str | None:
         """Why ``fieldname`` has no value.
 
-        Args:
-            fieldname: an nvidia-smi field, e.g. ``memory.free``.
-
         Returns:
             The placeholder printed instead of its value (``N/A``, ``Insufficient Permissions``...), or ``None``.
         """
@@ -156,11 +149,7 @@ class Problem:
     fix: str
 
     def to_dict(self) -> dict[str, str]:
-        """The problem as JSON.
-
-        Returns:
-            ``code``, ``message`` and ``fix``.
-        """
+        """The problem as JSON."""
         return {"code": self.code, "message": self.message, "fix": self.fix}
 
     def __str__(self) -> str:
@@ -171,9 +160,6 @@ def mig_size_mib(profile: str) -> int | None:
     """Memory of a MIG device from its profile name (``1g.5gb`` -> 5120, ``1c.3g.20gb`` -> 20480); None if unknown.
 
     The profile names the instance's nominal memory in GB; nvidia-smi reports slightly less usable memory.
-
-    Args:
-        profile: the profile name.
 
     Returns:
         The nominal memory in MiB, or ``None``.
@@ -187,9 +173,6 @@ def short_uuid(uuid: str | None) -> str:
 
     Args:
         uuid: a GPU or MIG UUID, or ``None``.
-
-    Returns:
-        The short form (legacy ``MIG-GPU-...`` ids whole), ``-`` for none.
     """
     if not uuid:
         return "-"

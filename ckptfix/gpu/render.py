@@ -57,9 +57,6 @@ def _env_line(view: GpuView) -> str:
 def render_gpus(view: GpuView) -> str:
     """The human table of ``ckptfix gpus`` (its stdout; the warnings go to stderr).
 
-    Args:
-        view: from :func:`ckptfix.gpu.visible_gpus`.
-
     Returns:
         The table (``cuda:N`` rows, ``?`` marking a guessed order) and the environment line.
     """
@@ -110,14 +107,7 @@ def render_gpus(view: GpuView) -> str:
 
 
 def render_doctor(r: DoctorReport) -> str:
-    """The text form of ``ckptfix doctor``.
-
-    Args:
-        r: from :func:`ckptfix.gpu.doctor.doctor_report`.
-
-    Returns:
-        The report, one fact per line, problems with their fixes last.
-    """
+    """The text form of ``ckptfix doctor``."""
     t = r.torch
     lines = [
         f"python:  {r.python['version']} ({r.python['executable']}) on {r.python['platform']}",

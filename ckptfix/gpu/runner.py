@@ -51,9 +51,6 @@ def find_nvidia_smi(
         wsl_dir: where WSL2 keeps nvidia-smi (tests).
         wsl_device: the device whose presence means WSL2 (tests).
 
-    Returns:
-        The path (``$CKPTFIX_NVIDIA_SMI`` as given).
-
     Raises:
         GpuToolingError: none found (exit code 20); the message names ``CKPTFIX_NVIDIA_SMI``.
     """
@@ -90,13 +87,6 @@ def _which(name: str, path: str) -> str | None:
 def subprocess_runner(argv: Sequence[str], timeout: float) -> RunResult:
     """Run one command; map a missing/unrunnable binary and a timeout to ckptfix errors.
 
-    Args:
-        argv: the command.
-        timeout: seconds to wait for it.
-
-    Returns:
-        Its exit code and output.
-
     Raises:
         GpuToolingError: the program is missing or cannot be executed (exit code 20).
         GpuQueryError: it did not answer within ``timeout`` (exit code 25).
@@ -110,9 +100,6 @@ def nvidia_smi_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
     Args:
         base: the environment to start from (default ``os.environ``).
-
-    Returns:
-        A copy of it with ``LC_ALL=C`` and ``LANG=C``.
     """
     env = dict(os.environ if base is None else base)
     env["LC_ALL"] = "C"
@@ -158,14 +145,6 @@ def run_parallel(cmds: list[list[str]], timeout: float, optional: frozenset[int]
 
     A command whose position is in ``optional`` that does not answer in time is killed and
     reported as ``RunResult(-1, "", "", timed_out=True)``; any other timeout raises.
-
-    Args:
-        cmds: the commands.
-        timeout: seconds for all of them together.
-        optional: positions of the commands whose timeout is not an error.
-
-    Returns:
-        One result per command, in order.
 
     Raises:
         GpuToolingError: a program is missing or cannot be executed (exit code 20).

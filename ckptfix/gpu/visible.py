@@ -76,9 +76,6 @@ class GpuView:
     def cuda_index_of(self, g: SmiGpu) -> int | None:
         """``cuda:N`` of the whole physical GPU ``g`` in this environment, ``None`` if CUDA does not see it.
 
-        Args:
-            g: one of ``physical``.
-
         Returns:
             Its CUDA index, or ``None``.
         """
@@ -120,11 +117,7 @@ class GpuView:
         return "PCI_BUS_ID" if self.cuda_device_order == "PCI_BUS_ID" else "FASTEST_FIRST"
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``ckptfix gpus --json`` document.
-
-        Returns:
-            A dict valid against docs/schemas/gpus.schema.json.
-        """
+        """The ``ckptfix gpus --json`` document."""
         return {
             "schema": "ckptfix.gpus/1",
             "driver_version": self.driver_version,

@@ -65,10 +65,6 @@ WHEEL_ARCHS: dict[tuple[int, int], dict[str, tuple[tuple[Arch, ...], Arch | None
 def wheel_archs(torch_key: tuple[int, int], build: str) -> tuple[tuple[Arch, ...], Arch | None] | None:
     """The architectures of one CUDA build: the table's row, the nearest older release's, or by CUDA major.
 
-    Args:
-        torch_key: ``(major, minor)`` of torch.
-        build: e.g. ``"cu130"``.
-
     Returns:
         ``(SASS architectures, PTX architecture)``, or ``None`` when nothing is known of the build.
     """
@@ -86,10 +82,6 @@ def runs_on(archs: tuple[tuple[Arch, ...], Arch | None], cc: Arch) -> bool:
     >>> runs_on(((( 6, 0), (7, 0)), None), (6, 1)), runs_on((((7, 5),), None), (7, 0))
     (True, False)
 
-    Args:
-        archs: from :func:`wheel_archs`.
-        cc: the GPU's compute capability.
-
     Returns:
         ``True`` when it has SASS for ``cc``'s major at or below ``cc``, or PTX at or below ``cc``.
     """
@@ -100,12 +92,5 @@ def runs_on(archs: tuple[tuple[Arch, ...], Arch | None], cc: Arch) -> bool:
 
 
 def arch_text(archs: Sequence[Arch]) -> str:
-    """``[(7, 5), (8, 0)] -> "sm_75, sm_80"``.
-
-    Args:
-        archs: architectures.
-
-    Returns:
-        Their ``sm_XY`` names.
-    """
+    """``[(7, 5), (8, 0)] -> "sm_75, sm_80"``."""
     return ", ".join(f"sm_{a[0]}{a[1]}" for a in archs)

@@ -32,7 +32,7 @@ from ckptfix.formats.dcp.assemble import load_dcp
 from ckptfix.formats.deepspeed import find_zero_checkpoint, zero_state_dict
 from ckptfix.formats.hfstorage import find_hf_storage, hf_storage_state_dict, refuse_single_shard
 from ckptfix.formats.layouts import Resolved, check_inside, resolve
-from ckptfix.formats.registry import dispatch, implement_all
+from ckptfix.formats.registry import dispatch
 from ckptfix.pickles import Stub, stub_class
 from ckptfix.pickles.policy import PACKAGES, classify_global, needs_package
 
@@ -456,19 +456,19 @@ class _Load:
             raise CorruptCheckpointError(f"{self.path}: torch could not load it ({type(e).__name__}: {first})") from e
 
 
-def _load_tar(ld: _Load) -> Any:
+def load_tar(ld: _Load) -> Any:
     if not ld.trust:
         raise UnsupportedError(tar_message(ld.path))
     return _torch_load(ld.path, ld.restore(), mmap=False, allow_globals=(), trust=True, stubbed=ld.stubbed)
 
 
-def _load_zip(ld: _Load) -> Any:
+def load_zip(ld: _Load) -> Any:
     restore = ld.restore()  # a map_location naming a device this machine lacks is refused first
     cf = read_checkpoint(ld.path, ld.format)  # names, record sizes and limits checked before torch maps anything
     return ld.torch_load(_wrapper_location(ld, cf) or restore, mmap=ld.mmap if ld.mmap is not None else True)
 
 
-def _load_legacy(ld: _Load) -> Any:
+def load_legacy(ld: _Load) -> Any:
     restore = ld.restore()
     cf = read_checkpoint(ld.path, ld.format)  # truncated or damaged storages refused before torch reads them
     return ld.torch_load(_wrapper_location(ld, cf) or restore, mmap=False)
@@ -520,7 +520,7 @@ def _wrapper_location(ld: _Load, cf: Any) -> Any:
     return mapping
 
 
-def _load_pickle(ld: _Load) -> Any:
+def load_pickle(ld: _Load) -> Any:
     ld.restore()  # map_location is checked as for any torch file
     read_checkpoint(ld.path, ld.format)
     with _open_binary(ld.path) as f:
@@ -545,7 +545,7 @@ def _open_binary(path: str) -> Any:
     return pins.open_binary(path)
 
 
-def _load_safetensors(ld: _Load) -> Any:
+def load_safetensors(ld: _Load) -> Any:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -579,7 +579,7 @@ def _st_metadata(cf: Any) -> dict[str, Any]:
     return dict(got) if isinstance(got, dict) else {}
 
 
-def _load_sharded(ld: _Load) -> Any:
+def load_sharded(ld: _Load) -> Any:
     cf = read_checkpoint(ld.path, ld.format)  # validates the index, every shard's name and contents
     details = cf.details_as(ShardedDetails)
     idx = details.index
@@ -597,7 +597,7 @@ def _load_sharded(ld: _Load) -> Any:
     return stmeta.restore(merged, ld.metadata)
 
 
-def _load_torchscript(ld: _Load) -> Any:
+def load_torchscript(ld: _Load) -> Any:
     cf = read_checkpoint(ld.path, ld.format)
     for st in cf.storages.values():
         ld.tags[st.location] += 1
@@ -615,7 +615,7 @@ def _load_torchscript(ld: _Load) -> Any:
     return collections.OrderedDict(_materialize(cf.state_root, dev, ld.path))
 
 
-def _load_dcp(ld: _Load) -> Any:
+def load_dcp_directory(ld: _Load) -> Any:
     """A DCP directory through ckptfix's own reader (:mod:`ckptfix.formats.dcp`), never torch's unrestricted one."""
     try:
         pmod = None if ld.trust else restricted_pickle_module(ld.allow_globals, ld.stubbed)
@@ -626,23 +626,6 @@ def _load_dcp(ld: _Load) -> Any:
         raise CorruptCheckpointError(f"{ld.path}: cannot read the DCP directory ({e})") from None
     ld.tags["cpu"] += 1
     return obj
-
-
-#: the loader of each format: each returns the whole checkpoint object, torch tensors in it (torch-package:
-#: refused in its registry entry)
-implement_all(
-    "load",
-    {
-        Format.TORCH_TAR: _load_tar,
-        Format.TORCH_ZIP: _load_zip,
-        Format.TORCH_LEGACY: _load_legacy,
-        Format.PICKLE: _load_pickle,
-        Format.SAFETENSORS: _load_safetensors,
-        Format.SHARDED: _load_sharded,
-        Format.TORCHSCRIPT: _load_torchscript,
-        Format.DCP: _load_dcp,
-    },
-)
 
 
 @in_session

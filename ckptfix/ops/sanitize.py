@@ -49,7 +49,7 @@ from ckptfix.files.outputs import OutputKeywords, OutputOptions
 from ckptfix.files.progress import reporting
 from ckptfix.files.source import in_session
 from ckptfix.formats.base import Format, ZipDetails
-from ckptfix.formats.registry import dispatch, implement, implement_all
+from ckptfix.formats.registry import dispatch
 from ckptfix.ops.plaindata import Change, Plainer, normalise_global, opcodes_weights_only_cannot_read
 from ckptfix.ops.rewrite.remote import is_remote, rewrite_remote
 from ckptfix.pickles.policy import classify_global
@@ -149,7 +149,7 @@ def sanitize_checkpoint(
         return _sanitize(src, o)
 
 
-def _refuse_safetensors(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
+def refuse_safetensors(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
     """The ``sanitize`` entry of safetensors: it holds no pickle, or it is a polyglot torch.load would run."""
     from ckptfix.ops.inspect import scan_unsafe
 
@@ -196,7 +196,7 @@ def _sanitize(given: str | os.PathLike, outputs: OutputOptions) -> SanitizeRepor
     return sanitize(cf, src, outputs)
 
 
-def _sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
+def sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> SanitizeReport:
     """The ``sanitize`` entry of a torch.save file (zip or legacy): its pickle rewritten as plain data."""
     from ckptfix.formats import iter_tensors
     from ckptfix.ops.rewrite.output import prepare_output, write_atomic
@@ -254,10 +254,3 @@ def _sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> Sani
     rep.verified = True
     rep.output = src if in_place else dst_path
     return rep
-
-
-# the format registry's sanitize entries (ckptfix.formats.registry), through which sanitize_checkpoint routes: torch
-# zip and legacy files are rewritten; safetensors refuses (naming a polyglot's globals); the other formats are
-# refused in their entries
-implement_all("sanitize", dict.fromkeys((Format.TORCH_ZIP, Format.TORCH_LEGACY), _sanitize_file))
-implement(Format.SAFETENSORS, "sanitize", _refuse_safetensors)

@@ -19,7 +19,7 @@ from ckptfix.errors import CkptfixError, CorruptCheckpointError
 from ckptfix.files import source
 from ckptfix.formats import Format, Input, classify, read_checkpoint, sniff
 from ckptfix.formats.layouts import resolve
-from ckptfix.formats.registry import dispatch, implement_all
+from ckptfix.formats.registry import dispatch
 from ckptfix.pickles import (
     LEGACY_MAGIC_NUMBER,
     PickleLimits,
@@ -226,7 +226,7 @@ def _scan_zip(fileobj: Any, label: str, acc: _Acc, limits: PickleLimits) -> None
                 _scan_member_bytes(zf, info, f"{label}:{info.filename}", acc, limits)
 
 
-def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+def scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     """Every pickle torch.load would unpickle from a non-zip file; returns the format."""
     with source.open_file(path) as f:
         r, parts = scan_pickle_sequence(f, limits=limits)
@@ -241,7 +241,7 @@ def _scan_legacy(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     return Format.TORCH_LEGACY
 
 
-def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
+def scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     from ckptfix.formats.sharded import check_shard_kind, load_index
 
     idx = load_index(path)  # the one index loader: escaping shard names, bad weight maps, size limit
@@ -252,7 +252,7 @@ def _scan_sharded(path: str, acc: _Acc, limits: PickleLimits) -> Format:
     return Format.SHARDED
 
 
-def _scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_dcp(path: str, acc: _Acc, limits: PickleLimits) -> None:
     from ckptfix.files.containment import check_member
 
     meta = source.join(path, ".metadata")
@@ -759,7 +759,7 @@ def _bare_pickle(path: str, limits: PickleLimits) -> ScanReport | None:
     """The scan of a file that is a complete pickle sequence (or names any global), else None."""
     acc = _Acc(None)
     try:
-        _scan_legacy(path, acc, limits)
+        scan_legacy(path, acc, limits)
     except (CkptfixError, OSError, ValueError):
         return None
     if acc.errors and not any(not g.startswith("<") for g in acc.globals):
@@ -819,12 +819,12 @@ def global_context(fmt: Format) -> str | None:
 _context = global_context
 
 
-def _scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_archive(path: str, acc: _Acc, limits: PickleLimits) -> None:
     with source.open_file(path) as f:
         _scan_zip(f, os.path.basename(path), acc, limits)
 
 
-def _scan_torchscript(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_torchscript(path: str, acc: _Acc, limits: PickleLimits) -> None:
     """A TorchScript archive: its pickles, and its code, which ``torch.jit.load`` runs (``inspect`` says the
     same): never "safe"."""
     base = os.path.basename(path)
@@ -837,11 +837,11 @@ def _scan_torchscript(path: str, acc: _Acc, limits: PickleLimits) -> None:
     )
 
 
-def _scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_safetensors(path: str, acc: _Acc, limits: PickleLimits) -> None:
     read_checkpoint(path, Format.SAFETENSORS)  # validates the JSON header; no pickle inside
 
 
-def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
     """The pickles torch's tar loader runs first: ``storages`` and ``tensors`` (their opening pickle) and
     ``pickle`` (the object); the per-storage records that follow are not walked, so never "safe"."""
     import tarfile
@@ -872,7 +872,7 @@ def _scan_tar(path: str, acc: _Acc, limits: PickleLimits) -> None:
         acc.errors.append(f"{base}: damaged tar archive ({type(e).__name__}: {e})")
 
 
-def _scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
+def scan_package(path: str, acc: _Acc, limits: PickleLimits) -> None:
     """Every pickle of a torch.package archive; its packaged Python code is never "safe"."""
     base = os.path.basename(path)
     with source.open_file(path) as f:
@@ -935,7 +935,7 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
             acc.unknown(base, f"read as a tar archive: {e}")
             tar = False
         if tar:  # torch reads the zip; torch before 1.6 (and tarfile) the tar
-            _scan_tar(path, acc, limits)
+            scan_tar(path, acc, limits)
             acc.notes.append(f"{base}: the bytes are also a tar archive (a polyglot); both readings were scanned")
     if kind in (Format.PICKLE, Format.TORCH_LEGACY, Format.SAFETENSORS) and sniffing.zip_appended(path):
         sub = _Acc(acc.context)
@@ -948,20 +948,3 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
             f"{base}: a zip archive is appended (a polyglot): torch.load reads the start, zip readers "
             "the archive; both were scanned"
         )
-
-
-#: how each format is scanned (a scanner that tells the format from what it read returns it)
-implement_all(
-    "scan",
-    {
-        Format.TORCH_ZIP: _scan_archive,
-        Format.TORCHSCRIPT: _scan_torchscript,
-        Format.TORCH_LEGACY: _scan_legacy,
-        Format.PICKLE: _scan_legacy,
-        Format.SAFETENSORS: _scan_safetensors,
-        Format.SHARDED: _scan_sharded,
-        Format.DCP: _scan_dcp,
-        Format.TORCH_TAR: _scan_tar,
-        Format.TORCH_PACKAGE: _scan_package,
-    },
-)

@@ -44,13 +44,6 @@ __all__ = [
 def train(config: TrainConfig, **overrides: Any) -> TrainResult:
     """Run one training configuration; see :func:`ckptfix.train.entry.train`.
 
-    Args:
-        config: The configuration.
-        **overrides: Fields replaced in a copy of ``config``.
-
-    Returns:
-        The run's checkpoints and metrics.
-
     Raises:
         TrainingError: the options are invalid or the run fails.
     """
@@ -61,12 +54,6 @@ def train(config: TrainConfig, **overrides: Any) -> TrainResult:
 
 def bench(**kwargs: Any) -> list[BenchRow]:
     """Time single / dp / manual / ddp / fsdp (+amp); see :func:`ckptfix.train.bench.bench`.
-
-    Args:
-        **kwargs: :func:`ckptfix.train.bench.run_bench`'s arguments.
-
-    Returns:
-        The rows (:class:`ckptfix.train.bench.BenchRow`).
 
     Raises:
         TrainingError: a row's options are invalid or a run fails.
@@ -84,9 +71,6 @@ def verify_probe(entry: dict[str, Any], out_dir: str, state_dict: Any = None) ->
         out_dir: The directory holding the manifest.
         state_dict: The weights to check (default: the entry's checkpoint, loaded).
 
-    Returns:
-        ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
-
     Raises:
         CkptfixError: the checkpoint cannot be loaded.
     """
@@ -97,9 +81,6 @@ def verify_probe(entry: dict[str, Any], out_dir: str, state_dict: Any = None) ->
 
 def read_manifest(out_dir: str) -> dict[str, Any]:
     """Read ``checkpoints.json``; see :func:`ckptfix.train.manifest.read_manifest`.
-
-    Args:
-        out_dir: A run's output directory, or the manifest file.
 
     Returns:
         The manifest (an empty one when absent).

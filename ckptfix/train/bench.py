@@ -49,11 +49,7 @@ class BenchRow:
     amp_dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The row as a JSON-ready dict (without ``checkpoint`` when the files were not kept).
-
-        Returns:
-            ``{field: value}``.
-        """
+        """The row as a JSON-ready dict (without ``checkpoint`` when the files were not kept)."""
         d = dataclasses.asdict(self)
         if d["checkpoint"] is None:
             del d["checkpoint"]
@@ -76,9 +72,6 @@ def bench_configs(
         base: TrainConfig fields every row gets.
         modes: Only rows of these modes (default: all, plus ddp+amp on CUDA).
         amp: Add a ``+amp`` row for every mode that supports it.
-
-    Returns:
-        ([(label, TrainConfig fields)], ["label (why it is left out)"]).
     """
     import torch
 
@@ -154,9 +147,6 @@ def run_bench(
         modes: Only rows of these modes.
         amp: Add ``+amp`` rows.
         **config: More :class:`TrainConfig` fields for every row.
-
-    Returns:
-        The table.
 
     Raises:
         TrainingError: a row's configuration is invalid (before anything runs) or a run fails.
@@ -240,12 +230,6 @@ def _plan(
 def bench(**kwargs: Any) -> list[BenchRow]:
     """The rows of :func:`run_bench`.
 
-    Args:
-        **kwargs: :func:`run_bench`'s arguments.
-
-    Returns:
-        The rows.
-
     Raises:
         TrainingError: as :func:`run_bench`.
     """
@@ -280,13 +264,6 @@ def bench_options(cfg: TrainConfig, given: Collection[str]) -> dict[str, Any]:
 
     ``--mode``, ``--out`` and ``--save-format`` apply only when given (``given``): otherwise
     every mode runs, the files go to a temp directory, and each mode saves in its own format.
-
-    Args:
-        cfg: The training options.
-        given: The names of the fields the user set explicitly.
-
-    Returns:
-        The keyword arguments.
     """
     kw: dict[str, Any] = {f: getattr(cfg, f) for f in _ROW_FIELDS}
     if "save_format" in given:
@@ -308,10 +285,6 @@ def bench_options(cfg: TrainConfig, given: Collection[str]) -> dict[str, Any]:
 def check_bench_options(cfg: TrainConfig, given: Collection[str]) -> None:
     """Check the options of ``ckptfix train --bench`` before anything runs.
 
-    Args:
-        cfg: The training options.
-        given: The names of the fields the user set explicitly.
-
     Raises:
         TrainingError: an option is invalid or does not apply to the benchmark or to one of its rows.
     """
@@ -331,13 +304,6 @@ def check_bench_options(cfg: TrainConfig, given: Collection[str]) -> None:
 
 def bench_from_config(cfg: TrainConfig, given: Collection[str]) -> BenchResult:
     """Run the benchmark with the options of ``ckptfix train --bench`` (see :func:`bench_options`).
-
-    Args:
-        cfg: The training options.
-        given: The names of the fields the user set explicitly.
-
-    Returns:
-        The table.
 
     Raises:
         TrainingError: an option does not apply, or a run fails.

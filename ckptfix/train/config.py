@@ -24,26 +24,12 @@ ALLREDUCES = ("ring", "naive")  # manual: the hand-written gradient all-reduce
 
 
 def default_save_format(mode: str) -> str:
-    """The save format of ``mode`` when none is given: ``dcp`` for fsdp (sharded), else ``pt``.
-
-    Args:
-        mode: One of :data:`MODES`.
-
-    Returns:
-        ``"dcp"`` or ``"pt"``.
-    """
+    """The save format of ``mode`` when none is given: ``dcp`` for fsdp (sharded), else ``pt``."""
     return "dcp" if mode == "fsdp" else "pt"
 
 
 def process_group_backend(device_type: str) -> str:
-    """The torch.distributed backend of ``ddp``/``fsdp`` runs: nccl on CUDA, gloo on CPU.
-
-    Args:
-        device_type: ``"cuda"`` or ``"cpu"``.
-
-    Returns:
-        The backend name.
-    """
+    """The torch.distributed backend of ``ddp``/``fsdp`` runs: nccl on CUDA, gloo on CPU."""
     return "nccl" if device_type == "cuda" else "gloo"
 
 
@@ -95,9 +81,6 @@ class TrainConfig:
 
         A resumed run without ``--name`` is ``<derived>-resumed-from-<checkpoint stem>``, so it never
         writes over the files of the run it continues, nor mixes two histories under one name.
-
-        Returns:
-            The stem.
         """
         if self.name:
             return self.name
@@ -134,31 +117,16 @@ class TrainConfig:
         return "-".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain dict.
-
-        Returns:
-            ``{field: value}``.
-        """
+        """The fields as a plain dict."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        """The fields as JSON (what a torchrun worker reads back with :meth:`from_dict`).
-
-        Returns:
-            The JSON text.
-        """
+        """The fields as JSON (what a torchrun worker reads back with :meth:`from_dict`)."""
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
-        """A configuration from :meth:`to_dict`'s output; unknown keys are ignored.
-
-        Args:
-            d: The fields.
-
-        Returns:
-            The configuration.
-        """
+        """A configuration from :meth:`to_dict`'s output; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
         if "explicit" in kw:
@@ -251,32 +219,18 @@ class TrainResult:
         return path
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as a plain (JSON-ready) dict.
-
-        Returns:
-            ``{field: value}``.
-        """
+        """The fields as a plain (JSON-ready) dict."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainResult":
-        """A result from :meth:`to_dict`'s output; unknown keys are ignored.
-
-        Args:
-            d: The fields.
-
-        Returns:
-            The result.
-        """
+        """A result from :meth:`to_dict`'s output; unknown keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def default(name: str) -> object:
     """The default of the :class:`TrainConfig` field ``name`` (what ``ckptfix train`` shows).
-
-    Args:
-        name: A field name.
 
     Returns:
         Its default value.

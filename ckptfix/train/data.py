@@ -57,31 +57,16 @@ class Dataset:
     source: str
 
     def train_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The training split as the models take it.
-
-        Returns:
-            (float32 images [N, 1, 28, 28] in [-1, 1], int64 labels [N]).
-        """
+        """The training split as the models take it."""
         return to_float(self.train_images), self.train_labels
 
     def test_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The test split as the models take it.
-
-        Returns:
-            (float32 images [N, 1, 28, 28] in [-1, 1], int64 labels [N]).
-        """
+        """The test split as the models take it."""
         return to_float(self.test_images), self.test_labels
 
 
 def to_float(images: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, 28, 28] -> float32 [N, 1, 28, 28] in [-1, 1].
-
-    Args:
-        images: uint8 images [N, 28, 28].
-
-    Returns:
-        The float32 batch [N, 1, 28, 28].
-    """
+    """uint8 [N, 28, 28] -> float32 [N, 1, 28, 28] in [-1, 1]."""
     return (images.to(torch.float32).div(255.0).sub(0.5).div(0.5)).unsqueeze(1).contiguous()
 
 
@@ -93,16 +78,7 @@ def _prototypes(seed: int) -> torch.Tensor:
 
 
 def synthetic_images(n: int, seed: int, *, proto_seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` uint8 images and int64 labels; prototypes come from ``proto_seed``, samples from ``seed``.
-
-    Args:
-        n: How many samples.
-        seed: Seed of the samples (labels, shifts, contrast, noise).
-        proto_seed: Seed of the 10 class prototypes.
-
-    Returns:
-        (uint8 images [n, 28, 28], int64 labels [n]).
-    """
+    """``n`` uint8 images and int64 labels; prototypes come from ``proto_seed``, samples from ``seed``."""
     protos = _prototypes(proto_seed)
     g = torch.Generator().manual_seed(seed)
     labels = torch.randint(0, NUM_CLASSES, (n,), generator=g, dtype=torch.int64)
@@ -122,16 +98,7 @@ def synthetic_images(n: int, seed: int, *, proto_seed: int) -> tuple[torch.Tenso
 
 
 def synthetic_dataset(seed: int = 0, n_train: int = 2048, n_test: int = 512) -> Dataset:
-    """The default data set: deterministic for a given seed and sizes.
-
-    Args:
-        seed: The seed (prototypes and samples).
-        n_train: Training samples.
-        n_test: Test samples.
-
-    Returns:
-        The data set.
-    """
+    """The default data set: deterministic for a given seed and sizes."""
     tr_x, tr_y = synthetic_images(n_train, seed * 2 + 1, proto_seed=seed)
     te_x, te_y = synthetic_images(n_test, seed * 2 + 2, proto_seed=seed)
     return Dataset(tr_x, tr_y, te_x, te_y, f"synthetic(seed={seed}, train={n_train}, test={n_test})")
@@ -145,12 +112,6 @@ DIGITS_TEST = 360
 
 def digits_dataset(seed: int = 0) -> Dataset:
     """The vendored 8x8 handwritten digits (module docstring), as 28x28 uint8, shuffled by ``seed``.
-
-    Args:
-        seed: The seed of the train/test shuffle.
-
-    Returns:
-        1,437 training and 360 test images.
 
     Raises:
         TrainingError: the vendored file is missing or damaged (a broken install).
@@ -184,15 +145,7 @@ def digits_dataset(seed: int = 0) -> Dataset:
 
 
 def probe_batch(seed: int = PROBE_SEED, n: int = PROBE_SIZE) -> torch.Tensor:
-    """The fixed probe input: ``n`` synthetic images as float32 [n, 1, 28, 28], from ``seed`` only.
-
-    Args:
-        seed: The probe's seed.
-        n: Its batch size.
-
-    Returns:
-        The batch.
-    """
+    """The fixed probe input: ``n`` synthetic images as float32 [n, 1, 28, 28], from ``seed`` only."""
     imgs, _ = synthetic_images(n, seed, proto_seed=seed)
     return to_float(imgs)
 
@@ -214,9 +167,6 @@ def _check(images: torch.Tensor, labels: torch.Tensor, what: str, path: str) -> 
 
 def load_dataset(path: str) -> Dataset:
     """Read a ``.pt`` or ``.npz`` file in the documented format (see the module docstring).
-
-    Args:
-        path: The file.
 
     Returns:
         The data set (a fifth of the samples held out for testing when the file has no test split).
@@ -265,10 +215,6 @@ def load_dataset(path: str) -> Dataset:
 
 def save_dataset(ds: Dataset, path: str) -> None:
     """Write ``ds`` in the ``--data`` format (``.pt`` or ``.npz`` by extension), atomically.
-
-    Args:
-        ds: The data set.
-        path: The file to write.
 
     Raises:
         OutputError: the file cannot be written.

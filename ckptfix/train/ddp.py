@@ -58,9 +58,6 @@ def _package_root() -> str:
 def default_nproc(device_type: str) -> int:
     """How many workers ``ddp``/``fsdp`` start without ``--nproc``.
 
-    Args:
-        device_type: ``"cuda"`` or ``"cpu"``.
-
     Returns:
         The GPU count on CUDA (at least 1), else 2.
     """
@@ -85,9 +82,6 @@ _CAUSE_PATTERNS = (
 def failure_cause(lines: list[str]) -> str:
     """The line of a torchrun log that best says why it failed (the last match of the most specific pattern).
 
-    Args:
-        lines: The log's lines.
-
     Returns:
         That line, stripped (the last non-empty line when no pattern matches; ``"no output"``).
     """
@@ -104,9 +98,6 @@ def preflight(cfg: TrainConfig) -> None:
 
     The options (:meth:`TrainConfig.validate`), the ``--data`` file, and a ``--resume``
     checkpoint: readable, fits the model, has fewer epochs than ``--epochs``.
-
-    Args:
-        cfg: The configuration.
 
     Raises:
         TrainingError: as the workers would raise it, before anything is launched.
@@ -217,11 +208,7 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
 
 
 def note_kept(cfg: TrainConfig) -> None:
-    """Record (:func:`ckptfix.files.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist.
-
-    Args:
-        cfg: The interrupted run's configuration.
-    """
+    """Record (:func:`ckptfix.files.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist."""
     from ckptfix.files.atomic import note_finished
     from ckptfix.train.manifest import MANIFEST, read_manifest
 

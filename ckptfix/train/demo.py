@@ -63,11 +63,7 @@ class DemoResult:
         return all(r.verified for r in self.rows) and all(g["ok"] for g in self.gpu_commands)
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as a JSON-ready dict (``ckptfix demo --json``).
-
-        Returns:
-            ``{"out_dir", "device", "ok", "seconds", "rows", "gpu_commands"}``.
-        """
+        """The result as a JSON-ready dict (``ckptfix demo --json``)."""
         return {
             "out_dir": self.out_dir,
             "device": self.device,
@@ -133,10 +129,6 @@ def plain_problem(path: str, model: Any) -> str:
     ``torch.load(path, weights_only=True)`` (a directory too), then on the state dict it returns
     ``model.load_state_dict(sd, strict=True)``.
 
-    Args:
-        path: The checkpoint (file or DCP directory).
-        model: A fresh model of the checkpoint's architecture.
-
     Returns:
         ``"torch.load: <error>"``, ``"load_state_dict: <error>"`` or ``"none (plain torch loads it)"``.
     """
@@ -157,11 +149,6 @@ def prove_plain(entry: dict[str, Any], out_dir: str, state_dict: Any) -> dict[st
 
     ``state_dict`` comes from ``torch.load(weights_only=True)`` / ``safetensors.torch.load_file``
     (or :func:`ckptfix.load_anywhere`, the in-memory fix).
-
-    Args:
-        entry: The checkpoint's ``checkpoints.json`` entry (model and probe).
-        out_dir: The directory holding the manifest and the probe sidecar.
-        state_dict: The weights to prove.
 
     Returns:
         ``{"exact": bool, "max_abs_diff": float | None, "error": str | None}``.
@@ -411,14 +398,7 @@ class _Fixes:
 
 
 def format_summary(res: DemoResult) -> str:
-    """The demo's text report: the checkpoint table, the GPU command table, the verdict.
-
-    Args:
-        res: The demo's result.
-
-    Returns:
-        The text (no trailing newline).
-    """
+    """The demo's text report: the checkpoint table, the GPU command table, the verdict."""
     from ckptfix.text import table
 
     rows = [
@@ -454,9 +434,6 @@ def format_summary(res: DemoResult) -> str:
 
 def check(res: DemoResult) -> None:
     """Fail unless every step of the demo verified.
-
-    Args:
-        res: The demo's result.
 
     Raises:
         DemoFailedError: some fix or GPU command did not verify (names them).

@@ -12,12 +12,6 @@ from ckptfix.errors import TrainingError
 def resolve_device(device: str) -> str:
     """The device type a run uses: ``auto`` becomes ``cuda`` when CUDA is available, else ``cpu``.
 
-    Args:
-        device: One of :data:`ckptfix.train.config.DEVICES`.
-
-    Returns:
-        ``"cuda"`` or ``"cpu"``.
-
     Raises:
         TrainingError: ``cuda`` was asked for and this torch build sees no CUDA device.
     """
@@ -32,14 +26,7 @@ def resolve_device(device: str) -> str:
 
 
 def amp_dtype(device: str) -> torch.dtype:
-    """The autocast dtype of ``--amp``: float16 on CUDA, bfloat16 on CPU.
-
-    Args:
-        device: ``"cuda"`` or ``"cpu"``.
-
-    Returns:
-        The dtype.
-    """
+    """The autocast dtype of ``--amp``: float16 on CUDA, bfloat16 on CPU."""
     return torch.float16 if device == "cuda" else torch.bfloat16
 
 

@@ -22,9 +22,6 @@ def check_not_under_torchrun(mode: str) -> None:
     Every process would train the same run and write the same files; the distributed modes
     are ``ddp`` and ``fsdp``.
 
-    Args:
-        mode: The mode about to run.
-
     Raises:
         TrainingError: ``mode`` runs in one process and this is one of several torchrun workers.
     """
@@ -40,9 +37,6 @@ def check_not_under_torchrun(mode: str) -> None:
 def check_options(cfg: TrainConfig) -> None:
     """Check everything about ``cfg`` that can be checked before training: the options and where it runs.
 
-    Args:
-        cfg: The configuration.
-
     Raises:
         TrainingError: an option is invalid or does not apply here (a usage error: nothing ran).
     """
@@ -56,9 +50,6 @@ def in_process_threads(cfg: TrainConfig) -> int | None:
     One thread per process on CPU, as the ddp workers and ``--bench`` use: these small models gain
     nothing from more, and under CPU contention (other jobs, shared CI machines) torch's default of
     one thread per core makes an epoch 10-20x slower (a dp epoch 42-95 s against 4.5 s).
-
-    Args:
-        cfg: The configuration.
 
     Returns:
         The thread count to set, or None to leave torch's (CUDA runs without ``--threads``).
@@ -77,13 +68,6 @@ def train(config: TrainConfig, **overrides: Any) -> TrainResult:
     launch ``torchrun`` (``config.nproc`` workers, gloo on CPU / nccl on CUDA)
     unless this process already is a torchrun worker, in which case it trains
     as that rank (a rank other than 0 returns a result without checkpoints).
-
-    Args:
-        config: The configuration.
-        **overrides: Fields replaced in a copy of ``config``.
-
-    Returns:
-        The run's checkpoints (as listed in ``checkpoints.json``) and metrics.
 
     Raises:
         TrainingError: the options are invalid or the run fails.

@@ -54,13 +54,6 @@ def names_to_ids(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name (``get_state_dict``) re-keyed by index into ``names``.
 
     Keys that are already ints (or not among ``names``) are kept.
-
-    Args:
-        opt_sd: The optimizer state dict.
-        names: The parameter names in index order.
-
-    Returns:
-        A new dict keyed by index.
     """
     index = {n: i for i, n in enumerate(names)}
 
@@ -76,15 +69,7 @@ def names_to_ids(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 
 def ids_to_names(opt_sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """The inverse of :func:`names_to_ids`: index keys become parameter names (what ``set_state_dict`` wants).
-
-    Args:
-        opt_sd: The optimizer state dict.
-        names: The parameter names in index order.
-
-    Returns:
-        A new dict keyed by name.
-    """
+    """The inverse of :func:`names_to_ids`: index keys become parameter names (what ``set_state_dict`` wants)."""
 
     def as_name(k: Any) -> Any:
         return names[k] if isinstance(k, int) and 0 <= k < len(names) else k
@@ -139,11 +124,7 @@ class FSDPState:
         )
 
     def load_optimizer(self, opt_sd: dict[str, Any]) -> None:
-        """Restore a full (unsharded) optimizer state dict keyed by index or name; each rank keeps its slice.
-
-        Args:
-            opt_sd: The full optimizer state dict.
-        """
+        """Restore a full (unsharded) optimizer state dict keyed by index or name; each rank keeps its slice."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if not any(g.get("momentum") for g in self.optimizer.param_groups):

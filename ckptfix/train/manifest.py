@@ -18,25 +18,12 @@ MANIFEST_VERSION = 1
 
 
 def manifest_path(out_dir: str) -> str:
-    """The manifest of ``out_dir`` (or ``out_dir`` itself when it is a ``.json`` path).
-
-    Args:
-        out_dir: A run's output directory, or a manifest file.
-
-    Returns:
-        The path of ``checkpoints.json``.
-    """
+    """The manifest of ``out_dir`` (or ``out_dir`` itself when it is a ``.json`` path)."""
     return out_dir if out_dir.endswith(".json") else os.path.join(out_dir, MANIFEST)
 
 
 def read_manifest(out_dir: str) -> dict[str, Any]:
     """Read ``out_dir/checkpoints.json`` (or the file itself); an empty manifest when absent.
-
-    Args:
-        out_dir: A run's output directory, or a manifest file.
-
-    Returns:
-        ``{"version": 1, "checkpoints": [entry, ...], ...}``.
 
     Raises:
         OSError: the file exists but cannot be read.
@@ -52,13 +39,6 @@ def read_manifest(out_dir: str) -> dict[str, Any]:
 
 def update_manifest(out_dir: str, entries: list[dict[str, Any]]) -> str:
     """Add ``entries`` to ``out_dir/checkpoints.json``, replacing entries with the same path; atomic.
-
-    Args:
-        out_dir: The run's output directory.
-        entries: New entries (each with a ``path``).
-
-    Returns:
-        The manifest's path.
 
     Raises:
         OutputError: the manifest cannot be written.

@@ -99,13 +99,6 @@ def scatter_sizes(n: int, k: int) -> list[int]:
     (5 on 4 -> 2, 2, 1); the replicas left over get 0 samples and sit the step out, as DataParallel
     then uses fewer replicas.
 
-    Args:
-        n: The batch size.
-        k: The replicas.
-
-    Returns:
-        ``k`` sizes summing to ``n``.
-
     Raises:
         TrainingError: ``k`` is less than 1.
     """
@@ -159,9 +152,6 @@ class ManualDataParallel:
         Args:
             x: The input batch (any device; each slice goes to its replica's device).
             y: The labels.
-
-        Returns:
-            The full-batch mean loss.
         """
         n = x.shape[0]
         sizes = scatter_sizes(n, len(self.replicas))

@@ -51,14 +51,7 @@ class LeNet(nn.Module):
         self.show_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits.
-
-        Args:
-            x: A batch [N, 1, 28, 28].
-
-        Returns:
-            [N, 10] logits.
-        """
+        """The logits."""
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         x = self.pool(F.relu(self.conv1(x)))
@@ -78,9 +71,6 @@ def tutorial_params(scale: float | None = None) -> list[torch.Tensor]:
     Args:
         scale: The weights' standard deviation (``0.01``: the tutorial's); None: He scaling,
             ``sqrt(2 / fan_in)`` per layer (fan-in 9, 500, 800 and 128).
-
-    Returns:
-        The eight tensors (from the global RNG).
     """
     shapes = [(20, 1, 3, 3), (50, 20, 5, 5), (800, 128), (128, 10)]
     out: list[torch.Tensor] = []
@@ -92,15 +82,7 @@ def tutorial_params(scale: float | None = None) -> list[torch.Tensor]:
 
 
 def tutorial_forward(x: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
-    """The tutorial's functional LeNet on ``[N, 1, 28, 28]`` input with ``params`` from :func:`tutorial_params`.
-
-    Args:
-        x: A batch [N, 1, 28, 28].
-        params: The eight tensors.
-
-    Returns:
-        [N, 10] logits.
-    """
+    """The tutorial's functional LeNet on ``[N, 1, 28, 28]`` input with ``params`` from :func:`tutorial_params`."""
     w1, b1, w2, b2, w3, b3, w4, b4 = params
     h1 = F.avg_pool2d(F.relu(F.conv2d(x, w1, b1)), kernel_size=2, stride=2)
     h2 = F.avg_pool2d(F.relu(F.conv2d(h1, w2, b2)), kernel_size=2, stride=2)
@@ -130,14 +112,7 @@ class TutorialLeNet(nn.Module):
         return [getattr(self, n) for n in self.NAMES]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits.
-
-        Args:
-            x: A batch [N, 1, 28, 28].
-
-        Returns:
-            [N, 10] logits.
-        """
+        """The logits."""
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         return tutorial_forward(x, self.params)
@@ -157,14 +132,7 @@ class BasicBlock(nn.Module):
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output.
-
-        Args:
-            x: Feature maps [N, cin, H, W].
-
-        Returns:
-            Feature maps [N, cout, H / stride, W / stride].
-        """
+        """The block's output."""
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return F.relu(out + self.shortcut(x))
@@ -183,14 +151,7 @@ class SmallResNet(nn.Module):
         self.show_split = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The logits.
-
-        Args:
-            x: A batch [N, 1, 28, 28].
-
-        Returns:
-            [N, 10] logits.
-        """
+        """The logits."""
         if self.show_split:
             print(f"\tIn Model: input size {tuple(x.shape)} on {x.device}", file=sys.stderr, flush=True)
         x = F.relu(self.bn1(self.conv1(x)))
@@ -206,9 +167,6 @@ def build_model(name: str, seed: int, *, init: str = "he") -> nn.Module:
         name: One of :data:`ckptfix.train.config.MODELS`.
         seed: The initialisation seed (the global RNG is left as it was).
         init: The tutorial network's initialisation (:data:`ckptfix.train.config.INITS`); others ignore it.
-
-    Returns:
-        The model (CPU, float32).
 
     Raises:
         TrainingError: ``name`` is not a known model.
@@ -228,9 +186,6 @@ def build_model(name: str, seed: int, *, init: str = "he") -> nn.Module:
 
 def has_batchnorm(model: nn.Module) -> bool:
     """Whether ``model`` has BatchNorm layers (DDP on CUDA converts them to SyncBatchNorm).
-
-    Args:
-        model: The model.
 
     Returns:
         True when some submodule is a BatchNorm.

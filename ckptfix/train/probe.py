@@ -21,9 +21,6 @@ from ckptfix.train import data as _data
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of a tensor in C order (native byte order), without numpy.
 
-    Args:
-        t: Any tensor; it is copied to the CPU and made contiguous first.
-
     Returns:
         ``numel * element_size`` bytes (``b""`` for an empty tensor).
     """
@@ -32,14 +29,7 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of the tensor's float32 bytes (C order, native little-endian).
-
-    Args:
-        t: Any floating-point tensor.
-
-    Returns:
-        The hex digest.
-    """
+    """sha256 of the tensor's float32 bytes (C order, native little-endian)."""
     return hashlib.sha256(tensor_bytes(t.detach().to("cpu", torch.float32))).hexdigest()
 
 
@@ -62,9 +52,6 @@ def probe_output(model: nn.Module, probe: torch.Tensor | None = None) -> torch.T
     Args:
         model: The model (not modified: a copy runs).
         probe: The input batch; default :func:`ckptfix.train.data.probe_batch`.
-
-    Returns:
-        The output tensor (CPU, float32).
     """
     if probe is None:
         probe = _data.probe_batch()

@@ -26,12 +26,6 @@ def int_optimizer_keys(opt_sd: dict[str, Any]) -> dict[str, Any]:
     ``load_state_dict`` would keep those *next to* the real entries and the momentum would be lost.
     String ids (in ``state`` and in each param group's ``params``) become ints again; the
     tensors are not copied.
-
-    Args:
-        opt_sd: An optimizer state dict (``state`` and ``param_groups``).
-
-    Returns:
-        A new dict with integer ids.
     """
 
     def as_id(k: Any) -> Any:
@@ -54,10 +48,6 @@ def load_resume(cfg: TrainConfig, base: nn.Module) -> tuple[dict[str, Any], str]
 
     Also the launcher's pre-flight check for ``ddp``/``fsdp``, so a bad ``--resume`` is one
     ``Error:`` line before torchrun starts.
-
-    Args:
-        cfg: The run's configuration (``cfg.resume`` is set).
-        base: The freshly built model; its weights are replaced.
 
     Returns:
         (the checkpoint's top-level dict, or ``{}`` for a bare state dict; its format name).
@@ -98,9 +88,6 @@ def verify_probe(
         out_dir: The directory holding the manifest (entries' paths are relative to it).
         state_dict: The weights to check; without it the entry's checkpoint is loaded through
             :func:`ckptfix.ops.load.load_checkpoint` (``model=`` aligns the keys).
-
-    Returns:
-        ``{"exact": bool, "max_abs_diff": float, "sha256_ok": bool}``.
 
     Raises:
         CkptfixError: the checkpoint cannot be loaded.

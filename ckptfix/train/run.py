@@ -63,20 +63,12 @@ class Run:
         self._epoch_files: list[str] = []  # this epoch's files, removed again if its save fails
 
     def log(self, msg: str) -> None:
-        """Progress on stderr (rank 0 only; nothing with ``--quiet``).
-
-        Args:
-            msg: One line.
-        """
+        """Progress on stderr (rank 0 only; nothing with ``--quiet``)."""
         if not self.cfg.quiet and self.dist.is_main:
             self._log(msg)
 
     def warn(self, msg: str) -> None:
-        """A warning: on stderr even with --quiet (rank 0 only).
-
-        Args:
-            msg: One line (``warning:`` is prepended).
-        """
+        """A warning: on stderr even with --quiet (rank 0 only)."""
         if self.dist.is_main:
             self._log(f"warning: {msg}")
 
@@ -209,11 +201,7 @@ class Run:
         self.log(f"resumed {cfg.resume} (format {fmt}, epoch {done})")
 
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The run's optimizers (one per replica in manual mode, else one).
-
-        Returns:
-            The optimizers.
-        """
+        """The run's optimizers (one per replica in manual mode, else one)."""
         if self.manual:
             return list(self.manual.optimizers)
         if self.fsdp is not None:
@@ -281,9 +269,6 @@ class Run:
 
         Args:
             epoch: The epoch (1-based); each gets its own shuffle, the same on every rank.
-
-        Returns:
-            A ``DataLoader``.
         """
         from torch.utils.data import DataLoader, TensorDataset
 
@@ -319,26 +304,13 @@ class Run:
     # -- one step ------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
-        """The forward pass's autocast context (a no-op without ``--amp``).
-
-        Returns:
-            A context manager.
-        """
+        """The forward pass's autocast context (a no-op without ``--amp``)."""
         if not self.cfg.amp:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=amp_dtype(self.device_type))
 
     def step(self, x: torch.Tensor, y: torch.Tensor, show_split: bool) -> float:
-        """One optimisation step on a batch.
-
-        Args:
-            x: The inputs.
-            y: The labels.
-            show_split: Print how the batch is split over the replicas.
-
-        Returns:
-            The batch's mean loss.
-        """
+        """One optimisation step on a batch."""
         if self.manual is not None:
             manual_loss = self.manual.step(x, y)
             if show_split:
@@ -370,11 +342,7 @@ class Run:
     # -- evaluation ----------------------------------------------------------
 
     def evaluate(self) -> float:
-        """Test accuracy of the current weights (over every rank's share in ddp).
-
-        Returns:
-            The fraction of test samples classified correctly.
-        """
+        """Test accuracy of the current weights (over every rank's share in ddp)."""
         x, y = self.dataset.test_tensors()
         # ddp: each rank scores a strided share, then the counts are summed.  fsdp: every rank runs the
         # whole set (each forward all-gathers parameters, so all ranks must run the same batches).
@@ -416,10 +384,6 @@ class Run:
 
     def save(self, epoch: int, accuracy: float) -> dict[str, Any] | None:
         """Save this epoch's checkpoint (rank 0 writes .pt; every rank writes its DCP shard) and probe.
-
-        Args:
-            epoch: The epoch just trained.
-            accuracy: Its test accuracy.
 
         Returns:
             The epoch's ``checkpoints.json`` entry on rank 0; None on the other ranks.

@@ -25,14 +25,6 @@ def expected_prefix(mode: str, save_style: str, compiled: bool) -> str:
     Wrapped DP/DDP saves gain ``module.``; ``torch.compile`` adds ``_orig_mod.``
     inside it (the model is compiled first and then wrapped, as nanoGPT does),
     giving ``module._orig_mod.``.  ``clean`` saves have no prefix.
-
-    Args:
-        mode: The training mode.
-        save_style: ``wrapped`` or ``clean``.
-        compiled: Whether the model was ``torch.compile``-d.
-
-    Returns:
-        The prefix (``""`` for none).
     """
     if save_style == "clean":
         return ""
@@ -63,10 +55,6 @@ def atomic_torch_save(obj: Any, path: str, *, legacy: bool = False) -> None:
 def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` through a fsynced temp file renamed into place.
 
-    Args:
-        path: The final file.
-        text: Its content.
-
     Raises:
         OutputError: the file cannot be written.
     """
@@ -75,14 +63,7 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def dcp_temp(final: str) -> str:
-    """The directory every rank writes a DCP checkpoint into before it is moved to ``final``.
-
-    Args:
-        final: The checkpoint directory's final path.
-
-    Returns:
-        Its temp path (``final + ".tmp"``: the same on every rank).
-    """
+    """The directory every rank writes a DCP checkpoint into before it is moved to ``final``."""
     return final + ".tmp"
 
 
@@ -91,11 +72,6 @@ def save_dcp(payload: dict[str, Any], final: str, dist: Dist) -> None:
 
     Every rank writes its shards into :func:`dcp_temp`; after a barrier rank 0 moves the
     complete directory into place; a last barrier keeps every rank until it is there.
-
-    Args:
-        payload: The state to save (tensors, DTensors and plain values).
-        final: The checkpoint directory.
-        dist: The process group's facts.
 
     Raises:
         OutputError: the directory cannot be moved into place.
@@ -116,11 +92,7 @@ def save_dcp(payload: dict[str, Any], final: str, dist: Dist) -> None:
 
 
 def remove_outputs(paths: list[str]) -> None:
-    """Remove files or directories (and their DCP temp directories), ignoring those that are gone.
-
-    Args:
-        paths: The files or directories.
-    """
+    """Remove files or directories (and their DCP temp directories), ignoring those that are gone."""
     for p in paths:
         for q in (p, dcp_temp(p)):
             with contextlib.suppress(OSError):

@@ -1,4 +1,4 @@
-"""Reading checkpoints where they live: object stores and web servers through fsspec (issue #26).
+"""Reading checkpoints where they live: object stores and web servers through fsspec.
 
 * :mod:`ckptfix.files.remote.url`: schemes, drivers, URL joins;
 * :mod:`ckptfix.files.remote.file`: :class:`~.file.RemoteFile`, byte ranges with read-ahead, a bounded

@@ -35,8 +35,8 @@ How each kind of store is asked (one range request at a time):
   ``fs.info`` and ``fs.cat_file(path, start, end)``, the length checked.
 
 Each raises :class:`Transient` for what is worth retrying (the caller retries with backoff) and the typed
-errors of :mod:`ckptfix.errors` for the rest.  The retry policy's knobs (``CKPTFIX_REMOTE_RETRIES``,
-``CKPTFIX_REMOTE_BACKOFF``, ``CKPTFIX_REMOTE_TIMEOUT``) are read here.
+errors of :mod:`ckptfix.errors` for the rest.  ``CKPTFIX_REMOTE_RETRIES`` and ``CKPTFIX_REMOTE_BACKOFF`` are read
+here, ``CKPTFIX_REMOTE_TIMEOUT`` by :func:`ckptfix.files.remote.url.timeout` (the S3 client's timeouts too).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from ckptfix.errors import (
 )
 from ckptfix.files.remote import url as urls
 from ckptfix.files.remote.stats import Stats
+from ckptfix.files.remote.url import timeout
 
 
 # -- how each kind of store is asked: one range request at a time --------------------------------------
@@ -81,18 +82,9 @@ def backoff(attempt: int) -> float:
 
     Args:
         attempt: the retry's number, from 0.
-
-    Returns:
-        The delay.
     """
     base = _env_float("CKPTFIX_REMOTE_BACKOFF", 0.25)
     return random.uniform(0, min(10.0, base * (2**attempt)))
-
-
-def timeout() -> float:
-    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
-    twice that plus its body at :data:`MIN_RATE`."""
-    return _env_float("CKPTFIX_REMOTE_TIMEOUT", 60.0)
 
 
 #: bytes per second: a range request whose body comes slower than this (after twice the timeout) has failed
@@ -347,13 +339,6 @@ async def _listing_links(backend: _HttpBackend) -> list[str]:
 def http_links(fs: Any, url: str) -> list[str]:
     """The URLs an HTTP folder listing links to below ``url`` (what ``fs.ls`` gives, bounded in bytes and time).
 
-    Args:
-        fs: fsspec's HTTP file system.
-        url: the folder's URL, ending with ``/``.
-
-    Returns:
-        Absolute URLs (sub-folders end with ``/``).
-
     Raises:
         ResourceLimitError: the listing page is over :data:`MAX_LISTING` bytes.
         RemoteNotFoundError, RemoteAccessDeniedError, RemoteUnavailableError: the server's answer.
@@ -521,10 +506,6 @@ class _S3Backend(_FsBackend):
 def hf_bad_url(name: str, e: BaseException) -> RemoteNotFoundError | None:
     """The error for an ``hf://`` URL that names no repository (HfFileSystem's ``ValueError``, ``HfUriError``, or
     ``NotImplementedError`` for ``hf://org``), or None.
-
-    Args:
-        name: the URL.
-        e: what HfFileSystem raised.
 
     Returns:
         A one-line :class:`RemoteNotFoundError` with the URL's form, or None for any other error.
@@ -821,11 +802,7 @@ def _check_pin(url: str, etag: str | None) -> None:
 
 
 def forget_version(url: str) -> None:
-    """Forget the version pinned for ``url`` (call it after this process wrote the object itself).
-
-    Args:
-        url: the object's URL.
-    """
+    """Forget the version pinned for ``url`` (call it after this process wrote the object itself)."""
     with _PINS_LOCK:
         _PINS.pop(url, None)
 
@@ -1019,14 +996,6 @@ class RemoteFile:
     def pread(self, n: int, off: int, *, jobs: int = 1) -> bytes:
         """Exactly ``n`` bytes at ``off``.
 
-        Args:
-            n: how many bytes.
-            off: where.
-            jobs: parallel requests for a read over :data:`PART` bytes.
-
-        Returns:
-            The bytes.
-
         Raises:
             CorruptCheckpointError: the range runs past the end of the object.
         """
@@ -1062,16 +1031,7 @@ class RemoteFile:
         return bytes(out)
 
     def readinto(self, view: memoryview, off: int, *, jobs: int = 1) -> int:
-        """Fill ``view`` with the bytes at ``off`` (all of it, or an error).
-
-        Args:
-            view: a writable buffer.
-            off: where.
-            jobs: parallel requests for a read over :data:`PART` bytes.
-
-        Returns:
-            ``len(view)``.
-        """
+        """Fill ``view`` with the bytes at ``off`` (all of it, or an error)."""
         view = memoryview(view).cast("B")
         n = len(view)
         self._check(n, off)
@@ -1095,9 +1055,6 @@ class RemoteFile:
             exact: the bytes between the ranges will be read anyway, later (a zip's local headers before the copy
                 of its records): ranges share a request only when under :data:`EXACT_GAP` apart, and each request
                 is the ranges' span, no read-ahead, so no byte is fetched twice but in those small gaps.
-
-        Yields:
-            ``(offset, data)`` for each range, in the order given.
         """
         for off, n in ranges:
             self._check(n, off)
@@ -1140,10 +1097,6 @@ class RemoteFile:
     def prefetch(self, ranges: list[tuple[int, int]], jobs: int = 8) -> None:
         """Bring ``(offset, length)`` ranges into the cache ahead of many small reads (coalesced, ``jobs`` requests at
         once), up to half the cache; what does not fit is simply read later.
-
-        Args:
-            ranges: ``(offset, length)`` pairs.
-            jobs: parallel requests.
         """
         want: list[tuple[int, int]] = []
         budget = CACHE_BYTES // 2

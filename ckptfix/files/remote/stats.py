@@ -33,14 +33,7 @@ class Stats:
     probed: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, *, nbytes: int = 0, requests: int = 0, retries: int = 0, files: int = 0) -> None:
-        """Add to the counters.
-
-        Args:
-            nbytes: bytes received.
-            requests: requests made.
-            retries: retries made.
-            files: files opened.
-        """
+        """Add to the counters."""
         with self._lock:
             self.bytes_read += nbytes
             self.requests += requests
@@ -48,11 +41,7 @@ class Stats:
             self.files += files
 
     def line(self) -> str:
-        """The ``--stats`` line: ``read 412,345 bytes in 5 requests`` (plus retries when there were any).
-
-        Returns:
-            One line, without a newline.
-        """
+        """The ``--stats`` line: ``read 412,345 bytes in 5 requests`` (plus retries when there were any)."""
         if not self.files and not self.requests:
             return "read 0 bytes in 0 requests (local input: nothing went over the network)"
         req = "request" if self.requests == 1 else "requests"
@@ -62,11 +51,7 @@ class Stats:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        """The ``"stats"`` object of ``--json``.
-
-        Returns:
-            ``{"bytes_read", "requests", "retries", "files"}``.
-        """
+        """The ``"stats"`` object of ``--json``."""
         return {"bytes_read": self.bytes_read, "requests": self.requests, "retries": self.retries, "files": self.files}
 
 
@@ -90,9 +75,6 @@ def collect(stats: Stats | None = None) -> Iterator[Stats]:
 
     Args:
         stats: the collector, or None for a new one.
-
-    Yields:
-        The collector.
     """
     st = stats if stats is not None else Stats()
     with _ACTIVE_LOCK:
@@ -112,9 +94,6 @@ def collect(stats: Stats | None = None) -> Iterator[Stats]:
 def session() -> Iterator[Stats]:
     """The active collector if there is one, else a new one for the block (library entry points use it, so
     that one call opens each remote object once, whoever else opens it below).
-
-    Yields:
-        The collector.
     """
     st = active()
     if st is not None:

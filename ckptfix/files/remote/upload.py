@@ -1,4 +1,4 @@
-"""Writing to object storage: a verified local file committed under a URL, all or nothing (issue #26).
+"""Writing to object storage: a verified local file committed under a URL, all or nothing.
 
 Every output ckptfix writes is verified in a local temp file first (:mod:`ckptfix.files.atomic`,
 :mod:`ckptfix.ops.convert.write`); :func:`commit_file` then uploads it (the S3 client checksums every part
@@ -42,9 +42,6 @@ def _reason(e: BaseException) -> str:
 def remote_exists(url: str) -> bool:
     """Whether an object (or a folder's objects) exists at ``url``.
 
-    Args:
-        url: a remote URL.
-
     Returns:
         True when the store has it.
 
@@ -73,10 +70,6 @@ def remote_exists(url: str) -> bool:
 
 def check_remote_outputs(urls: list[str], force: bool) -> None:
     """Refuse to replace existing objects without ``force`` (before anything is read or written).
-
-    Args:
-        urls: the objects a command would write.
-        force: replacing them was asked for.
 
     Raises:
         OutputError: one exists and ``force`` is not set.

@@ -38,9 +38,6 @@ _IN_EXTRA = {"s3fs", "aiohttp"}
 def scheme(path: str | os.PathLike[str]) -> str | None:
     """The URL scheme of ``path`` when it is a remote URL ckptfix reads, else None.
 
-    Args:
-        path: a path or URL.
-
     Returns:
         The lower-case scheme (``s3``, ``https`` ...) or None for a local path.
     """
@@ -56,9 +53,6 @@ def scheme(path: str | os.PathLike[str]) -> str | None:
 def is_url(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a remote URL (``s3://``, ``gs://``, ``az://``, ``hf://``, ``http(s)://``, ``memory://``).
 
-    Args:
-        path: a path or URL.
-
     Returns:
         True for a URL of a scheme in :data:`SCHEMES`.
     """
@@ -68,15 +62,21 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 def install_hint(module: str) -> str:
     """The pip line that installs a driver.
 
-    Args:
-        module: the driver's module.
-
     Returns:
         ``pip install fsspec s3fs`` (the ``remote`` extra) for the extra's drivers, else ``pip install <package>``.
     """
     if module in _IN_EXTRA:
         return "pip install fsspec s3fs"
     return f"pip install {module.replace('_', '-')}"
+
+
+def timeout() -> float:
+    """Seconds a request may wait for data (``CKPTFIX_REMOTE_TIMEOUT``, default 60); a whole HTTP request may take
+    twice that plus its body at :data:`ckptfix.files.remote.file.MIN_RATE`."""
+    try:
+        return float(os.environ.get("CKPTFIX_REMOTE_TIMEOUT", 60.0))
+    except ValueError:
+        return 60.0
 
 
 def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
@@ -117,13 +117,11 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
         # huggingface_hub reads HF_ENDPOINT once, at its import: read it at each call (a library caller, a test)
         kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
     if protocol == "s3":
-        from ckptfix.files.remote.file import timeout
-
         t = timeout()  # CKPTFIX_REMOTE_TIMEOUT for botocore too (s3fs' own: 5 s to connect, 15 s per read)
         kwargs["config_kwargs"] = {"connect_timeout": t, "read_timeout": t}
         if retried:  # botocore: one attempt per call ("total_max_attempts" counts the first); s3fs' loop: below
             kwargs["config_kwargs"]["retries"] = {"total_max_attempts": 1, "mode": "standard"}
-    url = f"{sch}://{url.partition('://')[2]}"  # fsspec knows lower-case protocols only ("HTTP://" was exit 1)
+    url = f"{sch}://{url.partition('://')[2]}"  # fsspec knows lower-case protocols only
     try:
         fs, path = fsspec.core.url_to_fs(url, **kwargs)
     except ImportError as e:
@@ -138,15 +136,7 @@ def filesystem(url: str, *, retried: bool = False) -> tuple[Any, str]:
 
 
 def join(url: str, *names: str) -> str:
-    """``url`` with ``names`` appended as path segments (``/`` separated, no duplicate slashes).
-
-    Args:
-        url: a remote URL (a folder or a file).
-        *names: the segments.
-
-    Returns:
-        The joined URL.
-    """
+    """``url`` with ``names`` appended as path segments (``/`` separated, no duplicate slashes)."""
     out = url
     for n in names:
         out = out.rstrip("/") + "/" + n.lstrip("/")
@@ -154,26 +144,12 @@ def join(url: str, *names: str) -> str:
 
 
 def basename(url: str) -> str:
-    """The last segment of a URL (a query string dropped).
-
-    Args:
-        url: a remote URL.
-
-    Returns:
-        The name after the last ``/``.
-    """
+    """The last segment of a URL (a query string dropped)."""
     return posixpath.basename(url.split("?", 1)[0].rstrip("/"))
 
 
 def parent(url: str) -> str:
-    """The URL of the folder holding ``url``.
-
-    Args:
-        url: a remote URL.
-
-    Returns:
-        ``url`` without its last segment.
-    """
+    """The URL of the folder holding ``url``."""
     base = url.split("?", 1)[0].rstrip("/")
     head, _, _ = base.rpartition("/")
     return head if "://" in head and not head.endswith(":/") else base

@@ -22,6 +22,7 @@ is :mod:`ckptfix.formats.statedict`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -32,8 +33,7 @@ from ckptfix.files.source import in_session
 from ckptfix.formats import Format, Input, classify_or_none
 from ckptfix.formats.statedict import contains_tensors, locate_state_dict, module_state_dict
 from ckptfix.formats.stmeta import restore as restore_aliases
-from ckptfix.ops.convert import sources  # noqa: F401  (fills the registry's convert entries: convert_to_safetensors routes)
-from ckptfix.ops.convert.forward import convert_to_safetensors
+from ckptfix.ops.convert import forward
 from ckptfix.ops.convert.header import safetensors_header
 from ckptfix.ops.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
 from ckptfix.ops.convert.report import ConvertReport
@@ -91,6 +91,21 @@ __all__ = [
     "locate_state_dict",
     "module_state_dict",
 ]
+
+
+@functools.wraps(forward.convert_to_safetensors)
+def convert_to_safetensors(src: str | os.PathLike, dst: str | os.PathLike | None = None, **kw: Any) -> ConvertReport:
+    # a framework's folder (Trainer, accelerate, Lightning ...) goes to its handler, which converts its weights
+    if not kw.get("optimizer_files") and kw.get("extra_metadata") is None and os.path.isdir(os.fspath(src)):
+        from ckptfix.ops.convert.folders import convert_folder, resolve
+
+        fw = resolve(os.fspath(src))
+        if fw is not None:
+            rest = {k: v for k, v in kw.items() if k not in ("outputs", "options", "optimizer_files", "extra_metadata")}
+            o, c = options_of(dst, kw.get("outputs"), kw.get("options"), rest)
+            refuse_inapplicable("safetensors", o, c)
+            return convert_folder(fw, o.output, **{**keywords_of(o, c), "to": "safetensors"})
+    return forward.convert_to_safetensors(src, dst, **kw)
 
 
 @in_session

@@ -32,7 +32,7 @@ from ckptfix.formats.registry import dispatch
 from ckptfix.formats.safetensors_fmt import DTYPE_TO_ST
 from ckptfix.formats.statedict import at_path, flatten_state_dict, locate_state_dict, require_tensors
 from ckptfix.ops.convert.extras import split_checkpoint
-from ckptfix.ops.convert.options import ConvertKeywords, ConvertOptions, keywords_of, options_of, refuse_inapplicable
+from ckptfix.ops.convert.options import ConvertKeywords, ConvertOptions, options_of, refuse_inapplicable
 from ckptfix.ops.convert.paths import check_outputs, default_st_output
 from ckptfix.ops.convert.plan import check_expansion, output_names, plan_records, plan_tensors, tied_names
 from ckptfix.ops.convert.report import ConvertReport
@@ -115,21 +115,12 @@ def convert_to_safetensors(
     o, c = options_of(dst, outputs, options, keywords)
     refuse_inapplicable("safetensors", o, c)
     given, src = src, os.fspath(src)
-    if os.path.isdir(src) and not optimizer_files and extra_metadata is None:
-        from ckptfix.ops.convert.folders import convert_folder, resolve
-
-        fw = resolve(src)
-        if fw is not None:  # a framework's folder (Trainer, accelerate, Lightning ...): its model weights
-            rep: ConvertReport = convert_folder(fw, o.output, **{**keywords_of(o, c), "to": "safetensors"})
-            return rep
     dst = o.output if o.output is not None else default_st_output(src)
     shard_limit = parse_size(c.max_shard_size) if c.max_shard_size else None
     if not c.max_shard_size:
         check_outputs([dst], src, o.force)  # fail before any reading
     inp = classify(given)  # the router's Input, or the one sniff here: the reads below take its format
-    streamed = dispatch(
-        inp.format, "convert", src
-    )  # the registry's entry (ckptfix.ops.convert.sources), or its refusal
+    streamed = dispatch(inp.format, "convert", src)  # the format registry's entry, or its refusal
     if streamed is not convert_to_safetensors:  # a format with its own converter (DCP: streamed from its chunks)
         done: ConvertReport = streamed(src, dst, o, c, extra_metadata=extra_metadata)
         return done

@@ -32,7 +32,7 @@ from ckptfix.files.outputs import OutputKeywords, OutputOptions
 from ckptfix.files.progress import reporting
 from ckptfix.files.source import in_session
 from ckptfix.formats import CheckpointFile, Format, Input, SafetensorsDetails, classify, read_checkpoint, stmeta
-from ckptfix.formats.registry import dispatch, implement_all
+from ckptfix.formats.registry import dispatch
 from ckptfix.formats.statedict import locate_state_dict, require_tensors
 from ckptfix.ops.rewrite.dcp import rewrite_dcp
 from ckptfix.ops.rewrite.location import kept_device_note, parse_map_location, relocate
@@ -269,10 +269,3 @@ def _other_note(key_path: Sequence[str], n: int, other: Mapping[str, int]) -> st
         f"--key {first} renames that one instead"
     )
 
-
-# the format registry's rewrite entries (ckptfix.formats.registry), through which rewrite_checkpoint routes: DCP
-# directories to rewrite_directory, sharded indexes to rewrite_index and the formats writers.WRITABLE names to
-# rewrite_file; the others are refused in their entries, with check_writable's message (tests/test_registry.py)
-implement_all(
-    "rewrite", {**dict.fromkeys(WRITABLE, rewrite_file), Format.SHARDED: rewrite_index, Format.DCP: rewrite_directory}
-)
