@@ -208,7 +208,7 @@ def launch(cfg: TrainConfig, *, timeout: float | None = None) -> TrainResult:
 
 
 def note_kept(cfg: TrainConfig) -> None:
-    """Record (:func:`ckptfix.files.atomic.note_finished`) the files of run ``cfg`` that its manifest lists and exist."""
+    """Record (:func:`ckptfix.files.atomic.note_finished`) the files of run ``cfg`` its manifest lists and exist."""
     from ckptfix.files.atomic import note_finished
     from ckptfix.train.manifest import MANIFEST, read_manifest
 
