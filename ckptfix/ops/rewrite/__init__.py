@@ -268,4 +268,3 @@ def _other_note(key_path: Sequence[str], n: int, other: Mapping[str, int]) -> st
         f"renamed the state dict at {'/'.join(key_path)!r} ({n} tensors); left as they were: {names}{hint}; "
         f"--key {first} renames that one instead"
     )
-
