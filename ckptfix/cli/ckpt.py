@@ -144,9 +144,9 @@ def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int)
     widths = [max(len(c[i]) for c in cells) for i in range(3)]
     for (name, shape, dtype, device), t in zip(cells, shown, strict=True):
         line = f"    {name:<{widths[0]}}  {shape:<{widths[1]}}  {dtype:<{widths[2]}}  {device}"
-        others = t["shared_with"]
+        others, count = t["shared_with"], t.get("shared_count", len(t["shared_with"]))
         if others:
-            line += f"  shares storage with {others[0]}" + (f" (+{len(others) - 1})" if len(others) > 1 else "")
+            line += f"  shares storage with {others[0]}" + (f" (+{count - 1})" if count > 1 else "")
         out.append(line)
     if len(rows) > len(shown):
         out.append(
