@@ -191,3 +191,28 @@ def test_an_http_listed_sub_folder_whose_head_is_404_is_walked(tmp_path: Path) -
     doc = json.loads(r.out)
     assert doc["verdict"] == "dangerous" and doc["files"]["sub/optimizer.pt"]["verdict"] == "dangerous"
     assert not marker.exists()
+
+
+def test_a_pickle_deep_in_a_hub_folder_makes_it_dangerous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("huggingface_hub")
+    from huggingface_hub import HfFileSystem
+
+    from ckptfix.files.remote import file as rfile
+
+    from hubserver import serving
+
+    marker = tmp_path / "pwned"
+    place = "d1/d2/d3/d4/optimizer.pt"
+    d = _folder(tmp_path / "run", place, marker)
+    with serving({"user/deep": {"main": str(d)}}) as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+        monkeypatch.setenv("CKPTFIX_REMOTE_BACKOFF", "0")
+        rfile._PINS.clear()
+        HfFileSystem.clear_instance_cache()
+        r = run_cli("scan", "hf://user/deep", "--json")
+    assert r.rc == 11, r.err
+    doc = json.loads(r.out)
+    assert doc["verdict"] == "dangerous" and doc["files"][place]["verdict"] == "dangerous"
+    assert not marker.exists()
