@@ -104,11 +104,12 @@ def output_is_input(path: str, *, in_place: str | None = None) -> str:
 # --------------------------------------------------------------------------- secrets in URLs
 
 #: query parameters that carry a secret: presigned URLs' signatures and credentials (S3 v2/v4, GCS, Azure SAS
-#: ``sig``), tokens, keys, passwords and authorization; matched by name, case-insensitively, anywhere in the name
+#: ``sig``), tokens, keys, passwords, authorization, OAuth codes, sessions and assertions; matched by name,
+#: case-insensitively, anywhere in the name
 #: and percent-encoded too (``X%2DAmz%2DSignature``): masking a harmless parameter costs nothing
 _SECRET_PARAM = (
-    r"(?:[\w.%-]*?(?:signature|credential|token|secret|password|passwd|authorization|auth|api[_-]?key|key|sig"
-    r"|awsaccesskeyid|googleaccessid)[\w.%-]*)"
+    r"(?:[\w.%-]*?(?:signature|credential|token|secret|password|passwd|pwd|authorization|auth|api[_-]?key|key|sig"
+    r"|awsaccesskeyid|googleaccessid|code|session|jwt|assertion)[\w.%-]*)"
 )
 _PATTERNS: list = []
 

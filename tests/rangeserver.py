@@ -90,6 +90,9 @@ class Handler(http.server.SimpleHTTPRequestHandler):
     def _serve(self, method: str) -> None:
         fpath = self.translate_path(self.path)
         if os.path.isdir(fpath):
+            fault = self._fault(method) if self.server.dir_faults else None
+            if fault is not None and fault.kind.isdigit():  # a folder's URL answered with an error status
+                return self._status(method, int(fault.kind))
             self._record(method, 200)
             if method == "HEAD":
                 return super().do_HEAD()
@@ -177,6 +180,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
         self.faults: list[Fault] = []
         self.version = 0
         self.honor_if_match = True
+        self.dir_faults = False  # faults apply to folder URLs too (a server whose `HEAD /sub` is 404)
         self.errors: list[str] = []
         self.stalled = threading.Event()  # set at shutdown: stalled answers end
         super().__init__(("127.0.0.1", 0), lambda *a, **k: Handler(*a, directory=root, **k))

@@ -230,3 +230,32 @@ def test_command_list_does_not_cut_demo_to_nothing():
     r = run_cli("--help", COLUMNS="80")
     line = next(x for x in r.out.splitlines() if x.strip().startswith("demo "))
     assert "End-to-end: train..." not in line and not line.endswith("...")
+
+
+def test_a_closed_stdout_pipe_ends_quietly(tmp_path):
+    """``ckptfix scan FOLDER | head -1``: the reader goes away; the command ends with exit 0 and no message, as
+    for a closed pipe elsewhere (Click turned the EPIPE into a silent exit 1)."""
+    import json
+    import pickle
+    import struct
+    import subprocess
+    import sys
+
+    d = tmp_path / "fold"
+    d.mkdir()
+    head = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + bytes(4))
+    for i in range(3000):  # ~80 KB of `file` lines: more than a pipe holds, so a write meets the closed pipe
+        (d / f"x{i}.pt").write_bytes(pickle.dumps({"a": i}))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "ckptfix", "scan", str(d)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert p.stdout is not None and p.stderr is not None
+    first = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read()
+    rc = p.wait(timeout=300)
+    assert first.startswith(str(d).encode())
+    assert rc == 0 and err == b"", (rc, err)

@@ -7,6 +7,7 @@ The checkpoints are written by torch at test time; torch's own view of them (``t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,9 @@ def test_cuda_tags_are_the_device_column(tmp_path):
     with tagged("cuda:3"):
         torch.save({"w": torch.zeros(2, 2)}, tmp_path / "c3.pt")
     r = inspect_checkpoint(tmp_path / "c3.pt")
-    assert r.tensors == [{"name": "w", "shape": [2, 2], "dtype": "float32", "device": "cuda:3", "shared_with": []}]
+    assert r.tensors == [
+        {"name": "w", "shape": [2, 2], "dtype": "float32", "device": "cuda:3", "shared_with": [], "shared_count": 0}
+    ]
 
 
 def test_a_consolidated_zero_folder_lists_its_shapes():
@@ -151,3 +154,38 @@ def test_scan_summarises_a_long_list_of_safe_globals(tmp_path):
     assert "more safe globals" not in full and len(full.splitlines()) == n + 1
     doc = json.loads(run_cli("scan", str(tmp_path / "ts.pt"), "--json", "--limit", "2").out)
     assert len(doc["globals"]) == n
+
+
+def test_many_views_of_one_storage_cost_linear_memory(tmp_path):
+    """30,000 views of one storage (``{f'v{i}': s[i % 7:]}``, 2.4 MB): every row named the 29,999 others (900
+    million names: MemoryError at 3.8 GiB).  Now a row names at most SHARED_WITH_MAX of them and counts the rest;
+    run in a child process under a 1 GiB address-space limit (no wall-clock assertion)."""
+    import resource
+    import subprocess
+    import sys
+
+    s = torch.zeros(16384)
+    p = tmp_path / "views.pt"
+    torch.save({f"v{i}": s[i % 7 :] for i in range(30000)}, p)
+    ref = torch.load(p, weights_only=True)
+    assert len({t.untyped_storage().data_ptr() for t in ref.values()}) == 1  # the oracle: one storage
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    for extra in ([], ["--json"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "ckptfix", "inspect", str(p), *extra],
+            capture_output=True, text=True, preexec_fn=limit, env=env, timeout=600,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-500:]
+        assert "MemoryError" not in r.stderr
+    from ckptfix.ops.inspect import SHARED_WITH_MAX
+
+    doc = json.loads(r.stdout)
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert len(rows) == 30000 and [len(g) for g in doc["shared"]] == [30000]
+    assert rows["v5"]["shared_count"] == 29999 and len(rows["v5"]["shared_with"]) == SHARED_WITH_MAX
+    assert "v5" not in rows["v5"]["shared_with"]
+    p.unlink()

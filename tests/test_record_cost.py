@@ -88,7 +88,7 @@ def test_the_json_budget_counts_each_place_a_shared_string_appears():
 
 
 def test_a_tensor_named_many_times_costs_each_row_what_it_lists(tmp_path):
-    from ckptfix.ops.inspect import MAX_SHARED_WITH, inspect_checkpoint
+    from ckptfix.ops.inspect import SHARED_WITH_MAX, inspect_checkpoint
 
     from helpers import run_cli
 
@@ -97,7 +97,7 @@ def test_a_tensor_named_many_times_costs_each_row_what_it_lists(tmp_path):
     torch.save({f"k{i}": t for i in range(20_000)}, src)  # one tensor under 20,000 names (memoized)
     r = inspect_checkpoint(src)
     assert len(r.tensors) == 20_000 and r.shared == [[f"k{i}" for i in range(20_000)]]
-    assert all(len(row["shared_with"]) == MAX_SHARED_WITH for row in r.tensors)
+    assert all(len(row["shared_with"]) == SHARED_WITH_MAX for row in r.tensors)
     assert r.tensors[0]["shared_with"][:2] == ["k1", "k2"] and r.tensors[5]["shared_with"][:2] == ["k0", "k1"]
     out = run_cli("inspect", str(src), "--keys", "--limit", "2").stdout
     assert "shares storage with k1 (+19998)" in out

@@ -22,7 +22,7 @@ from ckptfix.files.remote import file as rfile
 from helpers import CkptFactory, run_cli
 from rangeserver import serving
 
-SECRETS = ("hunter2", "AKIAEXAMPLE", "S1GNATUREabc", "T0KENxyz", "SASsig99")
+SECRETS = ("hunter2", "AKIAEXAMPLE", "S1GNATUREabc", "T0KENxyz", "SASsig99", "OAUTHc0de")
 
 
 @pytest.fixture(autouse=True)
@@ -51,6 +51,7 @@ def _urls(srv, name: str) -> list[str]:
         "&X-Amz-Date=20260101T000000Z&X-Amz-Expires=3600&X-Amz-SignedHeaders=host"
         "&X-Amz-Security-Token=T0KENxyz&X-Amz-Signature=S1GNATUREabc",
         f"{srv.url}/{name}?sv=2022-11-02&se=2030-01-01&sig=SASsig99&token=T0KENxyz",
+        f"{srv.url}/{name}?state=xyz&code=OAUTHc0de",  # an OAuth authorization code
     ]
 
 
@@ -60,7 +61,7 @@ def _clean(*texts: str) -> None:
             assert s not in t, (s, t[:2000])
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range(4))
 def test_inspect_scan_and_json_never_print_a_secret(served, i: int) -> None:
     for name in ("model.pt", "model.safetensors", "evil.pt"):
         url = _urls(served, name)[i]
@@ -73,7 +74,7 @@ def test_inspect_scan_and_json_never_print_a_secret(served, i: int) -> None:
         assert doc["path"] == mask_secrets(url)
 
 
-@pytest.mark.parametrize("i", range(3))
+@pytest.mark.parametrize("i", range(4))
 def test_convert_report_and_errors_never_print_a_secret(served, tmp_path: Path, i: int) -> None:
     url = _urls(served, "model.pt")[i]
     out = tmp_path / "o.safetensors"
@@ -108,6 +109,12 @@ def test_mask_secrets_keeps_what_is_not_secret() -> None:
         ("http://127.0.0.1:1/m.pt#token=SECRETPW", "SECRETPW"),
         ('Invalid bucket name "AKIAUSER:SECRETPW@bkt"', "SECRETPW"),  # a driver quoting the userinfo back
         ("http://alice:SECRETPW@SECRETPW@host/clean.pt", "SECRETPW"),  # a raw '@' in the password
+        ("http://127.0.0.1:1/m.pt?code=SECRETPW&state=1", "SECRETPW"),  # OAuth authorization code
+        ("http://127.0.0.1:1/m.pt?session=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt?pwd=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt?jwt=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt?client_assertion=SECRETPW", "SECRETPW"),
+        ("http://127.0.0.1:1/m.pt?refresh_token=SECRETPW&client_secret=SECRETPW&id_token=SECRETPW", "SECRETPW"),
     ],
 )
 def test_the_forms_an_outside_pass_found_are_masked(text, secret):

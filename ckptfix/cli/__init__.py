@@ -20,7 +20,7 @@ with imports_quietly():  # click and the CLI: see ckptfix._startup
 
     from ckptfix._torch import is_torch_missing, missing_error
     from ckptfix.cli._common import error_line
-    from ckptfix.cli.group import COMMAND_MODULES, CtrlC, cli
+    from ckptfix.cli.group import COMMAND_MODULES, CtrlC, StdoutClosed, cli
     from ckptfix.errors import CkptfixError, InterruptedByUserError, OutputError
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as e:
         e.show()
         return e.exit_code
-    except BrokenPipeError:
+    except (BrokenPipeError, StdoutClosed):
         _drop_stdout()
         return 0
     except OSError as e:

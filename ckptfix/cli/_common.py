@@ -29,8 +29,13 @@ def emit_json(obj: Any) -> None:
 
     from ckptfix.display import mask_doc
 
-    doc = json.loads(json.dumps(obj, default=_json_default))  # plain JSON values, then every string masked
-    click.echo(json.dumps(mask_doc(doc), indent=2, sort_keys=False))
+    text = json.dumps(obj, default=_json_default)  # plain JSON values, then every string masked
+    doc = json.loads(text)
+    del text  # (a document of 30,000 rows: each copy is tens of MiB, held one at a time)
+    doc = mask_doc(doc)
+    text = json.dumps(doc, indent=2, sort_keys=False)
+    del doc
+    click.echo(text)
 
 
 def _json_default(o: Any) -> Any:

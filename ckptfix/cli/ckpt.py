@@ -141,8 +141,7 @@ def inspect_cmd(
         lines.append(f"  note          {n}")
     lines += _framework_lines(r.framework, r.folder_scan)
     if list_keys or pattern is not None:
-        sizes = {n: len(g) for g in r.shared for n in g}
-        lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit, sizes)
+        lines += _tensor_lines(r.tensors, r.tensor_count, pattern, limit)
     echo("\n".join(one_line(line) for line in lines))  # a forged newline in a name cannot print a line of its own
     for n in r.notes:  # a partitioned (ZeRO-3) checkpoint's empty placeholders: said on stderr too
         if n.startswith("WARNING: "):
@@ -164,7 +163,7 @@ def _shared_text(groups: list[list[str]], most: int = 8) -> str:
 
 
 def _tensor_lines(
-    rows: list[dict], total: int, pattern: str | None, limit: int, sizes: dict[str, int] | None = None
+    rows: list[dict], total: int, pattern: str | None, limit: int
 ) -> list[str]:
     """``inspect --keys``: one line per tensor (name, shape as torch.Size holds it, dtype, device, what it shares)."""
     what = f"{len(rows)} of {total} match {pattern!r}" if pattern is not None else f"{total}"
@@ -176,10 +175,9 @@ def _tensor_lines(
     widths = [max(len(c[i]) for c in cells) for i in range(3)]
     for (name, shape, dtype, device), t in zip(cells, shown, strict=True):
         line = f"    {name:<{widths[0]}}  {shape:<{widths[1]}}  {dtype:<{widths[2]}}  {device}"
-        others = t["shared_with"]
+        others, count = t["shared_with"], t.get("shared_count", len(t["shared_with"]))
         if others:
-            more = (sizes or {}).get(t["name"], len(others) + 1) - 2  # the group, less this name and the one shown
-            line += f"  shares storage with {others[0]}" + (f" (+{more})" if more > 0 else "")
+            line += f"  shares storage with {others[0]}" + (f" (+{count - 1})" if count > 1 else "")
         out.append(line)
     if len(rows) > len(shown):
         out.append(

@@ -18,6 +18,11 @@ class CtrlC(Exception):  # a signal, not an error: ckptfix.cli.main renders it
     """Ctrl-C inside a command, carried past Click (which would print a blank line and "Aborted.")."""
 
 
+class StdoutClosed(Exception):  # not an OSError: Click turns an EPIPE OSError into a silent exit 1
+    """The reader of standard output went away (``ckptfix scan X | head -1``), carried past Click to
+    :func:`ckptfix.cli.main`, which ends quietly as for any closed pipe."""
+
+
 #: which module defines each command: only the one run is imported (start-up of ``gpus``, ``inspect``...)
 COMMAND_MODULES = {
     "inspect": "ckptfix.cli.ckpt",
@@ -45,6 +50,8 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
             raise CtrlC() from e
+        except BrokenPipeError as e:
+            raise StdoutClosed() from e
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         """The command, importing the module that defines it first.

@@ -434,9 +434,11 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
     except Exception as e:  # noqa: BLE001 - mapped to the typed errors
         raise _remote_map(url, e) from None
     names = set()
+    folders = set()
     base = p.rstrip("/")
     for entry in entries:
         name = str(entry).rstrip("/")
+        linked_as_folder = _http(url) and str(entry).split("?", 1)[0].endswith("/")
         if _http(url):
             if not name.startswith(base + "/"):
                 continue  # a link out of the folder (parent, other hosts)
@@ -449,6 +451,12 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
         if remote_name_escapes(name):  # joined back to the folder's URL it would name another object: not a member
             continue
         names.add(name)
+        if linked_as_folder:
+            folders.add(name)
+    st = active()
+    if st is not None:  # a listing's `sub/` link is a folder, whatever a HEAD of `sub` answers (404 on some servers)
+        for name in folders:
+            st.probed.setdefault(join(url, name), "dir")
     return sorted(names)
 
 

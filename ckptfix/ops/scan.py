@@ -130,6 +130,8 @@ class _Acc:
         self.pickles: list[str] = []
         self.errors: list[str] = []
         self.notes: list[str] = []
+        #: a folder's entries left out of its scan: label -> the unknown global naming why
+        self.skipped: dict[str, str] = {}
 
     def add_result(self, label: str, r: ScanResult) -> None:
         self.pickles.append(label)
@@ -161,6 +163,12 @@ class _Acc:
     def unknown(self, label: str, why: str) -> None:
         """Something the scan cannot read: it counts as an unknown global (never safe)."""
         self._add(f"<{label}: {why}>", "unknown", 1)
+
+    def left_out(self, label: str, why: str) -> None:
+        """A folder's entry the scan did not read (a link out of it, past a bound, unresolvable): an unknown
+        global, and the entry's own ``files`` verdict ``unknown`` (a folder's verdict covers every file)."""
+        self.unknown(label, why)
+        self.skipped[label] = f"<{label}: {why}>"
 
     def _add(self, key: str, cls: str, count: int) -> None:
         d = self.globals.setdefault(key, {"class": cls, "count": 0})
@@ -531,9 +539,10 @@ def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
 
 
 def _hidden(folder: str) -> list[str]:
-    """A folder's hidden entries (``.optimizer.pt``, ``.cache/``): torch.load reads them as well as any other
-    file, so a scan looks at them too (``.git`` excepted: no loader reads a repository's objects)."""
-    return sorted(n for n in source.listdir(folder) if n.startswith(".") and n not in (".git", ".metadata"))
+    """A folder's hidden entries (``.optimizer.pt``, ``.cache/``, ``.git/``): torch.load reads them as well as any
+    other file, so a scan looks at them too (as files named to hold no pickle: only a real one counts; a
+    repository's objects, packs and hooks are none)."""
+    return sorted(n for n in source.listdir(folder) if n.startswith(".") and n != ".metadata")
 
 
 def _under_hidden(targets: list[str], root: str) -> set[str]:
@@ -574,7 +583,7 @@ def _scan_plain(url: str, inp: Input | None, limits: PickleLimits) -> ScanReport
         weights = idx.path
         skip = set(idx.shards) | {source.basename(idx.path)}
     acc = _Acc(None)
-    rest = [n for n in names if n not in skip and n not in (".git", ".metadata")]
+    rest = [n for n in names if n not in skip and n != ".metadata"]
     maybe = {source.join(url, n) for n in rest if n.startswith(".") or not bears_pickles(n, file_role(n))}
     targets = ([weights] if weights else []) + [source.join(url, n) for n in rest]
     targets = _expand_dirs(targets, url, acc)
@@ -615,7 +624,12 @@ def _scan_targets(
         label = _rel(t, root)
         is_dir = source.isdir(t)
         if not is_dir and not source.isfile(t):
-            acc.notes.append(f"{label}: not a regular file (a FIFO, device or dangling link); not read")
+            if not source.is_url(t) and os.path.islink(t) and not os.path.exists(t):
+                acc.notes.append(f"{label}: a dangling link (nothing to load); not read")
+            elif source.is_url(t):  # listed, yet the store says no such object (a HEAD answering 404 ...)
+                acc.left_out(label, "listed by the folder, but the store answers no such object for it; not read")
+            else:  # a FIFO or a device: torch.load reads what it gives
+                acc.left_out(label, "not a regular file (a FIFO or a device); not read")
             continue
         if t != weights and not is_dir and source.getsize(t) == 0:
             continue
@@ -656,7 +670,10 @@ def _scan_targets(
             acc.pickles[-n or len(acc.pickles) :] = relabel if n else []
             acc.errors = [e.split(":", 1)[1] if e.startswith(label + ":") else e for e in acc.errors]
         scanned += 1
-    acc.notes.append(f"{what}: {scanned} checkpoint file(s) scanned")
+    for label, why in acc.skipped.items():
+        files[label] = {"verdict": "unknown", "format": None, "dangerous": [], "unknown": [why], "errors": []}
+    left = f", {len(acc.skipped)} left out (unknown)" if acc.skipped else ""
+    acc.notes.append(f"{what}: {scanned} checkpoint file(s) scanned{left}")
     globals_ = dict(sorted(acc.globals.items()))
     return ScanReport(
         path=root, format=fmt, pickles=acc.pickles, globals=globals_, errors=acc.errors, notes=acc.notes, files=files
@@ -774,24 +791,57 @@ def _text_file(path: str) -> bool:
         return _looks_like_text(f.read(512))
 
 
-def _expand_dirs(targets: list[str], root: str, acc: "_Acc", depth: int = 3) -> list[str]:
-    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them.
+#: the deepest sub-folder a folder's scan walks into (a folder's own files are depth 1); a folder deeper than that
+#: is left out and makes the verdict unknown, naming it
+MAX_FOLDER_DEPTH = 32
 
-    A sub-folder that is a link resolving outside ``root`` is not walked (it is not the folder's own,
-    and may be ``/``); a note says so.  ``root`` may be a URL (a remote folder: no links).
+#: the most entries (files and sub-folders) a folder's scan walks; past that the rest is left out and the verdict
+#: is unknown, naming where the walk stopped
+MAX_FOLDER_ENTRIES = 100_000
+
+
+def _expand_dirs(targets: list[str], root: str, acc: "_Acc") -> list[str]:
+    """Sub-folders that are no checkpoint themselves (a DeepSpeed ``global_stepN/``) become the files in them, at
+    any depth up to :data:`MAX_FOLDER_DEPTH`, at most :data:`MAX_FOLDER_ENTRIES` entries in all.
+
+    What is not walked is left out (:meth:`_Acc.left_out`: the verdict is unknown, naming it), never dropped: a
+    folder past the depth bound, the entries past the count bound, and a sub-folder that is a link resolving
+    outside ``root`` (not the folder's own, and it may be ``/``).  A link to a folder already walked (inside
+    ``root``) is not walked twice.  ``root`` may be a URL (a remote folder: no links).
     """
     out: list[str] = []
     remote = source.is_url(root)
     real_root = root if remote else os.path.realpath(root)
-    for t in targets:
+    seen = {real_root}
+    entries = 0
+    stack = [(t, 1) for t in reversed(targets)]
+    while stack:
+        t, depth = stack.pop()
+        entries += 1
+        if entries > MAX_FOLDER_ENTRIES:
+            left = [t] + [s for s, _ in reversed(stack)]
+            acc.left_out(
+                _rel(t, root),
+                f"the walk stopped at the scan's limit of {MAX_FOLDER_ENTRIES} entries; {len(left)} more entr(ies) "
+                f"from here on were not scanned ({', '.join(_rel(x, root) for x in left[:3])}"
+                + (" ..." if len(left) > 3 else "")
+                + "): scan the sub-folders one by one",
+            )
+            break
         if t == root or not source.isdir(t):
             out.append(t)
             continue
+        label = _rel(t, root)
         if not remote:
             real = os.path.realpath(t)
-            if os.path.islink(t) and not (real + os.sep).startswith(real_root + os.sep):
-                acc.notes.append(f"{os.path.relpath(t, root)}: a link to a folder outside it ({real}); not followed")
+            if not (real + os.sep).startswith(real_root + os.sep):
+                acc.notes.append(f"{label}: a link to a folder outside it ({real}); not followed")
+                acc.left_out(label, f"a link to a folder outside the folder ({real}); not followed, not scanned")
                 continue
+            if real in seen:
+                acc.notes.append(f"{label}: a link to a folder scanned already ({os.path.relpath(real, real_root)})")
+                continue
+            seen.add(real)
         names = source.listdir(t)
         if (
             ".metadata" in names
@@ -799,8 +849,15 @@ def _expand_dirs(targets: list[str], root: str, acc: "_Acc", depth: int = 3) -> 
             or any(n.endswith(".index.json") for n in names)
         ):
             out.append(t)  # a DCP directory or a sharded folder: scanned as one checkpoint
-        elif depth > 0:
-            out += _expand_dirs([source.join(t, n) for n in names], root, acc, depth - 1)
+        elif depth >= MAX_FOLDER_DEPTH:
+            if names:
+                acc.left_out(
+                    label,
+                    f"a folder whose {len(names)} entr(ies) lie {depth + 1} levels down, past the scan's limit of "
+                    f"{MAX_FOLDER_DEPTH} levels; not scanned: scan that folder on its own",
+                )
+        else:
+            stack += [(source.join(t, n), depth + 1) for n in reversed(names)]
     return out
 
 
