@@ -8,7 +8,7 @@ Usage::
     python benchmarks/realworld.py --cache /tmp/ckptfix-realworld
     python benchmarks/realworld.py --add 'lpips==0.1.4:lpips/weights/v0.1/alex.pth'   # append to the manifest
 
-Opt-in (it downloads ~250 MB of wheels once): nothing here runs in the default test suite; the tests marked
+Opt-in (it downloads ~600 MB of wheels and sdists once): nothing here runs in the default test suite; the tests marked
 ``realworld`` (``CKPTFIX_REALWORLD=1 pytest -m realworld``) drive the same checks.
 
 For each manifest entry the package is fetched with ``pip download --no-deps`` into a cache directory
@@ -60,7 +60,20 @@ COMMANDS = ("inspect", "load", "convert", "prefix", "sanitize")
 # --------------------------------------------------------------------------- stand-ins for missing packages
 
 
-class StandIn:
+class _StandInMeta(type):
+    """A stand-in class answers any attribute the pickle names through it (``Detect.forward``, a nested
+    class) with another stand-in class, as the real class would have had it."""
+
+    def __getattr__(cls, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        qualname = f"{cls.__qualname__}.{attr}"
+        sub = _StandInMeta(attr, (StandIn,), {"__module__": cls.__module__, "__qualname__": qualname})
+        setattr(cls, attr, sub)
+        return sub
+
+
+class StandIn(metaclass=_StandInMeta):
     """An instance of a class from a package that is not installed: keeps what the pickle gives it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,13 +116,31 @@ class _StandInLoader(importlib.abc.Loader):
         return None
 
 
+_UNPICKLERS = (os.path.join("torch", "serialization.py"), os.sep + "pickle.py")
+
+
+def _asked_by_unpickler() -> bool:
+    """Whether the import under way was asked for by the unpickler (a class the pickle names), not by the
+    real code of an installed package importing its own optional parts while it loads."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith("<frozen importlib"):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.endswith(_UNPICKLERS)
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Last on ``sys.meta_path``: any module no real finder knows becomes a stand-in."""
+    """Last on ``sys.meta_path``: any module no real finder knows, named by the pickle, becomes a stand-in.
+
+    Imports made by real installed code (``transformers`` importing ``regex``, whose own
+    ``from regex import DEFAULT_VERSION`` falls back to a submodule import) are left to fail as they would
+    without the stand-ins: fabricating them breaks the real package."""
 
     def __init__(self) -> None:
         self.made: list[str] = []
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if not _asked_by_unpickler():
+            return None
         self.made.append(name)
         return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
 
@@ -158,6 +189,15 @@ def at(obj: Any, key_path: Any) -> Any:
     return obj
 
 
+def _submodules(node: Any) -> Iterator[Any]:
+    """Every module below ``node`` (real or stand-in), read from ``_modules`` as nn.Module.modules() does."""
+    for m in (vars(node).get("_modules") or {}).values():
+        if m is not None:
+            yield m
+            if "_modules" in vars(m):
+                yield from _submodules(m)
+
+
 def truth_state_dict(obj: Any, key_path: Any) -> dict:
     """The state dict in torch's own terms: a mapping at ``key_path``, ``module.state_dict()`` for a pickled
     module (also when its class is a stand-in: its real submodules are walked as ``nn.Module.state_dict`` does),
@@ -167,9 +207,11 @@ def truth_state_dict(obj: Any, key_path: Any) -> dict:
     node = at(obj, key_path)
     if isinstance(node, torch.Tensor):  # torch.save(tensor): one tensor, named "tensor"
         return {"tensor": node}
-    if isinstance(node, torch.nn.Module):
+    if isinstance(node, torch.nn.Module) and not any(isinstance(m, StandIn) for m in _submodules(node)):
         return dict(node.state_dict())
-    if isinstance(node, StandIn) and "_modules" in vars(node):
+    if isinstance(node, (StandIn, torch.nn.Module)) and "_modules" in vars(node):
+        # a stand-in module, or a real container (nn.Sequential) holding stand-ins: walked as
+        # nn.Module.state_dict walks, since the stand-ins have no state_dict of their own
         out: dict = {}
         for name, p in (vars(node).get("_parameters") or {}).items():
             if p is not None:
