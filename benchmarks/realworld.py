@@ -7,6 +7,7 @@ Usage::
     python benchmarks/realworld.py --only lpips,chgnet --json
     python benchmarks/realworld.py --cache /tmp/ckptfix-realworld
     python benchmarks/realworld.py --add 'lpips==0.1.4:lpips/weights/v0.1/alex.pth'   # append to the manifest
+    python benchmarks/realworld.py --add 'pocketnet==0.3.0:pocketnet/weights/v3_fold1.pt' --sdist  # from the sdist
 
 Opt-in (it downloads ~600 MB of wheels and sdists once): nothing here runs in the default test suite; the tests marked
 ``realworld`` (``CKPTFIX_REALWORLD=1 pytest -m realworld``) drive the same checks.
@@ -297,10 +298,16 @@ class Entry:
         return f"{self.package}:{self.path.split('/')[-1]}"
 
 
-def _pip_download(spec: str, dest: str) -> list[str]:
+def _is_sdist(dist: str) -> bool:
+    return dist.endswith((".tar.gz", ".tgz", ".zip"))
+
+
+def _pip_download(spec: str, dest: str, sdist: bool = False) -> list[str]:
     os.makedirs(dest, exist_ok=True)
     if not os.listdir(dest):
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-q", "-d", dest, spec]
+        if sdist:  # the source distribution even where a wheel exists
+            cmd[4:4] = ["--no-binary", ":all:"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"pip download {spec} failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -309,10 +316,12 @@ def _pip_download(spec: str, dest: str) -> list[str]:
 
 def fetch(e: Entry, cache: str) -> str:
     """The extracted file (downloaded and checked once, then reused from ``cache``)."""
-    out = os.path.join(cache, "files", f"{e.package}-{e.version}", e.path)
+    sdist = _is_sdist(e.dist)
+    tag = f"{e.package}-{e.version}" + ("-sdist" if sdist else "")
+    out = os.path.join(cache, "files", tag, e.path)
     if os.path.isfile(out) and (not e.sha256 or _sha(out) == e.sha256):
         return out
-    dists = _pip_download(e.spec, os.path.join(cache, "dists", f"{e.package}-{e.version}"))
+    dists = _pip_download(e.spec, os.path.join(cache, "dists", tag), sdist)
     if e.dist:
         dists = [d for d in dists if os.path.basename(d) == e.dist] or dists
     for d in dists:
@@ -321,7 +330,8 @@ def fetch(e: Entry, cache: str) -> str:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "wb") as f:
                 f.write(data)
-            e.dist = e.dist or os.path.basename(d)
+            if not e.dist or e.dist.startswith("."):  # "" or ".tar.gz": the kind asked for, now its name
+                e.dist = os.path.basename(d)
             break
     else:
         raise RuntimeError(f"{e.path} is not in {[os.path.basename(d) for d in dists]}")
@@ -580,19 +590,20 @@ def load_manifest(path: str = MANIFEST) -> list[Entry]:
     return [Entry(**{k: v for k, v in x.items() if k in Entry.__dataclass_fields__}) for x in doc["files"]]
 
 
-def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST) -> None:
-    """``pkg==ver:path/in/dist`` -> fetched, hashed and appended to the manifest."""
+def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST, sdist: bool = False) -> None:
+    """``pkg==ver:path/in/dist`` -> fetched, hashed and appended to the manifest (from the sdist with
+    ``sdist``, even where the version has a wheel)."""
     doc = {"schema": "ckptfix.realworld/1", "files": []}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    have = {(x["package"], x["version"], x["path"]) for x in doc["files"]}
+    have = {(x["package"], x["version"], x["path"], _is_sdist(x.get("dist", ""))) for x in doc["files"]}
     for spec in specs:
         pv, _, inner = spec.partition(":")
         pkg, _, ver = pv.partition("==")
-        if (pkg, ver, inner) in have:
+        if (pkg, ver, inner, sdist) in have:
             continue
-        e = Entry(pkg, ver, inner)
+        e = Entry(pkg, ver, inner, dist=".tar.gz" if sdist else "")
         out = fetch(e, cache)
         doc["files"].append(
             {
@@ -639,10 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated package names")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--add", nargs="+", metavar="PKG==VER:PATH", help="append entries to the manifest and exit")
+    ap.add_argument("--sdist", action="store_true", help="with --add: take the files from the sdist")
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     if args.add:
-        add_to_manifest(args.add, args.cache, args.manifest)
+        add_to_manifest(args.add, args.cache, args.manifest, args.sdist)
         return 0
     entries = load_manifest(args.manifest)
     if args.only:
