@@ -532,3 +532,28 @@ def test_plain_data_for_json_replaces_every_cycle():
     assert {c.path for c in pl.changes if c.now == "str"} == {"ns.lst.1", "ns.me"}
     kept = Plainer(arrays="list", keep_cycles=True).convert(obj)
     assert kept["ns"]["me"] is kept["ns"]
+
+
+def test_a_python2_legacy_file_with_text_int_opcodes_is_not_called_weights_only_loadable(tmp_path):
+    """Python 2's cPickle wrote ints past 32 bits as INT (text) even at protocol 2 (cdpam's checkpoint on PyPI:
+    the optimizer's param ids); torch's weights-only unpickler refuses that opcode, so inspect says FAILS and
+    sanitize rewrites the file, which torch.load(weights_only=True) then reads with the same values."""
+    import pickle
+
+    from helpers import run_cli
+
+    big = 139832181927520
+    src, out = tmp_path / "py2.pt", tmp_path / "plain.pt"
+    torch.save({"state": {"w": torch.arange(4.0)}, "optim": {"ids": [big]}}, src, _use_new_zipfile_serialization=False)
+    raw = src.read_bytes()
+    long1 = b"\x8a" + bytes([len(pickle.encode_long(big))]) + pickle.encode_long(big)
+    assert raw.count(long1) == 1
+    src.write_bytes(raw.replace(long1, b"I%d\n" % big))  # the opcode Python 2 wrote
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(src, weights_only=True)  # the oracle: torch refuses the file
+    r = run_cli("inspect", str(src))
+    assert "weights_only  FAILS" in r.stdout and "INT" in r.stdout
+    r = run_cli("sanitize", str(src), "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    got = torch.load(out, weights_only=True)
+    assert got["optim"]["ids"] == [big] and torch.equal(got["state"]["w"], torch.arange(4.0))

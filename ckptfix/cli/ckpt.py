@@ -162,9 +162,7 @@ def _shared_text(groups: list[list[str]], most: int = 8) -> str:
     )
 
 
-def _tensor_lines(
-    rows: list[dict], total: int, pattern: str | None, limit: int
-) -> list[str]:
+def _tensor_lines(rows: list[dict], total: int, pattern: str | None, limit: int) -> list[str]:
     """``inspect --keys``: one line per tensor (name, shape as torch.Size holds it, dtype, device, what it shares)."""
     what = f"{len(rows)} of {total} match {pattern!r}" if pattern is not None else f"{total}"
     out = [f"  tensors       {what}"]

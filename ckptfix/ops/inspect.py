@@ -162,7 +162,6 @@ def tensor_name_matches(name: str, pattern: str | None) -> bool:
     return pattern in name
 
 
-
 def _rows(
     names: list[str],
     info: Mapping[str, tuple[list[int], str, str | None]],
@@ -411,7 +410,7 @@ def _weights_only(cf: CheckpointFile, bad: list[str]) -> tuple[bool, str]:
     ):
         return False, (
             f"the pickle uses opcodes torch's weights-only unpickler cannot read ({', '.join(ops)}: "
-            "pickle protocol 3 or newer); `ckptfix sanitize` rewrites it"
+            "pickle protocol 3 or newer, or the text opcodes Python 2 wrote); `ckptfix sanitize` rewrites it"
         )
     other = [g for g in scan_unsafe(cf.input) if g not in bad]
     if other:  # another pickle of the file (a legacy stream's magic/protocol/sys-info/keys) or another reading

@@ -693,7 +693,8 @@ def _nest(vals: list, shape: tuple[int, ...]) -> Any:
 def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
     """Opcodes of ``src``'s pickles not in :data:`~ckptfix.pickles.policy.WEIGHTS_ONLY_OPCODES` (protocol 3+ has some).
 
-    A pickle that starts with ``PROTO 2`` (torch.save's default) is taken as fine without reading its opcodes.
+    A zip's pickle that starts with ``PROTO 2`` (torch.save's default, always from Python 3) is taken as fine
+    without reading its opcodes; a legacy file's pickles are read whole.
     """
     import zipfile
 
@@ -709,13 +710,11 @@ def opcodes_weights_only_cannot_read(src: str, fmt: str) -> list[str]:
                     import pickletools  # here: a PROTO 2 pickle (torch.save's default) needs no opcode walk
 
                     bad.update(op.name for op, _, _ in pickletools.genops(zf.read(name)))
-        else:  # legacy: magic, protocol, sys info, the object, the storage keys
-            with pins.open_binary(src) as f:
-                if f.read(2) == b"\x80\x02":
-                    return []
-                import pickletools
+        else:  # legacy: magic, protocol, sys info, the object, the storage keys; read whole, since Python 2's
+            # cPickle wrote ints past 32 bits as INT (text) even at protocol 2, which torch refuses
+            import pickletools
 
-                f.seek(0)
+            with pins.open_binary(src) as f:
                 for _ in range(5):
                     bad.update(op.name for op, _, _ in pickletools.genops(f))
     except (OSError, ValueError, zipfile.BadZipFile):

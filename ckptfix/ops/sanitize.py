@@ -222,7 +222,7 @@ def sanitize_file(cf: CheckpointFile, src: str, outputs: OutputOptions) -> Sanit
     if bad_ops:
         rep.notes.append(
             f"the pickle uses opcodes torch's weights-only loader cannot read ({', '.join(bad_ops)}: "
-            "pickle protocol 3 or newer); written at protocol 2"
+            "pickle protocol 3 or newer, or the text opcodes Python 2 wrote); written at protocol 2"
         )
     pl = Plainer(arrays="tensor", storage_key=_storage_key_allocator(cf))
     if isinstance(cf.details, ZipDetails) and cf.details.byteorder == "big":
