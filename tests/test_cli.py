@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckptfix.cli import _common, main
+from ckptfix.errors import OutputError
 from ckptfix.files.atomic import atomic_output
 
 from helpers import run_cli, run_python
@@ -259,3 +260,29 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path):
     rc = p.wait(timeout=300)
     assert first.startswith(str(d).encode())
     assert rc == 0 and err == b"", (rc, err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["scan"], ["--help"]], ids=" ".join)
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_a_full_standard_output_is_one_error_line_not_an_internal_error(args, unbuffered, tmp_path):
+    """stdout redirected to a full disk: ``Error: cannot write the output to standard output ...``, exit 9 (the
+    output errors' code), in a plain shell's environment with and without ``PYTHONUNBUFFERED`` (buffered, the
+    interpreter would flush what the failed write left in stdout's buffer again at exit: exit 120)."""
+    from tests.helpers import CkptFactory, plain_env
+
+    argv = [*args, str(CkptFactory(tmp_path).plain().path)] if args != ["--help"] else args
+    env = plain_env(tmp_path, **({"PYTHONUNBUFFERED": "1"} if unbuffered else {}))
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(
+            [sys.executable, "-m", "ckptfix", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    assert p.returncode == OutputError.exit_code, p.stderr
+    assert p.stderr.startswith("Error: cannot write the output to standard output: No space left on device")
+    assert p.stderr.count("\n") == 1 and "internal error" not in p.stderr

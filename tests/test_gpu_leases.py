@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from ckptfix.errors import OutputError
-from ckptfix.gpu.leases import lease_dir, open_lease_dir, release_leases, try_lease
+from ckptfix.gpu import leases
+from ckptfix.gpu.leases import (
+    held_lease,
+    hold_for_process,
+    lease_dir,
+    lease_file,
+    open_lease_dir,
+    release_leases,
+    try_lease,
+)
 
 KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
 IS_ROOT = os.geteuid() == 0
@@ -207,3 +216,42 @@ def test_a_reused_pid_does_not_make_a_live_lease_ones_own(tmp_path, field, value
     f.write_text(json.dumps(rec))
     again, who = try_lease(d, KEY, 600)
     assert again is None and "pid" in who
+
+
+SPELLED_KEY = "GPU-4e9e74b7-4977-f04d-3af3-ccfe5f570e90"
+
+
+@pytest.mark.parametrize(
+    "spelling", [".", "./", "./leases", "./leases/", "leases//", "./a//b/./c", "a/./b/", "a/../b", "//x/y", "///x", "/"]
+)
+def test_lease_paths_are_spelled_as_pathlib_spelled_them(spelling):
+    """pick-gpu's lease paths (messages, Lease.path) are spelled as pathlib spells them: ``./a//b/./c`` is ``a/b/c``."""
+    assert lease_dir({"CKPTFIX_LEASE_DIR": spelling}) == str(Path(spelling))
+    assert lease_file(spelling, SPELLED_KEY) == str(Path(spelling) / f"{SPELLED_KEY}.lease")
+    if spelling in (".", "./", "/"):  # directories that exist: $XDG_RUNTIME_DIR is taken
+        assert lease_dir({"XDG_RUNTIME_DIR": spelling}) == str(Path(spelling) / "ckptfix-leases")
+
+
+def test_an_unsafe_lease_directory_is_named_as_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("bad", 0o700)
+    os.chmod("bad", 0o777)
+    with pytest.raises(OutputError) as e:
+        open_lease_dir("./bad/")
+    assert "directory bad:" in str(e.value) and "`chmod 700 bad`" in str(e.value)
+
+
+def test_held_lease_is_found_however_its_path_is_spelled(tmp_path, monkeypatch):
+    """held_lease matches a lease however its path is spelled (``./d/x`` is ``d/x``)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(leases, "_HELD", [])
+    lease, _ = try_lease("./d//", SPELLED_KEY, None)
+    assert lease is not None
+    try:
+        hold_for_process([lease])
+        assert held_lease(Path("d") / f"{SPELLED_KEY}.lease") is lease
+        assert held_lease(f"./d//{SPELLED_KEY}.lease") is lease
+        assert held_lease(lease_file("d", SPELLED_KEY)) is lease
+    finally:
+        assert lease.fd is not None
+        os.close(lease.fd)
