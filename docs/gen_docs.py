@@ -107,6 +107,31 @@ class _LogCkptfixImports:
 
 if os.environ.get("GEN_DOCS_IMPORT_LOG"):
     sys.meta_path.insert(0, _LogCkptfixImports)
+
+
+# gpu= blocks replay a recorded machine: doctor reports torch as the CPU-only build the pages were recorded
+# with, whichever build this venv holds (PyPI's default is a CUDA one)
+class _CpuTorch:
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(_CpuTorch)
+        spec = PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.version.cuda = module.version.hip = None
+            module.__version__ = module.version.__version__ = module.__version__.split("+")[0] + "+cpu"
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("GEN_DOCS_CPU_TORCH"):
+    sys.meta_path.insert(0, _CpuTorch)
 """
 FIXTURES = ROOT / "tests" / "fixtures" / "frameworks"
 #: ``setup=frameworks``: fixture -> the name it has in the page's directory
@@ -201,7 +226,7 @@ class Sandbox:
                 shutil.copy(SMI / "fake-nvidia-smi.sh", link)
                 link.chmod(0o755)
             path.insert(0, str(smi))
-            env.update(FAKE_SMI_DIR=str(SMI / "scenarios"), FAKE_SMI_SCENARIO=gpu)
+            env.update(FAKE_SMI_DIR=str(SMI / "scenarios"), FAKE_SMI_SCENARIO=gpu, GEN_DOCS_CPU_TORCH="1")
         env.update(
             PATH=os.pathsep.join(path),
             PYTHONPATH=os.pathsep.join([str(self.site), str(ROOT)]),

@@ -146,11 +146,12 @@ def test_state_dict_covers_torchscript(ckpt) -> None:
 
 def test_format_modules_import_base_not_the_package() -> None:
     """No format reader imports ``ckptfix.formats`` (whose ``__init__`` imports them): no cycle.  ``layouts.py``
-    (framework folders, above the readers: no reader and not ``__init__`` imports it) may."""
+    (framework folders, above the readers: no reader and not ``__init__`` imports it) and ``dtensor_ranks.py``
+    (a layout's reader of whole rank files, which reads each with ``read_checkpoint``, inside a function) may."""
     root = Path(ckptfix.formats.__file__).parent
     bad = []
     for f in sorted(root.glob("*.py")):
-        if f.name in ("__init__.py", "layouts.py"):
+        if f.name in ("__init__.py", "layouts.py", "dtensor_ranks.py"):
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "ckptfix.formats":

@@ -25,6 +25,14 @@ JUSTIFIED = {
     "ckptfix.pickles.writer:RecordPickler.reducer_override": "overrides pickle.Pickler (typeshed: Any)",
     "ckptfix.formats.statedict:at_path": "the value at a key path of an unpickled object graph: whatever the file "
     "holds there; each caller narrows it to what it looked up (a state dict, a tensor)",
+    "ckptfix.pickles.subclass:encode_attribute": "a torchao attribute as JSON data: whatever JSON value torchao's "
+    "encoder writes for it (a list, a dict, a number)",
+    "ckptfix.pickles.subclass:decode_attribute": "the inverse of encode_attribute: whatever the pickle held there",
+    **{
+        f"ckptfix.ops.load:load_{fmt}": "a format's loader in the capability table: whatever torch.load / "
+        "torch.jit.load / safetensors give for that file, narrowed by load_checkpoint"
+        for fmt in ("zip", "legacy", "pickle", "safetensors", "sharded", "tar", "torchscript", "dcp_directory")
+    },
     "ckptfix.formats.base:CheckpointFile.state_root": "the unpickled object graph (whatever the file holds) "
     "or a TorchScript archive's state dict; callers narrow it (the format registry rework owns this class)",
 }
