@@ -682,3 +682,30 @@ def test_timm_style_ema_checkpoint_converts_and_the_report_words_are_true(tmp_pa
     err = capsys.readouterr().err
     assert "--drop" not in err and "non-tensor" not in err
     assert main(["convert", str(p), "-o", str(tmp_path / "d.safetensors"), "--keep-all"]) == 8
+
+
+def test_a_safetensors_header_length_that_opens_like_a_pickle_is_no_polyglot(tmp_path):
+    """A header length whose low bytes are 0x80 0x02-0x05 (PROTO n) starts like a pickle, but the next byte
+    (0x00) is no opcode: pickle.load fails before importing anything, so scan reports no second reading
+    (a diffusers shard of header length 0x380 was called "also a pickle (a polyglot)")."""
+    import pickle
+    import struct
+
+    from safetensors.torch import save_file
+
+    from helpers import run_cli
+
+    p = tmp_path / "shard.safetensors"
+    for n in range(2000):
+        save_file({"w": torch.zeros(2)}, str(p), metadata={"pad": "x" * n})
+        hl = struct.unpack("<Q", p.read_bytes()[:8])[0]
+        if hl & 0xFF == 0x80 and 2 <= (hl >> 8) & 0xFF <= 5:
+            break
+    else:
+        pytest.fail("no padding gave such a header length")
+    with pytest.raises(pickle.UnpicklingError):
+        pickle.loads(p.read_bytes())  # the oracle: not a pickle
+    r = run_cli("scan", str(p), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert not doc["pickles"] and not any("polyglot" in n for n in doc["notes"])

@@ -978,13 +978,16 @@ def _scan_other_readings(path: str, kind: Format, acc: _Acc, limits: PickleLimit
     if kind in (Format.TORCH_TAR, Format.SAFETENSORS) and sniffing.starts_like_pickle(path):
         with source.open_file(path) as f:
             _, parts = scan_pickle_sequence(f, limits=limits)
+        if len(parts) == 1 and parts[0].error and not parts[0].pairs and not parts[0].unresolved:
+            parts = []  # pickle.load fails at once, importing nothing (a header length that reads as PROTO n)
         for i, r in enumerate(parts):
             label = f"{base} read as a pickle" + (f"[{i}]" if i else "")
             acc.add_result(label, ScanResult(pairs=r.pairs, unresolved=r.unresolved))
-        acc.notes.append(
-            f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
-            "pickle.load would unpickle it; both readings were scanned"
-        )
+        if parts:
+            acc.notes.append(
+                f"{base}: the bytes are also a pickle (a polyglot): torch.load reads it as {kind}, "
+                "pickle.load would unpickle it; both readings were scanned"
+            )
     if kind in (Format.TORCH_ZIP, Format.TORCHSCRIPT, Format.TORCH_PACKAGE):
         try:
             tar = sniffing.tar_opens(path)
