@@ -325,3 +325,19 @@ def test_scan_calls_torchaos_classes_safe_and_says_they_need_torchao_imported():
     assert "safe      torchao.quantization.Float8Tensor" in r.out
     assert "safe      torchao.float8.inference.Float8MMConfig" in r.out
     assert "once `import torchao` has registered them" in r.out
+
+
+def test_a_torchao_safetensors_folder_converted_keeps_a_metadata_transformers_reads(tmp_path):
+    """convert of transformers' own TorchAoConfig folder (safetensors in torchao's layout) to safetensors: the
+    tensors and torchao's entries as they were, and no JSON list under a dotted key, which transformers'
+    torchao loader parses as a dict (``'list' object has no attribute 'get'`` in from_pretrained)."""
+    out = tmp_path / "model.safetensors"
+    convert(AO / "hf_llama_int8", out)
+    mine, mine_meta = _safetensors(out)
+    theirs, theirs_meta = _safetensors(AO / "hf_llama_int8" / "model.safetensors")
+    assert mine == theirs
+    for k, v in theirs_meta.items():
+        assert mine_meta[k] == v
+    for k, v in mine_meta.items():
+        if "." in k and v[:1] in "[{":
+            assert isinstance(json.loads(v), dict), k

@@ -39,7 +39,7 @@ from ckptfix.ops.convert.report import ConvertReport
 from ckptfix.ops.convert.write import write_outputs
 from ckptfix.pickles import TensorRecord, is_tensor_like
 from ckptfix.pickles.placeholders import check_not_partitioned
-from ckptfix.pickles.subclass import flatten_named
+from ckptfix.pickles.subclass import flatten_named, torchao_entries
 from ckptfix.text import parse_size
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ def convert_to_safetensors(
         )
     renamed = {old: new for (old, _), (new, _) in zip(kept, named, strict=False) if old != new}
     metadata = carry_metadata(metadata, source.metadata, renamed)
-    if torchao_meta:
+    if torchao_meta or torchao_entries(metadata):  # torchao's tensors, read from a pickle or already flat
         # transformers' torchao loader json-parses every dotted metadata key and takes each value for a dict:
         # ckptfix's JSON lists would break from_pretrained (tensor_names holds the order)
         metadata = {k: v for k, v in metadata.items() if k not in (stmeta.ORDER, stmeta.KEY_PATH)}
