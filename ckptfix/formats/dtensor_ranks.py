@@ -587,29 +587,7 @@ def dtensor_state_dict(dr: DTensorRanks) -> dict[str, Any]:
     Returns:
         name -> CPU tensor, in the state dict's order.
     """
-    from ckptfix._torch import require_torch
-    from ckptfix.formats.hfstorage import chunk_runs
-    from ckptfix.formats.safetensors_fmt import ST_TO_DTYPE
+    from ckptfix.formats.hfstorage import tensors_of
 
-    torch = require_torch("load_anywhere on a folder of FSDP rank files")
     read_dtensor_ranks(dr)
-    sd: dict[str, Any] = {}
-    fds: dict[str, int] = {}
-    try:
-        for t in dr.tensors:
-            buf = bytearray(t.nbytes)
-            view = memoryview(buf)
-            for c in t.chunks:
-                src = fds.get(c.path)
-                if src is None:
-                    src = fds[c.path] = pins.open_fd(c.path)
-                for s_off, d_off, n in chunk_runs(t, c):
-                    if os.preadv(src, [view[d_off : d_off + n]], s_off) != n:
-                        raise CorruptCheckpointError(f"{c.path}: ends inside tensor {t.name!r} (truncated?)")
-            dt = getattr(torch, ST_TO_DTYPE[t.st_dtype])
-            flat = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
-            sd[t.name] = flat.view(t.shape)
-    finally:
-        for x in fds.values():
-            os.close(x)
-    return sd
+    return tensors_of(dr.tensors, "load_anywhere on a folder of FSDP rank files")

@@ -21,7 +21,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from ckptfix.errors import CorruptCheckpointError, UnsupportedError
 from ckptfix.files import pins
@@ -300,14 +300,20 @@ def hf_storage_state_dict(hf: HfStorageCheckpoint) -> dict[str, Any]:
     Returns:
         name -> CPU tensor, in consolidation order.
     """
+    read_hf_storage(hf)
+    return tensors_of(hf.tensors, "load_anywhere on a HuggingFaceStorageWriter folder")
+
+
+def tensors_of(tensors: Iterable[_Tensor], purpose: str) -> dict[str, Any]:
+    """Each tensor assembled from its chunks' byte runs as a CPU torch tensor (``purpose`` names what needs
+    torch, for its install message)."""
     from ckptfix._torch import require_torch
 
-    torch = require_torch("load_anywhere on a HuggingFaceStorageWriter folder")
-    read_hf_storage(hf)
+    torch = require_torch(purpose)
     sd: dict[str, Any] = {}
     fds: dict[str, int] = {}
     try:
-        for t in hf.tensors:
+        for t in tensors:
             buf = bytearray(t.nbytes)
             view = memoryview(buf)
             for c in t.chunks:
