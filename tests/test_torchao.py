@@ -341,3 +341,22 @@ def test_a_torchao_safetensors_folder_converted_keeps_a_metadata_transformers_re
     for k, v in mine_meta.items():
         if "." in k and v[:1] in "[{":
             assert isinstance(json.loads(v), dict), k
+
+
+def test_load_anywhere_of_torchaos_safetensors_layout_rebuilds_or_says_why(tmp_path):
+    """transformers' TorchAoConfig file: with torchao, load_anywhere gives the Int8Tensors from_pretrained's
+    state_dict() holds (rebuilt by torchao's unflatten); without it, the inner tensors and a warning naming
+    torchao, never a silent flat state dict."""
+    from ckptfix import load_anywhere
+
+    f = AO / "hf_llama_int8" / "model.safetensors"
+    if importlib.util.find_spec("torchao") is None:
+        with pytest.warns(UserWarning, match="torchao"):
+            sd = load_anywhere(f)
+        assert any(k.endswith("._weight_qdata") for k in sd)
+        return
+    import torchao  # noqa: F401
+
+    sd = load_anywhere(f)
+    kinds = {type(v).__name__ for v in sd.values()}
+    assert "Int8Tensor" in kinds and not any(k.endswith("._weight_qdata") for k in sd)

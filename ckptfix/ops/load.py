@@ -554,7 +554,7 @@ def load_safetensors(ld: _Load) -> Any:
     if _is_remote(ld.path):  # each tensor's byte range read once: no local copy of the file
         ld.metadata.update(_st_metadata(cf))
         obj = _materialize_remote(cf.obj, dev, ld.path)
-        obj = stmeta.restore(obj, ld.metadata)
+        obj = _torchao_rebuilt(stmeta.restore(obj, ld.metadata), ld.metadata, ld.path)
         ld.tags["cpu"] = len(obj)
         return obj
     try:
@@ -563,9 +563,31 @@ def load_safetensors(ld: _Load) -> Any:
         obj = load_file(ld.path, device=dev)
     except Exception as e:
         raise CorruptCheckpointError(f"{ld.path}: safetensors could not read it ({e})") from e
-    obj = stmeta.restore(obj, ld.metadata)
+    obj = _torchao_rebuilt(stmeta.restore(obj, ld.metadata), ld.metadata, ld.path)
     ld.tags["cpu"] = len(obj)
     return obj
+
+
+def _torchao_rebuilt(obj: dict[str, Any], meta: dict[str, Any], path: str) -> dict[str, Any]:
+    """A file in torchao's safetensors layout (transformers' ``TorchAoConfig``, ``ckptfix convert`` of torchao
+    tensors) loaded as ``from_pretrained(...).state_dict()`` holds it: the torchao tensors rebuilt by torchao's
+    own ``unflatten_tensor_state_dict``.  Without torchao: the inner tensors as stored, with a warning."""
+    import importlib.util
+
+    from ckptfix.pickles.subclass import torchao_entries
+
+    if not isinstance(obj, dict) or torchao_entries(meta) is None:
+        return obj
+    if importlib.util.find_spec("torchao") is None:
+        warnings.warn(
+            f"ckptfix: {path} holds torchao tensors in torchao's safetensors layout; without torchao installed "
+            "they load as their inner tensors (`pip install torchao` rebuilds them)",
+            stacklevel=2,
+        )
+        return obj
+    from ckptfix.ops.convert.torchao import rebuild
+
+    return rebuild(obj, {k: str(v) for k, v in meta.items()}, path)[0]
 
 
 def _st_metadata(cf: Any) -> dict[str, Any]:
