@@ -135,3 +135,31 @@ def test_convert_to_pt_of_zero_size_tensors_of_two_dtypes(tmp_path: Path) -> Non
         k: (v.dtype, tuple(v.shape)) for k, v in sd.items()
     }
     assert torch.equal(got["c"], sd["c"])
+
+
+@pytest.mark.parametrize("layout", ["hf-model", "peft-adapter"])
+def test_weights_linked_outside_the_folder_are_read_by_no_command(tmp_path: Path, layout: str) -> None:
+    """A model folder whose weights file links out of it: inspect and diff refuse as convert and load do (no
+    tensor name or value of the outside file shown), scan leaves it unread and says unknown, never safe."""
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "outside").mkdir()
+    secret = tmp_path / "outside" / "private.safetensors"
+    save_file({"secret.weight": torch.full((3,), 7.0)}, str(secret))
+    save_file({"secret.weight": torch.zeros(3)}, str(tmp_path / "zero.safetensors"))
+    d = tmp_path / "m"
+    d.mkdir()
+    if layout == "hf-model":
+        (d / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+        os.symlink("../outside/private.safetensors", d / "model.safetensors")
+    else:
+        (d / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "base_model_name_or_path": "x"}')
+        os.symlink(secret, d / "adapter_model.safetensors")
+    for args in (["inspect", str(d), "--json"], ["diff", str(d), str(tmp_path / "zero.safetensors")]):
+        r = run_cli(*args)
+        assert r.returncode == UnsupportedError.exit_code, (args, r.stdout, r.stderr)
+        assert "secret" not in r.stdout and "outside the folder" in r.stderr
+    r = run_cli("scan", str(d))
+    assert r.returncode != 0 and "safe (" not in r.stdout.splitlines()[0]
+    assert "outside the folder; not read" in r.stdout

@@ -643,15 +643,23 @@ def check_inside(r: Resolved, path: str) -> str:
     index's shards: a folder from someone else must not make ``convert`` copy a file of yours into an output.
     """
     from ckptfix.errors import UnsupportedError
-    from ckptfix.formats.sharded import _allowed_roots, _inside
 
-    real = os.path.realpath(path)
-    if not _inside(real, _allowed_roots(os.path.abspath(r.path))):
+    real = outside(r, path)
+    if real is not None:
         raise UnsupportedError(
             f"{path}: a link to {real}, outside the folder {r.path}; refused "
             "(copy the file into the folder, or pass the file itself)"
         )
     return path
+
+
+def outside(r: Resolved, path: str) -> str | None:
+    """Where ``path`` really is when that is outside the folder (the hub cache's blobs count as inside), else
+    None: what :func:`check_inside` refuses and a folder's scan leaves unread."""
+    from ckptfix.formats.sharded import _allowed_roots, _inside
+
+    real = os.path.realpath(path)
+    return None if _inside(real, _allowed_roots(os.path.abspath(r.path))) else real
 
 
 # --------------------------------------------------------------------------- consolidated layouts

@@ -116,7 +116,9 @@ def read_side(path: str, key: str | None = None) -> Side:
                     f"{path}: a {fw.layout.framework} folder is compared through its consolidated file: "
                     f"`ckptfix convert {path} -o model.safetensors`, then diff model.safetensors"
                 )
-            side = _file_side(fw.require_weights(), key)
+            from ckptfix.formats.layouts import check_inside
+
+            side = _file_side(check_inside(fw, fw.require_weights()), key)
             side.path = path
             return _retie(side, path)
     side = _file_side(path, key)

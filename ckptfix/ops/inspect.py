@@ -553,7 +553,9 @@ def _inspect_folder_weights(r: Resolved, key: str | None = None, tensor_filter: 
         return _inspect_consolidated(r, key, tensor_filter)
     if r.weights is None and r.layout.name == "torchtune-recipe-state":
         return _inspect_training_state(r)
-    weights = r.require_weights()
+    from ckptfix.formats.layouts import check_inside
+
+    weights = check_inside(r, r.require_weights())  # as convert and load: a link out of the folder is not read
     rep = inspect_file(weights, key, tensor_filter)
     describe_files(r)
     rep.framework = r.to_dict()

@@ -513,10 +513,14 @@ def bears_pickles(name: str, role: str | None) -> bool:
 
 def _scan_folder(fw: Any, limits: PickleLimits) -> ScanReport:
     """Scan every pickle a framework folder holds: the weights and each other file torch.load would read."""
+    from ckptfix.formats.layouts import outside
     from ckptfix.formats.roles import file_role
 
     acc = _Acc(None)
     weights = fw.weights
+    if weights is not None and (real := outside(fw, weights)) is not None:
+        acc.unknown(os.path.relpath(weights, fw.path), f"a link to {real}, outside the folder; not read")
+        weights = None
     own: list[str] = []
     if fw.layout.consolidated and weights is not None and os.path.realpath(weights) == os.path.realpath(fw.path):
         # a consolidated layout (HF-writer ranks, ZeRO) whose weights are the folder itself: its files, each
