@@ -81,3 +81,42 @@ def test_a_forged_newline_in_a_file_name_prints_no_line_of_its_own(tmp_path):
         assert any("evil\\x0ackpt: safe" in line for line in lines), (args, r.stdout)
         assert "\n" not in r.stderr.rstrip("\n")
     assert not (tmp_path / "canary").exists()
+
+
+def _case_variant_zip(path, canary) -> None:
+    """A torch zip with a second, case-variant ``DATA.PKL`` that torch's reader (case-insensitive) takes."""
+    import io
+    import zipfile
+
+    b = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, b)
+    z = zipfile.ZipFile(b)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as o:
+        for i in z.infolist():
+            o.writestr(zipfile.ZipInfo(i.filename, i.date_time), z.read(i))
+        root = z.namelist()[0].split("/")[0]
+        o.writestr(zipfile.ZipInfo(root + "/DATA.PKL", (2020, 1, 1, 0, 0, 0)), _evil(canary))
+
+
+def _joined_zips(path, canary) -> None:
+    """Two torch zips joined, the directory of the second: zipfile reads the second, torch's reader the first."""
+    import io
+
+    first, second = io.BytesIO(), io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, first)
+    torch.save({"w": torch.ones(2)}, second)
+    path.write_bytes(first.getvalue() + second.getvalue())
+
+
+@pytest.mark.parametrize("make", [_case_variant_zip, _joined_zips], ids=["case-variant", "joined"])
+@pytest.mark.parametrize("place", ["README.md", "sub/notes.txt", ".cache/opt.bin"])
+def test_a_crafted_zip_under_a_text_name_is_no_safe_folder(tmp_path, make, place):
+    """torch.load opens any file starting with a zip local header as its archive, whatever its name: a zip the
+    checks refuse (torch and zipfile would read different members) makes the folder malformed, never safe."""
+    d = _trainer(tmp_path / "ckpt")
+    (d / place).parent.mkdir(parents=True, exist_ok=True)
+    make(d / place, tmp_path / "canary")
+    r = run_cli("scan", str(d), "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode != 0 and doc["verdict"] != "safe", r.stdout
+    assert doc["files"][place]["verdict"] in ("malformed", "dangerous", "unknown")

@@ -86,7 +86,8 @@ def zip_kind(path: str) -> Format:
     if first != 0:  # zipfile skips data put before an archive; torch's reader (miniz) does not
         raise CorruptCheckpointError(
             f"{path}: {first} bytes of other data come before the zip archive (an archive inside another "
-            "file); torch.load cannot read it — not a checkpoint"
+            "file, or two joined): zipfile and torch's reader would read different archives; refused as corrupt "
+            "or crafted — re-save it with torch.save"
         )
     check_names(path, names)
     root = names[0].split("/", 1)[0] + "/" if names and "/" in names[0] else ""

@@ -639,8 +639,10 @@ def _scan_targets(
             continue
         if t != weights and not is_dir and (t in maybe or t.endswith(_TEXT_EXTS)):
             sub = _pickle_anyway(t, limits)
-            if sub is None:
+            if sub is None and not _opens_like_zip(t):
                 continue  # text, JSON, a tokenizer's vocabulary: nothing a loader unpickles
+            # a zip under a text name: torch.load opens any file starting PK\x03\x04 as its archive, so it is
+            # read as a checkpoint below (one that fails the zip checks is malformed, never left out)
         else:
             sub = None if is_dir else _numpy_file(t, limits)
         if sub is None:
@@ -685,6 +687,12 @@ def _scan_targets(
 
 
 _NPY_MAGIC = b"\x93NUMPY"
+
+
+def _opens_like_zip(path: str) -> bool:
+    """Whether ``torch.load`` would take the file for its zip archive (its first bytes are a local header)."""
+    with source.open_file(path) as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def _numpy_file(path: str, limits: PickleLimits) -> ScanReport | None:
