@@ -216,3 +216,20 @@ def test_a_pickle_deep_in_a_hub_folder_makes_it_dangerous(tmp_path: Path, monkey
     doc = json.loads(r.out)
     assert doc["verdict"] == "dangerous" and doc["files"][place]["verdict"] == "dangerous"
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("key", ["sub/../y.pt", "x#a.pt", "x?a=1.pt", "sub\\z.pt", "sub/%2e%2e/z.pt"])
+def test_an_s3_object_no_url_can_address_makes_the_folder_unknown(tmp_path: Path, s3_server: Any, key: str) -> None:
+    """Legal S3 keys that joined back to the folder's URL would name another object: not read, so the verdict is
+    unknown naming them, never safe (a recursive download writes them into the copy torch.load reads)."""
+    marker = tmp_path / "pwned"
+    d = _folder(tmp_path / "run", "ok.txt", marker)
+    (d / "ok.txt").unlink()
+    pfx = f"{s3_server.prefix('odd')}/run"
+    url = s3_server.upload(d, pfx) + "/"
+    s3_server.put_bytes(f"{pfx}/{key}", _run(marker))
+    r = run_cli("scan", url, "--json")
+    doc = json.loads(r.out)
+    assert r.rc == 11 and doc["verdict"] != "safe", r.out
+    assert any("no URL of this folder can address" in str(v) for v in doc["files"].values())
+    assert not marker.exists()

@@ -418,8 +418,15 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
     Raises:
         RemoteNotFoundError: no such remote folder.
     """
+    return listdir_all(path)[0]
+
+
+def listdir_all(path: str | os.PathLike[str]) -> tuple[list[str], list[str]]:
+    """:func:`listdir`, and the names the store lists that no URL of this folder can address (``..``, ``#``,
+    ``?``, a backslash ...: joined back to the folder's URL they would name another object or none), which
+    a folder's scan must count as not read rather than drop."""
     if not is_url(path):
-        return sorted(os.listdir(path))
+        return sorted(os.listdir(path)), []
     url = os.fspath(path)
     fs, p = _urls.filesystem(url)
     if _http(url):
@@ -435,6 +442,7 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
         raise _remote_map(url, e) from None
     names = set()
     folders = set()
+    unaddressable = set()
     base = p.rstrip("/")
     for entry in entries:
         name = str(entry).rstrip("/")
@@ -449,6 +457,7 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
         else:
             name = name.rsplit("/", 1)[-1]
         if remote_name_escapes(name):  # joined back to the folder's URL it would name another object: not a member
+            unaddressable.add(name)
             continue
         names.add(name)
         if linked_as_folder:
@@ -457,7 +466,7 @@ def listdir(path: str | os.PathLike[str]) -> list[str]:
     if st is not None:  # a listing's `sub/` link is a folder, whatever a HEAD of `sub` answers (404 on some servers)
         for name in folders:
             st.probed.setdefault(join(url, name), "dir")
-    return sorted(names)
+    return sorted(names), sorted(unaddressable)
 
 
 def _unquote(name: str) -> str:

@@ -577,7 +577,7 @@ def scan_plain_folder(url: str, limits: PickleLimits | None = None) -> ScanRepor
 def _scan_plain(url: str, inp: Input | None, limits: PickleLimits) -> ScanReport:
     from ckptfix.formats.roles import file_role
 
-    names = source.listdir(url)
+    names, odd = source.listdir_all(url)
     skip: set[str] = set()
     weights = None
     if inp is not None and inp.format == Format.SHARDED:
@@ -587,12 +587,24 @@ def _scan_plain(url: str, inp: Input | None, limits: PickleLimits) -> ScanReport
         weights = idx.path
         skip = set(idx.shards) | {source.basename(idx.path)}
     acc = _Acc(None)
+    _left_unaddressable(acc, "", odd)
     rest = [n for n in names if n not in skip and n != ".metadata"]
     maybe = {source.join(url, n) for n in rest if n.startswith(".") or not bears_pickles(n, file_role(n))}
     targets = ([weights] if weights else []) + [source.join(url, n) for n in rest]
     targets = _expand_dirs(targets, url, acc)
     maybe |= _under_hidden(targets, url)
     return _scan_targets(url, weights, targets, acc, limits, "folder", maybe)
+
+
+def _left_unaddressable(acc: "_Acc", folder: str, names: list[str]) -> None:
+    """Objects a store lists under names no URL of the folder can address: not read, so the verdict is unknown
+    (a recursive download writes them into its copy, where torch.load reads them)."""
+    for n in names:
+        acc.left_out(
+            f"{folder}/{n}" if folder else n,
+            "an object whose name no URL of this folder can address ('..', '#', '?', '\\' ...); not read: "
+            "download the folder and scan the copy",
+        )
 
 
 def _rel(t: str, root: str) -> str:
@@ -854,7 +866,8 @@ def _expand_dirs(targets: list[str], root: str, acc: "_Acc") -> list[str]:
                 acc.notes.append(f"{label}: a link to a folder scanned already ({os.path.relpath(real, real_root)})")
                 continue
             seen.add(real)
-        names = source.listdir(t)
+        names, odd = source.listdir_all(t)
+        _left_unaddressable(acc, label, odd)
         if (
             ".metadata" in names
             and source.isfile(source.join(t, ".metadata"))
