@@ -103,7 +103,9 @@ def test_collisions_raise_and_leave_input_unchanged(sd, p, data):
     before = snapshot(sd)
     with pytest.raises(KeyConflictError) as info:
         strip_prefix(sd, p)
-    assert repr(dup) in str(info.value)
+    # the message names a real collision: 'dup', or another the drawn state dict already held ('0' and '000.0')
+    colliding = [k for k in sd if isinstance(k, str) and wanted + k in sd]
+    assert any(repr(k) in str(info.value) for k in colliding)
     assert snapshot(sd) == before
 
 
